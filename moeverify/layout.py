@@ -1,0 +1,167 @@
+"""Parallel layouts: the one place where layout rules live.
+
+A ``Layout`` names every Megatron dimension (tp, pp, vpp, ep, etp, cp, sp). Data parallel and
+expert-data parallel are derived from the world size. ``validate`` rejects every invalid
+combination with the rule that broke, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from moeverify.errors import LayoutError
+
+_DIM_ORDER = ("tp", "pp", "vpp", "ep", "etp", "cp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """What layout rules need to know about a model."""
+
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    num_experts: int = 0  # 0 for a dense model
+    moe_layers: tuple[int, ...] = ()  # 0-based global layer numbers of MoE layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """A Megatron parallel layout. ``etp=None`` means expert TP equals ``tp``."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+    cp: int = 1
+    sp: bool = False
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("tp", "pp", "ep", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("vpp", "etp"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise LayoutError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.sp, bool):
+            raise LayoutError(f"sp must be true or false, got {self.sp!r}")
+        if self.vpp is not None and self.vpp > 1 and self.pp < 2:
+            raise LayoutError(f"vpp {self.vpp} needs pp > 1 (got pp {self.pp}): interleaving needs a pipeline")
+        if self.sp and self.tp < 2:
+            raise LayoutError("sp (sequence parallel) needs tp > 1; drop sp or raise tp")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def vpp_chunks(self) -> int:
+        return self.vpp or 1
+
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size()
+
+    def expert_dp(self, world_size: int) -> int:
+        return world_size // (self.expert_tp * self.ep * self.pp)
+
+    def validate(self, *, world_size: int, shape: ModelShape | None = None) -> None:
+        """Raise ``LayoutError`` naming the broken rule if this layout cannot run."""
+        if world_size < 1:
+            raise LayoutError(f"world_size must be >= 1, got {world_size}")
+        mp = self.model_parallel_size()
+        if world_size % mp:
+            raise LayoutError(
+                f"world_size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {mp}"
+            )
+        emp = self.expert_tp * self.ep * self.pp
+        if world_size % emp:
+            raise LayoutError(
+                f"world_size {world_size} is not divisible by etp*ep*pp = {self.expert_tp}*{self.ep}*{self.pp} = {emp}"
+            )
+        if self.ep * self.expert_tp > world_size // self.pp:
+            raise LayoutError(f"ep*etp = {self.ep * self.expert_tp} exceeds ranks per pipeline stage {world_size // self.pp}")
+        if shape is None:
+            return
+        self._validate_against(shape)
+
+    def _validate_against(self, shape: ModelShape) -> None:
+        if shape.num_heads % self.tp:
+            raise LayoutError(f"num_attention_heads {shape.num_heads} is not divisible by tp {self.tp}")
+        if shape.num_query_groups % self.tp:
+            raise LayoutError(f"num_query_groups {shape.num_query_groups} is not divisible by tp {self.tp}")
+        stages = self.pp * self.vpp_chunks
+        if shape.num_layers % stages:
+            raise LayoutError(
+                f"num_layers {shape.num_layers} is not divisible by pp*vpp = {self.pp}*{self.vpp_chunks} = {stages}"
+            )
+        if shape.is_moe:
+            if shape.num_experts % self.ep:
+                raise LayoutError(f"num_experts {shape.num_experts} is not divisible by ep {self.ep}")
+            if self.tp > 1 and not self.sp:
+                raise LayoutError(f"MoE with tp {self.tp} > 1 needs sp (sequence parallel); add sp: true")
+        else:
+            if self.ep > 1:
+                raise LayoutError(f"ep {self.ep} > 1 needs an MoE model; this model is dense")
+            if self.etp is not None and self.etp != self.tp:
+                raise LayoutError(f"etp {self.etp} set on a dense model; expert tensor parallel needs experts")
+
+    def name(self, world_size: int) -> str:
+        """Scenario layout name: non-default dims in the order tp, pp, vpp, ep, etp, cp, sp, then dpN."""
+        parts = []
+        for dim in _DIM_ORDER:
+            value = getattr(self, dim)
+            if value is None or value == 1:
+                continue
+            parts.append(f"{dim}{value}")
+        if self.sp:
+            parts.append("sp")
+        dp = self.dp(world_size)
+        if dp > 1:
+            parts.append(f"dp{dp}")
+        return "-".join(parts) or "tp1"
+
+    @classmethod
+    def from_mapping(cls, mapping: dict, *, where: str = "layout") -> Layout:
+        """Build from a scenario file's mapping, rejecting unknown keys."""
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(mapping) - allowed)
+        if unknown:
+            raise LayoutError(f"{where}: unknown layout key(s) {unknown}; allowed: {sorted(allowed)}")
+        return cls(**mapping)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_NAME_PART = re.compile(r"^(tp|pp|vpp|ep|etp|cp|dp)(\d+)$|^sp$")
+
+
+def parse_layout_name(name: str) -> tuple[Layout, int]:
+    """Inverse of ``Layout.name``: return ``(layout, dp)`` from e.g. ``"tp2-pp2-sp-dp2"``."""
+    values: dict = {}
+    dp = 1
+    for part in name.split("-"):
+        m = _NAME_PART.match(part)
+        if not m:
+            raise LayoutError(f"layout name {name!r}: cannot parse part {part!r}")
+        if part == "sp":
+            values["sp"] = True
+        elif m.group(1) == "dp":
+            dp = int(m.group(2))
+        else:
+            values[m.group(1)] = int(m.group(2))
+    return Layout(**values), dp

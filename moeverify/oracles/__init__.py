@@ -1,0 +1,1 @@
+"""Differential oracles: export vs Megatron-Bridge, router replay vs native routing, HF round trip."""

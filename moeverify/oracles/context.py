@@ -1,0 +1,50 @@
+"""What a check receives: the scenario, this rank's place, the run's options, and a lazily built model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moeverify.layout import Layout
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """One ``family/layout`` entry of a scenario file."""
+
+    family: str
+    layout: Layout
+    world_size: int
+    checks: tuple[str, ...]
+    seed: int = 0
+    gpu_only: str | None = None  # the reason, when this scenario cannot run on CPU ranks
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-scenario check options
+    source: str = ""  # "file.yaml" where it was defined, for messages
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.layout.name(self.world_size)}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckContext:
+    """Handed to every check on every rank.
+
+    ``options`` holds run-wide options from the command line (``subject``, ``replay_impl``, ``timeout``)
+    merged over the scenario's own ``options``.
+    """
+
+    scenario: Scenario
+    rank: int
+    world_size: int
+    backend: str
+    options: dict[str, Any]
+    _built: Any = None
+
+    def model(self):
+        """The scenario's model built under its layout (``moeverify.models.build``), cached per scenario."""
+        if self._built is None:
+            from moeverify import models
+
+            self._built = models.build(self.scenario.family, self.scenario.layout, seed=self.scenario.seed)
+        return self._built

@@ -1,0 +1,99 @@
+"""Result records shared by every check (DESIGN.md, Results).
+
+A record is ``{"scenario", "check", "passed", "seconds", "subchecks": {NAME: {"passed", "checked",
+"failures"}}}``. A subcheck that checked zero items fails: an oracle that looked at nothing proves nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+
+MAX_FAILURES_KEPT = 50  # per subcheck; the count of the rest is reported in one line
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Tally:
+    """Accumulates one subcheck: items checked and failure messages."""
+
+    checked: int = 0
+    failures: list[str] = dataclasses.field(default_factory=list)
+    dropped: int = 0
+
+    def ok(self, n: int = 1) -> None:
+        self.checked += n
+
+    def fail(self, message: str, *, n: int = 1) -> None:
+        self.checked += n
+        if len(self.failures) < MAX_FAILURES_KEPT:
+            self.failures.append(message)
+        else:
+            self.dropped += 1
+
+    def check(self, condition: bool, message: str) -> bool:
+        """Count one item; record ``message`` when ``condition`` is false. Returns ``condition``."""
+        if condition:
+            self.ok()
+        else:
+            self.fail(message)
+        return condition
+
+    @property
+    def passed(self) -> bool:
+        return self.checked > 0 and not self.failures
+
+    def as_dict(self) -> dict:
+        failures = list(self.failures)
+        if self.checked == 0:
+            failures.append("checked 0 items: an oracle that checked nothing fails")
+        if self.dropped:
+            failures.append(f"... and {self.dropped} more failure(s) not shown")
+        return {"passed": self.passed, "checked": self.checked, "failures": failures}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CheckRecord:
+    """One check's result on one scenario."""
+
+    scenario: str
+    check: str
+    seconds: float
+    subchecks: dict[str, dict]
+    error: str | None = None  # set when the check raised or a rank died instead of finishing
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and bool(self.subchecks) and all(s["passed"] for s in self.subchecks.values())
+
+    @classmethod
+    def from_tallies(cls, *, scenario: str, check: str, seconds: float, tallies: dict[str, Tally]) -> CheckRecord:
+        return cls(scenario=scenario, check=check, seconds=seconds,
+                   subchecks={name: t.as_dict() for name, t in tallies.items()})
+
+    @classmethod
+    def crashed(cls, *, scenario: str, check: str, seconds: float, error: str) -> CheckRecord:
+        return cls(scenario=scenario, check=check, seconds=seconds, subchecks={}, error=error)
+
+    def as_dict(self) -> dict:
+        out = {"scenario": self.scenario, "check": self.check, "passed": self.passed,
+               "seconds": round(self.seconds, 3), "subchecks": self.subchecks}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CheckRecord:
+        return cls(scenario=data["scenario"], check=data["check"], seconds=float(data["seconds"]),
+                   subchecks=dict(data["subchecks"]), error=data.get("error"))
+
+    def failure_lines(self) -> list[str]:
+        lines = [] if self.error is None else [self.error]
+        for name, sub in self.subchecks.items():
+            lines += [f"{name}: {msg}" for msg in sub["failures"]]
+        return lines
+
+
+def write_json(records: Iterable[CheckRecord], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.as_dict() for r in records], f, indent=2)
