@@ -1,0 +1,221 @@
+"""Drive a Megatron model the way RL trainers do: Megatron's own pipeline schedule, several micro-batches.
+
+One *pass* is one call of ``get_forward_backward_func()`` over ``M`` micro-batches (PP and
+interleaved VPP included): the log-prob pass is forward only under ``torch.no_grad()``, the training
+pass forward + backward. A ``RouterProbe`` (forward hooks on every ``TopKRouter``) observes what each
+router actually did, independently of the implementation under test: the routing map and probs
+of every (layer, micro-batch) in the forward, and each call made during backward recompute.
+
+Data: token ids are drawn from a generator seeded by (seed, micro-batch), one *global* micro-batch
+of ``dp * B`` sequences of length ``S``; DP rank ``d`` takes sequences ``[d * B, (d + 1) * B)``
+(moeverify.views conventions), CP ranks take their zigzag positions. Labels are the next token
+(the last position wraps to the first). Loss = mean token cross-entropy over the DP rank's
+``B * S`` tokens of the micro-batch (vocab-parallel CE, fp32), which the schedule divides by ``M``.
+
+Legend of shape suffixes: B = sequences, S = positions, T = tokens (router order), E = experts,
+V = vocabulary (this TP rank's shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+
+from moeverify import views
+from moeverify.layout import Layout
+from moeverify.oracles.replay_impls import ReplayImpl, find_routers
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Batches:
+    """Deterministic micro-batches for one scenario."""
+
+    seq_len: int
+    batch: int  # sequences per micro-batch on one DP rank
+    microbatches: int
+    dp: int
+    vocab_size: int
+    seed: int = 0
+    padding: bool = False  # mark the last quarter of every second sequence as padding
+
+    def global_tokens(self, mb: int) -> torch.Tensor:
+        """``[dp * B, S]`` token ids of global micro-batch ``mb``."""
+        gen = torch.Generator().manual_seed(1_000_003 * (self.seed + 1) + mb)
+        return torch.randint(0, self.vocab_size, (self.dp * self.batch, self.seq_len), generator=gen)
+
+    def global_padding(self) -> torch.Tensor | None:
+        """``[dp * B, S]`` bool, True where a token is padding (Megatron's router convention)."""
+        if not self.padding:
+            return None
+        pad_BS = torch.zeros(self.dp * self.batch, self.seq_len, dtype=torch.bool)
+        pad_BS[1::2, self.seq_len - self.seq_len // 4:] = True
+        return pad_BS
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MicroBatch:
+    mb: int
+    tokens_BS: torch.Tensor
+    labels_BS: torch.Tensor
+    position_ids_BS: torch.Tensor
+    padding_BS: torch.Tensor | None
+
+
+def local_microbatches(batches: Batches, layout: Layout, *, dp_rank: int, cp_rank: int) -> list[MicroBatch]:
+    """This rank's micro-batches: its DP slice of sequences and its CP positions (zigzag)."""
+    cp_only = Layout(cp=layout.cp)
+    pos_S = views.sequence_positions(cp_only, tp_rank=0, cp_rank=cp_rank, seq_len=batches.seq_len)
+    rows = slice(dp_rank * batches.batch, (dp_rank + 1) * batches.batch)
+    pad = batches.global_padding()
+    out = []
+    for mb in range(batches.microbatches):
+        tokens = batches.global_tokens(mb)[rows]
+        labels = torch.roll(tokens, shifts=-1, dims=1)
+        positions = torch.arange(batches.seq_len).expand_as(tokens)
+        out.append(MicroBatch(mb=mb, tokens_BS=tokens[:, pos_S].contiguous(), labels_BS=labels[:, pos_S].contiguous(),
+                              position_ids_BS=positions[:, pos_S].contiguous(),
+                              padding_BS=None if pad is None else pad[rows][:, pos_S].contiguous()))
+    return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class PassResult:
+    """What one pass produced on this rank."""
+
+    routing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]  # (layer, mb) -> (map_TE, probs_TE)
+    recompute: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]  # layer -> calls during backward, in order
+    logits: dict[int, torch.Tensor]  # mb -> [B, S_local, V] (last stage only)
+    seq_loss: dict[int, torch.Tensor]  # mb -> [B] token-CE sums per sequence over this rank's positions
+    grads: dict[str, torch.Tensor]  # "chunk.param" -> gradient (empty for forward-only passes)
+    routes: object = None  # Routes recorded by the implementation (record passes)
+
+    def topk_ids(self, layer: int, mb: int) -> torch.Tensor:
+        from moeverify.oracles.replay_compare import topk_ids_from_map
+
+        return topk_ids_from_map(self.routing[(layer, mb)][0])
+
+
+class RouterProbe:
+    """Forward hooks on every router: what each (layer, micro-batch) routed, forward and recompute."""
+
+    def __init__(self, model_chunks: list):
+        self.routers = find_routers(model_chunks)
+        self.current_mb: int | None = None
+        self.forward: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.recompute: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in self.routers}
+        self._handles = []
+
+    def __enter__(self) -> RouterProbe:
+        for layer, (_, router) in self.routers.items():
+            self._handles.append(router.register_forward_hook(functools.partial(self._hook, layer)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int, module, args, output) -> None:
+        probs_TE, map_TE = output
+        seen = (map_TE.detach().clone(), probs_TE.detach().clone())
+        if self.current_mb is None:
+            self.recompute[layer].append(seen)
+        else:
+            self.forward[(layer, self.current_mb)] = seen
+
+
+def _zero_grads(model_chunks: list) -> None:
+    for chunk in model_chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+        for p in chunk.parameters():
+            p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
+
+
+def _grads(model_chunks: list) -> dict[str, torch.Tensor]:
+    out = {}
+    for c, chunk in enumerate(model_chunks):
+        for name, p in chunk.named_parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None:
+                out[f"{c}.{name}"] = g.detach().clone()
+    return out
+
+
+def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: torch.Tensor):
+    from megatron.core import tensor_parallel
+
+    ce_BS = tensor_parallel.vocab_parallel_cross_entropy(output_BSV.float(), item.labels_BS)
+    result.logits[item.mb] = output_BSV.detach().clone()
+    result.seq_loss[item.mb] = ce_BS.detach().sum(dim=1)
+    loss = ce_BS.sum() / total_tokens
+    return loss, {"loss": loss.detach()}
+
+
+def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forward_only: bool,
+             impl: ReplayImpl | None = None) -> PassResult:
+    """One pass of Megatron's pipeline schedule over ``items``; ``impl`` gets its per-step hooks."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    result = PassResult(routing={}, recompute={}, logits={}, seq_loss={}, grads={})
+    index = {id(chunk): c for c, chunk in enumerate(model_chunks)}
+    batch = items[0].tokens_BS.shape[0]
+    total_tokens = batch * seq_len  # the DP rank's tokens of one micro-batch, over all CP ranks
+
+    def forward_step(data_iterator, model):
+        item = next(data_iterator)
+        c = index[id(model)]
+        if impl is not None:
+            impl.before_forward(c, item.mb)
+        probe.current_mb = item.mb
+        try:
+            kwargs = {} if item.padding_BS is None else {"padding_mask": item.padding_BS}
+            output = model(item.tokens_BS, item.position_ids_BS, None, **kwargs)
+        finally:
+            probe.current_mb = None
+        if impl is not None:
+            impl.after_forward(c, item.mb)
+        return output, functools.partial(_loss, item, total_tokens, result)
+
+    for chunk in model_chunks:
+        chunk.train()
+    _zero_grads(model_chunks)
+    iterators = [iter(list(items)) for _ in model_chunks]
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    with RouterProbe(model_chunks) as probe, grad_mode:
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
+            model=model_chunks if len(model_chunks) > 1 else model_chunks[0], num_microbatches=len(items),
+            seq_length=seq_len, micro_batch_size=batch, forward_only=forward_only)
+    result.routing = probe.forward
+    result.recompute = probe.recompute
+    if not forward_only:
+        result.grads = _grads(model_chunks)
+    cp_group = parallel_state.get_context_parallel_group()
+    if torch.distributed.get_world_size(cp_group) > 1 and result.seq_loss:
+        for mb, sums_B in result.seq_loss.items():
+            torch.distributed.all_reduce(sums_B, group=cp_group)
+    return result
+
+
+def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl) -> PassResult:
+    """The log-prob pass: forward only, no grad, routes recorded by ``impl``."""
+    with impl.record():
+        result = run_pass(model_chunks, items, seq_len=seq_len, forward_only=True, impl=impl)
+    result.routes = impl.routes()
+    return result
+
+
+def replay_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl,
+                routes) -> PassResult:
+    """The training pass: forward + backward with ``routes`` replayed by ``impl``."""
+    with impl.replay(routes):
+        return run_pass(model_chunks, items, seq_len=seq_len, forward_only=False, impl=impl)

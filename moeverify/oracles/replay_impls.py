@@ -1,0 +1,360 @@
+"""Router-replay implementations under test, behind one small adapter interface.
+
+An adapter is what an RL trainer does around Megatron's pipeline schedule to record routes in the
+log-prob pass and replay them in the training pass. The replay oracles drive every implementation
+through the same schedule and only talk to it through this interface:
+
+- ``overrides()``: TransformerConfig attributes the implementation needs at build time;
+- ``apply()``: process-wide patching, before any model is built (idempotent);
+- ``bind(model_chunks)``: attach to one built model (its routers, keyed by global layer);
+- ``record()`` / ``replay(routes)``: context managers around a whole pass;
+- ``before_forward(chunk, mb)`` / ``after_forward(chunk, mb)``: called by the driver around every
+  forward step of one model chunk, the hook points RL trainers use (verl sets per-micro-batch
+  targets and flips REPLAY_FORWARD/REPLAY_BACKWARD there);
+- ``routes()``: the recorded ``Routes``; ``check_consumed(recompute=...)``: failure messages.
+
+Implementations: ``moeverify`` (moeverify.patches.router_replay), ``native`` (Megatron-Core's
+``RouterReplay`` enabled by ``moe_enable_routing_replay``), ``verl`` (verl 0.9.1's
+``router_replay_patch``, loaded by file path so that ``verl/__init__`` never runs), or
+``module:factory`` for a user's own adapter (for example the mutants in ``replay_faulty``).
+
+Legend of shape suffixes: T = tokens (router order), K = top-k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+
+from moeverify.errors import MoEVerifyError, UsageError
+from moeverify.routes import Routes
+
+IMPLS = ("moeverify", "native", "verl")
+
+
+class ReplayImpl:
+    """Base adapter: no patching, no per-step hooks. Subclasses fill in what they need."""
+
+    name = "base"
+    #: why this implementation cannot replay in recompute, or None when it can
+    recompute_unsupported: str | None = None
+
+    def overrides(self) -> dict:
+        return {}
+
+    def apply(self) -> None:
+        pass
+
+    def bind(self, model_chunks: list) -> None:
+        raise NotImplementedError
+
+    def record(self) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def replay(self, routes: Routes) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def routes(self) -> Routes:
+        raise NotImplementedError
+
+    def before_forward(self, chunk: int, mb: int) -> None:
+        pass
+
+    def after_forward(self, chunk: int, mb: int) -> None:
+        pass
+
+    def check_consumed(self, *, recompute: bool) -> list[str]:
+        return []
+
+
+def find_routers(model_chunks: list) -> dict[int, tuple[int, torch.nn.Module]]:
+    """``{global layer (0-based): (chunk index, TopKRouter)}`` of the decoder's routers (MTP excluded)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    found: dict[int, tuple[int, torch.nn.Module]] = {}
+    for c, chunk in enumerate(model_chunks):
+        root = getattr(chunk, "module", chunk)
+        decoder = getattr(root, "decoder", root)
+        for module in decoder.modules():
+            if isinstance(module, TopKRouter) and not getattr(module, "is_mtp_layer", False):
+                layer = int(module.layer_number) - 1
+                if layer in found:
+                    raise MoEVerifyError(f"two routers claim global layer {layer}")
+                found[layer] = (c, module)
+    return found
+
+
+class ActionReplay(ReplayImpl):
+    """Drives a per-router ``router_replay`` object with RECORD / REPLAY_FORWARD / REPLAY_BACKWARD actions.
+
+    Megatron-Core's native ``RouterReplay`` and verl's copy share this protocol: ``set_target_indices``
+    sets the forward target and queues it for recompute, ``REPLAY_BACKWARD`` pops that queue.
+    Routers are addressed through the bound model (never the process-global instance list, which
+    also holds routers of every model built earlier in the process).
+    """
+
+    action_enum = None  # the implementation's RouterReplayAction
+
+    def __init__(self) -> None:
+        self._routers: dict[int, tuple[int, torch.nn.Module]] = {}
+        self._recorded: dict[int, dict[int, torch.Tensor]] = {}
+        self._replaying: Routes | None = None
+        self._mode: str | None = None
+        self._num_experts = 0
+        self._topk = 0
+        self._recompute_left: dict[int, int] = {}
+
+    def overrides(self) -> dict:
+        return {"moe_enable_routing_replay": True}
+
+    def bind(self, model_chunks: list) -> None:
+        self._routers = find_routers(model_chunks)
+        missing = [layer for layer, (_, r) in self._routers.items() if getattr(r, "router_replay", None) is None]
+        if missing:
+            raise MoEVerifyError(f"{self.name} replay: routers of layers {missing} have no router_replay object; "
+                                 "was the model built with moe_enable_routing_replay=True after apply()?")
+        if self._routers:
+            any_router = next(iter(self._routers.values()))[1]
+            self._num_experts = int(any_router.config.num_moe_experts)
+            self._topk = int(any_router.topk)
+
+    def _chunk_routers(self, chunk: int) -> Iterator[tuple[int, torch.nn.Module]]:
+        for layer, (c, router) in self._routers.items():
+            if c == chunk:
+                yield layer, router.router_replay
+
+    def _set_all(self, action) -> None:
+        for _, router in self._routers.values():
+            if action is None:
+                router.router_replay.clear_router_replay_action()
+            else:
+                router.router_replay.set_router_replay_action(action)
+
+    def _clear(self) -> None:
+        for _, router in self._routers.values():
+            router.router_replay.clear_indices()
+
+    @contextlib.contextmanager
+    def record(self):
+        self._recorded = {layer: {} for layer in self._routers}
+        self._mode = "record"
+        self._set_all(self.action_enum.RECORD)
+        try:
+            yield self
+        finally:
+            self._mode = None
+            self._set_all(None)
+            self._clear()
+
+    @contextlib.contextmanager
+    def replay(self, routes: Routes):
+        self._replaying = routes
+        self._mode = "replay"
+        self._clear()
+        try:
+            yield self
+        finally:
+            self._recompute_left = {layer: len(router.router_replay.replay_backward_list)
+                                    for layer, (_, router) in self._routers.items()}
+            self._mode = None
+            self._replaying = None
+            self._set_all(None)
+            self._clear()
+
+    def target(self, layer: int, mb: int) -> torch.Tensor:
+        """The route handed to ``layer`` for micro-batch ``mb`` (mutants override this)."""
+        return self._replaying.get(layer, mb)
+
+    def before_forward(self, chunk: int, mb: int) -> None:
+        if self._mode == "replay":
+            for layer, rr in self._chunk_routers(chunk):
+                rr.set_target_indices(self.target(layer, mb).to(torch.int64))
+                rr.set_router_replay_action(self.action_enum.REPLAY_FORWARD)
+
+    def after_forward(self, chunk: int, mb: int) -> None:
+        if self._mode == "record":
+            for layer, rr in self._chunk_routers(chunk):
+                ids_TK = rr.get_recorded_indices()
+                if ids_TK is None:
+                    raise MoEVerifyError(f"{self.name} replay: layer {layer} mb {mb}: nothing recorded")
+                self._recorded[layer][mb] = ids_TK.detach().clone()
+        elif self._mode == "replay":
+            for _, rr in self._chunk_routers(chunk):
+                rr.set_router_replay_action(self.action_enum.REPLAY_BACKWARD)
+
+    def routes(self) -> Routes:
+        per_layer = {layer: [mbs[m] for m in sorted(mbs)] for layer, mbs in self._recorded.items()}
+        return Routes(per_layer, num_experts=self._num_experts, topk=self._topk)
+
+    def check_consumed(self, *, recompute: bool) -> list[str]:
+        # Without recompute nothing pops the recompute queue: entries left over are expected there.
+        if not recompute:
+            return []
+        return [f"{self.name} replay: layer {layer}: {left} recompute route(s) never consumed"
+                for layer, left in sorted(self._recompute_left.items()) if left]
+
+
+class NativeReplay(ActionReplay):
+    """Megatron-Core 0.19.2's ``RouterReplay`` (``moe_enable_routing_replay=True``)."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.action_enum = RouterReplayAction
+
+
+class VerlReplay(ActionReplay):
+    """verl 0.9.1's ``router_replay_patch``: replaces ``TopKRouter.__init__``/``routing`` wholesale."""
+
+    name = "verl"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._module = load_verl_router_replay_patch()
+        self.action_enum = self._module.RouterReplayAction
+
+    def apply(self) -> None:
+        pristine_snapshot()
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints a banner on every call
+            self._module.apply_router_replay_patch()
+
+
+class MoeverifyReplay(ReplayImpl):
+    """moeverify's own patch (``moeverify.patches.router_replay``)."""
+
+    name = "moeverify"
+
+    def __init__(self) -> None:
+        from moeverify.patches import router_replay as rr
+
+        self._rr = rr
+        self._session = None
+
+    def apply(self) -> None:
+        pristine_snapshot()
+        self._rr.apply()
+
+    def bind(self, model_chunks: list) -> None:
+        self._session = self._rr.ReplaySession(model_chunks)
+
+    def record(self):
+        return self._session.record()
+
+    def replay(self, routes: Routes):
+        return self._session.replay(routes)
+
+    def routes(self) -> Routes:
+        return self._session.routes()
+
+    def check_consumed(self, *, recompute: bool) -> list[str]:
+        try:
+            self._session.check_consumed()
+        except MoEVerifyError as e:
+            return [f"moeverify replay: {e}"]
+        return []
+
+
+def make_impl(spec: str) -> ReplayImpl:
+    """The adapter named ``spec``: one of ``IMPLS`` or ``module:factory``."""
+    if spec == "moeverify":
+        return MoeverifyReplay()
+    if spec == "native":
+        return NativeReplay()
+    if spec == "verl":
+        return VerlReplay()
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise UsageError(f"unknown replay implementation {spec!r}; use one of {', '.join(IMPLS)} or module:factory")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"replay implementation {spec!r} cannot be loaded: {e}") from e
+    impl = factory()
+    if not isinstance(impl, ReplayImpl):
+        raise UsageError(f"replay implementation {spec!r} returned {type(impl).__name__}, expected a ReplayImpl")
+    return impl
+
+
+# -- verl, loaded without running verl/__init__.py (it imports ray, tensordict, ...) -------------
+
+_VERL_MODULE = "verl.utils.megatron.router_replay_patch"
+
+
+def load_verl_router_replay_patch() -> types.ModuleType:
+    """verl's router_replay_patch module, its parent packages registered as empty namespaces."""
+    if _VERL_MODULE in sys.modules:
+        return sys.modules[_VERL_MODULE]
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("--replay-impl verl needs the verl package (pip install --no-deps verl==0.9.1)")
+    root = list(spec.submodule_search_locations)[0]
+    path = root
+    for name in ("verl", "verl.utils", "verl.utils.megatron"):
+        if name != "verl":
+            path = os.path.join(path, name.rsplit(".", 1)[1])
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [path]
+            sys.modules[name] = pkg
+    file = os.path.join(root, "utils", "megatron", "router_replay_patch.py")
+    mod_spec = importlib.util.spec_from_file_location(_VERL_MODULE, file)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[_VERL_MODULE] = module
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+# -- Megatron-Core's own routing, restorable while a patch is applied ----------------------------
+
+_PRISTINE: list[tuple[object, str, object]] | None = None
+
+
+def _patch_points() -> list[tuple[object, str]]:
+    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
+
+    return [(router.TopKRouter, "__init__"), (router.TopKRouter, "routing"), (router.TopKRouter, "forward"),
+            (router, "topk_routing_with_score_function"), (moe_utils, "topk_routing_with_score_function"),
+            (token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess")]
+
+
+def pristine_snapshot() -> None:
+    """Remember megatron-core's routing entry points; call before applying any replay patch."""
+    global _PRISTINE
+    if _PRISTINE is None:
+        _PRISTINE = [(owner, name, owner.__dict__.get(name, getattr(owner, name)) if isinstance(owner, type)
+                      else getattr(owner, name)) for owner, name in _patch_points()]
+
+
+@contextlib.contextmanager
+def pristine():
+    """Megatron-Core's own routing entry points for the duration (patched ones restored after).
+
+    Lets the native reference of ``native_parity`` run in a process where another implementation
+    replaced ``TopKRouter`` methods; models built and run inside get Megatron's code only.
+    """
+    pristine_snapshot()
+    current = [(owner, name, owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name))
+               for owner, name, _ in _PRISTINE]
+    try:
+        for owner, name, value in _PRISTINE:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in current:
+            if value is None:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, value)
