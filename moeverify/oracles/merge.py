@@ -1,0 +1,189 @@
+"""Merge sharded export pieces into one HF tensor and compare it bit for bit: plain tensors only.
+
+The export oracle gathers, per row, each rank's pieces (flat ``positions`` into an HF tensor and the
+``values`` written there) to rank 0 and feeds them here one chunk at a time. A ``TensorMerge`` holds
+one HF tensor being assembled:
+
+- ``values_N``: a flat buffer in the subject's dtype; floats start as NaN (the sentinel),
+- ``writer_N``: who wrote each element, ``rank + 1`` (0 = not written). It is the explicit coverage
+  mask: integer tensors and legitimately-NaN weights are covered or not regardless of their value.
+
+Legend: ``N`` = elements of the HF tensor, ``P`` = elements of one piece (positions and values).
+Every comparison is on raw bits (``bits``), never on float values, so ``-0.0 != 0.0`` and NaN
+payloads count, and a tensor is compared in the reference's own dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeverify.errors import SubjectError
+from moeverify.oracles.results import Tally
+
+SHOW_INDICES = 5  # first differing flat indices quoted per failure
+COMPARE_CHUNK = 1 << 22  # elements per comparison chunk, to bound temporaries
+
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as an integer tensor of the same element width (no copy, no rounding)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_complex():
+        raise TypeError(f"complex tensors are not supported (got {t.dtype})")
+    return t.view(_BITS_DTYPE[t.element_size()])
+
+
+def hex_bits(value: int, dtype: torch.dtype) -> str:
+    """An element's bit pattern as fixed-width hex for messages."""
+    width = torch.empty((), dtype=dtype).element_size() * 2
+    return f"0x{value & ((1 << (4 * width)) - 1):0{width}x}"
+
+
+def _index_list(idx_K: torch.Tensor, total: int) -> str:
+    shown = ", ".join(str(int(i)) for i in idx_K[:SHOW_INDICES])
+    more = f" (+{total - SHOW_INDICES} more)" if total > SHOW_INDICES else ""
+    return f"[{shown}]{more}"
+
+
+class TensorMerge:
+    """One HF tensor being assembled from pieces; failures go to the tallies passed in."""
+
+    def __init__(self, *, name: str, shape: tuple[int, ...], dtype: torch.dtype, world_size: int,
+                 conflicts: Tally, replicas: Tally) -> None:
+        self.name = name
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.numel = math.prod(self.shape)
+        self.values_N = torch.empty(self.numel, dtype=dtype)
+        if dtype.is_floating_point:
+            self.values_N.fill_(float("nan"))
+        else:
+            self.values_N.zero_()
+        self.writer_N = torch.zeros(self.numel, dtype=torch.uint8 if world_size < 255 else torch.int32)
+        self._conflicts = conflicts
+        self._replicas = replicas
+        self.dtype_seen: set[torch.dtype] = set()
+
+    # -- writes --------------------------------------------------------------------------------
+    def _check_piece(self, rank: int, positions_P: torch.Tensor, values_P: torch.Tensor) -> torch.Tensor:
+        if positions_P.dim() != 1 or positions_P.dtype != torch.int64:
+            raise SubjectError(f"{self.name}: rank {rank} positions must be 1-D int64, got "
+                             f"{tuple(positions_P.shape)} {positions_P.dtype}")
+        if values_P.numel() != positions_P.numel():
+            raise SubjectError(f"{self.name}: rank {rank} sent {values_P.numel()} values for "
+                             f"{positions_P.numel()} positions")
+        if positions_P.numel() and (int(positions_P.min()) < 0 or int(positions_P.max()) >= self.numel):
+            raise SubjectError(f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
+                             f"min {int(positions_P.min())} max {int(positions_P.max())}")
+        self.dtype_seen.add(values_P.dtype)
+        return values_P.reshape(-1).to(self.dtype)
+
+    def write(self, *, rank: int, positions_P: torch.Tensor, values_P: torch.Tensor) -> None:
+        """A contributing piece: write it; an element already written with other bits is a conflict."""
+        values_P = self._check_piece(rank, positions_P, values_P)
+        if not positions_P.numel():
+            return
+        earlier_P = self.writer_N[positions_P].to(torch.int64)
+        covered_P = earlier_P != 0
+        n_double, n_differ = int(covered_P.sum()), 0
+        if n_double:
+            old_K = bits(self.values_N)[positions_P[covered_P]]
+            new_K = bits(values_P)[covered_P]
+            differ_K = old_K != new_K
+            n_differ = int(differ_K.sum())
+            if n_differ:
+                where = positions_P[covered_P][differ_K]
+                first = int(differ_K.nonzero()[0])
+                self._conflicts.fail(
+                    f"{self.name}: {int(differ_K.sum())} element(s) written twice with different bits, "
+                    f"flat {_index_list(where, int(differ_K.sum()))}; first: rank "
+                    f"{int(earlier_P[covered_P][first]) - 1} wrote {hex_bits(int(old_K[first]), self.dtype)}, "
+                    f"rank {rank} wrote {hex_bits(int(new_K[first]), self.dtype)}",
+                    n=int(differ_K.sum()))
+            fresh_P = ~covered_P
+            positions_P, values_P = positions_P[fresh_P], values_P[fresh_P]
+        self.values_N[positions_P] = values_P
+        self.writer_N[positions_P] = rank + 1
+        # duplicates inside one piece: the last write won; any element whose stored bits differ lost one
+        lost_P = bits(self.values_N)[positions_P] != bits(values_P)
+        n_lost = int(lost_P.sum())
+        if n_lost:
+            self._conflicts.fail(
+                f"{self.name}: rank {rank} wrote {n_lost} element(s) twice in one piece with different bits, "
+                f"flat {_index_list(positions_P[lost_P], n_lost)}", n=n_lost)
+        self._conflicts.ok(int(positions_P.numel()) - n_lost + n_double - n_differ)
+
+    def compare_replica(self, *, rank: int, positions_P: torch.Tensor, values_P: torch.Tensor) -> None:
+        """A ``contributes=False`` piece: its bits must equal the merged bits where something was written."""
+        values_P = self._check_piece(rank, positions_P, values_P)
+        if not positions_P.numel():
+            return
+        writer_P = self.writer_N[positions_P].to(torch.int64)
+        covered_P = writer_P != 0  # uncovered elements are the coverage subcheck's to report
+        pos_K, val_K = positions_P[covered_P], bits(values_P)[covered_P]
+        merged_K = bits(self.values_N)[pos_K]
+        differ_K = merged_K != val_K
+        n_bad = int(differ_K.sum())
+        if n_bad:
+            first = int(differ_K.nonzero()[0])
+            self._replicas.fail(
+                f"{self.name}: rank {rank}'s replica differs from the merged value at {n_bad} element(s), "
+                f"flat {_index_list(pos_K[differ_K], n_bad)}; first: merged (rank "
+                f"{int(writer_P[covered_P][first]) - 1}) {hex_bits(int(merged_K[first]), self.dtype)} "
+                f"vs replica {hex_bits(int(val_K[first]), self.dtype)}", n=n_bad)
+        self._replicas.ok(int(pos_K.numel()) - n_bad)
+
+    # -- final checks --------------------------------------------------------------------------
+    def check_coverage(self, coverage: Tally) -> None:
+        missing_N = self.writer_N == 0
+        n_missing = int(missing_N.sum())
+        if n_missing:
+            coverage.fail(f"{self.name}: {n_missing} of {self.numel} element(s) never written, flat "
+                          f"{_index_list(missing_N.nonzero().flatten()[:SHOW_INDICES], n_missing)}",
+                          n=n_missing)
+        coverage.ok(self.numel - n_missing)
+
+    def check_against(self, reference: torch.Tensor, *, shape_dtype: Tally, bitwise: Tally) -> None:
+        """Shape and dtype, then raw bits in the reference's dtype, over the elements written."""
+        ref_shape, ref_dtype = tuple(reference.shape), reference.dtype
+        got_dtypes = sorted(str(d) for d in self.dtype_seen) or [str(self.dtype)]
+        ok_shape = self.shape == ref_shape
+        ok_dtype = got_dtypes == [str(ref_dtype)]
+        shape_dtype.check(ok_shape and ok_dtype,
+                          f"{self.name}: expected shape {ref_shape} dtype {ref_dtype}, got shape {self.shape} "
+                          f"dtype {'/'.join(got_dtypes)}")
+        if not ok_shape:
+            bitwise.fail(f"{self.name}: not compared: shape {self.shape} != reference {ref_shape}")
+            return
+        self._compare_bits(reference.reshape(-1), bitwise)
+
+    def _compare_bits(self, ref_N: torch.Tensor, bitwise: Tally) -> None:
+        # the merged values are cast INTO the reference dtype (exact when dtypes agree), never
+        # both through a narrower one: an fp32 tensor that went through bf16 keeps its lost bits
+        n_bad, n_ok, first_bad, shown = 0, 0, None, []
+        for start in range(0, self.numel, COMPARE_CHUNK):
+            stop = min(start + COMPARE_CHUNK, self.numel)
+            covered_C = self.writer_N[start:stop] != 0
+            got_C = bits(self.values_N[start:stop].to(ref_N.dtype))
+            exp_C = bits(ref_N[start:stop])
+            differ_C = (got_C != exp_C) & covered_C
+            bad = int(differ_C.sum())
+            n_ok += int(covered_C.sum()) - bad
+            if bad:
+                idx_C = differ_C.nonzero().flatten()
+                if first_bad is None:
+                    i = int(idx_C[0])
+                    first_bad = (start + i, int(exp_C[i]), int(got_C[i]))
+                shown += [start + int(i) for i in idx_C[: SHOW_INDICES - len(shown)]]
+                n_bad += bad
+        if n_bad:
+            flat, exp, got = first_bad
+            more = f" (+{n_bad - len(shown)} more)" if n_bad > len(shown) else ""
+            bitwise.fail(f"{self.name}: {n_bad} element(s) differ from the reference, flat {shown}{more}; "
+                         f"first at {flat}: expected {hex_bits(exp, ref_N.dtype)} got {hex_bits(got, ref_N.dtype)}",
+                         n=n_bad)
+        bitwise.ok(n_ok)

@@ -1,0 +1,140 @@
+"""TensorMerge on synthetic shards: coverage mask, conflicts, replicas, shape/dtype and raw-bit comparison."""
+
+import pytest
+import torch
+
+from moeverify.errors import SubjectError
+from moeverify.oracles.merge import TensorMerge, bits, hex_bits
+from moeverify.oracles.results import Tally
+
+
+def _merge(shape=(2, 3), dtype=torch.float32, world_size=2):
+    t = {k: Tally() for k in ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")}
+    m = TensorMerge(name="w", shape=shape, dtype=dtype, world_size=world_size,
+                    conflicts=t["conflicts"], replicas=t["replicas"])
+    return m, t
+
+
+def _finish(m, t, ref):
+    m.check_coverage(t["coverage"])
+    m.check_against(ref, shape_dtype=t["shape_dtype"], bitwise=t["bitwise"])
+
+
+def test_merge_two_shards_pass():
+    ref = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    m, t = _merge()
+    m.write(rank=0, positions_P=torch.tensor([0, 1, 2]), values_P=ref.flatten()[:3])
+    m.write(rank=1, positions_P=torch.tensor([3, 4, 5]), values_P=ref.flatten()[3:])
+    m.compare_replica(rank=1, positions_P=torch.arange(6), values_P=ref.flatten())
+    _finish(m, t, ref)
+    assert all(x.passed for x in t.values()), {k: x.failures for k, x in t.items()}
+    assert t["coverage"].checked == 6 and t["bitwise"].checked == 6 and t["replicas"].checked == 6
+
+
+def test_merge_uncovered_element_fails_coverage_only():
+    ref = torch.ones(2, 3)
+    m, t = _merge()
+    m.write(rank=0, positions_P=torch.tensor([0, 1, 2, 3, 5]), values_P=torch.ones(5))
+    _finish(m, t, ref)
+    assert not t["coverage"].passed
+    assert "1 of 6 element(s) never written, flat [4]" in t["coverage"].failures[0]
+    assert t["bitwise"].passed and t["conflicts"].passed
+
+
+def test_merge_conflicting_double_write_names_ranks_and_bits():
+    m, t = _merge()
+    m.write(rank=0, positions_P=torch.tensor([0, 1]), values_P=torch.tensor([1.0, 2.0]))
+    m.write(rank=1, positions_P=torch.tensor([1, 2]), values_P=torch.tensor([3.0, 4.0]))
+    msg = t["conflicts"].failures[0]
+    assert "flat [1]" in msg and "rank 0 wrote 0x40000000" in msg and "rank 1 wrote 0x40400000" in msg
+
+
+def test_merge_equal_double_write_is_no_conflict():
+    m, t = _merge()
+    m.write(rank=0, positions_P=torch.tensor([0, 1]), values_P=torch.tensor([1.0, 2.0]))
+    m.write(rank=1, positions_P=torch.tensor([1]), values_P=torch.tensor([2.0]))
+    assert t["conflicts"].passed and t["conflicts"].checked == 3
+
+
+def test_merge_duplicate_position_inside_piece_is_conflict():
+    m, t = _merge()
+    m.write(rank=0, positions_P=torch.tensor([0, 0]), values_P=torch.tensor([1.0, 2.0]))
+    assert not t["conflicts"].passed
+    assert "twice in one piece" in t["conflicts"].failures[0]
+
+
+def test_merge_diverged_replica_fails_replicas():
+    m, t = _merge()
+    m.write(rank=0, positions_P=torch.arange(6), values_P=torch.zeros(6))
+    m.compare_replica(rank=1, positions_P=torch.arange(6), values_P=torch.tensor([0, 0, 0, 1e-8, 0, 0.0]))
+    assert not t["replicas"].passed
+    assert "rank 1's replica differs" in t["replicas"].failures[0] and "flat [3]" in t["replicas"].failures[0]
+
+
+def test_merge_negative_zero_differs_bitwise():
+    ref = torch.zeros(2, 3)
+    m, t = _merge()
+    m.write(rank=0, positions_P=torch.arange(6), values_P=torch.tensor([0, 0, -0.0, 0, 0, 0]))
+    _finish(m, t, ref)
+    assert not t["bitwise"].passed
+    assert "first at 2: expected 0x00000000 got 0x80000000" in t["bitwise"].failures[0]
+
+
+def test_merge_fp32_through_bf16_fails_bitwise_not_shape_dtype():
+    ref = torch.tensor([1.0 + 2**-20, 3.0, 1 / 3, 0.1], dtype=torch.float32)
+    m, t = _merge(shape=(4,))
+    m.write(rank=0, positions_P=torch.arange(4), values_P=ref.to(torch.bfloat16).to(torch.float32))
+    _finish(m, t, ref)
+    assert t["shape_dtype"].passed
+    assert not t["bitwise"].passed and "differ from the reference" in t["bitwise"].failures[0]
+
+
+def test_merge_bf16_values_for_fp32_reference_fail_shape_dtype():
+    ref = torch.tensor([1.0, 2.0], dtype=torch.float32)
+    m, t = _merge(shape=(2,))
+    m.write(rank=0, positions_P=torch.arange(2), values_P=ref.to(torch.bfloat16))
+    _finish(m, t, ref)
+    assert not t["shape_dtype"].passed
+    assert "expected shape (2,) dtype torch.float32, got shape (2,) dtype torch.bfloat16" in t["shape_dtype"].failures[0]
+
+
+def test_merge_integer_tensor_uses_mask_not_sentinel():
+    ref = torch.tensor([0, 7, 0], dtype=torch.int64)
+    m, t = _merge(shape=(3,), dtype=torch.int64)
+    m.write(rank=0, positions_P=torch.tensor([0, 1]), values_P=torch.tensor([0, 7]))
+    _finish(m, t, ref)
+    assert not t["coverage"].passed and "flat [2]" in t["coverage"].failures[0]
+    assert t["bitwise"].passed
+
+
+def test_merge_legitimate_nan_weight_is_covered_and_equal():
+    ref = torch.tensor([float("nan"), 1.0])
+    m, t = _merge(shape=(2,))
+    m.write(rank=0, positions_P=torch.arange(2), values_P=ref.clone())
+    _finish(m, t, ref)
+    assert t["coverage"].passed and t["bitwise"].passed
+
+
+def test_merge_shape_mismatch_fails_shape_dtype_and_bitwise():
+    m, t = _merge(shape=(6,))
+    m.write(rank=0, positions_P=torch.arange(6), values_P=torch.zeros(6))
+    _finish(m, t, torch.zeros(2, 3))
+    assert not t["shape_dtype"].passed and "not compared" in t["bitwise"].failures[0]
+
+
+@pytest.mark.parametrize("positions, values, match", [
+    (torch.tensor([[0, 1]]), torch.zeros(2), "positions must be 1-D int64"),
+    (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2), "positions must be 1-D int64"),
+    (torch.tensor([0, 6]), torch.zeros(2), r"positions outside \[0, 6\): min 0 max 6"),
+    (torch.tensor([0, 1]), torch.zeros(3), "sent 3 values for 2 positions"),
+])
+def test_merge_bad_piece_raises(positions, values, match):
+    m, _ = _merge()
+    with pytest.raises(SubjectError, match=match):
+        m.write(rank=1, positions_P=positions, values_P=values)
+
+
+def test_bits_bf16_and_hex():
+    x = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert bits(x).dtype == torch.int16 and hex_bits(int(bits(x)[0]), torch.bfloat16) == "0x3f80"
+    assert hex_bits(-1, torch.float32) == "0xffffffff"
