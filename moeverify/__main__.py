@@ -1,0 +1,7 @@
+"""``python -m moeverify``: the same as the ``moeverify`` command."""
+
+import sys
+
+from moeverify.cli import main
+
+sys.exit(main())

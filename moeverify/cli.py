@@ -1,0 +1,274 @@
+"""``moeverify run | dump | doctor | bench``.
+
+Options are parsed once, up front; conflicting or impossible requests are refused before any work
+starts, with the fix. User errors print one message and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from moeverify.errors import MoEVerifyError, UsageError
+
+DEFAULT_SCENARIOS = "scenarios/smoke.yaml"
+DEFAULT_TIMEOUT_S = 600.0
+EXIT_USAGE = 2
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ``UsageError`` instead of exiting, so ``main`` returns 2 itself."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def _add_run(subparsers) -> None:
+    from moeverify.scenario import REPLAY_IMPLS
+
+    p = subparsers.add_parser("run", help="run scenario files (torchrun per world size)",
+                              description="Run the checks of scenario files; exit 0 all passed, 1 any failed, "
+                                          "2 usage error.")
+    p.add_argument("files", nargs="*", metavar="FILE", help=f"scenario files (default {DEFAULT_SCENARIOS})")
+    p.add_argument("--list", action="store_true", help="print the selected scenarios (name, world size, checks)")
+    p.add_argument("--filter", action="append", default=[], metavar="GLOB",
+                   help="select scenarios by name (fnmatch; repeatable, any match selects)")
+    p.add_argument("--check", metavar="NAME", help="run only this check")
+    p.add_argument("--subject", metavar="S", help="export subject: bridge, sharded, module:factory or file.py:factory")
+    p.add_argument("--replay-impl", dest="replay_impl", choices=REPLAY_IMPLS, help="replay implementation under test")
+    p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto", help="device backend (default auto)")
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--junit", metavar="PATH", help="write JUnit XML (one testcase per scenario and check)")
+    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"per-scenario deadline on every rank, seconds (default {DEFAULT_TIMEOUT_S:.0f})")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="where ranks write plans, logs and stacks (default ./runs/DATE-TIME)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show torchrun and rank output")
+    p.set_defaults(func=_cmd_run)
+
+
+def _add_doctor(subparsers) -> None:
+    p = subparsers.add_parser("doctor", help="check the installed stack and build one tiny model")
+    p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--family", default="qwen3_moe", help="family to build on 1 rank (default qwen3_moe)")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _add_bench(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="run benchmark scripts from bench/")
+    p.add_argument("names", nargs="*", metavar="NAME", help="bench/NAME.py to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _add_dump(subparsers) -> None:
+    try:
+        from moeverify.record import cli as record_cli
+    except Exception as exc:  # noqa: BLE001 (a broken dump module must not break run/doctor)
+        reason = f"{type(exc).__name__}: {exc}"
+        p = subparsers.add_parser("dump", help="routing dumps (unavailable)", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=lambda args: _unavailable("dump", f"moeverify.record.cli cannot be imported ({reason})"))
+        return
+    record_cli.register(subparsers)
+
+
+def _unavailable(command: str, why: str) -> int:
+    raise UsageError(f"moeverify {command} is not available: {why}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moeverify", description="Prove MoE RL training on Megatron-Core correct.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    subparsers.required = True
+    _add_run(subparsers)
+    _add_dump(subparsers)
+    _add_doctor(subparsers)
+    _add_bench(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``moeverify`` command; returns the exit code."""
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"moeverify: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help, or a subcommand that exits itself
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    except KeyboardInterrupt:
+        print("moeverify: interrupted", file=sys.stderr)
+        return 130
+
+
+# ------------------------------------------------------------------------------------------ run
+def _check_outputs(args) -> None:
+    if args.list:
+        for flag, value in (("--json", args.json), ("--junit", args.junit), ("--run-dir", args.run_dir)):
+            if value:
+                raise UsageError(f"--list runs nothing, so {flag} has nothing to do; drop {flag} or drop --list")
+    for flag, value in (("--json", args.json), ("--junit", args.junit)):
+        if value and not Path(value).resolve().parent.is_dir():
+            raise UsageError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
+    if args.json and args.junit and Path(args.json).resolve() == Path(args.junit).resolve():
+        raise UsageError("--json and --junit name the same file; give them different paths")
+
+
+def _load(args):
+    from moeverify import scenario as scenario_mod
+    from moeverify.runner import checks, select
+
+    known = checks.check_names()
+    if args.check is not None and args.check not in known:
+        raise UsageError(f"--check {args.check!r}: unknown check; known checks: {', '.join(known)}")
+    options = {"subject": args.subject, "replay_impl": args.replay_impl}
+    for key, value in options.items():
+        if value is not None:
+            scenario_mod.validate_option(select.OPTION_FLAGS[key], key, value)
+    default = DEFAULT_SCENARIOS if Path(DEFAULT_SCENARIOS).is_file() else str(REPO_ROOT / DEFAULT_SCENARIOS)
+    files = args.files or [default]
+    scenarios = scenario_mod.load(files, checks=known)
+    chosen = select.select(scenarios, filters=args.filter, check=args.check)
+    select.check_option_use(chosen, options)
+    return chosen, {k: v for k, v in options.items() if v is not None}
+
+
+def _gpu_count(backend: str) -> int:
+    if backend == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cmd_run(args) -> int:
+    from moeverify.runner import select
+
+    _check_outputs(args)
+    chosen, options = _load(args)
+    if args.list:
+        for s in chosen:
+            extra = f"  (gpu only: {s.gpu_only})" if s.gpu_only else ""
+            print(f"{s.name}  {s.world_size}  {','.join(s.checks)}{extra}")
+        return 0
+    groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend))
+    return _execute(args, groups=groups, skipped=skipped, notices=notices, options=options)
+
+
+def _execute(args, *, groups, skipped, notices, options) -> int:
+    from rich.console import Console
+
+    from moeverify.runner import junit, launch, report
+
+    console = Console(highlight=False)
+    for notice in notices:
+        console.print(f"[yellow]note:[/] {notice}")
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    total = sum(len(s.checks) for g in groups for s in g.scenarios)
+    done = [0]
+
+    def progress(result: report.Result) -> None:
+        done[0] += 1
+        style = {"passed": "green", "failed": "red", "crashed": "bold red"}.get(result.status, "yellow")
+        console.print(f"[{done[0]}/{total}] [{style}]{result.status:7}[/] {result.record.scenario} "
+                      f"{result.record.check} ({result.record.seconds:.1f}s)")
+
+    results = list(skipped)
+    t0 = time.perf_counter()
+    for group in groups:
+        console.print(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} scenario(s); "
+                      f"files in {run_dir}")
+        spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios, backend=group.backend,
+                                options=options, timeout_s=args.timeout, run_dir=run_dir, verbose=args.verbose)
+        results += launch.run_group(spec, on_result=progress)
+    report.print_report(results, console=console)
+    console.print(f"wall time {time.perf_counter() - t0:.1f}s")
+    if args.json:
+        report.write_json(results, args.json)
+    if args.junit:
+        junit.write_junit(results, args.junit)
+    return report.exit_code(results)
+
+
+# --------------------------------------------------------------------------------------- doctor
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "megatron-core", "megatron-bridge", "transformers", "verl"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _cmd_doctor(args) -> int:
+    print(f"python           {sys.executable} ({sys.version.split()[0]})")
+    for dist, version in _versions().items():
+        print(f"{dist:16} {version}")
+    from moeverify import runtime
+
+    rt = runtime.init(args.backend)
+    print(f"backend          {rt.backend} ({rt.dist_backend}, device {rt.device})")
+    print(f"transformer-engine real: {rt.te_real}")
+    return _doctor_build(args.family)
+
+
+def _doctor_build(family: str) -> int:
+    from moeverify import models, runtime
+    from moeverify.layout import Layout
+
+    t0 = time.perf_counter()
+    try:
+        with runtime.parallel(Layout(), seed=0):
+            built = models.build(family, Layout())
+            params = sum(p.numel() for chunk in built.model_chunks for p in chunk.parameters())
+    except MoEVerifyError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (doctor reports what broke instead of a traceback)
+        print(f"build {family}: FAILED: {type(exc).__name__}: {exc}")
+        return 1
+    print(f"build {family} on 1 rank: ok, {params:,} parameters ({time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- bench
+def _bench_scripts() -> dict[str, Path]:
+    folder = REPO_ROOT / "bench"
+    return {p.stem: p for p in sorted(folder.glob("*.py")) if not p.name.startswith("_")}
+
+
+def _cmd_bench(args) -> int:
+    scripts = _bench_scripts()
+    if args.list:
+        print("\n".join(scripts) or "(no benchmarks in bench/)")
+        return 0
+    unknown = [n for n in args.names if n not in scripts]
+    if unknown:
+        raise UsageError(f"unknown benchmark(s) {unknown}; available: {', '.join(scripts) or 'none'}")
+    worst = 0
+    for name in args.names or list(scripts):
+        print(f"== bench/{name}.py", flush=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
+        rc = subprocess.call([sys.executable, str(scripts[name])], cwd=REPO_ROOT, env=env)
+        worst = max(worst, 1 if rc else 0)
+    return worst

@@ -1,0 +1,123 @@
+"""After a failed attempt: which scenario and check broke, on which rank, and why.
+
+Reads the ranks' event files (where each rank was) and stacks files (what it said when it died).
+The rank whose stacks file was written first is the cause; the others were usually torn down by
+torchrun after it (their SIGTERM stacks show where they waited).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from moeverify.runner.plan import Plan, events_path, read_lines, stacks_path
+
+TAIL_LINES = 60
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Crash:
+    """Where an attempt broke. ``fatal``: no rank got past start-up, so retrying cannot help."""
+
+    index: int
+    check: str | None  # None when it broke between checks (model-parallel setup or teardown)
+    message: str
+    seconds: float = 0.0
+    peak_rss_mb: tuple[float, ...] = ()
+    fatal: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RankState:
+    rank: int
+    ready: bool
+    index: int | None
+    check: str | None
+    started_t: float | None
+    peak_rss_mb: float
+    stacks: str
+    stacks_mtime: float
+
+
+def _rank_state(directory: Path, rank: int, plan: Plan) -> _RankState:
+    ready, index, check, started_t, rss = False, None, None, None, math.nan
+    for event in read_lines(events_path(directory, rank)):
+        kind = event.get("event")
+        rss = event.get("peak_rss_mb", rss)
+        if kind == "ready":
+            ready, index, check = True, plan.start, None
+        elif kind == "scenario":
+            index, check = event["index"], None
+        elif kind == "start":
+            index, check, started_t = event["index"], event["check"], event["t"]
+        elif kind in ("end", "scenario_end"):
+            index, check = event["index"] + (kind == "scenario_end"), None
+    path = stacks_path(directory, rank)
+    text = path.read_text(errors="replace") if path.exists() else ""
+    mtime = path.stat().st_mtime if text.strip() else math.inf
+    return _RankState(rank=rank, ready=ready, index=index, check=check, started_t=started_t,
+                      peak_rss_mb=rss, stacks=text.strip(), stacks_mtime=mtime)
+
+
+def _tail(text: str) -> str:
+    lines = text.splitlines()
+    cut = len(lines) - TAIL_LINES
+    return "\n".join((["..."] if cut > 0 else []) + lines[max(cut, 0):])
+
+
+def _kind(text: str) -> str:
+    if text.startswith("moeverify: rank"):
+        return "raised"
+    if text.startswith("Timeout ("):
+        return "timed out"
+    if text.startswith("Fatal Python error"):
+        return "died"
+    return "was terminated"
+
+
+def _describe(state: _RankState, plan: Plan) -> str:
+    text = state.stacks
+    if text.startswith("moeverify: rank"):
+        head, _, rest = text.partition("\n")
+        return f"{head.removeprefix('moeverify: ')}:\n{_tail(rest)}"
+    if text.startswith("Timeout ("):
+        return (f"rank {state.rank} timed out: still running after --timeout {plan.timeout_s:.0f} s; "
+                f"stacks of all its threads:\n{_tail(text)}")
+    if text.startswith("Fatal Python error"):
+        return f"rank {state.rank} died: {text.splitlines()[0]}\n{_tail(text)}"
+    return f"rank {state.rank} was terminated; its stacks:\n{_tail(text)}"
+
+
+def diagnose(directory: Path, *, world_size: int, plan: Plan, returncode: int | None, killed: bool,
+             done: set[tuple[int, str]]) -> Crash:
+    """Explain a failed attempt from the ranks' files."""
+    states = [_rank_state(directory, rank, plan) for rank in range(world_size)]
+    rss = tuple(s.peak_rss_mb for s in states)
+    culprits = sorted((s for s in states if s.stacks), key=lambda s: s.stacks_mtime)
+    placed = [s for s in states if s.index is not None]
+    primary = culprits[0] if culprits else None
+    if not placed:
+        why = _describe(primary, plan) if primary else f"torchrun exited with code {returncode}"
+        return Crash(index=plan.start, check=None, fatal=True, peak_rss_mb=rss,
+                     message=f"no rank got past start-up (runtime init): {why}\nfiles: {directory}")
+    where = primary if primary is not None and primary.index is not None else min(placed, key=lambda s: s.index)
+    index = min(where.index, len(plan.scenarios) - 1)
+    parts = []
+    if killed:
+        parts.append(f"the group was killed at the parent's overall deadline (no rank's watchdog fired); "
+                     f"torchrun exit code {returncode}")
+    if primary is not None:
+        parts.append(_describe(primary, plan))
+    elif not killed:
+        parts.append(f"torchrun exited with code {returncode} and no rank wrote an error "
+                     f"(killed by a signal, or out of memory?); see {directory / 'torchrun.log'}")
+    if culprits[1:]:
+        parts.append("after it: " + "; ".join(f"rank {s.rank} {_kind(s.stacks)} (rank{s.rank}.stacks.txt)"
+                                              for s in culprits[1:]))
+    parts.append(f"files: {directory}")
+    seconds = 0.0
+    if where.started_t is not None and where.check is not None:
+        end_t = where.stacks_mtime if math.isfinite(where.stacks_mtime) else where.started_t
+        seconds = max(0.0, end_t - where.started_t)
+    return Crash(index=index, check=where.check, message="\n".join(parts), seconds=seconds, peak_rss_mb=rss)

@@ -1,0 +1,48 @@
+"""JUnit XML for CI dashboards: one testcase per scenario x check.
+
+A failed check is a ``<failure>`` (its failing subchecks in the message, every failure line in the
+text); a crashed one (a rank raised, hung or died) an ``<error>`` with the rank's traceback; a skipped
+scenario a ``<skipped>`` with the reason.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+
+from moeverify.runner.report import Result, failing_lines
+
+
+def _testcase(result: Result) -> ET.Element:
+    record = result.record
+    case = ET.Element("testcase", classname=record.scenario, name=record.check, time=f"{record.seconds:.3f}")
+    status = result.status
+    if status == "skipped":
+        ET.SubElement(case, "skipped", message=result.skipped or "")
+    elif status == "crashed":
+        error = ET.SubElement(case, "error", type="Crashed", message=record.error.splitlines()[0])
+        error.text = record.error
+    elif status == "failed":
+        failed = [name for name, sub in record.subchecks.items() if not sub["passed"]]
+        message = f"failed subchecks: {', '.join(failed)}" if failed else "no subcheck ran"
+        failure = ET.SubElement(case, "failure", type="CheckFailed", message=message)
+        failure.text = "\n".join(record.failure_lines() or failing_lines(result))
+    return case
+
+
+def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.ElementTree:
+    counts = {s: sum(r.status == s for r in results) for s in ("failed", "crashed", "skipped")}
+    total_s = sum(r.record.seconds for r in results)
+    root = ET.Element("testsuites", name=suite, tests=str(len(results)), failures=str(counts["failed"]),
+                      errors=str(counts["crashed"]), skipped=str(counts["skipped"]), time=f"{total_s:.3f}")
+    node = ET.SubElement(root, "testsuite", name=suite, tests=str(len(results)), failures=str(counts["failed"]),
+                         errors=str(counts["crashed"]), skipped=str(counts["skipped"]), time=f"{total_s:.3f}")
+    for result in results:
+        node.append(_testcase(result))
+    tree = ET.ElementTree(root)
+    ET.indent(tree)
+    return tree
+
+
+def write_junit(results: Sequence[Result], path: str) -> None:
+    to_xml(results).write(path, encoding="utf-8", xml_declaration=True)

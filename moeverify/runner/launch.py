@@ -1,0 +1,186 @@
+"""The parent side of ``moeverify run``: one torchrun per world size, restarted after a crash or hang.
+
+For a group, an *attempt* runs ``scenarios[start:]`` in one torchrun. If a rank raises, hangs past
+``--timeout`` or dies, the ranks' files (``plan``) say where; that scenario is recorded as crashed
+with the rank and its traceback or stacks, and a new attempt starts from the next scenario. The
+parent also holds an overall deadline per attempt and kills torchrun's whole process group past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import moeverify
+from moeverify.oracles.context import Scenario
+from moeverify.oracles.results import CheckRecord
+from moeverify.runner.diagnose import Crash, diagnose
+from moeverify.runner.plan import Plan, events_path, read_lines, results_path
+from moeverify.runner.report import Result
+
+STARTUP_SLACK_S = 180.0  # imports and rendezvous, on top of the per-scenario timeout
+POLL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """One world size's scenarios and how to run them."""
+
+    world_size: int
+    scenarios: tuple[Scenario, ...]
+    backend: str  # resolved: "cpu" | "cuda"
+    options: dict[str, Any]
+    timeout_s: float
+    run_dir: Path
+    verbose: bool = False
+
+
+def torchrun_command(*, world_size: int, plan_file: Path) -> list[str]:
+    """torchrun for one attempt: local c10d rendezvous on a free port, no elastic restarts."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--max-restarts", "0",
+            "--monitor-interval", "0.2", "-m", "moeverify.runner.worker", str(plan_file)]
+
+
+def _child_env(world_size: int) -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(moeverify.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class _Collector:
+    """Turns rank 0's results lines into ``Result`` objects as they appear."""
+
+    def __init__(self, directory: Path, world_size: int, on_result: Callable[[Result], None]):
+        self.directory, self.world_size, self.on_result = directory, world_size, on_result
+        self.seen: set[tuple[int, str]] = set()
+
+    def poll(self) -> None:
+        for line in read_lines(results_path(self.directory)):
+            key = (line["index"], line["record"]["check"])
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            record = CheckRecord.from_dict(line["record"])
+            self.on_result(Result(record=record, peak_rss_mb=self._rss(*key)))
+
+    def _rss(self, index: int, check: str) -> tuple[float, ...]:
+        out = []
+        for rank in range(self.world_size):
+            ends = [e for e in read_lines(events_path(self.directory, rank))
+                    if e.get("event") == "end" and e.get("index") == index and e.get("check") == check]
+            out.append(ends[-1]["peak_rss_mb"] if ends else float("nan"))
+        return tuple(out)
+
+
+def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector) -> tuple[int, bool]:
+    """Run one torchrun; returns (exit code, killed by the parent's deadline)."""
+    plan_file = plan.write(directory)
+    remaining = len(plan.scenarios) - plan.start
+    deadline = time.monotonic() + STARTUP_SLACK_S + spec.timeout_s * (remaining + 1)
+    log = None if spec.verbose else open(directory / "torchrun.log", "w")  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file),
+                                env=_child_env(spec.world_size), stdout=log, stderr=subprocess.STDOUT if log else None,
+                                start_new_session=True)
+        try:
+            while proc.poll() is None:
+                collector.poll()
+                if time.monotonic() > deadline:
+                    _kill_group(proc)
+                    collector.poll()
+                    return proc.returncode, True
+                time.sleep(POLL_S)
+        except BaseException:
+            _kill_group(proc)
+            raise
+        collector.poll()
+        return proc.returncode, False
+    finally:
+        if log is not None:
+            log.close()
+
+
+def _crashed_results(spec: GroupSpec, crash: Crash, done: set[tuple[int, str]]) -> list[Result]:
+    """The crashed check gets the rank's error; the scenario's checks after it are marked not run."""
+    scenario = spec.scenarios[crash.index]
+    pending = [c for c in scenario.checks if (crash.index, c) not in done]
+    culprit = crash.check if crash.check in pending else (pending[0] if pending else "(teardown)")
+    out = []
+    for check in pending or [culprit]:
+        if check == culprit:
+            record = CheckRecord.crashed(scenario=scenario.name, check=check, seconds=crash.seconds,
+                                         error=crash.message)
+        else:
+            record = CheckRecord.crashed(scenario=scenario.name, check=check, seconds=0.0,
+                                         error=f"not run: the scenario crashed in check {culprit}")
+        out.append(Result(record=record, peak_rss_mb=crash.peak_rss_mb))
+    return out
+
+
+def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None]) -> list[Result]:
+    """Run every scenario of one world size; a crash or hang costs one scenario, not the group."""
+    results: list[Result] = []
+
+    def keep(result: Result) -> None:
+        results.append(result)
+        on_result(result)
+
+    start, attempt = 0, 0
+    while start < len(spec.scenarios):
+        attempt += 1
+        directory = spec.run_dir / f"world{spec.world_size}" / f"attempt{attempt}"
+        directory.mkdir(parents=True, exist_ok=True)
+        plan = Plan(scenarios=spec.scenarios, options=spec.options, backend=spec.backend,
+                    timeout_s=spec.timeout_s, start=start)
+        collector = _Collector(directory, spec.world_size, keep)
+        rc, killed = _attempt(spec, plan, directory, collector)
+        if rc == 0 and not killed and _all_done(spec, collector.seen, start):
+            break
+        crash = diagnose(directory, world_size=spec.world_size, plan=plan, returncode=rc, killed=killed,
+                         done=collector.seen)
+        for result in _crashed_results(spec, crash, collector.seen):
+            keep(result)
+        if crash.fatal:  # nothing ran: the next attempt would fail the same way
+            for index in range(crash.index + 1, len(spec.scenarios)):
+                scenario = spec.scenarios[index]
+                for check in scenario.checks:
+                    keep(Result(record=CheckRecord.crashed(scenario=scenario.name, check=check, seconds=0.0,
+                                                           error=f"not run: {crash.message.splitlines()[0]}")))
+            break
+        start = crash.index + 1
+    return results
+
+
+def _all_done(spec: GroupSpec, seen: set[tuple[int, str]], start: int) -> bool:
+    return all((i, c) in seen for i in range(start, len(spec.scenarios)) for c in spec.scenarios[i].checks)
+
+
+def run_groups(specs: Sequence[GroupSpec], *, on_result: Callable[[Result], None]) -> list[Result]:
+    out: list[Result] = []
+    for spec in specs:
+        out += run_group(spec, on_result=on_result)
+    return out

@@ -1,0 +1,376 @@
+"""Scenario files: YAML in, validated ``Scenario`` objects out.
+
+The format is documented at the top of ``scenarios/release.yaml``. Everything is checked when the
+file is loaded (keys, families, checks, layouts against the family's shape, duplicate names, world
+sizes), so a bad file fails in a second with ``file:line``, the scenario and the rule, never an hour
+into a run. Every error is a ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from moeverify.errors import LayoutError, UsageError
+from moeverify.layout import Layout, ModelShape
+from moeverify.oracles.context import Scenario
+
+FORMAT_VERSION = 1
+CPU_MAX_WORLD_SIZE = 8  # CPU ranks are processes: allowed up to 8 whatever the core count
+
+_TOP_KEYS = frozenset({"version", "defaults", "scenarios", "matrix"})
+_FIELD_KEYS = frozenset({"checks", "seed", "gpu_only", "options"})
+_DEFAULT_KEYS = _FIELD_KEYS | {"world_size", "moe_checks"}
+_SCENARIO_KEYS = _FIELD_KEYS | {"family", "world_size", "layout"}
+_MATRIX_KEYS = _FIELD_KEYS | {"families", "layouts", "world_size", "moe_checks"}
+_MATRIX_LAYOUT_KEYS = frozenset({"world_size", "gpu_only"})
+_LAYOUT_KEYS = frozenset(f.name for f in dataclasses.fields(Layout))
+
+SUBJECTS_BUILTIN = ("bridge", "sharded")
+REPLAY_IMPLS = ("moeverify", "native", "verl")
+# Check options a scenario may set; the command line overrides them (CheckContext.options).
+KNOWN_OPTIONS = ("subject", "replay_impl", "router_variants")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Where:
+    """A place in a scenario file, for messages."""
+
+    path: str
+    line: int | None = None
+    scenario: str | None = None
+
+    def __str__(self) -> str:
+        loc = self.path if self.line is None else f"{self.path}:{self.line}"
+        return loc if self.scenario is None else f"{loc}: scenario {self.scenario}"
+
+    def at(self, node: object, *, scenario: str | None = None) -> _Where:
+        line = getattr(node, "line", None)
+        return _Where(path=self.path, line=line or self.line, scenario=scenario or self.scenario)
+
+
+def _error(where: _Where, message: str) -> UsageError:
+    return UsageError(f"{where}: {message}")
+
+
+# --------------------------------------------------------------------------------------------- YAML
+class _LineDict(dict):
+    """A mapping that remembers the 1-based line where it starts in its file."""
+
+    line: int | None = None
+
+
+class _Loader(yaml.SafeLoader):
+    """``SafeLoader`` that records mapping lines and rejects duplicate keys."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _LineDict:
+    loader.flatten_mapping(node)
+    out = _LineDict()
+    out.line = node.start_mark.line + 1
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in out:
+            raise UsageError(f"{loader.name}:{key_node.start_mark.line + 1}: duplicate key {key!r}")
+        out[key] = loader.construct_object(value_node, deep=True)
+    return out
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: str) -> object:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read scenario file ({exc.strerror or exc})") from None
+    loader = _Loader(text)
+    loader.name = path
+    try:
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"{path}{line}: malformed YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: malformed YAML: {exc}") from None
+    finally:
+        loader.dispose()
+
+
+# ------------------------------------------------------------------------------------- families
+def _families() -> dict[str, ModelShape]:
+    """Family name -> its ModelShape, from ``moeverify.models``."""
+    from moeverify import models
+
+    if not hasattr(models, "family_shape"):  # the package front may not re-export them yet
+        from moeverify.models import families as models
+    return {name: models.family_shape(name) for name in models.FAMILIES}
+
+
+# --------------------------------------------------------------------------------------- fields
+def _check_keys(where: _Where, mapping: object, allowed: Collection[str], what: str) -> Mapping:
+    if not isinstance(mapping, Mapping):
+        raise _error(where, f"{what} must be a mapping, got {type(mapping).__name__}")
+    unknown = sorted(str(k) for k in mapping if k not in allowed)
+    if unknown:
+        raise _error(where, f"unknown {what} key(s) {unknown}; allowed: {sorted(allowed)}")
+    return mapping
+
+
+def _int_field(where: _Where, value: object, name: str, *, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _error(where, f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _checks_field(where: _Where, value: object, known: Collection[str], *, name: str = "checks") -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise _error(where, f"{name} must be a list of check names, got {value!r}")
+    for check in value:
+        if check not in known:
+            raise _error(where, f"unknown check {check!r}; known checks: {', '.join(sorted(known))}")
+    dups = sorted({c for c in value if value.count(c) > 1})
+    if dups:
+        raise _error(where, f"check(s) {dups} listed twice in {name}")
+    return tuple(value)
+
+
+def validate_option(where: object, key: str, value: object) -> None:
+    """Reject an unknown check option or a bad value for a known one (also used for CLI flags)."""
+    if key not in KNOWN_OPTIONS:
+        raise UsageError(f"{where}: unknown option {key!r}; known options: {', '.join(KNOWN_OPTIONS)}")
+    if key == "replay_impl" and value not in REPLAY_IMPLS:
+        raise UsageError(f"{where}: replay_impl must be one of {', '.join(REPLAY_IMPLS)}, got {value!r}")
+    if key == "subject":
+        _validate_subject(where, value)
+
+
+def _validate_subject(where: object, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{where}: subject must be a non-empty string, got {value!r}")
+    if value in SUBJECTS_BUILTIN:
+        return
+    target, sep, attr = value.rpartition(":")
+    if not sep or not target or not attr:
+        raise UsageError(f"{where}: subject {value!r} is not {' or '.join(SUBJECTS_BUILTIN)}, "
+                         "module:factory or path/to/file.py:factory")
+    if target.endswith(".py") and not os.path.isfile(target):
+        raise UsageError(f"{where}: subject file {target!r} does not exist")
+
+
+def _options_field(where: _Where, value: object) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _error(where, f"options must be a mapping, got {type(value).__name__}")
+    for key, item in value.items():
+        validate_option(where, key, item)
+    return dict(value)
+
+
+def _gpu_only_field(where: _Where, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise _error(where, f"gpu_only must be a reason (non-empty string) or null, got {value!r}")
+    return value.strip()
+
+
+# -------------------------------------------------------------------------------------- entries
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Spec:
+    """One scenario before validation against its family: merged fields, plus where it came from."""
+
+    where: _Where
+    family: object
+    world_size: object
+    layout: object
+    fields: Mapping
+
+
+def _layout_of(where: _Where, mapping: object) -> Layout:
+    mapping = _check_keys(where, mapping if mapping is not None else {}, _LAYOUT_KEYS, "layout")
+    try:
+        return Layout.from_mapping(dict(mapping))
+    except LayoutError as exc:
+        raise _error(where, f"invalid layout: {exc}") from None
+    except TypeError as exc:
+        raise _error(where, f"invalid layout: {exc}") from None
+
+
+def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collection[str],
+           moe_checks: Sequence[str] = ()) -> Scenario:
+    where = spec.where
+    if not isinstance(spec.family, str) or spec.family not in families:
+        raise _error(where, f"unknown family {spec.family!r}; known families: {', '.join(families)}")
+    if spec.world_size is None:
+        raise _error(where, "world_size is missing (set it on the scenario or in defaults)")
+    world_size = _int_field(where, spec.world_size, "world_size", minimum=1)
+    layout = _layout_of(where, spec.layout)
+    name = f"{spec.family}/{layout.name(world_size)}"
+    where = _Where(path=where.path, line=where.line, scenario=name)
+    shape = families[spec.family]
+    try:
+        layout.validate(world_size=world_size, shape=shape)
+    except LayoutError as exc:
+        raise _error(where, f"invalid layout: {exc}") from None
+    if "checks" not in spec.fields:
+        raise _error(where, "checks is missing (set it on the scenario or in defaults)")
+    check_list = list(_checks_field(where, spec.fields["checks"], checks))
+    if shape.is_moe:
+        check_list += [c for c in moe_checks if c not in check_list]
+    return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
+                    seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0),
+                    gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
+                    options=_options_field(where, spec.fields.get("options", {})),
+                    source=f"{where.path}:{where.line}" if where.line else where.path)
+
+
+def _merge_fields(defaults: Mapping, entry: Mapping) -> dict:
+    merged = {k: v for k, v in defaults.items() if k in _FIELD_KEYS}
+    for key in _FIELD_KEYS:
+        if key in entry:
+            merged[key] = ({**merged.get("options", {}), **entry[key]}
+                           if key == "options" and isinstance(entry[key], Mapping) else entry[key])
+    return merged
+
+
+def _validated_defaults(where: _Where, raw: object, checks: Collection[str]) -> dict:
+    if raw is None:
+        return {}
+    defaults = _check_keys(where.at(raw), raw, _DEFAULT_KEYS, "defaults")
+    here = where.at(defaults)
+    if "checks" in defaults:
+        _checks_field(here, defaults["checks"], checks)
+    if "moe_checks" in defaults:
+        _checks_field(here, defaults["moe_checks"], checks, name="moe_checks")
+    if "options" in defaults:
+        _options_field(here, defaults["options"])
+    return dict(defaults)
+
+
+def _explicit_specs(where: _Where, entries: object, defaults: Mapping) -> list[_Spec]:
+    if not isinstance(entries, list):
+        raise _error(where, f"scenarios must be a list of mappings, got {type(entries).__name__}")
+    specs = []
+    for entry in entries:
+        here = where.at(entry)
+        entry = _check_keys(here, entry, _SCENARIO_KEYS, "scenario")
+        specs.append(_Spec(where=here, family=entry.get("family"),
+                           world_size=entry.get("world_size", defaults.get("world_size")),
+                           layout=entry.get("layout"), fields=_merge_fields(defaults, entry)))
+    return specs
+
+
+def _is_expert_layout(layout: Mapping) -> bool:
+    return layout.get("ep", 1) != 1 or layout.get("etp") is not None
+
+
+def _matrix_specs(where: _Where, blocks: object, defaults: Mapping,
+                  families: Mapping[str, ModelShape], checks: Collection[str]) -> list[tuple[_Spec, tuple]]:
+    """Expand ``matrix`` blocks: families x layouts; dense families skip expert layouts."""
+    if not isinstance(blocks, list):
+        raise _error(where, f"matrix must be a list of blocks, got {type(blocks).__name__}")
+    out = []
+    for block in blocks:
+        here = where.at(block)
+        block = _check_keys(here, block, _MATRIX_KEYS, "matrix block")
+        fams, layouts = block.get("families"), block.get("layouts")
+        if not isinstance(fams, list) or not fams:
+            raise _error(here, f"matrix block needs families: a non-empty list, got {fams!r}")
+        if not isinstance(layouts, list) or not layouts:
+            raise _error(here, f"matrix block needs layouts: a non-empty list, got {layouts!r}")
+        moe_checks = _checks_field(here, block.get("moe_checks", defaults.get("moe_checks", [])), checks,
+                                   name="moe_checks")
+        fields = _merge_fields(defaults, block)
+        for raw in layouts:
+            at = here.at(raw)
+            raw = _check_keys(at, raw, _LAYOUT_KEYS | _MATRIX_LAYOUT_KEYS, "matrix layout")
+            for family in fams:
+                shape = families.get(family) if isinstance(family, str) else None
+                layout = {k: v for k, v in raw.items() if k in _LAYOUT_KEYS}
+                if layout.get("sp") == "moe":
+                    layout["sp"] = shape is not None and shape.is_moe
+                if shape is not None and not shape.is_moe and _is_expert_layout(layout):
+                    continue
+                spec_fields = {**fields, **({"gpu_only": raw["gpu_only"]} if "gpu_only" in raw else {})}
+                world = raw.get("world_size", block.get("world_size", defaults.get("world_size")))
+                out.append((_Spec(where=at, family=family, world_size=world, layout=layout,
+                                  fields=spec_fields), moe_checks))
+    return out
+
+
+def load_file(path: str, *, checks: Collection[str], families: Mapping[str, ModelShape] | None = None,
+              max_world_size: int = CPU_MAX_WORLD_SIZE) -> list[Scenario]:
+    """Load and validate one scenario file. Raises ``UsageError`` naming file:line, scenario and rule."""
+    families = _families() if families is None else families
+    where = _Where(path=path)
+    doc = _read_yaml(path)
+    if doc is None:
+        raise _error(where, "file is empty; expected a mapping with 'scenarios' and/or 'matrix'")
+    doc = _check_keys(where, doc, _TOP_KEYS, "top-level")
+    if doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise _error(where, f"version {doc['version']!r} is not supported; this moeverify reads version {FORMAT_VERSION}")
+    if "scenarios" not in doc and "matrix" not in doc:
+        raise _error(where, "no 'scenarios' or 'matrix' section: the file defines no scenario")
+    defaults = _validated_defaults(where, doc.get("defaults"), checks)
+    specs = [(s, ()) for s in _explicit_specs(where, doc.get("scenarios", []), defaults)]
+    specs += _matrix_specs(where, doc.get("matrix", []), defaults, families, checks)
+    scenarios = []
+    for spec, moe_checks in specs:
+        scenario = _build(spec, families=families, checks=checks, moe_checks=moe_checks)
+        if scenario.world_size > max_world_size:
+            raise _error(spec.where.at(None, scenario=scenario.name),
+                         f"world_size {scenario.world_size} exceeds the {max_world_size} ranks this machine can run")
+        scenarios.append(scenario)
+    if not scenarios:
+        raise _error(where, "the file defines no scenario")
+    return scenarios
+
+
+def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
+         families: Mapping[str, ModelShape] | None = None,
+         max_world_size: int = CPU_MAX_WORLD_SIZE) -> list[Scenario]:
+    """Load several scenario files, in order; scenario names must be unique across all of them."""
+    if checks is None:
+        from moeverify.oracles import registry
+
+        checks = registry.check_names()
+    families = _families() if families is None else families
+    seen: dict[str, Scenario] = {}
+    out = []
+    for path in paths:
+        for scenario in load_file(path, checks=checks, families=families, max_world_size=max_world_size):
+            first = seen.get(scenario.name)
+            if first is not None:
+                raise UsageError(f"{scenario.source}: scenario {scenario.name}: duplicate name; "
+                                 f"first defined at {first.source}")
+            seen[scenario.name] = scenario
+            out.append(scenario)
+    return out
+
+
+def group_by_world_size(scenarios: Iterable[Scenario]) -> dict[int, list[Scenario]]:
+    """Scenarios per world size, smallest world first, file order kept within a group."""
+    groups: dict[int, list[Scenario]] = {}
+    for scenario in scenarios:
+        groups.setdefault(scenario.world_size, []).append(scenario)
+    return dict(sorted(groups.items()))
+
+
+def scenario_to_dict(scenario: Scenario) -> dict:
+    """JSON form of a scenario (for the worker's plan file)."""
+    return {"family": scenario.family, "layout": scenario.layout.as_dict(), "world_size": scenario.world_size,
+            "checks": list(scenario.checks), "seed": scenario.seed, "gpu_only": scenario.gpu_only,
+            "options": dict(scenario.options), "source": scenario.source}
+
+
+def scenario_from_dict(data: Mapping) -> Scenario:
+    """Inverse of ``scenario_to_dict``."""
+    return Scenario(family=data["family"], layout=Layout(**data["layout"]), world_size=data["world_size"],
+                    checks=tuple(data["checks"]), seed=data["seed"], gpu_only=data["gpu_only"],
+                    options=dict(data["options"]), source=data["source"])
