@@ -1,0 +1,275 @@
+"""The export differential oracle: a subject's per-tensor export vs Megatron-Bridge, bit for bit.
+
+``run(ctx)`` runs on every rank (DESIGN.md, "Export oracle: contract"):
+
+1. the subject (``ctx.options["subject"]``, default ``sharded``) is called on every rank and drained
+   into a row list (sharded rows defer their tensors, so this is cheap); a raise becomes an error
+   status instead of an exception;
+2. **lockstep**: one all_gather of ``[status, row count, hash of row names]`` on a dedicated gloo group
+   (after a monitored barrier that names a rank that never arrives); any difference fails every rank
+   and skips the rest, so a diverging rank cannot hang the per-row collectives;
+3. per row: every rank gathers a JSON header (slot table, sizes, dtype, error) to rank 0, rank 0
+   checks the slot tables and broadcasts go/skip, then the pieces travel rank by rank in chunks to
+   rank 0, which merges them (``merge.TensorMerge``); reference tensors from
+   ``bridge.export_hf_weights(model_chunks, cpu=True)`` are pulled by every rank in the same order
+   when rank 0 asks (one broadcast per pull), and each merge is checked as soon as its reference is
+   in hand. Memory on rank 0: the merges of one row, the reference tensors they wait for, one chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import json
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeverify.errors import SubjectError, UsageError
+from moeverify.oracles import export_wire as wire
+from moeverify.oracles.export_collect import SUBCHECKS, Collector, new_tallies
+from moeverify.oracles.export_rows import DeferredSlots, DrainedRow, Piece, ShardRow, Slot, drain, iterate_subject, pieces
+from moeverify.oracles.results import Tally
+
+__all__ = ["ShardRow", "Slot", "DeferredSlots", "SubjectContext", "load_subject", "run", "run_subject",
+           "SUBCHECKS", "checkpoint_shapes"]
+
+BUILTIN_SUBJECTS = {
+    "bridge": "moeverify.subjects:bridge",
+    "sharded": "moeverify.subjects:sharded",
+    "gather": "moeverify.subjects:gather",
+    "verl": "moeverify.subjects.verl:verl",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SubjectContext:
+    """What a subject factory receives on every rank."""
+
+    bridge: Any
+    model_chunks: list
+    layout: Any
+    rank: int
+    world_size: int
+    hf_path: Path
+    built: Any = None
+    options: dict = dataclasses.field(default_factory=dict)
+
+
+def load_subject(name: str):
+    """The factory for ``bridge``, ``sharded``, ``gather``, ``verl``, ``module:factory`` or ``file.py:factory``."""
+    if not isinstance(name, str) or not name:
+        raise UsageError(f"subject must be a non-empty string, got {name!r}")
+    spec = BUILTIN_SUBJECTS.get(name, name)
+    if ":" not in spec:
+        raise UsageError(f"unknown subject {name!r}: use one of {', '.join(BUILTIN_SUBJECTS)}, "
+                         f"'package.module:factory' or 'path/to/file.py:factory'")
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise UsageError(f"subject {name!r}: file {path} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(f"moeverify_subject_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise SubjectError(f"subject {name!r}: loading {path} raised {exc!r}") from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise UsageError(f"subject {name!r}: cannot import module {target!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"subject {name!r}: {target} has no callable {attr!r}")
+    return factory
+
+
+def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the source checkpoint's tensors, read from safetensors headers only."""
+    from safetensors import safe_open
+
+    hf_path = Path(hf_path)
+    index = hf_path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
+    paths = [hf_path / f for f in files] if files else sorted(hf_path.glob("*.safetensors"))
+    shapes = {}
+    for p in paths:
+        with safe_open(str(p), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def subject_context(ctx) -> SubjectContext:
+    built = ctx.model()
+    from moeverify import runtime
+
+    return SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=ctx.scenario.layout,
+                          rank=ctx.rank, world_size=ctx.world_size, hf_path=Path(built.hf_path), built=built,
+                          options=dict(ctx.options, timeout=ctx.options.get("timeout", runtime.DEFAULT_TIMEOUT_S)))
+
+
+def run(ctx) -> dict[str, Tally]:
+    """The ``export`` check: subject from ``ctx.options.get("subject", "sharded")``."""
+    factory = load_subject(ctx.options.get("subject", "sharded"))
+    return run_subject(factory, subject_context(ctx))
+
+
+def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, Tally]:
+    """Check one subject factory against the reference on every rank; rank 0's tallies are the result.
+
+    ``reference``: an iterable of ``(name, tensor)`` to use instead of a fresh ``export_hf_weights``
+    (every rank must pass the same sequence); tests use it to reuse one export.
+    """
+    from moeverify import runtime
+
+    group = wire.control_group(float(sctx.options.get("timeout", runtime.DEFAULT_TIMEOUT_S)))
+    tallies = new_tallies()
+    rows, error = _drain(factory, sctx)
+    if not _lockstep(rows, error, sctx=sctx, group=group, tally=tallies["lockstep"]):
+        for name in SUBCHECKS[1:]:
+            tallies[name].fail("skipped: lockstep failed, no row was compared")
+        return tallies
+    if reference is None:
+        reference = sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)
+    collector = None
+    if sctx.rank == 0:
+        collector = Collector(tallies=tallies, tables=[r.table for r in rows],
+                              checkpoint_names=set(checkpoint_shapes(sctx.hf_path)), world_size=sctx.world_size)
+    ref_iter = iter(reference)
+    for index, row in enumerate(rows):
+        _one_row(index, row, sctx=sctx, group=group, collector=collector)
+        rows[index] = None  # drop the row's tensors as soon as it is merged
+        _pull_references(ref_iter, collector=collector, group=group)
+    for name, tensor in ref_iter:  # every rank drains the rest of the reference in the same order
+        if collector is not None:
+            collector.take_reference(name, tensor)
+    if collector is not None:
+        collector.finish_all()
+    return tallies
+
+
+def _drain(factory, sctx) -> tuple[list[DrainedRow], str | None]:
+    try:
+        return drain(iterate_subject(factory, sctx), rank=sctx.rank), None
+    except Exception as exc:  # a raising subject is a finding, reported through lockstep
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return [], f"rank {sctx.rank}: subject raised {type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})"
+
+
+def _names_hash(rows: list[DrainedRow]) -> int:
+    digest = hashlib.sha256("\n".join(r.row for r in rows).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _lockstep(rows, error, *, sctx, group, tally: Tally) -> bool:
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(group=group, wait_all_ranks=True)
+        status = wire.all_gather_ints([1 if error else 0, len(rows), _names_hash(rows)], group=group,
+                                      world_size=sctx.world_size)
+        errors = wire.gather_json(error, group=group, rank=sctx.rank, world_size=sctx.world_size)
+        first_names = wire.gather_json([r.row for r in rows[:1]], group=group, rank=sctx.rank,
+                                       world_size=sctx.world_size)
+    except RuntimeError as exc:  # a rank that never arrived: the barrier names it
+        tally.fail(f"rank {sctx.rank}: lockstep collective failed: {str(exc).splitlines()[0]}")
+        return False
+    bad = False
+    for r, (err, count, digest) in enumerate(status):
+        if err:
+            bad = True
+            if sctx.rank == 0:
+                tally.fail(errors[r])
+    counts = {r: s[1] for r, s in enumerate(status)}
+    if len(set(counts.values())) > 1:
+        bad = True
+        tally.fail(f"row counts differ across ranks: {counts}")
+    elif len({s[2] for s in status}) > 1:
+        bad = True
+        ref = status[0][2]
+        tally.fail(f"row names differ from rank 0's on rank(s) {[r for r, s in enumerate(status) if s[2] != ref]} "
+                   f"(same count {counts[0]}; first row per rank: {first_names})")
+    if not bad:
+        tally.ok(sctx.world_size)
+    return not bad
+
+
+def _header(row: DrainedRow, rank: int) -> tuple[dict, list[Piece]]:
+    try:
+        got = pieces(row, rank=rank)
+    except Exception as exc:
+        return {"err": f"rank {rank} row {row.row!r}: {type(exc).__name__}: {exc}", "c": row.contributes,
+                "slots": []}, []
+    slots = [[p.hf_name, list(p.hf_shape), p.numel, str(p.values_P.dtype).removeprefix("torch."),
+              p.positions_P is None] for p in got]
+    return {"err": None, "c": row.contributes, "slots": slots}, got
+
+
+def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None) -> None:
+    header, mine = _header(row, sctx.rank)
+    headers = wire.gather_json(header, group=group, rank=sctx.rank, world_size=sctx.world_size)
+    go = wire.broadcast_int(_decide(row.row, headers, collector) if collector else 0, group=group)
+    if sctx.rank != 0:
+        for piece in mine if go else ():
+            if piece.numel:
+                wire.send_piece(piece.positions_P, piece.values_P, dst=0, group=group)
+        return
+    if go:
+        _merge_row(row, headers, mine, group=group, collector=collector)
+    collector.row_done(index, row.table)
+
+
+def _decide(row_name: str, headers: list[dict], collector: Collector) -> int:
+    tally = collector.t["slot_tables"]
+    errors = [h["err"] for h in headers if h["err"]]
+    for err in errors:
+        tally.fail(err)
+    if errors:
+        return 0
+    tables = [[(s[0], tuple(s[1])) for s in h["slots"]] for h in headers]
+    differ = [r for r, t in enumerate(tables) if t != tables[0]]
+    if differ:
+        tally.fail(f"row {row_name!r}: slot table of rank(s) {differ} differs from rank 0's: "
+                   f"rank 0 {tables[0]} vs rank {differ[0]} {tables[differ[0]]}")
+        return 0
+    tally.ok()
+    return 1
+
+
+def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector) -> None:
+    order = [r for r in range(len(headers)) if headers[r]["c"]] + [r for r in range(len(headers)) if not headers[r]["c"]]
+    for j, (name, shape, *_rest) in enumerate(headers[0]["slots"]):
+        sizes = [(h["slots"][j][2], h["slots"][j][3]) for h in headers]
+        dtype = next((d for (n, d), h in zip(sizes, headers) if n and h["c"]), sizes[0][1])
+        collector.merge_for(name, tuple(shape), getattr(torch, dtype))
+    for r in order:
+        contributes = headers[r]["c"]
+        for j, (name, shape, n, dtype, whole) in enumerate(headers[r]["slots"]):
+            if not n:
+                continue
+            merge = collector.merges[name] if name in collector.merges else None
+            chunks = (wire.local_piece_chunks(mine[j].positions_P, mine[j].values_P) if r == 0 else
+                      wire.recv_piece_chunks(n=n, dtype=getattr(torch, dtype), whole=whole, src=r, group=group))
+            for positions_C, values_C in chunks:
+                if merge is None:
+                    continue  # already finished (named by an earlier row only); still drain the wire
+                if contributes:
+                    merge.write(rank=r, positions_P=positions_C, values_P=values_C)
+                else:
+                    merge.compare_replica(rank=r, positions_P=positions_C, values_P=values_C)
+
+
+def _pull_references(ref_iter, *, collector: Collector | None, group) -> None:
+    while wire.broadcast_int(int(collector.wants_reference()) if collector else 0, group=group):
+        item = next(ref_iter, None)
+        if item is None:
+            break  # exhausted on every rank at once (same generator everywhere)
+        if collector is not None:
+            collector.take_reference(item[0], item[1])

@@ -1,0 +1,126 @@
+"""Rank 0's side of the export oracle: open merges, reference tensors in hand, and the final checks.
+
+Rows arrive in the subject's order and reference tensors in the bridge's order. A merge is opened
+when a row first names an HF tensor, becomes *complete* after the last row that names it, and is
+checked as soon as its reference tensor is in hand; then both are dropped. Only reference tensors
+that the subject will still need are kept, so memory stays at a few tensors when both orders agree.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from moeverify.oracles.merge import SHOW_INDICES, TensorMerge
+from moeverify.oracles.results import Tally
+
+SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set")
+
+
+def new_tallies() -> dict[str, Tally]:
+    return {name: Tally() for name in SUBCHECKS}
+
+
+def _names(names, limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return "[" + ", ".join(names[:limit]) + "]" + more
+
+
+class Collector:
+    """Rank 0 state for one export check."""
+
+    def __init__(self, *, tallies: dict[str, Tally], tables: list[list[tuple[str, tuple]]],
+                 checkpoint_names: set[str], world_size: int) -> None:
+        self.t = tallies
+        self.world_size = world_size
+        self.checkpoint_names = checkpoint_names
+        self.last_row: dict[str, int] = {}
+        for i, table in enumerate(tables):
+            for name, _ in table:
+                self.last_row[name] = i
+        self.subject_names = set(self.last_row)
+        self.reference_names: list[str] = []
+        self.merges: dict[str, TensorMerge] = {}
+        self.complete: set[str] = set()
+        self.held: dict[str, torch.Tensor] = {}  # reference tensors pulled before their merge completed
+        self.done: set[str] = set()
+
+    # -- merges -------------------------------------------------------------------------------
+    def merge_for(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorMerge:
+        if name not in self.merges:
+            self.merges[name] = TensorMerge(name=name, shape=shape, dtype=dtype, world_size=self.world_size,
+                                            conflicts=self.t["conflicts"], replicas=self.t["replicas"])
+        return self.merges[name]
+
+    def row_done(self, index: int, table: list[tuple[str, tuple]]) -> None:
+        """After row ``index``: merges it finished become complete; check those whose reference is held."""
+        for name, _ in table:
+            if self.last_row.get(name) == index:
+                self.complete.add(name)
+        for name in sorted(self.complete):
+            if name in self.held:
+                self._finish(name, self.held.pop(name))
+            elif name not in self.checkpoint_names:
+                self._finish(name, None)  # no reference will come: key_set reports it
+
+    def wants_reference(self) -> bool:
+        """True while a complete merge waits for a reference tensor not yet pulled."""
+        return any(name not in self.held for name in self.complete)
+
+    # -- references ---------------------------------------------------------------------------
+    def take_reference(self, name: str, tensor: torch.Tensor) -> None:
+        self.reference_names.append(name)
+        if name in self.complete:
+            self._finish(name, tensor)
+        elif name in self.subject_names and name not in self.done:
+            self.held[name] = tensor
+        elif name not in self.subject_names:
+            n = tensor.numel()
+            self.t["coverage"].fail(f"{name}: not exported by the subject; all {n} element(s) unwritten", n=max(n, 1))
+
+    def finish_all(self) -> None:
+        """After the reference is exhausted: check what is left (merges without a reference, etc.)."""
+        for name in sorted(set(self.merges) | set(self.held) | self.complete):
+            if name in self.done:
+                continue
+            self._finish(name, self.held.pop(name, None))
+        self._key_set()
+
+    def _finish(self, name: str, reference: torch.Tensor | None) -> None:
+        self.complete.discard(name)
+        self.done.add(name)
+        merge = self.merges.pop(name, None)
+        if merge is None:  # a row named it but no rank could send (e.g. its row was skipped)
+            if reference is not None:
+                self.t["coverage"].fail(f"{name}: no piece was merged (its row was skipped); "
+                                        f"{reference.numel()} element(s) unwritten", n=max(reference.numel(), 1))
+            return
+        merge.check_coverage(self.t["coverage"])
+        if reference is None:
+            return
+        merge.check_against(reference, shape_dtype=self.t["shape_dtype"], bitwise=self.t["bitwise"])
+
+    def _key_set(self) -> None:
+        tally = self.t["key_set"]
+        subject, reference, checkpoint = self.subject_names, set(self.reference_names), self.checkpoint_names
+        dupes = {n for n, c in collections.Counter(self.reference_names).items() if c > 1}
+        everything = subject | reference | checkpoint
+        bad = set()
+        if reference - subject:
+            tally.fail(f"missing from the subject (in the reference): {_names(reference - subject)}")
+            bad |= reference - subject
+        if subject - reference:
+            tally.fail(f"extra in the subject (not in the reference): {_names(subject - reference)}")
+            bad |= subject - reference
+        if reference != checkpoint:
+            tally.fail(f"reference vs source checkpoint: missing {_names(checkpoint - reference)}, "
+                       f"extra {_names(reference - checkpoint)}")
+            bad |= reference ^ checkpoint
+        if dupes:
+            tally.fail(f"reference yielded names more than once: {_names(dupes)}")
+        tally.ok(len(everything - bad))
+
+
+__all__ = ["Collector", "SUBCHECKS", "new_tallies", "SHOW_INDICES"]

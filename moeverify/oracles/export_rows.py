@@ -1,0 +1,171 @@
+"""What an export subject yields, and how the oracle checks it where it enters.
+
+A subject yields either ``(hf_name, tensor)`` pairs (a full-tensor export) or ``ShardRow`` records (a
+sharded export). Both become ``Piece`` lists here, validated on the rank that produced them, so a
+malformed row is reported with rank, row and slot before anything is sent.
+
+Legend: ``P`` = elements in one piece (its positions and values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from moeverify.errors import SubjectError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=False)
+class Slot:
+    """Elements of one HF tensor written by one rank: flat ``positions`` and the ``values`` there."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    positions: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, kw_only=False)
+class ShardRow:
+    """One row of a sharded export: the same ``row`` name and slot table on every rank."""
+
+    row: str
+    slots: Sequence[Slot]
+    contributes: bool = True
+
+
+class DeferredSlots(Sequence):
+    """A slot list whose table (names, shapes) is known up front and whose tensors are built on use.
+
+    A sharded subject can hand these out so that draining its rows costs no tensor memory: the
+    oracle reads ``table`` for lockstep bookkeeping and materialises one row at a time.
+    """
+
+    def __init__(self, table: Sequence[tuple[str, tuple[int, ...]]], build: Callable[[], Sequence[Slot]]):
+        self.table = [(str(n), tuple(int(s) for s in shape)) for n, shape in table]
+        self._build = build
+
+    def materialize(self) -> list[Slot]:
+        slots = list(self._build())
+        got = [(s.hf_name, tuple(s.hf_shape)) for s in slots]
+        if got != self.table:
+            raise SubjectError(f"deferred slots built {got}, but their table promised {self.table}")
+        return slots
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        return self.materialize()[i]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Piece:
+    """A validated slot as the oracle moves it: ``positions_P is None`` means the whole tensor."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    positions_P: torch.Tensor | None
+    values_P: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return int(self.values_P.numel())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrainedRow:
+    """A row as held after draining: its name, whether it contributes, and how to make its pieces."""
+
+    row: str
+    contributes: bool
+    table: list[tuple[str, tuple[int, ...]]]
+    source: object  # ShardRow or (name, tensor)
+
+
+def drain(items, *, rank: int) -> list[DrainedRow]:
+    """Turn the subject's iterator into rows; raises SubjectError naming rank and item index."""
+    rows = []
+    for index, item in enumerate(items):
+        rows.append(_drained(item, rank=rank, index=index))
+    return rows
+
+
+def _drained(item, *, rank: int, index: int) -> DrainedRow:
+    if isinstance(item, ShardRow):
+        if not isinstance(item.row, str):
+            raise SubjectError(f"rank {rank} item {index}: ShardRow.row must be a str, got {type(item.row).__name__}")
+        if isinstance(item.slots, DeferredSlots):
+            table = list(item.slots.table)
+        else:
+            slots = list(item.slots)
+            for j, slot in enumerate(slots):
+                _validate_slot(slot, rank=rank, row=item.row, index=j)
+            table = [(s.hf_name, tuple(int(x) for x in s.hf_shape)) for s in slots]
+            item = dataclasses.replace(item, slots=slots)
+        return DrainedRow(row=item.row, contributes=bool(item.contributes), table=table, source=item)
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor):
+        name, tensor = item
+        return DrainedRow(row=name, contributes=rank == 0, table=[(name, tuple(tensor.shape))], source=item)
+    raise SubjectError(
+        f"rank {rank} item {index}: a subject yields ShardRow records or (hf_name: str, tensor) pairs, "
+        f"got {type(item).__name__}{_preview(item)}")
+
+
+def _preview(item) -> str:
+    if isinstance(item, tuple):
+        return "(" + ", ".join(type(x).__name__ for x in item) + ")"
+    return ""
+
+
+def _validate_slot(slot, *, rank: int, row: str, index: int) -> None:
+    where = f"rank {rank} row {row!r} slot {index}"
+    if not isinstance(slot, Slot):
+        raise SubjectError(f"{where}: expected a Slot, got {type(slot).__name__}")
+    where = f"{where} ({slot.hf_name!r})"
+    if not isinstance(slot.hf_name, str):
+        raise SubjectError(f"{where}: hf_name must be a str, got {type(slot.hf_name).__name__}")
+    shape = tuple(slot.hf_shape)
+    if not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise SubjectError(f"{where}: hf_shape must be non-negative ints, got {slot.hf_shape!r}")
+    pos, val = slot.positions, slot.values
+    if not isinstance(pos, torch.Tensor) or not isinstance(val, torch.Tensor):
+        raise SubjectError(f"{where}: positions and values must be tensors, got "
+                           f"{type(pos).__name__} and {type(val).__name__}")
+    if pos.dim() != 1 or pos.dtype != torch.int64:
+        raise SubjectError(f"{where}: positions must be a 1-D int64 tensor, got shape {tuple(pos.shape)} "
+                           f"dtype {pos.dtype}")
+    if val.numel() != pos.numel():
+        raise SubjectError(f"{where}: values have {val.numel()} elements for {pos.numel()} positions")
+    numel = math.prod(shape)
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= numel):
+        raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
+                           f"{int(pos.min())} max {int(pos.max())}")
+
+
+def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
+    """Materialise a drained row's pieces (validated); raises SubjectError naming rank, row and slot."""
+    src = row.source
+    if isinstance(src, tuple):
+        name, tensor = src
+        return [Piece(hf_name=name, hf_shape=tuple(tensor.shape), positions_P=None,
+                      values_P=tensor.detach().reshape(-1).cpu())]
+    slots = src.slots.materialize() if isinstance(src.slots, DeferredSlots) else src.slots
+    out = []
+    for j, slot in enumerate(slots):
+        if isinstance(src.slots, DeferredSlots):
+            _validate_slot(slot, rank=rank, row=row.row, index=j)
+        out.append(Piece(hf_name=slot.hf_name, hf_shape=tuple(int(x) for x in slot.hf_shape),
+                         positions_P=slot.positions.cpu(), values_P=slot.values.detach().reshape(-1).cpu()))
+    return out
+
+
+def iterate_subject(factory: Callable, context) -> Iterator:
+    """Call the factory and iterate what it returns (kept separate so a raise is caught in one place)."""
+    result = factory(context)
+    if result is None:
+        raise SubjectError("the subject factory returned None; it must return an iterator of rows")
+    yield from result

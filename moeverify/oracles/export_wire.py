@@ -1,0 +1,95 @@
+"""The export oracle's collectives: one dedicated gloo group with a timeout, small byte gathers to
+rank 0, one-int broadcasts, and pieces moved point to point in bounded chunks.
+
+Everything the oracle moves between ranks is its own data (JSON headers and raw tensor bytes);
+nothing is pickled. Pieces travel rank by rank and chunk by chunk so that rank 0 never holds more
+than one chunk of another rank's piece at a time.
+
+Legend: ``C`` = elements in one chunk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch
+import torch.distributed as dist
+
+CHUNK = 1 << 20  # elements per point-to-point chunk
+
+_groups: dict[tuple[int, int], object] = {}
+
+
+def control_group(timeout_s: float):
+    """A gloo group over all ranks with its own timeout (made once per timeout; collective on first use)."""
+    key = (dist.get_world_size(), int(timeout_s))
+    if key not in _groups:
+        _groups[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=int(timeout_s)))
+    return _groups[key]
+
+
+def gather_json(obj, *, group, rank: int, world_size: int) -> list | None:
+    """Gather one JSON-able object per rank to rank 0 (None elsewhere)."""
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(padded, gather_list=bufs, dst=0, group=group)
+    if rank != 0:
+        return None
+    return [json.loads(bytes(b[: int(s)].numpy()).decode()) for b, s in zip(bufs, sizes)]
+
+
+def broadcast_int(value: int, *, group) -> int:
+    """Rank 0's ``value`` on every rank."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, src=0, group=group)
+    return int(t)
+
+
+def all_gather_ints(values: list[int], *, group, world_size: int) -> list[list[int]]:
+    """A fixed-size int64 vector from every rank, on every rank."""
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.zeros_like(t) for _ in range(world_size)]
+    dist.all_gather(out, t, group=group)
+    return [o.tolist() for o in out]
+
+
+def send_piece(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, dst: int, group) -> None:
+    """Send a piece in chunks: positions (int64; skipped for a whole tensor) then the values' raw bytes."""
+    n = values_P.numel()
+    raw = values_P.contiguous().view(torch.uint8) if values_P.element_size() == 1 else values_P.contiguous()
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        if positions_P is not None:
+            dist.send(positions_P[start:stop].contiguous(), dst=dst, group=group)
+        dist.send(raw[start:stop].reshape(-1).view(torch.uint8), dst=dst, group=group)
+
+
+def recv_piece_chunks(*, n: int, dtype: torch.dtype, whole: bool, src: int, group):
+    """Yield ``(positions_C, values_C)`` for a piece sent by ``send_piece`` (positions built for a whole tensor)."""
+    width = torch.empty((), dtype=dtype).element_size()
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        if whole:
+            positions_C = torch.arange(start, stop, dtype=torch.int64)
+        else:
+            positions_C = torch.empty(stop - start, dtype=torch.int64)
+            dist.recv(positions_C, src=src, group=group)
+        raw = torch.empty((stop - start) * width, dtype=torch.uint8)
+        dist.recv(raw, src=src, group=group)
+        yield positions_C, raw.view(dtype)
+
+
+def local_piece_chunks(positions_P: torch.Tensor | None, values_P: torch.Tensor):
+    """The same chunking for rank 0's own piece (no copies)."""
+    n = values_P.numel()
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        pos = torch.arange(start, stop, dtype=torch.int64) if positions_P is None else positions_P[start:stop]
+        yield pos, values_P[start:stop]

@@ -1,0 +1,84 @@
+"""Runs the export check for several scenarios and subjects inside ONE torchrun (imports paid once).
+
+Usage: torchrun --nproc-per-node N export_driver.py --out OUT.json --scenario qwen3_moe:ep2 ...
+       [--subject sharded --subject bridge] [--mutants] [--reuse-reference]
+Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``); rank 0 writes a JSON
+list of ``{"scenario", "subject", "passed", "subchecks"}``. ``--mutants`` adds every mutant of
+``moeverify.oracles.mutants.MUTANTS`` that applies to the scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+
+def _args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--scenario", action="append", required=True)
+    p.add_argument("--subject", action="append", default=[])
+    p.add_argument("--mutants", action="store_true")
+    p.add_argument("--only-mutant", action="append", default=[])
+    return p.parse_args()
+
+
+def _subjects(args, family, built):
+    from moeverify.oracles import export
+
+    out = [(name, export.load_subject(name)) for name in args.subject]
+    if args.mutants or args.only_mutant:
+        from moeverify.oracles import mutants
+
+        for m in mutants.MUTANTS:
+            if args.only_mutant and m.name not in args.only_mutant:
+                continue
+            if m.applies(family=family, built=built):
+                out.append((f"mutant:{m.name}", m.factory))
+    return out
+
+
+def main() -> int:
+    args = _args()
+    from moeverify import models, runtime
+    from moeverify.layout import parse_layout_name
+    from moeverify.oracles import export
+
+    rt = runtime.init("cpu")
+    records = []
+    for spec in args.scenario:
+        family, _, layout_name = spec.partition(":")
+        layout, _dp = parse_layout_name(layout_name)
+        with runtime.parallel(layout):
+            built = models.build(family, layout)
+            sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
+                                         rank=rt.rank, world_size=rt.world_size, hf_path=built.hf_path,
+                                         built=built, options={"timeout": 120})
+            for name, factory in _subjects(args, family, built):
+                t0 = time.time()
+                try:
+                    tallies = export.run_subject(factory, sctx)
+                    subchecks = {k: t.as_dict() for k, t in tallies.items()}
+                    error = None
+                except Exception as exc:  # noqa: BLE001 - reported per scenario
+                    subchecks, error = {}, f"rank {rt.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                    print(error, file=sys.stderr, flush=True)
+                passed = error is None and all(s["passed"] for s in subchecks.values())
+                records.append({"scenario": f"{family}/{layout.name(rt.world_size)}", "subject": name,
+                                "passed": passed, "seconds": round(time.time() - t0, 2),
+                                "subchecks": subchecks, "error": error})
+                if rt.rank == 0:
+                    bad = [k for k, s in subchecks.items() if not s["passed"]]
+                    print(f"{records[-1]['scenario']} {name}: {'PASS' if passed else 'FAIL ' + ','.join(bad)}"
+                          f" ({records[-1]['seconds']}s)", flush=True)
+    if rt.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
