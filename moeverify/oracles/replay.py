@@ -1,0 +1,290 @@
+"""Router-replay oracles (DESIGN.md "Router replay: contract"): subchecks ``equivalence, drift,
+recompute, cross_layout, native_parity`` for one implementation under test (``replay_impl``).
+
+Every rank of the scenario's layout runs this; models are driven through Megatron's pipeline
+schedule (``replay_drive``), log-prob pass (forward only, record) first, training pass (forward +
+backward, replay) second. Per router variant (``replay_variants``):
+
+- equivalence: same weights: the replayed training pass equals a plain native training pass bit for
+  bit (routing maps, router probs, logits, losses, every parameter gradient; CPU fp32), and the
+  recorded routes are the routes the routers took.
+- drift: router weights perturbed: native routing must change (else the check proves nothing) and
+  the replayed pass follows the recorded routes for 100% of tokens; per-layer agreement of native vs
+  replayed routes is reported (``notes``).
+- recompute: full (uniform) and MoE-only (selective ``["moe"]``) recompute on perturbed weights:
+  gradients equal the no-recompute replay bit for bit, every micro-batch is recomputed once with
+  its forward's routes, and the implementation reports every route consumed.
+- cross_layout: routes recorded by a 1-rank-layout reference (every rank runs it with dp = world,
+  on the global micro-batches) are converted to this rank's local view (``moeverify.views``) and
+  replayed under the scenario layout: same per-token routing, per-sequence losses within
+  ``replay_checks.CROSS_LAYOUT_RTOL/ATOL`` of the reference (why not bitwise: see there).
+- native_parity: the implementation's replay vs Megatron-Core's native ``RouterReplay`` replaying the
+  same routes on a second build of the same weights: identical routing, probs, logits and gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from moeverify import views
+from moeverify.errors import MoEVerifyError, UsageError
+from moeverify.layout import Layout
+from moeverify.oracles import replay_checks as rc
+from moeverify.oracles import replay_drive as rd
+from moeverify.oracles.replay_impls import NativeReplay, ReplayImpl, find_routers, make_impl, pristine
+from moeverify.oracles.replay_variants import RouterVariant, select
+from moeverify.oracles.results import Tally
+
+SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity")
+RECOMPUTE_MODES = {
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+}
+# fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
+_EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+              hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayOptions:
+    impl: str = "moeverify"
+    variants: tuple[RouterVariant, ...] = ()
+    subchecks: tuple[str, ...] = SUBCHECKS
+    recompute: tuple[str, ...] = tuple(RECOMPUTE_MODES)
+    seq_len: int = 16
+    batch: int = 2
+    microbatches: int | None = None  # default: 3, or 2 * pp under interleaving (the schedule needs M % pp == 0)
+    notes_path: str | None = None  # rank 0 writes per-variant notes (drift agreement) here as JSON
+
+    @classmethod
+    def from_options(cls, options: dict) -> ReplayOptions:
+        subchecks = tuple(options.get("replay_subchecks") or SUBCHECKS)
+        recompute = tuple(options.get("replay_recompute") or RECOMPUTE_MODES)
+        bad = [s for s in subchecks if s not in SUBCHECKS] + [m for m in recompute if m not in RECOMPUTE_MODES]
+        if bad:
+            raise UsageError(f"unknown replay subcheck or recompute mode {bad}; subchecks: {', '.join(SUBCHECKS)}; "
+                             f"recompute modes: {', '.join(RECOMPUTE_MODES)}")
+        return cls(impl=str(options.get("replay_impl") or "moeverify"),
+                   variants=select(options.get("router_variants")), subchecks=subchecks, recompute=recompute,
+                   seq_len=int(options.get("replay_seq_len", 16)), batch=int(options.get("replay_batch", 2)),
+                   microbatches=options.get("replay_microbatches"), notes_path=options.get("replay_notes_path"))
+
+    def num_microbatches(self, layout: Layout) -> int:
+        if self.microbatches:
+            return int(self.microbatches)
+        return 2 * layout.pp if layout.vpp_chunks > 1 else 3
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Setup:
+    """What every subcheck of one variant shares on this rank."""
+
+    ctx: object
+    opts: ReplayOptions
+    impl: ReplayImpl
+    variant: RouterVariant
+    layout: Layout
+    coords: views.RankCoords
+    batches: rd.Batches
+    items: list
+
+    @property
+    def prefix(self) -> str:
+        return f"[{self.variant.name}] "
+
+
+def _build(setup: _Setup, layout: Layout, *, overrides: dict, extra: dict | None = None) -> list:
+    from moeverify import models
+
+    scenario = setup.ctx.scenario
+    built = models.build(scenario.family, layout, seed=scenario.seed,
+                         overrides={**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})})
+    if setup.variant.random_expert_bias:
+        _seed_expert_bias(built.model_chunks, seed=scenario.seed)
+    return built.model_chunks
+
+
+def _seed_expert_bias(chunks: list, *, seed: int) -> None:
+    """Seeded non-zero expert biases (a fresh model's are zeros, which would not steer routing)."""
+    for layer, (_, router) in find_routers(chunks).items():
+        if router.expert_bias is not None:
+            gen = torch.Generator().manual_seed(7919 * (seed + 1) + layer)
+            with torch.no_grad():
+                router.expert_bias.copy_(0.1 * torch.randn(router.expert_bias.shape, generator=gen))
+
+
+def _perturb_routers(chunks: list, *, seed: int) -> None:
+    """Add seeded noise of the weights' own scale to every router weight (identical on every rank)."""
+    for layer, (_, router) in find_routers(chunks).items():
+        gen = torch.Generator().manual_seed(104_729 * (seed + 1) + layer)
+        with torch.no_grad():
+            w = router.weight
+            w.add_(w.detach().float().std() * torch.randn(w.shape, generator=gen).to(w.dtype))
+
+
+def _reference(setup: _Setup) -> tuple[object, dict]:
+    """cross_layout reference: global routes and per-sequence losses of a 1-rank layout (dp = world).
+
+    Every rank runs the same global micro-batches (``dp_scenario * B`` sequences) on an unsplit model;
+    data parallelism has no forward collectives, so the result is a world-1 run made in each worker.
+    """
+    from moeverify import runtime
+
+    one = Layout()
+    rt = runtime.current()
+    scn_dp = setup.layout.dp(setup.ctx.world_size)
+    glob = dataclasses.replace(setup.batches, batch=setup.batches.batch * scn_dp, dp=1)
+    items = rd.local_microbatches(glob, one, dp_rank=0, cp_rank=0)
+    with runtime.parallel(one, seed=setup.ctx.scenario.seed):
+        chunks = _build(setup, one, overrides=setup.impl.overrides())
+        setup.impl.bind(chunks)
+        logprob = rd.record_pass(chunks, items, seq_len=glob.seq_len, impl=setup.impl)
+        plain = rd.run_pass(chunks, items, seq_len=glob.seq_len, forward_only=True)
+        shape = _num_layers(chunks)
+        global_routes = views.to_global({views.rank_coords(one, rank=0, world_size=1): logprob.routes}, one,
+                                        world_size=1, seq_len=glob.seq_len, batch=glob.batch, num_layers=shape,
+                                        moe_layers=logprob.routes.layers)
+    del rt
+    return global_routes, plain.seq_loss
+
+
+def _num_layers(chunks: list) -> int:
+    return int(chunks[0].config.num_layers)
+
+
+def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], reference, notes: dict) -> None:
+    """Every subcheck of one variant under the scenario layout (model-parallel state already set)."""
+    opts, impl, p, seq = setup.opts, setup.impl, setup.prefix, setup.batches.seq_len
+    want = set(opts.subchecks)
+    chunks = _build(setup, setup.layout, overrides=impl.overrides())
+    impl.bind(chunks)
+    plain = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
+    logprob = rd.record_pass(chunks, setup.items, seq_len=seq, impl=impl)
+    routes = logprob.routes
+    replayed = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
+    if "equivalence" in want:
+        t = tallies["equivalence"]
+        rc.check_recorded(t, routes, plain, prefix=p + "recorded vs plain pass: ")
+        rc.compare_passes(t, plain, replayed, prefix=p + "replay vs plain pass: ")
+        for msg in impl.check_consumed(recompute=False):
+            t.fail(p + msg)
+    if "native_parity" in want:
+        _native_parity(setup, tallies["native_parity"], routes, replayed)
+    if "cross_layout" in want and reference is not None:
+        _cross_layout(setup, tallies["cross_layout"], chunks, reference, routes, notes)
+    if not want & {"drift", "recompute"}:
+        return
+    _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+    native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
+    drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
+    if "drift" in want:
+        t = tallies["drift"]
+        counts = rc.drift_agreement(routes, native)
+        rc.check_drift_moved(t, counts, prefix=p)
+        rc.check_follows(t, routes, drifted, prefix=p, what="recorded")
+        notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
+    if "recompute" in want:
+        del chunks
+        _recompute(setup, tallies["recompute"], routes, drifted)
+
+
+def _native_parity(setup: _Setup, t: Tally, routes, replayed) -> None:
+    native_impl = NativeReplay()
+    with pristine():
+        chunks = _build(setup, setup.layout, overrides=native_impl.overrides())
+        native_impl.bind(chunks)
+        native = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl, routes=routes)
+    rc.compare_passes(t, native, replayed, prefix=setup.prefix + "vs native RouterReplay: ")
+
+
+def _cross_layout(setup: _Setup, t: Tally, chunks: list, reference, own_routes, notes: dict) -> None:
+    global_routes, ref_seq_loss = reference
+    b = setup.batches
+    local = views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
+                           num_layers=_num_layers(chunks))
+    got = rd.replay_pass(chunks, setup.items, seq_len=b.seq_len, impl=setup.impl, routes=local)
+    rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference")
+    rc.check_losses_close(t, got, ref_seq_loss, dp_rank=setup.coords.dp, batch=b.batch, prefix=setup.prefix)
+    notes.setdefault("native_vs_reference_agreement", {}).update(
+        {str(k): v for k, v in rc.layer_agreement(local, own_routes).items()})
+
+
+def _recompute(setup: _Setup, t: Tally, routes, drifted) -> None:
+    if setup.impl.recompute_unsupported:
+        t.fail(f"{setup.prefix}{setup.impl.name} cannot replay in recompute: {setup.impl.recompute_unsupported}")
+        return
+    for mode in setup.opts.recompute:
+        p = f"{setup.prefix}recompute={mode}: "
+        chunks = _build(setup, setup.layout, overrides=setup.impl.overrides(), extra=RECOMPUTE_MODES[mode])
+        _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+        setup.impl.bind(chunks)
+        got = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=setup.impl, routes=routes)
+        rc.compare_passes(t, drifted, got, prefix=p + "vs no-recompute replay: ")
+        rc.check_recompute_calls(t, got, microbatches=routes.microbatches, prefix=p)
+        for msg in setup.impl.check_consumed(recompute=True):
+            t.fail(p + msg)
+
+
+def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Tally]:
+    """Rank 0 gets every rank's counts and failures (prefixed with the rank)."""
+    mine = {name: (t.checked, [f"{label}: {m}" for m in t.failures], t.dropped) for name, t in tallies.items()}
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        everyone = [mine]
+    else:
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+    merged = {}
+    for name in tallies:
+        t = Tally()
+        for per_rank in everyone:
+            checked, failures, dropped = per_rank[name]
+            t.checked += checked - len(failures)
+            for msg in failures:
+                t.fail(msg)
+            t.dropped += dropped
+        merged[name] = t
+    return merged if rank == 0 else tallies
+
+
+def run(ctx) -> dict[str, Tally]:
+    """The replay check on this rank; rank 0's return value holds every rank's results."""
+    from moeverify import runtime
+
+    opts = ReplayOptions.from_options(ctx.options)
+    scenario, layout = ctx.scenario, ctx.scenario.layout
+    impl = make_impl(opts.impl)
+    impl.apply()
+    coords = views.rank_coords(layout, rank=ctx.rank, world_size=ctx.world_size)
+    tallies = {name: Tally() for name in opts.subchecks}
+    all_notes: dict[str, dict] = {}
+    vocab = _vocab_size(scenario.family)
+    for variant in opts.variants:
+        batches = rd.Batches(seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.num_microbatches(layout),
+                             dp=layout.dp(ctx.world_size), vocab_size=vocab, seed=scenario.seed,
+                             padding=variant.padding)
+        items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
+        setup = _Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
+                       batches=batches, items=items)
+        notes: dict = {}
+        try:
+            reference = _reference(setup) if "cross_layout" in opts.subchecks else None
+            with runtime.parallel(layout, seed=scenario.seed):
+                _variant_on_layout(setup, tallies, reference, notes)
+        except MoEVerifyError as e:  # an implementation refusing a variant fails it, with its reason
+            for t in tallies.values():
+                t.fail(f"{setup.prefix}{type(e).__name__}: {e}")
+        all_notes[variant.name] = notes
+    merged = _gather(tallies, rank=ctx.rank, label=coords.label())
+    if ctx.rank == 0 and opts.notes_path:
+        with open(opts.notes_path, "w") as f:
+            json.dump({"scenario": scenario.name, "impl": opts.impl, "variants": all_notes}, f, indent=1)
+    return merged
+
+
+def _vocab_size(family: str) -> int:
+    from moeverify.models import hf_config_dict
+
+    return int(hf_config_dict(family)["vocab_size"])

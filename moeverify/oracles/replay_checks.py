@@ -1,0 +1,144 @@
+"""The replay subchecks' comparisons: what one rank observed vs what it should have, into Tallies.
+
+Plain tensors and ``PassResult``s only (no Megatron import); ``replay.py`` runs the passes.
+Legend of shape suffixes: T = tokens (router order), E = experts, K = top-k, B = sequences.
+"""
+
+from __future__ import annotations
+
+from moeverify.oracles.replay_compare import (agreement, compare_maps, describe_mismatch, map_from_topk_ids,
+                                              same_experts, topk_ids_from_map, close_within, bitwise_equal)
+from moeverify.oracles.results import Tally
+from moeverify.routes import Routes
+
+# Cross-layout losses are compared within this fp32 tolerance, not bitwise: TP splits the hidden
+# dimension of row-parallel matmuls and all-reduces the partial sums, EP sums expert outputs after an
+# all-to-all in a different order, SP/CP change which tokens are summed together in the loss; fp32
+# addition is not associative, so the same routes give losses equal only to a few ulps per op.
+CROSS_LAYOUT_RTOL = 1e-4
+CROSS_LAYOUT_ATOL = 1e-4
+
+
+def _fill(t: Tally, checked: int, failures: list[str], prefix: str) -> None:
+    t.ok(checked - len(failures))
+    for msg in failures:
+        t.fail(f"{prefix}{msg}")
+
+
+def compare_passes(t: Tally, expected, got, *, prefix: str, grads: bool = True, logits: bool = True) -> None:
+    """Bitwise: routing maps and probs of every (layer, mb), logits, per-sequence losses, gradients."""
+    _fill(t, *compare_maps({k: v[0] for k, v in expected.routing.items()},
+                           {k: v[0] for k, v in got.routing.items()}, what="routing map (layer, mb)"), prefix)
+    _fill(t, *compare_maps({k: v[1] for k, v in expected.routing.items()},
+                           {k: v[1] for k, v in got.routing.items()}, what="router probs (layer, mb)"), prefix)
+    if logits:
+        _fill(t, *compare_maps(expected.logits, got.logits, what="logits mb"), prefix)
+        _fill(t, *compare_maps(expected.seq_loss, got.seq_loss, what="loss mb"), prefix)
+    if grads:
+        _fill(t, *compare_maps(expected.grads, got.grads, what="grad"), prefix)
+
+
+def check_recorded(t: Tally, routes: Routes, observed, *, prefix: str) -> None:
+    """The routes an implementation recorded are the routes its routers took (as observed by hooks)."""
+    observed_layers = sorted({layer for layer, _ in observed.routing})
+    if list(routes.layers) != observed_layers:
+        t.fail(f"{prefix}recorded layers {list(routes.layers)} != layers that routed {observed_layers}")
+        return
+    for (layer, mb), (map_TE, _) in sorted(observed.routing.items()):
+        if mb >= routes.microbatches:
+            t.fail(f"{prefix}layer {layer} mb {mb}: not recorded ({routes.microbatches} micro-batch(es) held)")
+            continue
+        got_TE = map_from_topk_ids(routes.get(layer, mb), num_experts=map_TE.shape[1])
+        if got_TE.shape != map_TE.shape:
+            t.fail(f"{prefix}layer {layer} mb {mb}: recorded route shape {tuple(routes.get(layer, mb).shape)} "
+                   f"!= router tokens {map_TE.shape[0]}")
+            continue
+        bad = int((got_TE != map_TE).any(dim=1).sum())
+        t.check(bad == 0, f"{prefix}layer {layer} mb {mb}: recorded routes differ from the routes taken "
+                          f"for {bad} of {map_TE.shape[0]} token(s)")
+
+
+def check_follows(t: Tally, routes: Routes, observed, *, prefix: str, what: str) -> None:
+    """Every (layer, mb) the routers ran used exactly ``routes`` (expert sets per token)."""
+    ran = sorted(observed.routing)
+    if not ran:
+        t.fail(f"{prefix}no router ran")
+    for layer in routes.layers:
+        for mb in range(routes.microbatches):
+            if (layer, mb) not in observed.routing:
+                t.fail(f"{prefix}layer {layer} mb {mb}: {what} route never used (router did not run)")
+    for layer, mb in ran:
+        got_TK = topk_ids_from_map(observed.routing[(layer, mb)][0])
+        if layer not in routes.layers or mb >= routes.microbatches:
+            t.fail(f"{prefix}layer {layer} mb {mb}: routed, but no {what} route exists for it")
+            continue
+        want_TK = routes.get(layer, mb)
+        if want_TK.shape != got_TK.shape:
+            t.fail(f"{prefix}layer {layer} mb {mb}: routed {tuple(got_TK.shape)} tokens x k, {what} routes hold "
+                   f"{tuple(want_TK.shape)}")
+            continue
+        same_T = same_experts(want_TK, got_TK)
+        bad = int((~same_T).sum())
+        t.check(bad == 0, f"{prefix}layer {layer} mb {mb}: {bad} of {same_T.numel()} token(s) did not follow the "
+                          f"{what} routes (first token {int((~same_T).nonzero()[0]) if bad else -1})")
+
+
+def drift_agreement(routes: Routes, native) -> dict[int, tuple[int, int]]:
+    """Per layer ``(tokens whose native expert set equals the replayed one, tokens)`` summed over mbs."""
+    out: dict[int, tuple[int, int]] = {}
+    for (layer, mb), (map_TE, _) in native.routing.items():
+        if layer not in routes.layers or mb >= routes.microbatches:
+            continue
+        same_T = same_experts(routes.get(layer, mb), topk_ids_from_map(map_TE))
+        s, n = out.get(layer, (0, 0))
+        out[layer] = (s + int(same_T.sum()), n + same_T.numel())
+    return out
+
+
+def check_drift_moved(t: Tally, counts: dict[int, tuple[int, int]], *, prefix: str) -> None:
+    """The perturbation must change native routing somewhere, else the drift check proves nothing."""
+    same = sum(s for s, _ in counts.values())
+    total = sum(n for _, n in counts.values())
+    t.check(total > 0 and same < total,
+            f"{prefix}perturbing the router weights changed no native route ({same} of {total} tokens kept their "
+            "experts): the drift check would prove nothing")
+
+
+def check_recompute_calls(t: Tally, got, *, microbatches: int, prefix: str) -> None:
+    """Each layer recomputed each micro-batch once, in forward order, with the forward's routes."""
+    for layer, calls in sorted(got.recompute.items()):
+        if not t.check(len(calls) == microbatches,
+                       f"{prefix}layer {layer}: {len(calls)} recompute routing call(s), expected {microbatches} "
+                       "(one per micro-batch)"):
+            continue
+        for i, (map_TE, probs_TE) in enumerate(calls):
+            fwd = got.routing.get((layer, i))
+            if fwd is None:
+                t.fail(f"{prefix}layer {layer}: recompute call {i} has no forward micro-batch {i}")
+                continue
+            bad = int((map_TE != fwd[0]).any(dim=1).sum()) if map_TE.shape == fwd[0].shape else map_TE.shape[0]
+            t.check(bad == 0, f"{prefix}layer {layer} mb {i}: recompute routed {bad} of {map_TE.shape[0]} token(s) "
+                              "differently from its forward (recompute did not replay)")
+            t.check(bitwise_equal(probs_TE, fwd[1]),
+                    f"{prefix}layer {layer} mb {i}: recompute probs differ from the forward's: "
+                    f"{describe_mismatch(fwd[1], probs_TE)}")
+
+
+def check_losses_close(t: Tally, got, ref_seq_loss: dict, *, dp_rank: int, batch: int, prefix: str) -> None:
+    """Per-sequence CE sums of this DP rank vs the reference's same sequences, within the fp32 tolerance."""
+    for mb, sums_B in sorted(got.seq_loss.items()):
+        ref_B = ref_seq_loss[mb][dp_rank * batch:(dp_rank + 1) * batch]
+        for b in range(sums_B.numel()):
+            x, y = float(ref_B[b]), float(sums_B[b])
+            t.check(close_within(x, y, rtol=CROSS_LAYOUT_RTOL, atol=CROSS_LAYOUT_ATOL),
+                    f"{prefix}mb {mb} sequence {dp_rank * batch + b}: loss {y!r} vs 1-rank reference {x!r} "
+                    f"(|diff| {abs(x - y):.3e} > atol {CROSS_LAYOUT_ATOL} + rtol {CROSS_LAYOUT_RTOL} * |ref|)")
+
+
+def layer_agreement(a: Routes, b: Routes) -> dict[int, float]:
+    """Per-layer agreement of two route sets over all micro-batches they share."""
+    out = {}
+    for layer in sorted(set(a.layers) & set(b.layers)):
+        values = [agreement(a.get(layer, mb), b.get(layer, mb)) for mb in range(min(a.microbatches, b.microbatches))]
+        out[layer] = sum(values) / len(values) if values else 1.0
+    return out
