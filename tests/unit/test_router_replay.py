@@ -1,0 +1,381 @@
+"""Router replay on real Megatron-Core TopKRouters built on CPU (1-rank gloo world).
+
+Legend: T = tokens, E = experts, K = top-k, H = hidden.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from moeverify.errors import RouteError, UsageError
+from moeverify.layout import Layout
+from moeverify.patches import router_replay as rr
+from moeverify.routes import Routes
+
+H, E, K, S, B = 16, 8, 2, 6, 2  # hidden, experts, top-k, sequence, batch: T = S * B = 12
+T = S * B
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_world():
+    from moeverify import runtime
+
+    runtime.init("cpu")
+    with runtime.parallel(Layout(), seed=0):
+        rr.apply()
+        try:
+            yield
+        finally:
+            rr.revert()
+
+
+def make_router(layer: int, *, seed: int = 0, mtp: bool = False, **overrides):
+    """A TopKRouter with its 1-based layer number set, weights from ``seed``."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(num_layers=4, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
+                    use_cpu_initialization=True, moe_aux_loss_coeff=0.0, add_bias_linear=False)
+    settings.update(overrides)
+    config = TransformerConfig(**settings)
+    torch.manual_seed(seed)
+    router = TopKRouter(config, pg_collection=get_default_pg_collection(), is_mtp_layer=mtp)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    router.set_layer_number(layer)
+    return router
+
+
+def hidden(seed: int, *, tokens: int = S) -> torch.Tensor:
+    return torch.randn(tokens, B, H, generator=torch.Generator().manual_seed(100 + seed))
+
+
+def ids_of(routing_map_TE: torch.Tensor) -> torch.Tensor:
+    """Sorted expert ids per token from a dense routing map."""
+    return routing_map_TE.nonzero()[:, 1].view(routing_map_TE.shape[0], -1)
+
+
+def random_routes(layers, *, microbatches: int = 1, tokens: int = T, seed: int = 7) -> Routes:
+    g = torch.Generator().manual_seed(seed)
+    per_layer = {layer: [torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K] for _ in range(microbatches)]
+                 for layer in layers}
+    return Routes(per_layer, num_experts=E, topk=K)
+
+
+def test_apply_idempotent_and_revert_restores_original():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    patched = TopKRouter.__dict__["routing"]
+    rr.apply()
+    assert TopKRouter.__dict__["routing"] is patched
+    rr.revert()
+    assert TopKRouter.__dict__["routing"] is not patched
+    assert TopKRouter.__dict__["routing"].__module__ == "megatron.core.transformer.moe.router"
+    rr.apply()
+    assert TopKRouter.__dict__["routing"] is patched
+
+
+def test_apply_foreign_patch_refused():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from moeverify.errors import EnvironmentProblem
+
+    rr.revert()
+    original = TopKRouter.routing
+
+    def foreign(self, logits, padding_mask=None):
+        return original(self, logits, padding_mask)
+
+    TopKRouter.routing = foreign
+    try:
+        with pytest.raises(EnvironmentProblem, match="TopKRouter.routing was replaced by .*foreign"):
+            rr.apply()
+    finally:
+        TopKRouter.routing = original
+        rr.apply()
+
+
+def test_session_without_apply_refused():
+    session = rr.ReplaySession(make_router(1))
+    rr.revert()
+    try:
+        with pytest.raises(UsageError, match="not applied; call router_replay.apply"):
+            with session.record():
+                pass
+    finally:
+        rr.apply()
+
+
+def test_record_matches_torch_topk_reference():
+    router = make_router(2)
+    session = rr.ReplaySession(router)
+    x = hidden(0)
+    with torch.no_grad(), session.record():
+        router(x)
+        router(hidden(1))
+    routes = session.routes()
+    assert routes.layers == (1,) and routes.microbatches == 2
+    logits_TE = (x.view(T, H) @ router.weight.t()).double()
+    expected = torch.topk(logits_TE, K, dim=1).indices.sort(dim=1).values
+    assert torch.equal(routes.get(1, 0).sort(dim=1).values, expected)
+
+
+def test_replay_bitwise_equal_to_native_forward_backward():
+    native, subject = make_router(1, seed=3), make_router(1, seed=3)
+    x = hidden(2)
+    probs_native, map_native = native(x)
+    probs_native.square().sum().backward()
+    session = rr.ReplaySession(subject)
+    with torch.no_grad(), session.record():
+        subject(x)
+    with session.replay(session.routes()):
+        probs, routing_map = subject(x)
+        probs.square().sum().backward()
+    session.check_consumed()
+    assert torch.equal(probs, probs_native) and torch.equal(routing_map, map_native)
+    assert torch.equal(subject.weight.grad, native.weight.grad)
+
+
+def test_replay_perturbed_weights_follows_recorded_routes():
+    router = make_router(1, seed=4)
+    session = rr.ReplaySession(router)
+    x = hidden(3)
+    with torch.no_grad(), session.record():
+        router(x)
+    routes = session.routes()
+    with torch.no_grad():
+        router.weight.add_(torch.randn(E, H, generator=torch.Generator().manual_seed(9)))
+        natively = ids_of(router(x)[1])
+    assert not torch.equal(natively, routes.get(0, 0).sort(dim=1).values)  # the perturbation changes routes
+    with session.replay(routes):
+        probs_TE, map_TE = router(x)
+    agree = (ids_of(map_TE) == routes.get(0, 0).sort(dim=1).values).all(dim=1).float().mean()
+    assert agree.item() == 1.0
+    logits_TE = (x.view(T, H) @ router.weight.t()).detach().double()
+    ref_TK = torch.softmax(logits_TE.gather(1, routes.get(0, 0)), dim=-1)
+    got_TK = probs_TE.detach().double().gather(1, routes.get(0, 0))
+    torch.testing.assert_close(got_TK, ref_TK, rtol=1e-6, atol=1e-7)
+
+
+def test_replay_matches_megatron_native_router_replay_bitwise():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    RouterReplay.global_router_replay_instances.clear()
+    native = make_router(1, seed=5, moe_enable_routing_replay=True, moe_router_score_function="sigmoid",
+                         moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2)
+    ours = make_router(1, seed=5, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_router_num_groups=4, moe_router_group_topk=2)
+    routes = random_routes([0])
+    try:
+        native.router_replay.set_target_indices(routes.get(0, 0))
+        native.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        probs_native, _ = native(hidden(4))
+        probs_native.sum().backward()
+    finally:
+        native.router_replay.clear_router_replay_action()
+        RouterReplay.global_router_replay_instances.clear()
+    session = rr.ReplaySession(ours)
+    with session.replay(routes):
+        probs, _ = ours(hidden(4))
+        probs.sum().backward()
+    assert torch.equal(probs, probs_native) and torch.equal(ours.weight.grad, native.weight.grad)
+
+
+def checkpointed(router, x):
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.checkpoint(lambda inp: router(inp)[0], False, x)
+
+
+def test_recompute_replays_same_microbatch_not_next():
+    plain, ckpt = make_router(1, seed=6), make_router(1, seed=6, recompute_granularity="full",
+                                                        recompute_method="uniform", recompute_num_layers=1)
+    routes = random_routes([0], microbatches=2)
+    xs = [hidden(10).requires_grad_(), hidden(11).requires_grad_()]
+    s_plain, s_ckpt = rr.ReplaySession(plain), rr.ReplaySession(ckpt)
+    with s_plain.replay(routes):
+        outs = [plain(x)[0] for x in xs]
+        for out in outs:
+            out.square().sum().backward()
+    with s_ckpt.replay(routes):
+        outs = [checkpointed(ckpt, x) for x in xs]
+        for out in outs:  # backward in forward order, as Megatron's schedules do
+            out.square().sum().backward()
+    s_ckpt.check_consumed()
+    assert torch.equal(ckpt.weight.grad, plain.weight.grad)
+
+
+def test_check_consumed_missing_recompute_raises():
+    router = make_router(1, seed=6, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    session = rr.ReplaySession(router)
+    with session.replay(random_routes([0], microbatches=2)):
+        out0 = checkpointed(router, hidden(0).requires_grad_())
+        checkpointed(router, hidden(1).requires_grad_())
+        out0.sum().backward()
+    with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 1: recomputed 0 time\(s\), expected exactly 1"):
+        session.check_consumed()
+
+
+def test_recompute_without_pending_forward_raises():
+    router = make_router(1, seed=6)
+    session = rr.ReplaySession(router)
+    x = hidden(0).requires_grad_()
+    with session.replay(random_routes([0]), recompute=False):
+        out = checkpointed(router, x)
+        with pytest.raises(RouteError, match="layer 0 rank 0: a recompute asked for routes but no replayed forward"):
+            out.sum().backward()
+
+
+def test_replay_too_few_microbatches_raises():
+    router = make_router(1)
+    session = rr.ReplaySession(router)
+    with session.replay(random_routes([0], microbatches=1)):
+        router(hidden(0))
+        with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 1: forward asked for micro-batch 1 but only 1"):
+            router(hidden(1))
+
+
+def test_check_consumed_too_many_microbatches_raises():
+    router = make_router(1)
+    session = rr.ReplaySession(router)
+    with session.replay(random_routes([0], microbatches=3)):
+        router(hidden(0))
+    with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 1: 2 of 3 replayed micro-batch\(es\) never used"):
+        session.check_consumed()
+
+
+def test_replay_token_count_mismatch_raises():
+    router = make_router(1)
+    session = rr.ReplaySession(router)
+    with session.replay(random_routes([0], tokens=T + 2)):
+        with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 0: replay ids shape \(14, 2\) != expected \(T=12"):
+            router(hidden(0))
+
+
+def test_replay_layer_set_mismatch_raises():
+    session = rr.ReplaySession([make_router(1), make_router(3)])
+    with pytest.raises(RouteError, match=r"routes layers \[0, 1\] != expected \[0, 2\] \(missing \[2\], extra \[1\]"):
+        with session.replay(random_routes([0, 1])):
+            pass
+
+
+def test_replay_routes_of_other_model_raises():
+    session = rr.ReplaySession(make_router(1))
+    other = Routes({0: [torch.zeros(T, 1, dtype=torch.int64)]}, num_experts=4, topk=1)
+    with pytest.raises(RouteError, match=r"routes of another model: \(num_experts, topk\) = \(4, 1\) != expected \(8, 2\)"):
+        with session.replay(other):
+            pass
+
+
+def test_two_models_one_process_only_bound_model_replays():
+    actor, reference = make_router(1, seed=8), make_router(1, seed=8)
+    expected_map = reference(hidden(5))[1]
+    session = rr.ReplaySession(actor)
+    routes = random_routes([0])
+    with session.replay(routes):
+        actor_map = actor(hidden(5))[1]
+        reference_map = reference(hidden(5))[1]
+    assert torch.equal(ids_of(actor_map), routes.get(0, 0).sort(dim=1).values)
+    assert torch.equal(reference_map, expected_map)
+
+
+def test_two_sessions_same_router_refused():
+    router = make_router(1)
+    first, second = rr.ReplaySession(router), rr.ReplaySession(router)
+    with first.record():
+        with pytest.raises(UsageError, match="layer 0: its router is held by another active session"):
+            with second.record():
+                pass
+
+
+def test_vpp_chunks_keyed_by_global_layer():
+    # chunk 0 holds global layers 1 and 3 (0-based 0, 2), chunk 1 holds 2 and 4: construction order differs.
+    chunk1 = torch.nn.ModuleList([make_router(2, seed=1), make_router(4, seed=2)])
+    chunk0 = torch.nn.ModuleList([make_router(1, seed=3), make_router(3, seed=4)])
+    session = rr.ReplaySession([chunk0, chunk1])
+    assert session.layers == (0, 1, 2, 3)
+    routes = random_routes(session.layers)
+    with session.replay(routes):
+        maps = {layer - 1: r(hidden(6))[1] for chunk in (chunk1, chunk0) for r in chunk
+                for layer in [r.layer_number]}
+    session.check_consumed()
+    for layer, routing_map in maps.items():
+        assert torch.equal(ids_of(routing_map), routes.get(layer, 0).sort(dim=1).values), layer
+
+
+def test_mtp_router_keyed_after_decoder_layers():
+    session = rr.ReplaySession([make_router(4), make_router(1, mtp=True)])
+    assert session.layers == (3, 4)
+
+
+def test_duplicate_global_layer_refused():
+    with pytest.raises(UsageError, match="two routers claim global layer 0"):
+        rr.ReplaySession([make_router(1), make_router(1)])
+
+
+def test_rebuilt_model_refused():
+    router = make_router(1)
+    session = rr.ReplaySession(router)
+    del router
+    gc.collect()
+    with pytest.raises(UsageError, match="router of layer 0 no longer exists"):
+        with session.record():
+            pass
+
+
+def test_fused_router_refused():
+    router = make_router(1)
+    router.config.moe_router_fusion = True
+    with pytest.raises(UsageError, match="layer 0: moe_router_fusion=True takes a fused top-k path"):
+        with rr.ReplaySession(router).record():
+            pass
+
+
+def test_fused_router_disabled_while_active_and_restored():
+    router = make_router(1)
+    router.config.moe_router_fusion = True
+    session = rr.ReplaySession(router, disable_fusion=True)
+    with torch.no_grad(), session.record():
+        assert router.config.moe_router_fusion is False
+        router(hidden(0))
+    assert router.config.moe_router_fusion is True
+    assert session.routes().microbatches == 1
+
+
+def test_sinkhorn_refused():
+    router = make_router(1, moe_router_load_balancing_type="sinkhorn")
+    with pytest.raises(UsageError, match=r"load-balancing type\(s\) \['sinkhorn'\] select experts outside"):
+        with rr.ReplaySession(router).replay(random_routes([0])):
+            pass
+
+
+def test_native_replay_action_conflict_refused():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    router = make_router(1, moe_enable_routing_replay=True)
+    router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        with pytest.raises(UsageError, match="native RouterReplay action .* is set on a router held"):
+            with rr.ReplaySession(router).record():
+                pass
+    finally:
+        RouterReplay.global_router_replay_instances.clear()
+
+
+def test_check_consumed_before_replay_refused():
+    with pytest.raises(UsageError, match="check_consumed\\(\\) needs a replay first"):
+        rr.ReplaySession(make_router(1)).check_consumed()
+
+
+def test_routes_before_record_refused():
+    with pytest.raises(UsageError, match="nothing recorded yet"):
+        rr.ReplaySession(make_router(1)).routes()
+
+
+def test_session_without_routers_refused():
+    with pytest.raises(UsageError, match="found no TopKRouter"):
+        rr.ReplaySession(torch.nn.Linear(2, 2))
