@@ -1,0 +1,153 @@
+"""A CPU layer spec: megatron-core's local spec with the two modules that keep it from running our matrix.
+
+megatron-core 0.19.2's local spec refuses two things every matrix needs (ENVIRONMENT.md):
+- its torch norm asserts "sequence parallel not supported by torch LayerNorm", and MoE with tp > 1 needs
+  sequence parallelism: ``CpuNorm`` is the same per-token norm, marked ``sequence_parallel`` so that
+  Megatron all-reduces its gradients across TP exactly as it does for TE's norms;
+- its ``DotProductAttention`` takes no ``k_channels``/``v_channels`` (MLA) and refuses context parallelism:
+  ``CpuCoreAttention`` is a plain causal attention on ``[s, b, heads, dim]`` that takes MLA's arguments and,
+  under CP, all-gathers K/V from the CP group and masks with the global positions of Megatron's
+  load-balanced split (chunks ``r`` and ``2*cp-1-r``). CP replicates weights and splits activations, so
+  this is functionally faithful.
+Legend: S = local sequence, B = micro-batch, H = heads, D = head dim, G = query groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+class CpuNorm:
+    """``torch.nn.RMSNorm`` / ``LayerNorm`` built from a Megatron config, usable under sequence parallelism."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"CpuNorm supports RMSNorm and LayerNorm, got {config.normalization!r}")
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+class _GatherFromCP(torch.autograd.Function):
+    """All-gather along dim 0 over the CP group; backward all-reduces and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, tensor_SBHD, group):
+        ctx.group = group
+        world = torch.distributed.get_world_size(group)
+        parts = [torch.empty_like(tensor_SBHD) for _ in range(world)]
+        torch.distributed.all_gather(parts, tensor_SBHD.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        rank = torch.distributed.get_rank(ctx.group)
+        size = grad.shape[0] // torch.distributed.get_world_size(ctx.group)
+        return grad[rank * size:(rank + 1) * size], None
+
+
+def cp_positions(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global sequence positions of the tokens a CP rank holds under Megatron's load-balanced split."""
+    if cp_size == 1:
+        return torch.arange(local_len)
+    chunk = local_len // 2
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+class CpuCoreAttention(MegatronModule):
+    """Causal scaled-dot-product core attention for CPU ranks (GQA, MLA channel sizes, CP)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type=None,
+                 pg_collection=None, **_unused):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        k_dim = k_channels if k_channels is not None else config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+
+    def _cp_group(self):
+        if self.cp_group is not None:
+            return self.cp_group
+        return parallel_state.get_context_parallel_group()
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise ValueError("CpuCoreAttention does not support packed sequences")
+        q_SBHD, k_SBGD, v_SBGD = query, key, value
+        group = self._cp_group()
+        cp_size = torch.distributed.get_world_size(group) if group is not None else 1
+        if cp_size > 1:
+            cp_rank = torch.distributed.get_rank(group)
+            k_SBGD = _GatherFromCP.apply(k_SBGD, group)
+            v_SBGD = _GatherFromCP.apply(v_SBGD, group)
+            q_pos = cp_positions(q_SBHD.shape[0], cp_rank, cp_size)
+            k_pos = torch.cat([cp_positions(q_SBHD.shape[0], r, cp_size) for r in range(cp_size)])
+        else:
+            q_pos = torch.arange(q_SBHD.shape[0])
+            k_pos = torch.arange(k_SBGD.shape[0])
+        heads, groups = q_SBHD.shape[2], k_SBGD.shape[2]
+        if heads != groups:
+            k_SBGD = k_SBGD.repeat_interleave(heads // groups, dim=2)
+            v_SBGD = v_SBGD.repeat_interleave(heads // groups, dim=2)
+        q_BHSD, k_BHSD, v_BHSD = (t.permute(1, 2, 0, 3) for t in (q_SBHD, k_SBGD, v_SBGD))
+        scores = torch.matmul(q_BHSD.float(), k_BHSD.float().transpose(-1, -2)) * self.softmax_scale
+        causal = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)  # [Sq, Sk], True = masked
+        scores = scores.masked_fill(causal.to(scores.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v_BHSD.dtype)
+        if self.training and self.dropout_p > 0:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                probs = torch.nn.functional.dropout(probs, p=self.dropout_p)
+        out_BHSD = torch.matmul(probs, v_BHSD)
+        s, b = out_BHSD.shape[2], out_BHSD.shape[0]
+        return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _patch_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
+    spec = copy.deepcopy(layer_spec)
+    sub = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(sub, name, None) is not None and not _is_identity(getattr(sub, name)):
+            setattr(sub, name, CpuNorm)
+    attn = sub.self_attention.submodules
+    attn.core_attention = CpuCoreAttention
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+        if hasattr(attn, name) and not _is_identity(getattr(attn, name)):
+            setattr(attn, name, CpuNorm)
+    return spec
+
+
+def _is_identity(module) -> bool:
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return module is IdentityOp or (isinstance(module, ModuleSpec) and module.module is IdentityOp)
+
+
+def cpu_block_spec(config, vp_stage: int | None = None):
+    """Decoder block spec for ``config`` (dense and MoE layers mixed per ``moe_layer_freq``) on CPU."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                       normalization=config.normalization, vp_stage=vp_stage)
+    block.layer_specs = [_patch_layer_spec(s) for s in block.layer_specs]
+    block.layer_norm = CpuNorm
+    return block

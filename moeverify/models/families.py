@@ -1,0 +1,144 @@
+"""Tiny HF model families made in code: configs, seeded weights, safetensors checkpoints in a cache dir.
+
+No hub access. For a given (family, seed) the checkpoint bytes are deterministic. Weights are stored
+in bf16 like real checkpoints, except DeepSeek-V3's ``e_score_correction_bias``, which real checkpoints
+keep in fp32 (a tiny model stored all-bf16 would hide fp32 bugs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moeverify.errors import UsageError
+from moeverify.layout import ModelShape
+
+_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+               attention_dropout=0.0, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+# family -> (HF architecture, config class module/name, config kwargs)
+_FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen2": ("Qwen2ForCausalLM", dict(_COMMON, model_type="qwen2", intermediate_size=128,
+                                       tie_word_embeddings=False)),
+    "qwen2_tied": ("Qwen2ForCausalLM", dict(_COMMON, model_type="qwen2", intermediate_size=128,
+                                            tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(_COMMON, model_type="qwen3_moe", head_dim=16, intermediate_size=128,
+                                              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                              tie_word_embeddings=False)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
+        _COMMON, model_type="deepseek_v3", num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
+        tie_word_embeddings=False, num_nextn_predict_layers=0)),
+}
+
+FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def _check_family(family: str) -> None:
+    if family not in _FAMILIES:
+        raise UsageError(f"unknown model family {family!r}; known families: {', '.join(FAMILIES)}")
+
+
+def hf_config_dict(family: str) -> dict:
+    """The HF ``config.json`` content of a family (plain dict)."""
+    _check_family(family)
+    arch, kwargs = _FAMILIES[family]
+    return dict(kwargs, architectures=[arch], dtype="bfloat16")
+
+
+def family_shape(family: str) -> ModelShape:
+    """Layer, head and expert counts the layout rules check against."""
+    cfg = hf_config_dict(family)
+    layers = cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if family == "deepseek_v3":
+        moe_layers = tuple(range(cfg["first_k_dense_replace"], layers))
+    elif experts:
+        moe_layers = tuple(i for i in range(layers) if i not in cfg["mlp_only_layers"])
+    else:
+        moe_layers = ()
+    return ModelShape(num_layers=layers, num_heads=cfg["num_attention_heads"],
+                      num_query_groups=cfg["num_key_value_heads"], num_experts=experts, moe_layers=moe_layers)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MOEVERIFY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moeverify")
+    return Path(root) / "models"
+
+
+def _fingerprint(family: str, seed: int) -> str:
+    import transformers
+
+    blob = json.dumps([hf_config_dict(family), seed, transformers.__version__, _WEIGHTS_VERSION], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+_WEIGHTS_VERSION = 1  # bump when the weight recipe below changes
+
+
+def _seeded_weights(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter and float buffer with seeded values (independent of HF's init order)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(list(model.named_parameters()) + list(model.named_buffers())):
+            if not tensor.is_floating_point() or "rotary" in name or "inv_freq" in name:
+                continue
+            noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                value = 1.0 + 0.1 * noise
+            elif "e_score_correction_bias" in name:
+                value = 0.05 * noise  # non-zero so that bias-aware routing differs from bias-free
+            elif name.endswith(".bias"):
+                value = 0.02 * noise
+            elif ".gate.weight" in name or name.endswith("gate.weight"):
+                value = 0.5 * noise  # router: spread logits so that top-k choices are well separated
+            else:
+                value = 0.05 * noise
+            tensor.copy_(value.to(tensor.dtype))
+
+
+def _write_checkpoint(family: str, seed: int, dst: Path) -> None:
+    import transformers
+
+    cfg = hf_config_dict(family)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config.architectures = cfg["architectures"]
+    model_cls = getattr(transformers, cfg["architectures"][0])
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.bfloat16)
+    for module in model.modules():  # real DeepSeek-V3 keeps the router's correction bias in fp32
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            module.e_score_correction_bias = bias.to(torch.float32)
+    _seeded_weights(model, seed)
+    model.save_pretrained(dst, safe_serialization=True)
+
+
+def hf_checkpoint(family: str, seed: int = 0) -> Path:
+    """Path of the tiny HF checkpoint of ``family`` (created once, atomically, in the cache dir)."""
+    _check_family(family)
+    dst = cache_dir() / f"{family}-seed{seed}-{_fingerprint(family, seed)}"
+    if (dst / "config.json").exists():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        _write_checkpoint(family, seed, tmp)
+        try:
+            os.rename(tmp, dst)  # atomic; another rank may have won the race, which is fine
+        except OSError:
+            if not (dst / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst

@@ -1,0 +1,125 @@
+"""How code runs: the device backend, process groups with timeouts, model-parallel state per Layout.
+
+``init(backend="auto")`` picks cuda+nccl where GPUs are visible, else cpu+gloo with megatron-core's
+CUDA touch points redirected (``runtime.cpu``). ``parallel(layout)`` initialises Megatron's
+model-parallel state for one scenario and destroys it afterwards, so one torchrun can run many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+
+from moeverify.errors import UsageError
+from moeverify.runtime.bridge_import import import_bridge, real_te_available
+
+__all__ = ["Runtime", "init", "parallel", "import_bridge", "current", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = int(os.environ.get("MOEVERIFY_COLLECTIVE_TIMEOUT_S", "300"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Runtime:
+    backend: str  # "cpu" | "cuda"
+    device: torch.device
+    dist_backend: str  # "gloo" | "nccl"
+    rank: int
+    world_size: int
+    te_real: bool
+
+
+_runtime: Runtime | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"backend must be auto, cpu or cuda, got {backend!r}")
+    if backend == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise UsageError("backend cuda requested but torch sees no GPU; use --backend cpu")
+    return backend
+
+
+def init(backend: str = "auto", *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Runtime:
+    """Pick the backend, install CPU redirections if needed, and initialise torch.distributed (idempotent).
+
+    Under torchrun the world comes from the environment; otherwise a 1-rank world is created.
+    """
+    global _runtime
+    resolved = _resolve_backend(backend)
+    if _runtime is not None:
+        if backend != "auto" and resolved != _runtime.backend:
+            raise UsageError(f"runtime already initialised with backend {_runtime.backend}, asked for {resolved}")
+        return _runtime
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if resolved == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device, dist_backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
+    else:
+        from moeverify.runtime import cpu
+
+        cpu.install()
+        device, dist_backend = torch.device("cpu"), "gloo"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _runtime = Runtime(backend=resolved, device=device, dist_backend=dist_backend,
+                       rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+                       te_real=real_te_available())
+    return _runtime
+
+
+def current() -> Runtime:
+    if _runtime is None:
+        raise UsageError("moeverify.runtime.init() has not been called")
+    return _runtime
+
+
+@contextlib.contextmanager
+def parallel(layout, *, seed: int = 0, timeout_s: int = DEFAULT_TIMEOUT_S):
+    """Initialise megatron parallel_state for ``layout`` (plus model-parallel RNG seeds); destroy on exit."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    rt = current()
+    layout.validate(world_size=rt.world_size)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.pp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        distributed_timeout_minutes=max(1, -(-timeout_s // 60)),
+    )
+    torch.manual_seed(seed)
+    mp_random.model_parallel_cuda_manual_seed(seed)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        _reset_megatron_globals()
+
+
+def _reset_megatron_globals() -> None:
+    """Clear process-wide megatron state that would leak from one scenario into the next."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tracker = mp_random.get_cuda_rng_tracker()
+    tracker.reset()
