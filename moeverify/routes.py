@@ -111,6 +111,70 @@ class Routes:
         per_layer = {int(layer): [t[:, i, :] for t in topk_ids_MTLK] for i, layer in enumerate(layers)}
         return cls(per_layer, num_experts=num_experts, topk=first.shape[2])
 
+    def select(self, layers: Sequence[int]) -> Routes:
+        """A ``Routes`` holding only ``layers`` (e.g. the MoE layers of one pipeline stage)."""
+        missing = sorted(set(layers) - set(self.layers))
+        if missing:
+            raise RouteError(f"select: layer(s) {missing} not held; layers held: {list(self.layers)}")
+        return Routes({layer: self._data[layer] for layer in layers}, num_experts=self.num_experts, topk=self.topk)
+
+    def to_local(self, layout, *, coords, seq_len, batch: int, num_layers: int, zigzag: bool = True) -> Routes:
+        """This global view as one rank's routers see it (delegates to ``moeverify.views.to_local``)."""
+        from moeverify import views
+
+        return views.to_local(self, layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers,
+                              zigzag=zigzag)
+
+    @staticmethod
+    def to_global(local_by_rank, layout, *, world_size: int, seq_len, batch: int, num_layers: int,
+                  moe_layers: Sequence[int], zigzag: bool = True) -> Routes:
+        """Merge ranks' local routes into the global view (delegates to ``moeverify.views.to_global``)."""
+        from moeverify import views
+
+        return views.to_global(local_by_rank, layout, world_size=world_size, seq_len=seq_len, batch=batch,
+                               num_layers=num_layers, moe_layers=moe_layers, zigzag=zigzag)
+
+    @classmethod
+    def from_rollout(cls, topk_ids_TLK, *, layers: Sequence[int], num_experts: int, tokens: int | None = None,
+                     pad_T=None, split: Sequence[int] | None = None) -> Routes:
+        """Routes from a rollout engine's per-token routes ``[T, L, K]`` (numpy or torch), global view.
+
+        Args:
+            topk_ids_TLK: the engine's routes, tokens in sequence order, one column per MoE layer.
+            layers: global layer numbers of the ``L`` columns.
+            num_experts: experts per MoE layer.
+            tokens: the token count training will route. Engines return routes for prompt + response
+                minus the final token (it is sampled, never fed back): one row short is filled with a
+                safe route; any other difference is an error.
+            pad_T: bool ``[tokens]``, True where the token is padding; those rows (whatever the engine
+                put there, e.g. -1) get a safe route.
+            split: token counts of consecutive micro-batches (sum == tokens); default one micro-batch.
+
+        The safe route of row ``t`` is experts ``(t * K + j) % E`` for ``j < K``: distinct within the row
+        and spread round-robin over all experts, so filler rows never pile onto expert 0.
+        """
+        ids_TLK = _as_int64(topk_ids_TLK)
+        if ids_TLK.dim() != 3 or ids_TLK.shape[1] != len(layers):
+            raise RouteError(f"rollout routes shape {tuple(ids_TLK.shape)} != expected (T, L={len(layers)}, K)")
+        T, _, K = ids_TLK.shape
+        if not 1 <= K <= num_experts:
+            raise RouteError(f"rollout routes top-k {K} not in [1, num_experts={num_experts}]")
+        tokens = T if tokens is None else tokens
+        if T == tokens - 1:
+            ids_TLK = torch.cat([ids_TLK, safe_routes(1, topk=K, num_experts=num_experts, start=T)
+                                 .unsqueeze(1).expand(1, len(layers), K)])
+        elif T != tokens:
+            raise RouteError(f"rollout routes hold {T} tokens != expected {tokens} (or {tokens - 1}, the engine's "
+                             "missing last row)")
+        if pad_T is not None:
+            ids_TLK = _fill_pads(ids_TLK, _as_bool(pad_T, tokens), num_experts=num_experts)
+        sizes = [tokens] if split is None else [int(n) for n in split]
+        if sum(sizes) != tokens or any(n < 0 for n in sizes):
+            raise RouteError(f"split {sizes} does not partition {tokens} tokens")
+        chunks = torch.split(ids_TLK, sizes)
+        return cls({layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(layers)},
+                   num_experts=num_experts, topk=K)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Routes):
             return NotImplemented
@@ -124,3 +188,36 @@ class Routes:
         tokens = [int(t.shape[0]) for t in self._data[self.layers[0]]] if self._data else []
         return (f"Routes(layers={list(self.layers)}, microbatches={self.microbatches}, tokens={tokens}, "
                 f"num_experts={self.num_experts}, topk={self.topk})")
+
+
+def safe_routes(tokens: int, *, topk: int, num_experts: int, start: int = 0) -> torch.Tensor:
+    """``[tokens, topk]`` int64 filler routes: row ``t`` takes experts ``((start + t) * K + j) % E``."""
+    if not 1 <= topk <= num_experts:
+        raise RouteError(f"need 1 <= topk <= num_experts, got topk {topk}, num_experts {num_experts}")
+    rows_T = torch.arange(start, start + tokens, dtype=torch.int64)
+    return (rows_T[:, None] * topk + torch.arange(topk, dtype=torch.int64)[None, :]) % num_experts
+
+
+def _as_int64(array) -> torch.Tensor:
+    tensor = array if isinstance(array, torch.Tensor) else torch.as_tensor(array)
+    if tensor.dtype not in _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
+        raise RouteError(f"rollout routes dtype {tensor.dtype} is not an integer dtype")
+    return tensor.to(torch.int64)
+
+
+def _as_bool(array, tokens: int) -> torch.Tensor:
+    pad_T = (array if isinstance(array, torch.Tensor) else torch.as_tensor(array)).to(torch.bool)
+    if pad_T.shape != (tokens,):
+        raise RouteError(f"pad mask shape {tuple(pad_T.shape)} != expected ({tokens},)")
+    return pad_T
+
+
+def _fill_pads(ids_TLK: torch.Tensor, pad_T: torch.Tensor, *, num_experts: int) -> torch.Tensor:
+    rows = pad_T.nonzero().flatten()
+    if not rows.numel():
+        return ids_TLK
+    T, L, K = ids_TLK.shape
+    safe_TK = safe_routes(T, topk=K, num_experts=num_experts)
+    out_TLK = ids_TLK.clone()
+    out_TLK[rows] = safe_TK[rows].unsqueeze(1).expand(-1, L, K)
+    return out_TLK
