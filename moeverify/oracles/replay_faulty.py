@@ -1,0 +1,80 @@
+"""Deliberately broken replay implementations (mutants) that the replay oracles must catch.
+
+Each is Megatron-Core's native ``RouterReplay`` driven like ``NativeReplay`` with one classic RL
+router-replay bug. Select one with ``--replay-impl moeverify.oracles.replay_faulty:NAME``; the test
+suite asserts the named subcheck fails for each (an oracle that cannot fail proves nothing).
+
+- ``wrong_microbatch``: replays micro-batch ``mb + 1``'s routes in micro-batch ``mb``.
+- ``layer_shift``: replays the next MoE layer's routes (off by one layer).
+- ``detached_probs``: replayed probabilities detached, so no gradient reaches the router.
+- ``no_recompute_replay``: forwards replay, but recompute during backward routes natively.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeverify.oracles.replay_impls import NativeReplay
+
+
+class _WrongMicrobatch(NativeReplay):
+    name = "wrong_microbatch"
+
+    def target(self, layer: int, mb: int) -> torch.Tensor:
+        return self._replaying.get(layer, (mb + 1) % self._replaying.microbatches)
+
+
+class _LayerShift(NativeReplay):
+    name = "layer_shift"
+
+    def target(self, layer: int, mb: int) -> torch.Tensor:
+        layers = self._replaying.layers
+        return self._replaying.get(layers[(layers.index(layer) + 1) % len(layers)], mb)
+
+
+class _DetachedProbs(NativeReplay):
+    name = "detached_probs"
+
+    def bind(self, model_chunks: list) -> None:
+        super().bind(model_chunks)
+        replays = (self.action_enum.REPLAY_FORWARD, self.action_enum.REPLAY_BACKWARD)
+        for _, router in self._routers.values():
+            rr = router.router_replay
+            original = type(rr).get_replay_topk.__get__(rr)
+
+            def detached(*args, _original=original, _rr=rr, **kwargs):
+                probs, ids = _original(*args, **kwargs)
+                return (probs.detach(), ids) if _rr.router_replay_action in replays else (probs, ids)
+
+            rr.get_replay_topk = detached
+
+
+class _NoRecomputeReplay(NativeReplay):
+    name = "no_recompute_replay"
+
+    def after_forward(self, chunk: int, mb: int) -> None:
+        if self._mode == "replay":
+            for _, rr in self._chunk_routers(chunk):
+                rr.clear_router_replay_action()
+        else:
+            super().after_forward(chunk, mb)
+
+
+def wrong_microbatch() -> NativeReplay:
+    return _WrongMicrobatch()
+
+
+def layer_shift() -> NativeReplay:
+    return _LayerShift()
+
+
+def detached_probs() -> NativeReplay:
+    return _DetachedProbs()
+
+
+def no_recompute_replay() -> NativeReplay:
+    return _NoRecomputeReplay()
+
+
+MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",
+           "no_recompute_replay": "recompute"}
