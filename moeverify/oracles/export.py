@@ -249,6 +249,7 @@ def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector) 
         sizes = [(h["slots"][j][2], h["slots"][j][3]) for h in headers]
         dtype = next((d for (n, d), h in zip(sizes, headers) if n and h["c"]), sizes[0][1])
         collector.merge_for(name, tuple(shape), getattr(torch, dtype))
+    collector.t["replicas"].ok()  # one per row examined: a layout without replicas still checks rows
     for r in order:
         contributes = headers[r]["c"]
         for j, (name, shape, n, dtype, whole) in enumerate(headers[r]["slots"]):

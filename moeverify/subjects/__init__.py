@@ -2,7 +2,7 @@
 
 - ``bridge``: Megatron-Bridge's own ``export_hf_weights`` as a full-tensor subject (must always pass);
 - ``sharded``: a reference sharded exporter: each rank yields only its local shard with flat HF
-  positions (``moeverify.subjects.sharded``);
+  positions (``moeverify.subjects.shard_rows``);
 - ``gather``: a naive full-tensor exporter that all-gathers every parameter (the peer for benchmarks);
 - ``verl``: verl 0.9.1's delta export as an adapter (``moeverify.subjects.verl``).
 
@@ -18,14 +18,14 @@ def bridge(ctx):
 
 def sharded(ctx):
     """The reference sharded exporter (local shards only, flat HF positions)."""
-    from moeverify.subjects.sharded import sharded_rows
+    from moeverify.subjects.shard_rows import sharded_rows
 
     return sharded_rows(ctx)
 
 
 def gather(ctx):
     """Every parameter all-gathered to full size on every rank, then converted (what most RL stacks do)."""
-    from moeverify.subjects.gather import gather_tensors
+    from moeverify.subjects.gather_all import gather_tensors
 
     return gather_tensors(ctx)
 

@@ -26,7 +26,7 @@ def _args():
     return p.parse_args()
 
 
-def _subjects(args, family, built):
+def _subjects(args, family, layout, world_size):
     from moeverify.oracles import export
 
     out = [(name, export.load_subject(name)) for name in args.subject]
@@ -36,7 +36,7 @@ def _subjects(args, family, built):
         for m in mutants.MUTANTS:
             if args.only_mutant and m.name not in args.only_mutant:
                 continue
-            if m.applies(family=family, built=built):
+            if m.applies(family=family, layout=layout, world_size=world_size):
                 out.append((f"mutant:{m.name}", m.factory))
     return out
 
@@ -57,7 +57,7 @@ def main() -> int:
             sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
                                          rank=rt.rank, world_size=rt.world_size, hf_path=built.hf_path,
                                          built=built, options={"timeout": 120})
-            for name, factory in _subjects(args, family, built):
+            for name, factory in _subjects(args, family, layout, rt.world_size):
                 t0 = time.time()
                 try:
                     tallies = export.run_subject(factory, sctx)

@@ -1,0 +1,328 @@
+"""The mutant catalogue: injected weight-export bugs the export oracle must catch.
+
+Each mutant is a subject that wraps the reference ``sharded`` exporter and breaks one thing the way
+real weight-sync code has broken it. ``fails`` names the subchecks that must fail; ``collateral``
+the ones that may fail as a consequence (a skipped row leaves its tensors unwritten, etc.); every
+other subcheck must pass. ``applies(family, layout, world_size)`` says where the bug is observable
+(expert renumbering needs EP, interleaving needs more than one query group per rank, ...).
+
+The docstrings describe bug classes seen in RL weight-sync code (verl, NeMo-RL, slime and others);
+they describe, they do not cite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import torch
+
+from moeverify.oracles.export_rows import DeferredSlots, ShardRow, Slot
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mutant:
+    name: str
+    fails: tuple[str, ...]
+    collateral: tuple[str, ...] = ()
+    factory: Callable
+    applies: Callable[..., bool] = lambda **_: True
+    doc: str = ""
+
+
+def _rows(ctx):
+    from moeverify.subjects.shard_rows import sharded_rows
+
+    return sharded_rows(ctx)
+
+
+def _concrete(row: ShardRow) -> list[Slot]:
+    return row.slots.materialize() if isinstance(row.slots, DeferredSlots) else list(row.slots)
+
+
+def _rewrap(row: ShardRow, fn, *, table=None) -> ShardRow:
+    """The same row with its slots transformed by ``fn(slots) -> slots`` when they are built."""
+    table = table if table is not None else row.slots.table
+    return ShardRow(row.row, DeferredSlots(table, lambda: fn(_concrete(row))), row.contributes)
+
+
+def _flip_low_bit(values: torch.Tensor, index: int) -> torch.Tensor:
+    from moeverify.oracles.merge import bits
+
+    out = values.clone()
+    b = bits(out)
+    b[index] ^= 1
+    return out
+
+
+def _ep_size(ctx) -> int:
+    return ctx.layout.ep
+
+
+# -- the mutants ------------------------------------------------------------------------------------
+def expert_local_ids(ctx):
+    """Experts exported under rank-local ids. Bug class: an EP rank names its experts 0..E/EP-1
+    instead of ``ep_rank * E/EP + local`` when streaming to the rollout engine, so every EP rank
+    overwrites expert 0's tensors and the other experts are never updated."""
+    def fix(slots):
+        out = [Slot(s.hf_name, s.hf_shape, s.positions[:0], s.values[:0]) for s in slots]
+        names = [s.hf_name for s in slots]
+        for s in slots:
+            if s.positions.numel():
+                per = int(re.search(r"experts\.(\d+)", s.hf_name).group(1)) % max(1, _experts(ctx) // _ep_size(ctx))
+                j = names.index(re.sub(r"experts\.(\d+)", f"experts.{per}", s.hf_name, count=1))
+                out[j] = Slot(out[j].hf_name, out[j].hf_shape, s.positions, s.values)
+        return out
+    for row in _rows(ctx):
+        yield _rewrap(row, fix) if "@ep" in row.row else row
+
+
+def _experts(ctx) -> int:
+    model = ctx.model_chunks[0]
+    while hasattr(model, "module"):
+        model = model.module
+    return model.config.num_moe_experts or 0
+
+
+def uncovered_element(ctx):
+    """One element never sent. Bug class: an off-by-one in a shard's slice end (``[start:stop-1]``)
+    or a vocab-padding trim that cuts a real row, leaving stale weights in the engine."""
+    def fn(slots):
+        out = list(slots)
+        i = next(i for i, s in enumerate(out) if s.positions.numel())
+        out[i] = Slot(out[i].hf_name, out[i].hf_shape, out[i].positions[:-1], out[i].values.reshape(-1)[:-1])
+        return out
+    done = False
+    for row in _rows(ctx):
+        if not done and ctx.rank == 0 and row.contributes:
+            done = True
+            row = _rewrap(row, fn)
+        yield row
+
+
+def conflicting_write(ctx):
+    """Two ranks both write one element with different bits. Bug class: two ranks both believe they
+    own a replicated tensor (a DP replica that has drifted, or a wrong "first rank" test) and both
+    push it, so the engine ends with whichever arrived last. Where the last rank holds no replica,
+    it writes one of its own elements twice instead."""
+    rows = list(_rows(ctx))
+    if ctx.rank == ctx.world_size - 1:
+        replica = next((i for i, r in enumerate(rows) if not r.contributes), None)
+        if replica is not None:
+            rows[replica] = ShardRow(rows[replica].row, _changed_first(rows[replica]), True)
+        else:
+            first = next(i for i, r in enumerate(rows) if r.contributes)
+            rows[first] = _rewrap(rows[first], _twice)
+    yield from rows
+
+
+def _changed_first(row):
+    def fn(slots):
+        out = list(slots)
+        for i, s in enumerate(out):
+            if s.positions.numel():
+                out[i] = Slot(s.hf_name, s.hf_shape, s.positions, _flip_low_bit(s.values.reshape(-1), 0))
+                break
+        return out
+    return DeferredSlots(row.slots.table, lambda: fn(_concrete(row)))
+
+
+def _twice(slots):
+    out = list(slots)
+    for i, s in enumerate(out):
+        if s.positions.numel():
+            v = s.values.reshape(-1)
+            out[i] = Slot(s.hf_name, s.hf_shape, torch.cat([s.positions, s.positions[:1]]),
+                          torch.cat([v, _flip_low_bit(v[:1], 0)]))
+            break
+    return out
+
+
+def extra_row(ctx):
+    """One rank yields a row the others do not. Bug class: a rank-local parameter (an MTP head, an
+    adapter, a buffer only one stage registers) streamed by one rank only, which hangs a collective
+    sync or desynchronises every later tensor."""
+    yield from _rows(ctx)
+    if ctx.rank == ctx.world_size - 1:
+        yield ShardRow("extra.rank_local.weight", [], True)
+
+
+def different_slot_table(ctx):
+    """One rank declares a different shape for a tensor. Bug class: a rank that computed the full
+    shape from its local shard (``local * tp`` with the wrong tp, or before vocab padding removal),
+    so the receiver allocates the wrong buffer."""
+    first = True
+    for row in _rows(ctx):
+        if first and ctx.rank == ctx.world_size - 1:
+            table = [(n, (s[0] + 1, *s[1:])) if i == 0 else (n, s) for i, (n, s) in enumerate(row.slots.table)]
+            row = _rewrap(row, lambda slots, t=table: [Slot(n, s, x.positions, x.values)
+                                                        for (n, s), x in zip(t, slots)], table=table)
+        first = False
+        yield row
+
+
+def flipped_bit(ctx):
+    """One bit flipped in one element on every rank that holds it. Bug class: a lossy transport or an
+    in-place op on a shared buffer during sync (e.g. a fused kernel writing into the export view)."""
+    first = True
+    for row in _rows(ctx):
+        if first:
+            def fn(slots):
+                out = list(slots)
+                s = out[0]
+                hit = (s.positions == 0).nonzero().flatten()
+                if hit.numel():
+                    out[0] = Slot(s.hf_name, s.hf_shape, s.positions, _flip_low_bit(s.values.reshape(-1), int(hit[0])))
+                return out
+            row = _rewrap(row, fn)
+        first = False
+        yield row
+
+
+def _map_named(ctx, match: Callable[[str], bool], change: Callable[[torch.Tensor], torch.Tensor]):
+    for row in _rows(ctx):
+        if any(match(n) for n, _ in row.slots.table):
+            row = _rewrap(row, lambda slots: [Slot(s.hf_name, s.hf_shape, s.positions, change(s.values))
+                                              if match(s.hf_name) else s for s in slots])
+        yield row
+
+
+def fp32_through_bf16(ctx):
+    """DeepSeek-V3's fp32 ``e_score_correction_bias`` squeezed through bf16 and back to fp32. Bug class:
+    a sync path that casts the whole state dict to the engine's bf16 dtype, losing the router bias's
+    low bits while dtype checks still see fp32."""
+    yield from _map_named(ctx, lambda n: n.endswith("e_score_correction_bias"),
+                          lambda v: v.to(torch.bfloat16).to(v.dtype))
+
+
+def bias_sent_as_bf16(ctx):
+    """The fp32 router bias sent as bf16. Bug class: the same cast, without casting back: the engine
+    receives a tensor of the wrong dtype."""
+    yield from _map_named(ctx, lambda n: n.endswith("e_score_correction_bias"), lambda v: v.to(torch.bfloat16))
+
+
+def qkv_concatenated(ctx):
+    """Fused QKV split as ``[q_all; k_all; v_all]`` instead of interleaved per query group. Bug class:
+    a converter that treats Megatron's per-group ``[q heads, k, v]`` layout as plain concatenation;
+    invisible with one query group per rank, wrong otherwise."""
+    def fn(slots):
+        q, k, v = slots
+        if not q.positions.numel():
+            return slots
+        n_q, n_k = q.values.numel(), k.values.numel()
+        groups, heads = _local_groups(ctx), n_q // n_k
+        per = n_k // groups
+        w = torch.cat([q.values.reshape(groups, heads, per), k.values.reshape(groups, 1, per),
+                       v.values.reshape(groups, 1, per)], dim=1).reshape(-1)  # Megatron's local layout
+        return [Slot(q.hf_name, q.hf_shape, q.positions, w[:n_q]), Slot(k.hf_name, k.hf_shape, k.positions, w[n_q:n_q + n_k]),
+                Slot(v.hf_name, v.hf_shape, v.positions, w[n_q + n_k:])]
+    for row in _rows(ctx):
+        yield _rewrap(row, fn) if row.row.endswith("linear_qkv.weight") else row
+
+
+def _local_groups(ctx) -> int:
+    model = ctx.model_chunks[0]
+    while hasattr(model, "module"):
+        model = model.module
+    return model.config.num_query_groups // ctx.layout.tp
+
+
+def gate_up_swapped(ctx):
+    """Gate and up projections exchanged. Bug class: splitting Megatron's fused ``[gate; up]`` fc1 in the
+    wrong order (or per TP shard vs globally), so SiLU is applied to the up projection."""
+    def fn(slots):
+        out = list(slots)
+        full = [i for i, s in enumerate(out) if s.positions.numel()]
+        gates = [i for i in full if "gate_proj" in out[i].hf_name]
+        ups = [i for i in full if "up_proj" in out[i].hf_name]
+        for g, u in zip(gates, ups):
+            a, b = out[g], out[u]
+            out[g], out[u] = Slot(a.hf_name, a.hf_shape, a.positions, b.values), Slot(b.hf_name, b.hf_shape, b.positions, a.values)
+        return out
+    for row in _rows(ctx):
+        names = [n for n, _ in row.slots.table]
+        yield _rewrap(row, fn) if any("gate_proj" in n for n in names) else row
+
+
+def tied_embedding_dropped(ctx):
+    """The tied embedding never sent. Bug class: a sync that skips ``embed_tokens`` because the output
+    layer "already shares it", or sends only the last stage's output-layer copy under PP."""
+    for row in _rows(ctx):
+        if not row.row.endswith("embedding.word_embeddings.weight"):
+            yield row
+
+
+def key_renamed(ctx):
+    """One HF name misspelt. Bug class: a hand-written name map out of date with the engine's names
+    (``model.norm`` vs ``model.final_layernorm``): the engine ignores the unknown key silently."""
+    for row in _rows(ctx):
+        if any(n == "model.norm.weight" for n, _ in row.slots.table):
+            table = [("model.final_norm.weight" if n == "model.norm.weight" else n, s) for n, s in row.slots.table]
+            row = _rewrap(row, lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots)],
+                          table=table)
+        yield row
+
+
+def extra_key(ctx):
+    """A key the model does not have. Bug class: exporting an internal buffer (rotary inv_freq, an
+    expert-load counter) that the engine rejects or, worse, loads into an unrelated slot."""
+    yield from _rows(ctx)
+    pos = torch.arange(4, dtype=torch.int64) if ctx.rank == 0 else torch.empty(0, dtype=torch.int64)
+    yield ShardRow("extra.buffer", [Slot("model.extra_buffer", (4,), pos, torch.zeros(pos.numel()))], ctx.rank == 0)
+
+
+def diverged_replica(ctx):
+    """A data-parallel replica that differs from the copy that is sent. Bug class: ranks that skipped an
+    optimizer step or a broadcast (expert-DP or tied embedding copies out of sync), invisible when
+    only one rank's copy is exported."""
+    done = False
+    for row in _rows(ctx):
+        if not done and not row.contributes and ctx.rank == ctx.world_size - 1:
+            done = True
+            row = ShardRow(row.row, _changed_first(row), False)
+        yield row
+
+
+def raises_mid_stream(ctx):
+    """A rank that raises half way through. Bug class: an exporter that crashes on one rank (an
+    unsupported mapping, OOM on a large tensor) while the others wait in a collective forever."""
+    rows = list(_rows(ctx))
+    for i, row in enumerate(rows):
+        if ctx.rank == ctx.world_size - 1 and i == len(rows) // 2:
+            raise RuntimeError(f"injected failure at row {i} ({row.row})")
+        yield row
+
+
+def _last_rank_has_replica(*, family, layout, world_size) -> bool:
+    return layout.dp(world_size) > 1 or layout.tp > 1 or (family == "qwen2_tied" and layout.pp > 1)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(name="expert_local_ids", fails=("conflicts", "coverage"), collateral=("bitwise", "replicas"),
+           factory=expert_local_ids, applies=lambda family, layout, world_size: layout.ep > 1),
+    Mutant(name="uncovered_element", fails=("coverage",), factory=uncovered_element),
+    Mutant(name="conflicting_write", fails=("conflicts",), collateral=("bitwise", "replicas"),
+           factory=conflicting_write),
+    Mutant(name="extra_row", fails=("lockstep",), collateral=tuple(
+        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set"]), factory=extra_row),
+    Mutant(name="different_slot_table", fails=("slot_tables",), collateral=("coverage", "key_set"),
+           factory=different_slot_table),
+    Mutant(name="flipped_bit", fails=("bitwise",), factory=flipped_bit),
+    Mutant(name="fp32_through_bf16", fails=("bitwise",), factory=fp32_through_bf16,
+           applies=lambda family, layout, world_size: family == "deepseek_v3"),
+    Mutant(name="bias_sent_as_bf16", fails=("shape_dtype",), collateral=("bitwise",), factory=bias_sent_as_bf16,
+           applies=lambda family, layout, world_size: family == "deepseek_v3"),
+    Mutant(name="qkv_concatenated", fails=("bitwise",), factory=qkv_concatenated,
+           applies=lambda family, layout, world_size: family in ("qwen2", "qwen2_tied", "qwen3_moe")
+           and 2 // layout.tp > 1),
+    Mutant(name="gate_up_swapped", fails=("bitwise",), factory=gate_up_swapped),
+    Mutant(name="tied_embedding_dropped", fails=("key_set", "coverage"), factory=tied_embedding_dropped,
+           applies=lambda family, layout, world_size: family == "qwen2_tied"),
+    Mutant(name="key_renamed", fails=("key_set", "coverage"), factory=key_renamed),
+    Mutant(name="extra_key", fails=("key_set",), factory=extra_key),
+    Mutant(name="diverged_replica", fails=("replicas",), factory=diverged_replica, applies=_last_rank_has_replica),
+    Mutant(name="raises_mid_stream", fails=("lockstep",), collateral=tuple(
+        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set"]),
+        factory=raises_mid_stream),
+)

@@ -1,0 +1,232 @@
+"""A reference sharded exporter: every rank yields only its local shard, placed by flat HF positions.
+
+Rows follow Megatron-Bridge's conversion tasks (``bridge.get_conversion_tasks``), which every rank
+lists in the same global order (PP gathers names; EP ranks list their own experts at the same
+index). A row is named by the task's global parameter name with the expert id replaced by the local
+expert index under EP, so all ranks agree; its slots are every HF tensor the task writes, on every
+EP rank. Each rank fills only what it owns:
+
+- TP column splits (rows ``tp_rank*a ..``), row splits (columns), vocab padding rows dropped;
+- fused QKV, interleaved per query group: ``[groups, q heads + k + v, head_dim, hidden]``;
+- gated MLP ``[gate; up]`` per TP shard;
+- experts: global id = ``ep_rank * experts_per_rank + local``, ETP as the expert TP group;
+- PP/VPP: non-owning stages yield empty positions with the same slot table;
+- replicas (DP, expert-DP, TP-replicated norms/routers/row biases, tied output-layer copies on the
+  last stage) yield ``contributes=False`` and still send their values.
+
+Legend: ``G`` = query groups on this rank, ``H`` = q heads per group, ``D`` = head dim,
+``I`` = inner (hidden) size, ``R`` = rows of this rank's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+
+import torch
+
+from moeverify.errors import SubjectError
+from moeverify.oracles.export import DeferredSlots, ShardRow, Slot, checkpoint_shapes
+
+_EXPERT_IN_HF = re.compile(r"experts\.(\d+)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one local tensor lands: HF name -> (positions, values), for this rank's names only."""
+
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def sharded_rows(ctx) -> Iterator[ShardRow]:
+    """Yield one ShardRow per conversion task, tensors deferred until the oracle asks for them."""
+    from megatron.core import parallel_state as ps
+
+    shapes = checkpoint_shapes(ctx.hf_path)
+    config = _unwrap(ctx.model_chunks[0]).config
+    owner = _Owners(dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+                    edp_rank=ps.get_expert_data_parallel_rank())
+    tied = bool(getattr(config, "share_embeddings_and_output_weights", False))
+    tied_copy = _tied_output_copy(ctx.model_chunks) if tied else None
+    for task in ctx.bridge.get_conversion_tasks(ctx.model_chunks):
+        if task is None:
+            continue
+        yield _row(task, config=config, shapes=shapes, owner=owner, tied_copy=tied_copy)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Owners:
+    dp_rank: int
+    edp_rank: int
+
+
+def _tied_output_copy(model_chunks):
+    """The last stage's output-layer weight when it is a separate copy of the tied embedding."""
+    last = _unwrap(model_chunks[-1])
+    if getattr(last, "post_process", False) and not getattr(_unwrap(model_chunks[0]), "pre_process", False):
+        weight = getattr(getattr(last, "output_layer", None), "weight", None)
+        return weight
+    return None
+
+
+def _hf_names(task, config) -> tuple[list[str], list[list[str]]]:
+    """Base HF names of the task and, per base name, its names on every EP rank (index = ep rank)."""
+    from megatron.bridge.models.conversion.param_mapping import GatedMLPMapping, QKVMapping
+
+    m = task.mapping
+    hf = m.hf_param
+    if isinstance(m, QKVMapping):
+        base = [hf["q"], hf["k"], hf["v"]]
+    elif isinstance(m, GatedMLPMapping):
+        base = [hf["gate"], hf["up"]]
+    elif isinstance(hf, str):
+        base = [hf]
+    else:
+        raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} with several HF names "
+                           f"is not supported by the sharded exporter")
+    if not (m.is_expert and m.ep_size > 1):
+        return base, [[b] for b in base]
+    per_rank = _experts_per_rank(task, config)
+    local = int(re.search(r"(?:local_experts\.|weight|bias)(\d+)", task.global_param_name).group(1)) % per_rank
+    per_base = [[_EXPERT_IN_HF.sub(f"experts.{local + per_rank * k}", b) for k in range(m.ep_size)] for b in base]
+    return base, per_base
+
+
+def _experts_per_rank(task, config) -> int:
+    return config.num_moe_experts // task.mapping.ep_size
+
+
+def _row_name(task, config) -> str:
+    name = task.global_param_name
+    m = task.mapping
+    if m.is_expert and m.ep_size > 1:
+        per_rank = _experts_per_rank(task, config)
+        name = re.sub(r"(local_experts\.)(\d+)", lambda x: f"{x.group(1)}{int(x.group(2)) % per_rank}@ep", name)
+        name = re.sub(r"((?:weight|bias))(\d+)$", lambda x: f"{x.group(1)}{int(x.group(2)) % per_rank}@ep", name)
+    return name
+
+
+def _row(task, *, config, shapes, owner: _Owners, tied_copy) -> ShardRow:
+    base, per_base = _hf_names(task, config)
+    names = [n for group in per_base for n in group]
+    embedding = task.global_param_name.endswith("embedding.word_embeddings.weight")
+    tied_name = _tied_lm_head(task, shapes) if (embedding and getattr(config, "share_embeddings_and_output_weights", False)) else None
+    if tied_name:
+        names.append(tied_name)
+    missing = [n for n in names if n not in shapes]
+    if missing:
+        raise SubjectError(f"row {task.global_param_name!r}: HF name(s) {missing} are not in the source checkpoint")
+    table = [(n, tuple(shapes[n])) for n in names]
+    weight, kind = task.param_weight, None
+    contributes = weight is not None
+    if weight is None and embedding and tied_copy is not None:
+        # the last stage's copy of the tied embedding (a column-parallel output layer): a replica
+        weight, kind, contributes = tied_copy, "column", False
+    elif weight is not None:
+        contributes = _owns(task, owner)
+
+    def build() -> list[Slot]:
+        parts = {} if weight is None else _place(task, weight.detach(), config=config, shapes=shapes,
+                                                  per_base=per_base, kind=kind or _kind(task))
+        if tied_name and base[0] in parts:
+            parts[tied_name] = parts[base[0]]
+        slots = []
+        for name, shape in table:
+            pos, val = parts.get(name, (torch.empty(0, dtype=torch.int64), torch.empty(0)))
+            slots.append(Slot(name, shape, pos, val))
+        return slots
+
+    return ShardRow(_row_name(task, config), DeferredSlots(table, build), contributes)
+
+
+def _tied_lm_head(task, shapes) -> str | None:
+    name = task.mapping.hf_param
+    candidate = "lm_head.weight" if name.startswith("model.") else None
+    return candidate if candidate in shapes else None
+
+
+def _kind(task) -> str:
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    m = task.mapping
+    if isinstance(m, pm.QKVMapping):
+        return "qkv"
+    if isinstance(m, pm.GatedMLPMapping):
+        return "gated"
+    if isinstance(m, pm.AutoMapping):
+        if m.permute_dims is not None:
+            raise SubjectError(f"row {task.global_param_name!r}: AutoMapping with permute_dims is not supported")
+        return m._detect_parallelism_type(task.megatron_module)
+    for cls, kind in ((pm.ColumnParallelMapping, "column"), (pm.RowParallelMapping, "row"),
+                      (pm.ReplicatedMapping, "replicated"), (pm.DirectMapping, "replicated")):
+        if isinstance(m, cls):
+            return kind
+    raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} is not supported by the "
+                       f"sharded exporter (supported: QKV, GatedMLP, Auto, Column, Row, Replicated, Direct)")
+
+
+def _owns(task, owner: _Owners) -> bool:
+    """Whether this rank's copy is the one that contributes (all other copies are replicas)."""
+    m = task.mapping
+    first_replica = owner.edp_rank == 0 if m.is_expert else owner.dp_rank == 0
+    kind = _kind(task)
+    tp_replicated = kind == "replicated" or (kind == "row" and task.param_weight.dim() == 1)
+    return first_replica and (not tp_replicated or m.tp_rank == 0)
+
+
+def _place(task, w: torch.Tensor, *, config, shapes, per_base, kind: str) -> dict:
+    m = task.mapping
+    tp, r = m.tp_size, m.tp_rank
+    ep_rank = m.ep_rank if (m.is_expert and m.ep_size > 1) else 0
+    mine = [group[ep_rank] for group in per_base]
+    if kind == "qkv":
+        return dict(zip(mine, _qkv(w, config=config, tp=tp, r=r)))
+    if kind == "gated":
+        gate, up = torch.chunk(w, 2, dim=0)
+        return {mine[0]: _column(gate, tp=tp, r=r, hf_shape=shapes[mine[0]]),
+                mine[1]: _column(up, tp=tp, r=r, hf_shape=shapes[mine[1]])}
+    if kind == "column":
+        return {mine[0]: _column(w, tp=tp, r=r, hf_shape=shapes[mine[0]])}
+    if kind == "row" and w.dim() == 2:
+        return {mine[0]: _row_split(w, tp=tp, r=r)}
+    return {mine[0]: (torch.arange(w.numel(), dtype=torch.int64), w.reshape(-1))}
+
+
+def _column(w: torch.Tensor, *, tp: int, r: int, hf_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    rows_R = w.shape[0]
+    inner = math.prod(w.shape[1:])
+    global_R = r * rows_R + torch.arange(rows_R, dtype=torch.int64)
+    keep = int((global_R < hf_shape[0]).sum())  # vocab padding rows exist only in Megatron
+    pos = (global_R[:keep, None] * inner + torch.arange(inner, dtype=torch.int64)[None, :]).reshape(-1)
+    return pos, w[:keep].reshape(-1)
+
+
+def _row_split(w: torch.Tensor, *, tp: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, cols = w.shape
+    pos = (torch.arange(out, dtype=torch.int64)[:, None] * (cols * tp) + r * cols
+           + torch.arange(cols, dtype=torch.int64)[None, :]).reshape(-1)
+    return pos, w.reshape(-1)
+
+
+def _qkv(w: torch.Tensor, *, config, tp: int, r: int):
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    H = heads // groups
+    D = config.kv_channels or config.hidden_size // heads
+    G = groups // tp
+    inner = 1 if w.dim() == 1 else w.shape[1]
+    w4 = w.reshape(G, H + 2, D, inner)
+    g = (r * G + torch.arange(G, dtype=torch.int64)).view(G, 1, 1, 1)
+    d = torch.arange(D, dtype=torch.int64).view(1, 1, D, 1)
+    c = torch.arange(inner, dtype=torch.int64).view(1, 1, 1, inner)
+    h = torch.arange(H, dtype=torch.int64).view(1, H, 1, 1)
+    q_pos = (((g * H + h) * D + d) * inner + c).reshape(-1)
+    kv_pos = ((g * D + d) * inner + c).reshape(-1)
+    return ((q_pos, w4[:, :H].reshape(-1)), (kv_pos, w4[:, H].reshape(-1)), (kv_pos, w4[:, H + 1].reshape(-1)))
