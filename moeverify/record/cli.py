@@ -1,0 +1,214 @@
+"""``moeverify dump inspect | diff | convert``: ``register(subparsers)`` adds them; each verb sets ``func``.
+
+Every verb returns an exit code: 0 done, 1 ``diff --fail-on-diff`` found a difference, 2 bad input
+(unreadable, corrupt or inconsistent dumps, impossible option combinations), with one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moeverify.errors import MoEVerifyError, UsageError
+
+EXIT_DIFF = 1
+EXIT_USAGE = 2
+_FROM = ("dump", "npy", "npz", "jsonl")
+_TO = ("dump", "npz")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``dump`` with its verbs to an argparse subparsers object."""
+    dump = subparsers.add_parser("dump", help="routing dumps: inspect, diff, convert",
+                                 description="Inspect, compare and convert routing dumps.")
+    verbs = dump.add_subparsers(dest="dump_verb", metavar="VERB", parser_class=type(dump))
+    verbs.required = True
+
+    p = verbs.add_parser("inspect", help="summarise one dump: shape, layout, steps, load balance per layer")
+    p.add_argument("path", metavar="PATH", help="dump directory")
+    p.add_argument("--step", type=_non_negative, metavar="S", help="step for the load table (default: first)")
+    p.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    p = verbs.add_parser("diff", help="compare two routings of the same tokens, layer by layer")
+    p.add_argument("a", metavar="A", help="dump directory, or .npy/.npz [tokens, layers, topk] routes")
+    p.add_argument("b", metavar="B", help="dump directory, or .npy/.npz routes")
+    p.add_argument("--step", type=_non_negative, default=0, metavar="S", help="step of A (default 0)")
+    p.add_argument("--step-b", type=_non_negative, metavar="S", help="step of B (default: --step)")
+    p.add_argument("--json", metavar="OUT", help="write the diff record as JSON")
+    p.add_argument("--plot", metavar="PNG", help="write the disagreement heatmap and expert-load bars")
+    p.add_argument("--worst", type=_non_negative, default=10, metavar="N", help="tokens listed in JSON (default 10)")
+    p.add_argument("--fail-on-diff", action="store_true", help="exit 1 if any token's expert set differs")
+    p.set_defaults(func=cmd_diff)
+
+    p = verbs.add_parser("convert", help="rollout arrays or Megatron router_trace JSONL to a dump; a dump to .npz")
+    p.add_argument("src", metavar="SRC", help="dump directory, .npy, .npz or router_trace_rank*.jsonl")
+    p.add_argument("dst", metavar="DST", help="output dump directory or .npz file")
+    p.add_argument("--from", dest="src_format", choices=_FROM, help="SRC format (default: from its suffix)")
+    p.add_argument("--to", dest="dst_format", choices=_TO, help="DST format (default: npz if DST ends .npz)")
+    p.add_argument("--num-experts", type=_positive, metavar="E", help="experts per layer (default: max id + 1)")
+    p.add_argument("--moe-layers", type=_int_list, metavar="L,L,...", help="global MoE layer numbers of the "
+                   "array's layer axis (default 0..layers-1)")
+    p.add_argument("--num-layers", type=_positive, metavar="N", help="decoder layers (default: last MoE layer + 1)")
+    p.add_argument("--step", type=_non_negative, default=0, metavar="S", help="step to write (arrays; default 0)")
+    p.add_argument("--layer-offset", type=_non_negative, default=0, metavar="N",
+                   help="added to router_trace layer numbers (a later pipeline stage's first layer)")
+    p.set_defaults(func=cmd_convert)
+    return dump
+
+
+# -- option parsing -----------------------------------------------------------------------------
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {text!r}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _guarded(fn):
+    """Bad input becomes one message on stderr and exit 2."""
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except MoEVerifyError as exc:
+            print(f"moeverify dump: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    run.__name__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def _out_path(flag: str, value: str | None) -> None:
+    if value and not Path(value).resolve().parent.is_dir():
+        raise UsageError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
+
+
+# -- verbs --------------------------------------------------------------------------------------
+@_guarded
+def cmd_inspect(args) -> int:
+    """``dump inspect PATH``."""
+    from rich.console import Console
+
+    from moeverify import record
+    from moeverify.record.summary import summarize, summary_table
+
+    _out_path("--json", args.json)
+    summary = summarize(record.load(args.path), step=args.step)
+    title, table = summary_table(summary)
+    console = Console()
+    console.print(title)
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+@_guarded
+def cmd_diff(args) -> int:
+    """``dump diff A B``."""
+    from rich.console import Console
+
+    from moeverify import record
+
+    _out_path("--json", args.json)
+    _out_path("--plot", args.plot)
+    a, b = _routes_of(args.a, args.step), _routes_of(args.b, args.step if args.step_b is None else args.step_b)
+    a, b = _align_experts(a, b)
+    report = record.diff(a, b)
+    Console().print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(worst=args.worst), indent=1) + "\n")
+    if args.plot:
+        from moeverify.record.plots import plot_diff
+
+        plot_diff(report, args.plot)
+    if args.fail_on_diff and report.tokens_diverging_any_layer > 0:
+        return EXIT_DIFF
+    return 0
+
+
+@_guarded
+def cmd_convert(args) -> int:
+    """``dump convert SRC DST``."""
+    from moeverify import record
+    from moeverify.record import importers
+
+    src, dst = Path(args.src), Path(args.dst)
+    src_format = args.src_format or _guess_src(src)
+    dst_format = args.dst_format or ("npz" if dst.suffix == ".npz" else "dump")
+    if src_format == "dump" and dst_format == "dump":
+        raise UsageError("convert from a dump to a dump does nothing; use --to npz (or a DST ending .npz)")
+    if src_format != "dump" and dst_format == "npz":
+        raise UsageError(f"convert --from {src_format} writes a dump; drop --to npz or give a DST directory")
+    if dst_format == "dump" and (dst / record.MANIFEST).exists():
+        raise UsageError(f"{dst} already holds a dump; choose a new directory")
+    if src_format == "dump":
+        out = importers.export_npz(record.load(src), dst)
+        print(f"wrote {out}")
+        return 0
+    if src_format == "jsonl":
+        steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset)
+    else:
+        arrays = importers.read_arrays(src, fmt=src_format)
+        steps = {args.step: importers.routes_from_arrays(arrays, num_experts=args.num_experts,
+                                                         moe_layers=args.moe_layers, where=str(src))}
+    for step, routes in steps.items():
+        record.save(dst, routes, step=step, num_layers=args.num_layers,
+                    moe_layers=args.moe_layers if src_format == "jsonl" and args.moe_layers else None)
+    print(f"wrote {dst}: step(s) {sorted(steps)}")
+    return 0
+
+
+def _guess_src(src: Path) -> str:
+    if src.is_dir():
+        return "dump"
+    suffix = src.suffix.lstrip(".")
+    if suffix in _FROM:
+        return suffix
+    raise UsageError(f"cannot tell the format of {src} from its name; pass --from {{{','.join(_FROM)}}}")
+
+
+def _routes_of(path_text: str, step: int):
+    from moeverify import record
+    from moeverify.record import importers
+
+    path = Path(path_text)
+    if path.is_dir():
+        return record.load(path).routes(step=step)
+    if path.suffix in (".npy", ".npz"):
+        return importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
+    raise UsageError(f"{path}: neither a dump directory nor a .npy/.npz file")
+
+
+def _align_experts(a, b):
+    """Arrays carry no expert count (max id + 1 is inferred); take the larger one for both sides."""
+    from moeverify.routes import Routes
+
+    experts = max(a.num_experts, b.num_experts)
+
+    def widen(r):
+        if r.num_experts == experts:
+            return r
+        data = {layer: [r.get(layer, mb) for mb in range(r.microbatches)] for layer in r.layers}
+        return Routes(data, num_experts=experts, topk=r.topk)
+
+    return widen(a), widen(b)

@@ -1,0 +1,210 @@
+"""Comparing two routings of the same tokens: where do they choose different experts?
+
+Metrics, per MoE layer over all tokens of all micro-batches:
+- **agreement**: fraction of tokens whose top-k expert *set* is identical (order-insensitive);
+- **overlap@k**: mean ``|A ∩ B| / k``;
+- **tokens_diverging_any_layer**: fraction of tokens that differ in at least one layer, and the
+  histogram of each such token's first divergent layer;
+- **expert load** of both sides (tokens routed to each expert) and its difference;
+- the tokens that diverge most (most experts missed over all layers).
+
+Vectorised: rows that are byte-identical on both sides are settled with one word compare each;
+the other rows are sorted by a compare-exchange network over columns (elementwise min/max on the
+narrow id dtype), compared column by column, and their overlap counted by K^2 column compares,
+in cache-sized chunks. Legend: N = tokens (all micro-batches), L = MoE layers, K = top-k,
+E = experts, R = rows of a chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeverify.errors import RouteError
+from moeverify.record.format import ids_dtype_for
+from moeverify.routes import Routes
+
+_CHUNK_ROWS = 1 << 15  # rows per set-compare chunk: keeps the columns in L2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiffReport:
+    """Result of ``diff``; ``to_json()`` gives the DESIGN.md record."""
+
+    layers: tuple[int, ...]
+    tokens: int
+    num_experts: int
+    topk: int
+    exact_NL: torch.Tensor  # bool: top-k sets identical
+    overlap_NL: torch.Tensor  # uint8: |A ∩ B|
+    load_a_LE: torch.Tensor  # int64 tokens per expert
+    load_b_LE: torch.Tensor
+
+    @property
+    def agreement_L(self) -> torch.Tensor:
+        return self.exact_NL.float().mean(dim=0) if self.tokens else torch.ones(len(self.layers))
+
+    @property
+    def overlap_at_k_L(self) -> torch.Tensor:
+        if not self.tokens:
+            return torch.ones(len(self.layers))
+        return self.overlap_NL.sum(dim=0, dtype=torch.int64).double().div(self.tokens * self.topk).float()
+
+    @property
+    def diverging_N(self) -> torch.Tensor:
+        return ~self.exact_NL.all(dim=1)
+
+    @property
+    def tokens_diverging_any_layer(self) -> float:
+        return float(self.diverging_N.float().mean()) if self.tokens else 0.0
+
+    def first_divergent_layer(self) -> dict[int, int]:
+        """``{layer: tokens whose first divergent layer it is}`` (layers with zero omitted)."""
+        diverging_N = self.diverging_N
+        first_N = (~self.exact_NL[diverging_N]).to(torch.uint8).argmax(dim=1)
+        counts = torch.bincount(first_N, minlength=len(self.layers))
+        return {self.layers[i]: int(c) for i, c in enumerate(counts.tolist()) if c}
+
+    def worst_tokens(self, n: int = 10) -> list[dict]:
+        """Tokens with most experts missed over all layers: ``{token, missed, layers_diverging}``."""
+        if not self.tokens:
+            return []
+        missed_N = len(self.layers) * self.topk - self.overlap_NL.sum(dim=1, dtype=torch.int64)
+        values, idx = missed_N.topk(min(n, self.tokens))
+        layers_N = (~self.exact_NL[idx]).sum(dim=1)
+        return [{"token": int(t), "missed": int(v), "layers_diverging": int(c)}
+                for t, v, c in zip(idx.tolist(), values.tolist(), layers_N.tolist()) if v > 0]
+
+    def bucket_disagreement(self, buckets: int = 64) -> torch.Tensor:
+        """``[L, buckets]`` fraction of tokens with differing sets, tokens cut in contiguous buckets."""
+        buckets = max(1, min(buckets, self.tokens))
+        edges = torch.linspace(0, self.tokens, buckets + 1).round().long()
+        cum_NL = torch.cat([torch.zeros(1, len(self.layers)), (~self.exact_NL).float().cumsum(dim=0)])
+        sums = cum_NL[edges[1:]] - cum_NL[edges[:-1]]
+        return (sums / (edges[1:] - edges[:-1]).clamp(min=1)[:, None]).t()
+
+    def to_json(self, *, worst: int = 10) -> dict:
+        agreement, overlap = self.agreement_L.tolist(), self.overlap_at_k_L.tolist()
+        load_delta = (self.load_b_LE - self.load_a_LE)
+        layers = {str(layer): {"agreement": agreement[i], "overlap_at_k": overlap[i], "tokens": self.tokens,
+                               "load_a": self.load_a_LE[i].tolist(), "load_b": self.load_b_LE[i].tolist(),
+                               "load_max_abs_delta": int(load_delta[i].abs().max()) if self.num_experts else 0}
+                  for i, layer in enumerate(self.layers)}
+        return {"layers": layers, "tokens": self.tokens, "num_experts": self.num_experts, "topk": self.topk,
+                "tokens_diverging_any_layer": self.tokens_diverging_any_layer,
+                "agreement_all_layers": float(self.exact_NL.float().mean()) if self.tokens else 1.0,
+                "first_divergent_layer": {str(k): v for k, v in self.first_divergent_layer().items()},
+                "worst_tokens": self.worst_tokens(worst)}
+
+    def table(self):
+        """A ``rich`` table: one row per layer."""
+        from rich.table import Table
+
+        table = Table(title=f"routing diff: {self.tokens} tokens, top-{self.topk} of {self.num_experts}, "
+                            f"{self.tokens_diverging_any_layer:.2%} diverge in >= 1 layer")
+        for col in ("layer", "agreement", "overlap@k", "first divergent", "max |load delta|"):
+            table.add_column(col, justify="right")
+        first = self.first_divergent_layer()
+        agreement, overlap = self.agreement_L.tolist(), self.overlap_at_k_L.tolist()
+        delta = (self.load_b_LE - self.load_a_LE).abs()
+        for i, layer in enumerate(self.layers):
+            style = None if agreement[i] == 1.0 else "red"
+            table.add_row(str(layer), f"{agreement[i]:.4%}", f"{overlap[i]:.4f}", str(first.get(layer, 0)),
+                          str(int(delta[i].max())) if self.num_experts else "0", style=style)
+        return table
+
+
+def diff(a: Routes, b: Routes) -> DiffReport:
+    """Compare two routings of the same tokens (same layers, micro-batches and token counts)."""
+    if (a.layers, a.microbatches, a.topk, a.num_experts) != (b.layers, b.microbatches, b.topk, b.num_experts):
+        raise RouteError(f"cannot diff: (layers, microbatches, topk, num_experts) "
+                         f"{(list(a.layers), a.microbatches, a.topk, a.num_experts)} != "
+                         f"{(list(b.layers), b.microbatches, b.topk, b.num_experts)}")
+    experts, layers = a.num_experts, a.layers
+    counts = [a.get(layers[0], mb).shape[0] for mb in range(a.microbatches)] if layers else []
+    for mb in range(a.microbatches):
+        for layer in layers:
+            ta, tb = a.get(layer, mb).shape[0], b.get(layer, mb).shape[0]
+            if ta != tb or ta != counts[mb]:
+                raise RouteError(f"cannot diff: layer {layer} mb {mb}: {ta} tokens vs {tb} tokens "
+                                 f"(layer {layers[0]} has {counts[mb]})")
+    tokens = sum(counts)
+    exact_NL = torch.empty(tokens, len(layers), dtype=torch.bool)
+    overlap_NL = torch.empty(tokens, len(layers), dtype=torch.uint8)
+    load_a_LE = torch.zeros(len(layers), experts, dtype=torch.int64)
+    load_b_LE = torch.zeros(len(layers), experts, dtype=torch.int64)
+    offset = 0
+    for mb, count in enumerate(counts):
+        for i, layer in enumerate(layers):
+            ids_a_TK, ids_b_TK = _narrow(a.get(layer, mb), experts), _narrow(b.get(layer, mb), experts)
+            exact_T, overlap_T = compare_rows(ids_a_TK, ids_b_TK, num_experts=experts)
+            exact_NL[offset:offset + count, i] = exact_T
+            overlap_NL[offset:offset + count, i] = overlap_T
+            load_T = torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
+            load_a_LE[i] += load_T
+            load_b_LE[i] += load_T
+            rest = (overlap_T != ids_a_TK.shape[1]).nonzero().squeeze(1)
+            if rest.numel():  # only rows with different sets load B differently from A
+                load_b_LE[i] += torch.bincount(ids_b_TK.index_select(0, rest).reshape(-1), minlength=experts)
+                load_b_LE[i] -= torch.bincount(ids_a_TK.index_select(0, rest).reshape(-1), minlength=experts)
+        offset += count
+    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, exact_NL=exact_NL,
+                      overlap_NL=overlap_NL, load_a_LE=load_a_LE, load_b_LE=load_b_LE)
+
+
+def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exact_T bool, overlap_T uint8)`` of two ``[T, K]`` id tensors of one dtype.
+
+    Rows that are byte-identical (the common case: same experts in the same order) are settled by
+    one word compare per row; only the others are sorted and compared as sets.
+    """
+    same_T = _rows_identical(ids_a_TK, ids_b_TK)
+    k = ids_a_TK.shape[1]
+    overlap_T = torch.full(same_T.shape, k, dtype=torch.uint8)
+    if bool(same_T.all()):
+        return same_T, overlap_T
+    exact_T = same_T.clone()
+    rest = (~same_T).nonzero().squeeze(1)
+    for start in range(0, rest.numel(), _CHUNK_ROWS):
+        idx = rest[start:start + _CHUNK_ROWS]
+        exact_R, overlap_R = _set_compare(ids_a_TK.index_select(0, idx), ids_b_TK.index_select(0, idx))
+        exact_T[idx] = exact_R
+        overlap_T[idx] = overlap_R
+    return exact_T, overlap_T
+
+
+def _set_compare(a_RK: torch.Tensor, b_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as sets: sort each side (a compare-exchange network on columns), compare, count common ids."""
+    cols_a, cols_b = _sorted_columns(a_RK), _sorted_columns(b_RK)
+    exact_R = cols_a[0] == cols_b[0]
+    for ca, cb in zip(cols_a[1:], cols_b[1:]):
+        exact_R &= ca == cb
+    overlap_R = torch.zeros(a_RK.shape[0], dtype=torch.uint8)
+    for ca in cols_a:  # ids within a row are distinct, so each A id matches at most one B id
+        for cb in cols_b:
+            overlap_R += ca == cb
+    return exact_R, overlap_R
+
+
+def _sorted_columns(ids_RK: torch.Tensor) -> list[torch.Tensor]:
+    """The ``K`` columns of ``ids_RK`` with each row sorted (odd-even transposition network)."""
+    cols = list(ids_RK.t().contiguous().unbind(0))
+    k = len(cols)
+    for rnd in range(k):
+        for i in range(rnd % 2, k - 1, 2):
+            cols[i], cols[i + 1] = torch.minimum(cols[i], cols[i + 1]), torch.maximum(cols[i], cols[i + 1])
+    return cols
+
+
+def _rows_identical(a_TK: torch.Tensor, b_TK: torch.Tensor) -> torch.Tensor:
+    width = a_TK.shape[1] * a_TK.element_size()
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(width)
+    if word is not None:
+        return a_TK.contiguous().view(word).view(-1) == b_TK.contiguous().view(word).view(-1)
+    return (a_TK == b_TK).all(dim=1)
+
+
+def _narrow(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Ids in the dump's narrow dtype (values were validated in ``[0, num_experts)`` by ``Routes``)."""
+    return ids_TK.to(ids_dtype_for(num_experts)).contiguous()

@@ -1,0 +1,136 @@
+"""The routing dump format, version 1: names, the dtype table and the manifest.
+
+A dump is a directory::
+
+    manifest.json                 written last: a dump without it is incomplete
+    rank00000.safetensors         one file per rank (``rank00000.p001.safetensors`` ... for later parts)
+    rank00000.json                the rank's own record, folded into the manifest by ``finalize``
+
+Tensors in a rank file, for step ``S``, micro-batch ``M`` and global MoE layer ``L`` (0-based)::
+
+    step{S}/mb{M}/layer{L}/ids        [T, K] expert ids, dtype from ``ids_dtype_for(num_experts)``
+    step{S}/mb{M}/layer{L}/probs      [T, K] float router probabilities of those experts (optional)
+    step{S}/mb{M}/positions           [T] int64 position of each local token in its sequence (optional)
+    step{S}/mb{M}/seq_ids             [T] int64 sequence of each local token (optional)
+
+``T`` is the rank's local token count in local router order (see ``moeverify.views``).
+Legend: T = tokens, K = top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import re
+from collections.abc import Mapping
+
+import torch
+
+from moeverify.errors import DumpError
+
+SCHEMA = "moeverify.routing_dump"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+# The one dtype table: the narrowest integer dtype that holds ids in [0, num_experts).
+_ID_DTYPES = ((256, torch.uint8), (2**15, torch.int16), (2**31, torch.int32))
+ID_DTYPE_NAMES = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
+PROB_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+INDEX_DTYPE = torch.int64  # positions and seq_ids
+KINDS = ("ids", "probs")
+TOKEN_KINDS = ("positions", "seq_ids")
+
+_NAME_RE = re.compile(r"^step(\d+)/mb(\d+)/(?:layer(\d+)/(ids|probs)|(positions|seq_ids))$")
+
+
+def ids_dtype_for(num_experts: int) -> torch.dtype:
+    """Narrowest integer dtype for expert ids in ``[0, num_experts)``: uint8 up to 256, then int16, int32."""
+    if num_experts < 1:
+        raise DumpError(f"num_experts must be >= 1, got {num_experts}")
+    for limit, dtype in _ID_DTYPES:
+        if num_experts <= limit:
+            return dtype
+    raise DumpError(f"num_experts {num_experts} exceeds the largest id dtype (int32)")
+
+
+def dtype_by_name(name: str) -> torch.dtype:
+    for table in (ID_DTYPE_NAMES, PROB_DTYPES):
+        for dtype, dtype_name in table.items():
+            if dtype_name == name:
+                return dtype
+    raise DumpError(f"unknown dtype name {name!r}")
+
+
+def tensor_name(*, step: int, mb: int, kind: str, layer: int | None = None) -> str:
+    if kind in KINDS:
+        return f"step{step}/mb{mb}/layer{layer}/{kind}"
+    if kind in TOKEN_KINDS:
+        return f"step{step}/mb{mb}/{kind}"
+    raise DumpError(f"unknown tensor kind {kind!r}; known: {KINDS + TOKEN_KINDS}")
+
+
+def parse_tensor_name(name: str) -> tuple[int, int, int | None, str]:
+    """``(step, mb, layer or None, kind)`` of a tensor name; ``DumpError`` if it is not one of ours."""
+    m = _NAME_RE.match(name)
+    if not m:
+        raise DumpError(f"tensor name {name!r} is not step{{S}}/mb{{M}}/layer{{L}}/(ids|probs) "
+                        f"or step{{S}}/mb{{M}}/(positions|seq_ids)")
+    step, mb, layer, kind, token_kind = m.groups()
+    return int(step), int(mb), None if layer is None else int(layer), kind or token_kind
+
+
+def rank_file(rank: int, part: int = 0) -> str:
+    return f"rank{rank:05d}.safetensors" if part == 0 else f"rank{rank:05d}.p{part:03d}.safetensors"
+
+
+def rank_record_file(rank: int) -> str:
+    return f"rank{rank:05d}.json"
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that shape a dump, read from metadata (nothing imported)."""
+    out = {}
+    for dist in ("moeverify", "torch", "megatron-core", "megatron-bridge", "safetensors"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if "moeverify" not in out:
+        from moeverify import __version__
+        out["moeverify"] = __version__
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelInfo:
+    """The model shape a dump was recorded from."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.topk <= self.num_experts:
+            raise DumpError(f"model: need 1 <= topk <= num_experts, got topk {self.topk}, "
+                            f"num_experts {self.num_experts}")
+        bad = [layer for layer in self.moe_layers if not 0 <= layer < self.num_layers]
+        if bad or list(self.moe_layers) != sorted(set(self.moe_layers)):
+            raise DumpError(f"model: moe_layers {list(self.moe_layers)} must be sorted, unique and in "
+                            f"[0, num_layers={self.num_layers})")
+
+    def as_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "moe_layers": list(self.moe_layers),
+                "num_experts": self.num_experts, "topk": self.topk}
+
+    @classmethod
+    def from_dict(cls, obj: Mapping, *, where: str) -> ModelInfo:
+        try:
+            return cls(num_layers=int(obj["num_layers"]), moe_layers=tuple(int(x) for x in obj["moe_layers"]),
+                       num_experts=int(obj["num_experts"]), topk=int(obj["topk"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DumpError(f"{where}: model must hold num_layers, moe_layers, num_experts, topk; "
+                            f"got {dict(obj) if isinstance(obj, Mapping) else obj!r} ({exc})") from None

@@ -1,0 +1,126 @@
+"""Converting routes from elsewhere into dumps, and dumps to ``.npz``.
+
+- Rollout engines (vLLM, SGLang routed-experts / R3) return ``[tokens, layers, topk]`` integer arrays:
+  ``.npy`` holds one micro-batch, ``.npz`` one micro-batch per array, in key order. Loaded with
+  ``allow_pickle=False``.
+- megatron-core 0.19.2's ``RouterTracer`` (``transformer/moe/router_trace.py``) writes
+  ``router_trace_rank{R}.jsonl``: one record per router call, ``{"step", "stage", "block", "layer",
+  "rank", "num_tokens", "topk", "top_indices": [[...], ...]}`` (``"mtp_idx"`` on MTP records). Its
+  ``layer`` comes from the module name ``decoder.layers.<n>``, the index within the rank's own
+  layer stack, so files of later pipeline stages need ``layer_offset``. Repeated (step, layer)
+  records are successive micro-batches.
+- ``export_npz`` writes ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays plus ``layers``.
+
+Legend: N = tokens, L = layers, K = top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moeverify.errors import DumpError, RouteError
+from moeverify.routes import Routes
+
+
+def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | None = None,
+                       moe_layers: Sequence[int] | None = None, where: str = "input") -> Routes:
+    """``Routes`` from ``[tokens, layers, topk]`` arrays, one per micro-batch."""
+    if not arrays_NLK:
+        raise DumpError(f"{where}: no arrays")
+    tensors = []
+    for i, arr in enumerate(arrays_NLK):
+        if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
+            raise DumpError(f"{where}: array {i}: shape {arr.shape} dtype {arr.dtype} != expected integer "
+                            f"[tokens, layers, topk]")
+        if arr.shape[1:] != arrays_NLK[0].shape[1:]:
+            raise DumpError(f"{where}: array {i}: shape {arr.shape} != (tokens, {arrays_NLK[0].shape[1:]})")
+        tensors.append(torch.from_numpy(np.ascontiguousarray(arr).astype(np.int64)))
+    layers = list(moe_layers) if moe_layers is not None else list(range(tensors[0].shape[1]))
+    if len(layers) != tensors[0].shape[1]:
+        raise DumpError(f"{where}: {len(layers)} moe layer number(s) given for {tensors[0].shape[1]} layer(s)")
+    experts = num_experts if num_experts is not None else int(max(int(t.max()) for t in tensors if t.numel())) + 1
+    try:
+        return Routes.from_stacked(tensors, layers=layers, num_experts=experts)
+    except RouteError as exc:
+        raise DumpError(f"{where}: {exc}") from None
+
+
+def read_arrays(path: str | os.PathLike, *, fmt: str | None = None) -> list[np.ndarray]:
+    """The arrays of an ``.npy`` (one) or ``.npz`` (all, in key order) file, never unpickling."""
+    path = Path(path)
+    kind = fmt or path.suffix.lstrip(".")
+    try:
+        if kind == "npy":
+            return [np.load(path, allow_pickle=False)]
+        if kind == "npz":
+            with np.load(path, allow_pickle=False) as npz:
+                return [npz[key] for key in sorted(npz.files, key=_natural_key)]
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise DumpError(f"{path}: cannot read as .{kind}: {exc}") from None
+    raise DumpError(f"{path}: unknown array format {kind!r}; use npy or npz")
+
+
+def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None, step: int | None = None,
+                      layer_offset: int = 0) -> dict[int, Routes]:
+    """``{step: Routes}`` from one ``router_trace_rank{R}.jsonl`` file (decoder records; MTP skipped)."""
+    path = Path(path)
+    per_step: dict[int, dict[int, list[torch.Tensor]]] = {}
+    topk = None
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise DumpError(f"{path}: unreadable: {exc}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if rec.get("block", "decoder") != "decoder" or (step is not None and rec["step"] != step):
+                continue
+            ids_TK = torch.tensor(rec["top_indices"], dtype=torch.int64).view(int(rec["num_tokens"]), int(rec["topk"]))
+            rec_step, layer = int(rec["step"]), int(rec["layer"]) + layer_offset
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise DumpError(f"{path}:{lineno}: not a router_trace record: {exc}") from None
+        if topk not in (None, ids_TK.shape[1]):
+            raise DumpError(f"{path}:{lineno}: topk {ids_TK.shape[1]} != {topk} of earlier records")
+        topk = ids_TK.shape[1]
+        per_step.setdefault(rec_step, {}).setdefault(layer, []).append(ids_TK)
+    if not per_step:
+        raise DumpError(f"{path}: no decoder router_trace records" + ("" if step is None else f" for step {step}"))
+    experts = num_experts
+    if experts is None:
+        experts = 1 + max(int(t.max()) for layers in per_step.values() for mbs in layers.values() for t in mbs
+                          if t.numel())
+    out = {}
+    for s, layers in sorted(per_step.items()):
+        try:
+            out[s] = Routes(layers, num_experts=experts, topk=topk)
+        except RouteError as exc:
+            raise DumpError(f"{path}: step {s}: {exc}") from None
+    return out
+
+
+def export_npz(dump, path: str | os.PathLike) -> Path:
+    """Write every step's merged global routes as ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays."""
+    arrays = {"layers": np.asarray(dump.model.moe_layers, dtype=np.int64)}
+    for step in sorted(dump.steps):
+        routes = dump.routes(step=step)
+        for mb in range(routes.microbatches):
+            stacked = torch.stack([routes.get(layer, mb) for layer in routes.layers], dim=1)
+            arrays[f"step{step}_mb{mb}"] = stacked.numpy()
+    path = Path(path)
+    np.savez(path, **arrays)
+    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+
+
+def _natural_key(name: str) -> tuple:
+    import re
+
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))

@@ -1,0 +1,51 @@
+"""PNG plots of a routing diff (matplotlib, Agg backend; imported only when a plot is asked for)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from moeverify.record.diff import DiffReport
+
+
+def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64) -> Path:
+    """Two panels: layer x token-bucket disagreement heatmap, and per-layer expert-load bars (A vs B)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, (ax_heat, ax_load) = plt.subplots(2, 1, figsize=(10, 8), constrained_layout=True)
+    heat_LB = report.bucket_disagreement(buckets)
+    image = ax_heat.imshow(heat_LB.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=max(1e-9, float(heat_LB.max())),
+                           interpolation="nearest")
+    ax_heat.set_yticks(range(len(report.layers)), [str(layer) for layer in report.layers])
+    ax_heat.set_xlabel(f"token bucket ({report.tokens} tokens in {heat_LB.shape[1]} buckets)")
+    ax_heat.set_ylabel("MoE layer")
+    ax_heat.set_title(f"fraction of tokens whose top-{report.topk} set differs "
+                      f"({report.tokens_diverging_any_layer:.2%} diverge in >= 1 layer)")
+    fig.colorbar(image, ax=ax_heat)
+    _load_bars(ax_load, report)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _load_bars(ax, report: DiffReport) -> None:
+    """Expert load of A and B, all layers side by side (layer-major expert axis)."""
+    load_a = report.load_a_LE.reshape(-1).float()
+    load_b = report.load_b_LE.reshape(-1).float()
+    x = torch.arange(load_a.numel()).numpy()
+    ax.bar(x - 0.2, load_a.numpy(), width=0.4, label="A")
+    ax.bar(x + 0.2, load_b.numpy(), width=0.4, label="B")
+    experts = report.num_experts
+    for i in range(1, len(report.layers)):
+        ax.axvline(i * experts - 0.5, color="grey", linewidth=0.5)
+    ax.set_xticks([i * experts + experts / 2 - 0.5 for i in range(len(report.layers))],
+                  [f"layer {layer}" for layer in report.layers])
+    ax.set_ylabel("tokens routed")
+    ax.set_title("expert load per layer (A vs B)")
+    ax.legend()

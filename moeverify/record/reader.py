@@ -1,0 +1,269 @@
+"""Reading routing dumps: strict validation at load, then per-rank and merged global routes.
+
+``load`` checks the manifest (schema, version, keys), every rank file (present, byte size, safetensors
+header, rank metadata) and every tensor (name, dtype, shape, layers and micro-batches a rank must
+hold) before any data is read. Every problem is a ``DumpError`` naming the file and tensor, with
+expected vs got. Legend: T = tokens (local router order), K = top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moeverify import views
+from moeverify.errors import DumpError, LayoutError, RouteError
+from moeverify.layout import Layout
+from moeverify.record import format as fmt
+from moeverify.routes import Routes
+
+_REQUIRED = ("schema", "version", "model", "layout", "world_size", "zigzag", "ids_dtype", "steps", "ranks")
+_DT_NAMES = {"U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+             "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepInfo:
+    microbatches: int
+    batch: int | None
+    seq_len: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Entry:
+    file: Path
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class Dump:
+    """A validated routing dump. Use ``routes(step)`` for the merged global view."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+        where = str(path / fmt.MANIFEST)
+        self.model = fmt.ModelInfo.from_dict(manifest["model"], where=where)
+        try:
+            self.layout = Layout.from_mapping(manifest["layout"], where=f"{where}: layout")
+            self.layout.validate(world_size=int(manifest["world_size"]))
+        except (LayoutError, TypeError) as exc:
+            raise DumpError(f"{where}: {exc}") from None
+        self.world_size = int(manifest["world_size"])
+        self.zigzag = bool(manifest["zigzag"])
+        self.ids_dtype = fmt.dtype_by_name(manifest["ids_dtype"])
+        if self.ids_dtype != fmt.ids_dtype_for(self.model.num_experts):
+            raise DumpError(f"{where}: ids_dtype {manifest['ids_dtype']} != expected "
+                            f"{fmt.ID_DTYPE_NAMES[fmt.ids_dtype_for(self.model.num_experts)]} for "
+                            f"{self.model.num_experts} experts")
+        self.steps = {int(s): StepInfo(microbatches=int(i["microbatches"]), batch=i.get("batch"),
+                                       seq_len=None if i.get("seq_len") is None else tuple(i["seq_len"]))
+                      for s, i in manifest["steps"].items()}
+        self.coords = {int(r): views.RankCoords(**e["coords"]) for r, e in manifest["ranks"].items()}
+        missing = sorted(set(range(self.world_size)) - set(self.coords))
+        if missing:
+            raise DumpError(f"{where}: rank(s) {missing} of world_size {self.world_size} missing from the manifest")
+        self._index: dict[tuple[int, int, int, int | None, str], _Entry] = {}
+        for rank, entry in sorted(manifest["ranks"].items(), key=lambda kv: int(kv[0])):
+            for file in entry["files"]:
+                self._index_file(int(rank), file)
+        for rank in sorted(self.coords):
+            self._check_rank_complete(rank)
+
+    # -- public -----------------------------------------------------------------------------------
+    @property
+    def has_probs(self) -> bool:
+        return any(key[4] == "probs" for key in self._index)
+
+    def local_routes(self, *, step: int = 0, rank: int = 0) -> Routes:
+        """The routes rank ``rank`` recorded in ``step``: its MoE layers, its tokens in local order."""
+        info = self._step(step)
+        layers = self._layers(rank)
+        per_layer = {layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]
+                     for layer in layers}
+        try:
+            return Routes(per_layer, num_experts=self.model.num_experts, topk=self.model.topk)
+        except RouteError as exc:
+            raise DumpError(f"{self._rank_files(rank)}: step {step}: {exc}") from None
+
+    def local_probs(self, *, step: int = 0, rank: int = 0) -> dict[int, list[torch.Tensor]]:
+        """Router probabilities ``{layer: [probs_TK per micro-batch]}`` of one rank (empty if not recorded)."""
+        info = self._step(step)
+        return {layer: [self._read(rank, step, mb, layer, "probs") for mb in range(info.microbatches)]
+                for layer in self._layers(rank) if (rank, step, 0, layer, "probs") in self._index}
+
+    def routes(self, *, step: int = 0) -> Routes:
+        """The merged global routes of ``step``: ``[tokens, topk]`` per MoE layer and micro-batch."""
+        info = self._step(step)
+        local = {self.coords[r]: self.local_routes(step=step, rank=r) for r in sorted(self.coords)}
+        if self.world_size == 1 and info.seq_len is None:
+            return next(iter(local.values()))
+        if info.seq_len is None or info.batch is None:
+            raise DumpError(f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
+                            f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)")
+        for rank in sorted(self.coords):
+            self._check_token_ids(rank, step, info)
+        try:
+            return views.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
+                                   batch=info.batch, num_layers=self.model.num_layers,
+                                   moe_layers=self.model.moe_layers, zigzag=self.zigzag)
+        except (RouteError, LayoutError) as exc:
+            raise DumpError(f"{self.path}: step {step}: cannot merge ranks: {exc}") from None
+
+    # -- validation -------------------------------------------------------------------------------
+    def _index_file(self, rank: int, file: Mapping) -> None:
+        path = self.path / file["name"]
+        if not path.is_file():
+            raise DumpError(f"{path}: rank {rank} file missing (listed in the manifest)")
+        size = path.stat().st_size
+        if size != int(file["bytes"]):
+            raise DumpError(f"{path}: truncated or altered: expected {file['bytes']} bytes, got {size}")
+        try:
+            with safe_open(path, framework="pt") as handle:
+                meta = handle.metadata() or {}
+                entries = {name: handle.get_slice(name) for name in handle.keys()}
+                entries = {n: (_DT_NAMES.get(s.get_dtype()), tuple(s.get_shape())) for n, s in entries.items()}
+        except (SafetensorError, OSError) as exc:
+            raise DumpError(f"{path}: not a readable safetensors file: {exc}") from None
+        if meta.get("schema") != fmt.SCHEMA or meta.get("rank") != str(rank):
+            raise DumpError(f"{path}: metadata schema/rank {meta.get('schema')!r}/{meta.get('rank')!r} != expected "
+                            f"{fmt.SCHEMA!r}/'{rank}'")
+        for name, (dtype, shape) in entries.items():
+            try:
+                step, mb, layer, kind = fmt.parse_tensor_name(name)
+            except DumpError as exc:
+                raise DumpError(f"{path}: {exc}") from None
+            key = (rank, step, mb, layer, kind)
+            if key in self._index:
+                raise DumpError(f"{path}: tensor {name} also in {self._index[key].file.name}")
+            self._check_tensor(path, name, kind, dtype, shape)
+            self._index[key] = _Entry(file=path, name=name, dtype=dtype, shape=shape)
+
+    def _check_tensor(self, path: Path, name: str, kind: str, dtype: torch.dtype | None, shape: tuple) -> None:
+        if kind == "ids":
+            want, ok = fmt.ID_DTYPE_NAMES[self.ids_dtype], dtype == self.ids_dtype
+            shape_ok = len(shape) == 2 and shape[1] == self.model.topk
+            want_shape = f"(T, K={self.model.topk})"
+        elif kind == "probs":
+            want, ok = "a float dtype", dtype in fmt.PROB_DTYPES
+            shape_ok, want_shape = len(shape) == 2 and shape[1] == self.model.topk, f"(T, K={self.model.topk})"
+        else:
+            want, ok = "int64", dtype == fmt.INDEX_DTYPE
+            shape_ok, want_shape = len(shape) == 1, "(T,)"
+        if not ok:
+            raise DumpError(f"{path}: tensor {name}: dtype {dtype} != expected {want}")
+        if not shape_ok:
+            raise DumpError(f"{path}: tensor {name}: shape {shape} != expected {want_shape}")
+
+    def _check_rank_complete(self, rank: int) -> None:
+        """Strict: a rank holds exactly its layers x micro-batches of every step; token counts agree."""
+        expected = set()
+        layers = self._layers(rank)
+        for step, info in self.steps.items():
+            expected.update((rank, step, mb, layer, "ids") for mb in range(info.microbatches) for layer in layers)
+        held = {k for k in self._index if k[0] == rank}
+        missing = sorted(expected - {k for k in held if k[4] == "ids"}, key=str)
+        unexpected = sorted({k for k in held if k[1] not in self.steps or k[2] >= self.steps[k[1]].microbatches
+                             or (k[3] is not None and k[3] not in layers)}, key=str)
+        if missing or unexpected:
+            names = lambda keys: [fmt.tensor_name(step=k[1], mb=k[2], layer=k[3], kind=k[4]) for k in keys[:4]]
+            raise DumpError(f"{self._rank_files(rank)}: rank {rank} (pp{self.coords[rank].pp}, layers {list(layers)}) "
+                            f"missing {len(missing)} tensor(s) {names(missing)}, unexpected {len(unexpected)} "
+                            f"{names(unexpected)}")
+        for (r, step, mb, layer, kind), entry in self._index.items():
+            if r != rank or kind == "ids":
+                continue
+            ref = self._index.get((rank, step, mb, layer if kind == "probs" else layers[0] if layers else None, "ids"))
+            if ref is not None and entry.shape[0] != ref.shape[0]:
+                raise DumpError(f"{entry.file}: tensor {entry.name}: {entry.shape[0]} tokens != {ref.shape[0]} in "
+                                f"{ref.name}")
+        self._check_token_counts(rank, layers)
+
+    def _check_token_counts(self, rank: int, layers: tuple[int, ...]) -> None:
+        c = self.coords[rank]
+        for step, info in self.steps.items():
+            for mb in range(info.microbatches):
+                counts = {layer: self._index[(rank, step, mb, layer, "ids")].shape[0] for layer in layers}
+                want = None
+                if info.seq_len is not None and info.batch is not None:
+                    want = views.token_index(self.layout, tp_rank=c.tp, cp_rank=c.cp, seq_len=info.seq_len[mb],
+                                             batch=info.batch, zigzag=self.zigzag).numel()
+                for layer, got in counts.items():
+                    want = got if want is None else want
+                    if got != want:
+                        entry = self._index[(rank, step, mb, layer, "ids")]
+                        raise DumpError(f"{entry.file}: tensor {entry.name}: shape ({got}, {self.model.topk}) != "
+                                        f"expected (T={want}, K={self.model.topk}) (inconsistent token count)")
+
+    def _check_token_ids(self, rank: int, step: int, info: StepInfo) -> None:
+        """Recorded positions/seq_ids, where present, must be where the layout says the tokens are."""
+        c = self.coords[rank]
+        for mb in range(info.microbatches):
+            idx_T = views.token_index(self.layout, tp_rank=c.tp, cp_rank=c.cp, dp_rank=c.dp, seq_len=info.seq_len[mb],
+                                      batch=info.batch, zigzag=self.zigzag)
+            for kind, want_T in (("positions", idx_T % info.seq_len[mb]), ("seq_ids", idx_T // info.seq_len[mb])):
+                if (rank, step, mb, None, kind) not in self._index:
+                    continue
+                got_T = self._read(rank, step, mb, None, kind)
+                if not torch.equal(got_T, want_T):
+                    entry = self._index[(rank, step, mb, None, kind)]
+                    bad = int((got_T != want_T).nonzero()[0]) if got_T.shape == want_T.shape else -1
+                    raise DumpError(f"{entry.file}: tensor {entry.name}: token {bad} is {kind} "
+                                    f"{got_T[bad].item() if bad >= 0 else tuple(got_T.shape)}, the layout "
+                                    f"{self.layout.name(self.world_size)} puts it at "
+                                    f"{want_T[bad].item() if bad >= 0 else tuple(want_T.shape)}")
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _layers(self, rank: int) -> tuple[int, ...]:
+        return views.layers_of(self.layout, pp_rank=self.coords[rank].pp, num_layers=self.model.num_layers,
+                               moe_layers=self.model.moe_layers)
+
+    def _step(self, step: int) -> StepInfo:
+        if step not in self.steps:
+            raise DumpError(f"{self.path}: step {step} not in dump; steps held: {sorted(self.steps)}")
+        return self.steps[step]
+
+    def _rank_files(self, rank: int) -> str:
+        files = [e.file.name for k, e in self._index.items() if k[0] == rank]
+        return str(self.path / (sorted(set(files))[0] if files else fmt.rank_file(rank)))
+
+    def _read(self, rank: int, step: int, mb: int, layer: int | None, kind: str) -> torch.Tensor:
+        entry = self._index[(rank, step, mb, layer, kind)]
+        try:
+            with safe_open(entry.file, framework="pt") as handle:
+                return handle.get_tensor(entry.name)
+        except (SafetensorError, OSError) as exc:
+            raise DumpError(f"{entry.file}: tensor {entry.name}: unreadable: {exc}") from None
+
+
+def load(path: str | os.PathLike) -> Dump:
+    """Open and validate a dump directory (see module docstring)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DumpError(f"{path}: not a dump directory")
+    manifest_path = path / fmt.MANIFEST
+    if not manifest_path.is_file():
+        raise DumpError(f"{manifest_path}: missing manifest: the dump is incomplete (written last by finalize())")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DumpError(f"{manifest_path}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != fmt.SCHEMA:
+        got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DumpError(f"{manifest_path}: schema {got!r} != expected {fmt.SCHEMA!r}")
+    if manifest.get("version") != fmt.VERSION:
+        raise DumpError(f"{manifest_path}: schema version {manifest.get('version')!r} != supported {fmt.VERSION}")
+    absent = [key for key in _REQUIRED if key not in manifest]
+    if absent:
+        raise DumpError(f"{manifest_path}: missing key(s) {absent}")
+    try:
+        return Dump(path, manifest)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DumpError(f"{manifest_path}: malformed manifest: {exc!r}") from None

@@ -1,0 +1,331 @@
+"""Writing routing dumps: atomic files, a per-rank writer that can run off the training thread, and
+``finalize``, which folds the ranks' records into ``manifest.json`` (written last).
+
+Legend: T = tokens (local router order), K = top-k.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from moeverify.errors import DumpError, MoEVerifyError
+from moeverify.layout import Layout
+from moeverify.record import format as fmt
+from moeverify.routes import Routes, validate_topk_ids
+from moeverify.views import RankCoords
+
+_FLUSH = object()
+_STOP = object()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temp file in the same directory, fsync, then rename over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write_json(path: Path, obj: object) -> None:
+    atomic_write(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+class RankWriter:
+    """Writes one rank's routes to ``rank{R:05d}[.pNNN].safetensors`` in a dump directory.
+
+    ``add``/``add_routes`` copy tensors to CPU on the caller's thread and queue them; a background
+    thread (bounded queue) narrows dtypes, validates and buffers them. ``flush()`` writes the buffer
+    as one part file; ``close()`` flushes and writes the rank's record. Errors of the background thread
+    are raised by the next call. Nothing is pickled.
+
+    Args:
+        path: the dump directory (created).
+        model: the model shape (``format.ModelInfo``).
+        coords: this rank's coordinates (``moeverify.views.RankCoords``); default rank 0.
+        layout, world_size: the layout the routes were recorded under.
+        zigzag: the CP sequence split used (see ``moeverify.views``).
+        background: run the worker thread (False: do the work inline).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, model: fmt.ModelInfo, coords: RankCoords | None = None,
+                 layout: Layout | None = None, world_size: int = 1, zigzag: bool = True,
+                 background: bool = True, queue_size: int = 256, append: bool = False):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.model, self.layout, self.world_size, self.zigzag = model, layout or Layout(), world_size, zigzag
+        self.coords = coords or RankCoords(rank=0)
+        self.layout.validate(world_size=world_size)
+        self._ids_dtype = fmt.ids_dtype_for(model.num_experts)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._names: set[str] = set()
+        self._steps: dict[int, dict] = {}
+        self._files: list[dict] = []
+        self._probs_dtype: str | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._old_steps: frozenset[int] = frozenset()
+        if append:
+            self._resume()
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=queue_size)
+            self._thread = threading.Thread(target=self._work, name=f"moeverify-dump-rank{self.coords.rank}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _resume(self) -> None:
+        """Continue an existing rank record: keep its files and steps; new steps go to new part files."""
+        rec_path = self.path / fmt.rank_record_file(self.coords.rank)
+        if not rec_path.is_file():
+            return
+        try:
+            rec = json.loads(rec_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
+        mine = {"model": self.model.as_dict(), "layout": self.layout.as_dict(), "world_size": self.world_size}
+        for key, value in mine.items():
+            if rec.get(key) != value:
+                raise DumpError(f"{rec_path}: cannot append: {key} {rec.get(key)!r} != {value!r}")
+        self._files = list(rec["files"])
+        self._probs_dtype = rec.get("probs_dtype")
+        self._steps = {int(s): {"microbatches": i["microbatches"], "batch": i["batch"],
+                                "seq_len": dict(enumerate(i["seq_len"] or []))} for s, i in rec["steps"].items()}
+        self._old_steps = frozenset(self._steps)
+
+    # -- caller side ------------------------------------------------------------------------------
+    def add(self, *, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None = None) -> None:
+        """Queue one layer's routes of one micro-batch."""
+        item = ("layer", step, mb, layer, _to_cpu(ids_TK), None if probs_TK is None else _to_cpu(probs_TK))
+        self._submit(item)
+
+    def add_tokens(self, *, step: int, mb: int, seq_len: int | None = None, batch: int | None = None,
+                   positions_T: torch.Tensor | None = None, seq_ids_T: torch.Tensor | None = None) -> None:
+        """Record a micro-batch's geometry (global ``seq_len``, per-DP-rank ``batch``) and token ids."""
+        item = ("tokens", step, mb, seq_len, batch,
+                None if positions_T is None else _to_cpu(positions_T),
+                None if seq_ids_T is None else _to_cpu(seq_ids_T))
+        self._submit(item)
+
+    def add_routes(self, routes: Routes, *, step: int = 0, seq_len: int | Sequence[int] | None = None,
+                   batch: int | None = None, probs: Mapping[int, Sequence[torch.Tensor]] | None = None) -> None:
+        """Queue every layer and micro-batch of ``routes`` (local to this rank) for ``step``."""
+        if (routes.num_experts, routes.topk) != (self.model.num_experts, self.model.topk):
+            raise DumpError(f"{self.path}: routes have num_experts {routes.num_experts}, topk {routes.topk}; the "
+                            f"dump's model has {self.model.num_experts}, {self.model.topk}")
+        lens = [seq_len] * routes.microbatches if seq_len is None or isinstance(seq_len, int) else list(seq_len)
+        if len(lens) != routes.microbatches:
+            raise DumpError(f"{self.path}: {len(lens)} seq_len(s) for {routes.microbatches} micro-batch(es)")
+        for mb in range(routes.microbatches):
+            if seq_len is not None or batch is not None:
+                self.add_tokens(step=step, mb=mb, seq_len=lens[mb], batch=batch)
+            for layer in routes.layers:
+                p = None if probs is None else probs[layer][mb]
+                self.add(step=step, mb=mb, layer=layer, ids_TK=routes.get(layer, mb), probs_TK=p)
+
+    def flush(self) -> None:
+        """Wait for queued tensors and write them as one part file (atomically)."""
+        self._submit(_FLUSH)
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Flush, stop the worker and write this rank's record (``rank{R:05d}.json``)."""
+        if self._closed:
+            return
+        self.flush()
+        if self._queue is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+        self._closed = True
+        atomic_write_json(self.path / fmt.rank_record_file(self.coords.rank), self._record())
+
+    def __enter__(self) -> RankWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        elif self._queue is not None:
+            self._queue.put(_STOP)
+
+    def _submit(self, item: object) -> None:
+        self._raise_pending()
+        if self._closed:
+            raise DumpError(f"{self.path}: writer of rank {self.coords.rank} is closed")
+        if self._queue is None:
+            self._handle(item)
+        else:
+            self._queue.put(item)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, MoEVerifyError):
+                raise error
+            raise DumpError(f"{self.path}: background writer of rank {self.coords.rank} failed: {error!r}") from error
+
+    # -- worker side ------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                if self._error is None:
+                    self._handle(item)
+            except BaseException as exc:  # handed to the caller's next call
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _handle(self, item: object) -> None:
+        if item is _FLUSH:
+            self._write_part()
+        elif item[0] == "layer":
+            self._store_layer(*item[1:])
+        else:
+            self._store_tokens(*item[1:])
+
+    def _store_layer(self, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None) -> None:
+        if layer not in self.model.moe_layers:
+            raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the model {list(self.model.moe_layers)}")
+        validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.model.num_experts,
+                          topk=self.model.topk, rank=self.coords.rank)
+        self._put(fmt.tensor_name(step=step, mb=mb, layer=layer, kind="ids"), ids_TK.to(self._ids_dtype))
+        if probs_TK is not None:
+            if probs_TK.dtype not in fmt.PROB_DTYPES or tuple(probs_TK.shape) != tuple(ids_TK.shape):
+                raise DumpError(f"layer {layer} rank {self.coords.rank} mb {mb}: probs {probs_TK.dtype} "
+                                f"{tuple(probs_TK.shape)} != expected float {tuple(ids_TK.shape)}")
+            self._probs_dtype = fmt.PROB_DTYPES[probs_TK.dtype]
+            self._put(fmt.tensor_name(step=step, mb=mb, layer=layer, kind="probs"), probs_TK)
+        info = self._steps.setdefault(step, {"microbatches": 0, "seq_len": {}, "batch": None})
+        info["microbatches"] = max(info["microbatches"], mb + 1)
+
+    def _store_tokens(self, step, mb, seq_len, batch, positions_T, seq_ids_T) -> None:
+        info = self._steps.setdefault(step, {"microbatches": 0, "seq_len": {}, "batch": None})
+        info["microbatches"] = max(info["microbatches"], mb + 1)
+        if seq_len is not None:
+            info["seq_len"][mb] = int(seq_len)
+        if batch is not None:
+            if info["batch"] not in (None, int(batch)):
+                raise DumpError(f"{self.path}: step {step}: batch {batch} != {info['batch']} given before")
+            info["batch"] = int(batch)
+        for kind, t in (("positions", positions_T), ("seq_ids", seq_ids_T)):
+            if t is not None:
+                self._put(fmt.tensor_name(step=step, mb=mb, kind=kind), t.reshape(-1).to(fmt.INDEX_DTYPE))
+
+    def _put(self, name: str, tensor: torch.Tensor) -> None:
+        if fmt.parse_tensor_name(name)[0] in self._old_steps:
+            raise DumpError(f"{self.path}: step {fmt.parse_tensor_name(name)[0]} is already in the dump")
+        if name in self._names:
+            raise DumpError(f"{self.path}: rank {self.coords.rank} recorded {name} twice (a recompute forward "
+                            f"recorded again, or a step/micro-batch number reused)")
+        self._names.add(name)
+        self._pending[name] = tensor.contiguous()
+
+    def _write_part(self) -> None:
+        if not self._pending:
+            return
+        name = fmt.rank_file(self.coords.rank, len(self._files))
+        metadata = {"schema": fmt.SCHEMA, "version": str(fmt.VERSION), "rank": str(self.coords.rank)}
+        data = st_save(self._pending, metadata=metadata)
+        atomic_write(self.path / name, data)
+        self._files.append({"name": name, "bytes": len(data), "tensors": len(self._pending)})
+        self._pending = {}
+
+    def _record(self) -> dict:
+        steps = {}
+        for step, info in sorted(self._steps.items()):
+            lens = info["seq_len"]
+            full = len(lens) == info["microbatches"]
+            steps[str(step)] = {"microbatches": info["microbatches"], "batch": info["batch"],
+                                "seq_len": [lens[m] for m in range(info["microbatches"])] if full else None}
+        return {"schema": fmt.SCHEMA, "version": fmt.VERSION, "rank": self.coords.rank,
+                "coords": self.coords.as_dict(), "model": self.model.as_dict(), "layout": self.layout.as_dict(),
+                "world_size": self.world_size, "zigzag": self.zigzag, "files": self._files, "steps": steps,
+                "ids_dtype": fmt.ID_DTYPE_NAMES[self._ids_dtype], "probs_dtype": self._probs_dtype}
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise DumpError(f"expected a torch.Tensor, got {type(t).__name__}")
+    t = t.detach()
+    # A copy: the caller may reuse or modify its buffer after add() returns.
+    return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
+
+
+def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
+    """Fold every rank's record into ``manifest.json`` (written last, atomically) and return it.
+
+    Raises ``DumpError`` naming missing ranks or records that disagree on model, layout or steps.
+    """
+    path = Path(path)
+    records = {}
+    for rec_path in sorted(path.glob("rank*.json")):
+        try:
+            rec = json.loads(rec_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
+        records[int(rec["rank"])] = rec
+    if not records:
+        raise DumpError(f"{path}: no rank records (rank*.json); did every rank close() its writer?")
+    first = records[min(records)]
+    world = world_size or first["world_size"]
+    missing = sorted(set(range(world)) - set(records))
+    if missing:
+        raise DumpError(f"{path}: rank record(s) missing for rank(s) {missing} of world_size {world}")
+    steps: dict[str, dict] = {}
+    for rank, rec in sorted(records.items()):
+        for key in ("model", "layout", "world_size", "zigzag", "ids_dtype"):
+            if rec[key] != first[key]:
+                raise DumpError(f"{path}: rank {rank} {key} {rec[key]!r} != rank {min(records)} {first[key]!r}")
+        for step, info in rec["steps"].items():
+            merged = steps.setdefault(step, {"microbatches": 0, "batch": None, "seq_len": None})
+            _merge_step(merged, info, where=f"{path}: rank {rank} step {step}")
+    manifest = {
+        "schema": fmt.SCHEMA, "version": fmt.VERSION, "model": first["model"], "layout": first["layout"],
+        "world_size": world, "zigzag": first["zigzag"], "ids_dtype": first["ids_dtype"],
+        "probs_dtype": next((r["probs_dtype"] for r in records.values() if r["probs_dtype"]), None),
+        "steps": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
+        "ranks": {str(r): {"coords": rec["coords"], "files": rec["files"]} for r, rec in sorted(records.items())},
+        "versions": fmt.versions(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    atomic_write_json(path / fmt.MANIFEST, manifest)
+    return manifest
+
+
+def _merge_step(merged: dict, info: dict, *, where: str) -> None:
+    if info["microbatches"] and merged["microbatches"] and info["microbatches"] != merged["microbatches"]:
+        raise DumpError(f"{where}: {info['microbatches']} micro-batch(es) != {merged['microbatches']} on other ranks")
+    merged["microbatches"] = max(merged["microbatches"], info["microbatches"])
+    for key in ("batch", "seq_len"):
+        if info[key] is None:
+            continue
+        if merged[key] is not None and merged[key] != info[key]:
+            raise DumpError(f"{where}: {key} {info[key]} != {merged[key]} on other ranks")
+        merged[key] = info[key]
