@@ -1,0 +1,82 @@
+"""The ``roundtrip`` check: HF -> Megatron -> HF through the bridge, bitwise equal to the source checkpoint.
+
+Subchecks: ``bitwise`` (every exported tensor equals the source tensor of the same name on raw bits, in
+the source's dtype and shape) and ``key_set`` (exported names == checkpoint names; missing and extra
+listed). ``export_hf_weights`` runs collectives inside, so every rank iterates it; rank 0 compares,
+one tensor at a time, reading the source lazily.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moeverify.oracles.merge import bits, hex_bits
+from moeverify.oracles.results import Tally
+
+SHOW = 5
+
+
+def source_files(hf_path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of an HF checkpoint directory (single file or indexed shards)."""
+    index = hf_path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_path / fname for name, fname in weight_map.items()}
+    from safetensors import safe_open
+
+    single = hf_path / "model.safetensors"
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def compare_bits(name: str, expected: torch.Tensor, got: torch.Tensor) -> str | None:
+    """``None`` if ``got`` equals ``expected`` bit for bit in dtype and shape, else a message."""
+    if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
+        return (f"{name}: dtype/shape {got.dtype} {tuple(got.shape)} != expected "
+                f"{expected.dtype} {tuple(expected.shape)}")
+    a, b = bits(expected.contiguous()).flatten(), bits(got.detach().cpu().contiguous()).flatten()
+    diff = (a != b).nonzero().flatten()
+    if not diff.numel():
+        return None
+    shown = ", ".join(f"[{int(i)}] expected {hex_bits(int(a[i]), expected.dtype)} got {hex_bits(int(b[i]), expected.dtype)}"
+                      for i in diff[:SHOW])
+    return f"{name}: {diff.numel()} of {a.numel()} elements differ: {shown}"
+
+
+def run(ctx) -> dict[str, Tally]:
+    from safetensors import safe_open
+
+    built = ctx.model()
+    tallies = {"bitwise": Tally(), "key_set": Tally()}
+    files = source_files(built.hf_path) if ctx.rank == 0 else {}
+    exported: list[str] = []
+    handles: dict[Path, object] = {}
+    try:
+        for name, tensor in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):
+            exported.append(name)
+            if ctx.rank != 0:
+                continue
+            if name not in files:
+                continue  # reported by key_set
+            if files[name] not in handles:
+                handles[files[name]] = safe_open(str(files[name]), "pt")
+            expected = handles[files[name]].get_tensor(name)
+            message = compare_bits(name, expected, tensor)
+            tallies["bitwise"].check(message is None, message or "")
+    finally:
+        handles.clear()
+    if ctx.rank == 0:
+        _key_set(tallies["key_set"], exported=exported, source=list(files))
+    return tallies
+
+
+def _key_set(t: Tally, *, exported: list[str], source: list[str]) -> None:
+    dupes = sorted({n for n in exported if exported.count(n) > 1})
+    t.check(not dupes, f"exported more than once: {dupes[:SHOW]}")
+    missing, extra = sorted(set(source) - set(exported)), sorted(set(exported) - set(source))
+    t.check(not missing, f"{len(missing)} checkpoint name(s) never exported: {missing[:SHOW]}")
+    t.check(not extra, f"{len(extra)} exported name(s) not in the checkpoint: {extra[:SHOW]}")
+    t.ok(len(set(source) & set(exported)))
