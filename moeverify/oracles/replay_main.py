@@ -41,11 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     family, _, layout_name = args.scenario.partition("/")
     rt = runtime.init("auto")
-    layout, dp = parse_layout_name(layout_name)
-    world = layout.model_parallel_size() * dp
-    if world != rt.world_size:
-        print(f"scenario {args.scenario} needs world size {world}, torchrun gave {rt.world_size}", file=sys.stderr)
-        return 2
+    layout, _ = parse_layout_name(layout_name)
+    world = rt.world_size  # data parallel (and expert-data parallel) follow from the ranks torchrun gave
+    layout.validate(world_size=world)
     options = {"replay_impl": args.impl, "replay_notes_path": args.notes}
     if args.variants:
         options["router_variants"] = "full" if args.variants == "full" else _split(args.variants)
