@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from pathlib import Path
 
 from moeverify.runner.plan import Plan, events_path, read_lines, stacks_path
@@ -61,9 +63,16 @@ def _rank_state(directory: Path, rank: int, plan: Plan) -> _RankState:
 
 
 def _tail(text: str) -> str:
+    """The end of a Python traceback (most recent call last)."""
     lines = text.splitlines()
     cut = len(lines) - TAIL_LINES
     return "\n".join((["..."] if cut > 0 else []) + lines[max(cut, 0):])
+
+
+def _head(text: str) -> str:
+    """The start of a faulthandler dump (most recent call first)."""
+    lines = text.splitlines()
+    return "\n".join(lines[:TAIL_LINES] + (["..."] if len(lines) > TAIL_LINES else []))
 
 
 def _kind(text: str) -> str:
@@ -76,17 +85,37 @@ def _kind(text: str) -> str:
     return "was terminated"
 
 
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+
+
+def innermost_frame(text: str) -> str:
+    """The innermost frame outside installed packages, as ``file.py:LINE in func`` ("" if none)."""
+    frames = [m for m in map(_FRAME.match, text.splitlines()) if m]
+    if _kind(text) == "raised":
+        frames.reverse()  # tracebacks list the most recent call last; faulthandler first
+    own = [m for m in frames if "site-packages" not in m["file"] and not m["file"].startswith("<")]
+    for m in own or frames:
+        return f"{os.path.basename(m['file'])}:{m['line']} in {m['func']}"
+    return ""
+
+
 def _describe(state: _RankState, plan: Plan) -> str:
-    text = state.stacks
-    if text.startswith("moeverify: rank"):
-        head, _, rest = text.partition("\n")
-        return f"{head.removeprefix('moeverify: ')}:\n{_tail(rest)}"
-    if text.startswith("Timeout ("):
-        return (f"rank {state.rank} timed out: still running after --timeout {plan.timeout_s:.0f} s; "
-                f"stacks of all its threads:\n{_tail(text)}")
-    if text.startswith("Fatal Python error"):
-        return f"rank {state.rank} died: {text.splitlines()[0]}\n{_tail(text)}"
-    return f"rank {state.rank} was terminated; its stacks:\n{_tail(text)}"
+    """First line: what happened, on which rank, in which check; then the traceback or stacks."""
+    text, rank = state.stacks, state.rank
+    where = f" in check {state.check}" if state.check else ""
+    kind = _kind(text)
+    at = innermost_frame(text)
+    where += f" at {at}" if at else ""
+    if kind == "raised":
+        _, _, trace = text.partition("\n")
+        last = [line for line in trace.splitlines() if line.strip()]
+        return f"rank {rank} raised {last[-1].strip() if last else 'an exception'}{where}\n{_tail(trace)}"
+    if kind == "timed out":
+        return (f"rank {rank} timed out{where}: still running after --timeout {plan.timeout_s:.0f} s; "
+                f"its threads' stacks (most recent call first):\n{_head(text)}")
+    if kind == "died":
+        return f"rank {rank} died{where}: {text.splitlines()[0]}\n{_head(text)}"
+    return f"rank {rank} was terminated{where}; its stacks (most recent call first):\n{_head(text)}"
 
 
 def diagnose(directory: Path, *, world_size: int, plan: Plan, returncode: int | None, killed: bool,
@@ -113,8 +142,8 @@ def diagnose(directory: Path, *, world_size: int, plan: Plan, returncode: int | 
         parts.append(f"torchrun exited with code {returncode} and no rank wrote an error "
                      f"(killed by a signal, or out of memory?); see {directory / 'torchrun.log'}")
     if culprits[1:]:
-        parts.append("after it: " + "; ".join(f"rank {s.rank} {_kind(s.stacks)} (rank{s.rank}.stacks.txt)"
-                                              for s in culprits[1:]))
+        parts.append("then: " + "; ".join(f"rank {s.rank} {_kind(s.stacks)} at {innermost_frame(s.stacks) or '?'}"
+                                          f" (rank{s.rank}.stacks.txt)" for s in culprits[1:]))
     parts.append(f"files: {directory}")
     seconds = 0.0
     if where.started_t is not None and where.check is not None:

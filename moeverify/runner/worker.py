@@ -25,6 +25,7 @@ from moeverify.runner import checks as check_table
 from moeverify.runner.plan import Plan, append_line, events_path, results_path, stacks_path
 
 EXIT_RAISED = 3  # a check raised on this rank (a faulthandler timeout exits 1)
+STARTUP_TIMEOUT_S = 300.0  # imports and rendezvous: slow on loaded CI machines, whatever --timeout says
 
 
 def peak_rss_mb() -> float:
@@ -42,9 +43,9 @@ class _Rank:
         # torchrun ends the other ranks with SIGTERM when one fails: their stacks show where they waited.
         faulthandler.register(signal.SIGTERM, file=self.stacks, all_threads=True, chain=True)
 
-    def arm(self) -> None:
+    def arm(self, timeout_s: float | None = None) -> None:
         """Dump every thread's stack and exit if the current scenario outlives the timeout."""
-        faulthandler.dump_traceback_later(self.timeout_s, repeat=False, file=self.stacks, exit=True)
+        faulthandler.dump_traceback_later(timeout_s or self.timeout_s, repeat=False, file=self.stacks, exit=True)
 
     def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.read(plan_file)
     rank = int(os.environ.get("RANK", "0"))
     me = _Rank(plan_file.parent, rank, plan.timeout_s)
-    me.arm()
+    me.arm(max(plan.timeout_s, STARTUP_TIMEOUT_S))
     try:
         from moeverify import runtime
 

@@ -1,0 +1,18 @@
+"""Shared pytest setup: markers, and the repository root for tests that run files from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "distributed: runs real torchrun groups (tests/special_distributed)")
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO_ROOT

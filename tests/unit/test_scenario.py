@@ -1,0 +1,205 @@
+"""Scenario files: the format, and every way a file can be wrong (each with its message)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from moeverify.errors import UsageError
+from moeverify.layout import Layout
+from moeverify.models import families as model_families
+from moeverify.scenario import group_by_world_size, load, scenario_from_dict, scenario_to_dict
+
+CHECKS = ("roundtrip", "export", "replay")
+FAMILIES = {name: model_families.family_shape(name) for name in model_families.FAMILIES}
+
+
+def _write(tmp_path, text: str, name: str = "s.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def _load(tmp_path, text: str, **kwargs):
+    return load([_write(tmp_path, text)], checks=CHECKS, families=FAMILIES, **kwargs)
+
+
+def test_load_explicit_scenario_builds_named_scenario(tmp_path):
+    (s,) = _load(tmp_path, """
+        scenarios:
+          - {family: qwen3_moe, world_size: 4, layout: {pp: 2, ep: 2}, checks: [export], seed: 3,
+             options: {subject: sharded}}
+    """)
+    assert s.name == "qwen3_moe/pp2-ep2-dp2"
+    assert (s.layout, s.world_size, s.checks, s.seed) == (Layout(pp=2, ep=2), 4, ("export",), 3)
+    assert s.options == {"subject": "sharded"} and s.gpu_only is None
+    assert s.source.endswith("s.yaml:3")
+
+
+def test_load_defaults_apply_and_entries_override(tmp_path):
+    a, b = _load(tmp_path, """
+        defaults: {world_size: 2, checks: [roundtrip], options: {subject: bridge}}
+        scenarios:
+          - {family: qwen2, layout: {tp: 2}}
+          - {family: qwen2, layout: {pp: 2}, checks: [export], options: {replay_impl: native}}
+    """)
+    assert (a.world_size, a.checks, a.options) == (2, ("roundtrip",), {"subject": "bridge"})
+    assert b.checks == ("export",)
+    assert b.options == {"subject": "bridge", "replay_impl": "native"}
+
+
+def test_load_matrix_dense_families_skip_expert_layouts(tmp_path):
+    got = _load(tmp_path, """
+        defaults: {checks: [roundtrip], moe_checks: [replay]}
+        matrix:
+          - families: [qwen2, qwen3_moe]
+            world_size: 2
+            layouts: [{tp: 2, sp: moe}, {ep: 2}, {etp: 2}, {pp: 2, world_size: 4, gpu_only: needs NCCL}]
+    """)
+    by_name = {s.name: s for s in got}
+    assert sorted(by_name) == sorted(["qwen2/tp2", "qwen3_moe/tp2-sp", "qwen3_moe/ep2-dp2", "qwen3_moe/etp2-dp2",
+                                      "qwen2/pp2-dp2", "qwen3_moe/pp2-dp2"])
+    assert by_name["qwen2/tp2"].checks == ("roundtrip",)
+    assert by_name["qwen3_moe/tp2-sp"].checks == ("roundtrip", "replay")
+    assert by_name["qwen2/pp2-dp2"].gpu_only == "needs NCCL" and by_name["qwen2/pp2-dp2"].world_size == 4
+
+
+def test_load_release_file_has_the_release_matrix(repo_root):
+    got = load([str(repo_root / "scenarios/release.yaml")], checks=CHECKS, families=FAMILIES)
+    names = {s.name for s in got}
+    moe_layouts = ["tp2-sp", "pp2", "pp2-vpp2", "ep2-dp2", "etp2-dp2", "cp2", "ep2-dp4", "pp2-ep2-dp2",
+                   "tp2-pp2-sp", "tp2-pp2-ep2-sp-dp2"]
+    dense_layouts = ["tp2", "pp2", "pp2-vpp2", "cp2", "tp2-pp2"]
+    expected = {f"{f}/{l}" for f in ("qwen3_moe", "deepseek_v3") for l in moe_layouts}
+    expected |= {f"{f}/{l}" for f in ("qwen2", "qwen2_tied") for l in dense_layouts}
+    assert names == expected
+    for s in got:
+        want = ("roundtrip", "export", "replay") if FAMILIES[s.family].is_moe else ("roundtrip", "export")
+        assert s.checks == want, s.name
+    assert {s.world_size for s in got if s.name.endswith("tp2-pp2-ep2-sp-dp2")} == {8}
+
+
+def test_load_smoke_file_is_small_and_valid(repo_root):
+    got = load([str(repo_root / "scenarios/smoke.yaml")], checks=CHECKS, families=FAMILIES)
+    assert 1 <= len(got) <= 6
+    assert max(s.world_size for s in got) <= 2
+    assert all("roundtrip" in s.checks and "export" in s.checks for s in got)
+    assert all("replay" in s.checks for s in got if FAMILIES[s.family].is_moe)
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("scenarioz: []", r"s\.yaml: unknown top-level key\(s\) \['scenarioz'\]"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [roundtrip], colour: red}",
+     r"s\.yaml:2: unknown scenario key\(s\) \['colour'\]"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [roundtrip], layout: {tq: 2}}",
+     r"s\.yaml:2: unknown layout key\(s\) \['tq'\]"),
+    ("scenarios:\n  - {family: llama, world_size: 1, checks: [roundtrip]}",
+     r"s\.yaml:2: unknown family 'llama'; known families: qwen2, qwen2_tied"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [rondtrip]}",
+     r"s\.yaml:2: scenario qwen2/tp1: unknown check 'rondtrip'; known checks: export, replay, roundtrip"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export, export]}",
+     r"check\(s\) \['export'\] listed twice"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: export}", r"checks must be a list of check names"),
+    ("scenarios:\n  - {family: qwen2, world_size: 3, layout: {tp: 2}, checks: [export]}",
+     r"s\.yaml:2: scenario qwen2/tp2: invalid layout: world_size 3 is not divisible by tp\*pp\*cp = 2\*1\*1 = 2"),
+    ("scenarios:\n  - {family: qwen3_moe, world_size: 2, layout: {tp: 2}, checks: [export]}",
+     r"scenario qwen3_moe/tp2: invalid layout: MoE with tp 2 > 1 needs sp"),
+    ("scenarios:\n  - {family: qwen2, world_size: 2, layout: {ep: 2}, checks: [export]}",
+     r"invalid layout: ep 2 > 1 needs an MoE model"),
+    ("scenarios:\n  - {family: qwen2, world_size: 2, layout: {pp: 2, vpp: 3}, checks: [export]}",
+     r"num_layers 4 is not divisible by pp\*vpp = 2\*3 = 6"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, layout: {tp: 0}, checks: [export]}",
+     r"s\.yaml:2: invalid layout: tp must be a positive integer, got 0"),
+    ("scenarios:\n  - {family: qwen2, world_size: 16, layout: {tp: 2}, checks: [export]}",
+     r"scenario qwen2/tp2-dp8: world_size 16 exceeds the 8 ranks this machine can run"),
+    ("scenarios:\n  - {family: qwen2, checks: [export]}", r"world_size is missing"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1}", r"scenario qwen2/tp1: checks is missing"),
+    ("scenarios:\n  - {family: qwen2, world_size: 0, checks: [export]}", r"world_size must be an integer >= 1, got 0"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], seed: -1}", r"seed must be an integer >= 0"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], gpu_only: ''}",
+     r"gpu_only must be a reason \(non-empty string\) or null"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subjct: bridge}}",
+     r"unknown option 'subjct'; known options: subject, replay_impl, router_variants"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {replay_impl: vllm}}",
+     r"replay_impl must be one of moeverify, native, verl, got 'vllm'"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subject: nocolon}}",
+     r"subject 'nocolon' is not bridge or sharded, module:factory or path/to/file.py:factory"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subject: 'missing.py:f'}}",
+     r"subject file 'missing.py' does not exist"),
+    ("scenarios: {family: qwen2}", r"scenarios must be a list of mappings"),
+    ("scenarios:\n  - qwen2", r"scenario must be a mapping, got str"),
+    ("version: 2\nscenarios: []", r"version 2 is not supported; this moeverify reads version 1"),
+    ("defaults: {checks: [export]}", r"no 'scenarios' or 'matrix' section"),
+    ("scenarios: []", r"the file defines no scenario"),
+    ("defaults: {checks: [export], family: qwen2}\nscenarios: []", r"unknown defaults key\(s\) \['family'\]"),
+    ("defaults: {checks: [nope]}\nscenarios: []", r"unknown check 'nope'"),
+    ("matrix:\n  - {families: [], layouts: [{}]}", r"s\.yaml:2: matrix block needs families"),
+    ("matrix:\n  - {families: [qwen2], world_size: 1, checks: [export]}", r"matrix block needs layouts"),
+    ("matrix:\n  - {families: [qwen2], world_size: 1, checks: [export], layouts: [{tp: 1, seed: 2}]}",
+     r"unknown matrix layout key\(s\) \['seed'\]"),
+    ("matrix:\n  - {families: [qwen2, mixtral], world_size: 1, checks: [export], layouts: [{}]}",
+     r"unknown family 'mixtral'"),
+])
+def test_load_bad_file_raises_usage_error(tmp_path, text, match):
+    with pytest.raises(UsageError, match=match):
+        _load(tmp_path, text)
+
+
+def test_load_malformed_yaml_names_file_and_line(tmp_path):
+    with pytest.raises(UsageError, match=r"s\.yaml:3: malformed YAML"):
+        _load(tmp_path, "scenarios:\n  - family: qwen2\n  world_size: 1\n  - checks: []\n")
+
+
+def test_load_duplicate_yaml_key_names_line(tmp_path):
+    with pytest.raises(UsageError, match=r"s\.yaml:3: duplicate key 'family'"):
+        _load(tmp_path, "scenarios:\n  - family: qwen2\n    family: qwen2_tied\n    world_size: 1\n")
+
+
+def test_load_empty_file_is_rejected(tmp_path):
+    with pytest.raises(UsageError, match=r"s\.yaml: file is empty"):
+        _load(tmp_path, "")
+
+
+def test_load_missing_file_is_rejected(tmp_path):
+    with pytest.raises(UsageError, match=r"nope\.yaml: cannot read scenario file"):
+        load([str(tmp_path / "nope.yaml")], checks=CHECKS, families=FAMILIES)
+
+
+def test_load_duplicate_names_in_one_file_name_both_places(tmp_path):
+    with pytest.raises(UsageError, match=r"s\.yaml:4: scenario qwen2/tp2: duplicate name; first defined at .*s\.yaml:3"):
+        _load(tmp_path, """
+            scenarios:
+              - {family: qwen2, world_size: 2, layout: {tp: 2}, checks: [export]}
+              - {family: qwen2, world_size: 2, layout: {tp: 2}, checks: [roundtrip]}
+        """)
+
+
+def test_load_duplicate_names_across_files(tmp_path):
+    text = "scenarios:\n  - {family: qwen2, world_size: 1, checks: [export]}\n"
+    paths = [_write(tmp_path, text, "a.yaml"), _write(tmp_path, text, "b.yaml")]
+    with pytest.raises(UsageError, match=r"b\.yaml:2: scenario qwen2/tp1: duplicate name; first defined at .*a\.yaml:2"):
+        load(paths, checks=CHECKS, families=FAMILIES)
+
+
+def test_load_max_world_size_is_a_parameter(tmp_path):
+    with pytest.raises(UsageError, match=r"world_size 2 exceeds the 1 ranks"):
+        _load(tmp_path, "scenarios:\n  - {family: qwen2, world_size: 2, checks: [export]}", max_world_size=1)
+
+
+def test_group_by_world_size_orders_worlds_and_keeps_file_order(tmp_path):
+    got = _load(tmp_path, """
+        defaults: {checks: [export]}
+        scenarios:
+          - {family: qwen2, world_size: 4, layout: {tp: 2}}
+          - {family: qwen2, world_size: 1}
+          - {family: qwen2_tied, world_size: 4, layout: {pp: 2}}
+    """)
+    groups = group_by_world_size(got)
+    assert list(groups) == [1, 4]
+    assert [s.name for s in groups[4]] == ["qwen2/tp2-dp2", "qwen2_tied/pp2-dp2"]
+
+
+def test_scenario_dict_round_trip_is_identity(repo_root):
+    for s in load([str(repo_root / "scenarios/release.yaml")], checks=CHECKS, families=FAMILIES):
+        assert scenario_from_dict(scenario_to_dict(s)) == s
