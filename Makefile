@@ -1,0 +1,30 @@
+# moeverify: the README's two commands are `make demo` and `make test`; both set everything up first.
+PY := .venv/bin/python
+NPROC ?= 2
+
+.PHONY: setup demo test test-unit test-distributed release bench clean
+
+setup:
+	@bash tools/setup.sh
+
+demo: setup
+	$(PY) -m moeverify run scenarios/smoke.yaml --json runs/demo.json
+
+test: setup
+	$(PY) -m pytest -q -n $(NPROC) tests/unit
+	$(PY) -m pytest -q -p no:xdist tests/special_distributed
+
+test-unit: setup
+	$(PY) -m pytest -q -n $(NPROC) tests/unit
+
+test-distributed: setup
+	$(PY) -m pytest -q -p no:xdist tests/special_distributed
+
+release: setup
+	$(PY) -m moeverify run scenarios/release.yaml --json runs/release.json --junit runs/release.xml
+
+bench: setup
+	$(PY) -m moeverify bench
+
+clean:
+	rm -rf .venv runs .pytest_cache
