@@ -150,7 +150,7 @@ class TensorMerge:
     def check_against(self, reference: torch.Tensor, *, shape_dtype: Tally, bitwise: Tally) -> None:
         """Shape and dtype, then raw bits in the reference's dtype, over the elements written."""
         ref_shape, ref_dtype = tuple(reference.shape), reference.dtype
-        got_dtypes = sorted(str(d) for d in self.dtype_seen) or [str(self.dtype)]
+        got_dtypes = sorted(str(d) for d in self.dtype_seen) or [str(ref_dtype)]  # nothing written: coverage's
         ok_shape = self.shape == ref_shape
         ok_dtype = got_dtypes == [str(ref_dtype)]
         shape_dtype.check(ok_shape and ok_dtype,

@@ -126,7 +126,7 @@ def _row(task, *, config, shapes, owner: _Owners, tied_copy) -> ShardRow:
         raise SubjectError(f"row {task.global_param_name!r}: HF name(s) {missing} are not in the source checkpoint")
     table = [(n, tuple(shapes[n])) for n in names]
     weight, kind = task.param_weight, None
-    contributes = weight is not None
+    contributes = True  # a stage that owns nothing of this row yields empty positions (nothing to replicate)
     if weight is None and embedding and tied_copy is not None:
         # the last stage's copy of the tied embedding (a column-parallel output layer): a replica
         weight, kind, contributes = tied_copy, "column", False
