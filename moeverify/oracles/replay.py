@@ -30,7 +30,7 @@ import json
 import torch
 
 from moeverify import views
-from moeverify.errors import MoEVerifyError, UsageError
+from moeverify.errors import UsageError
 from moeverify.layout import Layout
 from moeverify.oracles import replay_checks as rc
 from moeverify.oracles import replay_drive as rd
@@ -251,37 +251,52 @@ def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Ta
 
 def run(ctx) -> dict[str, Tally]:
     """The replay check on this rank; rank 0's return value holds every rank's results."""
-    from moeverify import runtime
-
     opts = ReplayOptions.from_options(ctx.options)
     scenario, layout = ctx.scenario, ctx.scenario.layout
     impl = make_impl(opts.impl)
     impl.apply()
     coords = views.rank_coords(layout, rank=ctx.rank, world_size=ctx.world_size)
-    tallies = {name: Tally() for name in opts.subchecks}
-    all_notes: dict[str, dict] = {}
-    vocab = _vocab_size(scenario.family)
+    total = {name: Tally() for name in opts.subchecks}
+    per_variant: dict[str, dict] = {}
     for variant in opts.variants:
-        batches = rd.Batches(seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.num_microbatches(layout),
-                             dp=layout.dp(ctx.world_size), vocab_size=vocab, seed=scenario.seed,
-                             padding=variant.padding)
-        items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
-        setup = _Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
-                       batches=batches, items=items)
-        notes: dict = {}
-        try:
-            reference = _reference(setup) if "cross_layout" in opts.subchecks else None
-            with runtime.parallel(layout, seed=scenario.seed):
-                _variant_on_layout(setup, tallies, reference, notes)
-        except MoEVerifyError as e:  # an implementation refusing a variant fails it, with its reason
-            for t in tallies.values():
-                t.fail(f"{setup.prefix}{type(e).__name__}: {e}")
-        all_notes[variant.name] = notes
-    merged = _gather(tallies, rank=ctx.rank, label=coords.label())
+        tallies, notes = _run_variant(ctx, opts, impl, variant, coords)
+        merged = _gather(tallies, rank=ctx.rank, label=coords.label())
+        for name, t in merged.items():
+            total[name].checked += t.checked - len(t.failures)
+            for msg in t.failures:
+                total[name].fail(msg)
+            total[name].dropped += t.dropped
+        per_variant[variant.name] = {"subchecks": {n: t.as_dict() for n, t in merged.items()}, "notes": notes}
     if ctx.rank == 0 and opts.notes_path:
         with open(opts.notes_path, "w") as f:
-            json.dump({"scenario": scenario.name, "impl": opts.impl, "variants": all_notes}, f, indent=1)
-    return merged
+            json.dump({"scenario": scenario.name, "impl": opts.impl, "variants": per_variant}, f, indent=1)
+    return total
+
+
+def _run_variant(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant,
+                 coords: views.RankCoords) -> tuple[dict[str, Tally], dict]:
+    from moeverify import runtime
+
+    scenario, layout = ctx.scenario, ctx.scenario.layout
+    batches = rd.Batches(seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.num_microbatches(layout),
+                         dp=layout.dp(ctx.world_size), vocab_size=_vocab_size(scenario.family), seed=scenario.seed,
+                         padding=variant.padding)
+    items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
+    setup = _Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
+                   batches=batches, items=items)
+    tallies = {name: Tally() for name in opts.subchecks}
+    notes: dict = {}
+    try:
+        reference = _reference(setup) if "cross_layout" in opts.subchecks else None
+        with runtime.parallel(layout, seed=scenario.seed):
+            _variant_on_layout(setup, tallies, reference, notes)
+    except Exception as e:  # noqa: BLE001
+        # An implementation that refuses or crashes on a variant fails that variant with its reason
+        # (verl raises ValueError on sqrtsoftplus, for example). Routing config is identical on every
+        # rank, so such errors are raised symmetrically; a one-rank error ends in the collective timeout.
+        for t in tallies.values():
+            t.fail(f"{setup.prefix}{type(e).__name__}: {e}")
+    return tallies, notes
 
 
 def _vocab_size(family: str) -> int:
