@@ -7,6 +7,7 @@ starts, with the fix. User errors print one message and exit 2, never a tracebac
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -78,7 +79,7 @@ def _add_bench(subparsers) -> None:
 
 def _add_dump(subparsers) -> None:
     try:
-        from moeverify.record import cli as record_cli
+        record_cli = importlib.import_module("moeverify.record.cli")
     except Exception as exc:  # noqa: BLE001 (a broken dump module must not break run/doctor)
         reason = f"{type(exc).__name__}: {exc}"
         p = subparsers.add_parser("dump", help="routing dumps (unavailable)", add_help=False)

@@ -1,0 +1,101 @@
+"""``moeverify`` command line: exit codes and messages, without starting torchrun."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moeverify import cli
+
+GOOD = """
+defaults: {checks: [roundtrip, export]}
+scenarios:
+  - {family: qwen3_moe, world_size: 2, layout: {ep: 2}, checks: [roundtrip, export, replay]}
+  - {family: qwen2, world_size: 1, gpu_only: needs a GPU for this}
+"""
+
+
+@pytest.fixture
+def good_file(tmp_path):
+    path = tmp_path / "good.yaml"
+    path.write_text(textwrap.dedent(GOOD))
+    return str(path)
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_main_list_prints_name_world_size_checks(capsys, good_file):
+    code, out, err = _run(capsys, "run", good_file, "--list")
+    assert code == 0 and err == ""
+    assert out.splitlines() == ["qwen3_moe/ep2-dp2  2  roundtrip,export,replay",
+                                "qwen2/tp1  1  roundtrip,export  (gpu only: needs a GPU for this)"]
+
+
+def test_main_list_with_filter_and_check(capsys, good_file):
+    code, out, _ = _run(capsys, "run", good_file, "--list", "--filter", "qwen3*", "--check", "replay")
+    assert code == 0 and out.splitlines() == ["qwen3_moe/ep2-dp2  2  replay"]
+
+
+def test_main_list_default_file_is_smoke(capsys, monkeypatch, repo_root):
+    monkeypatch.chdir(repo_root)
+    code, out, _ = _run(capsys, "run", "--list")
+    assert code == 0 and "qwen3_moe/ep2-dp2  2  roundtrip,export,replay" in out
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["run", "{bad}"], r"bad\.yaml:3: unknown family 'llama'"),
+    (["run", "{good}", "--check", "nope"], r"--check 'nope': unknown check; known checks: roundtrip, export, replay"),
+    (["run", "{good}", "--filter", "zzz*"], r"--filter zzz\* matches none of the 2 scenarios"),
+    (["run", "{good}", "--list", "--json", "x.json"], r"--list runs nothing, so --json has nothing to do"),
+    (["run", "{good}", "--check", "roundtrip", "--subject", "sharded"], r"--subject applies to the export check"),
+    (["run", "{good}", "--subject", "nocolon"], r"--subject: subject 'nocolon' is not bridge or sharded"),
+    (["run", "{good}", "--replay-impl", "vllm"], r"argument --replay-impl: invalid choice: 'vllm'"),
+    (["run", "{good}", "--timeout", "0"], r"argument --timeout: expected seconds > 0, got '0'"),
+    (["run", "{good}", "--timeout", "soon"], r"argument --timeout: expected seconds \(a number > 0\), got 'soon'"),
+    (["run", "{good}", "--json", "/no/such/dir/r.json"], r"--json /no/such/dir/r\.json: directory /no/such/dir does not exist"),
+    (["run", "{good}", "--json", "same.xml", "--junit", "same.xml"], r"--json and --junit name the same file"),
+    (["run", "{good}", "--backend", "cuda"], r"--backend cuda: torch sees no GPU here"),
+    (["frobnicate"], r"argument COMMAND: invalid choice: 'frobnicate'"),
+    ([], r"the following arguments are required: COMMAND"),
+    (["bench", "nope"], r"unknown benchmark\(s\) \['nope'\]"),
+])
+def test_main_usage_error_exits_2_with_message_and_no_traceback(capsys, tmp_path, good_file, argv, match):
+    import re
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: {checks: [export]}\nscenarios:\n  - {family: llama, world_size: 1}\n")
+    code, out, err = _run(capsys, *(a.format(good=good_file, bad=bad) for a in argv))
+    assert code == 2
+    assert err.startswith("moeverify: error: ") and re.search(match, err), err
+    assert "Traceback" not in err + out
+
+
+def test_main_help_exits_0(capsys):
+    code, out, _ = _run(capsys, "run", "--help")
+    assert code == 0 and "--replay-impl" in out
+
+
+def test_main_dump_without_record_cli_exits_2(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "moeverify.record.cli", None)  # makes the import fail
+    code, _, err = _run(capsys, "dump", "inspect", "x")
+    assert code == 2 and "moeverify dump is not available: moeverify.record.cli cannot be imported" in err
+
+
+def test_main_bench_list_names_scripts(capsys, repo_root):
+    code, out, _ = _run(capsys, "bench", "--list")
+    expected = sorted(p.stem for p in (repo_root / "bench").glob("*.py") if not p.name.startswith("_"))
+    assert code == 0 and (out.split() == expected or (not expected and "no benchmarks" in out))
+
+
+def test_python_dash_m_moeverify_runs_main(good_file, repo_root):
+    proc = subprocess.run([sys.executable, "-m", "moeverify", "run", good_file, "--list", "--check", "export"],
+                          cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "qwen3_moe/ep2-dp2  2  export"

@@ -1,0 +1,149 @@
+"""Crash diagnosis from synthetic rank files, the plan file, and the parent's crash records."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from moeverify.layout import Layout
+from moeverify.oracles.context import Scenario
+from moeverify.runner import launch
+from moeverify.runner.diagnose import diagnose, innermost_frame
+from moeverify.runner.plan import Plan, append_line, events_path, read_lines, results_path, stacks_path
+
+SCENARIOS = (Scenario(family="qwen2", layout=Layout(tp=2), world_size=2, checks=("roundtrip", "export")),
+             Scenario(family="qwen2", layout=Layout(pp=2), world_size=2, checks=("roundtrip", "export"),
+                      options={"subject": "bridge"}))
+PLAN = Plan(scenarios=SCENARIOS, options={"replay_impl": "native"}, backend="cpu", timeout_s=30.0)
+
+RAISED = """moeverify: rank 1 raised in scenario qwen2/pp2 check export
+Traceback (most recent call last):
+  File "/x/moeverify/runner/worker.py", line 77, in _run_check
+    tallies = run(ctx)
+  File "/x/moeverify/oracles/export.py", line 12, in run
+    raise ValueError("bad row")
+ValueError: bad row
+"""
+TIMEOUT = """Timeout (0:00:30)!
+Thread 0x00007f (most recent call first):
+  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 6371 in barrier
+  File "/x/moeverify/oracles/export.py", line 40 in _merge
+  File "/x/moeverify/runner/worker.py", line 77 in _run_check
+"""
+
+
+def _events(directory, rank, *events):
+    for kind, data in events:
+        append_line(events_path(directory, rank), {"event": kind, "t": time.time(), "peak_rss_mb": 10.0 + rank,
+                                                   **data})
+
+
+def _stacks(directory, rank, text, *, age_s=0.0):
+    path = stacks_path(directory, rank)
+    path.write_text(text)
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+
+
+def _in_check(directory, rank, index, check):
+    _events(directory, rank, ("ready", {}), ("scenario", {"index": index}), ("start", {"index": index, "check": check}))
+
+
+def test_plan_write_read_round_trip(tmp_path):
+    PLAN.write(tmp_path)
+    assert Plan.read(tmp_path / "plan.json") == PLAN
+
+
+def test_read_lines_ignores_torn_last_line(tmp_path):
+    path = results_path(tmp_path)
+    append_line(path, {"a": 1})
+    with open(path, "a") as f:
+        f.write('{"b": ')
+    assert list(read_lines(path)) == [{"a": 1}]
+
+
+def test_diagnose_earliest_stacks_file_names_rank_and_check(tmp_path):
+    for rank in (0, 1):
+        _in_check(tmp_path, rank, 1, "export")
+    _stacks(tmp_path, 1, RAISED, age_s=2.0)
+    _stacks(tmp_path, 0, TIMEOUT)
+    crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
+    assert (crash.index, crash.check, crash.fatal) == (1, "export", False)
+    first = crash.message.splitlines()[0]
+    assert first == "rank 1 raised ValueError: bad row in check export at export.py:12 in run"
+    assert "then: rank 0 timed out at export.py:40 in _merge (rank0.stacks.txt)" in crash.message
+    assert crash.peak_rss_mb == (10.0, 11.0)
+
+
+def test_diagnose_timeout_reports_stacks_most_recent_first(tmp_path):
+    _in_check(tmp_path, 0, 0, "roundtrip")
+    _stacks(tmp_path, 0, TIMEOUT)
+    crash = diagnose(tmp_path, world_size=1, plan=PLAN, returncode=1, killed=False, done=set())
+    assert crash.message.startswith("rank 0 timed out in check roundtrip at export.py:40 in _merge: still running "
+                                    "after --timeout 30 s")
+    assert "line 6371 in barrier" in crash.message
+
+
+def test_diagnose_silent_death_points_to_log(tmp_path):
+    _in_check(tmp_path, 0, 0, "roundtrip")
+    crash = diagnose(tmp_path, world_size=1, plan=PLAN, returncode=-9, killed=False, done=set())
+    assert (crash.index, crash.check) == (0, "roundtrip")
+    assert "torchrun exited with code -9 and no rank wrote an error" in crash.message
+
+
+def test_diagnose_parent_deadline_is_said(tmp_path):
+    _in_check(tmp_path, 0, 1, "roundtrip")
+    crash = diagnose(tmp_path, world_size=1, plan=PLAN, returncode=-15, killed=True, done=set())
+    assert crash.message.startswith("the group was killed at the parent's overall deadline")
+
+
+def test_diagnose_crash_in_setup_has_no_check(tmp_path):
+    _events(tmp_path, 0, ("ready", {}), ("scenario", {"index": 0}), ("start", {"index": 0, "check": "roundtrip"}),
+            ("end", {"index": 0, "check": "roundtrip"}), ("start", {"index": 0, "check": "export"}),
+            ("end", {"index": 0, "check": "export"}), ("scenario_end", {"index": 0}))
+    crash = diagnose(tmp_path, world_size=1, plan=PLAN, returncode=1, killed=False, done=set())
+    assert (crash.index, crash.check) == (1, None)
+
+
+def test_diagnose_no_rank_started_is_fatal(tmp_path):
+    _stacks(tmp_path, 0, RAISED.replace("export", "init"))
+    crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
+    assert crash.fatal and crash.index == 0
+    assert crash.message.startswith("no rank got past start-up (runtime init): rank 0 raised ValueError: bad row")
+
+
+def test_innermost_frame_prefers_own_code():
+    assert innermost_frame(TIMEOUT) == "export.py:40 in _merge"
+    assert innermost_frame(RAISED) == "export.py:12 in run"
+    assert innermost_frame("no frames") == ""
+
+
+def _spec(tmp_path):
+    return launch.GroupSpec(world_size=2, scenarios=SCENARIOS, backend="cpu", options={}, timeout_s=30.0,
+                            run_dir=tmp_path)
+
+
+def test_crashed_results_mark_culprit_and_not_run(tmp_path):
+    crash = launch.Crash(index=0, check="roundtrip", message="rank 1 raised X", seconds=1.5)
+    got = launch._crashed_results(_spec(tmp_path), crash, done=set())
+    assert [(r.record.check, r.record.error, r.record.seconds) for r in got] == [
+        ("roundtrip", "rank 1 raised X", 1.5), ("export", "not run: the scenario crashed in check roundtrip", 0.0)]
+
+
+def test_crashed_results_skip_checks_already_recorded(tmp_path):
+    crash = launch.Crash(index=1, check=None, message="setup broke")
+    got = launch._crashed_results(_spec(tmp_path), crash, done={(1, "roundtrip")})
+    assert [(r.record.check, r.record.error) for r in got] == [("export", "setup broke")]
+
+
+def test_crashed_results_after_every_check_is_a_teardown_record(tmp_path):
+    done = {(0, "roundtrip"), (0, "export")}
+    got = launch._crashed_results(_spec(tmp_path), launch.Crash(index=0, check=None, message="teardown hung"), done)
+    assert [(r.record.check, r.record.error) for r in got] == [("(teardown)", "teardown hung")]
+
+
+def test_torchrun_command_uses_local_c10d_and_no_restarts(tmp_path):
+    cmd = launch.torchrun_command(world_size=4, plan_file=tmp_path / "plan.json")
+    joined = " ".join(cmd)
+    assert "-m torch.distributed.run --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint localhost:0" in joined
+    assert "--max-restarts 0" in joined and joined.endswith(f"-m moeverify.runner.worker {tmp_path / 'plan.json'}")

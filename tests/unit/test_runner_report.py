@@ -1,0 +1,102 @@
+"""Runner outputs: result statuses, exit code, table, JSON and JUnit files."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import xml.etree.ElementTree as ET
+
+from rich.console import Console
+
+from moeverify.oracles.results import CheckRecord, Tally
+from moeverify.runner import junit, report
+from moeverify.runner.report import Result
+
+
+def _passed(scenario="qwen2/tp2", check="roundtrip") -> Result:
+    t = Tally()
+    t.ok(3)
+    return Result(record=CheckRecord.from_tallies(scenario=scenario, check=check, seconds=1.25, tallies={"bitwise": t}),
+                  peak_rss_mb=(100.0, 101.5))
+
+
+def _failed() -> Result:
+    good, bad = Tally(), Tally()
+    good.ok()
+    bad.fail("tensor w: 3 elements differ")
+    bad.fail("tensor v: dtype bf16 != fp32")
+    record = CheckRecord.from_tallies(scenario="qwen3_moe/ep2-dp2", check="export", seconds=2.0,
+                                      tallies={"key_set": good, "bitwise": bad})
+    return Result(record=record)
+
+
+def _crashed() -> Result:
+    return Result(record=CheckRecord.crashed(scenario="qwen3_moe/pp2", check="replay", seconds=0.5,
+                                             error="rank 1 raised ValueError: boom in check replay\nTraceback ..."),
+                  peak_rss_mb=(100.0, math.nan))
+
+
+def _skipped() -> Result:
+    return Result.skip(scenario="deepseek_v3/cp2", check="export", reason="gpu only: TE attention")
+
+
+def test_result_status_of_each_kind():
+    assert [r.status for r in (_passed(), _failed(), _crashed(), _skipped())] == ["passed", "failed", "crashed",
+                                                                                  "skipped"]
+
+
+def test_result_as_dict_is_design_record_plus_rss_and_skip():
+    d = _passed().as_dict()
+    assert d == {"scenario": "qwen2/tp2", "check": "roundtrip", "passed": True, "seconds": 1.25,
+                 "subchecks": {"bitwise": {"passed": True, "checked": 3, "failures": []}},
+                 "peak_rss_mb": [100.0, 101.5]}
+    assert _crashed().as_dict()["peak_rss_mb"] == [100.0, None]
+    skipped = _skipped().as_dict()
+    assert (skipped["passed"], skipped["skipped"]) == (False, "gpu only: TE attention")
+
+
+def test_exit_code_zero_only_when_every_run_check_passed():
+    assert report.exit_code([_passed(), _skipped()]) == 0
+    assert report.exit_code([_passed(), _failed()]) == 1
+    assert report.exit_code([_passed(), _crashed()]) == 1
+
+
+def test_exit_code_nothing_ran_is_failure():
+    assert report.exit_code([_skipped()]) == 1
+    assert report.exit_code([]) == 1
+
+
+def test_table_shows_failing_subchecks_and_crash_line():
+    out = io.StringIO()
+    report.print_report([_passed(), _failed(), _crashed(), _skipped()],
+                        console=Console(file=out, width=200, color_system=None))
+    text = out.getvalue()
+    assert "bitwise: tensor w: 3 elements differ" in text
+    assert "rank 1 raised ValueError: boom in check replay" in text
+    assert "gpu only: TE attention" in text
+    assert "1 passed, 1 failed, 1 crashed, 1 skipped" in text
+
+
+def test_write_json_is_a_list_of_records(tmp_path):
+    path = tmp_path / "r.json"
+    report.write_json([_passed(), _failed()], str(path))
+    data = json.loads(path.read_text())
+    assert [d["passed"] for d in data] == [True, False]
+    assert data[1]["subchecks"]["bitwise"]["failures"] == ["tensor w: 3 elements differ", "tensor v: dtype bf16 != fp32"]
+
+
+def test_junit_has_one_testcase_per_check_with_outcome(tmp_path):
+    path = tmp_path / "j.xml"
+    junit.write_junit([_passed(), _failed(), _crashed(), _skipped()], str(path))
+    root = ET.parse(path).getroot()
+    suite = root.find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("4", "1", "1", "1")
+    cases = {(c.get("classname"), c.get("name")): c for c in suite.iter("testcase")}
+    assert list(cases["qwen2/tp2", "roundtrip"]) == []
+    failure = cases["qwen3_moe/ep2-dp2", "export"].find("failure")
+    assert failure.get("message") == "failed subchecks: bitwise"
+    assert "bitwise: tensor v: dtype bf16 != fp32" in failure.text
+    error = cases["qwen3_moe/pp2", "replay"].find("error")
+    assert error.get("message") == "rank 1 raised ValueError: boom in check replay" and "Traceback" in error.text
+    assert cases["deepseek_v3/cp2", "export"].find("skipped").get("message") == "gpu only: TE attention"
