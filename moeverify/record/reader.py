@@ -177,6 +177,7 @@ class Dump:
             raise DumpError(f"{self._rank_files(rank)}: rank {rank} (pp{self.coords[rank].pp}, layers {list(layers)}) "
                             f"missing {len(missing)} tensor(s) {names(missing)}, unexpected {len(unexpected)} "
                             f"{names(unexpected)}")
+        self._check_token_counts(rank, layers)
         for (r, step, mb, layer, kind), entry in self._index.items():
             if r != rank or kind == "ids":
                 continue
@@ -184,7 +185,6 @@ class Dump:
             if ref is not None and entry.shape[0] != ref.shape[0]:
                 raise DumpError(f"{entry.file}: tensor {entry.name}: {entry.shape[0]} tokens != {ref.shape[0]} in "
                                 f"{ref.name}")
-        self._check_token_counts(rank, layers)
 
     def _check_token_counts(self, rank: int, layers: tuple[int, ...]) -> None:
         c = self.coords[rank]

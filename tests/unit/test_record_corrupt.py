@@ -1,0 +1,189 @@
+"""Corrupt, truncated, missing or inconsistent dumps raise DumpError naming the file, tensor, expected vs got."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moeverify import record
+from moeverify.errors import DumpError
+from moeverify.layout import Layout
+from moeverify.routes import Routes
+
+from test_record_merge import write_rank_dumps
+
+
+@pytest.fixture
+def dump_dir(tmp_path):
+    routes = Routes({layer: [torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])] * 2 for layer in (1, 2, 3, 5, 7)},
+                    num_experts=16, topk=2)
+    write_rank_dumps(tmp_path / "d", _tile(routes, 2), Layout(pp=2), 2)
+    return tmp_path / "d"
+
+
+def _tile(routes, times):
+    data = {layer: [routes.get(layer, mb).repeat(times * 2, 1) for mb in range(routes.microbatches)]
+            for layer in routes.layers}
+    return Routes(data, num_experts=routes.num_experts, topk=routes.topk)
+
+
+def _manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _rewrite(path, name, tensors, *, fix_size=True):
+    """Replace a rank file's tensors, keeping its metadata; update the manifest's byte count."""
+    from safetensors import safe_open
+
+    with safe_open(path / name, framework="pt") as handle:
+        meta = handle.metadata()
+    save_file(tensors, path / name, metadata=meta)
+    if fix_size:
+        manifest = _manifest(path)
+        for entry in manifest["ranks"].values():
+            for file in entry["files"]:
+                if file["name"] == name:
+                    file["bytes"] = (path / name).stat().st_size
+        (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_load_valid_dump_passes(dump_dir):
+    assert record.load(dump_dir).routes(step=0).layers == (1, 2, 3, 5, 7)
+
+
+def test_load_truncated_file_raises(dump_dir):
+    data = (dump_dir / "rank00001.safetensors").read_bytes()
+    (dump_dir / "rank00001.safetensors").write_bytes(data[:-7])
+    with pytest.raises(DumpError, match=r"rank00001.safetensors: truncated or altered: expected \d+ bytes, got \d+"):
+        record.load(dump_dir)
+
+
+def test_load_truncated_file_with_matching_size_record_raises(dump_dir):
+    data = (dump_dir / "rank00001.safetensors").read_bytes()
+    (dump_dir / "rank00001.safetensors").write_bytes(data[:-7])
+    manifest = _manifest(dump_dir)
+    manifest["ranks"]["1"]["files"][0]["bytes"] = len(data) - 7
+    (dump_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=r"rank00001.safetensors: not a readable safetensors file: .*incomplete"):
+        record.load(dump_dir)
+
+
+def test_load_missing_rank_file_raises(dump_dir):
+    (dump_dir / "rank00000.safetensors").unlink()
+    with pytest.raises(DumpError, match=r"rank00000.safetensors: rank 0 file missing \(listed in the manifest\)"):
+        record.load(dump_dir)
+
+
+def test_load_rank_missing_from_manifest_raises(dump_dir):
+    manifest = _manifest(dump_dir)
+    del manifest["ranks"]["1"]
+    (dump_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=r"rank\(s\) \[1\] of world_size 2 missing from the manifest"):
+        record.load(dump_dir)
+
+
+def test_finalize_missing_rank_record_raises(dump_dir):
+    (dump_dir / "rank00001.json").unlink()
+    with pytest.raises(DumpError, match=r"rank record\(s\) missing for rank\(s\) \[1\] of world_size 2"):
+        record.finalize(dump_dir)
+
+
+def test_load_bad_schema_version_raises(dump_dir):
+    manifest = _manifest(dump_dir)
+    manifest["version"] = 2
+    (dump_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=r"manifest.json: schema version 2 != supported 1"):
+        record.load(dump_dir)
+
+
+def test_load_bad_schema_name_raises(dump_dir):
+    manifest = _manifest(dump_dir)
+    manifest["schema"] = "something.else"
+    (dump_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=r"schema 'something.else' != expected 'moeverify.routing_dump'"):
+        record.load(dump_dir)
+
+
+def test_load_wrong_dtype_raises(dump_dir):
+    tensors = load_file(dump_dir / "rank00000.safetensors")
+    tensors["step0/mb1/layer2/ids"] = tensors["step0/mb1/layer2/ids"].to(torch.int64)
+    _rewrite(dump_dir, "rank00000.safetensors", tensors)
+    with pytest.raises(DumpError, match=r"rank00000.safetensors: tensor step0/mb1/layer2/ids: dtype torch.int64 "
+                                        r"!= expected uint8"):
+        record.load(dump_dir)
+
+
+def test_load_inconsistent_shapes_raises(dump_dir):
+    tensors = load_file(dump_dir / "rank00001.safetensors")
+    tensors["step0/mb0/layer5/ids"] = tensors["step0/mb0/layer5/ids"][:-1].clone()
+    _rewrite(dump_dir, "rank00001.safetensors", tensors)
+    with pytest.raises(DumpError, match=r"rank00001.safetensors: tensor step0/mb0/layer5/ids: shape \(15, 2\) != "
+                                        r"expected \(T=16, K=2\)"):
+        record.load(dump_dir)
+
+
+def test_load_wrong_topk_shape_raises(dump_dir):
+    tensors = load_file(dump_dir / "rank00001.safetensors")
+    tensors["step0/mb0/layer5/ids"] = tensors["step0/mb0/layer5/ids"][:, :1].contiguous()
+    _rewrite(dump_dir, "rank00001.safetensors", tensors)
+    with pytest.raises(DumpError, match=r"tensor step0/mb0/layer5/ids: shape \(16, 1\) != expected \(T, K=2\)"):
+        record.load(dump_dir)
+
+
+def test_load_missing_tensor_raises(dump_dir):
+    tensors = load_file(dump_dir / "rank00001.safetensors")
+    del tensors["step0/mb1/layer7/ids"]
+    _rewrite(dump_dir, "rank00001.safetensors", tensors)
+    with pytest.raises(DumpError, match=r"rank 1 \(pp1, layers \[5, 7\]\) missing 1 tensor\(s\) "
+                                        r"\['step0/mb1/layer7/ids'\]"):
+        record.load(dump_dir)
+
+
+def test_load_unexpected_layer_raises(dump_dir):
+    tensors = load_file(dump_dir / "rank00001.safetensors")
+    tensors["step0/mb0/layer1/ids"] = tensors["step0/mb0/layer5/ids"].clone()
+    _rewrite(dump_dir, "rank00001.safetensors", tensors)
+    with pytest.raises(DumpError, match=r"unexpected 1 \['step0/mb0/layer1/ids'\]"):
+        record.load(dump_dir)
+
+
+def test_load_out_of_range_id_raises(dump_dir):
+    tensors = load_file(dump_dir / "rank00001.safetensors")
+    tensors["step0/mb0/layer5/ids"][3, 0] = 200
+    _rewrite(dump_dir, "rank00001.safetensors", tensors)
+    with pytest.raises(DumpError, match=r"rank00001.safetensors: step 0: layer 5 rank \? mb 0: expert id 200 out of"):
+        record.load(dump_dir).routes(step=0)
+
+
+def test_load_missing_manifest_raises(dump_dir):
+    (dump_dir / "manifest.json").unlink()
+    with pytest.raises(DumpError, match=r"manifest.json: missing manifest: the dump is incomplete"):
+        record.load(dump_dir)
+
+
+def test_load_non_safetensors_bytes_raises(dump_dir):
+    junk = b"\x00\x01this is not a safetensors file at all" * 3
+    (dump_dir / "rank00000.safetensors").write_bytes(junk)
+    manifest = _manifest(dump_dir)
+    manifest["ranks"]["0"]["files"][0]["bytes"] = len(junk)
+    (dump_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=r"rank00000.safetensors: not a readable safetensors file: "):
+        record.load(dump_dir)
+
+
+def test_load_manifest_not_json_raises(dump_dir):
+    (dump_dir / "manifest.json").write_text("{not json")
+    with pytest.raises(DumpError, match=r"manifest.json: not valid JSON"):
+        record.load(dump_dir)
+
+
+def test_load_foreign_rank_metadata_raises(dump_dir):
+    tensors = load_file(dump_dir / "rank00001.safetensors")
+    save_file(tensors, dump_dir / "rank00001.safetensors", metadata={"schema": "moeverify.routing_dump", "rank": "0"})
+    manifest = _manifest(dump_dir)
+    manifest["ranks"]["1"]["files"][0]["bytes"] = (dump_dir / "rank00001.safetensors").stat().st_size
+    (dump_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=r"rank00001.safetensors: metadata schema/rank 'moeverify.routing_dump'/'0' "
+                                        r"!= expected 'moeverify.routing_dump'/'1'"):
+        record.load(dump_dir)
