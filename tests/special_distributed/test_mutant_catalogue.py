@@ -1,0 +1,36 @@
+"""Every mutant of the catalogue makes the export check FAIL with its named subchecks, and no other
+subcheck fails beyond its declared collateral. All mutants run in ONE 2-rank torchrun over four
+scenarios chosen so that every mutant applies somewhere (EP, fp32 router bias, tied embeddings,
+more than one query group per rank)."""
+
+from __future__ import annotations
+
+from test_export_matrix import run_driver
+
+from moeverify.oracles.mutants import MUTANTS
+
+SCENARIOS = ["qwen3_moe:ep2", "deepseek_v3:ep2", "qwen2_tied:pp2", "qwen2:pp2"]
+
+
+def test_mutant_catalogue_each_fails_with_named_subchecks(tmp_path):
+    records = run_driver(tmp_path, nproc=2, scenarios=SCENARIOS, subjects=("sharded",), extra=["--mutants"])
+    by_name = {m.name: m for m in MUTANTS}
+    seen = set()
+    problems = []
+    for r in records:
+        failed = {k for k, v in r["subchecks"].items() if not v["passed"]}
+        if r["subject"] == "sharded":
+            if failed:
+                problems.append(f"{r['scenario']}: unmutated sharded failed {failed}")
+            continue
+        m = by_name[r["subject"].removeprefix("mutant:")]
+        seen.add(m.name)
+        if r["error"]:
+            problems.append(f"{r['scenario']} {m.name}: crashed {r['error'][:300]}")
+        if not set(m.fails) <= failed:
+            problems.append(f"{r['scenario']} {m.name}: expected {m.fails} to fail, failed {sorted(failed)}")
+        if failed - set(m.fails) - set(m.collateral):
+            problems.append(f"{r['scenario']} {m.name}: unexpected failures {sorted(failed - set(m.fails) - set(m.collateral))}")
+    assert not problems, "\n".join(problems)
+    assert seen == set(by_name), f"mutants never applied: {set(by_name) - seen}"
+    assert len(MUTANTS) >= 14
