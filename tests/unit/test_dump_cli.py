@@ -1,0 +1,138 @@
+"""``moeverify dump inspect | diff | convert`` and the importers behind convert."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moeverify import record
+from moeverify.cli import main
+from moeverify.errors import DumpError
+from moeverify.record import importers
+from moeverify.routes import Routes
+
+
+def _routes(seed=0, *, tokens=24, layers=(0, 1, 2), experts=8, topk=2, microbatches=1):
+    gen = torch.Generator().manual_seed(seed)
+    return Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+                           for _ in range(microbatches)] for layer in layers}, num_experts=experts, topk=topk)
+
+
+@pytest.fixture
+def two_dumps(tmp_path):
+    a = _routes(0)
+    b = a.replace(1, 0, torch.cat([a.get(1, 0)[:20], a.get(1, 0)[20:].flip(0)]))  # last 4 tokens swapped around
+    record.save(tmp_path / "a", a)
+    record.save(tmp_path / "b", b)
+    return tmp_path / "a", tmp_path / "b", a, b
+
+
+def test_cli_inspect_prints_and_writes_json(two_dumps, tmp_path, capsys):
+    a_path = two_dumps[0]
+    assert main(["dump", "inspect", str(a_path), "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "top-2 of 8" in out and "max/mean" in out
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["tokens"] == 24 and set(summary["load"]) == {"0", "1", "2"}
+    assert sum(json.loads((tmp_path / "s.json").read_text())["load"]["0"].values()) > 0
+
+
+def test_cli_diff_json_plot_and_fail_on_diff(two_dumps, tmp_path):
+    a_path, b_path, a, b = two_dumps
+    out = tmp_path / "d.json"
+    assert main(["dump", "diff", str(a_path), str(b_path), "--json", str(out), "--plot", str(tmp_path / "d.png")]) == 0
+    result = json.loads(out.read_text())
+    expected = record.diff(a, b).to_json()
+    assert result["layers"]["1"]["agreement"] == expected["layers"]["1"]["agreement"] < 1.0
+    assert result["layers"]["0"]["agreement"] == 1.0
+    assert (tmp_path / "d.png").stat().st_size > 1000
+    assert main(["dump", "diff", str(a_path), str(b_path), "--fail-on-diff"]) == 1
+    assert main(["dump", "diff", str(a_path), str(a_path), "--fail-on-diff"]) == 0
+
+
+def test_cli_diff_corrupt_dump_exits_2(two_dumps, capsys):
+    a_path, b_path = two_dumps[:2]
+    (b_path / "manifest.json").unlink()
+    assert main(["dump", "diff", str(a_path), str(b_path)]) == 2
+    assert "missing manifest: the dump is incomplete" in capsys.readouterr().err
+
+
+def test_cli_diff_missing_output_dir_exits_2(two_dumps, tmp_path, capsys):
+    assert main(["dump", "diff", str(two_dumps[0]), str(two_dumps[1]), "--json", str(tmp_path / "no" / "x.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_convert_npy_to_dump_and_back_to_npz(tmp_path):
+    routes = _routes(1)
+    stacked = torch.stack([routes.get(layer, 0) for layer in routes.layers], dim=1).numpy().astype(np.int32)
+    np.save(tmp_path / "r.npy", stacked)
+    assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "d"), "--num-experts", "8",
+                 "--moe-layers", "1,3,5", "--num-layers", "6"]) == 0
+    dump = record.load(tmp_path / "d")
+    assert dump.model.moe_layers == (1, 3, 5) and dump.model.num_layers == 6
+    assert torch.equal(dump.routes().get(3, 0), routes.get(1, 0))
+    assert main(["dump", "convert", str(tmp_path / "d"), str(tmp_path / "out.npz")]) == 0
+    with np.load(tmp_path / "out.npz", allow_pickle=False) as npz:
+        assert np.array_equal(npz["step0_mb0"], stacked) and npz["layers"].tolist() == [1, 3, 5]
+
+
+def test_cli_convert_npz_arrays_become_microbatches(tmp_path):
+    arrays = {f"seq{i}": np.stack([np.array([[0, 1]] * (3 + i)), np.array([[2, 3]] * (3 + i))], axis=1)
+              for i in range(3)}
+    np.savez(tmp_path / "r.npz", **arrays)
+    assert main(["dump", "convert", str(tmp_path / "r.npz"), str(tmp_path / "d")]) == 0
+    routes = record.load(tmp_path / "d").routes()
+    assert routes.microbatches == 3 and routes.get(1, 2).shape == (5, 2) and routes.num_experts == 4
+
+
+def test_cli_convert_router_trace_jsonl(tmp_path):
+    # The record layout megatron-core 0.19.2's RouterTracer writes (one line per router call).
+    lines = []
+    for step in (0, 1):
+        for mb in range(2):
+            for layer in (0, 1):
+                ids = [[(step + mb + layer + t) % 4, (step + mb + layer + t + 1) % 4] for t in range(3)]
+                lines.append({"step": step, "stage": "pre_dispatch", "block": "decoder", "layer": layer, "rank": 0,
+                              "num_tokens": 3, "topk": 2, "top_indices": ids})
+        lines.append({"step": step, "stage": "pre_dispatch", "block": "mtp", "mtp_idx": 0, "layer": 0, "rank": 0,
+                      "num_tokens": 3, "topk": 2, "top_indices": [[0, 1]] * 3})
+    (tmp_path / "router_trace_rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["dump", "convert", str(tmp_path / "router_trace_rank0.jsonl"), str(tmp_path / "d"),
+                 "--num-experts", "4", "--layer-offset", "2"]) == 0
+    dump = record.load(tmp_path / "d")
+    assert sorted(dump.steps) == [0, 1] and dump.model.moe_layers == (2, 3)
+    routes = dump.routes(step=1)
+    assert routes.microbatches == 2 and routes.get(3, 1)[0].tolist() == [(1 + 1 + 1) % 4, (1 + 1 + 1 + 1) % 4]
+
+
+def test_cli_convert_bad_input_exits_2(tmp_path, capsys):
+    np.save(tmp_path / "f.npy", np.zeros((3, 2, 2), dtype=np.float32))
+    assert main(["dump", "convert", str(tmp_path / "f.npy"), str(tmp_path / "d")]) == 2
+    assert "dtype float32 != expected integer [tokens, layers, topk]" in capsys.readouterr().err
+    np.save(tmp_path / "o.npy", np.array([{"a": 1}], dtype=object))
+    assert main(["dump", "convert", str(tmp_path / "o.npy"), str(tmp_path / "d")]) == 2
+    assert "cannot read as .npy" in capsys.readouterr().err
+    (tmp_path / "x.bin").write_bytes(b"")
+    assert main(["dump", "convert", str(tmp_path / "x.bin"), str(tmp_path / "d")]) == 2
+    assert "pass --from" in capsys.readouterr().err
+
+
+def test_cli_convert_dump_to_dump_refused(two_dumps, tmp_path, capsys):
+    assert main(["dump", "convert", str(two_dumps[0]), str(tmp_path / "e")]) == 2
+    assert "use --to npz" in capsys.readouterr().err
+
+
+def test_cli_unknown_verb_exits_2(capsys):
+    assert main(["dump", "frobnicate"]) == 2
+
+
+def test_read_router_trace_bad_line_names_file_and_line(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"step": 0, "layer": 0}\n')
+    with pytest.raises(DumpError, match=r"t.jsonl:1: not a router_trace record"):
+        importers.read_router_trace(tmp_path / "t.jsonl")
+
+
+def test_routes_from_arrays_duplicate_expert_raises():
+    with pytest.raises(DumpError, match=r"input: .*token 0 routes to expert\(s\) twice"):
+        importers.routes_from_arrays([np.array([[[1, 1]]])], num_experts=4)
