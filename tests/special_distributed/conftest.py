@@ -1,0 +1,63 @@
+"""Distributed tests: real torchrun groups of CPU ranks (gloo). Every test here is marked ``distributed``.
+
+``run_moeverify`` runs the real ``python -m moeverify run`` in a subprocess, with the tiny checks of
+``test_runner_checks.py`` registered through ``MOEVERIFY_EXTRA_CHECKS``, and returns its exit code,
+output and JSON records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from moeverify.runner.checks import ENV_VAR
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+TINY_CHECKS = {"passing": "passing", "passing2": "passing", "failing": "failing", "raise1": "raise_on_rank1",
+               "hang1": "hang_on_rank1", "echo": "echo_options"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).resolve().parent == HERE:
+            item.add_marker(pytest.mark.distributed)
+
+
+@dataclasses.dataclass(frozen=True)
+class CliRun:
+    code: int
+    output: str
+    records: list[dict]
+    junit: Path
+
+    def record(self, scenario: str, check: str) -> dict:
+        matches = [r for r in self.records if r["scenario"] == scenario and r["check"] == check]
+        assert len(matches) == 1, f"{scenario} {check}: {len(matches)} records in {self.records}"
+        return matches[0]
+
+
+@pytest.fixture
+def run_moeverify(tmp_path):
+    """``run_moeverify(yaml_text, *flags, timeout_s=110) -> CliRun``."""
+
+    def run(yaml_text: str, *flags: str, timeout_s: float = 110) -> CliRun:
+        scenario_file = tmp_path / "scenarios.yaml"
+        scenario_file.write_text(textwrap.dedent(yaml_text))
+        out_json, out_xml = tmp_path / "out.json", tmp_path / "out.xml"
+        checks_file = HERE / "test_runner_checks.py"
+        env = {**os.environ, ENV_VAR: ",".join(f"{n}={checks_file}:{f}" for n, f in TINY_CHECKS.items())}
+        cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(out_json),
+               "--junit", str(out_xml), "--run-dir", str(tmp_path / "run"), *flags]
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        records = json.loads(out_json.read_text()) if out_json.exists() else []
+        return CliRun(code=proc.returncode, output=proc.stdout + proc.stderr, records=records, junit=out_xml)
+
+    return run
