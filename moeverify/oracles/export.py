@@ -144,9 +144,10 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
                               checkpoint_names=set(checkpoint_shapes(sctx.hf_path)), world_size=sctx.world_size)
     ref_iter = iter(reference)
     for index, row in enumerate(rows):
+        # references first, while rank 0 holds nothing else: the bridge's own gather is the peak
+        _pull_references(ref_iter, collector=collector, group=group, names=[n for n, _ in row.table])
         _one_row(index, row, sctx=sctx, group=group, collector=collector)
         rows[index] = None  # drop the row's tensors as soon as it is merged
-        _pull_references(ref_iter, collector=collector, group=group)
     for name, tensor in ref_iter:  # every rank drains the rest of the reference in the same order
         if collector is not None:
             collector.take_reference(name, tensor)
@@ -267,8 +268,9 @@ def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector) 
                     merge.compare_replica(rank=r, positions_P=positions_C, values_P=values_C)
 
 
-def _pull_references(ref_iter, *, collector: Collector | None, group) -> None:
-    while wire.broadcast_int(int(collector.wants_reference()) if collector else 0, group=group):
+def _pull_references(ref_iter, *, collector: Collector | None, group, names: list[str]) -> None:
+    """Every rank pulls the next reference tensor while rank 0 still misses one it needs now."""
+    while wire.broadcast_int(int(collector.wants_reference(names)) if collector else 0, group=group):
         item = next(ref_iter, None)
         if item is None:
             break  # exhausted on every rank at once (same generator everywhere)

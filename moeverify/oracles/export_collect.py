@@ -65,9 +65,10 @@ class Collector:
             elif name not in self.checkpoint_names:
                 self._finish(name, None)  # no reference will come: key_set reports it
 
-    def wants_reference(self) -> bool:
-        """True while a complete merge waits for a reference tensor not yet pulled."""
-        return any(name not in self.held for name in self.complete)
+    def wants_reference(self, names: list[str]) -> bool:
+        """True while a complete merge, or the next row (``names``), waits for a reference not yet pulled."""
+        waiting = [n for n in names if n in self.checkpoint_names and n not in self.done]
+        return any(name not in self.held for name in [*self.complete, *waiting])
 
     # -- references ---------------------------------------------------------------------------
     def take_reference(self, name: str, tensor: torch.Tensor) -> None:

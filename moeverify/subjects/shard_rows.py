@@ -14,8 +14,9 @@ EP rank. Each rank fills only what it owns:
 - replicas (DP, expert-DP, TP-replicated norms/routers/row biases, tied output-layer copies on the
   last stage) yield ``contributes=False`` and still send their values.
 
-Legend: ``G`` = query groups on this rank, ``H`` = q heads per group, ``D`` = head dim,
-``I`` = inner (hidden) size, ``R`` = rows of this rank's shard.
+A tensor larger than ``ROW_ELEMENTS`` becomes rows ``name#0 .. name#k`` with the same slot table,
+each carrying one contiguous range of every slot, so positions stay small (index arithmetic in
+``placement``).
 """
 
 from __future__ import annotations
@@ -29,15 +30,12 @@ import torch
 
 from moeverify.errors import SubjectError
 from moeverify.oracles.export import DeferredSlots, ShardRow, Slot, checkpoint_shapes
+from moeverify.subjects import placement
+from moeverify.subjects.placement import split_range
+
+ROW_ELEMENTS = 1 << 22  # a larger HF tensor is cut into several rows (bounded positions per row)
 
 _EXPERT_IN_HF = re.compile(r"experts\.(\d+)")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where one local tensor lands: HF name -> (positions, values), for this rank's names only."""
-
-    parts: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _unwrap(module):
@@ -59,7 +57,7 @@ def sharded_rows(ctx) -> Iterator[ShardRow]:
     for task in ctx.bridge.get_conversion_tasks(ctx.model_chunks):
         if task is None:
             continue
-        yield _row(task, config=config, shapes=shapes, owner=owner, tied_copy=tied_copy)
+        yield from _rows(task, config=config, shapes=shapes, owner=owner, tied_copy=tied_copy)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,7 +112,8 @@ def _row_name(task, config) -> str:
     return name
 
 
-def _row(task, *, config, shapes, owner: _Owners, tied_copy) -> ShardRow:
+def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardRow]:
+    """The task's rows: one, or several ``#k`` rows for a large tensor (same table, a range each)."""
     base, per_base = _hf_names(task, config)
     names = [n for group in per_base for n in group]
     embedding = task.global_param_name.endswith("embedding.word_embeddings.weight")
@@ -132,19 +131,31 @@ def _row(task, *, config, shapes, owner: _Owners, tied_copy) -> ShardRow:
         weight, kind, contributes = tied_copy, "column", False
     elif weight is not None:
         contributes = _owns(task, owner)
+    placers: dict = {}
 
-    def build() -> list[Slot]:
-        parts = {} if weight is None else _place(task, weight.detach(), config=config, shapes=shapes,
-                                                  per_base=per_base, kind=kind or _kind(task))
-        if tied_name and base[0] in parts:
-            parts[tied_name] = parts[base[0]]
+    def build(k: int, parts: int) -> list[Slot]:
+        if weight is not None and not placers:
+            placers.update(_place(task, weight.detach(), config=config, shapes=shapes, per_base=per_base,
+                                  kind=kind or _kind(task)))
+            if tied_name and base[0] in placers:
+                placers[tied_name] = placers[base[0]]
         slots = []
         for name, shape in table:
-            pos, val = parts.get(name, (torch.empty(0, dtype=torch.int64), torch.empty(0)))
-            slots.append(Slot(name, shape, pos, val))
+            placer = placers.get(name)
+            if placer is None:
+                slots.append(Slot(name, shape, torch.empty(0, dtype=torch.int64), torch.empty(0)))
+                continue
+            a, b = split_range(placer.n, parts, k)
+            slots.append(Slot(name, shape, placer.positions(a, b), placer.values(a, b)))
+        if k == parts - 1:
+            placers.clear()
         return slots
 
-    return ShardRow(_row_name(task, config), DeferredSlots(table, build), contributes)
+    parts = max(1, -(-max(math.prod(s) for _, s in table) // ROW_ELEMENTS))
+    name = _row_name(task, config)
+    for k in range(parts):
+        row_name = name if parts == 1 else f"{name}#{k}"
+        yield ShardRow(row_name, DeferredSlots(table, lambda k=k: build(k, parts)), contributes)
 
 
 def _tied_lm_head(task, shapes) -> str | None:
@@ -183,50 +194,20 @@ def _owns(task, owner: _Owners) -> bool:
 
 
 def _place(task, w: torch.Tensor, *, config, shapes, per_base, kind: str) -> dict:
+    """HF name -> Placer for this rank's own names (its EP rank's experts)."""
     m = task.mapping
     tp, r = m.tp_size, m.tp_rank
     ep_rank = m.ep_rank if (m.is_expert and m.ep_size > 1) else 0
     mine = [group[ep_rank] for group in per_base]
     if kind == "qkv":
-        return dict(zip(mine, _qkv(w, config=config, tp=tp, r=r)))
+        heads = config.num_attention_heads
+        head_dim = config.kv_channels or config.hidden_size // heads
+        return dict(zip(mine, placement.qkv(w, heads=heads, groups=config.num_query_groups, head_dim=head_dim,
+                                            tp=tp, r=r)))
     if kind == "gated":
-        gate, up = torch.chunk(w, 2, dim=0)
-        return {mine[0]: _column(gate, tp=tp, r=r, hf_shape=shapes[mine[0]]),
-                mine[1]: _column(up, tp=tp, r=r, hf_shape=shapes[mine[1]])}
+        return dict(zip(mine, placement.gated(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0])))
     if kind == "column":
-        return {mine[0]: _column(w, tp=tp, r=r, hf_shape=shapes[mine[0]])}
+        return {mine[0]: placement.column(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0])}
     if kind == "row" and w.dim() == 2:
-        return {mine[0]: _row_split(w, tp=tp, r=r)}
-    return {mine[0]: (torch.arange(w.numel(), dtype=torch.int64), w.reshape(-1))}
-
-
-def _column(w: torch.Tensor, *, tp: int, r: int, hf_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    rows_R = w.shape[0]
-    inner = math.prod(w.shape[1:])
-    global_R = r * rows_R + torch.arange(rows_R, dtype=torch.int64)
-    keep = int((global_R < hf_shape[0]).sum())  # vocab padding rows exist only in Megatron
-    pos = (global_R[:keep, None] * inner + torch.arange(inner, dtype=torch.int64)[None, :]).reshape(-1)
-    return pos, w[:keep].reshape(-1)
-
-
-def _row_split(w: torch.Tensor, *, tp: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out, cols = w.shape
-    pos = (torch.arange(out, dtype=torch.int64)[:, None] * (cols * tp) + r * cols
-           + torch.arange(cols, dtype=torch.int64)[None, :]).reshape(-1)
-    return pos, w.reshape(-1)
-
-
-def _qkv(w: torch.Tensor, *, config, tp: int, r: int):
-    heads, groups = config.num_attention_heads, config.num_query_groups
-    H = heads // groups
-    D = config.kv_channels or config.hidden_size // heads
-    G = groups // tp
-    inner = 1 if w.dim() == 1 else w.shape[1]
-    w4 = w.reshape(G, H + 2, D, inner)
-    g = (r * G + torch.arange(G, dtype=torch.int64)).view(G, 1, 1, 1)
-    d = torch.arange(D, dtype=torch.int64).view(1, 1, D, 1)
-    c = torch.arange(inner, dtype=torch.int64).view(1, 1, 1, inner)
-    h = torch.arange(H, dtype=torch.int64).view(1, H, 1, 1)
-    q_pos = (((g * H + h) * D + d) * inner + c).reshape(-1)
-    kv_pos = ((g * D + d) * inner + c).reshape(-1)
-    return ((q_pos, w4[:, :H].reshape(-1)), (kv_pos, w4[:, H].reshape(-1)), (kv_pos, w4[:, H + 1].reshape(-1)))
+        return {mine[0]: placement.row(w, tp=tp, r=r)}
+    return {mine[0]: placement.replicated(w)}

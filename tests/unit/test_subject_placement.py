@@ -1,10 +1,9 @@
 """The sharded exporter's placement rules against independent references built by plain slicing."""
 
-from types import SimpleNamespace
-
 import torch
 
-from moeverify.subjects.shard_rows import _column, _qkv, _row_split
+from moeverify.subjects import placement
+from moeverify.subjects.placement import split_range
 
 
 def _scatter(shape, parts):
@@ -16,20 +15,20 @@ def _scatter(shape, parts):
 
 def test_subject_column_split_reassembles_full():
     full = torch.randn(8, 3)
-    parts = [_column(shard, tp=4, r=r, hf_shape=(8, 3)) for r, shard in enumerate(torch.chunk(full, 4))]
+    parts = [placement.column(shard, tp=4, r=r, hf_rows=8).full() for r, shard in enumerate(torch.chunk(full, 4))]
     assert torch.equal(_scatter((8, 3), parts), full)
 
 
 def test_subject_column_drops_vocab_padding_rows():
     full = torch.randn(6, 2)
     padded = torch.cat([full, torch.zeros(2, 2)])
-    parts = [_column(shard, tp=2, r=r, hf_shape=(6, 2)) for r, shard in enumerate(torch.chunk(padded, 2))]
+    parts = [placement.column(shard, tp=2, r=r, hf_rows=6).full() for r, shard in enumerate(torch.chunk(padded, 2))]
     assert sum(p.numel() for p, _ in parts) == 12 and torch.equal(_scatter((6, 2), parts), full)
 
 
 def test_subject_row_split_reassembles_full():
     full = torch.randn(3, 8)
-    parts = [_row_split(shard, tp=2, r=r) for r, shard in enumerate(torch.chunk(full, 2, dim=1))]
+    parts = [placement.row(shard, tp=2, r=r).full() for r, shard in enumerate(torch.chunk(full, 2, dim=1))]
     assert torch.equal(_scatter((3, 8), parts), full)
 
 
@@ -45,19 +44,33 @@ def test_subject_qkv_interleaved_per_group():
         blocks += [q[(g * per_group + i) * dim:(g * per_group + i + 1) * dim] for i in range(per_group)]
         blocks += [k[g * dim:(g + 1) * dim], v[g * dim:(g + 1) * dim]]
     fused = torch.cat(blocks)
-    config = SimpleNamespace(num_attention_heads=heads, num_query_groups=groups, kv_channels=dim, hidden_size=hidden)
     got = {"q": [], "k": [], "v": []}
     for r, shard in enumerate(torch.chunk(fused, tp)):
-        for key, part in zip("qkv", _qkv(shard, config=config, tp=tp, r=r)):
-            got[key].append(part)
+        for key, placer in zip("qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r)):
+            # in three ranges, as the exporter cuts large tensors into rows
+            for part in range(3):
+                a, b = split_range(placer.n, 3, part)
+                got[key].append((placer.positions(a, b), placer.values(a, b)))
     assert torch.equal(_scatter(q.shape, got["q"]), q)
     assert torch.equal(_scatter(k.shape, got["k"]), k)
     assert torch.equal(_scatter(v.shape, got["v"]), v)
 
 
 def test_subject_qkv_bias_one_dimensional():
-    config = SimpleNamespace(num_attention_heads=2, num_query_groups=1, kv_channels=2, hidden_size=4)
     fused = torch.arange(8, dtype=torch.float32)  # [q0 q0 q1 q1 k k v v]
-    (qp, qv), (kp, kv), (vp, vv) = _qkv(fused, config=config, tp=1, r=0)
+    (qp, qv), (kp, kv), (vp, vv) = (p.full() for p in placement.qkv(fused, heads=2, groups=1, head_dim=2, tp=1, r=0))
     assert qv.tolist() == [0, 1, 2, 3] and kv.tolist() == [4, 5] and vv.tolist() == [6, 7]
     assert qp.tolist() == [0, 1, 2, 3] and kp.tolist() == [0, 1]
+
+
+def test_subject_gated_splits_gate_and_up_per_shard():
+    gate, up = torch.randn(4, 3), torch.randn(4, 3)
+    shards = [torch.cat([gate[2 * r:2 * r + 2], up[2 * r:2 * r + 2]]) for r in range(2)]
+    got = [placement.gated(s, tp=2, r=r, hf_rows=4) for r, s in enumerate(shards)]
+    assert torch.equal(_scatter((4, 3), [g.full() for g, _ in got]), gate)
+    assert torch.equal(_scatter((4, 3), [u.full() for _, u in got]), up)
+
+
+def test_subject_split_range_covers_everything_once():
+    spans = [split_range(10, 4, k) for k in range(4)]
+    assert spans[0][0] == 0 and spans[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
