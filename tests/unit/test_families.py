@@ -1,0 +1,51 @@
+import hashlib
+import json
+
+import pytest
+from safetensors import safe_open
+
+from moeverify.errors import UsageError
+from moeverify.models import FAMILIES, family_shape, hf_checkpoint
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _digest(path):
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_hf_checkpoint_bytes_are_deterministic_per_seed(cache, tmp_path_factory, monkeypatch):
+    first = hf_checkpoint("qwen3_moe", seed=3)
+    monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path_factory.mktemp("other")))
+    second = hf_checkpoint("qwen3_moe", seed=3)
+    third = hf_checkpoint("qwen3_moe", seed=4)
+    assert first != second and _digest(first) == _digest(second)
+    assert _digest(third) != _digest(first)
+
+
+def test_hf_checkpoint_deepseek_keeps_correction_bias_fp32(cache):
+    path = hf_checkpoint("deepseek_v3")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    biases = [n for n in dtypes if n.endswith("e_score_correction_bias")]
+    assert biases and all(dtypes[n] == "F32" for n in biases)
+    assert {d for n, d in dtypes.items() if n not in biases} == {"BF16"}
+    config = json.loads((path / "config.json").read_text())
+    assert config["first_k_dense_replace"] == 1 and config["n_group"] == 2
+
+
+def test_family_shape_marks_dense_and_moe_layers():
+    assert family_shape("deepseek_v3").moe_layers == (1, 2, 3)
+    assert family_shape("qwen3_moe").moe_layers == (0, 1, 2, 3)
+    assert family_shape("qwen2").num_experts == 0 and family_shape("qwen2").moe_layers == ()
+    for family in FAMILIES:  # enough layers for PP2 x VPP2
+        assert family_shape(family).num_layers % 4 == 0
+
+
+def test_hf_checkpoint_unknown_family_names_known_ones():
+    with pytest.raises(UsageError, match=r"unknown model family 'llama'; known families: qwen2, qwen2_tied"):
+        hf_checkpoint("llama")

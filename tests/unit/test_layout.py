@@ -1,0 +1,65 @@
+import pytest
+
+from moeverify.errors import LayoutError
+from moeverify.layout import Layout, ModelShape, parse_layout_name
+
+MOE = ModelShape(num_layers=4, num_heads=4, num_query_groups=2, num_experts=8, moe_layers=(0, 1, 2, 3))
+DENSE = ModelShape(num_layers=4, num_heads=4, num_query_groups=2)
+
+
+@pytest.mark.parametrize("layout, world, shape, match", [
+    (Layout(tp=2, pp=2), 6, DENSE, r"world_size 6 is not divisible by tp\*pp\*cp = 2\*2\*1 = 4"),
+    (Layout(tp=8), 8, DENSE, r"num_attention_heads 4 is not divisible by tp 8"),
+    (Layout(tp=4), 4, ModelShape(num_layers=4, num_heads=4, num_query_groups=2), r"num_query_groups 2 is not divisible by tp 4"),
+    (Layout(pp=2, vpp=4), 2, DENSE, r"num_layers 4 is not divisible by pp\*vpp = 2\*4 = 8"),
+    (Layout(pp=3), 3, DENSE, r"num_layers 4 is not divisible by pp\*vpp = 3\*1 = 3"),
+    (Layout(ep=3), 3, MOE, r"num_experts 8 is not divisible by ep 3"),
+    (Layout(tp=2), 2, MOE, r"MoE with tp 2 > 1 needs sp"),
+    (Layout(ep=2), 2, DENSE, r"ep 2 > 1 needs an MoE model"),
+    (Layout(etp=2), 2, DENSE, r"etp 2 set on a dense model"),
+    (Layout(ep=4), 2, MOE, r"world_size 2 is not divisible by etp\*ep\*pp = 1\*4\*1 = 4"),
+    (Layout(tp=2, sp=True, ep=2, pp=2), 4, MOE, r"world_size 4 is not divisible by etp\*ep\*pp = 2\*2\*2 = 8"),
+])
+def test_layout_validate_rejects_with_rule(layout, world, shape, match):
+    with pytest.raises(LayoutError, match=match):
+        layout.validate(world_size=world, shape=shape)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pp=1, vpp=2), r"vpp 2 needs pp > 1"),
+    (dict(sp=True), r"sp \(sequence parallel\) needs tp > 1"),
+    (dict(tp=0), r"tp must be a positive integer, got 0"),
+    (dict(ep="2"), r"ep must be a positive integer, got '2'"),
+    (dict(etp=0), r"etp must be a positive integer or None, got 0"),
+])
+def test_layout_construct_rejects_invalid(kwargs, match):
+    with pytest.raises(LayoutError, match=match):
+        Layout(**kwargs)
+
+
+@pytest.mark.parametrize("layout, world, name", [
+    (Layout(), 1, "tp1"),
+    (Layout(tp=2, pp=2), 4, "tp2-pp2"),
+    (Layout(pp=2, ep=2), 8, "pp2-ep2-dp4"),
+    (Layout(ep=2), 2, "ep2-dp2"),
+    (Layout(pp=2, vpp=2), 2, "pp2-vpp2"),
+    (Layout(tp=2, pp=2, ep=2, sp=True), 8, "tp2-pp2-ep2-sp-dp2"),
+    (Layout(etp=2), 2, "etp2-dp2"),
+    (Layout(cp=2), 2, "cp2"),
+])
+def test_layout_name_orders_dims_and_round_trips(layout, world, name):
+    assert layout.name(world) == name
+    parsed, dp = parse_layout_name(name)
+    assert parsed == layout and dp == layout.dp(world)
+
+
+def test_layout_valid_combinations_pass():
+    for layout, world in [(Layout(tp=2, sp=True), 2), (Layout(ep=2), 4), (Layout(pp=2, vpp=2, ep=2), 4),
+                          (Layout(tp=2, pp=2, ep=2, sp=True), 8), (Layout(etp=2), 2), (Layout(cp=2), 2)]:
+        layout.validate(world_size=world, shape=MOE)
+    assert Layout(ep=2).expert_dp(4) == 2 and Layout(etp=2).dp(2) == 2
+
+
+def test_layout_from_mapping_rejects_unknown_key():
+    with pytest.raises(LayoutError, match=r"scn: unknown layout key\(s\) \['pipeline'\]"):
+        Layout.from_mapping({"pipeline": 2}, where="scn")
