@@ -24,8 +24,9 @@ from moeverify.oracles.results import CheckRecord
 from moeverify.runner.diagnose import Crash, diagnose
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
 from moeverify.runner.report import Result
+from moeverify.runner.worker import STARTUP_TIMEOUT_S
 
-STARTUP_SLACK_S = 180.0  # imports and rendezvous, on top of the per-scenario timeout
+STARTUP_SLACK_S = STARTUP_TIMEOUT_S + 60.0  # past the ranks' own start-up watchdog: theirs fires first
 POLL_S = 0.5
 
 
