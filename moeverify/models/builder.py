@@ -17,11 +17,12 @@ from moeverify.errors import UsageError
 from moeverify.layout import Layout, ModelShape
 from moeverify.models.families import family_shape, hf_checkpoint
 
-# Settings that select TE-only or CUDA-only kernels; switched off on the CPU backend.
-_CPU_PROVIDER_SETTINGS = dict(
+# Settings that select TE-only (or apex-only) kernels; switched off wherever real TE is absent
+# (every CPU rank, and GPU nodes without TE), where the local block spec is used instead.
+_NO_TE_PROVIDER_SETTINGS = dict(
     moe_grouped_gemm=False, gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
     masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, moe_router_fusion=False,
-    moe_permute_fusion=False, use_cpu_initialization=True, bias_dropout_fusion=False,
+    moe_permute_fusion=False, bias_dropout_fusion=False,
 )
 
 
@@ -79,11 +80,12 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _apply_layout(provider, layout)
-    if rt.backend == "cpu":
-        from moeverify.models.cpu_spec import cpu_block_spec
+    if not rt.te_real:
+        from moeverify.models.local_spec import local_block_spec
 
-        _apply_overrides(provider, _CPU_PROVIDER_SETTINGS, what="CPU backend settings")
-        provider.transformer_layer_spec = cpu_block_spec
+        _apply_overrides(provider, _NO_TE_PROVIDER_SETTINGS, what="settings without Transformer Engine")
+        provider.transformer_layer_spec = local_block_spec
+    provider.use_cpu_initialization = rt.backend == "cpu"
     _apply_overrides(provider, overrides or {}, what="build overrides")
     provider.finalize()
     with warnings.catch_warnings():

@@ -1,11 +1,12 @@
-"""A CPU layer spec: megatron-core's local spec with the two modules that keep it from running our matrix.
+"""The local block spec (no Transformer Engine: every CPU rank, GPU nodes without TE): megatron-core's
+local spec with the two modules that keep it from running our matrix replaced.
 
 megatron-core 0.19.2's local spec refuses two things every matrix needs (ENVIRONMENT.md):
 - its torch norm asserts "sequence parallel not supported by torch LayerNorm", and MoE with tp > 1 needs
-  sequence parallelism: ``CpuNorm`` is the same per-token norm, marked ``sequence_parallel`` so that
+  sequence parallelism: ``LocalNorm`` is the same per-token norm, marked ``sequence_parallel`` so that
   Megatron all-reduces its gradients across TP exactly as it does for TE's norms;
 - its ``DotProductAttention`` takes no ``k_channels``/``v_channels`` (MLA) and refuses context parallelism:
-  ``CpuCoreAttention`` is a plain causal attention on ``[s, b, heads, dim]`` that takes MLA's arguments and,
+  ``LocalCoreAttention`` is a plain causal attention on ``[s, b, heads, dim]`` that takes MLA's arguments and,
   under CP, all-gathers K/V from the CP group and masks with the global positions of Megatron's
   load-balanced split (chunks ``r`` and ``2*cp-1-r``). CP replicates weights and splits activations, so
   this is functionally faithful.
@@ -24,7 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
-class CpuNorm:
+class LocalNorm:
     """``torch.nn.RMSNorm`` / ``LayerNorm`` built from a Megatron config, usable under sequence parallelism."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
@@ -33,7 +34,7 @@ class CpuNorm:
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         else:
-            raise ValueError(f"CpuNorm supports RMSNorm and LayerNorm, got {config.normalization!r}")
+            raise ValueError(f"LocalNorm supports RMSNorm and LayerNorm, got {config.normalization!r}")
         for param in norm.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
         return norm
@@ -69,7 +70,7 @@ def cp_positions(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
                       torch.arange(second * chunk, (second + 1) * chunk)])
 
 
-class CpuCoreAttention(MegatronModule):
+class LocalCoreAttention(MegatronModule):
     """Causal scaled-dot-product core attention for CPU ranks (GQA, MLA channel sizes, CP)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
@@ -92,7 +93,7 @@ class CpuCoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is not None:
-            raise ValueError("CpuCoreAttention does not support packed sequences")
+            raise ValueError("LocalCoreAttention does not support packed sequences")
         q_SBHD, k_SBGD, v_SBGD = query, key, value
         group = self._cp_group()
         cp_size = torch.distributed.get_world_size(group) if group is not None else 1
@@ -129,12 +130,12 @@ def _patch_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
     sub = spec.submodules
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(sub, name, None) is not None and not _is_identity(getattr(sub, name)):
-            setattr(sub, name, CpuNorm)
+            setattr(sub, name, LocalNorm)
     attn = sub.self_attention.submodules
-    attn.core_attention = CpuCoreAttention
+    attn.core_attention = LocalCoreAttention
     for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if hasattr(attn, name) and not _is_identity(getattr(attn, name)):
-            setattr(attn, name, CpuNorm)
+            setattr(attn, name, LocalNorm)
     return spec
 
 
@@ -144,10 +145,10 @@ def _is_identity(module) -> bool:
     return module is IdentityOp or (isinstance(module, ModuleSpec) and module.module is IdentityOp)
 
 
-def cpu_block_spec(config, vp_stage: int | None = None):
+def local_block_spec(config, vp_stage: int | None = None):
     """Decoder block spec for ``config`` (dense and MoE layers mixed per ``moe_layer_freq``) on CPU."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=config.normalization, vp_stage=vp_stage)
     block.layer_specs = [_patch_layer_spec(s) for s in block.layer_specs]
-    block.layer_norm = CpuNorm
+    block.layer_norm = LocalNorm
     return block
