@@ -46,6 +46,11 @@ RECOMPUTE_MODES = {
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
 _EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
               hidden_dropout=0.0, attention_dropout=0.0)
+# On gloo, batched p2p (torch.distributed.batch_isend_irecv) under PP2 x VPP matches the activation
+# and gradient messages exchanged with the same peer in the wrong order: micro-batches after the
+# first group get another message's tensor in the forward+backward schedule (measured: forward-only
+# correct, training pass wrong from the first p2p on). Unbatched p2p is correct.
+_CPU_EXACT = dict(batch_p2p_comm=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,8 +105,9 @@ def _build(setup: _Setup, layout: Layout, *, overrides: dict, extra: dict | None
     from moeverify import models
 
     scenario = setup.ctx.scenario
+    cpu = _CPU_EXACT if setup.ctx.backend == "cpu" else {}
     built = models.build(scenario.family, layout, seed=scenario.seed,
-                         overrides={**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})})
+                         overrides={**_EXACT, **cpu, **setup.variant.overrides, **overrides, **(extra or {})})
     if setup.variant.random_expert_bias:
         _seed_expert_bias(built.model_chunks, seed=scenario.seed)
     return built.model_chunks
