@@ -51,9 +51,9 @@ def _patched_routing(self, logits, *args, **kwargs):
 def apply() -> None:
     """Patch ``TopKRouter.routing`` (idempotent); raise ``EnvironmentProblem`` on an unknown layout."""
     global _ORIGINAL_ROUTING
-    api = compat.detect(allow_replaced=True)
-    if api.router_cls.__dict__["routing"] is _patched_routing:
+    if _ORIGINAL_ROUTING is not None and _current_routing() is _patched_routing:
         return
+    api = compat.detect(allow_replaced=True)
     _ORIGINAL_ROUTING = api.routing
     _patched_routing.__moeverify_original__ = api.routing
     api.router_cls.routing = _patched_routing
@@ -69,9 +69,15 @@ def revert() -> None:
                          "active record()/replay(); leave those contexts first")
     from megatron.core.transformer.moe.router import TopKRouter
 
-    if TopKRouter.__dict__["routing"] is _patched_routing:
+    if _current_routing() is _patched_routing:
         TopKRouter.routing = _ORIGINAL_ROUTING
     _ORIGINAL_ROUTING = None
+
+
+def _current_routing():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return TopKRouter.__dict__.get("routing")
 
 
 def is_applied() -> bool:

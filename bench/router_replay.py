@@ -1,0 +1,267 @@
+"""Benchmark: one MoE layer's router + token dispatch, forward and backward, per replay implementation.
+
+Variants: ``unpatched`` (Megatron-Core as installed), moeverify ``record`` and ``replay``,
+Megatron-Core's native ``RouterReplay`` (record / replay) and verl 0.9.1's ``router_replay_patch``
+(record / replay) when it imports. Each implementation runs in its own process (verl replaces
+``TopKRouter`` methods wholesale); every process also times ``unpatched`` itself, interleaved round by
+round with its variants, and ratios are taken against that same-process baseline.
+
+Dispatch is Megatron's local permutation (``moe_utils.permute`` / ``unpermute`` by the routing map),
+what the token dispatchers do around their collectives, so the cost the patch adds is weighed
+against a realistic per-layer amount of routing work.
+
+CPU (default): a small realistic shape that runs in well under two minutes.
+H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtype bf16``.
+
+Writes ``bench/results/router_replay.json``: ``{"metrics": {NAME: {"value", "unit", "peer", "ratio",
+"goal"}}}``.
+
+Legend of shape suffixes: T = tokens, H = hidden, E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+IMPLS = ("moeverify", "native", "verl")
+GOALS = {"moeverify.record": "<=1.02", "moeverify.replay": "<=1.00"}
+RESULTS = Path(__file__).resolve().parent / "results" / "router_replay.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the layer runs")
+    p.add_argument("--hidden", type=int, default=256, metavar="H", help="hidden size")
+    p.add_argument("--experts", type=int, default=32, metavar="E", help="routed experts")
+    p.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token")
+    p.add_argument("--tokens", type=int, default=2048, metavar="T", help="tokens per micro-batch")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="activation and parameter dtype")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per round (default by device)")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median round counts")
+    p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # child process: one implementation
+    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON path")
+    args = p.parse_args(argv)
+    if args.topk > args.experts:
+        p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.iters is None:
+        args.iters = 20 if args.device == "cuda" else 10
+    return args
+
+
+def _config(args, *, native: bool):
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=8,
+                             num_moe_experts=args.experts, moe_router_topk=args.topk,
+                             use_cpu_initialization=True, moe_aux_loss_coeff=0.0, add_bias_linear=False,
+                             moe_router_dtype="fp32", bf16=args.dtype == "bf16",
+                             params_dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+                             moe_enable_routing_replay=native)
+
+
+def _router(args, *, native: bool = False):
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    torch.manual_seed(0)
+    router = TopKRouter(_config(args, native=native), pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    return router.to(args.device)
+
+
+def _layer_step(router, x_SBH):
+    """Router + local dispatch + weighted combine, forward and backward."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    probs_TE, map_TE = router(x_SBH)
+    tokens_TH = x_SBH.view(-1, x_SBH.shape[-1])
+    num_out = tokens_TH.shape[0] * router.topk
+    permuted, _, sorted_indices, _, _ = permute(tokens_TH, map_TE, num_out_tokens=num_out)
+    out_TH = unpermute(permuted, sorted_indices, tokens_TH.shape, probs=probs_TE, routing_map=map_TE)
+    out_TH.float().square().mean().backward()
+
+
+def _timer(args):
+    import torch
+
+    def run(variant) -> float:
+        step, around = variant if isinstance(variant, tuple) else (variant, contextlib.nullcontext)
+        with around():
+            step()  # warm-up: first call compiles / allocates
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                step()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            return (time.perf_counter() - start) / args.iters * 1e3
+
+    return run
+
+
+def _input(args):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return torch.randn(args.tokens, 1, args.hidden, generator=g).to(args.device, dtype).requires_grad_()
+
+
+def _variants_moeverify(args, x):
+    from moeverify.patches import router_replay as rr
+
+    router = _router(args)
+    rr.apply()
+    session = rr.ReplaySession(router)
+    with session.record():
+        _layer_step(router, x)
+    routes = session.routes()
+
+    def record():
+        with session.record():
+            _layer_step(router, x)
+
+    def replay():
+        with session.replay(routes):
+            _layer_step(router, x)
+
+    @contextlib.contextmanager
+    def reverted():
+        rr.revert()
+        try:
+            yield
+        finally:
+            rr.apply()
+
+    return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay}
+
+
+def _native_steps(router, action_enum, ids_TK):
+    rep = router.router_replay
+
+    def record():
+        rep.set_router_replay_action(action_enum.RECORD)
+        _layer_step(router, x_holder[0])
+        rep.clear_router_replay_action()
+
+    def replay():
+        rep.set_target_indices(ids_TK)
+        rep.set_router_replay_action(action_enum.REPLAY_FORWARD)
+        _layer_step(router, x_holder[0])
+        rep.clear_router_replay_action()
+        rep.clear_indices()
+
+    return {"record": record, "replay": replay}
+
+
+x_holder: list = []
+
+
+def _variants_native(args, x):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    plain, router = _router(args), _router(args, native=True)
+    x_holder[:] = [x]
+    probs_TE, map_TE = plain(x)
+    ids_TK = map_TE.nonzero()[:, 1].view(map_TE.shape[0], -1)
+    return {"unpatched": lambda: _layer_step(plain, x), **_native_steps(router, RouterReplayAction, ids_TK)}
+
+
+def _variants_verl(args, x):
+    from moeverify.oracles.replay_impls import load_verl_router_replay_patch
+
+    plain = _router(args)
+    _, map_TE = plain(x)
+    ids_TK = map_TE.nonzero()[:, 1].view(map_TE.shape[0], -1)
+    module = load_verl_router_replay_patch()
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        module.apply_router_replay_patch()
+    router = _router(args, native=True)  # built after the patch: carries verl's RouterReplay
+    x_holder[:] = [x]
+    # `plain` keeps its instance state but its class methods are verl's now; verl routes natively
+    # when no action is set, which is the closest unpatched baseline this process can time.
+    return {"unpatched": lambda: _layer_step(plain, x), **_native_steps(router, module.RouterReplayAction, ids_TK)}
+
+
+def run_child(args) -> dict:
+    """Time one implementation's variants and the same-process baseline, interleaved by round."""
+    import torch
+
+    from moeverify import runtime
+    from moeverify.layout import Layout
+
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # one core per process: steadier figures on a shared machine
+    runtime.init(args.device)
+    with runtime.parallel(Layout(), seed=0):
+        x = _input(args)
+        variants = {"moeverify": _variants_moeverify, "native": _variants_native, "verl": _variants_verl}[args.impl](
+            args, x)
+        timer = _timer(args)
+        rounds = {name: [] for name in variants}
+        names = list(variants)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no variant always first
+                rounds[name].append(timer(variants[name]))
+    return {name: statistics.median(ms) for name, ms in rounds.items()}
+
+
+def _metric(value, peer, goal):
+    return {"value": round(value, 4), "unit": "ms", "peer": round(peer, 4), "ratio": round(value / peer, 4),
+            "goal": goal}
+
+
+def run_parent(args) -> dict:
+    medians, errors = {}, {}
+    for impl in IMPLS:
+        cmd = [sys.executable, __file__, "--impl", impl, *sys.argv[1:]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if proc.returncode:
+            errors[impl] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            continue
+        medians[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
+    metrics = {}
+    for impl, times in medians.items():
+        metrics[f"{impl}.unpatched"] = _metric(times["unpatched"], times["unpatched"], None)
+        for name in ("record", "replay"):
+            metrics[f"{impl}.{name}"] = _metric(times[name], times["unpatched"], GOALS.get(f"{impl}.{name}"))
+    if "moeverify" in medians and "native" in medians:
+        ours = medians["moeverify"]["replay"] / medians["moeverify"]["unpatched"]
+        theirs = medians["native"]["replay"] / medians["native"]["unpatched"]
+        metrics["moeverify.replay_vs_native"] = {"value": round(ours, 4), "unit": "ratio to unpatched",
+                                                 "peer": round(theirs, 4), "ratio": round(ours / theirs, 4),
+                                                 "goal": "<=1.00"}
+    shape = {k: getattr(args, k) for k in ("device", "hidden", "experts", "topk", "tokens", "dtype", "iters",
+                                           "rounds")}
+    return {"metrics": metrics, "shape": shape, "errors": errors}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.impl:
+        print(json.dumps(run_child(args)))
+        return 0
+    result = run_parent(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, m in result["metrics"].items():
+        print(f"{name:28s} {m['value']:10.4f} {m['unit']:20s} peer {m['peer']:10.4f} ratio {m['ratio']:.4f} "
+              f"goal {m['goal'] or '-'}")
+    for impl, err in result["errors"].items():
+        print(f"{impl}: not measured: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
