@@ -40,8 +40,13 @@ _ORIGINAL_ROUTING: Any = None  # the unpatched TopKRouter.routing while the patc
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # router -> (active state, layer)
 
 
+_FALLBACK: Any = None  # router -> (state, layer) | None for routers no session holds (autopatch)
+
+
 def _patched_routing(self, logits, *args, **kwargs):
     entry = _ACTIVE.get(self)
+    if entry is None and _FALLBACK is not None:
+        entry = _FALLBACK(self)
     if entry is None:
         return _ORIGINAL_ROUTING(self, logits, *args, **kwargs)
     state, layer = entry
@@ -78,6 +83,15 @@ def _current_routing():
     from megatron.core.transformer.moe.router import TopKRouter
 
     return TopKRouter.__dict__.get("routing")
+
+
+def set_fallback(binder) -> None:
+    """Install (or clear with None) the process-wide binder ``router -> (state, layer) | None``.
+
+    Used by ``moeverify.patches.autopatch``; routers held by an active session never reach it.
+    """
+    global _FALLBACK
+    _FALLBACK = binder
 
 
 def is_applied() -> bool:
