@@ -117,11 +117,48 @@ class DiffReport:
 
 def diff(a: Routes, b: Routes) -> DiffReport:
     """Compare two routings of the same tokens (same layers, micro-batches and token counts)."""
+    counts = _token_counts(a, b)
+    experts, layers = a.num_experts, a.layers
+    tokens, width = sum(counts), len(layers)
+    exact_NL = torch.ones(tokens, width, dtype=torch.bool)
+    overlap_NL = torch.full((tokens, width), a.topk, dtype=torch.uint8)
+    load_a_LE = torch.zeros(width, experts, dtype=torch.int64)
+    pending_a, pending_b, cells = [], [], []  # rows that are not byte-identical, and their flat (token, layer) cell
+    offset = 0
+    for mb, count in enumerate(counts):
+        for i, layer in enumerate(layers):
+            ids_a_TK, ids_b_TK = _narrow(a.get(layer, mb), experts), _narrow(b.get(layer, mb), experts)
+            load_a_LE[i] += torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
+            same_T = _rows_identical(ids_a_TK, ids_b_TK)
+            if not bool(same_T.all()):
+                rest = (~same_T).nonzero().squeeze(1)
+                pending_a.append(ids_a_TK.index_select(0, rest))
+                pending_b.append(ids_b_TK.index_select(0, rest))
+                cells.append((offset + rest) * width + i)
+        offset += count
+    load_b_LE = load_a_LE.clone()
+    if cells:  # all differing rows of all layers in one batch: few large elementwise ops
+        rows_a, rows_b, cell_R = torch.cat(pending_a), torch.cat(pending_b), torch.cat(cells)
+        exact_R, overlap_R = _set_compare_chunked(rows_a, rows_b)
+        exact_NL.view(-1)[cell_R] = exact_R
+        overlap_NL.view(-1)[cell_R] = overlap_R
+        moved = ~exact_R  # only rows with different sets load B differently from A
+        shift_R = ((cell_R[moved] % width) * experts)[:, None]
+        size = width * experts
+        load_b_LE += (torch.bincount((rows_b[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
+                      - torch.bincount((rows_a[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
+                      ).view(width, experts)
+    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, exact_NL=exact_NL,
+                      overlap_NL=overlap_NL, load_a_LE=load_a_LE, load_b_LE=load_b_LE)
+
+
+def _token_counts(a: Routes, b: Routes) -> list[int]:
+    """Tokens per micro-batch, after checking both sides route the same tokens of the same layers."""
     if (a.layers, a.microbatches, a.topk, a.num_experts) != (b.layers, b.microbatches, b.topk, b.num_experts):
         raise RouteError(f"cannot diff: (layers, microbatches, topk, num_experts) "
                          f"{(list(a.layers), a.microbatches, a.topk, a.num_experts)} != "
                          f"{(list(b.layers), b.microbatches, b.topk, b.num_experts)}")
-    experts, layers = a.num_experts, a.layers
+    layers = a.layers
     counts = [a.get(layers[0], mb).shape[0] for mb in range(a.microbatches)] if layers else []
     for mb in range(a.microbatches):
         for layer in layers:
@@ -129,49 +166,33 @@ def diff(a: Routes, b: Routes) -> DiffReport:
             if ta != tb or ta != counts[mb]:
                 raise RouteError(f"cannot diff: layer {layer} mb {mb}: {ta} tokens vs {tb} tokens "
                                  f"(layer {layers[0]} has {counts[mb]})")
-    tokens = sum(counts)
-    exact_NL = torch.empty(tokens, len(layers), dtype=torch.bool)
-    overlap_NL = torch.empty(tokens, len(layers), dtype=torch.uint8)
-    load_a_LE = torch.zeros(len(layers), experts, dtype=torch.int64)
-    load_b_LE = torch.zeros(len(layers), experts, dtype=torch.int64)
-    offset = 0
-    for mb, count in enumerate(counts):
-        for i, layer in enumerate(layers):
-            ids_a_TK, ids_b_TK = _narrow(a.get(layer, mb), experts), _narrow(b.get(layer, mb), experts)
-            exact_T, overlap_T = compare_rows(ids_a_TK, ids_b_TK, num_experts=experts)
-            exact_NL[offset:offset + count, i] = exact_T
-            overlap_NL[offset:offset + count, i] = overlap_T
-            load_T = torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
-            load_a_LE[i] += load_T
-            load_b_LE[i] += load_T
-            rest = (overlap_T != ids_a_TK.shape[1]).nonzero().squeeze(1)
-            if rest.numel():  # only rows with different sets load B differently from A
-                load_b_LE[i] += torch.bincount(ids_b_TK.index_select(0, rest).reshape(-1), minlength=experts)
-                load_b_LE[i] -= torch.bincount(ids_a_TK.index_select(0, rest).reshape(-1), minlength=experts)
-        offset += count
-    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, exact_NL=exact_NL,
-                      overlap_NL=overlap_NL, load_a_LE=load_a_LE, load_b_LE=load_b_LE)
+    return counts
 
 
 def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(exact_T bool, overlap_T uint8)`` of two ``[T, K]`` id tensors of one dtype.
+    """``(exact_T bool, overlap_T uint8)`` of two ``[T, K]`` id tensors.
 
     Rows that are byte-identical (the common case: same experts in the same order) are settled by
     one word compare per row; only the others are sorted and compared as sets.
     """
+    ids_a_TK, ids_b_TK = _narrow(ids_a_TK, num_experts), _narrow(ids_b_TK, num_experts)
     same_T = _rows_identical(ids_a_TK, ids_b_TK)
-    k = ids_a_TK.shape[1]
-    overlap_T = torch.full(same_T.shape, k, dtype=torch.uint8)
-    if bool(same_T.all()):
-        return same_T, overlap_T
     exact_T = same_T.clone()
+    overlap_T = torch.full(same_T.shape, ids_a_TK.shape[1], dtype=torch.uint8)
     rest = (~same_T).nonzero().squeeze(1)
-    for start in range(0, rest.numel(), _CHUNK_ROWS):
-        idx = rest[start:start + _CHUNK_ROWS]
-        exact_R, overlap_R = _set_compare(ids_a_TK.index_select(0, idx), ids_b_TK.index_select(0, idx))
-        exact_T[idx] = exact_R
-        overlap_T[idx] = overlap_R
+    if rest.numel():
+        exact_T[rest], overlap_T[rest] = _set_compare_chunked(ids_a_TK.index_select(0, rest),
+                                                              ids_b_TK.index_select(0, rest))
     return exact_T, overlap_T
+
+
+def _set_compare_chunked(a_RK: torch.Tensor, b_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    exact, overlap = [], []
+    for start in range(0, a_RK.shape[0], _CHUNK_ROWS):
+        e, o = _set_compare(a_RK[start:start + _CHUNK_ROWS], b_RK[start:start + _CHUNK_ROWS])
+        exact.append(e)
+        overlap.append(o)
+    return torch.cat(exact), torch.cat(overlap)
 
 
 def _set_compare(a_RK: torch.Tensor, b_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

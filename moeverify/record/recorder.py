@@ -109,7 +109,8 @@ class RouteRecorder:
             layout = self.writer.layout
             seq_len = s_local * (layout.tp if layout.sp else 1) * layout.cp
             self.writer.add_tokens(step=self.step, mb=mb, seq_len=seq_len, batch=batch)
-        self.writer.add(step=self.step, mb=mb, layer=layer, ids_TK=ids_TK, probs_TK=probs_TK)
+        # Columns of a bool [T, E] map: distinct and in range by construction.
+        self.writer.add(step=self.step, mb=mb, layer=layer, ids_TK=ids_TK, probs_TK=probs_TK, validated=True)
 
 
 def _topk_ids(routing_map_TE: torch.Tensor, *, topk: int, layer: int, mb: int) -> torch.Tensor:

@@ -116,9 +116,10 @@ class RankWriter:
         self._old_steps = frozenset(self._steps)
 
     # -- caller side ------------------------------------------------------------------------------
-    def add(self, *, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None = None) -> None:
-        """Queue one layer's routes of one micro-batch."""
-        item = ("layer", step, mb, layer, _to_cpu(ids_TK), None if probs_TK is None else _to_cpu(probs_TK))
+    def add(self, *, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None = None,
+            validated: bool = False) -> None:
+        """Queue one layer's routes of one micro-batch (``validated``: range and duplicates already checked)."""
+        item = ("layer", step, mb, layer, _to_cpu(ids_TK), None if probs_TK is None else _to_cpu(probs_TK), validated)
         self._submit(item)
 
     def add_tokens(self, *, step: int, mb: int, seq_len: int | None = None, batch: int | None = None,
@@ -143,7 +144,7 @@ class RankWriter:
                 self.add_tokens(step=step, mb=mb, seq_len=lens[mb], batch=batch)
             for layer in routes.layers:
                 p = None if probs is None else probs[layer][mb]
-                self.add(step=step, mb=mb, layer=layer, ids_TK=routes.get(layer, mb), probs_TK=p)
+                self.add(step=step, mb=mb, layer=layer, ids_TK=routes.get(layer, mb), probs_TK=p, validated=True)
 
     def flush(self) -> None:
         """Wait for queued tensors and write them as one part file (atomically)."""
@@ -210,11 +211,16 @@ class RankWriter:
         else:
             self._store_tokens(*item[1:])
 
-    def _store_layer(self, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None) -> None:
+    def _store_layer(self, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None,
+                     validated: bool) -> None:
         if layer not in self.model.moe_layers:
             raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the model {list(self.model.moe_layers)}")
-        validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.model.num_experts,
-                          topk=self.model.topk, rank=self.coords.rank)
+        if not validated:
+            validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.model.num_experts,
+                              topk=self.model.topk, rank=self.coords.rank)
+        elif ids_TK.dim() != 2 or ids_TK.shape[1] != self.model.topk:
+            raise DumpError(f"layer {layer} rank {self.coords.rank} mb {mb}: route shape {tuple(ids_TK.shape)} != "
+                            f"expected (T, K={self.model.topk})")
         self._put(fmt.tensor_name(step=step, mb=mb, layer=layer, kind="ids"), ids_TK.to(self._ids_dtype))
         if probs_TK is not None:
             if probs_TK.dtype not in fmt.PROB_DTYPES or tuple(probs_TK.shape) != tuple(ids_TK.shape):
