@@ -24,6 +24,8 @@ backward, replay) second. Per router variant (``replay_variants``):
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import json
 
@@ -140,7 +142,6 @@ def _reference(setup: _Setup) -> tuple[object, dict]:
     from moeverify import runtime
 
     one = Layout()
-    rt = runtime.current()
     scn_dp = setup.layout.dp(setup.ctx.world_size)
     glob = dataclasses.replace(setup.batches, batch=setup.batches.batch * scn_dp, dp=1)
     items = rd.local_microbatches(glob, one, dp_rank=0, cp_rank=0)
@@ -153,7 +154,6 @@ def _reference(setup: _Setup) -> tuple[object, dict]:
         global_routes = views.to_global({views.rank_coords(one, rank=0, world_size=1): logprob.routes}, one,
                                         world_size=1, seq_len=glob.seq_len, batch=glob.batch, num_layers=shape,
                                         moe_layers=logprob.routes.layers)
-    del rt
     return global_routes, plain.seq_loss
 
 
@@ -161,8 +161,11 @@ def _num_layers(chunks: list) -> int:
     return int(chunks[0].config.num_layers)
 
 
-def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], reference, notes: dict) -> None:
-    """Every subcheck of one variant under the scenario layout (model-parallel state already set)."""
+def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], notes: dict):
+    """equivalence, native_parity, drift, recompute of one variant (scenario's model-parallel state set).
+
+    Returns the routes recorded under the scenario layout (cross_layout compares them to the reference).
+    """
     opts, impl, p, seq = setup.opts, setup.impl, setup.prefix, setup.batches.seq_len
     want = set(opts.subchecks)
     chunks = _build(setup, setup.layout, overrides=impl.overrides())
@@ -179,10 +182,8 @@ def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], reference, note
             t.fail(p + msg)
     if "native_parity" in want:
         _native_parity(setup, tallies["native_parity"], routes, replayed)
-    if "cross_layout" in want and reference is not None:
-        _cross_layout(setup, tallies["cross_layout"], chunks, reference, routes, notes)
     if not want & {"drift", "recompute"}:
-        return
+        return routes
     _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
     native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
     drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
@@ -195,6 +196,7 @@ def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], reference, note
     if "recompute" in want:
         del chunks
         _recompute(setup, tallies["recompute"], routes, drifted)
+    return routes
 
 
 def _native_parity(setup: _Setup, t: Tally, routes, replayed) -> None:
@@ -206,16 +208,18 @@ def _native_parity(setup: _Setup, t: Tally, routes, replayed) -> None:
     rc.compare_passes(t, native, replayed, prefix=setup.prefix + "vs native RouterReplay: ")
 
 
-def _cross_layout(setup: _Setup, t: Tally, chunks: list, reference, own_routes, notes: dict) -> None:
+def _cross_layout(setup: _Setup, t: Tally, reference, own_routes, notes: dict) -> None:
     global_routes, ref_seq_loss = reference
     b = setup.batches
+    chunks = _build(setup, setup.layout, overrides=setup.impl.overrides())
+    setup.impl.bind(chunks)
     local = views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
                            num_layers=_num_layers(chunks))
     got = rd.replay_pass(chunks, setup.items, seq_len=b.seq_len, impl=setup.impl, routes=local)
     rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference")
     rc.check_losses_close(t, got, ref_seq_loss, dp_rank=setup.coords.dp, batch=b.batch, prefix=setup.prefix)
-    notes.setdefault("native_vs_reference_agreement", {}).update(
-        {str(k): v for k, v in rc.layer_agreement(local, own_routes).items()})
+    if own_routes is not None:
+        notes["native_vs_reference_agreement"] = {str(k): v for k, v in rc.layer_agreement(local, own_routes).items()}
 
 
 def _recompute(setup: _Setup, t: Tally, routes, drifted) -> None:
@@ -256,53 +260,108 @@ def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Ta
 
 
 def run(ctx) -> dict[str, Tally]:
-    """The replay check on this rank; rank 0's return value holds every rank's results."""
+    """The replay check on this rank; rank 0's return value holds every rank's results.
+
+    Phase 1 runs every variant's same-layout subchecks under the scenario's model-parallel state
+    (the runner's, when it set one); phase 2 makes the 1-rank references (their own parallel state)
+    and replays them under the scenario layout again. When the caller had model-parallel state set,
+    it is set again for the scenario layout on return, so later checks of the scenario find it.
+    """
+    from megatron.core import parallel_state
+
     opts = ReplayOptions.from_options(ctx.options)
     scenario, layout = ctx.scenario, ctx.scenario.layout
     impl = make_impl(opts.impl)
     impl.apply()
     coords = views.rank_coords(layout, rank=ctx.rank, world_size=ctx.world_size)
-    total = {name: Tally() for name in opts.subchecks}
-    per_variant: dict[str, dict] = {}
-    for variant in opts.variants:
-        tallies, notes = _run_variant(ctx, opts, impl, variant, coords)
-        merged = _gather(tallies, rank=ctx.rank, label=coords.label())
-        for name, t in merged.items():
-            total[name].checked += t.checked - len(t.failures)
-            for msg in t.failures:
-                total[name].fail(msg)
-            total[name].dropped += t.dropped
-        per_variant[variant.name] = {"subchecks": {n: t.as_dict() for n, t in merged.items()}, "notes": notes}
-    if ctx.rank == 0 and opts.notes_path:
-        with open(opts.notes_path, "w") as f:
-            json.dump({"scenario": scenario.name, "impl": opts.impl, "variants": per_variant}, f, indent=1)
-    return total
+    outer = parallel_state.model_parallel_is_initialized()
+    skipped = {v.name: v.not_applicable(scenario.family) for v in opts.variants if v.not_applicable(scenario.family)}
+    setups = [_setup(ctx, opts, impl, v, coords) for v in opts.variants if v.name not in skipped]
+    if not setups:
+        raise UsageError(f"no router variant of {[v.name for v in opts.variants]} applies to {scenario.family}: "
+                         f"{skipped}")
+    tallies = {s.variant.name: {name: Tally() for name in opts.subchecks} for s in setups}
+    notes: dict[str, dict] = {s.variant.name: {} for s in setups}
+    own: dict[str, object] = {}
+    with contextlib.nullcontext() if outer else _scenario_parallel(ctx, keep=False):
+        for s in setups:
+            own[s.variant.name] = _guarded(s, tallies[s.variant.name], _variant_on_layout, s,
+                                           tallies[s.variant.name], notes[s.variant.name])
+    if "cross_layout" in opts.subchecks:
+        refs = {s.variant.name: _guarded(s, tallies[s.variant.name], _reference, s) for s in setups}
+        with _scenario_parallel(ctx, keep=outer):
+            for s in setups:
+                name = s.variant.name
+                if refs[name] is not None:
+                    _guarded(s, tallies[name], _cross_layout, s, tallies[name]["cross_layout"], refs[name],
+                             own[name], notes[name])
+    return _report(ctx, opts, coords, tallies, notes, skipped)
 
 
-def _run_variant(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant,
-                 coords: views.RankCoords) -> tuple[dict[str, Tally], dict]:
-    from moeverify import runtime
-
+def _setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant, coords: views.RankCoords) -> _Setup:
     scenario, layout = ctx.scenario, ctx.scenario.layout
     batches = rd.Batches(seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.num_microbatches(layout),
                          dp=layout.dp(ctx.world_size), vocab_size=_vocab_size(scenario.family), seed=scenario.seed,
                          padding=variant.padding)
     items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
-    setup = _Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
-                   batches=batches, items=items)
-    tallies = {name: Tally() for name in opts.subchecks}
-    notes: dict = {}
+    return _Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
+                  batches=batches, items=items)
+
+
+_KEPT_STATES: list = []
+atexit.register(_KEPT_STATES.clear)  # finalise them while imports still work
+
+
+@contextlib.contextmanager
+def _scenario_parallel(ctx, *, keep: bool):
+    """``runtime.parallel(scenario layout)``; with ``keep`` the state stays set on exit (the caller's)."""
+    from moeverify import runtime
+
+    manager = runtime.parallel(ctx.scenario.layout, seed=ctx.scenario.seed)
+    manager.__enter__()
     try:
-        reference = _reference(setup) if "cross_layout" in opts.subchecks else None
-        with runtime.parallel(layout, seed=scenario.seed):
-            _variant_on_layout(setup, tallies, reference, notes)
+        yield
+    finally:
+        if keep:
+            # Never finalised: a collected generator would run parallel()'s teardown at a random later
+            # time. The caller's own parallel() context tears the state down when the scenario ends.
+            _KEPT_STATES.append(manager)
+        else:
+            manager.__exit__(None, None, None)
+
+
+def _guarded(setup: _Setup, tallies: dict[str, Tally], fn, *args):
+    """``fn(*args)``; an exception fails every subcheck of the variant with its reason instead.
+
+    An implementation that refuses or crashes on a variant fails that variant (verl raises
+    ValueError on sqrtsoftplus, for example). Routing config is identical on every rank, so such
+    errors are raised symmetrically; a one-rank error ends in the collective timeout.
+    """
+    try:
+        return fn(*args)
     except Exception as e:  # noqa: BLE001
-        # An implementation that refuses or crashes on a variant fails that variant with its reason
-        # (verl raises ValueError on sqrtsoftplus, for example). Routing config is identical on every
-        # rank, so such errors are raised symmetrically; a one-rank error ends in the collective timeout.
         for t in tallies.values():
-            t.fail(f"{setup.prefix}{type(e).__name__}: {e}")
-    return tallies, notes
+            t.fail(f"{setup.prefix}{type(e).__name__}: {str(e)[:500]}")
+        return None
+
+
+def _report(ctx, opts: ReplayOptions, coords: views.RankCoords, tallies: dict, notes: dict,
+            skipped: dict[str, str]) -> dict[str, Tally]:
+    total = {name: Tally() for name in opts.subchecks}
+    per_variant = {}
+    for variant, per_check in tallies.items():
+        merged = _gather(per_check, rank=ctx.rank, label=coords.label())
+        for name, t in merged.items():
+            total[name].checked += t.checked - len(t.failures)
+            for msg in t.failures:
+                total[name].fail(msg)
+            total[name].dropped += t.dropped
+        per_variant[variant] = {"subchecks": {n: t.as_dict() for n, t in merged.items()}, "notes": notes[variant]}
+    if ctx.rank == 0 and opts.notes_path:
+        with open(opts.notes_path, "w") as f:
+            json.dump({"scenario": ctx.scenario.name, "impl": opts.impl, "variants": per_variant,
+                       "not_applicable": skipped}, f, indent=1)
+    return total
 
 
 def _vocab_size(family: str) -> int:

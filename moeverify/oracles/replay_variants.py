@@ -21,6 +21,13 @@ class RouterVariant:
     padding: bool = False  # hand the router a padding mask (last quarter of every second sequence)
     random_expert_bias: bool = False  # give the expert bias seeded non-zero values so it steers routing
 
+    def not_applicable(self, family: str) -> str | None:
+        """Why this variant cannot be built for ``family`` (None when it can)."""
+        if self.overrides.get("moe_router_enable_expert_bias") and family not in BIAS_FAMILIES:
+            return (f"{family}'s HF checkpoint has no expert-bias tensor (e_score_correction_bias) for the bridge "
+                    "to load")
+        return None
+
 
 _PLAIN = dict(moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_group_topk=None,
               moe_router_pre_softmax=False, moe_router_topk_scaling_factor=None)
@@ -43,6 +50,7 @@ VARIANTS: dict[str, RouterVariant] = {v.name: v for v in (
 )}
 
 DEFAULT_VARIANTS: tuple[str, ...] = ("default",)
+BIAS_FAMILIES = ("deepseek_v3",)  # families whose checkpoints carry an expert bias
 
 
 def select(option: object) -> tuple[RouterVariant, ...]:
