@@ -82,8 +82,8 @@ from moeverify.cli import main
 sys.exit(main())
 EOF
   chmod +x "$venv/bin/moeverify"
+  "$venv/bin/python" -c 'import torch, megatron.core, yaml, safetensors' 2>/dev/null || {
+    echo "moeverify setup: the stack in $stack does not import; remove it and run make setup again" >&2; exit 1; }
   echo "$stack" > "$venv/.moeverify-stack"
 fi
-"$venv/bin/python" -c 'import torch, megatron.core, yaml, safetensors' 2>/dev/null || {
-  echo "moeverify setup: the stack in $stack does not import; remove it and run make setup again" >&2; exit 1; }
 echo "moeverify setup: .venv ready (python $pyver, stack $key)"
