@@ -129,9 +129,8 @@ def diff(a: Routes, b: Routes) -> DiffReport:
         for i, layer in enumerate(layers):
             ids_a_TK, ids_b_TK = _narrow(a.get(layer, mb), experts), _narrow(b.get(layer, mb), experts)
             load_a_LE[i] += torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
-            same_T = _rows_identical(ids_a_TK, ids_b_TK)
-            if not bool(same_T.all()):
-                rest = (~same_T).nonzero().squeeze(1)
+            rest = _rows_differ(ids_a_TK, ids_b_TK).nonzero().squeeze(1)
+            if rest.numel():
                 pending_a.append(ids_a_TK.index_select(0, rest))
                 pending_b.append(ids_b_TK.index_select(0, rest))
                 cells.append((offset + rest) * width + i)
@@ -176,10 +175,10 @@ def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *, num_experts:
     one word compare per row; only the others are sorted and compared as sets.
     """
     ids_a_TK, ids_b_TK = _narrow(ids_a_TK, num_experts), _narrow(ids_b_TK, num_experts)
-    same_T = _rows_identical(ids_a_TK, ids_b_TK)
-    exact_T = same_T.clone()
-    overlap_T = torch.full(same_T.shape, ids_a_TK.shape[1], dtype=torch.uint8)
-    rest = (~same_T).nonzero().squeeze(1)
+    differ_T = _rows_differ(ids_a_TK, ids_b_TK)
+    exact_T = ~differ_T
+    overlap_T = torch.full(differ_T.shape, ids_a_TK.shape[1], dtype=torch.uint8)
+    rest = differ_T.nonzero().squeeze(1)
     if rest.numel():
         exact_T[rest], overlap_T[rest] = _set_compare_chunked(ids_a_TK.index_select(0, rest),
                                                               ids_b_TK.index_select(0, rest))
@@ -202,9 +201,10 @@ def _set_compare(a_RK: torch.Tensor, b_RK: torch.Tensor) -> tuple[torch.Tensor, 
     for ca, cb in zip(cols_a[1:], cols_b[1:]):
         exact_R &= ca == cb
     overlap_R = torch.zeros(a_RK.shape[0], dtype=torch.uint8)
+    equal_R = torch.empty(a_RK.shape[0], dtype=torch.bool)
     for ca in cols_a:  # ids within a row are distinct, so each A id matches at most one B id
         for cb in cols_b:
-            overlap_R += ca == cb
+            overlap_R.add_(torch.eq(ca, cb, out=equal_R).view(torch.uint8))
     return exact_R, overlap_R
 
 
@@ -218,12 +218,13 @@ def _sorted_columns(ids_RK: torch.Tensor) -> list[torch.Tensor]:
     return cols
 
 
-def _rows_identical(a_TK: torch.Tensor, b_TK: torch.Tensor) -> torch.Tensor:
+def _rows_differ(a_TK: torch.Tensor, b_TK: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool: rows not byte-identical (one word compare per row where the row fits a word)."""
     width = a_TK.shape[1] * a_TK.element_size()
     word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(width)
     if word is not None:
-        return a_TK.contiguous().view(word).view(-1) == b_TK.contiguous().view(word).view(-1)
-    return (a_TK == b_TK).all(dim=1)
+        return a_TK.view(word).view(-1) != b_TK.view(word).view(-1)
+    return (a_TK != b_TK).any(dim=1)
 
 
 def _narrow(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
