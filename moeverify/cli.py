@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -159,9 +160,15 @@ def _gpu_count(backend: str) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _terminate_cleanly(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C, so a running torchrun group is killed on the way out."""
+    raise KeyboardInterrupt
+
+
 def _cmd_run(args) -> int:
     from moeverify.runner import select
 
+    signal.signal(signal.SIGTERM, _terminate_cleanly)
     _check_outputs(args)
     chosen, options = _load(args)
     if args.list:

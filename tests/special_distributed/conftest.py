@@ -46,9 +46,9 @@ class CliRun:
 
 @pytest.fixture
 def run_moeverify(tmp_path):
-    """``run_moeverify(yaml_text, *flags, timeout_s=110) -> CliRun``."""
+    """``run_moeverify(yaml_text, *flags, timeout_s=170) -> CliRun`` (a slow run fails the test, cleanly)."""
 
-    def run(yaml_text: str, *flags: str, timeout_s: float = 110) -> CliRun:
+    def run(yaml_text: str, *flags: str, timeout_s: float = 170) -> CliRun:
         scenario_file = tmp_path / "scenarios.yaml"
         scenario_file.write_text(textwrap.dedent(yaml_text))
         out_json, out_xml = tmp_path / "out.json", tmp_path / "out.xml"
@@ -56,8 +56,15 @@ def run_moeverify(tmp_path):
         env = {**os.environ, ENV_VAR: ",".join(f"{n}={checks_file}:{f}" for n, f in TINY_CHECKS.items())}
         cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(out_json),
                "--junit", str(out_xml), "--run-dir", str(tmp_path / "run"), *flags]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # the CLI kills its torchrun group on SIGTERM
+            output, _ = proc.communicate(timeout=60)
+            pytest.fail(f"moeverify run took more than {timeout_s} s:\n{output[-4000:]}")
         records = json.loads(out_json.read_text()) if out_json.exists() else []
-        return CliRun(code=proc.returncode, output=proc.stdout + proc.stderr, records=records, junit=out_xml)
+        return CliRun(code=proc.returncode, output=output, records=records, junit=out_xml)
 
     return run
