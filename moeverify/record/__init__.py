@@ -49,7 +49,8 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
         probs: optional ``{layer: [probs_TK per micro-batch]}`` router probabilities.
     """
     path = Path(path)
-    model = ModelInfo(num_layers=num_layers if num_layers is not None else (max(routes.layers) + 1 if routes.layers else 1),
+    default_layers = max(routes.layers) + 1 if routes.layers else 1
+    model = ModelInfo(num_layers=num_layers if num_layers is not None else default_layers,
                       moe_layers=tuple(moe_layers if moe_layers is not None else routes.layers),
                       num_experts=routes.num_experts, topk=routes.topk)
     if (path / MANIFEST).exists() and step in load(path).steps:

@@ -168,7 +168,8 @@ def _token_counts(a: Routes, b: Routes) -> list[int]:
     return counts
 
 
-def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *,
+                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exact_T bool, overlap_T uint8)`` of two ``[T, K]`` id tensors.
 
     Rows that are byte-identical (the common case: same experts in the same order) are settled by

@@ -214,7 +214,8 @@ class RankWriter:
     def _store_layer(self, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None,
                      validated: bool) -> None:
         if layer not in self.model.moe_layers:
-            raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the model {list(self.model.moe_layers)}")
+            raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the model "
+                            f"{list(self.model.moe_layers)}")
         if not validated:
             validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.model.num_experts,
                               topk=self.model.topk, rank=self.coords.rank)
