@@ -232,10 +232,11 @@ def _recompute(setup: _Setup, t: Tally, routes, drifted) -> None:
         _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
         setup.impl.bind(chunks)
         got = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=setup.impl, routes=routes)
-        rc.compare_passes(t, drifted, got, prefix=p + "vs no-recompute replay: ")
+        # root causes (routes of the recompute calls) first, their consequences (gradients) after
         rc.check_recompute_calls(t, got, microbatches=routes.microbatches, prefix=p)
         for msg in setup.impl.check_consumed(recompute=True):
             t.fail(p + msg)
+        rc.compare_passes(t, drifted, got, prefix=p + "vs no-recompute replay: ")
 
 
 def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Tally]:
