@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from moeverify.errors import RouteError, UsageError
+from moeverify.patches import replay_state as state
 from moeverify.patches import router_replay as rr
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
@@ -64,10 +65,10 @@ class ProcessSession:
         self._shape: tuple[int, int] | None = None
 
     def _start(self, router) -> None:
-        rank = rr._rank()
+        rank = state.current_rank()
         self._shape = (router.num_experts, router.topk)
         if self.setting.mode == "record":
-            self._state = rr._Recording(())
+            self._state = state.Recording((), original=rr.original_routing())
             return
         from moeverify import record
 
@@ -77,7 +78,7 @@ class ProcessSession:
                              f"({routes.num_experts}, {routes.topk}) != this model's {self._shape}")
         per_layer = {layer: tuple(routes.get(layer, mb).to(router.weight.device, dtype=torch.int64)
                                   for mb in range(routes.microbatches)) for layer in routes.layers}
-        self._state = rr._Replaying(per_layer, recompute="auto", rank=rank)
+        self._state = state.Replaying(per_layer, recompute="auto", rank=rank, original=rr.original_routing())
 
     def bind(self, router):
         """``rr.set_fallback`` binder: ``(state, layer)`` for this process's model, None for others."""
@@ -94,8 +95,8 @@ class ProcessSession:
         if self._state is None:
             self._start(router)
         if current is None:  # first call of this layer, or its model was rebuilt
-            rr._refuse_config(router.config, layer, disable_fusion=False)
-            if isinstance(self._state, rr._Recording):
+            rr.refuse_config(router.config, layer, disable_fusion=False)
+            if isinstance(self._state, state.Recording):
                 self._state.per_layer.setdefault(layer, [])
             elif layer not in self._state.per_layer:
                 raise RouteError(f"layer {layer} rank {self._state.rank}: {self.setting.directory} holds no routes "
@@ -107,7 +108,7 @@ class ProcessSession:
         """What was recorded so far, as ``Routes`` (record mode)."""
         from moeverify.routes import Routes
 
-        if not isinstance(self._state, rr._Recording) or not self._state.per_layer:
+        if not isinstance(self._state, state.Recording) or not self._state.per_layer:
             raise UsageError(f"{ENV}: nothing recorded in this process")
         return Routes(self._state.per_layer, num_experts=self._shape[0], topk=self._shape[1])
 
@@ -115,10 +116,10 @@ class ProcessSession:
         """Write the recording (record) or report unconsumed routes (replay); run at exit."""
         if self._state is None:
             return
-        if isinstance(self._state, rr._Recording):
+        if isinstance(self._state, state.Recording):
             from moeverify import record
 
-            record.save(self.setting.rank_dir(rr._rank()), self.routes(), step=0)
+            record.save(self.setting.rank_dir(state.current_rank()), self.routes(), step=0)
             return
         for problem in self._state.problems():
             print(f"{ENV}: {problem}", file=sys.stderr)

@@ -78,6 +78,11 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
         allow_replaced: accept a ``TopKRouter.routing`` that is already this project's patch.
     """
     version = megatron_version()
+    import torch
+
+    if not callable(getattr(torch._C, "_current_graph_task_id", None)):
+        raise EnvironmentProblem(f"torch {torch.__version__}: torch._C._current_graph_task_id is missing; router "
+                                 "replay needs it to tell a recompute (inside backward) from a forward")
     try:
         from megatron.core.transformer.moe import moe_utils
         from megatron.core.transformer.moe import router as router_mod

@@ -24,13 +24,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import compat
+from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
 from moeverify.routes import Routes
 
@@ -94,151 +95,13 @@ def set_fallback(binder) -> None:
     _FALLBACK = binder
 
 
+def original_routing():
+    """Megatron's unpatched ``TopKRouter.routing`` (None while the patch is not applied)."""
+    return _ORIGINAL_ROUTING
+
+
 def is_applied() -> bool:
     return _ORIGINAL_ROUTING is not None
-
-
-def _in_backward() -> bool:
-    """True while autograd's engine runs a backward pass (where checkpointed forwards are recomputed)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-
-
-def _recompute_configured(config) -> bool:
-    granularity = getattr(config, "recompute_granularity", None)
-    if granularity == "full":
-        return True
-    return granularity == "selective" and "moe" in (getattr(config, "recompute_modules", None) or ())
-
-
-def _call_with_hook(router, hook, logits, args, kwargs):
-    saved = router.router_replay
-    router.router_replay = hook
-    try:
-        return _ORIGINAL_ROUTING(router, logits, *args, **kwargs)
-    finally:
-        router.router_replay = saved
-
-
-class _RecordHook:
-    """Megatron's ``router_replay`` protocol: compute the native top-k and keep the ids."""
-
-    __slots__ = ("sink",)
-
-    def __init__(self, sink: list):
-        self.sink = sink
-
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        values, topk_ids_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self.sink.append(topk_ids_TK.detach())
-        return values, topk_ids_TK
-
-
-class _ReplayHook:
-    """Megatron's ``router_replay`` protocol: use the given ids, gather scores of the current weights."""
-
-    __slots__ = ("topk_ids_TK",)
-
-    def __init__(self, topk_ids_TK: torch.Tensor):
-        self.topk_ids_TK = topk_ids_TK
-
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        return scores.gather(1, self.topk_ids_TK), self.topk_ids_TK
-
-
-def _tokens(router, logits) -> int:
-    return logits.numel() // router.num_experts
-
-
-class _Recording:
-    """State of ``session.record()``: the ids of every forward routing call, FIFO per layer."""
-
-    def __init__(self, layers: Iterable[int]):
-        self.per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
-
-    def route(self, router, layer, logits, args, kwargs):
-        _guard_call(router, layer)
-        if _in_backward():  # recompute of a recorded forward: route natively, record nothing
-            return _ORIGINAL_ROUTING(router, logits, *args, **kwargs)
-        return _call_with_hook(router, _RecordHook(self.per_layer[layer]), logits, args, kwargs)
-
-
-class _Replaying:
-    """State of ``session.replay(routes)``: per layer, the next forward micro-batch and pending recomputes."""
-
-    def __init__(self, per_layer: dict[int, tuple[torch.Tensor, ...]], *, recompute: bool | str, rank: int):
-        self.per_layer = per_layer
-        self.recompute = recompute
-        self.rank = rank
-        self.next_mb = dict.fromkeys(per_layer, 0)
-        self.pending = {layer: collections.deque() for layer in per_layer}
-        self.recomputed = {layer: [0] * len(mbs) for layer, mbs in per_layer.items()}
-        self.expected = {layer: [False] * len(mbs) for layer, mbs in per_layer.items()}
-
-    def _expects_recompute(self, router) -> bool:
-        if self.recompute is False or torch.is_grad_enabled():
-            return False
-        return self.recompute is True or (router.training and _recompute_configured(router.config))
-
-    def _ids(self, router, layer: int, mb: int, logits) -> torch.Tensor:
-        topk_ids_TK = self.per_layer[layer][mb]
-        tokens = _tokens(router, logits)
-        if topk_ids_TK.shape[0] != tokens:
-            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: replay ids shape {tuple(topk_ids_TK.shape)}"
-                             f" != expected (T={tokens}, K={router.topk}) for this router call")
-        if topk_ids_TK.device != logits.device:
-            topk_ids_TK = topk_ids_TK.to(logits.device)
-        return topk_ids_TK
-
-    def route(self, router, layer, logits, args, kwargs):
-        _guard_call(router, layer)
-        total = len(self.per_layer[layer])
-        if _in_backward():
-            if not self.pending[layer]:
-                raise RouteError(f"layer {layer} rank {self.rank}: a recompute asked for routes but no replayed "
-                                 f"forward of this layer waits for one ({self.next_mb[layer]} of {total} forward "
-                                 f"micro-batch(es) used, {sum(self.recomputed[layer])} recomputed)")
-            mb = self.pending[layer].popleft()
-            self.recomputed[layer][mb] += 1
-        else:
-            mb = self.next_mb[layer]
-            if mb >= total:
-                raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: forward asked for micro-batch {mb} but "
-                                 f"only {total} were given to replay (expected {total} forward(s), got more)")
-            self.next_mb[layer] = mb + 1
-            if self._expects_recompute(router):
-                self.expected[layer][mb] = True
-                self.pending[layer].append(mb)
-        return _call_with_hook(router, _ReplayHook(self._ids(router, layer, mb, logits)), logits, args, kwargs)
-
-    def problems(self) -> list[str]:
-        found = []
-        for layer, mbs in self.per_layer.items():
-            unused = list(range(self.next_mb[layer], len(mbs)))
-            if unused:
-                found.append(f"layer {layer} rank {self.rank} mb {unused[0]}: {len(unused)} of {len(mbs)} replayed "
-                             f"micro-batch(es) never used in a forward (expected {len(mbs)} forwards, "
-                             f"got {self.next_mb[layer]})")
-            for mb, (want, got) in enumerate(zip(self.expected[layer], self.recomputed[layer])):
-                if want and got != 1:
-                    found.append(f"layer {layer} rank {self.rank} mb {mb}: recomputed {got} time(s), expected "
-                                 "exactly 1 (the backward pass did not run, or ran twice)")
-        return found
-
-
-def _guard_call(router, layer: int) -> None:
-    """Per-call checks of settings that may change after a session started."""
-    if router.config.moe_router_fusion:
-        raise UsageError(f"layer {layer}: moe_router_fusion was switched on while a replay session is active; "
-                         "the fused path would skip replay: set config.moe_router_fusion = False")
-    native = router.router_replay
-    if native is not None and getattr(native, "router_replay_action", None) is not None:
-        raise UsageError(f"layer {layer}: megatron-core's native RouterReplay action "
-                         f"{native.router_replay_action} is set on a router held by a moeverify session; use one "
-                         "replay implementation at a time (clear_global_router_replay_action())")
 
 
 def _routers_of(model_chunks) -> list:
@@ -267,7 +130,7 @@ def global_layer(router) -> int:
     return number - 1
 
 
-def _refuse_config(config, layer: int, *, disable_fusion: bool) -> None:
+def refuse_config(config, layer: int, *, disable_fusion: bool) -> None:
     mode = RoutingMode.from_config(config)
     if disable_fusion:
         mode = RoutingMode(**{**{f: getattr(mode, f) for f in mode.__dataclass_fields__}, "fused": False})
@@ -307,9 +170,9 @@ class ReplaySession:
             raise UsageError(f"routers of one session disagree on (num_experts, topk): {sorted(shapes)}")
         (self.num_experts, self.topk), = shapes
         self.disable_fusion = disable_fusion
-        self._state: _Recording | _Replaying | None = None
-        self._recording: _Recording | None = None
-        self._replayed: _Replaying | None = None
+        self._state: Recording | Replaying | None = None
+        self._recording: Recording | None = None
+        self._replayed: Replaying | None = None
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -339,11 +202,11 @@ class ReplaySession:
                 raise UsageError(f"layer {layer}: its router is held by another active session")
         saved_fusion = {}
         for layer, router in routers.items():
-            _refuse_config(router.config, layer, disable_fusion=self.disable_fusion)
+            refuse_config(router.config, layer, disable_fusion=self.disable_fusion)
             if self.disable_fusion and router.config.moe_router_fusion:
                 saved_fusion[id(router.config)] = (router.config, True)
                 router.config.moe_router_fusion = False
-            _guard_call(router, layer)
+            guard_call(router, layer)
         for layer, router in routers.items():
             _ACTIVE[router] = (state, layer)
         self._state = state
@@ -359,7 +222,7 @@ class ReplaySession:
     @contextlib.contextmanager
     def record(self) -> Iterator[None]:
         """Record the ids chosen by every forward routing call (several micro-batches: FIFO per layer)."""
-        recording = _Recording(self._routers)
+        recording = Recording(self._routers, original=_ORIGINAL_ROUTING)
         with self._active(recording):
             yield
         self._recording = recording
@@ -370,12 +233,12 @@ class ReplaySession:
             raise UsageError("nothing recorded yet: run the forward passes inside `with session.record():`")
         counts = {layer: len(mbs) for layer, mbs in self._recording.per_layer.items()}
         if len(set(counts.values())) != 1 or not next(iter(counts.values())):
-            raise RouteError(f"rank {_rank()}: recorded micro-batch counts per layer are {counts}; every layer "
+            raise RouteError(f"rank {current_rank()}: recorded micro-batch counts per layer are {counts}; every layer "
                              "must record the same number (> 0) of forwards")
         return Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk)
 
     def _check_routes(self, routes: Routes) -> None:
-        rank = _rank()
+        rank = current_rank()
         if not isinstance(routes, Routes):
             raise RouteError(f"rank {rank}: replay needs a Routes object, got {type(routes).__name__}")
         if (routes.num_experts, routes.topk) != (self.num_experts, self.topk):
@@ -398,7 +261,8 @@ class ReplaySession:
             routes: this rank's routes for exactly this session's layers.
             recompute: ``"auto"``: a forward expects its recompute when the router is in training mode,
                 grad is off (a checkpointed forward) and the config recomputes (full, or selective with
-                "moe"); ``True``: every no-grad forward expects one; ``False``: none does (forward-only).
+                "moe"); ``True``: every forward expects exactly one (all layers checkpointed, reentrant or
+                not); ``False``: none does (forward-only passes).
         """
         if recompute not in ("auto", True, False):
             raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
@@ -406,7 +270,7 @@ class ReplaySession:
         device = next(iter(self._live_routers().values())).weight.device
         per_layer = {layer: tuple(routes.get(layer, mb).to(device=device, dtype=torch.int64)
                                   for mb in range(routes.microbatches)) for layer in routes.layers}
-        replaying = _Replaying(per_layer, recompute=recompute, rank=_rank())
+        replaying = Replaying(per_layer, recompute=recompute, rank=current_rank(), original=_ORIGINAL_ROUTING)
         self._replayed = replaying
         with self._active(replaying):
             yield

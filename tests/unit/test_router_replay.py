@@ -379,3 +379,27 @@ def test_routes_before_record_refused():
 def test_session_without_routers_refused():
     with pytest.raises(UsageError, match="found no TopKRouter"):
         rr.ReplaySession(torch.nn.Linear(2, 2))
+
+
+def test_recompute_true_pairs_non_reentrant_checkpoint():
+    from torch.utils.checkpoint import checkpoint
+
+    plain, ckpt = make_router(1, seed=12), make_router(1, seed=12)
+    routes = random_routes([0], microbatches=2, seed=3)
+    xs = [hidden(20).requires_grad_(), hidden(21).requires_grad_()]
+    with rr.ReplaySession(plain).replay(routes):
+        for out in [plain(x)[0] for x in xs]:
+            out.square().sum().backward()
+    session = rr.ReplaySession(ckpt)
+    with session.replay(routes, recompute=True):
+        outs = [checkpoint(lambda inp: ckpt(inp)[0], x, use_reentrant=False) for x in xs]
+        for out in outs:
+            out.square().sum().backward()
+    session.check_consumed()
+    assert torch.equal(ckpt.weight.grad, plain.weight.grad)
+
+
+def test_replay_bad_recompute_option_refused():
+    with pytest.raises(UsageError, match="recompute must be 'auto', True or False, got 'yes'"):
+        with rr.ReplaySession(make_router(1)).replay(random_routes([0]), recompute="yes"):
+            pass
