@@ -21,7 +21,6 @@ backward passes of one layer in forward order).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import weakref
 from collections.abc import Iterator
