@@ -120,35 +120,49 @@ def diff(a: Routes, b: Routes) -> DiffReport:
     counts = _token_counts(a, b)
     experts, layers = a.num_experts, a.layers
     tokens, width = sum(counts), len(layers)
-    exact_NL = torch.ones(tokens, width, dtype=torch.bool)
-    overlap_NL = torch.full((tokens, width), a.topk, dtype=torch.uint8)
+    starts = [sum(counts[:mb]) for mb in range(len(counts))]
+    # Layer-major [L, N] so that each (layer, micro-batch) is a contiguous slice written in place.
+    differ_LN = torch.zeros(width, tokens, dtype=torch.bool)
     load_a_LE = torch.zeros(width, experts, dtype=torch.int64)
-    pending_a, pending_b, cells = [], [], []  # rows that are not byte-identical, and their flat (token, layer) cell
-    offset = 0
-    for mb, count in enumerate(counts):
+    for mb, (start, count) in enumerate(zip(starts, counts)):
         for i, layer in enumerate(layers):
             ids_a_TK, ids_b_TK = _narrow(a.get(layer, mb), experts), _narrow(b.get(layer, mb), experts)
             load_a_LE[i] += torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
-            rest = _rows_differ(ids_a_TK, ids_b_TK).nonzero().squeeze(1)
-            if rest.numel():
-                pending_a.append(ids_a_TK.index_select(0, rest))
-                pending_b.append(ids_b_TK.index_select(0, rest))
-                cells.append((offset + rest) * width + i)
-        offset += count
+            _rows_differ(ids_a_TK, ids_b_TK, out=differ_LN[i, start:start + count])
+    overlap_LN = torch.full((width, tokens), a.topk, dtype=torch.uint8)
     load_b_LE = load_a_LE.clone()
-    if cells:  # all differing rows of all layers in one batch: few large elementwise ops
-        rows_a, rows_b, cell_R = torch.cat(pending_a), torch.cat(pending_b), torch.cat(cells)
+    cell_R = differ_LN.view(-1).nonzero().squeeze(1)  # one pass over all layers; sorted, so grouped by (layer, mb)
+    if cell_R.numel():
+        rows_a, rows_b = _gather_rows(a, b, cell_R, tokens=tokens, starts=starts)
         exact_R, overlap_R = _set_compare_chunked(rows_a, rows_b)
-        exact_NL.view(-1)[cell_R] = exact_R
-        overlap_NL.view(-1)[cell_R] = overlap_R
+        differ_LN.view(-1)[cell_R] = ~exact_R  # byte-different rows with equal sets agree
+        overlap_LN.view(-1)[cell_R] = overlap_R
         moved = ~exact_R  # only rows with different sets load B differently from A
-        shift_R = ((cell_R[moved] % width) * experts)[:, None]
+        shift_R = ((cell_R[moved] // tokens) * experts)[:, None]
         size = width * experts
         load_b_LE += (torch.bincount((rows_b[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
                       - torch.bincount((rows_a[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
                       ).view(width, experts)
-    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, exact_NL=exact_NL,
-                      overlap_NL=overlap_NL, load_a_LE=load_a_LE, load_b_LE=load_b_LE)
+    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, exact_NL=(~differ_LN).t(),
+                      overlap_NL=overlap_LN.t(), load_a_LE=load_a_LE, load_b_LE=load_b_LE)
+
+
+def _gather_rows(a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int,
+                 starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[R, K]`` rows of both sides at sorted layer-major cells ``layer_index * tokens + token``."""
+    experts = a.num_experts
+    bounds = torch.tensor([i * tokens + s for i in range(len(a.layers)) for s in starts] + [len(a.layers) * tokens])
+    edges = torch.searchsorted(cell_R, bounds).tolist()
+    rows_a, rows_b = [], []
+    for pair, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        if lo == hi:
+            continue
+        i, mb = divmod(pair, len(starts))
+        layer = a.layers[i]
+        idx = cell_R[lo:hi] - int(bounds[pair])
+        rows_a.append(_narrow(a.get(layer, mb), experts).index_select(0, idx))
+        rows_b.append(_narrow(b.get(layer, mb), experts).index_select(0, idx))
+    return torch.cat(rows_a), torch.cat(rows_b)
 
 
 def _token_counts(a: Routes, b: Routes) -> list[int]:
@@ -219,13 +233,13 @@ def _sorted_columns(ids_RK: torch.Tensor) -> list[torch.Tensor]:
     return cols
 
 
-def _rows_differ(a_TK: torch.Tensor, b_TK: torch.Tensor) -> torch.Tensor:
+def _rows_differ(a_TK: torch.Tensor, b_TK: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[T]`` bool: rows not byte-identical (one word compare per row where the row fits a word)."""
     width = a_TK.shape[1] * a_TK.element_size()
     word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(width)
     if word is not None:
-        return a_TK.view(word).view(-1) != b_TK.view(word).view(-1)
-    return (a_TK != b_TK).any(dim=1)
+        return torch.ne(a_TK.view(word).view(-1), b_TK.view(word).view(-1), out=out)
+    return torch.any(a_TK != b_TK, dim=1, out=out)
 
 
 def _narrow(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
