@@ -181,7 +181,8 @@ def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], notes: dict):
         for msg in impl.check_consumed(recompute=False):
             t.fail(p + msg)
     if "native_parity" in want:
-        _native_parity(setup, tallies["native_parity"], routes, replayed)
+        _guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
+                 tallies["native_parity"], routes, replayed)
     if not want & {"drift", "recompute"}:
         return routes
     _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
@@ -195,7 +196,8 @@ def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], notes: dict):
         notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
     if "recompute" in want:
         del chunks
-        _recompute(setup, tallies["recompute"], routes, drifted)
+        _guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
+                 drifted)
     return routes
 
 
@@ -332,7 +334,7 @@ def _scenario_parallel(ctx, *, keep: bool):
 
 
 def _guarded(setup: _Setup, tallies: dict[str, Tally], fn, *args):
-    """``fn(*args)``; an exception fails every subcheck of the variant with its reason instead.
+    """``fn(*args)``; an exception fails the subchecks in ``tallies`` (those that depend on it) instead.
 
     An implementation that refuses or crashes on a variant fails that variant (verl raises
     ValueError on sqrtsoftplus, for example). Routing config is identical on every rank, so such
