@@ -95,6 +95,14 @@ print(topk_routing_with_score_function(logits, 2, router_replay=rr)[1].sum(1))  
   (actor + reference, rebuilt decoders): `set_replay_data`/`get_recorded_data` then address the wrong
   routers or refuse with a count mismatch. The oracles address routers through the model instead.
 
+**Megatron-Core 0.19.2 `TopKRouter._apply_expert_bias`** (router.py) computes
+`routing_map & (~padding_mask)` with `routing_map` `[T, E]` and the flattened `padding_mask` `[T]`: every
+training forward of a router with expert bias that is given a padding mask raises ("Attempting to
+broadcast a dimension of length T"), whichever replay implementation is used (DeepSeek-V3's `padding`
+rows). Fix: `routing_map & ~padding_mask.unsqueeze(-1)`. Reproduction: any DeepSeek-V3 (sigmoid + expert
+bias) MoE layer called with `padding_mask` in training mode, e.g.
+`python -m moeverify.oracles.replay_main deepseek_v3/tp1 --impl native --variants padding`.
+
 **CPU ranks (gloo)**: with batched p2p (`batch_p2p_comm=True`, Megatron's default) PP2 x VPP2 training
 passes exchange activation and gradient messages with the same peer in the wrong order: micro-batches
 after the first group compute on another message's tensor (forward-only passes are correct). The

@@ -229,3 +229,14 @@ def test_make_impl_factory_must_return_adapter():
 
     with pytest.raises(UsageError, match="returned dict, expected a ReplayImpl"):
         make_impl("builtins:dict")
+
+
+def test_load_verl_router_replay_patch_skips_verl_init():
+    import sys
+
+    pytest.importorskip("megatron.core")
+    from moeverify.oracles.replay_impls import load_verl_router_replay_patch
+
+    module = load_verl_router_replay_patch()
+    assert hasattr(module, "apply_router_replay_patch")
+    assert "verl.protocol" not in sys.modules  # verl/__init__ (ray, tensordict) never ran
