@@ -32,7 +32,8 @@ import torch
 from moeverify.errors import SubjectError, UsageError
 from moeverify.oracles import export_wire as wire
 from moeverify.oracles.export_collect import SUBCHECKS, Collector, new_tallies
-from moeverify.oracles.export_rows import DeferredSlots, DrainedRow, Piece, ShardRow, Slot, drain, iterate_subject, pieces
+from moeverify.oracles.export_rows import (DeferredSlots, DrainedRow, Piece, ShardRow, Slot, drain, iterate_subject,
+                                          pieces)
 from moeverify.oracles.results import Tally
 
 __all__ = ["ShardRow", "Slot", "DeferredSlots", "SubjectContext", "load_subject", "run", "run_subject",
@@ -209,7 +210,7 @@ def _header(row: DrainedRow, rank: int) -> tuple[dict, list[Piece]]:
         return {"err": f"rank {rank} row {row.row!r}: {type(exc).__name__}: {exc}", "c": row.contributes,
                 "slots": []}, []
     slots = [[p.hf_name, list(p.hf_shape), p.numel, str(p.values_P.dtype).removeprefix("torch."),
-              p.positions_P is None] for p in got]
+              (p.start if p.numel else None)] for p in got]
     return {"err": None, "c": row.contributes, "slots": slots}, got
 
 
@@ -218,9 +219,9 @@ def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector |
     headers = wire.gather_json(header, group=group, rank=sctx.rank, world_size=sctx.world_size)
     go = wire.broadcast_int(_decide(row.row, headers, collector) if collector else 0, group=group)
     if sctx.rank != 0:
-        for piece in mine if go else ():
+        for piece, slot in zip(mine if go else (), header["slots"]):
             if piece.numel:
-                wire.send_piece(piece.positions_P, piece.values_P, dst=0, group=group)
+                wire.send_piece(piece.positions_P, piece.values_P, start=slot[4], dst=0, group=group)
         return
     if go:
         _merge_row(row, headers, mine, group=group, collector=collector)
@@ -253,12 +254,12 @@ def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector) 
     collector.t["replicas"].ok()  # one per row examined: a layout without replicas still checks rows
     for r in order:
         contributes = headers[r]["c"]
-        for j, (name, shape, n, dtype, whole) in enumerate(headers[r]["slots"]):
+        for j, (name, shape, n, dtype, start) in enumerate(headers[r]["slots"]):
             if not n:
                 continue
             merge = collector.merges[name] if name in collector.merges else None
-            chunks = (wire.local_piece_chunks(mine[j].positions_P, mine[j].values_P) if r == 0 else
-                      wire.recv_piece_chunks(n=n, dtype=getattr(torch, dtype), whole=whole, src=r, group=group))
+            chunks = (wire.local_piece_chunks(mine[j].positions_P, mine[j].values_P, start=start) if r == 0 else
+                      wire.recv_piece_chunks(n=n, dtype=getattr(torch, dtype), start=start, src=r, group=group))
             for positions_C, values_C in chunks:
                 if merge is None:
                     continue  # already finished (named by an earlier row only); still drain the wire

@@ -70,6 +70,7 @@ class Piece:
     hf_shape: tuple[int, ...]
     positions_P: torch.Tensor | None
     values_P: torch.Tensor
+    start: int | None = None  # set when the positions are one contiguous range (sent as a range)
 
     @property
     def numel(self) -> int:
@@ -121,7 +122,8 @@ def _preview(item) -> str:
     return ""
 
 
-def _validate_slot(slot, *, rank: int, row: str, index: int) -> None:
+def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
+    """Raise SubjectError naming rank, row and slot; return the start when positions are one range."""
     where = f"rank {rank} row {row!r} slot {index}"
     if not isinstance(slot, Slot):
         raise SubjectError(f"{where}: expected a Slot, got {type(slot).__name__}")
@@ -141,9 +143,31 @@ def _validate_slot(slot, *, rank: int, row: str, index: int) -> None:
     if val.numel() != pos.numel():
         raise SubjectError(f"{where}: values have {val.numel()} elements for {pos.numel()} positions")
     numel = math.prod(shape)
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= numel):
+    n = pos.numel()
+    start = contiguous_start(pos) if n else None
+    if start is not None:  # a plain range: its ends bound it
+        lo, hi = int(pos[0]), int(pos[-1])
+    else:
+        lo, hi = (int(pos.min()), int(pos.max())) if n else (0, -1)
+    if n and (lo < 0 or hi >= numel):
         raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
-                           f"{int(pos.min())} max {int(pos.max())}")
+                           f"{lo} max {hi}")
+    return start
+
+
+def contiguous_start(positions_P: torch.Tensor | None) -> int | None:
+    """The start of ``positions_P`` when it is exactly ``start, start+1, ...`` (0 for a whole tensor), else None."""
+    if positions_P is None:
+        return 0
+    n = positions_P.numel()
+    if n == 0:
+        return None
+    first = int(positions_P[0])
+    if int(positions_P[-1]) - first != n - 1:
+        return None
+    if n > 1 and not torch.equal(positions_P, torch.arange(first, first + n, dtype=torch.int64)):
+        return None
+    return first
 
 
 def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
@@ -152,14 +176,16 @@ def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
     if isinstance(src, tuple):
         name, tensor = src
         return [Piece(hf_name=name, hf_shape=tuple(tensor.shape), positions_P=None,
-                      values_P=tensor.detach().reshape(-1).cpu())]
-    slots = src.slots.materialize() if isinstance(src.slots, DeferredSlots) else src.slots
+                      values_P=tensor.detach().reshape(-1).cpu(), start=0)]
+    deferred = isinstance(src.slots, DeferredSlots)
+    slots = src.slots.materialize() if deferred else src.slots
     out = []
     for j, slot in enumerate(slots):
-        if isinstance(src.slots, DeferredSlots):
-            _validate_slot(slot, rank=rank, row=row.row, index=j)
-        out.append(Piece(hf_name=slot.hf_name, hf_shape=tuple(int(x) for x in slot.hf_shape),
-                         positions_P=slot.positions.cpu(), values_P=slot.values.detach().reshape(-1).cpu()))
+        pos = slot.positions.cpu()
+        start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
+            contiguous_start(pos) if pos.numel() else None)
+        out.append(Piece(hf_name=slot.hf_name, hf_shape=tuple(int(x) for x in slot.hf_shape), positions_P=pos,
+                         values_P=slot.values.detach().reshape(-1).cpu(), start=start))
     return out
 
 

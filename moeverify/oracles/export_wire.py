@@ -60,36 +60,37 @@ def all_gather_ints(values: list[int], *, group, world_size: int) -> list[list[i
     return [o.tolist() for o in out]
 
 
-def send_piece(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, dst: int, group) -> None:
-    """Send a piece in chunks: positions (int64; skipped for a whole tensor) then the values' raw bytes."""
+def send_piece(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, start: int | None, dst: int,
+               group) -> None:
+    """Send a piece in chunks: positions (int64; skipped for a contiguous range) then the values' raw bytes."""
     n = values_P.numel()
-    raw = values_P.contiguous().view(torch.uint8) if values_P.element_size() == 1 else values_P.contiguous()
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
-        if positions_P is not None:
-            dist.send(positions_P[start:stop].contiguous(), dst=dst, group=group)
-        dist.send(raw[start:stop].reshape(-1).view(torch.uint8), dst=dst, group=group)
+    raw = values_P.contiguous()
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        if start is None:
+            dist.send(positions_P[a:b].contiguous(), dst=dst, group=group)
+        dist.send(raw[a:b].view(torch.uint8), dst=dst, group=group)
 
 
-def recv_piece_chunks(*, n: int, dtype: torch.dtype, whole: bool, src: int, group):
-    """Yield ``(positions_C, values_C)`` for a piece sent by ``send_piece`` (positions built for a whole tensor)."""
+def recv_piece_chunks(*, n: int, dtype: torch.dtype, start: int | None, src: int, group):
+    """Yield ``(positions_C or slice, values_C)`` for a piece sent by ``send_piece``."""
     width = torch.empty((), dtype=dtype).element_size()
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
-        if whole:
-            positions_C = torch.arange(start, stop, dtype=torch.int64)
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        if start is not None:
+            positions_C = slice(start + a, start + b)
         else:
-            positions_C = torch.empty(stop - start, dtype=torch.int64)
+            positions_C = torch.empty(b - a, dtype=torch.int64)
             dist.recv(positions_C, src=src, group=group)
-        raw = torch.empty((stop - start) * width, dtype=torch.uint8)
+        raw = torch.empty((b - a) * width, dtype=torch.uint8)
         dist.recv(raw, src=src, group=group)
         yield positions_C, raw.view(dtype)
 
 
-def local_piece_chunks(positions_P: torch.Tensor | None, values_P: torch.Tensor):
+def local_piece_chunks(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, start: int | None):
     """The same chunking for rank 0's own piece (no copies)."""
     n = values_P.numel()
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
-        pos = torch.arange(start, stop, dtype=torch.int64) if positions_P is None else positions_P[start:stop]
-        yield pos, values_P[start:stop]
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        pos = slice(start + a, start + b) if start is not None else positions_P[a:b]
+        yield pos, values_P[a:b]

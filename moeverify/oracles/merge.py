@@ -43,6 +43,12 @@ def hex_bits(value: int, dtype: torch.dtype) -> str:
     return f"0x{value & ((1 << (4 * width)) - 1):0{width}x}"
 
 
+def _as_index(positions) -> torch.Tensor:
+    if isinstance(positions, slice):
+        return torch.arange(positions.start, positions.stop, dtype=torch.int64)
+    return positions
+
+
 def _index_list(idx_K: torch.Tensor, total: int) -> str:
     shown = ", ".join(str(int(i)) for i in idx_K[:SHOW_INDICES])
     more = f" (+{total - SHOW_INDICES} more)" if total > SHOW_INDICES else ""
@@ -67,30 +73,43 @@ class TensorMerge:
         self._conflicts = conflicts
         self._replicas = replicas
         self.dtype_seen: set[torch.dtype] = set()
+        self.n_missing: int | None = None  # set by check_coverage
 
     # -- writes --------------------------------------------------------------------------------
-    def _check_piece(self, rank: int, positions_P: torch.Tensor, values_P: torch.Tensor) -> torch.Tensor:
+    def _check_piece(self, rank: int, positions_P, values_P: torch.Tensor) -> torch.Tensor:
+        if isinstance(positions_P, slice):  # a contiguous range [start, stop): checked by arithmetic
+            start, stop = positions_P.start, positions_P.stop
+            if not 0 <= start <= stop <= self.numel or stop - start != values_P.numel():
+                raise SubjectError(f"{self.name}: rank {rank} range [{start}, {stop}) with {values_P.numel()} "
+                                   f"values does not fit [0, {self.numel})")
+            self.dtype_seen.add(values_P.dtype)
+            return values_P.reshape(-1).to(self.dtype)
         if positions_P.dim() != 1 or positions_P.dtype != torch.int64:
             raise SubjectError(f"{self.name}: rank {rank} positions must be 1-D int64, got "
-                             f"{tuple(positions_P.shape)} {positions_P.dtype}")
+                               f"{tuple(positions_P.shape)} {positions_P.dtype}")
         if values_P.numel() != positions_P.numel():
             raise SubjectError(f"{self.name}: rank {rank} sent {values_P.numel()} values for "
-                             f"{positions_P.numel()} positions")
+                               f"{positions_P.numel()} positions")
         if positions_P.numel() and (int(positions_P.min()) < 0 or int(positions_P.max()) >= self.numel):
             raise SubjectError(f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
-                             f"min {int(positions_P.min())} max {int(positions_P.max())}")
+                               f"min {int(positions_P.min())} max {int(positions_P.max())}")
         self.dtype_seen.add(values_P.dtype)
         return values_P.reshape(-1).to(self.dtype)
 
-    def write(self, *, rank: int, positions_P: torch.Tensor, values_P: torch.Tensor) -> None:
-        """A contributing piece: write it; an element already written with other bits is a conflict."""
+    def write(self, *, rank: int, positions_P, values_P: torch.Tensor) -> None:
+        """A contributing piece: write it; an element already written with other bits is a conflict.
+
+        ``positions_P`` is a 1-D int64 tensor, or a ``slice`` for a contiguous range (the fast path:
+        views instead of gathers, and no duplicates are possible inside it).
+        """
         values_P = self._check_piece(rank, positions_P, values_P)
-        if not positions_P.numel():
+        if not values_P.numel():
             return
-        earlier_P = self.writer_N[positions_P].to(torch.int64)
-        covered_P = earlier_P != 0
-        n_double, n_differ = int(covered_P.sum()), 0
+        earlier_P = self.writer_N[positions_P]
+        n_double, n_differ = int(torch.count_nonzero(earlier_P)), 0
         if n_double:
+            covered_P = earlier_P != 0
+            positions_P = _as_index(positions_P)
             old_K = bits(self.values_N)[positions_P[covered_P]]
             new_K = bits(values_P)[covered_P]
             differ_K = old_K != new_K
@@ -99,52 +118,59 @@ class TensorMerge:
                 where = positions_P[covered_P][differ_K]
                 first = int(differ_K.nonzero()[0])
                 self._conflicts.fail(
-                    f"{self.name}: {int(differ_K.sum())} element(s) written twice with different bits, "
-                    f"flat {_index_list(where, int(differ_K.sum()))}; first: rank "
+                    f"{self.name}: {n_differ} element(s) written twice with different bits, "
+                    f"flat {_index_list(where, n_differ)}; first: rank "
                     f"{int(earlier_P[covered_P][first]) - 1} wrote {hex_bits(int(old_K[first]), self.dtype)}, "
                     f"rank {rank} wrote {hex_bits(int(new_K[first]), self.dtype)}",
-                    n=int(differ_K.sum()))
+                    n=n_differ)
             fresh_P = ~covered_P
             positions_P, values_P = positions_P[fresh_P], values_P[fresh_P]
         self.values_N[positions_P] = values_P
         self.writer_N[positions_P] = rank + 1
-        # duplicates inside one piece: the last write won; any element whose stored bits differ lost one
-        lost_P = bits(self.values_N)[positions_P] != bits(values_P)
-        n_lost = int(lost_P.sum())
-        if n_lost:
-            self._conflicts.fail(
-                f"{self.name}: rank {rank} wrote {n_lost} element(s) twice in one piece with different bits, "
-                f"flat {_index_list(positions_P[lost_P], n_lost)}", n=n_lost)
-        self._conflicts.ok(int(positions_P.numel()) - n_lost + n_double - n_differ)
+        n_lost = 0
+        if not isinstance(positions_P, slice):
+            # duplicates inside one piece: the last write won; an element whose stored bits differ lost one
+            lost_P = bits(self.values_N)[positions_P] != bits(values_P)
+            n_lost = int(lost_P.sum())
+            if n_lost:
+                self._conflicts.fail(
+                    f"{self.name}: rank {rank} wrote {n_lost} element(s) twice in one piece with different bits, "
+                    f"flat {_index_list(positions_P[lost_P], n_lost)}", n=n_lost)
+        self._conflicts.ok(int(values_P.numel()) - n_lost + n_double - n_differ)
 
-    def compare_replica(self, *, rank: int, positions_P: torch.Tensor, values_P: torch.Tensor) -> None:
+    def compare_replica(self, *, rank: int, positions_P, values_P: torch.Tensor) -> None:
         """A ``contributes=False`` piece: its bits must equal the merged bits where something was written."""
         values_P = self._check_piece(rank, positions_P, values_P)
-        if not positions_P.numel():
+        if not values_P.numel():
             return
-        writer_P = self.writer_N[positions_P].to(torch.int64)
+        writer_P = self.writer_N[positions_P]
         covered_P = writer_P != 0  # uncovered elements are the coverage subcheck's to report
-        pos_K, val_K = positions_P[covered_P], bits(values_P)[covered_P]
-        merged_K = bits(self.values_N)[pos_K]
-        differ_K = merged_K != val_K
-        n_bad = int(differ_K.sum())
+        merged_P = bits(self.values_N)[positions_P]
+        differ_P = (merged_P != bits(values_P)) & covered_P
+        n_bad = int(differ_P.sum())
         if n_bad:
-            first = int(differ_K.nonzero()[0])
+            where = _as_index(positions_P)[differ_P]
+            first = int(differ_P.nonzero()[0])
             self._replicas.fail(
                 f"{self.name}: rank {rank}'s replica differs from the merged value at {n_bad} element(s), "
-                f"flat {_index_list(pos_K[differ_K], n_bad)}; first: merged (rank "
-                f"{int(writer_P[covered_P][first]) - 1}) {hex_bits(int(merged_K[first]), self.dtype)} "
-                f"vs replica {hex_bits(int(val_K[first]), self.dtype)}", n=n_bad)
-        self._replicas.ok(int(pos_K.numel()) - n_bad)
+                f"flat {_index_list(where, n_bad)}; first: merged (rank {int(writer_P[first]) - 1}) "
+                f"{hex_bits(int(merged_P[first]), self.dtype)} vs replica "
+                f"{hex_bits(int(bits(values_P)[first]), self.dtype)}", n=n_bad)
+        self._replicas.ok(int(covered_P.sum()) - n_bad)
 
     # -- final checks --------------------------------------------------------------------------
     def check_coverage(self, coverage: Tally) -> None:
-        missing_N = self.writer_N == 0
-        n_missing = int(missing_N.sum())
+        n_missing, shown = 0, []
+        for start in range(0, self.numel, COMPARE_CHUNK):
+            writer_C = self.writer_N[start:start + COMPARE_CHUNK]
+            k = writer_C.numel() - int(torch.count_nonzero(writer_C))
+            if k and len(shown) < SHOW_INDICES:
+                shown += ((writer_C == 0).nonzero().flatten()[: SHOW_INDICES - len(shown)] + start).tolist()
+            n_missing += k
+        self.n_missing = n_missing
         if n_missing:
             coverage.fail(f"{self.name}: {n_missing} of {self.numel} element(s) never written, flat "
-                          f"{_index_list(missing_N.nonzero().flatten()[:SHOW_INDICES], n_missing)}",
-                          n=n_missing)
+                          f"{_index_list(torch.tensor(shown), n_missing)}", n=n_missing)
         coverage.ok(self.numel - n_missing)
 
     def check_against(self, reference: torch.Tensor, *, shape_dtype: Tally, bitwise: Tally) -> None:
@@ -164,6 +190,10 @@ class TensorMerge:
     def _compare_bits(self, ref_N: torch.Tensor, bitwise: Tally) -> None:
         # the merged values are cast INTO the reference dtype (exact when dtypes agree), never
         # both through a narrower one: an fp32 tensor that went through bf16 keeps its lost bits
+        if self.dtype == ref_N.dtype and self.n_missing == 0 \
+                and torch.equal(bits(self.values_N), bits(ref_N)):
+            bitwise.ok(self.numel)  # fully written and identical: one pass, no per-element bookkeeping
+            return
         n_bad, n_ok, first_bad, shown = 0, 0, None, []
         for start in range(0, self.numel, COMPARE_CHUNK):
             stop = min(start + COMPARE_CHUNK, self.numel)

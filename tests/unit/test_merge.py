@@ -138,3 +138,22 @@ def test_bits_bf16_and_hex():
     x = torch.tensor([1.0], dtype=torch.bfloat16)
     assert bits(x).dtype == torch.int16 and hex_bits(int(bits(x)[0]), torch.bfloat16) == "0x3f80"
     assert hex_bits(-1, torch.float32) == "0xffffffff"
+
+
+def test_merge_contiguous_range_fast_path_matches_index_path():
+    ref = torch.randn(2, 3)
+    m, t = _merge()
+    m.write(rank=0, positions_P=slice(0, 4), values_P=ref.flatten()[:4])
+    m.write(rank=1, positions_P=torch.tensor([4, 5]), values_P=ref.flatten()[4:])
+    m.compare_replica(rank=1, positions_P=slice(0, 6), values_P=ref.flatten())
+    _finish(m, t, ref)
+    assert all(x.passed for x in t.values())
+
+
+def test_merge_contiguous_range_conflict_and_bad_range():
+    m, t = _merge()
+    m.write(rank=0, positions_P=slice(0, 3), values_P=torch.zeros(3))
+    m.write(rank=1, positions_P=slice(2, 4), values_P=torch.ones(2))
+    assert "flat [2]" in t["conflicts"].failures[0]
+    with pytest.raises(SubjectError, match=r"range \[5, 8\) with 3 values does not fit \[0, 6\)"):
+        m.write(rank=1, positions_P=slice(5, 8), values_P=torch.zeros(3))

@@ -1,0 +1,213 @@
+"""Export oracle benchmark: memory and time of the sharded export check on a >= 200M-parameter model.
+
+Run on 4 CPU ranks:
+    python -m torch.distributed.run --nproc-per-node 4 bench/export_oracle.py [--out bench/results/export_oracle.json]
+
+The tiny ``qwen2`` family is built scaled up through ``moeverify.models.build`` overrides (Megatron's
+own init; hidden 1024, vocab 81920, ffn 4096: about 216M parameters) under TP2 x PP2. Its HF key set
+and shapes come from a shape-only checkpoint written next to it (values are not read by anyone).
+Measured on rank 0, each phase from a fresh peak-RSS mark:
+
+- ``bare``: one ``bridge.export_hf_weights(model_chunks, cpu=True)`` pass, tensors dropped;
+- ``oracle``: ``moeverify.oracles.export.run_subject(sharded)`` (which runs that export itself);
+- ``gather_everything``: the naive oracle: every rank's pieces (positions and values of all rows)
+  gathered to rank 0 as Python objects, then merged into full buffers.
+
+Metrics (``bench/results/export_oracle.json``): oracle peak extra RSS vs the largest HF tensor (goal
+<= 3x), gather-everything peak vs the oracle's (goal >= 5x), oracle time vs the bare export (<= 2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SCALE = dict(hidden_size=1024, ffn_hidden_size=4096, kv_channels=256, vocab_size=81920)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class PeakRss:
+    """Peak RSS above the level at entry: the kernel's high-water mark when it can be reset, else sampled."""
+
+    def __enter__(self):
+        gc.collect()
+        self.base = _rss_kib("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.kernel = True
+        except OSError:
+            self.kernel = False
+        self.peak, self._stop = self.base, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss_kib("VmRSS"))
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        if self.kernel:
+            self.peak = max(self.peak, _rss_kib("VmHWM"))
+        self.extra_mib = (self.peak - self.base) / 1024
+
+
+def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, v, f = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    heads, groups, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.q_proj.bias": (heads * d,),
+            p + "self_attn.k_proj.weight": (groups * d, h), p + "self_attn.k_proj.bias": (groups * d,),
+            p + "self_attn.v_proj.weight": (groups * d, h), p + "self_attn.v_proj.bias": (groups * d,),
+            p + "self_attn.o_proj.weight": (h, heads * d),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+        })
+    return shapes
+
+
+def shape_checkpoint(dtype: torch.dtype) -> tuple[Path, dict]:
+    """A checkpoint directory with the scaled model's key set and shapes (uninitialised values)."""
+    from safetensors.torch import save_file
+
+    from moeverify.models import hf_config_dict
+
+    cfg = dict(hf_config_dict("qwen2"), hidden_size=SCALE["hidden_size"], intermediate_size=SCALE["ffn_hidden_size"],
+               head_dim=SCALE["kv_channels"], vocab_size=SCALE["vocab_size"])
+    shapes = _hf_shapes(cfg)
+    dst = Path(os.environ.get("TMPDIR", "/tmp")) / f"moeverify-bench-export-{str(dtype).split('.')[-1]}"
+    if dist.get_rank() == 0 and not (dst / "model.safetensors").exists():
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+        save_file({k: torch.empty(s, dtype=dtype) for k, s in shapes.items()}, str(dst / "model.safetensors"))
+    dist.barrier()
+    return dst, shapes
+
+
+def gather_everything(sctx) -> None:
+    """The naive oracle: all pieces of all rows to rank 0 as Python objects, merged there at once."""
+    from moeverify.oracles.export_rows import drain, pieces
+    from moeverify.subjects import sharded
+
+    rows = drain(sharded(sctx), rank=sctx.rank)
+    mine = [[(p.hf_name, p.hf_shape, p.positions_P, p.values_P.clone()) for p in pieces(r, rank=sctx.rank)]
+            for r in rows]
+    everything = [None] * sctx.world_size if sctx.rank == 0 else None
+    dist.gather_object(mine, everything, dst=0)
+    if sctx.rank == 0:
+        buffers = {}
+        for rank_rows in everything:
+            for row in rank_rows:
+                for name, shape, pos, val in row:
+                    if pos.numel():
+                        buf = buffers.setdefault(name, torch.empty(math.prod(shape), dtype=val.dtype))
+                        buf[pos] = val
+    dist.barrier()
+
+
+def _phase(fn):
+    dist.barrier()
+    with PeakRss() as peak:
+        t0 = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - t0
+    dist.barrier()
+    return peak.extra_mib, seconds, result
+
+
+def _profiled(fn):
+    """Run ``fn``; with BENCH_PROFILE=PATH set, rank 0 writes cProfile stats there."""
+    path = os.environ.get("BENCH_PROFILE")
+    if not path or dist.get_rank() != 0:
+        return fn()
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    result = prof.runcall(fn)
+    with open(path, "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/export_oracle.json")
+    args = ap.parse_args()
+    from moeverify import models, runtime
+    from moeverify.layout import Layout
+    from moeverify.oracles import export
+    from moeverify.subjects import sharded
+
+    rt = runtime.init("cpu")
+    layout = Layout(tp=2, pp=2)
+    with runtime.parallel(layout):
+        built = models.build("qwen2", layout, overrides=dict(SCALE), load_weights=False)
+        dtype = next(built.model_chunks[0].parameters()).dtype
+        hf_path, shapes = shape_checkpoint(dtype)
+        params = sum(math.prod(s) for s in shapes.values())
+        largest = max(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size() / 2**20
+        sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
+                                     rank=rt.rank, world_size=rt.world_size, hf_path=hf_path, built=built,
+                                     options={"timeout": 1200})
+
+        def bare():
+            for _name, _t in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):
+                del _t
+
+        bare_mib, bare_s, _ = _phase(bare)
+        oracle_mib, oracle_s, tallies = _phase(lambda: _profiled(lambda: export.run_subject(sharded, sctx)))
+        if os.environ.get("BENCH_SKIP_NAIVE"):  # quick runs: the naive oracle takes the longest
+            naive_mib, naive_s = float("nan"), float("nan")
+        else:
+            naive_mib, naive_s, _ = _phase(lambda: gather_everything(sctx))
+    if rt.rank == 0:
+        failed = {k: t.failures[:2] for k, t in tallies.items() if not t.passed}
+        report = {
+            "metrics": {
+                "oracle_peak_rss_vs_largest_tensor": {"value": round(oracle_mib, 1), "unit": "MiB",
+                                                      "peer": round(largest, 1), "ratio": round(oracle_mib / largest, 3),
+                                                      "goal": "<=3"},
+                "gather_everything_vs_oracle_peak_rss": {"value": round(oracle_mib, 1), "unit": "MiB",
+                                                         "peer": round(naive_mib, 1),
+                                                         "ratio": round(naive_mib / oracle_mib, 3), "goal": ">=5"},
+                "oracle_time_vs_bare_export": {"value": round(oracle_s, 2), "unit": "s", "peer": round(bare_s, 2),
+                                               "ratio": round(oracle_s / bare_s, 3), "goal": "<=2"},
+            },
+            "context": {"model": "qwen2 scaled", "parameters": params, "dtype": str(dtype), "layout": "tp2-pp2",
+                        "ranks": rt.world_size, "bare_export_peak_rss_mib": round(bare_mib, 1),
+                        "gather_everything_seconds": round(naive_s, 2), "oracle_passed": not failed,
+                        "oracle_failures": failed,
+                        "checked": {k: t.checked for k, t in tallies.items()}},
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
