@@ -47,6 +47,10 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
         num_layers, moe_layers: model shape; default: the layers ``routes`` hold (last one + 1 layers).
         seq_len, batch: micro-batch geometry; needed to merge more than one rank.
         probs: optional ``{layer: [probs_TK per micro-batch]}`` router probabilities.
+
+    With ``world_size > 1`` every rank calls ``save``; under an initialised torch.distributed group
+    rank 0 then writes the manifest after a barrier, otherwise the caller runs ``finalize(path)``
+    once all ranks have saved.
     """
     path = Path(path)
     default_layers = max(routes.layers) + 1 if routes.layers else 1
