@@ -40,6 +40,7 @@ class DiffReport:
     overlap_NL: torch.Tensor  # uint8: |A ∩ B|
     load_a_LE: torch.Tensor  # int64 tokens per expert
     load_b_LE: torch.Tensor
+    microbatch_tokens: tuple[int, ...] = ()  # tokens per micro-batch; token N of the report is in that order
 
     @property
     def agreement_L(self) -> torch.Tensor:
@@ -67,14 +68,26 @@ class DiffReport:
         return {self.layers[i]: int(c) for i, c in enumerate(counts.tolist()) if c}
 
     def worst_tokens(self, n: int = 10) -> list[dict]:
-        """Tokens with most experts missed over all layers: ``{token, missed, layers_diverging}``."""
+        """Tokens with most experts missed over all layers.
+
+        Each is ``{token, microbatch, token_in_microbatch, missed, layers_diverging}``; ``token`` counts
+        over the micro-batches in order.
+        """
         if not self.tokens:
             return []
         missed_N = len(self.layers) * self.topk - self.overlap_NL.sum(dim=1, dtype=torch.int64)
         values, idx = missed_N.topk(min(n, self.tokens))
         layers_N = (~self.exact_NL[idx]).sum(dim=1)
-        return [{"token": int(t), "missed": int(v), "layers_diverging": int(c)}
-                for t, v, c in zip(idx.tolist(), values.tolist(), layers_N.tolist()) if v > 0]
+        starts = torch.tensor([0, *self.microbatch_tokens]).cumsum(0)[:-1] if self.microbatch_tokens else None
+        out = []
+        for t, v, c in zip(idx.tolist(), values.tolist(), layers_N.tolist()):
+            if v <= 0:
+                continue
+            mb = int(torch.searchsorted(starts, t, right=True)) - 1 if starts is not None else 0
+            offset = int(starts[mb]) if starts is not None else 0
+            out.append({"token": t, "microbatch": mb, "token_in_microbatch": t - offset, "missed": v,
+                        "layers_diverging": c})
+        return out
 
     def bucket_disagreement(self, buckets: int = 64) -> torch.Tensor:
         """``[L, buckets]`` fraction of tokens with differing sets, tokens cut in contiguous buckets."""
@@ -144,7 +157,8 @@ def diff(a: Routes, b: Routes) -> DiffReport:
                       - torch.bincount((rows_a[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
                       ).view(width, experts)
     return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, exact_NL=(~differ_LN).t(),
-                      overlap_NL=overlap_LN.t(), load_a_LE=load_a_LE, load_b_LE=load_b_LE)
+                      overlap_NL=overlap_LN.t(), load_a_LE=load_a_LE, load_b_LE=load_b_LE,
+                      microbatch_tokens=tuple(counts))
 
 
 def _gather_rows(a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int,

@@ -72,7 +72,10 @@ def test_diff_injected_disagreement_rate_recovered_exactly():
     assert result["layers"]["5"]["agreement"] == 1.0
     assert result["tokens_diverging_any_layer"] == pytest.approx(100 / 2000)
     assert result["first_divergent_layer"] == {"3": 100}
-    assert {w["token"] for w in report.worst_tokens(200)} == set(range(70)) | set(range(1000, 1030))
+    worst = report.worst_tokens(200)
+    assert {w["token"] for w in worst} == set(range(70)) | set(range(1000, 1030))
+    assert {(w["microbatch"], w["token_in_microbatch"]) for w in worst if w["token"] >= 1000} == {
+        (1, t) for t in range(30)}
     delta = report.load_b_LE[1] - report.load_a_LE[1]
     assert int(delta.sum()) == 0 and int(delta.abs().sum()) > 0
 
