@@ -130,7 +130,7 @@ def _perturb_routers(chunks: list, *, seed: int) -> None:
         gen = torch.Generator().manual_seed(104_729 * (seed + 1) + layer)
         with torch.no_grad():
             w = router.weight
-            w.add_(w.detach().float().std() * torch.randn(w.shape, generator=gen).to(w.dtype))
+            w.add_(w.detach().float().std() * torch.randn(w.shape, generator=gen).to(w.device, w.dtype))
 
 
 def _reference(setup: _Setup) -> tuple[object, dict]:

@@ -79,13 +79,13 @@ def topk_ids_from_map(routing_map_TE: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"routing map rows select between {int(counts_T.min())} and {int(counts_T.max())} "
                          "experts; expected the same K for every token")
     k = int(counts_T[0]) if counts_T.numel() else 0
-    experts_E = torch.arange(routing_map_TE.shape[1]).expand_as(routing_map_TE)
+    experts_E = torch.arange(routing_map_TE.shape[1], device=routing_map_TE.device).expand_as(routing_map_TE)
     return experts_E[routing_map_TE].reshape(-1, k)
 
 
 def map_from_topk_ids(topk_ids_TK: torch.Tensor, *, num_experts: int) -> torch.Tensor:
     """Boolean ``[T, E]`` routing map of ``[T, K]`` expert ids (order within a row does not matter)."""
-    out_TE = torch.zeros(topk_ids_TK.shape[0], num_experts, dtype=torch.bool)
+    out_TE = torch.zeros(topk_ids_TK.shape[0], num_experts, dtype=torch.bool, device=topk_ids_TK.device)
     out_TE.scatter_(1, topk_ids_TK.to(torch.int64), True)
     return out_TE
 

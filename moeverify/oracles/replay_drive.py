@@ -27,6 +27,7 @@ import torch
 from moeverify import views
 from moeverify.layout import Layout
 from moeverify.oracles.replay_impls import ReplayImpl, find_routers
+from moeverify.routes import Routes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,7 +121,7 @@ class RouterProbe:
 
     def _hook(self, layer: int, module, args, output) -> None:
         probs_TE, map_TE = output
-        seen = (map_TE.detach().clone(), probs_TE.detach().clone())
+        seen = (map_TE.detach().to("cpu", copy=True), probs_TE.detach().to("cpu", copy=True))
         if self.current_mb is None:
             self.recompute[layer].append(seen)
         else:
@@ -145,15 +146,15 @@ def _grads(model_chunks: list) -> dict[str, torch.Tensor]:
             if g is None:
                 g = p.grad
             if g is not None:
-                out[f"{c}.{name}"] = g.detach().clone()
+                out[f"{c}.{name}"] = g.detach().to("cpu", copy=True)
     return out
 
 
 def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: torch.Tensor):
     from megatron.core import tensor_parallel
 
-    ce_BS = tensor_parallel.vocab_parallel_cross_entropy(output_BSV.float(), item.labels_BS)
-    result.logits[item.mb] = output_BSV.detach().clone()
+    ce_BS = tensor_parallel.vocab_parallel_cross_entropy(output_BSV.float(), item.labels_BS.to(output_BSV.device))
+    result.logits[item.mb] = output_BSV.detach().to("cpu", copy=True)
     result.seq_loss[item.mb] = ce_BS.detach().sum(dim=1)
     loss = ce_BS.sum() / total_tokens
     return loss, {"loss": loss.detach()}
@@ -177,8 +178,9 @@ def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forwa
             impl.before_forward(c, item.mb)
         probe.current_mb = item.mb
         try:
-            kwargs = {} if item.padding_BS is None else {"padding_mask": item.padding_BS}
-            output = model(item.tokens_BS, item.position_ids_BS, None, **kwargs)
+            dev = next(model.parameters()).device  # data is made on CPU; CUDA ranks get it on their device
+            kwargs = {} if item.padding_BS is None else {"padding_mask": item.padding_BS.to(dev)}
+            output = model(item.tokens_BS.to(dev), item.position_ids_BS.to(dev), None, **kwargs)
         finally:
             probe.current_mb = None
         if impl is not None:
@@ -203,6 +205,7 @@ def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forwa
     if torch.distributed.get_world_size(cp_group) > 1 and result.seq_loss:
         for mb, sums_B in result.seq_loss.items():
             torch.distributed.all_reduce(sums_B, group=cp_group)
+    result.seq_loss = {mb: sums_B.cpu() for mb, sums_B in result.seq_loss.items()}
     return result
 
 
@@ -210,7 +213,9 @@ def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, im
     """The log-prob pass: forward only, no grad, routes recorded by ``impl``."""
     with impl.record():
         result = run_pass(model_chunks, items, seq_len=seq_len, forward_only=True, impl=impl)
-    result.routes = impl.routes()
+    routes = impl.routes()
+    result.routes = Routes({layer: [routes.get(layer, mb).cpu() for mb in range(routes.microbatches)]
+                            for layer in routes.layers}, num_experts=routes.num_experts, topk=routes.topk)
     return result
 
 
