@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -219,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics.update(measure_step_overhead(args.tokens, tmp, 2 * args.repeats))
     result = {"metrics": metrics, "workload": {"tokens_per_microbatch": args.tokens, "microbatches": MICROBATCHES,
                                                "moe_layers": LAYERS, "experts": EXPERTS, "topk": TOPK,
-                                               "torch_threads": torch.get_num_threads()}}
+                                               "torch_threads": torch.get_num_threads()},
+              "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                       "load_average_1m": round(os.getloadavg()[0], 2)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     _print(metrics)
