@@ -7,12 +7,16 @@ starts, with the fix. User errors print one message and exit 2, never a tracebac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from moeverify.errors import MoEVerifyError, UsageError
@@ -68,6 +72,7 @@ def _add_doctor(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check the installed stack and build one tiny model")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--family", default="qwen3_moe", help="family to build on 1 rank (default qwen3_moe)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show megatron's warnings while building")
     p.set_defaults(func=_cmd_doctor)
 
 
@@ -235,28 +240,46 @@ def _cmd_doctor(args) -> int:
         print(f"{dist:16} {version}")
     from moeverify import runtime
 
-    rt = runtime.init(args.backend)
+    with _quiet(enabled=not args.verbose, sink=io.StringIO()):
+        rt = runtime.init(args.backend)
     print(f"backend          {rt.backend} ({rt.dist_backend}, device {rt.device})")
     print(f"transformer-engine real: {rt.te_real}")
-    return _doctor_build(args.family)
+    return _doctor_build(args.family, verbose=args.verbose)
 
 
-def _doctor_build(family: str) -> int:
+def _doctor_build(family: str, *, verbose: bool) -> int:
     from moeverify import models, runtime
     from moeverify.layout import Layout
 
     t0 = time.perf_counter()
+    noise = io.StringIO()
     try:
-        with runtime.parallel(Layout(), seed=0):
+        with _quiet(enabled=not verbose, sink=noise), runtime.parallel(Layout(), seed=0):
             built = models.build(family, Layout())
             params = sum(p.numel() for chunk in built.model_chunks for p in chunk.parameters())
     except MoEVerifyError:
         raise
     except Exception as exc:  # noqa: BLE001 (doctor reports what broke instead of a traceback)
+        print(noise.getvalue()[-4000:], end="")
         print(f"build {family}: FAILED: {type(exc).__name__}: {exc}")
         return 1
     print(f"build {family} on 1 rank: ok, {params:,} parameters ({time.perf_counter() - t0:.1f}s)")
     return 0
+
+
+@contextlib.contextmanager
+def _quiet(*, enabled: bool, sink: io.StringIO):
+    """Keep megatron's import warnings and prints out of doctor's report (shown again on failure)."""
+    if not enabled:
+        yield
+        return
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 # ---------------------------------------------------------------------------------------- bench

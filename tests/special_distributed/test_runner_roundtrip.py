@@ -37,3 +37,13 @@ def test_runner_roundtrip_real_scenario_passes(repo_root, tmp_path, name, world_
     assert set(record["subchecks"]) == {"bitwise", "key_set"}
     assert record["subchecks"]["bitwise"]["checked"] > 10
     assert len(record["peak_rss_mb"]) == world_size
+
+
+def test_runner_doctor_reports_stack_and_builds_a_model(repo_root):
+    proc = subprocess.run([sys.executable, "-m", "moeverify", "doctor", "--backend", "cpu"], cwd=repo_root,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[1].split() == ["torch", "2.14.1"] and lines[2].split() == ["megatron-core", "0.19.2"]
+    assert "backend          cpu (gloo, device cpu)" in lines
+    assert lines[-1].startswith("build qwen3_moe on 1 rank: ok, ") and " parameters (" in lines[-1]
