@@ -88,16 +88,16 @@ def _experts(ctx) -> int:
 def uncovered_element(ctx):
     """One element never sent. Bug class: an off-by-one in a shard's slice end (``[start:stop-1]``)
     or a vocab-padding trim that cuts a real row, leaving stale weights in the engine."""
-    def fn(slots):
-        out = list(slots)
-        i = next(i for i, s in enumerate(out) if s.positions.numel())
-        out[i] = Slot(out[i].hf_name, out[i].hf_shape, out[i].positions[:-1], out[i].values.reshape(-1)[:-1])
-        return out
     done = False
     for row in _rows(ctx):
         if not done and ctx.rank == 0 and row.contributes:
-            done = True
-            row = _rewrap(row, fn)
+            slots = _concrete(row)
+            full = [i for i, s in enumerate(slots) if s.positions.numel()]
+            if full:  # the first row where rank 0 really writes something: drop its last element
+                done, i = True, full[0]
+                s = slots[i]
+                slots[i] = Slot(s.hf_name, s.hf_shape, s.positions[:-1], s.values.reshape(-1)[:-1])
+                row = ShardRow(row.row, slots, True)
         yield row
 
 
