@@ -206,12 +206,17 @@ def _execute(args, *, groups, skipped, notices, options) -> int:
 
     results = list(skipped)
     t0 = time.perf_counter()
-    for group in groups:
-        console.print(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} scenario(s); "
-                      f"files in {run_dir}")
-        spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios, backend=group.backend,
-                                options=options, timeout_s=args.timeout, run_dir=run_dir, verbose=args.verbose)
-        results += launch.run_group(spec, on_result=progress)
+    with console.status("starting") as status:
+        def started(scenario, check) -> None:
+            status.update(f"running {scenario.name} {check} (world size {scenario.world_size})")
+
+        for group in groups:
+            console.print(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} scenario(s); "
+                          f"files in {run_dir}")
+            status.update(f"starting torchrun with {group.world_size} rank(s)")
+            spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios, backend=group.backend,
+                                    options=options, timeout_s=args.timeout, run_dir=run_dir, verbose=args.verbose)
+            results += launch.run_group(spec, on_result=progress, on_start=started)
     report.print_report(results, console=console)
     console.print(f"wall time {time.perf_counter() - t0:.1f}s")
     if args.json:

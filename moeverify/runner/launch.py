@@ -73,28 +73,41 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 class _Collector:
-    """Turns rank 0's results lines into ``Result`` objects as they appear."""
+    """Follows an attempt's files: rank 0's records as they appear, and the check rank 0 is in."""
 
-    def __init__(self, directory: Path, world_size: int, on_result: Callable[[Result], None]):
-        self.directory, self.world_size, self.on_result = directory, world_size, on_result
-        self.seen: set[tuple[int, str]] = set()
+    def __init__(self, directory: Path, world_size: int, *, on_result: Callable[[Result], None],
+                 on_start: Callable[[int, str], None] | None = None):
+        self.directory, self.world_size = directory, world_size
+        self.on_result, self.on_start = on_result, on_start
+        self.records: dict[tuple[int, str], CheckRecord] = {}
+        self._current: tuple[int, str] | None = None
+
+    @property
+    def seen(self) -> set[tuple[int, str]]:
+        return set(self.records)
 
     def poll(self) -> None:
         for line in read_lines(results_path(self.directory)):
             key = (line["index"], line["record"]["check"])
-            if key in self.seen:
-                continue
-            self.seen.add(key)
-            record = CheckRecord.from_dict(line["record"])
-            self.on_result(Result(record=record, peak_rss_mb=self._rss(*key)))
+            if key not in self.records:
+                self.records[key] = CheckRecord.from_dict(line["record"])
+                self.on_result(Result(record=self.records[key]))
+        if self.on_start is not None:
+            starts = [e for e in read_lines(events_path(self.directory, 0)) if e.get("event") == "start"]
+            if starts and (starts[-1]["index"], starts[-1]["check"]) != self._current:
+                self._current = (starts[-1]["index"], starts[-1]["check"])
+                self.on_start(*self._current)
 
-    def _rss(self, index: int, check: str) -> tuple[float, ...]:
-        out = []
+    def results(self) -> list[Result]:
+        """Every record so far with each rank's peak RSS at the end of that check (read once ranks are done)."""
+        ends: dict[tuple[int, str, int], float] = {}
         for rank in range(self.world_size):
-            ends = [e for e in read_lines(events_path(self.directory, rank))
-                    if e.get("event") == "end" and e.get("index") == index and e.get("check") == check]
-            out.append(ends[-1]["peak_rss_mb"] if ends else float("nan"))
-        return tuple(out)
+            for e in read_lines(events_path(self.directory, rank)):
+                if e.get("event") == "end":
+                    ends[e["index"], e["check"], rank] = e["peak_rss_mb"]
+        return [Result(record=record, peak_rss_mb=tuple(ends.get((*key, r), float("nan"))
+                                                         for r in range(self.world_size)))
+                for key, record in self.records.items()]
 
 
 def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector) -> tuple[int, bool]:
@@ -142,14 +155,14 @@ def _crashed_results(spec: GroupSpec, crash: Crash, done: set[tuple[int, str]]) 
     return out
 
 
-def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None]) -> list[Result]:
-    """Run every scenario of one world size; a crash or hang costs one scenario, not the group."""
+def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None],
+              on_start: Callable[[Scenario, str], None] | None = None) -> list[Result]:
+    """Run every scenario of one world size; a crash or hang costs one scenario, not the group.
+
+    ``on_result`` sees each result as it arrives (for progress; peak RSS is filled in the returned
+    list), ``on_start`` the scenario and check rank 0 starts.
+    """
     results: list[Result] = []
-
-    def keep(result: Result) -> None:
-        results.append(result)
-        on_result(result)
-
     start, attempt = 0, 0
     while start < len(spec.scenarios):
         attempt += 1
@@ -157,31 +170,32 @@ def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None]) -> list[R
         directory.mkdir(parents=True, exist_ok=True)
         plan = Plan(scenarios=spec.scenarios, options=spec.options, backend=spec.backend,
                     timeout_s=spec.timeout_s, start=start)
-        collector = _Collector(directory, spec.world_size, keep)
+        started = None if on_start is None else (lambda index, check: on_start(spec.scenarios[index], check))
+        collector = _Collector(directory, spec.world_size, on_result=on_result, on_start=started)
         rc, killed = _attempt(spec, plan, directory, collector)
+        results += collector.results()
         if rc == 0 and not killed and _all_done(spec, collector.seen, start):
             break
         crash = diagnose(directory, world_size=spec.world_size, plan=plan, returncode=rc, killed=killed,
                          done=collector.seen)
-        for result in _crashed_results(spec, crash, collector.seen):
-            keep(result)
+        lost = _crashed_results(spec, crash, collector.seen)
         if crash.fatal:  # nothing ran: the next attempt would fail the same way
-            for index in range(crash.index + 1, len(spec.scenarios)):
-                scenario = spec.scenarios[index]
-                for check in scenario.checks:
-                    keep(Result(record=CheckRecord.crashed(scenario=scenario.name, check=check, seconds=0.0,
-                                                           error=f"not run: {crash.message.splitlines()[0]}")))
+            lost += _not_run(spec.scenarios[crash.index + 1:], why=crash.message.splitlines()[0])
+        for result in lost:
+            on_result(result)
+        results += lost
+        if crash.fatal:
             break
         start = crash.index + 1
     return results
+
+
+def _not_run(scenarios: Sequence[Scenario], *, why: str) -> list[Result]:
+    return [Result(record=CheckRecord.crashed(scenario=s.name, check=c, seconds=0.0, error=f"not run: {why}"))
+            for s in scenarios for c in s.checks]
 
 
 def _all_done(spec: GroupSpec, seen: set[tuple[int, str]], start: int) -> bool:
     return all((i, c) in seen for i in range(start, len(spec.scenarios)) for c in spec.scenarios[i].checks)
 
 
-def run_groups(specs: Sequence[GroupSpec], *, on_result: Callable[[Result], None]) -> list[Result]:
-    out: list[Result] = []
-    for spec in specs:
-        out += run_group(spec, on_result=on_result)
-    return out

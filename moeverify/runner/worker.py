@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from moeverify import runtime
 
-        runtime.init(plan.backend, timeout_s=int(min(plan.timeout_s, runtime.DEFAULT_TIMEOUT_S)))
+        runtime.init(plan.backend)  # collective timeouts: runtime.DEFAULT_TIMEOUT_S
     except BaseException:  # noqa: BLE001
         me.die("in runtime.init")
     me.event("ready")

@@ -147,3 +147,19 @@ def test_torchrun_command_uses_local_c10d_and_no_restarts(tmp_path):
     joined = " ".join(cmd)
     assert "-m torch.distributed.run --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint localhost:0" in joined
     assert "--max-restarts 0" in joined and joined.endswith(f"-m moeverify.runner.worker {tmp_path / 'plan.json'}")
+
+
+def test_collector_reports_records_once_and_fills_rss_per_rank(tmp_path):
+    seen, starts = [], []
+    collector = launch._Collector(tmp_path, 2, on_result=seen.append, on_start=lambda i, c: starts.append((i, c)))
+    _in_check(tmp_path, 0, 0, "roundtrip")
+    record = {"scenario": "qwen2/tp2-dp1", "check": "roundtrip", "passed": True, "seconds": 1.0,
+              "subchecks": {"bitwise": {"passed": True, "checked": 1, "failures": []}}}
+    append_line(results_path(tmp_path), {"index": 0, "record": record})
+    _events(tmp_path, 0, ("end", {"index": 0, "check": "roundtrip"}))
+    collector.poll()
+    collector.poll()
+    assert [r.record.check for r in seen] == ["roundtrip"] and starts == [(0, "roundtrip")]
+    _events(tmp_path, 1, ("end", {"index": 0, "check": "roundtrip"}))  # rank 1 finishes after rank 0 wrote
+    (result,) = collector.results()
+    assert result.peak_rss_mb == (10.0, 11.0) and result.record.passed
