@@ -218,19 +218,25 @@ def main() -> int:
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--variant-layout", default="ep2", help="2-rank layout of the variant tables")
     ap.add_argument("--skip-layouts", action="store_true", help="only the variant tables")
+    ap.add_argument("--skip-variants", action="store_true", help="only the layout tables")
+    ap.add_argument("--families", default=None, help="comma-separated subset of the families to run")
+    ap.add_argument("--impls", default=None, help="comma-separated subset of the implementations to run")
     ap.add_argument("--timeout", type=int, default=1800)
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    families = args.families.split(",") if args.families else FAMILIES
+    impls = args.impls.split(",") if args.impls else IMPLS
     if not args.render_only:
-        for family in FAMILIES:
-            for impl in IMPLS:
-                _run(work, impl=impl, family=family, layout=args.variant_layout, nproc=2, variants="full",
-                     timeout=args.timeout)
+        if not args.skip_variants:
+            for family in families:
+                for impl in impls:
+                    _run(work, impl=impl, family=family, layout=args.variant_layout, nproc=2, variants="full",
+                         timeout=args.timeout)
         if not args.skip_layouts:
-            for family in FAMILIES:
+            for family in families:
                 for layout, nproc in LAYOUTS:
-                    for impl in IMPLS:
+                    for impl in impls:
                         _run(work, impl=impl, family=family, layout=layout, nproc=nproc, variants="default",
                              timeout=args.timeout)
     render(work, Path(args.out), variant_layout=args.variant_layout, preamble=FINDINGS)
