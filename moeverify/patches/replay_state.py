@@ -35,12 +35,15 @@ def _recompute_configured(config) -> bool:
 
 
 def _call_with_hook(original, router, hook, logits, args, kwargs):
-    saved = router.router_replay
-    router.router_replay = hook
+    # router_replay is a plain attribute (never a parameter, buffer or module): write the instance
+    # dict directly and skip nn.Module.__setattr__'s bookkeeping on the hot path.
+    attrs = router.__dict__
+    saved = attrs["router_replay"]
+    attrs["router_replay"] = hook
     try:
         return original(router, logits, *args, **kwargs)
     finally:
-        router.router_replay = saved
+        attrs["router_replay"] = saved
 
 
 class _RecordHook:
@@ -69,10 +72,6 @@ class _ReplayHook:
         return scores.gather(1, self.topk_ids_TK), self.topk_ids_TK
 
 
-def _tokens(router, logits) -> int:
-    return logits.numel() // router.num_experts
-
-
 class Recording:
     """State of ``session.record()``: the ids of every forward routing call, FIFO per layer."""
 
@@ -94,6 +93,7 @@ class Replaying:
                  original):
         self.original = original  # the unpatched TopKRouter.routing
         self.per_layer = per_layer
+        self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
         self.recompute = recompute
         self.rank = rank
         self.next_mb = dict.fromkeys(per_layer, 0)
@@ -109,14 +109,14 @@ class Replaying:
         return router.training and _recompute_configured(router.config)
 
     def _ids(self, router, layer: int, mb: int, logits) -> torch.Tensor:
-        topk_ids_TK = self.per_layer[layer][mb]
-        tokens = _tokens(router, logits)
-        if topk_ids_TK.shape[0] != tokens:
-            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: replay ids shape {tuple(topk_ids_TK.shape)}"
+        # Token counts are host ints taken once, and the ids already sit on the router's device
+        # (ReplaySession.replay moved them): one tensor query per call keeps the hot path short.
+        tokens = logits.numel() // router.num_experts
+        if self.tokens[layer][mb] != tokens:
+            shape = tuple(self.per_layer[layer][mb].shape)
+            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: replay ids shape {shape}"
                              f" != expected (T={tokens}, K={router.topk}) for this router call")
-        if topk_ids_TK.device != logits.device:
-            topk_ids_TK = topk_ids_TK.to(logits.device)
-        return topk_ids_TK
+        return self.per_layer[layer][mb]
 
     def route(self, router, layer, logits, args, kwargs):
         guard_call(router, layer)
