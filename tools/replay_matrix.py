@@ -134,6 +134,7 @@ def _cell(sub: dict | None) -> str:
         return f"pass ({sub['checked']})"
     reason = sub["failures"][0] if sub["failures"] else "failed"
     reason = reason.split(": ", 1)[1] if reason.startswith("rank ") else reason
+    reason = reason.split("] ", 1)[1] if reason.startswith("[") else reason  # the row names the variant
     return "**FAIL**: " + reason.replace("|", "\\|").replace("\n", " ")[:220]
 
 
