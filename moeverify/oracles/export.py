@@ -145,10 +145,13 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
                               checkpoint_names=set(checkpoint_shapes(sctx.hf_path)), world_size=sctx.world_size)
     ref_iter = iter(reference)
     for index, row in enumerate(rows):
-        # references first, while rank 0 holds nothing else: the bridge's own gather is the peak
+        # other ranks build their pieces while rank 0 still merges the previous row; rank 0 pulls the
+        # references first, while it holds nothing else (the bridge's own gather is the peak)
+        prepared = _header(row, sctx.rank) if sctx.rank != 0 else None
         _pull_references(ref_iter, collector=collector, group=group, names=[n for n, _ in row.table])
-        _one_row(index, row, sctx=sctx, group=group, collector=collector)
-        rows[index] = None  # drop the row's tensors as soon as it is merged
+        _one_row(index, row, sctx=sctx, group=group, collector=collector,
+                 prepared=prepared or _header(row, sctx.rank))
+        rows[index] = prepared = None  # drop the row's tensors as soon as it is merged
     for name, tensor in ref_iter:  # every rank drains the rest of the reference in the same order
         if collector is not None:
             collector.take_reference(name, tensor)
@@ -214,8 +217,8 @@ def _header(row: DrainedRow, rank: int) -> tuple[dict, list[Piece]]:
     return {"err": None, "c": row.contributes, "slots": slots}, got
 
 
-def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None) -> None:
-    header, mine = _header(row, sctx.rank)
+def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None, prepared) -> None:
+    header, mine = prepared
     headers = wire.gather_json(header, group=group, rank=sctx.rank, world_size=sctx.world_size)
     go = wire.broadcast_int(_decide(row.row, headers, collector) if collector else 0, group=group)
     if sctx.rank != 0:
