@@ -9,9 +9,9 @@ Metrics, per MoE layer over all tokens of all micro-batches:
 - the tokens that diverge most (most experts missed over all layers).
 
 Vectorised: rows that are byte-identical on both sides are settled with one word compare each;
-the other rows are sorted by a compare-exchange network over columns (elementwise min/max on the
-narrow id dtype), compared column by column, and their overlap counted by K^2 column compares,
-in cache-sized chunks. Legend: N = tokens (all micro-batches), L = MoE layers, K = top-k,
+the other rows are gathered from all layers at once and compared as sets by one broadcast
+``K x K`` equality over columns (rows contiguous), in cache-sized chunks: ``|A ∩ B|`` is the
+number of matching pairs, and the sets are equal when it is ``K``. Legend: N = tokens (all micro-batches), L = MoE layers, K = top-k,
 E = experts, R = rows of a chunk.
 """
 
@@ -25,7 +25,7 @@ from moeverify.errors import RouteError
 from moeverify.record.format import ids_dtype_for
 from moeverify.routes import Routes
 
-_CHUNK_ROWS = 1 << 15  # rows per set-compare chunk: keeps the columns in L2
+_CHUNK_CELLS = 1 << 21  # K*K*rows booleans per set-compare chunk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -215,36 +215,27 @@ def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *,
 
 
 def _set_compare_chunked(a_RK: torch.Tensor, b_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = a_RK.shape[1]
+    step = max(256, _CHUNK_CELLS // (k * k))
     exact, overlap = [], []
-    for start in range(0, a_RK.shape[0], _CHUNK_ROWS):
-        e, o = _set_compare(a_RK[start:start + _CHUNK_ROWS], b_RK[start:start + _CHUNK_ROWS])
+    for start in range(0, a_RK.shape[0], step):
+        e, o = _set_compare(a_RK[start:start + step], b_RK[start:start + step])
         exact.append(e)
         overlap.append(o)
     return torch.cat(exact), torch.cat(overlap)
 
 
 def _set_compare(a_RK: torch.Tensor, b_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows as sets: sort each side (a compare-exchange network on columns), compare, count common ids."""
-    cols_a, cols_b = _sorted_columns(a_RK), _sorted_columns(b_RK)
-    exact_R = cols_a[0] == cols_b[0]
-    for ca, cb in zip(cols_a[1:], cols_b[1:]):
-        exact_R &= ca == cb
-    overlap_R = torch.zeros(a_RK.shape[0], dtype=torch.uint8)
-    equal_R = torch.empty(a_RK.shape[0], dtype=torch.bool)
-    for ca in cols_a:  # ids within a row are distinct, so each A id matches at most one B id
-        for cb in cols_b:
-            overlap_R.add_(torch.eq(ca, cb, out=equal_R).view(torch.uint8))
-    return exact_R, overlap_R
+    """Rows as sets: ``|A ∩ B|`` from all ``K x K`` id pairs, compared column-wise (rows contiguous).
 
-
-def _sorted_columns(ids_RK: torch.Tensor) -> list[torch.Tensor]:
-    """The ``K`` columns of ``ids_RK`` with each row sorted (odd-even transposition network)."""
-    cols = list(ids_RK.t().contiguous().unbind(0))
-    k = len(cols)
-    for rnd in range(k):
-        for i in range(rnd % 2, k - 1, 2):
-            cols[i], cols[i + 1] = torch.minimum(cols[i], cols[i + 1]), torch.maximum(cols[i], cols[i + 1])
-    return cols
+    Ids within a row are distinct, so each A id matches at most one B id, and the sets are equal
+    exactly when all ``K`` match.
+    """
+    k, rows = a_RK.shape[1], a_RK.shape[0]
+    a_KR, b_KR = a_RK.t().contiguous(), b_RK.t().contiguous()
+    matches = (a_KR[:, None, :] == b_KR[None, :, :]).view(k * k, rows)
+    overlap_R = matches.sum(dim=0, dtype=torch.uint8)
+    return overlap_R == k, overlap_R
 
 
 def _rows_differ(a_TK: torch.Tensor, b_TK: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
