@@ -68,6 +68,7 @@ def init(backend: str = "auto", *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Runtim
                           MASTER_PORT=str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if resolved == "cuda":
+        _deterministic_cuda()
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device, dist_backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
     else:
@@ -81,6 +82,16 @@ def init(backend: str = "auto", *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Runtim
                        rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
                        te_real=real_te_available())
     return _runtime
+
+
+def _deterministic_cuda() -> None:
+    """Bit-for-bit oracles need run-to-run identical kernels: the MoE backward scatters with atomics
+    (index_add/scatter_add) unless deterministic algorithms are on, which makes two identical passes
+    differ in the last bits (measured on one H200: input-norm grads of DeepSeek-V3 off by ~5e-9).
+    cuBLAS needs its workspace pinned before the first handle is made for the same reason."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 def current() -> Runtime:
