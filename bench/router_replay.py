@@ -244,7 +244,9 @@ def run_parent(args) -> dict:
                                                  "goal": "<=1.00"}
     shape = {k: getattr(args, k) for k in ("device", "hidden", "experts", "topk", "tokens", "dtype", "iters",
                                            "rounds")}
-    return {"metrics": metrics, "shape": shape, "errors": errors}
+    host = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 1),
+            "threads_per_process": 1 if args.device == "cpu" else None}
+    return {"metrics": metrics, "shape": shape, "host": host, "errors": errors}
 
 
 def main(argv=None) -> int:

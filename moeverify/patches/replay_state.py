@@ -56,7 +56,7 @@ class _RecordHook:
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values, topk_ids_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self.sink.append(topk_ids_TK.detach())
+        self.sink.append(topk_ids_TK)  # integer ids carry no autograd history: nothing to detach
         return values, topk_ids_TK
 
 
@@ -78,12 +78,16 @@ class Recording:
     def __init__(self, layers: Iterable[int], *, original):
         self.original = original  # the unpatched TopKRouter.routing
         self.per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+        self._hooks: dict[int, _RecordHook] = {}
 
     def route(self, router, layer, logits, args, kwargs):
         guard_call(router, layer)
         if _in_backward():  # recompute of a recorded forward: route natively, record nothing
             return self.original(router, logits, *args, **kwargs)
-        return _call_with_hook(self.original, router, _RecordHook(self.per_layer[layer]), logits, args, kwargs)
+        hook = self._hooks.get(layer)
+        if hook is None:
+            hook = self._hooks[layer] = _RecordHook(self.per_layer.setdefault(layer, []))
+        return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
 
 class Replaying:
