@@ -199,6 +199,8 @@ def main() -> int:
             },
             "context": {"model": "qwen2 scaled", "parameters": params, "dtype": str(dtype), "layout": "tp2-pp2",
                         "ranks": rt.world_size, "bare_export_peak_rss_mib": round(bare_mib, 1),
+                        "oracle_peak_vs_bare_export_peak": round(oracle_mib / bare_mib, 3),
+                        "bare_export_peak_vs_largest_tensor": round(bare_mib / largest, 3),
                         "gather_everything_seconds": round(naive_s, 2), "oracle_passed": not failed,
                         "oracle_failures": failed,
                         "checked": {k: t.checked for k, t in tallies.items()}},

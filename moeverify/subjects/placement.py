@@ -46,7 +46,7 @@ def column(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> Placer:
     keep = max(0, min(rows, hf_rows - r * rows))
     flat = w[:keep].reshape(-1)
     offset = r * rows * inner
-    return Placer(n=flat.numel(), positions=lambda a, b: _j(a, b) + offset, values=lambda a, b: flat[a:b])
+    return Placer(n=flat.numel(), positions=lambda a, b: _j(a + offset, b + offset), values=lambda a, b: flat[a:b])
 
 
 def row(w: torch.Tensor, *, tp: int, r: int) -> Placer:

@@ -33,7 +33,7 @@ from moeverify.oracles.export import DeferredSlots, ShardRow, Slot, checkpoint_s
 from moeverify.subjects import placement
 from moeverify.subjects.placement import split_range
 
-ROW_ELEMENTS = 1 << 22  # a larger HF tensor is cut into several rows (bounded positions per row)
+ROW_ELEMENTS = 1 << 24  # a larger HF tensor is cut into several rows (bounded positions per row)
 
 _EXPERT_IN_HF = re.compile(r"experts\.(\d+)")
 
