@@ -3,7 +3,8 @@
 For a group, an *attempt* runs ``scenarios[start:]`` in one torchrun. If a rank raises, hangs past
 ``--timeout`` or dies, the ranks' files (``plan``) say where; that scenario is recorded as crashed
 with the rank and its traceback or stacks, and a new attempt starts from the next scenario. The
-parent also holds an overall deadline per attempt and kills torchrun's whole process group past it.
+parent also holds a deadline (no progress from rank 0 for --timeout plus grace) and kills torchrun's
+whole process group past it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from moeverify.runner.report import Result
 from moeverify.runner.worker import STARTUP_TIMEOUT_S
 
 STARTUP_SLACK_S = STARTUP_TIMEOUT_S + 60.0  # past the ranks' own start-up watchdog: theirs fires first
+GRACE_S = 60.0  # after --timeout, before the parent kills a group whose ranks' watchdogs did not fire
 POLL_S = 0.5
 
 
@@ -81,6 +83,7 @@ class _Collector:
         self.on_result, self.on_start = on_result, on_start
         self.records: dict[tuple[int, str], CheckRecord] = {}
         self._current: tuple[int, str] | None = None
+        self.last_progress = time.monotonic()  # when rank 0 last started a check or wrote a record
 
     @property
     def seen(self) -> set[tuple[int, str]]:
@@ -91,11 +94,13 @@ class _Collector:
             key = (line["index"], line["record"]["check"])
             if key not in self.records:
                 self.records[key] = CheckRecord.from_dict(line["record"])
+                self.last_progress = time.monotonic()
                 self.on_result(Result(record=self.records[key]))
-        if self.on_start is not None:
-            starts = [e for e in read_lines(events_path(self.directory, 0)) if e.get("event") == "start"]
-            if starts and (starts[-1]["index"], starts[-1]["check"]) != self._current:
-                self._current = (starts[-1]["index"], starts[-1]["check"])
+        starts = [e for e in read_lines(events_path(self.directory, 0)) if e.get("event") == "start"]
+        if starts and (starts[-1]["index"], starts[-1]["check"]) != self._current:
+            self._current = (starts[-1]["index"], starts[-1]["check"])
+            self.last_progress = time.monotonic()
+            if self.on_start is not None:
                 self.on_start(*self._current)
 
     def results(self) -> list[Result]:
@@ -111,10 +116,13 @@ class _Collector:
 
 
 def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector) -> tuple[int, bool]:
-    """Run one torchrun; returns (exit code, killed by the parent's deadline)."""
+    """Run one torchrun; returns (exit code, killed by the parent's deadline).
+
+    The deadline is a backstop behind the ranks' own watchdogs: start-up slack, then --timeout (plus
+    grace) after rank 0 last made progress.
+    """
     plan_file = plan.write(directory)
-    remaining = len(plan.scenarios) - plan.start
-    deadline = time.monotonic() + STARTUP_SLACK_S + spec.timeout_s * (remaining + 1)
+    startup_deadline = time.monotonic() + STARTUP_SLACK_S
     log = None if spec.verbose else open(directory / "torchrun.log", "w")  # noqa: SIM115
     try:
         proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file),
@@ -123,6 +131,7 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
         try:
             while proc.poll() is None:
                 collector.poll()
+                deadline = max(startup_deadline, collector.last_progress + spec.timeout_s + GRACE_S)
                 if time.monotonic() > deadline:
                     _kill_group(proc)
                     collector.poll()

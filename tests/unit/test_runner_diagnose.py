@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
+import sys
 import time
+
+import pytest
 
 from moeverify.layout import Layout
 from moeverify.oracles.context import Scenario
@@ -163,3 +168,27 @@ def test_collector_reports_records_once_and_fills_rss_per_rank(tmp_path):
     _events(tmp_path, 1, ("end", {"index": 0, "check": "roundtrip"}))  # rank 1 finishes after rank 0 wrote
     (result,) = collector.results()
     assert result.peak_rss_mb == (10.0, 11.0) and result.record.passed
+
+
+def test_attempt_kills_whole_group_that_makes_no_progress(tmp_path, monkeypatch):
+    pid_file = tmp_path / "grandchild.pid"
+    child = ("import subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    monkeypatch.setattr(launch, "torchrun_command", lambda **_: [sys.executable, "-c", child])
+    monkeypatch.setattr(launch, "STARTUP_SLACK_S", 0.0)
+    monkeypatch.setattr(launch, "GRACE_S", 0.0)
+    spec = dataclasses.replace(_spec(tmp_path), timeout_s=2.0)
+    collector = launch._Collector(tmp_path, 2, on_result=lambda r: None)
+    t0 = time.monotonic()
+    rc, killed = launch._attempt(spec, PLAN, tmp_path, collector)
+    assert killed and rc == -signal.SIGTERM and time.monotonic() - t0 < 30
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once its session was killed
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"process {grandchild} of the killed group is still alive")
