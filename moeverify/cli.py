@@ -173,7 +173,6 @@ def _terminate_cleanly(signum, frame) -> None:
 def _cmd_run(args) -> int:
     from moeverify.runner import select
 
-    signal.signal(signal.SIGTERM, _terminate_cleanly)
     _check_outputs(args)
     chosen, options = _load(args)
     if args.list:
@@ -182,7 +181,11 @@ def _cmd_run(args) -> int:
             print(f"{s.name}  {s.world_size}  {','.join(s.checks)}{extra}")
         return 0
     groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend))
-    return _execute(args, groups=groups, skipped=skipped, notices=notices, options=options)
+    previous = signal.signal(signal.SIGTERM, _terminate_cleanly)
+    try:
+        return _execute(args, groups=groups, skipped=skipped, notices=notices, options=options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _execute(args, *, groups, skipped, notices, options) -> int:
