@@ -5,6 +5,11 @@ through its ``router_replay=`` argument (the hook Megatron-Core 0.16+ consults i
 ``topk_routing_with_score_function``). Everything the patch relies on is checked here, by
 signature and attribute, so an unknown layout fails loudly with what was expected instead of
 routing natively while the caller believes it replays.
+
+Layouts read: megatron-core 0.16.0, 0.17.0, 0.18.0 and 0.19.2 all have ``TopKRouter.routing(self,
+logits, padding_mask=None)`` passing ``router_replay=self.router_replay`` to
+``topk_routing_with_score_function``, and ``TopKRouter.__init__`` setting ``self.router_replay``;
+0.15.0 has no replay hook and is refused.
 """
 
 from __future__ import annotations

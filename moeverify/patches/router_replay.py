@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moeverify.errors import RouteError, UsageError
+from moeverify.errors import EnvironmentProblem, RouteError, UsageError
 from moeverify.patches import compat
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
@@ -160,6 +160,9 @@ class ReplaySession:
                              "to replay)")
         self._routers: dict[int, weakref.ref] = {}
         for router in routers:
+            if "router_replay" not in router.__dict__:
+                raise EnvironmentProblem(f"a {type(router).__name__} has no router_replay attribute; expected "
+                                         "megatron-core >= 0.16's TopKRouter.__init__ (it sets one)")
             layer = global_layer(router)
             if layer in self._routers:
                 raise UsageError(f"two routers claim global layer {layer}; pass the chunks of one model only")

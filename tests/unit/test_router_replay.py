@@ -403,3 +403,22 @@ def test_replay_bad_recompute_option_refused():
     with pytest.raises(UsageError, match="recompute must be 'auto', True or False, got 'yes'"):
         with rr.ReplaySession(make_router(1)).replay(random_routes([0]), recompute="yes"):
             pass
+
+
+def test_apply_topk_function_without_replay_hook_refused(monkeypatch):
+    from megatron.core.transformer.moe import moe_utils
+
+    from moeverify.errors import EnvironmentProblem
+
+    def old_topk(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=None,
+                 score_function="softmax", expert_bias=None, fused=False):
+        raise AssertionError("never called")
+
+    rr.revert()
+    monkeypatch.setattr(moe_utils, "topk_routing_with_score_function", old_topk)
+    try:
+        with pytest.raises(EnvironmentProblem, match=r"lacks parameter\(s\) \['router_replay'\].*megatron-core >= 0.16"):
+            rr.apply()
+    finally:
+        monkeypatch.undo()
+        rr.apply()
