@@ -183,22 +183,27 @@ def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], notes: dict):
     if "native_parity" in want:
         _guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
                  tallies["native_parity"], routes, replayed)
-    if not want & {"drift", "recompute"}:
-        return routes
+    dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
+    if dependent:
+        _guarded(setup, dependent, _drift_and_recompute, setup, tallies, chunks, routes, notes)
+    return routes
+
+
+def _drift_and_recompute(setup: _Setup, tallies: dict[str, Tally], chunks: list, routes, notes: dict) -> None:
+    """Perturb the router weights of ``chunks``; drift on them, then recompute on fresh perturbed builds."""
+    p, seq, impl = setup.prefix, setup.batches.seq_len, setup.impl
     _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
     native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
     drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
-    if "drift" in want:
+    if "drift" in tallies:
         t = tallies["drift"]
         counts = rc.drift_agreement(routes, native)
         rc.check_drift_moved(t, counts, prefix=p)
         rc.check_follows(t, routes, drifted, prefix=p, what="recorded")
         notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
-    if "recompute" in want:
-        del chunks
+    if "recompute" in tallies:
         _guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
                  drifted)
-    return routes
 
 
 def _native_parity(setup: _Setup, t: Tally, routes, replayed) -> None:
