@@ -75,6 +75,16 @@ def _head(text: str) -> str:
     return "\n".join(lines[:TAIL_LINES] + (["..."] if len(lines) > TAIL_LINES else []))
 
 
+# A rank whose peer vanished reports this; the peer that vanished first is the cause, not it.
+_VICTIM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _is_victim(text: str) -> bool:
+    """Ranks torn down because another rank died come after the ones that failed on their own."""
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    return _kind(text) == "was terminated" or any(err in last for err in _VICTIM_ERRORS)
+
+
 def _kind(text: str) -> str:
     if text.startswith("moeverify: rank"):
         return "raised"
@@ -123,7 +133,7 @@ def diagnose(directory: Path, *, world_size: int, plan: Plan, returncode: int | 
     """Explain a failed attempt from the ranks' files."""
     states = [_rank_state(directory, rank, plan) for rank in range(world_size)]
     rss = tuple(s.peak_rss_mb for s in states)
-    culprits = sorted((s for s in states if s.stacks), key=lambda s: s.stacks_mtime)
+    culprits = sorted((s for s in states if s.stacks), key=lambda s: (_is_victim(s.stacks), s.stacks_mtime))
     placed = [s for s in states if s.index is not None]
     primary = culprits[0] if culprits else None
     if not placed:

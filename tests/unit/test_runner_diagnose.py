@@ -192,3 +192,13 @@ def test_attempt_kills_whole_group_that_makes_no_progress(tmp_path, monkeypatch)
         time.sleep(0.1)
     else:
         pytest.fail(f"process {grandchild} of the killed group is still alive")
+
+
+def test_diagnose_rank_that_lost_its_peer_is_not_the_cause(tmp_path):
+    for rank in (0, 1):
+        _in_check(tmp_path, rank, 1, "export")
+    victim = RAISED.replace("ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021")
+    _stacks(tmp_path, 0, victim, age_s=5.0)  # written first, yet only a consequence
+    _stacks(tmp_path, 1, RAISED)
+    crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
+    assert crash.message.startswith("rank 1 raised ValueError: bad row")
