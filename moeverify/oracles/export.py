@@ -176,8 +176,12 @@ def _names_hash(rows: list[DrainedRow]) -> int:
 def _lockstep(rows, error, *, sctx, group, tally: Tally) -> bool:
     import torch.distributed as dist
 
+    import datetime
+
+    wait_s = float(sctx.options.get("lockstep_timeout", sctx.options.get("timeout", 300)))
     try:
-        dist.monitored_barrier(group=group, wait_all_ranks=True)
+        # names a rank that never arrives (stalled in its subject) instead of hanging on it
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=wait_s), wait_all_ranks=True)
         status = wire.all_gather_ints([1 if error else 0, len(rows), _names_hash(rows)], group=group,
                                       world_size=sctx.world_size)
         errors = wire.gather_json(error, group=group, rank=sctx.rank, world_size=sctx.world_size)

@@ -23,6 +23,7 @@ def _args():
     p.add_argument("--subject", action="append", default=[])
     p.add_argument("--mutants", action="store_true")
     p.add_argument("--only-mutant", action="append", default=[])
+    p.add_argument("--lockstep-timeout", type=float, default=None)
     return p.parse_args()
 
 
@@ -57,6 +58,8 @@ def main() -> int:
             sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
                                          rank=rt.rank, world_size=rt.world_size, hf_path=built.hf_path,
                                          built=built, options={"timeout": 120})
+            if args.lockstep_timeout:
+                sctx.options["lockstep_timeout"] = args.lockstep_timeout
             for name, factory in _subjects(args, family, layout, rt.world_size):
                 t0 = time.time()
                 try:
