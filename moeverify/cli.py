@@ -190,12 +190,13 @@ def _cmd_run(args) -> int:
 
 def _execute(args, *, groups, skipped, notices, options) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from moeverify.runner import junit, launch, report
 
     console = Console(highlight=False)
     for notice in notices:
-        console.print(f"[yellow]note:[/] {notice}")
+        console.print(f"[yellow]note:[/] {escape(notice)}")
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     total = sum(len(s.checks) for g in groups for s in g.scenarios)
@@ -204,28 +205,28 @@ def _execute(args, *, groups, skipped, notices, options) -> int:
     def progress(result: report.Result) -> None:
         done[0] += 1
         style = {"passed": "green", "failed": "red", "crashed": "bold red"}.get(result.status, "yellow")
-        console.print(f"[{done[0]}/{total}] [{style}]{result.status:7}[/] {result.record.scenario} "
-                      f"{result.record.check} ({result.record.seconds:.1f}s)")
+        console.print(f"[{done[0]}/{total}] [{style}]{result.status:7}[/] {escape(result.record.scenario)} "
+                      f"{escape(result.record.check)} ({result.record.seconds:.1f}s)")
 
     results = list(skipped)
     t0 = time.perf_counter()
     with console.status("starting") as status:
         def started(scenario, check) -> None:
-            status.update(f"running {scenario.name} {check} (world size {scenario.world_size})")
+            status.update(f"running {escape(scenario.name)} {escape(check)} (world size {scenario.world_size})")
 
         for group in groups:
             console.print(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} scenario(s); "
-                          f"files in {run_dir}")
+                          f"files in {escape(str(run_dir))}")
             status.update(f"starting torchrun with {group.world_size} rank(s)")
             spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios, backend=group.backend,
                                     options=options, timeout_s=args.timeout, run_dir=run_dir, verbose=args.verbose)
             results += launch.run_group(spec, on_result=progress, on_start=started)
-    report.print_report(results, console=console)
-    console.print(f"wall time {time.perf_counter() - t0:.1f}s")
-    if args.json:
+    if args.json:  # files first: a report that cannot be printed must not lose the results
         report.write_json(results, args.json)
     if args.junit:
         junit.write_junit(results, args.junit)
+    report.print_report(results, console=console)
+    console.print(f"wall time {time.perf_counter() - t0:.1f}s")
     return report.exit_code(results)
 
 

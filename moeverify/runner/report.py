@@ -13,7 +13,9 @@ import math
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from moeverify.oracles.results import CheckRecord
 
@@ -79,9 +81,10 @@ def table(results: Sequence[Result]) -> Table:
         lines = failing_lines(result)
         if len(lines) > _MAX_SHOWN:
             lines = lines[:_MAX_SHOWN] + [f"... {len(lines) - _MAX_SHOWN} more (see --json)"]
-        style = _STYLE[result.status]
-        out.add_row(result.record.scenario, result.record.check, f"[{style}]{result.status}[/{style}]",
-                    f"{result.record.seconds:.1f}", "\n".join(lines))
+        # Failure text is data (gloo errors look like markup: "[/__w/pytorch/...]"), never markup.
+        out.add_row(Text(result.record.scenario), Text(result.record.check),
+                    Text(result.status, style=_STYLE[result.status]), f"{result.record.seconds:.1f}",
+                    Text("\n".join(lines)))
     return out
 
 
@@ -96,7 +99,7 @@ def print_report(results: Sequence[Result], *, console: Console | None = None) -
     console.print(summary(results))
     for result in results:
         if result.status == "crashed":
-            console.print(f"\n[bold red]{result.record.scenario} {result.record.check} crashed[/]")
+            console.print(Text(f"\n{result.record.scenario} {result.record.check} crashed", style="bold red"))
             console.print(result.record.error, markup=False, highlight=False)
 
 

@@ -100,3 +100,11 @@ def test_junit_has_one_testcase_per_check_with_outcome(tmp_path):
     error = cases["qwen3_moe/pp2", "replay"].find("error")
     assert error.get("message") == "rank 1 raised ValueError: boom in check replay" and "Traceback" in error.text
     assert cases["deepseek_v3/cp2", "export"].find("skipped").get("message") == "gpu only: TE attention"
+
+
+def test_table_prints_failure_text_that_looks_like_markup():
+    error = "rank 1 raised RuntimeError: [/__w/pytorch/gloo/pair.cc:561] Connection closed by peer [bold]"
+    crashed = Result(record=CheckRecord.crashed(scenario="qwen3_moe/pp2", check="replay", seconds=1.0, error=error))
+    out = io.StringIO()
+    report.print_report([crashed], console=Console(file=out, width=300, color_system=None))
+    assert out.getvalue().count("[/__w/pytorch/gloo/pair.cc:561] Connection closed by peer [bold]") == 2
