@@ -176,10 +176,10 @@ def _layout_rows(work: Path, family: str) -> list[str]:
             data = _load(work, impl=impl, family=family, layout=layout, variants="default")
             if data is None or "crashed" in data:
                 why = "not run" if data is None else f"**CRASH**: {data['crashed'][:200]}"
-                rows.append(f"| {layout} ({nproc} rank) | {impl} | " + " | ".join([why] * len(SUBCHECKS)) + " |")
+                rows.append(f"| {layout} ({nproc} rank{"s" if nproc > 1 else ""}) | {impl} | " + " | ".join([why] * len(SUBCHECKS)) + " |")
                 continue
             subs = data["variants"].get("default", {}).get("subchecks", {})
-            rows.append(f"| {layout} ({nproc} rank) | {impl} | "
+            rows.append(f"| {layout} ({nproc} rank{"s" if nproc > 1 else ""}) | {impl} | "
                         + " | ".join(_cell(subs.get(s)) for s in SUBCHECKS) + " |")
     return rows + [""]
 
