@@ -86,6 +86,11 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
         _apply_overrides(provider, _NO_TE_PROVIDER_SETTINGS, what="settings without Transformer Engine")
         provider.transformer_layer_spec = local_block_spec
     provider.use_cpu_initialization = rt.backend == "cpu"
+    if rt.dist_backend == "gloo":
+        # On gloo, batched p2p (batch_isend_irecv) under PP x VPP matches messages exchanged with the same
+        # peer in the wrong order: micro-batches after the first group get another message's tensor in the
+        # training schedule (forward-only passes are right). Measured by the replay oracle's equivalence.
+        provider.batch_p2p_comm = False
     _apply_overrides(provider, overrides or {}, what="build overrides")
     provider.finalize()
     with warnings.catch_warnings():

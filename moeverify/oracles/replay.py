@@ -24,14 +24,13 @@ backward, replay) second. Per router variant (``replay_variants``):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
 
 import torch
 
-from moeverify import views
+from moeverify import runtime, views
 from moeverify.errors import UsageError
 from moeverify.layout import Layout
 from moeverify.oracles import replay_checks as rc
@@ -48,11 +47,6 @@ RECOMPUTE_MODES = {
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
 _EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
               hidden_dropout=0.0, attention_dropout=0.0)
-# On gloo, batched p2p (torch.distributed.batch_isend_irecv) under PP2 x VPP matches the activation
-# and gradient messages exchanged with the same peer in the wrong order: micro-batches after the
-# first group get another message's tensor in the forward+backward schedule (measured: forward-only
-# correct, training pass wrong from the first p2p on). Unbatched p2p is correct.
-_CPU_EXACT = dict(batch_p2p_comm=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,9 +101,8 @@ def _build(setup: _Setup, layout: Layout, *, overrides: dict, extra: dict | None
     from moeverify import models
 
     scenario = setup.ctx.scenario
-    cpu = _CPU_EXACT if setup.ctx.backend == "cpu" else {}
     built = models.build(scenario.family, layout, seed=scenario.seed,
-                         overrides={**_EXACT, **cpu, **setup.variant.overrides, **overrides, **(extra or {})})
+                         overrides={**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})})
     if setup.variant.random_expert_bias:
         _seed_expert_bias(built.model_chunks, seed=scenario.seed)
     return built.model_chunks
@@ -139,8 +132,6 @@ def _reference(setup: _Setup) -> tuple[object, dict]:
     Every rank runs the same global micro-batches (``dp_scenario * B`` sequences) on an unsplit model;
     data parallelism has no forward collectives, so the result is a world-1 run made in each worker.
     """
-    from moeverify import runtime
-
     one = Layout()
     scn_dp = setup.layout.dp(setup.ctx.world_size)
     glob = dataclasses.replace(setup.batches, batch=setup.batches.batch * scn_dp, dp=1)
@@ -271,9 +262,8 @@ def run(ctx) -> dict[str, Tally]:
     """The replay check on this rank; rank 0's return value holds every rank's results.
 
     Phase 1 runs every variant's same-layout subchecks under the scenario's model-parallel state
-    (the runner's, when it set one); phase 2 makes the 1-rank references (their own parallel state)
-    and replays them under the scenario layout again. When the caller had model-parallel state set,
-    it is set again for the scenario layout on return, so later checks of the scenario find it.
+    (the runner's, when it set one); phase 2 makes the 1-rank references (their own, nested parallel
+    state) and replays them under the scenario layout, which the nesting restores.
     """
     from megatron.core import parallel_state
 
@@ -291,13 +281,14 @@ def run(ctx) -> dict[str, Tally]:
     tallies = {s.variant.name: {name: Tally() for name in opts.subchecks} for s in setups}
     notes: dict[str, dict] = {s.variant.name: {} for s in setups}
     own: dict[str, object] = {}
-    with contextlib.nullcontext() if outer else _scenario_parallel(ctx, keep=False):
+    # runtime.parallel() nests: the 1-rank references below enter their own layout and hand the
+    # scenario's layout back on exit, for phase 2 and for the checks that run after this one.
+    with contextlib.nullcontext() if outer else runtime.parallel(layout, seed=scenario.seed):
         for s in setups:
             own[s.variant.name] = _guarded(s, tallies[s.variant.name], _variant_on_layout, s,
                                            tallies[s.variant.name], notes[s.variant.name])
-    if "cross_layout" in opts.subchecks:
-        refs = {s.variant.name: _guarded(s, tallies[s.variant.name], _reference, s) for s in setups}
-        with _scenario_parallel(ctx, keep=outer):
+        if "cross_layout" in opts.subchecks:
+            refs = {s.variant.name: _guarded(s, tallies[s.variant.name], _reference, s) for s in setups}
             for s in setups:
                 name = s.variant.name
                 if refs[name] is not None:
@@ -314,28 +305,6 @@ def _setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant, c
     items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
     return _Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
                   batches=batches, items=items)
-
-
-_KEPT_STATES: list = []
-atexit.register(_KEPT_STATES.clear)  # finalise them while imports still work
-
-
-@contextlib.contextmanager
-def _scenario_parallel(ctx, *, keep: bool):
-    """``runtime.parallel(scenario layout)``; with ``keep`` the state stays set on exit (the caller's)."""
-    from moeverify import runtime
-
-    manager = runtime.parallel(ctx.scenario.layout, seed=ctx.scenario.seed)
-    manager.__enter__()
-    try:
-        yield
-    finally:
-        if keep:
-            # Never finalised: a collected generator would run parallel()'s teardown at a random later
-            # time. The caller's own parallel() context tears the state down when the scenario ends.
-            _KEPT_STATES.append(manager)
-        else:
-            manager.__exit__(None, None, None)
 
 
 def _guarded(setup: _Setup, tallies: dict[str, Tally], fn, *args):

@@ -100,16 +100,38 @@ def current() -> Runtime:
     return _runtime
 
 
+_layouts: list[tuple] = []  # the stack of (layout, seed, timeout_s) entered through parallel()
+
+
 @contextlib.contextmanager
 def parallel(layout, *, seed: int = 0, timeout_s: int = DEFAULT_TIMEOUT_S):
-    """Initialise megatron parallel_state for ``layout`` (plus model-parallel RNG seeds); destroy on exit."""
+    """Initialise megatron parallel_state for ``layout`` (plus model-parallel RNG seeds).
+
+    Nests: on exit the state is destroyed and, if an enclosing ``parallel()`` is active, its layout is
+    initialised again, so a check may run a reference under another layout (e.g. 1 rank) and hand the
+    scenario's layout back to the checks after it. Every rank must enter and leave together: making
+    groups is collective.
+    """
+    rt = current()
+    layout.validate(world_size=rt.world_size)
+    _initialise(layout, seed=seed, timeout_s=timeout_s)
+    _layouts.append((layout, seed, timeout_s))
+    try:
+        yield
+    finally:
+        _layouts.pop()
+        _destroy()
+        if _layouts:
+            outer, outer_seed, outer_timeout = _layouts[-1]
+            _initialise(outer, seed=outer_seed, timeout_s=outer_timeout)
+
+
+def _initialise(layout, *, seed: int, timeout_s: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
 
-    rt = current()
-    layout.validate(world_size=rt.world_size)
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        _destroy()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -121,11 +143,13 @@ def parallel(layout, *, seed: int = 0, timeout_s: int = DEFAULT_TIMEOUT_S):
     )
     torch.manual_seed(seed)
     mp_random.model_parallel_cuda_manual_seed(seed)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        _reset_megatron_globals()
+
+
+def _destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    _reset_megatron_globals()
 
 
 def _reset_megatron_globals() -> None:
