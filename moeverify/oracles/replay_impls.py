@@ -23,6 +23,7 @@ Legend of shape suffixes: T = tokens (router order), K = top-k.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib
 import importlib.util
@@ -39,7 +40,7 @@ from moeverify.routes import Routes
 IMPLS = ("moeverify", "native", "verl")
 
 
-class ReplayImpl:
+class ReplayImpl(abc.ABC):
     """Base adapter: no patching, no per-step hooks. Subclasses fill in what they need."""
 
     name = "base"
@@ -52,17 +53,21 @@ class ReplayImpl:
     def apply(self) -> None:
         pass
 
+    @abc.abstractmethod
     def bind(self, model_chunks: list) -> None:
-        raise NotImplementedError
+        """Implemented by every adapter."""
 
+    @abc.abstractmethod
     def record(self) -> contextlib.AbstractContextManager:
-        raise NotImplementedError
+        """Implemented by every adapter."""
 
+    @abc.abstractmethod
     def replay(self, routes: Routes) -> contextlib.AbstractContextManager:
-        raise NotImplementedError
+        """Implemented by every adapter."""
 
+    @abc.abstractmethod
     def routes(self) -> Routes:
-        raise NotImplementedError
+        """Implemented by every adapter."""
 
     def before_forward(self, chunk: int, mb: int) -> None:
         pass
