@@ -1,7 +1,10 @@
 """runtime.parallel() on a 1-rank gloo world: state set inside, destroyed after, outer layout restored."""
 
+import os
 import subprocess
 import sys
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 SCRIPT = r"""
 from megatron.core import parallel_state as ps
@@ -28,5 +31,6 @@ print("OK")
 
 
 def test_runtime_parallel_nests_and_restores_outer_layout():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}  # a fresh 1-rank world, not the worker's
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
