@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.layout import Layout
 from moeverify.patches import router_replay as rr
 from moeverify.routes import Routes
 
@@ -19,17 +18,7 @@ H, E, K, S, B = 16, 8, 2, 6, 2  # hidden, experts, top-k, sequence, batch: T = S
 T = S * B
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world():
-    from moeverify import runtime
-
-    runtime.init("cpu")
-    with runtime.parallel(Layout(), seed=0):
-        rr.apply()
-        try:
-            yield
-        finally:
-            rr.revert()
+pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def make_router(layer: int, *, seed: int = 0, mtp: bool = False, **overrides):

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
 from moeverify.patches import router_replay as rr
 from moeverify.patches.semantics import RoutingMode, dense, reference_routing, refuse_unreplayable
 from moeverify.routes import Routes
@@ -29,17 +28,7 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world():
-    from moeverify import runtime
-
-    runtime.init("cpu")
-    with runtime.parallel(Layout(), seed=0):
-        rr.apply()
-        try:
-            yield
-        finally:
-            rr.revert()
+pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def make_router(seed: int = 0, **overrides):
