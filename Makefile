@@ -8,10 +8,14 @@ setup:
 	@bash tools/setup.sh
 
 demo: setup
+	@mkdir -p runs
 	$(PY) -m moeverify run scenarios/smoke.yaml --json runs/demo.json
 
+# Unit tests, then the whole release matrix bit for bit on CPU ranks, then the torchrun scenario tests.
 test: setup
+	@mkdir -p runs
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
+	$(PY) -m moeverify run scenarios/release.yaml --json runs/release.json --junit runs/release.xml
 	$(PY) -m pytest -q -p no:xdist tests/special_distributed
 
 test-unit: setup
@@ -21,6 +25,7 @@ test-distributed: setup
 	$(PY) -m pytest -q -p no:xdist tests/special_distributed
 
 release: setup
+	@mkdir -p runs
 	$(PY) -m moeverify run scenarios/release.yaml --json runs/release.json --junit runs/release.xml
 
 bench: setup
