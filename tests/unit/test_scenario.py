@@ -74,15 +74,18 @@ def test_load_release_file_has_the_release_matrix(repo_root):
     expected = {f"{f}/{l}" for f in ("qwen3_moe", "deepseek_v3") for l in moe_layouts}
     expected |= {f"{f}/{l}" for f in ("qwen2", "qwen2_tied") for l in dense_layouts}
     assert names == expected
+    # replay is left out of two MoE scenarios, each with its reason in release.yaml
+    no_replay = {"qwen3_moe/tp2-pp2-ep2-sp-dp2", "deepseek_v3/tp2-pp2-ep2-sp-dp2", "deepseek_v3/tp2-pp2-sp"}
     for s in got:
-        want = ("roundtrip", "export", "replay") if FAMILIES[s.family].is_moe else ("roundtrip", "export")
+        moe = FAMILIES[s.family].is_moe and s.name not in no_replay
+        want = ("roundtrip", "export", "replay") if moe else ("roundtrip", "export")
         assert s.checks == want, s.name
     assert {s.world_size for s in got if s.name.endswith("tp2-pp2-ep2-sp-dp2")} == {8}
 
 
 def test_load_smoke_file_is_small_and_valid(repo_root):
     got = load([str(repo_root / "scenarios/smoke.yaml")], checks=CHECKS, families=FAMILIES)
-    assert 1 <= len(got) <= 6
+    assert 0 < len(got) <= 6
     assert max(s.world_size for s in got) <= 2
     assert all("roundtrip" in s.checks and "export" in s.checks for s in got)
     assert all("replay" in s.checks for s in got if FAMILIES[s.family].is_moe)
