@@ -8,7 +8,12 @@ megatron-core 0.19.2 assumes CUDA in a bounded set of places (measured; see ENVI
 - the CUDA RNG used by ``tensor_parallel.random`` (model-parallel seeds, the RNG tracker): mapped to
   the CPU generator, so forks of the tracker fork the CPU RNG exactly as they would fork CUDA's;
 - ``moe_utils.maybe_move_tensor_to_cpu``, which converts only CUDA tensors to numpy: the alltoall
-  dispatcher needs numpy split sizes, so on CPU the conversion must still happen.
+  dispatcher needs numpy split sizes, so on CPU the conversion must still happen;
+- uneven list collectives: with EP > 1 and expert TP > 1 the alltoall dispatcher all-gathers (and in
+  backward reduce-scatters) token blocks of different sizes across the expert TP group
+  (``tensor_parallel.mappings``); NCCL accepts that, gloo refuses ("ProcessGroupGloo::allgather: invalid
+  tensor size"). Uneven lists are padded to the largest block and trimmed (all_gather) or reduced block by
+  block (reduce_scatter); even lists take the original path.
 Every redirection is recorded with its original and undone by ``uninstall()``. Installed only on the
 CPU backend; on GPUs nothing here runs.
 """
@@ -132,6 +137,41 @@ def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream:
     return tensor
 
 
+def _uneven(tensors) -> bool:
+    return len({tuple(t.shape) for t in tensors}) > 1
+
+
+def _make_all_gather(original):
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or not _uneven(tensor_list):
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded_in = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded_in[: tensor.shape[0]] = tensor
+        padded_out = [torch.empty_like(padded_in) for _ in tensor_list]
+        original(padded_out, padded_in, group=group)
+        for out, full in zip(tensor_list, padded_out):
+            out.copy_(full[: out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _make_reduce_scatter(original):
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if async_op or not _uneven(input_list):
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        me = torch.distributed.get_rank(group)
+        for index, block in enumerate(input_list):  # one all_reduce per block: tiny models only
+            block = block.clone()
+            torch.distributed.all_reduce(block, op=op, group=group)
+            if index == me:
+                output.copy_(block)
+        return None
+
+    return reduce_scatter
+
+
 def _torch_cuda_redirections() -> list[tuple[Any, str, Callable | type]]:
     null_stream = _NullStream()
     return [
@@ -201,6 +241,8 @@ def install() -> None:
         targets.append((module, attr, value))
     for owner, name, value in _torch_cuda_redirections():
         _replace(owner, name, value)
+    _replace(torch.distributed, "all_gather", _make_all_gather(torch.distributed.all_gather))
+    _replace(torch.distributed, "reduce_scatter", _make_reduce_scatter(torch.distributed.reduce_scatter))
     for owner, name, value in targets:
         _replace(owner, name, value)
     _mode = CudaToCpuMode()

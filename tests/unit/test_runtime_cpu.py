@@ -102,3 +102,44 @@ def test_cpu_uninstall_restores_every_original():
             torch.zeros(1, device="cuda")
     if was:
         cpu.install()
+
+
+UNEVEN_SCRIPT = r"""
+import os, torch, torch.distributed as dist
+from moeverify.runtime import cpu
+cpu.install()
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
+me = dist.get_rank()
+mine = torch.full((2 + me, 3), float(me + 1))
+out = [torch.empty(2, 3), torch.empty(3, 3)]
+dist.all_gather(out, mine)  # gloo alone refuses blocks of different sizes
+assert torch.equal(out[0], torch.full((2, 3), 1.0)) and torch.equal(out[1], torch.full((3, 3), 2.0))
+blocks = [torch.full((2, 3), 10.0 * me + 1), torch.full((3, 3), 10.0 * me + 2)]
+got = torch.empty(2 + me, 3)
+dist.reduce_scatter(got, blocks)
+assert torch.equal(got, blocks[me] * 0 + (10.0 * 0 + me + 1) + (10.0 * 1 + me + 1)), got
+even = [torch.empty(2), torch.empty(2)]
+dist.all_gather(even, torch.full((2,), float(me)))  # even lists take gloo's own path
+assert torch.equal(even[1], torch.ones(2))
+print("OK", me)
+"""
+
+
+def test_cpu_uneven_all_gather_and_reduce_scatter_on_gloo(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", UNEVEN_SCRIPT], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=240) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"OK {rank}" in out, f"rank {rank}: {err[-2000:]}"
