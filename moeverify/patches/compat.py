@@ -88,6 +88,12 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         raise EnvironmentProblem(f"torch {torch.__version__}: torch._C._current_graph_task_id is missing; router "
                                  "replay needs it to tell a recompute (inside backward) from a forward")
+    from moeverify.patches import regions
+
+    problem = regions.probe()
+    if problem is not None:
+        raise EnvironmentProblem(f"torch {torch.__version__}: {problem}; router replay matches a recompute to its "
+                                 "forward through torch's checkpoint regions (torch 2.14 layout expected)")
     try:
         from megatron.core.transformer.moe import moe_utils
         from megatron.core.transformer.moe import router as router_mod

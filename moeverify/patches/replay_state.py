@@ -1,37 +1,77 @@
-"""Per-call state of a recording or replaying session: hooks Megatron's top-k calls, FIFO per layer.
+"""Per-call state of a recording or replaying session: hooks Megatron's top-k calls.
 
 Legend of shape suffixes: T = tokens of one router call, K = top-k.
 
 A hook object follows Megatron-Core's ``router_replay`` protocol (``get_replay_topk(scores, topk,
 num_groups, group_topk, default_compute_topk)``); it is lent to one router for one routing call.
-Recompute is told from forward by autograd: a routing call made while a backward pass runs is the
-recompute of a checkpointed forward.
+
+Forward calls take micro-batches in order (forward ``i`` of a layer takes micro-batch ``i``). A
+routing call made while autograd runs a backward pass is a recompute, and it is matched to its
+forward by identity: a forward inside a checkpointed region binds (region, router) to its
+micro-batch (``moeverify.patches.regions``), and the recompute of that region finds the binding,
+whatever order the backward passes run in. A recompute without a binding on a router that replayed
+raises ``RouteError``: it is never given another micro-batch's routes.
 """
 
 from __future__ import annotations
 
-import collections
+import weakref
 from collections.abc import Iterable
 
 import torch
 
 from moeverify.errors import RouteError, UsageError
+from moeverify.patches import regions
+
+# region -> {id(router): (state, layer, micro-batch)}; an entry lives exactly as long as its region's graph.
+_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Routers that ran a replayed forward: a recompute of theirs with no known region cannot be served.
+_REPLAYED: weakref.WeakSet = weakref.WeakSet()
 
 
-def _in_backward() -> bool:
-    """True while autograd's engine runs a backward pass (where checkpointed forwards are recomputed)."""
-    return torch._C._current_graph_task_id() != -1
+def _bind(region, router, state, layer: int, mb: int | None) -> None:
+    if region is None:
+        return
+    table = _BINDINGS.get(region)
+    if table is None:
+        table = _BINDINGS[region] = {}
+    table[id(router)] = (state, layer, mb)
+
+
+def route_recompute(router, held, logits, args, kwargs, *, original):
+    """Route a call made inside a backward pass: the recompute of the forward it is bound to.
+
+    Args:
+        held: ``(state, layer)`` of the session holding the router now, or None.
+        original: the unpatched ``TopKRouter.routing``.
+    """
+    matches = []
+    for region in regions.recompute_regions():
+        binding = _BINDINGS.get(region, {}).get(id(router))
+        if binding is not None and binding not in matches:
+            matches.append(binding)
+    if len(matches) > 1:
+        where = ", ".join(f"layer {layer} mb {mb}" for _, layer, mb in matches)
+        raise RouteError(f"rank {current_rank()}: a recompute matches {len(matches)} replayed forwards ({where}); "
+                         "nested checkpoints around one router are not supported by router replay")
+    if matches:
+        state, layer, mb = matches[0]
+        return state.recompute(router, layer, mb, logits, args, kwargs)
+    replaying = held is not None and isinstance(held[0], Replaying)
+    if replaying or router in _REPLAYED:
+        layer = held[1] if held is not None else "?"
+        state = held[0] if replaying else None
+        used = f" ({state.describe(layer)})" if state is not None else ""
+        raise RouteError(f"layer {layer} rank {current_rank()}: a routing call inside backward is not the recompute "
+                         f"of any replayed forward{used}; router replay matches recomputes to their forwards through "
+                         "Megatron's tensor_parallel.checkpoint, torch.utils.checkpoint (either mode) and other "
+                         "autograd-Function checkpoints: this recompute mechanism is unknown, so its routes cannot be "
+                         "identified (routing it natively would silently differ from its forward)")
+    return original(router, logits, *args, **kwargs)
 
 
 def current_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-
-
-def _recompute_configured(config) -> bool:
-    granularity = getattr(config, "recompute_granularity", None)
-    if granularity == "full":
-        return True
-    return granularity == "selective" and "moe" in (getattr(config, "recompute_modules", None) or ())
 
 
 def _call_with_hook(original, router, hook, logits, args, kwargs):
@@ -73,7 +113,7 @@ class _ReplayHook:
 
 
 class Recording:
-    """State of ``session.record()``: the ids of every forward routing call, FIFO per layer."""
+    """State of ``session.record()``: the ids of every forward routing call, in order per layer."""
 
     def __init__(self, layers: Iterable[int], *, original):
         self.original = original  # the unpatched TopKRouter.routing
@@ -82,35 +122,31 @@ class Recording:
 
     def route(self, router, layer, logits, args, kwargs):
         guard_call(router, layer)
-        if _in_backward():  # recompute of a recorded forward: route natively, record nothing
-            return self.original(router, logits, *args, **kwargs)
+        # A recorded forward routed natively; its recompute (found by region) does so again.
+        _bind(regions.forward_region(), router, self, layer, None)
         hook = self._hooks.get(layer)
         if hook is None:
             hook = self._hooks[layer] = _RecordHook(self.per_layer.setdefault(layer, []))
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
+    def recompute(self, router, layer, mb, logits, args, kwargs):
+        return self.original(router, logits, *args, **kwargs)
+
 
 class Replaying:
-    """State of ``session.replay(routes)``: per layer, the next forward micro-batch and pending recomputes."""
+    """State of ``session.replay(routes)``: per layer, the next forward micro-batch and recompute counts."""
 
     def __init__(self, per_layer: dict[int, tuple[torch.Tensor, ...]], *, recompute: bool | str, rank: int,
                  original):
         self.original = original  # the unpatched TopKRouter.routing
         self.per_layer = per_layer
         self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
-        self.recompute = recompute
+        self.recompute_mode = recompute
         self.rank = rank
         self.next_mb = dict.fromkeys(per_layer, 0)
-        self.pending = {layer: collections.deque() for layer in per_layer}
         self.recomputed = {layer: [0] * len(mbs) for layer, mbs in per_layer.items()}
-        self.expected = {layer: [False] * len(mbs) for layer, mbs in per_layer.items()}
-
-    def _expects_recompute(self, router) -> bool:
-        if self.recompute is True:  # e.g. non-reentrant checkpointing, whose first forward keeps grad on
-            return True
-        if self.recompute is False or torch.is_grad_enabled():
-            return False
-        return router.training and _recompute_configured(router.config)
+        # layer -> mb -> weak reference to the checkpointed region of that forward (None: not checkpointed)
+        self.regions: dict[int, list] = {layer: [None] * len(mbs) for layer, mbs in per_layer.items()}
 
     def _ids(self, router, layer: int, mb: int, logits) -> torch.Tensor:
         # Token counts are host ints taken once, and the ids already sit on the router's device
@@ -122,25 +158,33 @@ class Replaying:
                              f" != expected (T={tokens}, K={router.topk}) for this router call")
         return self.per_layer[layer][mb]
 
+    def describe(self, layer) -> str:
+        if layer not in self.next_mb:
+            return "no routes for this layer"
+        return (f"{self.next_mb[layer]} of {len(self.per_layer[layer])} forward micro-batch(es) used, "
+                f"{sum(self.recomputed[layer])} recompute(s) served")
+
     def route(self, router, layer, logits, args, kwargs):
         guard_call(router, layer)
         total = len(self.per_layer[layer])
-        if _in_backward():
-            if not self.pending[layer]:
-                raise RouteError(f"layer {layer} rank {self.rank}: a recompute asked for routes but no replayed "
-                                 f"forward of this layer waits for one ({self.next_mb[layer]} of {total} forward "
-                                 f"micro-batch(es) used, {sum(self.recomputed[layer])} recomputed)")
-            mb = self.pending[layer].popleft()
-            self.recomputed[layer][mb] += 1
-        else:
-            mb = self.next_mb[layer]
-            if mb >= total:
-                raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: forward asked for micro-batch {mb} but "
-                                 f"only {total} were given to replay (expected {total} forward(s), got more)")
-            self.next_mb[layer] = mb + 1
-            if self._expects_recompute(router):
-                self.expected[layer][mb] = True
-                self.pending[layer].append(mb)
+        mb = self.next_mb[layer]
+        if mb >= total:
+            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: forward asked for micro-batch {mb} but "
+                             f"only {total} were given to replay (expected {total} forward(s), got more)")
+        self.next_mb[layer] = mb + 1
+        region = regions.forward_region()
+        if region is not None:
+            _bind(region, router, self, layer, mb)
+            self.regions[layer][mb] = weakref.ref(region)
+        _REPLAYED.add(router)
+        hook = _ReplayHook(self._ids(router, layer, mb, logits))
+        return _call_with_hook(self.original, router, hook, logits, args, kwargs)
+
+    def recompute(self, router, layer, mb, logits, args, kwargs):
+        if self.recompute_mode is False:
+            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: recompute of a replayed forward, but the "
+                             "replay was started with recompute=False (no recompute expected)")
+        self.recomputed[layer][mb] += 1
         hook = _ReplayHook(self._ids(router, layer, mb, logits))
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
@@ -152,10 +196,16 @@ class Replaying:
                 found.append(f"layer {layer} rank {self.rank} mb {unused[0]}: {len(unused)} of {len(mbs)} replayed "
                              f"micro-batch(es) never used in a forward (expected {len(mbs)} forwards, "
                              f"got {self.next_mb[layer]})")
-            for mb, (want, got) in enumerate(zip(self.expected[layer], self.recomputed[layer])):
-                if want and got != 1:
-                    found.append(f"layer {layer} rank {self.rank} mb {mb}: recomputed {got} time(s), expected "
-                                 "exactly 1 (the backward pass did not run, or ran twice)")
+            for mb in range(self.next_mb[layer]):
+                got, ref = self.recomputed[layer][mb], self.regions[layer][mb]
+                if got:
+                    continue
+                if self.recompute_mode is True:
+                    found.append(f"layer {layer} rank {self.rank} mb {mb}: recomputed 0 time(s), expected at least 1 "
+                                 "(recompute=True; the backward pass did not run)")
+                elif ref is not None and ref() is not None:
+                    found.append(f"layer {layer} rank {self.rank} mb {mb}: its checkpointed forward's graph is alive "
+                                 "but was never recomputed (its backward has not run yet)")
         return found
 
 

@@ -13,10 +13,10 @@ Sessions key routers by global layer number (0-based; an MTP layer ``i`` is ``nu
 found from each router's own ``layer_number``, and hold them through weak references: routers of
 other models are never touched, and a rebuilt model needs a new session.
 
-Recompute: a routing call made while autograd runs a backward pass is a recompute. It takes the
-routes of the oldest replayed forward of the same layer that still waits for its recompute, so the
-recomputed forward sees the same micro-batch's routes as its forward (Megatron's schedules run the
-backward passes of one layer in forward order).
+Recompute: a routing call made while autograd runs a backward pass is a recompute. It is matched
+to the forward it repeats by the checkpointed region both ran in (``moeverify.patches.regions``),
+so it gets that forward's routes in any backward order, also after the replay context has exited;
+a recompute that matches no replayed forward of a router that replayed raises ``RouteError``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch
 
 from moeverify.errors import EnvironmentProblem, RouteError, UsageError
 from moeverify.patches import compat
-from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call
+from moeverify.patches import regions
+from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
 from moeverify.routes import Routes
 
@@ -47,6 +48,8 @@ def _patched_routing(self, logits, *args, **kwargs):
     entry = _ACTIVE.get(self)
     if entry is None and _FALLBACK is not None:
         entry = _FALLBACK(self)
+    if regions.in_backward():  # a recompute: served by the forward it repeats, held or not
+        return route_recompute(self, entry, logits, args, kwargs, original=_ORIGINAL_ROUTING)
     if entry is None:
         return _ORIGINAL_ROUTING(self, logits, *args, **kwargs)
     state, layer = entry
@@ -223,7 +226,7 @@ class ReplaySession:
 
     @contextlib.contextmanager
     def record(self) -> Iterator[None]:
-        """Record the ids chosen by every forward routing call (several micro-batches: FIFO per layer)."""
+        """Record the ids chosen by every forward routing call (several micro-batches: in order per layer)."""
         recording = Recording(self._routers, original=_ORIGINAL_ROUTING)
         with self._active(recording):
             yield
@@ -257,14 +260,15 @@ class ReplaySession:
 
     @contextlib.contextmanager
     def replay(self, routes: Routes, *, recompute: bool | str = "auto") -> Iterator[None]:
-        """Replay ``routes`` in the forward passes run inside (FIFO per layer) and in their recomputes.
+        """Replay ``routes`` in the forward passes run inside (in order per layer) and in their recomputes.
 
         Args:
             routes: this rank's routes for exactly this session's layers.
-            recompute: ``"auto"``: a forward expects its recompute when the router is in training mode,
-                grad is off (a checkpointed forward) and the config recomputes (full, or selective with
-                "moe"); ``True``: every forward expects exactly one (all layers checkpointed, reentrant or
-                not); ``False``: none does (forward-only passes).
+            recompute: ``"auto"``: a checkpointed forward is recomputed with its own routes whenever its
+                backward runs (in any order, even after this context exits); ``check_consumed()`` flags a
+                checkpointed forward whose graph is alive but was never recomputed. ``True``:
+                ``check_consumed()`` also requires every forward to have been recomputed at least once.
+                ``False``: a recompute of a replayed forward raises (forward-only passes).
         """
         if recompute not in ("auto", True, False):
             raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
@@ -278,7 +282,7 @@ class ReplaySession:
             yield
 
     def check_consumed(self) -> None:
-        """Raise ``RouteError`` unless every replayed micro-batch was used once forward and once per recompute."""
+        """Raise ``RouteError`` for a replayed micro-batch never used forward, or a checkpointed one never recomputed."""
         if self._replayed is None:
             raise UsageError("check_consumed() needs a replay first (`with session.replay(routes): ...`)")
         if self._state is self._replayed:

@@ -203,19 +203,32 @@ def test_check_consumed_missing_recompute_raises():
     session = rr.ReplaySession(router)
     with session.replay(random_routes([0], microbatches=2)):
         out0 = checkpointed(router, hidden(0).requires_grad_())
-        checkpointed(router, hidden(1).requires_grad_())
+        out1 = checkpointed(router, hidden(1).requires_grad_())  # graph kept alive, backward never run
         out0.sum().backward()
-    with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 1: recomputed 0 time\(s\), expected exactly 1"):
+    with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 1: its checkpointed forward's graph is alive but was "
+                                         r"never recomputed"):
         session.check_consumed()
+    del out1
 
 
-def test_recompute_without_pending_forward_raises():
+def test_check_consumed_discarded_checkpointed_forward_accepted():
+    # A checkpointed forward whose graph is dropped is never recomputed: nothing can route wrongly.
+    router = make_router(1, seed=6, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    session = rr.ReplaySession(router)
+    with session.replay(random_routes([0], microbatches=2)):
+        checkpointed(router, hidden(0).requires_grad_())
+        checkpointed(router, hidden(1).requires_grad_()).sum().backward()
+    session.check_consumed()
+
+
+def test_recompute_with_recompute_false_raises():
     router = make_router(1, seed=6)
     session = rr.ReplaySession(router)
     x = hidden(0).requires_grad_()
     with session.replay(random_routes([0]), recompute=False):
         out = checkpointed(router, x)
-        with pytest.raises(RouteError, match="layer 0 rank 0: a recompute asked for routes but no replayed forward"):
+        with pytest.raises(RouteError, match="layer 0 rank 0 mb 0: recompute of a replayed forward, but the replay "
+                                             "was started with recompute=False"):
             out.sum().backward()
 
 
