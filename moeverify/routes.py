@@ -45,7 +45,7 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
 
 
 class Routes:
-    """Routing decisions: ``{layer: [topk_ids_TK per micro-batch]}``, immutable.
+    """Routing decisions: ``{layer: [topk_ids_TK per micro-batch]}``, immutable (inputs are copied).
 
     Args:
         per_layer: global layer number -> sequence of int ``[T, K]`` tensors, one per micro-batch.
@@ -63,7 +63,9 @@ class Routes:
             raise RouteError(f"micro-batch count differs between layers: {counts}")
         data = {}
         for layer in sorted(per_layer):
-            mbs = tuple(per_layer[layer])
+            # Own the data: a copy is validated and kept, so a caller reusing its buffer (a rollout engine's
+            # output array) cannot change routes that were already checked.
+            mbs = tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in per_layer[layer])
             for mb, t in enumerate(mbs):
                 validate_topk_ids(t, layer=layer, microbatch=mb, num_experts=num_experts, topk=topk)
             data[int(layer)] = mbs
@@ -135,45 +137,52 @@ class Routes:
                                num_layers=num_layers, moe_layers=moe_layers, zigzag=zigzag)
 
     @classmethod
-    def from_rollout(cls, topk_ids_TLK, *, layers: Sequence[int], num_experts: int, tokens: int | None = None,
-                     pad_T=None, split: Sequence[int] | None = None) -> Routes:
-        """Routes from a rollout engine's per-token routes ``[T, L, K]`` (numpy or torch), global view.
+    def from_rollout(cls, topk_ids, *, layers: Sequence[int], num_experts: int, tokens: int | None = None,
+                     pad_T=None, split: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
+                     seq_len: int | None = None, num_layers: int | None = None) -> Routes:
+        """Routes from a rollout engine's per-token routes (numpy or torch), global view.
 
         Args:
-            topk_ids_TLK: the engine's routes, tokens in sequence order, one column per MoE layer.
-            layers: global layer numbers of the ``L`` columns.
+            topk_ids: one sequence ``[T, L, K]``; or one array per request ``[S_i - 1 or S_i, L, K]`` (what
+                vLLM's ``routed_experts`` and SGLang's ``return_routed_experts`` give); or a padded
+                ``[B, S, L, K]`` batch. With several requests ``lengths`` is required.
+            layers: global layer numbers of the MoE layers, in column order.
             num_experts: experts per MoE layer.
-            tokens: the token count training will route. Engines return routes for prompt + response
-                minus the final token (it is sampled, never fed back): one row short is filled with a
-                safe route; any other difference is an error.
-            pad_T: bool ``[tokens]``, True where the token is padding; those rows (whatever the engine
-                put there, e.g. -1) get a safe route.
-            split: token counts of consecutive micro-batches (sum == tokens); default one micro-batch.
+            tokens: (one sequence) the token count training will route; default ``T``.
+            pad_T: (one sequence) bool ``[tokens]``, True where the token is padding.
+            split: token counts of consecutive micro-batches (sum == all tokens); default one.
+            lengths: (several requests) tokens training feeds per request (prompt + response, multi-turn
+                concatenated). A request's array may hold ``lengths[i]`` or ``lengths[i] - 1`` rows.
+            seq_len: (several requests) the padded length of each request in training; default
+                ``max(lengths)``. The result is sequence-major: token ``s`` of request ``b`` is row ``b * seq_len + s``.
+            num_layers: decoder layers of the model. When given, an array with one column per decoder
+                layer (all-layer numbering, dense-prefix models) is accepted and its MoE columns taken.
 
-        The safe route of row ``t`` is experts ``(t * K + j) % E`` for ``j < K``: distinct within the row
-        and spread round-robin over all experts, so filler rows never pile onto expert 0.
+        Engines return routes for prompt + response minus the final token (it is sampled, never fed
+        back): that row, and padding, get a safe route ``(t * K + j) % E``, distinct within the row and
+        spread over all experts. A capture gap (a row of -1, or with K > 1 a row of zeros, on a real
+        token) raises ``RouteError`` naming request, token and layer: it is never replayed as expert 0.
         """
-        ids_TLK = _as_int64(topk_ids_TLK)
-        if ids_TLK.dim() != 3 or ids_TLK.shape[1] != len(layers):
-            raise RouteError(f"rollout routes shape {tuple(ids_TLK.shape)} != expected (T, L={len(layers)}, K)")
-        T, _, K = ids_TLK.shape
-        if not 1 <= K <= num_experts:
-            raise RouteError(f"rollout routes top-k {K} not in [1, num_experts={num_experts}]")
-        tokens = T if tokens is None else tokens
-        if T == tokens - 1:
-            ids_TLK = torch.cat([ids_TLK, safe_routes(1, topk=K, num_experts=num_experts, start=T)
-                                 .unsqueeze(1).expand(1, len(layers), K)])
-        elif T != tokens:
-            raise RouteError(f"rollout routes hold {T} tokens != expected {tokens} (or {tokens - 1}, the engine's "
-                             "missing last row)")
+        if lengths is None and (isinstance(topk_ids, (list, tuple)) or _ndim(topk_ids) == 4):
+            raise RouteError("several rollout requests need lengths= (tokens training feeds per request)")
+        if lengths is not None:
+            ids_TLK, pad_T = _batch_of_requests(topk_ids, lengths=lengths, seq_len=seq_len, num_experts=num_experts,
+                                                layers=layers, num_layers=num_layers)
+            tokens = int(ids_TLK.shape[0])
+        else:
+            ids_TLK = _columns(_as_int64(topk_ids), layers=layers, num_layers=num_layers, where="rollout routes")
+            tokens = int(ids_TLK.shape[0]) if tokens is None else tokens
+            pad = None if pad_T is None else _as_bool(pad_T, tokens)
+            ids_TLK = _one_request(ids_TLK, tokens=tokens, num_experts=num_experts, pad_T=pad, where="rollout routes")
+            pad_T = pad
         if pad_T is not None:
-            ids_TLK = _fill_pads(ids_TLK, _as_bool(pad_T, tokens), num_experts=num_experts)
+            ids_TLK = _fill_pads(ids_TLK, pad_T, num_experts=num_experts)
         sizes = [tokens] if split is None else [int(n) for n in split]
         if sum(sizes) != tokens or any(n < 0 for n in sizes):
             raise RouteError(f"split {sizes} does not partition {tokens} tokens")
         chunks = torch.split(ids_TLK, sizes)
         return cls({layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(layers)},
-                   num_experts=num_experts, topk=K)
+                   num_experts=num_experts, topk=int(ids_TLK.shape[2]))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Routes):
@@ -198,8 +207,92 @@ def safe_routes(tokens: int, *, topk: int, num_experts: int, start: int = 0) -> 
     return (rows_T[:, None] * topk + torch.arange(topk, dtype=torch.int64)[None, :]) % num_experts
 
 
+def _ndim(array) -> int:
+    return len(getattr(array, "shape", ()))
+
+
+def _columns(ids_TLK: torch.Tensor, *, layers: Sequence[int], num_layers: int | None, where: str) -> torch.Tensor:
+    """The MoE-layer columns of ``[T, L, K]``: L is the MoE layer count, or ``num_layers`` (all layers)."""
+    if ids_TLK.dim() != 3:
+        raise RouteError(f"{where} shape {tuple(ids_TLK.shape)} != expected (T, L={len(layers)}, K)")
+    L = ids_TLK.shape[1]
+    if L == len(layers):
+        return ids_TLK
+    if num_layers is not None and L == num_layers:
+        bad = [layer for layer in layers if not 0 <= layer < num_layers]
+        if bad:
+            raise RouteError(f"{where}: MoE layer(s) {bad} outside the {num_layers} decoder layers")
+        return ids_TLK[:, list(layers), :]
+    fits = f"{len(layers)} MoE layers" + (f" or {num_layers} decoder layers" if num_layers is not None else
+                                           " (pass num_layers= for an all-layer array)")
+    raise RouteError(f"{where} hold {L} layer columns, which fits neither numbering: expected {fits}")
+
+
+def _gap_rows(ids_TLK: torch.Tensor) -> torch.Tensor:
+    """``[T, L]`` bool: rows an engine left uncaptured (all -1, or all zero when K > 1)."""
+    gaps = (ids_TLK == -1).all(dim=-1)
+    if ids_TLK.shape[-1] > 1:
+        gaps |= (ids_TLK == 0).all(dim=-1)
+    return gaps
+
+
+def _one_request(ids_TLK: torch.Tensor, *, tokens: int, num_experts: int, pad_T: torch.Tensor | None,
+                 where: str) -> torch.Tensor:
+    """One request's ``[tokens, L, K]``: the missing last row filled, capture gaps on real tokens refused."""
+    T, L, K = ids_TLK.shape
+    if not 1 <= K <= num_experts:
+        raise RouteError(f"{where}: top-k {K} not in [1, num_experts={num_experts}]")
+    if T == tokens - 1:
+        ids_TLK = torch.cat([ids_TLK, safe_routes(1, topk=K, num_experts=num_experts, start=T)
+                             .unsqueeze(1).expand(1, L, K)])
+    elif T != tokens:
+        raise RouteError(f"{where} hold {T} tokens != expected {tokens} (or {tokens - 1}, the engine's "
+                         "missing last row)")
+    gaps_TL = _gap_rows(ids_TLK[:T])
+    if pad_T is not None:
+        gaps_TL &= ~pad_T[:T, None]
+    if gaps_TL.any():
+        t, col = (int(i) for i in gaps_TL.nonzero()[0])
+        raise RouteError(f"{where}: token {t} MoE column {col}: capture gap (a row of -1 or of zeros: "
+                         f"{ids_TLK[t, col].tolist()}), {int(gaps_TL.sum())} such row(s); the engine did not "
+                         "record this route: mark those tokens as padding (pad_T) or fix the capture")
+    return ids_TLK
+
+
+def _batch_of_requests(topk_ids, *, lengths: Sequence[int], seq_len: int | None, num_experts: int,
+                       layers: Sequence[int], num_layers: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several requests -> sequence-major ``[B * seq_len, L, K]`` and its pad mask."""
+    lengths = [int(n) for n in lengths]
+    if isinstance(topk_ids, (list, tuple)):
+        requests = [_as_int64(a) for a in topk_ids]
+    else:
+        batch = _as_int64(topk_ids)
+        if batch.dim() != 4:
+            raise RouteError(f"padded rollout routes shape {tuple(batch.shape)} != expected (B, S, L, K)")
+        requests = [batch[b, : min(n, batch.shape[1])] for b, n in enumerate(lengths[: batch.shape[0]])]
+    if len(requests) != len(lengths) or not requests:
+        raise RouteError(f"rollout routes hold {len(requests)} request(s) != {len(lengths)} lengths")
+    seq_len = max(lengths) if seq_len is None else int(seq_len)
+    if min(lengths) < 1 or max(lengths) > seq_len:
+        raise RouteError(f"request lengths {lengths} must lie in [1, seq_len={seq_len}]")
+    out = []
+    for b, (ids_TLK, n) in enumerate(zip(requests, lengths)):
+        where = f"rollout request {b}"
+        ids_TLK = _columns(ids_TLK, layers=layers, num_layers=num_layers, where=where)
+        ids_TLK = _one_request(ids_TLK, tokens=n, num_experts=num_experts, pad_T=None, where=where)
+        if out and ids_TLK.shape[2] != out[0].shape[2]:
+            raise RouteError(f"{where}: top-k {ids_TLK.shape[2]} != request 0's {out[0].shape[2]}")
+        filler = torch.zeros(seq_len - n, *ids_TLK.shape[1:], dtype=torch.int64)
+        out.append(torch.cat([ids_TLK, filler]))
+    pad_BS = torch.arange(seq_len)[None, :] >= torch.tensor(lengths)[:, None]
+    return torch.cat(out), pad_BS.reshape(-1)
+
+
 def _as_int64(array) -> torch.Tensor:
-    tensor = array if isinstance(array, torch.Tensor) else torch.as_tensor(array)
+    try:
+        tensor = array if isinstance(array, torch.Tensor) else torch.as_tensor(array)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise RouteError(f"rollout routes must be an integer array, got {type(array).__name__}: {exc}") from exc
     if tensor.dtype not in _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
         raise RouteError(f"rollout routes dtype {tensor.dtype} is not an integer dtype")
     return tensor.to(torch.int64)

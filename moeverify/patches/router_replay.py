@@ -274,7 +274,7 @@ class ReplaySession:
             raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
         self._check_routes(routes)
         device = next(iter(self._live_routers().values())).weight.device
-        per_layer = {layer: tuple(routes.get(layer, mb).to(device=device, dtype=torch.int64)
+        per_layer = {layer: tuple(routes.get(layer, mb).to(device=device, dtype=torch.int64, copy=True)
                                   for mb in range(routes.microbatches)) for layer in routes.layers}
         replaying = Replaying(per_layer, recompute=recompute, rank=current_rank(), original=_ORIGINAL_ROUTING)
         self._replayed = replaying

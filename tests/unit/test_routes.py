@@ -5,6 +5,8 @@ Legend: T = tokens, L = MoE layers, K = top-k, E = experts.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -100,7 +102,8 @@ def test_from_rollout_wrong_token_count_raises():
 
 
 def test_from_rollout_wrong_layer_count_raises():
-    with pytest.raises(RouteError, match=r"rollout routes shape \(3, 2, 2\) != expected \(T, L=1, K\)"):
+    with pytest.raises(RouteError, match=r"rollout routes hold 2 layer columns, which fits neither numbering: "
+                                         r"expected 1 MoE layers \(pass num_layers="):
         Routes.from_rollout(np.zeros((3, 2, K), dtype=np.int64), layers=(0,), num_experts=E)
 
 
@@ -109,10 +112,89 @@ def test_from_rollout_float_dtype_raises():
         Routes.from_rollout(np.zeros((3, 1, K)), layers=(0,), num_experts=E)
 
 
-def test_from_rollout_unfilled_pad_value_raises():
-    bad_TLK = np.array([[[0, 1]], [[-1, -1]]])
-    with pytest.raises(RouteError, match=r"layer 0 rank \? mb 0: expert id -1 out of range"):
+@pytest.mark.parametrize("gap", [[-1, -1], [0, 0]])
+def test_from_rollout_capture_gap_on_real_token_raises(gap):
+    bad_TLK = np.array([[[0, 1]], [gap]])
+    with pytest.raises(RouteError, match=r"rollout routes: token 1 MoE column 0: capture gap .*" + re.escape(str(gap))):
         Routes.from_rollout(bad_TLK, layers=(0,), num_experts=E)
+
+
+def test_from_rollout_capture_gap_on_pad_token_gets_safe_route():
+    routes = Routes.from_rollout(np.array([[[0, 1]], [[-1, -1]]]), layers=(0,), num_experts=E, pad_T=[False, True])
+    assert routes.get(0, 0)[1].tolist() == safe_routes(2, topk=K, num_experts=E)[1].tolist()
+
+
+def test_from_rollout_out_of_range_id_raises():
+    with pytest.raises(RouteError, match=r"layer 0 rank \? mb 0: expert id -3 out of range"):
+        Routes.from_rollout(np.array([[[0, 1]], [[-3, 2]]]), layers=(0,), num_experts=E)
+
+
+def test_routes_copy_caller_buffer():
+    buffer_TLK = np.array([[[0, 1]], [[2, 3]]])
+    routes = Routes.from_rollout(buffer_TLK, layers=(0,), num_experts=E)
+    buffer_TLK[:] = 5  # a reused rollout buffer: the validated routes must not change
+    assert routes.get(0, 0).tolist() == [[0, 1], [2, 3]]
+    source = ids([[0, 1]])
+    held = Routes({0: [source]}, num_experts=E, topk=K)
+    source.fill_(50)
+    assert held.get(0, 0).tolist() == [[0, 1]]
+
+
+def requests(lengths, *, short: bool, layers: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(n - short, layers, E, generator=g).argsort(dim=-1)[..., :K] for n in lengths]
+
+
+def test_from_rollout_requests_missing_last_rows_sequence_major():
+    lengths, seq_len = [3, 5], 6
+    arrays = requests(lengths, short=True)
+    routes = Routes.from_rollout([a.numpy() for a in arrays], layers=(2,), num_experts=E, lengths=lengths,
+                                 seq_len=seq_len)
+    got_TK = routes.get(2, 0)
+    assert got_TK.shape == (2 * seq_len, K)
+    for b, (a, n) in enumerate(zip(arrays, lengths)):
+        assert torch.equal(got_TK[b * seq_len: b * seq_len + n - 1], a[:, 0])
+        filler_TK = got_TK[b * seq_len + n - 1: (b + 1) * seq_len]  # the missing row and padding: safe routes
+        assert (filler_TK.sort(dim=1).values[:, 1:] != filler_TK.sort(dim=1).values[:, :-1]).all()
+
+
+def test_from_rollout_padded_batch_equals_request_list():
+    lengths = [4, 2]
+    arrays = requests(lengths, short=False, layers=2, seed=1)
+    padded_BSLK = torch.full((2, 4, 2, K), -1, dtype=torch.int64)
+    for b, a in enumerate(arrays):
+        padded_BSLK[b, : a.shape[0]] = a
+    from_list = Routes.from_rollout(arrays, layers=(1, 3), num_experts=E, lengths=lengths)
+    from_padded = Routes.from_rollout(padded_BSLK, layers=(1, 3), num_experts=E, lengths=lengths)
+    assert from_list == from_padded
+
+
+def test_from_rollout_requests_need_lengths():
+    with pytest.raises(RouteError, match="several rollout requests need lengths="):
+        Routes.from_rollout(requests([3, 3], short=False), layers=(0,), num_experts=E)
+
+
+def test_from_rollout_request_wrong_length_raises():
+    with pytest.raises(RouteError, match=r"rollout request 1 hold 2 tokens != expected 5 \(or 4"):
+        Routes.from_rollout(requests([3, 2], short=False), layers=(0,), num_experts=E, lengths=[3, 5])
+
+
+def test_from_rollout_all_layer_numbering_takes_moe_columns():
+    all_TLK = torch.stack([safe_routes(3, topk=K, num_experts=E, start=10 * layer) for layer in range(3)], dim=1)
+    all_TLK[:, 0] = -1  # the dense first layer: the engine captured nothing there
+    routes = Routes.from_rollout(all_TLK, layers=(1, 2), num_experts=E, num_layers=3)
+    assert routes.get(2, 0).tolist() == safe_routes(3, topk=K, num_experts=E, start=20).tolist()
+
+
+def test_from_rollout_layer_count_fitting_neither_refused():
+    with pytest.raises(RouteError, match=r"hold 4 layer columns, which fits neither numbering: expected 2 MoE "
+                                         r"layers or 3 decoder layers"):
+        Routes.from_rollout(np.zeros((3, 4, K), dtype=np.int64), layers=(1, 2), num_experts=E, num_layers=3)
+
+
+def test_from_rollout_string_refused():
+    with pytest.raises(RouteError, match="rollout routes must be an integer array, got str"):
+        Routes.from_rollout("routes", layers=(0,), num_experts=E)
 
 
 def test_from_rollout_split_not_partition_raises():
