@@ -1,38 +1,55 @@
-"""Router replay for jobs you cannot edit: ``import moeverify.patches.autopatch`` with an env var set.
+"""Router replay for jobs you cannot edit: an entry point (or an import) driven by an environment variable.
 
-``MOEVERIFY_ROUTER_REPLAY=record:DIR`` records every forward routing call of the process's MoE
-model; at exit each rank writes its routes to ``DIR/rank{R:05d}`` (a one-rank routing dump in that
-rank's local view, written with ``moeverify.record.save``). ``MOEVERIFY_ROUTER_REPLAY=replay:DIR``
-replays them: the same job under the same layout and micro-batching routes every forward, and every
-recompute, exactly as recorded (FIFO per layer over the whole process). At exit a replay reports
-routes left unused or recomputes that never came, on stderr.
+``MOEVERIFY_ROUTER_REPLAY=record:DIR`` records every forward routing call of the job's MoE model;
+``MOEVERIFY_ROUTER_REPLAY=replay:DIR`` replays them in the same job (same layout, same
+micro-batching): every forward takes the next recorded micro-batch of its layer, and every
+recompute takes the routes of the forward it repeats (matched by checkpoint region, any backward
+order). Run the job through the entry point, which works as torchrun's script too::
 
-The process-wide session binds routers lazily, on their first routing call, keyed by global layer
-number. The first router seen for a layer wins; a second model's router of the same layer (e.g. a
-reference model beside the actor) is left native and named once in a warning.
+    MOEVERIFY_ROUTER_REPLAY=record:/dumps/run1 python -m moeverify.patches.autopatch train.py ARGS
+    MOEVERIFY_ROUTER_REPLAY=replay:/dumps/run1 torchrun --nproc-per-node 8 -m moeverify.patches.autopatch train.py ARGS
 
-Import it where the job starts (``python -c "import moeverify.patches.autopatch; ..."``, a
-``sitecustomize``, or ``PYTHONSTARTUP``); with the variable unset, importing does nothing.
+(``import moeverify.patches.autopatch`` before the job builds its models does the same.)
+
+Which model: models are numbered by build order (the order their ``TopKRouter`` s are constructed;
+a model's routers are built in increasing global layer order, so a router whose layer does not
+increase starts the next model). With one MoE model nothing needs saying. With several (an actor
+beside a reference model), ``MOEVERIFY_ROUTER_REPLAY_MODEL=N`` names the one to record and replay
+(0 = built first) and the others route natively; left unset, the first routing call of a second
+model raises ``UsageError``. Build order does not depend on which model runs first.
+
+Steps: every ``optimizer.step()`` (any ``torch.optim.Optimizer``) closes a step. Recording writes
+the step's routes then (``DIR/rank{R:05d}``, a routing dump, one dump step per training step), so a
+crash loses at most the step in flight. Replay checks at each step that every layer ran exactly the
+recorded step's forwards and that no checkpointed forward is left without its recompute, and raises
+``RouteError`` in the training process if not; at exit, routes left unused fail the job (exit 3).
+
+Refused before the job runs: a record directory that already holds files, an unknown mode, a
+replay directory without this rank's dump.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib
+import itertools
 import os
+import runpy
 import sys
-import warnings
 import weakref
 from pathlib import Path
 
 import torch
 
-from moeverify.errors import RouteError, UsageError
+from moeverify.errors import MoEVerifyError, RouteError, UsageError
 from moeverify.patches import replay_state as state
 from moeverify.patches import router_replay as rr
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
+MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
 MODES = ("record", "replay")
+EXIT_UNUSED = 3  # exit status of a replayed job that left recorded routes unused
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,100 +58,241 @@ class Setting:
 
     mode: str
     directory: Path
+    model: int | None = None  # build-order index of the model to bind; None: the only MoE model
 
     def rank_dir(self, rank: int) -> Path:
         return self.directory / f"rank{rank:05d}"
 
 
-def parse(value: str) -> Setting:
-    """``"record:DIR"`` / ``"replay:DIR"`` -> ``Setting``; ``UsageError`` naming the variable otherwise."""
+def parse(value: str, model: str | None = None) -> Setting:
+    """``"record:DIR"`` / ``"replay:DIR"`` (+ the model index) -> ``Setting``; ``UsageError`` otherwise."""
     mode, sep, directory = value.partition(":")
     if not sep or mode not in MODES or not directory:
         raise UsageError(f"{ENV}={value!r}: expected record:DIR or replay:DIR")
-    return Setting(mode=mode, directory=Path(directory))
+    index = None
+    if model not in (None, ""):
+        if not model.isdigit():
+            raise UsageError(f"{MODEL_ENV}={model!r}: expected a model index by build order (0, 1, ...)")
+        index = int(model)
+    return Setting(mode=mode, directory=Path(directory), model=index)
+
+
+def _check_directory(setting: Setting, rank: int) -> None:
+    if setting.mode == "record":
+        if setting.directory.exists() and (not setting.directory.is_dir() or any(setting.directory.iterdir())):
+            raise UsageError(f"{ENV}: record directory {setting.directory} already holds files (a previous "
+                             "recording?); record into a new or empty directory")
+    elif not (setting.rank_dir(rank) / "manifest.json").is_file():
+        raise UsageError(f"{ENV}: {setting.rank_dir(rank)} holds no routing dump for rank {rank} (expected "
+                         f"{setting.rank_dir(rank) / 'manifest.json'} from a record:{setting.directory} run)")
+
+
+class BuildOrder:
+    """Numbers routers by construction, to tell models apart by build order (see the module docstring)."""
+
+    def __init__(self):
+        self._counter = itertools.count()
+        self._routers: list[weakref.ref] = []
+        self._original_init = None
+
+    def install(self) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        if self._original_init is not None:
+            return
+        original = self._original_init = TopKRouter.__init__
+        order = self
+
+        def __init__(router, *args, **kwargs):
+            original(router, *args, **kwargs)
+            router.__dict__["_moeverify_built"] = next(order._counter)
+            order._routers.append(weakref.ref(router))
+
+        __init__.__wrapped__ = original
+        TopKRouter.__init__ = __init__
+
+    def uninstall(self) -> None:
+        if self._original_init is not None:
+            from megatron.core.transformer.moe.router import TopKRouter
+
+            TopKRouter.__init__ = self._original_init
+            self._original_init = None
+
+    def models(self) -> list[list]:
+        """Live routers grouped into models, in build order."""
+        models: list[list] = []
+        last = None
+        for ref in self._routers:
+            router = ref()
+            if router is None or router.layer_number is None:
+                continue
+            layer = rr.global_layer(router)
+            if last is None or layer <= last:
+                models.append([])
+            models[-1].append(router)
+            last = layer
+        return models
+
+    def model_of(self, router) -> tuple[int, list[list]]:
+        if "_moeverify_built" not in router.__dict__:
+            raise UsageError(f"{ENV}: a TopKRouter (layer {rr.global_layer(router)}) was built before "
+                             "moeverify.patches.autopatch was installed; start the job through "
+                             "`python -m moeverify.patches.autopatch SCRIPT` or import it before building models")
+        models = self.models()
+        for index, routers in enumerate(models):
+            if any(r is router for r in routers):
+                return index, models
+        raise AssertionError("a stamped router is missing from the build order")
+
+
+def _describe(models: list[list]) -> str:
+    return "; ".join(f"model {i}: layers {[rr.global_layer(r) for r in routers]}" for i, routers in enumerate(models))
 
 
 class ProcessSession:
     """The process-wide record or replay state behind ``autopatch``."""
 
-    def __init__(self, setting: Setting):
+    def __init__(self, setting: Setting, *, order: BuildOrder):
         self.setting = setting
+        self.order = order
+        self.rank = state.current_rank()
         self._bound: dict[int, weakref.ref] = {}
-        self._ignored: weakref.WeakSet = weakref.WeakSet()
+        self._native: weakref.WeakSet = weakref.WeakSet()
         self._state = None
         self._shape: tuple[int, int] | None = None
+        self.step = 0
+        self._step_ends: list[int] = []  # replay: cumulative forwards per layer at the end of each recorded step
 
     def _start(self, router) -> None:
-        rank = state.current_rank()
         self._shape = (router.num_experts, router.topk)
         if self.setting.mode == "record":
             self._state = state.Recording((), original=rr.original_routing())
             return
         from moeverify import record
 
-        routes = record.load(self.setting.rank_dir(rank)).routes(step=0)
-        if (routes.num_experts, routes.topk) != self._shape:
-            raise RouteError(f"rank {rank}: {self.setting.rank_dir(rank)} holds routes for (num_experts, topk) = "
-                             f"({routes.num_experts}, {routes.topk}) != this model's {self._shape}")
-        per_layer = {layer: tuple(routes.get(layer, mb).to(router.weight.device, dtype=torch.int64)
-                                  for mb in range(routes.microbatches)) for layer in routes.layers}
-        self._state = state.Replaying(per_layer, recompute="auto", rank=rank, original=rr.original_routing())
+        dump = record.load(self.setting.rank_dir(self.rank))
+        per_layer: dict[int, list] = {}
+        for step in sorted(dump.steps):
+            routes = dump.routes(step=step)
+            if (routes.num_experts, routes.topk) != self._shape:
+                raise RouteError(f"rank {self.rank}: {self.setting.rank_dir(self.rank)} holds routes for (num_experts, "
+                                 f"topk) = ({routes.num_experts}, {routes.topk}) != this model's {self._shape}")
+            for layer in routes.layers:
+                per_layer.setdefault(layer, []).extend(
+                    routes.get(layer, mb).to(router.weight.device, dtype=torch.int64) for mb in range(routes.microbatches))
+            self._step_ends.append((self._step_ends[-1] if self._step_ends else 0) + routes.microbatches)
+        self._state = state.Replaying({k: tuple(v) for k, v in per_layer.items()}, recompute="auto", rank=self.rank,
+                                      original=rr.original_routing())
 
     def bind(self, router):
-        """``rr.set_fallback`` binder: ``(state, layer)`` for this process's model, None for others."""
-        if router in self._ignored:
+        """``rr.set_fallback`` binder: ``(state, layer)`` for the selected model's routers, None for others."""
+        if router in self._native:
             return None
         layer = rr.global_layer(router)
         held = self._bound.get(layer)
         current = held() if held is not None else None
-        if current is not None and current is not router:
-            self._ignored.add(router)
-            warnings.warn(f"{ENV}: a second router claims layer {layer} (another model in this process); it "
-                          "routes natively", stacklevel=2)
-            return None
-        if self._state is None:
-            self._start(router)
-        if current is None:  # first call of this layer, or its model was rebuilt
+        if current is not router:
+            index, models = self.order.model_of(router)
+            if self.setting.model is None and len(models) > 1:
+                raise UsageError(f"{ENV}: {len(models)} MoE models are built in this process ({_describe(models)}); "
+                                 f"set {MODEL_ENV}=N to name the model to {self.setting.mode} by build order "
+                                 "(0 = built first); the others then route natively")
+            if index != (self.setting.model or 0):
+                self._native.add(router)
+                return None
+            if self._state is None:
+                self._start(router)
             rr.refuse_config(router.config, layer, disable_fusion=False)
             if isinstance(self._state, state.Recording):
                 self._state.per_layer.setdefault(layer, [])
             elif layer not in self._state.per_layer:
-                raise RouteError(f"layer {layer} rank {self._state.rank}: {self.setting.directory} holds no routes "
-                                 f"for this layer; it holds {sorted(self._state.per_layer)}")
+                raise RouteError(f"layer {layer} rank {self.rank}: {self.setting.directory} holds no routes for this "
+                                 f"layer; it holds {sorted(self._state.per_layer)}")
             self._bound[layer] = weakref.ref(router)
         return self._state, layer
 
     def routes(self):
-        """What was recorded so far, as ``Routes`` (record mode)."""
+        """What was recorded since the last step, as ``Routes`` (record mode)."""
         from moeverify.routes import Routes
 
-        if not isinstance(self._state, state.Recording) or not self._state.per_layer:
+        if not isinstance(self._state, state.Recording) or not any(self._state.per_layer.values()):
             raise UsageError(f"{ENV}: nothing recorded in this process")
         return Routes(self._state.per_layer, num_experts=self._shape[0], topk=self._shape[1])
 
-    def finish(self) -> None:
-        """Write the recording (record) or report unconsumed routes (replay); run at exit."""
+    def end_step(self) -> None:
+        """Close a training step: write it (record) or check it (replay); raise ``RouteError`` on a mismatch."""
         if self._state is None:
             return
         if isinstance(self._state, state.Recording):
-            from moeverify import record
+            if any(self._state.per_layer.values()):
+                from moeverify import record
 
-            record.save(self.setting.rank_dir(state.current_rank()), self.routes(), step=0)
-            return
-        for problem in self._state.problems():
-            print(f"{ENV}: {problem}", file=sys.stderr)
+                record.save(self.setting.rank_dir(self.rank), self.routes(), step=self.step)
+                for mbs in self._state.per_layer.values():
+                    mbs.clear()
+        else:
+            self._check_step()
+        self.step += 1
+
+    def _check_step(self) -> None:
+        replaying = self._state
+        if self.step >= len(self._step_ends):
+            raise RouteError(f"rank {self.rank} step {self.step}: the recording in {self.setting.directory} has only "
+                             f"{len(self._step_ends)} step(s)")
+        want = self._step_ends[self.step]
+        got = {layer: replaying.next_mb[layer] for layer in self._bound}
+        wrong = {layer: n for layer, n in got.items() if n != want}
+        if wrong:
+            raise RouteError(f"rank {self.rank} step {self.step}: forwards replayed so far per layer {wrong} != the "
+                             f"recording's {want} at the end of this step (the job's micro-batching differs)")
+        stale = [p for p in replaying.problems() if "never recomputed" in p]
+        if stale:
+            raise RouteError(f"step {self.step}: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""))
+
+    def finish(self) -> list[str]:
+        """At the end of the job: write the last step (record); return replay problems (routes left unused)."""
+        if self._state is None:
+            return []
+        if isinstance(self._state, state.Recording):
+            self.end_step()
+            return []
+        return [f"{ENV}: {p}" for p in self._state.problems()]
 
 
 _SESSION: ProcessSession | None = None
+_HOOKS: list = []
+_ORDER = BuildOrder()  # one per process: routers built under an earlier install stay numbered
+
+
+def _at_exit() -> None:
+    if _SESSION is None:
+        return
+    try:
+        problems = _SESSION.finish()
+    except MoEVerifyError as exc:
+        problems = [f"{ENV}: {exc}"]
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(EXIT_UNUSED)  # atexit cannot change the exit status otherwise: a warning alone is not a refusal
 
 
 def install(setting: Setting) -> ProcessSession:
-    """Apply the patch and route every unbound router through a process-wide session."""
+    """Apply the patch and route the selected model's routers through a process-wide session."""
     global _SESSION
+    if _SESSION is not None:
+        raise UsageError(f"{ENV}: autopatch is already installed in this process")
+    _check_directory(setting, state.current_rank())
     rr.apply()
-    _SESSION = ProcessSession(setting)
-    rr.set_fallback(_SESSION.bind)
-    atexit.register(_SESSION.finish)
+    _ORDER.install()
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    session_ = ProcessSession(setting, order=_ORDER)
+    _HOOKS.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: session_.end_step()))
+    rr.set_fallback(session_.bind)
+    _SESSION = session_
+    atexit.register(_at_exit)
     return _SESSION
 
 
@@ -142,7 +300,10 @@ def uninstall() -> None:
     """Remove the process-wide session (the patch itself stays applied)."""
     global _SESSION
     if _SESSION is not None:
-        atexit.unregister(_SESSION.finish)
+        atexit.unregister(_at_exit)
+    _ORDER.uninstall()
+    while _HOOKS:
+        _HOOKS.pop().remove()
     rr.set_fallback(None)
     _SESSION = None
 
@@ -151,5 +312,40 @@ def session() -> ProcessSession | None:
     return _SESSION
 
 
-if os.environ.get(ENV):
-    install(parse(os.environ[ENV]))
+def install_from_env() -> ProcessSession | None:
+    value = os.environ.get(ENV)
+    return install(parse(value, os.environ.get(MODEL_ENV))) if value else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moeverify.patches.autopatch SCRIPT [ARGS...]``: run SCRIPT under the environment's setting."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    try:
+        if not argv or argv[0].startswith("-"):
+            raise UsageError("usage: python -m moeverify.patches.autopatch SCRIPT [ARGS...] (with "
+                             f"{ENV}=record:DIR or replay:DIR set)")
+        if not os.environ.get(ENV):
+            raise UsageError(f"{ENV} is not set: expected record:DIR or replay:DIR (nothing would be recorded "
+                             "or replayed)")
+        if not Path(argv[0]).is_file():
+            raise UsageError(f"script {argv[0]!r} not found")
+        # This file runs as __main__; the job may import moeverify.patches.autopatch too: one instance only,
+        # the package module, which installs itself from the environment when imported.
+        module = importlib.import_module("moeverify.patches.autopatch")
+        if module.session() is None:
+            module.install_from_env()
+    except UsageError as exc:
+        print(f"moeverify autopatch: {exc}", file=sys.stderr)
+        return 2
+    sys.argv = argv
+    sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0  # routes left unused end the process through the exit hook (status 3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+elif os.environ.get(ENV):
+    install_from_env()

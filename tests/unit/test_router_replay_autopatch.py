@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from moeverify.errors import UsageError
+from moeverify.errors import RouteError, UsageError
 from moeverify.layout import Layout
 from moeverify.patches import autopatch
 from moeverify.patches import router_replay as rr
@@ -24,6 +26,14 @@ def megatron_world():
         finally:
             autopatch.uninstall()
             rr.revert()
+
+
+@pytest.fixture(autouse=True)
+def fresh_build_order():
+    """Models are numbered by build order over live routers: free the routers of earlier tests."""
+    gc.collect()
+    yield
+    autopatch.uninstall()
 
 
 def make_router(layer: int, seed: int):
@@ -51,45 +61,118 @@ def test_parse_bad_value_raises(value):
 
 
 def test_parse_record_and_replay():
-    setting = autopatch.parse("replay:/data/run1")
-    assert (setting.mode, str(setting.rank_dir(3))) == ("replay", "/data/run1/rank00003")
+    setting = autopatch.parse("replay:/data/run1", "1")
+    assert (setting.mode, str(setting.rank_dir(3)), setting.model) == ("replay", "/data/run1/rank00003", 1)
 
 
-def test_autopatch_record_then_replay_follows_recording(tmp_path):
-    routers = [make_router(1, seed=1), make_router(2, seed=2)]
-    xs = [torch.randn(S, B, H, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+def test_parse_bad_model_index_raises():
+    with pytest.raises(UsageError, match=r"MOEVERIFY_ROUTER_REPLAY_MODEL='actor': expected a model index"):
+        autopatch.parse("record:/tmp/x", "actor")
+
+
+def forward_steps(routers, steps, *, microbatches=2, seed=0):
+    """``steps`` optimizer steps of ``microbatches`` no-grad forwards; returns the ids of every call."""
+    opt = torch.optim.SGD([p for r in routers for p in r.parameters()], lr=0.0)
+    seen = []
+    for step in range(steps):
+        for mb in range(microbatches):
+            x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(seed + 10 * step + mb))
+            with torch.no_grad():
+                seen.append([ids_of(r(x)[1]) for r in routers])
+        opt.step()
+    return seen
+
+
+def test_autopatch_record_then_replay_follows_recording_per_step(tmp_path):
     autopatch.install(autopatch.Setting(mode="record", directory=tmp_path))
-    with torch.no_grad():
-        recorded = [[ids_of(r(x)[1]) for r in routers] for x in xs]
-    autopatch.session().finish()
-    autopatch.uninstall()
-    assert (tmp_path / "rank00000" / "manifest.json").exists()
+    try:
+        routers = [make_router(1, seed=1), make_router(2, seed=2)]
+        recorded = forward_steps(routers, 2)
+        assert autopatch.session().finish() == []
+    finally:
+        autopatch.uninstall()
+    from moeverify import record
+
+    assert sorted(record.load(tmp_path / "rank00000").steps) == [0, 1]  # one dump step per optimizer step
 
     with torch.no_grad():
         for r in routers:
             r.weight.add_(torch.randn(E, H, generator=torch.Generator().manual_seed(9)) * 3)
-    replaying = autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
+    autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
     try:
-        replayed = [[ids_of(r(x)[1]) for r in routers] for x in xs]
-        assert replaying._state.problems() == []
+        replayed = forward_steps(routers, 2)
+        assert autopatch.session().finish() == []
     finally:
         autopatch.uninstall()
-    for got, want in zip(replayed, recorded):
-        for g, w in zip(got, want):
+    for got, want in zip(replayed, recorded, strict=True):
+        for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
 
 
-def test_autopatch_second_model_same_layer_left_native(tmp_path):
-    actor, reference = make_router(1, seed=3), make_router(1, seed=4)
-    x = torch.randn(S, B, H)
-    expected = reference(x)[1]
+def test_autopatch_replay_other_micro_batching_fails_at_the_step(tmp_path):
     autopatch.install(autopatch.Setting(mode="record", directory=tmp_path))
     try:
+        routers = [make_router(1, seed=1)]
+        forward_steps(routers, 2, microbatches=2)
+        autopatch.session().finish()
+    finally:
+        autopatch.uninstall()
+    autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
+    try:
+        with pytest.raises(RouteError, match=r"rank 0 step 0: forwards replayed so far per layer \{0: 1\} != the "
+                                             r"recording's 2 at the end of this step"):
+            forward_steps(routers, 2, microbatches=1)
+    finally:
+        autopatch.uninstall()
+
+
+def test_autopatch_record_into_existing_dump_refused_before_start(tmp_path):
+    (tmp_path / "rank00000").mkdir()
+    with pytest.raises(UsageError, match=r"record directory .* already holds files"):
+        autopatch.install(autopatch.Setting(mode="record", directory=tmp_path))
+    assert autopatch.session() is None
+
+
+def test_autopatch_replay_without_dump_refused_before_start(tmp_path):
+    with pytest.raises(UsageError, match=r"rank00000 holds no routing dump for rank 0"):
+        autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
+
+
+def test_autopatch_second_model_without_selection_refused(tmp_path):
+    autopatch.install(autopatch.Setting(mode="record", directory=tmp_path))
+    try:
+        reference, actor = make_router(1, seed=4), make_router(1, seed=3)
+        x = torch.randn(S, B, H)
         with torch.no_grad():
-            actor(x)
-            with pytest.warns(UserWarning, match="a second router claims layer 0"):
-                got = reference(x)[1]
-        assert torch.equal(got, expected)
+            with pytest.raises(UsageError, match=r"2 MoE models are built in this process \(model 0: layers \[0\]; "
+                                                 r"model 1: layers \[0\]\); set MOEVERIFY_ROUTER_REPLAY_MODEL=N"):
+                actor(x)
+    finally:
+        autopatch.uninstall()
+
+
+def test_autopatch_selected_model_by_build_order_not_call_order(tmp_path):
+    autopatch.install(autopatch.Setting(mode="record", directory=tmp_path, model=1))
+    try:
+        reference, actor = make_router(1, seed=4), make_router(1, seed=3)  # actor built second: model 1
+        x = torch.randn(S, B, H)
+        expected_ref = ids_of(reference(x)[1])
+        with torch.no_grad():
+            got_ref = ids_of(reference(x)[1])  # the reference runs first: still native, not bound
+            actor_ids = ids_of(actor(x)[1])
+        assert torch.equal(got_ref, expected_ref)
         assert autopatch.session().routes().microbatches == 1
+        assert torch.equal(autopatch.session().routes().get(0, 0).sort(dim=1).values, actor_ids)
+    finally:
+        autopatch.uninstall()
+
+
+def test_autopatch_router_built_before_install_refused(tmp_path):
+    early = make_router(1, seed=5)
+    autopatch.install(autopatch.Setting(mode="record", directory=tmp_path))
+    try:
+        with pytest.raises(UsageError, match=r"a TopKRouter \(layer 0\) was built before moeverify.patches.autopatch"):
+            with torch.no_grad():
+                early(torch.randn(S, B, H))
     finally:
         autopatch.uninstall()

@@ -1,0 +1,64 @@
+"""Autopatch on an unmodified training job, through its entry point (also as torchrun's script).
+
+The job (``jobs/autopatch_job.py``): actor + reference in one process, a train-mode log-prob pass under
+no_grad with full recompute, reverse-order backward, optimizer steps. Recorded once; replayed with
+perturbed router weights, the training forwards must take exactly the recorded routes. Micro-batching
+that differs from the recording, or a record directory that already holds a dump, must fail the job
+with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).resolve().parent / "jobs" / "autopatch_job.py"
+TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "600"))
+
+
+def run_job(mode: str, directory: Path, out: Path, *, steps=2, microbatches=2, perturb=False, torchrun=False,
+            model="1", args=None):
+    env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": f"{mode}:{directory}", "MOEVERIFY_ROUTER_REPLAY_MODEL": model,
+           "PERTURB": "1" if perturb else "0"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"] \
+        if torchrun else [sys.executable, "-m"]
+    cmd = launcher + ["moeverify.patches.autopatch"] + (args if args is not None else
+                                                        [str(JOB), str(out), str(steps), str(microbatches)])
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_autopatch_job_record_then_replay_perturbed_follows_recording(tmp_path):
+    dump = tmp_path / "dump"
+    rec = run_job("record", dump, tmp_path / "record.json")
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    again = run_job("record", dump, tmp_path / "again.json")
+    assert again.returncode == 2 and "already holds files" in again.stderr, again.stderr[-2000:]
+    native = run_job("record", tmp_path / "native", tmp_path / "native.json", perturb=True)
+    assert native.returncode == 0, native.stderr[-3000:]
+    rep = run_job("replay", dump, tmp_path / "replay.json", perturb=True, torchrun=True)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    recorded, replayed, perturbed = (json.loads((tmp_path / f"{n}.json").read_text())
+                                     for n in ("record", "replay", "native"))
+    assert replayed["routes"] == recorded["routes"]
+    assert perturbed["routes"] != recorded["routes"]  # the perturbation changes native routes: replay did the work
+
+
+def test_autopatch_job_other_micro_batching_fails(tmp_path):
+    dump = tmp_path / "dump"
+    assert run_job("record", dump, tmp_path / "r.json", steps=1, microbatches=2).returncode == 0
+    rep = run_job("replay", dump, tmp_path / "p.json", steps=1, microbatches=3)
+    assert rep.returncode != 0
+    assert "forward asked for micro-batch 4 but only 4 were given" in rep.stderr, rep.stderr[-2000:]  # 2 + 2 recorded
+    fewer = run_job("replay", dump, tmp_path / "q.json", steps=1, microbatches=1)
+    assert fewer.returncode == 3 and "never used in a forward" in fewer.stderr, fewer.stderr[-2000:]
+
+
+def test_autopatch_entry_point_usage_errors(tmp_path):
+    no_script = run_job("record", tmp_path / "d", tmp_path / "o.json", args=[])
+    assert no_script.returncode == 2 and "usage: python -m moeverify.patches.autopatch SCRIPT" in no_script.stderr
+    two_models = run_job("record", tmp_path / "d2", tmp_path / "o.json", model="")
+    assert two_models.returncode != 0 and "2 MoE models are built in this process" in two_models.stderr
