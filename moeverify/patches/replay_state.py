@@ -59,7 +59,7 @@ def route_recompute(router, held, logits, args, kwargs, *, original):
         return state.recompute(router, layer, mb, logits, args, kwargs)
     replaying = held is not None and isinstance(held[0], Replaying)
     if replaying or router in _REPLAYED:
-        layer = held[1] if held is not None else "?"
+        layer = held[1] if held is not None else router.layer_number - 1
         state = held[0] if replaying else None
         used = f" ({state.describe(layer)})" if state is not None else ""
         raise RouteError(f"layer {layer} rank {current_rank()}: a routing call inside backward is not the recompute "
@@ -67,6 +67,23 @@ def route_recompute(router, held, logits, args, kwargs, *, original):
                          "Megatron's tensor_parallel.checkpoint, torch.utils.checkpoint (either mode) and other "
                          "autograd-Function checkpoints: this recompute mechanism is unknown, so its routes cannot be "
                          "identified (routing it natively would silently differ from its forward)")
+    return original(router, logits, *args, **kwargs)
+
+
+class _Native:
+    """Binding of a forward no session held, on a router that replayed before: its recompute is native too."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def recompute(self, router, layer, mb, logits, args, kwargs):
+        return self.original(router, logits, *args, **kwargs)
+
+
+def route_unheld(router, logits, args, kwargs, *, original):
+    """A forward of a router no session holds: native; bound as such where a later recompute could be ambiguous."""
+    if router in _REPLAYED:
+        _bind(regions.forward_region(), router, _Native(original), router.layer_number - 1, None)
     return original(router, logits, *args, **kwargs)
 
 

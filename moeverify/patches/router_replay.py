@@ -31,7 +31,7 @@ import torch
 from moeverify.errors import EnvironmentProblem, RouteError, UsageError
 from moeverify.patches import compat
 from moeverify.patches import regions
-from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute
+from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
 from moeverify.routes import Routes
 
@@ -51,7 +51,7 @@ def _patched_routing(self, logits, *args, **kwargs):
     if regions.in_backward():  # a recompute: served by the forward it repeats, held or not
         return route_recompute(self, entry, logits, args, kwargs, original=_ORIGINAL_ROUTING)
     if entry is None:
-        return _ORIGINAL_ROUTING(self, logits, *args, **kwargs)
+        return route_unheld(self, logits, args, kwargs, original=_ORIGINAL_ROUTING)
     state, layer = entry
     return state.route(self, layer, logits, args, kwargs)
 

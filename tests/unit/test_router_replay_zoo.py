@@ -1,0 +1,105 @@
+"""Router replay inside ordinary training loops on a real tiny Qwen3-MoE (1 CPU rank): the loop shapes of RL jobs.
+
+Each case records the routes natively (no grad), replays them in a training pass shaped as users write
+it, and requires every gradient bitwise equal to Megatron's own routing under the same loop (same
+recompute, same backward order): with unchanged weights the recorded routes are the native ones, so any
+difference is replay's doing. Loops: forward-order, reverse and summed-loss backward; full recompute and
+selective ``["moe"]`` recompute; a train-mode log-prob pass under no_grad before the training pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeverify.patches import router_replay as rr
+
+pytestmark = pytest.mark.usefixtures("patched_megatron_world")
+B, S, MB = 2, 8, 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    from moeverify import models
+    from moeverify.layout import Layout
+
+    built = models.build("qwen3_moe", Layout(), seed=0)
+    for chunk in built.model_chunks:
+        chunk.train()
+    return built
+
+
+def set_recompute(chunks, mode: str | None) -> None:
+    for chunk in chunks:
+        for m in chunk.modules():
+            config = getattr(m, "config", None)
+            if config is None:
+                continue
+            config.recompute_granularity = {"full": "full", "moe": "selective"}.get(mode)
+            config.recompute_method = "uniform" if mode == "full" else None
+            config.recompute_num_layers = 1 if mode == "full" else None
+            config.recompute_modules = ["moe"] if mode == "moe" else ["core_attn"]
+
+
+def batches(vocab: int):
+    return [torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(40 + i)) for i in range(MB)]
+
+
+def training_pass(chunks, data, order: str) -> dict:
+    pos_BS = torch.arange(S).expand(B, S)
+    for p in chunks[0].parameters():
+        p.grad = None
+    losses = [chunks[0](tokens, pos_BS, None).float().square().mean() for tokens in data]
+    if order == "summed":
+        sum(losses).backward()
+    else:
+        for loss in (reversed(losses) if order == "reverse" else losses):
+            loss.backward()
+    return {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("recompute", ["full", "moe"])
+@pytest.mark.parametrize("order", ["forward", "reverse", "summed"])
+def test_replay_training_loop_bitwise_native(model, recompute, order):
+    chunks, data = model.model_chunks, batches(model.config.vocab_size)
+    set_recompute(chunks, recompute)
+    try:
+        native = training_pass(chunks, data, order)
+        session = rr.ReplaySession(chunks)
+        pos_BS = torch.arange(S).expand(B, S)
+        with torch.no_grad(), session.record():  # log-prob pass, train mode: Megatron still checkpoints it
+            for tokens in data:
+                chunks[0](tokens, pos_BS, None)
+        with session.replay(session.routes()):
+            replayed = training_pass(chunks, data, order)
+        session.check_consumed()
+    finally:
+        set_recompute(chunks, None)
+    assert native.keys() == replayed.keys() and native
+    diff = [n for n in native if not torch.equal(native[n], replayed[n])]
+    assert not diff, f"{recompute}/{order}: gradients differ from native routing: {diff[:4]}"
+
+
+def test_replay_log_prob_then_train_in_one_replay_context(model):
+    # R3 shape: the rollout routes serve both the train-mode log-prob pass and the training pass.
+    chunks, data = model.model_chunks, batches(model.config.vocab_size)
+    set_recompute(chunks, "full")
+    try:
+        native = training_pass(chunks, data, "reverse")
+        session = rr.ReplaySession(chunks)
+        pos_BS = torch.arange(S).expand(B, S)
+        with torch.no_grad(), session.record():
+            for tokens in data:
+                chunks[0](tokens, pos_BS, None)
+        once = session.routes()
+        both = rr.Routes({layer: [once.get(layer, mb) for mb in list(range(MB)) * 2] for layer in once.layers},
+                         num_experts=once.num_experts, topk=once.topk)
+        with session.replay(both):
+            with torch.no_grad():
+                for tokens in data:
+                    chunks[0](tokens, pos_BS, None)
+            replayed = training_pass(chunks, data, "reverse")
+        session.check_consumed()
+    finally:
+        set_recompute(chunks, None)
+    assert all(torch.equal(native[n], replayed[n]) for n in native)
