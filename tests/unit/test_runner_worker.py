@@ -34,4 +34,4 @@ def test_peak_rss_mb_is_this_process_in_megabytes():
         print(peak_rss_mb() - before)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert 230 <= float(out.stdout) <= 300, out.stdout
+    assert 200 <= float(out.stdout) <= 300, out.stdout  # below 256 where the import had peaked above its final size
