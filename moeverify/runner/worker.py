@@ -29,7 +29,19 @@ STARTUP_TIMEOUT_S = 300.0  # imports and rendezvous: slow on loaded CI machines,
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far (Linux reports KiB)."""
+    """This process's peak resident set size so far, in MiB.
+
+    Linux's ``VmHWM`` (``/proc/self/status``, KiB) is this process's own high-water mark, reset at exec.
+    ``ru_maxrss`` is only the fallback: on Linux a child starts with its parent's figure, so a rank forked
+    from a large launcher would report the launcher's peak.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
