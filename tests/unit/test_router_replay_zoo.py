@@ -39,6 +39,25 @@ def set_recompute(chunks, mode: str | None) -> None:
             config.recompute_method = "uniform" if mode == "full" else None
             config.recompute_num_layers = 1 if mode == "full" else None
             config.recompute_modules = ["moe"] if mode == "moe" else ["core_attn"]
+        for m in chunk.modules():
+            if hasattr(m, "moe_layer_recompute"):  # MoELayer reads selective recompute once, at build
+                m.moe_layer_recompute = mode == "moe"
+
+
+class RecomputeCounter:
+    """Counts router calls made inside backward (recomputes), so a case proves it exercised recompute."""
+
+    def __init__(self, chunks):
+        self.calls = 0
+        self.handles = [m.register_forward_hook(self._hook) for c in chunks for m in c.modules()
+                        if type(m).__name__ == "TopKRouter"]
+
+    def _hook(self, *_):
+        self.calls += torch._C._current_graph_task_id() != -1
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
 
 
 def batches(vocab: int):
@@ -70,11 +89,14 @@ def test_replay_training_loop_bitwise_native(model, recompute, order):
         with torch.no_grad(), session.record():  # log-prob pass, train mode: Megatron still checkpoints it
             for tokens in data:
                 chunks[0](tokens, pos_BS, None)
+        counter = RecomputeCounter(chunks)
         with session.replay(session.routes()):
             replayed = training_pass(chunks, data, order)
+        counter.remove()
         session.check_consumed()
     finally:
         set_recompute(chunks, None)
+    assert counter.calls == MB * len(session.layers), f"{recompute}: {counter.calls} recomputed router calls"
     assert native.keys() == replayed.keys() and native
     diff = [n for n in native if not torch.equal(native[n], replayed[n])]
     assert not diff, f"{recompute}/{order}: gradients differ from native routing: {diff[:4]}"
