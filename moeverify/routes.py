@@ -73,6 +73,14 @@ class Routes:
         self.num_experts = num_experts
         self.topk = topk
 
+    @classmethod
+    def unchecked(cls, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int) -> Routes:
+        """A ``Routes`` built WITHOUT validation: for oracles that hand implementations bad routes on purpose."""
+        routes = cls.__new__(cls)
+        routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
+        routes.num_experts, routes.topk = num_experts, topk
+        return routes
+
     @property
     def layers(self) -> tuple[int, ...]:
         """Sorted global layer numbers of the MoE layers held."""

@@ -20,6 +20,14 @@ backward, replay) second. Per router variant (``replay_variants``):
   ``replay_checks.CROSS_LAYOUT_RTOL/ATOL`` of the reference (why not bitwise: see there).
 - native_parity: the implementation's replay vs Megatron-Core's native ``RouterReplay`` replaying the
   same routes on a second build of the same weights: identical routing, probs, logits and gradients.
+- backward_order: full recompute on perturbed weights in hand-written loops (all forwards, then
+  backward in reverse order, or one backward of the summed losses): every recompute call equals one
+  forward micro-batch's routing and probs, and gradients equal the same loop without recompute bit for
+  bit. Under pipeline parallelism (no hand loop possible) it runs on a 1-rank build of the model.
+- validation: bad routes handed to the implementation (a short table, an expert twice in a row, an id
+  out of range, float ids, routes of a model with one more MoE layer) must be refused (an exception)
+  before the bad layer routes a token. Runs on a 1-rank build (a refusal on one pipeline stage would
+  leave the other waiting).
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ from moeverify.oracles import replay_drive as rd
 from moeverify.oracles.replay_impls import NativeReplay, ReplayImpl, find_routers, make_impl, pristine
 from moeverify.oracles.replay_variants import RouterVariant, select
 from moeverify.oracles.results import Tally
+from moeverify.routes import Routes
 
-SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity")
+SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order", "validation")
 RECOMPUTE_MODES = {
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
@@ -177,7 +186,106 @@ def _variant_on_layout(setup: _Setup, tallies: dict[str, Tally], notes: dict):
     dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
     if dependent:
         _guarded(setup, dependent, _drift_and_recompute, setup, tallies, chunks, routes, notes)
+    for name, fn in (("backward_order", _backward_order), ("validation", _validation)):
+        if name in want:
+            _guarded(setup, {name: tallies[name]}, fn, setup, tallies[name])
     return routes
+
+
+@contextlib.contextmanager
+def _hand_loop_layout(setup: _Setup):
+    """The layout hand-written loops run under: the scenario's without PP/VPP, else a nested 1-rank one."""
+    if setup.layout.pp == 1 and setup.layout.vpp_chunks == 1:
+        yield setup.layout, setup.items
+        return
+    one = Layout()
+    glob = dataclasses.replace(setup.batches, dp=1)
+    with runtime.parallel(one, seed=setup.ctx.scenario.seed):
+        yield one, rd.local_microbatches(glob, one, dp_rank=0, cp_rank=0)
+
+
+def _backward_order(setup: _Setup, t: Tally) -> None:
+    if setup.impl.recompute_unsupported:
+        t.fail(f"{setup.prefix}{setup.impl.name} cannot replay in recompute: {setup.impl.recompute_unsupported}")
+        return
+    seq, impl = setup.batches.seq_len, setup.impl
+    with _hand_loop_layout(setup) as (layout, items):
+        chunks = _build(setup, layout, overrides=impl.overrides())
+        impl.bind(chunks)
+        routes = rd.record_pass(chunks, items, seq_len=seq, impl=impl).routes
+        _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+        for order in rd.BACKWARD_ORDERS:
+            p = f"{setup.prefix}backward={order}: "
+            _set_full_recompute(chunks, False)
+            plain = rd.loop_pass(chunks, items, seq_len=seq, impl=impl, routes=routes, order=order)
+            _set_full_recompute(chunks, True)
+            try:
+                got = rd.loop_pass(chunks, items, seq_len=seq, impl=impl, routes=routes, order=order)
+            finally:
+                _set_full_recompute(chunks, False)
+            rc.check_recompute_identity(t, got, microbatches=len(items), prefix=p)
+            rc.compare_passes(t, plain, got, prefix=p + "vs the same loop without recompute: ")
+
+
+def _set_full_recompute(chunks: list, on: bool) -> None:
+    """Switch full recompute (read by the decoder at every forward) on or off for a built model."""
+    configs = {id(m.config): m.config for chunk in chunks for m in chunk.modules()
+               if hasattr(getattr(m, "config", None), "recompute_granularity")}
+    for config in configs.values():
+        for key, value in RECOMPUTE_MODES["full"].items():
+            setattr(config, key, value if on else None)
+
+
+def _bad_routes(routes, layer: int, microbatch: int) -> dict[str, object]:
+    """Named corruptions of ``routes`` in ``layer``'s ``microbatch`` (built without validation)."""
+    good_TK = routes.get(layer, microbatch).to(torch.int64)
+    E, K = routes.num_experts, routes.topk
+
+    def swap(tensor):
+        data = {lay: [routes.get(lay, mb) for mb in range(routes.microbatches)] for lay in routes.layers}
+        data[layer][microbatch] = tensor
+        return Routes.unchecked(data, num_experts=E, topk=K)
+
+    dup_TK, out_TK = good_TK.clone(), good_TK.clone()
+    dup_TK[0, 1:] = dup_TK[0, 0]
+    out_TK[0, 0] = E
+    extra = {lay: [routes.get(lay, mb) for mb in range(routes.microbatches)] for lay in routes.layers}
+    extra[max(routes.layers) + 1] = [routes.get(layer, mb) for mb in range(routes.microbatches)]
+    bad = {"short table": swap(good_TK[:-1]), "float ids": swap(good_TK.float()),
+           "id out of range": swap(out_TK), "another model's layer count": Routes.unchecked(extra, num_experts=E,
+                                                                                             topk=K)}
+    if K > 1:
+        bad["expert twice in a row"] = swap(dup_TK)
+    return bad
+
+
+def _validation(setup: _Setup, t: Tally) -> None:
+    impl, one = setup.impl, Layout()
+    glob = dataclasses.replace(setup.batches, dp=1)
+    with runtime.parallel(one, seed=setup.ctx.scenario.seed):
+        items = rd.local_microbatches(glob, one, dp_rank=0, cp_rank=0)
+        chunks = _build(setup, one, overrides=impl.overrides())
+        impl.bind(chunks)
+        routes = rd.record_pass(chunks, items, seq_len=glob.seq_len, impl=impl).routes
+        layer = routes.layers[0]
+        for case, bad in _bad_routes(routes, layer, 0).items():
+            refused, routed = None, False
+            try:
+                routed = (layer, 0) in _one_forward(chunks, items[0], impl=impl, routes=bad)
+            except Exception as exc:  # noqa: BLE001 - any refusal counts; what matters is that nothing routed
+                refused = f"{type(exc).__name__}: {str(exc)[:200]}"
+            t.check(refused is not None and not routed,
+                    f"{setup.prefix}validation: {impl.name} accepted routes with {case} (layer {layer} mb 0) and "
+                    "routed tokens with them; expected a refusal before any token is routed")
+
+
+def _one_forward(chunks: list, item, *, impl: ReplayImpl, routes) -> dict:
+    """One forward of ``item`` under ``impl.replay(routes)``; the (layer, mb) keys the routers completed."""
+    with torch.no_grad(), impl.replay(routes), rd.RouterProbe(chunks) as probe:
+        for chunk in chunks:
+            chunk.eval()
+        rd.forward_one(chunks[0], 0, item, impl=impl, probe=probe)
+    return probe.forward
 
 
 def _drift_and_recompute(setup: _Setup, tallies: dict[str, Tally], chunks: list, routes, notes: dict) -> None:

@@ -6,6 +6,8 @@ Legend of shape suffixes: T = tokens (router order), E = experts, K = top-k, B =
 
 from __future__ import annotations
 
+import torch
+
 from moeverify.oracles.replay_compare import (agreement, compare_maps, describe_mismatch, map_from_topk_ids,
                                               same_experts, topk_ids_from_map, close_within, bitwise_equal)
 from moeverify.oracles.results import Tally
@@ -122,6 +124,28 @@ def check_recompute_calls(t: Tally, got, *, microbatches: int, prefix: str) -> N
             t.check(bitwise_equal(probs_TE, fwd[1]),
                     f"{prefix}layer {layer} mb {i}: recompute probs differ from the forward's: "
                     f"{describe_mismatch(fwd[1], probs_TE)}")
+
+
+def check_recompute_identity(t: Tally, got, *, microbatches: int, prefix: str) -> None:
+    """Backward in any order: each layer's recompute calls are its forwards, each matched exactly once.
+
+    A recompute call matches a forward when routing map and probs are bitwise equal. The probs come
+    from the recomputed micro-batch's own logits, so routes taken from another micro-batch match none.
+    """
+    for layer, calls in sorted(got.recompute.items()):
+        if not t.check(len(calls) == microbatches,
+                       f"{prefix}layer {layer}: {len(calls)} recompute routing call(s), expected {microbatches}"):
+            continue
+        unmatched = set(range(microbatches))
+        for i, (map_TE, probs_TE) in enumerate(calls):
+            match = next((mb for mb in sorted(unmatched) if (layer, mb) in got.routing
+                          and map_TE.shape == got.routing[(layer, mb)][0].shape
+                          and torch.equal(map_TE, got.routing[(layer, mb)][0])
+                          and bitwise_equal(probs_TE, got.routing[(layer, mb)][1])), None)
+            if t.check(match is not None, f"{prefix}layer {layer}: recompute call {i} (in backward order) equals no "
+                                          "forward micro-batch's routing and probs: it replayed another micro-batch's "
+                                          "routes"):
+                unmatched.discard(match)
 
 
 def check_losses_close(t: Tally, got, ref_seq_loss: dict, *, dp_rank: int, batch: int, prefix: str) -> None:

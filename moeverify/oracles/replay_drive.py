@@ -163,7 +163,6 @@ def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: t
 def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forward_only: bool,
              impl: ReplayImpl | None = None) -> PassResult:
     """One pass of Megatron's pipeline schedule over ``items``; ``impl`` gets its per-step hooks."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     result = PassResult(routing={}, recompute={}, logits={}, seq_loss={}, grads={})
@@ -173,18 +172,7 @@ def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forwa
 
     def forward_step(data_iterator, model):
         item = next(data_iterator)
-        c = index[id(model)]
-        if impl is not None:
-            impl.before_forward(c, item.mb)
-        probe.current_mb = item.mb
-        try:
-            dev = next(model.parameters()).device  # data is made on CPU; CUDA ranks get it on their device
-            kwargs = {} if item.padding_BS is None else {"padding_mask": item.padding_BS.to(dev)}
-            output = model(item.tokens_BS.to(dev), item.position_ids_BS.to(dev), None, **kwargs)
-        finally:
-            probe.current_mb = None
-        if impl is not None:
-            impl.after_forward(c, item.mb)
+        output = forward_one(model, index[id(model)], item, impl=impl, probe=probe)
         return output, functools.partial(_loss, item, total_tokens, result)
 
     for chunk in model_chunks:
@@ -197,9 +185,31 @@ def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forwa
             forward_step_func=forward_step, data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
             model=model_chunks if len(model_chunks) > 1 else model_chunks[0], num_microbatches=len(items),
             seq_length=seq_len, micro_batch_size=batch, forward_only=forward_only)
+    return _finish(result, probe, model_chunks, grads=not forward_only)
+
+
+def forward_one(model, chunk: int, item: MicroBatch, *, impl: ReplayImpl | None, probe: RouterProbe):
+    """One model chunk's forward of one micro-batch, with the implementation's hooks around it."""
+    if impl is not None:
+        impl.before_forward(chunk, item.mb)
+    probe.current_mb = item.mb
+    try:
+        dev = next(model.parameters()).device  # data is made on CPU; CUDA ranks get it on their device
+        kwargs = {} if item.padding_BS is None else {"padding_mask": item.padding_BS.to(dev)}
+        output = model(item.tokens_BS.to(dev), item.position_ids_BS.to(dev), None, **kwargs)
+    finally:
+        probe.current_mb = None
+    if impl is not None:
+        impl.after_forward(chunk, item.mb)
+    return output
+
+
+def _finish(result: PassResult, probe: RouterProbe, model_chunks: list, *, grads: bool) -> PassResult:
+    from megatron.core import parallel_state
+
     result.routing = probe.forward
     result.recompute = probe.recompute
-    if not forward_only:
+    if grads:
         result.grads = _grads(model_chunks)
     cp_group = parallel_state.get_context_parallel_group()
     if torch.distributed.get_world_size(cp_group) > 1 and result.seq_loss:
@@ -207,6 +217,34 @@ def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forwa
             torch.distributed.all_reduce(sums_B, group=cp_group)
     result.seq_loss = {mb: sums_B.cpu() for mb, sums_B in result.seq_loss.items()}
     return result
+
+
+BACKWARD_ORDERS = ("reverse", "summed")
+
+
+def loop_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl, routes,
+              order: str) -> PassResult:
+    """A hand-written training loop (no pipeline): every forward first, then backward in ``order``.
+
+    ``"reverse"``: ``for loss in reversed(losses): loss.backward()``; ``"summed"``: one backward of
+    ``sum(losses)`` (plain gradient accumulation). Needs one model chunk and no pipeline parallelism.
+    """
+    if order not in BACKWARD_ORDERS:
+        raise ValueError(f"unknown backward order {order!r}; expected one of {BACKWARD_ORDERS}")
+    (chunk,) = model_chunks
+    result = PassResult(routing={}, recompute={}, logits={}, seq_loss={}, grads={})
+    total_tokens = items[0].tokens_BS.shape[0] * seq_len
+    chunk.train()
+    _zero_grads(model_chunks)
+    with impl.replay(routes), RouterProbe(model_chunks) as probe:
+        losses = [_loss(item, total_tokens, result, forward_one(chunk, 0, item, impl=impl, probe=probe))[0] / len(items)
+                  for item in items]
+        if order == "reverse":
+            for loss in reversed(losses):
+                loss.backward()
+        else:
+            torch.stack(losses).sum().backward()
+    return _finish(result, probe, model_chunks, grads=True)
 
 
 def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl) -> PassResult:

@@ -8,13 +8,17 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
 - ``layer_shift``: replays the next MoE layer's routes (off by one layer).
 - ``detached_probs``: replayed probabilities detached, so no gradient reaches the router.
 - ``no_recompute_replay``: forwards replay, but recompute during backward routes natively.
+- ``fifo_recompute``: moeverify's patch with recompute served in queue order (the next micro-batch
+  of the layer) instead of by identity: right when backward runs in forward order, wrong otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from moeverify.oracles.replay_impls import NativeReplay
+from moeverify.oracles.replay_impls import MoeverifyReplay, NativeReplay
 
 
 class _WrongMicrobatch(NativeReplay):
@@ -60,6 +64,28 @@ class _NoRecomputeReplay(NativeReplay):
             super().after_forward(chunk, mb)
 
 
+class _FifoRecompute(MoeverifyReplay):
+    name = "fifo_recompute"
+
+    @contextlib.contextmanager
+    def replay(self, routes):
+        with super().replay(routes):
+            state = self._session._replayed
+            served = dict.fromkeys(state.per_layer, 0)
+            by_identity = state.recompute
+
+            def in_queue_order(router, layer, mb, *args):
+                mb, served[layer] = served[layer] % len(state.per_layer[layer]), served[layer] + 1
+                return by_identity(router, layer, mb, *args)
+
+            state.recompute = in_queue_order
+            yield self
+
+
+def fifo_recompute() -> MoeverifyReplay:
+    return _FifoRecompute()
+
+
 def wrong_microbatch() -> NativeReplay:
     return _WrongMicrobatch()
 
@@ -77,4 +103,4 @@ def no_recompute_replay() -> NativeReplay:
 
 
 MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",
-           "no_recompute_replay": "recompute"}
+           "no_recompute_replay": "recompute", "fifo_recompute": "backward_order"}

@@ -180,7 +180,9 @@ class ActionReplay(ReplayImpl):
     def before_forward(self, chunk: int, mb: int) -> None:
         if self._mode == "replay":
             for layer, rr in self._chunk_routers(chunk):
-                rr.set_target_indices(self.target(layer, mb).to(torch.int64))
+                target_TK = self.target(layer, mb)
+                # integer routes (uint8 from dumps) widened as trainers do; anything else passed as given
+                rr.set_target_indices(target_TK if target_TK.is_floating_point() else target_TK.to(torch.int64))
                 rr.set_router_replay_action(self.action_enum.REPLAY_FORWARD)
 
     def after_forward(self, chunk: int, mb: int) -> None:

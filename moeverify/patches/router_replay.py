@@ -33,7 +33,7 @@ from moeverify.patches import compat
 from moeverify.patches import regions
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
-from moeverify.routes import Routes
+from moeverify.routes import Routes, validate_topk_ids
 
 __all__ = ["apply", "revert", "is_applied", "ReplaySession", "RoutingMode"]
 
@@ -274,7 +274,10 @@ class ReplaySession:
             raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
         self._check_routes(routes)
         device = next(iter(self._live_routers().values())).weight.device
-        per_layer = {layer: tuple(routes.get(layer, mb).to(device=device, dtype=torch.int64, copy=True)
+        # Re-checked here, on this session's own copy: a Routes' tensors can be changed in place after it was built.
+        per_layer = {layer: tuple(validate_topk_ids(routes.get(layer, mb), layer=layer, microbatch=mb,
+                                                    num_experts=self.num_experts, topk=self.topk, rank=current_rank())
+                                  .to(device=device, dtype=torch.int64, copy=True)
                                   for mb in range(routes.microbatches)) for layer in routes.layers}
         replaying = Replaying(per_layer, recompute=recompute, rank=current_rank(), original=_ORIGINAL_ROUTING)
         self._replayed = replaying
