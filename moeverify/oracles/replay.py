@@ -297,6 +297,63 @@ def _one_forward(chunks: list, item, *, impl: ReplayImpl, routes) -> tuple[set, 
     return set(probe.forward), None
 
 
+def _drift_and_recompute(setup: _Setup, tallies: dict[str, Tally], chunks: list, routes, notes: dict) -> None:
+    """Perturb the router weights of ``chunks``; drift on them, then recompute on fresh perturbed builds."""
+    p, seq, impl = setup.prefix, setup.batches.seq_len, setup.impl
+    _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+    native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
+    drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
+    if "drift" in tallies:
+        t = tallies["drift"]
+        counts = rc.drift_agreement(routes, native)
+        rc.check_drift_moved(t, counts, prefix=p)
+        rc.check_follows(t, routes, drifted, prefix=p, what="recorded")
+        notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
+    if "recompute" in tallies:
+        _guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
+                 drifted)
+
+
+def _native_parity(setup: _Setup, t: Tally, routes, replayed) -> None:
+    native_impl = NativeReplay()
+    with pristine():
+        chunks = _build(setup, setup.layout, overrides=native_impl.overrides())
+        native_impl.bind(chunks)
+        native = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl, routes=routes)
+    rc.compare_passes(t, native, replayed, prefix=setup.prefix + "vs native RouterReplay: ")
+
+
+def _cross_layout(setup: _Setup, t: Tally, reference, own_routes, notes: dict) -> None:
+    global_routes, ref_seq_loss = reference
+    b = setup.batches
+    chunks = _build(setup, setup.layout, overrides=setup.impl.overrides())
+    setup.impl.bind(chunks)
+    local = views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
+                           num_layers=_num_layers(chunks))
+    got = rd.replay_pass(chunks, setup.items, seq_len=b.seq_len, impl=setup.impl, routes=local)
+    rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference")
+    rc.check_losses_close(t, got, ref_seq_loss, dp_rank=setup.coords.dp, batch=b.batch, prefix=setup.prefix)
+    if own_routes is not None:
+        notes["native_vs_reference_agreement"] = {str(k): v for k, v in rc.layer_agreement(local, own_routes).items()}
+
+
+def _recompute(setup: _Setup, t: Tally, routes, drifted) -> None:
+    if setup.impl.recompute_unsupported:
+        t.fail(f"{setup.prefix}{setup.impl.name} cannot replay in recompute: {setup.impl.recompute_unsupported}")
+        return
+    for mode in setup.opts.recompute:
+        p = f"{setup.prefix}recompute={mode}: "
+        chunks = _build(setup, setup.layout, overrides=setup.impl.overrides(), extra=RECOMPUTE_MODES[mode])
+        _perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+        setup.impl.bind(chunks)
+        got = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=setup.impl, routes=routes)
+        # root causes (routes of the recompute calls) first, their consequences (gradients) after
+        rc.check_recompute_calls(t, got, microbatches=routes.microbatches, prefix=p)
+        for msg in setup.impl.check_consumed(recompute=True):
+            t.fail(p + msg)
+        rc.compare_passes(t, drifted, got, prefix=p + "vs no-recompute replay: ")
+
+
 def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Tally]:
     """Rank 0 gets every rank's counts and failures (prefixed with the rank)."""
     mine = {name: (t.checked, [f"{label}: {m}" for m in t.failures], t.dropped) for name, t in tallies.items()}
