@@ -1,4 +1,5 @@
-"""Benchmark: one MoE layer's router + token dispatch, forward and backward, per replay implementation.
+"""Benchmark: one MoE layer's router + token dispatch (or the router alone), forward and backward, per replay
+implementation.
 
 Variants: ``unpatched`` (Megatron-Core as installed), moeverify ``record`` and ``replay``,
 Megatron-Core's native ``RouterReplay`` (record / replay) and verl 0.9.1's ``router_replay_patch``
@@ -9,6 +10,10 @@ round with its variants, and ratios are taken against that same-process baseline
 Dispatch is Megatron's local permutation (``moe_utils.permute`` / ``unpermute`` by the routing map),
 what the token dispatchers do around their collectives, so the cost the patch adds is weighed
 against a realistic per-layer amount of routing work.
+
+``--scope router`` times ``TopKRouter`` alone (forward + backward of its probs), the replay context
+entered once per step as a trainer does; ``--scoring sigmoid`` uses sigmoid scores with expert bias and
+group-limited top-k (DeepSeek-V3 style) instead of softmax.
 
 CPU (default): a small realistic shape that runs in well under two minutes.
 H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtype bf16``.
@@ -45,13 +50,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="activation and parameter dtype")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per round (default by device)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the fastest round counts")
+    p.add_argument("--scope", choices=("layer", "router"), default="layer",
+                   help="layer: router + local dispatch; router: TopKRouter alone")
+    p.add_argument("--scoring", choices=("softmax", "sigmoid"), default="softmax",
+                   help="sigmoid: sigmoid scores + expert bias + group-limited top-k")
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # child process: one implementation
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON path")
+    p.add_argument("--out", type=Path, default=None, help="results JSON path (default bench/results/router_replay"
+                   "[_router][_sigmoid].json)")
     args = p.parse_args(argv)
     if args.topk > args.experts:
         p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
     if args.iters is None:
         args.iters = 20 if args.device == "cuda" else 10
+    if args.scoring == "sigmoid" and args.experts % 8:
+        p.error(f"--scoring sigmoid uses 8 expert groups: --experts {args.experts} is not divisible by 8")
+    if args.out is None:
+        suffix = ("_router" if args.scope == "router" else "") + ("_sigmoid" if args.scoring == "sigmoid" else "")
+        args.out = RESULTS.with_name(f"router_replay{suffix}.json")
     return args
 
 
@@ -59,8 +74,11 @@ def _config(args, *, native: bool):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    scoring = {} if args.scoring == "softmax" else dict(
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=8,
+        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5)
     return TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=8,
-                             num_moe_experts=args.experts, moe_router_topk=args.topk,
+                             num_moe_experts=args.experts, moe_router_topk=args.topk, **scoring,
                              use_cpu_initialization=True, moe_aux_loss_coeff=0.0, add_bias_linear=False,
                              moe_router_dtype="fp32", bf16=args.dtype == "bf16",
                              params_dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
@@ -78,10 +96,18 @@ def _router(args, *, native: bool = False):
     return router.to(args.device)
 
 
+def _router_step(router, x_SBH):
+    """The router alone, forward and backward."""
+    probs_TE, _ = router(x_SBH)
+    probs_TE.float().square().mean().backward()
+
+
 def _layer_step(router, x_SBH):
     """Router + local dispatch + weighted combine, forward and backward."""
     from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
+    if SCOPE[0] == "router":
+        return _router_step(router, x_SBH)
     probs_TE, map_TE = router(x_SBH)
     tokens_TH = x_SBH.view(-1, x_SBH.shape[-1])
     num_out = tokens_TH.shape[0] * router.topk
@@ -165,6 +191,7 @@ def _native_steps(router, action_enum, ids_TK):
 
 
 x_holder: list = []
+SCOPE = ["layer"]  # set by run_child from --scope
 
 
 def _variants_native(args, x):
@@ -202,6 +229,7 @@ def run_child(args) -> dict:
 
     if args.device == "cpu":
         torch.set_num_threads(1)  # one core per process: steadier figures on a shared machine
+    SCOPE[0] = args.scope
     runtime.init(args.device)
     with runtime.parallel(Layout(), seed=0):
         x = _input(args)
@@ -241,9 +269,9 @@ def run_parent(args) -> dict:
         theirs = medians["native"]["replay"] / medians["native"]["unpatched"]
         metrics["moeverify.replay_vs_native"] = {"value": round(ours, 4), "unit": "ratio to unpatched",
                                                  "peer": round(theirs, 4), "ratio": round(ours / theirs, 4),
-                                                 "goal": "<=1.00"}
+                                                 "goal": "<=1.02" if args.scope == "router" else "<=1.00"}
     shape = {k: getattr(args, k) for k in ("device", "hidden", "experts", "topk", "tokens", "dtype", "iters",
-                                           "rounds")}
+                                           "rounds", "scope", "scoring")}
     host = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 1),
             "threads_per_process": 1 if args.device == "cpu" else None}
     return {"metrics": metrics, "shape": shape, "host": host, "errors": errors}

@@ -53,7 +53,7 @@ class Routes:
         topk: experts per token.
     """
 
-    __slots__ = ("_data", "num_experts", "topk")
+    __slots__ = ("_data", "num_experts", "topk", "validated")
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
         if num_experts < 1 or topk < 1 or topk > num_experts:
@@ -72,13 +72,14 @@ class Routes:
         self._data = data
         self.num_experts = num_experts
         self.topk = topk
+        self.validated = True  # every tensor checked when built (``unchecked`` leaves it False)
 
     @classmethod
     def unchecked(cls, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int) -> Routes:
         """A ``Routes`` built WITHOUT validation: for oracles that hand implementations bad routes on purpose."""
         routes = cls.__new__(cls)
         routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
-        routes.num_experts, routes.topk = num_experts, topk
+        routes.num_experts, routes.topk, routes.validated = num_experts, topk, False
         return routes
 
     @property

@@ -274,15 +274,21 @@ class ReplaySession:
             raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
         self._check_routes(routes)
         device = next(iter(self._live_routers().values())).weight.device
-        # Re-checked here, on this session's own copy: a Routes' tensors can be changed in place after it was built.
-        per_layer = {layer: tuple(validate_topk_ids(routes.get(layer, mb), layer=layer, microbatch=mb,
-                                                    num_experts=self.num_experts, topk=self.topk, rank=current_rank())
-                                  .to(device=device, dtype=torch.int64, copy=True)
-                                  for mb in range(routes.microbatches)) for layer in routes.layers}
+        # Replay keeps its own copy. A Routes built unchecked (``Routes.unchecked``) is checked here; a checked one
+        # was validated when built, and checking it again would cost host syncs on every step.
+        per_layer = {layer: tuple(self._own_copy(routes, layer, mb, device) for mb in range(routes.microbatches))
+                     for layer in routes.layers}
         replaying = Replaying(per_layer, recompute=recompute, rank=current_rank(), original=_ORIGINAL_ROUTING)
         self._replayed = replaying
         with self._active(replaying):
             yield
+
+    def _own_copy(self, routes: Routes, layer: int, mb: int, device) -> torch.Tensor:
+        ids_TK = routes.get(layer, mb)
+        if not routes.validated:
+            validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.num_experts, topk=self.topk,
+                              rank=current_rank())
+        return ids_TK.to(device=device, dtype=torch.int64, copy=True)
 
     def check_consumed(self) -> None:
         """Raise ``RouteError`` for a replayed micro-batch never used forward, or a checkpointed one never recomputed."""

@@ -424,3 +424,23 @@ def test_apply_topk_function_without_replay_hook_refused(monkeypatch):
     finally:
         monkeypatch.undo()
         rr.apply()
+
+
+def test_replay_checks_routes_built_unchecked():
+    router = make_router(1)
+    session = rr.ReplaySession(router)
+    bad = Routes.unchecked({0: [torch.tensor([[3, 3]] * T)]}, num_experts=E, topk=K)
+    with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 0: token 0 routes to expert\(s\) twice: \[3, 3\]"):
+        with session.replay(bad):
+            pass
+
+
+def test_replay_keeps_its_own_copy_of_the_routes():
+    router = make_router(1, seed=2)
+    routes = random_routes([0])
+    expected = routes.get(0, 0).clone()
+    session = rr.ReplaySession(router)
+    with session.replay(routes):
+        routes.get(0, 0).fill_(0)  # writing through get() after replay started changes nothing replayed
+        got = ids_of(router(hidden(0))[1])
+    assert torch.equal(got, expected.sort(dim=1).values)
