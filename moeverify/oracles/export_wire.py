@@ -25,7 +25,10 @@ def control_group(timeout_s: float):
     """A gloo group over all ranks with its own timeout (made once per timeout; collective on first use)."""
     key = (dist.get_world_size(), int(timeout_s))
     if key not in _groups:
+        from moeverify import runtime
+
         _groups[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=int(timeout_s)))
+        runtime.keep_group(_groups[key])
     return _groups[key]
 
 

@@ -34,3 +34,44 @@ def test_runtime_parallel_nests_and_restores_outer_layout():
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}  # a fresh 1-rank world, not the worker's
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+GROUPS_SCRIPT = r"""
+import os
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from megatron.core import parallel_state as ps
+from moeverify import runtime
+from moeverify.layout import Layout
+from moeverify.oracles.export_wire import control_group
+runtime.init("cpu")
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def groups():
+    return len(distributed_c10d._world.pg_map)
+base_groups, counts = groups(), []
+for _ in range(4):
+    with runtime.parallel(Layout(), seed=0):
+        dist.all_reduce(__import__("torch").ones(1), group=ps.get_tensor_model_parallel_group())
+        kept = control_group(60)
+        with runtime.parallel(Layout(), seed=1):
+            pass
+        inner = groups()
+        dist.all_reduce(__import__("torch").ones(1), group=ps.get_data_parallel_group())
+    counts.append((groups(), threads()))
+assert inner > base_groups + 5, ("megatron made fewer groups than expected", base_groups, inner)
+assert counts[0][0] == base_groups + 1, ("groups left after parallel() (only the kept control group may stay)",
+                                         base_groups, counts)
+assert len(set(counts)) == 1, ("groups or threads grow from one parallel() to the next", counts)
+assert kept in distributed_c10d._world.pg_map, "the kept control group was destroyed"
+print("OK", base_groups, inner, counts)
+"""
+
+
+def test_runtime_parallel_destroys_the_groups_it_made():
+    # Megatron-Core's destroy_model_parallel only drops references; every gloo group left alive holds
+    # its own threads, and a release run grew to 2,700 threads per rank until collectives timed out.
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    out = subprocess.run([sys.executable, "-c", GROUPS_SCRIPT], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0 and out.stdout.strip().startswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
