@@ -24,6 +24,7 @@ from moeverify.errors import MoEVerifyError, UsageError
 DEFAULT_SCENARIOS = "scenarios/smoke.yaml"
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     except KeyboardInterrupt:
         print("moeverify: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -131,11 +132,10 @@ def _check_outputs(args) -> None:
         for flag, value in (("--json", args.json), ("--junit", args.junit), ("--run-dir", args.run_dir)):
             if value:
                 raise UsageError(f"--list runs nothing, so {flag} has nothing to do; drop {flag} or drop --list")
-    for flag, value in (("--json", args.json), ("--junit", args.junit)):
-        if value and not Path(value).resolve().parent.is_dir():
-            raise UsageError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
-    if args.json and args.junit and Path(args.json).resolve() == Path(args.junit).resolve():
-        raise UsageError("--json and --junit name the same file; give them different paths")
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UsageError(f"--run-dir {args.run_dir}: exists and is not a directory")
 
 
 def _load(args):
@@ -188,45 +188,66 @@ def _cmd_run(args) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _make_run_dir(args) -> Path:
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".moeverify-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc})") from None
+    return run_dir
+
+
 def _execute(args, *, groups, skipped, notices, options) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from moeverify.runner import junit, launch, report
+    from moeverify.runner import launch, report
+    from moeverify.runner.outputs import Outputs
 
+    outputs = Outputs(json_path=args.json, junit_path=args.junit)
+    run_dir = _make_run_dir(args)
     console = Console(highlight=False)
     for notice in notices:
         console.print(f"[yellow]note:[/] {escape(notice)}")
-    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    total = sum(len(s.checks) for g in groups for s in g.scenarios)
-    done = [0]
+    planned = [(s.name, c) for g in groups for s in g.scenarios for c in s.checks]
+    results = list(skipped)
+    streamed: list[report.Result] = []  # results as they arrive (the group's list adds peak RSS at its end)
 
     def progress(result: report.Result) -> None:
-        done[0] += 1
+        streamed.append(result)
         style = {"passed": "green", "failed": "red", "crashed": "bold red"}.get(result.status, "yellow")
-        console.print(f"[{done[0]}/{total}] [{style}]{result.status:7}[/] {escape(result.record.scenario)} "
-                      f"{escape(result.record.check)} ({result.record.seconds:.1f}s)")
+        console.print(f"[{len(streamed)}/{len(planned)}] [{style}]{result.status:7}[/] "
+                      f"{escape(result.record.scenario)} {escape(result.record.check)} ({result.record.seconds:.1f}s)")
+        outputs.write(results + streamed[len(results) - len(skipped):])
 
-    results = list(skipped)
     t0 = time.perf_counter()
-    with console.status("starting") as status:
-        def started(scenario, check) -> None:
-            status.update(f"running {escape(scenario.name)} {escape(check)} (world size {scenario.world_size})")
+    interrupted = False
+    try:
+        with console.status("starting") as status:
+            def started(scenario, check) -> None:
+                status.update(f"running {escape(scenario.name)} {escape(check)} (world size {scenario.world_size})")
 
-        for group in groups:
-            console.print(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} scenario(s); "
-                          f"files in {escape(str(run_dir))}")
-            status.update(f"starting torchrun with {group.world_size} rank(s)")
-            spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios, backend=group.backend,
-                                    options=options, timeout_s=args.timeout, run_dir=run_dir, verbose=args.verbose)
-            results += launch.run_group(spec, on_result=progress, on_start=started)
-    if args.json:  # files first: a report that cannot be printed must not lose the results
-        report.write_json(results, args.json)
-    if args.junit:
-        junit.write_junit(results, args.junit)
+            for group in groups:
+                console.print(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} "
+                              f"scenario(s); files in {escape(str(run_dir))}")
+                status.update(f"starting torchrun with {group.world_size} rank(s)")
+                spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios,
+                                        backend=group.backend, options=options, timeout_s=args.timeout,
+                                        run_dir=run_dir, verbose=args.verbose)
+                results += launch.run_group(spec, on_result=progress, on_start=started)
+    except KeyboardInterrupt:
+        interrupted = True
+        results += streamed[len(results) - len(skipped):]
+        results += report.interrupted(planned, done={(r.record.scenario, r.record.check) for r in results})
+    outputs.write(results)  # files first: a report that cannot be printed must not lose the results
     report.print_report(results, console=console)
     console.print(f"wall time {time.perf_counter() - t0:.1f}s")
+    if interrupted:
+        console.print("[bold red]interrupted[/]: the results so far are in the table and the result files")
+        return EXIT_INTERRUPTED
     return report.exit_code(results)
 
 

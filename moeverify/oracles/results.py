@@ -7,8 +7,6 @@ A record is ``{"scenario", "check", "passed", "seconds", "subchecks": {NAME: {"p
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Iterable
 
 MAX_FAILURES_KEPT = 50  # per subcheck; the count of the rest is reported in one line
 
@@ -92,8 +90,3 @@ class CheckRecord:
         for name, sub in self.subchecks.items():
             lines += [f"{name}: {msg}" for msg in sub["failures"]]
         return lines
-
-
-def write_json(records: Iterable[CheckRecord], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([r.as_dict() for r in records], f, indent=2)

@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import queue
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from moeverify.errors import DumpError, MoEVerifyError
+from moeverify.files import atomic_write, atomic_write_json
 from moeverify.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.routes import Routes, validate_topk_ids
@@ -26,30 +26,6 @@ from moeverify.views import RankCoords
 
 _FLUSH = object()
 _STOP = object()
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file in the same directory, fsync, then rename over ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write_json(path: Path, obj: object) -> None:
-    atomic_write(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 class RankWriter:

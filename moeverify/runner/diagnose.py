@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 from pathlib import Path
 
 from moeverify.runner.plan import Plan, events_path, read_lines, stacks_path
@@ -86,6 +87,8 @@ def _is_victim(text: str) -> bool:
 
 
 def _kind(text: str) -> str:
+    if text.startswith("Killed: "):
+        return "was killed"
     if text.startswith("moeverify: rank"):
         return "raised"
     if text.startswith("Timeout ("):
@@ -125,14 +128,52 @@ def _describe(state: _RankState, plan: Plan) -> str:
                 f"its threads' stacks (most recent call first):\n{_head(text)}")
     if kind == "died":
         return f"rank {rank} died{where}: {text.splitlines()[0]}\n{_head(text)}"
+    if kind == "was killed":
+        return f"rank {rank} was killed{where}: {text.removeprefix('Killed: ')}"
     return f"rank {rank} was terminated{where}; its stacks (most recent call first):\n{_head(text)}"
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?^\s*rank\s*:\s*(?P<rank>\d+).*?"
+                         r"^\s*exitcode\s*:\s*(?P<code>-?\d+)", re.S | re.M)
+
+
+def torchrun_root_cause(log_text: str) -> tuple[int, int] | None:
+    """(rank, exit code) of the first failure torchrun observed, from its summary (negative: a signal)."""
+    m = _ROOT_CAUSE.search(log_text)
+    return (int(m["rank"]), int(m["code"])) if m else None
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _silent_root_cause(directory: Path, states: list[_RankState]) -> _RankState | None:
+    """The rank torchrun saw fail first when it left no report of its own (killed by a signal it could not
+    catch, e.g. SIGKILL or the OOM killer), as a state whose text names the signal."""
+    log = directory / "torchrun.log"
+    cause = torchrun_root_cause(log.read_text(errors="replace")) if log.exists() else None
+    if cause is None or not 0 <= cause[0] < len(states):
+        return None
+    state = states[cause[0]]
+    if state.stacks and not _is_victim(state.stacks):
+        return None  # it explained itself
+    how = _signal_name(cause[1]) if cause[1] < 0 else f"exit code {cause[1]}"
+    text = (f"Killed: rank {state.rank} ended by {how} without a traceback or stacks of its own "
+            f"(a signal Python cannot catch: kill -9, or the kernel's out-of-memory killer)")
+    return dataclasses.replace(state, stacks=text, stacks_mtime=-math.inf)
 
 
 def diagnose(directory: Path, *, world_size: int, plan: Plan, returncode: int | None, killed: bool,
              done: set[tuple[int, str]]) -> Crash:
-    """Explain a failed attempt from the ranks' files."""
+    """Explain a failed attempt from the ranks' files and torchrun's summary."""
     states = [_rank_state(directory, rank, plan) for rank in range(world_size)]
     rss = tuple(s.peak_rss_mb for s in states)
+    silent = _silent_root_cause(directory, states)
+    if silent is not None:
+        states[silent.rank] = silent
     culprits = sorted((s for s in states if s.stacks), key=lambda s: (_is_victim(s.stacks), s.stacks_mtime))
     placed = [s for s in states if s.index is not None]
     primary = culprits[0] if culprits else None

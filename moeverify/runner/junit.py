@@ -1,7 +1,8 @@
 """JUnit XML for CI dashboards: one testcase per scenario x check.
 
 A failed check is a ``<failure>`` (its failing subchecks in the message, every failure line in the
-text); a crashed one (a rank raised, hung or died) an ``<error>`` with the rank's traceback; a skipped
+text); a crashed one (a rank raised, hung or died) an ``<error>`` with the rank's traceback, an
+interrupted one (Ctrl-C, SIGTERM) an ``<error>`` as well; a skipped
 scenario a ``<skipped>`` with the reason.
 """
 
@@ -19,8 +20,8 @@ def _testcase(result: Result) -> ET.Element:
     status = result.status
     if status == "skipped":
         ET.SubElement(case, "skipped", message=result.skipped or "")
-    elif status == "crashed":
-        error = ET.SubElement(case, "error", type="Crashed", message=record.error.splitlines()[0])
+    elif status in ("crashed", "interrupted"):
+        error = ET.SubElement(case, "error", type=status.capitalize(), message=record.error.splitlines()[0])
         error.text = record.error
     elif status == "failed":
         failed = [name for name, sub in record.subchecks.items() if not sub["passed"]]
@@ -31,7 +32,8 @@ def _testcase(result: Result) -> ET.Element:
 
 
 def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.ElementTree:
-    counts = {s: sum(r.status == s for r in results) for s in ("failed", "crashed", "skipped")}
+    counts = {s: sum(r.status == s for r in results) for s in ("failed", "crashed", "skipped", "interrupted")}
+    counts["crashed"] += counts.pop("interrupted")  # JUnit knows errors, failures and skips
     total_s = sum(r.record.seconds for r in results)
     root = ET.Element("testsuites", name=suite, tests=str(len(results)), failures=str(counts["failed"]),
                       errors=str(counts["crashed"]), skipped=str(counts["skipped"]), time=f"{total_s:.3f}")
@@ -44,5 +46,6 @@ def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.Element
     return tree
 
 
-def write_junit(results: Sequence[Result], path: str) -> None:
-    to_xml(results).write(path, encoding="utf-8", xml_declaration=True)
+def to_bytes(results: Sequence[Result]) -> bytes:
+    """The ``--junit`` file's content."""
+    return ET.tostring(to_xml(results).getroot(), encoding="utf-8", xml_declaration=True) + b"\n"

@@ -23,6 +23,7 @@ import moeverify
 from moeverify.oracles.context import Scenario
 from moeverify.oracles.results import CheckRecord
 from moeverify.runner.diagnose import Crash, diagnose
+from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
 from moeverify.runner.report import Result
 from moeverify.runner.worker import STARTUP_TIMEOUT_S
@@ -127,7 +128,7 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
     try:
         proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file),
                                 env=_child_env(spec.world_size), stdout=log, stderr=subprocess.STDOUT if log else None,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent)
         try:
             while proc.poll() is None:
                 collector.poll()

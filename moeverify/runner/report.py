@@ -30,9 +30,12 @@ class Result:
     record: CheckRecord
     skipped: str | None = None
     peak_rss_mb: tuple[float, ...] = ()
+    interrupted: bool = False  # the run was stopped (Ctrl-C, SIGTERM) before this check finished
 
     @property
     def status(self) -> str:
+        if self.interrupted:
+            return "interrupted"
         if self.skipped is not None:
             return "skipped"
         if self.record.passed:
@@ -44,6 +47,8 @@ class Result:
         if self.skipped is not None:
             out["passed"] = False
             out["skipped"] = self.skipped
+        if self.interrupted:
+            out["interrupted"] = True
         if self.peak_rss_mb:
             out["peak_rss_mb"] = [None if math.isnan(v) else v for v in self.peak_rss_mb]
         return out
@@ -51,6 +56,14 @@ class Result:
     @classmethod
     def skip(cls, *, scenario: str, check: str, reason: str) -> Result:
         return cls(record=CheckRecord(scenario=scenario, check=check, seconds=0.0, subchecks={}), skipped=reason)
+
+
+def interrupted(planned: Sequence[tuple[str, str]], *, done: set[tuple[str, str]]) -> list[Result]:
+    """Entries for the planned (scenario, check) pairs an interrupted run did not finish."""
+    return [Result(record=CheckRecord(scenario=scenario, check=check, seconds=0.0, subchecks={},
+                                      error="interrupted (Ctrl-C or SIGTERM) before this check finished"),
+                   interrupted=True)
+            for scenario, check in planned if (scenario, check) not in done]
 
 
 def exit_code(results: Sequence[Result]) -> int:
@@ -69,7 +82,8 @@ def failing_lines(result: Result) -> list[str]:
             for name, sub in record.subchecks.items() if not sub["passed"]]
 
 
-_STYLE = {"passed": "green", "failed": "red", "crashed": "bold red", "skipped": "yellow"}
+_STYLE = {"passed": "green", "failed": "red", "crashed": "bold red", "skipped": "yellow",
+          "interrupted": "magenta"}
 
 
 def table(results: Sequence[Result]) -> Table:
@@ -89,7 +103,7 @@ def table(results: Sequence[Result]) -> Table:
 
 
 def summary(results: Sequence[Result]) -> str:
-    counts = {s: sum(r.status == s for r in results) for s in ("passed", "failed", "crashed", "skipped")}
+    counts = {s: sum(r.status == s for r in results) for s in _STYLE}
     return ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing ran"
 
 
@@ -103,7 +117,6 @@ def print_report(results: Sequence[Result], *, console: Console | None = None) -
             console.print(result.record.error, markup=False, highlight=False)
 
 
-def write_json(results: Sequence[Result], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump([r.as_dict() for r in results], f, indent=2)
-        f.write("\n")
+def to_json(results: Sequence[Result]) -> bytes:
+    """The ``--json`` file's content: a list of records."""
+    return (json.dumps([r.as_dict() for r in results], indent=2) + "\n").encode()

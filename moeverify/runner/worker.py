@@ -22,6 +22,7 @@ from pathlib import Path
 from moeverify.oracles.context import CheckContext, Scenario
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner import checks as check_table
+from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, append_line, events_path, results_path, stacks_path
 
 EXIT_RAISED = 3  # a check raised on this rank (a faulthandler timeout exits 1)
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_file = Path(argv[0])
     plan = Plan.read(plan_file)
     rank = int(os.environ.get("RANK", "0"))
+    die_with_parent(signal.SIGKILL)  # torchrun gone (killed with its parent): nothing to report to
     me = _Rank(plan_file.parent, rank, plan.timeout_s)
     me.arm(max(plan.timeout_s, STARTUP_TIMEOUT_S))
     try:

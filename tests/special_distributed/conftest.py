@@ -22,7 +22,7 @@ from moeverify.runner.checks import ENV_VAR
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 TINY_CHECKS = {"passing": "passing", "passing2": "passing", "failing": "failing", "raise1": "raise_on_rank1",
-               "hang1": "hang_on_rank1", "echo": "echo_options"}
+               "hang1": "hang_on_rank1", "echo": "echo_options", "kill1": "sigkill_on_rank1", "sleep": "sleep_long"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,9 +46,12 @@ class CliRun:
 
 @pytest.fixture
 def run_moeverify(tmp_path):
-    """``run_moeverify(yaml_text, *flags, timeout_s=170) -> CliRun`` (a slow run fails the test, cleanly)."""
+    """``run_moeverify(yaml_text, *flags, timeout_s=170) -> CliRun`` (a slow run fails the test, cleanly).
 
-    def run(yaml_text: str, *flags: str, timeout_s: float = 170) -> CliRun:
+    With ``background=True`` it returns the running ``Popen``; ``run_moeverify.finish(proc)`` collects it.
+    """
+
+    def run(yaml_text: str, *flags: str, timeout_s: float = 170, background: bool = False):
         scenario_file = tmp_path / "scenarios.yaml"
         scenario_file.write_text(textwrap.dedent(yaml_text))
         out_json, out_xml = tmp_path / "out.json", tmp_path / "out.xml"
@@ -58,6 +61,12 @@ def run_moeverify(tmp_path):
                "--junit", str(out_xml), "--run-dir", str(tmp_path / "run"), *flags]
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
+        if background:  # the caller signals it; ``finish(proc)`` collects the run
+            return proc
+        return finish(proc, timeout_s=timeout_s)
+
+    def finish(proc: subprocess.Popen, *, timeout_s: float = 170) -> CliRun:
+        out_json, out_xml = tmp_path / "out.json", tmp_path / "out.xml"
         try:
             output, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -67,4 +76,6 @@ def run_moeverify(tmp_path):
         records = json.loads(out_json.read_text()) if out_json.exists() else []
         return CliRun(code=proc.returncode, output=output, records=records, junit=out_xml)
 
+    run.finish = finish
+    run.tmp_path = tmp_path
     return run

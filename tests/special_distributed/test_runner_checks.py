@@ -1,12 +1,14 @@
 """Tiny checks the runner's distributed tests register through ``MOEVERIFY_EXTRA_CHECKS``.
 
 They exercise the runner, not the oracles: a check that passes after a real collective, one that
-fails a subcheck, one that raises on rank 1, one that hangs on rank 1, and one that reports the
+fails a subcheck, one that raises on rank 1, one that hangs on rank 1, one that SIGKILLs rank 1, one that sleeps on every rank, and one that reports the
 options it received. No model is built. (No test functions here: pytest collects nothing.)
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
@@ -51,6 +53,20 @@ def hang_on_rank1(ctx) -> dict[str, Tally]:
     if ctx.rank == 1:
         time.sleep(HANG_S)
     dist.barrier()
+    return {"unreachable": Tally()}
+
+
+def sigkill_on_rank1(ctx) -> dict[str, Tally]:
+    _world_sum(ctx)
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no traceback, no stacks: what the OOM killer does
+    dist.barrier()
+    return {"unreachable": Tally()}
+
+
+def sleep_long(ctx) -> dict[str, Tally]:
+    _world_sum(ctx)
+    time.sleep(HANG_S)  # every rank: the test interrupts or kills the parent meanwhile
     return {"unreachable": Tally()}
 
 

@@ -61,6 +61,10 @@ def test_main_list_default_file_is_smoke(capsys, monkeypatch, repo_root):
     (["run", "{good}", "--timeout", "soon"], r"argument --timeout: expected seconds \(a number > 0\), got 'soon'"),
     (["run", "{good}", "--json", "/no/such/dir/r.json"], r"--json /no/such/dir/r\.json: directory /no/such/dir does not exist"),
     (["run", "{good}", "--json", "same.xml", "--junit", "same.xml"], r"--json and --junit name the same file"),
+    (["run", "{good}", "--json", "{tmp}"], r"--json .*: .* is a directory; give the path of a file"),
+    (["run", "{good}", "--junit", "/dev/full"], r"--junit /dev/full: /dev/full is not a regular file"),
+    (["run", "{good}", "--run-dir", "{good}"], r"--run-dir .*good\.yaml: exists and is not a directory"),
+    (["run", "{good}", "--run-dir", "{good}/sub"], r"--run-dir .*good\.yaml/sub: cannot write there"),
     (["run", "{good}", "--backend", "cuda"], r"--backend cuda: torch sees no GPU here"),
     (["frobnicate"], r"argument COMMAND: invalid choice: 'frobnicate'"),
     ([], r"the following arguments are required: COMMAND"),
@@ -71,7 +75,7 @@ def test_main_usage_error_exits_2_with_message_and_no_traceback(capsys, tmp_path
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("defaults: {checks: [export]}\nscenarios:\n  - {family: llama, world_size: 1}\n")
-    code, out, err = _run(capsys, *(a.format(good=good_file, bad=bad) for a in argv))
+    code, out, err = _run(capsys, *(a.format(good=good_file, bad=bad, tmp=tmp_path) for a in argv))
     assert code == 2
     assert err.startswith("moeverify: error: ") and re.search(match, err), err
     assert "Traceback" not in err + out

@@ -202,3 +202,45 @@ def test_diagnose_rank_that_lost_its_peer_is_not_the_cause(tmp_path):
     _stacks(tmp_path, 1, RAISED)
     crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
     assert crash.message.startswith("rank 1 raised ValueError: bad row")
+
+
+TERM_STACKS = """Thread 0x00007f (most recent call first):
+  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 4800 in barrier
+  File "/x/moeverify/oracles/export.py", line 40 in _merge
+"""
+TORCHRUN_SIGKILL_SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 12625)  (SIGTERM)
+  traceback : Signal 15 (SIGTERM) received by PID 12625
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_13:51:56
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 12626)  (SIGKILL)
+  traceback : Signal 9 (SIGKILL) received by PID 12626
+"""
+
+
+def test_diagnose_rank_killed_without_a_word_is_named_with_its_signal(tmp_path):
+    # SIGKILL leaves no stacks; the rank torchrun then SIGTERMs writes its stacks first. The root cause
+    # in torchrun's summary names the killed rank, so blame goes there and not to the torn-down rank 0.
+    _in_check(tmp_path, 0, 1, "export")
+    _in_check(tmp_path, 1, 1, "export")
+    _stacks(tmp_path, 0, TERM_STACKS)
+    (tmp_path / "torchrun.log").write_text(TORCHRUN_SIGKILL_SUMMARY)
+    crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
+    first = crash.message.splitlines()[0]
+    assert first.startswith("rank 1 was killed in check export: rank 1 ended by signal 9 (SIGKILL)"), first
+    assert "then: rank 0 was terminated" in crash.message
+    assert (crash.index, crash.check) == (1, "export")
+
+
+def test_diagnose_root_cause_that_explained_itself_keeps_its_traceback(tmp_path):
+    _in_check(tmp_path, 1, 1, "export")
+    _stacks(tmp_path, 1, RAISED)
+    (tmp_path / "torchrun.log").write_text(TORCHRUN_SIGKILL_SUMMARY.replace("-9 (pid: 12626)  (SIGKILL)", "3 (pid: 1)"))
+    crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
+    assert crash.message.startswith("rank 1 raised"), crash.message

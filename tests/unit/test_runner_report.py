@@ -80,7 +80,7 @@ def test_table_shows_failing_subchecks_and_crash_line():
 
 def test_write_json_is_a_list_of_records(tmp_path):
     path = tmp_path / "r.json"
-    report.write_json([_passed(), _failed()], str(path))
+    path.write_bytes(report.to_json([_passed(), _failed()]))
     data = json.loads(path.read_text())
     assert [d["passed"] for d in data] == [True, False]
     assert data[1]["subchecks"]["bitwise"]["failures"] == ["tensor w: 3 elements differ", "tensor v: dtype bf16 != fp32"]
@@ -88,7 +88,7 @@ def test_write_json_is_a_list_of_records(tmp_path):
 
 def test_junit_has_one_testcase_per_check_with_outcome(tmp_path):
     path = tmp_path / "j.xml"
-    junit.write_junit([_passed(), _failed(), _crashed(), _skipped()], str(path))
+    path.write_bytes(junit.to_bytes([_passed(), _failed(), _crashed(), _skipped()]))
     root = ET.parse(path).getroot()
     suite = root.find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("4", "1", "1", "1")
