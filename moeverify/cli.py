@@ -40,13 +40,13 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 (and finite), got {text!r}")
     return value
 
 
 def _add_run(subparsers) -> None:
-    from moeverify.scenario import REPLAY_IMPLS
+    from moeverify.options import OPTIONS
 
     p = subparsers.add_parser("run", help="run scenario files (torchrun per world size)",
                               description="Run the checks of scenario files; exit 0 all passed, 1 any failed, "
@@ -56,8 +56,9 @@ def _add_run(subparsers) -> None:
     p.add_argument("--filter", action="append", default=[], metavar="GLOB",
                    help="select scenarios by name (fnmatch; repeatable, any match selects)")
     p.add_argument("--check", metavar="NAME", help="run only this check")
-    p.add_argument("--subject", metavar="S", help="export subject: bridge, sharded, module:factory or file.py:factory")
-    p.add_argument("--replay-impl", dest="replay_impl", choices=REPLAY_IMPLS, help="replay implementation under test")
+    for option in OPTIONS.values():
+        if option.flag:
+            p.add_argument(option.flag, dest=option.name, metavar=option.metavar, help=option.help)
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto", help="device backend (default auto)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--junit", metavar="PATH", help="write JUnit XML (one testcase per scenario and check)")
@@ -145,15 +146,19 @@ def _load(args):
     known = checks.check_names()
     if args.check is not None and args.check not in known:
         raise UsageError(f"--check {args.check!r}: unknown check; known checks: {', '.join(known)}")
-    options = {"subject": args.subject, "replay_impl": args.replay_impl}
+    from moeverify.options import OPTIONS
+    from moeverify.options import validate as validate_option
+
+    options = {o.name: getattr(args, o.name) for o in OPTIONS.values() if o.flag}
     for key, value in options.items():
         if value is not None:
-            scenario_mod.validate_option(select.OPTION_FLAGS[key], key, value)
+            validate_option(OPTIONS[key].flag, key, value)
     default = DEFAULT_SCENARIOS if Path(DEFAULT_SCENARIOS).is_file() else str(REPO_ROOT / DEFAULT_SCENARIOS)
     files = args.files or [default]
     scenarios = scenario_mod.load(files, checks=known)
     chosen = select.select(scenarios, filters=args.filter, check=args.check)
     select.check_option_use(chosen, options)
+    select.check_plugins(chosen, options)
     return chosen, {k: v for k, v in options.items() if v is not None}
 
 

@@ -9,12 +9,12 @@ into a run. Every error is a ``UsageError``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import yaml
 
+from moeverify import options
 from moeverify.errors import LayoutError, UsageError
 from moeverify.layout import Layout, ModelShape
 from moeverify.oracles.context import Scenario
@@ -30,10 +30,6 @@ _MATRIX_KEYS = _FIELD_KEYS | {"families", "layouts", "world_size", "moe_checks"}
 _MATRIX_LAYOUT_KEYS = frozenset({"world_size", "gpu_only"})
 _LAYOUT_KEYS = frozenset(f.name for f in dataclasses.fields(Layout))
 
-SUBJECTS_BUILTIN = ("bridge", "sharded")
-REPLAY_IMPLS = ("moeverify", "native", "verl")
-# Check options a scenario may set; the command line overrides them (CheckContext.options).
-KNOWN_OPTIONS = ("subject", "replay_impl", "router_variants")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,12 +79,21 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _LineDict:
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def text_line(data: bytes, offset: int) -> int:
+    """1-based line number of byte ``offset`` in ``data``."""
+    return data.count(b"\n", 0, offset) + 1
+
+
 def _read_yaml(path: str) -> object:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as exc:
         raise UsageError(f"{path}: cannot read scenario file ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        line = text_line(exc.object, exc.start)
+        raise UsageError(f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                         "scenario files are UTF-8 YAML") from None
     loader = _Loader(text)
     loader.name = path
     try:
@@ -123,10 +128,15 @@ def _check_keys(where: _Where, mapping: object, allowed: Collection[str], what: 
     return mapping
 
 
-def _int_field(where: _Where, value: object, name: str, *, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _error(where, f"{name} must be an integer >= {minimum}, got {value!r}")
+def _int_field(where: _Where, value: object, name: str, *, minimum: int, maximum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (maximum is not None and
+                                                                                    value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise _error(where, f"{name} must be an integer {bound}, got {value!r}")
     return value
+
+
+MAX_SEED = 2**31 - 1  # Megatron offsets the seed per rank (tp, ep, pp) before torch's 64-bit seeding
 
 
 def _checks_field(where: _Where, value: object, known: Collection[str], *, name: str = "checks") -> tuple[str, ...]:
@@ -141,35 +151,10 @@ def _checks_field(where: _Where, value: object, known: Collection[str], *, name:
     return tuple(value)
 
 
-def validate_option(where: object, key: str, value: object) -> None:
-    """Reject an unknown check option or a bad value for a known one (also used for CLI flags)."""
-    if key not in KNOWN_OPTIONS:
-        raise UsageError(f"{where}: unknown option {key!r}; known options: {', '.join(KNOWN_OPTIONS)}")
-    if key == "replay_impl" and value not in REPLAY_IMPLS:
-        raise UsageError(f"{where}: replay_impl must be one of {', '.join(REPLAY_IMPLS)}, got {value!r}")
-    if key == "subject":
-        _validate_subject(where, value)
-
-
-def _validate_subject(where: object, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise UsageError(f"{where}: subject must be a non-empty string, got {value!r}")
-    if value in SUBJECTS_BUILTIN:
-        return
-    target, sep, attr = value.rpartition(":")
-    if not sep or not target or not attr:
-        raise UsageError(f"{where}: subject {value!r} is not {' or '.join(SUBJECTS_BUILTIN)}, "
-                         "module:factory or path/to/file.py:factory")
-    if target.endswith(".py") and not os.path.isfile(target):
-        raise UsageError(f"{where}: subject file {target!r} does not exist")
-
-
 def _options_field(where: _Where, value: object) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise _error(where, f"options must be a mapping, got {type(value).__name__}")
-    for key, item in value.items():
-        validate_option(where, key, item)
-    return dict(value)
+    return {key: options.validate(where, key, item) for key, item in value.items()}  # normalised values
 
 
 def _gpu_only_field(where: _Where, value: object) -> str | None:
@@ -223,10 +208,19 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
     check_list = list(_checks_field(where, spec.fields["checks"], checks))
     if shape.is_moe:
         check_list += [c for c in moe_checks if c not in check_list]
+    if not check_list:
+        raise _error(where, "checks is empty: a scenario must run at least one check")
+    scenario_options = _options_field(where, spec.fields.get("options", {}))
+    if "replay" in check_list:
+        seq_len = scenario_options.get("replay_seq_len", 16)
+        if seq_len % (2 * layout.cp):
+            raise _error(where, f"the replay check's sequence of {seq_len} tokens is not divisible by 2 * cp = "
+                                f"{2 * layout.cp} (context parallelism splits each sequence in 2 * cp chunks); "
+                                "set options: {replay_seq_len: N} with N a multiple of it")
     return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
-                    seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0),
+                    seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
                     gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
-                    options=_options_field(where, spec.fields.get("options", {})),
+                    options=scenario_options,
                     source=f"{where.path}:{where.line}" if where.line else where.path)
 
 

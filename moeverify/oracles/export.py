@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
-import importlib.util
 import json
 import traceback
 from pathlib import Path
@@ -29,23 +27,16 @@ from typing import Any
 
 import torch
 
-from moeverify.errors import SubjectError, UsageError
+from moeverify import plugins
 from moeverify.oracles import export_wire as wire
 from moeverify.oracles.export_collect import SUBCHECKS, Collector, new_tallies
 from moeverify.oracles.export_rows import (DeferredSlots, DrainedRow, Piece, ShardRow, Slot, drain, iterate_subject,
                                           pieces)
 from moeverify.oracles.results import Tally
+from moeverify.options import SUBJECTS
 
 __all__ = ["ShardRow", "Slot", "DeferredSlots", "SubjectContext", "load_subject", "run", "run_subject",
            "SUBCHECKS", "checkpoint_shapes"]
-
-BUILTIN_SUBJECTS = {
-    "bridge": "moeverify.subjects:bridge",
-    "sharded": "moeverify.subjects:sharded",
-    "gather": "moeverify.subjects:gather",
-    "verl": "moeverify.subjects.verl:verl",
-}
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SubjectContext:
@@ -63,32 +54,7 @@ class SubjectContext:
 
 def load_subject(name: str):
     """The factory for ``bridge``, ``sharded``, ``gather``, ``verl``, ``module:factory`` or ``file.py:factory``."""
-    if not isinstance(name, str) or not name:
-        raise UsageError(f"subject must be a non-empty string, got {name!r}")
-    spec = BUILTIN_SUBJECTS.get(name, name)
-    if ":" not in spec:
-        raise UsageError(f"unknown subject {name!r}: use one of {', '.join(BUILTIN_SUBJECTS)}, "
-                         f"'package.module:factory' or 'path/to/file.py:factory'")
-    target, _, attr = spec.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise UsageError(f"subject {name!r}: file {path} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(f"moeverify_subject_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:
-            raise SubjectError(f"subject {name!r}: loading {path} raised {exc!r}") from exc
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise UsageError(f"subject {name!r}: cannot import module {target!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UsageError(f"subject {name!r}: {target} has no callable {attr!r}")
-    return factory
+    return plugins.load(name, what="subject", builtins=SUBJECTS)
 
 
 def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:

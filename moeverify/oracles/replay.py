@@ -46,13 +46,16 @@ from moeverify.oracles import replay_drive as rd
 from moeverify.oracles.replay_impls import NativeReplay, ReplayImpl, find_routers, make_impl, pristine
 from moeverify.oracles.replay_variants import RouterVariant, select
 from moeverify.oracles.results import Tally
+from moeverify.options import RECOMPUTE_MODES as _RECOMPUTE_NAMES
+from moeverify.options import REPLAY_SUBCHECKS
 from moeverify.routes import Routes
 
-SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order", "validation")
+SUBCHECKS = REPLAY_SUBCHECKS  # declared in moeverify.options (validated there without torch)
 RECOMPUTE_MODES = {
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
 }
+assert tuple(RECOMPUTE_MODES) == _RECOMPUTE_NAMES, "moeverify.options.RECOMPUTE_MODES is out of date"
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
 _EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
               hidden_dropout=0.0, attention_dropout=0.0)

@@ -34,10 +34,12 @@ from collections.abc import Iterator
 
 import torch
 
+from moeverify import plugins
 from moeverify.errors import MoEVerifyError, UsageError
+from moeverify.options import REPLAY_IMPLS
 from moeverify.routes import Routes
 
-IMPLS = ("moeverify", "native", "verl")
+IMPLS = REPLAY_IMPLS  # declared in moeverify.options
 
 
 class ReplayImpl(abc.ABC):
@@ -274,20 +276,14 @@ class MoeverifyReplay(ReplayImpl):
 
 
 def make_impl(spec: str) -> ReplayImpl:
-    """The adapter named ``spec``: one of ``IMPLS`` or ``module:factory``."""
+    """The adapter named ``spec``: one of ``IMPLS``, ``module:factory`` or ``path/file.py:factory``."""
     if spec == "moeverify":
         return MoeverifyReplay()
     if spec == "native":
         return NativeReplay()
     if spec == "verl":
         return VerlReplay()
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise UsageError(f"unknown replay implementation {spec!r}; use one of {', '.join(IMPLS)} or module:factory")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"replay implementation {spec!r} cannot be loaded: {e}") from e
+    factory = plugins.load(spec, what="replay implementation", builtins=dict.fromkeys(IMPLS))
     impl = factory()
     if not isinstance(impl, ReplayImpl):
         raise UsageError(f"replay implementation {spec!r} returned {type(impl).__name__}, expected a ReplayImpl")

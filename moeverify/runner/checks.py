@@ -7,11 +7,10 @@ raises on one rank, one that hangs). torchrun passes the environment on, so ever
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 from collections.abc import Callable, Mapping
 
+from moeverify import plugins
 from moeverify.errors import UsageError
 from moeverify.oracles import registry
 
@@ -37,26 +36,9 @@ def check_names(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     return registry.check_names() + tuple(extra_checks(environ))
 
 
-def _load_target(target: str) -> Callable:
-    module_name, _, attr = target.rpartition(":")
-    if module_name.endswith(".py"):
-        if not os.path.isfile(module_name):
-            raise UsageError(f"{ENV_VAR}: check file {module_name!r} does not exist")
-        unique = "moeverify_extra_check_" + os.path.splitext(os.path.basename(module_name))[0]
-        spec = importlib.util.spec_from_file_location(unique, module_name)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise UsageError(f"{ENV_VAR}: {module_name!r} has no function {attr!r}") from None
-
-
 def resolve(name: str) -> Callable:
     """The check function for ``name``: an extra one if registered so, else the registry's."""
     extras = extra_checks()
     if name in extras:
-        return _load_target(extras[name])
+        return plugins.load(extras[name], what=f"{ENV_VAR} check {name!r}")
     return registry.resolve(name)

@@ -10,14 +10,13 @@ import dataclasses
 import fnmatch
 from collections.abc import Sequence
 
+from moeverify import plugins
 from moeverify.errors import UsageError
+from moeverify.options import OPTIONS, REPLAY_IMPLS, SUBJECTS
 from moeverify.oracles.context import Scenario
 from moeverify.runner.report import Result
 from moeverify.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
 
-# Which check reads which command-line option: an option no selected scenario uses is a mistake.
-OPTION_CHECKS = {"subject": "export", "replay_impl": "replay"}
-OPTION_FLAGS = {"subject": "--subject", "replay_impl": "--replay-impl"}
 
 
 def select(scenarios: Sequence[Scenario], *, filters: Sequence[str] = (), check: str | None = None) -> list[Scenario]:
@@ -39,10 +38,25 @@ def check_option_use(scenarios: Sequence[Scenario], options: dict) -> None:
     """Reject a command-line option that no selected check reads (it would be silently ignored)."""
     checks = {c for s in scenarios for c in s.checks}
     for key, value in options.items():
-        needed = OPTION_CHECKS.get(key)
-        if value is not None and needed is not None and needed not in checks:
-            raise UsageError(f"{OPTION_FLAGS[key]} applies to the {needed} check, which none of the selected "
-                             f"scenarios runs; drop {OPTION_FLAGS[key]} or select {needed} (e.g. --check {needed})")
+        option = OPTIONS[key]
+        flag = option.flag or key
+        if value is not None and option.check not in checks:
+            raise UsageError(f"{flag} applies to the {option.check} check, which none of the selected scenarios "
+                             f"runs; drop {flag} or select {option.check} (e.g. --check {option.check})")
+
+
+def check_plugins(scenarios: Sequence[Scenario], options: dict) -> None:
+    """Refuse, before torchrun starts, a subject or replay implementation that cannot load."""
+    seen = set()
+    for s in scenarios:
+        merged = {**s.options, **{k: v for k, v in options.items() if v is not None}}
+        for key, what, builtins in (("subject", "subject", SUBJECTS), ("replay_impl", "replay implementation",
+                                                                       dict.fromkeys(REPLAY_IMPLS))):
+            spec = merged.get(key)
+            if spec is None or (key, spec) in seen or OPTIONS[key].check not in s.checks:
+                continue
+            seen.add((key, spec))
+            plugins.check(spec, what=what, builtins=builtins)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

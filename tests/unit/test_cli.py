@@ -55,9 +55,11 @@ def test_main_list_default_file_is_smoke(capsys, monkeypatch, repo_root):
     (["run", "{good}", "--filter", "zzz*"], r"--filter zzz\* matches none of the 2 scenarios"),
     (["run", "{good}", "--list", "--json", "x.json"], r"--list runs nothing, so --json has nothing to do"),
     (["run", "{good}", "--check", "roundtrip", "--subject", "sharded"], r"--subject applies to the export check"),
-    (["run", "{good}", "--subject", "nocolon"], r"--subject: subject 'nocolon' is not bridge or sharded"),
-    (["run", "{good}", "--replay-impl", "vllm"], r"argument --replay-impl: invalid choice: 'vllm'"),
-    (["run", "{good}", "--timeout", "0"], r"argument --timeout: expected seconds > 0, got '0'"),
+    (["run", "{good}", "--subject", "nocolon"], r"--subject: option subject: subject 'nocolon' is not bridge, sharded, gather, verl"),
+    (["run", "{good}", "--replay-impl", "vllm"], r"--replay-impl: option replay_impl: replay implementation 'vllm' is not moeverify, native, verl"),
+    (["run", "{good}", "--timeout", "0"], r"argument --timeout: expected seconds > 0 \(and finite\), got '0'"),
+    (["run", "{good}", "--timeout", "inf"], r"argument --timeout: expected seconds > 0 \(and finite\), got 'inf'"),
+    (["run", "{good}", "--timeout", "nan"], r"argument --timeout: expected seconds > 0 \(and finite\), got 'nan'"),
     (["run", "{good}", "--timeout", "soon"], r"argument --timeout: expected seconds \(a number > 0\), got 'soon'"),
     (["run", "{good}", "--json", "/no/such/dir/r.json"], r"--json /no/such/dir/r\.json: directory /no/such/dir does not exist"),
     (["run", "{good}", "--json", "same.xml", "--junit", "same.xml"], r"--json and --junit name the same file"),
@@ -103,3 +105,42 @@ def test_python_dash_m_moeverify_runs_main(good_file, repo_root):
                           cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == "qwen3_moe/ep2-dp2  2  export"
+
+
+PLUGIN_FILE = """
+scenarios:
+  - {family: qwen3_moe, world_size: 1, checks: [export, replay]}
+"""
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--subject", "no_such_mod:factory"], r"subject 'no_such_mod:factory': no module named 'no_such_mod'"),
+    (["--subject", "moeverify.no_such:factory"], r"no module named 'moeverify.no_such'"),
+    (["--subject", "{tmp}/broken.py:factory"], r"broken\.py:2: syntax error"),
+    (["--subject", "{tmp}/fine.py:missing"], r"fine\.py defines no top-level 'missing'"),
+    (["--subject", "{tmp}/absent.py:factory"], r"file .*absent\.py does not exist"),
+    (["--replay-impl", "moeverify.oracles.replay_faulty:no_such"], r"replay_faulty\.py defines no top-level 'no_such'"),
+    (["--replay-impl", "not a module:f"], r"'not a module' is not a module name"),
+])
+def test_run_refuses_a_plugin_that_cannot_load_before_launch(capsys, tmp_path, flags, match):
+    import re
+
+    (tmp_path / "s.yaml").write_text(PLUGIN_FILE)
+    (tmp_path / "broken.py").write_text("def factory(ctx):\n    return (\n")
+    (tmp_path / "fine.py").write_text("def factory(ctx):\n    return iter(())\n")
+    code, out, err = _run(capsys, "run", str(tmp_path / "s.yaml"), "--list", *(f.format(tmp=tmp_path) for f in flags))
+    assert code == 2 and re.search(match, err), err
+    assert "Traceback" not in err + out
+
+
+@pytest.mark.parametrize("flags", [
+    ["--subject", "gather"], ["--subject", "verl"], ["--subject", "{tmp}/fine.py:factory"],
+    ["--replay-impl", "moeverify.oracles.replay_faulty:fifo_recompute"],
+    ["--replay-impl", "{tmp}/fine.py:factory"],
+])
+def test_run_accepts_every_documented_subject_and_replay_impl_form(capsys, tmp_path, flags):
+    (tmp_path / "s.yaml").write_text(PLUGIN_FILE)
+    (tmp_path / "fine.py").write_text("def factory(ctx=None):\n    return iter(())\n")
+    code, out, err = _run(capsys, "run", str(tmp_path / "s.yaml"), "--list", *(f.format(tmp=tmp_path) for f in flags))
+    assert code == 0, err
+    assert out.startswith("qwen3_moe/tp1  1  export,replay")

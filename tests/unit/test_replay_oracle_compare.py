@@ -220,7 +220,7 @@ def test_replay_options_microbatches_follow_interleaving():
 def test_make_impl_unknown_name_rejected():
     from moeverify.oracles.replay_impls import make_impl
 
-    with pytest.raises(UsageError, match="unknown replay implementation 'bogus'"):
+    with pytest.raises(UsageError, match="replay implementation 'bogus' is not moeverify, native, verl, package.module:attr"):
         make_impl("bogus")
 
 

@@ -113,5 +113,5 @@ def test_resolve_extra_check_missing_function_is_usage_error(tmp_path, monkeypat
     path = tmp_path / "mine.py"
     path.write_text("x = 1\n")
     monkeypatch.setenv(checks.ENV_VAR, f"mine={path}:go")
-    with pytest.raises(UsageError, match=r"has no function 'go'"):
+    with pytest.raises(UsageError, match=r"has no attribute 'go'"):
         checks.resolve("mine")

@@ -119,18 +119,33 @@ def test_load_smoke_file_is_small_and_valid(repo_root):
     ("scenarios:\n  - {family: qwen2, checks: [export]}", r"world_size is missing"),
     ("scenarios:\n  - {family: qwen2, world_size: 1}", r"scenario qwen2/tp1: checks is missing"),
     ("scenarios:\n  - {family: qwen2, world_size: 0, checks: [export]}", r"world_size must be an integer >= 1, got 0"),
-    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], seed: -1}", r"seed must be an integer >= 0"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], seed: -1}", r"seed must be an integer in \[0, 2147483647\], got -1"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], gpu_only: ''}",
      r"gpu_only must be a reason \(non-empty string\) or null"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subjct: bridge}}",
-     r"unknown option 'subjct'; known options: subject, replay_impl, router_variants"),
+     r"unknown option 'subjct'; known options: subject, lockstep_timeout, replay_impl, router_variants, "
+     r"replay_subchecks"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {replay_impl: vllm}}",
-     r"replay_impl must be one of moeverify, native, verl, got 'vllm'"),
+     r"option replay_impl: replay implementation 'vllm' is not moeverify, native, verl, package.module:attr"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subject: nocolon}}",
-     r"subject 'nocolon' is not bridge or sharded, module:factory or path/to/file.py:factory"),
+     r"option subject: subject 'nocolon' is not bridge, sharded, gather, verl, package.module:attr or "
+     r"path/to/file.py:attr"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subject: 'missing.py:f'}}",
-     r"subject file 'missing.py' does not exist"),
+     r"subject 'missing.py:f': file missing.py does not exist"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [replay], options: {replay_subchecks: [drift, nope]}}",
+     r"option replay_subchecks: unknown replay subchecks \['nope'\]; known: equivalence, drift"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [replay], options: {replay_recompute: 3}}",
+     r"option replay_recompute: expected a non-empty list of recompute modes"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [replay], options: {replay_batch: 0}}",
+     r"option replay_batch: expected a whole number >= 1, got 0"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [replay], options: {router_variants: [zzz]}}",
+     r"option router_variants: unknown router variant"),
     ("scenarios: {family: qwen2}", r"scenarios must be a list of mappings"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: []}", r"checks is empty: a scenario must run at least one"),
+    ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], seed: 99999999999999999999}",
+     r"seed must be an integer in \[0, 2147483647\], got 99999999999999999999"),
+    ("scenarios:\n  - {family: qwen3_moe, world_size: 3, layout: {cp: 3}, checks: [replay]}",
+     r"sequence of 16 tokens is not divisible by 2 \* cp = 6"),
     ("scenarios:\n  - qwen2", r"scenario must be a mapping, got str"),
     ("version: 2\nscenarios: []", r"version 2 is not supported; this moeverify reads version 1"),
     ("defaults: {checks: [export]}", r"no 'scenarios' or 'matrix' section"),
@@ -206,3 +221,10 @@ def test_group_by_world_size_orders_worlds_and_keeps_file_order(tmp_path):
 def test_scenario_dict_round_trip_is_identity(repo_root):
     for s in load([str(repo_root / "scenarios/release.yaml")], checks=CHECKS, families=FAMILIES):
         assert scenario_from_dict(scenario_to_dict(s)) == s
+
+
+def test_load_non_utf8_file_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"scenarios:\n  - {family: qwen2, world_size: 1, checks: [export]} # \xff\n")
+    with pytest.raises(UsageError, match=r"s\.yaml:2: not UTF-8 text \(byte 0xff at offset 66\)"):
+        load([str(path)])
