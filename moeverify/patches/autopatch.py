@@ -173,7 +173,9 @@ class ProcessSession:
         dump = record.load(self.setting.rank_dir(self.rank))
         per_layer: dict[int, list] = {}
         for step in sorted(dump.steps):
-            routes = dump.routes(step=step)
+            # The rank's own rows in its router's order: what replay feeds back to the same routers
+            # (the merged, sequence-order view is for comparing, not replaying).
+            routes = dump.local_routes(step=step, rank=0)
             if (routes.num_experts, routes.topk) != self._shape:
                 raise RouteError(f"rank {self.rank}: {self.setting.rank_dir(self.rank)} holds routes for (num_experts, "
                                  f"topk) = ({routes.num_experts}, {routes.topk}) != this model's {self._shape}")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from moeverify.errors import MoEVerifyError, UsageError
+from moeverify.record.order import ORDERS
 
 EXIT_DIFF = 1
 EXIT_USAGE = 2
@@ -41,6 +42,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write the disagreement heatmap and expert-load bars")
     p.add_argument("--worst", type=_non_negative, default=10, metavar="N", help="tokens listed in JSON (default 10)")
     p.add_argument("--fail-on-diff", action="store_true", help="exit 1 if any token's expert set differs")
+    p.add_argument("--order-a", choices=ORDERS, help="token order of A when it is an array (a dump knows its own)")
+    p.add_argument("--order-b", choices=ORDERS, help="token order of B when it is an array")
+    _add_geometry(p, "of the array side(s) given in router order")
+    p.add_argument("--assume-same-order", action="store_true",
+                   help="compare by position although a side's token order is unknown (you vouch for it)")
     p.set_defaults(func=cmd_diff)
 
     p = verbs.add_parser("convert", help="rollout arrays or Megatron router_trace JSONL to a dump; a dump to .npz")
@@ -55,8 +61,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step", type=_non_negative, default=0, metavar="S", help="step to write (arrays; default 0)")
     p.add_argument("--layer-offset", type=_non_negative, default=0, metavar="N",
                    help="added to router_trace layer numbers (a later pipeline stage's first layer)")
+    p.add_argument("--order", choices=ORDERS, help="token order of SRC (router_trace: router; arrays: required "
+                   "with --seq-len/--batch)")
+    _add_geometry(p, "of SRC's micro-batches; with them the dump knows its token order")
     p.set_defaults(func=cmd_convert)
     return dump
+
+
+def _add_geometry(p, what: str) -> None:
+    p.add_argument("--seq-len", type=_positive, metavar="S", help=f"tokens per sequence {what}")
+    p.add_argument("--batch", type=_positive, metavar="B", help=f"sequences per micro-batch {what}")
 
 
 # -- option parsing -----------------------------------------------------------------------------
@@ -131,8 +145,15 @@ def cmd_diff(args) -> int:
 
     _out_path("--json", args.json)
     _out_path("--plot", args.plot)
-    a, b = _routes_of(args.a, args.step), _routes_of(args.b, args.step if args.step_b is None else args.step_b)
-    a, b = _align_experts(a, b)
+    from moeverify.record.order import require_same_tokens
+
+    if (args.seq_len is None) != (args.batch is None):
+        raise UsageError("--seq-len and --batch go together")
+    a = _routes_of(args.a, args.step, order=args.order_a, args=args, flag="--order-a")
+    b = _routes_of(args.b, args.step if args.step_b is None else args.step_b, order=args.order_b, args=args,
+                   flag="--order-b")
+    require_same_tokens(a, b, assume_same_order=args.assume_same_order)
+    a, b = _align_experts(a.routes, b.routes)
     report = record.diff(a, b)
     Console().print(report.table())
     if args.json:
@@ -159,23 +180,83 @@ def cmd_convert(args) -> int:
         raise UsageError("convert from a dump to a dump does nothing; use --to npz (or a DST ending .npz)")
     if src_format != "dump" and dst_format == "npz":
         raise UsageError(f"convert --from {src_format} writes a dump; drop --to npz or give a DST directory")
-    if dst_format == "dump" and (dst / record.MANIFEST).exists():
-        raise UsageError(f"{dst} already holds a dump; choose a new directory")
+    if not dst.resolve().parent.is_dir():
+        raise UsageError(f"{dst}: directory {dst.resolve().parent} does not exist")
+    if dst_format == "dump" and dst.exists() and not dst.is_dir():
+        raise UsageError(f"{dst} exists and is not a directory; give a new directory for the dump")
+    if dst_format == "dump" and dst.is_dir() and any(dst.iterdir()):
+        what = "already holds a dump" if (dst / record.MANIFEST).exists() else "is not empty"
+        raise UsageError(f"{dst} {what}; choose a new directory")
+    if dst_format == "npz" and dst.exists():
+        raise UsageError(f"{dst} exists; choose a new file (convert never overwrites)")
     if src_format == "dump":
         out = importers.export_npz(record.load(src), dst)
         print(f"wrote {out}")
         return 0
+    order = _convert_order(args, src_format)
     if src_format == "jsonl":
         steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset)
     else:
         arrays = importers.read_arrays(src, fmt=src_format)
         steps = {args.step: importers.routes_from_arrays(arrays, num_experts=args.num_experts,
                                                          moe_layers=args.moe_layers, where=str(src))}
-    for step, routes in steps.items():
-        record.save(dst, routes, step=step, num_layers=args.num_layers,
-                    moe_layers=args.moe_layers if src_format == "jsonl" and args.moe_layers else None)
-    print(f"wrote {dst}: step(s) {sorted(steps)}")
+    if args.num_layers is not None:
+        _check_num_layers(args, steps)
+    if order is not None:  # store as a one-rank dump does (router order), with the geometry that maps it
+        from moeverify.record.order import to_router_order, to_sequence_order
+
+        steps = {step: to_router_order(to_sequence_order(r, order=order, seq_len=args.seq_len, batch=args.batch,
+                                                         where=f"{src} step {step}"),
+                                       seq_len=args.seq_len, batch=args.batch, where=f"{src} step {step}")
+                 for step, r in steps.items()}
+    with _removed_on_failure(dst):
+        for step, routes in steps.items():
+            record.save(dst, routes, step=step, num_layers=args.num_layers,
+                        moe_layers=args.moe_layers if src_format == "jsonl" and args.moe_layers else None,
+                        seq_len=args.seq_len if order else None, batch=args.batch if order else None)
+    known = f"token order recorded (seq_len {args.seq_len}, batch {args.batch})" if order else \
+        "token order NOT recorded: dump diff will refuse it unless told (--seq-len/--batch/--order here)"
+    print(f"wrote {dst}: step(s) {sorted(steps)}; {known}")
     return 0
+
+
+def _convert_order(args, src_format: str) -> str | None:
+    """The token order convert records: None (unknown) unless --seq-len and --batch are given."""
+    if (args.seq_len is None) != (args.batch is None):
+        raise UsageError("--seq-len and --batch go together")
+    if args.seq_len is None:
+        if args.order is not None:
+            raise UsageError(f"--order {args.order} needs --seq-len and --batch (the micro-batch geometry that maps "
+                             f"the order)")
+        return None
+    if args.order is None and src_format != "jsonl":
+        raise UsageError("an array's token order is not in the file: give --order sequence (rollout engines: each "
+                         "request's tokens in turn) or --order router (Megatron's s * B + b)")
+    return args.order or "router"  # Megatron's router_trace holds the router's own order
+
+
+def _check_num_layers(args, steps) -> None:
+    for step, routes in steps.items():
+        too_high = [layer for layer in routes.layers if layer >= args.num_layers]
+        if too_high:
+            raise UsageError(f"--num-layers {args.num_layers}: step {step} has MoE layer(s) {too_high} >= it")
+
+
+class _removed_on_failure:
+    """A convert that fails leaves no half-made destination behind (only what it created itself)."""
+
+    def __init__(self, dst: Path):
+        self.dst, self.existed = dst, dst.exists()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and not self.existed and self.dst.exists():
+            import shutil
+
+            shutil.rmtree(self.dst, ignore_errors=True)
+        return False
 
 
 def _guess_src(src: Path) -> str:
@@ -187,15 +268,30 @@ def _guess_src(src: Path) -> str:
     raise UsageError(f"cannot tell the format of {src} from its name; pass --from {{{','.join(_FROM)}}}")
 
 
-def _routes_of(path_text: str, step: int):
+def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str):
+    """One side of a diff, in sequence order where its order is known (``order.Ordered``)."""
     from moeverify import record
     from moeverify.record import importers
+    from moeverify.record.order import Ordered, to_sequence_order
 
     path = Path(path_text)
     if path.is_dir():
-        return record.load(path).routes(step=step)
+        if order is not None:
+            raise UsageError(f"{flag}: {path} is a dump, which records its own token order; drop {flag}")
+        dump = record.load(path)
+        routes = dump.routes(step=step)
+        if dump.token_order(step) is None:
+            return Ordered(routes=routes, source=str(path), order=None,
+                           why_unknown=f"step {step} was saved without seq_len/batch, so its token order is unknown "
+                                       f"(record.save(..., seq_len=, batch=), or convert with --seq-len --batch)")
+        return Ordered(routes=routes, source=str(path), order="sequence")
     if path.suffix in (".npy", ".npz"):
-        return importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
+        routes = importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
+        if order is None:
+            return Ordered(routes=routes, source=str(path), order=None,
+                           why_unknown=f"an array carries no token order ({flag} sequence|router)")
+        return Ordered(routes=to_sequence_order(routes, order=order, seq_len=args.seq_len, batch=args.batch,
+                                                where=str(path)), source=str(path), order="sequence")
     raise UsageError(f"{path}: neither a dump directory nor a .npy/.npz file")
 
 

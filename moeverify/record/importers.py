@@ -45,6 +45,12 @@ def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | N
     layers = list(moe_layers) if moe_layers is not None else list(range(tensors[0].shape[1]))
     if len(layers) != tensors[0].shape[1]:
         raise DumpError(f"{where}: {len(layers)} moe layer number(s) given for {tensors[0].shape[1]} layer(s)")
+    if len(set(layers)) != len(layers) or any(layer < 0 for layer in layers):
+        dups = sorted({layer for layer in layers if layers.count(layer) > 1})
+        raise DumpError(f"{where}: moe layer numbers {layers} must be distinct and >= 0"
+                        + (f" (repeated: {dups})" if dups else ""))
+    if not any(t.numel() for t in tensors):
+        raise DumpError(f"{where}: the arrays hold no tokens (shapes {[tuple(t.shape) for t in tensors]})")
     experts = num_experts if num_experts is not None else int(max(int(t.max()) for t in tensors if t.numel())) + 1
     try:
         return Routes.from_stacked(tensors, layers=layers, num_experts=experts)
@@ -82,6 +88,8 @@ def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None
             continue
         try:
             rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise TypeError(f"a JSON {type(rec).__name__}, not an object")
             if rec.get("block", "decoder") != "decoder" or (step is not None and rec["step"] != step):
                 continue
             ids_TK = torch.tensor(rec["top_indices"], dtype=torch.int64).view(int(rec["num_tokens"]), int(rec["topk"]))
@@ -94,6 +102,8 @@ def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None
         per_step.setdefault(rec_step, {}).setdefault(layer, []).append(ids_TK)
     if not per_step:
         raise DumpError(f"{path}: no decoder router_trace records" + ("" if step is None else f" for step {step}"))
+    if not any(t.numel() for layers in per_step.values() for mbs in layers.values() for t in mbs):
+        raise DumpError(f"{path}: the router_trace records hold no tokens (num_tokens 0 throughout)")
     experts = num_experts
     if experts is None:
         experts = 1 + max(int(t.max()) for layers in per_step.values() for mbs in layers.values() for t in mbs

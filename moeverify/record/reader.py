@@ -99,6 +99,12 @@ class Dump:
         return {layer: [self._read(rank, step, mb, layer, "probs") for mb in range(info.microbatches)]
                 for layer in self._layers(rank) if (rank, step, 0, layer, "probs") in self._index}
 
+    def token_order(self, step: int = 0) -> str | None:
+        """``"sequence"`` when ``routes(step)`` is in sequence order (``g = b * S + s``; the step recorded its
+        geometry, or several ranks were merged), None when it is as saved, in an order the dump does not know."""
+        info = self._step(step)
+        return "sequence" if info.seq_len is not None and info.batch is not None else None
+
     def routes(self, *, step: int = 0) -> Routes:
         """The merged global routes of ``step``: ``[tokens, topk]`` per MoE layer and micro-batch."""
         info = self._step(step)

@@ -23,8 +23,8 @@ def _routes(seed=0, *, tokens=24, layers=(0, 1, 2), experts=8, topk=2, microbatc
 def two_dumps(tmp_path):
     a = _routes(0)
     b = a.replace(1, 0, torch.cat([a.get(1, 0)[:20], a.get(1, 0)[20:].flip(0)]))  # last 4 tokens swapped around
-    record.save(tmp_path / "a", a)
-    record.save(tmp_path / "b", b)
+    record.save(tmp_path / "a", a, seq_len=12, batch=2)  # the geometry gives the dump its token order
+    record.save(tmp_path / "b", b, seq_len=12, batch=2)
     return tmp_path / "a", tmp_path / "b", a, b
 
 
@@ -136,3 +136,85 @@ def test_read_router_trace_bad_line_names_file_and_line(tmp_path):
 def test_routes_from_arrays_duplicate_expert_raises():
     with pytest.raises(DumpError, match=r"input: .*token 0 routes to expert\(s\) twice"):
         importers.routes_from_arrays([np.array([[[1, 1]]])], num_experts=4)
+
+
+def _stacked(routes, mb=0):
+    return torch.stack([routes.get(layer, mb) for layer in routes.layers], dim=1).numpy()
+
+
+def test_cli_diff_refuses_sources_whose_token_order_is_unknown(tmp_path, capsys):
+    r = _routes(2, tokens=32)
+    record.save(tmp_path / "nogeo", r)
+    np.save(tmp_path / "r.npy", _stacked(r))
+    for argv in (["dump", "diff", str(tmp_path / "nogeo"), str(tmp_path / "nogeo")],
+                 ["dump", "diff", str(tmp_path / "r.npy"), str(tmp_path / "r.npy")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "cannot line the two sources up token for token" in err and "--assume-same-order" in err, err
+        assert main([*argv, "--assume-same-order", "--fail-on-diff"]) == 0
+
+
+def test_cli_diff_lines_up_router_order_and_sequence_order_token_for_token(tmp_path, capsys):
+    # What Megatron's router sees (s * B + b) saved with its geometry, against a rollout-style array of the
+    # same tokens in sequence order (b * S + s): the same routing, so full agreement, never 1 - 1/B.
+    from moeverify.record.order import to_sequence_order
+
+    seq_len, batch = 16, 2
+    router_order = _routes(3, tokens=seq_len * batch)
+    record.save(tmp_path / "train", router_order, seq_len=seq_len, batch=batch)
+    sequence = to_sequence_order(router_order, order="router", seq_len=seq_len, batch=batch)
+    np.save(tmp_path / "rollout.npy", _stacked(sequence))
+    assert not torch.equal(sequence.get(0, 0), router_order.get(0, 0))  # the orders really differ
+    train, rollout = str(tmp_path / "train"), str(tmp_path / "rollout.npy")
+    assert main(["dump", "diff", train, rollout, "--order-b", "sequence", "--fail-on-diff"]) == 0
+    np.save(tmp_path / "as_router.npy", _stacked(router_order))
+    assert main(["dump", "diff", train, str(tmp_path / "as_router.npy"), "--order-b", "router", "--seq-len",
+                 str(seq_len), "--batch", str(batch), "--fail-on-diff"]) == 0
+    # The wrong claim is caught as a difference, not passed: the rollout array read as router order.
+    assert main(["dump", "diff", train, rollout, "--order-b", "router", "--seq-len", str(seq_len), "--batch",
+                 str(batch), "--fail-on-diff"]) == 1
+    assert main(["dump", "diff", train, rollout, "--order-b", "router"]) == 2
+    assert "need --seq-len and --batch" in capsys.readouterr().err
+
+
+def test_cli_convert_records_the_token_order_it_is_given(tmp_path, capsys):
+    from moeverify.record.order import to_sequence_order
+
+    seq_len, batch = 8, 3
+    router_order = _routes(4, tokens=seq_len * batch)
+    record.save(tmp_path / "train", router_order, seq_len=seq_len, batch=batch)
+    np.save(tmp_path / "seq.npy", _stacked(to_sequence_order(router_order, order="router", seq_len=seq_len,
+                                                             batch=batch)))
+    assert main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8"]) == 2
+    assert "--seq-len and --batch go together" in capsys.readouterr().err
+    assert main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8",
+                 "--batch", "3"]) == 2
+    assert "give --order sequence" in capsys.readouterr().err
+    assert not (tmp_path / "conv").exists()
+    assert main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8",
+                 "--batch", "3", "--order", "sequence", "--num-experts", "8"]) == 0
+    assert record.load(tmp_path / "conv").token_order(0) == "sequence"
+    assert main(["dump", "diff", str(tmp_path / "train"), str(tmp_path / "conv"), "--fail-on-diff"]) == 0
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda d: np.save(d / "src.npy", np.zeros((0, 2, 2), dtype=np.int64)), "hold no tokens"),
+])
+def test_cli_convert_bad_arrays_exit_2_and_leave_nothing(tmp_path, capsys, make, match):
+    make(tmp_path)
+    assert main(["dump", "convert", str(tmp_path / "src.npy"), str(tmp_path / "out")]) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_convert_refuses_repeated_layers_and_bad_destinations(tmp_path, capsys):
+    np.save(tmp_path / "r.npy", _stacked(_routes(5, layers=(0, 1, 2, 3))))
+    assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "d"), "--moe-layers", "0,0,1,2"]) == 2
+    assert "must be distinct" in capsys.readouterr().err and not (tmp_path / "d").exists()
+    (tmp_path / "file").write_text("x")
+    for dst, match in ((tmp_path / "no" / "d", "does not exist"), (tmp_path / "file", "is not a directory")):
+        assert main(["dump", "convert", str(tmp_path / "r.npy"), str(dst)]) == 2
+        assert match in capsys.readouterr().err
+    assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "d")]) == 0
+    assert main(["dump", "convert", str(tmp_path / "d"), str(tmp_path / "file"), "--to", "npz"]) == 2
+    assert "convert never overwrites" in capsys.readouterr().err
