@@ -49,6 +49,16 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="compare by position although a side's token order is unknown (you vouch for it)")
     p.set_defaults(func=cmd_diff)
 
+    p = verbs.add_parser("finalize", help="commit (or discard) steps a run wrote but did not commit to the manifest",
+                         description="A run that ends between its rank files and the manifest leaves steps written "
+                                     "but uncommitted. finalize folds the rank records into manifest.json; with "
+                                     "--drop-uncommitted it deletes what the manifest does not list instead.")
+    p.add_argument("path", metavar="PATH", help="dump directory")
+    p.add_argument("--world-size", type=_positive, metavar="N", help="ranks the dump must have (default: the "
+                   "records' own)")
+    p.add_argument("--drop-uncommitted", action="store_true", help="discard uncommitted steps instead")
+    p.set_defaults(func=cmd_finalize)
+
     p = verbs.add_parser("convert", help="rollout arrays or Megatron router_trace JSONL to a dump; a dump to .npz")
     p.add_argument("src", metavar="SRC", help="dump directory, .npy, .npz or router_trace_rank*.jsonl")
     p.add_argument("dst", metavar="DST", help="output dump directory or .npz file")
@@ -164,6 +174,26 @@ def cmd_diff(args) -> int:
         plot_diff(report, args.plot)
     if args.fail_on_diff and report.tokens_diverging_any_layer > 0:
         return EXIT_DIFF
+    return 0
+
+
+@_guarded
+def cmd_finalize(args) -> int:
+    """``dump finalize PATH``."""
+    from moeverify import record
+    from moeverify.record.writer import drop_uncommitted
+
+    path = Path(args.path)
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory")
+    if args.drop_uncommitted:
+        dropped = drop_uncommitted(path)
+        print(f"{path}: dropped " + ("; ".join(f"rank {r} step(s) {s}" for r, s in sorted(dropped.items()))
+                                     if dropped else "nothing (every step was committed)"))
+        return 0
+    manifest = record.finalize(path, world_size=args.world_size)
+    record.load(path)  # what was committed must read back
+    print(f"{path}: committed step(s) {sorted(int(s) for s in manifest['steps'])} of {manifest['world_size']} rank(s)")
     return 0
 
 

@@ -83,6 +83,19 @@ def rank_file(rank: int, part: int = 0) -> str:
     return f"rank{rank:05d}.safetensors" if part == 0 else f"rank{rank:05d}.p{part:03d}.safetensors"
 
 
+_RANK_FILE_RE = re.compile(r"^rank(\d{5})(?:\.p(\d{3}))?\.safetensors$")
+
+
+def checked_file_name(name: object, *, rank: int, where: str) -> str:
+    """``name`` if it is one of rank ``rank``'s file names (``rank00001.safetensors``, ``rank00001.p002...``):
+    a bare name inside the dump directory, never a path that could lead out of it."""
+    m = _RANK_FILE_RE.match(name) if isinstance(name, str) else None
+    if m is None or int(m.group(1)) != rank:
+        raise DumpError(f"{where}: rank {rank} file name {name!r} is not rank{rank:05d}[.pNNN].safetensors "
+                        f"(a file of this rank, in the dump directory)")
+    return name
+
+
 def rank_record_file(rank: int) -> str:
     return f"rank{rank:05d}.json"
 

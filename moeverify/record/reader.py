@@ -125,7 +125,9 @@ class Dump:
 
     # -- validation -------------------------------------------------------------------------------
     def _index_file(self, rank: int, file: Mapping) -> None:
-        path = self.path / file["name"]
+        if not isinstance(file, Mapping):
+            raise DumpError(f"{self.path / fmt.MANIFEST}: rank {rank} file entry {file!r} is not an object")
+        path = self.path / fmt.checked_file_name(file.get("name"), rank=rank, where=str(self.path / fmt.MANIFEST))
         if not path.is_file():
             raise DumpError(f"{path}: rank {rank} file missing (listed in the manifest)")
         size = path.stat().st_size
@@ -256,7 +258,9 @@ def load(path: str | os.PathLike) -> Dump:
         raise DumpError(f"{path}: not a dump directory")
     manifest_path = path / fmt.MANIFEST
     if not manifest_path.is_file():
-        raise DumpError(f"{manifest_path}: missing manifest: the dump is incomplete (written last by finalize())")
+        hint = (f"; rank records are there: `moeverify dump finalize {path}` commits them "
+                f"(`--drop-uncommitted` discards them)") if any(path.glob("rank*.json")) else ""
+        raise DumpError(f"{manifest_path}: missing manifest: the dump is incomplete (written last by finalize()){hint}")
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
@@ -269,7 +273,19 @@ def load(path: str | os.PathLike) -> Dump:
     absent = [key for key in _REQUIRED if key not in manifest]
     if absent:
         raise DumpError(f"{manifest_path}: missing key(s) {absent}")
+    for key, kind in (("steps", dict), ("ranks", dict), ("model", dict), ("layout", dict), ("world_size", int)):
+        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            raise DumpError(f"{manifest_path}: {key} must be a JSON {'object' if kind is dict else 'integer'}, "
+                            f"got {type(manifest[key]).__name__} {manifest[key]!r:.80}")
+    for rank, entry in manifest["ranks"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("files"), list) or \
+                not isinstance(entry.get("coords"), dict):
+            raise DumpError(f"{manifest_path}: ranks[{rank!r}] must be an object with 'coords' (object) and "
+                            f"'files' (list)")
+    for step, info in manifest["steps"].items():
+        if not isinstance(info, dict):
+            raise DumpError(f"{manifest_path}: steps[{step!r}] must be an object, got {type(info).__name__}")
     try:
         return Dump(path, manifest)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DumpError(f"{manifest_path}: malformed manifest: {exc!r}") from None

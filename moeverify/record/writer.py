@@ -85,6 +85,12 @@ class RankWriter:
         for key, value in mine.items():
             if rec.get(key) != value:
                 raise DumpError(f"{rec_path}: cannot append: {key} {rec.get(key)!r} != {value!r}")
+        uncommitted = uncommitted_steps(self.path, rec)
+        if uncommitted:
+            raise DumpError(f"{rec_path}: step(s) {uncommitted} were written but never committed to "
+                            f"{fmt.MANIFEST} (a run ended between the rank files and the manifest). "
+                            f"`moeverify dump finalize {self.path}` commits them, "
+                            f"`moeverify dump finalize {self.path} --drop-uncommitted` discards them")
         self._files = list(rec["files"])
         self._probs_dtype = rec.get("probs_dtype")
         self._steps = {int(s): {"microbatches": i["microbatches"], "batch": i["batch"],
@@ -261,6 +267,58 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
 
 
+def _committed(path: Path) -> dict | None:
+    manifest_path = path / fmt.MANIFEST
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DumpError(f"{manifest_path}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("steps"), dict):
+        raise DumpError(f"{manifest_path}: not a dump manifest (no 'steps' mapping)")
+    return manifest
+
+
+def uncommitted_steps(path: str | os.PathLike, rank_record: dict) -> list[int]:
+    """Steps a rank record holds that the manifest does not (written, then the run ended before finalize)."""
+    manifest = _committed(Path(path))
+    committed = set() if manifest is None else {int(s) for s in manifest["steps"]}
+    return sorted(int(s) for s in rank_record.get("steps", {}) if int(s) not in committed)
+
+
+def drop_uncommitted(path: str | os.PathLike) -> dict[int, list[int]]:
+    """Bring every rank record back to what the manifest commits, deleting files it does not list.
+
+    Returns ``{rank: dropped steps}``. With no manifest at all, every rank record and rank file goes.
+    """
+    path = Path(path)
+    manifest = _committed(path)
+    dropped: dict[int, list[int]] = {}
+    for rec_path in sorted(path.glob("rank*.json")):
+        try:
+            rec = json.loads(rec_path.read_text())
+            rank = int(rec["rank"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
+        steps = uncommitted_steps(path, rec)
+        if not steps:
+            continue
+        dropped[rank] = steps
+        keep = None if manifest is None else manifest["ranks"].get(str(rank))
+        kept_files = {f["name"] for f in keep["files"]} if keep else set()
+        for file in rec["files"]:
+            if file["name"] not in kept_files:
+                (path / fmt.checked_file_name(file["name"], rank=rank, where=str(rec_path))).unlink(missing_ok=True)
+        if keep is None:
+            rec_path.unlink()
+            continue
+        rec["files"] = keep["files"]
+        rec["steps"] = {s: i for s, i in rec["steps"].items() if int(s) not in steps}
+        atomic_write_json(rec_path, rec)
+    return dropped
+
+
 def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
     """Fold every rank's record into ``manifest.json`` (written last, atomically) and return it.
 
@@ -271,9 +329,9 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
     for rec_path in sorted(path.glob("rank*.json")):
         try:
             rec = json.loads(rec_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
-        records[int(rec["rank"])] = rec
+            records[int(rec["rank"])] = rec
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DumpError(f"{rec_path}: unreadable rank record: {exc!r}") from None
     if not records:
         raise DumpError(f"{path}: no rank records (rank*.json); did every rank close() its writer?")
     first = records[min(records)]

@@ -187,3 +187,86 @@ def test_load_foreign_rank_metadata_raises(dump_dir):
     with pytest.raises(DumpError, match=r"rank00001.safetensors: metadata schema/rank 'moeverify.routing_dump'/'0' "
                                         r"!= expected 'moeverify.routing_dump'/'1'"):
         record.load(dump_dir)
+
+
+def _crash_before_manifest(path, routes, *, step):
+    """What a run that dies after closing its writer but before finalize leaves: rank record, no manifest entry."""
+    from moeverify.record import ModelInfo, RankWriter
+
+    model = ModelInfo(num_layers=max(routes.layers) + 1, moe_layers=routes.layers, num_experts=routes.num_experts,
+                      topk=routes.topk)
+    with RankWriter(path, model=model, background=False, append=True) as writer:
+        writer.add_routes(routes, step=step)
+
+
+def test_uncommitted_step_is_named_with_the_command_that_commits_or_drops_it(tmp_path, capsys):
+    from moeverify.cli import main
+    from moeverify.record import load, save
+
+    routes = _routes_for_corrupt_tests()
+    save(tmp_path / "d", routes, step=0)
+    _crash_before_manifest(tmp_path / "d", routes, step=1)
+    assert sorted(load(tmp_path / "d").steps) == [0]  # step 1 invisible
+    with pytest.raises(DumpError, match=r"step\(s\) \[1\] were written but never committed.*dump finalize"):
+        save(tmp_path / "d", routes, step=1)
+    assert main(["dump", "finalize", str(tmp_path / "d")]) == 0
+    assert sorted(load(tmp_path / "d").steps) == [0, 1]
+    # the same crash, then discard: step 2 gone, its file deleted, and it can be written again
+    _crash_before_manifest(tmp_path / "d", routes, step=2)
+    files_before = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert main(["dump", "finalize", str(tmp_path / "d"), "--drop-uncommitted"]) == 0
+    assert "rank 0 step(s) [2]" in capsys.readouterr().out
+    assert len(sorted(p.name for p in (tmp_path / "d").iterdir())) == len(files_before) - 1
+    save(tmp_path / "d", routes, step=2)
+    assert sorted(load(tmp_path / "d").steps) == [0, 1, 2]
+
+
+def test_new_dump_without_manifest_says_how_to_recover(tmp_path, capsys):
+    from moeverify.cli import main
+    from moeverify.record import load
+
+    _crash_before_manifest(tmp_path / "d", _routes_for_corrupt_tests(), step=0)
+    with pytest.raises(DumpError, match=r"missing manifest.*dump finalize .* commits them"):
+        load(tmp_path / "d")
+    assert main(["dump", "finalize", str(tmp_path / "d"), "--drop-uncommitted"]) == 0
+    assert list((tmp_path / "d").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "rank00001.safetensors", 7,
+                                  "rank00000.safetensors/../../x"])
+def test_manifest_file_names_never_leave_the_dump(tmp_path, name):
+    import json
+
+    from moeverify.record import load, save
+
+    save(tmp_path / "d", _routes_for_corrupt_tests(), step=0)
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    manifest["ranks"]["0"]["files"][0]["name"] = name
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=r"is not rank00000\[\.pNNN\]\.safetensors"):
+        load(tmp_path / "d")
+
+
+@pytest.mark.parametrize(("key", "value"), [("steps", []), ("ranks", "x"), ("steps", {"0": 3}),
+                                            ("ranks", {"0": []}), ("world_size", "2"), ("model", None)])
+def test_manifest_of_wrong_json_types_is_refused_by_name(tmp_path, key, value):
+    import json
+
+    from moeverify.record import load, save
+
+    save(tmp_path / "d", _routes_for_corrupt_tests(), step=0)
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    manifest[key] = value
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DumpError, match=rf"manifest\.json: (steps|ranks|world_size|model)"):
+        load(tmp_path / "d")
+
+
+def _routes_for_corrupt_tests():
+    import torch
+
+    from moeverify.routes import Routes
+
+    gen = torch.Generator().manual_seed(0)
+    return Routes({layer: [torch.rand(8, 4, generator=gen).topk(2, dim=1).indices] for layer in (0, 1)},
+                  num_experts=4, topk=2)
