@@ -10,6 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from moeverify.errors import UsageError
+
 
 def atomic_write(path: Path | str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename, fsync dir)."""
@@ -33,3 +35,19 @@ def atomic_write(path: Path | str, data: bytes) -> None:
 
 def atomic_write_json(path: Path | str, obj: object) -> None:
     atomic_write(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def check_output_file(flag: str, value: str) -> Path:
+    """The resolved path of an output file named by ``flag``; ``UsageError`` if it cannot be (over)written:
+    a directory, a device or other non-regular file, a missing or unwritable directory."""
+    path = Path(value)
+    resolved = path.resolve()
+    if resolved.exists() and not resolved.is_file():
+        kind = "a directory" if resolved.is_dir() else "not a regular file"
+        raise UsageError(f"{flag} {value}: {resolved} is {kind}; give the path of a file to (over)write")
+    parent = resolved.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {value}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {value}: directory {parent} is not writable")
+    return resolved

@@ -9,6 +9,7 @@ multi-token-prediction layer ``i`` is numbered ``num_layers + i``. They are neve
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -44,6 +45,30 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
     return topk_ids_TK
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_shape_args(*, num_experts: object, topk: object) -> None:
+    if not _is_int(num_experts) or not _is_int(topk):
+        raise RouteError(f"num_experts and topk must be integers, got num_experts {num_experts!r}, topk {topk!r}")
+    if num_experts < 1 or topk < 1 or topk > num_experts:
+        raise RouteError(f"need 1 <= topk <= num_experts, got topk {topk}, num_experts {num_experts}")
+
+
+def _check_per_layer(per_layer: object) -> None:
+    """The container itself: ``{int layer >= 0: list or tuple of tensors}``, nothing else."""
+    if not isinstance(per_layer, Mapping):
+        raise RouteError(f"routes must be a mapping {{layer: [topk_ids_TK per micro-batch]}}, got "
+                         f"{type(per_layer).__name__}")
+    for layer, mbs in per_layer.items():
+        if not _is_int(layer) or layer < 0:
+            raise RouteError(f"layer key {layer!r} must be a global layer number (an integer >= 0)")
+        if not isinstance(mbs, list | tuple):
+            raise RouteError(f"layer {layer}: expected a list of [T, K] tensors (one per micro-batch), got "
+                             f"{type(mbs).__name__}")
+
+
 class Routes:
     """Routing decisions: ``{layer: [topk_ids_TK per micro-batch]}``, immutable (inputs are copied).
 
@@ -56,8 +81,8 @@ class Routes:
     __slots__ = ("_data", "num_experts", "topk", "validated")
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
-        if num_experts < 1 or topk < 1 or topk > num_experts:
-            raise RouteError(f"need 1 <= topk <= num_experts, got topk {topk}, num_experts {num_experts}")
+        _check_shape_args(num_experts=num_experts, topk=topk)
+        _check_per_layer(per_layer)
         counts = {layer: len(mbs) for layer, mbs in per_layer.items()}
         if len(set(counts.values())) > 1:
             raise RouteError(f"micro-batch count differs between layers: {counts}")
@@ -70,8 +95,8 @@ class Routes:
                 validate_topk_ids(t, layer=layer, microbatch=mb, num_experts=num_experts, topk=topk)
             data[int(layer)] = mbs
         self._data = data
-        self.num_experts = num_experts
-        self.topk = topk
+        self.num_experts = int(num_experts)
+        self.topk = int(topk)
         self.validated = True  # every tensor checked when built (``unchecked`` leaves it False)
 
     @classmethod

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from moeverify.errors import MoEVerifyError, UsageError
+from moeverify.files import atomic_write, check_output_file
 from moeverify.record.order import ORDERS
 
 EXIT_DIFF = 1
@@ -122,8 +123,8 @@ def _guarded(fn):
 
 
 def _out_path(flag: str, value: str | None) -> None:
-    if value and not Path(value).resolve().parent.is_dir():
-        raise UsageError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
+    if value:
+        check_output_file(flag, value)
 
 
 # -- verbs --------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def cmd_inspect(args) -> int:
     console.print(title)
     console.print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        atomic_write(Path(args.json), (json.dumps(summary, indent=1) + "\n").encode())
     return 0
 
 
@@ -167,7 +168,7 @@ def cmd_diff(args) -> int:
     report = record.diff(a, b)
     Console().print(report.table())
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(worst=args.worst), indent=1) + "\n")
+        atomic_write(Path(args.json), (json.dumps(report.to_json(worst=args.worst), indent=1) + "\n").encode())
     if args.plot:
         from moeverify.record.plots import plot_diff
 

@@ -51,11 +51,23 @@ def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | N
                         + (f" (repeated: {dups})" if dups else ""))
     if not any(t.numel() for t in tensors):
         raise DumpError(f"{where}: the arrays hold no tokens (shapes {[tuple(t.shape) for t in tensors]})")
+    for i, t in enumerate(tensors):
+        _refuse_negative(t, where=f"{where}: array {i}", layers=layers)
     experts = num_experts if num_experts is not None else int(max(int(t.max()) for t in tensors if t.numel())) + 1
     try:
         return Routes.from_stacked(tensors, layers=layers, num_experts=experts)
     except RouteError as exc:
         raise DumpError(f"{where}: {exc}") from None
+
+
+def _refuse_negative(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> None:
+    """Negative ids are capture gaps (-1) or garbage, never an expert: refuse them naming token and layer."""
+    bad = (ids_NLK < 0).nonzero()
+    if bad.numel():
+        token, column = int(bad[0, 0]), int(bad[0, 1])
+        raise DumpError(f"{where}: token {token} layer {layers[column]}: expert id {int(ids_NLK[token, column].min())}"
+                        f" < 0 ({int((ids_NLK < 0).any(dim=2).sum())} token-layer row(s) with negative ids: capture "
+                        f"gaps are not routes; Routes.from_rollout handles them for replay)")
 
 
 def read_arrays(path: str | os.PathLike, *, fmt: str | None = None) -> list[np.ndarray]:
@@ -99,6 +111,8 @@ def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None
         if topk not in (None, ids_TK.shape[1]):
             raise DumpError(f"{path}:{lineno}: topk {ids_TK.shape[1]} != {topk} of earlier records")
         topk = ids_TK.shape[1]
+        if ids_TK.numel() and int(ids_TK.min()) < 0:
+            raise DumpError(f"{path}:{lineno}: layer {layer}: expert id {int(ids_TK.min())} < 0")
         per_step.setdefault(rec_step, {}).setdefault(layer, []).append(ids_TK)
     if not per_step:
         raise DumpError(f"{path}: no decoder router_trace records" + ("" if step is None else f" for step {step}"))

@@ -7,27 +7,12 @@ of the parent) sees the previous complete file or the new one, never half of one
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from moeverify.errors import UsageError
-from moeverify.files import atomic_write
+from moeverify.files import atomic_write, check_output_file
 from moeverify.runner import junit, report
-
-
-def _check_target(flag: str, value: str) -> Path:
-    path = Path(value)
-    resolved = path.resolve()
-    if resolved.exists() and not resolved.is_file():
-        kind = "a directory" if resolved.is_dir() else "not a regular file"
-        raise UsageError(f"{flag} {value}: {resolved} is {kind}; give the path of a file to (over)write")
-    parent = resolved.parent
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {value}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {value}: directory {parent} is not writable")
-    return resolved
 
 
 class Outputs:
@@ -37,9 +22,9 @@ class Outputs:
     def __init__(self, *, json_path: str | None, junit_path: str | None):
         self._targets: list[tuple[str, Path]] = []
         if json_path:
-            self._targets.append(("--json", _check_target("--json", json_path)))
+            self._targets.append(("--json", check_output_file("--json", json_path)))
         if junit_path:
-            self._targets.append(("--junit", _check_target("--junit", junit_path)))
+            self._targets.append(("--junit", check_output_file("--junit", junit_path)))
         if len({p for _, p in self._targets}) < len(self._targets):
             raise UsageError("--json and --junit name the same file; give them different paths")
         try:

@@ -218,3 +218,23 @@ def test_cli_convert_refuses_repeated_layers_and_bad_destinations(tmp_path, caps
     assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "d")]) == 0
     assert main(["dump", "convert", str(tmp_path / "d"), str(tmp_path / "file"), "--to", "npz"]) == 2
     assert "convert never overwrites" in capsys.readouterr().err
+
+
+def test_cli_convert_negative_ids_named_not_num_experts_0(tmp_path, capsys):
+    arr = _stacked(_routes(6))
+    arr = arr.astype(np.int64)
+    arr[5, 1, 0] = -1
+    np.save(tmp_path / "r.npy", arr)
+    assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "token 5 layer 1: expert id -1 < 0" in err and "num_experts 0" not in err, err
+
+
+@pytest.mark.parametrize("target", ["{tmp}", "/dev/full"])
+def test_cli_outputs_that_cannot_be_written_are_refused_before_work(two_dumps, tmp_path, capsys, target):
+    out = target.format(tmp=tmp_path)
+    assert main(["dump", "inspect", str(two_dumps[0]), "--json", out]) == 2
+    assert main(["dump", "diff", str(two_dumps[0]), str(two_dumps[1]), "--plot", out]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err or "is not a regular file" in err, err
+    assert "Traceback" not in err

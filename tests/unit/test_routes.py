@@ -218,3 +218,24 @@ def test_routes_to_local_to_global_roundtrip_pp2_sp():
     merged = Routes.to_global(local, layout, world_size=world, seq_len=seq_len, batch=batch,
                               num_layers=num_layers, moe_layers=(1, 3))
     assert merged == global_routes
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(per_layer={0: "ids"}, num_experts=4, topk=2), r"layer 0: expected a list of \[T, K\] tensors"),
+    (dict(per_layer="abc", num_experts=4, topk=2), r"routes must be a mapping"),
+    (dict(per_layer={-1: []}, num_experts=4, topk=2), r"layer key -1 must be a global layer number"),
+    (dict(per_layer={0: [], "1": []}, num_experts=4, topk=2), r"layer key '1' must be a global layer number"),
+    (dict(per_layer={0: [[[0, 1], [1]]]}, num_experts=4, topk=2), r"route must be a torch.Tensor, got list"),
+    (dict(per_layer={}, num_experts=4.0, topk=2), r"num_experts and topk must be integers"),
+    (dict(per_layer={}, num_experts=4, topk=True), r"num_experts and topk must be integers"),
+])
+def test_routes_refuse_malformed_containers_by_name(kwargs, match):
+    with pytest.raises(RouteError, match=match):
+        Routes(**kwargs)
+
+
+def test_routes_accept_numpy_integer_layers_and_counts():
+    import numpy as np
+
+    r = Routes({np.int64(3): [torch.tensor([[0, 1]])]}, num_experts=np.int64(4), topk=2)
+    assert r.layers == (3,) and r.num_experts == 4 and type(r.num_experts) is int
