@@ -19,8 +19,10 @@ beside a reference model), ``MOEVERIFY_ROUTER_REPLAY_MODEL=N`` names the one to 
 model raises ``UsageError``. Build order does not depend on which model runs first.
 
 Steps: every ``optimizer.step()`` (any ``torch.optim.Optimizer``) closes a step. Recording writes
-the step's routes then (``DIR/rank{R:05d}``, a routing dump, one dump step per training step), so a
-crash loses at most the step in flight. Replay checks at each step that every layer ran exactly the
+the step's routes then into ONE routing dump at ``DIR`` for the whole job (every rank with its real
+layout coordinates and micro-batch geometry, committed by rank 0 after every rank wrote:
+``autopatch_dump``), one dump step per training step, so a crash loses at most the step in flight
+and ``moeverify dump inspect/diff DIR`` read the merged view. Replay checks at each step that every layer ran exactly the
 recorded step's forwards and that no checkpointed forward is left without its recompute, and raises
 ``RouteError`` in the training process if not; at exit, routes left unused fail the job (exit 3).
 
@@ -44,6 +46,7 @@ import torch
 
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
 from moeverify.patches import replay_state as state
+from moeverify.patches.autopatch_dump import JobDump, job_layout
 from moeverify.patches import router_replay as rr
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
@@ -59,9 +62,6 @@ class Setting:
     mode: str
     directory: Path
     model: int | None = None  # build-order index of the model to bind; None: the only MoE model
-
-    def rank_dir(self, rank: int) -> Path:
-        return self.directory / f"rank{rank:05d}"
 
 
 def parse(value: str, model: str | None = None) -> Setting:
@@ -82,9 +82,9 @@ def _check_directory(setting: Setting, rank: int) -> None:
         if setting.directory.exists() and (not setting.directory.is_dir() or any(setting.directory.iterdir())):
             raise UsageError(f"{ENV}: record directory {setting.directory} already holds files (a previous "
                              "recording?); record into a new or empty directory")
-    elif not (setting.rank_dir(rank) / "manifest.json").is_file():
-        raise UsageError(f"{ENV}: {setting.rank_dir(rank)} holds no routing dump for rank {rank} (expected "
-                         f"{setting.rank_dir(rank) / 'manifest.json'} from a record:{setting.directory} run)")
+    elif not (setting.directory / "manifest.json").is_file():
+        raise UsageError(f"{ENV}: {setting.directory} holds no routing dump (expected "
+                         f"{setting.directory / 'manifest.json'} from a record:{setting.directory} run)")
 
 
 class BuildOrder:
@@ -107,6 +107,8 @@ class BuildOrder:
             original(router, *args, **kwargs)
             router.__dict__["_moeverify_built"] = next(order._counter)
             order._routers.append(weakref.ref(router))
+            # From the first call on (binding happens inside the first routing call, after pre-hooks ran).
+            router.register_forward_pre_hook(_note_input_shape)
 
         __init__.__wrapped__ = original
         TopKRouter.__init__ = __init__
@@ -155,29 +157,37 @@ class ProcessSession:
     def __init__(self, setting: Setting, *, order: BuildOrder):
         self.setting = setting
         self.order = order
-        self.rank = state.current_rank()
         self._bound: dict[int, weakref.ref] = {}
         self._native: weakref.WeakSet = weakref.WeakSet()
         self._state = None
         self._shape: tuple[int, int] | None = None
         self.step = 0
         self._step_ends: list[int] = []  # replay: cumulative forwards per layer at the end of each recorded step
+        self._config = None  # the bound model's TransformerConfig
+        self._dump = JobDump(setting.directory) if setting.mode == "record" else None
+
+    @property
+    def rank(self) -> int:
+        # Read at use: the session is installed before the job initialises torch.distributed.
+        return state.current_rank()
 
     def _start(self, router) -> None:
         self._shape = (router.num_experts, router.topk)
+        self._config = router.config
         if self.setting.mode == "record":
-            self._state = state.Recording((), original=rr.original_routing())
+            self._state = _ShapedRecording((), original=rr.original_routing())
             return
         from moeverify import record
 
-        dump = record.load(self.setting.rank_dir(self.rank))
+        dump = record.load(self.setting.directory)
+        _check_same_job(dump, router.config, rank=self.rank, directory=self.setting.directory)
         per_layer: dict[int, list] = {}
         for step in sorted(dump.steps):
             # The rank's own rows in its router's order: what replay feeds back to the same routers
             # (the merged, sequence-order view is for comparing, not replaying).
-            routes = dump.local_routes(step=step, rank=0)
+            routes = dump.local_routes(step=step, rank=self.rank)
             if (routes.num_experts, routes.topk) != self._shape:
-                raise RouteError(f"rank {self.rank}: {self.setting.rank_dir(self.rank)} holds routes for (num_experts, "
+                raise RouteError(f"rank {self.rank}: {self.setting.directory} holds routes for (num_experts, "
                                  f"topk) = ({routes.num_experts}, {routes.topk}) != this model's {self._shape}")
             for layer in routes.layers:
                 per_layer.setdefault(layer, []).extend(
@@ -222,17 +232,18 @@ class ProcessSession:
         return Routes(self._state.per_layer, num_experts=self._shape[0], topk=self._shape[1])
 
     def end_step(self) -> None:
-        """Close a training step: write it (record) or check it (replay); raise ``RouteError`` on a mismatch."""
-        if self._state is None:
-            return
-        if isinstance(self._state, state.Recording):
-            if any(self._state.per_layer.values()):
-                from moeverify import record
+        """Close a training step: write it (record) or check it (replay); raise ``RouteError`` on a mismatch.
 
-                record.save(self.setting.rank_dir(self.rank), self.routes(), step=self.step)
+        Recording is collective: every rank takes part at every step, also a rank that routed nothing."""
+        if self.setting.mode == "record":
+            recorded = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
+            self._dump.write_step(step=self.step, routes=self.routes() if recorded else None, config=self._config,
+                                  shapes=self._state.shapes if recorded else {}, shape=self._shape)
+            if recorded:
                 for mbs in self._state.per_layer.values():
                     mbs.clear()
-        else:
+                self._state.shapes.clear()
+        elif self._state is not None:
             self._check_step()
         self.step += 1
 
@@ -253,12 +264,47 @@ class ProcessSession:
 
     def finish(self) -> list[str]:
         """At the end of the job: write the last step (record); return replay problems (routes left unused)."""
+        if self.setting.mode == "record":
+            pending = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
+            if pending and self._dump.world > 1 and not torch.distributed.is_initialized():
+                return [f"{ENV}: rank {self.rank}: forwards after the last optimizer.step() were not written: the job "
+                        f"destroyed torch.distributed before exit, and committing a step needs every rank; end the "
+                        f"job with an optimizer step, or keep the process group until exit"]
+            if pending or self._dump.world == 1:
+                self.end_step()
+            return []
         if self._state is None:
             return []
-        if isinstance(self._state, state.Recording):
-            self.end_step()
-            return []
         return [f"{ENV}: {p}" for p in self._state.problems()]
+
+
+class _ShapedRecording(state.Recording):
+    """Recording that also keeps each forward's router input ``[s_local, b]`` (the micro-batch geometry)."""
+
+    def __init__(self, layers, *, original):
+        super().__init__(layers, original=original)
+        self.shapes: dict[int, list] = {}
+
+    def route(self, router, layer, logits, args, kwargs):
+        self.shapes.setdefault(layer, []).append(router.__dict__.get("_moeverify_input_sb"))
+        return super().route(router, layer, logits, args, kwargs)
+
+
+def _note_input_shape(router, args) -> None:
+    hidden = args[0] if args else None
+    router.__dict__["_moeverify_input_sb"] = (tuple(int(n) for n in hidden.shape[:2])
+                                              if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None)
+
+
+def _check_same_job(dump, config, *, rank: int, directory: Path) -> None:
+    """Replay only into the job that was recorded: same world size and layout (and so the same ranks' rows)."""
+    layout, coords, world = job_layout(sp=bool(getattr(config, "sequence_parallel", False)))
+    if dump.world_size != world or (world > 1 and (dump.layout != layout or dump.coords.get(rank) != coords)):
+        raise UsageError(f"{ENV}: {directory} was recorded on {dump.world_size} rank(s) with layout "
+                         f"{dump.layout.name(dump.world_size)}; this job runs {world} rank(s) with layout "
+                         f"{layout.name(world)} ({coords.label()}"
+                         + (f", recorded there: {dump.coords[rank].label()}" if rank in dump.coords else "")
+                         + "); replay in the recorded layout")
 
 
 _SESSION: ProcessSession | None = None

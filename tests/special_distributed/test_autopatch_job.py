@@ -21,11 +21,11 @@ TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "600"))
 
 
 def run_job(mode: str, directory: Path, out: Path, *, steps=2, microbatches=2, perturb=False, torchrun=False,
-            model="1", args=None):
+            model="1", args=None, ranks=1, ep=1):
     env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": f"{mode}:{directory}", "MOEVERIFY_ROUTER_REPLAY_MODEL": model,
-           "PERTURB": "1" if perturb else "0"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"] \
-        if torchrun else [sys.executable, "-m"]
+           "PERTURB": "1" if perturb else "0", "EP": str(ep)}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"] \
+        if torchrun or ranks > 1 else [sys.executable, "-m"]
     cmd = launcher + ["moeverify.patches.autopatch"] + (args if args is not None else
                                                         [str(JOB), str(out), str(steps), str(microbatches)])
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -62,3 +62,28 @@ def test_autopatch_entry_point_usage_errors(tmp_path):
     assert no_script.returncode == 2 and "usage: python -m moeverify.patches.autopatch SCRIPT" in no_script.stderr
     two_models = run_job("record", tmp_path / "d2", tmp_path / "o.json", model="")
     assert two_models.returncode != 0 and "2 MoE models are built in this process" in two_models.stderr
+
+
+def test_autopatch_on_two_ranks_records_one_dump_with_the_real_layout_and_replays_it(tmp_path):
+    from moeverify import record
+    from moeverify.cli import main as moeverify_main
+
+    dump = tmp_path / "dump"
+    rec = run_job("record", dump, tmp_path / "record.json", ranks=2, ep=2)
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    loaded = record.load(dump)  # one dump, not one per rank
+    assert (loaded.world_size, loaded.layout.name(2), sorted(loaded.steps)) == (2, "ep2-dp2", [0, 1])
+    assert [(c.ep, c.dp) for _, c in sorted(loaded.coords.items())] == [(0, 0), (1, 1)]
+    assert loaded.token_order(0) == "sequence"  # each micro-batch's geometry was recorded
+    merged = loaded.routes(step=0)
+    # 2 log-prob and 2 training forwards per step, each dp2 x B2 x S8 tokens
+    assert merged.microbatches == 4 and merged.get(merged.layers[0], 0).shape[0] == 2 * 2 * 8
+    assert moeverify_main(["dump", "inspect", str(dump)]) == 0
+    rep = run_job("replay", dump, tmp_path / "replay.json", ranks=2, ep=2, perturb=True)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    for rank in (0, 1):
+        recorded, replayed = (json.loads((tmp_path / f"{n}.json.rank{rank}").read_text()) for n in ("record", "replay"))
+        assert replayed["routes"] == recorded["routes"], f"rank {rank}"
+    other = run_job("replay", dump, tmp_path / "one.json")
+    assert other.returncode != 0 and "was recorded on 2 rank(s) with layout ep2-dp2" in other.stderr, \
+        other.stderr[-2000:]

@@ -7,6 +7,9 @@ The routes every router chose in the training forwards are written to OUT as JSO
 layer and micro-batch), with the losses. ``PERTURB=1`` changes the actor's router weights first, so
 native routing would differ from a recording of the unperturbed job.
 
+``EP=2`` (under torchrun with 2 ranks) builds both models with expert parallelism 2; each rank then
+writes OUT.rank{R} and feeds its own data-parallel batches.
+
 Usage: autopatch_job.py OUT STEPS MICROBATCHES
 """
 
@@ -23,10 +26,13 @@ B, S = 2, 8
 
 
 def main(out: str, steps: int, microbatches: int) -> None:
-    runtime.init("cpu")
-    with runtime.parallel(Layout(), seed=0):
-        reference = models.build("qwen3_moe", Layout(), seed=0).model_chunks
-        built = models.build("qwen3_moe", Layout(), seed=0)
+    rt = runtime.init("cpu")
+    layout = Layout(ep=int(os.environ.get("EP", "1")))
+    if rt.world_size > 1:
+        out = f"{out}.rank{rt.rank}"
+    with runtime.parallel(layout, seed=0):
+        reference = models.build("qwen3_moe", layout, seed=0).model_chunks
+        built = models.build("qwen3_moe", layout, seed=0)
         actor = built.model_chunks
         for chunk in actor:
             chunk.train()
@@ -48,7 +54,7 @@ def main(out: str, steps: int, microbatches: int) -> None:
         record = {"routes": [], "losses": []}
         for step in range(steps):
             batches = [torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(
-                100 * step + mb)) for mb in range(microbatches)]
+                100 * step + 10 * rt.rank + mb)) for mb in range(microbatches)]
             with torch.no_grad():
                 reference[0](batches[0], pos_BS, None)
                 for tokens in batches:  # old log-probs, train mode
