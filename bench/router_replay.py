@@ -161,6 +161,10 @@ def _variants_moeverify(args, x):
         with session.replay(routes):
             _layer_step(router, x)
 
+    def replay_fidelity():  # the runtime fidelity report on (its cost vs plain replay, same process)
+        with session.replay(routes, fidelity=True):
+            _layer_step(router, x)
+
     @contextlib.contextmanager
     def reverted():
         rr.revert()
@@ -169,7 +173,8 @@ def _variants_moeverify(args, x):
         finally:
             rr.apply()
 
-    return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay}
+    return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay,
+            "replay_fidelity": replay_fidelity}
 
 
 def _native_steps(router, action_enum, ids_TK):
@@ -264,6 +269,10 @@ def run_parent(args) -> dict:
         metrics[f"{impl}.unpatched"] = _metric(times["unpatched"], times["unpatched"], None)
         for name in ("record", "replay"):
             metrics[f"{impl}.{name}"] = _metric(times[name], times["unpatched"], GOALS.get(f"{impl}.{name}"))
+    if "moeverify" in medians:
+        times = medians["moeverify"]
+        metrics["moeverify.replay_fidelity"] = _metric(times["replay_fidelity"], times["unpatched"], None)
+        metrics["moeverify.fidelity_vs_replay"] = _metric(times["replay_fidelity"], times["replay"], None)
     if "moeverify" in medians and "native" in medians:
         ours = medians["moeverify"]["replay"] / medians["moeverify"]["unpatched"]
         theirs = medians["native"]["replay"] / medians["native"]["unpatched"]

@@ -154,8 +154,10 @@ class Replaying:
     """State of ``session.replay(routes)``: per layer, the next forward micro-batch and recompute counts."""
 
     def __init__(self, per_layer: dict[int, tuple[torch.Tensor, ...]], *, recompute: bool | str, rank: int,
-                 original):
+                 original, fidelity: bool = False):
         self.original = original  # the unpatched TopKRouter.routing
+        # layer -> [tokens whose replayed top-k equals native top-k (device tensor), tokens] over forwards
+        self.fidelity: dict[int, list] | None = {} if fidelity else None
         self.per_layer = per_layer
         self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
         self.recompute_mode = recompute
@@ -194,8 +196,37 @@ class Replaying:
             _bind(region, router, self, layer, mb)
             self.regions[layer][mb] = weakref.ref(region)
         _REPLAYED.add(router)
-        hook = _ReplayHook(self._ids(router, layer, mb, logits))
+        ids_TK = self._ids(router, layer, mb, logits)
+        if self.fidelity is not None:
+            self._count_agreement(router, layer, logits, ids_TK)
+        hook = _ReplayHook(ids_TK)
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
+
+    def _count_agreement(self, router, layer: int, logits, ids_TK) -> None:
+        """Tokens whose replayed experts are the ones native routing picks with the current weights.
+
+        Native's choice is megatron-core's own ``topk_routing_with_score_function`` with the router's
+        settings (score function, pre-softmax, groups, scaling, expert bias), before capacity dropping;
+        read against megatron-core 0.19.2's ``TopKRouter.routing``. No side effects, no host sync."""
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        config = router.config
+        with torch.no_grad():
+            _, native_TE = topk_routing_with_score_function(
+                logits.detach().reshape(-1, router.num_experts), router.topk,
+                use_pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
+                group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor,
+                score_function=router.score_function, expert_bias=router.expert_bias, fused=False)
+            agree = native_TE.gather(1, ids_TK).all(dim=1).sum()
+        counts = self.fidelity.setdefault(layer, [torch.zeros((), dtype=torch.int64, device=agree.device), 0])
+        counts[0] += agree
+        counts[1] += int(ids_TK.shape[0])
+
+    def fidelity_report(self) -> dict[int, float]:
+        """``{layer: share of replayed tokens whose top-k equals native's}`` over the forwards so far."""
+        if self.fidelity is None:
+            raise UsageError("fidelity was not asked for: use session.replay(routes, fidelity=True)")
+        return {layer: (int(agree) / tokens if tokens else 1.0) for layer, (agree, tokens) in sorted(self.fidelity.items())}
 
     def recompute(self, router, layer, mb, logits, args, kwargs):
         if self.recompute_mode is False:

@@ -259,7 +259,7 @@ class ReplaySession:
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
 
     @contextlib.contextmanager
-    def replay(self, routes: Routes, *, recompute: bool | str = "auto") -> Iterator[None]:
+    def replay(self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False) -> Iterator[None]:
         """Replay ``routes`` in the forward passes run inside (in order per layer) and in their recomputes.
 
         Args:
@@ -269,6 +269,9 @@ class ReplaySession:
                 checkpointed forward whose graph is alive but was never recomputed. ``True``:
                 ``check_consumed()`` also requires every forward to have been recomputed at least once.
                 ``False``: a recompute of a replayed forward raises (forward-only passes).
+            fidelity: also count, per layer, the tokens whose replayed top-k equals what native routing would
+                pick with the current weights (``session.fidelity()`` after the block): the train/rollout
+                routing agreement. Off by default; its cost is in ``bench/router_replay.py --fidelity``.
         """
         if recompute not in ("auto", True, False):
             raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
@@ -278,7 +281,8 @@ class ReplaySession:
         # was validated when built, and checking it again would cost host syncs on every step.
         per_layer = {layer: tuple(self._own_copy(routes, layer, mb, device) for mb in range(routes.microbatches))
                      for layer in routes.layers}
-        replaying = Replaying(per_layer, recompute=recompute, rank=current_rank(), original=_ORIGINAL_ROUTING)
+        replaying = Replaying(per_layer, recompute=recompute, rank=current_rank(), original=_ORIGINAL_ROUTING,
+                              fidelity=fidelity)
         self._replayed = replaying
         with self._active(replaying):
             yield
@@ -289,6 +293,13 @@ class ReplaySession:
             validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.num_experts, topk=self.topk,
                               rank=current_rank())
         return ids_TK.to(device=device, dtype=torch.int64, copy=True)
+
+    def fidelity(self) -> dict[int, float]:
+        """After ``replay(routes, fidelity=True)``: ``{layer: share of forward tokens whose replayed top-k expert
+        set equals native routing's with the current weights}`` (1.0: replay changed nothing)."""
+        if self._replayed is None:
+            raise UsageError("fidelity() needs a replay first (`with session.replay(routes, fidelity=True): ...`)")
+        return self._replayed.fidelity_report()
 
     def check_consumed(self) -> None:
         """Raise ``RouteError`` for a replayed micro-batch never used forward, or a checkpointed one never recomputed."""

@@ -444,3 +444,42 @@ def test_replay_keeps_its_own_copy_of_the_routes():
         routes.get(0, 0).fill_(0)  # writing through get() after replay started changes nothing replayed
         got = ids_of(router(hidden(0))[1])
     assert torch.equal(got, expected.sort(dim=1).values)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                                moe_router_num_groups=2, moe_router_group_topk=1)])
+def test_fidelity_is_the_share_of_tokens_native_routing_would_route_alike(overrides):
+    routers = [make_router(1, seed=4, **overrides), make_router(2, seed=5, **overrides)]
+    session = rr.ReplaySession(routers)
+    xs = [hidden(3), hidden(4)]
+    with torch.no_grad(), session.record():
+        for x in xs:
+            for r in routers:
+                r(x)
+    routes = session.routes()
+    with session.replay(routes, fidelity=True), torch.no_grad():
+        for x in xs:
+            for r in routers:
+                r(x)
+    assert session.fidelity() == {0: 1.0, 1: 1.0}  # same weights: replay changes nothing
+    with torch.no_grad():
+        routers[1].weight.add_(torch.randn(E, H, generator=torch.Generator().manual_seed(9)))
+        native = [ids_of(routers[1](x)[1]) for x in xs]  # what native routing now picks, layer 1
+    expected = sum(int((n == routes.get(1, mb).sort(dim=1).values).all(dim=1).sum()) for mb, n in enumerate(native))
+    with session.replay(routes, fidelity=True), torch.no_grad():
+        for x in xs:
+            for r in routers:
+                r(x)
+    report = session.fidelity()
+    assert report[0] == 1.0 and report[1] == expected / (2 * T) < 1.0
+
+
+def test_fidelity_off_by_default_says_how_to_ask():
+    router = make_router(1, seed=4)
+    session = rr.ReplaySession(router)
+    with torch.no_grad(), session.record():
+        router(hidden(0))
+    with session.replay(session.routes()), torch.no_grad():
+        router(hidden(0))
+    with pytest.raises(UsageError, match=r"replay\(routes, fidelity=True\)"):
+        session.fidelity()
