@@ -133,14 +133,12 @@ def _describe(state: _RankState, plan: Plan) -> str:
     return f"rank {rank} was terminated{where}; its stacks (most recent call first):\n{_head(text)}"
 
 
-_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?^\s*rank\s*:\s*(?P<rank>\d+).*?"
-                         r"^\s*exitcode\s*:\s*(?P<code>-?\d+)", re.S | re.M)
+_FAILURE = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)[^\n]*\n(?:[^\n]*\n)*?\s*exitcode\s*:\s*(?P<code>-?\d+)", re.M)
 
 
-def torchrun_root_cause(log_text: str) -> tuple[int, int] | None:
-    """(rank, exit code) of the first failure torchrun observed, from its summary (negative: a signal)."""
-    m = _ROOT_CAUSE.search(log_text)
-    return (int(m["rank"]), int(m["code"])) if m else None
+def torchrun_failures(log_text: str) -> dict[int, int]:
+    """``{rank: exit code}`` of every failure in torchrun's summary (negative: killed by that signal)."""
+    return {int(m["rank"]): int(m["code"]) for m in _FAILURE.finditer(log_text)}
 
 
 def _signal_name(code: int) -> str:
@@ -151,18 +149,17 @@ def _signal_name(code: int) -> str:
 
 
 def _silent_root_cause(directory: Path, states: list[_RankState]) -> _RankState | None:
-    """The rank torchrun saw fail first when it left no report of its own (killed by a signal it could not
-    catch, e.g. SIGKILL or the OOM killer), as a state whose text names the signal."""
+    """A rank that a signal ended without a word (SIGKILL, the OOM killer): no stacks of its own, and torchrun
+    saw it die of a signal it did not send itself (torchrun ends the survivors with SIGTERM)."""
     log = directory / "torchrun.log"
-    cause = torchrun_root_cause(log.read_text(errors="replace")) if log.exists() else None
-    if cause is None or not 0 <= cause[0] < len(states):
+    failures = torchrun_failures(log.read_text(errors="replace")) if log.exists() else {}
+    silent = sorted(rank for rank, code in failures.items()
+                    if code < 0 and code != -signal.SIGTERM and 0 <= rank < len(states) and not states[rank].stacks)
+    if not silent:
         return None
-    state = states[cause[0]]
-    if state.stacks and not _is_victim(state.stacks):
-        return None  # it explained itself
-    how = _signal_name(cause[1]) if cause[1] < 0 else f"exit code {cause[1]}"
-    text = (f"Killed: rank {state.rank} ended by {how} without a traceback or stacks of its own "
-            f"(a signal Python cannot catch: kill -9, or the kernel's out-of-memory killer)")
+    state = states[silent[0]]
+    text = (f"Killed: rank {state.rank} ended by {_signal_name(failures[state.rank])} without a traceback or "
+            f"stacks of its own (a signal Python cannot catch: kill -9, or the kernel's out-of-memory killer)")
     return dataclasses.replace(state, stacks=text, stacks_mtime=-math.inf)
 
 

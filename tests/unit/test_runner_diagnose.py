@@ -224,6 +224,19 @@ Root Cause (first observed failure):
 """
 
 
+TORCHRUN_VICTIM_FIRST = """Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 12626)  (SIGKILL)
+  traceback : Signal 9 (SIGKILL) received by PID 12626
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 3 (pid: 12625)
+"""
+
+
 def test_diagnose_rank_killed_without_a_word_is_named_with_its_signal(tmp_path):
     # SIGKILL leaves no stacks; the rank torchrun then SIGTERMs writes its stacks first. The root cause
     # in torchrun's summary names the killed rank, so blame goes there and not to the torn-down rank 0.
@@ -244,3 +257,30 @@ def test_diagnose_root_cause_that_explained_itself_keeps_its_traceback(tmp_path)
     (tmp_path / "torchrun.log").write_text(TORCHRUN_SIGKILL_SUMMARY.replace("-9 (pid: 12626)  (SIGKILL)", "3 (pid: 1)"))
     crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
     assert crash.message.startswith("rank 1 raised"), crash.message
+
+
+def test_diagnose_torchrun_first_seeing_the_victim_still_blames_the_killed_rank(tmp_path):
+    # Seen in CI: rank 0 lost its peer, raised and exited 3 before torchrun noticed rank 1's SIGKILL, so
+    # torchrun's "root cause" is rank 0. The rank a signal killed without a word is still the cause.
+    for rank in (0, 1):
+        _in_check(tmp_path, rank, 1, "export")
+    victim = RAISED.replace("moeverify: rank 1", "moeverify: rank 0").replace(
+        "ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021")
+    _stacks(tmp_path, 0, victim)
+    (tmp_path / "torchrun.log").write_text(TORCHRUN_VICTIM_FIRST)
+    crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
+    assert crash.message.startswith("rank 1 was killed in check export: rank 1 ended by signal 9 (SIGKILL)"), \
+        crash.message
+
+
+def test_diagnose_a_raising_rank_seen_first_by_torchrun_is_not_called_killed(tmp_path):
+    # CI: rank 0 (a victim) exited 3 first; rank 1 raised the planted error. Exit code 3 is not a signal.
+    for rank in (0, 1):
+        _in_check(tmp_path, rank, 1, "export")
+    victim = RAISED.replace("ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021")
+    _stacks(tmp_path, 0, victim)
+    _stacks(tmp_path, 1, RAISED)
+    (tmp_path / "torchrun.log").write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+                                           "  exitcode  : 3 (pid: 1)\n")
+    crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
+    assert crash.message.startswith("rank 1 raised ValueError: bad row"), crash.message
