@@ -17,7 +17,6 @@ import yaml
 from moeverify import options
 from moeverify.errors import LayoutError, UsageError
 from moeverify.layout import Layout, ModelShape
-from moeverify.oracles.context import Scenario
 
 FORMAT_VERSION = 1
 CPU_MAX_WORLD_SIZE = 8  # CPU ranks are processes: allowed up to 8 whatever the core count
@@ -29,6 +28,24 @@ _SCENARIO_KEYS = _FIELD_KEYS | {"family", "world_size", "layout"}
 _MATRIX_KEYS = _FIELD_KEYS | {"families", "layouts", "world_size", "moe_checks"}
 _MATRIX_LAYOUT_KEYS = frozenset({"world_size", "gpu_only"})
 _LAYOUT_KEYS = frozenset(f.name for f in dataclasses.fields(Layout))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """One ``family/layout`` entry of a scenario file."""
+
+    family: str
+    layout: Layout
+    world_size: int
+    checks: tuple[str, ...]
+    seed: int = 0
+    gpu_only: str | None = None  # the reason, when this scenario cannot run on CPU ranks
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-scenario check options
+    source: str = ""  # "file.yaml" where it was defined, for messages
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.layout.name(self.world_size)}"
 
 
 

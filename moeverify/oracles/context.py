@@ -5,25 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moeverify.layout import Layout
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Scenario:
-    """One ``family/layout`` entry of a scenario file."""
-
-    family: str
-    layout: Layout
-    world_size: int
-    checks: tuple[str, ...]
-    seed: int = 0
-    gpu_only: str | None = None  # the reason, when this scenario cannot run on CPU ranks
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-scenario check options
-    source: str = ""  # "file.yaml" where it was defined, for messages
-
-    @property
-    def name(self) -> str:
-        return f"{self.family}/{self.layout.name(self.world_size)}"
+from moeverify.scenario import Scenario  # defined upstream; imported here for the checks
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import moeverify
-from moeverify.oracles.context import Scenario
+from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord
 from moeverify.runner.diagnose import Crash, diagnose
 from moeverify.runner.lifetime import die_with_parent

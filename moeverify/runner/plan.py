@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from moeverify.oracles.context import Scenario
+from moeverify.scenario import Scenario
 from moeverify.scenario import scenario_from_dict, scenario_to_dict
 
 

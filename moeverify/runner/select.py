@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from moeverify import plugins
 from moeverify.errors import UsageError
 from moeverify.options import OPTIONS, REPLAY_IMPLS, SUBJECTS
-from moeverify.oracles.context import Scenario
+from moeverify.scenario import Scenario
 from moeverify.runner.report import Result
 from moeverify.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
 

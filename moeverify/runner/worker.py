@@ -19,7 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from moeverify.oracles.context import CheckContext, Scenario
+from moeverify.oracles.context import CheckContext
+from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner import checks as check_table
 from moeverify.runner.lifetime import die_with_parent

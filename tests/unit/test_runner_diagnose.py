@@ -11,7 +11,7 @@ import time
 import pytest
 
 from moeverify.layout import Layout
-from moeverify.oracles.context import Scenario
+from moeverify.scenario import Scenario
 from moeverify.runner import launch
 from moeverify.runner.diagnose import diagnose, innermost_frame
 from moeverify.runner.plan import Plan, append_line, events_path, read_lines, results_path, stacks_path

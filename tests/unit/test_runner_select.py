@@ -6,7 +6,7 @@ import pytest
 
 from moeverify.errors import UsageError
 from moeverify.layout import Layout
-from moeverify.oracles.context import Scenario
+from moeverify.scenario import Scenario
 from moeverify.runner import checks
 from moeverify.runner.select import check_option_use, plan_backends, select
 
