@@ -183,6 +183,7 @@ def _torch_cuda_redirections() -> list[tuple[Any, str, Callable | type]]:
         (torch.cuda, "Event", _NullEvent),
         (torch.cuda, "stream", lambda stream=None: contextlib.nullcontext()),
         (torch.cuda, "synchronize", _noop),
+        (torch.cuda, "is_current_stream_capturing", lambda: False),  # nothing captures on CPU (RouterTracer asks)
         (torch.cuda, "empty_cache", _noop),
         (torch.cuda, "set_device", _noop),
         (torch.cuda, "get_rng_state", _cpu_get_rng_state),

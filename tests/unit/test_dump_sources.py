@@ -1,0 +1,87 @@
+"""Real sources of the same forwards line up token for token: a moeverify dump (``RouteRecorder``, which
+records each micro-batch's geometry) and Megatron-Core's own ``RouterTracer`` JSONL, converted with
+``dump convert --seq-len --batch``. The tracer runs on CPU ranks (the CPU runtime answers its CUDA query)."""
+
+import json
+
+import pytest
+import torch
+
+from moeverify import record
+from moeverify.cli import main
+from moeverify.layout import Layout
+
+pytestmark = pytest.mark.usefixtures("patched_megatron_world")
+B, S, MICROBATCHES = 2, 8, 2
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory):
+    from megatron.core.transformer.moe import router_trace
+
+    from moeverify import models
+    from moeverify.record.recorder import RouteRecorder, model_info
+    from moeverify.record.writer import RankWriter, finalize
+
+    tmp = tmp_path_factory.mktemp("sources")
+    built = models.build("qwen3_moe", Layout(), seed=0)
+    chunks = built.model_chunks
+    tracer = router_trace.RouterTracer(str(tmp / "trace"), max_steps=1, rank=0, training_mode=True)
+    tracer.register_hooks(chunks)
+    writer = RankWriter(tmp / "dump", model=model_info(chunks[0].config), background=False)
+    pos_BS = torch.arange(S).expand(B, S)
+    with RouteRecorder(chunks, writer) as recorder, torch.no_grad():
+        recorder.begin_step(0)
+        for mb in range(MICROBATCHES):
+            tokens = torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(mb))
+            chunks[0](tokens, pos_BS, None)
+    tracer.advance_step(0)
+    tracer.remove_hooks()
+    writer.close()
+    finalize(tmp / "dump")
+    return tmp
+
+
+def test_megatron_router_trace_and_a_moeverify_dump_agree_token_for_token(two_sources, capsys):
+    trace = two_sources / "trace" / "router_trace_rank0.jsonl"
+    assert trace.stat().st_size > 0
+    conv = two_sources / "from_trace"
+    assert main(["dump", "convert", str(trace), str(conv), "--seq-len", str(S), "--batch", str(B)]) == 0
+    assert record.load(conv).token_order(0) == "sequence"
+    out = two_sources / "diff.json"
+    assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--json", str(out), "--fail-on-diff"]) == 0
+    report = json.loads(out.read_text())
+    assert report["tokens_diverging_any_layer"] == 0.0 and report["tokens"] == MICROBATCHES * B * S
+
+
+def test_router_trace_without_geometry_is_refused_not_compared_by_position(two_sources, capsys):
+    trace = two_sources / "trace" / "router_trace_rank0.jsonl"
+    conv = two_sources / "no_geometry"
+    assert main(["dump", "convert", str(trace), str(conv)]) == 0
+    capsys.readouterr()
+    assert main(["dump", "diff", str(two_sources / "dump"), str(conv)]) == 2
+    assert "was saved without seq_len/batch, so its token order is unknown" in capsys.readouterr().err
+    # By position, the router order (s * B + b) against sequence order disagrees on most tokens:
+    # exactly the silent wrong answer the refusal prevents.
+    assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--assume-same-order",
+                 "--fail-on-diff"]) == 1
+
+
+def test_an_injected_disagreement_is_found_at_its_layer_and_token(two_sources):
+    lines = (two_sources / "trace" / "router_trace_rank0.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    target = next(i for i, r in enumerate(recs) if r["layer"] == 1)  # layer 1, micro-batch 0
+    row = recs[target]["top_indices"][3]  # router row 3 = s 1, b 1 = sequence-order token 1 * S + 1
+    experts = 8
+    recs[target]["top_indices"][3] = [e for e in range(experts) if e not in row][:len(row)]
+    bad = two_sources / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    conv = two_sources / "bad_dump"
+    assert main(["dump", "convert", str(bad), str(conv), "--seq-len", str(S), "--batch", str(B),
+                 "--num-experts", str(experts)]) == 0
+    out = two_sources / "bad.json"
+    assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--json", str(out), "--fail-on-diff"]) == 1
+    report = json.loads(out.read_text())
+    assert report["first_divergent_layer"] == {"1": 1}
+    worst = report["worst_tokens"][0]
+    assert (worst["microbatch"], worst["token_in_microbatch"]) == (0, 1 * S + 1)
