@@ -116,7 +116,7 @@ class DiffReport:
 
         table = Table(title=f"routing diff: {self.tokens} tokens, top-{self.topk} of {self.num_experts}, "
                             f"{self.tokens_diverging_any_layer:.2%} diverge in >= 1 layer")
-        for col in ("layer", "agreement", "overlap@k", "first divergent", "max |load delta|"):
+        for col in ("layer", "agreement", "overlap@k", "tokens first diverging here", "max |load delta|"):
             table.add_column(col, justify="right")
         first = self.first_divergent_layer()
         agreement, overlap = self.agreement_L.tolist(), self.overlap_at_k_L.tolist()

@@ -21,7 +21,15 @@ def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64)
     heat_LB = report.bucket_disagreement(buckets)
     image = ax_heat.imshow(heat_LB.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=max(1e-9, float(heat_LB.max())),
                            interpolation="nearest")
-    ax_heat.set_yticks(range(len(report.layers)), [str(layer) for layer in report.layers])
+    agreement = report.agreement_L.tolist()
+    ax_heat.set_yticks(range(len(report.layers)),
+                       [f"{layer}  ({agreement[i]:.1%} agree)" for i, layer in enumerate(report.layers)])
+    first = report.first_divergent_layer()
+    if first:  # the earliest layer where any token diverges: where to start looking
+        row = report.layers.index(min(first))
+        ax_heat.axhline(row, color="cyan", linewidth=1.5, linestyle="--")
+        ax_heat.annotate(f"first divergence: layer {min(first)}", xy=(0, row), xytext=(2, row - 0.35),
+                         color="cyan", fontsize=9)
     ax_heat.set_xlabel(f"token bucket ({report.tokens} tokens in {heat_LB.shape[1]} buckets)")
     ax_heat.set_ylabel("MoE layer")
     ax_heat.set_title(f"fraction of tokens whose top-{report.topk} set differs "
@@ -44,8 +52,16 @@ def _load_bars(ax, report: DiffReport) -> None:
     experts = report.num_experts
     for i in range(1, len(report.layers)):
         ax.axvline(i * experts - 0.5, color="grey", linewidth=0.5)
-    ax.set_xticks([i * experts + experts / 2 - 0.5 for i in range(len(report.layers))],
-                  [f"layer {layer}" for layer in report.layers])
+    if experts * len(report.layers) <= 64:  # expert ids under the bars while they stay readable
+        ax.set_xticks(x, [str(e % experts) for e in x], fontsize=6)
+        ax.set_xlabel("expert id, layer by layer")
+    else:
+        step = max(1, experts // 8)
+        ax.set_xticks([i * experts + e for i in range(len(report.layers)) for e in range(0, experts, step)],
+                      [str(e) for _ in report.layers for e in range(0, experts, step)], fontsize=6)
+    for i, layer in enumerate(report.layers):
+        ax.annotate(f"layer {layer}", xy=(i * experts + experts / 2 - 0.5, 1.0), xycoords=("data", "axes fraction"),
+                    ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("tokens routed")
-    ax.set_title("expert load per layer (A vs B)")
+    ax.set_title("expert load per layer (A vs B)", pad=16)
     ax.legend()
