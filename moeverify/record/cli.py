@@ -46,6 +46,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--order-a", choices=ORDERS, help="token order of A when it is an array (a dump knows its own)")
     p.add_argument("--order-b", choices=ORDERS, help="token order of B when it is an array")
     _add_geometry(p, "of the array side(s) given in router order")
+    p.add_argument("--rollout", action="store_true",
+                   help="B is a rollout engine's routed experts: .npz with one [positions, layers, topk] array per "
+                        "request (vLLM routed_experts, SGLang return_routed_experts), or .npy [requests, positions, "
+                        "layers, topk] padded with -1; lined up with A's sequences request by request")
     p.add_argument("--assume-same-order", action="store_true",
                    help="compare by position although a side's token order is unknown (you vouch for it)")
     p.set_defaults(func=cmd_diff)
@@ -150,25 +154,33 @@ def cmd_inspect(args) -> int:
 @_guarded
 def cmd_diff(args) -> int:
     """``dump diff A B``."""
-    from rich.console import Console
-
     from moeverify import record
+    from moeverify.record.order import require_same_tokens
 
     _out_path("--json", args.json)
     _out_path("--plot", args.plot)
-    from moeverify.record.order import require_same_tokens
 
     if (args.seq_len is None) != (args.batch is None):
         raise UsageError("--seq-len and --batch go together")
+    if args.rollout:
+        return _diff_rollout(args)
     a = _routes_of(args.a, args.step, order=args.order_a, args=args, flag="--order-a")
     b = _routes_of(args.b, args.step if args.step_b is None else args.step_b, order=args.order_b, args=args,
                    flag="--order-b")
     require_same_tokens(a, b, assume_same_order=args.assume_same_order)
     a, b = _align_experts(a.routes, b.routes)
-    report = record.diff(a, b)
+    return _report(args, record.diff(a, b))
+
+
+def _report(args, report, extra: dict | None = None) -> int:
+    from rich.console import Console
+
     Console().print(report.table())
     if args.json:
-        atomic_write(Path(args.json), (json.dumps(report.to_json(worst=args.worst), indent=1) + "\n").encode())
+        record_json = report.to_json(worst=args.worst)
+        if extra:
+            record_json.update(extra)
+        atomic_write(Path(args.json), (json.dumps(record_json, indent=1) + "\n").encode())
     if args.plot:
         from moeverify.record.plots import plot_diff
 
@@ -176,6 +188,42 @@ def cmd_diff(args) -> int:
     if args.fail_on_diff and report.tokens_diverging_any_layer > 0:
         return EXIT_DIFF
     return 0
+
+
+def _rollout_requests(path: Path) -> list:
+    from moeverify.record import importers
+
+    arrays = importers.read_arrays(path)
+    if path.suffix == ".npy":
+        (arr,) = arrays
+        if arr.ndim != 4:
+            raise UsageError(f"{path}: a .npy rollout is [requests, positions, layers, topk], got shape {arr.shape}")
+        return [arr[r][~(arr[r] < 0).all(axis=(1, 2))] for r in range(arr.shape[0])]  # drop all -1 padding rows
+    return arrays
+
+
+def _diff_rollout(args) -> int:
+    """``dump diff TRAIN ROLLOUT --rollout``: request by request, uncaptured positions and gaps apart."""
+    from moeverify import record
+    from moeverify.record.rollout import align
+
+    train_path, rollout_path = Path(args.a), Path(args.b)
+    if not train_path.is_dir():
+        raise UsageError(f"--rollout: A must be the training dump (a directory), got {train_path}")
+    for flag in ("order_a", "order_b", "seq_len", "batch", "assume_same_order"):
+        if getattr(args, flag):
+            raise UsageError(f"--rollout lines requests up by themselves; drop --{flag.replace('_', '-')}")
+    dump = record.load(train_path)
+    step = args.step
+    if dump.token_order(step) is None:
+        raise UsageError(f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
+                         "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=)")
+    info = dump.steps[step]
+    aligned = align(dump.routes(step=step), seq_len=info.seq_len, batch=info.batch, moe_layers=dump.model.moe_layers,
+                    num_layers=dump.model.num_layers, requests=_rollout_requests(rollout_path), where=str(rollout_path))
+    print(f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
+          f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart")
+    return _report(args, record.diff(aligned.train, aligned.rollout), {"rollout": aligned.as_json()})
 
 
 @_guarded

@@ -85,3 +85,49 @@ def test_an_injected_disagreement_is_found_at_its_layer_and_token(two_sources):
     assert report["first_divergent_layer"] == {"1": 1}
     worst = report["worst_tokens"][0]
     assert (worst["microbatch"], worst["token_in_microbatch"]) == (0, 1 * S + 1)
+
+
+def _rollout_arrays(dump, *, step=0, drop_last=True):
+    """What a rollout engine would return for the dump's sequences: per request [S - 1, L, K], sequence order."""
+    info = dump.steps[step]
+    routes = dump.routes(step=step)
+    out = []
+    for mb, length in enumerate(info.seq_len):
+        stacked = routes.stacked(mb).numpy()
+        for b in range(info.batch):
+            rows = stacked[b * length:(b + 1) * length]
+            out.append(rows[:-1] if drop_last else rows)
+    return out
+
+
+def test_train_vs_rollout_lines_up_requests_and_sets_apart_the_missing_last_row_and_gaps(two_sources, capsys):
+    import numpy as np
+
+    dump = record.load(two_sources / "dump")
+    requests = _rollout_arrays(dump)
+    requests[1] = requests[1].copy()
+    requests[1][2] = -1  # a capture gap: never compared as an expert
+    requests[2] = requests[2].copy()
+    row = requests[2][4, 1].copy()  # request 2, position 4, layer column 1: one real disagreement
+    requests[2][4, 1] = [e for e in range(8) if e not in row][:len(row)]
+    np.savez(two_sources / "rollout.npz", **{f"req{r}": a for r, a in enumerate(requests)})
+    out = two_sources / "rollout.json"
+    code = main(["dump", "diff", str(two_sources / "dump"), str(two_sources / "rollout.npz"), "--rollout", "--json",
+                 str(out), "--fail-on-diff"])
+    assert code == 1
+    report = json.loads(out.read_text())
+    sequences = MICROBATCHES * B
+    assert report["rollout"] == {"requests": sequences, "compared_tokens": sequences * (S - 1) - 1,
+                                 "uncaptured_tokens": sequences, "capture_gap_rows": 1}
+    assert report["first_divergent_layer"] == {str(dump.model.moe_layers[1]): 1}
+    assert report["tokens"] == sequences * (S - 1) - 1
+    # the same rollout without the injected disagreement agrees everywhere it was captured
+    requests[2][4, 1] = row
+    np.savez(two_sources / "rollout_ok.npz", **{f"req{r}": a for r, a in enumerate(requests)})
+    assert main(["dump", "diff", str(two_sources / "dump"), str(two_sources / "rollout_ok.npz"), "--rollout",
+                 "--fail-on-diff"]) == 0
+    # a request missing: refused, naming both counts
+    np.savez(two_sources / "short.npz", **{f"req{r}": a for r, a in enumerate(requests[:-1])})
+    capsys.readouterr()
+    assert main(["dump", "diff", str(two_sources / "dump"), str(two_sources / "short.npz"), "--rollout"]) == 2
+    assert f"{sequences - 1} rollout request(s) != the training step's {sequences} sequences" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""Lining a training dump up with a rollout engine's routed experts, request by request.
+
+Rollout engines (vLLM's ``routed_experts``, SGLang's ``return_routed_experts``) return one array per request,
+``[n_i, L, K]``: the routes of positions ``0 .. n_i - 1`` of that request, usually ``n_i = S_i - 1`` (the last
+token is sampled, never fed back). Training sees ``B`` sequences of ``S`` positions per micro-batch
+(sequence order, ``g = b * S + s``, from a dump that records its geometry). Request ``r`` is training
+sequence ``r`` counted over micro-batches in order. Compared: position ``s`` of request ``r`` where the
+rollout holds a row for it. Listed apart, never compared: positions the rollout did not return (the last
+row, padding) and capture gaps (a row of -1, or of zeros with K > 1). Legend: N = rows, L = layers,
+K = top-k, S = positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from moeverify.errors import UsageError
+from moeverify.routes import Routes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Aligned:
+    train: Routes  # the compared tokens only, one micro-batch per training micro-batch
+    rollout: Routes
+    requests: int
+    compared: int
+    uncaptured: int  # training positions the rollout returned no row for
+    gaps: int  # rollout rows that were capture gaps
+
+    def as_json(self) -> dict:
+        return {"requests": self.requests, "compared_tokens": self.compared, "uncaptured_tokens": self.uncaptured,
+                "capture_gap_rows": self.gaps}
+
+
+def _columns(arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, where: str) -> np.ndarray:
+    if arr.shape[1] == len(moe_layers):
+        return arr
+    if arr.shape[1] == num_layers:
+        return arr[:, list(moe_layers), :]  # all-layer numbering (dense-prefix models): keep the MoE columns
+    raise UsageError(f"{where}: {arr.shape[1]} layer column(s) fit neither the {len(moe_layers)} MoE layers "
+                     f"{list(moe_layers)} nor all {num_layers} decoder layers of the training dump")
+
+
+def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequence[int], num_layers: int,
+          requests: Sequence[np.ndarray], where: str) -> Aligned:
+    """Both sides restricted to the positions the rollout routed (``train`` in sequence order)."""
+    sequences = batch * len(seq_len)
+    if len(requests) != sequences:
+        raise UsageError(f"{where}: {len(requests)} rollout request(s) != the training step's {sequences} sequences "
+                         f"({len(seq_len)} micro-batch(es) x batch {batch})")
+    train_mbs: dict[int, list] = {layer: [] for layer in train.layers}
+    roll_mbs: dict[int, list] = {layer: [] for layer in train.layers}
+    compared = uncaptured = gaps = 0
+    for mb, length in enumerate(seq_len):
+        rows_idx, rows = [], []
+        for b in range(batch):
+            r = mb * batch + b
+            arr = requests[r]
+            if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer) or arr.shape[2] != train.topk:
+                raise UsageError(f"{where}: request {r}: shape {arr.shape} dtype {arr.dtype} != integer "
+                                 f"[positions, layers, {train.topk}]")
+            if arr.shape[0] > length:
+                raise UsageError(f"{where}: request {r}: {arr.shape[0]} rows > the training sequence's {length} "
+                                 "positions (is it the same request?)")
+            ids = torch.from_numpy(np.ascontiguousarray(_columns(arr, moe_layers=moe_layers, num_layers=num_layers,
+                                                                 where=f"{where}: request {r}")).astype(np.int64))
+            gap_N = (ids < 0).any(dim=2).any(dim=1)
+            if train.topk > 1:
+                gap_N |= (ids == 0).all(dim=2).any(dim=1)
+            keep = (~gap_N).nonzero().flatten()
+            gaps += int(gap_N.sum())
+            uncaptured += length - int(arr.shape[0])
+            rows_idx.append(b * length + keep)
+            rows.append(ids[keep])
+        index = torch.cat(rows_idx)
+        stacked = torch.cat(rows)
+        compared += int(index.numel())
+        for i, layer in enumerate(train.layers):
+            train_mbs[layer].append(train.get(layer, mb).index_select(0, index))
+            roll_mbs[layer].append(stacked[:, i, :])
+    experts = train.num_experts
+    high = max((int(t.max()) for mbs in roll_mbs.values() for t in mbs if t.numel()), default=0)
+    if high >= experts:
+        raise UsageError(f"{where}: expert id {high} >= the training dump's {experts} experts")
+    return Aligned(train=Routes(train_mbs, num_experts=experts, topk=train.topk),
+                   rollout=Routes(roll_mbs, num_experts=experts, topk=train.topk), requests=len(requests),
+                   compared=compared, uncaptured=uncaptured, gaps=gaps)
