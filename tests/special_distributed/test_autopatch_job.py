@@ -87,3 +87,31 @@ def test_autopatch_on_two_ranks_records_one_dump_with_the_real_layout_and_replay
     other = run_job("replay", dump, tmp_path / "one.json")
     assert other.returncode != 0 and "was recorded on 2 rank(s) with layout ep2-dp2" in other.stderr, \
         other.stderr[-2000:]
+
+
+PIPELINE_JOB = Path(__file__).resolve().parent / "jobs" / "pipeline_job.py"
+
+
+def test_autopatch_under_megatrons_pipeline_schedule_pp2_records_and_replays(tmp_path):
+    from moeverify import record
+
+    dump = tmp_path / "dump"
+    args = lambda out: [str(PIPELINE_JOB), str(out), "2", "3"]  # noqa: E731 (2 steps, 3 micro-batches)
+    rec = run_job("record", dump, tmp_path / "r.json", ranks=2, model="", args=args(tmp_path / "record.json"))
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    loaded = record.load(dump)
+    assert (loaded.world_size, loaded.layout.name(2), sorted(loaded.steps)) == (2, "pp2", [0, 1])
+    assert sorted(c.pp for c in loaded.coords.values()) == [0, 1]
+    assert loaded.routes(step=1).microbatches == 6  # 3 log-prob + 3 training forwards, merged over both stages
+    rep = run_job("replay", dump, tmp_path / "p.json", ranks=2, model="", perturb=True,
+                  args=args(tmp_path / "replay.json"))
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    nat = run_job("record", tmp_path / "native", tmp_path / "n.json", ranks=2, model="", perturb=True,
+                  args=args(tmp_path / "native.json"))
+    assert nat.returncode == 0, nat.stderr[-3000:]
+    for rank in (0, 1):
+        recorded, replayed, native = (json.loads((tmp_path / f"{n}.json.rank{rank}").read_text())
+                                      for n in ("record", "replay", "native"))
+        assert replayed["routes"] == recorded["routes"], f"rank {rank}: replay did not follow the recording"
+        assert native["routes"] != recorded["routes"], f"rank {rank}: the perturbation changed nothing"
+        assert len(recorded["routes"]) == 2 and recorded["routes"][0], f"rank {rank}: no training routes seen"
