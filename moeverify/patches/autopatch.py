@@ -162,7 +162,9 @@ class ProcessSession:
         self._state = None
         self._shape: tuple[int, int] | None = None
         self.step = 0
-        self._step_ends: list[int] = []  # replay: cumulative forwards per layer at the end of each recorded step
+        # replay: recorded step (the optimizer-step count when it was written) -> cumulative forwards per layer
+        # at its end; optimizer steps that recorded nothing (a critic's) have no entry
+        self._step_ends: dict[int, int] = {}
         self._config = None  # the bound model's TransformerConfig
         self._dump = JobDump(setting.directory) if setting.mode == "record" else None
 
@@ -192,7 +194,7 @@ class ProcessSession:
             for layer in routes.layers:
                 per_layer.setdefault(layer, []).extend(
                     routes.get(layer, mb).to(router.weight.device, dtype=torch.int64) for mb in range(routes.microbatches))
-            self._step_ends.append((self._step_ends[-1] if self._step_ends else 0) + routes.microbatches)
+            self._step_ends[step] = (max(self._step_ends.values(), default=0)) + routes.microbatches
         self._state = state.Replaying({k: tuple(v) for k, v in per_layer.items()}, recompute="auto", rank=self.rank,
                                       original=rr.original_routing())
 
@@ -249,15 +251,16 @@ class ProcessSession:
 
     def _check_step(self) -> None:
         replaying = self._state
-        if self.step >= len(self._step_ends):
-            raise RouteError(f"rank {self.rank} step {self.step}: the recording in {self.setting.directory} has only "
-                             f"{len(self._step_ends)} step(s)")
-        want = self._step_ends[self.step]
+        # The forwards the recording had made by the end of this optimizer step: those of the last recorded
+        # step at or before it (an optimizer step that recorded nothing, say a critic's, adds none).
+        done = [end for step, end in self._step_ends.items() if step <= self.step]
+        want = max(done, default=0)
         got = {layer: replaying.next_mb[layer] for layer in self._bound}
         wrong = {layer: n for layer, n in got.items() if n != want}
         if wrong:
-            raise RouteError(f"rank {self.rank} step {self.step}: forwards replayed so far per layer {wrong} != the "
-                             f"recording's {want} at the end of this step (the job's micro-batching differs)")
+            raise RouteError(f"rank {self.rank} optimizer step {self.step}: forwards replayed so far per layer {wrong} "
+                             f"!= the recording's {want} by the end of this step (the job's micro-batching or its "
+                             f"optimizer steps differ from the recorded run's)")
         stale = [p for p in replaying.problems() if "never recomputed" in p]
         if stale:
             raise RouteError(f"step {self.step}: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""))

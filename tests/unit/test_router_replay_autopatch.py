@@ -70,9 +70,12 @@ def test_parse_bad_model_index_raises():
         autopatch.parse("record:/tmp/x", "actor")
 
 
-def forward_steps(routers, steps, *, microbatches=2, seed=0):
-    """``steps`` optimizer steps of ``microbatches`` no-grad forwards; returns the ids of every call."""
+def forward_steps(routers, steps, *, microbatches=2, seed=0, critic=False):
+    """``steps`` optimizer steps of ``microbatches`` no-grad forwards; returns the ids of every call.
+
+    ``critic``: a dense critic's optimizer steps after the actor's every iteration (a step with no routing)."""
     opt = torch.optim.SGD([p for r in routers for p in r.parameters()], lr=0.0)
+    critic_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.0) if critic else None
     seen = []
     for step in range(steps):
         for mb in range(microbatches):
@@ -80,6 +83,8 @@ def forward_steps(routers, steps, *, microbatches=2, seed=0):
             with torch.no_grad():
                 seen.append([ids_of(r(x)[1]) for r in routers])
         opt.step()
+        if critic_opt is not None:
+            critic_opt.step()
     return seen
 
 
@@ -119,8 +124,8 @@ def test_autopatch_replay_other_micro_batching_fails_at_the_step(tmp_path):
         autopatch.uninstall()
     autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
     try:
-        with pytest.raises(RouteError, match=r"rank 0 step 0: forwards replayed so far per layer \{0: 1\} != the "
-                                             r"recording's 2 at the end of this step"):
+        with pytest.raises(RouteError, match=r"rank 0 optimizer step 0: forwards replayed so far per layer \{0: 1\} != the "
+                                             r"recording's 2 by the end of this step"):
             forward_steps(routers, 2, microbatches=1)
     finally:
         autopatch.uninstall()
@@ -174,5 +179,34 @@ def test_autopatch_router_built_before_install_refused(tmp_path):
         with pytest.raises(UsageError, match=r"a TopKRouter \(layer 0\) was built before moeverify.patches.autopatch"):
             with torch.no_grad():
                 early(torch.randn(S, B, H))
+    finally:
+        autopatch.uninstall()
+
+
+def test_autopatch_a_dense_critics_optimizer_steps_record_nothing_and_replay_alike(tmp_path):
+    autopatch.install(autopatch.Setting(mode="record", directory=tmp_path))
+    try:
+        routers = [make_router(1, seed=1)]
+        recorded = forward_steps(routers, 3, critic=True)
+        assert autopatch.session().finish() == []
+    finally:
+        autopatch.uninstall()
+    from moeverify import record
+
+    assert sorted(record.load(tmp_path).steps) == [0, 2, 4]  # the actor's optimizer steps; the critic's add none
+    with torch.no_grad():
+        routers[0].weight.add_(torch.randn(E, H, generator=torch.Generator().manual_seed(9)) * 3)
+    autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
+    try:
+        replayed = forward_steps(routers, 3, critic=True)
+        assert autopatch.session().finish() == []
+    finally:
+        autopatch.uninstall()
+    assert all(torch.equal(g[0], w[0]) for g, w in zip(replayed, recorded, strict=True))
+    autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
+    try:  # without the critic the optimizer steps no longer line up: refused at the step, not later
+        with pytest.raises(RouteError, match=r"optimizer step 1: forwards replayed so far per layer \{0: 4\} != "
+                                             r"the recording's 2"):
+            forward_steps(routers, 3, critic=False)
     finally:
         autopatch.uninstall()
