@@ -37,6 +37,7 @@ import torch
 from moeverify import plugins
 from moeverify.errors import MoEVerifyError, UsageError
 from moeverify.options import REPLAY_IMPLS
+from moeverify.patches.router_replay import global_layer as rr_global_layer
 from moeverify.routes import Routes
 
 IMPLS = REPLAY_IMPLS  # declared in moeverify.options
@@ -91,7 +92,7 @@ def find_routers(model_chunks: list) -> dict[int, tuple[int, torch.nn.Module]]:
         decoder = getattr(root, "decoder", root)
         for module in decoder.modules():
             if isinstance(module, TopKRouter) and not getattr(module, "is_mtp_layer", False):
-                layer = int(module.layer_number) - 1
+                layer = rr_global_layer(module)
                 if layer in found:
                     raise MoEVerifyError(f"two routers claim global layer {layer}")
                 found[layer] = (c, module)

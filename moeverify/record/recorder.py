@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from moeverify.errors import RouteError
+from moeverify.patches.router_replay import global_layer
 from moeverify.record.format import ModelInfo
 from moeverify.record.writer import RankWriter
 
@@ -97,7 +98,7 @@ class RouteRecorder:
         if torch._C._current_graph_task_id() != -1:  # inside backward: an activation recompute
             return
         probs_TE, routing_map_TE = outputs
-        layer = router.layer_number - 1 + (router.config.num_layers if getattr(router, "is_mtp_layer", False) else 0)
+        layer = global_layer(router)  # the one global-layer rule (MTP after the decoder layers)
         mb = self._calls.get(layer, 0)
         self._calls[layer] = mb + 1
         ids_TK = _topk_ids(routing_map_TE, topk=router.topk, layer=layer, mb=mb)
