@@ -59,6 +59,8 @@ def init(backend: str = "auto", *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Runtim
     """
     global _runtime
     resolved = _resolve_backend(backend)
+    if _runtime is not None and not torch.distributed.is_initialized():
+        _runtime = None  # someone destroyed the process group since: make a new one rather than hand out a dead world
     if _runtime is not None:
         if backend != "auto" and resolved != _runtime.backend:
             raise UsageError(f"runtime already initialised with backend {_runtime.backend}, asked for {resolved}")

@@ -23,11 +23,12 @@ REFERENCE = {
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    if not dist.is_initialized():
+    made = not dist.is_initialized()
+    if made:
         store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
-    if dist.is_initialized():
+    if made and dist.is_initialized():  # only the group this fixture made: others in this worker still use theirs
         dist.destroy_process_group()
 
 
