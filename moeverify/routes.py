@@ -78,7 +78,7 @@ class Routes:
         topk: experts per token.
     """
 
-    __slots__ = ("_data", "num_experts", "topk", "validated")
+    __slots__ = ("_data", "num_experts", "topk", "validated", "_replay_ids")
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
         _check_shape_args(num_experts=num_experts, topk=topk)
@@ -98,6 +98,7 @@ class Routes:
         self.num_experts = int(num_experts)
         self.topk = int(topk)
         self.validated = True  # every tensor checked when built (``unchecked`` leaves it False)
+        self._replay_ids: dict = {}  # (device, layer, mb) -> private int64 copy replay routes with (``replay_ids``)
 
     @classmethod
     def unchecked(cls, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int) -> Routes:
@@ -105,6 +106,7 @@ class Routes:
         routes = cls.__new__(cls)
         routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
         routes.num_experts, routes.topk, routes.validated = num_experts, topk, False
+        routes._replay_ids = {}
         return routes
 
     @property
@@ -124,6 +126,18 @@ class Routes:
         if not 0 <= microbatch < len(mbs):
             raise RouteError(f"layer {layer} mb {microbatch}: only {len(mbs)} micro-batch(es) held")
         return mbs[microbatch]
+
+    def replay_ids(self, layer: int, microbatch: int, device) -> torch.Tensor:
+        """A private int64 copy of one route on ``device``, made once per device and never handed out elsewhere.
+
+        Replay routes with this copy: a caller that writes into the tensor ``get`` returned changes nothing
+        that replay uses once the copy exists, and repeated replays of one ``Routes`` cost no copy."""
+        key = (torch.device(device), layer, microbatch)
+        ids_TK = self._replay_ids.get(key)
+        if ids_TK is None:
+            ids_TK = self._replay_ids[key] = self.get(layer, microbatch).to(device=device, dtype=torch.int64,
+                                                                            copy=True)
+        return ids_TK
 
     def replace(self, layer: int, microbatch: int, topk_ids_TK: torch.Tensor) -> Routes:
         """A new ``Routes`` with one tensor replaced (validated like every other)."""

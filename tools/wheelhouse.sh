@@ -17,6 +17,9 @@ packages=(
   orderly-set==5.5.0
   cachebox==5.2.3
   verl==0.9.1
+  pytest==9.2.0  # the GPU runs of the unit tests that take MOEVERIFY_TEST_BACKEND=cuda
+  pluggy
+  iniconfig
 )
 platforms=()
 for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done

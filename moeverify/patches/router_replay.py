@@ -194,20 +194,25 @@ class ReplaySession:
             live[layer] = router
         return live
 
-    @contextlib.contextmanager
-    def _active(self, state) -> Iterator[None]:
+    def _check_startable(self) -> None:
         if not is_applied():
             raise UsageError("the router-replay patch is not applied; call router_replay.apply() first")
         if self._state is not None:
             raise UsageError(f"this session is already {type(self._state).__name__.strip('_').lower()}; "
                              "record() and replay() cannot nest")
-        routers = self._live_routers()
+
+    @contextlib.contextmanager
+    def _active(self, state, routers: dict[int, Any] | None = None) -> Iterator[None]:
+        self._check_startable()
+        routers = self._live_routers() if routers is None else routers
         for layer, router in routers.items():
             if router in _ACTIVE:
                 raise UsageError(f"layer {layer}: its router is held by another active session")
-        saved_fusion = {}
+        saved_fusion, checked = {}, set()
         for layer, router in routers.items():
-            refuse_config(router.config, layer, disable_fusion=self.disable_fusion)
+            if id(router.config) not in checked:  # layers usually share one config: check each config once
+                refuse_config(router.config, layer, disable_fusion=self.disable_fusion)
+                checked.add(id(router.config))
             if self.disable_fusion and router.config.moe_router_fusion:
                 saved_fusion[id(router.config)] = (router.config, True)
                 router.config.moe_router_fusion = False
@@ -242,8 +247,7 @@ class ReplaySession:
                              "must record the same number (> 0) of forwards")
         return Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk)
 
-    def _check_routes(self, routes: Routes) -> None:
-        rank = current_rank()
+    def _check_routes(self, routes: Routes, rank: int) -> None:
         if not isinstance(routes, Routes):
             raise RouteError(f"rank {rank}: replay needs a Routes object, got {type(routes).__name__}")
         if (routes.num_experts, routes.topk) != (self.num_experts, self.topk):
@@ -275,24 +279,26 @@ class ReplaySession:
         """
         if recompute not in ("auto", True, False):
             raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
-        self._check_routes(routes)
-        device = next(iter(self._live_routers().values())).weight.device
-        # Replay keeps its own copy. A Routes built unchecked (``Routes.unchecked``) is checked here; a checked one
-        # was validated when built, and checking it again would cost host syncs on every step.
-        per_layer = {layer: tuple(self._own_copy(routes, layer, mb, device) for mb in range(routes.microbatches))
+        self._check_startable()
+        rank = current_rank()
+        self._check_routes(routes, rank)
+        routers = self._live_routers()
+        device = next(iter(routers.values())).weight.device
+        # Replay routes with the Routes' private int64 copy on the router's device (made once per Routes). A
+        # Routes built unchecked (``Routes.unchecked``) is checked here; a checked one was validated when built,
+        # and checking it again would cost host syncs on every step.
+        if not routes.validated:
+            for layer in routes.layers:
+                for mb in range(routes.microbatches):
+                    validate_topk_ids(routes.get(layer, mb), layer=layer, microbatch=mb, num_experts=self.num_experts,
+                                      topk=self.topk, rank=rank)
+        per_layer = {layer: tuple(routes.replay_ids(layer, mb, device) for mb in range(routes.microbatches))
                      for layer in routes.layers}
-        replaying = Replaying(per_layer, recompute=recompute, rank=current_rank(), original=_ORIGINAL_ROUTING,
+        replaying = Replaying(per_layer, recompute=recompute, rank=rank, original=_ORIGINAL_ROUTING,
                               fidelity=fidelity)
         self._replayed = replaying
-        with self._active(replaying):
+        with self._active(replaying, routers):
             yield
-
-    def _own_copy(self, routes: Routes, layer: int, mb: int, device) -> torch.Tensor:
-        ids_TK = routes.get(layer, mb)
-        if not routes.validated:
-            validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.num_experts, topk=self.topk,
-                              rank=current_rank())
-        return ids_TK.to(device=device, dtype=torch.int64, copy=True)
 
     def fidelity(self) -> dict[int, float]:
         """After ``replay(routes, fidelity=True)``: ``{layer: share of forward tokens whose replayed top-k expert

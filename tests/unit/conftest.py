@@ -1,17 +1,27 @@
 """Shared unit-test fixtures."""
 
+import os
+
 import pytest
+import torch
 
 from moeverify.layout import Layout
 
 
 @pytest.fixture(scope="module")
 def patched_megatron_world():
-    """A 1-rank cpu+gloo world with megatron's parallel state set and the router-replay patch applied."""
+    """A 1-rank world with megatron's parallel state set and the router-replay patch applied.
+
+    cpu+gloo; ``MOEVERIFY_TEST_BACKEND=cuda`` runs the tests that support it on one GPU (NCCL, deterministic
+    kernels), as docs/gpu/ records."""
     from moeverify import runtime
     from moeverify.patches import router_replay as rr
 
-    runtime.init("cpu")
+    backend = os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu")
+    if backend == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    runtime.init(backend)
     with runtime.parallel(Layout(), seed=0):
         rr.apply()
         try:

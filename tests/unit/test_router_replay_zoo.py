@@ -5,6 +5,7 @@ it, and requires every gradient bitwise equal to Megatron's own routing under th
 recompute, same backward order): with unchanged weights the recorded routes are the native ones, so any
 difference is replay's doing. Loops: forward-order, reverse and summed-loss backward; full recompute and
 selective ``["moe"]`` recompute; a train-mode log-prob pass under no_grad before the training pass.
+On one GPU (bf16 weights, deterministic kernels): ``MOEVERIFY_TEST_BACKEND=cuda pytest THIS_FILE``.
 """
 
 from __future__ import annotations
@@ -60,12 +61,21 @@ class RecomputeCounter:
             h.remove()
 
 
-def batches(vocab: int):
-    return [torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(40 + i)) for i in range(MB)]
+def device_of(chunks) -> torch.device:
+    return next(chunks[0].parameters()).device
+
+
+def positions(chunks) -> torch.Tensor:
+    return torch.arange(S, device=device_of(chunks)).expand(B, S)
+
+
+def batches(chunks, vocab: int):
+    return [torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(40 + i)).to(device_of(chunks))
+            for i in range(MB)]
 
 
 def training_pass(chunks, data, order: str) -> dict:
-    pos_BS = torch.arange(S).expand(B, S)
+    pos_BS = positions(chunks)
     for p in chunks[0].parameters():
         p.grad = None
     losses = [chunks[0](tokens, pos_BS, None).float().square().mean() for tokens in data]
@@ -80,12 +90,12 @@ def training_pass(chunks, data, order: str) -> dict:
 @pytest.mark.parametrize("recompute", ["full", "moe"])
 @pytest.mark.parametrize("order", ["forward", "reverse", "summed"])
 def test_replay_training_loop_bitwise_native(model, recompute, order):
-    chunks, data = model.model_chunks, batches(model.config.vocab_size)
+    chunks, data = model.model_chunks, batches(model.model_chunks, model.config.vocab_size)
     set_recompute(chunks, recompute)
     try:
         native = training_pass(chunks, data, order)
         session = rr.ReplaySession(chunks)
-        pos_BS = torch.arange(S).expand(B, S)
+        pos_BS = positions(chunks)
         with torch.no_grad(), session.record():  # log-prob pass, train mode: Megatron still checkpoints it
             for tokens in data:
                 chunks[0](tokens, pos_BS, None)
@@ -104,12 +114,12 @@ def test_replay_training_loop_bitwise_native(model, recompute, order):
 
 def test_replay_log_prob_then_train_in_one_replay_context(model):
     # R3 shape: the rollout routes serve both the train-mode log-prob pass and the training pass.
-    chunks, data = model.model_chunks, batches(model.config.vocab_size)
+    chunks, data = model.model_chunks, batches(model.model_chunks, model.config.vocab_size)
     set_recompute(chunks, "full")
     try:
         native = training_pass(chunks, data, "reverse")
         session = rr.ReplaySession(chunks)
-        pos_BS = torch.arange(S).expand(B, S)
+        pos_BS = positions(chunks)
         with torch.no_grad(), session.record():
             for tokens in data:
                 chunks[0](tokens, pos_BS, None)

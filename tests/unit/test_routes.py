@@ -140,6 +140,16 @@ def test_routes_copy_caller_buffer():
     assert held.get(0, 0).tolist() == [[0, 1]]
 
 
+def test_replay_ids_private_int64_copy_made_once_per_device():
+    routes = Routes({0: [ids([[0, 1], [2, 3]])]}, num_experts=E, topk=K)
+    first = routes.replay_ids(0, 0, "cpu")
+    assert first.dtype == torch.int64 and routes.replay_ids(0, 0, torch.device("cpu")) is first
+    routes.get(0, 0).fill_(7)  # writing into what get() returned does not reach what replay uses
+    assert routes.replay_ids(0, 0, "cpu").tolist() == [[0, 1], [2, 3]]
+    with pytest.raises(RouteError, match="mb 1"):
+        routes.replay_ids(0, 1, "cpu")
+
+
 def requests(lengths, *, short: bool, layers: int = 1, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return [torch.rand(n - short, layers, E, generator=g).argsort(dim=-1)[..., :K] for n in lengths]
