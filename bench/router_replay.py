@@ -3,9 +3,10 @@ implementation.
 
 Variants: ``unpatched`` (Megatron-Core as installed), moeverify ``record`` and ``replay``,
 Megatron-Core's native ``RouterReplay`` (record / replay) and verl 0.9.1's ``router_replay_patch``
-(record / replay) when it imports. Each implementation runs in its own process (verl replaces
-``TopKRouter`` methods wholesale); every process also times ``unpatched`` itself, interleaved round by
-round with its variants, and ratios are taken against that same-process baseline.
+(record / replay) when it imports. moeverify and native run in one process, interleaved round by round
+with one ``unpatched`` baseline (moeverify's patch is reverted while native's variants and the baseline
+run), so their ratios share a denominator; verl runs in its own process (it replaces ``TopKRouter``
+methods wholesale) with its own same-process baseline.
 
 Dispatch is Megatron's local permutation (``moe_utils.permute`` / ``unpermute`` by the routing map),
 what the token dispatchers do around their collectives, so the cost the patch adds is weighed
@@ -35,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-IMPLS = ("moeverify", "native", "verl")
+IMPLS = ("moeverify", "verl")  # native runs in moeverify's process
 GOALS = {"moeverify.record": "<=1.02", "moeverify.replay": "<=1.00"}
 RESULTS = Path(__file__).resolve().parent / "results" / "router_replay.json"
 
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2048, metavar="T", help="tokens per micro-batch")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="activation and parameter dtype")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per round (default by device)")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the fastest round counts")
+    p.add_argument("--rounds", type=int, default=11, help="interleaved rounds; the fastest round counts")
     p.add_argument("--scope", choices=("layer", "router"), default="layer",
                    help="layer: router + local dispatch; router: TopKRouter alone")
     p.add_argument("--scoring", choices=("softmax", "sigmoid"), default="softmax",
@@ -61,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.topk > args.experts:
         p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
     if args.iters is None:
-        args.iters = 20 if args.device == "cuda" else 10
+        args.iters = 50 if args.device == "cuda" else 10
     if args.scoring == "sigmoid" and args.experts % 8:
         p.error(f"--scoring sigmoid uses 8 expert groups: --experts {args.experts} is not divisible by 8")
     if args.out is None:
@@ -144,6 +145,8 @@ def _input(args):
 
 
 def _variants_moeverify(args, x):
+    import torch
+
     from moeverify.patches import router_replay as rr
 
     router = _router(args)
@@ -173,8 +176,14 @@ def _variants_moeverify(args, x):
         finally:
             rr.apply()
 
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    native = _router(args, native=True)  # Megatron-Core's own RouterReplay, timed with moeverify's patch reverted
+    x_holder[:] = [x]
+    native_steps = _native_steps(native, RouterReplayAction, routes.get(0, 0).to(torch.int64))
     return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay,
-            "replay_fidelity": replay_fidelity}
+            "replay_fidelity": replay_fidelity, "native.record": (native_steps["record"], reverted),
+            "native.replay": (native_steps["replay"], reverted)}
 
 
 def _native_steps(router, action_enum, ids_TK):
@@ -197,16 +206,6 @@ def _native_steps(router, action_enum, ids_TK):
 
 x_holder: list = []
 SCOPE = ["layer"]  # set by run_child from --scope
-
-
-def _variants_native(args, x):
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    plain, router = _router(args), _router(args, native=True)
-    x_holder[:] = [x]
-    probs_TE, map_TE = plain(x)
-    ids_TK = map_TE.nonzero()[:, 1].view(map_TE.shape[0], -1)
-    return {"unpatched": lambda: _layer_step(plain, x), **_native_steps(router, RouterReplayAction, ids_TK)}
 
 
 def _variants_verl(args, x):
@@ -238,8 +237,7 @@ def run_child(args) -> dict:
     runtime.init(args.device)
     with runtime.parallel(Layout(), seed=0):
         x = _input(args)
-        variants = {"moeverify": _variants_moeverify, "native": _variants_native, "verl": _variants_verl}[args.impl](
-            args, x)
+        variants = {"moeverify": _variants_moeverify, "verl": _variants_verl}[args.impl](args, x)
         timer = _timer(args)
         rounds = {name: [] for name in variants}
         names = list(variants)
@@ -265,17 +263,22 @@ def run_parent(args) -> dict:
             continue
         medians[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
     metrics = {}
-    for impl, times in medians.items():
-        metrics[f"{impl}.unpatched"] = _metric(times["unpatched"], times["unpatched"], None)
-        for name in ("record", "replay"):
-            metrics[f"{impl}.{name}"] = _metric(times[name], times["unpatched"], GOALS.get(f"{impl}.{name}"))
     if "moeverify" in medians:
         times = medians["moeverify"]
+        metrics["unpatched"] = _metric(times["unpatched"], times["unpatched"], None)
+        for name in ("record", "replay", "native.record", "native.replay"):
+            key = name if name.startswith("native.") else f"moeverify.{name}"
+            metrics[key] = _metric(times[name], times["unpatched"], GOALS.get(key))
         metrics["moeverify.replay_fidelity"] = _metric(times["replay_fidelity"], times["unpatched"], None)
         metrics["moeverify.fidelity_vs_replay"] = _metric(times["replay_fidelity"], times["replay"], None)
-    if "moeverify" in medians and "native" in medians:
+    if "verl" in medians:
+        times = medians["verl"]
+        metrics["verl.unpatched"] = _metric(times["unpatched"], times["unpatched"], None)
+        for name in ("record", "replay"):
+            metrics[f"verl.{name}"] = _metric(times[name], times["unpatched"], None)
+    if "moeverify" in medians:
         ours = medians["moeverify"]["replay"] / medians["moeverify"]["unpatched"]
-        theirs = medians["native"]["replay"] / medians["native"]["unpatched"]
+        theirs = medians["moeverify"]["native.replay"] / medians["moeverify"]["unpatched"]
         metrics["moeverify.replay_vs_native"] = {"value": round(ours, 4), "unit": "ratio to unpatched",
                                                  "peer": round(theirs, 4), "ratio": round(ours / theirs, 4),
                                                  "goal": "<=1.02" if args.scope == "router" else "<=1.00"}
