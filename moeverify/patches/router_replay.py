@@ -38,14 +38,16 @@ from moeverify.routes import Routes, validate_topk_ids
 __all__ = ["apply", "revert", "is_applied", "ReplaySession", "RoutingMode"]
 
 _ORIGINAL_ROUTING: Any = None  # the unpatched TopKRouter.routing while the patch is applied
-_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # router -> (active state, layer)
+# id(router) -> (active state, layer). Keyed by id, not by weak reference (a lookup on every routing call):
+# an entry lives only inside a session's record()/replay() context, which holds the router strongly.
+_ACTIVE: dict[int, tuple] = {}
 
 
 _FALLBACK: Any = None  # router -> (state, layer) | None for routers no session holds (autopatch)
 
 
 def _patched_routing(self, logits, *args, **kwargs):
-    entry = _ACTIVE.get(self)
+    entry = _ACTIVE.get(id(self))
     if entry is None and _FALLBACK is not None:
         entry = _FALLBACK(self)
     if regions.in_backward():  # a recompute: served by the forward it repeats, held or not
@@ -206,7 +208,7 @@ class ReplaySession:
         self._check_startable()
         routers = self._live_routers() if routers is None else routers
         for layer, router in routers.items():
-            if router in _ACTIVE:
+            if id(router) in _ACTIVE:
                 raise UsageError(f"layer {layer}: its router is held by another active session")
         saved_fusion, checked = {}, set()
         for layer, router in routers.items():
@@ -218,13 +220,13 @@ class ReplaySession:
                 router.config.moe_router_fusion = False
             guard_call(router, layer)
         for layer, router in routers.items():
-            _ACTIVE[router] = (state, layer)
+            _ACTIVE[id(router)] = (state, layer)
         self._state = state
         try:
             yield
         finally:
             for router in routers.values():
-                _ACTIVE.pop(router, None)
+                _ACTIVE.pop(id(router), None)
             for config, value in saved_fusion.values():
                 config.moe_router_fusion = value
             self._state = None
