@@ -7,6 +7,7 @@ Python API (DESIGN.md, Routing dumps)::
     dump = record.load("dump/")                  # validated; DumpError on anything corrupt
     dump.routes(step=0)                          # merged global Routes
     report = record.diff(dump.routes(), other)   # agreement, overlap@k, first divergent layer, load
+    report = record.diff_stream(DumpSource(dump), DumpSource(other_dump))  # the same, a layer at a time
 
 Several ranks: each rank opens a ``RankWriter`` with its ``views.RankCoords`` (or calls ``save`` with
 ``coords=``, ``layout=``, ``world_size=``), and rank 0 calls ``finalize`` after all ranks closed
@@ -24,15 +25,15 @@ import torch
 
 from moeverify.errors import DumpError
 from moeverify.layout import Layout
-from moeverify.record.diff import DiffReport, diff
+from moeverify.record.diff import DiffReport, diff, diff_stream
 from moeverify.record.format import MANIFEST, SCHEMA, VERSION, ModelInfo, ids_dtype_for
 from moeverify.record.reader import Dump, load
 from moeverify.record.writer import RankWriter, finalize
 from moeverify.routes import Routes
 from moeverify.views import RankCoords
 
-__all__ = ["Dump", "DiffReport", "ModelInfo", "RankCoords", "RankWriter", "SCHEMA", "VERSION", "diff", "finalize",
-           "ids_dtype_for", "load", "save"]
+__all__ = ["Dump", "DiffReport", "ModelInfo", "RankCoords", "RankWriter", "SCHEMA", "VERSION", "diff", "diff_stream",
+           "finalize", "ids_dtype_for", "load", "save"]
 
 
 def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: int | None = None,

@@ -52,6 +52,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "layers, topk] padded with -1; lined up with A's sequences request by request")
     p.add_argument("--assume-same-order", action="store_true",
                    help="compare by position although a side's token order is unknown (you vouch for it)")
+    p.add_argument("--expert-map-a", metavar="FILE", help="A records physical expert slots (EPLB redundant experts): "
+                   ".json or .npy map slot -> logical expert id, one for all layers or one per layer; A's ids are "
+                   "mapped to logical ids before comparing")
+    p.add_argument("--expert-map-b", metavar="FILE", help="the same for B")
+    p.add_argument("--in-memory", action="store_true", help="load both sides whole and diff in memory (default: "
+                   "read one layer at a time; same figures, memory of one layer)")
     p.set_defaults(func=cmd_diff)
 
     p = verbs.add_parser("finalize", help="commit (or discard) steps a run wrote but did not commit to the manifest",
@@ -78,6 +84,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="added to router_trace layer numbers (a later pipeline stage's first layer)")
     p.add_argument("--order", choices=ORDERS, help="token order of SRC (router_trace: router; arrays: required "
                    "with --seq-len/--batch)")
+    p.add_argument("--expert-map", metavar="FILE", help="SRC holds physical expert slots: map them to logical expert "
+                   "ids (.json or .npy slot -> logical id, one for all layers or one per layer) before writing")
     _add_geometry(p, "of SRC's micro-batches; with them the dump knows its token order")
     p.set_defaults(func=cmd_convert)
     return dump
@@ -155,7 +163,7 @@ def cmd_inspect(args) -> int:
 def cmd_diff(args) -> int:
     """``dump diff A B``."""
     from moeverify import record
-    from moeverify.record.order import require_same_tokens
+    from moeverify.record.order import require_same_tokens, shared_geometry
 
     _out_path("--json", args.json)
     _out_path("--plot", args.plot)
@@ -168,14 +176,75 @@ def cmd_diff(args) -> int:
     b = _routes_of(args.b, args.step if args.step_b is None else args.step_b, order=args.order_b, args=args,
                    flag="--order-b")
     require_same_tokens(a, b, assume_same_order=args.assume_same_order)
-    a, b = _align_experts(a.routes, b.routes)
-    return _report(args, record.diff(a, b))
+    geometry = shared_geometry(a, b)
+    src_a, src_b, maps = _mapped(args, a, b)
+    sequences = {} if geometry is None else {"seq_len": geometry[0], "batch": geometry[1]}
+    if args.in_memory:
+        report = record.diff(src_a.routes(), src_b.routes(), **sequences)
+    else:
+        report = record.diff_stream(src_a, src_b, **sequences)
+    return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps})
+
+
+def _mapped(args, a, b):
+    """Both sides' layer sources with their expert maps applied and one expert count; the maps' JSON record."""
+    from moeverify.record import expert_map, stream
+
+    sides = {}
+    for name, side, flag, path in (("a", a, "--expert-map-a", args.expert_map_a),
+                                   ("b", b, "--expert-map-b", args.expert_map_b)):
+        src = side.routes
+        if path is None:
+            sides[name] = (src, None, side)
+            continue
+        dump = src.dump if isinstance(src, stream.DumpSource) else None
+        layers = src.layers
+        emap = expert_map.load(path, moe_layers=layers,
+                               num_layers=dump.model.num_layers if dump is not None else None,
+                               physical_experts=src.num_experts if dump is not None else None,
+                               what=f"{side.source}")
+        if dump is None and src.num_experts > emap.physical:  # an array: its largest id must be a slot of the map
+            raise expert_map.ExpertMapError(f"{path}: {emap.physical} slot(s), but {side.source} holds expert id "
+                                            f"{src.num_experts - 1}")
+        src = stream.MappedSource(stream.widen(src, emap.physical), emap, where=side.source,
+                                  token_label=_token_label(side))
+        sides[name] = (src, emap, side)
+    (src_a, map_a, side_a), (src_b, map_b, side_b) = sides["a"], sides["b"]
+    for mapped, other, other_side, other_map in ((map_a, src_b, side_b, map_b), (map_b, src_a, side_a, map_a)):
+        if mapped is None:
+            continue
+        known = other_map is not None or isinstance(other_side.routes, stream.DumpSource)  # arrays infer theirs
+        if known and other.num_experts != mapped.logical:
+            whose = f"{other_map.path}'s" if other_map is not None else f"{other_side.source}'s"
+            raise expert_map.ExpertMapError(f"{mapped.path}: maps onto {mapped.logical} logical experts, {whose} side "
+                                            f"has {other.num_experts} (both sides must be the same logical experts)")
+    experts = max(src_a.num_experts, src_b.num_experts)
+    maps = {k: m.as_json() for k, m in (("a", map_a), ("b", map_b)) if m is not None} or None
+    return stream.widen(src_a, experts), stream.widen(src_b, experts), maps
+
+
+def _token_label(side):
+    """Names a token of a side for messages: its sequence and position where the side knows them."""
+    geometry = side.geometry
+
+    def label(mb: int, row: int) -> str:
+        if geometry is None:
+            return f"token {row}"
+        seq_len, _ = geometry
+        seq, pos = divmod(row, seq_len[mb])
+        return f"token {row} (sequence {seq} of the micro-batch, position {pos})"
+
+    return label
 
 
 def _report(args, report, extra: dict | None = None) -> int:
     from rich.console import Console
 
-    Console().print(report.table())
+    console = Console()
+    console.print(report.table())
+    sequences = report.sequence_table(args.worst)
+    if sequences is not None:
+        console.print(sequences)
     if args.json:
         record_json = report.to_json(worst=args.worst)
         if extra:
@@ -218,12 +287,32 @@ def _diff_rollout(args) -> int:
     if dump.token_order(step) is None:
         raise UsageError(f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
                          "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=)")
+    from moeverify.record import expert_map
+    from moeverify.record.order import Ordered
+
     info = dump.steps[step]
-    aligned = align(dump.routes(step=step), seq_len=info.seq_len, batch=info.batch, moe_layers=dump.model.moe_layers,
-                    num_layers=dump.model.num_layers, requests=_rollout_requests(rollout_path), where=str(rollout_path))
+    batch = dump.layout.dp(dump.world_size) * info.batch  # sequences per merged micro-batch
+    train = dump.routes(step=step)
+    maps = {}
+    if args.expert_map_a:
+        map_a = expert_map.load(args.expert_map_a, moe_layers=train.layers, num_layers=dump.model.num_layers,
+                                physical_experts=dump.model.num_experts, what=str(train_path))
+        side = Ordered(routes=None, source=str(train_path), order="sequence", seq_len=info.seq_len, batch=batch)
+        train = map_a.map_routes(train, where=str(train_path), token_label=_token_label(side))
+        maps["a"] = map_a.as_json()
+    map_b = None
+    if args.expert_map_b:
+        map_b = expert_map.load(args.expert_map_b, moe_layers=train.layers, num_layers=dump.model.num_layers,
+                                physical_experts=None, what=str(rollout_path))
+        maps["b"] = map_b.as_json()
+    aligned = align(train, seq_len=info.seq_len, batch=batch, moe_layers=dump.model.moe_layers,
+                    num_layers=dump.model.num_layers, requests=_rollout_requests(rollout_path), where=str(rollout_path),
+                    expert_map=map_b)
     print(f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
           f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart")
-    return _report(args, record.diff(aligned.train, aligned.rollout), {"rollout": aligned.as_json()})
+    report = record.diff(aligned.train, aligned.rollout, sequence_tokens=aligned.sequence_tokens,
+                         sequence_extra=aligned.per_request)
+    return _report(args, report, {"rollout": aligned.as_json(), "engine": "in-memory", "expert_maps": maps or None})
 
 
 @_guarded
@@ -269,8 +358,16 @@ def cmd_convert(args) -> int:
     if dst_format == "npz" and dst.exists():
         raise UsageError(f"{dst} exists; choose a new file (convert never overwrites)")
     if src_format == "dump":
-        out = importers.export_npz(record.load(src), dst)
-        print(f"wrote {out}")
+        dump = record.load(src)
+        routes_of = None
+        if args.expert_map:
+            from moeverify.record import expert_map
+
+            emap = expert_map.load(args.expert_map, moe_layers=dump.model.moe_layers, num_layers=dump.model.num_layers,
+                                   physical_experts=dump.model.num_experts, what=str(src))
+            routes_of = lambda step: emap.map_routes(dump.routes(step=step), where=f"{src} step {step}")  # noqa: E731
+        out = importers.export_npz(dump, dst, routes_of=routes_of)
+        print(f"wrote {out}" + (f" (logical expert ids through {args.expert_map})" if routes_of else ""))
         return 0
     order = _convert_order(args, src_format)
     if src_format == "jsonl":
@@ -281,6 +378,8 @@ def cmd_convert(args) -> int:
                                                          moe_layers=args.moe_layers, where=str(src))}
     if args.num_layers is not None:
         _check_num_layers(args, steps)
+    if args.expert_map:
+        steps = _map_steps(args, steps, src)
     if order is not None:  # store as a one-rank dump does (router order), with the geometry that maps it
         from moeverify.record.order import to_router_order, to_sequence_order
 
@@ -297,6 +396,22 @@ def cmd_convert(args) -> int:
         "token order NOT recorded: dump diff will refuse it unless told (--seq-len/--batch/--order here)"
     print(f"wrote {dst}: step(s) {sorted(steps)}; {known}")
     return 0
+
+
+def _map_steps(args, steps: dict, src: Path) -> dict:
+    """Converted routes (physical expert slots) as logical expert ids through ``--expert-map``."""
+    from moeverify.record import expert_map
+
+    out = {}
+    for step, routes in steps.items():
+        num_layers = args.num_layers if args.num_layers is not None else max(routes.layers) + 1
+        emap = expert_map.load(args.expert_map, moe_layers=routes.layers, num_layers=num_layers,
+                               physical_experts=args.num_experts, what=str(src))
+        if routes.num_experts > emap.physical:
+            raise expert_map.ExpertMapError(f"{args.expert_map}: {emap.physical} slot(s), but {src} step {step} holds "
+                                            f"expert id {routes.num_experts - 1}")
+        out[step] = emap.map_routes(routes, where=f"{src} step {step}")
+    return out
 
 
 def _convert_order(args, src_format: str) -> str | None:
@@ -348,9 +463,10 @@ def _guess_src(src: Path) -> str:
 
 
 def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str):
-    """One side of a diff, in sequence order where its order is known (``order.Ordered``)."""
+    """One side of a diff as a layer source (``stream``), in sequence order where its order is known
+    (``order.Ordered``, with the sequences where the side knows them)."""
     from moeverify import record
-    from moeverify.record import importers
+    from moeverify.record import importers, stream
     from moeverify.record.order import Ordered, to_sequence_order
 
     path = Path(path_text)
@@ -358,32 +474,24 @@ def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str)
         if order is not None:
             raise UsageError(f"{flag}: {path} is a dump, which records its own token order; drop {flag}")
         dump = record.load(path)
-        routes = dump.routes(step=step)
+        source = stream.DumpSource(dump, step)
+        source.microbatch_tokens()  # the step exists and its ranks can be merged: checked before any data is read
         if dump.token_order(step) is None:
-            return Ordered(routes=routes, source=str(path), order=None,
+            return Ordered(routes=source, source=str(path), order=None,
                            why_unknown=f"step {step} was saved without seq_len/batch, so its token order is unknown "
                                        f"(record.save(..., seq_len=, batch=), or convert with --seq-len --batch)")
-        return Ordered(routes=routes, source=str(path), order="sequence")
+        info = dump.steps[step]
+        return Ordered(routes=source, source=str(path), order="sequence", seq_len=info.seq_len,
+                       batch=dump.layout.dp(dump.world_size) * info.batch)
     if path.suffix in (".npy", ".npz"):
         routes = importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
         if order is None:
-            return Ordered(routes=routes, source=str(path), order=None,
+            return Ordered(routes=stream.RoutesSource(routes), source=str(path), order=None,
                            why_unknown=f"an array carries no token order ({flag} sequence|router)")
-        return Ordered(routes=to_sequence_order(routes, order=order, seq_len=args.seq_len, batch=args.batch,
-                                                where=str(path)), source=str(path), order="sequence")
+        geometry = {}
+        if args.seq_len is not None:
+            geometry = {"seq_len": (args.seq_len,) * routes.microbatches, "batch": args.batch}
+        return Ordered(routes=stream.RoutesSource(to_sequence_order(routes, order=order, seq_len=args.seq_len,
+                                                                    batch=args.batch, where=str(path))),
+                       source=str(path), order="sequence", **geometry)
     raise UsageError(f"{path}: neither a dump directory nor a .npy/.npz file")
-
-
-def _align_experts(a, b):
-    """Arrays carry no expert count (max id + 1 is inferred); take the larger one for both sides."""
-    from moeverify.routes import Routes
-
-    experts = max(a.num_experts, b.num_experts)
-
-    def widen(r):
-        if r.num_experts == experts:
-            return r
-        data = {layer: [r.get(layer, mb) for mb in range(r.microbatches)] for layer in r.layers}
-        return Routes(data, num_experts=experts, topk=r.topk)
-
-    return widen(a), widen(b)

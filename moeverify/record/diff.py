@@ -1,23 +1,32 @@
 """Comparing two routings of the same tokens: where do they choose different experts?
 
-Metrics, per MoE layer over all tokens of all micro-batches:
-- **agreement**: fraction of tokens whose top-k expert *set* is identical (order-insensitive);
-- **overlap@k**: mean ``|A ∩ B| / k``;
-- **tokens_diverging_any_layer**: fraction of tokens that differ in at least one layer, and the
-  histogram of each such token's first divergent layer;
-- **expert load** of both sides (tokens routed to each expert) and its difference;
-- the tokens that diverge most (most experts missed over all layers).
+A *router* is one MoE layer's routing of one token; it *differs* when the two sides' top-k expert SETS
+differ (order-insensitive). Figures, over all tokens of all micro-batches:
 
-Vectorised: rows that are byte-identical on both sides are settled with one word compare each;
-the other rows are gathered from all layers at once and compared as sets by one broadcast
-``K x K`` equality over columns (rows contiguous), in cache-sized chunks: ``|A ∩ B|`` is the
-number of matching pairs, and the sets are equal when it is ``K``. Legend: N = tokens (all micro-batches), L = MoE layers, K = top-k,
-E = experts, R = rows of a chunk.
+- per MoE layer: **agreement** (share of tokens whose set is identical), **overlap@k** (mean
+  ``|A ∩ B| / k``) and the **expert load** of both sides (tokens routed to each expert);
+- per token: **routers differing** (how many of its ``L`` routers differ), summarised as their mean over
+  tokens (``routers_differing_per_token``), their share of all ``N * L`` routers, and a histogram;
+  **tokens_diverging_any_layer** (share with at least one differing router) and the histogram of each
+  such token's **first divergent layer**; the tokens that diverge most (most experts missed);
+- per sequence (request), when the caller says which tokens form each sequence (``seq_len``/``batch``
+  of sequence-order routes, or per-sequence token counts): tokens, share diverging in >= 1 layer, mean
+  routers differing per token, first divergent layer (the earliest over its tokens).
+
+Two engines give the same figures. ``diff`` (in memory) takes two whole ``Routes``: rows that are
+byte-identical on both sides are settled with one word compare each; the other rows are gathered from
+all layers at once and compared as sets by one broadcast ``K x K`` equality over columns (rows
+contiguous), in cache-sized chunks: ``|A ∩ B|`` is the number of matching pairs, and the sets are equal
+when it is ``K``. ``diff_stream`` takes two ``LayerSource``s (``moeverify.record.stream``: a dump on disk
+read one layer at a time) and keeps only per-layer and per-token totals, so its memory is one layer of
+both sides plus ``O(N)``, never ``O(N * L)``. Legend: N = tokens (all micro-batches), L = MoE layers,
+K = top-k, E = experts, R = rows of a chunk, B = heatmap buckets, C = differing routers (cells).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -30,41 +39,74 @@ _CHUNK_CELLS = 1 << 21  # K*K*rows booleans per set-compare chunk
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DiffReport:
-    """Result of ``diff``; ``to_json()`` gives the DESIGN.md record."""
+    """Result of ``diff`` / ``diff_stream``; ``to_json()`` is the record ``moeverify dump diff --json`` writes
+    (keys in docs/dumps.md)."""
 
     layers: tuple[int, ...]
     tokens: int
     num_experts: int
     topk: int
-    exact_NL: torch.Tensor  # bool: top-k sets identical
-    overlap_NL: torch.Tensor  # uint8: |A ∩ B|
+    exact_L: torch.Tensor  # int64: tokens whose top-k sets are identical
+    overlap_L: torch.Tensor  # int64: sum over tokens of |A ∩ B|
     load_a_LE: torch.Tensor  # int64 tokens per expert
     load_b_LE: torch.Tensor
+    differing_N: torch.Tensor  # int16: routers (layers) of the token whose sets differ
+    first_N: torch.Tensor  # int16: index into ``layers`` of the token's first differing router, -1: none
+    missed_N: torch.Tensor  # int32: experts of A not in B, over all layers
     microbatch_tokens: tuple[int, ...] = ()  # tokens per micro-batch; token N of the report is in that order
+    sequence_tokens: tuple[tuple[int, ...], ...] | None = None  # per micro-batch: tokens of each sequence, in order
+    sequence_extra: tuple[dict, ...] | None = None  # per sequence: more JSON fields (rollout: what was set apart)
+    exact_NL: torch.Tensor | None = None  # in-memory ``diff`` only: bool, sets identical
+    overlap_NL: torch.Tensor | None = None  # in-memory ``diff`` only: uint8 |A ∩ B|
+    bucket_differ_LB: torch.Tensor | None = None  # ``diff_stream`` only: differing routers per token bucket
 
+    # -- per layer ---------------------------------------------------------------------------------
     @property
     def agreement_L(self) -> torch.Tensor:
-        return self.exact_NL.float().mean(dim=0) if self.tokens else torch.ones(len(self.layers))
+        if not self.tokens:
+            return torch.ones(len(self.layers))
+        return self.exact_L.double().div(self.tokens).float()
 
     @property
     def overlap_at_k_L(self) -> torch.Tensor:
         if not self.tokens:
             return torch.ones(len(self.layers))
-        return self.overlap_NL.sum(dim=0, dtype=torch.int64).double().div(self.tokens * self.topk).float()
+        return self.overlap_L.double().div(self.tokens * self.topk).float()
 
+    # -- per token ---------------------------------------------------------------------------------
     @property
     def diverging_N(self) -> torch.Tensor:
-        return ~self.exact_NL.all(dim=1)
+        return self.differing_N > 0
 
     @property
     def tokens_diverging_any_layer(self) -> float:
-        return float(self.diverging_N.float().mean()) if self.tokens else 0.0
+        return float(self.diverging_N.sum()) / self.tokens if self.tokens else 0.0
+
+    @property
+    def routers_differing(self) -> int:
+        """Differing routers over all tokens and layers."""
+        return int(self.differing_N.sum(dtype=torch.int64))
+
+    @property
+    def routers_differing_per_token(self) -> float:
+        """Mean over tokens of how many of its ``L`` routers differ."""
+        return self.routers_differing / self.tokens if self.tokens else 0.0
+
+    @property
+    def routers_differing_share(self) -> float:
+        """Differing routers / all ``N * L`` routers (``1 - agreement_all_layers``)."""
+        cells = self.tokens * len(self.layers)
+        return self.routers_differing / cells if cells else 0.0
+
+    def tokens_by_routers_differing(self) -> dict[int, int]:
+        """``{n: tokens with exactly n differing routers}`` (counts of zero omitted)."""
+        counts = torch.bincount(self.differing_N.to(torch.int64), minlength=1)
+        return {n: int(c) for n, c in enumerate(counts.tolist()) if c}
 
     def first_divergent_layer(self) -> dict[int, int]:
         """``{layer: tokens whose first divergent layer it is}`` (layers with zero omitted)."""
-        diverging_N = self.diverging_N
-        first_N = (~self.exact_NL[diverging_N]).to(torch.uint8).argmax(dim=1)
-        counts = torch.bincount(first_N, minlength=len(self.layers))
+        first = self.first_N[self.first_N >= 0].to(torch.int64)
+        counts = torch.bincount(first, minlength=len(self.layers))
         return {self.layers[i]: int(c) for i, c in enumerate(counts.tolist()) if c}
 
     def worst_tokens(self, n: int = 10) -> list[dict]:
@@ -75,9 +117,8 @@ class DiffReport:
         """
         if not self.tokens:
             return []
-        missed_N = len(self.layers) * self.topk - self.overlap_NL.sum(dim=1, dtype=torch.int64)
-        values, idx = missed_N.topk(min(n, self.tokens))
-        layers_N = (~self.exact_NL[idx]).sum(dim=1)
+        values, idx = self.missed_N.topk(min(n, self.tokens))
+        layers_N = self.differing_N[idx]
         starts = torch.tensor([0, *self.microbatch_tokens]).cumsum(0)[:-1] if self.microbatch_tokens else None
         out = []
         for t, v, c in zip(idx.tolist(), values.tolist(), layers_N.tolist()):
@@ -89,14 +130,61 @@ class DiffReport:
                         "layers_diverging": c})
         return out
 
-    def bucket_disagreement(self, buckets: int = 64) -> torch.Tensor:
-        """``[L, buckets]`` fraction of tokens with differing sets, tokens cut in contiguous buckets."""
-        buckets = max(1, min(buckets, self.tokens))
-        edges = torch.linspace(0, self.tokens, buckets + 1).round().long()
-        cum_NL = torch.cat([torch.zeros(1, len(self.layers)), (~self.exact_NL).float().cumsum(dim=0)])
-        sums = cum_NL[edges[1:]] - cum_NL[edges[:-1]]
-        return (sums / (edges[1:] - edges[:-1]).clamp(min=1)[:, None]).t()
+    # -- per sequence ------------------------------------------------------------------------------
+    def sequences(self) -> list[dict] | None:
+        """One record per sequence (request), in order; None when the sequences are not known.
 
+        Each is ``{sequence, microbatch, sequence_in_microbatch, tokens, tokens_diverging,
+        tokens_diverging_any_layer, routers_differing, routers_differing_per_token, first_divergent_layer}``
+        (shares and means are None for a sequence with no compared token; ``first_divergent_layer`` is the
+        global layer number, None when no token diverges), plus ``sequence_extra``'s fields.
+        """
+        if self.sequence_tokens is None:
+            return None
+        where = [(mb, b) for mb, seqs in enumerate(self.sequence_tokens) for b in range(len(seqs))]
+        counts_S = torch.tensor([n for seqs in self.sequence_tokens for n in seqs], dtype=torch.int64)
+        seq_N = torch.repeat_interleave(torch.arange(counts_S.numel()), counts_S)
+        width = len(self.layers)
+        diverging_S = torch.zeros(counts_S.numel(), dtype=torch.int64).index_add_(
+            0, seq_N, self.diverging_N.to(torch.int64))
+        routers_S = torch.zeros(counts_S.numel(), dtype=torch.int64).index_add_(
+            0, seq_N, self.differing_N.to(torch.int64))
+        first_N = self.first_N.to(torch.int64)
+        first_S = torch.full((counts_S.numel(),), width, dtype=torch.int64).scatter_reduce_(
+            0, seq_N, torch.where(first_N >= 0, first_N, width), "amin")
+        out = []
+        for s, ((mb, b), n, d, r, f) in enumerate(zip(where, counts_S.tolist(), diverging_S.tolist(),
+                                                     routers_S.tolist(), first_S.tolist())):
+            rec = {"sequence": s, "microbatch": mb, "sequence_in_microbatch": b, "tokens": n, "tokens_diverging": d,
+                   "tokens_diverging_any_layer": d / n if n else None, "routers_differing": r,
+                   "routers_differing_per_token": r / n if n else None,
+                   "first_divergent_layer": self.layers[f] if f < width else None}
+            if self.sequence_extra is not None:
+                rec.update(self.sequence_extra[s])
+            out.append(rec)
+        return out
+
+    # -- plots -------------------------------------------------------------------------------------
+    def bucket_disagreement(self, buckets: int = 64) -> torch.Tensor:
+        """``[L, buckets]`` fraction of tokens with differing sets, tokens cut in contiguous buckets.
+
+        A streamed report keeps the buckets it was built with (``diff_stream(buckets=)``); asking it for
+        another count raises ``ValueError``.
+        """
+        buckets = max(1, min(buckets, self.tokens))
+        edges = _bucket_edges(self.tokens, buckets)
+        if self.exact_NL is None:
+            if self.bucket_differ_LB is None or self.bucket_differ_LB.shape[1] != buckets:
+                held = None if self.bucket_differ_LB is None else self.bucket_differ_LB.shape[1]
+                raise ValueError(f"this streamed report holds {held} token buckets per layer, not {buckets}: "
+                                 f"pass buckets={held} or stream with diff_stream(buckets={buckets})")
+            sums = self.bucket_differ_LB.t().double()
+        else:
+            cum_NL = torch.cat([torch.zeros(1, len(self.layers)), (~self.exact_NL).float().cumsum(dim=0)])
+            sums = cum_NL[edges[1:]] - cum_NL[edges[:-1]]
+        return (sums / (edges[1:] - edges[:-1]).clamp(min=1)[:, None]).t().float()
+
+    # -- output ------------------------------------------------------------------------------------
     def to_json(self, *, worst: int = 10) -> dict:
         agreement, overlap = self.agreement_L.tolist(), self.overlap_at_k_L.tolist()
         load_delta = (self.load_b_LE - self.load_a_LE)
@@ -104,18 +192,31 @@ class DiffReport:
                                "load_a": self.load_a_LE[i].tolist(), "load_b": self.load_b_LE[i].tolist(),
                                "load_max_abs_delta": int(load_delta[i].abs().max()) if self.num_experts else 0}
                   for i, layer in enumerate(self.layers)}
+        diverging = int(self.diverging_N.sum())
+        sequences = self.sequences()
         return {"layers": layers, "tokens": self.tokens, "num_experts": self.num_experts, "topk": self.topk,
                 "tokens_diverging_any_layer": self.tokens_diverging_any_layer,
-                "agreement_all_layers": float(self.exact_NL.float().mean()) if self.tokens else 1.0,
+                "agreement_all_layers": 1.0 - self.routers_differing_share,
                 "first_divergent_layer": {str(k): v for k, v in self.first_divergent_layer().items()},
-                "worst_tokens": self.worst_tokens(worst)}
+                "worst_tokens": self.worst_tokens(worst),
+                "routers_per_token": len(self.layers),
+                "routers_differing": self.routers_differing,
+                "routers_differing_per_token": self.routers_differing_per_token,
+                "routers_differing_share": self.routers_differing_share,
+                "routers_differing_per_diverging_token": self.routers_differing / diverging if diverging else 0.0,
+                "tokens_by_routers_differing": {str(k): v for k, v in self.tokens_by_routers_differing().items()},
+                "sequences": sequences,
+                "sequences_diverging": None if sequences is None else
+                sum(1 for s in sequences if s["tokens_diverging"])}
 
     def table(self):
         """A ``rich`` table: one row per layer."""
         from rich.table import Table
 
         table = Table(title=f"routing diff: {self.tokens} tokens, top-{self.topk} of {self.num_experts}, "
-                            f"{self.tokens_diverging_any_layer:.2%} diverge in >= 1 layer")
+                            f"{self.tokens_diverging_any_layer:.2%} diverge in >= 1 layer; "
+                            f"{self.routers_differing_per_token:.4f} of {len(self.layers)} routers differ per token "
+                            f"({self.routers_differing_share:.4%} of routers)")
         for col in ("layer", "agreement", "overlap@k", "tokens first diverging here", "max |load delta|"):
             table.add_column(col, justify="right")
         first = self.first_divergent_layer()
@@ -127,10 +228,85 @@ class DiffReport:
                           str(int(delta[i].max())) if self.num_experts else "0", style=style)
         return table
 
+    def sequence_table(self, n: int = 10):
+        """A ``rich`` table of the ``n`` sequences that diverge most; None when the sequences are not known."""
+        from rich.table import Table
 
-def diff(a: Routes, b: Routes) -> DiffReport:
-    """Compare two routings of the same tokens (same layers, micro-batches and token counts)."""
+        sequences = self.sequences()
+        if sequences is None:
+            return None
+        diverging = [s for s in sequences if s["tokens_diverging"]]
+        diverging.sort(key=lambda s: (-s["tokens_diverging_any_layer"], -s["routers_differing_per_token"],
+                                      s["sequence"]))
+        extra = [k for k in (self.sequence_extra[0] if self.sequence_extra else {}) if k != "request"]
+        table = Table(title=f"per sequence: {len(diverging)} of {len(sequences)} diverge"
+                            + (f"; the {min(n, len(diverging))} that diverge most" if diverging else ""))
+        for col in ("sequence", "mb", "tokens", "diverging >= 1 layer", "routers differing / token",
+                    "first divergent layer", *[k.replace("_", " ") for k in extra]):
+            table.add_column(col, justify="right")
+        for s in diverging[:n]:
+            table.add_row(str(s["sequence"]), str(s["microbatch"]), str(s["tokens"]),
+                          f"{s['tokens_diverging_any_layer']:.2%}", f"{s['routers_differing_per_token']:.4f}",
+                          str(s["first_divergent_layer"]), *[str(s[k]) for k in extra], style="red")
+        return table
+
+
+def _bucket_edges(tokens: int, buckets: int) -> torch.Tensor:
+    return torch.linspace(0, tokens, buckets + 1).round().long()
+
+
+def sequence_spans(microbatch_tokens: Sequence[int], *, seq_len: int | Sequence[int] | None = None,
+                   batch: int | None = None, sequence_tokens: Sequence[Sequence[int]] | None = None,
+                   where: str = "diff") -> tuple[tuple[int, ...], ...] | None:
+    """Per micro-batch, the token count of each sequence, checked against the micro-batches' token counts.
+
+    ``seq_len``/``batch``: sequence-order micro-batches of ``batch`` sequences of ``seq_len`` tokens
+    (``g = b * S + s``); ``sequence_tokens``: the counts themselves (one list per micro-batch). None: unknown.
+    """
+    if sequence_tokens is not None and (seq_len is not None or batch is not None):
+        raise RouteError(f"{where}: give seq_len/batch or sequence_tokens, not both")
+    if (seq_len is None) != (batch is None):
+        raise RouteError(f"{where}: seq_len and batch go together (got seq_len {seq_len!r}, batch {batch!r})")
+    if seq_len is not None:
+        lens = [seq_len] * len(microbatch_tokens) if isinstance(seq_len, int) else list(seq_len)
+        if len(lens) != len(microbatch_tokens):
+            raise RouteError(f"{where}: {len(lens)} seq_len value(s) for {len(microbatch_tokens)} micro-batch(es)")
+        sequence_tokens = [[length] * batch for length in lens]
+    if sequence_tokens is None:
+        return None
+    spans = tuple(tuple(int(n) for n in seqs) for seqs in sequence_tokens)
+    if len(spans) != len(microbatch_tokens):
+        raise RouteError(f"{where}: sequences given for {len(spans)} micro-batch(es), the routes hold "
+                         f"{len(microbatch_tokens)}")
+    for mb, (seqs, count) in enumerate(zip(spans, microbatch_tokens)):
+        if any(n < 0 for n in seqs) or sum(seqs) != count:
+            raise RouteError(f"{where}: micro-batch {mb}: sequences of {list(seqs)[:8]}{' ...' if len(seqs) > 8 else ''}"
+                             f" token(s) (sum {sum(seqs)}) != the {count} tokens it holds")
+    return spans
+
+
+def _cell_stats(layer_C: torch.Tensor, token_C: torch.Tensor, missed_C: torch.Tensor, *, width: int,
+                tokens: int, topk: int) -> dict:
+    """Per-layer and per-token totals from the differing routers (cells) alone."""
+    exact_L = tokens - torch.bincount(layer_C, minlength=width)
+    missed_L = torch.zeros(width, dtype=torch.int64).index_add_(0, layer_C, missed_C.to(torch.int64))
+    first = torch.full((tokens,), width, dtype=torch.int64).scatter_reduce_(0, token_C, layer_C, "amin")
+    return {"exact_L": exact_L, "overlap_L": tokens * topk - missed_L,
+            "differing_N": torch.bincount(token_C, minlength=tokens).to(torch.int16),
+            "first_N": torch.where(first < width, first, -1).to(torch.int16),
+            "missed_N": torch.zeros(tokens, dtype=torch.int32).index_add_(0, token_C, missed_C.to(torch.int32))}
+
+
+def diff(a: Routes, b: Routes, *, seq_len: int | Sequence[int] | None = None, batch: int | None = None,
+         sequence_tokens: Sequence[Sequence[int]] | None = None,
+         sequence_extra: Sequence[dict] | None = None) -> DiffReport:
+    """Compare two routings of the same tokens (same layers, micro-batches and token counts), in memory.
+
+    ``seq_len``/``batch`` (sequence-order routes) or ``sequence_tokens`` (per micro-batch, the tokens of each
+    sequence in order) tell the report which tokens form each sequence; without them ``sequences()`` is None.
+    """
     counts = _token_counts(a, b)
+    spans = sequence_spans(counts, seq_len=seq_len, batch=batch, sequence_tokens=sequence_tokens)
     experts, layers = a.num_experts, a.layers
     tokens, width = sum(counts), len(layers)
     starts = [sum(counts[:mb]) for mb in range(len(counts))]
@@ -145,20 +321,100 @@ def diff(a: Routes, b: Routes) -> DiffReport:
     overlap_LN = torch.full((width, tokens), a.topk, dtype=torch.uint8)
     load_b_LE = load_a_LE.clone()
     cell_R = differ_LN.view(-1).nonzero().squeeze(1)  # one pass over all layers; sorted, so grouped by (layer, mb)
+    cells, missed = cell_R[:0], torch.zeros(0, dtype=torch.int64)
     if cell_R.numel():
         rows_a, rows_b = _gather_rows(a, b, cell_R, tokens=tokens, starts=starts)
         exact_R, overlap_R = _set_compare_chunked(rows_a, rows_b)
         differ_LN.view(-1)[cell_R] = ~exact_R  # byte-different rows with equal sets agree
         overlap_LN.view(-1)[cell_R] = overlap_R
         moved = ~exact_R  # only rows with different sets load B differently from A
-        shift_R = ((cell_R[moved] // tokens) * experts)[:, None]
+        cells, missed = cell_R[moved], a.topk - overlap_R[moved].to(torch.int64)
+        shift_R = ((cells // tokens) * experts)[:, None]
         size = width * experts
         load_b_LE += (torch.bincount((rows_b[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
                       - torch.bincount((rows_a[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
                       ).view(width, experts)
-    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, exact_NL=(~differ_LN).t(),
-                      overlap_NL=overlap_LN.t(), load_a_LE=load_a_LE, load_b_LE=load_b_LE,
-                      microbatch_tokens=tuple(counts))
+    stats = _cell_stats(cells // max(tokens, 1), cells % max(tokens, 1), missed, width=width, tokens=tokens,
+                        topk=a.topk)
+    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, load_a_LE=load_a_LE,
+                      load_b_LE=load_b_LE, microbatch_tokens=tuple(counts), sequence_tokens=spans,
+                      sequence_extra=_extra(sequence_extra, spans), exact_NL=(~differ_LN).t(),
+                      overlap_NL=overlap_LN.t(), **stats)
+
+
+def _extra(sequence_extra: Sequence[dict] | None, spans) -> tuple[dict, ...] | None:
+    if sequence_extra is None:
+        return None
+    count = sum(len(s) for s in spans) if spans is not None else None
+    if count is None or len(sequence_extra) != count:
+        raise RouteError(f"sequence_extra holds {len(sequence_extra)} record(s) for {count} sequence(s)")
+    return tuple(dict(e) for e in sequence_extra)
+
+
+def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int | None = None,
+                sequence_tokens: Sequence[Sequence[int]] | None = None, sequence_extra: Sequence[dict] | None = None,
+                buckets: int = 64) -> DiffReport:
+    """``diff`` of two ``LayerSource``s (``moeverify.record.stream``), one layer at a time.
+
+    Each layer is read from both sides, compared, folded into per-layer and per-token totals and dropped:
+    memory is one layer of both sides plus ``O(N)``. The report holds no ``[N, L]`` matrices; its heatmap
+    keeps ``buckets`` token buckets per layer.
+    """
+    if (a.layers, a.microbatches, a.topk, a.num_experts) != (b.layers, b.microbatches, b.topk, b.num_experts):
+        raise RouteError(f"cannot diff: (layers, microbatches, topk, num_experts) "
+                         f"{(list(a.layers), a.microbatches, a.topk, a.num_experts)} != "
+                         f"{(list(b.layers), b.microbatches, b.topk, b.num_experts)}")
+    counts_a, counts_b = list(a.microbatch_tokens()), list(b.microbatch_tokens())
+    if counts_a != counts_b:
+        raise RouteError(f"cannot diff: tokens per micro-batch {counts_a} vs {counts_b}")
+    counts = counts_a
+    spans = sequence_spans(counts, seq_len=seq_len, batch=batch, sequence_tokens=sequence_tokens)
+    experts, topk, layers = a.num_experts, a.topk, a.layers
+    tokens, width = sum(counts), len(layers)
+    starts = [sum(counts[:mb]) for mb in range(len(counts))]
+    nb = max(1, min(buckets, tokens))
+    edges = _bucket_edges(tokens, nb)
+    load_a_LE = torch.zeros(width, experts, dtype=torch.int64)
+    load_b_LE = torch.zeros(width, experts, dtype=torch.int64)
+    bucket_LB = torch.zeros(width, nb, dtype=torch.int64)
+    exact_L = torch.full((width,), tokens, dtype=torch.int64)
+    missed_L = torch.zeros(width, dtype=torch.int64)
+    differing_N = torch.zeros(tokens, dtype=torch.int16)
+    first_N = torch.full((tokens,), -1, dtype=torch.int16)
+    missed_N = torch.zeros(tokens, dtype=torch.int32)
+    for i, layer in enumerate(layers):
+        mbs_a, mbs_b = a.layer(layer), b.layer(layer)
+        for side, mbs in (("A", mbs_a), ("B", mbs_b)):
+            got = [t.shape[0] for t in mbs]
+            if got != counts:
+                raise RouteError(f"cannot diff: {side} layer {layer}: tokens per micro-batch {got} != {counts}")
+        for mb, start in enumerate(starts):
+            ids_a_TK, ids_b_TK = _narrow(mbs_a[mb], experts), _narrow(mbs_b[mb], experts)
+            load_a_LE[i] += torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
+            rest = _rows_differ(ids_a_TK, ids_b_TK).nonzero().squeeze(1)
+            if not rest.numel():
+                continue
+            rows_a, rows_b = ids_a_TK.index_select(0, rest), ids_b_TK.index_select(0, rest)
+            exact_R, overlap_R = _set_compare_chunked(rows_a, rows_b)
+            moved = ~exact_R
+            if not bool(moved.any()):
+                continue
+            load_b_LE[i] += (torch.bincount(rows_b[moved].reshape(-1).to(torch.int64), minlength=experts)
+                             - torch.bincount(rows_a[moved].reshape(-1).to(torch.int64), minlength=experts))
+            token_C = start + rest[moved]  # distinct tokens: fold them into the per-token totals
+            missed_C = topk - overlap_R[moved].to(torch.int32)
+            bucket_LB[i] += torch.bincount(torch.searchsorted(edges, token_C, right=True) - 1, minlength=nb)[:nb]
+            exact_L[i] -= token_C.numel()
+            missed_L[i] += int(missed_C.sum(dtype=torch.int64))
+            differing_N[token_C] += 1
+            first_C = first_N[token_C]
+            first_N[token_C] = torch.where(first_C < 0, i, first_C).to(torch.int16)  # layers come in order
+            missed_N[token_C] += missed_C
+        del mbs_a, mbs_b
+    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=topk, exact_L=exact_L,
+                      overlap_L=tokens * topk - missed_L, load_a_LE=load_a_LE, load_b_LE=load_a_LE + load_b_LE,
+                      differing_N=differing_N, first_N=first_N, missed_N=missed_N, microbatch_tokens=tuple(counts),
+                      sequence_tokens=spans, sequence_extra=_extra(sequence_extra, spans), bucket_differ_LB=bucket_LB)
 
 
 def _gather_rows(a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int,

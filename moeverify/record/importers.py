@@ -131,11 +131,12 @@ def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None
     return out
 
 
-def export_npz(dump, path: str | os.PathLike) -> Path:
-    """Write every step's merged global routes as ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays."""
+def export_npz(dump, path: str | os.PathLike, *, routes_of=None) -> Path:
+    """Write every step's merged global routes as ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays
+    (``routes_of(step)``, default ``dump.routes``: e.g. the routes mapped to logical expert ids)."""
     arrays = {"layers": np.asarray(dump.model.moe_layers, dtype=np.int64)}
     for step in sorted(dump.steps):
-        routes = dump.routes(step=step)
+        routes = dump.routes(step=step) if routes_of is None else routes_of(step)
         for mb in range(routes.microbatches):
             stacked = torch.stack([routes.get(layer, mb) for layer in routes.layers], dim=1)
             arrays[f"step{step}_mb{mb}"] = stacked.numpy()

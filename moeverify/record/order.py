@@ -26,12 +26,19 @@ ORDERS = ("sequence", "router")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Ordered:
-    """Routes of one source and what is known of their token order (``order`` None: unknown)."""
+    """One source (a ``stream`` layer source or ``Routes``) and what is known of its token order (``order``
+    None: unknown) and, in sequence order, of its sequences (``seq_len`` per micro-batch and ``batch``)."""
 
-    routes: Routes
+    routes: object
     source: str
     order: str | None
     why_unknown: str = ""
+    seq_len: tuple[int, ...] | None = None
+    batch: int | None = None
+
+    @property
+    def geometry(self) -> tuple[tuple[int, ...], int] | None:
+        return None if self.seq_len is None or self.batch is None else (self.seq_len, self.batch)
 
 
 def _lengths(seq_len: int | Sequence[int], microbatches: int, where: str) -> list[int]:
@@ -78,8 +85,19 @@ def to_router_order(routes: Routes, *, seq_len, batch: int, where: str = "routes
     return routes if batch == 1 else _permute(routes, seq_len=seq_len, batch=batch, where=where, to="router")
 
 
+def shared_geometry(a: Ordered, b: Ordered) -> tuple[tuple[int, ...], int] | None:
+    """The sequences both sides are cut into (``(seq_len per micro-batch, batch)``), from whichever side knows
+    them; None when neither does. Two sides that know different cuts are refused."""
+    if a.geometry is not None and b.geometry is not None and a.geometry != b.geometry:
+        (sa, ba), (sb, bb) = a.geometry, b.geometry
+        raise UsageError(f"{a.source} cuts its tokens into sequences of seq_len {list(sa)} x batch {ba}, {b.source} "
+                         f"into seq_len {list(sb)} x batch {bb}: token g is not the same token on both sides")
+    return a.geometry or b.geometry
+
+
 def require_same_tokens(a: Ordered, b: Ordered, *, assume_same_order: bool) -> None:
     """Refuse a comparison whose rows may not be the same tokens in the same order."""
+    shared_geometry(a, b)
     if assume_same_order:
         return
     unknown = [s for s in (a, b) if s.order is None]

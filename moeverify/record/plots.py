@@ -33,7 +33,8 @@ def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64)
     ax_heat.set_xlabel(f"token bucket ({report.tokens} tokens in {heat_LB.shape[1]} buckets)")
     ax_heat.set_ylabel("MoE layer")
     ax_heat.set_title(f"fraction of tokens whose top-{report.topk} set differs "
-                      f"({report.tokens_diverging_any_layer:.2%} diverge in >= 1 layer)")
+                      f"({report.tokens_diverging_any_layer:.2%} diverge in >= 1 layer; "
+                      f"{report.routers_differing_per_token:.3f} of {len(report.layers)} routers differ per token)")
     fig.colorbar(image, ax=ax_heat)
     _load_bars(ax_load, report)
     path = Path(path)

@@ -71,6 +71,7 @@ class Dump:
         if missing:
             raise DumpError(f"{where}: rank(s) {missing} of world_size {self.world_size} missing from the manifest")
         self._index: dict[tuple[int, int, int, int | None, str], _Entry] = {}
+        self._token_ids_checked: set[int] = set()  # steps whose positions/seq_ids layer_routes has checked
         for rank, entry in sorted(manifest["ranks"].items(), key=lambda kv: int(kv[0])):
             for file in entry["files"]:
                 self._index_file(int(rank), file)
@@ -122,6 +123,49 @@ class Dump:
                                    moe_layers=self.model.moe_layers, zigzag=self.zigzag)
         except (RouteError, LayoutError) as exc:
             raise DumpError(f"{self.path}: step {step}: cannot merge ranks: {exc}") from None
+
+    def microbatch_tokens(self, *, step: int = 0) -> list[int]:
+        """Tokens per micro-batch of ``routes(step)``, from the index alone (no data read)."""
+        info = self._step(step)
+        if self.world_size == 1 and info.seq_len is None:
+            layers = self._layers(0)
+            return [self._index[(0, step, mb, layers[0], "ids")].shape[0] if layers else 0
+                    for mb in range(info.microbatches)]
+        self._require_geometry(step, info)
+        return [self.layout.dp(self.world_size) * info.batch * length for length in info.seq_len]
+
+    def layer_routes(self, *, step: int = 0, layer: int) -> Routes:
+        """One MoE layer of ``routes(step)`` (same merge, order and checks), reading only that layer's tensors."""
+        info = self._step(step)
+        if layer not in self.model.moe_layers:
+            raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the dump {list(self.model.moe_layers)}")
+
+        def local(rank: int) -> Routes:
+            held = {layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]} \
+                if layer in self._layers(rank) else {}
+            try:
+                return Routes(held, num_experts=self.model.num_experts, topk=self.model.topk)
+            except RouteError as exc:
+                raise DumpError(f"{self._rank_files(rank)}: step {step}: {exc}") from None
+
+        if self.world_size == 1 and info.seq_len is None:
+            return local(0)
+        self._require_geometry(step, info)
+        if step not in self._token_ids_checked:
+            for rank in sorted(self.coords):
+                self._check_token_ids(rank, step, info)
+            self._token_ids_checked.add(step)
+        try:
+            return views.to_global({self.coords[r]: local(r) for r in sorted(self.coords)}, self.layout,
+                                   world_size=self.world_size, seq_len=info.seq_len, batch=info.batch,
+                                   num_layers=self.model.num_layers, moe_layers=(layer,), zigzag=self.zigzag)
+        except (RouteError, LayoutError) as exc:
+            raise DumpError(f"{self.path}: step {step}: layer {layer}: cannot merge ranks: {exc}") from None
+
+    def _require_geometry(self, step: int, info: StepInfo) -> None:
+        if info.seq_len is None or info.batch is None:
+            raise DumpError(f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
+                            f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)")
 
     # -- validation -------------------------------------------------------------------------------
     def _index_file(self, rank: int, file: Mapping) -> None:

@@ -30,6 +30,8 @@ class Aligned:
     compared: int
     uncaptured: int  # training positions the rollout returned no row for
     gaps: int  # rollout rows that were capture gaps
+    sequence_tokens: tuple[tuple[int, ...], ...] = ()  # per micro-batch: compared tokens of each request, in order
+    per_request: tuple[dict, ...] = ()  # per request: {request, uncaptured_tokens, capture_gap_rows}
 
     def as_json(self) -> dict:
         return {"requests": self.requests, "compared_tokens": self.compared, "uncaptured_tokens": self.uncaptured,
@@ -46,8 +48,10 @@ def _columns(arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, whe
 
 
 def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequence[int], num_layers: int,
-          requests: Sequence[np.ndarray], where: str) -> Aligned:
-    """Both sides restricted to the positions the rollout routed (``train`` in sequence order)."""
+          requests: Sequence[np.ndarray], where: str, expert_map=None) -> Aligned:
+    """Both sides restricted to the positions the rollout routed (``train`` in sequence order; ``batch``:
+    sequences per merged micro-batch). ``expert_map`` (``expert_map.ExpertMap``): the rollout records physical
+    expert slots; its captured rows are mapped to logical ids before the comparison."""
     sequences = batch * len(seq_len)
     if len(requests) != sequences:
         raise UsageError(f"{where}: {len(requests)} rollout request(s) != the training step's {sequences} sequences "
@@ -55,6 +59,7 @@ def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequ
     train_mbs: dict[int, list] = {layer: [] for layer in train.layers}
     roll_mbs: dict[int, list] = {layer: [] for layer in train.layers}
     compared = uncaptured = gaps = 0
+    spans, per_request = [], []
     for mb, length in enumerate(seq_len):
         rows_idx, rows = [], []
         for b in range(batch):
@@ -76,16 +81,31 @@ def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequ
             uncaptured += length - int(arr.shape[0])
             rows_idx.append(b * length + keep)
             rows.append(ids[keep])
+            per_request.append({"request": r, "uncaptured_tokens": length - int(arr.shape[0]),
+                                "capture_gap_rows": int(gap_N.sum())})
+        spans.append(tuple(int(i.numel()) for i in rows_idx))
         index = torch.cat(rows_idx)
         stacked = torch.cat(rows)
         compared += int(index.numel())
+
+        def label(_mb, row, index=index, mb=mb, length=length):
+            seq, pos = divmod(int(index[row]), length)
+            return f"request {mb * batch + seq} position {pos}"
+
         for i, layer in enumerate(train.layers):
             train_mbs[layer].append(train.get(layer, mb).index_select(0, index))
-            roll_mbs[layer].append(stacked[:, i, :])
+            roll = stacked[:, i, :]
+            if expert_map is not None:
+                roll = expert_map.apply(layer, roll, where=where, microbatch=mb, token_label=label)
+            roll_mbs[layer].append(roll)
     experts = train.num_experts
+    if expert_map is not None and expert_map.logical != experts:
+        raise UsageError(f"{expert_map.path}: maps onto {expert_map.logical} logical experts, the training side has "
+                         f"{experts} (both sides must be the same logical experts)")
     high = max((int(t.max()) for mbs in roll_mbs.values() for t in mbs if t.numel()), default=0)
     if high >= experts:
         raise UsageError(f"{where}: expert id {high} >= the training dump's {experts} experts")
     return Aligned(train=Routes(train_mbs, num_experts=experts, topk=train.topk),
                    rollout=Routes(roll_mbs, num_experts=experts, topk=train.topk), requests=len(requests),
-                   compared=compared, uncaptured=uncaptured, gaps=gaps)
+                   compared=compared, uncaptured=uncaptured, gaps=gaps, sequence_tokens=tuple(spans),
+                   per_request=tuple(per_request))

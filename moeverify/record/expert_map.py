@@ -1,0 +1,202 @@
+"""Physical expert slots to logical expert ids, so that two routings are compared as logical experts.
+
+Expert-parallel load balancing (EPLB; DeepSeek's, SGLang's and vLLM's) places ``P`` physical expert slots
+on the EP ranks, ``P >= E`` logical experts: a hot logical expert gets several replicas. A router working
+in physical slots records slot ids; a map ``physical slot -> logical id`` brings them back to the model's
+experts. ``load`` reads one from a file and checks it completely before any route is mapped:
+
+- ``.json``: a list ``[logical id of slot 0, slot 1, ...]`` (the same map for every MoE layer); a list of
+  such lists, one row per MoE layer in layer order or one per decoder layer (dense rows then ignored); an
+  object ``{"<global layer>": [...], ...}`` naming every MoE layer; or any of these under the single key
+  ``"physical_to_logical_map"`` (SGLang's and vLLM's name for it).
+- ``.npy``: ``[P]`` (every layer) or ``[rows, P]`` with the row rule above; an integer dtype. Never unpickled.
+
+Refused (``ExpertMapError``, naming the file, layer and slot, expected vs got): a non-integer entry, a
+row whose length is not the dump's expert count (its physical slots), an id outside ``[0, P)``, a layer
+missing (or one that is not an MoE layer), rows that fit neither layer count, and a layer in which some
+logical expert ``0 .. E-1`` has no slot (``E`` = largest id + 1; EPLB gives every logical expert at least
+one replica in every layer). ``apply`` refuses a token whose top-k holds two replicas of one logical
+expert: a correct router picks a logical expert once, so this is a finding, never deduplicated.
+Legend: T = tokens, K = top-k, P = physical slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moeverify.errors import UsageError
+from moeverify.routes import Routes
+
+KEY = "physical_to_logical_map"
+
+
+class ExpertMapError(UsageError):
+    """An expert map that is not a valid mapping, or routes that break it (the CLI exits 2)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertMap:
+    """A validated ``physical slot -> logical id`` map for every MoE layer of one side."""
+
+    path: str
+    physical: int  # slots P: the ids the mapped side records lie in [0, P)
+    logical: int  # logical experts E (largest id + 1); every layer maps onto all of them
+    per_layer: dict[int, torch.Tensor]  # global MoE layer -> int64 [P]
+
+    def as_json(self) -> dict:
+        return {"file": self.path, "physical_slots": self.physical, "logical_experts": self.logical,
+                "layers": sorted(self.per_layer), "redundant_slots_per_layer": self.physical - self.logical}
+
+    def apply(self, layer: int, ids_TK: torch.Tensor, *, where: str, microbatch: int = 0,
+              token_label=None) -> torch.Tensor:
+        """Logical ids ``[T, K]`` (int64) of one layer's physical ids; refuses replicas of one expert in a row."""
+        map_P = self.per_layer.get(layer)
+        if map_P is None:
+            raise ExpertMapError(f"{self.path}: no map for layer {layer} (maps layers {sorted(self.per_layer)})")
+        ids = ids_TK.to(torch.int64)
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.physical:
+                raise ExpertMapError(f"{where}: layer {layer} micro-batch {microbatch}: expert id "
+                                     f"{lo if lo < 0 else hi} is no slot of {self.path} (expected [0, "
+                                     f"{self.physical}))")
+        logical_TK = map_P[ids]
+        if self.physical > self.logical and ids.shape[1] > 1:
+            ordered = logical_TK.sort(dim=1).values
+            dup_R = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1).nonzero().flatten()
+            if dup_R.numel():
+                row = int(dup_R[0])
+                label = token_label(microbatch, row) if token_label is not None else f"token {row}"
+                raise ExpertMapError(
+                    f"{where}: layer {layer} micro-batch {microbatch} {label}: top-{ids.shape[1]} physical slots "
+                    f"{ids[row].tolist()} map through {self.path} to logical experts {logical_TK[row].tolist()}: "
+                    f"two replicas of one logical expert in one token's top-k ({dup_R.numel()} such token(s) in "
+                    f"this layer and micro-batch; later layers not checked). A router picks a logical expert "
+                    f"once: this is a finding (a dispatch or map bug), not deduplicated")
+        return logical_TK
+
+    def map_routes(self, routes: Routes, *, where: str, token_label=None) -> Routes:
+        """Every layer of ``routes`` (physical ids) as logical ids."""
+        per_layer = {layer: [self.apply(layer, routes.get(layer, mb), where=where, microbatch=mb,
+                                        token_label=token_label) for mb in range(routes.microbatches)]
+                     for layer in routes.layers}
+        return Routes(per_layer, num_experts=self.logical, topk=routes.topk)
+
+
+def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None = None,
+         physical_experts: int | None = None, what: str = "the dump") -> ExpertMap:
+    """Read and check the map at ``path`` for ``moe_layers``; ``physical_experts``: the mapped side's expert
+    count (every row must have that many slots); None (an array side) takes the map's own length."""
+    path = Path(path)
+    name = str(path)
+    if not path.is_file():
+        raise ExpertMapError(f"{name}: expert map not found (a .json or .npy file)")
+    if path.suffix == ".json":
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ExpertMapError(f"{name}: not valid JSON: {exc}") from None
+    elif path.suffix == ".npy":
+        try:
+            obj = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as exc:
+            raise ExpertMapError(f"{name}: cannot read as .npy: {exc}") from None
+        if not np.issubdtype(obj.dtype, np.integer):
+            raise ExpertMapError(f"{name}: dtype {obj.dtype} is not an integer dtype (logical expert ids)")
+    else:
+        raise ExpertMapError(f"{name}: an expert map is a .json or .npy file, got suffix {path.suffix!r}")
+    return from_object(obj, moe_layers=moe_layers, num_layers=num_layers, physical_experts=physical_experts,
+                       what=what, name=name)
+
+
+def from_object(obj, *, moe_layers: Sequence[int], num_layers: int | None = None, physical_experts: int | None = None,
+                what: str = "the dump", name: str = "expert map") -> ExpertMap:
+    """``load`` of a map already parsed (a list, list of lists, layer-keyed dict or integer array)."""
+    if isinstance(obj, dict) and KEY in obj:
+        if set(obj) != {KEY}:
+            raise ExpertMapError(f"{name}: an object holding {KEY!r} must hold nothing else, got keys {sorted(obj)}")
+        obj = obj[KEY]
+    moe = list(moe_layers)
+    rows = _rows(obj, name=name, moe=moe, num_layers=num_layers)
+    per_layer = {layer: _row(value, name=name, layer=layer) for layer, value in rows.items()}
+    physical = physical_experts
+    for layer, map_P in per_layer.items():
+        want = physical if physical is not None else len(next(iter(per_layer.values())))
+        if map_P.numel() != want:
+            whose = f"{what}'s {physical} experts (its physical slots)" if physical is not None else \
+                f"layer {moe[0]}'s {want} slots"
+            raise ExpertMapError(f"{name}: layer {layer}: {map_P.numel()} slot(s) != {whose}")
+        physical = want
+    for layer, map_P in per_layer.items():
+        bad = ((map_P < 0) | (map_P >= physical)).nonzero().flatten()
+        if bad.numel():
+            slot = int(bad[0])
+            raise ExpertMapError(f"{name}: layer {layer} slot {slot}: logical id {int(map_P[slot])} out of range "
+                                 f"[0, {physical}) (a logical id is below the {physical} physical slots)")
+    logical = 1 + max(int(m.max()) for m in per_layer.values())
+    for layer, map_P in per_layer.items():
+        unplaced = (torch.bincount(map_P, minlength=logical) == 0).nonzero().flatten().tolist()
+        if unplaced:
+            raise ExpertMapError(f"{name}: layer {layer}: logical expert(s) {unplaced[:8]}"
+                                 f"{' ...' if len(unplaced) > 8 else ''} have no physical slot (the map's logical "
+                                 f"experts are 0..{logical - 1}; every one needs at least one slot in every layer)")
+    return ExpertMap(path=name, physical=physical, logical=logical, per_layer=per_layer)
+
+
+def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int, object]:
+    """``{global MoE layer: its row}`` of a parsed map (list, list of lists, layer-keyed object, array)."""
+    if isinstance(obj, dict):
+        per = {}
+        for key, value in obj.items():
+            try:
+                layer = int(key)
+            except ValueError:
+                raise ExpertMapError(f"{name}: key {key!r} is not a global layer number (or {KEY!r})") from None
+            per[layer] = value
+        missing, extra = sorted(set(moe) - set(per)), sorted(set(per) - set(moe))
+        if missing:
+            raise ExpertMapError(f"{name}: MoE layer(s) {missing} missing (the map names layers {sorted(per)}; "
+                                 f"the MoE layers are {moe})")
+        if extra:
+            raise ExpertMapError(f"{name}: layer(s) {extra} are not MoE layers of {moe}")
+        return {layer: per[layer] for layer in moe}
+    if isinstance(obj, np.ndarray):
+        if obj.ndim == 1:
+            return {layer: obj for layer in moe}
+        if obj.ndim != 2:
+            raise ExpertMapError(f"{name}: shape {obj.shape} is neither [slots] nor [layers, slots]")
+        table = list(obj)
+    elif isinstance(obj, list):
+        if not obj or not all(isinstance(v, list) for v in obj):
+            if any(isinstance(v, list) for v in obj):
+                raise ExpertMapError(f"{name}: a list mixing numbers and lists; give one row, or one row per layer")
+            return {layer: obj for layer in moe}
+        table = obj
+    else:
+        raise ExpertMapError(f"{name}: expected a list, a list of lists, an object keyed by layer or an array; "
+                             f"got {type(obj).__name__}")
+    if len(table) == len(moe):
+        return dict(zip(moe, table))
+    if num_layers is not None and len(table) == num_layers:
+        return {layer: table[layer] for layer in moe}  # one row per decoder layer: the MoE rows by global layer
+    raise ExpertMapError(f"{name}: {len(table)} row(s) fit neither the {len(moe)} MoE layers {moe}"
+                         + ("" if num_layers is None else f" nor all {num_layers} decoder layers"))
+
+
+def _row(value, *, name: str, layer: int) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value).astype(np.int64))
+    if not isinstance(value, list) or not value:
+        raise ExpertMapError(f"{name}: layer {layer}: expected a non-empty list of logical ids, got "
+                             f"{type(value).__name__} {value!r:.60}")
+    for slot, v in enumerate(value):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+            raise ExpertMapError(f"{name}: layer {layer} slot {slot}: {v!r} is not an integer logical id")
+    return torch.tensor(value, dtype=torch.int64)

@@ -1,0 +1,155 @@
+"""Layer sources: one side of a diff, handed out one MoE layer at a time (``diff.diff_stream``).
+
+A source has ``layers``, ``microbatches``, ``num_experts``, ``topk``, ``microbatch_tokens()`` (no data
+read) and ``layer(layer)`` (that layer's ``[T, K]`` ids, one tensor per micro-batch). ``routes()`` gives
+the whole ``Routes`` for the in-memory engine (``diff.diff``), through the same reader.
+
+- ``DumpSource``: a dump on disk; ``layer`` reads and merges only that layer (``Dump.layer_routes``).
+- ``RoutesSource``: routes already in memory (an array side).
+- ``MappedSource``: physical expert slots mapped to logical ids (``expert_map.ExpertMap``) as each layer
+  is read.
+- ``WidenedSource``: the same ids under a larger expert count (an array knows only its largest id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeverify.record.expert_map import ExpertMap
+from moeverify.record.reader import Dump
+from moeverify.routes import Routes
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutesSource:
+    data: Routes
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.data.layers
+
+    @property
+    def microbatches(self) -> int:
+        return self.data.microbatches
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.num_experts
+
+    @property
+    def topk(self) -> int:
+        return self.data.topk
+
+    def microbatch_tokens(self) -> list[int]:
+        first = self.data.layers[0] if self.data.layers else None
+        return [0 if first is None else self.data.get(first, mb).shape[0] for mb in range(self.microbatches)]
+
+    def layer(self, layer: int) -> list[torch.Tensor]:
+        return [self.data.get(layer, mb) for mb in range(self.microbatches)]
+
+    def routes(self) -> Routes:
+        return self.data
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpSource:
+    dump: Dump
+    step: int = 0
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.dump.model.moe_layers))
+
+    @property
+    def microbatches(self) -> int:
+        return self.dump.steps[self.step].microbatches if self.step in self.dump.steps else 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.dump.model.num_experts
+
+    @property
+    def topk(self) -> int:
+        return self.dump.model.topk
+
+    def microbatch_tokens(self) -> list[int]:
+        return self.dump.microbatch_tokens(step=self.step)
+
+    def layer(self, layer: int) -> list[torch.Tensor]:
+        routes = self.dump.layer_routes(step=self.step, layer=layer)
+        return [routes.get(layer, mb) for mb in range(routes.microbatches)]
+
+    def routes(self) -> Routes:
+        return self.dump.routes(step=self.step)
+
+
+@dataclasses.dataclass(frozen=True)
+class MappedSource:
+    inner: object
+    expert_map: ExpertMap
+    where: str
+    token_label: object = None  # (microbatch, row) -> text naming the token in messages
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.inner.layers
+
+    @property
+    def microbatches(self) -> int:
+        return self.inner.microbatches
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_map.logical
+
+    @property
+    def topk(self) -> int:
+        return self.inner.topk
+
+    def microbatch_tokens(self) -> list[int]:
+        return self.inner.microbatch_tokens()
+
+    def layer(self, layer: int) -> list[torch.Tensor]:
+        return [self.expert_map.apply(layer, t, where=self.where, microbatch=mb, token_label=self.token_label)
+                for mb, t in enumerate(self.inner.layer(layer))]
+
+    def routes(self) -> Routes:
+        return self.expert_map.map_routes(self.inner.routes(), where=self.where, token_label=self.token_label)
+
+
+@dataclasses.dataclass(frozen=True)
+class WidenedSource:
+    inner: object
+    num_experts: int
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.inner.layers
+
+    @property
+    def microbatches(self) -> int:
+        return self.inner.microbatches
+
+    @property
+    def topk(self) -> int:
+        return self.inner.topk
+
+    def microbatch_tokens(self) -> list[int]:
+        return self.inner.microbatch_tokens()
+
+    def layer(self, layer: int) -> list[torch.Tensor]:
+        return self.inner.layer(layer)
+
+    def routes(self) -> Routes:
+        r = self.inner.routes()
+        if r.num_experts == self.num_experts:
+            return r
+        return Routes({layer: [r.get(layer, mb) for mb in range(r.microbatches)] for layer in r.layers},
+                      num_experts=self.num_experts, topk=r.topk)
+
+
+def widen(source, num_experts: int):
+    """``source`` under ``num_experts`` (its own count when already that)."""
+    return source if source.num_experts == num_experts else WidenedSource(source, num_experts)
