@@ -62,6 +62,22 @@ def _top_ops(step, rows: int = 12) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def _cprofile(step, iters: int, rows: int = 25) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
+
+
 def main(argv=None) -> int:
     import contextlib
 
@@ -79,6 +95,8 @@ def main(argv=None) -> int:
             with around():
                 results[name] = {"host_us": _host_us(step, args.iters), "syncs": _syncs(step)}
                 print(f"== {name}\n" + _top_ops(step))
+                if name in ("replay", "native.replay"):
+                    print(f"== cProfile {name} ({args.iters} steps)\n" + _cprofile(step, args.iters))
     for name, r in results.items():
         print(f"{name:24s} host {r['host_us']:9.1f} us/step  sync: {r['syncs'] or 'none'}")
     print(json.dumps({"shape": vars(args) | {"out": None}, "results": results}, default=str))
