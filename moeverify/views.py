@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moeverify.errors import LayoutError, RouteError
+from moeverify.errors import LayoutError, RouteError, UsageError
 from moeverify.layout import Layout
 from moeverify.routes import Routes
 
@@ -277,3 +277,35 @@ def _per_microbatch(seq_len: int | Sequence[int], microbatches: int) -> tuple[in
 def _check_rank(name: str, value: int, size: int) -> None:
     if not 0 <= value < size:
         raise LayoutError(f"{name} rank {value} outside [0, {size})")
+
+
+def job_layout(*, sp: bool) -> tuple[Layout, RankCoords, int]:
+    """This process's layout, coordinates and world size, read from Megatron's parallel state (inside a job).
+
+    Refuses (``UsageError``) a multi-rank job without model-parallel state, and a rank order other than
+    Megatron's default ``tp-cp-ep-dp-pp`` (the one ``rank_coords`` and the dump format assume)."""
+    from megatron.core import parallel_state as ps
+
+    dist = torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist else (1, 0)
+    if world == 1:
+        return Layout(), RankCoords(rank=0), 1
+    if not ps.model_parallel_is_initialized():
+        raise UsageError(f"rank {rank}: {world} ranks but Megatron's model-parallel state is not initialised; the "
+                         "recording needs it to place each rank in the layout")
+    tp, vpp = ps.get_tensor_model_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    try:
+        layout = Layout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=vpp if vpp and vpp > 1 else None,
+                        ep=ps.get_expert_model_parallel_world_size(), etp=None if etp == tp else etp,
+                        cp=ps.get_context_parallel_world_size(), sp=sp)
+        expected = rank_coords(layout, rank=rank, world_size=world)
+    except LayoutError as exc:
+        raise UsageError(f"rank {rank}: the job's layout cannot be recorded: {exc}") from None
+    actual = RankCoords(rank=rank, tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                        cp=ps.get_context_parallel_rank(), dp=ps.get_data_parallel_rank(),
+                        ep=ps.get_expert_model_parallel_rank())
+    if actual != expected:
+        raise UsageError(f"rank {rank}: Megatron placed this rank at {actual.label()}, but the dump format assumes "
+                         f"the default rank order tp-cp-ep-dp-pp ({expected.label()}); record with the default order")
+    return layout, actual, world

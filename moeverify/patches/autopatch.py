@@ -46,7 +46,8 @@ import torch
 
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
 from moeverify.patches import replay_state as state
-from moeverify.patches.autopatch_dump import JobDump, job_layout
+from moeverify.patches.autopatch_dump import JobDump
+from moeverify.views import job_layout
 from moeverify.patches import router_replay as rr
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
