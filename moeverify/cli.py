@@ -270,9 +270,21 @@ def _versions() -> dict[str, str]:
 
 
 def _cmd_doctor(args) -> int:
+    from moeverify import support
+
     print(f"python           {sys.executable} ({sys.version.split()[0]})")
-    for dist, version in _versions().items():
-        print(f"{dist:16} {version}")
+    versions = _versions()
+    ranges = {item.dist: item for item in support.SUPPORTED}
+    for dist, version in versions.items():
+        item = ranges[dist]
+        verdict = ("" if version == "not installed" and not item.required
+                   else "ok" if version != "not installed" and item.admits(version) else "UNSUPPORTED")
+        print(f"{dist:16} {version:24} supported {item.spec():16} {verdict}".rstrip())
+    problems = support.check(versions)
+    if problems:
+        for problem in problems:
+            print(f"doctor: {problem}", file=sys.stderr)
+        return 1
     from moeverify import runtime
 
     with _quiet(enabled=not args.verbose, sink=io.StringIO()):

@@ -1,0 +1,77 @@
+"""Supported version ranges: declared once in moeverify/support.py, equal in pyproject.toml, and the lock inside."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from moeverify import support
+from moeverify.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def declared_in_pyproject() -> dict[str, str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = list(project["dependencies"]) + [d for deps in project["optional-dependencies"].values() for d in deps]
+    out = {}
+    for spec in specs:
+        name, rest = re.match(r"([A-Za-z0-9_.-]+)\s*(.*)", spec).groups()
+        if rest:
+            out[name] = rest.replace(" ", "")
+    return out
+
+
+def locked() -> dict[str, str]:
+    out = {}
+    for name in ("stack.txt", "nodeps.txt"):
+        for line in (ROOT / "requirements" / name).read_text().splitlines():
+            if "==" in line and not line.startswith("#"):
+                dist, version = line.split("==")
+                out[dist.strip()] = version.strip()
+    return out
+
+
+def test_pyproject_declares_exactly_the_supported_ranges():
+    assert declared_in_pyproject() == {item.dist: item.spec() for item in support.SUPPORTED}
+
+
+def test_the_lock_ci_runs_lies_inside_every_supported_range():
+    lock = locked()
+    for item in support.SUPPORTED:
+        assert item.dist in lock, f"{item.dist} is supported but not in requirements/"
+        assert item.admits(lock[item.dist]), f"{item.dist}=={lock[item.dist]} outside {item.spec()}"
+
+
+@pytest.mark.parametrize("version,expected", [("2.11.0+cu130", (2, 11)), ("0.19.2rc1", (0, 19, 2)), ("6", (6,)),
+                                              ("2.14.1", (2, 14, 1))])
+def test_release_reads_local_and_pre_release_versions(version, expected):
+    assert support.release(version) == expected
+
+
+def test_ranges_are_half_open():
+    torch = next(item for item in support.SUPPORTED if item.dist == "torch")
+    assert torch.admits("2.11.0+cu130") and torch.admits("2.14.9") and not torch.admits("2.15.0")
+    assert not torch.admits("2.10.2")
+
+
+def test_check_names_what_is_unsupported_and_what_is_missing():
+    ok = {item.dist: item.low for item in support.SUPPORTED}
+    assert support.check(ok) == []
+    problems = support.check({**ok, "torch": "2.9.1", "megatron-core": "not installed", "verl": "not installed"})
+    assert problems == ["torch 2.9.1 is outside the supported range >=2.11,<2.15",
+                        "megatron-core is not installed (supported >=0.19,<0.20)"]
+    with pytest.raises(ValueError, match="not a version"):
+        support.release("unknown")
+
+
+def test_doctor_refuses_an_unsupported_stack(monkeypatch, capsys):
+    from moeverify import cli
+
+    monkeypatch.setattr(cli, "_versions", lambda: {"torch": "2.9.1", "megatron-core": "0.19.2",
+                                                    "megatron-bridge": "0.6.2", "transformers": "5.12.1",
+                                                    "verl": "not installed"})
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr()
+    assert "UNSUPPORTED" in out.out and "torch 2.9.1 is outside the supported range >=2.11,<2.15" in out.err
