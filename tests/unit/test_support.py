@@ -75,3 +75,22 @@ def test_doctor_refuses_an_unsupported_stack(monkeypatch, capsys):
     assert main(["doctor"]) == 1
     out = capsys.readouterr()
     assert "UNSUPPORTED" in out.out and "torch 2.9.1 is outside the supported range >=2.11,<2.15" in out.err
+
+
+def test_pip_install_no_deps_into_an_existing_environment_works_outside_the_checkout(tmp_path):
+    """What users do in an NGC container or beside a cluster's own torch: install moeverify alone (no deps,
+    nothing from the network), then use it from anywhere; the installed copy, not this checkout, answers."""
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                          "--no-build-isolation", "--target", str(site), str(ROOT)], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    probe = subprocess.run([sys.executable, "-c", "import moeverify.cli, moeverify.support; print(moeverify.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert probe.returncode == 0 and probe.stdout.strip().startswith(str(site)), probe.stderr[-2000:]
+    listing = subprocess.run([sys.executable, "-m", "moeverify", "run", str(ROOT / "scenarios" / "smoke.yaml"),
+                              "--list"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert listing.returncode == 0 and "qwen3_moe" in listing.stdout, listing.stderr[-2000:]
