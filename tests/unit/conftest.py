@@ -28,3 +28,14 @@ def patched_megatron_world():
             yield
         finally:
             rr.revert()
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_train(patched_megatron_world):
+    """A tiny Qwen3-MoE built on the patched 1-rank world, in train mode (the model of the training-loop tests)."""
+    from moeverify import models
+
+    built = models.build("qwen3_moe", Layout(), seed=0)
+    for chunk in built.model_chunks:
+        chunk.train()
+    return built

@@ -106,14 +106,8 @@ def assert_bitwise(replayed: dict, native: dict, where: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def built():
-    from moeverify import models
-    from moeverify.layout import Layout
-
-    built = models.build("qwen3_moe", Layout(), seed=0)
-    for chunk in built.model_chunks:
-        chunk.train()
-    return built
+def built(qwen3_moe_train):
+    return qwen3_moe_train
 
 
 def data(vocab: int, count: int, seed: int = 0) -> list:

@@ -20,14 +20,8 @@ B, S, MB = 2, 8, 3
 
 
 @pytest.fixture(scope="module")
-def model():
-    from moeverify import models
-    from moeverify.layout import Layout
-
-    built = models.build("qwen3_moe", Layout(), seed=0)
-    for chunk in built.model_chunks:
-        chunk.train()
-    return built
+def model(qwen3_moe_train):
+    return qwen3_moe_train
 
 
 def set_recompute(chunks, mode: str | None) -> None:
