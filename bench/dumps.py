@@ -9,13 +9,21 @@ Workload: top-8 of 128 experts, 16 MoE layers, 2 micro-batches of 4096 tokens (1
   with and without handing each layer's routes to a background ``RankWriter`` the way ``RouteRecorder``
   does (ids already known distinct and in range); steps alternate, medians compared;
 - diff: token-layer rows/s on one core (``torch.set_num_threads(1)``) with 1 % of rows differing,
-  vs a straightforward ``torch.sort`` set comparison; also 0 % and 100 % reordered rows (informational).
+  vs a straightforward ``torch.sort`` set comparison; also 0 % and 100 % reordered rows (informational);
+- diff from disk at scale (``--stream-tokens`` tokens, default 65,536, x 60 MoE layers x top-8 of 128, sequences of 4096
+  tokens, two one-rank dumps with geometry, 1 % of rows differing and 1 % reordered): the streaming engine
+  (``diff_stream``, one layer at a time) vs the in-memory one (``Dump.routes`` + ``diff``), each in a fresh
+  process on one core, both ending in the full JSON record (which must be identical): token-layer rows/s
+  and peak RSS (``VmHWM``, reset by ``/proc/self/clear_refs``; ``getrusage``'s ``ru_maxrss`` would keep
+  the parent's peak across ``exec``) above the process's RSS after imports and ``record.load``,
+  as bytes and as multiples of one layer's ids (``tokens x 8`` bytes, one side) and of all ids of both
+  dumps. ``--full`` runs it at 1M tokens (1,048,576 x 60 x 8 = 62.9M rows per side).
 
 Writes ``bench/results/dumps.json`` (``{"metrics": {NAME: {"value", "unit", "peer", "ratio", "goal"}}}``;
 ``ratio`` is oriented so that larger is better except for ``step_overhead``, whose goal is ``<=``; the
 diff throughput goal applies to ``value`` and says so in ``goal_on``).
 
-    python bench/dumps.py [--tokens 4096] [--repeats 5]
+    python bench/dumps.py [--tokens 4096] [--repeats 5] [--stream-tokens 65536 | --full]
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +52,8 @@ from moeverify.routes import Routes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "dumps.json"
 EXPERTS, TOPK, LAYERS, MICROBATCHES = 128, 8, 16, 2
+STREAM_LAYERS, STREAM_SEQ_LEN, STREAM_MB_TOKENS, FULL_TOKENS = 60, 4096, 131072, 1 << 20
+STREAM_TOKENS = 65536  # default diff-from-disk workload: keeps the default run under 2 minutes on 2 cores
 
 
 def _routes(tokens: int, *, seed: int = 0) -> Routes:
@@ -87,7 +99,11 @@ def measure_size(routes: Routes, rows: int, tmp: Path) -> dict:
     per = lambda b: round(b / rows, 3)
     return {
         "bytes_vs_torch_save_int64": {"value": per(dump_b), "unit": "bytes/token-layer", "peer": per(pt_b),
-                                      "ratio": round(pt_b / dump_b, 2), "goal": ">=8"},
+                                      "ratio": round(pt_b / dump_b, 2), "goal": ">=8",
+                                      "note": "uint8 ids are exactly 8x smaller than int64; the dump's fixed bytes "
+                                              f"({dump_b - rows * TOPK} here: manifest, rank record, safetensors "
+                                              "header) exceed 1/8 of torch.save's own, so the ratio stays just "
+                                              "below 8 at any size"},
         "bytes_vs_router_trace_jsonl": {"value": per(dump_b), "unit": "bytes/token-layer", "peer": per(jsonl_b),
                                         "ratio": round(jsonl_b / dump_b, 2), "goal": ">=4", "peer_is": jsonl_how},
     }
@@ -204,12 +220,163 @@ def measure_diff(tokens: int, repeats: int) -> dict:
         torch.set_num_threads(threads)
 
 
+def _stream_ids(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[tokens, TOPK]`` distinct ids fast (a random start per token plus distinct offsets, mod 128), and
+    ``[tokens]`` one more id per token that is not in its row."""
+    offsets = torch.randperm(EXPERTS, generator=gen)[:TOPK + 1]
+    start = torch.randint(0, EXPERTS, (tokens, 1), generator=gen)
+    ids = ((start + offsets) % EXPERTS).to(torch.uint8)
+    return ids[:, :TOPK].contiguous(), ids[:, TOPK]
+
+
+def write_stream_dumps(tmp: Path, tokens: int) -> tuple[Path, Path]:
+    """Two one-rank dumps (sequence geometry recorded) of ``tokens`` x 60 layers; B differs on 1 % of rows
+    (one expert swapped) and reorders another 1 % (same set). Written a layer at a time (one part each)."""
+    mb_tokens = min(tokens, STREAM_MB_TOKENS)
+    if tokens % mb_tokens or mb_tokens % STREAM_SEQ_LEN:
+        raise SystemExit(f"--stream-tokens {tokens}: need a multiple of {STREAM_SEQ_LEN} (and of {STREAM_MB_TOKENS} "
+                         f"above it)")
+    mbs, batch = tokens // mb_tokens, mb_tokens // STREAM_SEQ_LEN
+    model = fmt.ModelInfo(num_layers=STREAM_LAYERS, moe_layers=tuple(range(STREAM_LAYERS)), num_experts=EXPERTS,
+                          topk=TOPK)
+    paths = tmp / "stream_a", tmp / "stream_b"
+    writers = [RankWriter(p, model=model, background=False) for p in paths]
+    gen = torch.Generator().manual_seed(7)
+    for mb in range(mbs):
+        for w in writers:
+            w.add_tokens(step=0, mb=mb, seq_len=STREAM_SEQ_LEN, batch=batch)
+    for layer in range(STREAM_LAYERS):
+        for mb in range(mbs):
+            a, spare = _stream_ids(mb_tokens, gen)
+            b = a.clone()
+            pick = torch.rand(mb_tokens, generator=gen)
+            swap = (pick < 0.01).nonzero().flatten()
+            b[swap, 0] = spare[swap]  # one expert swapped for one not chosen
+            flip = (pick > 0.99).nonzero().flatten()
+            b[flip] = b[flip].flip(1)  # the same set in another order
+            writers[0].add(step=0, mb=mb, layer=layer, ids_TK=a, validated=True)  # distinct and in range by making
+            writers[1].add(step=0, mb=mb, layer=layer, ids_TK=b, validated=True)
+        for w in writers:
+            w.flush()
+    for w, p in zip(writers, paths):
+        w.close()
+        record.finalize(p)
+    return paths
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(key + ":")).split()[1]) * 1024
+
+
+def _reset_peak_rss() -> str:
+    """Start the peak over from the current RSS. ``getrusage``'s ``ru_maxrss`` cannot: it keeps the parent's
+    peak across ``exec``. Linux resets ``VmHWM`` when ``5`` is written to ``/proc/self/clear_refs``."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "VmHWM after clear_refs"
+    except OSError:
+        return "ru_maxrss (may include the parent's peak)"
+
+
+def _stream_child(engine: str, a: str, b: str, out: str) -> None:
+    """One engine in this (fresh) process: time, peak RSS above the baseline, the record written to ``out``."""
+    torch.set_num_threads(1)
+    from moeverify.record.stream import DumpSource
+
+    da, db = record.load(a), record.load(b)
+    info = da.steps[0]
+    geometry = {"seq_len": info.seq_len, "batch": info.batch}
+    how = _reset_peak_rss()
+    baseline = _status_bytes("VmRSS")
+    t0 = time.perf_counter()
+    if engine == "stream":
+        report = record.diff_stream(DumpSource(da), DumpSource(db), **geometry)
+    else:
+        report = record.diff(da.routes(), db.routes(), **geometry)
+    result = report.to_json()
+    seconds = time.perf_counter() - t0
+    peak = _status_bytes("VmHWM") if how.startswith("VmHWM") else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(out).write_text(json.dumps(result))
+    print(json.dumps({"seconds": seconds, "peak_rss": peak, "baseline_rss": baseline, "peak_from": how,
+                      "rows": report.tokens * len(report.layers)}))
+
+
+def measure_stream(tokens: int, tmp: Path, rounds: int = 2) -> dict:
+    t0 = time.perf_counter()
+    a, b = write_stream_dumps(tmp, tokens)
+    written = time.perf_counter() - t0
+    runs = {}
+    for _ in range(rounds):  # engines alternate, each run in a fresh process; the fastest run of each is kept
+        for engine in ("stream", "memory"):
+            out = tmp / f"{engine}.json"
+            proc = subprocess.run([sys.executable, __file__, "--_child", engine, str(a), str(b), str(out)],
+                                  capture_output=True, text=True, check=False)
+            if proc.returncode:
+                raise SystemExit(f"{engine} child failed:\n{proc.stderr}")
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            run["record"] = json.loads(out.read_text())
+            run["growth"] = run["peak_rss"] - run["baseline_rss"]
+            best = runs.get(engine)
+            if best is not None:
+                if run["record"] != best["record"]:
+                    raise SystemExit(f"two {engine} runs gave different records")
+                run["growth"] = max(run["growth"], best["growth"])  # the worst run's memory, the best run's time
+                run["peak_rss"] = max(run["peak_rss"], best["peak_rss"])
+                run["baseline_rss"] = min(run["baseline_rss"], best["baseline_rss"])
+                run["seconds"] = min(run["seconds"], best["seconds"])
+            runs[engine] = run
+    if runs["stream"]["record"] != runs["memory"]["record"]:
+        raise SystemExit("the streaming and in-memory records differ")
+    check = runs["stream"]["record"]
+    rows = runs["stream"]["rows"]
+    layer_bytes = tokens * TOPK  # uint8 ids of one layer, one side
+    total_bytes = 2 * STREAM_LAYERS * layer_bytes
+    disk = sum(p.stat().st_size for d in (a, b) for p in d.iterdir())
+    growth = {e: r["growth"] for e, r in runs.items()}
+    rate = {e: round(rows / r["seconds"]) for e, r in runs.items()}
+    note = (f"{tokens} tokens x {STREAM_LAYERS} layers x top-{TOPK} of {EXPERTS} per side from dumps on disk, "
+            f"sequences of {STREAM_SEQ_LEN}; {check['tokens_diverging_any_layer']:.4f} of tokens diverge, "
+            f"{check['routers_differing_per_token']:.4f} routers differ per token; records identical")
+    return {
+        "diff_stream_throughput": {"value": rate["stream"], "unit": "token-layer rows/s (1 core, from disk)",
+                                   "peer": rate["memory"], "peer_is": "in-memory: Dump.routes() + diff()",
+                                   "ratio": round(rate["stream"] / rate["memory"], 3), "goal": ">=0.5",
+                                   "note": note},
+        "diff_stream_peak_rss": {
+            "value": growth["stream"], "unit": "bytes of peak RSS above the baseline", "peer": growth["memory"],
+            "peer_is": "in-memory: Dump.routes() + diff()",
+            "ratio": round(growth["memory"] / max(1, growth["stream"]), 2), "goal": None,
+            "baseline_rss": {e: r["baseline_rss"] for e, r in runs.items()},
+            "peak_rss": {e: r["peak_rss"] for e, r in runs.items()},
+            "one_layer_bytes": layer_bytes, "total_ids_bytes": total_bytes, "dump_bytes_on_disk": disk,
+            "stream_over_one_layer": round(growth["stream"] / layer_bytes, 2),
+            "stream_over_total": round(growth["stream"] / total_bytes, 4),
+            "memory_over_one_layer": round(growth["memory"] / layer_bytes, 2),
+            "memory_over_total": round(growth["memory"] / total_bytes, 4),
+            "peak_from": runs["stream"]["peak_from"],
+            "seconds": {e: round(r["seconds"], 2) for e, r in runs.items()}, "write_seconds": round(written, 1)},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch (default 4096)")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats; the best (or median for steps) is kept")
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON path")
+    p.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS, help="tokens of the diff-from-disk "
+                   f"workload (x {STREAM_LAYERS} layers x top-{TOPK}; default {STREAM_TOKENS})")
+    p.add_argument("--full", action="store_true", help=f"the diff-from-disk workload at {FULL_TOKENS} tokens")
+    p.add_argument("--stream-rounds", type=int, help="runs of each engine, alternating; the fastest is kept "
+                   "(default 1, with --full 2)")
+    p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args._child:
+        _stream_child(*args._child)
+        return 0
+    stream_tokens = FULL_TOKENS if args.full else args.stream_tokens
     routes = _routes(args.tokens)
     rows = args.tokens * LAYERS * MICROBATCHES
     metrics = {}
@@ -219,15 +386,34 @@ def main(argv: list[str] | None = None) -> int:
         metrics.update(measure_size(routes, rows, tmp))
         metrics.update(measure_write(routes, rows, tmp, args.repeats))
         metrics.update(measure_step_overhead(args.tokens, tmp, 2 * args.repeats))
+        rounds = args.stream_rounds or (2 if args.full else 1)
+        metrics.update(measure_stream(stream_tokens, tmp, rounds=rounds))
     result = {"metrics": metrics, "workload": {"tokens_per_microbatch": args.tokens, "microbatches": MICROBATCHES,
                                                "moe_layers": LAYERS, "experts": EXPERTS, "topk": TOPK,
-                                               "torch_threads": torch.get_num_threads()},
-              "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                       "load_average_1m": round(os.getloadavg()[0], 2)}}
+                                               "torch_threads": torch.get_num_threads(),
+                                               "stream": {"tokens": stream_tokens, "moe_layers": STREAM_LAYERS,
+                                                          "topk": TOPK, "experts": EXPERTS,
+                                                          "seq_len": STREAM_SEQ_LEN, "full": args.full,
+                                                          "rounds": args.stream_rounds or (2 if args.full else 1)}},
+              "host": _host()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     _print(metrics)
     return 0
+
+
+def _host() -> dict:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        pass
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else None
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_bytes": mem, "platform": platform.platform(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
 def _print(metrics: dict) -> None:

@@ -280,8 +280,9 @@ def sequence_spans(microbatch_tokens: Sequence[int], *, seq_len: int | Sequence[
                          f"{len(microbatch_tokens)}")
     for mb, (seqs, count) in enumerate(zip(spans, microbatch_tokens)):
         if any(n < 0 for n in seqs) or sum(seqs) != count:
-            raise RouteError(f"{where}: micro-batch {mb}: sequences of {list(seqs)[:8]}{' ...' if len(seqs) > 8 else ''}"
-                             f" token(s) (sum {sum(seqs)}) != the {count} tokens it holds")
+            more = " ..." if len(seqs) > 8 else ""
+            raise RouteError(f"{where}: micro-batch {mb}: sequences of {list(seqs)[:8]}{more} token(s) (sum "
+                             f"{sum(seqs)}) != the {count} tokens it holds")
     return spans
 
 

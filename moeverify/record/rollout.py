@@ -52,6 +52,9 @@ def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequ
     """Both sides restricted to the positions the rollout routed (``train`` in sequence order; ``batch``:
     sequences per merged micro-batch). ``expert_map`` (``expert_map.ExpertMap``): the rollout records physical
     expert slots; its captured rows are mapped to logical ids before the comparison."""
+    if expert_map is not None and expert_map.logical != train.num_experts:
+        raise UsageError(f"{expert_map.path}: maps onto {expert_map.logical} logical experts, the training side has "
+                         f"{train.num_experts} (both sides must be the same logical experts)")
     sequences = batch * len(seq_len)
     if len(requests) != sequences:
         raise UsageError(f"{where}: {len(requests)} rollout request(s) != the training step's {sequences} sequences "
@@ -99,9 +102,6 @@ def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequ
                 roll = expert_map.apply(layer, roll, where=where, microbatch=mb, token_label=label)
             roll_mbs[layer].append(roll)
     experts = train.num_experts
-    if expert_map is not None and expert_map.logical != experts:
-        raise UsageError(f"{expert_map.path}: maps onto {expert_map.logical} logical experts, the training side has "
-                         f"{experts} (both sides must be the same logical experts)")
     high = max((int(t.max()) for mbs in roll_mbs.values() for t in mbs if t.numel()), default=0)
     if high >= experts:
         raise UsageError(f"{where}: expert id {high} >= the training dump's {experts} experts")

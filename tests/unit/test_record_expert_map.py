@@ -130,6 +130,8 @@ BAD = [
      r"maps onto 9 logical experts, .*logical's side has 8"),
     ("wrapper-extra", json.dumps({"physical_to_logical_map": MAP, "note": 1}), r"must hold nothing else"),
     ("not-json", "[0, 1,", r"not valid JSON"),
+    ("number", "5", r"expected a list, a list of lists, an object keyed by layer or an array; got int"),
+    ("empty-row", json.dumps({"0": [], "2": MAP}), r"layer 0: expected a non-empty list of logical ids"),
 ]
 
 
@@ -239,3 +241,43 @@ def test_rollout_in_physical_slots_against_logical_training(sides, capsys):
     np.savez(tmp_path / "rollout_logical.npz", **{f"r{i}": a for i, a in enumerate(log_req)})
     assert main(["dump", "diff", str(tmp_path / "physical"), str(tmp_path / "rollout_logical.npz"), "--rollout",
                  "--expert-map-a", str(tmp_path / "map.json"), "--fail-on-diff"]) == 0
+
+
+def test_npy_maps_of_three_dimensions_and_layers_without_a_map(sides, capsys):
+    tmp_path = sides[0]
+    np.save(tmp_path / "m3.npy", np.array([[MAP, MAP_L2]]))
+    assert _diff(tmp_path, "--expert-map-b", str(tmp_path / "m3.npy"))[0] == 2
+    assert "shape (1, 2, 11) is neither [slots] nor [layers, slots]" in capsys.readouterr().err
+    emap = expert_map.load(tmp_path / "map.json", moe_layers=LAYERS, physical_experts=P)
+    with pytest.raises(expert_map.ExpertMapError, match=r"no map for layer 1 \(maps layers \[0, 2\]\)"):
+        emap.apply(1, torch.tensor([[0, 1]]), where="x")
+
+
+def test_an_array_side_with_ids_beyond_the_maps_slots_is_refused(sides, capsys):
+    tmp_path, logical, physical = sides
+    stacked = torch.stack([physical.get(layer, 0) for layer in LAYERS], dim=1)  # the order of logical's mb 0
+    np.save(tmp_path / "phys.npy", stacked.numpy())
+    (tmp_path / "map10.json").write_text(json.dumps(MAP[:10]))
+    (tmp_path / "rows.json").write_text(json.dumps([MAP, MAP_L2]))  # an array's layers are numbered 0, 1, ...
+    one_mb = tmp_path / "one_mb"
+    record.save(one_mb, Routes({i: [logical.get(la, 0)] for i, la in enumerate(LAYERS)}, num_experts=E, topk=K))
+    args = ["dump", "diff", str(one_mb), str(tmp_path / "phys.npy"), "--order-b", "sequence", "--assume-same-order"]
+    capsys.readouterr()
+    assert main([*args, "--expert-map-b", str(tmp_path / "map10.json")]) == 2
+    assert "map10.json: 10 slot(s), but " in capsys.readouterr().err
+    assert main([*args, "--expert-map-b", str(tmp_path / "rows.json"), "--fail-on-diff"]) == 0
+    assert main([*args, "--fail-on-diff"]) == 1  # unmapped: the array is widened to 11 experts, and disagrees
+    capsys.readouterr()
+    assert main(["dump", "convert", str(tmp_path / "phys.npy"), str(tmp_path / "c"), "--moe-layers", "0,2",
+                 "--num-layers", "3", "--expert-map", str(tmp_path / "map10.json")]) == 2
+    assert "map10.json: 10 slot(s), but " in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+def test_a_rollout_map_onto_another_logical_expert_count_is_refused(sides, capsys):
+    tmp_path = sides[0]
+    requests = _requests(record.load(tmp_path / "physical").routes())
+    np.savez(tmp_path / "rollout.npz", **{f"r{i}": a for i, a in enumerate(requests)})
+    (tmp_path / "nine.json").write_text(json.dumps([0, 1, 2, 3, 4, 5, 6, 7, 8, 4, 6]))
+    assert main(["dump", "diff", str(tmp_path / "logical"), str(tmp_path / "rollout.npz"), "--rollout",
+                 "--expert-map-b", str(tmp_path / "nine.json")]) == 2
+    assert "nine.json: maps onto 9 logical experts, the training side has 8" in capsys.readouterr().err

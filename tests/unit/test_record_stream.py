@@ -113,6 +113,7 @@ def test_uneven_sequences_and_a_sequence_without_tokens():
     ({"sequence_tokens": [[9], [0]]}, r"sequences given for 2 micro-batch\(es\), the routes hold 1"),
     ({"seq_len": 9}, r"seq_len and batch go together"),
     ({"seq_len": 9, "batch": 1, "sequence_tokens": [[9]]}, r"not both"),
+    ({"sequence_tokens": [[10, -1]]}, r"sequences of \[10, -1\] token\(s\) \(sum 9\) != the 9 tokens"),
 ])
 def test_sequences_that_do_not_cover_the_tokens_are_refused(kwargs, match):
     a = _random(9, (0,), experts=8, topk=2)
@@ -275,3 +276,25 @@ def test_rollout_against_a_dp2_dump_counts_every_data_parallel_sequence(tmp_path
     capsys.readouterr()
     assert main(["dump", "diff", str(tmp_path / "d"), str(tmp_path / "half.npz"), "--rollout"]) == 2
     assert "4 rollout request(s) != the training step's 8 sequences" in capsys.readouterr().err
+
+
+class _Short(RoutesSource):
+    """A source whose layer 1 holds fewer tokens than its metadata says (a reader bug the diff must catch)."""
+
+    def layer(self, layer):
+        mbs = super().layer(layer)
+        return [t[:-1] for t in mbs] if layer == 1 else mbs
+
+
+def test_stream_refuses_a_layer_whose_token_count_is_not_the_announced_one():
+    a = _random(12, (0, 1), experts=8, topk=2)
+    with pytest.raises(RouteError, match=r"cannot diff: B layer 1: tokens per micro-batch \[11\] != \[12\]"):
+        record.diff_stream(RoutesSource(a), _Short(a))
+
+
+def test_layer_routes_refuses_a_layer_that_is_not_an_moe_layer(tmp_path):
+    from moeverify.errors import DumpError
+
+    record.save(tmp_path / "d", _random(6, (0, 2), experts=8, topk=2), seq_len=6, batch=1)
+    with pytest.raises(DumpError, match=r"layer 1 is not an MoE layer of the dump \[0, 2\]"):
+        record.load(tmp_path / "d").layer_routes(step=0, layer=1)
