@@ -1,4 +1,4 @@
-"""RL job zoo (issue #10): real 2-rank training loops under torchrun, replayed bit for bit.
+"""RL job zoo: real 2-rank training loops under torchrun, replayed bit for bit.
 
 Two jobs, each run through the session API and, unmodified, under autopatch:
 
