@@ -44,6 +44,7 @@ def test_runner_doctor_reports_stack_and_builds_a_model(repo_root):
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[1].split() == ["torch", "2.14.1"] and lines[2].split() == ["megatron-core", "0.19.2"]
+    assert lines[1].split() == ["torch", "2.14.1", "supported", ">=2.11,<2.15", "ok"]
+    assert lines[2].split() == ["megatron-core", "0.19.2", "supported", ">=0.19,<0.20", "ok"]
     assert "backend          cpu (gloo, device cpu)" in lines
     assert lines[-1].startswith("build qwen3_moe on 1 rank: ok, ") and " parameters (" in lines[-1]
