@@ -82,6 +82,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step", type=_non_negative, default=0, metavar="S", help="step to write (arrays; default 0)")
     p.add_argument("--layer-offset", type=_non_negative, default=0, metavar="N",
                    help="added to router_trace layer numbers (a later pipeline stage's first layer)")
+    p.add_argument("--layout", metavar="NAME", help="SRC is a directory of every rank's router_trace_rank<R>.jsonl "
+                   "of one job under this layout (e.g. tp2-sp, ep2, cp2, pp2; Megatron's default rank order): one "
+                   "merged dump; needs --num-layers, --seq-len (global) and --batch (per rank)")
     p.add_argument("--order", choices=ORDERS, help="token order of SRC (router_trace: router; arrays: required "
                    "with --seq-len/--batch)")
     p.add_argument("--expert-map", metavar="FILE", help="SRC holds physical expert slots: map them to logical expert "
@@ -342,7 +345,7 @@ def cmd_convert(args) -> int:
     from moeverify.record import importers
 
     src, dst = Path(args.src), Path(args.dst)
-    src_format = args.src_format or _guess_src(src)
+    src_format = args.src_format or ("jsonl" if args.layout is not None else _guess_src(src))
     dst_format = args.dst_format or ("npz" if dst.suffix == ".npz" else "dump")
     if src_format == "dump" and dst_format == "dump":
         raise UsageError("convert from a dump to a dump does nothing; use --to npz (or a DST ending .npz)")
@@ -369,6 +372,8 @@ def cmd_convert(args) -> int:
         out = importers.export_npz(dump, dst, routes_of=routes_of)
         print(f"wrote {out}" + (f" (logical expert ids through {args.expert_map})" if routes_of else ""))
         return 0
+    if args.layout is not None:
+        return _convert_trace_ranks(args, src, dst)
     order = _convert_order(args, src_format)
     if src_format == "jsonl":
         steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset)
@@ -395,6 +400,48 @@ def cmd_convert(args) -> int:
     known = f"token order recorded (seq_len {args.seq_len}, batch {args.batch})" if order else \
         "token order NOT recorded: dump diff will refuse it unless told (--seq-len/--batch/--order here)"
     print(f"wrote {dst}: step(s) {sorted(steps)}; {known}")
+    return 0
+
+
+def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
+    """``convert TRACE_DIR DST --layout NAME``: every rank's router_trace as one merged dump."""
+    from moeverify import record
+    from moeverify.errors import LayoutError
+    from moeverify.layout import parse_layout_name
+    from moeverify.record import importers
+    from moeverify.views import rank_coords
+
+    if not src.is_dir():
+        raise UsageError(f"convert --layout reads a directory of router_trace_rank<R>.jsonl files; {src} is not one")
+    missing = [flag for flag, value in (("--num-layers", args.num_layers), ("--seq-len", args.seq_len),
+                                        ("--batch", args.batch)) if value is None]
+    if missing:
+        raise UsageError(f"convert --layout needs {', '.join(missing)}: the model's decoder layers place each "
+                         "pipeline stage's layers, the geometry places each rank's tokens")
+    if args.order not in (None, "router") or args.expert_map or args.moe_layers or args.layer_offset:
+        raise UsageError("convert --layout takes router_trace as Megatron writes it: no --order other than router, "
+                         "--expert-map, --moe-layers or --layer-offset")
+    try:
+        layout, dp = parse_layout_name(args.layout)
+    except LayoutError as exc:
+        raise UsageError(f"--layout: {exc}") from None
+    by_rank, world = importers.read_router_trace_ranks(src, layout=layout, num_layers=args.num_layers,
+                                                       num_experts=args.num_experts)
+    if dp != 1 and layout.dp(world) != dp:
+        raise UsageError(f"--layout {args.layout} says dp{dp}, but {world} trace files make dp{layout.dp(world)}")
+    moe_layers = sorted({layer for steps in by_rank.values() for r in steps.values() for layer in r.layers})
+    experts = {r.num_experts for steps in by_rank.values() for r in steps.values()}
+    with _removed_on_failure(dst):
+        for rank, steps in by_rank.items():
+            coords = rank_coords(layout, rank=rank, world_size=world)
+            for step, routes in sorted(steps.items()):
+                record.save(dst, routes, step=step, num_layers=args.num_layers, moe_layers=moe_layers,
+                            seq_len=args.seq_len, batch=args.batch, coords=coords, layout=layout, world_size=world)
+        record.finalize(dst, world_size=world)
+        record.load(dst).routes(step=min(by_rank[0]))  # merge now: a geometry that does not fit fails here, loudly
+    print(f"wrote {dst}: {world} ranks ({layout.name(world)}), step(s) {sorted(by_rank[0])}, "
+          f"{len(moe_layers)} MoE layers, {max(experts)} experts; token order recorded (seq_len {args.seq_len}, "
+          f"batch {args.batch} per rank)")
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -149,3 +150,59 @@ def _natural_key(name: str) -> tuple:
     import re
 
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+_TRACE_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
+
+
+def read_router_trace_ranks(directory: str | os.PathLike, *, layout, num_layers: int,
+                            num_experts: int | None = None) -> tuple[dict[int, dict[int, Routes]], int]:
+    """Every rank's ``router_trace_rank{R}.jsonl`` of one job: ``({rank: {step: local Routes}}, world_size)``.
+
+    Megatron-Core's ``RouterTracer`` numbers layers as the chunk's module names do (``decoder.layers.<n>``, local
+    to the pipeline stage); each rank's layers are moved to global numbers by its stage's first layer under
+    ``layout`` (Megatron's default rank order ``tp-cp-ep-dp-pp``). Refused: a rank's file missing, a layout that
+    does not fit the file count, VPP (a rank's chunks share layer numbers there, so they cannot be told apart),
+    ranks holding different steps, a layer outside its stage.
+    """
+    from moeverify import views
+    from moeverify.errors import LayoutError, UsageError
+
+    directory = Path(directory)
+    files = {}
+    for path in directory.iterdir():
+        found = _TRACE_FILE.match(path.name)
+        if found:
+            files[int(found.group(1))] = path
+    if not files:
+        raise DumpError(f"{directory}: no router_trace_rank<R>.jsonl files")
+    world = max(files) + 1
+    missing = sorted(set(range(world)) - set(files))
+    if missing:
+        raise DumpError(f"{directory}: router_trace file(s) of rank(s) {missing} missing (found ranks {sorted(files)}); "
+                        "merging needs every rank's trace")
+    try:
+        layout.validate(world_size=world)
+    except LayoutError as exc:
+        raise UsageError(f"--layout does not fit {world} trace files: {exc}") from None
+    if layout.vpp_chunks > 1:
+        raise UsageError("router_trace numbers a rank's layers per model chunk (decoder.layers.<n> in each chunk), so "
+                         "under VPP a rank's chunks share layer numbers and cannot be placed; record VPP jobs with "
+                         "RouteRecorder or the autopatch instead")
+    if num_experts is None:  # one expert count for every rank (a rank's trace may not show the highest id)
+        num_experts = max(r.num_experts for path in files.values() for r in read_router_trace(path).values())
+    out = {}
+    for rank in range(world):
+        coords = views.rank_coords(layout, rank=rank, world_size=world)
+        stage = views.chunk_layers(layout, pp_rank=coords.pp, vp_stage=0, num_layers=num_layers)
+        steps = read_router_trace(files[rank], num_experts=num_experts, layer_offset=stage.start)
+        for step, routes in steps.items():
+            outside = [layer for layer in routes.layers if layer not in stage]
+            if outside:
+                raise DumpError(f"{files[rank]}: step {step}: layer(s) {[x - stage.start for x in outside]} (global "
+                                f"{outside}) outside pipeline stage {coords.pp}'s {len(stage)} layers "
+                                f"[{stage.start}, {stage.stop}) of --num-layers {num_layers}")
+        if out and sorted(steps) != sorted(out[0]):
+            raise DumpError(f"{files[rank]}: steps {sorted(steps)} != rank 0's {sorted(out[0])}")
+        out[rank] = steps
+    return out, world

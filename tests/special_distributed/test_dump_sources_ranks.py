@@ -1,0 +1,150 @@
+"""Real sources of the same forwards on 2 CPU ranks line up token for token: a moeverify dump (``RouteRecorder``
+with each rank's place in the layout) and Megatron-Core's own ``RouterTracer`` (one JSONL per rank, layers
+numbered within the pipeline stage), merged by ``dump convert TRACE_DIR --layout``, under EP2, TP2 + SP, CP2 and
+PP2 (a dense first layer: the second stage's local layer 0 is global layer 2). An injected disagreement in one
+rank's trace is found at its global layer.
+
+The test launches this file under torchrun; ``main()`` is the per-rank driver.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "900"))
+CASES = (("qwen3_moe", "ep2", {"ep": 2}), ("qwen3_moe", "tp2-sp", {"tp": 2, "sp": True}),
+         ("qwen3_moe", "cp2", {"cp": 2}), ("deepseek_v3", "pp2", {"pp": 2}))
+SEQ_LEN, BATCH, MICROBATCHES, NUM_LAYERS = 8, 2, 2, 4
+
+
+def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> None:
+    import torch
+    from megatron.core.transformer.moe import router_trace
+
+    from moeverify import models, record, runtime, views
+    from moeverify.layout import Layout
+    from moeverify.oracles import replay_drive as rd
+    from moeverify.record.recorder import RouteRecorder, model_info
+    from moeverify.record.writer import RankWriter
+
+    layout = Layout(**layout_dict)
+    case = out_dir / f"{family}-{name}"
+    with runtime.parallel(layout):
+        built = models.build(family, layout)
+        coords = views.rank_coords(layout, rank=rt.rank, world_size=rt.world_size)
+        batches = rd.Batches(seq_len=SEQ_LEN, batch=BATCH, microbatches=MICROBATCHES, dp=layout.dp(rt.world_size),
+                             vocab_size=int(models.hf_config_dict(family)["vocab_size"]))
+        items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
+        writer = RankWriter(case / "dump", model=model_info(built.config), coords=coords, layout=layout,
+                            world_size=rt.world_size)
+        tracer = router_trace.RouterTracer(str(case / "trace"), max_steps=1, rank=rt.rank, training_mode=True)
+        tracer.register_hooks(built.model_chunks)
+        with RouteRecorder(built.model_chunks, writer) as rec:
+            rec.begin_step(0)
+            rd.run_pass(built.model_chunks, items, seq_len=SEQ_LEN, forward_only=True)
+            writer.flush()
+        tracer.advance_step(0)
+        tracer.remove_hooks()
+        writer.close()
+        torch.distributed.barrier()
+        if rt.rank == 0:
+            record.finalize(case / "dump", world_size=rt.world_size)
+        torch.distributed.barrier()
+
+
+def main() -> None:
+    from moeverify import runtime
+
+    out_dir = Path(sys.argv[1])
+    rt = runtime.init("cpu")
+    try:
+        for family, name, layout in CASES:
+            _run_case(out_dir, family, name, layout, rt)
+    finally:
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sources")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, f"torchrun exit {proc.returncode}:\n{proc.stderr[-6000:]}"
+    return out
+
+
+def _convert(trace: Path, dst: Path, name: str) -> int:
+    from moeverify.cli import main as cli
+
+    return cli(["dump", "convert", str(trace), str(dst), "--layout", name, "--num-layers", str(NUM_LAYERS),
+                "--seq-len", str(SEQ_LEN), "--batch", str(BATCH)])
+
+
+@pytest.mark.parametrize("family,name", [(f, n) for f, n, _ in CASES])
+def test_router_trace_of_every_rank_and_the_dump_agree_token_for_token(sources, family, name):
+    from moeverify import record
+    from moeverify.cli import main as cli
+
+    case = sources / f"{family}-{name}"
+    assert sorted(p.name for p in (case / "trace").glob("router_trace_rank*.jsonl")) == [
+        "router_trace_rank0.jsonl", "router_trace_rank1.jsonl"]
+    assert _convert(case / "trace", case / "from_trace", name) == 0
+    converted, dump = record.load(case / "from_trace"), record.load(case / "dump")
+    assert converted.world_size == 2 and converted.model.moe_layers == dump.model.moe_layers
+    out = case / "diff.json"
+    assert cli(["dump", "diff", str(case / "dump"), str(case / "from_trace"), "--json", str(out),
+                "--fail-on-diff"]) == 0
+    report = json.loads(out.read_text())
+    dp = 2 if name == "ep2" else 1
+    assert report["tokens"] == MICROBATCHES * dp * BATCH * SEQ_LEN and report["tokens_diverging_any_layer"] == 0.0
+
+
+def test_an_injected_disagreement_in_rank_1s_trace_is_found_at_its_global_layer(sources):
+    from moeverify.cli import main as cli
+
+    case = sources / "deepseek_v3-pp2"  # rank 1 is the second stage: its local layer 0 is global layer 2
+    lines = (case / "trace" / "router_trace_rank1.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    target = next(i for i, r in enumerate(recs) if r["layer"] == 0)
+    row = recs[target]["top_indices"][0]
+    recs[target]["top_indices"][0] = [e for e in range(8) if e not in row][:len(row)]
+    bad = case / "bad_trace"
+    bad.mkdir()
+    (bad / "router_trace_rank0.jsonl").write_text((case / "trace" / "router_trace_rank0.jsonl").read_text())
+    (bad / "router_trace_rank1.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    assert _convert(bad, case / "bad_dump", "pp2") == 0
+    out = case / "bad.json"
+    assert cli(["dump", "diff", str(case / "dump"), str(case / "bad_dump"), "--json", str(out), "--fail-on-diff"]) == 1
+    assert json.loads(out.read_text())["first_divergent_layer"] == {"2": 1}
+
+
+def test_convert_layout_refuses_a_missing_rank_vpp_and_a_layout_that_does_not_fit(sources, capsys):
+    from moeverify.cli import main as cli
+
+    case = sources / "qwen3_moe-ep2"
+    one = case / "one_rank"
+    one.mkdir()
+    (one / "router_trace_rank1.jsonl").write_text((case / "trace" / "router_trace_rank1.jsonl").read_text())
+    capsys.readouterr()
+    assert _convert(one, case / "x1", "ep2") == 2
+    assert "rank(s) [0] missing" in capsys.readouterr().err
+    assert _convert(case / "trace", case / "x2", "tp4") == 2
+    assert "does not fit 2 trace files" in capsys.readouterr().err
+    assert _convert(case / "trace", case / "x3", "pp2-vpp2") == 2
+    assert "under VPP" in capsys.readouterr().err
+    assert cli(["dump", "convert", str(case / "trace"), str(case / "x4"), "--layout", "ep2"]) == 2
+    assert "needs --num-layers, --seq-len, --batch" in capsys.readouterr().err
+    assert not any((case / f"x{i}").exists() for i in range(1, 5))
+
+
+if __name__ == "__main__":
+    main()
