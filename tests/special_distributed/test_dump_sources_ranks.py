@@ -1,6 +1,7 @@
 """Real sources of the same forwards on 2 CPU ranks line up token for token: a moeverify dump (``RouteRecorder``
 with each rank's place in the layout) and Megatron-Core's own ``RouterTracer`` (one JSONL per rank, layers
-numbered within the pipeline stage), merged by ``dump convert TRACE_DIR --layout``, under EP2, TP2 + SP, CP2 and
+numbered within the pipeline stage), merged by ``dump convert TRACE_DIR --layout``, and the traces as a rollout
+engine returns them (per request ``[S - 1, L, K]``, ``dump diff --rollout``), under EP2, TP2 + SP, CP2 and
 PP2 (a dense first layer: the second stage's local layer 0 is global layer 2). An injected disagreement in one
 rank's trace is found at its global layer.
 
@@ -105,7 +106,21 @@ def test_router_trace_of_every_rank_and_the_dump_agree_token_for_token(sources, 
                 "--fail-on-diff"]) == 0
     report = json.loads(out.read_text())
     dp = 2 if name == "ep2" else 1
-    assert report["tokens"] == MICROBATCHES * dp * BATCH * SEQ_LEN and report["tokens_diverging_any_layer"] == 0.0
+    sequences = MICROBATCHES * dp * BATCH
+    assert report["tokens"] == sequences * SEQ_LEN and report["tokens_diverging_any_layer"] == 0.0
+    # the traces as a rollout engine returns them: one [S - 1, L, K] array per request, the last row not captured
+    import numpy as np
+
+    routes = converted.routes(step=0)
+    requests = [routes.stacked(mb).numpy()[b * SEQ_LEN:(b + 1) * SEQ_LEN - 1]
+                for mb in range(routes.microbatches) for b in range(dp * BATCH)]
+    np.savez(case / "rollout.npz", **{f"req{r:03d}": a for r, a in enumerate(requests)})
+    out = case / "rollout.json"
+    assert cli(["dump", "diff", str(case / "dump"), str(case / "rollout.npz"), "--rollout", "--json", str(out),
+                "--fail-on-diff"]) == 0
+    rollout = json.loads(out.read_text())["rollout"]
+    assert rollout["requests"] == sequences and rollout["uncaptured_tokens"] == sequences
+    assert rollout["compared_tokens"] == sequences * (SEQ_LEN - 1)
 
 
 def test_an_injected_disagreement_in_rank_1s_trace_is_found_at_its_global_layer(sources):
