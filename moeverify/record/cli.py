@@ -84,7 +84,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="added to router_trace layer numbers (a later pipeline stage's first layer)")
     p.add_argument("--layout", metavar="NAME", help="SRC is a directory of every rank's router_trace_rank<R>.jsonl "
                    "of one job under this layout (e.g. tp2-sp, ep2, cp2, pp2; Megatron's default rank order): one "
-                   "merged dump; needs --num-layers, --seq-len (global) and --batch (per rank)")
+                   "merged dump; needs --world-size, --num-layers, --seq-len (global) and --batch (per rank)")
+    p.add_argument("--world-size", type=_positive, metavar="N", help="with --layout: the job's ranks (exactly "
+                   "router_trace_rank0..N-1.jsonl must be in SRC)")
     p.add_argument("--order", choices=ORDERS, help="token order of SRC (router_trace: router; arrays: required "
                    "with --seq-len/--batch)")
     p.add_argument("--expert-map", metavar="FILE", help="SRC holds physical expert slots: map them to logical expert "
@@ -270,8 +272,16 @@ def _rollout_requests(path: Path) -> list:
         (arr,) = arrays
         if arr.ndim != 4:
             raise UsageError(f"{path}: a .npy rollout is [requests, positions, layers, topk], got shape {arr.shape}")
-        return [arr[r][~(arr[r] < 0).all(axis=(1, 2))] for r in range(arr.shape[0])]  # drop all -1 padding rows
+        return [_strip_trailing_padding(arr[r]) for r in range(arr.shape[0])]
     return arrays
+
+
+def _strip_trailing_padding(request_PLK):
+    """A padded request's own rows: trailing all -1 rows are padding; an all -1 row before a real one is a capture
+    gap and stays (``rollout.align`` counts it apart), so no later position moves."""
+    real_P = ~(request_PLK < 0).all(axis=(1, 2))
+    length = int(real_P.nonzero()[0].max()) + 1 if real_P.any() else 0
+    return request_PLK[:length]
 
 
 def _diff_rollout(args) -> int:
@@ -413,32 +423,39 @@ def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
 
     if not src.is_dir():
         raise UsageError(f"convert --layout reads a directory of router_trace_rank<R>.jsonl files; {src} is not one")
-    missing = [flag for flag, value in (("--num-layers", args.num_layers), ("--seq-len", args.seq_len),
-                                        ("--batch", args.batch)) if value is None]
+    missing = [flag for flag, value in (("--world-size", args.world_size), ("--num-layers", args.num_layers),
+                                        ("--seq-len", args.seq_len), ("--batch", args.batch)) if value is None]
     if missing:
         raise UsageError(f"convert --layout needs {', '.join(missing)}: the model's decoder layers place each "
                          "pipeline stage's layers, the geometry places each rank's tokens")
-    if args.order not in (None, "router") or args.expert_map or args.moe_layers or args.layer_offset:
-        raise UsageError("convert --layout takes router_trace as Megatron writes it: no --order other than router, "
-                         "--expert-map, --moe-layers or --layer-offset")
+    if args.order not in (None, "router") or args.expert_map or args.moe_layers or args.layer_offset or args.step:
+        raise UsageError("convert --layout takes router_trace as Megatron writes it (every step it holds): no --order "
+                         "other than router, --expert-map, --moe-layers, --layer-offset or --step")
     try:
         layout, dp = parse_layout_name(args.layout)
     except LayoutError as exc:
         raise UsageError(f"--layout: {exc}") from None
-    by_rank, world = importers.read_router_trace_ranks(src, layout=layout, num_layers=args.num_layers,
-                                                       num_experts=args.num_experts)
+    world = args.world_size
+    try:
+        layout.validate(world_size=world)
+    except LayoutError as exc:
+        raise UsageError(f"--layout {args.layout} does not fit --world-size {world}: {exc}") from None
     if dp != 1 and layout.dp(world) != dp:
-        raise UsageError(f"--layout {args.layout} says dp{dp}, but {world} trace files make dp{layout.dp(world)}")
+        raise UsageError(f"--layout {args.layout} says dp{dp}, but --world-size {world} makes dp{layout.dp(world)}")
+    by_rank = importers.read_router_trace_ranks(src, layout=layout, world_size=world, num_layers=args.num_layers,
+                                                num_experts=args.num_experts)
     moe_layers = sorted({layer for steps in by_rank.values() for r in steps.values() for layer in r.layers})
     experts = {r.num_experts for steps in by_rank.values() for r in steps.values()}
     with _removed_on_failure(dst):
-        for rank, steps in by_rank.items():
-            coords = rank_coords(layout, rank=rank, world_size=world)
-            for step, routes in sorted(steps.items()):
-                record.save(dst, routes, step=step, num_layers=args.num_layers, moe_layers=moe_layers,
-                            seq_len=args.seq_len, batch=args.batch, coords=coords, layout=layout, world_size=world)
-        record.finalize(dst, world_size=world)
-        record.load(dst).routes(step=min(by_rank[0]))  # merge now: a geometry that does not fit fails here, loudly
+        for step in sorted(by_rank[0]):  # every rank writes a step, then it is committed: one step at a time
+            for rank, steps in by_rank.items():
+                record.save(dst, steps[step], step=step, num_layers=args.num_layers, moe_layers=moe_layers,
+                            seq_len=args.seq_len, batch=args.batch, world_size=world, layout=layout,
+                            coords=rank_coords(layout, rank=rank, world_size=world))
+            record.finalize(dst, world_size=world)
+        merged = record.load(dst)
+        for step in sorted(by_rank[0]):
+            merged.routes(step=step)  # merge now: a geometry that does not fit fails here, loudly
     print(f"wrote {dst}: {world} ranks ({layout.name(world)}), step(s) {sorted(by_rank[0])}, "
           f"{len(moe_layers)} MoE layers, {max(experts)} experts; token order recorded (seq_len {args.seq_len}, "
           f"batch {args.batch} per rank)")

@@ -100,7 +100,7 @@ def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None 
         raise ExpertMapError(f"{name}: expert map not found (a .json or .npy file)")
     if path.suffix == ".json":
         try:
-            obj = json.loads(path.read_text())
+            obj = json.loads(path.read_text(), object_pairs_hook=_refuse_repeated_keys)
         except (OSError, ValueError) as exc:
             raise ExpertMapError(f"{name}: not valid JSON: {exc}") from None
     elif path.suffix == ".npy":
@@ -150,16 +150,27 @@ def from_object(obj, *, moe_layers: Sequence[int], num_layers: int | None = None
     return ExpertMap(path=name, physical=physical, logical=logical, per_layer=per_layer)
 
 
+def _refuse_repeated_keys(pairs):
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"key(s) {repeated} given twice (one would silently replace the other)")
+    return dict(pairs)
+
+
 def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int, object]:
     """``{global MoE layer: its row}`` of a parsed map (list, list of lists, layer-keyed object, array)."""
     if isinstance(obj, dict):
         per = {}
         for key, value in obj.items():
-            try:
-                layer = int(key)
-            except ValueError:
-                raise ExpertMapError(f"{name}: key {key!r} is not a global layer number (or {KEY!r})") from None
-            per[layer] = value
+            plain_int = isinstance(key, int) and not isinstance(key, bool) and key >= 0
+            plain_text = isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key
+            if not (plain_int or plain_text):
+                raise ExpertMapError(f"{name}: key {key!r} is not a global layer number written plainly (0, 1, ...; "
+                                     f"or {KEY!r})")
+            if int(key) in per:
+                raise ExpertMapError(f"{name}: layer {int(key)} is given twice")
+            per[int(key)] = value
         missing, extra = sorted(set(moe) - set(per)), sorted(set(per) - set(moe))
         if missing:
             raise ExpertMapError(f"{name}: MoE layer(s) {missing} missing (the map names layers {sorted(per)}; "

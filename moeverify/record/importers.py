@@ -87,8 +87,9 @@ def read_arrays(path: str | os.PathLike, *, fmt: str | None = None) -> list[np.n
 
 
 def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None, step: int | None = None,
-                      layer_offset: int = 0) -> dict[int, Routes]:
-    """``{step: Routes}`` from one ``router_trace_rank{R}.jsonl`` file (decoder records; MTP skipped)."""
+                      layer_offset: int = 0, rank: int | None = None) -> dict[int, Routes]:
+    """``{step: Routes}`` from one ``router_trace_rank{R}.jsonl`` file (decoder records; MTP skipped); with
+    ``rank``, every record must say that rank."""
     path = Path(path)
     per_step: dict[int, dict[int, list[torch.Tensor]]] = {}
     topk = None
@@ -105,8 +106,14 @@ def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None
                 raise TypeError(f"a JSON {type(rec).__name__}, not an object")
             if rec.get("block", "decoder") != "decoder" or (step is not None and rec["step"] != step):
                 continue
-            ids_TK = torch.tensor(rec["top_indices"], dtype=torch.int64).view(int(rec["num_tokens"]), int(rec["topk"]))
+            rows = rec["top_indices"]
+            odd = next((v for row in rows for v in row if type(v) is not int), None) if isinstance(rows, list) else rows
+            if odd is not None:  # floats or booleans are never truncated into ids
+                raise TypeError(f"top_indices hold {odd!r}, not integer expert ids")
+            ids_TK = torch.tensor(rows, dtype=torch.int64).view(int(rec["num_tokens"]), int(rec["topk"]))
             rec_step, layer = int(rec["step"]), int(rec["layer"]) + layer_offset
+            if rank is not None and rec.get("rank") != rank:
+                raise ValueError(f"the record says rank {rec.get('rank')!r}, the file name rank {rank}")
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise DumpError(f"{path}:{lineno}: not a router_trace record: {exc}") from None
         if topk not in (None, ids_TK.shape[1]):
@@ -155,36 +162,33 @@ def _natural_key(name: str) -> tuple:
 _TRACE_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
 
 
-def read_router_trace_ranks(directory: str | os.PathLike, *, layout, num_layers: int,
-                            num_experts: int | None = None) -> tuple[dict[int, dict[int, Routes]], int]:
-    """Every rank's ``router_trace_rank{R}.jsonl`` of one job: ``({rank: {step: local Routes}}, world_size)``.
+def read_router_trace_ranks(directory: str | os.PathLike, *, layout, world_size: int, num_layers: int,
+                            num_experts: int | None = None) -> dict[int, dict[int, Routes]]:
+    """Every rank's ``router_trace_rank{R}.jsonl`` of one job of ``world_size`` ranks: ``{rank: {step: local Routes}}``.
 
     Megatron-Core's ``RouterTracer`` numbers layers as the chunk's module names do (``decoder.layers.<n>``, local
     to the pipeline stage); each rank's layers are moved to global numbers by its stage's first layer under
-    ``layout`` (Megatron's default rank order ``tp-cp-ep-dp-pp``). Refused: a rank's file missing, a layout that
-    does not fit the file count, VPP (a rank's chunks share layer numbers there, so they cannot be told apart),
-    ranks holding different steps, a layer outside its stage.
+    ``layout`` (Megatron's default rank order ``tp-cp-ep-dp-pp``). Refused: a file of a rank outside the job or
+    under another spelling, a rank's file missing, a record naming another rank, VPP (a rank's chunks share layer
+    numbers there, so they cannot be told apart), ranks holding different steps, a layer outside its stage.
     """
     from moeverify import views
-    from moeverify.errors import LayoutError, UsageError
+    from moeverify.errors import UsageError
 
     directory = Path(directory)
     files = {}
-    for path in directory.iterdir():
+    for path in sorted(directory.iterdir()):
         found = _TRACE_FILE.match(path.name)
         if found:
-            files[int(found.group(1))] = path
-    if not files:
-        raise DumpError(f"{directory}: no router_trace_rank<R>.jsonl files")
-    world = max(files) + 1
-    missing = sorted(set(range(world)) - set(files))
+            rank = int(found.group(1))
+            if path.name != f"router_trace_rank{rank}.jsonl" or rank >= world_size:
+                raise DumpError(f"{path}: not a trace of this job (ranks 0..{world_size - 1}, named "
+                                f"router_trace_rank<R>.jsonl); move it out of {directory}")
+            files[rank] = path
+    missing = sorted(set(range(world_size)) - set(files))
     if missing:
         raise DumpError(f"{directory}: router_trace file(s) of rank(s) {missing} missing (found ranks {sorted(files)}); "
-                        "merging needs every rank's trace")
-    try:
-        layout.validate(world_size=world)
-    except LayoutError as exc:
-        raise UsageError(f"--layout does not fit {world} trace files: {exc}") from None
+                        f"merging needs every rank's trace of the {world_size}-rank job")
     if layout.vpp_chunks > 1:
         raise UsageError("router_trace numbers a rank's layers per model chunk (decoder.layers.<n> in each chunk), so "
                          "under VPP a rank's chunks share layer numbers and cannot be placed; record VPP jobs with "
@@ -192,10 +196,10 @@ def read_router_trace_ranks(directory: str | os.PathLike, *, layout, num_layers:
     if num_experts is None:  # one expert count for every rank (a rank's trace may not show the highest id)
         num_experts = max(r.num_experts for path in files.values() for r in read_router_trace(path).values())
     out = {}
-    for rank in range(world):
-        coords = views.rank_coords(layout, rank=rank, world_size=world)
+    for rank in range(world_size):
+        coords = views.rank_coords(layout, rank=rank, world_size=world_size)
         stage = views.chunk_layers(layout, pp_rank=coords.pp, vp_stage=0, num_layers=num_layers)
-        steps = read_router_trace(files[rank], num_experts=num_experts, layer_offset=stage.start)
+        steps = read_router_trace(files[rank], num_experts=num_experts, layer_offset=stage.start, rank=rank)
         for step, routes in steps.items():
             outside = [layer for layer in routes.layers if layer not in stage]
             if outside:
@@ -205,4 +209,4 @@ def read_router_trace_ranks(directory: str | os.PathLike, *, layout, num_layers:
         if out and sorted(steps) != sorted(out[0]):
             raise DumpError(f"{files[rank]}: steps {sorted(steps)} != rank 0's {sorted(out[0])}")
         out[rank] = steps
-    return out, world
+    return out

@@ -86,8 +86,8 @@ def sources(tmp_path_factory):
 def _convert(trace: Path, dst: Path, name: str) -> int:
     from moeverify.cli import main as cli
 
-    return cli(["dump", "convert", str(trace), str(dst), "--layout", name, "--num-layers", str(NUM_LAYERS),
-                "--seq-len", str(SEQ_LEN), "--batch", str(BATCH)])
+    return cli(["dump", "convert", str(trace), str(dst), "--layout", name, "--world-size", "2", "--num-layers",
+                str(NUM_LAYERS), "--seq-len", str(SEQ_LEN), "--batch", str(BATCH)])
 
 
 @pytest.mark.parametrize("family,name", [(f, n) for f, n, _ in CASES])
@@ -153,12 +153,40 @@ def test_convert_layout_refuses_a_missing_rank_vpp_and_a_layout_that_does_not_fi
     assert _convert(one, case / "x1", "ep2") == 2
     assert "rank(s) [0] missing" in capsys.readouterr().err
     assert _convert(case / "trace", case / "x2", "tp4") == 2
-    assert "does not fit 2 trace files" in capsys.readouterr().err
+    assert "does not fit --world-size 2" in capsys.readouterr().err
     assert _convert(case / "trace", case / "x3", "pp2-vpp2") == 2
     assert "under VPP" in capsys.readouterr().err
     assert cli(["dump", "convert", str(case / "trace"), str(case / "x4"), "--layout", "ep2"]) == 2
-    assert "needs --num-layers, --seq-len, --batch" in capsys.readouterr().err
-    assert not any((case / f"x{i}").exists() for i in range(1, 5))
+    assert "needs --world-size, --num-layers, --seq-len, --batch" in capsys.readouterr().err
+    stray = case / "stray"  # another spelling of rank 0, a leftover rank 2, a record naming another rank
+    for i, (name, source) in enumerate((("router_trace_rank00.jsonl", 0), ("router_trace_rank2.jsonl", 1))):
+        stray.mkdir(exist_ok=True)
+        for r in range(2):
+            (stray / f"router_trace_rank{r}.jsonl").write_text((case / "trace" / f"router_trace_rank{r}.jsonl").read_text())
+        (stray / name).write_text((case / "trace" / f"router_trace_rank{source}.jsonl").read_text())
+        assert _convert(stray, case / f"x{5 + i}", "ep2") == 2
+        assert "not a trace of this job" in capsys.readouterr().err
+        (stray / name).unlink()
+    (stray / "router_trace_rank1.jsonl").write_text((case / "trace" / "router_trace_rank0.jsonl").read_text())
+    assert _convert(stray, case / "x7", "ep2") == 2
+    assert "the record says rank 0, the file name rank 1" in capsys.readouterr().err
+    assert not any((case / f"x{i}").exists() for i in range(1, 8))
+
+
+def test_convert_layout_writes_every_step_of_the_traces(sources):
+    from moeverify import record
+
+    case = sources / "deepseek_v3-pp2"
+    two = case / "two_steps"
+    two.mkdir()
+    for r in range(2):
+        lines = (case / "trace" / f"router_trace_rank{r}.jsonl").read_text().splitlines()
+        again = [json.dumps({**json.loads(line), "step": 1}) for line in lines]
+        (two / f"router_trace_rank{r}.jsonl").write_text("\n".join(lines + again) + "\n")
+    assert _convert(two, case / "two_dump", "pp2") == 0
+    dump = record.load(case / "two_dump")
+    assert sorted(dump.steps) == [0, 1] and dump.routes(step=1) == dump.routes(step=0)
+    assert dump.routes(step=0).microbatches == MICROBATCHES and dump.model.moe_layers == (1, 2, 3)
 
 
 if __name__ == "__main__":

@@ -238,3 +238,38 @@ def test_cli_outputs_that_cannot_be_written_are_refused_before_work(two_dumps, t
     err = capsys.readouterr().err
     assert "is a directory" in err or "is not a regular file" in err, err
     assert "Traceback" not in err
+
+
+def test_cli_convert_router_trace_refuses_non_integer_ids(tmp_path, capsys):
+    rec = {"step": 0, "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2, "topk": 2,
+           "top_indices": [[0.9, 2.5], [1, 3]]}
+    trace = tmp_path / "router_trace_rank0.jsonl"
+    for bad in ([[0.9, 2.5], [1, 3]], [[True, 2], [1, 3]]):
+        trace.write_text(json.dumps({**rec, "top_indices": bad}) + "\n")
+        capsys.readouterr()
+        assert main(["dump", "convert", str(trace), str(tmp_path / "d")]) == 2
+        err = capsys.readouterr().err
+        assert f"{trace}:1" in err and "not integer expert ids" in err
+        assert not (tmp_path / "d").exists()
+
+
+def test_rollout_npy_keeps_an_interior_capture_gap_in_place(tmp_path, capsys):
+    import numpy as np
+
+    from moeverify import record
+    from moeverify.routes import Routes
+
+    seq_TK = [[0, 1], [1, 2], [2, 3], [3, 0]]
+    record.save(tmp_path / "train", Routes({0: [torch.tensor(seq_TK)]}, num_experts=4, topk=2), seq_len=4, batch=1)
+    rollout_PLK = np.array(seq_TK)[:, None, :].copy()
+    rollout_PLK[1] = -1  # a capture gap inside the request: later positions must not move up
+    results = {}
+    for kind, write in (("npz", lambda p: np.savez(p, req0=rollout_PLK)), ("npy", lambda p: np.save(p, rollout_PLK[None]))):
+        path = tmp_path / f"rollout.{kind}"
+        write(path)
+        out = tmp_path / f"{kind}.json"
+        assert main(["dump", "diff", str(tmp_path / "train"), str(path), "--rollout", "--json", str(out),
+                     "--fail-on-diff"]) == 0, capsys.readouterr().err
+        results[kind] = json.loads(out.read_text())["rollout"]
+    assert results["npy"] == results["npz"]
+    assert results["npy"]["capture_gap_rows"] == 1 and results["npy"]["compared_tokens"] == 3

@@ -132,6 +132,10 @@ BAD = [
     ("not-json", "[0, 1,", r"not valid JSON"),
     ("number", "5", r"expected a list, a list of lists, an object keyed by layer or an array; got int"),
     ("empty-row", json.dumps({"0": [], "2": MAP}), r"layer 0: expected a non-empty list of logical ids"),
+    ("repeated-key", '{"0": %s, "2": %s, "0": %s}' % (json.dumps(MAP), json.dumps(MAP), json.dumps(MAP)),
+     r"key\(s\) \['0'\] given twice"),
+    ("padded-key", json.dumps({"0": MAP, "2": MAP, "00": MAP}), r"key '00' is not a global layer number written plainly"),
+    ("underscore-key", json.dumps({"0": MAP, "2": MAP, "1_0": MAP}), r"key '1_0' is not a global layer number"),
 ]
 
 
