@@ -85,12 +85,8 @@ class DumpSource:
         return self.dump.routes(step=self.step)
 
 
-@dataclasses.dataclass(frozen=True)
-class MappedSource:
-    inner: object
-    expert_map: ExpertMap
-    where: str
-    token_label: object = None  # (microbatch, row) -> text naming the token in messages
+class _Wrapped:
+    """A source around ``inner``: its layers, micro-batches, top-k and token counts are ``inner``'s."""
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -101,15 +97,23 @@ class MappedSource:
         return self.inner.microbatches
 
     @property
-    def num_experts(self) -> int:
-        return self.expert_map.logical
-
-    @property
     def topk(self) -> int:
         return self.inner.topk
 
     def microbatch_tokens(self) -> list[int]:
         return self.inner.microbatch_tokens()
+
+
+@dataclasses.dataclass(frozen=True)
+class MappedSource(_Wrapped):
+    inner: object
+    expert_map: ExpertMap
+    where: str
+    token_label: object = None  # (microbatch, row) -> text naming the token in messages
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_map.logical
 
     def layer(self, layer: int) -> list[torch.Tensor]:
         return [self.expert_map.apply(layer, t, where=self.where, microbatch=mb, token_label=self.token_label)
@@ -120,24 +124,9 @@ class MappedSource:
 
 
 @dataclasses.dataclass(frozen=True)
-class WidenedSource:
+class WidenedSource(_Wrapped):
     inner: object
     num_experts: int
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return self.inner.layers
-
-    @property
-    def microbatches(self) -> int:
-        return self.inner.microbatches
-
-    @property
-    def topk(self) -> int:
-        return self.inner.topk
-
-    def microbatch_tokens(self) -> list[int]:
-        return self.inner.microbatch_tokens()
 
     def layer(self, layer: int) -> list[torch.Tensor]:
         return self.inner.layer(layer)
