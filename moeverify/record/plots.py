@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moeverify.record.diff import DiffReport
+from moeverify.record.report import DiffReport
 
 
 def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64) -> Path:

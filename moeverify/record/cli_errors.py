@@ -1,0 +1,31 @@
+"""What every ``moeverify dump`` verb shares: its exit codes and the guard that turns bad input into one message
+on stderr and exit 2 (never a traceback)."""
+
+from __future__ import annotations
+
+import sys
+
+from moeverify.errors import MoEVerifyError
+from moeverify.files import check_output_file
+
+EXIT_DIFF = 1
+EXIT_USAGE = 2
+
+
+def guarded(fn):
+    """Bad input becomes one message on stderr and exit 2."""
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except MoEVerifyError as exc:
+            print(f"moeverify dump: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    run.__name__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def out_path(flag: str, value: str | None) -> None:
+    """An output file named by ``flag`` must be writable (checked before any work)."""
+    if value:
+        check_output_file(flag, value)

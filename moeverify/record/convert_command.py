@@ -1,0 +1,192 @@
+"""``moeverify dump convert SRC DST``: rollout arrays or Megatron's router_trace JSONL (one file, or every rank's
+of one job) to a dump; a dump to ``.npz``. A failed convert leaves nothing behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeverify.errors import UsageError
+from moeverify.record.cli_errors import guarded
+
+FROM = ("dump", "npy", "npz", "jsonl")
+TO = ("dump", "npz")
+
+
+@guarded
+def cmd_convert(args) -> int:
+    """``dump convert SRC DST``."""
+    from moeverify import record
+    from moeverify.record import importers
+
+    src, dst = Path(args.src), Path(args.dst)
+    src_format = args.src_format or ("jsonl" if args.layout is not None else _guess_src(src))
+    dst_format = args.dst_format or ("npz" if dst.suffix == ".npz" else "dump")
+    if src_format == "dump" and dst_format == "dump":
+        raise UsageError("convert from a dump to a dump does nothing; use --to npz (or a DST ending .npz)")
+    if src_format != "dump" and dst_format == "npz":
+        raise UsageError(f"convert --from {src_format} writes a dump; drop --to npz or give a DST directory")
+    if not dst.resolve().parent.is_dir():
+        raise UsageError(f"{dst}: directory {dst.resolve().parent} does not exist")
+    if dst_format == "dump" and dst.exists() and not dst.is_dir():
+        raise UsageError(f"{dst} exists and is not a directory; give a new directory for the dump")
+    if dst_format == "dump" and dst.is_dir() and any(dst.iterdir()):
+        what = "already holds a dump" if (dst / record.MANIFEST).exists() else "is not empty"
+        raise UsageError(f"{dst} {what}; choose a new directory")
+    if dst_format == "npz" and dst.exists():
+        raise UsageError(f"{dst} exists; choose a new file (convert never overwrites)")
+    if src_format == "dump":
+        dump = record.load(src)
+        routes_of = None
+        if args.expert_map:
+            from moeverify.record import expert_map
+
+            emap = expert_map.load(args.expert_map, moe_layers=dump.model.moe_layers, num_layers=dump.model.num_layers,
+                                   physical_experts=dump.model.num_experts, what=str(src))
+            routes_of = lambda step: emap.map_routes(dump.routes(step=step), where=f"{src} step {step}")  # noqa: E731
+        out = importers.export_npz(dump, dst, routes_of=routes_of)
+        print(f"wrote {out}" + (f" (logical expert ids through {args.expert_map})" if routes_of else ""))
+        return 0
+    if args.layout is not None:
+        return _convert_trace_ranks(args, src, dst)
+    order = _convert_order(args, src_format)
+    if src_format == "jsonl":
+        steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset)
+    else:
+        arrays = importers.read_arrays(src, fmt=src_format)
+        steps = {args.step: importers.routes_from_arrays(arrays, num_experts=args.num_experts,
+                                                         moe_layers=args.moe_layers, where=str(src))}
+    if args.num_layers is not None:
+        _check_num_layers(args, steps)
+    if args.expert_map:
+        steps = _map_steps(args, steps, src)
+    if order is not None:  # store as a one-rank dump does (router order), with the geometry that maps it
+        from moeverify.record.order import to_router_order, to_sequence_order
+
+        steps = {step: to_router_order(to_sequence_order(r, order=order, seq_len=args.seq_len, batch=args.batch,
+                                                         where=f"{src} step {step}"),
+                                       seq_len=args.seq_len, batch=args.batch, where=f"{src} step {step}")
+                 for step, r in steps.items()}
+    with _removed_on_failure(dst):
+        for step, routes in steps.items():
+            record.save(dst, routes, step=step, num_layers=args.num_layers,
+                        moe_layers=args.moe_layers if src_format == "jsonl" and args.moe_layers else None,
+                        seq_len=args.seq_len if order else None, batch=args.batch if order else None)
+    known = f"token order recorded (seq_len {args.seq_len}, batch {args.batch})" if order else \
+        "token order NOT recorded: dump diff will refuse it unless told (--seq-len/--batch/--order here)"
+    print(f"wrote {dst}: step(s) {sorted(steps)}; {known}")
+    return 0
+
+
+def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
+    """``convert TRACE_DIR DST --layout NAME``: every rank's router_trace as one merged dump."""
+    from moeverify import record
+    from moeverify.errors import LayoutError
+    from moeverify.layout import parse_layout_name
+    from moeverify.record import importers
+    from moeverify.views import rank_coords
+
+    if not src.is_dir():
+        raise UsageError(f"convert --layout reads a directory of router_trace_rank<R>.jsonl files; {src} is not one")
+    missing = [flag for flag, value in (("--world-size", args.world_size), ("--num-layers", args.num_layers),
+                                        ("--seq-len", args.seq_len), ("--batch", args.batch)) if value is None]
+    if missing:
+        raise UsageError(f"convert --layout needs {', '.join(missing)}: the model's decoder layers place each "
+                         "pipeline stage's layers, the geometry places each rank's tokens")
+    if args.order not in (None, "router") or args.expert_map or args.moe_layers or args.layer_offset or args.step:
+        raise UsageError("convert --layout takes router_trace as Megatron writes it (every step it holds): no --order "
+                         "other than router, --expert-map, --moe-layers, --layer-offset or --step")
+    try:
+        layout, dp = parse_layout_name(args.layout)
+    except LayoutError as exc:
+        raise UsageError(f"--layout: {exc}") from None
+    world = args.world_size
+    try:
+        layout.validate(world_size=world)
+    except LayoutError as exc:
+        raise UsageError(f"--layout {args.layout} does not fit --world-size {world}: {exc}") from None
+    if dp != 1 and layout.dp(world) != dp:
+        raise UsageError(f"--layout {args.layout} says dp{dp}, but --world-size {world} makes dp{layout.dp(world)}")
+    by_rank = importers.read_router_trace_ranks(src, layout=layout, world_size=world, num_layers=args.num_layers,
+                                                num_experts=args.num_experts)
+    moe_layers = sorted({layer for steps in by_rank.values() for r in steps.values() for layer in r.layers})
+    experts = {r.num_experts for steps in by_rank.values() for r in steps.values()}
+    with _removed_on_failure(dst):
+        for step in sorted(by_rank[0]):  # every rank writes a step, then it is committed: one step at a time
+            for rank, steps in by_rank.items():
+                record.save(dst, steps[step], step=step, num_layers=args.num_layers, moe_layers=moe_layers,
+                            seq_len=args.seq_len, batch=args.batch, world_size=world, layout=layout,
+                            coords=rank_coords(layout, rank=rank, world_size=world))
+            record.finalize(dst, world_size=world)
+        merged = record.load(dst)
+        for step in sorted(by_rank[0]):
+            merged.routes(step=step)  # merge now: a geometry that does not fit fails here, loudly
+    print(f"wrote {dst}: {world} ranks ({layout.name(world)}), step(s) {sorted(by_rank[0])}, "
+          f"{len(moe_layers)} MoE layers, {max(experts)} experts; token order recorded (seq_len {args.seq_len}, "
+          f"batch {args.batch} per rank)")
+    return 0
+
+
+def _map_steps(args, steps: dict, src: Path) -> dict:
+    """Converted routes (physical expert slots) as logical expert ids through ``--expert-map``."""
+    from moeverify.record import expert_map
+
+    out = {}
+    for step, routes in steps.items():
+        num_layers = args.num_layers if args.num_layers is not None else max(routes.layers) + 1
+        emap = expert_map.load(args.expert_map, moe_layers=routes.layers, num_layers=num_layers,
+                               physical_experts=args.num_experts, what=str(src))
+        if routes.num_experts > emap.physical:
+            raise expert_map.ExpertMapError(f"{args.expert_map}: {emap.physical} slot(s), but {src} step {step} holds "
+                                            f"expert id {routes.num_experts - 1}")
+        out[step] = emap.map_routes(routes, where=f"{src} step {step}")
+    return out
+
+
+def _convert_order(args, src_format: str) -> str | None:
+    """The token order convert records: None (unknown) unless --seq-len and --batch are given."""
+    if (args.seq_len is None) != (args.batch is None):
+        raise UsageError("--seq-len and --batch go together")
+    if args.seq_len is None:
+        if args.order is not None:
+            raise UsageError(f"--order {args.order} needs --seq-len and --batch (the micro-batch geometry that maps "
+                             f"the order)")
+        return None
+    if args.order is None and src_format != "jsonl":
+        raise UsageError("an array's token order is not in the file: give --order sequence (rollout engines: each "
+                         "request's tokens in turn) or --order router (Megatron's s * B + b)")
+    return args.order or "router"  # Megatron's router_trace holds the router's own order
+
+
+def _check_num_layers(args, steps) -> None:
+    for step, routes in steps.items():
+        too_high = [layer for layer in routes.layers if layer >= args.num_layers]
+        if too_high:
+            raise UsageError(f"--num-layers {args.num_layers}: step {step} has MoE layer(s) {too_high} >= it")
+
+
+class _removed_on_failure:
+    """A convert that fails leaves no half-made destination behind (only what it created itself)."""
+
+    def __init__(self, dst: Path):
+        self.dst, self.existed = dst, dst.exists()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and not self.existed and self.dst.exists():
+            import shutil
+
+            shutil.rmtree(self.dst, ignore_errors=True)
+        return False
+
+
+def _guess_src(src: Path) -> str:
+    if src.is_dir():
+        return "dump"
+    suffix = src.suffix.lstrip(".")
+    if suffix in FROM:
+        return suffix
+    raise UsageError(f"cannot tell the format of {src} from its name; pass --from {{{','.join(FROM)}}}")
+
+

@@ -1,0 +1,212 @@
+"""``moeverify dump diff A B``: both sides lined up token for token (or refused), compared, reported; with
+``--rollout``, a training dump against a rollout engine's routed experts request by request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moeverify.errors import UsageError
+from moeverify.files import atomic_write
+from moeverify.record.cli_errors import EXIT_DIFF, guarded, out_path
+
+
+@guarded
+def cmd_diff(args) -> int:
+    """``dump diff A B``."""
+    from moeverify import record
+    from moeverify.record.order import require_same_tokens, shared_geometry
+
+    out_path("--json", args.json)
+    out_path("--plot", args.plot)
+
+    if (args.seq_len is None) != (args.batch is None):
+        raise UsageError("--seq-len and --batch go together")
+    if args.rollout:
+        return _diff_rollout(args)
+    a = _routes_of(args.a, args.step, order=args.order_a, args=args, flag="--order-a")
+    b = _routes_of(args.b, args.step if args.step_b is None else args.step_b, order=args.order_b, args=args,
+                   flag="--order-b")
+    require_same_tokens(a, b, assume_same_order=args.assume_same_order)
+    geometry = shared_geometry(a, b)
+    src_a, src_b, maps = _mapped(args, a, b)
+    sequences = {} if geometry is None else {"seq_len": geometry[0], "batch": geometry[1]}
+    if args.in_memory:
+        report = record.diff(src_a.routes(), src_b.routes(), **sequences)
+    else:
+        report = record.diff_stream(src_a, src_b, **sequences)
+    return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps})
+
+
+def _mapped(args, a, b):
+    """Both sides' layer sources with their expert maps applied and one expert count; the maps' JSON record."""
+    from moeverify.record import expert_map, stream
+
+    sides = {}
+    for name, side, flag, path in (("a", a, "--expert-map-a", args.expert_map_a),
+                                   ("b", b, "--expert-map-b", args.expert_map_b)):
+        src = side.routes
+        if path is None:
+            sides[name] = (src, None, side)
+            continue
+        dump = src.dump if isinstance(src, stream.DumpSource) else None
+        layers = src.layers
+        emap = expert_map.load(path, moe_layers=layers,
+                               num_layers=dump.model.num_layers if dump is not None else None,
+                               physical_experts=src.num_experts if dump is not None else None,
+                               what=f"{side.source}")
+        if dump is None and src.num_experts > emap.physical:  # an array: its largest id must be a slot of the map
+            raise expert_map.ExpertMapError(f"{path}: {emap.physical} slot(s), but {side.source} holds expert id "
+                                            f"{src.num_experts - 1}")
+        src = stream.MappedSource(stream.widen(src, emap.physical), emap, where=side.source,
+                                  token_label=_token_label(side))
+        sides[name] = (src, emap, side)
+    (src_a, map_a, side_a), (src_b, map_b, side_b) = sides["a"], sides["b"]
+    for mapped, other, other_side, other_map in ((map_a, src_b, side_b, map_b), (map_b, src_a, side_a, map_a)):
+        if mapped is None:
+            continue
+        known = other_map is not None or isinstance(other_side.routes, stream.DumpSource)  # arrays infer theirs
+        if known and other.num_experts != mapped.logical:
+            whose = f"{other_map.path}'s" if other_map is not None else f"{other_side.source}'s"
+            raise expert_map.ExpertMapError(f"{mapped.path}: maps onto {mapped.logical} logical experts, {whose} side "
+                                            f"has {other.num_experts} (both sides must be the same logical experts)")
+    experts = max(src_a.num_experts, src_b.num_experts)
+    maps = {k: m.as_json() for k, m in (("a", map_a), ("b", map_b)) if m is not None} or None
+    return stream.widen(src_a, experts), stream.widen(src_b, experts), maps
+
+
+def _token_label(side):
+    """Names a token of a side for messages: its sequence and position where the side knows them."""
+    geometry = side.geometry
+
+    def label(mb: int, row: int) -> str:
+        if geometry is None:
+            return f"token {row}"
+        seq_len, _ = geometry
+        seq, pos = divmod(row, seq_len[mb])
+        return f"token {row} (sequence {seq} of the micro-batch, position {pos})"
+
+    return label
+
+
+def _report(args, report, extra: dict | None = None) -> int:
+    from rich.console import Console
+
+    console = Console()
+    console.print(report.table())
+    sequences = report.sequence_table(args.worst)
+    if sequences is not None:
+        console.print(sequences)
+    if args.json:
+        record_json = report.to_json(worst=args.worst)
+        if extra:
+            record_json.update(extra)
+        atomic_write(Path(args.json), (json.dumps(record_json, indent=1) + "\n").encode())
+    if args.plot:
+        from moeverify.record.plots import plot_diff
+
+        plot_diff(report, args.plot)
+    if args.fail_on_diff and report.tokens_diverging_any_layer > 0:
+        return EXIT_DIFF
+    return 0
+
+
+def _rollout_requests(path: Path) -> list:
+    from moeverify.record import importers
+
+    arrays = importers.read_arrays(path)
+    if path.suffix == ".npy":
+        (arr,) = arrays
+        if arr.ndim != 4:
+            raise UsageError(f"{path}: a .npy rollout is [requests, positions, layers, topk], got shape {arr.shape}")
+        return [_strip_trailing_padding(arr[r]) for r in range(arr.shape[0])]
+    return arrays
+
+
+def _strip_trailing_padding(request_PLK):
+    """A padded request's own rows: trailing all -1 rows are padding; an all -1 row before a real one is a capture
+    gap and stays (``rollout.align`` counts it apart), so no later position moves."""
+    real_P = ~(request_PLK < 0).all(axis=(1, 2))
+    length = int(real_P.nonzero()[0].max()) + 1 if real_P.any() else 0
+    return request_PLK[:length]
+
+
+def _diff_rollout(args) -> int:
+    """``dump diff TRAIN ROLLOUT --rollout``: request by request, uncaptured positions and gaps apart."""
+    from moeverify import record
+    from moeverify.record.rollout import align
+
+    train_path, rollout_path = Path(args.a), Path(args.b)
+    if not train_path.is_dir():
+        raise UsageError(f"--rollout: A must be the training dump (a directory), got {train_path}")
+    for flag in ("order_a", "order_b", "seq_len", "batch", "assume_same_order"):
+        if getattr(args, flag):
+            raise UsageError(f"--rollout lines requests up by themselves; drop --{flag.replace('_', '-')}")
+    dump = record.load(train_path)
+    step = args.step
+    if dump.token_order(step) is None:
+        raise UsageError(f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
+                         "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=)")
+    from moeverify.record import expert_map
+    from moeverify.record.order import Ordered
+
+    info = dump.steps[step]
+    batch = dump.layout.dp(dump.world_size) * info.batch  # sequences per merged micro-batch
+    train = dump.routes(step=step)
+    maps = {}
+    if args.expert_map_a:
+        map_a = expert_map.load(args.expert_map_a, moe_layers=train.layers, num_layers=dump.model.num_layers,
+                                physical_experts=dump.model.num_experts, what=str(train_path))
+        side = Ordered(routes=None, source=str(train_path), order="sequence", seq_len=info.seq_len, batch=batch)
+        train = map_a.map_routes(train, where=str(train_path), token_label=_token_label(side))
+        maps["a"] = map_a.as_json()
+    map_b = None
+    if args.expert_map_b:
+        map_b = expert_map.load(args.expert_map_b, moe_layers=train.layers, num_layers=dump.model.num_layers,
+                                physical_experts=None, what=str(rollout_path))
+        maps["b"] = map_b.as_json()
+    aligned = align(train, seq_len=info.seq_len, batch=batch, moe_layers=dump.model.moe_layers,
+                    num_layers=dump.model.num_layers, requests=_rollout_requests(rollout_path), where=str(rollout_path),
+                    expert_map=map_b)
+    print(f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
+          f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart")
+    report = record.diff(aligned.train, aligned.rollout, sequence_tokens=aligned.sequence_tokens,
+                         sequence_extra=aligned.per_request)
+    return _report(args, report, {"rollout": aligned.as_json(), "engine": "in-memory", "expert_maps": maps or None})
+
+
+
+def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str):
+    """One side of a diff as a layer source (``stream``), in sequence order where its order is known
+    (``order.Ordered``, with the sequences where the side knows them)."""
+    from moeverify import record
+    from moeverify.record import importers, stream
+    from moeverify.record.order import Ordered, to_sequence_order
+
+    path = Path(path_text)
+    if path.is_dir():
+        if order is not None:
+            raise UsageError(f"{flag}: {path} is a dump, which records its own token order; drop {flag}")
+        dump = record.load(path)
+        source = stream.DumpSource(dump, step)
+        source.microbatch_tokens()  # the step exists and its ranks can be merged: checked before any data is read
+        if dump.token_order(step) is None:
+            return Ordered(routes=source, source=str(path), order=None,
+                           why_unknown=f"step {step} was saved without seq_len/batch, so its token order is unknown "
+                                       f"(record.save(..., seq_len=, batch=), or convert with --seq-len --batch)")
+        info = dump.steps[step]
+        return Ordered(routes=source, source=str(path), order="sequence", seq_len=info.seq_len,
+                       batch=dump.layout.dp(dump.world_size) * info.batch)
+    if path.suffix in (".npy", ".npz"):
+        routes = importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
+        if order is None:
+            return Ordered(routes=stream.RoutesSource(routes), source=str(path), order=None,
+                           why_unknown=f"an array carries no token order ({flag} sequence|router)")
+        geometry = {}
+        if args.seq_len is not None:
+            geometry = {"seq_len": (args.seq_len,) * routes.microbatches, "batch": args.batch}
+        return Ordered(routes=stream.RoutesSource(to_sequence_order(routes, order=order, seq_len=args.seq_len,
+                                                                    batch=args.batch, where=str(path))),
+                       source=str(path), order="sequence", **geometry)
+    raise UsageError(f"{path}: neither a dump directory nor a .npy/.npz file")
+
