@@ -109,7 +109,7 @@ def shape_checkpoint(dtype: torch.dtype) -> tuple[Path, dict]:
 
 def gather_everything(sctx) -> None:
     """The naive oracle: all pieces of all rows to rank 0 as Python objects, merged there at once."""
-    from moeverify.oracles.export_rows import drain, pieces
+    from moeverify.oracles.export.rows import drain, pieces
     from moeverify.subjects import sharded
 
     rows = drain(sharded(sctx), rank=sctx.rank)

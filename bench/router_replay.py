@@ -209,7 +209,7 @@ SCOPE = ["layer"]  # set by run_child from --scope
 
 
 def _variants_verl(args, x):
-    from moeverify.oracles.replay_impls import load_verl_router_replay_patch
+    from moeverify.oracles.replay.impls import load_verl_router_replay_patch
 
     plain = _router(args)
     _, map_TE = plain(x)

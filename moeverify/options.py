@@ -14,7 +14,7 @@ from moeverify import plugins
 from moeverify.errors import UsageError
 
 # The replay oracle's subchecks and recompute modes, named here so they can be validated without torch;
-# moeverify.oracles.replay runs them under these names.
+# moeverify.oracles.replay.oracle runs them under these names.
 REPLAY_SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order",
                     "validation")
 RECOMPUTE_MODES = ("full", "moe")
@@ -76,7 +76,7 @@ def _positive_seconds(value: object) -> float:
 
 
 def _router_variants(value: object) -> object:
-    from moeverify.oracles.replay_variants import select
+    from moeverify.oracles.replay.variants import select
 
     try:
         select(value)

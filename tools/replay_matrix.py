@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeverify.oracles.replay import SUBCHECKS  # noqa: E402
-from moeverify.oracles.replay_variants import VARIANTS  # noqa: E402
+from moeverify.oracles.replay.oracle import SUBCHECKS  # noqa: E402
+from moeverify.oracles.replay.variants import VARIANTS  # noqa: E402
 
 IMPLS = ("moeverify", "native", "verl")
 FAMILIES = ("qwen3_moe", "deepseek_v3")
@@ -37,7 +37,7 @@ Every rank of the layout drives the model through Megatron's own pipeline schedu
 (forward only, no grad, routes recorded), training pass second (forward + backward, routes replayed).
 Data: seeded token ids per DP rank, labels = next token; loss = mean token cross-entropy (vocab-parallel,
 fp32). Models are the tiny `moeverify.models` families in fp32 with dropout off. Router variants
-(`moeverify/oracles/replay_variants.py`) override the family's TransformerConfig at build time.
+(`moeverify/oracles/replay/variants.py`) override the family's TransformerConfig at build time.
 
 - **equivalence**: recorded routes == routes the routers took; replayed training pass == plain native
   training pass bit for bit (routing maps, router probs, logits, per-sequence losses, every gradient).
@@ -55,7 +55,7 @@ fp32). Models are the tiny `moeverify.models` families in fp32 with dropout off.
   routes on a second build of the same weights (Megatron's own routing restored while it runs): identical
   routing, probs, logits and gradients. For `native` itself this is a determinism self-check.
 
-Every oracle is shown to fail on a broken implementation (`moeverify/oracles/replay_faulty.py`, tested in
+Every oracle is shown to fail on a broken implementation (`moeverify/oracles/replay/faulty.py`, tested in
 `tests/special_distributed/test_replay_oracle.py`): replaying the wrong micro-batch fails equivalence,
 drift, cross_layout and native_parity; routes off by one layer fail drift and native_parity; detached
 replay probabilities fail equivalence (router gradients); no replay in recompute fails recompute.

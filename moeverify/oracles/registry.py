@@ -16,7 +16,7 @@ from moeverify.errors import UsageError
 CHECKS: dict[str, str] = {
     "roundtrip": "moeverify.oracles.roundtrip:run",
     "export": "moeverify.oracles.export:run",
-    "replay": "moeverify.oracles.replay:run",
+    "replay": "moeverify.oracles.replay.oracle:run",
 }
 
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from moeverify import runtime
     from moeverify.layout import parse_layout_name
     from moeverify.oracles.context import CheckContext, Scenario
-    from moeverify.oracles.replay import run
+    from moeverify.oracles.replay.oracle import run
     from moeverify.oracles.results import CheckRecord
 
     family, _, layout_name = args.scenario.partition("/")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moeverify.oracles.merge import bits, hex_bits
+from moeverify.oracles.export.merge import bits, hex_bits
 from moeverify.oracles.results import Tally
 
 SHOW = 5

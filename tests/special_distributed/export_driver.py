@@ -4,7 +4,7 @@ Usage: torchrun --nproc-per-node N export_driver.py --out OUT.json --scenario qw
        [--subject sharded --subject bridge] [--mutants] [--reuse-reference]
 Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``); rank 0 writes a JSON
 list of ``{"scenario", "subject", "passed", "subchecks"}``. ``--mutants`` adds every mutant of
-``moeverify.oracles.mutants.MUTANTS`` that applies to the scenario.
+``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _subjects(args, family, layout, world_size):
 
     out = [(name, export.load_subject(name)) for name in args.subject]
     if args.mutants or args.only_mutant:
-        from moeverify.oracles import mutants
+        from moeverify.oracles.export import mutants
 
         for m in mutants.MUTANTS:
             if args.only_mutant and m.name not in args.only_mutant:

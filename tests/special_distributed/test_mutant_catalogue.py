@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from test_export_matrix import run_driver
 
-from moeverify.oracles.mutants import MUTANTS
+from moeverify.oracles.export.mutants import MUTANTS
 
 SCENARIOS = ["qwen3_moe:ep2", "deepseek_v3:ep2", "qwen2_tied:pp2", "qwen2:pp2"]
 

@@ -68,10 +68,10 @@ def test_replay_check_passes_for_impl(tmp_path, scenario, nproc, impl):
 ])
 def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
     if mutant == "fifo_recompute":  # moeverify's queue-order twin passes recompute (backward in forward order)
-        passing = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1, impl=f"moeverify.oracles.replay_faulty:{mutant}",
+        passing = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1, impl=f"moeverify.oracles.replay.faulty:{mutant}",
                              extra=("--subchecks", "recompute", "--recompute", "full"))
         assert passing["passed"], _summary(passing)
-    record = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1, impl=f"moeverify.oracles.replay_faulty:{mutant}",
+    record = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1, impl=f"moeverify.oracles.replay.faulty:{mutant}",
                         extra=("--subchecks", subcheck))
     sub = record["subchecks"][subcheck]
     assert not record["passed"] and not sub["passed"], _summary(record)
@@ -80,7 +80,7 @@ def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
 
 def test_replay_mutant_no_recompute_replay_reports_unconsumed_routes(tmp_path):
     record = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1,
-                        impl="moeverify.oracles.replay_faulty:no_recompute_replay",
+                        impl="moeverify.oracles.replay.faulty:no_recompute_replay",
                         extra=("--subchecks", "recompute", "--recompute", "full"))
     failures = record["subchecks"]["recompute"]["failures"]
     assert any("recompute route(s) never consumed" in f for f in failures), _summary(record)
@@ -88,7 +88,7 @@ def test_replay_mutant_no_recompute_replay_reports_unconsumed_routes(tmp_path):
 
 def test_replay_mutant_on_two_ranks_names_the_rank(tmp_path):
     # drift: few failures per rank (one per layer and micro-batch), so rank 1's fit in the kept 50
-    record = run_replay(tmp_path, "deepseek_v3/ep2", nproc=2, impl="moeverify.oracles.replay_faulty:wrong_microbatch",
+    record = run_replay(tmp_path, "deepseek_v3/ep2", nproc=2, impl="moeverify.oracles.replay.faulty:wrong_microbatch",
                         extra=("--subchecks", "drift"))
     failures = record["subchecks"]["drift"]["failures"]
     assert not record["passed"]

@@ -119,7 +119,7 @@ scenarios:
     (["--subject", "{tmp}/broken.py:factory"], r"broken\.py:2: syntax error"),
     (["--subject", "{tmp}/fine.py:missing"], r"fine\.py defines no top-level 'missing'"),
     (["--subject", "{tmp}/absent.py:factory"], r"file .*absent\.py does not exist"),
-    (["--replay-impl", "moeverify.oracles.replay_faulty:no_such"], r"replay_faulty\.py defines no top-level 'no_such'"),
+    (["--replay-impl", "moeverify.oracles.replay.faulty:no_such"], r"faulty\.py defines no top-level 'no_such'"),
     (["--replay-impl", "not a module:f"], r"'not a module' is not a module name"),
 ])
 def test_run_refuses_a_plugin_that_cannot_load_before_launch(capsys, tmp_path, flags, match):
@@ -135,7 +135,7 @@ def test_run_refuses_a_plugin_that_cannot_load_before_launch(capsys, tmp_path, f
 
 @pytest.mark.parametrize("flags", [
     ["--subject", "gather"], ["--subject", "verl"], ["--subject", "{tmp}/fine.py:factory"],
-    ["--replay-impl", "moeverify.oracles.replay_faulty:fifo_recompute"],
+    ["--replay-impl", "moeverify.oracles.replay.faulty:fifo_recompute"],
     ["--replay-impl", "{tmp}/fine.py:factory"],
 ])
 def test_run_accepts_every_documented_subject_and_replay_impl_form(capsys, tmp_path, flags):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moeverify.errors import SubjectError
-from moeverify.oracles.merge import TensorMerge, bits, hex_bits
+from moeverify.oracles.export.merge import TensorMerge, bits, hex_bits
 from moeverify.oracles.results import Tally
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.oracles import replay_checks as rc
-from moeverify.oracles import replay_compare as cmp
-from moeverify.oracles.replay_drive import Batches, PassResult, local_microbatches
-from moeverify.oracles.replay_variants import DEFAULT_VARIANTS, VARIANTS, select
+from moeverify.oracles.replay import checks as rc
+from moeverify.oracles.replay import compare as cmp
+from moeverify.oracles.replay.drive import Batches, PassResult, local_microbatches
+from moeverify.oracles.replay.variants import DEFAULT_VARIANTS, VARIANTS, select
 from moeverify.oracles.results import Tally
 from moeverify.layout import Layout
 from moeverify.routes import Routes
@@ -203,14 +203,14 @@ def test_select_variants_default_full_and_unknown():
 
 
 def test_replay_options_reject_unknown_subcheck():
-    from moeverify.oracles.replay import ReplayOptions
+    from moeverify.oracles.replay.setup import ReplayOptions
 
     with pytest.raises(UsageError, match=r"unknown replay subcheck or recompute mode \['bogus'\]"):
         ReplayOptions.from_options({"replay_subchecks": ["equivalence", "bogus"]})
 
 
 def test_replay_options_microbatches_follow_interleaving():
-    from moeverify.oracles.replay import ReplayOptions
+    from moeverify.oracles.replay.setup import ReplayOptions
 
     opts = ReplayOptions.from_options({})
     assert opts.num_microbatches(Layout()) == 3
@@ -218,14 +218,14 @@ def test_replay_options_microbatches_follow_interleaving():
 
 
 def test_make_impl_unknown_name_rejected():
-    from moeverify.oracles.replay_impls import make_impl
+    from moeverify.oracles.replay.impls import make_impl
 
     with pytest.raises(UsageError, match="replay implementation 'bogus' is not moeverify, native, verl, package.module:attr"):
         make_impl("bogus")
 
 
 def test_make_impl_factory_must_return_adapter():
-    from moeverify.oracles.replay_impls import make_impl
+    from moeverify.oracles.replay.impls import make_impl
 
     with pytest.raises(UsageError, match="returned dict, expected a ReplayImpl"):
         make_impl("builtins:dict")
@@ -235,7 +235,7 @@ def test_load_verl_router_replay_patch_skips_verl_init():
     import sys
 
     pytest.importorskip("megatron.core")
-    from moeverify.oracles.replay_impls import load_verl_router_replay_patch
+    from moeverify.oracles.replay.impls import load_verl_router_replay_patch
 
     module = load_verl_router_replay_patch()
     assert hasattr(module, "apply_router_replay_patch")

@@ -43,7 +43,7 @@ from torch.distributed import distributed_c10d
 from megatron.core import parallel_state as ps
 from moeverify import runtime
 from moeverify.layout import Layout
-from moeverify.oracles.export_wire import control_group
+from moeverify.oracles.export.wire import control_group
 runtime.init("cpu")
 def threads():
     return len(os.listdir("/proc/self/task"))

@@ -12,7 +12,7 @@ import collections
 
 import torch
 
-from moeverify.oracles.merge import SHOW_INDICES, TensorMerge
+from moeverify.oracles.export.merge import SHOW_INDICES, TensorMerge
 from moeverify.oracles.results import Tally
 
 SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeverify.oracles.export_rows import DeferredSlots, ShardRow, Slot
+from moeverify.oracles.export.rows import DeferredSlots, ShardRow, Slot
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ def _rewrap(row: ShardRow, fn, *, table=None) -> ShardRow:
 
 
 def _flip_low_bit(values: torch.Tensor, index: int) -> torch.Tensor:
-    from moeverify.oracles.merge import bits
+    from moeverify.oracles.export.merge import bits
 
     out = values.clone()
     b = bits(out)

@@ -28,15 +28,11 @@ from typing import Any
 import torch
 
 from moeverify import plugins
-from moeverify.oracles import export_wire as wire
-from moeverify.oracles.export_collect import SUBCHECKS, Collector, new_tallies
-from moeverify.oracles.export_rows import (DeferredSlots, DrainedRow, Piece, ShardRow, Slot, drain, iterate_subject,
-                                          pieces)
+from moeverify.oracles.export import wire
+from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
+from moeverify.oracles.export.rows import DrainedRow, Piece, drain, iterate_subject, pieces
 from moeverify.oracles.results import Tally
 from moeverify.options import SUBJECTS
-
-__all__ = ["ShardRow", "Slot", "DeferredSlots", "SubjectContext", "load_subject", "run", "run_subject",
-           "SUBCHECKS", "checkpoint_shapes"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SubjectContext:

@@ -1,6 +1,6 @@
 """The replay subchecks' comparisons: what one rank observed vs what it should have, into Tallies.
 
-Plain tensors and ``PassResult``s only (no Megatron import); ``replay.py`` runs the passes.
+Plain tensors and ``PassResult``s only (no Megatron import); ``subchecks`` runs the passes.
 Legend of shape suffixes: T = tokens (router order), E = experts, K = top-k, B = sequences.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeverify.oracles.replay_compare import (agreement, compare_maps, describe_mismatch, map_from_topk_ids,
+from moeverify.oracles.replay.compare import (agreement, compare_maps, describe_mismatch, map_from_topk_ids,
                                               same_experts, topk_ids_from_map, close_within, bitwise_equal)
 from moeverify.oracles.results import Tally
 from moeverify.routes import Routes

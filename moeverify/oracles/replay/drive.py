@@ -26,7 +26,7 @@ import torch
 
 from moeverify import views
 from moeverify.layout import Layout
-from moeverify.oracles.replay_impls import ReplayImpl, find_routers
+from moeverify.oracles.replay.impls import ReplayImpl, find_routers
 from moeverify.routes import Routes
 
 
@@ -94,7 +94,7 @@ class PassResult:
     routes: object = None  # Routes recorded by the implementation (record passes)
 
     def topk_ids(self, layer: int, mb: int) -> torch.Tensor:
-        from moeverify.oracles.replay_compare import topk_ids_from_map
+        from moeverify.oracles.replay.compare import topk_ids_from_map
 
         return topk_ids_from_map(self.routing[(layer, mb)][0])
 

@@ -1,7 +1,7 @@
 """Deliberately broken replay implementations (mutants) that the replay oracles must catch.
 
 Each is Megatron-Core's native ``RouterReplay`` driven like ``NativeReplay`` with one classic RL
-router-replay bug. Select one with ``--replay-impl moeverify.oracles.replay_faulty:NAME``; the test
+router-replay bug. Select one with ``--replay-impl moeverify.oracles.replay.faulty:NAME``; the test
 suite asserts the named subcheck fails for each (an oracle that cannot fail proves nothing).
 
 - ``wrong_microbatch``: replays micro-batch ``mb + 1``'s routes in micro-batch ``mb``.
@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from moeverify.oracles.replay_impls import MoeverifyReplay, NativeReplay
+from moeverify.oracles.replay.impls import MoeverifyReplay, NativeReplay
 
 
 class _WrongMicrobatch(NativeReplay):

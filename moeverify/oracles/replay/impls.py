@@ -16,7 +16,7 @@ through the same schedule and only talk to it through this interface:
 Implementations: ``moeverify`` (moeverify.patches.router_replay), ``native`` (Megatron-Core's
 ``RouterReplay`` enabled by ``moe_enable_routing_replay``), ``verl`` (verl 0.9.1's
 ``router_replay_patch``, loaded by file path so that ``verl/__init__`` never runs), or
-``module:factory`` for a user's own adapter (for example the mutants in ``replay_faulty``).
+``module:factory`` for a user's own adapter (for example the mutants in ``faulty``).
 
 Legend of shape suffixes: T = tokens (router order), K = top-k.
 """

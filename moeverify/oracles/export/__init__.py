@@ -1,0 +1,19 @@
+"""The export differential oracle (docs/export.md): a subject's per-tensor export vs Megatron-Bridge.
+
+The public names subjects and users import are re-exported here (``from moeverify.oracles.export
+import ShardRow``). Modules, one concept each:
+
+- ``oracle``: ``run`` / ``run_subject`` on every rank: lockstep, per-row headers, pieces to rank 0;
+- ``rows``: what a subject yields (``ShardRow``, ``Slot``, ``DeferredSlots``) and its validation;
+- ``wire``: the collectives (JSON gathers, chunked point-to-point pieces) on a dedicated gloo group;
+- ``merge``: one HF tensor assembled from pieces and compared bit for bit (plain tensors);
+- ``collect``: rank 0's open merges, reference tensors in hand and the final subchecks;
+- ``mutants``: injected export bugs, each shown to fail its named subchecks.
+"""
+
+from moeverify.oracles.export.collect import SUBCHECKS
+from moeverify.oracles.export.oracle import SubjectContext, checkpoint_shapes, load_subject, run, run_subject
+from moeverify.oracles.export.rows import DeferredSlots, ShardRow, Slot
+
+__all__ = ["ShardRow", "Slot", "DeferredSlots", "SubjectContext", "load_subject", "run", "run_subject",
+           "SUBCHECKS", "checkpoint_shapes"]

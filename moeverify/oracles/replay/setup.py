@@ -1,0 +1,144 @@
+"""What the replay oracles share: options, exact builds, per-variant setup, guarded subchecks.
+
+A ``Setup`` is what every subcheck of one router variant needs on this rank: the options, the
+implementation under test, the variant, the scenario layout and this rank's micro-batches. Models
+are built in fp32 without dropout (``build``), so passes can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeverify import views
+from moeverify.errors import UsageError
+from moeverify.layout import Layout
+from moeverify.oracles.replay import drive as rd
+from moeverify.oracles.replay.impls import ReplayImpl, find_routers
+from moeverify.oracles.replay.variants import RouterVariant, select
+from moeverify.oracles.results import Tally
+from moeverify.options import RECOMPUTE_MODES as _RECOMPUTE_NAMES
+from moeverify.options import REPLAY_SUBCHECKS
+
+SUBCHECKS = REPLAY_SUBCHECKS  # declared in moeverify.options (validated there without torch)
+RECOMPUTE_MODES = {
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+}
+assert tuple(RECOMPUTE_MODES) == _RECOMPUTE_NAMES, "moeverify.options.RECOMPUTE_MODES is out of date"
+# fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
+_EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+              hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayOptions:
+    impl: str = "moeverify"
+    variants: tuple[RouterVariant, ...] = ()
+    subchecks: tuple[str, ...] = SUBCHECKS
+    recompute: tuple[str, ...] = tuple(RECOMPUTE_MODES)
+    seq_len: int = 16
+    batch: int = 2
+    microbatches: int | None = None  # default: 3, or 2 * pp under interleaving (the schedule needs M % pp == 0)
+    notes_path: str | None = None  # rank 0 writes per-variant notes (drift agreement) here as JSON
+
+    @classmethod
+    def from_options(cls, options: dict) -> ReplayOptions:
+        subchecks = tuple(options.get("replay_subchecks") or SUBCHECKS)
+        recompute = tuple(options.get("replay_recompute") or RECOMPUTE_MODES)
+        bad = [s for s in subchecks if s not in SUBCHECKS] + [m for m in recompute if m not in RECOMPUTE_MODES]
+        if bad:
+            raise UsageError(f"unknown replay subcheck or recompute mode {bad}; subchecks: {', '.join(SUBCHECKS)}; "
+                             f"recompute modes: {', '.join(RECOMPUTE_MODES)}")
+        return cls(impl=str(options.get("replay_impl") or "moeverify"),
+                   variants=select(options.get("router_variants")), subchecks=subchecks, recompute=recompute,
+                   seq_len=int(options.get("replay_seq_len", 16)), batch=int(options.get("replay_batch", 2)),
+                   microbatches=options.get("replay_microbatches"), notes_path=options.get("replay_notes_path"))
+
+    def num_microbatches(self, layout: Layout) -> int:
+        if self.microbatches:
+            return int(self.microbatches)
+        return 2 * layout.pp if layout.vpp_chunks > 1 else 3
+
+
+@dataclasses.dataclass(kw_only=True)
+class Setup:
+    """What every subcheck of one variant shares on this rank."""
+
+    ctx: object
+    opts: ReplayOptions
+    impl: ReplayImpl
+    variant: RouterVariant
+    layout: Layout
+    coords: views.RankCoords
+    batches: rd.Batches
+    items: list
+
+    @property
+    def prefix(self) -> str:
+        return f"[{self.variant.name}] "
+
+
+def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None = None) -> list:
+    from moeverify import models
+
+    scenario = setup.ctx.scenario
+    built = models.build(scenario.family, layout, seed=scenario.seed,
+                         overrides={**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})})
+    if setup.variant.random_expert_bias:
+        _seed_expert_bias(built.model_chunks, seed=scenario.seed)
+    return built.model_chunks
+
+
+def _seed_expert_bias(chunks: list, *, seed: int) -> None:
+    """Seeded non-zero expert biases (a fresh model's are zeros, which would not steer routing)."""
+    for layer, (_, router) in find_routers(chunks).items():
+        if router.expert_bias is not None:
+            gen = torch.Generator().manual_seed(7919 * (seed + 1) + layer)
+            with torch.no_grad():
+                router.expert_bias.copy_(0.1 * torch.randn(router.expert_bias.shape, generator=gen))
+
+
+def perturb_routers(chunks: list, *, seed: int) -> None:
+    """Add seeded noise of the weights' own scale to every router weight (identical on every rank)."""
+    for layer, (_, router) in find_routers(chunks).items():
+        gen = torch.Generator().manual_seed(104_729 * (seed + 1) + layer)
+        with torch.no_grad():
+            w = router.weight
+            w.add_(w.detach().float().std() * torch.randn(w.shape, generator=gen).to(w.device, w.dtype))
+
+
+def num_layers(chunks: list) -> int:
+    return int(chunks[0].config.num_layers)
+
+
+def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant, coords: views.RankCoords) -> Setup:
+    scenario, layout = ctx.scenario, ctx.scenario.layout
+    batches = rd.Batches(seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.num_microbatches(layout),
+                         dp=layout.dp(ctx.world_size), vocab_size=_vocab_size(scenario.family), seed=scenario.seed,
+                         padding=variant.padding)
+    items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
+    return Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
+                 batches=batches, items=items)
+
+
+def guarded(setup: Setup, tallies: dict[str, Tally], fn, *args):
+    """``fn(*args)``; an exception fails the subchecks in ``tallies`` (those that depend on it) instead.
+
+    An implementation that refuses or crashes on a variant fails that variant (verl raises
+    ValueError on sqrtsoftplus, for example). Routing config is identical on every rank, so such
+    errors are raised symmetrically; a one-rank error ends in the collective timeout.
+    """
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        for t in tallies.values():
+            t.fail(f"{setup.prefix}{type(e).__name__}: {str(e)[:500]}")
+        return None
+
+
+def _vocab_size(family: str) -> int:
+    from moeverify.models import hf_config_dict
+
+    return int(hf_config_dict(family)["vocab_size"])

@@ -1,0 +1,237 @@
+"""The seven replay subchecks of one router variant (what each proves: ``oracle``'s docstring).
+
+``variant_on_layout`` runs equivalence, native_parity, drift, recompute, backward_order and
+validation under the scenario layout; ``reference`` and ``cross_layout`` make the 1-rank reference
+routes and replay them under the scenario layout. Every function fills the tallies it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from moeverify import runtime, views
+from moeverify.layout import Layout
+from moeverify.oracles.replay import checks as rc
+from moeverify.oracles.replay import drive as rd
+from moeverify.oracles.replay import setup as st
+from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
+from moeverify.oracles.results import Tally
+from moeverify.routes import Routes
+
+
+def reference(setup: st.Setup) -> tuple[object, dict]:
+    """cross_layout reference: global routes and per-sequence losses of a 1-rank layout (dp = world).
+
+    Every rank runs the same global micro-batches (``dp_scenario * B`` sequences) on an unsplit model;
+    data parallelism has no forward collectives, so the result is a world-1 run made in each worker.
+    """
+    one = Layout()
+    scn_dp = setup.layout.dp(setup.ctx.world_size)
+    glob = dataclasses.replace(setup.batches, batch=setup.batches.batch * scn_dp, dp=1)
+    items = rd.local_microbatches(glob, one, dp_rank=0, cp_rank=0)
+    with runtime.parallel(one, seed=setup.ctx.scenario.seed):
+        chunks = st.build(setup, one, overrides=setup.impl.overrides())
+        setup.impl.bind(chunks)
+        logprob = rd.record_pass(chunks, items, seq_len=glob.seq_len, impl=setup.impl)
+        plain = rd.run_pass(chunks, items, seq_len=glob.seq_len, forward_only=True)
+        shape = st.num_layers(chunks)
+        global_routes = views.to_global({views.rank_coords(one, rank=0, world_size=1): logprob.routes}, one,
+                                        world_size=1, seq_len=glob.seq_len, batch=glob.batch, num_layers=shape,
+                                        moe_layers=logprob.routes.layers)
+    return global_routes, plain.seq_loss
+
+
+def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
+    """equivalence, native_parity, drift, recompute of one variant (scenario's model-parallel state set).
+
+    Returns the routes recorded under the scenario layout (cross_layout compares them to the reference).
+    """
+    opts, impl, p, seq = setup.opts, setup.impl, setup.prefix, setup.batches.seq_len
+    want = set(opts.subchecks)
+    chunks = st.build(setup, setup.layout, overrides=impl.overrides())
+    impl.bind(chunks)
+    plain = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
+    logprob = rd.record_pass(chunks, setup.items, seq_len=seq, impl=impl)
+    routes = logprob.routes
+    replayed = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
+    if "equivalence" in want:
+        t = tallies["equivalence"]
+        rc.check_recorded(t, routes, plain, prefix=p + "recorded vs plain pass: ")
+        rc.compare_passes(t, plain, replayed, prefix=p + "replay vs plain pass: ")
+        for msg in impl.check_consumed(recompute=False):
+            t.fail(p + msg)
+    if "native_parity" in want:
+        st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
+                   tallies["native_parity"], routes, replayed)
+    dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
+    if dependent:
+        st.guarded(setup, dependent, _drift_and_recompute, setup, tallies, chunks, routes, notes)
+    for name, fn in (("backward_order", _backward_order), ("validation", _validation)):
+        if name in want:
+            st.guarded(setup, {name: tallies[name]}, fn, setup, tallies[name])
+    return routes
+
+
+@contextlib.contextmanager
+def _hand_loop_layout(setup: st.Setup):
+    """The layout hand-written loops run under: the scenario's without PP/VPP, else a nested 1-rank one."""
+    if setup.layout.pp == 1 and setup.layout.vpp_chunks == 1:
+        yield setup.layout, setup.items
+        return
+    one = Layout()
+    glob = dataclasses.replace(setup.batches, dp=1)
+    with runtime.parallel(one, seed=setup.ctx.scenario.seed):
+        yield one, rd.local_microbatches(glob, one, dp_rank=0, cp_rank=0)
+
+
+def _backward_order(setup: st.Setup, t: Tally) -> None:
+    if setup.impl.recompute_unsupported:
+        t.fail(f"{setup.prefix}{setup.impl.name} cannot replay in recompute: {setup.impl.recompute_unsupported}")
+        return
+    seq, impl = setup.batches.seq_len, setup.impl
+    with _hand_loop_layout(setup) as (layout, items):
+        chunks = st.build(setup, layout, overrides=impl.overrides())
+        impl.bind(chunks)
+        routes = rd.record_pass(chunks, items, seq_len=seq, impl=impl).routes
+        st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+        for order in rd.BACKWARD_ORDERS:
+            p = f"{setup.prefix}backward={order}: "
+            _set_full_recompute(chunks, False)
+            plain = rd.loop_pass(chunks, items, seq_len=seq, impl=impl, routes=routes, order=order)
+            _set_full_recompute(chunks, True)
+            try:
+                got = rd.loop_pass(chunks, items, seq_len=seq, impl=impl, routes=routes, order=order)
+            finally:
+                _set_full_recompute(chunks, False)
+            rc.check_recompute_identity(t, got, microbatches=len(items), prefix=p)
+            rc.compare_passes(t, plain, got, prefix=p + "vs the same loop without recompute: ")
+
+
+def _set_full_recompute(chunks: list, on: bool) -> None:
+    """Switch full recompute (read by the decoder at every forward) on or off for a built model."""
+    configs = {id(m.config): m.config for chunk in chunks for m in chunk.modules()
+               if hasattr(getattr(m, "config", None), "recompute_granularity")}
+    for config in configs.values():
+        for key, value in st.RECOMPUTE_MODES["full"].items():
+            setattr(config, key, value if on else None)
+
+
+def _bad_routes(routes, layer: int, microbatch: int) -> dict[str, object]:
+    """Named corruptions of ``routes`` in ``layer``'s ``microbatch`` (built without validation)."""
+    good_TK = routes.get(layer, microbatch).to(torch.int64)
+    E, K = routes.num_experts, routes.topk
+
+    def swap(tensor):
+        data = {lay: [routes.get(lay, mb) for mb in range(routes.microbatches)] for lay in routes.layers}
+        data[layer][microbatch] = tensor
+        return Routes.unchecked(data, num_experts=E, topk=K)
+
+    dup_TK, out_TK = good_TK.clone(), good_TK.clone()
+    dup_TK[0, 1:] = dup_TK[0, 0]
+    out_TK[0, 0] = E
+    extra = {lay: [routes.get(lay, mb) for mb in range(routes.microbatches)] for lay in routes.layers}
+    extra[max(routes.layers) + 1] = [routes.get(layer, mb) for mb in range(routes.microbatches)]
+    bad = {"short table": swap(good_TK[:-1]), "float ids": swap(good_TK.float()),
+           "id out of range": swap(out_TK), "another model's layer count": Routes.unchecked(extra, num_experts=E,
+                                                                                             topk=K)}
+    if K > 1:
+        bad["expert twice in a row"] = swap(dup_TK)
+    return bad
+
+
+def _validation(setup: st.Setup, t: Tally) -> None:
+    impl, one = setup.impl, Layout()
+    glob = dataclasses.replace(setup.batches, dp=1)
+    with runtime.parallel(one, seed=setup.ctx.scenario.seed):
+        items = rd.local_microbatches(glob, one, dp_rank=0, cp_rank=0)
+        chunks = st.build(setup, one, overrides=impl.overrides())
+        impl.bind(chunks)
+        routes = rd.record_pass(chunks, items, seq_len=glob.seq_len, impl=impl).routes
+        layer = routes.layers[0]
+        for case, bad in _bad_routes(routes, layer, 0).items():
+            # Control first, on a model a failed forward has not left half-way (dispatchers keep state):
+            # the valid routes must route the layer, else a refusal below would prove nothing.
+            routed, error = _one_forward(chunks, items[0], impl=impl, routes=routes)
+            if error is not None:
+                chunks = st.build(setup, one, overrides=impl.overrides())
+                impl.bind(chunks)
+                routed, error = _one_forward(chunks, items[0], impl=impl, routes=routes)
+            if not t.check(error is None and (layer, 0) in routed,
+                           f"{setup.prefix}validation: the control forward with valid routes failed ({error})"):
+                return
+            routed, error = _one_forward(chunks, items[0], impl=impl, routes=bad)
+            t.check(error is not None and (layer, 0) not in routed,
+                    f"{setup.prefix}validation: {impl.name} accepted routes with {case} (layer {layer} mb 0) and "
+                    f"routed tokens with them (then: {error or 'no error'}); expected a refusal before routing")
+
+
+def _one_forward(chunks: list, item, *, impl: ReplayImpl, routes) -> tuple[set, str | None]:
+    """One forward of ``item`` under ``impl.replay(routes)``: the (layer, mb) the routers completed, and the
+    error it ended with (None when it finished)."""
+    probe = rd.RouterProbe(chunks)
+    try:
+        with torch.no_grad(), impl.replay(routes), probe:
+            rd.forward_one(chunks[0], 0, item, impl=impl, probe=probe)
+    except Exception as exc:  # noqa: BLE001 - any refusal counts; what matters is whether the layer routed
+        return set(probe.forward), f"{type(exc).__name__}: {str(exc)[:160]}"
+    return set(probe.forward), None
+
+
+def _drift_and_recompute(setup: st.Setup, tallies: dict[str, Tally], chunks: list, routes, notes: dict) -> None:
+    """Perturb the router weights of ``chunks``; drift on them, then recompute on fresh perturbed builds."""
+    p, seq, impl = setup.prefix, setup.batches.seq_len, setup.impl
+    st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+    native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
+    drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
+    if "drift" in tallies:
+        t = tallies["drift"]
+        counts = rc.drift_agreement(routes, native)
+        rc.check_drift_moved(t, counts, prefix=p)
+        rc.check_follows(t, routes, drifted, prefix=p, what="recorded")
+        notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
+    if "recompute" in tallies:
+        st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
+                   drifted)
+
+
+def _native_parity(setup: st.Setup, t: Tally, routes, replayed) -> None:
+    native_impl = NativeReplay()
+    with pristine():
+        chunks = st.build(setup, setup.layout, overrides=native_impl.overrides())
+        native_impl.bind(chunks)
+        native = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl, routes=routes)
+    rc.compare_passes(t, native, replayed, prefix=setup.prefix + "vs native RouterReplay: ")
+
+
+def cross_layout(setup: st.Setup, t: Tally, reference, own_routes, notes: dict) -> None:
+    global_routes, ref_seq_loss = reference
+    b = setup.batches
+    chunks = st.build(setup, setup.layout, overrides=setup.impl.overrides())
+    setup.impl.bind(chunks)
+    local = views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
+                           num_layers=st.num_layers(chunks))
+    got = rd.replay_pass(chunks, setup.items, seq_len=b.seq_len, impl=setup.impl, routes=local)
+    rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference")
+    rc.check_losses_close(t, got, ref_seq_loss, dp_rank=setup.coords.dp, batch=b.batch, prefix=setup.prefix)
+    if own_routes is not None:
+        notes["native_vs_reference_agreement"] = {str(k): v for k, v in rc.layer_agreement(local, own_routes).items()}
+
+
+def _recompute(setup: st.Setup, t: Tally, routes, drifted) -> None:
+    if setup.impl.recompute_unsupported:
+        t.fail(f"{setup.prefix}{setup.impl.name} cannot replay in recompute: {setup.impl.recompute_unsupported}")
+        return
+    for mode in setup.opts.recompute:
+        p = f"{setup.prefix}recompute={mode}: "
+        chunks = st.build(setup, setup.layout, overrides=setup.impl.overrides(), extra=st.RECOMPUTE_MODES[mode])
+        st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
+        setup.impl.bind(chunks)
+        got = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=setup.impl, routes=routes)
+        # root causes (routes of the recompute calls) first, their consequences (gradients) after
+        rc.check_recompute_calls(t, got, microbatches=routes.microbatches, prefix=p)
+        for msg in setup.impl.check_consumed(recompute=True):
+            t.fail(p + msg)
+        rc.compare_passes(t, drifted, got, prefix=p + "vs no-recompute replay: ")
