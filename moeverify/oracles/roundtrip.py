@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from moeverify.oracles.export.merge import bits, hex_bits
+from moeverify.oracles.bits import compare_bits
 from moeverify.oracles.results import Tally
 
-SHOW = 5
+SHOW = 5  # names quoted per key_set failure
 
 
 def source_files(hf_path: Path) -> dict[str, Path]:
@@ -30,20 +28,6 @@ def source_files(hf_path: Path) -> dict[str, Path]:
     single = hf_path / "model.safetensors"
     with safe_open(str(single), "pt") as f:
         return {name: single for name in f.keys()}
-
-
-def compare_bits(name: str, expected: torch.Tensor, got: torch.Tensor) -> str | None:
-    """``None`` if ``got`` equals ``expected`` bit for bit in dtype and shape, else a message."""
-    if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
-        return (f"{name}: dtype/shape {got.dtype} {tuple(got.shape)} != expected "
-                f"{expected.dtype} {tuple(expected.shape)}")
-    a, b = bits(expected.contiguous()).flatten(), bits(got.detach().cpu().contiguous()).flatten()
-    diff = (a != b).nonzero().flatten()
-    if not diff.numel():
-        return None
-    shown = ", ".join(f"[{int(i)}] expected {hex_bits(int(a[i]), expected.dtype)} got {hex_bits(int(b[i]), expected.dtype)}"
-                      for i in diff[:SHOW])
-    return f"{name}: {diff.numel()} of {a.numel()} elements differ: {shown}"
 
 
 def run(ctx) -> dict[str, Tally]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moeverify.errors import SubjectError
-from moeverify.oracles.export.merge import TensorMerge, bits, hex_bits
+from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.results import Tally
 
 
@@ -132,12 +132,6 @@ def test_merge_bad_piece_raises(positions, values, match):
     m, _ = _merge()
     with pytest.raises(SubjectError, match=match):
         m.write(rank=1, positions_P=positions, values_P=values)
-
-
-def test_bits_bf16_and_hex():
-    x = torch.tensor([1.0], dtype=torch.bfloat16)
-    assert bits(x).dtype == torch.int16 and hex_bits(int(bits(x)[0]), torch.bfloat16) == "0x3f80"
-    assert hex_bits(-1, torch.float32) == "0xffffffff"
 
 
 def test_merge_contiguous_range_fast_path_matches_index_path():

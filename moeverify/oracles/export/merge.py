@@ -9,7 +9,7 @@ one HF tensor being assembled:
   mask: integer tensors and legitimately-NaN weights are covered or not regardless of their value.
 
 Legend: ``N`` = elements of the HF tensor, ``P`` = elements of one piece (positions and values).
-Every comparison is on raw bits (``bits``), never on float values, so ``-0.0 != 0.0`` and NaN
+Every comparison is on raw bits (``moeverify.oracles.bits``), never on float values, so ``-0.0 != 0.0`` and NaN
 payloads count, and a tensor is compared in the reference's own dtype.
 """
 
@@ -20,28 +20,11 @@ import math
 import torch
 
 from moeverify.errors import SubjectError
+from moeverify.oracles.bits import bits, hex_bits
 from moeverify.oracles.results import Tally
 
 SHOW_INDICES = 5  # first differing flat indices quoted per failure
 COMPARE_CHUNK = 1 << 22  # elements per comparison chunk, to bound temporaries
-
-_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted as an integer tensor of the same element width (no copy, no rounding)."""
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.is_complex():
-        raise TypeError(f"complex tensors are not supported (got {t.dtype})")
-    return t.view(_BITS_DTYPE[t.element_size()])
-
-
-def hex_bits(value: int, dtype: torch.dtype) -> str:
-    """An element's bit pattern as fixed-width hex for messages."""
-    width = torch.empty((), dtype=dtype).element_size() * 2
-    return f"0x{value & ((1 << (4 * width)) - 1):0{width}x}"
-
 
 def _as_index(positions) -> torch.Tensor:
     if isinstance(positions, slice):

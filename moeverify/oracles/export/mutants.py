@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from moeverify.oracles.bits import bits
 from moeverify.oracles.export.rows import DeferredSlots, ShardRow, Slot
 
 
@@ -48,8 +49,6 @@ def _rewrap(row: ShardRow, fn, *, table=None) -> ShardRow:
 
 
 def _flip_low_bit(values: torch.Tensor, index: int) -> torch.Tensor:
-    from moeverify.oracles.export.merge import bits
-
     out = values.clone()
     b = bits(out)
     b[index] ^= 1

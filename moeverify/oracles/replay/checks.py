@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from moeverify.oracles.replay.compare import (agreement, compare_maps, describe_mismatch, map_from_topk_ids,
-                                              same_experts, topk_ids_from_map, close_within, bitwise_equal)
+from moeverify.oracles.bits import bitwise_equal
+from moeverify.oracles.replay.compare import (agreement, close_within, compare_maps, describe_mismatch,
+                                              map_from_topk_ids, same_experts, topk_ids_from_map)
 from moeverify.oracles.results import Tally
 from moeverify.routes import Routes
 

@@ -4,8 +4,7 @@ Legend of shape suffixes: T = tokens (a router's own order), E = experts, K = to
 ``routing_map_TE`` is a router's boolean token -> expert assignment, ``probs_TE`` the dense
 routing probabilities (zero where not routed), ``topk_ids_TK`` the selected expert ids.
 
-Bitwise means equal raw bits in the tensor's own dtype (``-0.0 != 0.0``, NaN == NaN with the
-same payload), never "close".
+Bitwise means equal raw bits in the tensor's own dtype (``moeverify.oracles.bits``), never "close".
 """
 
 from __future__ import annotations
@@ -14,17 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-_BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` have the same shape, dtype and raw bits."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.bool or not a.is_floating_point():
-        return bool(torch.equal(a, b))
-    view = _BITS_VIEW[a.element_size()]
-    return bool(torch.equal(a.contiguous().view(view), b.contiguous().view(view)))
+from moeverify.oracles.bits import bitwise_equal, differ
 
 
 def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -35,15 +24,11 @@ def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
         return f"dtype {a.dtype} != {b.dtype}"
     if a.numel() == 0:
         return "equal (empty)"
-    if a.is_floating_point():
-        view = _BITS_VIEW[a.element_size()]
-        differ = (a.contiguous().view(view) != b.contiguous().view(view)).reshape(-1)
-    else:
-        differ = (a != b).reshape(-1)
-    count = int(differ.sum())
+    differ_N = differ(a, b)
+    count = int(differ_N.sum())
     if not count:
         return "equal"
-    i = int(differ.nonzero()[0])
+    i = int(differ_N.nonzero()[0])
     x, y = a.reshape(-1)[i].item(), b.reshape(-1)[i].item()
     extra = ""
     if a.is_floating_point():
