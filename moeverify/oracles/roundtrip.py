@@ -8,26 +8,13 @@ one tensor at a time, reading the source lazily.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from moeverify.oracles.bits import compare_bits
+from moeverify.oracles.checkpoint import tensor_files
 from moeverify.oracles.results import Tally
 
 SHOW = 5  # names quoted per key_set failure
-
-
-def source_files(hf_path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file of an HF checkpoint directory (single file or indexed shards)."""
-    index = hf_path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: hf_path / fname for name, fname in weight_map.items()}
-    from safetensors import safe_open
-
-    single = hf_path / "model.safetensors"
-    with safe_open(str(single), "pt") as f:
-        return {name: single for name in f.keys()}
 
 
 def run(ctx) -> dict[str, Tally]:
@@ -35,7 +22,7 @@ def run(ctx) -> dict[str, Tally]:
 
     built = ctx.model()
     tallies = {"bitwise": Tally(), "key_set": Tally()}
-    files = source_files(built.hf_path) if ctx.rank == 0 else {}
+    files = tensor_files(built.hf_path) if ctx.rank == 0 else {}
     exported: list[str] = []
     handles: dict[Path, object] = {}
     try:

@@ -11,8 +11,9 @@ import ShardRow``). Modules, one concept each:
 - ``mutants``: injected export bugs, each shown to fail its named subchecks.
 """
 
+from moeverify.oracles.checkpoint import checkpoint_shapes
 from moeverify.oracles.export.collect import SUBCHECKS
-from moeverify.oracles.export.oracle import SubjectContext, checkpoint_shapes, load_subject, run, run_subject
+from moeverify.oracles.export.oracle import SubjectContext, load_subject, run, run_subject
 from moeverify.oracles.export.rows import DeferredSlots, ShardRow, Slot
 
 __all__ = ["ShardRow", "Slot", "DeferredSlots", "SubjectContext", "load_subject", "run", "run_subject",

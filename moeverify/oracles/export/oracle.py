@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import traceback
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from moeverify import plugins
+from moeverify.oracles.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
 from moeverify.oracles.export.rows import DrainedRow, Piece, drain, iterate_subject, pieces
@@ -51,22 +51,6 @@ class SubjectContext:
 def load_subject(name: str):
     """The factory for ``bridge``, ``sharded``, ``gather``, ``verl``, ``module:factory`` or ``file.py:factory``."""
     return plugins.load(name, what="subject", builtins=SUBJECTS)
-
-
-def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the source checkpoint's tensors, read from safetensors headers only."""
-    from safetensors import safe_open
-
-    hf_path = Path(hf_path)
-    index = hf_path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
-    paths = [hf_path / f for f in files] if files else sorted(hf_path.glob("*.safetensors"))
-    shapes = {}
-    for p in paths:
-        with safe_open(str(p), framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
 
 
 def subject_context(ctx) -> SubjectContext:

@@ -1,0 +1,30 @@
+"""The one HF checkpoint reader: the index's weight_map when there is one, else the files' own headers."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moeverify.errors import MoEVerifyError
+from moeverify.oracles.checkpoint import checkpoint_shapes, tensor_files
+
+
+def test_tensor_files_single_file_lists_its_tensors(tmp_path):
+    save_file({"a": torch.zeros(2, 3), "b": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    assert tensor_files(tmp_path) == {"a": tmp_path / "model.safetensors", "b": tmp_path / "model.safetensors"}
+    assert checkpoint_shapes(tmp_path) == {"a": (2, 3), "b": (4,)}
+
+
+def test_tensor_files_index_weight_map_decides(tmp_path):
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(1, 5)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert tensor_files(tmp_path) == {name: tmp_path / f for name, f in weight_map.items()}
+    assert checkpoint_shapes(str(tmp_path)) == {"a": (2,), "b": (1, 5)}
+
+
+def test_tensor_files_empty_directory_refused(tmp_path):
+    with pytest.raises(MoEVerifyError, match="no model.safetensors.index.json and no \\*.safetensors file"):
+        tensor_files(tmp_path)
