@@ -49,6 +49,7 @@ from moeverify.patches import replay_state as state
 from moeverify.patches.autopatch_dump import JobDump
 from moeverify.views import job_layout
 from moeverify.patches import router_replay as rr
+from moeverify.patches.routers import global_layer
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
 MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
@@ -129,7 +130,7 @@ class BuildOrder:
             router = ref()
             if router is None or router.layer_number is None:
                 continue
-            layer = rr.global_layer(router)
+            layer = global_layer(router)
             if last is None or layer <= last:
                 models.append([])
             models[-1].append(router)
@@ -138,7 +139,7 @@ class BuildOrder:
 
     def model_of(self, router) -> tuple[int, list[list]]:
         if "_moeverify_built" not in router.__dict__:
-            raise UsageError(f"{ENV}: a TopKRouter (layer {rr.global_layer(router)}) was built before "
+            raise UsageError(f"{ENV}: a TopKRouter (layer {global_layer(router)}) was built before "
                              "moeverify.patches.autopatch was installed; start the job through "
                              "`python -m moeverify.patches.autopatch SCRIPT` or import it before building models")
         models = self.models()
@@ -149,7 +150,7 @@ class BuildOrder:
 
 
 def _describe(models: list[list]) -> str:
-    return "; ".join(f"model {i}: layers {[rr.global_layer(r) for r in routers]}" for i, routers in enumerate(models))
+    return "; ".join(f"model {i}: layers {[global_layer(r) for r in routers]}" for i, routers in enumerate(models))
 
 
 class ProcessSession:
@@ -203,7 +204,7 @@ class ProcessSession:
         """``rr.set_fallback`` binder: ``(state, layer)`` for the selected model's routers, None for others."""
         if router in self._native:
             return None
-        layer = rr.global_layer(router)
+        layer = global_layer(router)
         held = self._bound.get(layer)
         current = held() if held is not None else None
         if current is not router:

@@ -9,9 +9,10 @@ Megatron's own routing function a replay object through the ``router_replay=`` h
 Megatron-Core 0.16+ consults where it computes the top-k), so scores, probabilities, aux losses,
 token dropping and expert-bias counts are all Megatron's code; only the selected ids change.
 
-Sessions key routers by global layer number (0-based; an MTP layer ``i`` is ``num_layers + i``),
-found from each router's own ``layer_number``, and hold them through weak references: routers of
-other models are never touched, and a rebuilt model needs a new session.
+Sessions key routers by global layer number (0-based; an MTP layer ``i`` is ``num_layers + i``), found
+by the one router finder (``moeverify.patches.routers``) from each router's own ``layer_number``, and
+hold them through weak references: routers of other models are never touched, and a rebuilt model
+needs a new session.
 
 Recompute: a routing call made while autograd runs a backward pass is a recompute. It is matched
 to the forward it repeats by the checkpointed region both ran in (``moeverify.patches.regions``),
@@ -32,6 +33,7 @@ from moeverify.errors import EnvironmentProblem, RouteError, UsageError
 from moeverify.patches import compat
 from moeverify.patches import regions
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
+from moeverify.patches.routers import find_routers
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
 from moeverify.routes import Routes, validate_topk_ids
 
@@ -108,32 +110,6 @@ def is_applied() -> bool:
     return _ORIGINAL_ROUTING is not None
 
 
-def _routers_of(model_chunks) -> list:
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
-    if not chunks:
-        raise UsageError("ReplaySession needs at least one model chunk")
-    found, seen = [], set()
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, TopKRouter) and id(module) not in seen:
-                seen.add(id(module))
-                found.append(module)
-    return found
-
-
-def global_layer(router) -> int:
-    """0-based global layer number of a router; an MTP router of depth ``i`` is ``num_layers + i``."""
-    number = router.layer_number
-    if number is None:
-        raise UsageError("a TopKRouter has no layer_number (built outside a TransformerLayer); call "
-                         "router.set_layer_number(n) with its 1-based global layer number")
-    if getattr(router, "is_mtp_layer", False):
-        return router.config.num_layers + number - 1
-    return number - 1
-
-
 def refuse_config(config, layer: int, *, disable_fusion: bool) -> None:
     mode = RoutingMode.from_config(config)
     if disable_fusion:
@@ -159,19 +135,20 @@ class ReplaySession:
     """
 
     def __init__(self, model_chunks, *, disable_fusion: bool = False):
-        routers = _routers_of(model_chunks)
-        if not routers:
+        if not isinstance(model_chunks, torch.nn.Module):
+            model_chunks = list(model_chunks)
+            if not model_chunks:
+                raise UsageError("ReplaySession needs at least one model chunk")
+        found = find_routers(model_chunks)
+        if not found:
             raise UsageError("ReplaySession found no TopKRouter in the model chunks (a dense model has nothing "
                              "to replay)")
-        self._routers: dict[int, weakref.ref] = {}
+        routers = [router for _, router in found.values()]
         for router in routers:
             if "router_replay" not in router.__dict__:
                 raise EnvironmentProblem(f"a {type(router).__name__} has no router_replay attribute; expected "
                                          "megatron-core >= 0.16's TopKRouter.__init__ (it sets one)")
-            layer = global_layer(router)
-            if layer in self._routers:
-                raise UsageError(f"two routers claim global layer {layer}; pass the chunks of one model only")
-            self._routers[layer] = weakref.ref(router)
+        self._routers: dict[int, weakref.ref] = {layer: weakref.ref(router) for layer, (_, router) in found.items()}
         shapes = {(r.num_experts, r.topk) for r in routers}
         if len(shapes) > 1:
             raise UsageError(f"routers of one session disagree on (num_experts, topk): {sorted(shapes)}")

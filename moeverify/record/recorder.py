@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.patches.router_replay import global_layer
+from moeverify.patches.routers import find_routers, global_layer
 from moeverify.record.format import ModelInfo
 from moeverify.record.writer import RankWriter
 
@@ -42,12 +42,8 @@ def model_info(config) -> ModelInfo:
 
 
 def _routers(model_chunks: Sequence[torch.nn.Module]) -> list:
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    found = []
-    for chunk in model_chunks:
-        found.extend(m for m in chunk.modules() if isinstance(m, TopKRouter))
-    return found
+    # the one finder: each router once, two claiming one global layer refused
+    return [router for _, router in find_routers(model_chunks).values()]
 
 
 class RouteRecorder:

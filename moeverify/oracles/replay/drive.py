@@ -26,7 +26,8 @@ import torch
 
 from moeverify import views
 from moeverify.layout import Layout
-from moeverify.oracles.replay.impls import ReplayImpl, find_routers
+from moeverify.oracles.replay.impls import ReplayImpl
+from moeverify.patches.routers import find_routers
 from moeverify.routes import Routes
 
 

@@ -37,7 +37,7 @@ import torch
 from moeverify import plugins
 from moeverify.errors import MoEVerifyError, UsageError
 from moeverify.options import REPLAY_IMPLS
-from moeverify.patches.router_replay import global_layer as rr_global_layer
+from moeverify.patches.routers import find_routers
 from moeverify.routes import Routes
 
 IMPLS = REPLAY_IMPLS  # declared in moeverify.options
@@ -80,23 +80,6 @@ class ReplayImpl(abc.ABC):
 
     def check_consumed(self, *, recompute: bool) -> list[str]:
         return []
-
-
-def find_routers(model_chunks: list) -> dict[int, tuple[int, torch.nn.Module]]:
-    """``{global layer (0-based): (chunk index, TopKRouter)}`` of the decoder's routers (MTP excluded)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    found: dict[int, tuple[int, torch.nn.Module]] = {}
-    for c, chunk in enumerate(model_chunks):
-        root = getattr(chunk, "module", chunk)
-        decoder = getattr(root, "decoder", root)
-        for module in decoder.modules():
-            if isinstance(module, TopKRouter) and not getattr(module, "is_mtp_layer", False):
-                layer = rr_global_layer(module)
-                if layer in found:
-                    raise MoEVerifyError(f"two routers claim global layer {layer}")
-                found[layer] = (c, module)
-    return found
 
 
 class ActionReplay(ReplayImpl):

@@ -15,7 +15,8 @@ from moeverify import views
 from moeverify.errors import UsageError
 from moeverify.layout import Layout
 from moeverify.oracles.replay import drive as rd
-from moeverify.oracles.replay.impls import ReplayImpl, find_routers
+from moeverify.oracles.replay.impls import ReplayImpl
+from moeverify.patches.routers import find_routers
 from moeverify.oracles.replay.variants import RouterVariant, select
 from moeverify.oracles.results import Tally
 from moeverify.options import RECOMPUTE_MODES as _RECOMPUTE_NAMES
