@@ -4,14 +4,15 @@ write docs/replay_matrix.md from the records.
     python tools/replay_matrix.py                 # run everything, then render
     python tools/replay_matrix.py --render-only   # re-render from the JSON kept in --work
 
-Each run is ``python -m torch.distributed.run -m moeverify.oracles.replay_main`` (one implementation
-per process: verl's patch replaces TopKRouter methods process-wide). Variant tables run every router
+Each run is ``moeverify run`` on a one-scenario file written to ``--work`` (one implementation per
+process: verl's patch replaces TopKRouter methods process-wide). Variant tables run every router
 variant on ``--variant-layout`` (2 ranks); layout tables run the ``default`` variant on each layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moeverify.layout import Layout, parse_layout_name  # noqa: E402
 from moeverify.oracles.replay.oracle import SUBCHECKS  # noqa: E402
 from moeverify.oracles.replay.variants import VARIANTS  # noqa: E402
 
@@ -101,7 +103,8 @@ training forward of a router with expert bias that is given a padding mask raise
 broadcast a dimension of length T"), whichever replay implementation is used (DeepSeek-V3's `padding`
 rows). Fix: `routing_map & ~padding_mask.unsqueeze(-1)`. Reproduction: any DeepSeek-V3 (sigmoid + expert
 bias) MoE layer called with `padding_mask` in training mode, e.g.
-`python -m moeverify.oracles.replay_main deepseek_v3/tp1 --impl native --variants padding`.
+`moeverify run` on the scenario `{family: deepseek_v3, world_size: 1, checks: [replay],
+options: {replay_impl: native, router_variants: [padding]}}`.
 
 **CPU ranks (gloo)**: with batched p2p (`batch_p2p_comm=True`, Megatron's default) PP2 x VPP2 training
 passes exchange activation and gradient messages with the same peer in the wrong order: micro-batches
@@ -114,13 +117,19 @@ build with `batch_p2p_comm=False` on CPU.
 def _run(work: Path, *, impl: str, family: str, layout: str, nproc: int, variants: str, timeout: int) -> Path:
     tag = f"{impl}__{family}__{layout}__{variants.replace(',', '+')}"
     notes, record, log = work / f"{tag}.notes.json", work / f"{tag}.json", work / f"{tag}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "moeverify.oracles.replay_main", f"{family}/{layout}", "--impl", impl, "--variants", variants,
-           "--json", str(record), "--notes", str(notes)]
+    parsed, _ = parse_layout_name(layout)
+    fields = {k: v for k, v in dataclasses.asdict(parsed).items() if v != getattr(Layout(), k)}
+    options = {"replay_impl": impl, "replay_notes_path": str(notes),
+               "router_variants": "full" if variants == "full" else variants.split(",")}
+    scenario = {"family": family, "world_size": nproc, "layout": fields, "checks": ["replay"], "options": options}
+    scenario_file = work / f"{tag}.yaml"
+    scenario_file.write_text(json.dumps({"version": 1, "scenarios": [scenario]}))  # JSON is YAML
+    cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(record),
+           "--run-dir", str(work / f"{tag}.run"), "--timeout", str(timeout)]
     start = time.monotonic()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout + 180).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     print(f"{tag}: exit {rc} in {time.monotonic() - start:.0f}s", flush=True)
@@ -144,8 +153,8 @@ def _load(work: Path, *, impl: str, family: str, layout: str, variants: str) -> 
         return json.loads(path.read_text())
     record = path.with_name(path.name.replace(".notes.json", ".json"))
     if record.exists():  # the run crashed before writing notes: report its error on every variant
-        data = json.loads(record.read_text())
-        return {"crashed": data.get("error") or "no notes written"}
+        records = json.loads(record.read_text())  # the runner's list: one record, this scenario's replay
+        return {"crashed": (records[0].get("error") if records else None) or "no notes written"}
     return None
 
 

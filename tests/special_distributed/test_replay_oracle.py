@@ -1,10 +1,12 @@
-"""The replay check under torchrun (gloo, CPU ranks): each implementation passes on 1 and 2 ranks for
-both MoE families, and every mutant makes its subcheck fail with the reason.
+"""The replay check under the runner (``moeverify run``, torchrun, gloo CPU ranks): each implementation passes
+on 1 and 2 ranks for both MoE families, and every mutant makes its subcheck fail with the reason.
 
-Each case launches ``python -m torch.distributed.run -m moeverify.oracles.replay_main`` with a
-timeout; a failing case prints the record and the tail of the ranks' output.
+Each case writes a one-scenario file to ``tmp_path`` and runs ``python -m moeverify run FILE --json OUT``
+(the runner's per-scenario deadline, per-rank stacks and blame included) in a subprocess with a timeout;
+a failing case prints the record and the tail of the runner's output.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -15,16 +17,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "900"))
+_RUNS = itertools.count()
 
 
-def run_replay(tmp_path: Path, scenario: str, *, nproc: int, impl: str, extra: tuple[str, ...] = ()) -> dict:
-    """Run the replay check on ``scenario``; return rank 0's record (asserting the run produced one)."""
-    out = tmp_path / f"{scenario.replace('/', '_')}-{impl.rsplit(':', 1)[-1]}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "moeverify.oracles.replay_main", scenario, "--impl", impl, "--json", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert out.exists(), f"no record from {' '.join(cmd)} (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text())
+def run_replay(tmp_path: Path, family: str, *, world_size: int, impl: str, layout: dict | None = None,
+               options: dict | None = None) -> dict:
+    """Run the replay check on one scenario through the runner; return its record (asserting there is one)."""
+    tag = f"{family}-{impl.rsplit(':', 1)[-1]}-{next(_RUNS)}"
+    scenario = {"family": family, "world_size": world_size, "layout": layout or {}, "checks": ["replay"],
+                "options": {"replay_impl": impl, **(options or {})}}
+    scenario_file, out = tmp_path / f"{tag}.yaml", tmp_path / f"{tag}.json"
+    scenario_file.write_text(json.dumps({"version": 1, "scenarios": [scenario]}))  # JSON is YAML
+    cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(out),
+           "--run-dir", str(tmp_path / f"{tag}.run"), "--timeout", str(TIMEOUT_S)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S + 180)
+    output = (proc.stdout + proc.stderr)[-4000:]
+    assert out.exists(), f"no records from {' '.join(cmd)} (exit {proc.returncode}):\n{output}"
+    records = json.loads(out.read_text())
+    assert len(records) == 1 and records[0]["check"] == "replay", f"{records}\n{output}"
+    (record,) = records
+    assert proc.returncode == (0 if record["passed"] else 1), f"exit {proc.returncode} for {record}\n{output}"
+    return record
 
 
 def _summary(record: dict) -> str:
@@ -43,10 +56,10 @@ PEER_FINDINGS = {"backward_order": "it replayed another micro-batch's routes",
 
 
 @pytest.mark.parametrize("impl", ["moeverify", "native", "verl"])
-@pytest.mark.parametrize("scenario,nproc", [("qwen3_moe/tp1", 1), ("qwen3_moe/ep2", 2),
-                                            ("deepseek_v3/tp1", 1), ("deepseek_v3/ep2", 2)])
-def test_replay_check_passes_for_impl(tmp_path, scenario, nproc, impl):
-    record = run_replay(tmp_path, scenario, nproc=nproc, impl=impl)
+@pytest.mark.parametrize("family,world_size,layout", [("qwen3_moe", 1, {}), ("qwen3_moe", 2, {"ep": 2}),
+                                                       ("deepseek_v3", 1, {}), ("deepseek_v3", 2, {"ep": 2})])
+def test_replay_check_passes_for_impl(tmp_path, family, world_size, layout, impl):
+    record = run_replay(tmp_path, family, world_size=world_size, layout=layout, impl=impl)
     assert set(record["subchecks"]) == SUBCHECKS
     assert all(sub["checked"] > 0 for sub in record["subchecks"].values()), _summary(record)
     findings = PEER_FINDINGS if impl != "moeverify" else {}
@@ -68,28 +81,27 @@ def test_replay_check_passes_for_impl(tmp_path, scenario, nproc, impl):
 ])
 def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
     if mutant == "fifo_recompute":  # moeverify's queue-order twin passes recompute (backward in forward order)
-        passing = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1, impl=f"moeverify.oracles.replay.faulty:{mutant}",
-                             extra=("--subchecks", "recompute", "--recompute", "full"))
+        passing = run_replay(tmp_path, "qwen3_moe", world_size=1, impl=f"moeverify.oracles.replay.faulty:{mutant}",
+                             options={"replay_subchecks": ["recompute"], "replay_recompute": ["full"]})
         assert passing["passed"], _summary(passing)
-    record = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1, impl=f"moeverify.oracles.replay.faulty:{mutant}",
-                        extra=("--subchecks", subcheck))
+    record = run_replay(tmp_path, "qwen3_moe", world_size=1, impl=f"moeverify.oracles.replay.faulty:{mutant}",
+                        options={"replay_subchecks": [subcheck]})
     sub = record["subchecks"][subcheck]
     assert not record["passed"] and not sub["passed"], _summary(record)
     assert any(reason in f for f in sub["failures"]), _summary(record)
 
 
 def test_replay_mutant_no_recompute_replay_reports_unconsumed_routes(tmp_path):
-    record = run_replay(tmp_path, "qwen3_moe/tp1", nproc=1,
-                        impl="moeverify.oracles.replay.faulty:no_recompute_replay",
-                        extra=("--subchecks", "recompute", "--recompute", "full"))
+    record = run_replay(tmp_path, "qwen3_moe", world_size=1, impl="moeverify.oracles.replay.faulty:no_recompute_replay",
+                        options={"replay_subchecks": ["recompute"], "replay_recompute": ["full"]})
     failures = record["subchecks"]["recompute"]["failures"]
     assert any("recompute route(s) never consumed" in f for f in failures), _summary(record)
 
 
 def test_replay_mutant_on_two_ranks_names_the_rank(tmp_path):
     # drift: few failures per rank (one per layer and micro-batch), so rank 1's fit in the kept 50
-    record = run_replay(tmp_path, "deepseek_v3/ep2", nproc=2, impl="moeverify.oracles.replay.faulty:wrong_microbatch",
-                        extra=("--subchecks", "drift"))
+    record = run_replay(tmp_path, "deepseek_v3", world_size=2, layout={"ep": 2},
+                        impl="moeverify.oracles.replay.faulty:wrong_microbatch", options={"replay_subchecks": ["drift"]})
     failures = record["subchecks"]["drift"]["failures"]
     assert not record["passed"]
     assert any(f.startswith("rank 1 ") for f in failures), _summary(record)
