@@ -4,6 +4,7 @@ Python API (DESIGN.md, Routing dumps)::
 
     from moeverify import record
     record.save("dump/", routes, step=0)        # any Routes; appends a new step to an existing dump
+    record.save("dump/", routes, step=1, seq_len=S, batch=B, order="router")  # with the token order recorded
     dump = record.load("dump/")                  # validated; DumpError on anything corrupt
     dump.routes(step=0)                          # merged global Routes
     report = record.diff(dump.routes(), other)   # agreement, overlap@k, first divergent layer, load
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from moeverify.errors import DumpError
+from moeverify.errors import DumpError, UsageError
 from moeverify.layout import Layout
 from moeverify.record.diff import DiffReport, diff, diff_stream
 from moeverify.record.format import MANIFEST, SCHEMA, VERSION, ModelInfo, ids_dtype_for
@@ -38,15 +39,19 @@ __all__ = ["Dump", "DiffReport", "ModelInfo", "RankCoords", "RankWriter", "SCHEM
 
 def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: int | None = None,
          moe_layers: Sequence[int] | None = None, seq_len: int | Sequence[int] | None = None,
-         batch: int | None = None, probs: Mapping[int, Sequence[torch.Tensor]] | None = None,
-         coords: RankCoords | None = None, layout: Layout | None = None, world_size: int = 1,
-         zigzag: bool = True) -> Path:
+         batch: int | None = None, order: str | None = None,
+         probs: Mapping[int, Sequence[torch.Tensor]] | None = None, coords: RankCoords | None = None,
+         layout: Layout | None = None, world_size: int = 1, zigzag: bool = True) -> Path:
     """Write ``routes`` as step ``step`` of the dump at ``path`` (created, or appended to) and finalise it.
 
     Args:
         routes: global routes (one process), or this rank's local routes with ``coords``/``layout``.
         num_layers, moe_layers: model shape; default: the layers ``routes`` hold (last one + 1 layers).
         seq_len, batch: micro-batch geometry; needed to merge more than one rank.
+        order: the token order of ``routes``, required with ``seq_len`` and ``batch`` > 1 (the two orders differ
+            then, and a wrong guess reads back as other tokens): ``"router"`` (Megatron's ``s * B + b``:
+            ``session.routes()``, a rank's ``RouteRecorder`` routes, ``views.to_local``) or ``"sequence"``
+            (``b * S + s``: ``Dump.routes()``, rollout engines; one process's global routes only).
         probs: optional ``{layer: [probs_TK per micro-batch]}`` router probabilities.
 
     With ``world_size > 1`` every rank calls ``save``; under an initialised torch.distributed group
@@ -54,6 +59,7 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
     once all ranks have saved.
     """
     path = Path(path)
+    routes = _router_order(routes, seq_len=seq_len, batch=batch, order=order, world_size=world_size)
     default_layers = max(routes.layers) + 1 if routes.layers else 1
     model = ModelInfo(num_layers=num_layers if num_layers is not None else default_layers,
                       moe_layers=tuple(moe_layers if moe_layers is not None else routes.layers),
@@ -71,3 +77,40 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
     elif world_size == 1:
         finalize(path, world_size=1)
     return path
+
+
+def _router_order(routes: Routes, *, seq_len, batch: int | None, order: str | None, world_size: int) -> Routes:
+    """``routes`` in the router order a dump stores, from the order the caller states (never a guess)."""
+    from moeverify.record.order import ORDERS, to_router_order
+
+    if order is not None and order not in ORDERS:
+        raise UsageError(f"save: order {order!r} is not one of {', '.join(ORDERS)}")
+    if seq_len is None or batch is None:
+        if order is not None:
+            raise UsageError(f"save: order={order!r} needs seq_len and batch (the geometry that maps the order)")
+        return routes
+    if order is None:
+        if batch == 1:
+            return routes  # one sequence per micro-batch: both orders list the same tokens
+        raise UsageError(f"save: with seq_len and batch {batch} say which order the routes are in: order='router' "
+                         "(s * B + b: session.routes(), RouteRecorder, views.to_local) or order='sequence' (b * S + s: "
+                         "Dump.routes(), rollout engines); the dump stores router order")
+    if world_size == 1:
+        _check_tokens(routes, seq_len=seq_len, batch=batch)
+    if order == "router":
+        return routes
+    if world_size > 1:
+        raise UsageError("save: order='sequence' is for one process's global routes; a rank of a multi-rank job saves "
+                         "its local routes, which are in router order (order='router')")
+    return to_router_order(routes, seq_len=seq_len, batch=batch, where="save")
+
+
+def _check_tokens(routes: Routes, *, seq_len, batch: int) -> None:
+    lens = [seq_len] * routes.microbatches if isinstance(seq_len, int) else list(seq_len)
+    if len(lens) != routes.microbatches:
+        raise UsageError(f"save: {len(lens)} seq_len value(s) for {routes.microbatches} micro-batch(es)")
+    for layer in routes.layers:
+        for mb, length in enumerate(lens):
+            if routes.get(layer, mb).shape[0] != length * batch:
+                raise UsageError(f"save: layer {layer} micro-batch {mb}: {routes.get(layer, mb).shape[0]} tokens != "
+                                 f"seq_len {length} x batch {batch} = {length * batch}")

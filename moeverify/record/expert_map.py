@@ -35,6 +35,7 @@ from moeverify.errors import UsageError
 from moeverify.routes import Routes
 
 KEY = "physical_to_logical_map"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class ExpertMapError(UsageError):
@@ -203,11 +204,18 @@ def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int
 
 def _row(value, *, name: str, layer: int) -> torch.Tensor:
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value).astype(np.int64))
-    if not isinstance(value, list) or not value:
+        if value.size == 0:
+            raise ExpertMapError(f"{name}: layer {layer}: the map row is empty (shape {value.shape}); expected one "
+                                 f"logical id per physical slot")
+        wide = value.astype(object)  # exact: an unsigned or 64-bit id beyond int64 is never wrapped
+        value = [int(v) for v in wide]
+    elif not isinstance(value, list) or not value:
         raise ExpertMapError(f"{name}: layer {layer}: expected a non-empty list of logical ids, got "
                              f"{type(value).__name__} {value!r:.60}")
     for slot, v in enumerate(value):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool):
             raise ExpertMapError(f"{name}: layer {layer} slot {slot}: {v!r} is not an integer logical id")
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise ExpertMapError(f"{name}: layer {layer} slot {slot}: logical id {v} out of range (expected a slot "
+                                 f"number [0, slots))")
     return torch.tensor(value, dtype=torch.int64)

@@ -85,14 +85,7 @@ class Dump:
 
     def local_routes(self, *, step: int = 0, rank: int = 0) -> Routes:
         """The routes rank ``rank`` recorded in ``step``: its MoE layers, its tokens in local order."""
-        info = self._step(step)
-        layers = self._layers(rank)
-        per_layer = {layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]
-                     for layer in layers}
-        try:
-            return Routes(per_layer, num_experts=self.model.num_experts, topk=self.model.topk)
-        except RouteError as exc:
-            raise DumpError(f"{self._rank_files(rank)}: step {step}: {exc}") from None
+        return self._local(rank, step, self._layers(rank), checked=True)
 
     def local_probs(self, *, step: int = 0, rank: int = 0) -> dict[int, list[torch.Tensor]]:
         """Router probabilities ``{layer: [probs_TK per micro-batch]}`` of one rank (empty if not recorded)."""
@@ -109,20 +102,14 @@ class Dump:
     def routes(self, *, step: int = 0) -> Routes:
         """The merged global routes of ``step``: ``[tokens, topk]`` per MoE layer and micro-batch."""
         info = self._step(step)
-        local = {self.coords[r]: self.local_routes(step=step, rank=r) for r in sorted(self.coords)}
         if self.world_size == 1 and info.seq_len is None:
-            return next(iter(local.values()))
+            return self.local_routes(step=step, rank=0)
         if info.seq_len is None or info.batch is None:
             raise DumpError(f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
                             f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)")
         for rank in sorted(self.coords):
             self._check_token_ids(rank, step, info)
-        try:
-            return views.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
-                                   batch=info.batch, num_layers=self.model.num_layers,
-                                   moe_layers=self.model.moe_layers, zigzag=self.zigzag)
-        except (RouteError, LayoutError) as exc:
-            raise DumpError(f"{self.path}: step {step}: cannot merge ranks: {exc}") from None
+        return self._merged(step, info, layers=self.model.moe_layers, where=f"{self.path}: step {step}")
 
     def microbatch_tokens(self, *, step: int = 0) -> list[int]:
         """Tokens per micro-batch of ``routes(step)``, from the index alone (no data read)."""
@@ -140,27 +127,40 @@ class Dump:
         if layer not in self.model.moe_layers:
             raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the dump {list(self.model.moe_layers)}")
 
-        def local(rank: int) -> Routes:
-            held = {layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]} \
-                if layer in self._layers(rank) else {}
-            try:
-                return Routes(held, num_experts=self.model.num_experts, topk=self.model.topk)
-            except RouteError as exc:
-                raise DumpError(f"{self._rank_files(rank)}: step {step}: {exc}") from None
-
         if self.world_size == 1 and info.seq_len is None:
-            return local(0)
+            return self._local(0, step, (layer,) if layer in self._layers(0) else (), checked=True)
         self._require_geometry(step, info)
         if step not in self._token_ids_checked:
             for rank in sorted(self.coords):
                 self._check_token_ids(rank, step, info)
             self._token_ids_checked.add(step)
+        return self._merged(step, info, layers=(layer,), where=f"{self.path}: step {step}: layer {layer}")
+
+    def _local(self, rank: int, step: int, layers: tuple[int, ...], *, checked: bool) -> Routes:
+        """Rank ``rank``'s ids of ``layers`` in ``step``; ``checked=False`` leaves the ids to the merge's check."""
+        info = self._step(step)
+        held = {layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]
+                for layer in layers if layer in self._layers(rank)}
+        if not checked:
+            return Routes.unchecked(held, num_experts=self.model.num_experts, topk=self.model.topk)
         try:
-            return views.to_global({self.coords[r]: local(r) for r in sorted(self.coords)}, self.layout,
-                                   world_size=self.world_size, seq_len=info.seq_len, batch=info.batch,
-                                   num_layers=self.model.num_layers, moe_layers=(layer,), zigzag=self.zigzag)
+            return Routes(held, num_experts=self.model.num_experts, topk=self.model.topk)
+        except RouteError as exc:
+            raise DumpError(f"{self._rank_files(rank)}: step {step}: {exc}") from None
+
+    def _merged(self, step: int, info: StepInfo, *, layers: tuple[int, ...], where: str) -> Routes:
+        """The ranks' ``layers`` merged to the global view. The ids are validated once, as merged: every rank's
+        row is in the merged view (replicas are compared equal first). On a failure each rank's tensors are
+        checked on their own, so that the message names the file."""
+        local = {self.coords[r]: self._local(r, step, layers, checked=False) for r in sorted(self.coords)}
+        try:
+            return views.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
+                                   batch=info.batch, num_layers=self.model.num_layers, moe_layers=layers,
+                                   zigzag=self.zigzag)
         except (RouteError, LayoutError) as exc:
-            raise DumpError(f"{self.path}: step {step}: layer {layer}: cannot merge ranks: {exc}") from None
+            for rank in sorted(self.coords):
+                self._local(rank, step, layers, checked=True)  # raises naming the rank's file, if the ids are bad
+            raise DumpError(f"{where}: cannot merge ranks: {exc}") from None
 
     def _require_geometry(self, step: int, info: StepInfo) -> None:
         if info.seq_len is None or info.batch is None:

@@ -23,8 +23,8 @@ def _routes(seed=0, *, tokens=24, layers=(0, 1, 2), experts=8, topk=2, microbatc
 def two_dumps(tmp_path):
     a = _routes(0)
     b = a.replace(1, 0, torch.cat([a.get(1, 0)[:20], a.get(1, 0)[20:].flip(0)]))  # last 4 tokens swapped around
-    record.save(tmp_path / "a", a, seq_len=12, batch=2)  # the geometry gives the dump its token order
-    record.save(tmp_path / "b", b, seq_len=12, batch=2)
+    record.save(tmp_path / "a", a, order="router", seq_len=12, batch=2)  # the geometry gives the dump its token order
+    record.save(tmp_path / "b", b, order="router", seq_len=12, batch=2)
     return tmp_path / "a", tmp_path / "b", a, b
 
 
@@ -161,7 +161,7 @@ def test_cli_diff_lines_up_router_order_and_sequence_order_token_for_token(tmp_p
 
     seq_len, batch = 16, 2
     router_order = _routes(3, tokens=seq_len * batch)
-    record.save(tmp_path / "train", router_order, seq_len=seq_len, batch=batch)
+    record.save(tmp_path / "train", router_order, order="router", seq_len=seq_len, batch=batch)
     sequence = to_sequence_order(router_order, order="router", seq_len=seq_len, batch=batch)
     np.save(tmp_path / "rollout.npy", _stacked(sequence))
     assert not torch.equal(sequence.get(0, 0), router_order.get(0, 0))  # the orders really differ
@@ -182,7 +182,7 @@ def test_cli_convert_records_the_token_order_it_is_given(tmp_path, capsys):
 
     seq_len, batch = 8, 3
     router_order = _routes(4, tokens=seq_len * batch)
-    record.save(tmp_path / "train", router_order, seq_len=seq_len, batch=batch)
+    record.save(tmp_path / "train", router_order, order="router", seq_len=seq_len, batch=batch)
     np.save(tmp_path / "seq.npy", _stacked(to_sequence_order(router_order, order="router", seq_len=seq_len,
                                                              batch=batch)))
     assert main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8"]) == 2

@@ -2,6 +2,7 @@
 agreement into 100 %; maps that are no valid mapping, and tokens holding two replicas of one expert, are refused."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -47,8 +48,8 @@ def sides(tmp_path):
     logical = _logical()
     physical = _physical(logical, {0: MAP, 2: MAP_L2})
     assert any(int(physical.get(layer, mb).max()) >= E for layer in LAYERS for mb in range(2))
-    record.save(tmp_path / "logical", logical, seq_len=SEQ, batch=BATCH, num_layers=NUM_LAYERS)
-    record.save(tmp_path / "physical", physical, seq_len=SEQ, batch=BATCH, num_layers=NUM_LAYERS)
+    record.save(tmp_path / "logical", logical, order="router", seq_len=SEQ, batch=BATCH, num_layers=NUM_LAYERS)
+    record.save(tmp_path / "physical", physical, order="router", seq_len=SEQ, batch=BATCH, num_layers=NUM_LAYERS)
     (tmp_path / "map.json").write_text(json.dumps({"0": MAP, "2": MAP_L2}))
     return tmp_path, logical, physical
 
@@ -169,7 +170,8 @@ def test_two_replicas_of_one_logical_expert_in_a_token_are_a_finding_not_dedupli
     tmp_path, logical, physical = sides
     ids = physical.get(2, 1).clone()
     ids[5] = torch.tensor([3, 10])  # layer 2 maps slot 10 to logical 3: the token routes to expert 3 twice
-    record.save(tmp_path / "dup", physical.replace(2, 1, ids), seq_len=SEQ, batch=BATCH, num_layers=NUM_LAYERS)
+    record.save(tmp_path / "dup", physical.replace(2, 1, ids), order="router", seq_len=SEQ, batch=BATCH,
+                num_layers=NUM_LAYERS)
     for engine in ([], ["--in-memory"]):
         capsys.readouterr()
         assert _diff(tmp_path, "--expert-map-b", str(tmp_path / "map.json"), *engine, b="dup")[0] == 2
@@ -285,3 +287,25 @@ def test_a_rollout_map_onto_another_logical_expert_count_is_refused(sides, capsy
     assert main(["dump", "diff", str(tmp_path / "logical"), str(tmp_path / "rollout.npz"), "--rollout",
                  "--expert-map-b", str(tmp_path / "nine.json")]) == 2
     assert "nine.json: maps onto 9 logical experts, the training side has 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,array,match", [
+    ("empty", np.zeros((0,), dtype=np.int64), r"layer 0: the map row is empty \(shape \(0,\)\)"),
+    ("empty-rows", np.zeros((2, 0), dtype=np.int64), r"layer 0: the map row is empty \(shape \(0,\)\)"),
+    ("no-rows", np.zeros((0, P), dtype=np.int64), r"0 row\(s\) fit neither the 2 MoE layers"),
+    ("uint64", np.array(MAP[:-1] + [2**64 - 1], dtype=np.uint64), r"layer 0 slot 10: logical id 18446744073709551615 "
+                                                                    r"out of range"),
+])
+def test_bad_npy_maps_are_refused_not_raised_raw(sides, capsys, name, array, match):
+    tmp_path = sides[0]
+    np.save(tmp_path / f"{name}.npy", array)
+    capsys.readouterr()
+    assert _diff(tmp_path, "--expert-map-b", str(tmp_path / f"{name}.npy"))[0] == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_json_map_id_beyond_int64_is_refused_not_raised_raw(sides, capsys):
+    tmp_path = sides[0]
+    (tmp_path / "big.json").write_text(json.dumps(MAP[:-1] + [2**70]))
+    assert _diff(tmp_path, "--expert-map-b", str(tmp_path / "big.json"))[0] == 2
+    assert "layer 0 slot 10: logical id 1180591620717411303424 out of range" in capsys.readouterr().err

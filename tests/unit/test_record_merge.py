@@ -124,8 +124,8 @@ def test_save_per_rank_without_process_group_then_finalize(tmp_path):
     global_routes = _global_routes(2 * BATCH * SEQ_LEN, microbatches=1)
     for coords in all_rank_coords(layout, world_size=2):
         local = to_local(global_routes, layout, coords=coords, seq_len=SEQ_LEN, batch=BATCH, num_layers=NUM_LAYERS)
-        record.save(tmp_path, local, step=4, coords=coords, layout=layout, world_size=2, seq_len=SEQ_LEN,
-                    batch=BATCH, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS)
+        record.save(tmp_path, local, step=4, coords=coords, layout=layout, world_size=2, order="router",
+                    seq_len=SEQ_LEN, batch=BATCH, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS)
     assert not (tmp_path / "manifest.json").exists()  # no process group: the caller finalises after all ranks
     record.finalize(tmp_path)
     assert record.load(tmp_path).routes(step=4) == global_routes

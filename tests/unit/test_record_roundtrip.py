@@ -127,3 +127,49 @@ def test_parse_tensor_name_rejects_foreign_names():
     assert fmt.parse_tensor_name("step2/mb1/positions") == (2, 1, None, "positions")
     with pytest.raises(DumpError, match="tensor name 'weights' is not"):
         fmt.parse_tensor_name("weights")
+
+
+@pytest.mark.parametrize("read", ["routes", "layer_routes"])
+def test_reader_validates_each_tensor_once(tmp_path, monkeypatch, read):
+    import moeverify.routes as routes_mod
+
+    routes = _routes(experts=8, microbatches=2)
+    record.save(tmp_path / "d", routes, seq_len=6, batch=2, order="router")
+    dump = record.load(tmp_path / "d")
+    calls = []
+    real = routes_mod.validate_topk_ids
+    monkeypatch.setattr(routes_mod, "validate_topk_ids", lambda *a, **k: calls.append(k["layer"]) or real(*a, **k))
+    if read == "routes":
+        assert dump.routes(step=0).microbatches == 2
+        assert sorted(calls) == [1, 1, 3, 3]  # one check per (layer, micro-batch), not one per read and one per merge
+    else:
+        dump.layer_routes(step=0, layer=3)
+        assert calls == [3, 3]
+
+
+def test_save_with_geometry_requires_the_token_order(tmp_path):
+    from moeverify.errors import UsageError
+
+    routes = _routes(experts=8, tokens=12, microbatches=1)
+    with pytest.raises(UsageError, match=r"with seq_len and batch 2 say which order the routes are in: "
+                                         r"order='router'.*order='sequence'"):
+        record.save(tmp_path / "d", routes, seq_len=6, batch=2)
+    with pytest.raises(UsageError, match=r"order='router' needs seq_len and batch"):
+        record.save(tmp_path / "d", routes, order="router")
+    with pytest.raises(UsageError, match=r"layer 1 micro-batch 0: 12 tokens != seq_len 5 x batch 2 = 10"):
+        record.save(tmp_path / "d", routes, seq_len=5, batch=2, order="router")
+    with pytest.raises(UsageError, match=r"order='sequence' is for one process's global routes"):
+        record.save(tmp_path / "d", routes, seq_len=6, batch=2, order="sequence", world_size=2)
+    assert not (tmp_path / "d").exists()
+    record.save(tmp_path / "one", routes, seq_len=12, batch=1)  # one sequence per micro-batch: both orders agree
+
+
+def test_save_sequence_order_reads_back_as_given(tmp_path):
+    from moeverify.record.order import to_sequence_order
+
+    router = _routes(experts=8, tokens=12, microbatches=2)
+    sequence = to_sequence_order(router, order="router", seq_len=6, batch=2)
+    record.save(tmp_path / "r", router, seq_len=6, batch=2, order="router")
+    record.save(tmp_path / "s", sequence, seq_len=6, batch=2, order="sequence")
+    assert record.load(tmp_path / "r").routes() == sequence  # Dump.routes() is sequence order
+    assert record.load(tmp_path / "s").routes() == sequence  # so saving what it returns round-trips

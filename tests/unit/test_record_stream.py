@@ -133,8 +133,8 @@ def _pair(tmp_path, *, tokens=24, seq_len=6, batch=4, layers=(0, 1, 3, 6), exper
           fraction=0.15):
     a = _random(tokens, layers, experts=experts, topk=topk, microbatches=microbatches, seed=4)
     b = _perturbed(a, fraction=fraction, seed=5)
-    record.save(tmp_path / "a", a, seq_len=seq_len, batch=batch)
-    record.save(tmp_path / "b", b, seq_len=seq_len, batch=batch)
+    record.save(tmp_path / "a", a, order="router", seq_len=seq_len, batch=batch)
+    record.save(tmp_path / "b", b, order="router", seq_len=seq_len, batch=batch)
     return a, b
 
 
@@ -184,8 +184,8 @@ def test_512_experts_top22_round_trip_through_save_load_and_diff(tmp_path):
     a = _random(40, (0, 3), experts=512, topk=22, microbatches=2, seed=8)
     a = a.replace(3, 1, torch.cat([torch.arange(511, 511 - 22, -1)[None], a.get(3, 1)[1:]]))  # ids up to 511
     b = _perturbed(a, fraction=0.25, seed=9)
-    record.save(tmp_path / "a", a, seq_len=20, batch=2)
-    record.save(tmp_path / "b", b, seq_len=20, batch=2)
+    record.save(tmp_path / "a", a, order="router", seq_len=20, batch=2)
+    record.save(tmp_path / "b", b, order="router", seq_len=20, batch=2)
     da, db = record.load(tmp_path / "a"), record.load(tmp_path / "b")
     assert da.manifest["ids_dtype"] == "int16"
     assert da.local_routes(step=0) == a
@@ -218,8 +218,9 @@ def test_cli_diff_streams_by_default_and_in_memory_on_request_with_the_same_reco
 
 def test_cli_diff_refuses_sides_cut_into_different_sequences(tmp_path, capsys):
     a = _random(24, (0, 1), experts=8, topk=2)
-    record.save(tmp_path / "a", a, seq_len=12, batch=2)
-    record.save(tmp_path / "b", a, seq_len=6, batch=4)  # the same 24 ids, other sequences: not the same tokens
+    record.save(tmp_path / "a", a, order="router", seq_len=12, batch=2)
+    # the same 24 ids, other sequences: not the same tokens
+    record.save(tmp_path / "b", a, order="router", seq_len=6, batch=4)
     assert main(["dump", "diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert "into sequences of seq_len [12] x batch 2" in err and "seq_len [6] x batch 4" in err
