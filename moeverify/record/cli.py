@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moeverify.errors import UsageError
 from moeverify.files import atomic_write
-from moeverify.record.cli_errors import EXIT_DIFF, EXIT_USAGE, guarded, out_path
+from moeverify.record.cli_errors import EXIT_DIFF, EXIT_USAGE, guarded, out_path, refuse_options
 from moeverify.record.convert_command import FROM, TO, cmd_convert
 from moeverify.record.diff_command import cmd_diff
 from moeverify.record.order import ORDERS
@@ -36,7 +36,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = verbs.add_parser("diff", help="compare two routings of the same tokens, layer by layer")
     p.add_argument("a", metavar="A", help="dump directory, or .npy/.npz [tokens, layers, topk] routes")
     p.add_argument("b", metavar="B", help="dump directory, or .npy/.npz routes")
-    p.add_argument("--step", type=_non_negative, default=0, metavar="S", help="step of A (default 0)")
+    p.add_argument("--step", type=_non_negative, metavar="S", help="step of A when it is a dump or an export "
+                   "(default 0; an export of one step: that step)")
     p.add_argument("--step-b", type=_non_negative, metavar="S", help="step of B (default: --step)")
     p.add_argument("--json", metavar="OUT", help="write the diff record as JSON")
     p.add_argument("--plot", metavar="PNG", help="write the disagreement heatmap and expert-load bars")
@@ -76,11 +77,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--to", dest="dst_format", choices=TO, help="DST format (default: npz if DST ends .npz)")
     p.add_argument("--num-experts", type=_positive, metavar="E", help="experts per layer (default: max id + 1)")
     p.add_argument("--moe-layers", type=_int_list, metavar="L,L,...", help="global MoE layer numbers of the "
-                   "array's layer axis (default 0..layers-1)")
+                   "array's layer axis (default 0..layers-1); with --layout, the model's MoE layers (a pipeline "
+                   "stage holding none of them may have an empty trace)")
     p.add_argument("--num-layers", type=_positive, metavar="N", help="decoder layers (default: last MoE layer + 1)")
-    p.add_argument("--step", type=_non_negative, default=0, metavar="S", help="step to write (arrays; default 0)")
-    p.add_argument("--layer-offset", type=_non_negative, default=0, metavar="N",
-                   help="added to router_trace layer numbers (a later pipeline stage's first layer)")
+    p.add_argument("--step", type=_non_negative, metavar="S", help="step to write (arrays; default 0)")
+    p.add_argument("--layer-offset", type=_non_negative, metavar="N",
+                   help="added to router_trace layer numbers (a later pipeline stage's first layer; default 0)")
+    p.add_argument("--microbatches", type=_positive, metavar="M", help="router_trace: the job's micro-batches per "
+                   "step (per rank); with it, records of activation recompute (a micro-batch routed again in "
+                   "backward) are identified by their equal ids and dropped; without it a trace that may hold them "
+                   "is refused")
     p.add_argument("--layout", metavar="NAME", help="SRC is a directory of every rank's router_trace_rank<R>.jsonl "
                    "of one job under this layout (e.g. tp2-sp, ep2, cp2, pp2; Megatron's default rank order): one "
                    "merged dump; needs --world-size, --num-layers, --seq-len (global) and --batch (per rank)")
@@ -155,6 +161,8 @@ def cmd_finalize(args) -> int:
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory")
     if args.drop_uncommitted:
+        refuse_options(args, ["--world-size"], because="--drop-uncommitted keeps what the manifest commits, whatever "
+                       "the ranks")
         dropped = drop_uncommitted(path)
         print(f"{path}: dropped " + ("; ".join(f"rank {r} step(s) {s}" for r, s in sorted(dropped.items()))
                                      if dropped else "nothing (every step was committed)"))

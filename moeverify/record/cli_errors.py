@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from moeverify.errors import MoEVerifyError
+from moeverify.errors import MoEVerifyError, UsageError
 from moeverify.files import check_output_file
 
 EXIT_DIFF = 1
@@ -29,3 +29,17 @@ def out_path(flag: str, value: str | None) -> None:
     """An output file named by ``flag`` must be writable (checked before any work)."""
     if value:
         check_output_file(flag, value)
+
+
+def refuse_options(args, flags, *, because: str) -> None:
+    """Refuse every one of ``flags`` (``"--step-b"``, ...) that was given: an option that would be silently
+    ignored is refused, naming it and why it does not apply."""
+    given = [flag for flag in flags if _given(args, flag)]
+    if given:
+        raise UsageError(f"{', '.join(given)}: {'does' if len(given) == 1 else 'do'} not apply: {because}; "
+                         f"drop {'it' if len(given) == 1 else 'them'}")
+
+
+def _given(args, flag: str) -> bool:
+    value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+    return value is not None and value is not False  # `is`: 0 is a value given, and 0 == False

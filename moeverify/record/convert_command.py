@@ -6,10 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeverify.errors import UsageError
-from moeverify.record.cli_errors import guarded
+from moeverify.record.cli_errors import guarded, refuse_options
 
 FROM = ("dump", "npy", "npz", "jsonl")
 TO = ("dump", "npz")
+
+
+_ALL = ("--num-experts", "--moe-layers", "--num-layers", "--step", "--layer-offset", "--layout", "--world-size",
+        "--order", "--seq-len", "--batch", "--microbatches")
 
 
 @guarded
@@ -25,15 +29,8 @@ def cmd_convert(args) -> int:
         raise UsageError("convert from a dump to a dump does nothing; use --to npz (or a DST ending .npz)")
     if src_format != "dump" and dst_format == "npz":
         raise UsageError(f"convert --from {src_format} writes a dump; drop --to npz or give a DST directory")
-    if not dst.resolve().parent.is_dir():
-        raise UsageError(f"{dst}: directory {dst.resolve().parent} does not exist")
-    if dst_format == "dump" and dst.exists() and not dst.is_dir():
-        raise UsageError(f"{dst} exists and is not a directory; give a new directory for the dump")
-    if dst_format == "dump" and dst.is_dir() and any(dst.iterdir()):
-        what = "already holds a dump" if (dst / record.MANIFEST).exists() else "is not empty"
-        raise UsageError(f"{dst} {what}; choose a new directory")
-    if dst_format == "npz" and dst.exists():
-        raise UsageError(f"{dst} exists; choose a new file (convert never overwrites)")
+    _check_dst(dst, dst_format)
+    _refuse_inapplicable(args, src, src_format)
     if src_format == "dump":
         dump = record.load(src)
         routes_of = None
@@ -44,37 +41,77 @@ def cmd_convert(args) -> int:
                                    physical_experts=dump.model.num_experts, what=str(src))
             routes_of = lambda step: emap.map_routes(dump.routes(step=step), where=f"{src} step {step}")  # noqa: E731
         out = importers.export_npz(dump, dst, routes_of=routes_of)
-        print(f"wrote {out}" + (f" (logical expert ids through {args.expert_map})" if routes_of else ""))
+        print(f"wrote {out}" + (f" (logical expert ids through {args.expert_map})" if routes_of else "")
+              + "; dump diff reads it back with its steps and token order")
         return 0
     if args.layout is not None:
         return _convert_trace_ranks(args, src, dst)
     order = _convert_order(args, src_format)
     if src_format == "jsonl":
-        steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset)
+        steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset or 0,
+                                            microbatches=args.microbatches)
     else:
         arrays = importers.read_arrays(src, fmt=src_format)
-        steps = {args.step: importers.routes_from_arrays(arrays, num_experts=args.num_experts,
-                                                         moe_layers=args.moe_layers, where=str(src))}
+        steps = {args.step or 0: importers.routes_from_arrays(arrays, num_experts=args.num_experts,
+                                                              moe_layers=args.moe_layers, where=str(src))}
     if args.num_layers is not None:
         _check_num_layers(args, steps)
     if args.expert_map:
         steps = _map_steps(args, steps, src)
-    if order is not None:  # store as a one-rank dump does (router order), with the geometry that maps it
-        from moeverify.record.order import to_router_order, to_sequence_order
-
-        steps = {step: to_router_order(to_sequence_order(r, order=order, seq_len=args.seq_len, batch=args.batch,
-                                                         where=f"{src} step {step}"),
-                                       seq_len=args.seq_len, batch=args.batch, where=f"{src} step {step}")
-                 for step, r in steps.items()}
     with _removed_on_failure(dst):
         for step, routes in steps.items():
             record.save(dst, routes, step=step, num_layers=args.num_layers,
                         moe_layers=args.moe_layers if src_format == "jsonl" and args.moe_layers else None,
-                        seq_len=args.seq_len if order else None, batch=args.batch if order else None)
+                        seq_len=args.seq_len if order else None, batch=args.batch if order else None, order=order)
     known = f"token order recorded (seq_len {args.seq_len}, batch {args.batch})" if order else \
         "token order NOT recorded: dump diff will refuse it unless told (--seq-len/--batch/--order here)"
     print(f"wrote {dst}: step(s) {sorted(steps)}; {known}")
     return 0
+
+
+def _check_dst(dst: Path, dst_format: str) -> None:
+    from moeverify import record
+
+    if not dst.resolve().parent.is_dir():
+        raise UsageError(f"{dst}: directory {dst.resolve().parent} does not exist")
+    if dst_format == "dump" and dst.exists() and not dst.is_dir():
+        raise UsageError(f"{dst} exists and is not a directory; give a new directory for the dump")
+    if dst_format == "dump" and dst.is_dir() and any(dst.iterdir()):
+        what = "already holds a dump" if (dst / record.MANIFEST).exists() else "is not empty"
+        raise UsageError(f"{dst} {what}; choose a new directory")
+    if dst_format == "npz" and dst.suffix != ".npz":
+        raise UsageError(f"{dst}: an export is a .npz file; give a DST ending in .npz")
+    if dst_format == "npz" and dst.exists():
+        raise UsageError(f"{dst} exists; choose a new file (convert never overwrites)")
+
+
+def _refuse_inapplicable(args, src: Path, src_format: str) -> None:
+    """Every option that would not change what this source converts to is refused, naming it."""
+    from moeverify.record import importers
+
+    if src_format == "dump":
+        refuse_options(args, _ALL, because=f"{src} is a dump, which records its own model, steps, token order and "
+                                           "layout; convert DIR OUT.npz writes them as they are")
+        return
+    if src_format == "npz" and importers.is_export(src):
+        raise UsageError(f"{src} is an export of a dump (dump convert DIR OUT.npz): convert the dump itself, or "
+                         "give the .npz to dump diff directly (it keeps the dump's steps and token order)")
+    if args.layout is not None:
+        if src_format != "jsonl":
+            raise UsageError(f"--layout reads every rank's router_trace JSONL; --from {src_format} does not apply")
+        refuse_options(args, ["--expert-map", "--layer-offset", "--step"], because="convert --layout takes "
+                       "router_trace as Megatron writes it, every step it holds, each stage's layers placed by "
+                       "--num-layers")
+    else:
+        refuse_options(args, ["--world-size"], because="it gives the ranks of --layout")
+    if src_format == "jsonl":
+        refuse_options(args, ["--step"], because="router_trace records its own steps, and every step is written")
+        if args.order not in (None, "router"):
+            raise UsageError(f"--order {args.order}: router_trace holds Megatron's router order (s * B + b), always; "
+                             "drop --order or give --order router")
+    else:
+        refuse_options(args, ["--layer-offset", "--microbatches"], because=f"they apply to router_trace JSONL, and "
+                       f"{src} is a .{src_format} array")
 
 
 def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
@@ -92,9 +129,6 @@ def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
     if missing:
         raise UsageError(f"convert --layout needs {', '.join(missing)}: the model's decoder layers place each "
                          "pipeline stage's layers, the geometry places each rank's tokens")
-    if args.order not in (None, "router") or args.expert_map or args.moe_layers or args.layer_offset or args.step:
-        raise UsageError("convert --layout takes router_trace as Megatron writes it (every step it holds): no --order "
-                         "other than router, --expert-map, --moe-layers, --layer-offset or --step")
     try:
         layout, dp = parse_layout_name(args.layout)
     except LayoutError as exc:
@@ -106,24 +140,53 @@ def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
         raise UsageError(f"--layout {args.layout} does not fit --world-size {world}: {exc}") from None
     if dp != 1 and layout.dp(world) != dp:
         raise UsageError(f"--layout {args.layout} says dp{dp}, but --world-size {world} makes dp{layout.dp(world)}")
+    moe_layers = None
+    if args.moe_layers:
+        moe_layers = sorted(set(args.moe_layers))
+        bad = [layer for layer in moe_layers if not 0 <= layer < args.num_layers]
+        if bad or len(moe_layers) != len(args.moe_layers):
+            raise UsageError(f"--moe-layers {list(args.moe_layers)}: must be distinct layers in [0, --num-layers "
+                             f"{args.num_layers})")
     by_rank = importers.read_router_trace_ranks(src, layout=layout, world_size=world, num_layers=args.num_layers,
-                                                num_experts=args.num_experts)
-    moe_layers = sorted({layer for steps in by_rank.values() for r in steps.values() for layer in r.layers})
-    experts = {r.num_experts for steps in by_rank.values() for r in steps.values()}
+                                                num_experts=args.num_experts, moe_layers=moe_layers,
+                                                microbatches=args.microbatches)
+    traced = {rank: steps for rank, steps in by_rank.items() if steps}
+    first = traced[min(traced)]
+    if moe_layers is None:
+        moe_layers = sorted({layer for steps in traced.values() for r in steps.values() for layer in r.layers})
+    experts = max(r.num_experts for r in first.values())
     with _removed_on_failure(dst):
-        for step in sorted(by_rank[0]):  # every rank writes a step, then it is committed: one step at a time
-            for rank, steps in by_rank.items():
-                record.save(dst, steps[step], step=step, num_layers=args.num_layers, moe_layers=moe_layers,
-                            seq_len=args.seq_len, batch=args.batch, world_size=world, layout=layout,
-                            coords=rank_coords(layout, rank=rank, world_size=world))
+        for step in sorted(first):  # every rank writes a step, then it is committed: one step at a time
+            for rank in range(world):
+                coords = rank_coords(layout, rank=rank, world_size=world)
+                if rank in traced:
+                    record.save(dst, traced[rank][step], step=step, num_layers=args.num_layers, moe_layers=moe_layers,
+                                seq_len=args.seq_len, batch=args.batch, order="router", world_size=world,
+                                layout=layout, coords=coords)
+                else:  # a pipeline stage without MoE layers: its geometry only
+                    _save_dense_rank(dst, step=step, microbatches=first[step].microbatches, args=args, layout=layout,
+                                     coords=coords, model=record.ModelInfo(num_layers=args.num_layers,
+                                                                           moe_layers=tuple(moe_layers),
+                                                                           num_experts=experts,
+                                                                           topk=first[step].topk))
             record.finalize(dst, world_size=world)
         merged = record.load(dst)
-        for step in sorted(by_rank[0]):
+        for step in sorted(first):
             merged.routes(step=step)  # merge now: a geometry that does not fit fails here, loudly
-    print(f"wrote {dst}: {world} ranks ({layout.name(world)}), step(s) {sorted(by_rank[0])}, "
-          f"{len(moe_layers)} MoE layers, {max(experts)} experts; token order recorded (seq_len {args.seq_len}, "
-          f"batch {args.batch} per rank)")
+    dense = sorted(set(range(world)) - set(traced))
+    print(f"wrote {dst}: {world} ranks ({layout.name(world)}), step(s) {sorted(first)}, "
+          f"{len(moe_layers)} MoE layers, {experts} experts; token order recorded (seq_len {args.seq_len}, "
+          f"batch {args.batch} per rank)" + (f"; rank(s) {dense} hold no MoE layer" if dense else ""))
     return 0
+
+
+def _save_dense_rank(dst: Path, *, step: int, microbatches: int, args, layout, coords, model) -> None:
+    from moeverify.record.writer import RankWriter
+
+    with RankWriter(dst, model=model, coords=coords, layout=layout, world_size=args.world_size, background=False,
+                    append=True) as writer:
+        for mb in range(microbatches):
+            writer.add_tokens(step=step, mb=mb, seq_len=args.seq_len, batch=args.batch)
 
 
 def _map_steps(args, steps: dict, src: Path) -> dict:

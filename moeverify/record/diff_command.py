@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moeverify.errors import UsageError
 from moeverify.files import atomic_write
-from moeverify.record.cli_errors import EXIT_DIFF, guarded, out_path
+from moeverify.record.cli_errors import EXIT_DIFF, guarded, out_path, refuse_options
 
 
 @guarded
@@ -24,9 +24,21 @@ def cmd_diff(args) -> int:
         raise UsageError("--seq-len and --batch go together")
     if args.rollout:
         return _diff_rollout(args)
+    kind_a, kind_b = _kind(args.a), _kind(args.b)
+    if kind_a == "array":
+        refuse_options(args, ["--step"], because=f"--step is A's step, and A ({args.a}) is an array of one step "
+                                                 "(B's step is --step-b)")
+    if kind_b == "array":
+        refuse_options(args, ["--step-b"], because=f"B ({args.b}) is an array of one step")
+    if not any(kind == "array" and order for kind, order in ((kind_a, args.order_a), (kind_b, args.order_b))):
+        refuse_options(args, ["--seq-len", "--batch"], because="they give the geometry of an array side given with "
+                       "--order-a/--order-b, and there is none (a dump or an export records its own)")
     a = _routes_of(args.a, args.step, order=args.order_a, args=args, flag="--order-a")
     b = _routes_of(args.b, args.step if args.step_b is None else args.step_b, order=args.order_b, args=args,
                    flag="--order-b")
+    if a.order is not None and b.order is not None:
+        refuse_options(args, ["--assume-same-order"], because="both sides' token orders are known, so they are "
+                       "lined up token for token without it")
     require_same_tokens(a, b, assume_same_order=args.assume_same_order)
     geometry = shared_geometry(a, b)
     src_a, src_b, maps = _mapped(args, a, b)
@@ -36,6 +48,18 @@ def cmd_diff(args) -> int:
     else:
         report = record.diff_stream(src_a, src_b, **sequences)
     return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps})
+
+
+def _kind(path_text: str) -> str:
+    """``dump`` (a directory), ``export`` (a .npz that ``dump convert DIR OUT.npz`` wrote) or ``array``."""
+    from moeverify.record import importers
+
+    path = Path(path_text)
+    if path.is_dir():
+        return "dump"
+    if path.suffix in (".npy", ".npz"):
+        return "export" if importers.is_export(path) else "array"
+    raise UsageError(f"{path}: neither a dump directory nor a .npy/.npz file")
 
 
 def _mapped(args, a, b):
@@ -139,14 +163,17 @@ def _diff_rollout(args) -> int:
     train_path, rollout_path = Path(args.a), Path(args.b)
     if not train_path.is_dir():
         raise UsageError(f"--rollout: A must be the training dump (a directory), got {train_path}")
-    for flag in ("order_a", "order_b", "seq_len", "batch", "assume_same_order"):
-        if getattr(args, flag):
-            raise UsageError(f"--rollout lines requests up by themselves; drop --{flag.replace('_', '-')}")
+    refuse_options(args, ["--order-a", "--order-b", "--seq-len", "--batch", "--assume-same-order"],
+                   because="--rollout lines requests up by themselves")
+    refuse_options(args, ["--step-b"], because="a rollout holds one step's requests (A's step is --step)")
+    if _kind(args.b) == "export":
+        raise UsageError(f"--rollout: {rollout_path} is an export of a dump (dump convert DIR OUT.npz), not a rollout "
+                         "engine's routed experts; compare it without --rollout")
     dump = record.load(train_path)
-    step = args.step
+    step = 0 if args.step is None else args.step
     if dump.token_order(step) is None:
         raise UsageError(f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
-                         "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=)")
+                         "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=, order=)")
     from moeverify.record import expert_map
     from moeverify.record.order import Ordered
 
@@ -175,7 +202,6 @@ def _diff_rollout(args) -> int:
     return _report(args, report, {"rollout": aligned.as_json(), "engine": "in-memory", "expert_maps": maps or None})
 
 
-
 def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str):
     """One side of a diff as a layer source (``stream``), in sequence order where its order is known
     (``order.Ordered``, with the sequences where the side knows them)."""
@@ -184,7 +210,9 @@ def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str)
     from moeverify.record.order import Ordered, to_sequence_order
 
     path = Path(path_text)
-    if path.is_dir():
+    kind = _kind(path_text)
+    if kind == "dump":
+        step = 0 if step is None else step
         if order is not None:
             raise UsageError(f"{flag}: {path} is a dump, which records its own token order; drop {flag}")
         dump = record.load(path)
@@ -193,20 +221,28 @@ def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str)
         if dump.token_order(step) is None:
             return Ordered(routes=source, source=str(path), order=None,
                            why_unknown=f"step {step} was saved without seq_len/batch, so its token order is unknown "
-                                       f"(record.save(..., seq_len=, batch=), or convert with --seq-len --batch)")
+                                       f"(record.save(..., seq_len=, batch=, order=), or convert with --seq-len "
+                                       f"--batch)")
         info = dump.steps[step]
         return Ordered(routes=source, source=str(path), order="sequence", seq_len=info.seq_len,
                        batch=dump.layout.dp(dump.world_size) * info.batch)
-    if path.suffix in (".npy", ".npz"):
-        routes = importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
-        if order is None:
+    if kind == "export":
+        if order is not None:
+            raise UsageError(f"{flag}: {path} is an export of a dump, which records its own token order; drop {flag}")
+        routes, geometry = importers.read_export(path, step=step)
+        if geometry is None:
             return Ordered(routes=stream.RoutesSource(routes), source=str(path), order=None,
-                           why_unknown=f"an array carries no token order ({flag} sequence|router)")
-        geometry = {}
-        if args.seq_len is not None:
-            geometry = {"seq_len": (args.seq_len,) * routes.microbatches, "batch": args.batch}
-        return Ordered(routes=stream.RoutesSource(to_sequence_order(routes, order=order, seq_len=args.seq_len,
-                                                                    batch=args.batch, where=str(path))),
-                       source=str(path), order="sequence", **geometry)
-    raise UsageError(f"{path}: neither a dump directory nor a .npy/.npz file")
-
+                           why_unknown="its dump's step was saved without seq_len/batch, so its token order is "
+                                       "unknown")
+        return Ordered(routes=stream.RoutesSource(routes), source=str(path), order="sequence", seq_len=geometry[0],
+                       batch=geometry[1])
+    routes = importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
+    if order is None:
+        return Ordered(routes=stream.RoutesSource(routes), source=str(path), order=None,
+                       why_unknown=f"an array carries no token order ({flag} sequence|router)")
+    geometry = {}
+    if args.seq_len is not None:
+        geometry = {"seq_len": (args.seq_len,) * routes.microbatches, "batch": args.batch}
+    return Ordered(routes=stream.RoutesSource(to_sequence_order(routes, order=order, seq_len=args.seq_len,
+                                                                batch=args.batch, where=str(path))),
+                   source=str(path), order="sequence", **geometry)

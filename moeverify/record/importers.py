@@ -3,20 +3,16 @@
 - Rollout engines (vLLM, SGLang routed-experts / R3) return ``[tokens, layers, topk]`` integer arrays:
   ``.npy`` holds one micro-batch, ``.npz`` one micro-batch per array, in key order. Loaded with
   ``allow_pickle=False``.
-- megatron-core 0.19.2's ``RouterTracer`` (``transformer/moe/router_trace.py``) writes
-  ``router_trace_rank{R}.jsonl``: one record per router call, ``{"step", "stage", "block", "layer",
-  "rank", "num_tokens", "topk", "top_indices": [[...], ...]}`` (``"mtp_idx"`` on MTP records). Its
-  ``layer`` comes from the module name ``decoder.layers.<n>``, the index within the rank's own
-  layer stack, so files of later pipeline stages need ``layer_offset``. Repeated (step, layer)
-  records are successive micro-batches.
-- ``export_npz`` writes ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays plus ``layers``.
+- megatron-core's ``RouterTracer`` JSONL: ``moeverify.record.router_trace`` (re-exported here).
+- ``export_npz`` writes ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays plus ``layers``, ``num_experts`` and
+  each step's geometry; ``read_export`` reads one step back, in the order and geometry the dump knew.
 
 Legend: N = tokens, L = layers, K = top-k.
 """
 
 from __future__ import annotations
 
-import json
+import io
 import os
 import re
 import zipfile
@@ -26,8 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeverify.errors import DumpError, RouteError
+from moeverify.errors import DumpError, RouteError, UsageError
+from moeverify.files import atomic_write
+from moeverify.record.router_trace import read_router_trace, read_router_trace_ranks
 from moeverify.routes import Routes
+
+__all__ = ["export_npz", "is_export", "read_arrays", "read_export", "read_router_trace", "read_router_trace_ranks",
+           "routes_from_arrays"]
 
 
 def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | None = None,
@@ -86,127 +87,90 @@ def read_arrays(path: str | os.PathLike, *, fmt: str | None = None) -> list[np.n
     raise DumpError(f"{path}: unknown array format {kind!r}; use npy or npz")
 
 
-def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None, step: int | None = None,
-                      layer_offset: int = 0, rank: int | None = None) -> dict[int, Routes]:
-    """``{step: Routes}`` from one ``router_trace_rank{R}.jsonl`` file (decoder records; MTP skipped); with
-    ``rank``, every record must say that rank."""
-    path = Path(path)
-    per_step: dict[int, dict[int, list[torch.Tensor]]] = {}
-    topk = None
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise DumpError(f"{path}: unreadable: {exc}") from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise TypeError(f"a JSON {type(rec).__name__}, not an object")
-            if rec.get("block", "decoder") != "decoder" or (step is not None and rec["step"] != step):
-                continue
-            rows = rec["top_indices"]
-            odd = next((v for row in rows for v in row if type(v) is not int), None) if isinstance(rows, list) else rows
-            if odd is not None:  # floats or booleans are never truncated into ids
-                raise TypeError(f"top_indices hold {odd!r}, not integer expert ids")
-            ids_TK = torch.tensor(rows, dtype=torch.int64).view(int(rec["num_tokens"]), int(rec["topk"]))
-            rec_step, layer = int(rec["step"]), int(rec["layer"]) + layer_offset
-            if rank is not None and rec.get("rank") != rank:
-                raise ValueError(f"the record says rank {rec.get('rank')!r}, the file name rank {rank}")
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise DumpError(f"{path}:{lineno}: not a router_trace record: {exc}") from None
-        if topk not in (None, ids_TK.shape[1]):
-            raise DumpError(f"{path}:{lineno}: topk {ids_TK.shape[1]} != {topk} of earlier records")
-        topk = ids_TK.shape[1]
-        if ids_TK.numel() and int(ids_TK.min()) < 0:
-            raise DumpError(f"{path}:{lineno}: layer {layer}: expert id {int(ids_TK.min())} < 0")
-        per_step.setdefault(rec_step, {}).setdefault(layer, []).append(ids_TK)
-    if not per_step:
-        raise DumpError(f"{path}: no decoder router_trace records" + ("" if step is None else f" for step {step}"))
-    if not any(t.numel() for layers in per_step.values() for mbs in layers.values() for t in mbs):
-        raise DumpError(f"{path}: the router_trace records hold no tokens (num_tokens 0 throughout)")
-    experts = num_experts
-    if experts is None:
-        experts = 1 + max(int(t.max()) for layers in per_step.values() for mbs in layers.values() for t in mbs
-                          if t.numel())
-    out = {}
-    for s, layers in sorted(per_step.items()):
-        try:
-            out[s] = Routes(layers, num_experts=experts, topk=topk)
-        except RouteError as exc:
-            raise DumpError(f"{path}: step {s}: {exc}") from None
-    return out
+EXPORT_MARK = "moeverify_export"  # [1]: version of the export's own layout
+_EXPORT_KEY = re.compile(r"^step(\d+)_(?:mb(\d+)|seq_len|batch)$")
 
 
 def export_npz(dump, path: str | os.PathLike, *, routes_of=None) -> Path:
-    """Write every step's merged global routes as ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays
-    (``routes_of(step)``, default ``dump.routes``: e.g. the routes mapped to logical expert ids)."""
-    arrays = {"layers": np.asarray(dump.model.moe_layers, dtype=np.int64)}
+    """Write every step's merged global routes as ``step{S}_mb{M}`` ``[tokens, layers, topk]`` arrays, with
+    ``layers``, ``num_experts`` and, for a step in sequence order, ``step{S}_seq_len`` (per micro-batch) and
+    ``step{S}_batch`` (sequences per merged micro-batch): ``dump diff`` reads the file back as a dump
+    (``read_export``). ``routes_of(step)``, default ``dump.routes``: e.g. the routes mapped to logical ids.
+    Written atomically; ``path`` must end in ``.npz``."""
+    path = Path(path)
+    if path.suffix != ".npz":
+        raise UsageError(f"{path}: an export is a .npz file; give a name ending in .npz")
+    arrays = {EXPORT_MARK: np.asarray([1], dtype=np.int64),
+              "layers": np.asarray(dump.model.moe_layers, dtype=np.int64)}
+    experts = dump.model.num_experts
     for step in sorted(dump.steps):
         routes = dump.routes(step=step) if routes_of is None else routes_of(step)
+        experts = routes.num_experts
         for mb in range(routes.microbatches):
-            stacked = torch.stack([routes.get(layer, mb) for layer in routes.layers], dim=1)
-            arrays[f"step{step}_mb{mb}"] = stacked.numpy()
+            arrays[f"step{step}_mb{mb}"] = routes.stacked(mb).to(dump.ids_dtype if routes_of is None
+                                                                 else torch.int64).numpy()
+        if dump.token_order(step) == "sequence":
+            info = dump.steps[step]
+            arrays[f"step{step}_seq_len"] = np.asarray(info.seq_len, dtype=np.int64)
+            arrays[f"step{step}_batch"] = np.asarray([dump.layout.dp(dump.world_size) * info.batch], dtype=np.int64)
+    arrays["num_experts"] = np.asarray([experts], dtype=np.int64)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write(path, buffer.getvalue())
+    return path
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``.npz`` that ``export_npz`` wrote (or an older export: ``layers`` and step arrays)."""
     path = Path(path)
-    np.savez(path, **arrays)
-    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+    if path.suffix != ".npz" or not path.is_file():
+        return False
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            keys = set(npz.files)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+        return False
+    rest = keys - {EXPORT_MARK, "layers", "num_experts"}
+    return "layers" in keys and bool(rest) and all(_EXPORT_KEY.match(k) for k in rest)
+
+
+def read_export(path: str | os.PathLike, *, step: int | None):
+    """``(routes, geometry)`` of one step of an export (``step`` None: the only step): geometry is
+    ``(seq_len per micro-batch, batch)`` for a step in sequence order, else None (order unknown)."""
+    path = Path(path)
+    arrays = dict(zip(*_npz_items(path)))
+    steps = sorted({int(m.group(1)) for k in arrays if (m := _EXPORT_KEY.match(k))})
+    if step is None:
+        if len(steps) != 1:
+            raise UsageError(f"{path}: an export of steps {steps}; choose one with --step/--step-b")
+        step = steps[0]
+    if step not in steps:
+        raise UsageError(f"{path}: step {step} not in the export; steps held: {steps}")
+    keys = [m for k in arrays if (m := _EXPORT_KEY.match(k))]
+    mbs = sorted(int(m.group(2)) for m in keys if m.group(2) and int(m.group(1)) == step)
+    if mbs != list(range(len(mbs))):
+        raise DumpError(f"{path}: step {step}: micro-batch arrays {mbs} are not 0..{len(mbs) - 1}")
+    experts = int(arrays["num_experts"][0]) if "num_experts" in arrays else None
+    routes = routes_from_arrays([arrays[f"step{step}_mb{mb}"] for mb in mbs], num_experts=experts,
+                                moe_layers=arrays["layers"].tolist(), where=f"{path}: step {step}")
+    if f"step{step}_seq_len" not in arrays:
+        return routes, None
+    seq_len = tuple(int(x) for x in arrays[f"step{step}_seq_len"].tolist())
+    batch = int(arrays[f"step{step}_batch"][0])
+    counts = [routes.get(routes.layers[0], mb).shape[0] for mb in range(routes.microbatches)]
+    if len(seq_len) != len(counts) or any(n != length * batch for n, length in zip(counts, seq_len)):
+        raise DumpError(f"{path}: step {step}: micro-batch token counts {counts} != seq_len {list(seq_len)} x batch "
+                        f"{batch}")
+    return routes, (seq_len, batch)
+
+
+def _npz_items(path: Path) -> tuple[list[str], list[np.ndarray]]:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return list(npz.files), [npz[k] for k in npz.files]
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise DumpError(f"{path}: cannot read as .npz: {exc}") from None
 
 
 def _natural_key(name: str) -> tuple:
-    import re
-
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
-
-
-_TRACE_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
-
-
-def read_router_trace_ranks(directory: str | os.PathLike, *, layout, world_size: int, num_layers: int,
-                            num_experts: int | None = None) -> dict[int, dict[int, Routes]]:
-    """Every rank's ``router_trace_rank{R}.jsonl`` of one job of ``world_size`` ranks: ``{rank: {step: local Routes}}``.
-
-    Megatron-Core's ``RouterTracer`` numbers layers as the chunk's module names do (``decoder.layers.<n>``, local
-    to the pipeline stage); each rank's layers are moved to global numbers by its stage's first layer under
-    ``layout`` (Megatron's default rank order ``tp-cp-ep-dp-pp``). Refused: a file of a rank outside the job or
-    under another spelling, a rank's file missing, a record naming another rank, VPP (a rank's chunks share layer
-    numbers there, so they cannot be told apart), ranks holding different steps, a layer outside its stage.
-    """
-    from moeverify import views
-    from moeverify.errors import UsageError
-
-    directory = Path(directory)
-    files = {}
-    for path in sorted(directory.iterdir()):
-        found = _TRACE_FILE.match(path.name)
-        if found:
-            rank = int(found.group(1))
-            if path.name != f"router_trace_rank{rank}.jsonl" or rank >= world_size:
-                raise DumpError(f"{path}: not a trace of this job (ranks 0..{world_size - 1}, named "
-                                f"router_trace_rank<R>.jsonl); move it out of {directory}")
-            files[rank] = path
-    missing = sorted(set(range(world_size)) - set(files))
-    if missing:
-        raise DumpError(f"{directory}: router_trace file(s) of rank(s) {missing} missing (found ranks {sorted(files)}); "
-                        f"merging needs every rank's trace of the {world_size}-rank job")
-    if layout.vpp_chunks > 1:
-        raise UsageError("router_trace numbers a rank's layers per model chunk (decoder.layers.<n> in each chunk), so "
-                         "under VPP a rank's chunks share layer numbers and cannot be placed; record VPP jobs with "
-                         "RouteRecorder or the autopatch instead")
-    if num_experts is None:  # one expert count for every rank (a rank's trace may not show the highest id)
-        num_experts = max(r.num_experts for path in files.values() for r in read_router_trace(path).values())
-    out = {}
-    for rank in range(world_size):
-        coords = views.rank_coords(layout, rank=rank, world_size=world_size)
-        stage = views.chunk_layers(layout, pp_rank=coords.pp, vp_stage=0, num_layers=num_layers)
-        steps = read_router_trace(files[rank], num_experts=num_experts, layer_offset=stage.start, rank=rank)
-        for step, routes in steps.items():
-            outside = [layer for layer in routes.layers if layer not in stage]
-            if outside:
-                raise DumpError(f"{files[rank]}: step {step}: layer(s) {[x - stage.start for x in outside]} (global "
-                                f"{outside}) outside pipeline stage {coords.pp}'s {len(stage)} layers "
-                                f"[{stage.start}, {stage.stop}) of --num-layers {num_layers}")
-        if out and sorted(steps) != sorted(out[0]):
-            raise DumpError(f"{files[rank]}: steps {sorted(steps)} != rank 0's {sorted(out[0])}")
-        out[rank] = steps
-    return out

@@ -217,6 +217,9 @@ def test_cli_convert_refuses_repeated_layers_and_bad_destinations(tmp_path, caps
         assert match in capsys.readouterr().err
     assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "d")]) == 0
     assert main(["dump", "convert", str(tmp_path / "d"), str(tmp_path / "file"), "--to", "npz"]) == 2
+    assert "an export is a .npz file; give a DST ending in .npz" in capsys.readouterr().err  # np.savez would add .npz
+    (tmp_path / "file.npz").write_text("x")
+    assert main(["dump", "convert", str(tmp_path / "d"), str(tmp_path / "file.npz")]) == 2
     assert "convert never overwrites" in capsys.readouterr().err
 
 
