@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from moeverify.errors import DumpError, MoEVerifyError
-from moeverify.files import atomic_write, atomic_write_json
+from moeverify.files import atomic_write
 from moeverify.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.routes import Routes, validate_topk_ids
@@ -144,7 +144,7 @@ class RankWriter:
             self._queue.put(_STOP)
             self._thread.join()
         self._closed = True
-        atomic_write_json(self.path / fmt.rank_record_file(self.coords.rank), self._record())
+        _write_json(self.path / fmt.rank_record_file(self.coords.rank), self._record())
 
     def __enter__(self) -> RankWriter:
         return self
@@ -259,6 +259,11 @@ class RankWriter:
                 "ids_dtype": fmt.ID_DTYPE_NAMES[self._ids_dtype], "probs_dtype": self._probs_dtype}
 
 
+def _write_json(path: Path, obj: dict) -> None:
+    """A manifest or rank record, compact (no indentation: its bytes count in every dump's size)."""
+    atomic_write(path, (json.dumps(obj, separators=(",", ":"), sort_keys=True) + "\n").encode())
+
+
 def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise DumpError(f"expected a torch.Tensor, got {type(t).__name__}")
@@ -315,7 +320,7 @@ def drop_uncommitted(path: str | os.PathLike) -> dict[int, list[int]]:
             continue
         rec["files"] = keep["files"]
         rec["steps"] = {s: i for s, i in rec["steps"].items() if int(s) not in steps}
-        atomic_write_json(rec_path, rec)
+        _write_json(rec_path, rec)
     return dropped
 
 
@@ -356,7 +361,7 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
         "versions": fmt.versions(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    atomic_write_json(path / fmt.MANIFEST, manifest)
+    _write_json(path / fmt.MANIFEST, manifest)
     return manifest
 
 
