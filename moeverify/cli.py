@@ -22,6 +22,7 @@ from pathlib import Path
 from moeverify.errors import MoEVerifyError, UsageError
 
 DEFAULT_SCENARIOS = "scenarios/smoke.yaml"
+RELEASE_SCENARIOS = "scenarios/release.yaml"
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -56,6 +57,13 @@ def _add_run(subparsers) -> None:
     p.add_argument("--filter", action="append", default=[], metavar="GLOB",
                    help="select scenarios by name (fnmatch; repeatable, any match selects)")
     p.add_argument("--check", metavar="NAME", help="run only this check")
+    p.add_argument("--model", metavar="PATH",
+                   help="verify this model instead of the files' families: an HF model directory (config.json, "
+                        "optional safetensors weights) or a config.json; layouts it does not admit are skipped "
+                        f"with the reason (files default to {RELEASE_SCENARIOS})")
+    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config.json key of --model (repeatable), e.g. num_hidden_layers=4 to shrink "
+                        "a production config to a CPU-sized model of the same architecture")
     for option in OPTIONS.values():
         if option.flag:
             p.add_argument(option.flag, dest=option.name, metavar=option.metavar, help=option.help)
@@ -153,9 +161,17 @@ def _load(args):
     for key, value in options.items():
         if value is not None:
             validate_option(OPTIONS[key].flag, key, value)
-    default = DEFAULT_SCENARIOS if Path(DEFAULT_SCENARIOS).is_file() else str(REPO_ROOT / DEFAULT_SCENARIOS)
+    model = None
+    if args.model_set and not args.model:
+        raise UsageError("--model-set overrides the config of --model PATH; give --model")
+    if args.model:
+        from moeverify.models import user
+
+        model = user.register(args.model, user.parse_sets(args.model_set)).key
+    fallback = RELEASE_SCENARIOS if model else DEFAULT_SCENARIOS
+    default = fallback if Path(fallback).is_file() else str(REPO_ROOT / fallback)
     files = args.files or [default]
-    scenarios = scenario_mod.load(files, checks=known)
+    scenarios = scenario_mod.load(files, checks=known, model=model)
     chosen = select.select(scenarios, filters=args.filter, check=args.check)
     select.check_option_use(chosen, options)
     select.check_plugins(chosen, options)
@@ -181,8 +197,13 @@ def _cmd_run(args) -> int:
     _check_outputs(args)
     chosen, options = _load(args)
     if args.list:
+        from moeverify.models import user
+
+        for key in dict.fromkeys(s.family for s in chosen if s.model):
+            print(f"# {key}: {user.registered(key).describe()}")
         for s in chosen:
             extra = f"  (gpu only: {s.gpu_only})" if s.gpu_only else ""
+            extra += f"  (not run: {s.unfit})" if s.unfit else ""
             print(f"{s.name}  {s.world_size}  {','.join(s.checks)}{extra}")
         return 0
     groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend))

@@ -9,6 +9,7 @@ into a run. Every error is a ``UsageError``.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,8 +25,9 @@ CPU_MAX_WORLD_SIZE = 8  # CPU ranks are processes: allowed up to 8 whatever the 
 _TOP_KEYS = frozenset({"version", "defaults", "scenarios", "matrix"})
 _FIELD_KEYS = frozenset({"checks", "seed", "gpu_only", "options"})
 _DEFAULT_KEYS = _FIELD_KEYS | {"world_size", "moe_checks"}
-_SCENARIO_KEYS = _FIELD_KEYS | {"family", "world_size", "layout"}
-_MATRIX_KEYS = _FIELD_KEYS | {"families", "layouts", "world_size", "moe_checks"}
+_SCENARIO_KEYS = _FIELD_KEYS | {"family", "model", "model_set", "world_size", "layout"}
+_MATRIX_KEYS = _FIELD_KEYS | {"families", "models", "layouts", "world_size", "moe_checks"}
+_MODEL_KEYS = frozenset({"path", "set"})
 _MATRIX_LAYOUT_KEYS = frozenset({"world_size", "gpu_only"})
 _LAYOUT_KEYS = frozenset(f.name for f in dataclasses.fields(Layout))
 
@@ -42,6 +44,8 @@ class Scenario:
     gpu_only: str | None = None  # the reason, when this scenario cannot run on CPU ranks
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-scenario check options
     source: str = ""  # "file.yaml" where it was defined, for messages
+    model: dict | None = None  # a user model's spec ({"path", "set"}); ``family`` is then its key
+    unfit: str | None = None  # why the user model given with --model cannot run this layout (skipped)
 
     @property
     def name(self) -> str:
@@ -182,6 +186,33 @@ def _gpu_only_field(where: _Where, value: object) -> str | None:
     return value.strip()
 
 
+def _user_model(where: _Where, value: object, sets: object = None) -> str:
+    """Register the user model of ``model: PATH`` (or ``{path, set}``), relative to the file; its key."""
+    from moeverify.models import user
+
+    if isinstance(value, Mapping):
+        value = _check_keys(where, value, _MODEL_KEYS, "model")
+        if sets is not None:
+            raise _error(where, "give the overrides once: model: {path, set} or model_set, not both")
+        value, sets = value.get("path"), value.get("set")
+    if not isinstance(value, str) or not value.strip():
+        raise _error(where, f"model must be a path (an HF model directory or a config.json), got {value!r}")
+    if sets is not None and not isinstance(sets, Mapping):
+        raise _error(where, f"model_set must be a mapping of config keys to values, got {type(sets).__name__}")
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = Path(where.path).resolve().parent / path
+    return user.register(path, dict(sets or {}), where=str(where)).key
+
+
+def _shape_of(key: str, families: Mapping[str, ModelShape]) -> ModelShape | None:
+    if key in families:
+        return families[key]
+    from moeverify.models import user
+
+    return user.shape_of(user.registered(key).config, where=key) if user.is_user_key(key) else None
+
+
 # -------------------------------------------------------------------------------------- entries
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class _Spec:
@@ -205,9 +236,11 @@ def _layout_of(where: _Where, mapping: object) -> Layout:
 
 
 def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collection[str],
-           moe_checks: Sequence[str] = ()) -> Scenario:
+           moe_checks: Sequence[str] = (), fit_or_skip: bool = False) -> Scenario:
+    """A validated scenario; with ``fit_or_skip`` a layout its model does not admit is marked ``unfit``."""
     where = spec.where
-    if not isinstance(spec.family, str) or spec.family not in families:
+    shape = _shape_of(spec.family, families) if isinstance(spec.family, str) else None
+    if shape is None:
         raise _error(where, f"unknown family {spec.family!r}; known families: {', '.join(families)}")
     if spec.world_size is None:
         raise _error(where, "world_size is missing (set it on the scenario or in defaults)")
@@ -215,11 +248,17 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
     layout = _layout_of(where, spec.layout)
     name = f"{spec.family}/{layout.name(world_size)}"
     where = _Where(path=where.path, line=where.line, scenario=name)
-    shape = families[spec.family]
+    unfit = None
     try:
         layout.validate(world_size=world_size, shape=shape)
     except LayoutError as exc:
-        raise _error(where, f"invalid layout: {exc}") from None
+        if not fit_or_skip:
+            raise _error(where, f"invalid layout: {exc}") from None
+        try:
+            layout.validate(world_size=world_size)
+        except LayoutError as bad:
+            raise _error(where, f"invalid layout: {bad}") from None
+        unfit = f"{spec.family} does not admit this layout: {exc}"
     if "checks" not in spec.fields:
         raise _error(where, "checks is missing (set it on the scenario or in defaults)")
     check_list = list(_checks_field(where, spec.fields["checks"], checks))
@@ -237,8 +276,15 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
     return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
                     seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
                     gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
-                    options=scenario_options,
-                    source=f"{where.path}:{where.line}" if where.line else where.path)
+                    options=scenario_options, unfit=unfit,
+                    source=f"{where.path}:{where.line}" if where.line else where.path,
+                    model=_spec_of(spec.family))
+
+
+def _spec_of(key: str) -> dict | None:
+    from moeverify.models import user
+
+    return user.registered(key).spec() if user.is_user_key(key) else None
 
 
 def _merge_fields(defaults: Mapping, entry: Mapping) -> dict:
@@ -271,7 +317,14 @@ def _explicit_specs(where: _Where, entries: object, defaults: Mapping) -> list[_
     for entry in entries:
         here = where.at(entry)
         entry = _check_keys(here, entry, _SCENARIO_KEYS, "scenario")
-        specs.append(_Spec(where=here, family=entry.get("family"),
+        family = entry.get("family")
+        if "model" in entry:
+            if family is not None:
+                raise _error(here, "give family or model, not both")
+            family = _user_model(here, entry["model"], entry.get("model_set"))
+        elif "model_set" in entry:
+            raise _error(here, "model_set needs model: PATH")
+        specs.append(_Spec(where=here, family=family,
                            world_size=entry.get("world_size", defaults.get("world_size")),
                            layout=entry.get("layout"), fields=_merge_fields(defaults, entry)))
     return specs
@@ -281,18 +334,24 @@ def _is_expert_layout(layout: Mapping) -> bool:
     return layout.get("ep", 1) != 1 or layout.get("etp") is not None
 
 
-def _matrix_specs(where: _Where, blocks: object, defaults: Mapping,
-                  families: Mapping[str, ModelShape], checks: Collection[str]) -> list[tuple[_Spec, tuple]]:
-    """Expand ``matrix`` blocks: families x layouts; dense families skip expert layouts."""
+def _matrix_specs(where: _Where, blocks: object, defaults: Mapping, families: Mapping[str, ModelShape],
+                  checks: Collection[str], model: str | None = None) -> list[tuple[_Spec, tuple]]:
+    """Expand ``matrix`` blocks: families x layouts; dense families skip expert layouts.
+
+    ``model`` (a user model's key) stands for every block's families and models.
+    """
     if not isinstance(blocks, list):
         raise _error(where, f"matrix must be a list of blocks, got {type(blocks).__name__}")
     out = []
     for block in blocks:
         here = where.at(block)
         block = _check_keys(here, block, _MATRIX_KEYS, "matrix block")
-        fams, layouts = block.get("families"), block.get("layouts")
-        if not isinstance(fams, list) or not fams:
-            raise _error(here, f"matrix block needs families: a non-empty list, got {fams!r}")
+        fams, layouts = block.get("families", []), block.get("layouts")
+        if not isinstance(fams, list) or not isinstance(block.get("models", []), list):
+            raise _error(here, "matrix block: families and models must be lists")
+        fams = [model] if model else fams + [_user_model(here.at(m), m) for m in block.get("models", [])]
+        if not fams:
+            raise _error(here, f"matrix block needs families (or models): a non-empty list, got {fams!r}")
         if not isinstance(layouts, list) or not layouts:
             raise _error(here, f"matrix block needs layouts: a non-empty list, got {layouts!r}")
         moe_checks = _checks_field(here, block.get("moe_checks", defaults.get("moe_checks", [])), checks,
@@ -302,7 +361,7 @@ def _matrix_specs(where: _Where, blocks: object, defaults: Mapping,
             at = here.at(raw)
             raw = _check_keys(at, raw, _LAYOUT_KEYS | _MATRIX_LAYOUT_KEYS, "matrix layout")
             for family in fams:
-                shape = families.get(family) if isinstance(family, str) else None
+                shape = _shape_of(family, families) if isinstance(family, str) else None
                 layout = {k: v for k, v in raw.items() if k in _LAYOUT_KEYS}
                 if layout.get("sp") == "moe":
                     layout["sp"] = shape is not None and shape.is_moe
@@ -316,8 +375,12 @@ def _matrix_specs(where: _Where, blocks: object, defaults: Mapping,
 
 
 def load_file(path: str, *, checks: Collection[str], families: Mapping[str, ModelShape] | None = None,
-              max_world_size: int = CPU_MAX_WORLD_SIZE) -> list[Scenario]:
-    """Load and validate one scenario file. Raises ``UsageError`` naming file:line, scenario and rule."""
+              max_world_size: int = CPU_MAX_WORLD_SIZE, model: str | None = None) -> list[Scenario]:
+    """Load and validate one scenario file. Raises ``UsageError`` naming file:line, scenario and rule.
+
+    ``model`` (a registered user model's key, from ``--model``) replaces every scenario's family or
+    model; layouts it does not admit come back ``unfit`` (reported as skipped) instead of refused.
+    """
     families = _families() if families is None else families
     where = _Where(path=path)
     doc = _read_yaml(path)
@@ -329,11 +392,12 @@ def load_file(path: str, *, checks: Collection[str], families: Mapping[str, Mode
     if "scenarios" not in doc and "matrix" not in doc:
         raise _error(where, "no 'scenarios' or 'matrix' section: the file defines no scenario")
     defaults = _validated_defaults(where, doc.get("defaults"), checks)
-    specs = [(s, ()) for s in _explicit_specs(where, doc.get("scenarios", []), defaults)]
-    specs += _matrix_specs(where, doc.get("matrix", []), defaults, families, checks)
+    specs = [(s if model is None else dataclasses.replace(s, family=model), ())
+             for s in _explicit_specs(where, doc.get("scenarios", []), defaults)]
+    specs += _matrix_specs(where, doc.get("matrix", []), defaults, families, checks, model=model)
     scenarios = []
     for spec, moe_checks in specs:
-        scenario = _build(spec, families=families, checks=checks, moe_checks=moe_checks)
+        scenario = _build(spec, families=families, checks=checks, moe_checks=moe_checks, fit_or_skip=bool(model))
         if scenario.world_size > max_world_size:
             raise _error(spec.where.at(None, scenario=scenario.name),
                          f"world_size {scenario.world_size} exceeds the {max_world_size} ranks this machine can run")
@@ -345,8 +409,12 @@ def load_file(path: str, *, checks: Collection[str], families: Mapping[str, Mode
 
 def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
          families: Mapping[str, ModelShape] | None = None,
-         max_world_size: int = CPU_MAX_WORLD_SIZE) -> list[Scenario]:
-    """Load several scenario files, in order; scenario names must be unique across all of them."""
+         max_world_size: int = CPU_MAX_WORLD_SIZE, model: str | None = None) -> list[Scenario]:
+    """Load several scenario files, in order; scenario names must be unique across all of them.
+
+    With ``model`` (see ``load_file``) the files' families collapse onto one model, so scenarios of one
+    name merge instead: their checks are united, the first one's other fields kept.
+    """
     if checks is None:
         from moeverify.oracles import registry
 
@@ -355,8 +423,14 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
     seen: dict[str, Scenario] = {}
     out = []
     for path in paths:
-        for scenario in load_file(path, checks=checks, families=families, max_world_size=max_world_size):
+        for scenario in load_file(path, checks=checks, families=families, max_world_size=max_world_size,
+                                  model=model):
             first = seen.get(scenario.name)
+            if first is not None and model is not None:
+                merged = first.checks + tuple(c for c in scenario.checks if c not in first.checks)
+                seen[scenario.name] = dataclasses.replace(first, checks=merged)
+                out[out.index(first)] = seen[scenario.name]
+                continue
             if first is not None:
                 raise UsageError(f"{scenario.source}: scenario {scenario.name}: duplicate name; "
                                  f"first defined at {first.source}")
@@ -377,11 +451,19 @@ def scenario_to_dict(scenario: Scenario) -> dict:
     """JSON form of a scenario (for the worker's plan file)."""
     return {"family": scenario.family, "layout": scenario.layout.as_dict(), "world_size": scenario.world_size,
             "checks": list(scenario.checks), "seed": scenario.seed, "gpu_only": scenario.gpu_only,
-            "options": dict(scenario.options), "source": scenario.source}
+            "options": dict(scenario.options), "source": scenario.source, "model": scenario.model,
+            "unfit": scenario.unfit}
 
 
 def scenario_from_dict(data: Mapping) -> Scenario:
-    """Inverse of ``scenario_to_dict``."""
+    """Inverse of ``scenario_to_dict``; a user model is registered in this process again."""
+    model = data.get("model")
+    if model is not None:
+        from moeverify.models import user
+
+        key = user.register_spec(model).key
+        if key != data["family"]:
+            raise UsageError(f"scenario {data['family']}: its model spec registers as {key}")
     return Scenario(family=data["family"], layout=Layout(**data["layout"]), world_size=data["world_size"],
                     checks=tuple(data["checks"]), seed=data["seed"], gpu_only=data["gpu_only"],
-                    options=dict(data["options"]), source=data["source"])
+                    options=dict(data["options"]), source=data["source"], model=model, unfit=data.get("unfit"))

@@ -56,6 +56,31 @@ def _apply_overrides(provider, settings: dict, *, what: str) -> None:
         setattr(provider, name, value)
 
 
+def _moe_pattern(provider) -> tuple[int, ...]:
+    """Global MoE layer numbers of the provider (Megatron-Core 0.19: ``moe_layer_freq`` int or 0/1 list)."""
+    if not provider.num_moe_experts:
+        return ()
+    freq = provider.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple(i for i in range(provider.num_layers) if i % freq == 0)
+    if isinstance(freq, (list, tuple)) and len(freq) == provider.num_layers:
+        return tuple(i for i, is_moe in enumerate(freq) if is_moe)
+    raise UsageError(f"moe_layer_freq {freq!r}: expected an int or a list of {provider.num_layers} 0/1 entries "
+                     "(megatron-core 0.19's forms)")
+
+
+def _check_shape(provider, shape: ModelShape, family: str) -> None:
+    """The shape the layout was validated against must be the model Megatron-Bridge built."""
+    built = ModelShape(num_layers=provider.num_layers, num_heads=provider.num_attention_heads,
+                       num_query_groups=provider.num_query_groups or provider.num_attention_heads,
+                       num_experts=provider.num_moe_experts or 0, moe_layers=_moe_pattern(provider))
+    if built != shape:
+        diffs = [f"{f.name} {getattr(shape, f.name)!r} (from the HF config) != {getattr(built, f.name)!r} (built)"
+                 for f in dataclasses.fields(ModelShape) if getattr(shape, f.name) != getattr(built, f.name)]
+        raise UsageError(f"{family}: the model Megatron-Bridge built differs from the shape read from its HF "
+                         f"config: {'; '.join(diffs)}")
+
+
 def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None = None,
           load_weights: bool = True) -> Built:
     """Build ``family`` under ``layout`` (call inside ``moeverify.runtime.parallel(layout)``).
@@ -93,6 +118,7 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
         provider.batch_p2p_comm = False
     _apply_overrides(provider, overrides or {}, what="build overrides")
     provider.finalize()
+    _check_shape(provider, shape, family)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         chunks = provider.provide_distributed_model(wrap_with_ddp=False,

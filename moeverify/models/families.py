@@ -18,6 +18,7 @@ import torch
 
 from moeverify.errors import UsageError
 from moeverify.layout import ModelShape
+from moeverify.models import user
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -45,13 +46,15 @@ FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 
 def _check_family(family: str) -> None:
-    if family not in _FAMILIES:
+    if family not in _FAMILIES and not user.is_user_key(family):
         raise UsageError(f"unknown model family {family!r}; known families: {', '.join(FAMILIES)}")
 
 
 def hf_config_dict(family: str) -> dict:
-    """The HF ``config.json`` content of a family (plain dict)."""
+    """The HF ``config.json`` content of a family or a registered user model (plain dict)."""
     _check_family(family)
+    if user.is_user_key(family):
+        return dict(user.registered(family).config)
     arch, kwargs = _FAMILIES[family]
     return dict(kwargs, architectures=[arch], dtype="bfloat16")
 
@@ -59,6 +62,8 @@ def hf_config_dict(family: str) -> dict:
 def family_shape(family: str) -> ModelShape:
     """Layer, head and expert counts the layout rules check against."""
     cfg = hf_config_dict(family)
+    if user.is_user_key(family):
+        return user.shape_of(cfg, where=family)
     layers = cfg["num_hidden_layers"]
     experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
     if family == "deepseek_v3":
@@ -76,10 +81,10 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def _fingerprint(family: str, seed: int) -> str:
+def _fingerprint(cfg: dict, seed: int) -> str:
     import transformers
 
-    blob = json.dumps([hf_config_dict(family), seed, transformers.__version__, _WEIGHTS_VERSION], sort_keys=True)
+    blob = json.dumps([cfg, seed, transformers.__version__, _WEIGHTS_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -107,15 +112,14 @@ def _seeded_weights(model: torch.nn.Module, seed: int) -> None:
             tensor.copy_(value.to(tensor.dtype))
 
 
-def _write_checkpoint(family: str, seed: int, dst: Path) -> None:
+def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
     import transformers
 
-    cfg = hf_config_dict(family)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config.architectures = cfg["architectures"]
     model_cls = getattr(transformers, cfg["architectures"][0])
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.bfloat16)
+    model = model_cls(config).to(_STORED_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.bfloat16))
     for module in model.modules():  # real DeepSeek-V3 keeps the router's correction bias in fp32
         bias = getattr(module, "e_score_correction_bias", None)
         if isinstance(bias, torch.Tensor):
@@ -124,16 +128,28 @@ def _write_checkpoint(family: str, seed: int, dst: Path) -> None:
     model.save_pretrained(dst, safe_serialization=True)
 
 
+_STORED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def hf_checkpoint(family: str, seed: int = 0) -> Path:
-    """Path of the tiny HF checkpoint of ``family`` (created once, atomically, in the cache dir)."""
+    """Path of the HF checkpoint of ``family`` (created once, atomically, in the cache dir).
+
+    A user model with real weights is its own directory; one without gets seeded weights like a family.
+    """
     _check_family(family)
-    dst = cache_dir() / f"{family}-seed{seed}-{_fingerprint(family, seed)}"
+    cfg = hf_config_dict(family)
+    if user.is_user_key(family):
+        real = user.registered(family).weights_dir
+        if real is not None:
+            return real
+    label = family.removeprefix(user.PREFIX).replace("+", "-") if user.is_user_key(family) else family
+    dst = cache_dir() / f"{label}-seed{seed}-{_fingerprint(cfg, seed)}"
     if (dst / "config.json").exists():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        _write_checkpoint(family, seed, tmp)
+        _write_checkpoint(cfg, seed, tmp)
         try:
             os.rename(tmp, dst)  # atomic; another rank may have won the race, which is fine
         except OSError:

@@ -85,7 +85,9 @@ def plan_backends(scenarios: Sequence[Scenario], *, backend: str, gpu_count: int
                            "running on CPU ranks (gloo)")
         runnable = []
         for scenario in members:
-            if chosen == "cpu" and scenario.gpu_only:
+            if scenario.unfit:
+                skipped += [Result.skip(scenario=scenario.name, check=c, reason=scenario.unfit) for c in scenario.checks]
+            elif chosen == "cpu" and scenario.gpu_only:
                 skipped += [Result.skip(scenario=scenario.name, check=c, reason=f"gpu only: {scenario.gpu_only}")
                             for c in scenario.checks]
             else:

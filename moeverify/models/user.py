@@ -1,0 +1,292 @@
+"""The user's own model: an HF model directory or a ``config.json``, with ``--model-set`` overrides.
+
+A user model is known by a key (``model:NAME``, ``NAME`` the directory's name, plus a short hash of the
+overrides when there are some) that stands where a built-in family name does: in scenario names, in
+``families.hf_config_dict`` / ``family_shape`` / ``hf_checkpoint`` and in ``models.build``. Keys live in a
+per-process registry; the scenario carries the spec (path and overrides) to every rank, which registers
+it again (``spec_of`` / ``register``).
+
+Weights:
+- a directory holding ``*.safetensors`` files: its real weights, read through Megatron-Bridge's own
+  loading path (per tensor, from the safetensors files; nothing is copied). ``--model-set`` is refused
+  there: the weights would not fit an altered config.
+- a directory without weights, or a ``config.json`` given as a file: deterministic random weights per seed,
+  written once to the cache dir as the built-in families are (bf16, an expert-bias tensor in fp32).
+- pickled weights only (``pytorch_model.bin``, ``*.pt``): refused; a user's pickle is never loaded.
+
+Refused with the reason (``UsageError``, the CLI exits 2): a missing or unreadable config, a config that is
+not a JSON object or names no ``architectures``/``model_type``, an architecture transformers does not
+have (remote code is never run), an override key the architecture's config class does not have, an
+override key that neither the architecture's config nor its modeling code knows (a typo would be
+ignored), an override value of another type than the config's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from moeverify.errors import UsageError
+from moeverify.layout import ModelShape
+
+PREFIX = "model:"
+CONFIG = "config.json"
+_PICKLED = ("pytorch_model.bin", "*.pt", "*.pth", "pytorch_model-*.bin")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UserModel:
+    """One user model: where it is, the overrides, and what it was read as."""
+
+    path: Path  # the directory, or the config.json file given
+    overrides: tuple[tuple[str, Any], ...] = ()
+    config: dict = dataclasses.field(compare=False, hash=False, repr=False)
+
+    @property
+    def key(self) -> str:
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", self.name) or "model"
+        if not self.overrides:
+            return f"{PREFIX}{name}"
+        digest = hashlib.sha256(json.dumps(self.overrides, sort_keys=True).encode()).hexdigest()[:6]
+        return f"{PREFIX}{name}+{digest}"
+
+    @property
+    def name(self) -> str:
+        return (self.path.parent if self.path.is_file() else self.path).name
+
+    @property
+    def weights_dir(self) -> Path | None:
+        """The directory of real safetensors weights, or None (random weights per seed)."""
+        if self.path.is_file():
+            return None
+        return self.path if any(self.path.glob("*.safetensors")) else None
+
+    def describe(self) -> str:
+        sets = " ".join(f"{k}={json.dumps(v)}" for k, v in self.overrides)
+        weights = "real weights" if self.weights_dir else "random weights per seed"
+        return f"{self.path} ({weights}{', set ' + sets if sets else ''})"
+
+    def spec(self) -> dict:
+        """JSON form: what a rank needs to register the same model."""
+        return {"path": str(self.path), "set": dict(self.overrides)}
+
+
+_REGISTRY: dict[str, UserModel] = {}
+
+
+def is_user_key(key: object) -> bool:
+    return isinstance(key, str) and key.startswith(PREFIX)
+
+
+def registered(key: str) -> UserModel:
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise UsageError(f"user model {key!r} is not registered in this process (known: "
+                         f"{', '.join(_REGISTRY) or 'none'})") from None
+
+
+def register(path: str | Path, overrides: dict | None = None, *, where: str = "--model") -> UserModel:
+    """Read and check the model at ``path`` with ``overrides``; register it under its key and return it."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UsageError(f"{where}: {path} does not exist (expected an HF model directory or a config.json)")
+    path = path.resolve()
+    config_path = path if path.is_file() else path / CONFIG
+    if path.is_dir() and not config_path.is_file():
+        raise UsageError(f"{where}: {path} has no {CONFIG} (expected an HF model directory)")
+    config = _read_config(config_path, where=where)
+    items = tuple(sorted((overrides or {}).items()))
+    model = UserModel(path=path, overrides=items, config={})
+    if items and model.weights_dir is not None:
+        raise UsageError(f"{where}: {path} holds real weights, which would not fit a config changed by "
+                         f"--model-set {', '.join(k for k, _ in items)}; give {config_path} (the config alone, "
+                         "random weights per seed) or drop the overrides")
+    if model.weights_dir is None and path.is_dir():
+        pickled = sorted(p.name for pattern in _PICKLED for p in path.glob(pattern))
+        if pickled:
+            raise UsageError(f"{where}: {path} holds only pickled weights ({', '.join(pickled[:3])}); moeverify "
+                             "never unpickles a user's file: convert them to safetensors, or give the "
+                             f"{CONFIG} file alone for random weights")
+    _check_overrides(config, items, where=where)
+    model = dataclasses.replace(model, config=_normalised(config, items, where=where))
+    previous = _REGISTRY.get(model.key)
+    if previous is not None and previous != model:
+        raise UsageError(f"{where}: two user models share the key {model.key!r}: {previous.path} and {path}; "
+                         "rename one directory")
+    _REGISTRY[model.key] = model
+    return model
+
+
+def register_spec(spec: dict) -> UserModel:
+    """Inverse of ``UserModel.spec`` (on a rank)."""
+    return register(spec["path"], dict(spec.get("set") or {}), where="scenario model")
+
+
+def parse_sets(items: list[str] | tuple[str, ...], *, where: str = "--model-set") -> dict:
+    """``key=value`` strings to a dict; values read as YAML scalars/lists (4, 0.5, true, [1, 2], null)."""
+    import yaml
+
+    out: dict = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"{where}: expected key=value, got {item!r}")
+        if key in out:
+            raise UsageError(f"{where}: {key} given twice")
+        try:
+            out[key] = yaml.safe_load(text) if text.strip() else text
+        except yaml.YAMLError as exc:
+            raise UsageError(f"{where}: {key}: value {text!r} is not a plain value: {exc}") from None
+    return out
+
+
+def _read_config(config_path: Path, *, where: str) -> dict:
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: {config_path}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where}: {config_path}: not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{where}: {config_path}: expected a JSON object, got {type(config).__name__}")
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
+        raise UsageError(f"{where}: {config_path}: 'architectures' must name exactly one model class "
+                         f"(e.g. [\"Qwen3MoeForCausalLM\"]), got {archs!r}")
+    if not isinstance(config.get("model_type"), str):
+        raise UsageError(f"{where}: {config_path}: 'model_type' is missing")
+    import transformers
+
+    if not hasattr(transformers, archs[0]):
+        raise UsageError(f"{where}: {config_path}: transformers {transformers.__version__} has no class "
+                         f"{archs[0]} (models that need remote code are not run)")
+    try:
+        transformers.AutoConfig.for_model(config["model_type"])
+    except (ValueError, KeyError):
+        raise UsageError(f"{where}: {config_path}: transformers {transformers.__version__} does not know "
+                         f"model_type {config['model_type']!r}") from None
+    return config
+
+
+def _check_overrides(config: dict, items: tuple[tuple[str, Any], ...], *, where: str) -> None:
+    import transformers
+
+    empty = transformers.AutoConfig.for_model(config["model_type"])
+    defaults = dict(empty.to_dict(), **{alias: None for alias in getattr(empty, "attribute_map", {})})
+    source = None
+    for key, value in items:
+        if key not in config and key not in defaults:
+            source = _modeling_source(config) if source is None else source
+            known = re.search(rf"\b{re.escape(key)}\b", source) is not None
+        else:
+            known = True
+        if not known:
+            close = difflib.get_close_matches(key, sorted(set(defaults) | set(config)), n=3)
+            raise UsageError(f"{where}: {key}: {config['model_type']}'s config has no such key"
+                             + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        canonical = getattr(empty, "attribute_map", {}).get(key, key)
+        current = config.get(canonical, config.get(key, defaults.get(canonical)))
+        if current is not None and value is not None and not _same_kind(current, value):
+            kind = type(current).__name__
+            raise UsageError(f"{where}: {key}={json.dumps(value)}: expected {'an' if kind[0] in 'aeiou' else 'a'} "
+                             f"{kind} like the config's {json.dumps(current)}")
+
+
+def _normalised(config: dict, items: tuple[tuple[str, Any], ...], *, where: str) -> dict:
+    """The config as its transformers class reads it, overrides applied under their canonical names.
+
+    A config class may spell a key two ways (transformers 5's Qwen3-MoE saves ``num_local_experts`` and
+    maps ``num_experts`` onto it): an override under either name must win, and every override must read
+    back unchanged from the class, else it would be silently lost.
+    """
+    import transformers
+
+    aliases = dict(getattr(transformers.AutoConfig.for_model(config["model_type"]), "attribute_map", {}))
+    merged = dict(config)
+    for key, value in items:
+        canonical = aliases.get(key, key)
+        for alias in [k for k, v in aliases.items() if v == canonical] + [canonical]:
+            merged.pop(alias, None)
+        merged[canonical] = value
+    kwargs = {k: v for k, v in merged.items() if k not in ("model_type", "transformers_version")}
+    try:
+        obj = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{where}: {config['model_type']}'s config class refuses this config: {exc}") from None
+    for key, value in items:
+        got = getattr(obj, key, None)
+        if got != value and not (isinstance(got, tuple) and list(got) == value):
+            raise UsageError(f"{where}: {key}={json.dumps(value)} does not hold: {config['model_type']}'s config "
+                             f"class reads it back as {got!r}")
+    out = obj.to_dict()
+    out["architectures"] = list(config["architectures"])
+    return out
+
+
+def _modeling_source(config: dict) -> str:
+    """The source of the architecture's modeling module: a key it reads is a real setting."""
+    import inspect
+    import sys
+
+    import transformers
+
+    cls = getattr(transformers, config["architectures"][0])
+    return inspect.getsource(sys.modules[cls.__module__])
+
+
+def _same_kind(current: Any, value: Any) -> bool:
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(current, bool) and isinstance(value, bool)
+    if isinstance(current, (int, float)):
+        return isinstance(value, int) if isinstance(current, int) else isinstance(value, (int, float))
+    return type(current) is type(value) or (isinstance(current, (list, tuple)) and isinstance(value, (list, tuple)))
+
+
+# ----------------------------------------------------------------------------------------- shape
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def shape_of(config: dict, *, where: str = "model") -> ModelShape:
+    """Layer, head and expert counts of an HF config, with which global layers are MoE layers.
+
+    The MoE-layer rules read the HF keys of the families Megatron-Bridge 0.6.2 converts; the built model
+    is checked against them on the rank (``builder``), so a family with another rule fails loudly there.
+    """
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"{where}: config needs integer num_hidden_layers and num_attention_heads ({exc})") from None
+    groups = config.get("num_key_value_heads") or heads
+    experts = next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0)
+    if isinstance(experts, list):  # e.g. a per-modality list
+        experts = experts[0]
+    return ModelShape(num_layers=layers, num_heads=heads, num_query_groups=int(groups), num_experts=int(experts),
+                      moe_layers=_moe_layers(config, layers) if experts else ())
+
+
+def _moe_layers(config: dict, layers: int) -> tuple[int, ...]:
+    if "mlp_layer_types" in config and isinstance(config["mlp_layer_types"], list):
+        return tuple(i for i, kind in enumerate(config["mlp_layer_types"]) if kind == "sparse")
+    if "first_k_dense_replace" in config:
+        freq = config.get("moe_layer_freq") or 1
+        first = int(config["first_k_dense_replace"] or 0)
+        return tuple(i for i in range(first, layers) if i % int(freq) == 0)
+    if "moe_layer_start_index" in config:
+        start = int(config["moe_layer_start_index"])
+        end = config.get("moe_layer_end_index")
+        end = layers - 1 if end in (None, -1) else int(end)
+        step = int(config.get("moe_layer_interval") or 1)
+        return tuple(i for i in range(start, end + 1) if (i - start) % step == 0)
+    if "decoder_sparse_step" in config or "mlp_only_layers" in config:
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense = set(config.get("mlp_only_layers") or ())
+        return tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return tuple(range(layers))

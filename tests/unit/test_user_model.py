@@ -1,0 +1,237 @@
+"""The user's own model (--model PATH, --model-set, model: in scenario files): reading, overrides, refusals."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from moeverify import cli
+from moeverify.errors import UsageError
+from moeverify.models import families, user
+from moeverify.models.builder import _moe_pattern
+from moeverify.scenario import load, scenario_from_dict, scenario_to_dict
+
+CHECKS = ("roundtrip", "export", "replay")
+
+# A production-sized Qwen3-MoE config (transformers' defaults: 128 experts, 24 layers, hidden 2048) and the
+# overrides that make a CPU-sized model of the same architecture from it.
+SHRINK = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+              max_position_embeddings=256)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry(monkeypatch):
+    monkeypatch.setattr(user, "_REGISTRY", {})
+
+
+@pytest.fixture
+def prod_dir(tmp_path):
+    import transformers
+
+    config = transformers.Qwen3MoeConfig()
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path / "Qwen3-Prod")
+    return tmp_path / "Qwen3-Prod"
+
+
+def _sets(overrides: dict) -> list[str]:
+    return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+
+
+def test_shrunk_production_config_reads_as_the_small_model(prod_dir):
+    model = user.register(prod_dir, user.parse_sets(_sets(SHRINK)))
+    assert model.key.startswith("model:Qwen3-Prod+") and model.weights_dir is None
+    # transformers 5 stores the expert count as num_local_experts: the override under its alias must win
+    assert model.config["num_local_experts"] == 8 and "num_experts" not in model.config
+    shape = families.family_shape(model.key)
+    assert (shape.num_layers, shape.num_heads, shape.num_query_groups, shape.num_experts) == (4, 4, 2, 8)
+    assert shape.moe_layers == (0, 1, 2, 3)
+    assert "random weights per seed" in model.describe() and "num_experts=8" in model.describe()
+
+
+def test_random_weights_checkpoint_holds_the_overridden_config_and_is_deterministic(prod_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path / "cache"))
+    key = user.register(prod_dir, dict(SHRINK)).key
+    path = families.hf_checkpoint(key, seed=1)
+    written = json.loads((path / "config.json").read_text())
+    assert written["num_local_experts"] == 8 and written["num_hidden_layers"] == 4
+    blob = b"".join(p.read_bytes() for p in sorted(path.glob("*.safetensors")))
+    import shutil
+
+    shutil.rmtree(path)
+    again = families.hf_checkpoint(key, seed=1)
+    assert b"".join(p.read_bytes() for p in sorted(again.glob("*.safetensors"))) == blob
+    assert families.hf_checkpoint(key, seed=2) != again
+
+
+def test_real_weights_directory_is_used_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path / "cache"))
+    src = families.hf_checkpoint("qwen3_moe", seed=0)
+    import shutil
+
+    shutil.copytree(src, tmp_path / "mine")
+    model = user.register(tmp_path / "mine")
+    assert model.weights_dir == (tmp_path / "mine").resolve()
+    assert families.hf_checkpoint(model.key, seed=5) == model.weights_dir
+    assert families.family_shape(model.key) == families.family_shape("qwen3_moe")
+    with pytest.raises(UsageError, match="holds real weights.*num_hidden_layers.*config.json"):
+        user.register(tmp_path / "mine", {"num_hidden_layers": 2})
+    # the config alone (the file) is accepted with overrides: random weights
+    assert user.register(tmp_path / "mine" / "config.json", {"num_hidden_layers": 2}).weights_dir is None
+
+
+@pytest.mark.parametrize("setup, overrides, message", [
+    (lambda d: None, {}, "does not exist"),
+    (lambda d: d.mkdir(), {}, "has no config.json"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{nope")), {}, "not valid JSON"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("[1]")), {}, "expected a JSON object, got list"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_bytes(b"\xff\xfe")), {}, "cannot read"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "qwen3_moe"}')), {}, "architectures"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text(
+        '{"model_type": "qwen3_moe", "architectures": ["NoSuchForCausalLM"]}')), {}, "has no class NoSuch"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text(
+        '{"model_type": "nonesuch", "architectures": ["Qwen3MoeForCausalLM"]}')), {}, "does not know model_type"),
+])
+def test_bad_model_paths_are_refused_with_the_reason(tmp_path, setup, overrides, message):
+    setup(tmp_path / "m")
+    with pytest.raises(UsageError, match=message):
+        user.register(tmp_path / "m", overrides)
+
+
+def test_pickled_weights_are_never_loaded(prod_dir):
+    (prod_dir / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(UsageError, match="never unpickles"):
+        user.register(prod_dir)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_expert": 8}, r"num_expert: qwen3_moe's config has no such key \(did you mean num_experts"),
+    ({"num_hidden_layers": "four"}, "expected an int like the config's 24"),
+    ({"num_hidden_layers": 2.5}, "expected an int"),
+    ({"norm_topk_prob": 1}, "expected a bool"),
+    ({"num_experts": "8"}, "expected an int like the config's 128"),  # an alias is type-checked as its target
+])
+def test_bad_overrides_are_refused(prod_dir, overrides, message):
+    with pytest.raises(UsageError, match=message):
+        user.register(prod_dir, overrides)
+
+
+def test_override_read_by_the_modeling_code_only_is_accepted(prod_dir):
+    # head_dim is no attribute of Qwen3MoeConfig in transformers 5, but the attention reads it
+    assert user.register(prod_dir, {"head_dim": 16}).config["head_dim"] == 16
+
+
+@pytest.mark.parametrize("items, message", [
+    (["num_hidden_layers"], "expected key=value"),
+    (["=4"], "expected key=value"),
+    (["a=1", "a=2"], "a given twice"),
+    (["a=[1"], "not a plain value"),
+])
+def test_parse_sets_refuses_malformed_items(items, message):
+    with pytest.raises(UsageError, match=message):
+        user.parse_sets(items)
+
+
+def test_parse_sets_reads_yaml_scalars():
+    assert user.parse_sets(["a=4", "b=0.5", "c=true", "d=[1, 2]", "e=null", "f=silu"]) == dict(
+        a=4, b=0.5, c=True, d=[1, 2], e=None, f="silu")
+
+
+@pytest.mark.parametrize("config, layers", [
+    (dict(first_k_dense_replace=1), (1, 2, 3, 4, 5)),  # DeepSeek-V3, GLM-4.5, Kimi-K2
+    (dict(first_k_dense_replace=1, moe_layer_freq=2), (2, 4)),  # DeepSeek-V2 style
+    (dict(mlp_only_layers=[0, 3], decoder_sparse_step=1), (1, 2, 4, 5)),  # Qwen2/3-MoE
+    (dict(decoder_sparse_step=2), (1, 3, 5)),
+    (dict(moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=1), (1, 2, 3, 4)),  # Ernie-4.5
+    (dict(mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse", "sparse"]), (1, 2, 4, 5)),
+    (dict(), (0, 1, 2, 3, 4, 5)),  # Mixtral, OLMoE, GPT-OSS: every layer
+])
+def test_moe_layer_rules(config, layers):
+    shape = user.shape_of(dict(config, num_hidden_layers=6, num_attention_heads=4, num_local_experts=8))
+    assert shape.moe_layers == layers
+
+
+def test_built_moe_pattern_forms():
+    from types import SimpleNamespace as NS
+
+    assert _moe_pattern(NS(num_moe_experts=None, moe_layer_freq=1, num_layers=4)) == ()
+    assert _moe_pattern(NS(num_moe_experts=8, moe_layer_freq=2, num_layers=4)) == (0, 2)
+    assert _moe_pattern(NS(num_moe_experts=8, moe_layer_freq=[0, 1, 1, 0], num_layers=4)) == (1, 2)
+    with pytest.raises(UsageError, match="moe_layer_freq"):
+        _moe_pattern(NS(num_moe_experts=8, moe_layer_freq=[1, 1], num_layers=4))
+
+
+# ----------------------------------------------------------------------------------- scenario files
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "s.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_scenario_file_model_relative_to_the_file_and_round_trip(tmp_path, prod_dir):
+    sets = ", ".join(f"{k}: {json.dumps(v)}" for k, v in SHRINK.items())
+    path = _write(tmp_path, f"""
+        scenarios:
+          - {{model: Qwen3-Prod, model_set: {{{sets}}}, world_size: 2, layout: {{ep: 2}}, checks: [export]}}
+        matrix:
+          - models: [{{path: Qwen3-Prod, set: {{{sets}}}}}]
+            layouts: [{{pp: 2}}]
+            world_size: 2
+            checks: [roundtrip]
+    """)
+    first, second = load([path], checks=CHECKS)
+    assert first.name.startswith("model:Qwen3-Prod+") and first.name.endswith("/ep2-dp2")
+    assert first.family == second.family and first.model == {"path": str(prod_dir.resolve()), "set": SHRINK}
+    back = scenario_from_dict(json.loads(json.dumps(scenario_to_dict(first))))
+    assert back == first
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{family: qwen3_moe, model: Qwen3-Prod, world_size: 1, checks: [export]}", "family or model, not both"),
+    ("{family: qwen3_moe, model_set: {a: 1}, world_size: 1, checks: [export]}", "model_set needs model"),
+    ("{model: 7, world_size: 1, checks: [export]}", "model must be a path"),
+    ("{model: Qwen3-Prod, model_set: [1], world_size: 1, checks: [export]}", "model_set must be a mapping"),
+    ("{model: {path: Qwen3-Prod, sett: {}}, world_size: 1, checks: [export]}", "unknown model key"),
+    ("{model: Qwen3-Prod, model_set: {num_expert: 8}, world_size: 1, checks: [export]}", "no such key"),
+    ("{model: Missing, world_size: 1, checks: [export]}", "s.yaml:2: .*Missing does not exist"),
+])
+def test_bad_model_entries_are_refused(tmp_path, prod_dir, entry, message):
+    with pytest.raises(UsageError, match=message):
+        load([_write(tmp_path, f"scenarios:\n  - {entry}\n")], checks=CHECKS)
+
+
+def test_cli_model_replaces_families_and_skips_layouts_it_does_not_admit(tmp_path, prod_dir, capsys):
+    path = _write(tmp_path, """
+        scenarios:
+          - {family: qwen2, world_size: 2, layout: {tp: 2}, checks: [roundtrip]}
+          - {family: qwen3_moe, world_size: 2, layout: {tp: 2, sp: true}, checks: [export]}
+          - {family: qwen3_moe, world_size: 2, layout: {ep: 2}, checks: [export]}
+    """)
+    # 3 query groups: tp2 does not divide them; ep2 still fits
+    sets = _sets(dict(SHRINK, num_attention_heads=6, num_key_value_heads=3))
+    argv = ["run", path, "--model", str(prod_dir), *[a for s in sets for a in ("--model-set", s)], "--list"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if not line.startswith("#")]
+    assert out.startswith("# model:Qwen3-Prod+") and "random weights per seed" in out
+    assert len(lines) == 3, out  # qwen2/tp2 and qwen3_moe/tp2 merge: tp2 (a dense layout for MoE) differs by sp
+    unfit = [line for line in lines if "not run:" in line]
+    assert len(unfit) == 2 and all("query groups" in line or "divisible" in line for line in unfit), out
+    assert any(line.split()[0].endswith("/ep2-dp2") and "not run" not in line for line in lines), out
+
+
+def test_two_models_of_one_name_are_refused(tmp_path, prod_dir):
+    import shutil
+
+    shutil.copytree(prod_dir, tmp_path / "other" / "Qwen3-Prod")
+    user.register(prod_dir)
+    with pytest.raises(UsageError, match="share the key 'model:Qwen3-Prod'.*rename one"):
+        user.register(tmp_path / "other" / "Qwen3-Prod")
+
+
+def test_cli_model_set_needs_model(capsys):
+    assert cli.main(["run", "--model-set", "a=1", "--list"]) == 2
+    assert "give --model" in capsys.readouterr().err
