@@ -1,0 +1,78 @@
+"""The user's own model through the real runner on 2 CPU ranks: a production config shrunk with overrides,
+and a directory of real safetensors weights that moeverify did not write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SHRINK = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+              max_position_embeddings=256)
+
+
+def _prod_config():
+    import transformers
+
+    config = transformers.Qwen3MoeConfig()  # production-sized: 24 layers, hidden 2048, 128 experts
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
+
+
+def _assert_all_passed(run, scenario: str, checks) -> None:
+    assert run.code == 0, run.output[-4000:]
+    for check in checks:
+        record = run.record(scenario, check)
+        assert record["passed"], (check, record)
+        assert sum(s["checked"] for s in record["subchecks"].values()) > 0, (check, record)
+
+
+def test_shrunk_production_config_in_a_scenario_file(run_moeverify, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path / "cache"))
+    _prod_config().save_pretrained(tmp_path / "Qwen3-Prod")
+    sets = json.dumps(SHRINK)
+    run = run_moeverify(f"""
+        scenarios:
+          - model: Qwen3-Prod
+            model_set: {sets}
+            world_size: 2
+            layout: {{ep: 2}}
+            checks: [roundtrip, export, replay]
+    """)
+    names = {r["scenario"] for r in run.records}
+    assert len(names) == 1, names
+    (name,) = names
+    assert name.startswith("model:Qwen3-Prod+") and name.endswith("/ep2-dp2")
+    _assert_all_passed(run, name, ("roundtrip", "export", "replay"))
+
+
+def test_real_weights_directory_through_the_model_flag(run_moeverify, tmp_path, monkeypatch):
+    import torch
+    import transformers
+
+    monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path / "cache"))
+    config = _prod_config()
+    for key, value in SHRINK.items():
+        setattr(config, key, value)
+    torch.manual_seed(11)  # transformers' own initialisation: weights moeverify did not make
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "mine", safe_serialization=True)
+    assert list((tmp_path / "mine").glob("*.safetensors"))
+    run = run_moeverify("""
+        scenarios:
+          - {family: qwen3_moe, world_size: 2, layout: {pp: 2}, checks: [roundtrip, export]}
+          - {family: qwen2, world_size: 2, layout: {tp: 2}, checks: [roundtrip]}
+    """, "--model", str(tmp_path / "mine"))
+    # both entries became the user's model; tp2 without sp does not admit an MoE model: skipped, with the reason
+    skipped = run.record("model:mine/tp2", "roundtrip")
+    assert not skipped["passed"] and "does not admit" in skipped["skipped"], skipped
+    _assert_all_passed(run, "model:mine/pp2", ("roundtrip", "export"))
+
+
+@pytest.mark.parametrize("override, message", [("num_expert=8", "no such key"), ("num_hidden_layers=x", "an int")])
+def test_bad_override_is_refused_before_torchrun(run_moeverify, tmp_path, override, message):
+    _prod_config().save_pretrained(tmp_path / "Qwen3-Prod")
+    run = run_moeverify("scenarios: [{family: qwen3_moe, world_size: 2, checks: [export]}]",
+                        "--model", str(tmp_path / "Qwen3-Prod"), "--model-set", override, timeout_s=60)
+    assert run.code == 2 and message in run.output and "torchrun" not in run.output, run.output
