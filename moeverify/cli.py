@@ -82,6 +82,9 @@ def _add_doctor(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check the installed stack and build one tiny model")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--family", default="qwen3_moe", help="family to build on 1 rank (default qwen3_moe)")
+    p.add_argument("--model", metavar="PATH", help="build this HF model directory or config.json instead")
+    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config.json key of --model (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="show megatron's warnings while building")
     p.set_defaults(func=_cmd_doctor)
 
@@ -161,13 +164,7 @@ def _load(args):
     for key, value in options.items():
         if value is not None:
             validate_option(OPTIONS[key].flag, key, value)
-    model = None
-    if args.model_set and not args.model:
-        raise UsageError("--model-set overrides the config of --model PATH; give --model")
-    if args.model:
-        from moeverify.models import user
-
-        model = user.register(args.model, user.parse_sets(args.model_set)).key
+    model = _user_model_key(args)
     fallback = RELEASE_SCENARIOS if model else DEFAULT_SCENARIOS
     default = fallback if Path(fallback).is_file() else str(REPO_ROOT / fallback)
     files = args.files or [default]
@@ -290,8 +287,21 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _user_model_key(args) -> str | None:
+    """Register ``--model`` with its ``--model-set`` overrides (None without --model)."""
+    if args.model_set and not args.model:
+        raise UsageError("--model-set overrides the config of --model PATH; give --model")
+    if not args.model:
+        return None
+    from moeverify.models import user
+
+    return user.register(args.model, user.parse_sets(args.model_set)).key
+
+
 def _cmd_doctor(args) -> int:
     from moeverify import support
+
+    model = _user_model_key(args)
 
     print(f"python           {sys.executable} ({sys.version.split()[0]})")
     versions = _versions()
@@ -312,7 +322,7 @@ def _cmd_doctor(args) -> int:
         rt = runtime.init(args.backend)
     print(f"backend          {rt.backend} ({rt.dist_backend}, device {rt.device})")
     print(f"transformer-engine real: {rt.te_real}")
-    return _doctor_build(args.family, verbose=args.verbose)
+    return _doctor_build(model or args.family, verbose=args.verbose)
 
 
 def _doctor_build(family: str, *, verbose: bool) -> int:

@@ -235,3 +235,10 @@ def test_two_models_of_one_name_are_refused(tmp_path, prod_dir):
 def test_cli_model_set_needs_model(capsys):
     assert cli.main(["run", "--model-set", "a=1", "--list"]) == 2
     assert "give --model" in capsys.readouterr().err
+
+
+def test_doctor_model_set_needs_model_and_bad_model_is_refused_first(capsys, tmp_path):
+    assert cli.main(["doctor", "--model-set", "a=1"]) == 2
+    assert "give --model" in capsys.readouterr().err
+    assert cli.main(["doctor", "--model", str(tmp_path / "absent")]) == 2
+    assert "does not exist" in capsys.readouterr().err
