@@ -57,7 +57,8 @@ PEER_FINDINGS = {"backward_order": "it replayed another micro-batch's routes",
 
 @pytest.mark.parametrize("impl", ["moeverify", "native", "verl"])
 @pytest.mark.parametrize("family,world_size,layout", [("qwen3_moe", 1, {}), ("qwen3_moe", 2, {"ep": 2}),
-                                                       ("deepseek_v3", 1, {}), ("deepseek_v3", 2, {"ep": 2})])
+                                                       ("deepseek_v3", 1, {}), ("deepseek_v3", 2, {"ep": 2})],
+                         ids=["qwen3_moe/tp1", "qwen3_moe/ep2", "deepseek_v3/tp1", "deepseek_v3/ep2"])
 def test_replay_check_passes_for_impl(tmp_path, family, world_size, layout, impl):
     record = run_replay(tmp_path, family, world_size=world_size, layout=layout, impl=impl)
     assert set(record["subchecks"]) == SUBCHECKS
