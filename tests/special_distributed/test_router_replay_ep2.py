@@ -70,7 +70,7 @@ def _zero(chunks):
 
 def _maps(chunks):
     """{global layer: sorted ids [T, K]} of the last forward, from forward hooks on the routers."""
-    from moeverify.patches.router_replay import global_layer
+    from moeverify.patches.routers import global_layer
 
     seen, handles = {}, []
     for c in chunks:
@@ -177,7 +177,7 @@ def _recompute_case(actor, session, tokens_BS, vocab: int, rank: int) -> dict:
     Megatron's schedules run them): every recomputed router call must see its own micro-batch's routes."""
     import torch
 
-    from moeverify.patches.router_replay import global_layer
+    from moeverify.patches.routers import global_layer
 
     other_BS = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(29 + rank))
     with torch.no_grad(), session.record():
