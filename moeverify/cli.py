@@ -74,6 +74,12 @@ def _add_run(subparsers) -> None:
                    help=f"per-scenario deadline on every rank, seconds (default {DEFAULT_TIMEOUT_S:.0f})")
     p.add_argument("--run-dir", metavar="DIR",
                    help="where ranks write plans, logs and stacks (default ./runs/DATE-TIME)")
+    p.add_argument("--nnodes", metavar="N", help="nodes sharing each world-size group (default: NNODES or "
+                                                  "SLURM_NNODES, else 1); every node runs the same command")
+    p.add_argument("--node-rank", type=int, metavar="R", help="this node (default NODE_RANK or SLURM_NODEID); node 0 "
+                                                             "reports")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port; the 200 ports "
+                   "above it are used too (default MASTER_ADDR:MASTER_PORT, or Slurm's first host)")
     p.add_argument("-v", "--verbose", action="store_true", help="show torchrun and rank output")
     p.set_defaults(func=_cmd_run)
 
@@ -150,7 +156,7 @@ def _check_outputs(args) -> None:
             raise UsageError(f"--run-dir {args.run_dir}: exists and is not a directory")
 
 
-def _load(args):
+def _load(args, node=None):
     from moeverify import scenario as scenario_mod
     from moeverify.runner import checks, select
 
@@ -168,7 +174,8 @@ def _load(args):
     fallback = RELEASE_SCENARIOS if model else DEFAULT_SCENARIOS
     default = fallback if Path(fallback).is_file() else str(REPO_ROOT / fallback)
     files = args.files or [default]
-    scenarios = scenario_mod.load(files, checks=known, model=model)
+    scenarios = scenario_mod.load(files, checks=known, model=model,
+                                  max_world_size=scenario_mod.CPU_MAX_WORLD_SIZE * (node.nnodes if node else 1))
     chosen = select.select(scenarios, filters=args.filter, check=args.check)
     select.check_option_use(chosen, options)
     select.check_plugins(chosen, options)
@@ -189,10 +196,11 @@ def _terminate_cleanly(signum, frame) -> None:
 
 
 def _cmd_run(args) -> int:
-    from moeverify.runner import select
+    from moeverify.runner import nodes, select
 
     _check_outputs(args)
-    chosen, options = _load(args)
+    node = nodes.from_args(args)
+    chosen, options = _load(args, node)
     if args.list:
         from moeverify.models import user
 
@@ -203,12 +211,59 @@ def _cmd_run(args) -> int:
             extra += f"  (not run: {s.unfit})" if s.unfit else ""
             print(f"{s.name}  {s.world_size}  {','.join(s.checks)}{extra}")
         return 0
-    groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend))
+    groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend),
+                                                    per_node=node.per_node if node else (lambda world: world))
     previous = signal.signal(signal.SIGTERM, _terminate_cleanly)
     try:
-        return _execute(args, groups=groups, skipped=skipped, notices=notices, options=options)
+        control = _control(args, node, chosen=chosen, groups=groups, options=options) if node else None
+        if node is not None and node.node_rank > 0:
+            return _follow(args, node, control, groups=groups, options=options)
+        cluster = None
+        if node is not None:
+            from moeverify.runner import launch
+
+            control.wait_joined()
+            cluster = launch.Cluster(node, control)
+        code = EXIT_INTERRUPTED
+        try:
+            code = _execute(args, groups=groups, skipped=skipped, notices=notices, options=options, cluster=cluster)
+        finally:
+            if cluster is not None:
+                cluster.finish(code)
+        return code
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _control(args, node, *, chosen, groups, options):
+    """Several nodes: join the control store, with a digest of what this node loaded (all must agree)."""
+    from moeverify.runner import nodes
+    from moeverify.scenario import scenario_to_dict
+
+    scenarios = [{k: v for k, v in scenario_to_dict(s).items() if k != "source"} for s in chosen]  # not where
+    loaded = nodes.digest({"scenarios": scenarios, "options": options,
+                           "timeout": args.timeout, "groups": [(g.world_size, g.backend) for g in groups],
+                           "nnodes": node.nnodes})
+    return nodes.Control(node, loaded=loaded)
+
+
+def _follow(args, node, control, *, groups, options) -> int:
+    """A node other than node 0: run its share of every group node 0 starts; node 0's exit code."""
+    from moeverify.runner import launch, nodes
+
+    run_dir = _make_run_dir(args) / f"node{node.node_rank}"
+    run_dir.mkdir(exist_ok=True)
+    specs = [launch.GroupSpec(world_size=g.world_size, scenarios=g.scenarios, backend=g.backend, options=options,
+                              timeout_s=args.timeout, run_dir=run_dir, verbose=False) for g in groups]
+    print(f"node {node.node_rank} of {node.nnodes}: running its share of every group node 0 starts; results are "
+          f"reported on node 0 (its --json/--junit); files in {run_dir}", flush=True)
+    try:
+        code = launch.follow(node, control, specs)
+    except nodes.NodeLost as exc:
+        print(f"moeverify: node {node.node_rank}: {exc}", file=sys.stderr)
+        return 1
+    print(f"node {node.node_rank}: node 0 finished with exit code {code}", flush=True)
+    return code
 
 
 def _make_run_dir(args) -> Path:
@@ -223,7 +278,7 @@ def _make_run_dir(args) -> Path:
     return run_dir
 
 
-def _execute(args, *, groups, skipped, notices, options) -> int:
+def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
@@ -259,7 +314,7 @@ def _execute(args, *, groups, skipped, notices, options) -> int:
                 status.update(f"starting torchrun with {group.world_size} rank(s)")
                 spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios,
                                         backend=group.backend, options=options, timeout_s=args.timeout,
-                                        run_dir=run_dir, verbose=args.verbose)
+                                        run_dir=run_dir, verbose=args.verbose, cluster=cluster)
                 results += launch.run_group(spec, on_result=progress, on_start=started)
     except KeyboardInterrupt:
         interrupted = True

@@ -22,6 +22,7 @@ from typing import Any
 import moeverify
 from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord
+from moeverify.runner import nodes
 from moeverify.runner.diagnose import Crash, diagnose
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
@@ -44,12 +45,38 @@ class GroupSpec:
     timeout_s: float
     run_dir: Path
     verbose: bool = False
+    cluster: Cluster | None = None  # several nodes: this is node 0, the one that reports
 
 
-def torchrun_command(*, world_size: int, plan_file: Path) -> list[str]:
-    """torchrun for one attempt: local c10d rendezvous on a free port, no elastic restarts."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--max-restarts", "0",
+class Cluster:
+    """Node 0's side of a several-node run: the control store and the count of multi-node launches."""
+
+    def __init__(self, node: nodes.NodeSpec, control: nodes.Control):
+        self.node, self.control = node, control
+        self.launches = 0
+        self.lost: str | None = None  # set once a node is gone: later multi-node groups cannot run
+
+    def finish(self, exit_code: int) -> None:
+        """Tell the other nodes to stop with ``exit_code``; wait (briefly) until they have read it."""
+        self.control.put(f"launch/{self.launches}", {"done": True, "exit": exit_code})
+        deadline = time.monotonic() + 10.0
+        for rank in range(1, self.node.nnodes):
+            while not self.control.store.check([f"bye/{rank}"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self.control.close()
+
+
+def torchrun_command(*, world_size: int, plan_file: Path, node: nodes.NodeSpec | None = None,
+                     launch: int = 0) -> list[str]:
+    """torchrun for one attempt, no elastic restarts: a local c10d rendezvous on a free port; or, spread over
+    several nodes, a static rendezvous (node R holds global ranks R*k..) at node 0's launch port."""
+    if node is not None and node.runs_everywhere(world_size):
+        where = ["--nnodes", str(node.nnodes), "--node-rank", str(node.node_rank), "--nproc-per-node",
+                 str(node.per_node(world_size)), "--rdzv-backend", "static", "--master-addr", node.host,
+                 "--master-port", str(node.launch_port(launch))]
+    else:
+        where = ["--nproc-per-node", str(world_size), "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts", "0",
             "--monitor-interval", "0.2", "-m", "moeverify.runner.worker", str(plan_file)]
 
 
@@ -116,18 +143,31 @@ class _Collector:
                 for key, record in self.records.items()]
 
 
+def _spread(spec: GroupSpec) -> bool:
+    return spec.cluster is not None and spec.cluster.node.runs_everywhere(spec.world_size)
+
+
 def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector) -> tuple[int, bool]:
     """Run one torchrun; returns (exit code, killed by the parent's deadline).
 
     The deadline is a backstop behind the ranks' own watchdogs: start-up slack, then --timeout (plus
-    grace) after rank 0 last made progress.
+    grace) after rank 0 last made progress. Spread over several nodes, the other nodes are told first.
     """
     plan_file = plan.write(directory)
+    node, launch = None, 0
+    if _spread(spec):
+        cluster = spec.cluster
+        node, launch = cluster.node, cluster.launches
+        cluster.launches += 1
+        cluster.control.put(f"launch/{launch}", {"world_size": spec.world_size, "start": plan.start,
+                                                 "backend": plan.backend, "attempt": directory.name})
     startup_deadline = time.monotonic() + STARTUP_SLACK_S
     log = None if spec.verbose else open(directory / "torchrun.log", "w")  # noqa: SIM115
     try:
-        proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file),
-                                env=_child_env(spec.world_size), stdout=log, stderr=subprocess.STDOUT if log else None,
+        proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file, node=node,
+                                                 launch=launch),
+                                env=_child_env(node.per_node(spec.world_size) if node else spec.world_size),
+                                stdout=log, stderr=subprocess.STDOUT if log else None,
                                 start_new_session=True, preexec_fn=die_with_parent)
         try:
             while proc.poll() is None:
@@ -146,6 +186,18 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
     finally:
         if log is not None:
             log.close()
+        if node is not None:
+            _gather_nodes(spec.cluster, launch, directory)
+
+
+def _gather_nodes(cluster: Cluster, launch: int, directory: Path) -> None:
+    """The other nodes' rank files into node 0's attempt directory; a node that did not report is lost."""
+    missing = cluster.control.collect_reports(launch, directory)
+    dead = cluster.control.dead_nodes()
+    lost = sorted(set(dead) | {rank for rank, _ in missing})
+    if lost:
+        why = dict(missing)
+        cluster.lost = "; ".join(f"node {r} lost: {why.get(r, 'it stopped responding')}" for r in lost)
 
 
 def _crashed_results(spec: GroupSpec, crash: Crash, done: set[tuple[int, str]]) -> list[Result]:
@@ -173,6 +225,11 @@ def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None],
     list), ``on_start`` the scenario and check rank 0 starts.
     """
     results: list[Result] = []
+    if _spread(spec) and spec.cluster.lost:
+        lost = _not_run(spec.scenarios, why=spec.cluster.lost)
+        for result in lost:
+            on_result(result)
+        return lost
     start, attempt = 0, 0
     while start < len(spec.scenarios):
         attempt += 1
@@ -188,6 +245,8 @@ def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None],
             break
         crash = diagnose(directory, world_size=spec.world_size, plan=plan, returncode=rc, killed=killed,
                          done=collector.seen)
+        if _spread(spec) and spec.cluster.lost:  # the group cannot run again without that node
+            crash = dataclasses.replace(crash, fatal=True, message=f"{spec.cluster.lost}\n{crash.message}")
         lost = _crashed_results(spec, crash, collector.seen)
         if crash.fatal:  # nothing ran: the next attempt would fail the same way
             lost += _not_run(spec.scenarios[crash.index + 1:], why=crash.message.splitlines()[0])
@@ -209,3 +268,40 @@ def _all_done(spec: GroupSpec, seen: set[tuple[int, str]], start: int) -> bool:
     return all((i, c) in seen for i in range(start, len(spec.scenarios)) for c in spec.scenarios[i].checks)
 
 
+
+
+def follow(node: nodes.NodeSpec, control: nodes.Control, groups: Sequence[GroupSpec]) -> int:
+    """Node R > 0: run this node's share of every torchrun node 0 announces; node 0's exit code at the end."""
+    by_world = {g.world_size: g for g in groups}
+    launch = 0
+    try:
+        while True:
+            msg = control.get(f"launch/{launch}", timeout_s=float("inf"), watch=0)
+            if msg.get("done"):
+                return int(msg["exit"])
+            spec = by_world[msg["world_size"]]
+            directory = spec.run_dir / f"world{spec.world_size}" / msg["attempt"]
+            directory.mkdir(parents=True, exist_ok=True)
+            plan = Plan(scenarios=spec.scenarios, options=spec.options, backend=msg["backend"],
+                        timeout_s=spec.timeout_s, start=int(msg["start"]))
+            plan_file = plan.write(directory)
+            with open(directory / "torchrun.log", "w") as log:
+                proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file, node=node,
+                                                         launch=launch),
+                                        env=_child_env(node.per_node(spec.world_size)), stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+                try:
+                    proc.wait()
+                except BaseException:
+                    _kill_group(proc)
+                    raise
+            k = node.per_node(spec.world_size)
+            control.put(f"report/{launch}/{node.node_rank}",
+                        nodes.report_files(directory, range(node.node_rank * k, node.node_rank * k + k)))
+            launch += 1
+    finally:
+        try:
+            control.put(f"bye/{node.node_rank}", True)
+        except Exception:  # noqa: BLE001 (node 0 is gone already)
+            pass
+        control.close()

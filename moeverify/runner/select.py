@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from moeverify import plugins
 from moeverify.errors import UsageError
@@ -68,18 +68,20 @@ class GroupPlan:
     scenarios: tuple[Scenario, ...]
 
 
-def plan_backends(scenarios: Sequence[Scenario], *, backend: str, gpu_count: int
+def plan_backends(scenarios: Sequence[Scenario], *, backend: str, gpu_count: int,
+                  per_node: Callable[[int], int] = lambda world: world
                   ) -> tuple[list[GroupPlan], list[Result], list[str]]:
     """Groups to run, skipped results (GPU-only scenarios on CPU ranks), and notices to print.
 
     ``backend`` is the request (cpu, cuda or auto). auto runs a group on GPUs when there is one per
-    rank, else on CPU ranks; cuda with fewer GPUs than ranks is refused up front.
+    rank, else on CPU ranks; cuda with fewer GPUs than ranks is refused up front. ``per_node``: how many of
+    a group's ranks one node runs (several nodes), which is what this node's GPUs and CPU limit are held to.
     """
     if backend == "cuda" and gpu_count == 0:
         raise UsageError("--backend cuda: torch sees no GPU here; use --backend cpu (or auto)")
     groups, skipped, notices = [], [], []
     for world, members in group_by_world_size(scenarios).items():
-        chosen = _group_backend(world, backend=backend, gpu_count=gpu_count)
+        chosen = _group_backend(per_node(world), backend=backend, gpu_count=gpu_count)
         if chosen == "cpu" and backend == "auto" and gpu_count:
             notices.append(f"world size {world}: {gpu_count} GPU(s) visible, fewer than {world} ranks: "
                            "running on CPU ranks (gloo)")

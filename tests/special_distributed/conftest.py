@@ -22,7 +22,8 @@ from moeverify.runner.checks import ENV_VAR
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 TINY_CHECKS = {"passing": "passing", "passing2": "passing", "failing": "failing", "raise1": "raise_on_rank1",
-               "hang1": "hang_on_rank1", "echo": "echo_options", "kill1": "sigkill_on_rank1", "sleep": "sleep_long"}
+               "hang1": "hang_on_rank1", "echo": "echo_options", "kill1": "sigkill_on_rank1", "sleep": "sleep_long",
+               "raise_last": "raise_on_last_rank"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,7 @@
 """Tiny checks the runner's distributed tests register through ``MOEVERIFY_EXTRA_CHECKS``.
 
 They exercise the runner, not the oracles: a check that passes after a real collective, one that
-fails a subcheck, one that raises on rank 1, one that hangs on rank 1, one that SIGKILLs rank 1, one that sleeps on every rank, and one that reports the
+fails a subcheck, one that raises on rank 1 (or on the last rank), one that hangs on rank 1, one that SIGKILLs rank 1, one that sleeps on every rank, and one that reports the
 options it received. No model is built. (No test functions here: pytest collects nothing.)
 """
 
@@ -45,6 +45,14 @@ def raise_on_rank1(ctx) -> dict[str, Tally]:
     if ctx.rank == 1:
         raise ValueError("planted error on rank 1")
     dist.barrier()  # rank 0 waits here until the group is torn down
+    return {"unreachable": Tally()}
+
+
+def raise_on_last_rank(ctx) -> dict[str, Tally]:
+    _world_sum(ctx)
+    if ctx.rank == ctx.world_size - 1:  # on two nodes: a rank of node 1
+        raise ValueError(f"planted error on rank {ctx.rank}")
+    dist.barrier()
     return {"unreachable": Tally()}
 
 
