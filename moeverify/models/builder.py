@@ -9,6 +9,7 @@ that 0.6.2 does not yet make usable for bridge-converted providers, so its warni
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,38 @@ def _apply_overrides(provider, settings: dict, *, what: str) -> None:
         if not hasattr(provider, name):
             raise UsageError(f"{what}: the model config has no attribute {name!r}")
         setattr(provider, name, value)
+
+
+# Layer specs that ``local_block_spec`` rebuilds faithfully without Transformer Engine (megatron-bridge 0.6.2:
+# the GPT default, and the decoder block spec DeepSeek-V2/V3 pass as a partial). A family's own spec function
+# (OLMoE's and MiniMax-M2's full-width q/k norms, Qwen3-Next's linear attention, ...) is not: replacing it
+# would build, and then verify, another model.
+def _cpu_rebuilt_specs() -> tuple:
+    from megatron.bridge.models.gpt_provider import default_layer_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return default_layer_spec, get_gpt_decoder_block_spec
+
+
+def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None) -> None:
+    """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model)."""
+    spec = provider.transformer_layer_spec
+    fn = spec.func if isinstance(spec, functools.partial) else spec
+    rebuilt = _cpu_rebuilt_specs() if rebuilt is None else rebuilt
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    gaps = [] if any(fn is r for r in rebuilt) else [f"its own layer spec {name}"]
+    softmax = getattr(provider, "softmax_type", "vanilla")
+    if softmax != "vanilla":
+        gaps.append(f"softmax_type={softmax!r} (attention sinks)")
+    if getattr(provider, "window_size", None) is not None:
+        gaps.append(f"window_size={provider.window_size!r} (sliding-window attention)")
+    variant = getattr(provider, "experimental_attention_variant", None)
+    if variant:
+        gaps.append(f"experimental_attention_variant={variant!r} (linear attention)")
+    if gaps:
+        raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
+                         f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
+                         "Transformer Engine is installed (a GPU node), or mark the scenario gpu_only with this reason")
 
 
 def _moe_pattern(provider) -> tuple[int, ...]:
@@ -108,6 +141,7 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     if not rt.te_real:
         from moeverify.models.local_spec import local_block_spec
 
+        _refuse_cpu_spec_gaps(provider, family)
         _apply_overrides(provider, _NO_TE_PROVIDER_SETTINGS, what="settings without Transformer Engine")
         provider.transformer_layer_spec = local_block_spec
     provider.use_cpu_initialization = rt.backend == "cpu"

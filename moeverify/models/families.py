@@ -112,6 +112,17 @@ def _seeded_weights(model: torch.nn.Module, seed: int) -> None:
             tensor.copy_(value.to(tensor.dtype))
 
 
+def _fp32_expert_bias(model: torch.nn.Module) -> None:
+    """Real DeepSeek-V3 checkpoints keep the router's correction bias in fp32 (a buffer; Ernie-4.5's is a parameter)."""
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.nn.Parameter):
+            module.e_score_correction_bias = torch.nn.Parameter(bias.detach().to(torch.float32),
+                                                                requires_grad=bias.requires_grad)
+        elif isinstance(bias, torch.Tensor):
+            module.e_score_correction_bias = bias.to(torch.float32)
+
+
 def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
     import transformers
 
@@ -120,10 +131,7 @@ def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
     model_cls = getattr(transformers, cfg["architectures"][0])
     torch.manual_seed(seed)
     model = model_cls(config).to(_STORED_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.bfloat16))
-    for module in model.modules():  # real DeepSeek-V3 keeps the router's correction bias in fp32
-        bias = getattr(module, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor):
-            module.e_score_correction_bias = bias.to(torch.float32)
+    _fp32_expert_bias(model)
     _seeded_weights(model, seed)
     model.save_pretrained(dst, safe_serialization=True)
 

@@ -242,3 +242,45 @@ def test_doctor_model_set_needs_model_and_bad_model_is_refused_first(capsys, tmp
     assert "give --model" in capsys.readouterr().err
     assert cli.main(["doctor", "--model", str(tmp_path / "absent")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cpu_spec_refuses_what_it_cannot_rebuild():
+    import functools
+    from types import SimpleNamespace as NS
+
+    from moeverify.models.builder import _refuse_cpu_spec_gaps
+
+    def default_layer_spec(config):  # the names the CPU spec rebuilds
+        return None
+
+    def get_gpt_decoder_block_spec(config, use_transformer_engine=False):
+        return None
+
+    def olmoe_layer_spec(config):
+        return None
+
+    plain = dict(softmax_type="vanilla", window_size=None, experimental_attention_variant=None)
+    rebuilt = (default_layer_spec, get_gpt_decoder_block_spec)
+    _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, **plain), "f", rebuilt=rebuilt)
+    _refuse_cpu_spec_gaps(NS(transformer_layer_spec=functools.partial(get_gpt_decoder_block_spec), **plain), "f",
+                          rebuilt=rebuilt)
+    with pytest.raises(UsageError, match="f: without Transformer Engine.*own layer spec .*olmoe_layer_spec"):
+        _refuse_cpu_spec_gaps(NS(transformer_layer_spec=olmoe_layer_spec, **plain), "f", rebuilt=rebuilt)
+    with pytest.raises(UsageError, match="attention sinks.*sliding-window.*linear attention.*gpu_only"):
+        _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, softmax_type="learnable",
+                                 window_size=(127, 0), experimental_attention_variant="gated_delta_net"), "f",
+                              rebuilt=rebuilt)
+
+
+def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):
+    import torch
+
+    class Gate(torch.nn.Module):  # Ernie-4.5 keeps e_score_correction_bias as a parameter, not a buffer
+        def __init__(self):
+            super().__init__()
+            self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+
+    gate = Gate()
+    families._fp32_expert_bias(gate)
+    assert isinstance(gate.e_score_correction_bias, torch.nn.Parameter)
+    assert gate.e_score_correction_bias.dtype == torch.float32
