@@ -54,8 +54,9 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
             (``b * S + s``: ``Dump.routes()``, rollout engines; one process's global routes only).
         probs: optional ``{layer: [probs_TK per micro-batch]}`` router probabilities.
 
-    With ``world_size > 1`` every rank calls ``save``; under an initialised torch.distributed group
-    rank 0 then writes the manifest after a barrier, otherwise the caller runs ``finalize(path)``
+    With ``world_size > 1`` every rank calls ``save``; under an initialised torch.distributed group of
+    ``world_size`` ranks, rank 0 then writes the manifest after a barrier; otherwise (no group, or one of
+    another size: records of several ranks saved from one process) the caller runs ``finalize(path)``
     once all ranks have saved.
     """
     path = Path(path)
@@ -69,7 +70,7 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
     with RankWriter(path, model=model, coords=coords, layout=layout, world_size=world_size, zigzag=zigzag,
                     background=False, append=True) as writer:
         writer.add_routes(routes, step=step, seq_len=seq_len, batch=batch, probs=probs)
-    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if world_size > 1 and _group_is_the_dump(world_size):
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
             finalize(path, world_size=world_size)
@@ -77,6 +78,12 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
     elif world_size == 1:
         finalize(path, world_size=1)
     return path
+
+
+def _group_is_the_dump(world_size: int) -> bool:
+    """Whether the initialised torch.distributed group is the dump's ranks (then ``save`` finalises collectively)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
 
 
 def _router_order(routes: Routes, *, seq_len, batch: int | None, order: str | None, world_size: int) -> Routes:
