@@ -112,6 +112,17 @@ def innermost_frame(text: str) -> str:
     return ""
 
 
+def _exception_line(trace: str) -> str:
+    """``Type: first line of the message`` of a traceback (a message may run over several lines)."""
+    lines = trace.splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=-1)
+    for line in lines[last_frame + 1:]:
+        if line.strip() and not line[0].isspace():
+            return line.strip()
+    rest = [line for line in lines if line.strip()]
+    return rest[-1].strip() if rest else "an exception"
+
+
 def _describe(state: _RankState, plan: Plan) -> str:
     """First line: what happened, on which rank, in which check; then the traceback or stacks."""
     text, rank = state.stacks, state.rank
@@ -121,8 +132,7 @@ def _describe(state: _RankState, plan: Plan) -> str:
     where += f" at {at}" if at else ""
     if kind == "raised":
         _, _, trace = text.partition("\n")
-        last = [line for line in trace.splitlines() if line.strip()]
-        return f"rank {rank} raised {last[-1].strip() if last else 'an exception'}{where}\n{_tail(trace)}"
+        return f"rank {rank} raised {_exception_line(trace)}{where}\n{_tail(trace)}"
     if kind == "timed out":
         return (f"rank {rank} timed out{where}: still running after --timeout {plan.timeout_s:.0f} s; "
                 f"its threads' stacks (most recent call first):\n{_head(text)}")

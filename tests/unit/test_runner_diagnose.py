@@ -284,3 +284,14 @@ def test_diagnose_a_raising_rank_seen_first_by_torchrun_is_not_called_killed(tmp
                                            "  exitcode  : 3 (pid: 1)\n")
     crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
     assert crash.message.startswith("rank 1 raised ValueError: bad row"), crash.message
+
+
+def test_a_multi_line_exception_message_is_named_by_its_first_line():
+    from moeverify.runner.diagnose import _exception_line
+
+    trace = ('Traceback (most recent call last):\n  File "/x/builder.py", line 105, in build\n'
+             '    bridge = AutoBridge.from_hf_pretrained(str(hf_path))\n             ^^^^^^^^^^\n'
+             "ValueError: Model architecture 'MixtralForCausalLM' is not yet supported.\n\nSupported:\n"
+             "  • src/megatron/bridge/models/qwen/qwen_2_causal_bridge.py\n")
+    assert _exception_line(trace) == "ValueError: Model architecture 'MixtralForCausalLM' is not yet supported."
+    assert _exception_line("Traceback (most recent call last):\nKeyError: 'x'\n") == "KeyError: 'x'"
