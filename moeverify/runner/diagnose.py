@@ -115,8 +115,8 @@ def innermost_frame(text: str) -> str:
 def _exception_line(trace: str) -> str:
     """``Type: first line of the message`` of a traceback (a message may run over several lines)."""
     lines = trace.splitlines()
-    last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=-1)
-    for line in lines[last_frame + 1:]:
+    last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=None)
+    for line in lines[last_frame + 1:] if last_frame is not None else ():
         if line.strip() and not line[0].isspace():
             return line.strip()
     rest = [line for line in lines if line.strip()]
