@@ -284,3 +284,18 @@ def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):
     families._fp32_expert_bias(gate)
     assert isinstance(gate.e_score_correction_bias, torch.nn.Parameter)
     assert gate.e_score_correction_bias.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name, moe_layers", [
+    ("olmoe", (0, 1, 2, 3)), ("gpt_oss", (0, 1, 2, 3)), ("deepseek_v2", (1, 2, 3)), ("glm4_moe", (1, 2, 3)),
+    ("qwen3_next", (0, 1, 2, 3)), ("ernie45_moe", (1, 2, 3)), ("minimax_m2", (0, 1, 2, 3)),
+    ("qwen35_moe", (0, 1, 2, 3)), ("mixtral", (0, 1, 2, 3)),
+])
+def test_family_configs_register_with_their_moe_layers(tmp_path, repo_root, name, moe_layers):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("family_configs", repo_root / "tools" / "family_configs.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    shape = families.family_shape(user.register(tool.write(tmp_path, name)).key)
+    assert (shape.num_layers, shape.num_experts, shape.moe_layers) == (4, 8, moe_layers)
