@@ -213,6 +213,7 @@ def _cmd_run(args) -> int:
         return 0
     groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend),
                                                     per_node=node.per_node if node else (lambda world: world))
+    _preflight_models(groups)
     previous = signal.signal(signal.SIGTERM, _terminate_cleanly)
     try:
         control = _control(args, node, chosen=chosen, groups=groups, options=options) if node else None
@@ -233,6 +234,25 @@ def _cmd_run(args) -> int:
         return code
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _preflight_models(groups) -> None:
+    """User models (``--model``, ``model:``) are checked here, before torchrun, for what every rank would
+    refuse: an architecture Megatron-Bridge cannot convert, a layer spec the CPU path cannot rebuild."""
+    without_te: dict[str, bool] = {}
+    for group in groups:
+        for scenario in group.scenarios:
+            if scenario.model:
+                without_te[scenario.family] = without_te.get(scenario.family, False) or group.backend == "cpu"
+    if not without_te:
+        return
+    from moeverify.models import builder
+    from moeverify.runtime.bridge_import import real_te_available
+
+    te_here = real_te_available()
+    for key, on_cpu in without_te.items():
+        print(f"checking {key} with Megatron-Bridge before any rank starts ...", flush=True)
+        builder.preflight(key, te_real=te_here and not on_cpu)
 
 
 def _control(args, node, *, chosen, groups, options):

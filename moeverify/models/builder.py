@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import logging
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -114,6 +117,44 @@ def _check_shape(provider, shape: ModelShape, family: str) -> None:
                          f"config: {'; '.join(diffs)}")
 
 
+def _bridge_for(family: str, hf_path: Path):
+    """``AutoBridge.from_hf_pretrained(hf_path)``; an architecture Megatron-Bridge has no bridge for is a
+    ``UsageError`` naming it (megatron-bridge 0.6.2 raises a ValueError whose first line says so)."""
+    from moeverify import runtime
+
+    runtime.import_bridge()
+    from megatron.bridge import AutoBridge
+
+    try:
+        return AutoBridge.from_hf_pretrained(str(hf_path))
+    except ValueError as exc:
+        first = next((line.strip(" ✗") for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise UsageError(f"{family}: Megatron-Bridge cannot convert it: {first}") from exc
+
+
+def preflight(family: str, *, te_real: bool) -> None:
+    """Refuse, in the launching process and before any rank starts, what every rank's ``build`` would refuse
+    once it had started: an architecture without a bridge, and (``te_real`` False) a model the CPU layer
+    spec cannot rebuild. Reads the config only: no weights are written or loaded."""
+    from moeverify.models import user
+    from moeverify.models.families import hf_config_dict
+
+    path = user.registered(family).weights_dir if user.is_user_key(family) else None
+    with tempfile.TemporaryDirectory(prefix="moeverify-preflight-") as tmp:
+        if path is None:
+            path = Path(tmp)
+            (path / "config.json").write_text(json.dumps(hf_config_dict(family)))
+        logging.disable(logging.WARNING)  # the launcher's terminal is for moeverify's own lines
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                provider = _bridge_for(family, path).to_megatron_provider(load_weights=False)
+        finally:
+            logging.disable(logging.NOTSET)
+    if not te_real:
+        _refuse_cpu_spec_gaps(provider, family)
+
+
 def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None = None,
           load_weights: bool = True) -> Built:
     """Build ``family`` under ``layout`` (call inside ``moeverify.runtime.parallel(layout)``).
@@ -132,10 +173,7 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     shape = family_shape(family)
     layout.validate(world_size=rt.world_size, shape=shape)
     hf_path = hf_checkpoint(family, seed)
-    runtime.import_bridge()
-    from megatron.bridge import AutoBridge
-
-    bridge = AutoBridge.from_hf_pretrained(str(hf_path))
+    bridge = _bridge_for(family, hf_path)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _apply_layout(provider, layout)
     if not rt.te_real:

@@ -292,10 +292,44 @@ def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):
     ("qwen35_moe", (0, 1, 2, 3)), ("mixtral", (0, 1, 2, 3)),
 ])
 def test_family_configs_register_with_their_moe_layers(tmp_path, repo_root, name, moe_layers):
+    shape = families.family_shape(user.register(_family_tool(repo_root).write(tmp_path, name)).key)
+    assert (shape.num_layers, shape.num_experts, shape.moe_layers) == (4, 8, moe_layers)
+
+
+def _family_tool(repo_root):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("family_configs", repo_root / "tools" / "family_configs.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    shape = families.family_shape(user.register(tool.write(tmp_path, name)).key)
-    assert (shape.num_layers, shape.num_experts, shape.moe_layers) == (4, 8, moe_layers)
+    return tool
+
+
+@pytest.mark.parametrize("name, message", [
+    ("gpt_oss", r"model:gpt_oss: without Transformer Engine .*attention sinks.*sliding-window"),
+    ("olmoe", r"model:olmoe: without Transformer Engine .*olmoe_layer_spec"),
+    ("mixtral", r"model:mixtral: Megatron-Bridge cannot convert it: .*'MixtralForCausalLM' is not yet supported"),
+])
+def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo_root, monkeypatch, capsys,
+                                                                 name, message):
+    import re
+
+    from moeverify.runner import launch
+
+    def no_rank_may_start(*args, **kwargs):
+        raise AssertionError("a torchrun group was started")
+
+    monkeypatch.setattr(launch, "run_group", no_rank_may_start)
+    model = _family_tool(repo_root).write(tmp_path, name)
+    code = cli.main(["run", str(repo_root / "scenarios" / "families.yaml"), "--model", str(model),
+                     "--backend", "cpu", "--run-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(message, err), err
+
+
+def test_preflight_passes_a_model_the_cpu_path_rebuilds(tmp_path, repo_root):
+    from moeverify.models import builder
+
+    key = user.register(_family_tool(repo_root).write(tmp_path, "deepseek_v2")).key
+    builder.preflight(key, te_real=False)  # DeepSeek-V2's decoder block spec is rebuilt faithfully
+    assert not any(tmp_path.glob("**/*.safetensors")), "the preflight reads the config only"
