@@ -40,6 +40,13 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
         tie_word_embeddings=False, num_nextn_predict_layers=0)),
+    # DeepSeek-V2: MLA, softmax routing without expert bias, a shared expert, a dense first layer.
+    # (megatron-bridge 0.6.2 deprecates its DeepSeek-V2 bridge, to be removed in 0.7.)
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
+        _COMMON, model_type="deepseek_v2", num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        routed_scaling_factor=1.0, norm_topk_prob=False, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, head_dim=8, tie_word_embeddings=False)),
 }
 
 FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
@@ -60,20 +67,9 @@ def hf_config_dict(family: str) -> dict:
 
 
 def family_shape(family: str) -> ModelShape:
-    """Layer, head and expert counts the layout rules check against."""
-    cfg = hf_config_dict(family)
-    if user.is_user_key(family):
-        return user.shape_of(cfg, where=family)
-    layers = cfg["num_hidden_layers"]
-    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
-    if family == "deepseek_v3":
-        moe_layers = tuple(range(cfg["first_k_dense_replace"], layers))
-    elif experts:
-        moe_layers = tuple(i for i in range(layers) if i not in cfg["mlp_only_layers"])
-    else:
-        moe_layers = ()
-    return ModelShape(num_layers=layers, num_heads=cfg["num_attention_heads"],
-                      num_query_groups=cfg["num_key_value_heads"], num_experts=experts, moe_layers=moe_layers)
+    """Layer, head and expert counts the layout rules check against (one reading of HF configs for built-in
+    families and user models alike: ``user.shape_of``)."""
+    return user.shape_of(hf_config_dict(family), where=family)
 
 
 def cache_dir() -> Path:

@@ -38,6 +38,18 @@ def test_hf_checkpoint_deepseek_keeps_correction_bias_fp32(cache):
     assert config["first_k_dense_replace"] == 1 and config["n_group"] == 2
 
 
+def test_hf_checkpoint_deepseek_v2_is_mla_with_a_dense_first_layer_and_no_expert_bias(cache):
+    path = hf_checkpoint("deepseek_v2")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        dtypes = {f.get_slice(name).get_dtype() for name in names}
+    assert dtypes == {"BF16"} and not any("e_score_correction_bias" in n for n in names)
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in names
+    assert family_shape("deepseek_v2").moe_layers == (1, 2, 3)
+
+
 def test_family_shape_marks_dense_and_moe_layers():
     assert family_shape("deepseek_v3").moe_layers == (1, 2, 3)
     assert family_shape("qwen3_moe").moe_layers == (0, 1, 2, 3)
