@@ -13,11 +13,10 @@ from pathlib import Path
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-import yaml
-
 from moeverify import options
 from moeverify.errors import LayoutError, UsageError
 from moeverify.layout import Layout, ModelShape
+from moeverify.yaml_file import Where, error, read_yaml
 
 FORMAT_VERSION = 1
 CPU_MAX_WORLD_SIZE = 8  # CPU ranks are processes: allowed up to 8 whatever the core count
@@ -53,82 +52,6 @@ class Scenario:
 
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class _Where:
-    """A place in a scenario file, for messages."""
-
-    path: str
-    line: int | None = None
-    scenario: str | None = None
-
-    def __str__(self) -> str:
-        loc = self.path if self.line is None else f"{self.path}:{self.line}"
-        return loc if self.scenario is None else f"{loc}: scenario {self.scenario}"
-
-    def at(self, node: object, *, scenario: str | None = None) -> _Where:
-        line = getattr(node, "line", None)
-        return _Where(path=self.path, line=line or self.line, scenario=scenario or self.scenario)
-
-
-def _error(where: _Where, message: str) -> UsageError:
-    return UsageError(f"{where}: {message}")
-
-
-# --------------------------------------------------------------------------------------------- YAML
-class _LineDict(dict):
-    """A mapping that remembers the 1-based line where it starts in its file."""
-
-    line: int | None = None
-
-
-class _Loader(yaml.SafeLoader):
-    """``SafeLoader`` that records mapping lines and rejects duplicate keys."""
-
-
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _LineDict:
-    loader.flatten_mapping(node)
-    out = _LineDict()
-    out.line = node.start_mark.line + 1
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in out:
-            raise UsageError(f"{loader.name}:{key_node.start_mark.line + 1}: duplicate key {key!r}")
-        out[key] = loader.construct_object(value_node, deep=True)
-    return out
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def text_line(data: bytes, offset: int) -> int:
-    """1-based line number of byte ``offset`` in ``data``."""
-    return data.count(b"\n", 0, offset) + 1
-
-
-def _read_yaml(path: str) -> object:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read scenario file ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        line = text_line(exc.object, exc.start)
-        raise UsageError(f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
-                         "scenario files are UTF-8 YAML") from None
-    loader = _Loader(text)
-    loader.name = path
-    try:
-        return loader.get_single_data()
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{path}{line}: malformed YAML: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{path}: malformed YAML: {exc}") from None
-    finally:
-        loader.dispose()
-
-
 # ------------------------------------------------------------------------------------- families
 def _families() -> dict[str, ModelShape]:
     """Family name -> its ModelShape, from ``moeverify.models``."""
@@ -140,65 +63,65 @@ def _families() -> dict[str, ModelShape]:
 
 
 # --------------------------------------------------------------------------------------- fields
-def _check_keys(where: _Where, mapping: object, allowed: Collection[str], what: str) -> Mapping:
+def _check_keys(where: Where, mapping: object, allowed: Collection[str], what: str) -> Mapping:
     if not isinstance(mapping, Mapping):
-        raise _error(where, f"{what} must be a mapping, got {type(mapping).__name__}")
+        raise error(where, f"{what} must be a mapping, got {type(mapping).__name__}")
     unknown = sorted(str(k) for k in mapping if k not in allowed)
     if unknown:
-        raise _error(where, f"unknown {what} key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise error(where, f"unknown {what} key(s) {unknown}; allowed: {sorted(allowed)}")
     return mapping
 
 
-def _int_field(where: _Where, value: object, name: str, *, minimum: int, maximum: int | None = None) -> int:
+def _int_field(where: Where, value: object, name: str, *, minimum: int, maximum: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (maximum is not None and
                                                                                     value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise _error(where, f"{name} must be an integer {bound}, got {value!r}")
+        raise error(where, f"{name} must be an integer {bound}, got {value!r}")
     return value
 
 
 MAX_SEED = 2**31 - 1  # Megatron offsets the seed per rank (tp, ep, pp) before torch's 64-bit seeding
 
 
-def _checks_field(where: _Where, value: object, known: Collection[str], *, name: str = "checks") -> tuple[str, ...]:
+def _checks_field(where: Where, value: object, known: Collection[str], *, name: str = "checks") -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-        raise _error(where, f"{name} must be a list of check names, got {value!r}")
+        raise error(where, f"{name} must be a list of check names, got {value!r}")
     for check in value:
         if check not in known:
-            raise _error(where, f"unknown check {check!r}; known checks: {', '.join(sorted(known))}")
+            raise error(where, f"unknown check {check!r}; known checks: {', '.join(sorted(known))}")
     dups = sorted({c for c in value if value.count(c) > 1})
     if dups:
-        raise _error(where, f"check(s) {dups} listed twice in {name}")
+        raise error(where, f"check(s) {dups} listed twice in {name}")
     return tuple(value)
 
 
-def _options_field(where: _Where, value: object) -> dict[str, Any]:
+def _options_field(where: Where, value: object) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise _error(where, f"options must be a mapping, got {type(value).__name__}")
+        raise error(where, f"options must be a mapping, got {type(value).__name__}")
     return {key: options.validate(where, key, item) for key, item in value.items()}  # normalised values
 
 
-def _gpu_only_field(where: _Where, value: object) -> str | None:
+def _gpu_only_field(where: Where, value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise _error(where, f"gpu_only must be a reason (non-empty string) or null, got {value!r}")
+        raise error(where, f"gpu_only must be a reason (non-empty string) or null, got {value!r}")
     return value.strip()
 
 
-def _user_model(where: _Where, value: object, sets: object = None) -> str:
+def _user_model(where: Where, value: object, sets: object = None) -> str:
     """Register the user model of ``model: PATH`` (or ``{path, set}``), relative to the file; its key."""
     from moeverify.models import user
 
     if isinstance(value, Mapping):
         value = _check_keys(where, value, _MODEL_KEYS, "model")
         if sets is not None:
-            raise _error(where, "give the overrides once: model: {path, set} or model_set, not both")
+            raise error(where, "give the overrides once: model: {path, set} or model_set, not both")
         value, sets = value.get("path"), value.get("set")
     if not isinstance(value, str) or not value.strip():
-        raise _error(where, f"model must be a path (an HF model directory or a config.json), got {value!r}")
+        raise error(where, f"model must be a path (an HF model directory or a config.json), got {value!r}")
     if sets is not None and not isinstance(sets, Mapping):
-        raise _error(where, f"model_set must be a mapping of config keys to values, got {type(sets).__name__}")
+        raise error(where, f"model_set must be a mapping of config keys to values, got {type(sets).__name__}")
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = Path(where.path).resolve().parent / path
@@ -218,21 +141,21 @@ def _shape_of(key: str, families: Mapping[str, ModelShape]) -> ModelShape | None
 class _Spec:
     """One scenario before validation against its family: merged fields, plus where it came from."""
 
-    where: _Where
+    where: Where
     family: object
     world_size: object
     layout: object
     fields: Mapping
 
 
-def _layout_of(where: _Where, mapping: object) -> Layout:
+def _layout_of(where: Where, mapping: object) -> Layout:
     mapping = _check_keys(where, mapping if mapping is not None else {}, _LAYOUT_KEYS, "layout")
     try:
         return Layout.from_mapping(dict(mapping))
     except LayoutError as exc:
-        raise _error(where, f"invalid layout: {exc}") from None
+        raise error(where, f"invalid layout: {exc}") from None
     except TypeError as exc:
-        raise _error(where, f"invalid layout: {exc}") from None
+        raise error(where, f"invalid layout: {exc}") from None
 
 
 def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collection[str],
@@ -241,36 +164,36 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
     where = spec.where
     shape = _shape_of(spec.family, families) if isinstance(spec.family, str) else None
     if shape is None:
-        raise _error(where, f"unknown family {spec.family!r}; known families: {', '.join(families)}")
+        raise error(where, f"unknown family {spec.family!r}; known families: {', '.join(families)}")
     if spec.world_size is None:
-        raise _error(where, "world_size is missing (set it on the scenario or in defaults)")
+        raise error(where, "world_size is missing (set it on the scenario or in defaults)")
     world_size = _int_field(where, spec.world_size, "world_size", minimum=1)
     layout = _layout_of(where, spec.layout)
     name = f"{spec.family}/{layout.name(world_size)}"
-    where = _Where(path=where.path, line=where.line, scenario=name)
+    where = Where(path=where.path, line=where.line, scenario=name)
     unfit = None
     try:
         layout.validate(world_size=world_size, shape=shape)
     except LayoutError as exc:
         if not fit_or_skip:
-            raise _error(where, f"invalid layout: {exc}") from None
+            raise error(where, f"invalid layout: {exc}") from None
         try:
             layout.validate(world_size=world_size)
         except LayoutError as bad:
-            raise _error(where, f"invalid layout: {bad}") from None
+            raise error(where, f"invalid layout: {bad}") from None
         unfit = f"{spec.family} does not admit this layout: {exc}"
     if "checks" not in spec.fields:
-        raise _error(where, "checks is missing (set it on the scenario or in defaults)")
+        raise error(where, "checks is missing (set it on the scenario or in defaults)")
     check_list = list(_checks_field(where, spec.fields["checks"], checks))
     if shape.is_moe:
         check_list += [c for c in moe_checks if c not in check_list]
     if not check_list:
-        raise _error(where, "checks is empty: a scenario must run at least one check")
+        raise error(where, "checks is empty: a scenario must run at least one check")
     scenario_options = _options_field(where, spec.fields.get("options", {}))
     if "replay" in check_list:
         seq_len = scenario_options.get("replay_seq_len", 16)
         if seq_len % (2 * layout.cp):
-            raise _error(where, f"the replay check's sequence of {seq_len} tokens is not divisible by 2 * cp = "
+            raise error(where, f"the replay check's sequence of {seq_len} tokens is not divisible by 2 * cp = "
                                 f"{2 * layout.cp} (context parallelism splits each sequence in 2 * cp chunks); "
                                 "set options: {replay_seq_len: N} with N a multiple of it")
     return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
@@ -296,7 +219,7 @@ def _merge_fields(defaults: Mapping, entry: Mapping) -> dict:
     return merged
 
 
-def _validated_defaults(where: _Where, raw: object, checks: Collection[str]) -> dict:
+def _validated_defaults(where: Where, raw: object, checks: Collection[str]) -> dict:
     if raw is None:
         return {}
     defaults = _check_keys(where.at(raw), raw, _DEFAULT_KEYS, "defaults")
@@ -310,9 +233,9 @@ def _validated_defaults(where: _Where, raw: object, checks: Collection[str]) -> 
     return dict(defaults)
 
 
-def _explicit_specs(where: _Where, entries: object, defaults: Mapping) -> list[_Spec]:
+def _explicit_specs(where: Where, entries: object, defaults: Mapping) -> list[_Spec]:
     if not isinstance(entries, list):
-        raise _error(where, f"scenarios must be a list of mappings, got {type(entries).__name__}")
+        raise error(where, f"scenarios must be a list of mappings, got {type(entries).__name__}")
     specs = []
     for entry in entries:
         here = where.at(entry)
@@ -320,10 +243,10 @@ def _explicit_specs(where: _Where, entries: object, defaults: Mapping) -> list[_
         family = entry.get("family")
         if "model" in entry:
             if family is not None:
-                raise _error(here, "give family or model, not both")
+                raise error(here, "give family or model, not both")
             family = _user_model(here, entry["model"], entry.get("model_set"))
         elif "model_set" in entry:
-            raise _error(here, "model_set needs model: PATH")
+            raise error(here, "model_set needs model: PATH")
         specs.append(_Spec(where=here, family=family,
                            world_size=entry.get("world_size", defaults.get("world_size")),
                            layout=entry.get("layout"), fields=_merge_fields(defaults, entry)))
@@ -334,26 +257,26 @@ def _is_expert_layout(layout: Mapping) -> bool:
     return layout.get("ep", 1) != 1 or layout.get("etp") is not None
 
 
-def _matrix_specs(where: _Where, blocks: object, defaults: Mapping, families: Mapping[str, ModelShape],
+def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Mapping[str, ModelShape],
                   checks: Collection[str], model: str | None = None) -> list[tuple[_Spec, tuple]]:
     """Expand ``matrix`` blocks: families x layouts; dense families skip expert layouts.
 
     ``model`` (a user model's key) stands for every block's families and models.
     """
     if not isinstance(blocks, list):
-        raise _error(where, f"matrix must be a list of blocks, got {type(blocks).__name__}")
+        raise error(where, f"matrix must be a list of blocks, got {type(blocks).__name__}")
     out = []
     for block in blocks:
         here = where.at(block)
         block = _check_keys(here, block, _MATRIX_KEYS, "matrix block")
         fams, layouts = block.get("families", []), block.get("layouts")
         if not isinstance(fams, list) or not isinstance(block.get("models", []), list):
-            raise _error(here, "matrix block: families and models must be lists")
+            raise error(here, "matrix block: families and models must be lists")
         fams = [model] if model else fams + [_user_model(here.at(m), m) for m in block.get("models", [])]
         if not fams:
-            raise _error(here, f"matrix block needs families (or models): a non-empty list, got {fams!r}")
+            raise error(here, f"matrix block needs families (or models): a non-empty list, got {fams!r}")
         if not isinstance(layouts, list) or not layouts:
-            raise _error(here, f"matrix block needs layouts: a non-empty list, got {layouts!r}")
+            raise error(here, f"matrix block needs layouts: a non-empty list, got {layouts!r}")
         moe_checks = _checks_field(here, block.get("moe_checks", defaults.get("moe_checks", [])), checks,
                                    name="moe_checks")
         fields = _merge_fields(defaults, block)
@@ -382,15 +305,15 @@ def load_file(path: str, *, checks: Collection[str], families: Mapping[str, Mode
     model; layouts it does not admit come back ``unfit`` (reported as skipped) instead of refused.
     """
     families = _families() if families is None else families
-    where = _Where(path=path)
-    doc = _read_yaml(path)
+    where = Where(path=path)
+    doc = read_yaml(path)
     if doc is None:
-        raise _error(where, "file is empty; expected a mapping with 'scenarios' and/or 'matrix'")
+        raise error(where, "file is empty; expected a mapping with 'scenarios' and/or 'matrix'")
     doc = _check_keys(where, doc, _TOP_KEYS, "top-level")
     if doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-        raise _error(where, f"version {doc['version']!r} is not supported; this moeverify reads version {FORMAT_VERSION}")
+        raise error(where, f"version {doc['version']!r} is not supported; this moeverify reads version {FORMAT_VERSION}")
     if "scenarios" not in doc and "matrix" not in doc:
-        raise _error(where, "no 'scenarios' or 'matrix' section: the file defines no scenario")
+        raise error(where, "no 'scenarios' or 'matrix' section: the file defines no scenario")
     defaults = _validated_defaults(where, doc.get("defaults"), checks)
     specs = [(s if model is None else dataclasses.replace(s, family=model), ())
              for s in _explicit_specs(where, doc.get("scenarios", []), defaults)]
@@ -399,11 +322,11 @@ def load_file(path: str, *, checks: Collection[str], families: Mapping[str, Mode
     for spec, moe_checks in specs:
         scenario = _build(spec, families=families, checks=checks, moe_checks=moe_checks, fit_or_skip=bool(model))
         if scenario.world_size > max_world_size:
-            raise _error(spec.where.at(None, scenario=scenario.name),
+            raise error(spec.where.at(None, scenario=scenario.name),
                          f"world_size {scenario.world_size} exceeds the {max_world_size} ranks this machine can run")
         scenarios.append(scenario)
     if not scenarios:
-        raise _error(where, "the file defines no scenario")
+        raise error(where, "the file defines no scenario")
     return scenarios
 
 
