@@ -1,4 +1,4 @@
-"""The routing dump format, version 1: names, the dtype table and the manifest.
+"""The routing dump format, versions 1 and 2: names, the dtype table and the manifest.
 
 A dump is a directory::
 
@@ -6,15 +6,24 @@ A dump is a directory::
     rank00000.safetensors         one file per rank (``rank00000.p001.safetensors`` ... for later parts)
     rank00000.json                the rank's own record, folded into the manifest by ``finalize``
 
-Tensors in a rank file, for step ``S``, micro-batch ``M`` and global MoE layer ``L`` (0-based)::
+Version 2 (written) packs the MoE layers of one (step ``S``, micro-batch ``M``) into one tensor. The file's
+entry in the rank record and the manifest (``{"name", "bytes", "tensors", "layers"}``) lists the global MoE
+layers (0-based) of its packed tensors, in the order of their leading dimension; every ``ids``/``probs``
+tensor of that file holds exactly those layers::
 
-    step{S}/mb{M}/layer{L}/ids        [T, K] expert ids, dtype from ``ids_dtype_for(num_experts)``
-    step{S}/mb{M}/layer{L}/probs      [T, K] float router probabilities of those experts (optional)
-    step{S}/mb{M}/positions           [T] int64 position of each local token in its sequence (optional)
-    step{S}/mb{M}/seq_ids             [T] int64 sequence of each local token (optional)
+    step{S}/mb{M}/ids             [L, T, K] expert ids, dtype from ``ids_dtype_for(num_experts)``
+    step{S}/mb{M}/probs           [L, T, K] float router probabilities of those experts (optional)
+    step{S}/mb{M}/positions       [T] int64 position of each local token in its sequence (optional)
+    step{S}/mb{M}/seq_ids         [T] int64 sequence of each local token (optional)
+
+The layers of one (step, micro-batch) may be spread over several part files (a writer flushed between
+them), never repeated. Version 1 (read only) holds one tensor per layer, and its file entries no ``layers``::
+
+    step{S}/mb{M}/layer{L}/ids    [T, K]
+    step{S}/mb{M}/layer{L}/probs  [T, K]
 
 ``T`` is the rank's local token count in local router order (see ``moeverify.views``).
-Legend: T = tokens, K = top-k.
+Legend: L = packed layers, T = tokens, K = top-k.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import torch
 from moeverify.errors import DumpError
 
 SCHEMA = "moeverify.routing_dump"
-VERSION = 1
+VERSION = 2  # written
+VERSIONS = (1, 2)  # read
 MANIFEST = "manifest.json"
 
 # The one dtype table: the narrowest integer dtype that holds ids in [0, num_experts).
@@ -40,7 +50,7 @@ INDEX_DTYPE = torch.int64  # positions and seq_ids
 KINDS = ("ids", "probs")
 TOKEN_KINDS = ("positions", "seq_ids")
 
-_NAME_RE = re.compile(r"^step(\d+)/mb(\d+)/(?:layer(\d+)/(ids|probs)|(positions|seq_ids))$")
+_NAME_RE = re.compile(r"^step(\d+)/mb(\d+)/(?:(?:layer(\d+)/)?(ids|probs)|(positions|seq_ids))$")
 
 
 def ids_dtype_for(num_experts: int) -> torch.dtype:
@@ -62,6 +72,7 @@ def dtype_by_name(name: str) -> torch.dtype:
 
 
 def tensor_name(*, step: int, mb: int, kind: str, layer: int | None = None) -> str:
+    """The version-1 name of one layer's tensor (also the name of one layer in messages), or a token tensor's."""
     if kind in KINDS:
         return f"step{step}/mb{mb}/layer{layer}/{kind}"
     if kind in TOKEN_KINDS:
@@ -69,12 +80,27 @@ def tensor_name(*, step: int, mb: int, kind: str, layer: int | None = None) -> s
     raise DumpError(f"unknown tensor kind {kind!r}; known: {KINDS + TOKEN_KINDS}")
 
 
+def packed_name(*, step: int, mb: int, kind: str) -> str:
+    """The version-2 name of a micro-batch's packed ``[L, T, K]`` tensor (or of a token tensor)."""
+    if kind not in KINDS + TOKEN_KINDS:
+        raise DumpError(f"unknown tensor kind {kind!r}; known: {KINDS + TOKEN_KINDS}")
+    return f"step{step}/mb{mb}/{kind}"
+
+
+def layer_label(*, step: int, mb: int, kind: str, layer: int | None, version: int) -> str:
+    """How messages name one layer's tensor: its own name (v1), or its packed tensor and layer (v2)."""
+    if version == 1 or layer is None:
+        return tensor_name(step=step, mb=mb, layer=layer, kind=kind)
+    return f"{packed_name(step=step, mb=mb, kind=kind)}[layer {layer}]"
+
+
 def parse_tensor_name(name: str) -> tuple[int, int, int | None, str]:
-    """``(step, mb, layer or None, kind)`` of a tensor name; ``DumpError`` if it is not one of ours."""
+    """``(step, mb, layer or None, kind)`` of a tensor name of either version (``layer`` only in a v1 name);
+    ``DumpError`` if it is not one of ours."""
     m = _NAME_RE.match(name)
     if not m:
-        raise DumpError(f"tensor name {name!r} is not step{{S}}/mb{{M}}/layer{{L}}/(ids|probs) "
-                        f"or step{{S}}/mb{{M}}/(positions|seq_ids)")
+        raise DumpError(f"tensor name {name!r} is not step{{S}}/mb{{M}}/(ids|probs) (v2), "
+                        f"step{{S}}/mb{{M}}/layer{{L}}/(ids|probs) (v1) or step{{S}}/mb{{M}}/(positions|seq_ids)")
     step, mb, layer, kind, token_kind = m.groups()
     return int(step), int(mb), None if layer is None else int(layer), kind or token_kind
 

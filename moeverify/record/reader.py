@@ -3,7 +3,10 @@
 ``load`` checks the manifest (schema, version, keys), every rank file (present, byte size, safetensors
 header, rank metadata) and every tensor (name, dtype, shape, layers and micro-batches a rank must
 hold) before any data is read. Every problem is a ``DumpError`` naming the file and tensor, with
-expected vs got. Legend: T = tokens (local router order), K = top-k.
+expected vs got. Both format versions are read (``format.VERSIONS``) and indexed per layer alike: a v2
+packed ``[L, T, K]`` tensor gives one index entry per layer, read alone through ``safe_open(...).get_slice``
+(the file is memory-mapped; only that layer's bytes are copied). Legend: L = packed layers, T = tokens
+(local router order), K = top-k.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class _Entry:
     file: Path
     name: str
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of this layer's tensor: [T, K] (ids, probs) or [T]
+    index: int | None = None  # position of the layer in a v2 packed [L, T, K] tensor
+    label: str = ""  # how messages name it (``format.layer_label``)
 
 
 class Dump:
@@ -56,6 +61,7 @@ class Dump:
             self.layout.validate(world_size=int(manifest["world_size"]))
         except (LayoutError, TypeError) as exc:
             raise DumpError(f"{where}: {exc}") from None
+        self.version = int(manifest["version"])
         self.world_size = int(manifest["world_size"])
         self.zigzag = bool(manifest["zigzag"])
         self.ids_dtype = fmt.dtype_by_name(manifest["ids_dtype"])
@@ -174,6 +180,7 @@ class Dump:
         path = self.path / fmt.checked_file_name(file.get("name"), rank=rank, where=str(self.path / fmt.MANIFEST))
         if not path.is_file():
             raise DumpError(f"{path}: rank {rank} file missing (listed in the manifest)")
+        packed = self._packed_layers(path, rank, file) if self.version >= 2 else None
         size = path.stat().st_size
         if size != int(file["bytes"]):
             raise DumpError(f"{path}: truncated or altered: expected {file['bytes']} bytes, got {size}")
@@ -184,19 +191,61 @@ class Dump:
                 entries = {n: (_DT_NAMES.get(s.get_dtype()), tuple(s.get_shape())) for n, s in entries.items()}
         except (SafetensorError, OSError) as exc:
             raise DumpError(f"{path}: not a readable safetensors file: {exc}") from None
-        if meta.get("schema") != fmt.SCHEMA or meta.get("rank") != str(rank):
-            raise DumpError(f"{path}: metadata schema/rank {meta.get('schema')!r}/{meta.get('rank')!r} != expected "
-                            f"{fmt.SCHEMA!r}/'{rank}'")
+        got = (meta.get("schema"), meta.get("version"), meta.get("rank"))
+        if got != (fmt.SCHEMA, str(self.version), str(rank)):
+            raise DumpError(f"{path}: metadata schema/version/rank {'/'.join(repr(g) for g in got)} != expected "
+                            f"{fmt.SCHEMA!r}/'{self.version}'/'{rank}' (the manifest's format version)")
         for name, (dtype, shape) in entries.items():
             try:
                 step, mb, layer, kind = fmt.parse_tensor_name(name)
             except DumpError as exc:
                 raise DumpError(f"{path}: {exc}") from None
+            if kind in fmt.KINDS and (layer is None) != (packed is not None):
+                want = "step{S}/mb{M}/" + (f"{kind} (v2, layers packed)" if packed is not None
+                                           else f"layer{{L}}/{kind} (v1, one tensor per layer)")
+                raise DumpError(f"{path}: tensor {name}: not a format v{self.version} name; expected {want}")
+            if kind in fmt.KINDS and packed is not None:
+                self._index_packed(path, name, rank=rank, step=step, mb=mb, kind=kind, dtype=dtype, shape=shape,
+                                   layers=packed)
+                continue
             key = (rank, step, mb, layer, kind)
             if key in self._index:
                 raise DumpError(f"{path}: tensor {name} also in {self._index[key].file.name}")
             self._check_tensor(path, name, kind, dtype, shape)
-            self._index[key] = _Entry(file=path, name=name, dtype=dtype, shape=shape)
+            self._index[key] = _Entry(file=path, name=name, dtype=dtype, shape=shape, label=name)
+
+    def _packed_layers(self, path: Path, rank: int, file: Mapping) -> tuple[int, ...]:
+        """A v2 file entry's ``layers``: the global layers of its packed tensors, in order; integers, unique."""
+        layers = file.get("layers")
+        if not isinstance(layers, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in layers):
+            raise DumpError(f"{self.path / fmt.MANIFEST}: rank {rank} file {path.name}: 'layers' must be the list "
+                            f"of global layers its packed tensors hold (format v2), got {layers!r:.80}")
+        twice = sorted({x for x in layers if layers.count(x) > 1})
+        if twice:
+            raise DumpError(f"{path}: rank {rank}: the file's layer list {layers} holds layer(s) {twice} more than "
+                            f"once; expected each packed layer once")
+        return tuple(layers)
+
+    def _index_packed(self, path: Path, name: str, *, rank: int, step: int, mb: int, kind: str,
+                      dtype: torch.dtype | None, shape: tuple, layers: tuple[int, ...]) -> None:
+        """One index entry per layer of a v2 ``[L, T, K]`` tensor, after checking its dtype and shape."""
+        where = f"{path}: tensor {name} (step {step}, mb {mb}, layers {list(layers)})"
+        want = fmt.ID_DTYPE_NAMES[self.ids_dtype] if kind == "ids" else "a float dtype"
+        if (dtype != self.ids_dtype) if kind == "ids" else (dtype not in fmt.PROB_DTYPES):
+            raise DumpError(f"{where}: dtype {dtype} != expected {want}")
+        if len(shape) != 3 or shape[2] != self.model.topk:
+            raise DumpError(f"{where}: shape {shape} != expected (L={len(layers)}, T, K={self.model.topk})")
+        if shape[0] != len(layers):
+            raise DumpError(f"{where}: shape {shape} packs {shape[0]} layer(s), but the file's layer list names "
+                            f"{len(layers)}: expected (L={len(layers)}, T, K={self.model.topk})")
+        for index, layer in enumerate(layers):
+            key = (rank, step, mb, layer, kind)
+            label = fmt.layer_label(step=step, mb=mb, kind=kind, layer=layer, version=self.version)
+            if key in self._index:
+                raise DumpError(f"{path}: tensor {label} (step {step}, mb {mb}, layer {layer}) also in "
+                                f"{self._index[key].file.name}")
+            self._index[key] = _Entry(file=path, name=name, dtype=dtype, shape=tuple(shape[1:]), index=index,
+                                      label=label)
 
     def _check_tensor(self, path: Path, name: str, kind: str, dtype: torch.dtype | None, shape: tuple) -> None:
         if kind == "ids":
@@ -225,7 +274,8 @@ class Dump:
         unexpected = sorted({k for k in held if k[1] not in self.steps or k[2] >= self.steps[k[1]].microbatches
                              or (k[3] is not None and k[3] not in layers)}, key=str)
         if missing or unexpected:
-            names = lambda keys: [fmt.tensor_name(step=k[1], mb=k[2], layer=k[3], kind=k[4]) for k in keys[:4]]
+            names = lambda keys: [fmt.layer_label(step=k[1], mb=k[2], layer=k[3], kind=k[4], version=self.version)
+                                  for k in keys[:4]]
             raise DumpError(f"{self._rank_files(rank)}: rank {rank} (pp{self.coords[rank].pp}, layers {list(layers)}) "
                             f"missing {len(missing)} tensor(s) {names(missing)}, unexpected {len(unexpected)} "
                             f"{names(unexpected)}")
@@ -235,8 +285,8 @@ class Dump:
                 continue
             ref = self._index.get((rank, step, mb, layer if kind == "probs" else layers[0] if layers else None, "ids"))
             if ref is not None and entry.shape[0] != ref.shape[0]:
-                raise DumpError(f"{entry.file}: tensor {entry.name}: {entry.shape[0]} tokens != {ref.shape[0]} in "
-                                f"{ref.name}")
+                raise DumpError(f"{entry.file}: tensor {entry.label}: {entry.shape[0]} tokens != {ref.shape[0]} in "
+                                f"{ref.label}")
 
     def _check_token_counts(self, rank: int, layers: tuple[int, ...]) -> None:
         c = self.coords[rank]
@@ -251,7 +301,7 @@ class Dump:
                     want = got if want is None else want
                     if got != want:
                         entry = self._index[(rank, step, mb, layer, "ids")]
-                        raise DumpError(f"{entry.file}: tensor {entry.name}: shape ({got}, {self.model.topk}) != "
+                        raise DumpError(f"{entry.file}: tensor {entry.label}: shape ({got}, {self.model.topk}) != "
                                         f"expected (T={want}, K={self.model.topk}) (inconsistent token count)")
 
     def _check_token_ids(self, rank: int, step: int, info: StepInfo) -> None:
@@ -290,9 +340,13 @@ class Dump:
         entry = self._index[(rank, step, mb, layer, kind)]
         try:
             with safe_open(entry.file, framework="pt") as handle:
-                return handle.get_tensor(entry.name)
+                if entry.index is None:
+                    return handle.get_tensor(entry.name)
+                # A view of the memory-mapped [L, T, K] tensor touches this layer's pages only; the copy owns
+                # just those bytes, so a kept layer does not pin the whole file's mapping.
+                return handle.get_slice(entry.name)[entry.index].clone()
         except (SafetensorError, OSError) as exc:
-            raise DumpError(f"{entry.file}: tensor {entry.name}: unreadable: {exc}") from None
+            raise DumpError(f"{entry.file}: tensor {entry.label}: unreadable: {exc}") from None
 
 
 def load(path: str | os.PathLike) -> Dump:
@@ -312,8 +366,9 @@ def load(path: str | os.PathLike) -> Dump:
     if not isinstance(manifest, dict) or manifest.get("schema") != fmt.SCHEMA:
         got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
         raise DumpError(f"{manifest_path}: schema {got!r} != expected {fmt.SCHEMA!r}")
-    if manifest.get("version") != fmt.VERSION:
-        raise DumpError(f"{manifest_path}: schema version {manifest.get('version')!r} != supported {fmt.VERSION}")
+    if manifest.get("version") not in fmt.VERSIONS or isinstance(manifest.get("version"), bool):
+        raise DumpError(f"{manifest_path}: schema version {manifest.get('version')!r} not supported; this moeverify "
+                        f"reads versions {', '.join(map(str, fmt.VERSIONS))}")
     absent = [key for key in _REQUIRED if key not in manifest]
     if absent:
         raise DumpError(f"{manifest_path}: missing key(s) {absent}")

@@ -1,7 +1,9 @@
 """Writing routing dumps: atomic files, a per-rank writer that can run off the training thread, and
 ``finalize``, which folds the ranks' records into ``manifest.json`` (written last).
 
-Legend: T = tokens (local router order), K = top-k.
+Format version 2 (``format.VERSION``): layers arrive one at a time and are buffered per (step, micro-batch);
+a flush packs each micro-batch's buffered layers into one ``[L, T, K]`` tensor. Legend: L = packed layers,
+T = tokens (local router order), K = top-k.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ _STOP = object()
 
 
 class RankWriter:
-    """Writes one rank's routes to ``rank{R:05d}[.pNNN].safetensors`` in a dump directory.
+    """Writes one rank's routes to ``rank{R:05d}[.pNNN].safetensors`` in a dump directory (format v2).
 
     ``add``/``add_routes`` copy tensors to CPU on the caller's thread and queue them; a background
-    thread (bounded queue) narrows dtypes, validates and buffers them. ``flush()`` writes the buffer
-    as one part file; ``close()`` flushes and writes the rank's record. Errors of the background thread
-    are raised by the next call. Nothing is pickled.
+    thread (bounded queue) narrows dtypes, validates and buffers them per (step, micro-batch). ``flush()``
+    packs each buffered micro-batch's layers into one ``[L, T, K]`` tensor and writes them as one part file
+    (one per distinct set of buffered layers); ``close()`` flushes and writes the rank's record. Errors of
+    the background thread are raised by the next call. Nothing is pickled.
 
     Args:
         path: the dump directory (created).
@@ -54,7 +57,8 @@ class RankWriter:
         self.coords = coords or RankCoords(rank=0)
         self.layout.validate(world_size=world_size)
         self._ids_dtype = fmt.ids_dtype_for(model.num_experts)
-        self._pending: dict[str, torch.Tensor] = {}
+        self._packs: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._pending_tokens: dict[str, torch.Tensor] = {}
         self._names: set[str] = set()
         self._steps: dict[int, dict] = {}
         self._files: list[dict] = []
@@ -85,6 +89,10 @@ class RankWriter:
         for key, value in mine.items():
             if rec.get(key) != value:
                 raise DumpError(f"{rec_path}: cannot append: {key} {rec.get(key)!r} != {value!r}")
+        if rec.get("version") != fmt.VERSION:
+            raise DumpError(f"{rec_path}: cannot append: the dump is format version {rec.get('version')!r}, this "
+                            f"writer writes version {fmt.VERSION} (one dump holds one version); write the new "
+                            f"steps to a new dump directory")
         uncommitted = uncommitted_steps(self.path, rec)
         if uncommitted:
             raise DumpError(f"{rec_path}: step(s) {uncommitted} were written but never committed to "
@@ -204,13 +212,14 @@ class RankWriter:
         elif ids_TK.dim() != 2 or ids_TK.shape[1] != self.model.topk:
             raise DumpError(f"layer {layer} rank {self.coords.rank} mb {mb}: route shape {tuple(ids_TK.shape)} != "
                             f"expected (T, K={self.model.topk})")
-        self._put(fmt.tensor_name(step=step, mb=mb, layer=layer, kind="ids"), ids_TK.to(self._ids_dtype))
         if probs_TK is not None:
             if probs_TK.dtype not in fmt.PROB_DTYPES or tuple(probs_TK.shape) != tuple(ids_TK.shape):
                 raise DumpError(f"layer {layer} rank {self.coords.rank} mb {mb}: probs {probs_TK.dtype} "
                                 f"{tuple(probs_TK.shape)} != expected float {tuple(ids_TK.shape)}")
             self._probs_dtype = fmt.PROB_DTYPES[probs_TK.dtype]
-            self._put(fmt.tensor_name(step=step, mb=mb, layer=layer, kind="probs"), probs_TK)
+            probs_TK = probs_TK.contiguous()
+        self._claim(step, fmt.tensor_name(step=step, mb=mb, layer=layer, kind="ids"))
+        self._packs.setdefault((step, mb), {})[layer] = (ids_TK.to(self._ids_dtype).contiguous(), probs_TK)
         info = self._steps.setdefault(step, {"microbatches": 0, "seq_len": {}, "batch": None})
         info["microbatches"] = max(info["microbatches"], mb + 1)
 
@@ -225,26 +234,56 @@ class RankWriter:
             info["batch"] = int(batch)
         for kind, t in (("positions", positions_T), ("seq_ids", seq_ids_T)):
             if t is not None:
-                self._put(fmt.tensor_name(step=step, mb=mb, kind=kind), t.reshape(-1).to(fmt.INDEX_DTYPE))
+                name = fmt.packed_name(step=step, mb=mb, kind=kind)
+                self._claim(step, name)
+                self._pending_tokens[name] = t.reshape(-1).to(fmt.INDEX_DTYPE).contiguous()
 
-    def _put(self, name: str, tensor: torch.Tensor) -> None:
-        if fmt.parse_tensor_name(name)[0] in self._old_steps:
-            raise DumpError(f"{self.path}: step {fmt.parse_tensor_name(name)[0]} is already in the dump")
+    def _claim(self, step: int, name: str) -> None:
+        """``name`` (a layer's v1 name, or a token tensor's) is recorded once, in a step not yet in the dump."""
+        if step in self._old_steps:
+            raise DumpError(f"{self.path}: step {step} is already in the dump")
         if name in self._names:
             raise DumpError(f"{self.path}: rank {self.coords.rank} recorded {name} twice (a recompute forward "
                             f"recorded again, or a step/micro-batch number reused)")
         self._names.add(name)
-        self._pending[name] = tensor.contiguous()
 
     def _write_part(self) -> None:
-        if not self._pending:
-            return
-        name = fmt.rank_file(self.coords.rank, len(self._files))
-        metadata = {"schema": fmt.SCHEMA, "version": str(fmt.VERSION), "rank": str(self.coords.rank)}
-        data = st_save(self._pending, metadata=metadata)
-        atomic_write(self.path / name, data)
-        self._files.append({"name": name, "bytes": len(data), "tensors": len(self._pending)})
-        self._pending = {}
+        """Pack the buffered micro-batches; one part file per distinct layer list (the file entry's ``layers``)."""
+        groups: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+        for (step, mb), held in sorted(self._packs.items()):
+            layers = tuple(sorted(held))
+            groups.setdefault(layers, {}).update(self._pack(step, mb, layers, held))
+        if self._pending_tokens:
+            first = next(iter(groups), ())
+            groups.setdefault(first, {}).update(self._pending_tokens)
+        for layers, tensors in groups.items():
+            name = fmt.rank_file(self.coords.rank, len(self._files))
+            metadata = {"schema": fmt.SCHEMA, "version": str(fmt.VERSION), "rank": str(self.coords.rank)}
+            data = st_save(tensors, metadata=metadata)
+            atomic_write(self.path / name, data)
+            self._files.append({"name": name, "bytes": len(data), "tensors": len(tensors), "layers": list(layers)})
+        self._packs, self._pending_tokens = {}, {}
+
+    def _pack(self, step: int, mb: int, layers: tuple[int, ...],
+              held: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
+        """``{step{S}/mb{M}/ids: [L, T, K]}`` (and ``probs``) of one micro-batch's buffered layers."""
+        where = f"{self.path}: rank {self.coords.rank} step {step} mb {mb}"
+        tokens = {layer: held[layer][0].shape[0] for layer in layers}
+        if len(set(tokens.values())) > 1:
+            raise DumpError(f"{where}: layers hold different token counts {tokens}; the layers of one micro-batch "
+                            f"are packed into one [L, T, K] tensor and must hold the same T")
+        out = {fmt.packed_name(step=step, mb=mb, kind="ids"): torch.stack([held[layer][0] for layer in layers])}
+        with_probs = [layer for layer in layers if held[layer][1] is not None]
+        if with_probs:
+            if len(with_probs) != len(layers):
+                raise DumpError(f"{where}: probs given for layer(s) {with_probs} but not for "
+                                f"{sorted(set(layers) - set(with_probs))}; a packed micro-batch holds probs for "
+                                f"all of its layers or none")
+            dtypes = {layer: fmt.PROB_DTYPES[held[layer][1].dtype] for layer in layers}
+            if len(set(dtypes.values())) > 1:
+                raise DumpError(f"{where}: probs dtypes differ between layers {dtypes}; give one float dtype")
+            out[fmt.packed_name(step=step, mb=mb, kind="probs")] = torch.stack([held[layer][1] for layer in layers])
+        return out
 
     def _record(self) -> dict:
         steps = {}
@@ -346,14 +385,17 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
         raise DumpError(f"{path}: rank record(s) missing for rank(s) {missing} of world_size {world}")
     steps: dict[str, dict] = {}
     for rank, rec in sorted(records.items()):
-        for key in ("model", "layout", "world_size", "zigzag", "ids_dtype"):
-            if rec[key] != first[key]:
+        for key in ("version", "model", "layout", "world_size", "zigzag", "ids_dtype"):
+            if rec.get(key) != first.get(key):
                 raise DumpError(f"{path}: rank {rank} {key} {rec[key]!r} != rank {min(records)} {first[key]!r}")
         for step, info in rec["steps"].items():
             merged = steps.setdefault(step, {"microbatches": 0, "batch": None, "seq_len": None})
             _merge_step(merged, info, where=f"{path}: rank {rank} step {step}")
-    manifest = {
-        "schema": fmt.SCHEMA, "version": fmt.VERSION, "model": first["model"], "layout": first["layout"],
+    if first.get("version") not in fmt.VERSIONS:
+        raise DumpError(f"{path}: rank {min(records)} record is format version {first.get('version')!r}; "
+                        f"this moeverify knows versions {list(fmt.VERSIONS)}")
+    manifest = {  # the records' version: finalising an old dump's uncommitted step keeps its format
+        "schema": fmt.SCHEMA, "version": first["version"], "model": first["model"], "layout": first["layout"],
         "world_size": world, "zigzag": first["zigzag"], "ids_dtype": first["ids_dtype"],
         "probs_dtype": next((r["probs_dtype"] for r in records.values() if r["probs_dtype"]), None),
         "steps": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),

@@ -1,4 +1,7 @@
-"""Corrupt, truncated, missing or inconsistent dumps raise DumpError naming the file, tensor, expected vs got."""
+"""Corrupt, truncated, missing or inconsistent dumps raise DumpError naming the file, tensor, expected vs got.
+
+The ``dump_dir`` dumps are in the v1 layout (one tensor per layer, as older dumps on disk): the reader keeps
+refusing corrupt ones. Malformed v2 packed tensors: ``test_dump_format_v2.py``."""
 
 import json
 
@@ -11,6 +14,7 @@ from moeverify.errors import DumpError
 from moeverify.layout import Layout
 from moeverify.routes import Routes
 
+from dump_v1 import convert_to_v1
 from test_record_merge import write_rank_dumps
 
 
@@ -19,7 +23,7 @@ def dump_dir(tmp_path):
     routes = Routes({layer: [torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])] * 2 for layer in (1, 2, 3, 5, 7)},
                     num_experts=16, topk=2)
     write_rank_dumps(tmp_path / "d", _tile(routes, 2), Layout(pp=2), 2)
-    return tmp_path / "d"
+    return convert_to_v1(tmp_path / "d")
 
 
 def _tile(routes, times):
@@ -91,9 +95,10 @@ def test_finalize_missing_rank_record_raises(dump_dir):
 
 def test_load_bad_schema_version_raises(dump_dir):
     manifest = _manifest(dump_dir)
-    manifest["version"] = 2
+    manifest["version"] = 3
     (dump_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DumpError, match=r"manifest.json: schema version 2 != supported 1"):
+    with pytest.raises(DumpError, match=r"manifest.json: schema version 3 not supported; this moeverify reads "
+                                        r"versions 1, 2"):
         record.load(dump_dir)
 
 
@@ -191,12 +196,13 @@ def test_load_manifest_not_json_raises(dump_dir):
 
 def test_load_foreign_rank_metadata_raises(dump_dir):
     tensors = load_file(dump_dir / "rank00001.safetensors")
-    save_file(tensors, dump_dir / "rank00001.safetensors", metadata={"schema": "moeverify.routing_dump", "rank": "0"})
+    save_file(tensors, dump_dir / "rank00001.safetensors",
+              metadata={"schema": "moeverify.routing_dump", "version": "1", "rank": "0"})
     manifest = _manifest(dump_dir)
     manifest["ranks"]["1"]["files"][0]["bytes"] = (dump_dir / "rank00001.safetensors").stat().st_size
     (dump_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DumpError, match=r"rank00001.safetensors: metadata schema/rank 'moeverify.routing_dump'/'0' "
-                                        r"!= expected 'moeverify.routing_dump'/'1'"):
+    with pytest.raises(DumpError, match=r"rank00001.safetensors: metadata schema/version/rank "
+                                        r"'moeverify.routing_dump'/'1'/'0' != expected 'moeverify.routing_dump'/'1'/'1'"):
         record.load(dump_dir)
 
 

@@ -1,4 +1,4 @@
-"""Dump format v1: dtype table, save/load round trips, background writer, appending steps."""
+"""Dump format (v2 written): dtype table, save/load round trips, background writer, appending steps."""
 
 import json
 
@@ -39,7 +39,7 @@ def test_save_load_roundtrip_every_dtype(tmp_path, experts):
     dump = record.load(tmp_path / "d")
     assert dump.routes(step=0) == routes
     with safe_open(tmp_path / "d" / "rank00000.safetensors", framework="pt") as handle:
-        assert handle.get_tensor("step0/mb0/layer1/ids").dtype == fmt.ids_dtype_for(experts)
+        assert handle.get_tensor("step0/mb0/ids").dtype == fmt.ids_dtype_for(experts)
 
 
 def test_save_with_probs_roundtrip(tmp_path):
@@ -70,7 +70,7 @@ def test_save_same_step_twice_raises(tmp_path):
 def test_manifest_holds_shape_layout_ranks_versions(tmp_path):
     record.save(tmp_path / "d", _routes(experts=8), step=3, num_layers=4)
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
-    assert manifest["schema"] == "moeverify.routing_dump" and manifest["version"] == 1
+    assert manifest["schema"] == "moeverify.routing_dump" and manifest["version"] == fmt.VERSION == 2
     assert manifest["model"] == {"num_layers": 4, "moe_layers": [1, 3], "num_experts": 8, "topk": 2}
     assert manifest["world_size"] == 1 and list(manifest["ranks"]) == ["0"]
     assert manifest["steps"]["3"]["microbatches"] == 2
