@@ -1,9 +1,10 @@
 """Routing dumps: size, write cost, training-step overhead and diff speed, against peers measured in the same run.
 
 Workload: top-8 of 128 experts, 16 MoE layers, 2 micro-batches of 4096 tokens (131,072 token-layer rows).
-- size: a dump directory (manifest, rank record, safetensors with uint8 ids) vs ``torch.save`` of the
-  same tensors as int64, and vs megatron-core's ``RouterTracer`` JSONL (the real tracer when
-  megatron-core imports, else the same records written with ``json.dumps`` as the tracer does);
+- size: a dump directory (manifest, rank record, safetensors with uint8 ids; format v2 packs the layers of
+  a micro-batch in one tensor) vs ``torch.save`` of the same per-layer tensors as int64, and vs megatron-core's
+  ``RouterTracer`` JSONL (the real tracer when megatron-core imports, else the same records written with
+  ``json.dumps`` as the tracer does);
 - write throughput: ``RankWriter`` (background thread, validated, atomic) vs ``torch.save`` of int64;
 - step overhead: a synthetic MoE-shaped training step (per layer: matmul, router, top-k, backward)
   with and without handing each layer's routes to a background ``RankWriter`` the way ``RouteRecorder``
@@ -100,17 +101,19 @@ def measure_size(routes: Routes, rows: int, tmp: Path) -> dict:
     tensors_n = len(tensors)
     ours_fixed, peer_fixed = dump_b - rows * TOPK, pt_b - rows * TOPK * 8
     files = {p.name: p.stat().st_size for p in sorted((tmp / "dump").iterdir())}
+    header = files[fmt.rank_file(0)] - rows * TOPK
+    records = dump_b - files[fmt.rank_file(0)]
     return {
         "bytes_vs_torch_save_int64": {"value": per(dump_b), "unit": "bytes/token-layer", "peer": per(pt_b),
                                       "ratio": round(pt_b / dump_b, 3), "goal": ">=8", "files": files,
+                                      "format_version": fmt.VERSION,
                                       "note": "uint8 ids are exactly 8x smaller than int64; beyond the ids the dump "
-                                              f"holds {ours_fixed} bytes (manifest, rank record, safetensors header "
-                                              f"of {tensors_n} tensors), torch.save {peer_fixed}. 8x needs the "
-                                              f"dump's below 1/8 of torch.save's, but format v1 has one tensor per "
-                                              f"layer and micro-batch: its header entry costs about "
-                                              f"{round((files[fmt.rank_file(0)] - rows * TOPK) / tensors_n)} bytes, "
-                                              f"torch.save about {round(peer_fixed / tensors_n)} per tensor, so v1 "
-                                              "stays below 8x at any size"},
+                                              f"holds {ours_fixed} bytes: manifest and rank record {records}, "
+                                              f"safetensors header {header} (format v{fmt.VERSION}: "
+                                              f"{routes.microbatches} packed [L, T, K] tensors for {tensors_n} "
+                                              f"(layer, micro-batch) pairs), against torch.save's {peer_fixed} "
+                                              f"(about {round(peer_fixed / tensors_n)} per tensor). 8x needs the "
+                                              f"dump's fixed bytes below 1/8 of torch.save's, {peer_fixed // 8}"},
         "bytes_vs_router_trace_jsonl": {"value": per(dump_b), "unit": "bytes/token-layer", "peer": per(jsonl_b),
                                         "ratio": round(jsonl_b / dump_b, 2), "goal": ">=4", "peer_is": jsonl_how},
     }
@@ -238,7 +241,8 @@ def _stream_ids(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.
 
 def write_stream_dumps(tmp: Path, tokens: int) -> tuple[Path, Path]:
     """Two one-rank dumps (sequence geometry recorded) of ``tokens`` x 60 layers; B differs on 1 % of rows
-    (one expert swapped) and reorders another 1 % (same set). Written a layer at a time (one part each)."""
+    (one expert swapped) and reorders another 1 % (same set). Written a micro-batch at a time: each part holds
+    one micro-batch's 60 layers packed (format v2), so a streamed layer is a slice of a packed tensor."""
     mb_tokens = min(tokens, STREAM_MB_TOKENS)
     if tokens % mb_tokens or mb_tokens % STREAM_SEQ_LEN:
         raise SystemExit(f"--stream-tokens {tokens}: need a multiple of {STREAM_SEQ_LEN} (and of {STREAM_MB_TOKENS} "
@@ -252,8 +256,8 @@ def write_stream_dumps(tmp: Path, tokens: int) -> tuple[Path, Path]:
     for mb in range(mbs):
         for w in writers:
             w.add_tokens(step=0, mb=mb, seq_len=STREAM_SEQ_LEN, batch=batch)
-    for layer in range(STREAM_LAYERS):
-        for mb in range(mbs):
+    for mb in range(mbs):
+        for layer in range(STREAM_LAYERS):
             a, spare = _stream_ids(mb_tokens, gen)
             b = a.clone()
             pick = torch.rand(mb_tokens, generator=gen)
