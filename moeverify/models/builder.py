@@ -71,8 +71,21 @@ def _cpu_rebuilt_specs() -> tuple:
     return default_layer_spec, get_gpt_decoder_block_spec
 
 
-def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None) -> None:
-    """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model)."""
+def _unmapped_local_experts(provider, registry) -> list[str]:
+    """Expert parameters of the first MoE layer built as ``SequentialMLP`` (``moe_grouped_gemm=False``, the
+    CPU path) that the bridge's mapping registry has no mapping for (megatron-bridge 0.6.2 names)."""
+    pattern = _moe_pattern(provider)
+    if not pattern:
+        return []
+    names = [f"decoder.layers.{pattern[0]}.mlp.experts.local_experts.0.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")]
+    return [name for name in names if registry.megatron_to_hf_lookup(name) is None]
+
+
+def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None, registry=None) -> None:
+    """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model).
+
+    ``registry``: the bridge's ``mapping_registry()`` (megatron-bridge 0.6.2: ``AutoBridge._model_bridge``), to
+    refuse expert weights it maps for grouped GEMM only."""
     spec = provider.transformer_layer_spec
     fn = spec.func if isinstance(spec, functools.partial) else spec
     rebuilt = _cpu_rebuilt_specs() if rebuilt is None else rebuilt
@@ -86,6 +99,10 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None
     variant = getattr(provider, "experimental_attention_variant", None)
     if variant:
         gaps.append(f"experimental_attention_variant={variant!r} (linear attention)")
+    unmapped = _unmapped_local_experts(provider, registry) if registry is not None else []
+    if unmapped:
+        gaps.append(f"its experts as SequentialMLP (moe_grouped_gemm=False, the CPU path), which the bridge maps for "
+                    f"grouped GEMM only (no mapping for {', '.join(unmapped)})")
     if gaps:
         raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
                          f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
@@ -148,11 +165,12 @@ def preflight(family: str, *, te_real: bool) -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                provider = _bridge_for(family, path).to_megatron_provider(load_weights=False)
+                bridge = _bridge_for(family, path)
+                provider = bridge.to_megatron_provider(load_weights=False)
+                if not te_real:
+                    _refuse_cpu_spec_gaps(provider, family, registry=bridge._model_bridge.mapping_registry())
         finally:
             logging.disable(logging.NOTSET)
-    if not te_real:
-        _refuse_cpu_spec_gaps(provider, family)
 
 
 def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None = None,
@@ -179,7 +197,7 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     if not rt.te_real:
         from moeverify.models.local_spec import local_block_spec
 
-        _refuse_cpu_spec_gaps(provider, family)
+        _refuse_cpu_spec_gaps(provider, family, registry=bridge._model_bridge.mapping_registry())
         _apply_overrides(provider, _NO_TE_PROVIDER_SETTINGS, what="settings without Transformer Engine")
         provider.transformer_layer_spec = local_block_spec
     provider.use_cpu_initialization = rt.backend == "cpu"

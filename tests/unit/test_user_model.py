@@ -309,6 +309,7 @@ def _family_tool(repo_root):
     ("gpt_oss", r"model:gpt_oss: without Transformer Engine .*attention sinks.*sliding-window"),
     ("olmoe", r"model:olmoe: without Transformer Engine .*olmoe_layer_spec"),
     ("mixtral", r"model:mixtral: Megatron-Bridge cannot convert it: .*'MixtralForCausalLM' is not yet supported"),
+    ("glm4_moe", r"model:glm4_moe: .*grouped GEMM only \(no mapping for decoder\.layers\.1\.mlp\.experts\.local_experts"),
 ])
 def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo_root, monkeypatch, capsys,
                                                                  name, message):
