@@ -51,8 +51,14 @@ class Collector:
     def merge_for(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorMerge:
         if name not in self.merges:
             self.merges[name] = TensorMerge(name=name, shape=shape, dtype=dtype, world_size=self.world_size,
-                                            conflicts=self.t["conflicts"], replicas=self.t["replicas"])
+                                            conflicts=self.t["conflicts"], replicas=self.t["replicas"],
+                                            reference=self.held.get(name))
         return self.merges[name]
+
+    def nbytes(self) -> int:
+        """Bytes held: open merges and reference tensors kept for later (the memory gate's input)."""
+        return (sum(m.nbytes for m in self.merges.values())
+                + sum(t.numel() * t.element_size() for t in self.held.values()))
 
     def row_done(self, index: int, table: list[tuple[str, tuple]]) -> None:
         """After row ``index``: merges it finished become complete; check those whose reference is held."""

@@ -8,6 +8,10 @@ one HF tensor being assembled:
 - ``writer_N``: who wrote each element, ``rank + 1`` (0 = not written). It is the explicit coverage
   mask: integer tensors and legitimately-NaN weights are covered or not regardless of their value.
 
+A merge opened with its reference already in hand (same shape and dtype) keeps no values buffer while
+every piece matches the reference bit for bit (each piece is compared on arrival); the first piece
+with other bits turns it into an ordinary merge, so every subcheck counts and reports the same.
+
 Legend: ``N`` = elements of the HF tensor, ``P`` = elements of one piece (positions and values).
 Every comparison is on raw bits (``moeverify.oracles.bits``), never on float values, so ``-0.0 != 0.0`` and NaN
 payloads count, and a tensor is compared in the reference's own dtype.
@@ -42,21 +46,49 @@ class TensorMerge:
     """One HF tensor being assembled from pieces; failures go to the tallies passed in."""
 
     def __init__(self, *, name: str, shape: tuple[int, ...], dtype: torch.dtype, world_size: int,
-                 conflicts: Tally, replicas: Tally) -> None:
+                 conflicts: Tally, replicas: Tally, reference: torch.Tensor | None = None) -> None:
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
         self.numel = math.prod(self.shape)
-        self.values_N = torch.empty(self.numel, dtype=dtype)
-        if dtype.is_floating_point:
-            self.values_N.fill_(float("nan"))
+        # backed by the reference (already in hand, same shape and dtype): while every written element
+        # has the reference's bits, the merged bits ARE the reference's, so no values buffer is kept;
+        # the first write with other bits materialises the buffer (a copy of the reference) and the
+        # merge goes on as an ordinary one. Written elements hold the subject's bits either way.
+        self._ref_N = None
+        self.values_N = None
+        if reference is not None and tuple(reference.shape) == self.shape and reference.dtype == dtype:
+            self._ref_N = reference.reshape(-1)
         else:
-            self.values_N.zero_()
+            self.values_N = torch.empty(self.numel, dtype=dtype)
+            if dtype.is_floating_point:
+                self.values_N.fill_(float("nan"))
+            else:
+                self.values_N.zero_()
         self.writer_N = torch.zeros(self.numel, dtype=torch.uint8 if world_size < 255 else torch.int32)
         self._conflicts = conflicts
         self._replicas = replicas
         self.dtype_seen: set[torch.dtype] = set()
         self.n_missing: int | None = None  # set by check_coverage
+
+    @staticmethod
+    def nbytes_for(shape: tuple[int, ...], dtype: torch.dtype, world_size: int) -> int:
+        """Bytes a merge of ``shape`` and ``dtype`` allocates (values and writer mask)."""
+        width = torch.empty((), dtype=dtype).element_size() + (1 if world_size < 255 else 4)
+        return math.prod(int(s) for s in shape) * width
+
+    @property
+    def nbytes(self) -> int:
+        values = 0 if self.values_N is None else self.values_N.numel() * self.values_N.element_size()
+        return values + self.writer_N.numel() * self.writer_N.element_size()
+
+    def _merged_bits(self) -> torch.Tensor:
+        """Raw bits of the merged values (the reference's while backed)."""
+        return bits(self.values_N if self.values_N is not None else self._ref_N)
+
+    def _materialize(self) -> None:
+        if self.values_N is None:
+            self.values_N = self._ref_N.clone()
 
     # -- writes --------------------------------------------------------------------------------
     def _check_piece(self, rank: int, positions_P, values_P: torch.Tensor) -> torch.Tensor:
@@ -89,6 +121,17 @@ class TensorMerge:
         if not values_P.numel():
             return
         earlier_P = self.writer_N[positions_P]
+        if self.values_N is None:
+            if torch.equal(bits(values_P), bits(self._ref_N)[positions_P]):
+                # all new bits are the reference's, so are all earlier ones: no conflict, none lost
+                if isinstance(positions_P, slice) and not int(torch.count_nonzero(earlier_P)):
+                    self.writer_N[positions_P] = rank + 1
+                else:
+                    fresh_P = _as_index(positions_P)[earlier_P == 0]
+                    self.writer_N[fresh_P] = rank + 1
+                self._conflicts.ok(int(values_P.numel()))
+                return
+            self._materialize()
         n_double, n_differ = int(torch.count_nonzero(earlier_P)), 0
         if n_double:
             covered_P = earlier_P != 0
@@ -128,7 +171,7 @@ class TensorMerge:
             return
         writer_P = self.writer_N[positions_P]
         covered_P = writer_P != 0  # uncovered elements are the coverage subcheck's to report
-        merged_P = bits(self.values_N)[positions_P]
+        merged_P = self._merged_bits()[positions_P]
         differ_P = (merged_P != bits(values_P)) & covered_P
         n_bad = int(differ_P.sum())
         if n_bad:
@@ -156,6 +199,11 @@ class TensorMerge:
                           f"{_index_list(torch.tensor(shown), n_missing)}", n=n_missing)
         coverage.ok(self.numel - n_missing)
 
+    def _missing(self) -> int:
+        if self.n_missing is None:
+            self.n_missing = self.numel - int(torch.count_nonzero(self.writer_N))
+        return self.n_missing
+
     def check_against(self, reference: torch.Tensor, *, shape_dtype: Tally, bitwise: Tally) -> None:
         """Shape and dtype, then raw bits in the reference's dtype, over the elements written."""
         ref_shape, ref_dtype = tuple(reference.shape), reference.dtype
@@ -171,6 +219,11 @@ class TensorMerge:
         self._compare_bits(reference.reshape(-1), bitwise)
 
     def _compare_bits(self, ref_N: torch.Tensor, bitwise: Tally) -> None:
+        if self.values_N is None:
+            if ref_N.data_ptr() == self._ref_N.data_ptr() and ref_N.dtype == self._ref_N.dtype:
+                bitwise.ok(self.numel - self._missing())  # every written element was checked on write
+                return
+            self._materialize()  # another reference than the one backing it: compare as usual
         # the merged values are cast INTO the reference dtype (exact when dtypes agree), never
         # both through a narrower one: an fp32 tensor that went through bf16 keeps its lost bits
         if self.dtype == ref_N.dtype and self.n_missing == 0 \

@@ -10,16 +10,20 @@
    and skips the rest, so a diverging rank cannot hang the per-row collectives;
 3. per row: every rank gathers a JSON header (slot table, sizes, dtype, error) to rank 0, rank 0
    checks the slot tables and broadcasts go/skip, then the pieces travel rank by rank in chunks to
-   rank 0, which merges them (``merge.TensorMerge``); reference tensors from
-   ``bridge.export_hf_weights(model_chunks, cpu=True)`` are pulled by every rank in the same order
-   when rank 0 asks (one broadcast per pull), and each merge is checked as soon as its reference is
-   in hand. Memory on rank 0: the merges of one row, the reference tensors they wait for, one chunk.
+   rank 0, which merges them (``merge.TensorMerge``); meanwhile every rank runs the reference,
+   ``bridge.export_hf_weights(model_chunks, cpu=True)``, in a background thread (``feed``), whose
+   tensors rank 0 takes between rows; each merge is checked as soon as its reference is in hand.
+   Rank 0 takes a row's references before opening its merges (a merge whose reference is in hand
+   keeps no values buffer while the pieces match it), and the feed's memory gate keeps a large
+   export from running beside large holdings. Memory on rank 0: the merges of one row, the
+   reference tensors they wait for, one chunk, and a small tensor's export in flight beside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import traceback
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,8 @@ from moeverify import plugins
 from moeverify.oracles.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
+from moeverify.oracles.export.feed import ReferenceFeed
+from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.export.rows import DrainedRow, Piece, drain, iterate_subject, pieces
 from moeverify.oracles.results import Tally
 from moeverify.options import SUBJECTS
@@ -85,22 +91,30 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
         return tallies
     if reference is None:
         reference = sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)
+    shapes = checkpoint_shapes(sctx.hf_path)
     collector = None
     if sctx.rank == 0:
-        collector = Collector(tallies=tallies, tables=[r.table for r in rows],
-                              checkpoint_names=set(checkpoint_shapes(sctx.hf_path)), world_size=sctx.world_size)
-    ref_iter = iter(reference)
-    for index, row in enumerate(rows):
-        # other ranks build their pieces while rank 0 still merges the previous row; rank 0 pulls the
-        # references first, while it holds nothing else (the bridge's own gather is the peak)
-        prepared = _header(row, sctx.rank) if sctx.rank != 0 else None
-        _pull_references(ref_iter, collector=collector, group=group, names=[n for n, _ in row.table])
-        _one_row(index, row, sctx=sctx, group=group, collector=collector,
-                 prepared=prepared or _header(row, sctx.rank))
-        rows[index] = prepared = None  # drop the row's tensors as soon as it is merged
-    for name, tensor in ref_iter:  # every rank drains the rest of the reference in the same order
-        if collector is not None:
-            collector.take_reference(name, tensor)
+        collector = Collector(tallies=tallies, tables=[r.table for r in rows], checkpoint_names=set(shapes),
+                              world_size=sctx.world_size)
+    feed = ReferenceFeed(reference, keep=sctx.rank == 0, numels={n: math.prod(s) for n, s in shapes.items()})
+    feed.start()
+    try:
+        for index, row in enumerate(rows):
+            # other ranks build their pieces while rank 0 still merges the previous row; rank 0 takes the
+            # references the row needs first, and builds its own pieces after them
+            prepared = _header(row, sctx.rank) if sctx.rank != 0 else None
+            if collector is not None:
+                names = [n for n, _ in row.table]
+                feed.wait_until(lambda: not collector.wants_reference(names), collector)
+            _one_row(index, row, sctx=sctx, group=group, collector=collector, feed=feed,
+                     prepared=prepared or _header(row, sctx.rank))
+            rows[index] = prepared = None  # drop the row's tensors as soon as it is merged
+            if collector is not None:
+                feed.report(collector.nbytes())
+        feed.finish(collector)  # every rank drains the rest of the reference
+    except BaseException:
+        feed.close()
+        raise
     if collector is not None:
         collector.finish_all()
     return tallies
@@ -167,7 +181,8 @@ def _header(row: DrainedRow, rank: int) -> tuple[dict, list[Piece]]:
     return {"err": None, "c": row.contributes, "slots": slots}, got
 
 
-def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None, prepared) -> None:
+def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None, feed: ReferenceFeed,
+             prepared) -> None:
     header, mine = prepared
     headers = wire.gather_json(header, group=group, rank=sctx.rank, world_size=sctx.world_size)
     go = wire.broadcast_int(_decide(row.row, headers, collector) if collector else 0, group=group)
@@ -177,7 +192,7 @@ def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector |
                 wire.send_piece(piece.positions_P, piece.values_P, start=slot[4], dst=0, group=group)
         return
     if go:
-        _merge_row(row, headers, mine, group=group, collector=collector)
+        _merge_row(row, headers, mine, group=group, collector=collector, feed=feed)
     collector.row_done(index, row.table)
 
 
@@ -198,12 +213,18 @@ def _decide(row_name: str, headers: list[dict], collector: Collector) -> int:
     return 1
 
 
-def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector) -> None:
+def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector, feed: ReferenceFeed) -> None:
     order = [r for r in range(len(headers)) if headers[r]["c"]] + [r for r in range(len(headers)) if not headers[r]["c"]]
+    opening = {}
     for j, (name, shape, *_rest) in enumerate(headers[0]["slots"]):
         sizes = [(h["slots"][j][2], h["slots"][j][3]) for h in headers]
         dtype = next((d for (n, d), h in zip(sizes, headers) if n and h["c"]), sizes[0][1])
-        collector.merge_for(name, tuple(shape), getattr(torch, dtype))
+        if name not in collector.merges and name not in opening:
+            opening[name] = (tuple(shape), getattr(torch, dtype))
+    feed.admit(sum(TensorMerge.nbytes_for(shape, dtype, collector.world_size) for shape, dtype in opening.values()))
+    for name, (shape, dtype) in opening.items():
+        collector.merge_for(name, shape, dtype)
+    feed.report(collector.nbytes())
     collector.t["replicas"].ok()  # one per row examined: a layout without replicas still checks rows
     for r in order:
         contributes = headers[r]["c"]
@@ -221,12 +242,3 @@ def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector) 
                 else:
                     merge.compare_replica(rank=r, positions_P=positions_C, values_P=values_C)
 
-
-def _pull_references(ref_iter, *, collector: Collector | None, group, names: list[str]) -> None:
-    """Every rank pulls the next reference tensor while rank 0 still misses one it needs now."""
-    while wire.broadcast_int(int(collector.wants_reference(names)) if collector else 0, group=group):
-        item = next(ref_iter, None)
-        if item is None:
-            break  # exhausted on every rank at once (same generator everywhere)
-        if collector is not None:
-            collector.take_reference(item[0], item[1])

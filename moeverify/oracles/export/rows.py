@@ -165,9 +165,16 @@ def contiguous_start(positions_P: torch.Tensor | None) -> int | None:
     first = int(positions_P[0])
     if int(positions_P[-1]) - first != n - 1:
         return None
-    if n > 1 and not torch.equal(positions_P, torch.arange(first, first + n, dtype=torch.int64)):
-        return None
+    # compared chunk by chunk against one small ramp: no position-sized temporary
+    ramp = torch.arange(min(n, _RAMP), dtype=torch.int64)
+    for a in range(0, n, _RAMP):
+        chunk = positions_P[a:a + _RAMP]
+        if not torch.equal(chunk - (first + a), ramp[: chunk.numel()]):
+            return None
     return first
+
+
+_RAMP = 1 << 18  # elements per contiguity check chunk
 
 
 def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
