@@ -49,7 +49,7 @@ class ReferenceFeed:
         self._done = False
         self._stop = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(_thread_context(),), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(thread_context(),), daemon=True,
                                         name="moeverify-export-reference")
 
     def start(self) -> ReferenceFeed:
@@ -174,7 +174,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _thread_context():
+def thread_context():
     """What the export needs from the calling thread: its torch function modes, grad mode and CUDA device."""
     modes = list(torch.overrides._get_current_function_mode_stack())
     grad = torch.is_grad_enabled()

@@ -30,6 +30,22 @@ from moeverify.oracles.results import Tally
 SHOW_INDICES = 5  # first differing flat indices quoted per failure
 COMPARE_CHUNK = 1 << 22  # elements per comparison chunk, to bound temporaries
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (same dtype and element count) hold the same raw bits.
+
+    Compared eight bytes at a time where both are contiguous and 8-byte aligned (several times
+    faster than element by element for 2-byte dtypes), else through ``bits``.
+    """
+    if a.is_contiguous() and b.is_contiguous() and (a.numel() * a.element_size()) % 8 == 0 \
+            and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
+        try:
+            return torch.equal(a.reshape(-1).view(torch.uint8).view(torch.int64),
+                               b.reshape(-1).view(torch.uint8).view(torch.int64))
+        except RuntimeError:  # a view torch refuses: compare element by element below
+            pass
+    return torch.equal(bits(a), bits(b))
+
+
 def _as_index(positions) -> torch.Tensor:
     if isinstance(positions, slice):
         return torch.arange(positions.start, positions.stop, dtype=torch.int64)
@@ -122,7 +138,7 @@ class TensorMerge:
             return
         earlier_P = self.writer_N[positions_P]
         if self.values_N is None:
-            if torch.equal(bits(values_P), bits(self._ref_N)[positions_P]):
+            if _same_bits(values_P, self._ref_N[positions_P]):
                 # all new bits are the reference's, so are all earlier ones: no conflict, none lost
                 if isinstance(positions_P, slice) and not int(torch.count_nonzero(earlier_P)):
                     self.writer_N[positions_P] = rank + 1
@@ -227,7 +243,7 @@ class TensorMerge:
         # the merged values are cast INTO the reference dtype (exact when dtypes agree), never
         # both through a narrower one: an fp32 tensor that went through bf16 keeps its lost bits
         if self.dtype == ref_N.dtype and self.n_missing == 0 \
-                and torch.equal(bits(self.values_N), bits(ref_N)):
+                and _same_bits(self.values_N, ref_N):
             bitwise.ok(self.numel)  # fully written and identical: one pass, no per-element bookkeeping
             return
         n_bad, n_ok, first_bad, shown = 0, 0, None, []

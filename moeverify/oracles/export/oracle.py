@@ -98,11 +98,12 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
                               world_size=sctx.world_size)
     feed = ReferenceFeed(reference, keep=sctx.rank == 0, numels={n: math.prod(s) for n, s in shapes.items()})
     feed.start()
+    # other ranks build each row's pieces one row ahead on a helper thread, while they still send the
+    # previous row; rank 0 takes the references a row needs first, and builds its own pieces after them
+    ahead = _Ahead(rows, rank=sctx.rank) if sctx.rank != 0 else None
     try:
         for index, row in enumerate(rows):
-            # other ranks build their pieces while rank 0 still merges the previous row; rank 0 takes the
-            # references the row needs first, and builds its own pieces after them
-            prepared = _header(row, sctx.rank) if sctx.rank != 0 else None
+            prepared = ahead.take(index) if ahead is not None else None
             if collector is not None:
                 names = [n for n, _ in row.table]
                 feed.wait_until(lambda: not collector.wants_reference(names), collector)
@@ -115,9 +116,45 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
     except BaseException:
         feed.close()
         raise
+    finally:
+        if ahead is not None:
+            ahead.close()
     if collector is not None:
         collector.finish_all()
     return tallies
+
+
+class _Ahead:
+    """Build row ``i + 1``'s header and pieces on a helper thread while row ``i`` is sent."""
+
+    def __init__(self, rows: list[DrainedRow], *, rank: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from moeverify.oracles.export.feed import thread_context
+
+        self._rows, self._rank, self._context = rows, rank, thread_context()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeverify-export-ahead")
+        self._next = self._submit(0)
+
+    def _submit(self, index: int):
+        if index >= len(self._rows):
+            return None
+        row = self._rows[index]
+
+        def build():
+            with self._context():
+                return _header(row, self._rank)
+
+        return self._pool.submit(build)
+
+    def take(self, index: int):
+        prepared, self._next = self._next.result(), None
+        self._next = self._submit(index + 1)
+        return prepared
+
+    def close(self) -> None:
+        self._next = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _drain(factory, sctx) -> tuple[list[DrainedRow], str | None]:

@@ -41,7 +41,9 @@ class DeferredSlots(Sequence):
     """A slot list whose table (names, shapes) is known up front and whose tensors are built on use.
 
     A sharded subject can hand these out so that draining its rows costs no tensor memory: the
-    oracle reads ``table`` for lockstep bookkeeping and materialises one row at a time.
+    oracle reads ``table`` for lockstep bookkeeping and materialises one row at a time. ``build`` must
+    be local (no collectives): the oracle may call it on a helper thread, beside the reference
+    export's own collectives.
     """
 
     def __init__(self, table: Sequence[tuple[str, tuple[int, ...]]], build: Callable[[], Sequence[Slot]]):
