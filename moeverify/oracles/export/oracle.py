@@ -250,7 +250,8 @@ def _decide(row_name: str, headers: list[dict], collector: Collector) -> int:
     return 1
 
 
-def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector, feed: ReferenceFeed) -> None:
+def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector,
+               feed: ReferenceFeed) -> None:
     order = [r for r in range(len(headers)) if headers[r]["c"]] + [r for r in range(len(headers)) if not headers[r]["c"]]
     opening = {}
     for j, (name, shape, *_rest) in enumerate(headers[0]["slots"]):
