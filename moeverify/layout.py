@@ -41,6 +41,10 @@ class Layout:
     etp: int | None = None
     cp: int = 1
     sp: bool = False
+    # Uneven pipeline: layers of the first / last stage (Megatron's num_layers_in_first/last_pipeline_stage);
+    # the other stages share the rest evenly. None: an even split.
+    pp_first: int | None = None
+    pp_last: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -50,7 +54,7 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("vpp", "etp"):
+        for name in ("vpp", "etp", "pp_first", "pp_last"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise LayoutError(f"{name} must be a positive integer or None, got {value!r}")
@@ -60,6 +64,9 @@ class Layout:
             raise LayoutError(f"vpp {self.vpp} needs pp > 1 (got pp {self.pp}): interleaving needs a pipeline")
         if self.sp and self.tp < 2:
             raise LayoutError("sp (sequence parallel) needs tp > 1; drop sp or raise tp")
+        uneven = [name for name in ("pp_first", "pp_last") if getattr(self, name) is not None]
+        if uneven and self.pp < 2:
+            raise LayoutError(f"{' and '.join(uneven)} need pp > 1 (got pp {self.pp}): they size pipeline stages")
 
     @property
     def expert_tp(self) -> int:
@@ -103,11 +110,7 @@ class Layout:
             raise LayoutError(f"num_attention_heads {shape.num_heads} is not divisible by tp {self.tp}")
         if shape.num_query_groups % self.tp:
             raise LayoutError(f"num_query_groups {shape.num_query_groups} is not divisible by tp {self.tp}")
-        stages = self.pp * self.vpp_chunks
-        if shape.num_layers % stages:
-            raise LayoutError(
-                f"num_layers {shape.num_layers} is not divisible by pp*vpp = {self.pp}*{self.vpp_chunks} = {stages}"
-            )
+        self.stage_layers(shape.num_layers)
         if shape.is_moe:
             if shape.num_experts % self.ep:
                 raise LayoutError(f"num_experts {shape.num_experts} is not divisible by ep {self.ep}")
@@ -119,6 +122,33 @@ class Layout:
             if self.etp is not None and self.etp != self.tp:
                 raise LayoutError(f"etp {self.etp} set on a dense model; expert tensor parallel needs experts")
 
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers of each pipeline stage, by Megatron-Core 0.19's rules (``TransformerConfig``'s uneven
+        pipeline checks); ``LayoutError`` naming the rule where ``num_layers`` does not split so."""
+        v = self.vpp_chunks
+        if self.pp_first is None and self.pp_last is None:
+            stages = self.pp * v
+            if num_layers % stages:
+                raise LayoutError(f"num_layers {num_layers} is not divisible by pp*vpp = {self.pp}*{v} = {stages}; "
+                                  "pp_first/pp_last set an uneven split")
+            return (num_layers // self.pp,) * self.pp
+        ends = {name: getattr(self, name) for name in ("pp_first", "pp_last") if getattr(self, name) is not None}
+        for name, layers in ends.items():
+            if layers % v:
+                raise LayoutError(f"{name} {layers} is not divisible by vpp {v}: each model chunk of a stage holds "
+                                  "an equal share of its layers")
+        middle_layers, middle_stages = num_layers - sum(ends.values()), self.pp - len(ends)
+        if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+            raise LayoutError(f"num_layers {num_layers} minus {' + '.join(f'{k} {n}' for k, n in ends.items())} "
+                              f"leaves {middle_layers} layer(s) for {middle_stages} middle stage(s) of pp {self.pp}")
+        if middle_stages and middle_layers % (middle_stages * v):
+            raise LayoutError(f"the {middle_layers} layer(s) between {' and '.join(ends)} are not divisible by the "
+                              f"{middle_stages} middle stage(s) x vpp {v}")
+        middle = middle_layers // middle_stages if middle_stages else 0
+        return tuple(self.pp_first if p == 0 and self.pp_first is not None
+                     else self.pp_last if p == self.pp - 1 and self.pp_last is not None else middle
+                     for p in range(self.pp))
+
     def name(self, world_size: int) -> str:
         """Scenario layout name: non-default dims in the order tp, pp, vpp, ep, etp, cp, sp, then dpN."""
         parts = []
@@ -127,6 +157,9 @@ class Layout:
             if value is None or value == 1:
                 continue
             parts.append(f"{dim}{value}")
+            if dim == "pp":
+                parts += [f"{n.replace('_', '')}{getattr(self, n)}" for n in ("pp_first", "pp_last")
+                          if getattr(self, n) is not None]
         if self.sp:
             parts.append("sp")
         dp = self.dp(world_size)
@@ -147,7 +180,8 @@ class Layout:
         return dataclasses.asdict(self)
 
 
-_NAME_PART = re.compile(r"^(tp|pp|vpp|ep|etp|cp|dp)(\d+)$|^sp$")
+_NAME_PART = re.compile(r"^(tp|pp|vpp|ep|etp|cp|dp|ppfirst|pplast)(\d+)$|^sp$")
+_NAME_FIELDS = {"ppfirst": "pp_first", "pplast": "pp_last"}
 
 
 def parse_layout_name(name: str) -> tuple[Layout, int]:
@@ -163,5 +197,5 @@ def parse_layout_name(name: str) -> tuple[Layout, int]:
         elif m.group(1) == "dp":
             dp = int(m.group(2))
         else:
-            values[m.group(1)] = int(m.group(2))
+            values[_NAME_FIELDS.get(m.group(1), m.group(1))] = int(m.group(2))
     return Layout(**values), dp

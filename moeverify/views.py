@@ -18,8 +18,10 @@ Plain tensor math; no Megatron import. Conventions:
 - **PP/VPP**: with ``L`` decoder layers, ``pp`` stages and ``v`` virtual chunks (``n = L / (pp * v)``)
   model chunk ``c`` of stage ``p`` holds layers ``[(c * pp + p) * n, (c * pp + p + 1) * n)``. This is
   megatron-core 0.19.2's ``get_transformer_layer_offset`` for even splits
-  (``vp_stage * L / v + pp_rank * L / (pp * v)``; without VPP ``pp_rank * L / pp``); uneven splits
-  (``num_layers_in_first_pipeline_stage``, pipeline layouts) are not modelled and are rejected.
+  (``vp_stage * L / v + pp_rank * L / (pp * v)``; without VPP ``pp_rank * L / pp``). Uneven splits
+  (``Layout.pp_first``/``pp_last``: Megatron's ``num_layers_in_first/last_pipeline_stage``) follow the same
+  function: stage ``p`` holds ``n_p`` layers, its chunk ``c`` the ``n_p / v`` layers from
+  ``c * L / v + (n_0 + ... + n_{p-1}) / v``. Pipeline layout strings are not modelled.
   Only MoE layers carry routes.
 - **Rank numbering** (``rank_coords``): Megatron's default order ``tp-cp-ep-dp-pp``. The decoder grid
   is ``rank = tp + TP * (cp + CP * (dp + DP * pp))``; the expert grid
@@ -124,13 +126,12 @@ def chunk_layers(layout: Layout, *, pp_rank: int, vp_stage: int, num_layers: int
     """Global decoder layers of model chunk ``vp_stage`` on pipeline stage ``pp_rank``."""
     _check_rank("pp", pp_rank, layout.pp)
     _check_rank("vp_stage", vp_stage, layout.vpp_chunks)
-    stages = layout.pp * layout.vpp_chunks
-    if num_layers < 1 or num_layers % stages:
-        raise LayoutError(f"num_layers {num_layers} is not divisible by pp*vpp = {layout.pp}*{layout.vpp_chunks}"
-                          f" = {stages}; uneven pipeline splits are not modelled")
-    per_chunk = num_layers // stages
-    first = (vp_stage * layout.pp + pp_rank) * per_chunk
-    return range(first, first + per_chunk)
+    if num_layers < 1:
+        raise LayoutError(f"num_layers must be >= 1, got {num_layers}")
+    v = layout.vpp_chunks
+    per_stage = layout.stage_layers(num_layers)
+    first = vp_stage * (num_layers // v) + sum(per_stage[:pp_rank]) // v
+    return range(first, first + per_stage[pp_rank] // v)
 
 
 def layers_of(layout: Layout, *, pp_rank: int, num_layers: int, moe_layers: Sequence[int],

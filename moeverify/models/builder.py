@@ -51,6 +51,8 @@ def _apply_layout(provider, layout: Layout) -> None:
     provider.expert_model_parallel_size = layout.ep
     provider.expert_tensor_parallel_size = layout.expert_tp
     provider.sequence_parallel = layout.sp
+    provider.num_layers_in_first_pipeline_stage = layout.pp_first
+    provider.num_layers_in_last_pipeline_stage = layout.pp_last
 
 
 def _apply_overrides(provider, settings: dict, *, what: str) -> None:

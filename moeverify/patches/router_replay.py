@@ -33,7 +33,7 @@ from moeverify.errors import EnvironmentProblem, RouteError, UsageError
 from moeverify.patches import compat
 from moeverify.patches import regions
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
-from moeverify.patches.routers import find_routers
+from moeverify.patches.routers import find_routers, moe_stage_config
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
 from moeverify.routes import Routes, validate_topk_ids
 
@@ -140,7 +140,8 @@ class ReplaySession:
             if not model_chunks:
                 raise UsageError("ReplaySession needs at least one model chunk")
         found = find_routers(model_chunks)
-        if not found:
+        stage = None if found else moe_stage_config(model_chunks)
+        if not found and stage is None:
             raise UsageError("ReplaySession found no TopKRouter in the model chunks (a dense model has nothing "
                              "to replay)")
         routers = [router for _, router in found.values()]
@@ -149,7 +150,9 @@ class ReplaySession:
                 raise EnvironmentProblem(f"a {type(router).__name__} has no router_replay attribute; expected "
                                          "megatron-core >= 0.16's TopKRouter.__init__ (it sets one)")
         self._routers: dict[int, weakref.ref] = {layer: weakref.ref(router) for layer, (_, router) in found.items()}
-        shapes = {(r.num_experts, r.topk) for r in routers}
+        # A pipeline stage of an MoE model holding only dense layers binds no router: it records and
+        # replays no layer, with the model's expert count and top-k.
+        shapes = {(r.num_experts, r.topk) for r in routers} or {(stage.num_moe_experts, stage.moe_router_topk)}
         if len(shapes) > 1:
             raise UsageError(f"routers of one session disagree on (num_experts, topk): {sorted(shapes)}")
         (self.num_experts, self.topk), = shapes
@@ -221,6 +224,8 @@ class ReplaySession:
         if self._recording is None:
             raise UsageError("nothing recorded yet: run the forward passes inside `with session.record():`")
         counts = {layer: len(mbs) for layer, mbs in self._recording.per_layer.items()}
+        if not self._routers:  # a dense stage: no layer, nothing recorded
+            return Routes({}, num_experts=self.num_experts, topk=self.topk)
         if len(set(counts.values())) != 1 or not next(iter(counts.values())):
             raise RouteError(f"rank {current_rank()}: recorded micro-batch counts per layer are {counts}; every layer "
                              "must record the same number (> 0) of forwards")
@@ -238,7 +243,7 @@ class ReplaySession:
             raise RouteError(f"rank {rank}: routes layers {list(routes.layers)} != expected {list(self.layers)} "
                              f"(missing {missing}, extra {extra}); select this rank's layers with "
                              "routes.select(session.layers)")
-        if routes.microbatches < 1:
+        if self.layers and routes.microbatches < 1:  # a dense stage replays no layer, and so no micro-batch
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
 
     @contextlib.contextmanager
@@ -262,7 +267,7 @@ class ReplaySession:
         rank = current_rank()
         self._check_routes(routes, rank)
         routers = self._live_routers()
-        device = next(iter(routers.values())).weight.device
+        device = next(iter(routers.values())).weight.device if routers else None  # None: a dense stage
         # Replay routes with the Routes' private int64 copy on the router's device (made once per Routes). A
         # Routes built unchecked (``Routes.unchecked``) is checked here; a checked one was validated when built,
         # and checking it again would cost host syncs on every step.

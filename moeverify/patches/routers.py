@@ -52,3 +52,19 @@ def find_routers(model_chunks: torch.nn.Module | Iterable[torch.nn.Module]) -> d
                 raise UsageError(f"two routers claim global layer {layer}; pass the chunks of one model only")
             found[layer] = (c, module)
     return found
+
+
+def moe_stage_config(model_chunks: torch.nn.Module | Iterable[torch.nn.Module]):
+    """The model config when ``model_chunks`` are one pipeline stage of an MoE model (a stage may hold only
+    dense layers: a dense prefix, an uneven split); else None. Read from the first module carrying a
+    megatron-core ``TransformerConfig`` as ``.config`` (GPTModel and its wrappers do)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    for chunk in chunks:
+        for module in chunk.modules():
+            config = getattr(module, "config", None)
+            if isinstance(config, TransformerConfig):
+                moe = bool(config.num_moe_experts) and (config.pipeline_model_parallel_size or 1) > 1
+                return config if moe else None
+    return None

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.patches.routers import find_routers, global_layer
+from moeverify.patches.routers import find_routers, global_layer, moe_stage_config
 from moeverify.record.format import ModelInfo
 from moeverify.record.writer import RankWriter
 
@@ -64,7 +64,7 @@ class RouteRecorder:
         self._geometry_done: set[int] = set()
         self._handles = []
         routers = _routers(chunks)
-        if not routers:
+        if not routers and moe_stage_config(chunks) is None:  # a dense stage of an MoE pipeline records no layer
             raise RouteError("no megatron TopKRouter found in the model: nothing to record")
         for router in routers:
             self._handles.append(router.register_forward_hook(self._hook))

@@ -31,6 +31,8 @@ def test_layout_validate_rejects_with_rule(layout, world, shape, match):
     (dict(tp=0), r"tp must be a positive integer, got 0"),
     (dict(ep="2"), r"ep must be a positive integer, got '2'"),
     (dict(etp=0), r"etp must be a positive integer or None, got 0"),
+    (dict(pp_first=1), r"pp_first need pp > 1"),
+    (dict(pp=2, pp_last=0), r"pp_last must be a positive integer or None, got 0"),
 ])
 def test_layout_construct_rejects_invalid(kwargs, match):
     with pytest.raises(LayoutError, match=match):
@@ -46,6 +48,8 @@ def test_layout_construct_rejects_invalid(kwargs, match):
     (Layout(tp=2, pp=2, ep=2, sp=True), 8, "tp2-pp2-ep2-sp-dp2"),
     (Layout(etp=2), 2, "etp2-dp2"),
     (Layout(cp=2), 2, "cp2"),
+    (Layout(pp=4, pp_first=1, pp_last=1, ep=2), 8, "pp4-ppfirst1-pplast1-ep2-dp2"),
+    (Layout(pp=2, vpp=2, pp_last=2), 2, "pp2-pplast2-vpp2"),
 ])
 def test_layout_name_orders_dims_and_round_trips(layout, world, name):
     assert layout.name(world) == name
@@ -63,3 +67,49 @@ def test_layout_valid_combinations_pass():
 def test_layout_from_mapping_rejects_unknown_key():
     with pytest.raises(LayoutError, match=r"scn: unknown layout key\(s\) \['pipeline'\]"):
         Layout.from_mapping({"pipeline": 2}, where="scn")
+
+
+@pytest.mark.parametrize("layout, layers, match", [
+    (Layout(pp=3, pp_first=1), 4, r"the 3 layer\(s\) between pp_first are not divisible by the 2 middle stage\(s\) x vpp 1"),
+    (Layout(pp=2, pp_first=1, pp_last=1), 4, r"leaves 2 layer\(s\) for 0 middle stage\(s\)"),
+    (Layout(pp=2, pp_first=5), 4, r"num_layers 4 minus pp_first 5 leaves -1 layer"),
+    (Layout(pp=2, vpp=2, pp_first=1), 4, r"pp_first 1 is not divisible by vpp 2"),
+    (Layout(pp=3), 4, r"num_layers 4 is not divisible by pp\*vpp = 3\*1 = 3; pp_first/pp_last set an uneven split"),
+])
+def test_uneven_pipeline_refused_with_the_rule(layout, layers, match):
+    with pytest.raises(LayoutError, match=match):
+        layout.stage_layers(layers)
+
+
+def _megatron_offset(layout: Layout, num_layers: int, pp_rank: int, vp_stage: int) -> int:
+    """Megatron-Core's own layer offset of a model chunk (pure function of the config and the ranks)."""
+    from types import SimpleNamespace
+
+    from moeverify.runtime import bridge_import  # noqa: F401  (megatron.core imports without TE)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = SimpleNamespace(
+        pipeline_model_parallel_size=layout.pp, pipeline_model_parallel_layout=None, num_layers=num_layers,
+        num_layers_in_first_pipeline_stage=layout.pp_first, num_layers_in_last_pipeline_stage=layout.pp_last,
+        virtual_pipeline_model_parallel_size=layout.vpp, account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False)
+    return get_transformer_layer_offset(config, vp_stage=vp_stage if layout.vpp else None, pp_rank=pp_rank)
+
+
+@pytest.mark.parametrize("layout, layers", [
+    (Layout(pp=2), 4), (Layout(pp=2, vpp=2), 8), (Layout(pp=2, pp_first=1), 4), (Layout(pp=2, pp_last=3), 4),
+    (Layout(pp=3, pp_first=1, pp_last=1), 4), (Layout(pp=4, pp_first=2, pp_last=2), 8),
+    (Layout(pp=2, vpp=2, pp_first=2), 6), (Layout(pp=3, vpp=2, pp_first=2, pp_last=4), 12),
+    (Layout(pp=8, pp_first=11, pp_last=11), 94),  # a 94-layer model at PP8
+    (Layout(pp=16, pp_first=4, pp_last=1), 61),   # a 61-layer model at PP16
+])
+def test_chunks_start_where_megatron_places_them_and_cover_every_layer_once(layout, layers):
+    from moeverify.views import chunk_layers
+
+    seen = []
+    for p in range(layout.pp):
+        for c in range(layout.vpp_chunks):
+            chunk = chunk_layers(layout, pp_rank=p, vp_stage=c, num_layers=layers)
+            assert chunk.start == _megatron_offset(layout, layers, p, c), (p, c)
+            seen += list(chunk)
+    assert sorted(seen) == list(range(layers))

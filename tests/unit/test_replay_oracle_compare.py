@@ -90,7 +90,7 @@ ROUTES = Routes({1: [_ids([[0, 1], [2, 3]]), _ids([[1, 2], [0, 3]])],
 
 def test_check_follows_passes_when_routes_taken():
     t = Tally()
-    rc.check_follows(t, ROUTES, _pass(routing=_routing(ROUTES)), prefix="", what="recorded")
+    rc.check_follows(t, ROUTES, _pass(routing=_routing(ROUTES)), prefix="", what="recorded", stage_layers=ROUTES.layers)
     assert t.passed and t.checked == 4
 
 
@@ -98,7 +98,7 @@ def test_check_follows_fails_on_swapped_microbatches():
     swapped = Routes({layer: [ROUTES.get(layer, 1), ROUTES.get(layer, 0)] for layer in ROUTES.layers},
                      num_experts=4, topk=2)
     t = Tally()
-    rc.check_follows(t, ROUTES, _pass(routing=_routing(swapped)), prefix="", what="recorded")
+    rc.check_follows(t, ROUTES, _pass(routing=_routing(swapped)), prefix="", what="recorded", stage_layers=ROUTES.layers)
     assert not t.passed
     assert "layer 1 mb 0: 2 of 2 token(s) did not follow the recorded routes" in t.failures[0]
 
@@ -106,7 +106,7 @@ def test_check_follows_fails_on_swapped_microbatches():
 def test_check_follows_fails_when_a_layer_never_ran():
     routing = {k: v for k, v in _routing(ROUTES).items() if k[0] == 1}
     t = Tally()
-    rc.check_follows(t, ROUTES, _pass(routing=routing), prefix="", what="recorded")
+    rc.check_follows(t, ROUTES, _pass(routing=routing), prefix="", what="recorded", stage_layers=ROUTES.layers)
     assert any("layer 3 mb 0: recorded route never used" in f for f in t.failures)
 
 
@@ -120,8 +120,21 @@ def test_check_recorded_fails_on_layer_shift():
 
 def test_check_drift_moved_fails_when_nothing_changed():
     t = Tally()
-    rc.check_drift_moved(t, rc.drift_agreement(ROUTES, _pass(routing=_routing(ROUTES))), prefix="")
+    rc.check_drift_moved(t, rc.drift_agreement(ROUTES, _pass(routing=_routing(ROUTES))), prefix="",
+                         stage_layers=ROUTES.layers)
     assert not t.passed and "changed no native route" in t.failures[0]
+
+
+def test_a_dense_stage_routes_nothing_and_a_moe_stage_that_routes_nothing_fails():
+    empty = Routes({}, num_experts=4, topk=2)
+    t = Tally()
+    rc.check_follows(t, empty, _pass(routing={}), prefix="", what="recorded", stage_layers=())
+    rc.check_drift_moved(t, {}, prefix="", stage_layers=())
+    assert not t.failures and t.checked == 0  # nothing to check here: the other stages carry the items
+    rc.check_follows(t, empty, _pass(routing={}), prefix="", what="recorded", stage_layers=(1, 3))
+    rc.check_drift_moved(t, {}, prefix="", stage_layers=(1, 3))
+    assert len(t.failures) == 2 and "no router ran (this stage holds MoE layers [1, 3])" in t.failures[0]
+    assert "changed no native route (0 of 0" in t.failures[1]
 
 
 def test_drift_agreement_counts_tokens_per_layer():

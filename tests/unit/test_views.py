@@ -67,7 +67,7 @@ def test_chunk_layers_pp2_vpp2_interleaves():
 
 
 def test_chunk_layers_uneven_split_raises():
-    with pytest.raises(LayoutError, match=r"num_layers 6 is not divisible by pp\*vpp = 2\*2 = 4"):
+    with pytest.raises(LayoutError, match=r"num_layers 6 is not divisible by pp\*vpp = 2\*2 = 4; pp_first/pp_last"):
         chunk_layers(Layout(pp=2, vpp=2), pp_rank=0, vp_stage=0, num_layers=6)
 
 

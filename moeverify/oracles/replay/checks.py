@@ -61,11 +61,14 @@ def check_recorded(t: Tally, routes: Routes, observed, *, prefix: str) -> None:
                           f"for {bad} of {map_TE.shape[0]} token(s)")
 
 
-def check_follows(t: Tally, routes: Routes, observed, *, prefix: str, what: str) -> None:
-    """Every (layer, mb) the routers ran used exactly ``routes`` (expert sets per token)."""
+def check_follows(t: Tally, routes: Routes, observed, *, prefix: str, what: str, stage_layers: tuple[int, ...]) -> None:
+    """Every (layer, mb) the routers ran used exactly ``routes`` (expert sets per token).
+
+    ``stage_layers``: the MoE layers of this rank's pipeline stage; a stage without any (a dense stage of an
+    MoE pipeline) must route nothing, and checks nothing here."""
     ran = sorted(observed.routing)
-    if not ran:
-        t.fail(f"{prefix}no router ran")
+    if not ran and stage_layers:
+        t.fail(f"{prefix}no router ran (this stage holds MoE layers {list(stage_layers)})")
     for layer in routes.layers:
         for mb in range(routes.microbatches):
             if (layer, mb) not in observed.routing:
@@ -98,8 +101,12 @@ def drift_agreement(routes: Routes, native) -> dict[int, tuple[int, int]]:
     return out
 
 
-def check_drift_moved(t: Tally, counts: dict[int, tuple[int, int]], *, prefix: str) -> None:
-    """The perturbation must change native routing somewhere, else the drift check proves nothing."""
+def check_drift_moved(t: Tally, counts: dict[int, tuple[int, int]], *, prefix: str,
+                      stage_layers: tuple[int, ...]) -> None:
+    """The perturbation must change native routing somewhere, else the drift check proves nothing (a dense
+    stage, without ``stage_layers``, routes nothing and is not asked)."""
+    if not counts and not stage_layers:
+        return
     same = sum(s for s, _ in counts.values())
     total = sum(n for _, n in counts.values())
     t.check(total > 0 and same < total,

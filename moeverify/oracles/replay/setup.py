@@ -80,6 +80,14 @@ class Setup:
     def prefix(self) -> str:
         return f"[{self.variant.name}] "
 
+    def stage_moe_layers(self) -> tuple[int, ...]:
+        """The MoE decoder layers this rank's pipeline stage holds (none on a dense stage)."""
+        from moeverify.models import family_shape
+
+        shape = family_shape(self.ctx.scenario.family)
+        return views.layers_of(self.layout, pp_rank=self.coords.pp, num_layers=shape.num_layers,
+                               moe_layers=shape.moe_layers)
+
 
 def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None = None) -> list:
     from moeverify import models

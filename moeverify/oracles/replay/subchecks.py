@@ -189,8 +189,8 @@ def _drift_and_recompute(setup: st.Setup, tallies: dict[str, Tally], chunks: lis
     if "drift" in tallies:
         t = tallies["drift"]
         counts = rc.drift_agreement(routes, native)
-        rc.check_drift_moved(t, counts, prefix=p)
-        rc.check_follows(t, routes, drifted, prefix=p, what="recorded")
+        rc.check_drift_moved(t, counts, prefix=p, stage_layers=setup.stage_moe_layers())
+        rc.check_follows(t, routes, drifted, prefix=p, what="recorded", stage_layers=setup.stage_moe_layers())
         notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
     if "recompute" in tallies:
         st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
@@ -214,7 +214,7 @@ def cross_layout(setup: st.Setup, t: Tally, reference, own_routes, notes: dict) 
     local = views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
                            num_layers=st.num_layers(chunks))
     got = rd.replay_pass(chunks, setup.items, seq_len=b.seq_len, impl=setup.impl, routes=local)
-    rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference")
+    rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference", stage_layers=setup.stage_moe_layers())
     rc.check_losses_close(t, got, ref_seq_loss, dp_rank=setup.coords.dp, batch=b.batch, prefix=setup.prefix)
     if own_routes is not None:
         notes["native_vs_reference_agreement"] = {str(k): v for k, v in rc.layer_agreement(local, own_routes).items()}
