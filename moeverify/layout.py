@@ -154,7 +154,8 @@ class Layout:
         parts = []
         for dim in _DIM_ORDER:
             value = getattr(self, dim)
-            if value is None or value == 1:
+            # etp 1 under tp > 1 is not the default (expert TP = tp): named, or two layouts would share a name
+            if value is None or (value == 1 and not (dim == "etp" and self.tp > 1)):
                 continue
             parts.append(f"{dim}{value}")
             if dim == "pp":

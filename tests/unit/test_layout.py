@@ -50,6 +50,7 @@ def test_layout_construct_rejects_invalid(kwargs, match):
     (Layout(cp=2), 2, "cp2"),
     (Layout(pp=4, pp_first=1, pp_last=1, ep=2), 8, "pp4-ppfirst1-pplast1-ep2-dp2"),
     (Layout(pp=2, vpp=2, pp_last=2), 2, "pp2-pplast2-vpp2"),
+    (Layout(tp=2, ep=2, etp=1, sp=True), 4, "tp2-ep2-etp1-sp-dp2"),  # not tp2-ep2-sp-dp2 (expert TP 2)
 ])
 def test_layout_name_orders_dims_and_round_trips(layout, world, name):
     assert layout.name(world) == name
