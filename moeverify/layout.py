@@ -178,7 +178,13 @@ class Layout:
         return cls(**mapping)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, without ``pp_first``/``pp_last`` when unset: a dump or result file of an even layout keeps
+        the key set it had before uneven pipelines existed (and compares equal with one written then)."""
+        out = dataclasses.asdict(self)
+        for name in ("pp_first", "pp_last"):
+            if out[name] is None:
+                del out[name]
+        return out
 
 
 _NAME_PART = re.compile(r"^(tp|pp|vpp|ep|etp|cp|dp|ppfirst|pplast)(\d+)$|^sp$")

@@ -114,3 +114,9 @@ def test_chunks_start_where_megatron_places_them_and_cover_every_layer_once(layo
             assert chunk.start == _megatron_offset(layout, layers, p, c), (p, c)
             seen += list(chunk)
     assert sorted(seen) == list(range(layers))
+
+
+def test_as_dict_of_an_even_layout_keeps_the_key_set_older_dumps_hold():
+    assert set(Layout(ep=2).as_dict()) == {"tp", "pp", "vpp", "ep", "etp", "cp", "sp"}
+    uneven = Layout(pp=2, pp_first=1)
+    assert uneven.as_dict()["pp_first"] == 1 and Layout(**uneven.as_dict()) == uneven
