@@ -483,3 +483,33 @@ def test_fidelity_off_by_default_says_how_to_ask():
         router(hidden(0))
     with pytest.raises(UsageError, match=r"replay\(routes, fidelity=True\)"):
         session.fidelity()
+
+
+def _stage_without_routers(**overrides) -> torch.nn.Module:
+    """A module carrying a megatron-core config but no router: a pipeline stage of dense layers only."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(num_layers=4, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
+                    pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, use_cpu_initialization=True)
+    settings.update(overrides)
+    stage = torch.nn.Linear(H, H)
+    stage.config = TransformerConfig(**settings)
+    return stage
+
+
+def test_a_dense_stage_of_an_moe_pipeline_binds_no_layer_and_a_dense_model_is_refused():
+    session = rr.ReplaySession(_stage_without_routers())
+    assert session.layers == () and (session.num_experts, session.topk) == (E, K)
+    with session.record():
+        pass
+    routes = session.routes()
+    assert routes.layers == () and (routes.num_experts, routes.topk) == (E, K)
+    with session.replay(routes.select(())):
+        pass
+    with pytest.raises(RouteError, match=r"routes layers \[1\] != expected \[\]"):
+        with session.replay(random_routes([1])):
+            pass
+    for dense in (_stage_without_routers(num_moe_experts=None, moe_router_topk=2),  # no experts at all
+                  _stage_without_routers(pipeline_model_parallel_size=1)):      # the whole model, no router
+        with pytest.raises(UsageError, match="found no TopKRouter .*dense model has nothing to replay"):
+            rr.ReplaySession(dense)
