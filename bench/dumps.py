@@ -105,10 +105,10 @@ def measure_size(routes: Routes, rows: int, tmp: Path) -> dict:
     records = dump_b - files[fmt.rank_file(0)]
     return {
         "bytes_vs_torch_save_int64": {"value": per(dump_b), "unit": "bytes/token-layer", "peer": per(pt_b),
-                                      "ratio": round(pt_b / dump_b, 3), "goal": ">=8", "files": files,
+                                      "ratio": round(pt_b / dump_b, 4), "goal": ">=8", "files": files,
                                       "format_version": fmt.VERSION,
                                       "note": "uint8 ids are exactly 8x smaller than int64; beyond the ids the dump "
-                                              f"holds {ours_fixed} bytes: manifest and rank record {records}, "
+                                              f"holds {ours_fixed} bytes: manifest {records} (finalize folds the rank records in), "
                                               f"safetensors header {header} (format v{fmt.VERSION}: "
                                               f"{routes.microbatches} packed [L, T, K] tensors for {tensors_n} "
                                               f"(layer, micro-batch) pairs), against torch.save's {peer_fixed} "

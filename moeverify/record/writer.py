@@ -79,12 +79,16 @@ class RankWriter:
     def _resume(self) -> None:
         """Continue an existing rank record: keep its files and steps; new steps go to new part files."""
         rec_path = self.path / fmt.rank_record_file(self.coords.rank)
-        if not rec_path.is_file():
-            return
-        try:
-            rec = json.loads(rec_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
+        if rec_path.is_file():
+            try:
+                rec = json.loads(rec_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
+        else:
+            rec = _record_from_manifest(self.path, self.coords.rank)
+            if rec is None:
+                return
+            rec_path = self.path / fmt.MANIFEST
         mine = {"model": self.model.as_dict(), "layout": self.layout.as_dict(), "world_size": self.world_size}
         for key, value in mine.items():
             if rec.get(key) != value:
@@ -377,6 +381,9 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DumpError(f"{rec_path}: unreadable rank record: {exc!r}") from None
     if not records:
+        committed = _committed(path)
+        if committed is not None:  # finalized before: its records were folded in and removed
+            return committed
         raise DumpError(f"{path}: no rank records (rank*.json); did every rank close() its writer?")
     first = records[min(records)]
     world = world_size or first["world_size"]
@@ -404,7 +411,29 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     _write_json(path / fmt.MANIFEST, manifest)
+    # The manifest now holds all they said (an append rebuilds a rank's record from it): removing them
+    # keeps a dump's fixed size to the manifest. A crash before this leaves records equal to the manifest.
+    for rec_path in sorted(path.glob("rank*.json")):
+        rec_path.unlink(missing_ok=True)
     return manifest
+
+
+def _record_from_manifest(path: Path, rank: int) -> dict | None:
+    """A finalized rank's record, rebuilt from the manifest (None: no manifest; the rank starts afresh)."""
+    manifest = _committed(path)
+    if manifest is None:
+        return None
+    where = path / fmt.MANIFEST
+    try:
+        mine = manifest["ranks"].get(str(rank))
+        if mine is None:
+            raise DumpError(f"{where}: cannot append: rank {rank} is not in the dump's ranks "
+                            f"{sorted(manifest['ranks'], key=int)} (world_size {manifest.get('world_size')!r})")
+        return {"version": manifest["version"], "model": manifest["model"], "layout": manifest["layout"],
+                "world_size": manifest["world_size"], "files": list(mine["files"]),
+                "probs_dtype": manifest.get("probs_dtype"), "steps": manifest["steps"]}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise DumpError(f"{where}: cannot append: not a complete dump manifest ({exc!r} missing)") from None
 
 
 def _merge_step(merged: dict, info: dict, *, where: str) -> None:

@@ -87,10 +87,13 @@ def test_load_rank_missing_from_manifest_raises(dump_dir):
         record.load(dump_dir)
 
 
-def test_finalize_missing_rank_record_raises(dump_dir):
-    (dump_dir / "rank00001.json").unlink()
+def test_finalize_missing_rank_record_raises(tmp_path):
+    routes = Routes({layer: [torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])] * 2 for layer in (1, 2, 3, 5, 7)},
+                    num_experts=16, topk=2)
+    write_rank_dumps(tmp_path / "d", _tile(routes, 2), Layout(pp=2), 2, finalize=False)
+    (tmp_path / "d" / "rank00001.json").unlink()
     with pytest.raises(DumpError, match=r"rank record\(s\) missing for rank\(s\) \[1\] of world_size 2"):
-        record.finalize(dump_dir)
+        record.finalize(tmp_path / "d")
 
 
 def test_load_bad_schema_version_raises(dump_dir):

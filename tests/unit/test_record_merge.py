@@ -20,7 +20,8 @@ def _global_routes(tokens, *, experts=16, topk=4, microbatches=2, seed=0):
                            for _ in range(microbatches)] for layer in MOE_LAYERS}, num_experts=experts, topk=topk)
 
 
-def write_rank_dumps(path, global_routes, layout, world_size, *, positions=True, step=0, background=False):
+def write_rank_dumps(path, global_routes, layout, world_size, *, positions=True, step=0, background=False,
+                     finalize=True):
     """Every rank writes its local view, as ranks of a real run would; rank 0 finalises."""
     model = fmt.ModelInfo(num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, num_experts=global_routes.num_experts,
                           topk=global_routes.topk)
@@ -35,7 +36,7 @@ def write_rank_dumps(path, global_routes, layout, world_size, *, positions=True,
                 writer.add_tokens(step=step, mb=mb, seq_len=SEQ_LEN, batch=BATCH, **extra)
                 for layer in local.layers:
                     writer.add(step=step, mb=mb, layer=layer, ids_TK=local.get(layer, mb))
-    return record.finalize(path, world_size=world_size)
+    return record.finalize(path, world_size=world_size) if finalize else None
 
 
 RELEASE_LAYOUTS = [
@@ -91,7 +92,7 @@ def test_dump_merge_replica_mismatch_names_file_and_ranks(tmp_path):
 def test_dump_merge_wrong_positions_raises(tmp_path):
     layout = Layout(cp=2)
     global_routes = _global_routes(BATCH * SEQ_LEN, microbatches=1)
-    write_rank_dumps(tmp_path, global_routes, layout, 2)
+    write_rank_dumps(tmp_path, global_routes, layout, 2, finalize=False)
     # Re-write rank 1 as if it had used contiguous CP chunks instead of zigzag.
     model = fmt.ModelInfo(num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, num_experts=16, topk=4)
     coords = all_rank_coords(layout, world_size=2)[1]

@@ -11,6 +11,7 @@ from moeverify.errors import DumpError
 from moeverify.record import format as fmt
 from moeverify.record.writer import RankWriter
 from moeverify.routes import Routes
+from moeverify.views import RankCoords
 
 
 def _routes(*, experts, topk=2, layers=(1, 3), tokens=12, microbatches=2, seed=0):
@@ -116,10 +117,28 @@ def test_rank_writer_non_moe_layer_raises(tmp_path):
         writer.add(step=0, mb=0, layer=0, ids_TK=torch.tensor([[1]]))
 
 
-def test_atomic_write_leaves_no_temp_files(tmp_path):
+def test_atomic_write_leaves_no_temp_files_and_finalize_folds_the_rank_records_in(tmp_path):
     record.save(tmp_path / "d", _routes(experts=8))
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["manifest.json", "rank00000.json",
-                                                                    "rank00000.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["manifest.json", "rank00000.safetensors"]
+
+
+def test_append_to_a_finalized_dump_rebuilds_the_rank_record_from_the_manifest(tmp_path):
+    routes = _routes(experts=8)
+    record.save(tmp_path / "d", routes, step=0)
+    record.save(tmp_path / "d", routes, step=1)
+    dump = record.load(tmp_path / "d")
+    assert sorted(dump.steps) == [0, 1] and dump.routes(step=0) == routes and dump.routes(step=1) == routes
+    assert not list((tmp_path / "d").glob("rank*.json"))
+    with pytest.raises(DumpError, match=r"step 1|already"):
+        record.save(tmp_path / "d", routes, step=1)
+    assert record.finalize(tmp_path / "d")["steps"].keys() == {"0", "1"}  # again: nothing to fold, still whole
+
+
+def test_append_as_a_rank_the_manifest_does_not_hold_is_refused(tmp_path):
+    record.save(tmp_path / "d", _routes(experts=8))
+    with pytest.raises(DumpError, match=r"manifest.json: cannot append: rank 3 is not in the dump's ranks \['0'\]"):
+        RankWriter(tmp_path / "d", model=record.load(tmp_path / "d").model, coords=RankCoords(rank=3), append=True,
+                   background=False)
 
 
 def test_parse_tensor_name_rejects_foreign_names():
