@@ -27,3 +27,7 @@ class SubjectError(MoEVerifyError):
 
 class EnvironmentProblem(MoEVerifyError):
     """The installed stack does not match what moeverify was written against (names what was expected)."""
+
+
+class RankDisagreement(MoEVerifyError):
+    """Ranks that ran one step in lockstep ended it differently: some raised, others did not (names the ranks)."""

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ _RUNS = itertools.count()
 
 
 def run_replay(tmp_path: Path, family: str, *, world_size: int, impl: str, layout: dict | None = None,
-               options: dict | None = None) -> dict:
+               options: dict | None = None, env: dict | None = None) -> dict:
     """Run the replay check on one scenario through the runner; return its record (asserting there is one)."""
     tag = f"{family}-{impl.rsplit(':', 1)[-1]}-{next(_RUNS)}"
     scenario = {"family": family, "world_size": world_size, "layout": layout or {}, "checks": ["replay"],
@@ -30,7 +31,8 @@ def run_replay(tmp_path: Path, family: str, *, world_size: int, impl: str, layou
     scenario_file.write_text(json.dumps({"version": 1, "scenarios": [scenario]}))  # JSON is YAML
     cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(out),
            "--run-dir", str(tmp_path / f"{tag}.run"), "--timeout", str(TIMEOUT_S)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S + 180)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S + 180,
+                          env={**os.environ, **(env or {})})
     output = (proc.stdout + proc.stderr)[-4000:]
     assert out.exists(), f"no records from {' '.join(cmd)} (exit {proc.returncode}):\n{output}"
     records = json.loads(out.read_text())
@@ -106,3 +108,18 @@ def test_replay_mutant_on_two_ranks_names_the_rank(tmp_path):
     failures = record["subchecks"]["drift"]["failures"]
     assert not record["passed"]
     assert any(f.startswith("rank 1 ") for f in failures), _summary(record)
+
+
+def test_replay_one_rank_crash_ends_quickly_naming_the_rank(tmp_path):
+    # Rank 1 raises inside a replayed forward; rank 0 goes on into the expert all-to-all it left. The check ends
+    # after the agreement timeout (20 s here), not the collective timeout (900 s here), and names rank 1.
+    t0 = time.monotonic()
+    record = run_replay(tmp_path, "qwen3_moe", world_size=2, layout={"ep": 2},
+                        impl="moeverify.oracles.replay.faulty:one_rank_crash", options={"replay_subchecks": ["drift"]},
+                        env={"MOEVERIFY_AGREE_TIMEOUT_S": "20", "MOEVERIFY_COLLECTIVE_TIMEOUT_S": "900"})
+    seconds = time.monotonic() - t0
+    assert not record["passed"]
+    error = record.get("error") or ""
+    assert "RankDisagreement" in error and "rank 1 raised RuntimeError: one_rank_crash" in error, _summary(record)
+    assert "rank(s) [0] did not end this step within 20 s" in error, _summary(record)
+    assert seconds < 600, f"{seconds:.0f} s: the check waited for the collective timeout"

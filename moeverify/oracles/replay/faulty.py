@@ -10,6 +10,9 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
 - ``no_recompute_replay``: forwards replay, but recompute during backward routes natively.
 - ``fifo_recompute``: moeverify's patch with recompute served in queue order (the next micro-batch
   of the layer) instead of by identity: right when backward runs in forward order, wrong otherwise.
+- ``one_rank_crash``: raises while replaying on rank 1 only, the other ranks going on into the
+  collectives it left. Not a subcheck's catch: the check must end quickly, naming rank 1
+  (``runtime.agreement``), instead of waiting for the collective timeout.
 """
 
 from __future__ import annotations
@@ -64,6 +67,17 @@ class _NoRecomputeReplay(NativeReplay):
             super().after_forward(chunk, mb)
 
 
+class _OneRankCrash(NativeReplay):
+    name = "one_rank_crash"
+
+    def target(self, layer: int, mb: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError(f"one_rank_crash: rank 1 fails replaying layer {layer} micro-batch {mb}")
+        return super().target(layer, mb)
+
+
 class _FifoRecompute(MoeverifyReplay):
     name = "fifo_recompute"
 
@@ -100,6 +114,10 @@ def detached_probs() -> NativeReplay:
 
 def no_recompute_replay() -> NativeReplay:
     return _NoRecomputeReplay()
+
+
+def one_rank_crash() -> NativeReplay:
+    return _OneRankCrash()
 
 
 MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from moeverify import views
-from moeverify.errors import UsageError
+from moeverify.errors import RankDisagreement, UsageError
 from moeverify.layout import Layout
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay.impls import ReplayImpl
@@ -21,6 +21,7 @@ from moeverify.oracles.replay.variants import RouterVariant, select
 from moeverify.oracles.results import Tally
 from moeverify.options import RECOMPUTE_MODES as _RECOMPUTE_NAMES
 from moeverify.options import REPLAY_SUBCHECKS
+from moeverify.runtime.agreement import agree
 
 SUBCHECKS = REPLAY_SUBCHECKS  # declared in moeverify.options (validated there without torch)
 RECOMPUTE_MODES = {
@@ -133,18 +134,26 @@ def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVarian
 
 
 def guarded(setup: Setup, tallies: dict[str, Tally], fn, *args):
-    """``fn(*args)``; an exception fails the subchecks in ``tallies`` (those that depend on it) instead.
+    """``fn(*args)``; an exception raised on every rank fails the subchecks in ``tallies`` (those that
+    depend on it) instead, and the oracle goes on.
 
     An implementation that refuses or crashes on a variant fails that variant (verl raises
-    ValueError on sqrtsoftplus, for example). Routing config is identical on every rank, so such
-    errors are raised symmetrically; a one-rank error ends in the collective timeout.
+    ValueError on sqrtsoftplus, for example): routing config is identical on every rank, so such
+    errors are raised on all of them. An error on some ranks only is no result: ``agree`` raises
+    ``RankDisagreement`` naming them, and the check ends (quickly, not at the collective timeout).
     """
+    error = None
     try:
-        return fn(*args)
+        out = fn(*args)
+    except RankDisagreement:
+        raise
     except Exception as e:  # noqa: BLE001
+        error, out = e, None
+    agree(error, what=f"replay {setup.prefix}{getattr(fn, '__name__', 'step').lstrip('_')}")
+    if error is not None:
         for t in tallies.values():
-            t.fail(f"{setup.prefix}{type(e).__name__}: {str(e)[:500]}")
-        return None
+            t.fail(f"{setup.prefix}{type(error).__name__}: {str(error)[:500]}")
+    return out
 
 
 def _vocab_size(family: str) -> int:
