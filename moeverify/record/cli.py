@@ -85,8 +85,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="added to router_trace layer numbers (a later pipeline stage's first layer; default 0)")
     p.add_argument("--microbatches", type=_positive, metavar="M", help="router_trace: the job's micro-batches per "
                    "step (per rank); with it, records of activation recompute (a micro-batch routed again in "
-                   "backward) are identified by their equal ids and dropped; without it a trace that may hold them "
-                   "is refused")
+                   "backward) are identified by their equal ids and dropped; without it a step holding more than one "
+                   "forward pass is refused")
     p.add_argument("--layout", metavar="NAME", help="SRC is a directory of every rank's router_trace_rank<R>.jsonl "
                    "of one job under this layout (e.g. tp2-sp, ep2, cp2, pp2; Megatron's default rank order): one "
                    "merged dump; needs --world-size, --num-layers, --seq-len (global) and --batch (per rank)")

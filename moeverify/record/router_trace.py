@@ -11,8 +11,8 @@ writes an empty file. A record carries no micro-batch number and no sign of *why
 - With recompute, the router runs again in backward: each recomputed layer is recorded twice per
   micro-batch (forward, then recompute). Imported as they stand, the micro-batches would double.
 
-So a step is taken as it stands only when it is whole passes of which no two are identical; otherwise it is
-refused unless the caller states the micro-batch count (``microbatches``). With it, each layer must hold that
+So without the micro-batch count (``microbatches``) a step is taken only when it is one whole forward pass;
+several passes are refused (a recompute that routed otherwise would read as another micro-batch). With it, each layer must hold that
 many records, or twice that many; in the second case the records are paired by equal ids (the recompute
 of a micro-batch repeats its forward's ids) and the later record of each pair is dropped. That is proven
 only when every distinct ids tensor of the layer occurs exactly twice: a recompute that routed otherwise, or
@@ -133,7 +133,11 @@ def _microbatches(calls: list[_Call], *, microbatches: int | None, where: str) -
 
 
 def _require_plain_forwards(calls: list[_Call], *, layers: list[int], where: str) -> None:
-    """Refuse a step that is not whole forward passes over ``layers`` (each once, ascending), all distinct."""
+    """Refuse a step that is not one whole forward pass over ``layers`` (each once, ascending).
+
+    Several passes are refused too: a recompute that routed otherwise than its forward reads as another
+    micro-batch, so without the job's micro-batch count they cannot be told apart.
+    """
     passes: list[list[_Call]] = []
     for call in calls:
         if not passes or call.layer <= passes[-1][-1].layer:
@@ -147,13 +151,12 @@ def _require_plain_forwards(calls: list[_Call], *, layers: list[int], where: str
         if got != layers:
             raise DumpError(f"{where}: the records from line {one[0].line} pass layer(s) {got}, not a whole forward "
                             f"over the traced layers {layers}. {fix}")
-    seen: dict[tuple, int] = {}
-    for one in passes:
-        key = tuple(_fingerprint(c.ids_TK) for c in one)
-        if key in seen:
-            raise DumpError(f"{where}: the forward pass at line {one[0].line} repeats the one at line {seen[key]} id "
-                            f"for id in every layer: a recompute of it, or two micro-batches routed alike. {fix}")
-        seen[key] = one[0].line
+    if len(passes) > 1:
+        raise DumpError(f"{where}: {len(passes)} passes over the traced layers (lines {passes[0][0].line}, "
+                        f"{', '.join(str(one[0].line) for one in passes[1:])}): micro-batches, or forwards and their "
+                        f"recomputes (a recompute that routed otherwise than its forward reads as another micro-batch), "
+                        f"which the trace does not tell apart. Give --microbatches N (the job's micro-batches per step "
+                        f"on this rank): each layer must then hold N records, or 2N under recompute")
 
 
 def _drop_recompute(held: list[_Call], *, where: str) -> list[_Call]:

@@ -87,7 +87,8 @@ def _convert(trace: Path, dst: Path, name: str) -> int:
     from moeverify.cli import main as cli
 
     return cli(["dump", "convert", str(trace), str(dst), "--layout", name, "--world-size", "2", "--num-layers",
-                str(NUM_LAYERS), "--seq-len", str(SEQ_LEN), "--batch", str(BATCH)])
+                str(NUM_LAYERS), "--seq-len", str(SEQ_LEN), "--batch", str(BATCH), "--microbatches",
+                str(MICROBATCHES)])
 
 
 @pytest.mark.parametrize("family,name", [(f, n) for f, n, _ in CASES])

@@ -99,7 +99,7 @@ def test_cli_convert_router_trace_jsonl(tmp_path):
                       "num_tokens": 3, "topk": 2, "top_indices": [[0, 1]] * 3})
     (tmp_path / "router_trace_rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert main(["dump", "convert", str(tmp_path / "router_trace_rank0.jsonl"), str(tmp_path / "d"),
-                 "--num-experts", "4", "--layer-offset", "2"]) == 0
+                 "--num-experts", "4", "--layer-offset", "2", "--microbatches", "2"]) == 0
     dump = record.load(tmp_path / "d")
     assert sorted(dump.steps) == [0, 1] and dump.model.moe_layers == (2, 3)
     routes = dump.routes(step=1)

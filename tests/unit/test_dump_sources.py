@@ -46,7 +46,8 @@ def test_megatron_router_trace_and_a_moeverify_dump_agree_token_for_token(two_so
     trace = two_sources / "trace" / "router_trace_rank0.jsonl"
     assert trace.stat().st_size > 0
     conv = two_sources / "from_trace"
-    assert main(["dump", "convert", str(trace), str(conv), "--seq-len", str(S), "--batch", str(B)]) == 0
+    assert main(["dump", "convert", str(trace), str(conv), "--seq-len", str(S), "--batch", str(B),
+                 "--microbatches", str(MICROBATCHES)]) == 0
     assert record.load(conv).token_order(0) == "sequence"
     out = two_sources / "diff.json"
     assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--json", str(out), "--fail-on-diff"]) == 0
@@ -57,7 +58,7 @@ def test_megatron_router_trace_and_a_moeverify_dump_agree_token_for_token(two_so
 def test_router_trace_without_geometry_is_refused_not_compared_by_position(two_sources, capsys):
     trace = two_sources / "trace" / "router_trace_rank0.jsonl"
     conv = two_sources / "no_geometry"
-    assert main(["dump", "convert", str(trace), str(conv)]) == 0
+    assert main(["dump", "convert", str(trace), str(conv), "--microbatches", str(MICROBATCHES)]) == 0
     capsys.readouterr()
     assert main(["dump", "diff", str(two_sources / "dump"), str(conv)]) == 2
     assert "was saved without seq_len/batch, so its token order is unknown" in capsys.readouterr().err
@@ -78,6 +79,7 @@ def test_an_injected_disagreement_is_found_at_its_layer_and_token(two_sources):
     bad.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     conv = two_sources / "bad_dump"
     assert main(["dump", "convert", str(bad), str(conv), "--seq-len", str(S), "--batch", str(B),
+                 "--microbatches", str(MICROBATCHES),
                  "--num-experts", str(experts)]) == 0
     out = two_sources / "bad.json"
     assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--json", str(out), "--fail-on-diff"]) == 1

@@ -66,7 +66,15 @@ def test_router_trace_recompute_records_are_dropped_with_microbatches(tmp_path):
 
 def test_router_trace_whole_stage_recompute_is_refused_without_microbatches(tmp_path):
     trace = _recompute_trace(tmp_path, order="ascending")  # passes look whole: only their equal ids give them away
-    with pytest.raises(DumpError, match=r"the forward pass at line 4 repeats the one at line 1 id for id"):
+    with pytest.raises(DumpError, match=r"step 0: 4 passes over the traced layers \(lines 1, 4, 7, 10\): "
+                                        r"micro-batches, or forwards and their recomputes .* Give --microbatches N"):
+        importers.read_router_trace(trace, num_experts=E)
+
+
+def test_router_trace_whole_stage_recompute_that_routes_otherwise_is_refused_without_microbatches(tmp_path):
+    # the recompute bug itself: recompute passes differ from their forwards, so each reads as one more micro-batch
+    trace = _recompute_trace(tmp_path, order="ascending", differ=True)
+    with pytest.raises(DumpError, match=r"4 passes over the traced layers .*\(a recompute that routed otherwise"):
         importers.read_router_trace(trace, num_experts=E)
 
 
@@ -78,7 +86,9 @@ def test_router_trace_recompute_that_routes_otherwise_is_refused_not_guessed(tmp
 
 def test_router_trace_microbatch_count_is_checked(tmp_path):
     trace = _write(tmp_path / "t.jsonl", [_rec(layer, ids) for mb in range(3) for layer, ids in _forward(mb)])
-    assert importers.read_router_trace(trace, num_experts=E)[0].microbatches == 3
+    assert importers.read_router_trace(trace, num_experts=E, microbatches=3)[0].microbatches == 3
+    with pytest.raises(DumpError, match=r"3 passes over the traced layers"):
+        importers.read_router_trace(trace, num_experts=E)
     with pytest.raises(DumpError, match=r"layer 0 has 3 record\(s\) \(lines 1..7\) != expected --microbatches 2"):
         importers.read_router_trace(trace, num_experts=E, microbatches=2)
 
@@ -95,7 +105,7 @@ def _pp2_traces(tmp_path):
 
 def _convert_pp2(tdir, dst, *extra):
     return main(["dump", "convert", str(tdir), str(dst), "--layout", "pp2", "--world-size", "2", "--num-layers", "4",
-                 "--seq-len", str(S), "--batch", str(B), "--num-experts", str(E), *extra])
+                 "--seq-len", str(S), "--batch", str(B), "--num-experts", str(E), "--microbatches", "2", *extra])
 
 
 def test_router_trace_dense_stage_empty_trace_is_accepted_when_the_moe_layers_say_so(tmp_path, capsys):
