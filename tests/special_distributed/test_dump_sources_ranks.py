@@ -2,7 +2,8 @@
 with each rank's place in the layout) and Megatron-Core's own ``RouterTracer`` (one JSONL per rank, layers
 numbered within the pipeline stage), merged by ``dump convert TRACE_DIR --layout``, and the traces as a rollout
 engine returns them (per request ``[S - 1, L, K]``, ``dump diff --rollout``), under EP2, TP2 + SP, CP2 and
-PP2 (a dense first layer: the second stage's local layer 0 is global layer 2). An injected disagreement in one
+PP2 (a dense first layer: the second stage's local layer 0 is global layer 2), and PP2 with the first stage
+holding the dense layer alone (no router there: an empty trace, a dump rank with no layer). An injected disagreement in one
 rank's trace is found at its global layer.
 
 The test launches this file under torchrun; ``main()`` is the per-rank driver.
@@ -19,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "900"))
 CASES = (("qwen3_moe", "ep2", {"ep": 2}), ("qwen3_moe", "tp2-sp", {"tp": 2, "sp": True}),
-         ("qwen3_moe", "cp2", {"cp": 2}), ("deepseek_v3", "pp2", {"pp": 2}))
+         ("qwen3_moe", "cp2", {"cp": 2}), ("deepseek_v3", "pp2", {"pp": 2}),
+         ("deepseek_v3", "pp2-ppfirst1", {"pp": 2, "pp_first": 1}))  # stage 0: the dense layer alone
 SEQ_LEN, BATCH, MICROBATCHES, NUM_LAYERS = 8, 2, 2, 4
 
 
@@ -86,9 +88,10 @@ def sources(tmp_path_factory):
 def _convert(trace: Path, dst: Path, name: str) -> int:
     from moeverify.cli import main as cli
 
+    dense_stage = ["--moe-layers", "1,2,3"] if "ppfirst" in name else []  # an empty trace is then accepted
     return cli(["dump", "convert", str(trace), str(dst), "--layout", name, "--world-size", "2", "--num-layers",
                 str(NUM_LAYERS), "--seq-len", str(SEQ_LEN), "--batch", str(BATCH), "--microbatches",
-                str(MICROBATCHES)])
+                str(MICROBATCHES), *dense_stage])
 
 
 @pytest.mark.parametrize("family,name", [(f, n) for f, n, _ in CASES])
@@ -99,6 +102,9 @@ def test_router_trace_of_every_rank_and_the_dump_agree_token_for_token(sources, 
     case = sources / f"{family}-{name}"
     assert sorted(p.name for p in (case / "trace").glob("router_trace_rank*.jsonl")) == [
         "router_trace_rank0.jsonl", "router_trace_rank1.jsonl"]
+    if "ppfirst" in name:  # the dense first stage traced nothing and dumped no layer
+        assert (case / "trace" / "router_trace_rank0.jsonl").read_text() == ""
+        assert all(not f.get("layers") for f in record.load(case / "dump").manifest["ranks"]["0"]["files"])
     assert _convert(case / "trace", case / "from_trace", name) == 0
     converted, dump = record.load(case / "from_trace"), record.load(case / "dump")
     assert converted.world_size == 2 and converted.model.moe_layers == dump.model.moe_layers
