@@ -29,7 +29,8 @@ from moeverify.layout import Layout
 from moeverify.record.diff import DiffReport, diff, diff_stream
 from moeverify.record.format import MANIFEST, SCHEMA, VERSION, ModelInfo, ids_dtype_for
 from moeverify.record.reader import Dump, load
-from moeverify.record.writer import RankWriter, finalize
+from moeverify.record.commit import finalize
+from moeverify.record.writer import RankWriter
 from moeverify.routes import Routes
 from moeverify.views import RankCoords
 

@@ -155,7 +155,7 @@ def cmd_inspect(args) -> int:
 def cmd_finalize(args) -> int:
     """``dump finalize PATH``."""
     from moeverify import record
-    from moeverify.record.writer import drop_uncommitted
+    from moeverify.record.commit import drop_uncommitted
 
     path = Path(args.path)
     if not path.is_dir():

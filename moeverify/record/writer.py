@@ -1,5 +1,5 @@
-"""Writing routing dumps: atomic files, a per-rank writer that can run off the training thread, and
-``finalize``, which folds the ranks' records into ``manifest.json`` (written last).
+"""Writing routing dumps: atomic files and a per-rank writer that can run off the training thread; each rank's
+writer ends with its record, which ``commit.finalize`` folds into ``manifest.json`` (written last).
 
 Format version 2 (``format.VERSION``): layers arrive one at a time and are buffered per (step, micro-batch);
 a flush packs each micro-batch's buffered layers into one ``[L, T, K]`` tensor. Legend: L = packed layers,
@@ -8,7 +8,6 @@ T = tokens (local router order), K = top-k.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import queue
@@ -23,6 +22,7 @@ from moeverify.errors import DumpError, MoEVerifyError
 from moeverify.files import atomic_write
 from moeverify.layout import Layout
 from moeverify.record import format as fmt
+from moeverify.record.commit import record_from_manifest, uncommitted_steps, write_json
 from moeverify.routes import Routes, validate_topk_ids
 from moeverify.views import RankCoords
 
@@ -85,7 +85,7 @@ class RankWriter:
             except (OSError, ValueError) as exc:
                 raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
         else:
-            rec = _record_from_manifest(self.path, self.coords.rank)
+            rec = record_from_manifest(self.path, self.coords.rank)
             if rec is None:
                 return
             rec_path = self.path / fmt.MANIFEST
@@ -156,7 +156,7 @@ class RankWriter:
             self._queue.put(_STOP)
             self._thread.join()
         self._closed = True
-        _write_json(self.path / fmt.rank_record_file(self.coords.rank), self._record())
+        write_json(self.path / fmt.rank_record_file(self.coords.rank), self._record())
 
     def __enter__(self) -> RankWriter:
         return self
@@ -302,147 +302,9 @@ class RankWriter:
                 "ids_dtype": fmt.ID_DTYPE_NAMES[self._ids_dtype], "probs_dtype": self._probs_dtype}
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    """A manifest or rank record, compact (no indentation: its bytes count in every dump's size)."""
-    atomic_write(path, (json.dumps(obj, separators=(",", ":"), sort_keys=True) + "\n").encode())
-
-
 def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise DumpError(f"expected a torch.Tensor, got {type(t).__name__}")
     t = t.detach()
     # A copy: the caller may reuse or modify its buffer after add() returns.
     return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
-
-
-def _committed(path: Path) -> dict | None:
-    manifest_path = path / fmt.MANIFEST
-    if not manifest_path.is_file():
-        return None
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DumpError(f"{manifest_path}: not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("steps"), dict):
-        raise DumpError(f"{manifest_path}: not a dump manifest (no 'steps' mapping)")
-    return manifest
-
-
-def uncommitted_steps(path: str | os.PathLike, rank_record: dict) -> list[int]:
-    """Steps a rank record holds that the manifest does not (written, then the run ended before finalize)."""
-    manifest = _committed(Path(path))
-    committed = set() if manifest is None else {int(s) for s in manifest["steps"]}
-    return sorted(int(s) for s in rank_record.get("steps", {}) if int(s) not in committed)
-
-
-def drop_uncommitted(path: str | os.PathLike) -> dict[int, list[int]]:
-    """Bring every rank record back to what the manifest commits, deleting files it does not list.
-
-    Returns ``{rank: dropped steps}``. With no manifest at all, every rank record and rank file goes.
-    """
-    path = Path(path)
-    manifest = _committed(path)
-    dropped: dict[int, list[int]] = {}
-    for rec_path in sorted(path.glob("rank*.json")):
-        try:
-            rec = json.loads(rec_path.read_text())
-            rank = int(rec["rank"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
-        steps = uncommitted_steps(path, rec)
-        if not steps:
-            continue
-        dropped[rank] = steps
-        keep = None if manifest is None else manifest["ranks"].get(str(rank))
-        kept_files = {f["name"] for f in keep["files"]} if keep else set()
-        for file in rec["files"]:
-            if file["name"] not in kept_files:
-                (path / fmt.checked_file_name(file["name"], rank=rank, where=str(rec_path))).unlink(missing_ok=True)
-        if keep is None:
-            rec_path.unlink()
-            continue
-        rec["files"] = keep["files"]
-        rec["steps"] = {s: i for s, i in rec["steps"].items() if int(s) not in steps}
-        _write_json(rec_path, rec)
-    return dropped
-
-
-def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
-    """Fold every rank's record into ``manifest.json`` (written last, atomically) and return it.
-
-    Raises ``DumpError`` naming missing ranks or records that disagree on model, layout or steps.
-    """
-    path = Path(path)
-    records = {}
-    for rec_path in sorted(path.glob("rank*.json")):
-        try:
-            rec = json.loads(rec_path.read_text())
-            records[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DumpError(f"{rec_path}: unreadable rank record: {exc!r}") from None
-    if not records:
-        committed = _committed(path)
-        if committed is not None:  # finalized before: its records were folded in and removed
-            return committed
-        raise DumpError(f"{path}: no rank records (rank*.json); did every rank close() its writer?")
-    first = records[min(records)]
-    world = world_size or first["world_size"]
-    missing = sorted(set(range(world)) - set(records))
-    if missing:
-        raise DumpError(f"{path}: rank record(s) missing for rank(s) {missing} of world_size {world}")
-    steps: dict[str, dict] = {}
-    for rank, rec in sorted(records.items()):
-        for key in ("version", "model", "layout", "world_size", "zigzag", "ids_dtype"):
-            if rec.get(key) != first.get(key):
-                raise DumpError(f"{path}: rank {rank} {key} {rec[key]!r} != rank {min(records)} {first[key]!r}")
-        for step, info in rec["steps"].items():
-            merged = steps.setdefault(step, {"microbatches": 0, "batch": None, "seq_len": None})
-            _merge_step(merged, info, where=f"{path}: rank {rank} step {step}")
-    if first.get("version") not in fmt.VERSIONS:
-        raise DumpError(f"{path}: rank {min(records)} record is format version {first.get('version')!r}; "
-                        f"this moeverify knows versions {list(fmt.VERSIONS)}")
-    manifest = {  # the records' version: finalising an old dump's uncommitted step keeps its format
-        "schema": fmt.SCHEMA, "version": first["version"], "model": first["model"], "layout": first["layout"],
-        "world_size": world, "zigzag": first["zigzag"], "ids_dtype": first["ids_dtype"],
-        "probs_dtype": next((r["probs_dtype"] for r in records.values() if r["probs_dtype"]), None),
-        "steps": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
-        "ranks": {str(r): {"coords": rec["coords"], "files": rec["files"]} for r, rec in sorted(records.items())},
-        "versions": fmt.versions(),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    _write_json(path / fmt.MANIFEST, manifest)
-    # The manifest now holds all they said (an append rebuilds a rank's record from it): removing them
-    # keeps a dump's fixed size to the manifest. A crash before this leaves records equal to the manifest.
-    for rec_path in sorted(path.glob("rank*.json")):
-        rec_path.unlink(missing_ok=True)
-    return manifest
-
-
-def _record_from_manifest(path: Path, rank: int) -> dict | None:
-    """A finalized rank's record, rebuilt from the manifest (None: no manifest; the rank starts afresh)."""
-    manifest = _committed(path)
-    if manifest is None:
-        return None
-    where = path / fmt.MANIFEST
-    try:
-        mine = manifest["ranks"].get(str(rank))
-        if mine is None:
-            raise DumpError(f"{where}: cannot append: rank {rank} is not in the dump's ranks "
-                            f"{sorted(manifest['ranks'], key=int)} (world_size {manifest.get('world_size')!r})")
-        return {"version": manifest["version"], "model": manifest["model"], "layout": manifest["layout"],
-                "world_size": manifest["world_size"], "files": list(mine["files"]),
-                "probs_dtype": manifest.get("probs_dtype"), "steps": manifest["steps"]}
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise DumpError(f"{where}: cannot append: not a complete dump manifest ({exc!r} missing)") from None
-
-
-def _merge_step(merged: dict, info: dict, *, where: str) -> None:
-    if info["microbatches"] and merged["microbatches"] and info["microbatches"] != merged["microbatches"]:
-        raise DumpError(f"{where}: {info['microbatches']} micro-batch(es) != {merged['microbatches']} on other ranks")
-    merged["microbatches"] = max(merged["microbatches"], info["microbatches"])
-    for key in ("batch", "seq_len"):
-        if info[key] is None:
-            continue
-        if merged[key] is not None and merged[key] != info[key]:
-            raise DumpError(f"{where}: {key} {info[key]} != {merged[key]} on other ranks")
-        merged[key] = info[key]

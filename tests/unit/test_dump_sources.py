@@ -21,7 +21,8 @@ def two_sources(tmp_path_factory):
 
     from moeverify import models
     from moeverify.record.recorder import RouteRecorder, model_info
-    from moeverify.record.writer import RankWriter, finalize
+    from moeverify.record.commit import finalize
+    from moeverify.record.writer import RankWriter
 
     tmp = tmp_path_factory.mktemp("sources")
     built = models.build("qwen3_moe", Layout(), seed=0)
