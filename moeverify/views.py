@@ -207,8 +207,9 @@ def to_global(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, wor
 
 def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, layer: int, mb: int, seq_len: int,
                batch: int, tokens: int, topk: int, dtype: torch.dtype, zigzag: bool) -> torch.Tensor:
-    out_TK = torch.zeros(tokens, topk, dtype=dtype)
+    out_TK = torch.empty(tokens, topk, dtype=dtype)  # every row is written or named missing below
     owner_T = torch.full((tokens,), -1, dtype=torch.int64)
+    first = True
     for coords in sorted(local_by_rank, key=lambda c: c.rank):
         routes = local_by_rank[coords]
         if layer not in routes.layers:
@@ -220,6 +221,11 @@ def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, la
             raise RouteError(f"layer {layer} {coords.label()} mb {mb}: local routes hold {local_TK.shape[0]} tokens"
                              f" != expected T={idx_T.numel()} (seq_len {seq_len}, batch {batch})")
         local_TK = local_TK.to(dtype)
+        if first:  # nothing held yet: no replica to compare (token_index never repeats a token)
+            out_TK[idx_T] = local_TK
+            owner_T[idx_T] = coords.rank
+            first = False
+            continue
         seen_T = owner_T[idx_T] >= 0
         if bool(seen_T.any()):
             differ_T = (out_TK[idx_T[seen_T]] != local_TK[seen_T]).any(dim=1)

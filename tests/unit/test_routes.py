@@ -44,6 +44,19 @@ def test_validate_topk_ids_duplicate_expert_raises():
         validate_topk_ids(ids([[0, 1], [5, 5]]), layer=1, microbatch=0, num_experts=E, topk=K, rank=0)
 
 
+@pytest.mark.parametrize("tokens", [100, 20_000])  # below and above the size where columns are compared
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int64])
+def test_validate_topk_ids_duplicates_found_alike_on_small_and_large_tensors(tokens, dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    good = torch.rand(tokens, 128, generator=gen).topk(8, dim=1).indices.to(dtype)
+    validate_topk_ids(good, layer=0, microbatch=0, num_experts=128, topk=8, rank=0)
+    bad = good.clone()
+    for row, (i, j) in ((tokens - 1, (7, 0)), (tokens // 2, (3, 4)), (tokens // 3, (1, 6))):
+        bad[row, i] = bad[row, j]
+    with pytest.raises(RouteError, match=rf"token {tokens // 3} routes to expert\(s\) twice: .* \(3 such row\(s\)\)"):
+        validate_topk_ids(bad, layer=0, microbatch=0, num_experts=128, topk=8, rank=0)
+
+
 def test_routes_microbatch_count_differs_raises():
     with pytest.raises(RouteError, match=r"micro-batch count differs between layers: \{0: 1, 1: 2\}"):
         Routes({0: [ids([[0, 1]])], 1: [ids([[0, 1]]), ids([[2, 3]])]}, num_experts=E, topk=K)
