@@ -12,6 +12,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from moeverify.errors import RouteError
@@ -48,18 +49,22 @@ _COLUMNS_FROM = 1 << 16  # ids from which comparing columns pairwise beats sorti
 
 
 def _duplicate_rows(ids_TK: torch.Tensor) -> torch.Tensor:
-    """``[T]`` bool: rows naming an expert twice. Small tensors sort each row; large ones compare the K
-    columns pairwise (K(K-1)/2 vector compares on contiguous columns, about 20x faster than a row sort at 1M
-    rows of top-8, slower on a few tokens, where the per-op cost dominates)."""
-    if ids_TK.numel() < _COLUMNS_FROM:
+    """``[T]`` bool: rows naming an expert twice.
+
+    Small tensors, and any off the CPU, sort each row. Large CPU ones (dumps read back) compare the K
+    columns pairwise, K(K-1)/2 vector compares on contiguous columns in NumPy, whose transpose and compares
+    of narrow integers are several times faster than torch's: about 40x faster than the row sort at 128k
+    rows of top-8 on one core.
+    """
+    if ids_TK.numel() < _COLUMNS_FROM or ids_TK.device.type != "cpu":
         ordered = ids_TK.to(torch.int64).sort(dim=1).values
         return (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
-    cols_KT = ids_TK.t().contiguous()
-    dup_T = torch.zeros(ids_TK.shape[0], dtype=torch.bool, device=ids_TK.device)
+    cols_KT = np.ascontiguousarray(ids_TK.detach().numpy().T)
+    dup_T = np.zeros(cols_KT.shape[1], dtype=bool)
     for i in range(cols_KT.shape[0]):
         for j in range(i + 1, cols_KT.shape[0]):
             dup_T |= cols_KT[i] == cols_KT[j]
-    return dup_T
+    return torch.from_numpy(dup_T)
 
 
 def _is_int(value: object) -> bool:

@@ -207,9 +207,7 @@ def to_global(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, wor
 
 def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, layer: int, mb: int, seq_len: int,
                batch: int, tokens: int, topk: int, dtype: torch.dtype, zigzag: bool) -> torch.Tensor:
-    out_TK = torch.empty(tokens, topk, dtype=dtype)  # every row is written or named missing below
-    owner_T = torch.full((tokens,), -1, dtype=torch.int64)
-    first = True
+    holders = []
     for coords in sorted(local_by_rank, key=lambda c: c.rank):
         routes = local_by_rank[coords]
         if layer not in routes.layers:
@@ -220,14 +218,16 @@ def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, la
         if local_TK.shape[0] != idx_T.numel():
             raise RouteError(f"layer {layer} {coords.label()} mb {mb}: local routes hold {local_TK.shape[0]} tokens"
                              f" != expected T={idx_T.numel()} (seq_len {seq_len}, batch {batch})")
-        local_TK = local_TK.to(dtype)
-        if first:  # nothing held yet: no replica to compare (token_index never repeats a token)
-            out_TK[idx_T] = local_TK
-            owner_T[idx_T] = coords.rank
-            first = False
-            continue
-        seen_T = owner_T[idx_T] >= 0
-        if bool(seen_T.any()):
+        holders.append((coords, idx_T, local_TK.to(dtype)))
+    out_TK = torch.empty(tokens, topk, dtype=dtype)  # every row is written or named missing below
+    if len(holders) == 1 and holders[0][1].numel() == tokens:  # one rank holds every token (token_index
+        _, idx_T, local_TK = holders[0]                          # never repeats one): nothing to compare
+        _rows(out_TK).index_copy_(0, idx_T, _rows(local_TK))
+        return out_TK
+    owner_T = torch.full((tokens,), -1, dtype=torch.int64)
+    for n, (coords, idx_T, local_TK) in enumerate(holders):
+        seen_T = owner_T[idx_T] >= 0 if n else None  # the first holder meets no replica
+        if seen_T is not None and bool(seen_T.any()):
             differ_T = (out_TK[idx_T[seen_T]] != local_TK[seen_T]).any(dim=1)
             if bool(differ_T.any()):
                 i = int(differ_T.nonzero()[0])
@@ -237,14 +237,29 @@ def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, la
                     f"layer {layer} mb {mb}: replicas disagree on {int(differ_T.sum())} token(s); first global token"
                     f" {token}: {coords.label()} has {local_TK[seen_T][i].tolist()}, {other.label()} has "
                     f"{out_TK[token].tolist()}")
-        fresh_T = ~seen_T
-        out_TK[idx_T[fresh_T]] = local_TK[fresh_T]
-        owner_T[idx_T[fresh_T]] = coords.rank
+            fresh_T = ~seen_T
+            out_TK[idx_T[fresh_T]] = local_TK[fresh_T]
+            owner_T[idx_T[fresh_T]] = coords.rank
+        else:
+            _rows(out_TK).index_copy_(0, idx_T, _rows(local_TK))
+            owner_T[idx_T] = coords.rank
     if bool((owner_T < 0).any()):
         missing = int((owner_T < 0).sum())
         raise RouteError(f"layer {layer} mb {mb}: {missing} of {tokens} global tokens held by no rank "
                          f"(first: token {int((owner_T < 0).nonzero()[0])})")
     return out_TK
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _rows(t_TK: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[T, K]`` tensor viewed as ``[T, W]`` machine words (top-8 uint8 ids: one int64 per
+    row), so that moving whole rows by index moves words, not bytes (about 4x faster on CPU)."""
+    t_TK = t_TK.contiguous()
+    row_bytes = t_TK.shape[1] * t_TK.element_size()
+    word = next(w for w in _WORDS if row_bytes % w == 0)
+    return t_TK.view(torch.uint8).view(t_TK.shape[0], row_bytes).view(_WORDS[word])
 
 
 def _check_holders(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, world_size: int) -> None:
