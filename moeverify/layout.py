@@ -45,6 +45,10 @@ class Layout:
     # the other stages share the rest evenly. None: an even split.
     pp_first: int | None = None
     pp_last: int | None = None
+    # Megatron's pipeline_model_parallel_layout string ("Et|tt|tt|tL": per virtual stage, E embedding,
+    # t a decoder layer, L loss, stages of every pipeline rank for chunk 0, then chunk 1, ...). None: the
+    # split above. Parsed by Megatron-Core's own PipelineParallelLayerLayout.
+    pp_layout: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -67,6 +71,22 @@ class Layout:
         uneven = [name for name in ("pp_first", "pp_last") if getattr(self, name) is not None]
         if uneven and self.pp < 2:
             raise LayoutError(f"{' and '.join(uneven)} need pp > 1 (got pp {self.pp}): they size pipeline stages")
+        if self.pp_layout is not None:
+            self._validate_pp_layout(uneven)
+
+    def _validate_pp_layout(self, uneven: list[str]) -> None:
+        if not isinstance(self.pp_layout, str) or not self.pp_layout.strip():
+            raise LayoutError(f"pp_layout must be a non-empty string (Megatron's pipeline_model_parallel_layout), "
+                              f"got {self.pp_layout!r}")
+        if self.pp < 2:
+            raise LayoutError(f"pp_layout needs pp > 1 (got pp {self.pp}): it places layers on pipeline stages")
+        if uneven:
+            raise LayoutError(f"pp_layout places every layer itself; drop {' and '.join(uneven)}")
+        chunks = len(_pp_layout_counts(self.pp_layout, self.pp))
+        if chunks != self.vpp_chunks:
+            raise LayoutError(f"pp_layout {self.pp_layout!r} holds {chunks} model chunk(s) per pipeline stage "
+                              f"({chunks * self.pp} stages for pp {self.pp}), vpp says {self.vpp_chunks}; "
+                              f"set vpp: {chunks if chunks > 1 else 'null'}")
 
     @property
     def expert_tp(self) -> int:
@@ -122,10 +142,22 @@ class Layout:
             if self.etp is not None and self.etp != self.tp:
                 raise LayoutError(f"etp {self.etp} set on a dense model; expert tensor parallel needs experts")
 
+    def chunk_counts(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
+        """Decoder layers of each model chunk, ``[vp_stage][pp_rank]``; Megatron places them in that order
+        (chunk 0 of every stage, then chunk 1, ...). ``LayoutError`` where ``num_layers`` does not split so."""
+        if self.pp_layout is not None:
+            counts = _pp_layout_counts(self.pp_layout, self.pp, num_layers=num_layers)
+            return tuple(tuple(row) for row in counts)
+        v = self.vpp_chunks
+        return tuple(tuple(n // v for n in self.stage_layers(num_layers)) for _ in range(v))
+
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
         """Decoder layers of each pipeline stage, by Megatron-Core 0.19's rules (``TransformerConfig``'s uneven
         pipeline checks); ``LayoutError`` naming the rule where ``num_layers`` does not split so."""
         v = self.vpp_chunks
+        if self.pp_layout is not None:
+            counts = self.chunk_counts(num_layers)
+            return tuple(sum(row[p] for row in counts) for p in range(self.pp))
         if self.pp_first is None and self.pp_last is None:
             stages = self.pp * v
             if num_layers % stages:
@@ -161,6 +193,8 @@ class Layout:
             if dim == "pp":
                 parts += [f"{n.replace('_', '')}{getattr(self, n)}" for n in ("pp_first", "pp_last")
                           if getattr(self, n) is not None]
+                if self.pp_layout is not None:  # the string holds | ( ) *: named by a digest of it
+                    parts.append(f"pplayout{_digest(self.pp_layout)}")
         if self.sp:
             parts.append("sp")
         dp = self.dp(world_size)
@@ -178,13 +212,47 @@ class Layout:
         return cls(**mapping)
 
     def as_dict(self) -> dict:
-        """The fields, without ``pp_first``/``pp_last`` when unset: a dump or result file of an even layout keeps
+        """The fields, without ``pp_first``/``pp_last``/``pp_layout`` when unset: a dump or result file of an even layout keeps
         the key set it had before uneven pipelines existed (and compares equal with one written then)."""
         out = dataclasses.asdict(self)
-        for name in ("pp_first", "pp_last"):
+        for name in ("pp_first", "pp_last", "pp_layout"):
             if out[name] is None:
                 del out[name]
         return out
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def _pp_layout_counts(text: str, pp: int, *, num_layers: int | None = None) -> list[list[int]]:
+    """Decoder layers per model chunk ``[vp_stage][pp_rank]`` of a pipeline_model_parallel_layout string, parsed
+    by Megatron-Core's own ``PipelineParallelLayerLayout`` (0.19: ``transformer/pipeline_parallel_layer_layout``);
+    with ``num_layers``, also its rules (one embedding first, one loss last, that many decoder layers)."""
+    try:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    except ImportError as exc:  # pragma: no cover (megatron-core 0.19 has it)
+        raise LayoutError(f"pp_layout needs megatron-core's PipelineParallelLayerLayout: {exc}") from None
+    try:
+        parsed = PipelineParallelLayerLayout(text, pp)
+        from megatron.core.transformer.enums import LayerType
+
+        if num_layers is not None:
+            if LayerType.mtp in parsed.flatten_layout:
+                raise LayoutError(f"pp_layout {text!r}: MTP layers ('m') are not modelled by moeverify's layer "
+                                  f"placement; lay out the decoder layers only")
+            parsed.validate_layer_layout(num_layers, None)
+    except LayoutError:
+        raise
+    except (AssertionError, KeyError, ValueError, TypeError, NotImplementedError) as exc:
+        raise LayoutError(f"pp_layout {text!r} for pp {pp}"
+                          f"{'' if num_layers is None else f' and {num_layers} decoder layers'}: "
+                          f"{str(exc).strip() or type(exc).__name__} (Megatron-Core's PipelineParallelLayerLayout)"
+                          ) from None
+    v = parsed.virtual_pipeline_model_parallel_size
+    return [[parsed.layout[p][c].count(LayerType.decoder) for p in range(pp)] for c in range(v)]
 
 
 _NAME_PART = re.compile(r"^(tp|pp|vpp|ep|etp|cp|dp|ppfirst|pplast)(\d+)$|^sp$")
@@ -196,6 +264,9 @@ def parse_layout_name(name: str) -> tuple[Layout, int]:
     values: dict = {}
     dp = 1
     for part in name.split("-"):
+        if part.startswith("pplayout"):
+            raise LayoutError(f"layout name {name!r}: a pp_layout cannot be read back from its name (a digest of "
+                              f"the string); give the layout itself (pp_layout in a scenario file)")
         m = _NAME_PART.match(part)
         if not m:
             raise LayoutError(f"layout name {name!r}: cannot parse part {part!r}")

@@ -21,7 +21,9 @@ Plain tensor math; no Megatron import. Conventions:
   (``vp_stage * L / v + pp_rank * L / (pp * v)``; without VPP ``pp_rank * L / pp``). Uneven splits
   (``Layout.pp_first``/``pp_last``: Megatron's ``num_layers_in_first/last_pipeline_stage``) follow the same
   function: stage ``p`` holds ``n_p`` layers, its chunk ``c`` the ``n_p / v`` layers from
-  ``c * L / v + (n_0 + ... + n_{p-1}) / v``. Pipeline layout strings are not modelled.
+  ``c * L / v + (n_0 + ... + n_{p-1}) / v``. A ``Layout.pp_layout`` string (Megatron's
+  ``pipeline_model_parallel_layout``) gives every chunk's count itself; ``Layout.chunk_counts`` holds them
+  all, and a chunk starts after every chunk placed before it (chunk 0 of every stage, then chunk 1, ...).
   Only MoE layers carry routes.
 - **Rank numbering** (``rank_coords``): Megatron's default order ``tp-cp-ep-dp-pp``. The decoder grid
   is ``rank = tp + TP * (cp + CP * (dp + DP * pp))``; the expert grid
@@ -128,10 +130,9 @@ def chunk_layers(layout: Layout, *, pp_rank: int, vp_stage: int, num_layers: int
     _check_rank("vp_stage", vp_stage, layout.vpp_chunks)
     if num_layers < 1:
         raise LayoutError(f"num_layers must be >= 1, got {num_layers}")
-    v = layout.vpp_chunks
-    per_stage = layout.stage_layers(num_layers)
-    first = vp_stage * (num_layers // v) + sum(per_stage[:pp_rank]) // v
-    return range(first, first + per_stage[pp_rank] // v)
+    counts = layout.chunk_counts(num_layers)  # [vp_stage][pp_rank], placed chunk 0 of every stage first
+    first = sum(sum(row) for row in counts[:vp_stage]) + sum(counts[vp_stage][:pp_rank])
+    return range(first, first + counts[vp_stage][pp_rank])
 
 
 def layers_of(layout: Layout, *, pp_rank: int, num_layers: int, moe_layers: Sequence[int],

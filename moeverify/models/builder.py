@@ -53,6 +53,7 @@ def _apply_layout(provider, layout: Layout) -> None:
     provider.sequence_parallel = layout.sp
     provider.num_layers_in_first_pipeline_stage = layout.pp_first
     provider.num_layers_in_last_pipeline_stage = layout.pp_last
+    provider.pipeline_model_parallel_layout = layout.pp_layout
 
 
 def _apply_overrides(provider, settings: dict, *, what: str) -> None:

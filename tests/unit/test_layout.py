@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from moeverify.errors import LayoutError
@@ -114,6 +116,59 @@ def test_chunks_start_where_megatron_places_them_and_cover_every_layer_once(layo
             assert chunk.start == _megatron_offset(layout, layers, p, c), (p, c)
             seen += list(chunk)
     assert sorted(seen) == list(range(layers))
+
+
+PP_LAYOUTS = [  # (pp, vpp, Megatron pipeline_model_parallel_layout, decoder layers)
+    (2, None, "Et|tttL", 4), (2, None, "Ettt|tL", 4), (2, None, "E|ttttL", 4), (2, 2, "Et|t|t|tL", 4),
+    (2, 2, "Ett|t|tt|tL", 6), (4, None, "Et*3|t*4|t*4|t*2L", 13), (4, 2, "E(tt|)*7tL", 15),
+]
+
+
+@pytest.mark.parametrize("pp, vpp, text, layers", PP_LAYOUTS)
+def test_pp_layout_chunks_are_megatrons_and_cover_every_layer_once(monkeypatch, pp, vpp, text, layers):
+    from moeverify.runtime import bridge_import  # noqa: F401  (megatron.core imports without TE)
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from moeverify.views import chunk_layers
+
+    layout = Layout(pp=pp, vpp=vpp, pp_layout=text)
+    theirs = PipelineParallelLayerLayout(text, pp)
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: vpp)
+    seen = []
+    for p in range(pp):
+        for c in range(layout.vpp_chunks):
+            chunk = chunk_layers(layout, pp_rank=p, vp_stage=c, num_layers=layers)
+            assert list(chunk) == theirs.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=c, pp_rank=p)
+            seen += list(chunk)
+    assert sorted(seen) == list(range(layers))
+    assert layout.stage_layers(layers) == tuple(sum(len(chunk_layers(layout, pp_rank=p, vp_stage=c, num_layers=layers))
+                                                    for c in range(layout.vpp_chunks)) for p in range(pp))
+
+
+@pytest.mark.parametrize("kwargs, layers, match", [
+    (dict(pp=2, pp_layout="Et|tL"), 4, r"Number of decoder layers 2\s*must match num_layers 4"),
+    (dict(pp=2, pp_layout="Et|tt|tL"), 3, r"must be divisible by pipeline_model_parallel_size"),
+    (dict(pp=2, pp_layout="Ex|tL"), 2, r"Invalid layer character: x"),
+    (dict(pp=1, pp_layout="EtL"), 1, r"pp_layout needs pp > 1"),
+    (dict(pp=2, pp_layout="Et|t|t|tL"), 4, r"holds 2 model chunk\(s\) per pipeline stage .* vpp says 1; set vpp: 2"),
+    (dict(pp=2, pp_layout="Et|tmL"), 2, r"MTP layers \('m'\) are not modelled"),
+    (dict(pp=2, pp_layout="t|EtL"), 2, r"The first layer must be embedding"),
+    (dict(pp=2, pp_layout="Et|tL", pp_first=1), 2, r"pp_layout places every layer itself; drop pp_first"),
+    (dict(pp=2, pp_layout=""), 2, r"pp_layout must be a non-empty string"),
+])
+def test_pp_layout_refused_with_the_rule(kwargs, layers, match):
+    with pytest.raises(LayoutError, match=match):
+        Layout(**kwargs).stage_layers(layers)
+
+
+def test_pp_layout_is_named_by_a_digest_and_not_parsed_back():
+    layout = Layout(pp=2, pp_layout="Et|tttL")
+    assert re.fullmatch(r"pp2-pplayout[0-9a-f]{8}", layout.name(2)) and layout.name(2) != Layout(pp=2).name(2)
+    assert Layout(**layout.as_dict()) == layout and "pp_layout" not in Layout(pp=2).as_dict()
+    with pytest.raises(LayoutError, match=r"a pp_layout cannot be read back from its name"):
+        parse_layout_name(layout.name(2))
 
 
 def test_as_dict_of_an_even_layout_keeps_the_key_set_older_dumps_hold():
