@@ -21,14 +21,28 @@ def write_json(path: Path, obj: dict) -> None:
     atomic_write(path, (json.dumps(obj, separators=(",", ":"), sort_keys=True) + "\n").encode())
 
 
+def _read_json(path: Path, *, what: str):
+    """``path``'s JSON; ``DumpError`` naming the file (a nesting too deep to parse, not UTF-8, included)."""
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise DumpError(f"{path}: {what}: {reason}") from None
+
+
+def _read_record(rec_path: Path) -> tuple[int, dict]:
+    rec = _read_json(rec_path, what="unreadable rank record")
+    rank = rec.get("rank") if isinstance(rec, dict) else None
+    if type(rank) is not int or rank < 0 or rec_path.name != fmt.rank_record_file(rank):
+        raise DumpError(f"{rec_path}: unreadable rank record: rank {rank!r} is not the file's own")
+    return rank, rec
+
+
 def read_manifest(path: Path) -> dict | None:
     manifest_path = path / fmt.MANIFEST
     if not manifest_path.is_file():
         return None
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DumpError(f"{manifest_path}: not valid JSON: {exc}") from None
+    manifest = _read_json(manifest_path, what="not valid JSON")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("steps"), dict):
         raise DumpError(f"{manifest_path}: not a dump manifest (no 'steps' mapping)")
     return manifest
@@ -49,12 +63,15 @@ def drop_uncommitted(path: str | os.PathLike) -> dict[int, list[int]]:
     path = Path(path)
     manifest = read_manifest(path)
     dropped: dict[int, list[int]] = {}
-    for rec_path in sorted(path.glob("rank*.json")):
-        try:
-            rec = json.loads(rec_path.read_text())
-            rank = int(rec["rank"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DumpError(f"{rec_path}: unreadable rank record: {exc}") from None
+    records = sorted(path.glob("rank*.json"))
+    if manifest is None and not records:
+        orphans = sorted(p.name for p in path.glob("rank*.safetensors"))
+        raise DumpError(f"{path}: no manifest and no rank record: nothing was committed, and nothing says which "
+                        f"files a run wrote" + (f" ({len(orphans)} rank file(s) without a record: "
+                                                f"{', '.join(orphans[:4])}{', ...' if len(orphans) > 4 else ''}; "
+                                                f"delete the directory to start over)" if orphans else ""))
+    for rec_path in records:
+        rank, rec = _read_record(rec_path)
         steps = uncommitted_steps(path, rec)
         if not steps:
             continue
@@ -81,14 +98,14 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
     path = Path(path)
     records = {}
     for rec_path in sorted(path.glob("rank*.json")):
-        try:
-            rec = json.loads(rec_path.read_text())
-            records[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DumpError(f"{rec_path}: unreadable rank record: {exc!r}") from None
+        rank, rec = _read_record(rec_path)
+        records[rank] = rec
     if not records:
         manifest = read_manifest(path)
         if manifest is not None:  # finalized before: its records were folded in and removed
+            if world_size is not None and manifest.get("world_size") != world_size:
+                raise DumpError(f"{path / fmt.MANIFEST}: world_size {manifest.get('world_size')!r} != --world-size "
+                                f"{world_size} (the dump is committed; nothing is left to fold in)")
             return manifest
         raise DumpError(f"{path}: no rank records (rank*.json); did every rank close() its writer?")
     first = records[min(records)]

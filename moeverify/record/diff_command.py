@@ -94,6 +94,15 @@ def _mapped(args, a, b):
             whose = f"{other_map.path}'s" if other_map is not None else f"{other_side.source}'s"
             raise expert_map.ExpertMapError(f"{mapped.path}: maps onto {mapped.logical} logical experts, {whose} side "
                                             f"has {other.num_experts} (both sides must be the same logical experts)")
+    # A dump or an export states its expert count (a mapped side: the map's logical count); only an array
+    # infers one from its largest id and may be widened. Two stated counts that differ are two models.
+    stated = {name: (src.num_experts if emap is not None or _kind(path) != "array" else None, side.source)
+              for name, (src, emap, side), path in (("A", sides["a"], args.a), ("B", sides["b"], args.b))}
+    (experts_a, where_a), (experts_b, where_b) = stated["A"], stated["B"]
+    if experts_a is not None and experts_b is not None and experts_a != experts_b:
+        raise UsageError(f"cannot diff: A ({where_a}) has {experts_a} experts, B ({where_b}) has {experts_b}: "
+                         f"routes of different models (an expert map, --expert-map-a/-b, maps physical slots to "
+                         f"logical experts)")
     experts = max(src_a.num_experts, src_b.num_experts)
     maps = {k: m.as_json() for k, m in (("a", map_a), ("b", map_b)) if m is not None} or None
     return stream.widen(src_a, experts), stream.widen(src_b, experts), maps

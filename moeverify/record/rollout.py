@@ -6,7 +6,8 @@ token is sampled, never fed back). Training sees ``B`` sequences of ``S`` positi
 (sequence order, ``g = b * S + s``, from a dump that records its geometry). Request ``r`` is training
 sequence ``r`` counted over micro-batches in order. Compared: position ``s`` of request ``r`` where the
 rollout holds a row for it. Listed apart, never compared: positions the rollout did not return (the last
-row, padding) and capture gaps (a row of -1, or of zeros with K > 1). Legend: N = rows, L = layers,
+row, padding) and capture gaps (a position whose row in every layer is -1, or zeros with K > 1; a gap in some
+layers only, a row partly -1, and ids beyond the experts are refused). Legend: N = rows, L = layers,
 K = top-k, S = positions.
 """
 
@@ -47,6 +48,39 @@ def _columns(arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, whe
                      f"{list(moe_layers)} nor all {num_layers} decoder layers of the training dump")
 
 
+def _check_raw_ids(arr: np.ndarray, *, limit: int, where: str, layers: Sequence[int]) -> None:
+    """Ids beyond the experts (or the map's slots), and negatives other than -1, refused in the array's own dtype
+    (a uint64 of 2**63 or more would wrap to a negative int64, and then read as a capture gap)."""
+    if not arr.size:
+        return
+    bad = (arr >= limit) | ((arr < -1) if np.issubdtype(arr.dtype, np.signedinteger) else False)
+    if bad.any():
+        n, col, k = (int(i[0]) for i in np.nonzero(bad))
+        raise UsageError(f"{where}: position {n} layer {layers[col]} slot {k}: id {arr[n, col, k].item()} is "
+                         f"outside [0, {limit}) (and not -1, a capture gap)")
+
+
+def _gap_rows(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> torch.Tensor:
+    """``[N]`` bool: positions the engine did not capture. A row (one position, one layer) is a capture gap when
+    it is all -1, or all 0 with K > 1 (no router picks expert 0 twice). A position is a gap when every layer's
+    row is; a gap in some layers only, or a row partly -1, is refused: comparing the other layers would need
+    another token set per layer, and dropping them would hide them."""
+    neg_NLK = ids_NLK < 0
+    gap_NL = neg_NLK.all(dim=2)
+    if ids_NLK.shape[2] > 1:
+        gap_NL |= (ids_NLK == 0).all(dim=2)
+    partial_NL = neg_NLK.any(dim=2) & ~neg_NLK.all(dim=2)
+    mixed_N = gap_NL.any(dim=1) & ~gap_NL.all(dim=1)
+    for what, bad in (("is partly -1 (a capture gap is a whole row of -1)", partial_NL.any(dim=1)),
+                      ("is a capture gap in some layers only", mixed_N)):
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0])
+            cols = (partial_NL[n] if bad is not mixed_N else gap_NL[n]).nonzero().flatten().tolist()
+            raise UsageError(f"{where}: position {n} {what}: layer(s) {[layers[c] for c in cols]} of "
+                             f"{list(layers)}; rows {ids_NLK[n].tolist()}")
+    return gap_NL.all(dim=1)
+
+
 def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequence[int], num_layers: int,
           requests: Sequence[np.ndarray], where: str, expert_map=None) -> Aligned:
     """Both sides restricted to the positions the rollout routed (``train`` in sequence order; ``batch``:
@@ -74,11 +108,11 @@ def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequ
             if arr.shape[0] > length:
                 raise UsageError(f"{where}: request {r}: {arr.shape[0]} rows > the training sequence's {length} "
                                  "positions (is it the same request?)")
-            ids = torch.from_numpy(np.ascontiguousarray(_columns(arr, moe_layers=moe_layers, num_layers=num_layers,
-                                                                 where=f"{where}: request {r}")).astype(np.int64))
-            gap_N = (ids < 0).any(dim=2).any(dim=1)
-            if train.topk > 1:
-                gap_N |= (ids == 0).all(dim=2).any(dim=1)
+            cols = _columns(arr, moe_layers=moe_layers, num_layers=num_layers, where=f"{where}: request {r}")
+            limit = expert_map.physical if expert_map is not None else train.num_experts
+            _check_raw_ids(cols, limit=limit, where=f"{where}: request {r}", layers=train.layers)
+            ids = torch.from_numpy(np.ascontiguousarray(cols).astype(np.int64))
+            gap_N = _gap_rows(ids, where=f"{where}: request {r}", layers=train.layers)
             keep = (~gap_N).nonzero().flatten()
             gaps += int(gap_N.sum())
             uncaptured += length - int(arr.shape[0])

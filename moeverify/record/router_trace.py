@@ -75,12 +75,28 @@ def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None
     return out
 
 
+_BLOCKS = frozenset({"decoder", "mtp"})  # what megatron-core 0.19.2's RouterTracer writes (MTP records skipped)
+
+
+def _int_field(rec: dict, key: str) -> int:
+    """A record's integer field (``KeyError`` if absent); strings, floats and booleans are refused."""
+    value = rec[key]
+    if type(value) is not int or value < 0:
+        raise TypeError(f"{key} {value!r} is not a non-negative integer")
+    return value
+
+
 def _parse(path: Path, *, step: int | None, layer_offset: int, rank: int | None) -> dict[int, list[_Call]]:
     """The decoder records of each step, in file order; every record checked, naming its line."""
+    if not path.is_file():  # a FIFO or a device would block the read, or never end
+        raise DumpError(f"{path}: not a regular file" if path.exists() else f"{path}: no such file")
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode("utf-8").splitlines()
     except OSError as exc:
         raise DumpError(f"{path}: unreadable: {exc}") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise DumpError(f"{path}:{line}: not UTF-8 text (byte {exc.start}): not a router_trace JSONL file") from None
     calls: dict[int, list[_Call]] = {}
     topk = None
     for lineno, line in enumerate(lines, 1):
@@ -90,14 +106,21 @@ def _parse(path: Path, *, step: int | None, layer_offset: int, rank: int | None)
             rec = json.loads(line)
             if not isinstance(rec, dict):
                 raise TypeError(f"a JSON {type(rec).__name__}, not an object")
-            if rec.get("block", "decoder") != "decoder" or (step is not None and rec["step"] != step):
+            block = rec.get("block", "decoder")
+            if block not in _BLOCKS:
+                raise ValueError(f"block {block!r} is none of the tracer's {sorted(_BLOCKS)}")
+            if block == "mtp" or (step is not None and _int_field(rec, "step") != step):
                 continue
             rows = rec["top_indices"]
             odd = next((v for row in rows for v in row if type(v) is not int), None) if isinstance(rows, list) else rows
             if odd is not None:  # floats or booleans are never truncated into ids
                 raise TypeError(f"top_indices hold {odd!r}, not integer expert ids")
-            ids_TK = torch.tensor(rows, dtype=torch.int64).view(int(rec["num_tokens"]), int(rec["topk"]))
-            rec_step, layer = int(rec["step"]), int(rec["layer"]) + layer_offset
+            num_tokens, topk_of = _int_field(rec, "num_tokens"), _int_field(rec, "topk")
+            if num_tokens != len(rows) or topk_of < 1:
+                raise ValueError(f"num_tokens {num_tokens} / topk {topk_of} do not describe the {len(rows)} row(s) of "
+                                 f"top_indices")
+            ids_TK = torch.tensor(rows, dtype=torch.int64).view(num_tokens, topk_of)
+            rec_step, layer = _int_field(rec, "step"), _int_field(rec, "layer") + layer_offset
             if rank is not None and rec.get("rank") != rank:
                 raise ValueError(f"the record says rank {rec.get('rank')!r}, the file name rank {rank}")
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
