@@ -151,3 +151,20 @@ def test_local_feed_ungated_drops_unwanted_and_over_bound():
 
     feed.finish(Store())
     assert taken == [("t0", True), ("t1", True)]
+
+
+def test_local_digests_computed_off_thread_and_dropped_tensors_released():
+    import gc
+    import weakref
+
+    digests = local.Digests()
+    kept, dropped = _ref(), _ref(n=600)
+    digests.add("kept", kept)
+    digests.add("dropped", dropped)
+    gone = weakref.ref(dropped)
+    digests.drop("dropped")
+    del dropped
+    assert digests.get("kept") == local.digest(kept) and digests.get("dropped") is None
+    digests.close()
+    gc.collect()
+    assert gone() is None
