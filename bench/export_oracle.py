@@ -41,6 +41,9 @@ import torch
 import torch.distributed as dist
 
 SCALE = dict(hidden_size=1024, ffn_hidden_size=4096, kv_channels=256, vocab_size=81920)
+# --scale small: the same family and layout at about a fifth of the parameters, for quick before/after
+# ratios on a loaded development machine (the benchmark's numbers are the full-scale ones)
+SMALL = dict(hidden_size=512, ffn_hidden_size=2048, kv_channels=128, vocab_size=40960)
 
 
 def _rss_kib(field: str) -> int:
@@ -97,6 +100,10 @@ def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _suffix() -> str:
+    return "" if SCALE["hidden_size"] == 1024 else f"-h{SCALE['hidden_size']}"
+
+
 def _scaled_config() -> dict:
     from moeverify.models import hf_config_dict
 
@@ -120,7 +127,7 @@ def shape_checkpoint(dtype: torch.dtype) -> tuple[Path, dict]:
     """A checkpoint directory with the scaled model's key set and shapes (uninitialised values)."""
     cfg = _scaled_config()
     shapes = _hf_shapes(cfg)
-    dst = Path(os.environ.get("TMPDIR", "/tmp")) / f"moeverify-bench-export-{str(dtype).split('.')[-1]}"
+    dst = Path(os.environ.get("TMPDIR", "/tmp")) / f"moeverify-bench-export-{str(dtype).split('.')[-1]}{_suffix()}"
     _write_checkpoint(dst, cfg, lambda: {k: torch.empty(s, dtype=dtype) for k, s in shapes.items()})
     return dst, shapes
 
@@ -129,7 +136,7 @@ def real_checkpoint(dtype: torch.dtype = torch.bfloat16) -> tuple[Path, dict]:
     """A checkpoint directory of the scaled model with real values: seeded normal draws (norms around 1)."""
     cfg = _scaled_config()
     shapes = _hf_shapes(cfg)
-    dst = Path(os.environ.get("TMPDIR", "/tmp")) / f"moeverify-bench-export-real-{str(dtype).split('.')[-1]}"
+    dst = Path(os.environ.get("TMPDIR", "/tmp")) / f"moeverify-bench-export-real-{str(dtype).split('.')[-1]}{_suffix()}"
 
     def tensors():
         gen = torch.Generator().manual_seed(0)
@@ -217,7 +224,7 @@ def measure(weights: str, layout, rt) -> dict | None:
         largest = max(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size() / 2**20
         sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
                                      rank=rt.rank, world_size=rt.world_size, hf_path=hf_path, built=built,
-                                     options={"timeout": 1200})
+                                     options={"timeout": 1200, "stats": {}})
 
         def bare():
             for _name, _t in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):
@@ -229,6 +236,7 @@ def measure(weights: str, layout, rt) -> dict | None:
             naive_mib, naive_s = float("nan"), float("nan")
         else:
             naive_mib, naive_s, _ = _phase(lambda: gather_everything(sctx))
+        stats = dict(sctx.options["stats"])
         del built, sctx
     if rt.rank != 0:
         return None
@@ -251,7 +259,8 @@ def measure(weights: str, layout, rt) -> dict | None:
                     "bare_export_peak_vs_largest_tensor": round(bare_mib / largest, 3),
                     "gather_everything_seconds": round(naive_s, 2), "oracle_passed": not failed,
                     "oracle_failures": failed,
-                    "checked": {k: t.checked for k, t in tallies.items()}},
+                    "checked": {k: t.checked for k, t in tallies.items()},
+                    "other_ranks_elements": stats},
     }
 
 
@@ -261,7 +270,12 @@ def main() -> int:
     ap.add_argument("--weights", choices=("both", "real", "init"), default="both",
                     help="real: a safetensors checkpoint with real values loaded through Megatron-Bridge; "
                          "init: Megatron's own init; both: each, real first (default)")
+    ap.add_argument("--scale", choices=("full", "small"), default="full",
+                    help="full: hidden 1024, vocab 81920 (about 231M parameters; the benchmark); small: hidden 512, "
+                         "vocab 40960, for quick before/after ratios on a loaded machine")
     args = ap.parse_args()
+    if args.scale == "small":
+        SCALE.update(SMALL)
     from moeverify import runtime
     from moeverify.layout import Layout
 

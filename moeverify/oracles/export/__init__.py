@@ -4,6 +4,7 @@ The public names subjects and users import are re-exported here (``from moeverif
 import ShardRow``). Modules, one concept each:
 
 - ``oracle``: ``run`` / ``run_subject`` on every rank: lockstep, per-row headers, pieces to rank 0;
+- ``local``: a rank's own pieces compared with its own copy of the reference (verdicts, runs, digests);
 - ``rows``: what a subject yields (``ShardRow``, ``Slot``, ``DeferredSlots``) and its validation;
 - ``wire``: the collectives (JSON gathers, chunked point-to-point pieces) on a dedicated gloo group;
 - ``merge``: one HF tensor assembled from pieces and compared bit for bit (plain tensors);

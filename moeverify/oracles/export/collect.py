@@ -12,6 +12,7 @@ import collections
 
 import torch
 
+from moeverify.oracles.export.local import digest
 from moeverify.oracles.export.merge import SHOW_INDICES, TensorMerge
 from moeverify.oracles.results import Tally
 
@@ -45,7 +46,12 @@ class Collector:
         self.merges: dict[str, TensorMerge] = {}
         self.complete: set[str] = set()
         self.held: dict[str, torch.Tensor] = {}  # reference tensors pulled before their merge completed
+        # digests of held references (other ranks' verdicts are trusted only where theirs match), computed on
+        # first use on this thread: a helper thread could keep a dropped reference alive past the memory gate
+        self.digests: dict[str, str] = {}
         self.done: set[str] = set()
+        # elements of other ranks' pieces: replayed from rank 0's reference (checked locally) vs received
+        self.elements = {"checked_locally": 0, "received": 0}
 
     # -- merges -------------------------------------------------------------------------------
     def merge_for(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorMerge:
@@ -77,6 +83,15 @@ class Collector:
         return any(name not in self.held for name in [*self.complete, *waiting])
 
     # -- references ---------------------------------------------------------------------------
+    def reference(self, name: str) -> tuple[torch.Tensor | None, str | None]:
+        """Rank 0's reference for ``name`` if held, with its digest (``local.digest``)."""
+        tensor = self.held.get(name)
+        if tensor is None:
+            return None, None
+        if name not in self.digests:
+            self.digests[name] = digest(tensor)
+        return tensor, self.digests[name]
+
     def take_reference(self, name: str, tensor: torch.Tensor) -> None:
         self.reference_names.append(name)
         if name in self.complete:
@@ -86,6 +101,9 @@ class Collector:
         elif name not in self.subject_names:
             n = tensor.numel()
             self.t["coverage"].fail(f"{name}: not exported by the subject; all {n} element(s) unwritten", n=max(n, 1))
+
+    def close(self) -> None:
+        self.digests.clear()
 
     def finish_all(self) -> None:
         """After the reference is exhausted: check what is left (merges without a reference, etc.)."""
@@ -98,6 +116,7 @@ class Collector:
     def _finish(self, name: str, reference: torch.Tensor | None) -> None:
         self.complete.discard(name)
         self.done.add(name)
+        self.digests.pop(name, None)
         merge = self.merges.pop(name, None)
         if merge is None:  # a row named it but no rank could send (e.g. its row was skipped)
             if reference is not None:

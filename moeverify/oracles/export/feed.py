@@ -2,8 +2,9 @@
 
 Every rank iterates ``bridge.export_hf_weights`` (its own collectives on Megatron's groups) in a
 ``ReferenceFeed`` thread while the main thread runs the oracle's per-row protocol on the oracle's own
-gloo group, so the two streams of collectives never share a group. Other ranks drop each tensor at
-once; rank 0 queues them for its collector, which the main thread alone touches.
+gloo group, so the two streams of collectives never share a group. Rank 0 queues every tensor for its
+collector; the other ranks queue the tensors their own pieces name, for their local comparison
+(``local.py``), and drop the rest at once. Only the main thread touches what is queued.
 
 Memory on rank 0 is gated, not overlapped blindly: the bridge's own export of a tensor briefly holds
 about ``TRANSIENT`` times the tensor (gathered shards plus the result), which is the bare export's
@@ -12,7 +13,9 @@ references, open merges) plus ``TRANSIENT`` times the largest reference still to
 ``TRANSIENT + SLACK`` times the largest reference; the main thread opens merges during an export in
 flight only under the same bound, and otherwise waits for that export to end. When the main thread
 waits for a reference it needs, the thread pulls regardless (as a serial oracle would). So a small
-tensor's export runs beside the merges, and a large one's beside nothing large.
+tensor's export runs beside the merges, and a large one's beside nothing large. The other ranks'
+threads are never gated (a gated thread there could hold back an export that rank 0 waits for while
+that rank waits in a row's collective); they bound their holdings by dropping instead.
 """
 
 from __future__ import annotations
@@ -31,11 +34,18 @@ class ReferenceFeed:
     """Iterate ``reference`` in a thread; on the keeping rank queue ``(name, tensor)`` under a memory gate.
 
     ``numels``: the elements of every reference name expected (checkpoint shapes), for the gate.
+    ``gate=False`` (ranks other than 0, which check their pieces locally): the thread never waits, so
+    no rank's export can stall another's; it keeps only ``wanted`` names, and hands ``(name, None)``
+    instead of a tensor that would take its holdings past the same bound (that name's pieces then
+    travel to rank 0 as before).
     """
 
-    def __init__(self, reference, *, keep: bool, numels: dict[str, int]) -> None:
+    def __init__(self, reference, *, keep: bool, numels: dict[str, int], gate: bool = True,
+                 wanted: set[str] | None = None) -> None:
         self._iter = iter(reference)
         self._keep = keep
+        self._gate = gate
+        self._wanted = wanted
         self._remaining = dict(numels)
         self._largest = max(numels.values(), default=0)
         self._itemsize = 2  # of the last reference seen: the gate's estimate for those still to come
@@ -64,7 +74,7 @@ class ReferenceFeed:
         return TRANSIENT * max(self._remaining.values(), default=0) * self._itemsize
 
     def _room(self) -> bool:
-        if not self._keep or self._draining:
+        if not self._keep or self._draining or not self._gate:
             return True
         return self._holdings + self._queued + self._coming() <= self._limit()
 
@@ -94,7 +104,15 @@ class ReferenceFeed:
                     name, tensor = item
                     self._remaining.pop(name, None)
                     self._itemsize = tensor.element_size()
-                    if self._keep:
+                    if self._keep and not self._gate:
+                        if self._wanted is not None and name not in self._wanted:
+                            pass  # not compared on this rank: dropped at once
+                        elif self._holdings + self._queued + _nbytes(tensor) > self._limit():
+                            self._arrived.append((name, None))  # over the bound: its pieces travel
+                        else:
+                            self._arrived.append(item)
+                            self._queued += _nbytes(tensor)
+                    elif self._keep:
                         self._arrived.append(item)
                         self._queued += _nbytes(tensor)
                     del item, tensor
@@ -137,7 +155,7 @@ class ReferenceFeed:
 
     def admit(self, extra: int) -> None:
         """Before the main thread allocates ``extra`` bytes: wait out an export that would not fit beside them."""
-        if not self._keep or not extra:
+        if not self._keep or not self._gate or not extra:
             return
         with self._cond:
             while self._exporting and self._holdings + self._queued + extra + self._coming() > self._limit():
@@ -170,8 +188,8 @@ class ReferenceFeed:
             self._cond.notify_all()
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def thread_context():

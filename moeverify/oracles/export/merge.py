@@ -180,6 +180,30 @@ class TensorMerge:
                     f"flat {_index_list(positions_P[lost_P], n_lost)}", n=n_lost)
         self._conflicts.ok(int(values_P.numel()) - n_lost + n_double - n_differ)
 
+    def write_reference(self, *, rank: int, positions_P, reference_N: torch.Tensor) -> None:
+        """A contributing piece that rank ``rank`` showed equal to ``reference_N`` at ``positions_P``.
+
+        The same as ``write(values_P=reference_N[positions_P])``; while the merge is backed by this very
+        reference it only marks the writers (the bits are known to be the reference's).
+        """
+        if self.values_N is not None or self._ref_N is None or reference_N.data_ptr() != self._ref_N.data_ptr() \
+                or reference_N.dtype != self.dtype or reference_N.numel() != self.numel:
+            self.write(rank=rank, positions_P=positions_P, values_P=reference_N.reshape(-1)[positions_P])
+            return
+        n = positions_P.stop - positions_P.start if isinstance(positions_P, slice) else int(positions_P.numel())
+        if not n:
+            return
+        if isinstance(positions_P, slice) and not 0 <= positions_P.start <= positions_P.stop <= self.numel:
+            raise SubjectError(f"{self.name}: rank {rank} range [{positions_P.start}, {positions_P.stop}) does not "
+                               f"fit [0, {self.numel})")
+        self.dtype_seen.add(self.dtype)
+        earlier_P = self.writer_N[positions_P]
+        if isinstance(positions_P, slice) and not int(torch.count_nonzero(earlier_P)):
+            self.writer_N[positions_P] = rank + 1
+        else:
+            self.writer_N[_as_index(positions_P)[earlier_P == 0]] = rank + 1
+        self._conflicts.ok(n)
+
     def compare_replica(self, *, rank: int, positions_P, values_P: torch.Tensor) -> None:
         """A ``contributes=False`` piece: its bits must equal the merged bits where something was written."""
         values_P = self._check_piece(rank, positions_P, values_P)

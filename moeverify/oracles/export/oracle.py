@@ -8,15 +8,22 @@
 2. **lockstep**: one all_gather of ``[status, row count, hash of row names]`` on a dedicated gloo group
    (after a monitored barrier that names a rank that never arrives); any difference fails every rank
    and skips the rest, so a diverging rank cannot hang the per-row collectives;
-3. per row: every rank gathers a JSON header (slot table, sizes, dtype, error) to rank 0, rank 0
-   checks the slot tables and broadcasts go/skip, then the pieces travel rank by rank in chunks to
-   rank 0, which merges them (``merge.TensorMerge``); meanwhile every rank runs the reference,
-   ``bridge.export_hf_weights(model_chunks, cpu=True)``, in a background thread (``feed``), whose
-   tensors rank 0 takes between rows; each merge is checked as soon as its reference is in hand.
-   Rank 0 takes a row's references before opening its merges (a merge whose reference is in hand
-   keeps no values buffer while the pieces match it), and the feed's memory gate keeps a large
-   export from running beside large holdings. Memory on rank 0: the merges of one row, the
-   reference tensors they wait for, one chunk, and a small tensor's export in flight beside them.
+3. per row: every rank takes the reference tensors the row names (``bridge.export_hf_weights(model_chunks,
+   cpu=True)``, iterated by every rank in a background thread, ``feed``, yields every full HF tensor on
+   every rank), and every rank other than 0 compares its own pieces bit for bit with its own copy
+   (``local``). Every rank gathers a JSON header (slot table, sizes, dtype, error, and that local
+   verdict: clean or not, the index runs written, a digest of the rank's reference) to rank 0; rank 0
+   checks the slot tables and broadcasts go/skip and which pieces must travel. A clean piece whose
+   reference digest equals rank 0's is replayed on rank 0 from rank 0's reference (the same bits,
+   by that rank's comparison) into ``merge.TensorMerge``, so coverage, conflicts and replicas count
+   and report as if it had travelled; every other piece (other bits, another dtype, a reference that
+   differs from rank 0's or never arrived on that rank, irregular positions) travels rank by rank in
+   chunks and is merged from its real bytes, as before. Each merge is checked as soon as its
+   reference is in hand. Rank 0 takes a row's references before opening its merges (a merge whose
+   reference is in hand keeps no values buffer while the pieces match it), and the feed's memory
+   gate keeps a large export from running beside large holdings. Memory on rank 0: the merges of one
+   row, the reference tensors they wait for, one chunk, and a small tensor's export in flight beside
+   them. Where the slot tables differ between ranks (known at lockstep), no rank checks locally.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from moeverify.oracles.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
 from moeverify.oracles.export.feed import ReferenceFeed
+from moeverify.oracles.export.local import LocalReferences, run_chunks, verdict
 from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.export.rows import DrainedRow, Piece, drain, iterate_subject, pieces
 from moeverify.oracles.results import Tally
@@ -85,18 +93,27 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
     group = wire.control_group(float(sctx.options.get("timeout", runtime.DEFAULT_TIMEOUT_S)))
     tallies = new_tallies()
     rows, error = _drain(factory, sctx)
-    if not _lockstep(rows, error, sctx=sctx, group=group, tally=tallies["lockstep"]):
+    in_step, same_tables = _lockstep(rows, error, sctx=sctx, group=group, tally=tallies["lockstep"])
+    if not in_step:
         for name in SUBCHECKS[1:]:
             tallies[name].fail("skipped: lockstep failed, no row was compared")
         return tallies
     if reference is None:
         reference = sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)
     shapes = checkpoint_shapes(sctx.hf_path)
-    collector = None
+    collector = local = None
     if sctx.rank == 0:
         collector = Collector(tallies=tallies, tables=[r.table for r in rows], checkpoint_names=set(shapes),
                               world_size=sctx.world_size)
-    feed = ReferenceFeed(reference, keep=sctx.rank == 0, numels={n: math.prod(s) for n, s in shapes.items()})
+    elif same_tables:
+        # every rank named the same tensors in every row, so a rank waiting for its row's references waits
+        # only for tensors rank 0 pulls too; otherwise (slot tables differ somewhere) no rank checks locally
+        # and every piece travels to rank 0, as it would with the reference on rank 0 alone
+        local = LocalReferences(tables=[r.table for r in rows], checkpoint_names=set(shapes))
+    store = collector if collector is not None else local
+    # rank 0's feed is gated by its holdings; the others' never waits (see feed.py) and keeps what they compare
+    feed = ReferenceFeed(reference, keep=store is not None, numels={n: math.prod(s) for n, s in shapes.items()},
+                         gate=sctx.rank == 0, wanted=None if local is None else local.wanted())
     feed.start()
     # other ranks build each row's pieces one row ahead on a helper thread, while they still send the
     # previous row; rank 0 takes the references a row needs first, and builds its own pieces after them
@@ -104,23 +121,29 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
     try:
         for index, row in enumerate(rows):
             prepared = ahead.take(index) if ahead is not None else None
-            if collector is not None:
-                names = [n for n, _ in row.table]
-                feed.wait_until(lambda: not collector.wants_reference(names), collector)
-            _one_row(index, row, sctx=sctx, group=group, collector=collector, feed=feed,
+            names = [n for n, _ in row.table]
+            if store is not None:
+                feed.wait_until(lambda: not store.wants_reference(names), store)
+            _one_row(index, row, sctx=sctx, group=group, collector=collector, local=local, feed=feed,
                      prepared=prepared or _header(row, sctx.rank))
             rows[index] = prepared = None  # drop the row's tensors as soon as it is merged
-            if collector is not None:
-                feed.report(collector.nbytes())
-        feed.finish(collector)  # every rank drains the rest of the reference
+            if local is not None:
+                local.row_done(index, row.table)
+            if store is not None:
+                feed.report(store.nbytes())
+        feed.finish(store)  # every rank drains the rest of the reference
     except BaseException:
         feed.close()
         raise
     finally:
         if ahead is not None:
             ahead.close()
+        if store is not None:
+            store.close()
     if collector is not None:
         collector.finish_all()
+        if isinstance(sctx.options.get("stats"), dict):  # the benchmark reads where the elements were checked
+            sctx.options["stats"].update(collector.elements)
     return tallies
 
 
@@ -170,7 +193,13 @@ def _names_hash(rows: list[DrainedRow]) -> int:
     return int.from_bytes(digest[:8], "little", signed=True)
 
 
-def _lockstep(rows, error, *, sctx, group, tally: Tally) -> bool:
+def _tables_hash(rows: list[DrainedRow]) -> int:
+    digest = hashlib.sha256(repr([r.table for r in rows]).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _lockstep(rows, error, *, sctx, group, tally: Tally) -> tuple[bool, bool]:
+    """``(in step, same slot tables on every rank)``; only the first is the lockstep subcheck's."""
     import torch.distributed as dist
 
     import datetime
@@ -179,16 +208,16 @@ def _lockstep(rows, error, *, sctx, group, tally: Tally) -> bool:
     try:
         # names a rank that never arrives (stalled in its subject) instead of hanging on it
         dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=wait_s), wait_all_ranks=True)
-        status = wire.all_gather_ints([1 if error else 0, len(rows), _names_hash(rows)], group=group,
+        status = wire.all_gather_ints([1 if error else 0, len(rows), _names_hash(rows), _tables_hash(rows)], group=group,
                                       world_size=sctx.world_size)
         errors = wire.gather_json(error, group=group, rank=sctx.rank, world_size=sctx.world_size)
         first_names = wire.gather_json([r.row for r in rows[:1]], group=group, rank=sctx.rank,
                                        world_size=sctx.world_size)
     except RuntimeError as exc:  # a rank that never arrived: the barrier names it
         tally.fail(f"rank {sctx.rank}: lockstep collective failed: {str(exc).splitlines()[0]}")
-        return False
+        return False, False
     bad = False
-    for r, (err, count, digest) in enumerate(status):
+    for r, (err, *_hashes) in enumerate(status):
         if err:
             bad = True
             if sctx.rank == 0:
@@ -204,7 +233,7 @@ def _lockstep(rows, error, *, sctx, group, tally: Tally) -> bool:
                    f"(same count {counts[0]}; first row per rank: {first_names})")
     if not bad:
         tally.ok(sctx.world_size)
-    return not bad
+    return not bad, len({s[3] for s in status}) == 1
 
 
 def _header(row: DrainedRow, rank: int) -> tuple[dict, list[Piece]]:
@@ -218,19 +247,52 @@ def _header(row: DrainedRow, rank: int) -> tuple[dict, list[Piece]]:
     return {"err": None, "c": row.contributes, "slots": slots}, got
 
 
-def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None, feed: ReferenceFeed,
-             prepared) -> None:
+def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None,
+             local: LocalReferences | None, feed: ReferenceFeed, prepared) -> None:
     header, mine = prepared
+    if local is not None and not header["err"]:
+        for slot, piece in zip(header["slots"], mine):
+            slot.append(verdict(piece, *local.reference(piece.hf_name)))
     headers = wire.gather_json(header, group=group, rank=sctx.rank, world_size=sctx.world_size)
-    go = wire.broadcast_int(_decide(row.row, headers, collector) if collector else 0, group=group)
+    mask = None
+    if collector is not None:
+        go = _decide(row.row, headers, collector)
+        if go:
+            mask = _send_mask(headers, collector)
+            go = _GO_SOME_TRAVEL if any(mask) else _GO_ALL_LOCAL
+    go = wire.broadcast_int(go if collector else 0, group=group)
+    sends = None  # go == 1: every other rank's pieces were shown clean and are replayed on rank 0
+    if go == _GO_SOME_TRAVEL:
+        n_slots = len(header["slots"])
+        mask = wire.broadcast_ints(mask if collector else [0] * (sctx.world_size * n_slots), group=group)
+        sends = [mask[r * n_slots:(r + 1) * n_slots] for r in range(sctx.world_size)]
     if sctx.rank != 0:
-        for piece, slot in zip(mine if go else (), header["slots"]):
-            if piece.numel:
+        for j, (piece, slot) in enumerate(zip(mine if go else (), header["slots"])):
+            if piece.numel and sends is not None and sends[sctx.rank][j]:
                 wire.send_piece(piece.positions_P, piece.values_P, start=slot[4], dst=0, group=group)
         return
     if go:
-        _merge_row(row, headers, mine, group=group, collector=collector, feed=feed)
+        _merge_row(row, headers, mine, sends, group=group, collector=collector, feed=feed)
     collector.row_done(index, row.table)
+
+
+_GO_ALL_LOCAL, _GO_SOME_TRAVEL = 1, 2
+
+
+def _trusted(slot: list, collector: Collector) -> bool:
+    """Whether rank 0 may replay another rank's piece from its own reference (see local.py)."""
+    name, shape, n, dtype, _start = slot[:5]
+    found = slot[5] if len(slot) > 5 else None  # no verdict: that rank does not check locally
+    if not n or found is None:
+        return False
+    reference, ref_digest = collector.reference(name)
+    return (reference is not None and name not in collector.done and ref_digest == found["digest"]
+            and tuple(reference.shape) == tuple(shape) and str(reference.dtype).removeprefix("torch.") == dtype)
+
+
+def _send_mask(headers: list[dict], collector: Collector) -> list[int]:
+    return [int(r != 0 and bool(slot[2]) and not _trusted(slot, collector))
+            for r, h in enumerate(headers) for slot in h["slots"]]
 
 
 def _decide(row_name: str, headers: list[dict], collector: Collector) -> int:
@@ -247,10 +309,10 @@ def _decide(row_name: str, headers: list[dict], collector: Collector) -> int:
                    f"rank 0 {tables[0]} vs rank {differ[0]} {tables[differ[0]]}")
         return 0
     tally.ok()
-    return 1
+    return _GO_SOME_TRAVEL
 
 
-def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector,
+def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Collector,
                feed: ReferenceFeed) -> None:
     order = [r for r in range(len(headers)) if headers[r]["c"]] + [r for r in range(len(headers)) if not headers[r]["c"]]
     opening = {}
@@ -266,10 +328,19 @@ def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector,
     collector.t["replicas"].ok()  # one per row examined: a layout without replicas still checks rows
     for r in order:
         contributes = headers[r]["c"]
-        for j, (name, shape, n, dtype, start) in enumerate(headers[r]["slots"]):
+        for j, (name, shape, n, dtype, start, *found) in enumerate(headers[r]["slots"]):
             if not n:
                 continue
             merge = collector.merges[name] if name in collector.merges else None
+            if r != 0 and not (sends and sends[r][j]):
+                if merge is None:
+                    continue  # cannot happen (a trusted piece's tensor is open), kept as a guard
+                _replay(merge, rank=r, runs=found[0]["runs"], reference=collector.reference(name)[0],
+                        contributes=contributes)
+                collector.elements["checked_locally"] += n
+                continue
+            if r != 0:
+                collector.elements["received"] += n
             chunks = (wire.local_piece_chunks(mine[j].positions_P, mine[j].values_P, start=start) if r == 0 else
                       wire.recv_piece_chunks(n=n, dtype=getattr(torch, dtype), start=start, src=r, group=group))
             for positions_C, values_C in chunks:
@@ -280,3 +351,12 @@ def _merge_row(row, headers, mine: list[Piece], *, group, collector: Collector,
                 else:
                     merge.compare_replica(rank=r, positions_P=positions_C, values_P=values_C)
 
+
+def _replay(merge: TensorMerge, *, rank: int, runs, reference: torch.Tensor, contributes: bool) -> None:
+    """Another rank's clean piece, from rank 0's reference: the bits that rank compared equal to its own."""
+    ref_N = reference.reshape(-1)
+    for positions_C in run_chunks(runs):
+        if contributes:
+            merge.write_reference(rank=rank, positions_P=positions_C, reference_N=ref_N)
+        else:
+            merge.compare_replica(rank=rank, positions_P=positions_C, values_P=ref_N[positions_C])

@@ -55,6 +55,13 @@ def broadcast_int(value: int, *, group) -> int:
     return int(t)
 
 
+def broadcast_ints(values: list[int], *, group) -> list[int]:
+    """Rank 0's ``values`` on every rank (every rank passes a list of the same length)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(t, src=0, group=group)
+    return t.tolist()
+
+
 def all_gather_ints(values: list[int], *, group, world_size: int) -> list[list[int]]:
     """A fixed-size int64 vector from every rank, on every rank."""
     t = torch.tensor(values, dtype=torch.int64)
