@@ -67,6 +67,10 @@ def _duplicate_rows(ids_TK: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(dup_T)
 
 
+def _versions(data: Mapping[int, Sequence]) -> dict:
+    return {(layer, mb): getattr(t, "_version", None) for layer, mbs in data.items() for mb, t in enumerate(mbs)}
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -100,7 +104,7 @@ class Routes:
         topk: experts per token.
     """
 
-    __slots__ = ("_data", "num_experts", "topk", "validated", "_replay_ids")
+    __slots__ = ("_data", "num_experts", "topk", "validated", "_replay_ids", "_versions", "order")
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
         _check_shape_args(num_experts=num_experts, topk=topk)
@@ -121,6 +125,11 @@ class Routes:
         self.topk = int(topk)
         self.validated = True  # every tensor checked when built (``unchecked`` leaves it False)
         self._replay_ids: dict = {}  # (device, layer, mb) -> private int64 copy replay routes with (``replay_ids``)
+        self._versions = _versions(data)  # torch's in-place write counters when validated
+        # Token order of the rows, where a producer knows it: "router" (s * B + b, what a rank's routers see:
+        # session.routes(), views.to_local) or "sequence" (b * S + s: Dump.routes, views.to_global,
+        # from_rollout of several requests). None: unknown or one sequence (both orders agree).
+        self.order: str | None = None
 
     @classmethod
     def unchecked(cls, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int) -> Routes:
@@ -128,8 +137,15 @@ class Routes:
         routes = cls.__new__(cls)
         routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
         routes.num_experts, routes.topk, routes.validated = num_experts, topk, False
-        routes._replay_ids = {}
+        routes._replay_ids, routes._versions, routes.order = {}, _versions(routes._data), None
         return routes
+
+    def in_order(self, order: str | None) -> Routes:
+        """This ``Routes`` marked as holding rows in ``order`` (``"router"``, ``"sequence"`` or None); returns it."""
+        if order not in (None, "router", "sequence"):
+            raise RouteError(f"order must be 'router', 'sequence' or None, got {order!r}")
+        self.order = order
+        return self
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -157,16 +173,30 @@ class Routes:
         key = (torch.device(device), layer, microbatch)
         ids_TK = self._replay_ids.get(key)
         if ids_TK is None:
-            ids_TK = self._replay_ids[key] = self.get(layer, microbatch).to(device=device, dtype=torch.int64,
-                                                                            copy=True)
+            source = self.get(layer, microbatch)
+            if self.validated:
+                self._check_unwritten(layer, microbatch, source)
+            ids_TK = self._replay_ids[key] = source.to(device=device, dtype=torch.int64, copy=True)
         return ids_TK
+
+    def _check_unwritten(self, layer: int, microbatch: int, source: torch.Tensor) -> None:
+        """Refuse a route written into after it was validated (through the tensor ``get`` returned): torch's
+        in-place counter (``Tensor._version``, torch 2.x) shows it; a CPU route is also checked again, which
+        catches writes through a NumPy view as well (no host sync: the check runs on the host)."""
+        if getattr(source, "_version", None) != self._versions.get((layer, microbatch)):
+            raise RouteError(f"layer {layer} mb {microbatch}: the route was written into after it was validated "
+                             f"(through the tensor Routes.get returned); build a new Routes (or use replace()) "
+                             f"so the new ids are checked")
+        if source.device.type == "cpu":
+            validate_topk_ids(source, layer=layer, microbatch=microbatch, num_experts=self.num_experts,
+                              topk=self.topk)
 
     def replace(self, layer: int, microbatch: int, topk_ids_TK: torch.Tensor) -> Routes:
         """A new ``Routes`` with one tensor replaced (validated like every other)."""
         self.get(layer, microbatch)
         data = {k: list(v) for k, v in self._data.items()}
         data[layer][microbatch] = topk_ids_TK
-        return Routes(data, num_experts=self.num_experts, topk=self.topk)
+        return Routes(data, num_experts=self.num_experts, topk=self.topk).in_order(self.order)
 
     def stacked(self, microbatch: int) -> torch.Tensor:
         """``[T, L, K]`` int64 view of one micro-batch over all held layers."""
@@ -188,7 +218,8 @@ class Routes:
         missing = sorted(set(layers) - set(self.layers))
         if missing:
             raise RouteError(f"select: layer(s) {missing} not held; layers held: {list(self.layers)}")
-        return Routes({layer: self._data[layer] for layer in layers}, num_experts=self.num_experts, topk=self.topk)
+        return Routes({layer: self._data[layer] for layer in layers}, num_experts=self.num_experts,
+                      topk=self.topk).in_order(self.order)
 
     def to_local(self, layout, *, coords, seq_len, batch: int, num_layers: int, zigzag: bool = True) -> Routes:
         """This global view as one rank's routers see it (delegates to ``moeverify.views.to_local``)."""
@@ -251,8 +282,9 @@ class Routes:
         if sum(sizes) != tokens or any(n < 0 for n in sizes):
             raise RouteError(f"split {sizes} does not partition {tokens} tokens")
         chunks = torch.split(ids_TLK, sizes)
+        several = lengths is not None and len(lengths) > 1  # sequence-major rows: not what a rank's router sees
         return cls({layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(layers)},
-                   num_experts=num_experts, topk=int(ids_TLK.shape[2]))
+                   num_experts=num_experts, topk=int(ids_TLK.shape[2])).in_order("sequence" if several else None)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Routes):

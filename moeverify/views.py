@@ -167,7 +167,7 @@ def to_local(global_routes: Routes, layout: Layout, *, coords: RankCoords, seq_l
                 raise RouteError(f"layer {layer} mb {mb}: global routes hold {global_TK.shape[0]} tokens, "
                                  f"{coords.label()} needs token {int(idx_T.max())} (seq_len {length}, batch {batch})")
             per_layer[layer].append(global_TK[idx_T])
-    return Routes(per_layer, num_experts=global_routes.num_experts, topk=global_routes.topk)
+    return Routes(per_layer, num_experts=global_routes.num_experts, topk=global_routes.topk).in_order("router")
 
 
 def to_global(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, world_size: int,
@@ -203,7 +203,7 @@ def to_global(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, wor
         for layer in moe:
             per_layer[layer].append(_merge_one(local_by_rank, layout, layer=layer, mb=mb, seq_len=length,
                                                batch=batch, tokens=tokens, topk=topk, dtype=dtype, zigzag=zigzag))
-    return Routes(per_layer, num_experts=experts, topk=topk)
+    return Routes(per_layer, num_experts=experts, topk=topk).in_order("sequence" if dp * batch > 1 else None)
 
 
 def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, layer: int, mb: int, seq_len: int,

@@ -233,7 +233,7 @@ class ProcessSession:
 
         if not isinstance(self._state, state.Recording) or not any(self._state.per_layer.values()):
             raise UsageError(f"{ENV}: nothing recorded in this process")
-        return Routes(self._state.per_layer, num_experts=self._shape[0], topk=self._shape[1])
+        return Routes(self._state.per_layer, num_experts=self._shape[0], topk=self._shape[1]).in_order("router")
 
     def end_step(self) -> None:
         """Close a training step: write it (record) or check it (replay); raise ``RouteError`` on a mismatch.

@@ -229,7 +229,7 @@ class ReplaySession:
         if len(set(counts.values())) != 1 or not next(iter(counts.values())):
             raise RouteError(f"rank {current_rank()}: recorded micro-batch counts per layer are {counts}; every layer "
                              "must record the same number (> 0) of forwards")
-        return Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk)
+        return Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk).in_order("router")
 
     def _check_routes(self, routes: Routes, rank: int) -> None:
         if not isinstance(routes, Routes):
@@ -245,6 +245,12 @@ class ReplaySession:
                              "routes.select(session.layers)")
         if self.layers and routes.microbatches < 1:  # a dense stage replays no layer, and so no micro-batch
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
+        if getattr(routes, "order", None) == "sequence":
+            raise RouteError(f"rank {rank}: these routes are in sequence order (row b * S + s: Routes.from_rollout "
+                             f"of several requests, Dump.routes, views.to_global), but a rank's routers see router "
+                             f"order (s * B + b) and only their own tokens; give this rank's view, "
+                             f"views.to_local(routes, layout, coords=, seq_len=, batch=, num_layers=) (on one rank "
+                             f"too: there it reorders the rows)")
 
     @contextlib.contextmanager
     def replay(self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False) -> Iterator[None]:

@@ -513,3 +513,45 @@ def test_a_dense_stage_of_an_moe_pipeline_binds_no_layer_and_a_dense_model_is_re
                   _stage_without_routers(pipeline_model_parallel_size=1)):      # the whole model, no router
         with pytest.raises(UsageError, match="found no TopKRouter .*dense model has nothing to replay"):
             rr.ReplaySession(dense)
+
+
+def test_replay_of_sequence_order_routes_is_refused_and_their_local_view_replays_right():
+    from moeverify import views
+    from moeverify.layout import Layout
+
+    router = make_router(1, seed=3)
+    x = hidden(2)
+    session = rr.ReplaySession(router)
+    with torch.no_grad(), session.record():
+        router(x)
+    local = session.routes()  # router order: row s * B + b
+    assert local.order == "router"
+    # what a rollout engine returns for the same tokens: one [S, L, K] array per request (sequence-major rows)
+    requests = [local.get(0, 0).view(S, B, K)[:, b, :].unsqueeze(1).numpy() for b in range(B)]
+    rollout = Routes.from_rollout(requests, layers=[0], num_experts=E, lengths=[S] * B)
+    assert rollout.order == "sequence"
+    with pytest.raises(RouteError, match=r"rank 0: these routes are in sequence order .* views.to_local"):
+        with session.replay(rollout):
+            pass
+    mine = views.to_local(rollout, Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
+                          batch=B, num_layers=4)
+    assert mine.order == "router" and mine == local
+    with torch.no_grad(), session.replay(mine):
+        _, routing_map = router(x)
+    assert torch.equal(ids_of(routing_map), local.get(0, 0).sort(dim=1).values)
+
+
+@pytest.mark.parametrize("write", ["torch", "numpy"])
+def test_replay_of_a_route_written_into_after_validation_is_refused(write):
+    router = make_router(1)
+    routes = random_routes([0])
+    ids = routes.get(0, 0)
+    if write == "torch":
+        ids[-4:] = 0  # "masking the padding": rows [0, 0], a duplicate expert
+    else:
+        ids.numpy()[-4:] = 0  # a write torch's in-place counter does not see
+    session = rr.ReplaySession(router)
+    with pytest.raises(RouteError, match=r"layer 0 (mb 0: the route was written into after it was validated|rank "
+                                         r"\? mb 0: token 8 routes to expert\(s\) twice)"):
+        with session.replay(routes):
+            router(hidden(0))
