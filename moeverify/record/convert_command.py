@@ -23,6 +23,9 @@ def cmd_convert(args) -> int:
     from moeverify.record import importers
 
     src, dst = Path(args.src), Path(args.dst)
+    if args.layout is not None and args.src_format is None and src.suffix in (".npy", ".npz"):
+        raise UsageError(f"--layout reads a directory of every rank's router_trace_rank<R>.jsonl; {src} is a "
+                         f"{src.suffix} array (drop --layout)")
     src_format = args.src_format or ("jsonl" if args.layout is not None else _guess_src(src))
     dst_format = args.dst_format or ("npz" if dst.suffix == ".npz" else "dump")
     if src_format == "dump" and dst_format == "dump":
@@ -246,6 +249,8 @@ class _removed_on_failure:
 
 def _guess_src(src: Path) -> str:
     if src.is_dir():
+        if src.suffix in (".npy", ".npz", ".jsonl") and not (src / "manifest.json").exists():
+            raise UsageError(f"{src} is a directory, not a {src.suffix} file (and holds no dump manifest)")
         return "dump"
     suffix = src.suffix.lstrip(".")
     if suffix in FROM:

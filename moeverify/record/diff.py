@@ -145,13 +145,10 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
     memory is one layer of both sides plus ``O(N)``. The report holds no ``[N, L]`` matrices; its heatmap
     keeps ``buckets`` token buckets per layer.
     """
-    if (a.layers, a.microbatches, a.topk, a.num_experts) != (b.layers, b.microbatches, b.topk, b.num_experts):
-        raise RouteError(f"cannot diff: (layers, microbatches, topk, num_experts) "
-                         f"{(list(a.layers), a.microbatches, a.topk, a.num_experts)} != "
-                         f"{(list(b.layers), b.microbatches, b.topk, b.num_experts)}")
+    _same_shape(a, b)
     counts_a, counts_b = list(a.microbatch_tokens()), list(b.microbatch_tokens())
     if counts_a != counts_b:
-        raise RouteError(f"cannot diff: tokens per micro-batch {counts_a} vs {counts_b}")
+        raise RouteError(f"cannot diff: tokens per micro-batch: A {counts_a}, B {counts_b}")
     counts = counts_a
     spans = sequence_spans(counts, seq_len=seq_len, batch=batch, sequence_tokens=sequence_tokens)
     experts, topk, layers = a.num_experts, a.topk, a.layers
@@ -220,12 +217,20 @@ def _gather_rows(a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int,
     return torch.cat(rows_a), torch.cat(rows_b)
 
 
+def _same_shape(a, b) -> None:
+    """Both sides hold the same layers, micro-batches, top-k and experts; else ``RouteError`` naming each that
+    differs, A's and B's."""
+    fields = ("layers", "microbatches", "topk", "num_experts")
+    got = {name: (getattr(a, name), getattr(b, name)) for name in fields}
+    differ = [f"{name}: A {list(x) if name == 'layers' else x}, B {list(y) if name == 'layers' else y}"
+              for name, (x, y) in got.items() if x != y]
+    if differ:
+        raise RouteError(f"cannot diff: {'; '.join(differ)}")
+
+
 def _token_counts(a: Routes, b: Routes) -> list[int]:
     """Tokens per micro-batch, after checking both sides route the same tokens of the same layers."""
-    if (a.layers, a.microbatches, a.topk, a.num_experts) != (b.layers, b.microbatches, b.topk, b.num_experts):
-        raise RouteError(f"cannot diff: (layers, microbatches, topk, num_experts) "
-                         f"{(list(a.layers), a.microbatches, a.topk, a.num_experts)} != "
-                         f"{(list(b.layers), b.microbatches, b.topk, b.num_experts)}")
+    _same_shape(a, b)
     layers = a.layers
     counts = [a.get(layers[0], mb).shape[0] for mb in range(a.microbatches)] if layers else []
     for mb in range(a.microbatches):

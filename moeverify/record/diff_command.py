@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeverify.errors import UsageError
+from moeverify.errors import RouteError, UsageError
 from moeverify.files import atomic_write
 from moeverify.record.cli_errors import EXIT_DIFF, guarded, out_path, refuse_options
 
@@ -43,10 +43,15 @@ def cmd_diff(args) -> int:
     geometry = shared_geometry(a, b)
     src_a, src_b, maps = _mapped(args, a, b)
     sequences = {} if geometry is None else {"seq_len": geometry[0], "batch": geometry[1]}
-    if args.in_memory:
-        report = record.diff(src_a.routes(), src_b.routes(), **sequences)
-    else:
-        report = record.diff_stream(src_a, src_b, **sequences)
+    try:
+        if args.in_memory:
+            report = record.diff(src_a.routes(), src_b.routes(), **sequences)
+        else:
+            report = record.diff_stream(src_a, src_b, **sequences)
+    except RouteError as exc:
+        if not str(exc).startswith("cannot diff:"):
+            raise
+        raise UsageError(f"{exc} (A: {args.a}, B: {args.b})") from None
     return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps})
 
 

@@ -153,3 +153,20 @@ def test_a_rank_record_nested_too_deeply_or_of_another_rank_is_refused(tmp_path,
     (tmp_path / "d" / "rank00000.json").write_text(json.dumps({"rank": 3}))
     assert main(["dump", "finalize", str(tmp_path / "d")]) == 2
     assert "rank00000.json: unreadable rank record: rank 3 is not the file's own" in capsys.readouterr().err
+
+
+def test_diff_of_mismatched_sides_names_a_and_b(tmp_path, capsys):
+    a = _dump(tmp_path / "a", _routes())
+    b = _dump(tmp_path / "b", _routes().select([0, 1]))
+    assert main(["dump", "diff", a, b]) == 2
+    err = capsys.readouterr().err
+    assert "cannot diff: layers: A [0, 1, 2], B [0, 1]" in err and f"(A: {a}, B: {b})" in err
+
+
+def test_convert_names_what_the_source_is(tmp_path, capsys):
+    (tmp_path / "x.npy").mkdir()
+    assert main(["dump", "convert", str(tmp_path / "x.npy"), str(tmp_path / "d")]) == 2
+    assert "x.npy is a directory, not a .npy file" in capsys.readouterr().err
+    np.save(tmp_path / "r.npy", _routes().stacked(0).numpy())
+    assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "e"), "--layout", "ep2"]) == 2
+    assert "r.npy is a .npy array (drop --layout)" in capsys.readouterr().err

@@ -173,9 +173,9 @@ def test_stream_and_in_memory_agree_for_every_id_width(experts, topk):
 
 def test_stream_refuses_sides_that_do_not_line_up(tmp_path):
     a = _random(12, (0, 1), experts=8, topk=2)
-    with pytest.raises(RouteError, match=r"tokens per micro-batch \[12\] vs \[13\]"):
+    with pytest.raises(RouteError, match=r"tokens per micro-batch: A \[12\], B \[13\]"):
         record.diff_stream(RoutesSource(a), RoutesSource(_random(13, (0, 1), experts=8, topk=2)))
-    with pytest.raises(RouteError, match=r"\(layers, microbatches, topk, num_experts\)"):
+    with pytest.raises(RouteError, match=r"cannot diff: layers: A \[0, 1\], B \[0, 2\]"):
         record.diff_stream(RoutesSource(a), RoutesSource(_random(12, (0, 2), experts=8, topk=2)))
 
 
