@@ -35,7 +35,8 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
         lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
         if lo < 0 or hi >= num_experts:
             bad = lo if lo < 0 else hi
-            raise RouteError(f"{where}: expert id {bad} out of range [0, {num_experts})")
+            token = int((topk_ids_TK == bad).any(dim=1).nonzero()[0])
+            raise RouteError(f"{where}: expert id {bad} out of range [0, {num_experts}) (token {token})")
         if topk > 1:
             dup_rows = _duplicate_rows(topk_ids_TK).nonzero().flatten()
             if dup_rows.numel():
@@ -128,7 +129,7 @@ class Routes:
         self._versions = _versions(data)  # torch's in-place write counters when validated
         # Token order of the rows, where a producer knows it: "router" (s * B + b, what a rank's routers see:
         # session.routes(), views.to_local) or "sequence" (b * S + s: Dump.routes, views.to_global,
-        # from_rollout of several requests). None: unknown or one sequence (both orders agree).
+        # from_rollout). None: unknown, or one sequence (both orders agree).
         self.order: str | None = None
 
     @classmethod
@@ -282,9 +283,10 @@ class Routes:
         if sum(sizes) != tokens or any(n < 0 for n in sizes):
             raise RouteError(f"split {sizes} does not partition {tokens} tokens")
         chunks = torch.split(ids_TLK, sizes)
-        several = lengths is not None and len(lengths) > 1  # sequence-major rows: not what a rank's router sees
+        # The engine's order: request by request, token by token (sequence-major), never what a rank's routers
+        # see (``to_local`` gives that), even for one array whose ``tokens`` span several sequences.
         return cls({layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(layers)},
-                   num_experts=num_experts, topk=int(ids_TLK.shape[2])).in_order("sequence" if several else None)
+                   num_experts=num_experts, topk=int(ids_TLK.shape[2])).in_order("sequence")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Routes):

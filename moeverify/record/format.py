@@ -50,7 +50,48 @@ INDEX_DTYPE = torch.int64  # positions and seq_ids
 KINDS = ("ids", "probs")
 TOKEN_KINDS = ("positions", "seq_ids")
 
-_NAME_RE = re.compile(r"^step(\d+)/mb(\d+)/(?:(?:layer(\d+)/)?(ids|probs)|(positions|seq_ids))$")
+_N = r"(0|[1-9]\d*)"  # a canonical decimal: the writer never writes leading zeros, so ``layer01`` is not ours
+_NAME_RE = re.compile(rf"^step{_N}/mb{_N}/(?:(?:layer{_N}/)?(ids|probs)|(positions|seq_ids))$")
+_CANONICAL_INT = re.compile(r"^(0|[1-9]\d*)$")
+MAX_LAYERS = 2**20  # a bound on num_layers checked before anything is sized by it
+MAX_EXPERTS = 2**31  # the largest id dtype (int32) holds ids in [0, 2**31)
+
+
+def strict_int(value: object, *, where: str, key: str, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` if it is a JSON integer (not a bool, float or string) in ``[lo, hi)``; else ``DumpError`` naming
+    ``where`` and ``key``."""
+    if type(value) is not int:
+        raise DumpError(f"{where}: {key} must be an integer, got {type(value).__name__} {value!r:.80}")
+    if (lo is not None and value < lo) or (hi is not None and value >= hi):
+        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'})"
+        raise DumpError(f"{where}: {key} {value} outside {bounds}")
+    return value
+
+
+def strict_bool(value: object, *, where: str, key: str) -> bool:
+    """``value`` if it is a JSON true/false; else ``DumpError``."""
+    if type(value) is not bool:
+        raise DumpError(f"{where}: {key} must be true or false, got {type(value).__name__} {value!r:.80}")
+    return value
+
+
+def strict_int_list(value: object, *, where: str, key: str, lo: int | None = None, hi: int | None = None,
+                    ascending: bool = False) -> tuple[int, ...]:
+    """``value`` as a tuple if it is a JSON list of integers in ``[lo, hi)`` (strictly ascending if asked)."""
+    if not isinstance(value, list):
+        raise DumpError(f"{where}: {key} must be a list of integers, got {type(value).__name__} {value!r:.80}")
+    out = tuple(strict_int(x, where=where, key=f"{key}[{i}]", lo=lo, hi=hi) for i, x in enumerate(value))
+    if ascending and any(a >= b for a, b in zip(out, out[1:])):
+        raise DumpError(f"{where}: {key} {list(out)!r:.120} must be strictly ascending (as the writer writes it)")
+    return out
+
+
+def int_key(key: object, *, where: str, what: str) -> int:
+    """A JSON object key that names a step or rank: a canonical decimal (``"0"``, ``"12"``; never ``"00"``,
+    ``" 0"`` or ``"-0"``), so that two spellings cannot name one step."""
+    if not isinstance(key, str) or not _CANONICAL_INT.match(key):
+        raise DumpError(f"{where}: {what} key {key!r} is not a canonical non-negative integer (e.g. '0', '12')")
+    return int(key)
 
 
 def ids_dtype_for(num_experts: int) -> torch.dtype:
@@ -167,9 +208,19 @@ class ModelInfo:
 
     @classmethod
     def from_dict(cls, obj: Mapping, *, where: str) -> ModelInfo:
-        try:
-            return cls(num_layers=int(obj["num_layers"]), moe_layers=tuple(int(x) for x in obj["moe_layers"]),
-                       num_experts=int(obj["num_experts"]), topk=int(obj["topk"]))
-        except (KeyError, TypeError, ValueError) as exc:
+        keys = ("num_layers", "moe_layers", "num_experts", "topk")
+        if not isinstance(obj, Mapping) or any(k not in obj for k in keys):
             raise DumpError(f"{where}: model must hold num_layers, moe_layers, num_experts, topk; "
-                            f"got {dict(obj) if isinstance(obj, Mapping) else obj!r} ({exc})") from None
+                            f"got {dict(obj) if isinstance(obj, Mapping) else obj!r:.200}")
+        num_layers = strict_int(obj["num_layers"], where=where, key="model.num_layers", lo=1, hi=MAX_LAYERS)
+        try:
+            return cls(num_layers=num_layers,
+                       moe_layers=strict_int_list(obj["moe_layers"], where=where, key="model.moe_layers", lo=0,
+                                                  hi=num_layers),
+                       num_experts=strict_int(obj["num_experts"], where=where, key="model.num_experts", lo=1,
+                                              hi=MAX_EXPERTS + 1),
+                       topk=strict_int(obj["topk"], where=where, key="model.topk", lo=1))
+        except DumpError as exc:
+            if str(exc).startswith(where):
+                raise
+            raise DumpError(f"{where}: {exc}") from None

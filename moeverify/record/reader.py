@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,9 +25,10 @@ from moeverify import views
 from moeverify.errors import DumpError, LayoutError, RouteError
 from moeverify.layout import Layout
 from moeverify.record import format as fmt
-from moeverify.routes import Routes
+from moeverify.routes import Routes, validate_topk_ids
 
 _REQUIRED = ("schema", "version", "model", "layout", "world_size", "zigzag", "ids_dtype", "steps", "ranks")
+_LAYOUT_KEYS = {"tp", "pp", "cp", "ep", "etp", "vpp", "sp"}  # written by every version; pp_first/... optional
 _DT_NAMES = {"U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
              "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -48,41 +50,78 @@ class _Entry:
     label: str = ""  # how messages name it (``format.layer_label``)
 
 
+def _step_info(info: Mapping, *, where: str) -> StepInfo:
+    """One step's entry: ``microbatches`` >= 1; ``batch`` >= 1 and ``seq_len`` (one length >= 1 per micro-batch)
+    where recorded, else null."""
+    microbatches = fmt.strict_int(info.get("microbatches"), where=where, key="microbatches", lo=1)
+    batch, seq_len = info.get("batch"), info.get("seq_len")
+    batch = None if batch is None else fmt.strict_int(batch, where=where, key="batch", lo=1)
+    if seq_len is not None:
+        seq_len = fmt.strict_int_list(seq_len, where=where, key="seq_len", lo=1)
+        if len(seq_len) != microbatches:
+            raise DumpError(f"{where}: seq_len {list(seq_len)!r:.80} holds {len(seq_len)} length(s) != microbatches "
+                            f"{microbatches} (one per micro-batch)")
+    return StepInfo(microbatches=microbatches, batch=batch, seq_len=seq_len)
+
+
 class Dump:
     """A validated routing dump. Use ``routes(step)`` for the merged global view."""
 
     def __init__(self, path: Path, manifest: dict):
         self.path = path
         self.manifest = manifest
-        where = str(path / fmt.MANIFEST)
+        where = f"{path / fmt.MANIFEST}"
+        self.version = manifest["version"]
         self.model = fmt.ModelInfo.from_dict(manifest["model"], where=where)
+        self.world_size = fmt.strict_int(manifest["world_size"], where=where, key="world_size", lo=1)
+        rank_keys = {fmt.int_key(key, where=where, what="ranks"): key for key in manifest["ranks"]}
+        if set(rank_keys) != set(range(len(rank_keys))) or self.world_size != len(rank_keys):
+            # bounded by the ranks listed: world_size alone never sizes anything
+            missing = [r for r in range(min(self.world_size, len(rank_keys) + 8)) if r not in rank_keys]
+            extra = sorted(r for r in rank_keys if r >= self.world_size)
+            raise DumpError(f"{where}: rank(s) {missing}{' ...' if self.world_size > len(rank_keys) + 8 else ''} of "
+                            f"world_size {self.world_size} missing from the manifest"
+                            + (f"; rank(s) {extra[:8]} listed outside it" if extra else ""))
+        layout = manifest["layout"]
+        absent = sorted(_LAYOUT_KEYS - set(layout))
+        if absent:
+            raise DumpError(f"{where}: layout is missing key(s) {absent} (got {sorted(layout)})")
         try:
-            self.layout = Layout.from_mapping(manifest["layout"], where=f"{where}: layout")
-            self.layout.validate(world_size=int(manifest["world_size"]))
-        except (LayoutError, TypeError) as exc:
+            self.layout = Layout.from_mapping(layout, where=f"{where}: layout")
+            self.layout.validate(world_size=self.world_size)
+        except (LayoutError, TypeError, ValueError) as exc:
             raise DumpError(f"{where}: {exc}") from None
-        self.version = int(manifest["version"])
-        self.world_size = int(manifest["world_size"])
-        self.zigzag = bool(manifest["zigzag"])
-        self.ids_dtype = fmt.dtype_by_name(manifest["ids_dtype"])
+        self.zigzag = fmt.strict_bool(manifest["zigzag"], where=where, key="zigzag")
+        self.ids_dtype = self._dtype_of(manifest, "ids_dtype", where=where)
         if self.ids_dtype != fmt.ids_dtype_for(self.model.num_experts):
             raise DumpError(f"{where}: ids_dtype {manifest['ids_dtype']} != expected "
                             f"{fmt.ID_DTYPE_NAMES[fmt.ids_dtype_for(self.model.num_experts)]} for "
                             f"{self.model.num_experts} experts")
-        self.steps = {int(s): StepInfo(microbatches=int(i["microbatches"]), batch=i.get("batch"),
-                                       seq_len=None if i.get("seq_len") is None else tuple(i["seq_len"]))
+        # probs_dtype: absent in older dumps (any float dtype then); null: the dump holds no probs
+        self.probs_dtype = (self._dtype_of(manifest, "probs_dtype", where=where)
+                            if manifest.get("probs_dtype") is not None else None)
+        self._probs_declared = "probs_dtype" not in manifest or self.probs_dtype is not None
+        self.steps = {fmt.int_key(s, where=where, what="steps"): _step_info(i, where=f"{where}: steps[{s!r}]")
                       for s, i in manifest["steps"].items()}
-        self.coords = {int(r): views.RankCoords(**e["coords"]) for r, e in manifest["ranks"].items()}
-        missing = sorted(set(range(self.world_size)) - set(self.coords))
-        if missing:
-            raise DumpError(f"{where}: rank(s) {missing} of world_size {self.world_size} missing from the manifest")
+        self.coords = {rank: self._rank_coords(manifest["ranks"][key]["coords"], rank=rank,
+                                               where=f"{where}: ranks[{key!r}].coords")
+                       for rank, key in sorted(rank_keys.items())}
         self._index: dict[tuple[int, int, int, int | None, str], _Entry] = {}
+        self._tensor_counts: list[tuple[Path, int, int, int]] = []  # (file, rank, held, listed in the manifest)
         self._token_ids_checked: set[int] = set()  # steps whose positions/seq_ids layer_routes has checked
         for rank, entry in sorted(manifest["ranks"].items(), key=lambda kv: int(kv[0])):
             for file in entry["files"]:
                 self._index_file(int(rank), file)
         for rank in sorted(self.coords):
             self._check_rank_complete(rank)
+        probs = next((e for k, e in self._index.items() if k[4] == "probs"), None)
+        if probs is not None and not self._probs_declared:
+            raise DumpError(f"{probs.file}: tensor {probs.label}: probs in the file, but {self.path / fmt.MANIFEST} "
+                            f"has probs_dtype null (a dump without router probabilities)")
+        for file, rank, held, listed in self._tensor_counts:  # after the checks that name the tensor
+            if held != listed:
+                raise DumpError(f"{file}: holds {held} tensor(s) != {listed} listed in {self.path / fmt.MANIFEST} "
+                                f"(rank {rank} file {file.name} 'tensors')")
 
     # -- public -----------------------------------------------------------------------------------
     @property
@@ -152,7 +191,15 @@ class Dump:
         try:
             return Routes(held, num_experts=self.model.num_experts, topk=self.model.topk)
         except RouteError as exc:
-            raise DumpError(f"{self._rank_files(rank)}: step {step}: {exc}") from None
+            error = exc
+        try:  # the error path only: check again, naming the rank (Routes does not know it)
+            for layer, mbs in held.items():
+                for mb, ids_TK in enumerate(mbs):
+                    validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.model.num_experts,
+                                      topk=self.model.topk, rank=rank)
+        except RouteError as exc:
+            error = exc
+        raise DumpError(f"{self._rank_files(rank)}: step {step}: {error}") from None
 
     def _merged(self, step: int, info: StepInfo, *, layers: tuple[int, ...], where: str) -> Routes:
         """The ranks' ``layers`` merged to the global view. The ids are validated once, as merged: every rank's
@@ -177,18 +224,22 @@ class Dump:
     def _index_file(self, rank: int, file: Mapping) -> None:
         if not isinstance(file, Mapping):
             raise DumpError(f"{self.path / fmt.MANIFEST}: rank {rank} file entry {file!r} is not an object")
+        where = f"{self.path / fmt.MANIFEST}: rank {rank}"
         path = self.path / fmt.checked_file_name(file.get("name"), rank=rank, where=str(self.path / fmt.MANIFEST))
-        if not path.is_file():
-            raise DumpError(f"{path}: rank {rank} file missing (listed in the manifest)")
+        self._check_regular(path, rank)
         packed = self._packed_layers(path, rank, file) if self.version >= 2 else None
+        expected_bytes = fmt.strict_int(file.get("bytes"), where=where, key=f"file {path.name} bytes", lo=0)
+        expected_tensors = fmt.strict_int(file.get("tensors"), where=where, key=f"file {path.name} tensors", lo=1)
         size = path.stat().st_size
-        if size != int(file["bytes"]):
-            raise DumpError(f"{path}: truncated or altered: expected {file['bytes']} bytes, got {size}")
+        if size != expected_bytes:
+            raise DumpError(f"{path}: truncated or altered: expected {expected_bytes} bytes, got {size}")
         try:
             with safe_open(path, framework="pt") as handle:
                 meta = handle.metadata() or {}
                 entries = {name: handle.get_slice(name) for name in handle.keys()}
-                entries = {n: (_DT_NAMES.get(s.get_dtype()), tuple(s.get_shape())) for n, s in entries.items()}
+                # a dtype outside the table keeps the file's own name (``I8``), so that messages say what it holds
+                entries = {n: (_DT_NAMES.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape()))
+                           for n, s in entries.items()}
         except (SafetensorError, OSError) as exc:
             raise DumpError(f"{path}: not a readable safetensors file: {exc}") from None
         got = (meta.get("schema"), meta.get("version"), meta.get("rank"))
@@ -213,6 +264,24 @@ class Dump:
                 raise DumpError(f"{path}: tensor {name} also in {self._index[key].file.name}")
             self._check_tensor(path, name, kind, dtype, shape)
             self._index[key] = _Entry(file=path, name=name, dtype=dtype, shape=shape, label=name)
+        self._tensor_counts.append((path, rank, len(entries), expected_tensors))
+
+    def _check_regular(self, path: Path, rank: int) -> None:
+        """A rank file is a regular file in the dump directory itself: never a link (which could lead out of
+        the dump), a FIFO (which would block) or a device."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise DumpError(f"{path}: rank {rank} file missing (listed in the manifest)") from None
+        except OSError as exc:
+            raise DumpError(f"{path}: rank {rank} file unreadable: {exc}") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise DumpError(f"{path}: rank {rank} file is a symbolic link (to {os.readlink(path)!r:.120}); a dump "
+                            f"never reads outside its directory: copy the file in instead")
+        if not stat.S_ISREG(st.st_mode):
+            raise DumpError(f"{path}: rank {rank} file is not a regular file (a FIFO, device or directory)")
+        if path.resolve().parent != self.path.resolve():
+            raise DumpError(f"{path}: rank {rank} file resolves to {path.resolve()}, outside the dump directory")
 
     def _packed_layers(self, path: Path, rank: int, file: Mapping) -> tuple[int, ...]:
         """A v2 file entry's ``layers``: the global layers of its packed tensors, in order; integers, unique."""
@@ -224,6 +293,10 @@ class Dump:
         if twice:
             raise DumpError(f"{path}: rank {rank}: the file's layer list {layers} holds layer(s) {twice} more than "
                             f"once; expected each packed layer once")
+        if layers != sorted(layers):
+            raise DumpError(f"{self.path / fmt.MANIFEST}: rank {rank} file {path.name}: 'layers' {layers!r:.80} is "
+                            f"not ascending (the writer packs layers in ascending order); a reordered list would "
+                            f"relabel layers")
         return tuple(layers)
 
     def _index_packed(self, path: Path, name: str, *, rank: int, step: int, mb: int, kind: str,
@@ -323,6 +396,32 @@ class Dump:
                                     f"{want_T[bad].item() if bad >= 0 else tuple(want_T.shape)}")
 
     # -- helpers ----------------------------------------------------------------------------------
+    @staticmethod
+    def _dtype_of(manifest: Mapping, key: str, *, where: str) -> torch.dtype:
+        name = manifest[key]
+        table = fmt.ID_DTYPE_NAMES if key == "ids_dtype" else fmt.PROB_DTYPES
+        for dtype, dtype_name in table.items():
+            if dtype_name == name:
+                return dtype
+        raise DumpError(f"{where}: {key} {name!r:.80} is not one of {sorted(table.values())}")
+
+    def _rank_coords(self, coords: Mapping, *, rank: int, where: str) -> views.RankCoords:
+        """Rank ``rank``'s coords: integers, ``rank`` equal to its key, each inside the layout."""
+        fields = [f.name for f in dataclasses.fields(views.RankCoords)]
+        unknown, absent = sorted(set(coords) - set(fields)), [f for f in fields if f not in coords]
+        if unknown or absent:
+            raise DumpError(f"{where}: rank {rank}: coords keys unexpected {unknown}, missing {absent}")
+        values = {f: fmt.strict_int(coords[f], where=where, key=f"rank {rank} coords.{f}", lo=0) for f in fields}
+        if values["rank"] != rank:
+            raise DumpError(f"{where}: coords.rank {values['rank']} != its key {rank}")
+        sizes = {"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp,
+                 "dp": self.layout.dp(self.world_size)}
+        for name, size in sizes.items():
+            if values[name] >= size:
+                raise DumpError(f"{where}: rank {rank}: {name} rank {values[name]} outside [0, {size}) of layout "
+                                f"{self.layout.name(self.world_size)}")
+        return views.RankCoords(**values)
+
     def _layers(self, rank: int) -> tuple[int, ...]:
         return views.layers_of(self.layout, pp_rank=self.coords[rank].pp, num_layers=self.model.num_layers,
                                moe_layers=self.model.moe_layers)
@@ -363,10 +462,12 @@ def load(path: str | os.PathLike) -> Dump:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
         raise DumpError(f"{manifest_path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise DumpError(f"{manifest_path}: not valid JSON: nested too deeply to be a manifest") from None
     if not isinstance(manifest, dict) or manifest.get("schema") != fmt.SCHEMA:
         got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
         raise DumpError(f"{manifest_path}: schema {got!r} != expected {fmt.SCHEMA!r}")
-    if manifest.get("version") not in fmt.VERSIONS or isinstance(manifest.get("version"), bool):
+    if type(manifest.get("version")) is not int or manifest.get("version") not in fmt.VERSIONS:
         raise DumpError(f"{manifest_path}: schema version {manifest.get('version')!r} not supported; this moeverify "
                         f"reads versions {', '.join(map(str, fmt.VERSIONS))}")
     absent = [key for key in _REQUIRED if key not in manifest]
