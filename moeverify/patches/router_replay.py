@@ -246,8 +246,8 @@ class ReplaySession:
         if self.layers and routes.microbatches < 1:  # a dense stage replays no layer, and so no micro-batch
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
         if getattr(routes, "order", None) == "sequence":
-            raise RouteError(f"rank {rank}: these routes are in sequence order (row b * S + s: Routes.from_rollout "
-                             f"of several requests, Dump.routes, views.to_global), but a rank's routers see router "
+            raise RouteError(f"rank {rank}: these routes are in sequence order (row b * S + s: Routes.from_rollout, "
+                             f"Dump.routes, views.to_global), but a rank's routers see router "
                              f"order (s * B + b) and only their own tokens; give this rank's view, "
                              f"views.to_local(routes, layout, coords=, seq_len=, batch=, num_layers=) (on one rank "
                              f"too: there it reorders the rows)")
