@@ -139,3 +139,80 @@ def test_routes_out_of_range_id_names_rank_and_token(dump_dir):
     (dump_dir / "rank00000.safetensors").write_bytes(bytes(raw))
     with pytest.raises(DumpError, match=r"layer 1 rank 0 mb 0: expert id 8 out of range \[0, 8\) \(token 5\)"):
         record.load(dump_dir).routes()
+
+
+# -- importers: arrays and exports ---------------------------------------------------------------------------
+from moeverify.record import importers  # noqa: E402
+
+GOOD_NLK = np.stack([_routes().get(layer, 0).numpy() for layer in (0, 1, 2)], axis=1).astype(np.int32)
+
+
+def test_read_arrays_fifo_refused(tmp_path):
+    path = tmp_path / "x.npy"
+    os.mkfifo(path)
+    with pytest.raises(DumpError, match=r"x\.npy: not a regular file"):
+        importers.read_arrays(path)
+
+
+def test_read_arrays_npz_member_not_npy_refused(tmp_path):
+    import io
+    import zipfile
+
+    path = tmp_path / "x.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        buf = io.BytesIO()
+        np.save(buf, GOOD_NLK)
+        z.writestr("mb0.npy", buf.getvalue())
+        z.writestr("notes.txt", "hello")
+    with pytest.raises(DumpError, match=r"x\.npz: npz member 'notes\.txt' is not a \.npy array"):
+        importers.read_arrays(path)
+
+
+@pytest.mark.parametrize("huge, dtype", [(2**62, np.int64), (2**31, np.uint32), (2**64 - 1, np.uint64)])
+def test_routes_from_arrays_huge_id_refused_before_widening(huge, dtype):
+    arr = np.where(GOOD_NLK == 0, dtype(huge), GOOD_NLK.astype(dtype))
+    token, column = (int(x[0]) for x in np.nonzero((arr == huge).any(axis=2)))
+    with pytest.raises(DumpError, match=rf"f\.npy: array 0: token {token} layer {column}: expert id {huge} out of "
+                                        rf"range \[0, 2147483648\)"):
+        importers.routes_from_arrays([arr], where="f.npy")
+
+
+def _export(tmp_path, mutate):
+    src = tmp_path / "src"
+    record.save(src, _routes(), order="router", seq_len=12, batch=2)
+    out = importers.export_npz(record.load(src), tmp_path / "e.npz")
+    with np.load(out) as z:
+        arrays = {k: z[k] for k in z.files}
+    mutate(arrays)
+    path = tmp_path / "t.npz"
+    np.savez(path, **arrays)
+    return path
+
+
+EXPORT_MUTATIONS = {
+    "layers float": (lambda a: a.__setitem__("layers", np.array([0.5, 1.0, 2.0])), r"'layers' shape \(3,\) dtype float"),
+    "layers permuted": (lambda a: a.__setitem__("layers", np.array([2, 1, 0])), r"'layers' \[2, 1, 0\] must be"),
+    "layers scalar": (lambda a: a.__setitem__("layers", np.array(0)), r"'layers' shape \(\)"),
+    "layers str": (lambda a: a.__setitem__("layers", np.array(["0", "1", "2"])), r"'layers' shape \(3,\) dtype <U1"),
+    "layers missing": (lambda a: a.pop("layers"), r"not a valid export: 'layers' missing"),
+    "batch float": (lambda a: a.__setitem__("step0_batch", np.array([2.7])), r"'step0_batch' shape \(1,\) dtype float"),
+    "batch missing": (lambda a: a.pop("step0_batch"), r"step0_seq_len and step0_batch must be both present"),
+    "batch empty": (lambda a: a.__setitem__("step0_batch", np.zeros(0, np.int64)), r"'step0_batch' shape \(0,\)"),
+    "seq_len float": (lambda a: a.__setitem__("step0_seq_len", np.array([12.9])), r"'step0_seq_len' shape \(1,\) "),
+    "seq_len 2-D": (lambda a: a.__setitem__("step0_seq_len", np.array([[12]])), r"'step0_seq_len' shape \(1, 1\)"),
+    "version 2": (lambda a: a.__setitem__("moeverify_export", np.array([2])), r"moeverify_export version 2 unknown"),
+    "experts float": (lambda a: a.__setitem__("num_experts", np.array([8.5])), r"'num_experts' shape \(1,\) dtype f"),
+    "experts empty": (lambda a: a.__setitem__("num_experts", np.zeros(0, np.int64)), r"'num_experts' shape \(0,\)"),
+    "key step00": (lambda a: a.__setitem__("step00_mb0", a.pop("step0_mb0")), r"key\(s\) \['step00_mb0'\] unexpected"),
+    "extra key": (lambda a: a.__setitem__("zzz", np.array([1])), r"not a valid export: key\(s\) \['zzz'\] unexpected"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPORT_MUTATIONS))
+def test_read_export_tampered_refused(tmp_path, name):
+    mutate, pattern = EXPORT_MUTATIONS[name]
+    path = _export(tmp_path, mutate)
+    assert importers.is_export(path)
+    with pytest.raises(DumpError, match=pattern) as info:
+        importers.read_export(path, step=None)
+    assert "t.npz" in str(info.value)
