@@ -102,8 +102,9 @@ def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None 
     if path.suffix == ".json":
         try:
             obj = json.loads(path.read_text(), object_pairs_hook=_refuse_repeated_keys)
-        except (OSError, ValueError) as exc:
-            raise ExpertMapError(f"{name}: not valid JSON: {exc}") from None
+        except (OSError, ValueError, RecursionError) as exc:
+            why = "nested too deeply to be an expert map" if isinstance(exc, RecursionError) else exc
+            raise ExpertMapError(f"{name}: not valid JSON: {why}") from None
     elif path.suffix == ".npy":
         try:
             obj = np.load(path, allow_pickle=False)

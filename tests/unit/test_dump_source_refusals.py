@@ -170,3 +170,10 @@ def test_convert_names_what_the_source_is(tmp_path, capsys):
     np.save(tmp_path / "r.npy", _routes().stacked(0).numpy())
     assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "e"), "--layout", "ep2"]) == 2
     assert "r.npy is a .npy array (drop --layout)" in capsys.readouterr().err
+
+
+def test_an_expert_map_nested_too_deeply_is_refused(tmp_path, capsys):
+    a, b = _dump(tmp_path / "a", _routes()), _dump(tmp_path / "b", _routes())
+    (tmp_path / "m.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["dump", "diff", a, b, "--expert-map-b", str(tmp_path / "m.json")]) == 2
+    assert "m.json: not valid JSON: nested too deeply to be an expert map" in capsys.readouterr().err
