@@ -54,9 +54,15 @@ def cmd_convert(args) -> int:
         steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset or 0,
                                             microbatches=args.microbatches)
     else:
-        arrays = importers.read_arrays(src, fmt=src_format)
-        steps = {args.step or 0: importers.routes_from_arrays(arrays, num_experts=args.num_experts,
-                                                              moe_layers=args.moe_layers, where=str(src))}
+        named = importers.read_named_arrays(src, fmt=src_format)
+        if order and args.seq_len is not None and args.batch is not None:
+            for name, arr in named.items():  # each micro-batch's array routes seq_len x batch tokens
+                if getattr(arr, "ndim", 0) == 3 and arr.shape[0] != args.seq_len * args.batch:
+                    raise UsageError(f"{src}: {name}: {arr.shape[0]} tokens != --seq-len {args.seq_len} x --batch "
+                                     f"{args.batch} = {args.seq_len * args.batch} (each array is one micro-batch)")
+        steps = {args.step or 0: importers.routes_from_arrays(list(named.values()), num_experts=args.num_experts,
+                                                              moe_layers=args.moe_layers, where=str(src),
+                                                              names=list(named))}
     if args.num_layers is not None:
         _check_num_layers(args, steps)
     if args.expert_map:

@@ -177,3 +177,12 @@ def test_an_expert_map_nested_too_deeply_is_refused(tmp_path, capsys):
     (tmp_path / "m.json").write_text("[" * 100_000 + "]" * 100_000)
     assert main(["dump", "diff", a, b, "--expert-map-b", str(tmp_path / "m.json")]) == 2
     assert "m.json: not valid JSON: nested too deeply to be an expert map" in capsys.readouterr().err
+
+
+def test_convert_of_an_npz_names_the_member_whose_token_count_is_wrong(tmp_path, capsys):
+    stacked = _routes().stacked(0).numpy()
+    np.savez(tmp_path / "r.npz", mb0=stacked, mb1=stacked[:-1])
+    assert main(["dump", "convert", str(tmp_path / "r.npz"), str(tmp_path / "d"), "--seq-len", str(S), "--batch",
+                 str(B), "--order", "sequence"]) == 2
+    assert f"r.npz: npz key 'mb1': {S * B - 1} tokens != --seq-len {S} x --batch {B}" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
