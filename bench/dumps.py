@@ -1,7 +1,7 @@
 """Routing dumps: size, write cost, training-step overhead and diff speed, against peers measured in the same run.
 
 Workload: top-8 of 128 experts, 16 MoE layers, 2 micro-batches of 4096 tokens (131,072 token-layer rows).
-- size: a dump directory (manifest, rank record, safetensors with uint8 ids; format v2 packs the layers of
+- size: a dump directory (manifest, safetensors with uint8 ids; finalize removes the rank records; format v2 packs the layers of
   a micro-batch in one tensor) vs ``torch.save`` of the same per-layer tensors as int64, and vs megatron-core's
   ``RouterTracer`` JSONL (the real tracer when megatron-core imports, else the same records written with
   ``json.dumps`` as the tracer does);
