@@ -246,6 +246,7 @@ def _pp_layout_counts(text: str, pp: int, *, num_layers: int | None = None) -> l
             parsed.validate_layer_layout(num_layers, None)
     except LayoutError:
         raise
+    # Megatron's parser asserts its rules, and raises NotImplementedError for encoder layers ('e'): all refusals.
     except (AssertionError, KeyError, ValueError, TypeError, NotImplementedError) as exc:
         raise LayoutError(f"pp_layout {text!r} for pp {pp}"
                           f"{'' if num_layers is None else f' and {num_layers} decoder layers'}: "

@@ -71,11 +71,11 @@ def _gap_rows(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> to
         gap_NL |= (ids_NLK == 0).all(dim=2)
     partial_NL = neg_NLK.any(dim=2) & ~neg_NLK.all(dim=2)
     mixed_N = gap_NL.any(dim=1) & ~gap_NL.all(dim=1)
-    for what, bad in (("is partly -1 (a capture gap is a whole row of -1)", partial_NL.any(dim=1)),
-                      ("is a capture gap in some layers only", mixed_N)):
-        if bool(bad.any()):
-            n = int(bad.nonzero()[0])
-            cols = (partial_NL[n] if bad is not mixed_N else gap_NL[n]).nonzero().flatten().tolist()
+    for what, bad_N, layers_NL in (("is partly -1 (a capture gap is a whole row of -1)", partial_NL.any(dim=1),
+                                    partial_NL), ("is a capture gap in some layers only", mixed_N, gap_NL)):
+        if bool(bad_N.any()):
+            n = int(bad_N.nonzero()[0])
+            cols = layers_NL[n].nonzero().flatten().tolist()
             raise UsageError(f"{where}: position {n} {what}: layer(s) {[layers[c] for c in cols]} of "
                              f"{list(layers)}; rows {ids_NLK[n].tolist()}")
     return gap_NL.all(dim=1)
