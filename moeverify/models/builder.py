@@ -74,21 +74,36 @@ def _cpu_rebuilt_specs() -> tuple:
     return default_layer_spec, get_gpt_decoder_block_spec
 
 
-def _unmapped_local_experts(provider, registry) -> list[str]:
-    """Expert parameters of the first MoE layer built as ``SequentialMLP`` (``moe_grouped_gemm=False``, the
-    CPU path) that the bridge's mapping registry has no mapping for (megatron-bridge 0.6.2 names)."""
+def _unmapped_experts(provider, registry, *, grouped: bool) -> list[str]:
+    """Expert parameters of the first MoE layer that the bridge's mapping registry has no mapping for
+    (megatron-bridge 0.6.2 names): built as ``SequentialMLP`` (``local_experts.0.linear_fc1.weight``) or, with
+    ``grouped``, as ``TEGroupedMLP`` (``linear_fc1.weight0``)."""
     pattern = _moe_pattern(provider)
     if not pattern:
         return []
-    names = [f"decoder.layers.{pattern[0]}.mlp.experts.local_experts.0.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")]
+    prefix = f"decoder.layers.{pattern[0]}.mlp.experts."
+    names = ([f"{prefix}{fc}.weight0" for fc in ("linear_fc1", "linear_fc2")] if grouped else
+             [f"{prefix}local_experts.0.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")])
     return [name for name in names if registry.megatron_to_hf_lookup(name) is None]
 
 
-def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None, registry=None) -> None:
-    """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model).
+def cpu_grouped_experts(provider, family: str, registry) -> bool:
+    """Whether the CPU path builds routed experts as ``TEGroupedMLP`` over ``moeverify.models.grouped_linear``
+    (the bridge maps them for grouped GEMM only: GLM-4.5, MiniMax-M2, OLMoE) rather than as ``SequentialMLP``
+    (megatron-core's local spec). A bridge that maps neither form is refused, naming the parameters."""
+    unmapped_local = _unmapped_experts(provider, registry, grouped=False)
+    if not unmapped_local:
+        return False
+    unmapped_grouped = _unmapped_experts(provider, registry, grouped=True)
+    if unmapped_grouped:
+        raise UsageError(f"{family}: Megatron-Bridge maps its routed experts neither as SequentialMLP (no mapping for "
+                         f"{', '.join(unmapped_local)}) nor as grouped GEMM (no mapping for "
+                         f"{', '.join(unmapped_grouped)}): its weights could not be converted")
+    return True
 
-    ``registry``: the bridge's ``mapping_registry()`` (megatron-bridge 0.6.2: ``AutoBridge._model_bridge``), to
-    refuse expert weights it maps for grouped GEMM only."""
+
+def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None) -> None:
+    """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model)."""
     spec = provider.transformer_layer_spec
     fn = spec.func if isinstance(spec, functools.partial) else spec
     rebuilt = _cpu_rebuilt_specs() if rebuilt is None else rebuilt
@@ -102,14 +117,17 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None
     variant = getattr(provider, "experimental_attention_variant", None)
     if variant:
         gaps.append(f"experimental_attention_variant={variant!r} (linear attention)")
-    unmapped = _unmapped_local_experts(provider, registry) if registry is not None else []
-    if unmapped:
-        gaps.append(f"its experts as SequentialMLP (moe_grouped_gemm=False, the CPU path), which the bridge maps for "
-                    f"grouped GEMM only (no mapping for {', '.join(unmapped)})")
     if gaps:
         raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
                          f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
                          "Transformer Engine is installed (a GPU node), or mark the scenario gpu_only with this reason")
+
+
+def _cpu_path(provider, family: str, registry) -> dict:
+    """Refuse what the CPU spec cannot rebuild; the provider settings it builds with otherwise."""
+    _refuse_cpu_spec_gaps(provider, family)
+    grouped = cpu_grouped_experts(provider, family, registry)
+    return {**_NO_TE_PROVIDER_SETTINGS, "moe_grouped_gemm": grouped}
 
 
 def _moe_pattern(provider) -> tuple[int, ...]:
@@ -171,7 +189,7 @@ def preflight(family: str, *, te_real: bool) -> None:
                 bridge = _bridge_for(family, path)
                 provider = bridge.to_megatron_provider(load_weights=False)
                 if not te_real:
-                    _refuse_cpu_spec_gaps(provider, family, registry=bridge._model_bridge.mapping_registry())
+                    _cpu_path(provider, family, bridge._model_bridge.mapping_registry())
         finally:
             logging.disable(logging.NOTSET)
 
@@ -200,8 +218,8 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     if not rt.te_real:
         from moeverify.models.local_spec import local_block_spec
 
-        _refuse_cpu_spec_gaps(provider, family, registry=bridge._model_bridge.mapping_registry())
-        _apply_overrides(provider, _NO_TE_PROVIDER_SETTINGS, what="settings without Transformer Engine")
+        settings = _cpu_path(provider, family, bridge._model_bridge.mapping_registry())
+        _apply_overrides(provider, settings, what="settings without Transformer Engine")
         provider.transformer_layer_spec = local_block_spec
     provider.use_cpu_initialization = rt.backend == "cpu"
     if rt.dist_backend == "gloo":

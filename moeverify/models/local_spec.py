@@ -125,9 +125,11 @@ class LocalCoreAttention(MegatronModule):
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _patch_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
+def _patch_layer_spec(layer_spec: ModuleSpec, *, grouped_experts: bool) -> ModuleSpec:
     spec = copy.deepcopy(layer_spec)
     sub = spec.submodules
+    if grouped_experts:
+        _use_grouped_experts(sub)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(sub, name, None) is not None and not _is_identity(getattr(sub, name)):
             setattr(sub, name, LocalNorm)
@@ -139,6 +141,24 @@ def _patch_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
+def _use_grouped_experts(sub) -> None:
+    """MoE layers (megatron-core 0.19.2: ``mlp`` is ``partial(MoELayer, submodules=MoESubmodules(...))``) get
+    ``TEGroupedMLP`` over the CPU grouped linears in place of ``SequentialMLP``."""
+    import functools
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from moeverify.models.grouped_linear import grouped_experts_spec
+
+    mlp = sub.mlp
+    if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
+        return
+    moe_sub = mlp.keywords.get("submodules")
+    if moe_sub is None or not hasattr(moe_sub, "experts"):
+        raise ValueError(f"MoE layer spec without experts submodules ({mlp!r}): megatron-core's MoE spec changed")
+    moe_sub.experts = grouped_experts_spec()
+
+
 def _is_identity(module) -> bool:
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -146,9 +166,13 @@ def _is_identity(module) -> bool:
 
 
 def local_block_spec(config, vp_stage: int | None = None):
-    """Decoder block spec for ``config`` (dense and MoE layers mixed per ``moe_layer_freq``) on CPU."""
+    """Decoder block spec for ``config`` (dense and MoE layers mixed per ``moe_layer_freq``) on CPU.
+
+    Routed experts are ``SequentialMLP`` (per-expert linears), or ``TEGroupedMLP`` over grouped linears laid out
+    as Transformer Engine's where ``config.moe_grouped_gemm`` is set (``moeverify.models.grouped_linear``)."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=config.normalization, vp_stage=vp_stage)
-    block.layer_specs = [_patch_layer_spec(s) for s in block.layer_specs]
+    grouped = bool(config.moe_grouped_gemm)
+    block.layer_specs = [_patch_layer_spec(s, grouped_experts=grouped) for s in block.layer_specs]
     block.layer_norm = LocalNorm
     return block
