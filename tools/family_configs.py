@@ -21,7 +21,9 @@ _LINEAR_ATTENTION = dict(layer_types=["linear_attention"] * 3 + ["full_attention
 
 # name -> (transformers config class, architecture, family keys)
 FAMILIES = {
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
+    # multi-head, as real OLMoE checkpoints are: the bridge's k_layernorm does not fit GQA (docs/families.md F1)
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                      num_key_value_heads=4)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         intermediate_size=32, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 2)),
@@ -52,7 +54,7 @@ def write(out: Path, name: str) -> Path:
     import transformers
 
     cls_name, arch, keys = FAMILIES[name]
-    config = getattr(transformers, cls_name)(**COMMON, **keys, architectures=[arch])
+    config = getattr(transformers, cls_name)(**{**COMMON, **keys}, architectures=[arch])
     stored = config.to_dict()
     lost = [k for k, v in keys.items() if stored.get(k, getattr(config, k, None)) != v]
     if lost:

@@ -19,6 +19,7 @@ from typing import Any
 
 from moeverify.errors import UsageError
 from moeverify.layout import Layout, ModelShape
+from moeverify.models import family_specs
 from moeverify.models.families import family_shape, hf_checkpoint
 
 # Settings that select TE-only (or apex-only) kernels; switched off wherever real TE is absent
@@ -63,17 +64,6 @@ def _apply_overrides(provider, settings: dict, *, what: str) -> None:
         setattr(provider, name, value)
 
 
-# Layer specs that ``local_block_spec`` rebuilds faithfully without Transformer Engine (megatron-bridge 0.6.2:
-# the GPT default, and the decoder block spec DeepSeek-V2/V3 pass as a partial). A family's own spec function
-# (OLMoE's and MiniMax-M2's full-width q/k norms, Qwen3-Next's linear attention, ...) is not: replacing it
-# would build, and then verify, another model.
-def _cpu_rebuilt_specs() -> tuple:
-    from megatron.bridge.models.gpt_provider import default_layer_spec
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    return default_layer_spec, get_gpt_decoder_block_spec
-
-
 def _unmapped_experts(provider, registry, *, grouped: bool) -> list[str]:
     """Expert parameters of the first MoE layer that the bridge's mapping registry has no mapping for
     (megatron-bridge 0.6.2 names): built as ``SequentialMLP`` (``local_experts.0.linear_fc1.weight``) or, with
@@ -102,13 +92,13 @@ def cpu_grouped_experts(provider, family: str, registry) -> bool:
     return True
 
 
-def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None) -> None:
-    """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model)."""
-    spec = provider.transformer_layer_spec
-    fn = spec.func if isinstance(spec, functools.partial) else spec
-    rebuilt = _cpu_rebuilt_specs() if rebuilt is None else rebuilt
-    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-    gaps = [] if any(fn is r for r in rebuilt) else [f"its own layer spec {name}"]
+def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None):
+    """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model); else
+    the ``FamilySpec`` that rebuilds its layer spec (``family_specs.cpu_rebuilds``, or ``rebuilt``)."""
+    fn = family_specs.spec_function(provider)
+    rebuilt = family_specs.cpu_rebuilds() if rebuilt is None else rebuilt
+    family_spec = next((v for k, v in rebuilt.items() if fn is k), None)
+    gaps = [] if family_spec is not None else [f"its own layer spec {family_specs.spec_name(fn)}"]
     softmax = getattr(provider, "softmax_type", "vanilla")
     if softmax != "vanilla":
         gaps.append(f"softmax_type={softmax!r} (attention sinks)")
@@ -121,13 +111,17 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: tuple | None = None
         raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
                          f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
                          "Transformer Engine is installed (a GPU node), or mark the scenario gpu_only with this reason")
+    return family_spec
 
 
-def _cpu_path(provider, family: str, registry) -> dict:
-    """Refuse what the CPU spec cannot rebuild; the provider settings it builds with otherwise."""
-    _refuse_cpu_spec_gaps(provider, family)
+def _cpu_path(provider, family: str, registry) -> tuple[dict, Any]:
+    """Refuse what the CPU spec cannot rebuild; else the provider settings and the block spec it builds with."""
+    from moeverify.models.local_spec import local_block_spec
+
+    family_spec = _refuse_cpu_spec_gaps(provider, family)
     grouped = cpu_grouped_experts(provider, family, registry)
-    return {**_NO_TE_PROVIDER_SETTINGS, "moe_grouped_gemm": grouped}
+    settings = {**_NO_TE_PROVIDER_SETTINGS, "moe_grouped_gemm": grouped}
+    return settings, functools.partial(local_block_spec, family=family_spec)
 
 
 def _moe_pattern(provider) -> tuple[int, ...]:
@@ -216,11 +210,9 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _apply_layout(provider, layout)
     if not rt.te_real:
-        from moeverify.models.local_spec import local_block_spec
-
-        settings = _cpu_path(provider, family, bridge._model_bridge.mapping_registry())
+        settings, block_spec = _cpu_path(provider, family, bridge._model_bridge.mapping_registry())
         _apply_overrides(provider, settings, what="settings without Transformer Engine")
-        provider.transformer_layer_spec = local_block_spec
+        provider.transformer_layer_spec = block_spec
     provider.use_cpu_initialization = rt.backend == "cpu"
     if rt.dist_backend == "gloo":
         # On gloo, batched p2p (batch_isend_irecv) under PP x VPP matches messages exchanged with the same

@@ -16,6 +16,7 @@ Legend: S = local sequence, B = micro-batch, H = heads, D = head dim, G = query 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
@@ -125,7 +126,7 @@ class LocalCoreAttention(MegatronModule):
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _patch_layer_spec(layer_spec: ModuleSpec, *, grouped_experts: bool) -> ModuleSpec:
+def _patch_layer_spec(layer_spec: ModuleSpec, *, grouped_experts: bool, family: FamilySpec) -> ModuleSpec:
     spec = copy.deepcopy(layer_spec)
     sub = spec.submodules
     if grouped_experts:
@@ -138,6 +139,11 @@ def _patch_layer_spec(layer_spec: ModuleSpec, *, grouped_experts: bool) -> Modul
     for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if hasattr(attn, name) and not _is_identity(getattr(attn, name)):
             setattr(attn, name, LocalNorm)
+    if family.self_attention is not None:
+        sub.self_attention.module = family.self_attention
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(family, name) is not None:
+            setattr(attn, name, getattr(family, name))
     return spec
 
 
@@ -165,7 +171,16 @@ def _is_identity(module) -> bool:
     return module is IdentityOp or (isinstance(module, ModuleSpec) and module.module is IdentityOp)
 
 
-def local_block_spec(config, vp_stage: int | None = None):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FamilySpec:
+    """What a family's own layer spec changes in the GPT layer (its own classes, used as they are)."""
+
+    self_attention: type | None = None  # the attention module (OLMoE's full-width q/k norms)
+    q_layernorm: object = None  # q/k norm builders (MiniMax-M2's full-dimension norms)
+    k_layernorm: object = None
+
+
+def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec = FamilySpec()):
     """Decoder block spec for ``config`` (dense and MoE layers mixed per ``moe_layer_freq``) on CPU.
 
     Routed experts are ``SequentialMLP`` (per-expert linears), or ``TEGroupedMLP`` over grouped linears laid out
@@ -173,6 +188,6 @@ def local_block_spec(config, vp_stage: int | None = None):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=config.normalization, vp_stage=vp_stage)
     grouped = bool(config.moe_grouped_gemm)
-    block.layer_specs = [_patch_layer_spec(s, grouped_experts=grouped) for s in block.layer_specs]
+    block.layer_specs = [_patch_layer_spec(s, grouped_experts=grouped, family=family) for s in block.layer_specs]
     block.layer_norm = LocalNorm
     return block

@@ -1,0 +1,55 @@
+"""The layer specs of Megatron-Bridge 0.6.2 families that the CPU path rebuilds, and how.
+
+Without Transformer Engine moeverify builds every layer from ``local_spec.local_block_spec``. That is the
+same model as a family's own spec only where the family's spec is the GPT default or megatron-core's decoder
+block spec, or changes it in ways the local spec can take over with the family's *own* classes. Each entry
+below was read from the pinned source:
+
+- ``gpt_provider.default_layer_spec``, megatron-core's ``get_gpt_decoder_block_spec`` (DeepSeek-V2/V3 pass it
+  as a partial), Ernie-4.5's ``_ernie45_decoder_block_spec`` (``get_gpt_decoder_block_spec`` with TE): the
+  GPT layer, nothing of the family's own;
+- OLMoE's ``olmoe_layer_spec``: the default spec with ``self_attention.module = OLMoESelfAttention`` (q/k norms
+  over all heads at once), kept as it is;
+- MiniMax-M2's ``minimax_m2_layer_spec``: the MoE spec with ``q_layernorm``/``k_layernorm`` set to its
+  ``FullDimQNorm``/``FullDimKNorm`` (plain torch, TP all-reduce of the sum of squares), kept as they are.
+
+Anything else (attention sinks, sliding windows, linear attention, another family's spec function) is
+refused by ``builder``: replacing it would build, and then verify, another model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+def cpu_rebuilds() -> dict:
+    """Bridge spec function -> the ``local_spec.FamilySpec`` that rebuilds it without Transformer Engine."""
+    from megatron.bridge.models.ernie.ernie_45_bridge import _ernie45_decoder_block_spec
+    from megatron.bridge.models.gpt_provider import default_layer_spec
+    from megatron.bridge.models.minimax_m2.minimax_m2_provider import (
+        FullDimKNorm,
+        FullDimQNorm,
+        minimax_m2_layer_spec,
+    )
+    from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention, olmoe_layer_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from moeverify.models.local_spec import FamilySpec
+
+    return {
+        default_layer_spec: FamilySpec(),
+        get_gpt_decoder_block_spec: FamilySpec(),
+        _ernie45_decoder_block_spec: FamilySpec(),
+        olmoe_layer_spec: FamilySpec(self_attention=OLMoESelfAttention),
+        minimax_m2_layer_spec: FamilySpec(q_layernorm=FullDimQNorm, k_layernorm=FullDimKNorm),
+    }
+
+
+def spec_function(provider):
+    """The function behind ``provider.transformer_layer_spec`` (a partial is unwrapped)."""
+    spec = provider.transformer_layer_spec
+    return spec.func if isinstance(spec, functools.partial) else spec
+
+
+def spec_name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
