@@ -47,7 +47,32 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         routed_scaling_factor=1.0, norm_topk_prob=False, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, head_dim=8, tie_word_embeddings=False)),
+    # GLM-4.5: sigmoid routing with an fp32 expert bias, a shared expert, a dense first layer, per-head q/k
+    # norms, qkv biases, partial rotary; its bridge maps experts for grouped GEMM only (grouped_linear.py).
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(
+        _COMMON, model_type="glm4_moe", head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True,
+        tie_word_embeddings=False)),
+    # OLMoE: q/k norms over all heads at once (the bridge's OLMoESelfAttention), multi-head as real OLMoE
+    # (its k_layernorm does not fit GQA: docs/families.md F1); grouped-GEMM-only expert mapping.
+    "olmoe": ("OlmoeForCausalLM", dict(
+        _COMMON, model_type="olmoe", num_key_value_heads=4, intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False)),
+    # MiniMax-M2: full-dimension q/k norms (TP all-reduce of the sum of squares), sigmoid routing with an fp32
+    # expert bias, partial rotary; grouped-GEMM-only expert mapping.
+    "minimax_m2": ("MiniMaxM2ForCausalLM", dict(
+        _COMMON, model_type="minimax_m2", head_dim=16, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, tie_word_embeddings=False)),
+    # Ernie-4.5-MoE: a dense first layer (moe_layer_start_index), a shared expert, an fp32 expert-bias
+    # *parameter*, tied embeddings.
+    "ernie45_moe": ("Ernie4_5_MoeForCausalLM", dict(
+        _COMMON, model_type="ernie4_5_moe", intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8,
+        moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1)),
 }
+
+# The Megatron-Bridge MoE families beyond the original four (docs/families.md): run by scenarios/families_matrix.yaml.
+BRIDGE_FAMILIES: tuple[str, ...] = ("deepseek_v2", "glm4_moe", "olmoe", "minimax_m2", "ernie45_moe")
 
 FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 

@@ -7,6 +7,8 @@ expert index under EP, so all ranks agree; its slots are every HF tensor the tas
 EP rank. Each rank fills only what it owns:
 
 - TP column splits (rows ``tp_rank*a ..``), row splits (columns), vocab padding rows dropped;
+- MiniMax-M2's full-dimension q/k norms: dim-0 shards over the unique norm shards (K with fewer KV heads than
+  TP is held by several TP ranks, the first of which contributes);
 - fused QKV, interleaved per query group: ``[groups, q heads + k + v, head_dim, hidden]``;
 - gated MLP ``[gate; up]`` per TP shard;
 - experts: global id = ``ep_rank * experts_per_rank + local``, ETP as the expert TP group;
@@ -176,12 +178,36 @@ def _kind(task) -> str:
         if m.permute_dims is not None:
             raise SubjectError(f"row {task.global_param_name!r}: AutoMapping with permute_dims is not supported")
         return m._detect_parallelism_type(task.megatron_module)
+    full_dim_norm = _full_dim_norm_mapping()
+    if full_dim_norm is not None and isinstance(m, full_dim_norm):
+        return "full_dim_norm"
     for cls, kind in ((pm.ColumnParallelMapping, "column"), (pm.RowParallelMapping, "row"),
                       (pm.ReplicatedMapping, "replicated"), (pm.DirectMapping, "replicated")):
         if isinstance(m, cls):
             return kind
     raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} is not supported by the "
-                       f"sharded exporter (supported: QKV, GatedMLP, Auto, Column, Row, Replicated, Direct)")
+                       f"sharded exporter (supported: QKV, GatedMLP, Auto, Column, Row, Replicated, Direct, "
+                       f"MiniMax-M2's full-dimension q/k norm)")
+
+
+def _full_dim_norm_mapping():
+    """MiniMax-M2's mapping of its full-dimension q/k norms (megatron-bridge 0.6.2:
+    ``minimax_m2_bridge._FullDimQKNormMapping``): the weight is split on dim 0 over ``shard_world_size`` unique
+    shards, each held by ``tp / shard_world_size`` consecutive TP ranks (K norm with fewer KV heads than TP)."""
+    try:
+        from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+    except ImportError:
+        return None
+    return _FullDimQKNormMapping
+
+
+def _norm_shards(task) -> tuple[int, int]:
+    """(unique shards, TP ranks per shard) of a full-dimension norm (its module's ``shard_world_size``)."""
+    shards = task.megatron_module.shard_world_size
+    if task.mapping.tp_size % shards:
+        raise SubjectError(f"row {task.global_param_name!r}: {shards} norm shards do not divide TP "
+                           f"{task.mapping.tp_size}")
+    return shards, task.mapping.tp_size // shards
 
 
 def _owns(task, owner: _Owners) -> bool:
@@ -189,6 +215,8 @@ def _owns(task, owner: _Owners) -> bool:
     m = task.mapping
     first_replica = owner.edp_rank == 0 if m.is_expert else owner.dp_rank == 0
     kind = _kind(task)
+    if kind == "full_dim_norm":
+        return first_replica and m.tp_rank % _norm_shards(task)[1] == 0
     tp_replicated = kind == "replicated" or (kind == "row" and task.param_weight.dim() == 1)
     return first_replica and (not tp_replicated or m.tp_rank == 0)
 
@@ -208,6 +236,9 @@ def _place(task, w: torch.Tensor, *, config, shapes, per_base, kind: str) -> dic
         return dict(zip(mine, placement.gated(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0])))
     if kind == "column":
         return {mine[0]: placement.column(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0])}
+    if kind == "full_dim_norm":
+        shards, per_shard = _norm_shards(task)
+        return {mine[0]: placement.column(w, tp=shards, r=r // per_shard, hf_rows=shapes[mine[0]][0])}
     if kind == "row" and w.dim() == 2:
         return {mine[0]: placement.row(w, tp=tp, r=r)}
     return {mine[0]: placement.replicated(w)}

@@ -260,10 +260,10 @@ def test_cpu_spec_refuses_what_it_cannot_rebuild():
         return None
 
     plain = dict(softmax_type="vanilla", window_size=None, experimental_attention_variant=None)
-    rebuilt = (default_layer_spec, get_gpt_decoder_block_spec)
-    _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, **plain), "f", rebuilt=rebuilt)
-    _refuse_cpu_spec_gaps(NS(transformer_layer_spec=functools.partial(get_gpt_decoder_block_spec), **plain), "f",
-                          rebuilt=rebuilt)
+    rebuilt = {default_layer_spec: "plain", get_gpt_decoder_block_spec: "block"}
+    assert _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, **plain), "f", rebuilt=rebuilt) == "plain"
+    assert _refuse_cpu_spec_gaps(NS(transformer_layer_spec=functools.partial(get_gpt_decoder_block_spec), **plain),
+                                 "f", rebuilt=rebuilt) == "block"
     with pytest.raises(UsageError, match="f: without Transformer Engine.*own layer spec .*olmoe_layer_spec"):
         _refuse_cpu_spec_gaps(NS(transformer_layer_spec=olmoe_layer_spec, **plain), "f", rebuilt=rebuilt)
     with pytest.raises(UsageError, match="attention sinks.*sliding-window.*linear attention.*gpu_only"):
@@ -307,9 +307,8 @@ def _family_tool(repo_root):
 
 @pytest.mark.parametrize("name, message", [
     ("gpt_oss", r"model:gpt_oss: without Transformer Engine .*attention sinks.*sliding-window"),
-    ("olmoe", r"model:olmoe: without Transformer Engine .*olmoe_layer_spec"),
+    ("qwen3_next", r"model:qwen3_next: without Transformer Engine .*experimental_attention_variant='gated_delta_net'"),
     ("mixtral", r"model:mixtral: Megatron-Bridge cannot convert it: .*'MixtralForCausalLM' is not yet supported"),
-    ("glm4_moe", r"model:glm4_moe: .*grouped GEMM only \(no mapping for decoder\.layers\.1\.mlp\.experts\.local_experts"),
 ])
 def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo_root, monkeypatch, capsys,
                                                                  name, message):
@@ -328,9 +327,10 @@ def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo
     assert code == 2 and re.search(message, err), err
 
 
-def test_preflight_passes_a_model_the_cpu_path_rebuilds(tmp_path, repo_root):
+@pytest.mark.parametrize("name", ["deepseek_v2", "glm4_moe", "olmoe", "minimax_m2", "ernie45_moe"])
+def test_preflight_passes_a_model_the_cpu_path_rebuilds(tmp_path, repo_root, name):
     from moeverify.models import builder
 
-    key = user.register(_family_tool(repo_root).write(tmp_path, "deepseek_v2")).key
-    builder.preflight(key, te_real=False)  # DeepSeek-V2's decoder block spec is rebuilt faithfully
+    key = user.register(_family_tool(repo_root).write(tmp_path, name)).key
+    builder.preflight(key, te_real=False)  # its spec is rebuilt faithfully (family_specs.py, grouped experts)
     assert not any(tmp_path.glob("**/*.safetensors")), "the preflight reads the config only"
