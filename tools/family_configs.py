@@ -25,7 +25,7 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                                       num_key_value_heads=4)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        intermediate_size=32, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        intermediate_size=48, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 2)),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,

@@ -99,11 +99,7 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None)
     rebuilt = family_specs.cpu_rebuilds() if rebuilt is None else rebuilt
     family_spec = next((v for k, v in rebuilt.items() if fn is k), None)
     gaps = [] if family_spec is not None else [f"its own layer spec {family_specs.spec_name(fn)}"]
-    softmax = getattr(provider, "softmax_type", "vanilla")
-    if softmax != "vanilla":
-        gaps.append(f"softmax_type={softmax!r} (attention sinks)")
-    if getattr(provider, "window_size", None) is not None:
-        gaps.append(f"window_size={provider.window_size!r} (sliding-window attention)")
+    # Attention sinks and sliding windows are rebuilt by LocalCoreAttention (local_spec.py).
     variant = getattr(provider, "experimental_attention_variant", None)
     if variant:
         gaps.append(f"experimental_attention_variant={variant!r} (linear attention)")
@@ -119,6 +115,7 @@ def _cpu_path(provider, family: str, registry) -> tuple[dict, Any]:
     from moeverify.models.local_spec import local_block_spec
 
     family_spec = _refuse_cpu_spec_gaps(provider, family)
+    family_specs.cover_cuda_call_sites()
     grouped = cpu_grouped_experts(provider, family, registry)
     settings = {**_NO_TE_PROVIDER_SETTINGS, "moe_grouped_gemm": grouped}
     return settings, functools.partial(local_block_spec, family=family_spec)

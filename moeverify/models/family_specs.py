@@ -45,6 +45,27 @@ def cpu_rebuilds() -> dict:
     }
 
 
+def cover_cuda_call_sites() -> None:
+    """Bridge code that the CPU runtime's redirections do not reach, run under ``cpu.ordinal_current_device``
+    (idempotent; a no-op on GPUs). megatron-bridge 0.6.2: MiniMax-M2's ``_FullDimQKNormMapping.hf_to_megatron``
+    builds ``torch.device("cuda", torch.cuda.current_device())`` to load its q/k norms under TP > 1."""
+    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+
+    from moeverify.runtime import cpu
+
+    original = _FullDimQKNormMapping.hf_to_megatron
+    if getattr(original, "_moeverify_covered", False):
+        return
+
+    @functools.wraps(original)
+    def hf_to_megatron(self, hf_weights, megatron_module):
+        with cpu.ordinal_current_device():
+            return original(self, hf_weights, megatron_module)
+
+    hf_to_megatron._moeverify_covered = True
+    _FullDimQKNormMapping.hf_to_megatron = hf_to_megatron
+
+
 def spec_function(provider):
     """The function behind ``provider.transformer_layer_spec`` (a partial is unwrapped)."""
     spec = provider.transformer_layer_spec

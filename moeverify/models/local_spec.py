@@ -9,7 +9,11 @@ megatron-core 0.19.2's local spec refuses two things every matrix needs (ENVIRON
   ``LocalCoreAttention`` is a plain causal attention on ``[s, b, heads, dim]`` that takes MLA's arguments and,
   under CP, all-gathers K/V from the CP group and masks with the global positions of Megatron's
   load-balanced split (chunks ``r`` and ``2*cp-1-r``). CP replicates weights and splits activations, so
-  this is functionally faithful.
+  this is functionally faithful. Like megatron-core 0.19.2's ``DotProductAttention`` it also takes
+  attention sinks (``softmax_type`` ``learnable``: a per-head ``softmax_offset`` parameter, one extra logit in
+  each softmax row; ``off-by-one``: a zero logit) and sliding windows (``window_size`` ``(left, right)`` on the
+  layers ``is_layer_window_attention`` selects; ``-1`` unbounded, as Transformer Engine reads it), so GPT-OSS
+  builds as its bridge means it.
 Legend: S = local sequence, B = micro-batch, H = heads, D = head dim, G = query groups.
 """
 
@@ -85,6 +89,21 @@ class LocalCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        self.window_size = (tuple(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        self.softmax_type = config.softmax_type
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"LocalCoreAttention: softmax_type {self.softmax_type!r} is not one of megatron-core "
+                             "0.19's vanilla, off-by-one, learnable")
+        if self.softmax_type == "learnable":
+            tp_size = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") \
+                else parallel_state.get_tensor_model_parallel_world_size()
+            self.softmax_offset = torch.nn.Parameter(
+                torch.zeros(config.num_attention_heads // tp_size, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
 
     def _cp_group(self):
         if self.cp_group is not None:
@@ -113,9 +132,8 @@ class LocalCoreAttention(MegatronModule):
             v_SBGD = v_SBGD.repeat_interleave(heads // groups, dim=2)
         q_BHSD, k_BHSD, v_BHSD = (t.permute(1, 2, 0, 3) for t in (q_SBHD, k_SBGD, v_SBGD))
         scores = torch.matmul(q_BHSD.float(), k_BHSD.float().transpose(-1, -2)) * self.softmax_scale
-        causal = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)  # [Sq, Sk], True = masked
-        scores = scores.masked_fill(causal.to(scores.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v_BHSD.dtype)
+        scores = scores.masked_fill(self._mask(q_pos, k_pos).to(scores.device), float("-inf"))
+        probs = self._softmax(scores).to(v_BHSD.dtype)
         if self.training and self.dropout_p > 0:
             from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -124,6 +142,28 @@ class LocalCoreAttention(MegatronModule):
         out_BHSD = torch.matmul(probs, v_BHSD)
         s, b = out_BHSD.shape[2], out_BHSD.shape[0]
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """[Sq, Sk], True = masked: causal, or outside the layer's sliding window (megatron-core's
+        ``get_sliding_window_causal_mask``: key ``j`` is seen by query ``i`` iff ``i - left <= j <= i + right``)."""
+        offset = k_pos.unsqueeze(0) - q_pos.unsqueeze(1)  # j - i
+        if self.window_size is None:
+            return offset > 0
+        left, right = self.window_size
+        masked = offset > right if right >= 0 else torch.zeros_like(offset, dtype=torch.bool)
+        if left >= 0:
+            masked = masked | (offset < -left)
+        return masked
+
+    def _softmax(self, scores_BHQK: torch.Tensor) -> torch.Tensor:
+        """Row softmax, with one extra sink logit per head where ``softmax_type`` asks for it."""
+        if self.softmax_type == "vanilla":
+            return torch.softmax(scores_BHQK, dim=-1)
+        b, h, q, _ = scores_BHQK.shape
+        sink = (self.softmax_offset.float() if self.softmax_type == "learnable"
+                else scores_BHQK.new_zeros(h))  # off-by-one: a zero logit, i.e. +1 in the denominator
+        sink_BHQ1 = sink.reshape(1, h, 1, 1).expand(b, h, q, 1)
+        return torch.softmax(torch.cat([scores_BHQK, sink_BHQ1], dim=-1), dim=-1)[..., :-1]
 
 
 def _patch_layer_spec(layer_spec: ModuleSpec, *, grouped_experts: bool, family: FamilySpec) -> ModuleSpec:
@@ -187,7 +227,20 @@ def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec 
     as Transformer Engine's where ``config.moe_grouped_gemm`` is set (``moeverify.models.grouped_linear``)."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=config.normalization, vp_stage=vp_stage)
+    _register_with_bridge()
     grouped = bool(config.moe_grouped_gemm)
     block.layer_specs = [_patch_layer_spec(s, grouped_experts=grouped, family=family) for s in block.layer_specs]
     block.layer_norm = LocalNorm
     return block
+
+
+def _register_with_bridge() -> None:
+    """Megatron-Bridge finds how to split a parameter over TP from its module's class name (0.6.2: the sinks'
+    ``softmax_offset`` under ``DotProductAttention``/``TEDotProductAttention`` is a column split, one entry per
+    head); ``LocalCoreAttention`` holds them here."""
+    from moeverify import runtime
+
+    runtime.import_bridge()
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    AutoMapping.register_module_type(LocalCoreAttention.__name__, "column")

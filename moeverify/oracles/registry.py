@@ -17,6 +17,7 @@ CHECKS: dict[str, str] = {
     "roundtrip": "moeverify.oracles.roundtrip:run",
     "export": "moeverify.oracles.export:run",
     "replay": "moeverify.oracles.replay.oracle:run",
+    "hf_parity": "moeverify.oracles.hf_parity:run",
 }
 
 

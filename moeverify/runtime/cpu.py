@@ -260,3 +260,20 @@ def uninstall() -> None:
     while _saved:
         owner, name, original = _saved.pop()
         setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def ordinal_current_device():
+    """Inside the block ``torch.cuda.current_device()`` returns ``0``, an int as on CUDA (outside it, the CPU
+    device): for code that builds ``torch.device("cuda", torch.cuda.current_device())``, which a device
+    object cannot be passed to. The device mode rewrites the ``cuda:0`` it then uses to CPU. Only for code
+    that runs outside autograd's backward (where the mode is not active); a no-op unless installed."""
+    if _mode is None:
+        yield
+        return
+    current = torch.cuda.current_device
+    torch.cuda.current_device = _distinct(lambda: 0, "current_device")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current
