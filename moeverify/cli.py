@@ -257,8 +257,7 @@ def _follow(args, node, control, *, groups, options) -> int:
     """A node other than node 0: run its share of every group node 0 starts; node 0's exit code."""
     from moeverify.runner import launch, nodes
 
-    run_dir = _make_run_dir(args) / f"node{node.node_rank}"
-    run_dir.mkdir(exist_ok=True)
+    run_dir = _make_run_dir(args, sub=f"node{node.node_rank}")
     specs = [launch.GroupSpec(world_size=g.world_size, scenarios=g.scenarios, backend=g.backend, options=options,
                               timeout_s=args.timeout, run_dir=run_dir, verbose=False) for g in groups]
     print(f"node {node.node_rank} of {node.nnodes}: running its share of every group node 0 starts; results are "
@@ -272,8 +271,14 @@ def _follow(args, node, control, *, groups, options) -> int:
     return code
 
 
-def _make_run_dir(args) -> Path:
-    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+def _make_run_dir(args, *, sub: str | None = None) -> Path:
+    """The directory of this run's rank files (``sub``: a follower node's own). It must hold no group
+    directory (``world*``) of an earlier run: their result files would be read as this run's."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(args.run_dir) if args.run_dir else next(
+        p for p in (Path("runs") / (stamp if n == 0 else f"{stamp}-{n}") for n in range(1000))
+        if not (p / (sub or "")).exists())  # two runs started in the same second get two directories
+    run_dir = (base / sub if sub else base).resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".moeverify-write-probe"
@@ -281,6 +286,10 @@ def _make_run_dir(args) -> Path:
         probe.unlink()
     except OSError as exc:
         raise UsageError(f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc})") from None
+    stale = sorted(p.name for p in run_dir.glob("world*"))
+    if stale:
+        raise UsageError(f"--run-dir {run_dir}: holds {', '.join(stale)} of an earlier run, whose result files "
+                         "would be read as this run's: give a new or empty directory")
     return run_dir
 
 

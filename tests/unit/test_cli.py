@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import re
 import sys
 import textwrap
 
@@ -51,7 +52,7 @@ def test_main_list_default_file_is_smoke(capsys, monkeypatch, repo_root):
 
 @pytest.mark.parametrize(("argv", "match"), [
     (["run", "{bad}"], r"bad\.yaml:3: unknown family 'llama'"),
-    (["run", "{good}", "--check", "nope"], r"--check 'nope': unknown check; known checks: roundtrip, export, replay"),
+    (["run", "{good}", "--check", "nope"], r"--check 'nope': unknown check; known checks: roundtrip, export, replay, hf_parity"),
     (["run", "{good}", "--filter", "zzz*"], r"--filter zzz\* matches none of the 2 scenarios"),
     (["run", "{good}", "--list", "--json", "x.json"], r"--list runs nothing, so --json has nothing to do"),
     (["run", "{good}", "--check", "roundtrip", "--subject", "sharded"], r"--subject applies to the export check"),
@@ -81,6 +82,20 @@ def test_main_usage_error_exits_2_with_message_and_no_traceback(capsys, tmp_path
     assert code == 2
     assert err.startswith("moeverify: error: ") and re.search(match, err), err
     assert "Traceback" not in err + out
+
+
+def test_main_run_refuses_a_run_dir_holding_an_earlier_runs_groups(capsys, monkeypatch, tmp_path, good_file):
+    """Its rank result files would be read as this run's results (they were, and reported, before)."""
+    from moeverify.runner import launch
+
+    def no_rank_may_start(*args, **kwargs):
+        raise AssertionError("a torchrun group was started")
+
+    monkeypatch.setattr(launch, "run_group", no_rank_may_start)
+    (tmp_path / "old" / "world2" / "attempt1").mkdir(parents=True)
+    code, _, err = _run(capsys, "run", good_file, "--run-dir", str(tmp_path / "old"))
+    assert code == 2 and re.search(r"--run-dir .*old: holds world2 of an earlier run, whose result files would "
+                                   r"be read as this run's: give a new or empty directory", err), err
 
 
 def test_main_help_exits_0(capsys):
