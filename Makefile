@@ -11,11 +11,12 @@ demo: setup
 	@mkdir -p runs
 	$(PY) -m moeverify run scenarios/smoke.yaml --json runs/demo.json
 
-# Unit tests, then the whole release matrix bit for bit on CPU ranks, then the torchrun scenario tests.
+# Unit tests, then the release matrix bit for bit on CPU ranks (with a subset of the bridge families' matrix),
+# then the torchrun scenario tests.
 test: setup
 	@mkdir -p runs
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
-	$(PY) -m moeverify run scenarios/release.yaml --json runs/release.json --junit runs/release.xml
+	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_ci.yaml --json runs/release.json --junit runs/release.xml
 	$(PY) -m pytest -q -p no:xdist tests/special_distributed
 
 test-unit: setup
@@ -26,7 +27,7 @@ test-distributed: setup
 
 release: setup
 	@mkdir -p runs
-	$(PY) -m moeverify run scenarios/release.yaml --json runs/release.json --junit runs/release.xml
+	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_matrix.yaml --json runs/release.json --junit runs/release.xml
 
 bench: setup
 	$(PY) -m moeverify bench

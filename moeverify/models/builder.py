@@ -79,17 +79,20 @@ def _unmapped_experts(provider, registry, *, grouped: bool) -> list[str]:
 
 def cpu_grouped_experts(provider, family: str, registry) -> bool:
     """Whether the CPU path builds routed experts as ``TEGroupedMLP`` over ``moeverify.models.grouped_linear``
-    (the bridge maps them for grouped GEMM only: GLM-4.5, MiniMax-M2, OLMoE) rather than as ``SequentialMLP``
-    (megatron-core's local spec). A bridge that maps neither form is refused, naming the parameters."""
+    rather than as ``SequentialMLP`` (megatron-core's local spec): where the bridge maps them for grouped GEMM
+    only (GLM-4.5, MiniMax-M2, OLMoE), and where experts have biases (GPT-OSS): megatron-core 0.19.2's
+    ``SequentialMLP`` with ``add_bias_linear`` adds the bias in place into the view
+    ``_ReduceFromModelParallelRegion`` returns, which autograd refuses in every backward. A bridge that maps
+    neither form is refused, naming the parameters."""
     unmapped_local = _unmapped_experts(provider, registry, grouped=False)
-    if not unmapped_local:
+    if not unmapped_local and not (provider.num_moe_experts and provider.add_bias_linear):
         return False
     unmapped_grouped = _unmapped_experts(provider, registry, grouped=True)
-    if unmapped_grouped:
+    if unmapped_grouped and unmapped_local:
         raise UsageError(f"{family}: Megatron-Bridge maps its routed experts neither as SequentialMLP (no mapping for "
                          f"{', '.join(unmapped_local)}) nor as grouped GEMM (no mapping for "
                          f"{', '.join(unmapped_grouped)}): its weights could not be converted")
-    return True
+    return not unmapped_grouped
 
 
 def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None):

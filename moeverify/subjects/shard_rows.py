@@ -170,6 +170,10 @@ def _kind(task) -> str:
     from megatron.bridge.models.conversion import param_mapping as pm
 
     m = task.mapping
+    if getattr(m, "is_grouped_export", False):  # megatron-bridge 0.6.2: experts stacked as one [E, ...] HF tensor
+        raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} exports experts stacked "
+                           f"into one HF tensor ({m.hf_param}), which the sharded exporter does not place; test "
+                           "this family's export with --subject bridge")
     if isinstance(m, pm.QKVMapping):
         return "qkv"
     if isinstance(m, pm.GatedMLPMapping):

@@ -77,9 +77,12 @@ class _Registry:
 def test_builder_builds_grouped_experts_only_where_the_bridge_maps_them_for_grouped_gemm_alone():
     from moeverify.models.builder import cpu_grouped_experts
 
-    provider = NS(num_moe_experts=8, moe_layer_freq=[0, 1, 1, 1], num_layers=4)
+    provider = NS(num_moe_experts=8, moe_layer_freq=[0, 1, 1, 1], num_layers=4, add_bias_linear=False)
     assert cpu_grouped_experts(provider, "f", _Registry(["local_experts.0", "weight0"])) is False
     assert cpu_grouped_experts(provider, "f", _Registry(["weight0"])) is True
+    biased = NS(**vars(provider) | {"add_bias_linear": True})  # SequentialMLP with biases fails in backward
+    assert cpu_grouped_experts(biased, "f", _Registry(["local_experts.0", "weight0"])) is True
+    assert cpu_grouped_experts(biased, "f", _Registry(["local_experts.0"])) is False
     with pytest.raises(UsageError, match=r"f: Megatron-Bridge maps its routed experts neither as SequentialMLP "
                                          r"\(no mapping for decoder\.layers\.1\.mlp\.experts\.local_experts\.0\."
                                          r"linear_fc1\.weight.*nor as grouped GEMM \(no mapping for "

@@ -12,7 +12,7 @@ from moeverify.layout import Layout
 from moeverify.models import families as model_families
 from moeverify.scenario import group_by_world_size, load, scenario_from_dict, scenario_to_dict
 
-CHECKS = ("roundtrip", "export", "replay")
+CHECKS = ("roundtrip", "export", "replay", "hf_parity")
 FAMILIES = {name: model_families.family_shape(name) for name in model_families.FAMILIES}
 
 
@@ -77,14 +77,37 @@ def test_load_release_file_has_the_release_matrix(repo_root):
     expected |= {f"deepseek_v2/{l}" for l in moe_layouts[:8]}  # 2 and 4 ranks
     expected |= {f"{f}/pp2-ppfirst1" for f in ("qwen2", "qwen3_moe", "deepseek_v3")}  # uneven pipeline
     expected.add(f"qwen3_moe/pp2-pplayout{hashlib.sha1(b'E|tt|t|tL').hexdigest()[:8]}-vpp2")  # pp_layout
-    assert names == expected
+    parity = {f"{f}/tp1" for f in ("qwen2", "qwen2_tied", "qwen3_moe", "deepseek_v3", "deepseek_v2")}
+    assert names == expected | parity
+    assert all(s.checks == ("hf_parity",) and s.world_size == 1 for s in got if s.name in parity)
     # replay is left out of one MoE scenario, with its reason in release.yaml
     no_replay = {"deepseek_v3/tp2-pp2-sp"}
     for s in got:
+        if s.name in parity:
+            continue
         moe = FAMILIES[s.family].is_moe and s.name not in no_replay
         want = ("roundtrip", "export", "replay") if moe else ("roundtrip", "export")
         assert s.checks == want, s.name
     assert {s.world_size for s in got if s.name.endswith("tp2-pp2-ep2-sp-dp2")} == {8}
+
+
+def test_load_families_matrix_runs_every_bridge_family_but_where_a_finding_stops_it(repo_root):
+    got = {s.name: s for s in load([str(repo_root / "scenarios/families_matrix.yaml")], checks=CHECKS,
+                                   families=FAMILIES)}
+    families = ("glm4_moe", "olmoe", "minimax_m2", "gpt_oss", "ernie45_moe")
+    layouts = ["tp1", "tp2-sp", "pp2", "pp2-vpp2", "ep2-dp2", "etp2-dp2", "cp2", "ep2-dp4", "pp2-ep2-dp2"]
+    expected = {f"{f}/{l}" for f in families for l in layouts if f != "gpt_oss"}
+    expected |= {f"gpt_oss/{l}" for l in layouts if l not in ("tp2-sp", "etp2-dp2")} | {"gpt_oss/tp2-etp1-sp"}
+    assert set(got) == expected
+    findings = {"ernie45_moe/tp1": ("roundtrip", "export", "replay"),  # F3: no hf_parity
+                "olmoe/tp2-sp": ("roundtrip", "export")}  # F5: no replay under TP
+    for name, s in got.items():
+        want = findings.get(name) or (("roundtrip", "export", "hf_parity", "replay") if name.endswith("/tp1")
+                                      else ("roundtrip", "export", "replay"))
+        assert s.checks == want, name
+    ci = load([str(repo_root / "scenarios/families_ci.yaml")], checks=CHECKS, families=FAMILIES)
+    release = {s.name for s in load([str(repo_root / "scenarios/release.yaml")], checks=CHECKS, families=FAMILIES)}
+    assert ci and all(s.name in got and s.name not in release for s in ci)
 
 
 def test_load_smoke_file_is_small_and_valid(repo_root):
@@ -104,7 +127,7 @@ def test_load_smoke_file_is_small_and_valid(repo_root):
     ("scenarios:\n  - {family: llama, world_size: 1, checks: [roundtrip]}",
      r"s\.yaml:2: unknown family 'llama'; known families: qwen2, qwen2_tied"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [rondtrip]}",
-     r"s\.yaml:2: scenario qwen2/tp1: unknown check 'rondtrip'; known checks: export, replay, roundtrip"),
+     r"s\.yaml:2: scenario qwen2/tp1: unknown check 'rondtrip'; known checks: export, hf_parity, replay, roundtrip"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export, export]}",
      r"check\(s\) \['export'\] listed twice"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: export}", r"checks must be a list of check names"),
