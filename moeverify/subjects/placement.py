@@ -96,6 +96,42 @@ def gated(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> tuple[Placer, Pl
     return column(gate, tp=tp, r=r, hf_rows=hf_rows), column(up, tp=tp, r=r, hf_rows=hf_rows)
 
 
+def stacked_gate_up(w: torch.Tensor, *, expert: int, tp: int, r: int, hf_shape: tuple) -> Placer:
+    """An expert's fc1 shard (rows ``r*R ..`` of ``[gate; up]``, ``[R, I]`` or a bias ``[R]``) into an HF tensor
+    that stacks every expert with gate and up interleaved (GPT-OSS ``gate_up_proj`` ``[E, I, 2F]``, bias
+    ``[E, 2F]``): row ``f`` of gate is column ``2f``, of up ``2f + 1``."""
+    rows = w.shape[0]
+    inner = 1 if w.dim() == 1 else w.shape[1]
+    two_f = hf_shape[-1]
+    flat = w.reshape(-1)
+
+    def positions(a: int, b: int) -> torch.Tensor:
+        j_J = _j(a, b)
+        row = r * rows + j_J // inner  # row of the whole [gate; up]
+        col = torch.where(row < two_f // 2, 2 * row, 2 * (row - two_f // 2) + 1)
+        return (expert * inner + j_J % inner) * two_f + col
+
+    return Placer(n=flat.numel(), positions=positions, values=lambda a, b: flat[a:b])
+
+
+def stacked_down(w: torch.Tensor, *, expert: int, tp: int, r: int, hf_shape: tuple) -> Placer:
+    """An expert's fc2 shard (columns ``r*C ..`` of ``[O, F]``, or a bias ``[O]``) into an HF tensor that stacks
+    every expert transposed (GPT-OSS ``down_proj`` ``[E, F, O]``, bias ``[E, O]``)."""
+    flat = w.reshape(-1)
+    if w.dim() == 1:
+        out = w.shape[0]
+        return Placer(n=out, positions=lambda a, b: expert * out + _j(a, b), values=lambda a, b: flat[a:b])
+    out, cols = w.shape
+    inner = hf_shape[-2]
+
+    def positions(a: int, b: int) -> torch.Tensor:
+        j_J = _j(a, b)
+        o, c = j_J // cols, j_J % cols
+        return (expert * inner + r * cols + c) * out + o
+
+    return Placer(n=flat.numel(), positions=positions, values=lambda a, b: flat[a:b])
+
+
 def split_range(n: int, parts: int, k: int) -> tuple[int, int]:
     """The ``k``-th of ``parts`` near-equal contiguous ranges of ``range(n)``."""
     return n * k // parts, n * (k + 1) // parts

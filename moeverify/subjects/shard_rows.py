@@ -7,6 +7,8 @@ expert index under EP, so all ranks agree; its slots are every HF tensor the tas
 EP rank. Each rank fills only what it owns:
 
 - TP column splits (rows ``tp_rank*a ..``), row splits (columns), vocab padding rows dropped;
+- GPT-OSS's experts stacked into one HF tensor (``gate_up_proj`` ``[E, I, 2F]`` gate/up interleaved,
+  ``down_proj`` ``[E, F, O]`` transposed, their biases): each expert's shard at its global expert's slice;
 - MiniMax-M2's full-dimension q/k norms: dim-0 shards over the unique norm shards (K with fewer KV heads than
   TP is held by several TP ranks, the first of which contributes);
 - fused QKV, interleaved per query group: ``[groups, q heads + k + v, head_dim, hidden]``;
@@ -92,8 +94,8 @@ def _hf_names(task, config) -> tuple[list[str], list[list[str]]]:
     else:
         raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} with several HF names "
                            f"is not supported by the sharded exporter")
-    if not (m.is_expert and m.ep_size > 1):
-        return base, [[b] for b in base]
+    if not (m.is_expert and m.ep_size > 1) or getattr(m, "is_grouped_export", False):
+        return base, [[b] for b in base]  # (stacked experts: every EP rank writes the one HF tensor)
     per_rank = _experts_per_rank(task, config)
     local = int(re.search(r"(?:local_experts\.|weight|bias)(\d+)", task.global_param_name).group(1)) % per_rank
     per_base = [[_EXPERT_IN_HF.sub(f"experts.{local + per_rank * k}", b) for k in range(m.ep_size)] for b in base]
@@ -171,9 +173,12 @@ def _kind(task) -> str:
 
     m = task.mapping
     if getattr(m, "is_grouped_export", False):  # megatron-bridge 0.6.2: experts stacked as one [E, ...] HF tensor
-        raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} exports experts stacked "
-                           f"into one HF tensor ({m.hf_param}), which the sharded exporter does not place; test "
-                           "this family's export with --subject bridge")
+        kind = _stacked_kind(m)
+        if kind is None:
+            raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} exports experts stacked "
+                               f"into one HF tensor ({m.hf_param}) in a layout the sharded exporter does not "
+                               "place (it places GPT-OSS's); test this family's export with --subject bridge")
+        return kind
     if isinstance(m, pm.QKVMapping):
         return "qkv"
     if isinstance(m, pm.GatedMLPMapping):
@@ -192,6 +197,29 @@ def _kind(task) -> str:
     raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} is not supported by the "
                        f"sharded exporter (supported: QKV, GatedMLP, Auto, Column, Row, Replicated, Direct, "
                        f"MiniMax-M2's full-dimension q/k norm)")
+
+
+def _stacked_kind(m) -> str | None:
+    """GPT-OSS's stacked expert mappings (megatron-bridge 0.6.2 ``gpt_oss_bridge``): ``gate_up_proj`` ``[E, I, 2F]``
+    with gate and up interleaved, ``down_proj`` ``[E, F, O]`` transposed, biases ``[E, 2F]`` and ``[E, O]``."""
+    try:
+        from megatron.bridge.models.gpt_oss.gpt_oss_bridge import (
+            GPTOSSMLPDownProjMapping,
+            GPTOSSMLPGateUpProjMapping,
+        )
+    except ImportError:
+        return None
+    if isinstance(m, GPTOSSMLPGateUpProjMapping):
+        return "stacked_gate_up"
+    if isinstance(m, GPTOSSMLPDownProjMapping):
+        return "stacked_down"
+    return None
+
+
+def _stacked_expert(task) -> int:
+    """The global expert number of a grouped expert parameter (``...weight{g}``/``bias{g}``, renumbered under EP
+    by the bridge's conversion tasks)."""
+    return int(re.search(r"(?:weight|bias)(\d+)$", task.global_param_name).group(1))
 
 
 def _full_dim_norm_mapping():
@@ -221,6 +249,8 @@ def _owns(task, owner: _Owners) -> bool:
     kind = _kind(task)
     if kind == "full_dim_norm":
         return first_replica and m.tp_rank % _norm_shards(task)[1] == 0
+    if kind == "stacked_down" and task.param_weight.dim() == 1:
+        return first_replica and m.tp_rank == 0  # a row-parallel bias: whole on every expert-TP rank
     tp_replicated = kind == "replicated" or (kind == "row" and task.param_weight.dim() == 1)
     return first_replica and (not tp_replicated or m.tp_rank == 0)
 
@@ -229,6 +259,10 @@ def _place(task, w: torch.Tensor, *, config, shapes, per_base, kind: str) -> dic
     """HF name -> Placer for this rank's own names (its EP rank's experts)."""
     m = task.mapping
     tp, r = m.tp_size, m.tp_rank
+    if kind in ("stacked_gate_up", "stacked_down"):
+        place = placement.stacked_gate_up if kind == "stacked_gate_up" else placement.stacked_down
+        name = per_base[0][0]
+        return {name: place(w, expert=_stacked_expert(task), tp=tp, r=r, hf_shape=tuple(shapes[name]))}
     ep_rank = m.ep_rank if (m.is_expert and m.ep_size > 1) else 0
     mine = [group[ep_rank] for group in per_base]
     if kind == "qkv":

@@ -74,3 +74,34 @@ def test_subject_gated_splits_gate_and_up_per_shard():
 def test_subject_split_range_covers_everything_once():
     spans = [split_range(10, 4, k) for k in range(4)]
     assert spans[0][0] == 0 and spans[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_subject_stacked_gate_up_interleaves_each_expert_into_its_slice():
+    """GPT-OSS: HF gate_up_proj [E, I, 2F] holds gate in even and up in odd columns; Megatron's expert fc1 is
+    [gate; up] as rows [2F, I]. Reference: the HF tensor built column by column."""
+    experts, inner, f = 3, 4, 5
+    hf = torch.randn(experts, inner, 2 * f)
+    hf_bias = torch.randn(experts, 2 * f)
+    parts, bias_parts = [], []
+    for e in range(experts):
+        fc1 = torch.cat([hf[e][:, 0::2].t(), hf[e][:, 1::2].t()])  # [2F, I]: gate rows, then up rows
+        fc1_bias = torch.cat([hf_bias[e][0::2], hf_bias[e][1::2]])
+        parts.append(placement.stacked_gate_up(fc1, expert=e, tp=1, r=0, hf_shape=hf.shape).full())
+        bias_parts.append(placement.stacked_gate_up(fc1_bias, expert=e, tp=1, r=0, hf_shape=hf_bias.shape).full())
+    assert torch.equal(_scatter(hf.shape, parts), hf)
+    assert torch.equal(_scatter(hf_bias.shape, bias_parts), hf_bias)
+
+
+def test_subject_stacked_down_transposes_each_expert_shard_into_its_slice():
+    """GPT-OSS: HF down_proj [E, F, O]; Megatron's expert fc2 is [O, F], split by columns over expert TP."""
+    experts, f, out = 2, 6, 3
+    hf = torch.randn(experts, f, out)
+    parts = []
+    for e in range(experts):
+        for r, shard in enumerate(torch.chunk(hf[e].t(), 2, dim=1)):
+            parts.append(placement.stacked_down(shard, expert=e, tp=2, r=r, hf_shape=hf.shape).full())
+    assert torch.equal(_scatter(hf.shape, parts), hf)
+    bias = torch.randn(experts, out)
+    bias_parts = [placement.stacked_down(bias[e], expert=e, tp=1, r=0, hf_shape=bias.shape).full()
+                  for e in range(experts)]
+    assert torch.equal(_scatter(bias.shape, bias_parts), bias)
