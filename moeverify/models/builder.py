@@ -103,6 +103,8 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None)
     family_spec = next((v for k, v in rebuilt.items() if fn is k), None)
     gaps = [] if family_spec is not None else [f"its own layer spec {family_specs.spec_name(fn)}"]
     # Attention sinks and sliding windows are rebuilt by LocalCoreAttention (local_spec.py).
+    if getattr(provider, "layernorm_zero_centered_gamma", False):
+        gaps.append("layernorm_zero_centered_gamma=True (norms scaled by 1 + weight; LocalNorm is torch's norm)")
     variant = getattr(provider, "experimental_attention_variant", None)
     if variant:
         gaps.append(f"experimental_attention_variant={variant!r} (linear attention)")

@@ -259,7 +259,8 @@ def test_cpu_spec_refuses_what_it_cannot_rebuild():
     def olmoe_layer_spec(config):
         return None
 
-    plain = dict(softmax_type="vanilla", window_size=None, experimental_attention_variant=None)
+    plain = dict(softmax_type="vanilla", window_size=None, experimental_attention_variant=None,
+                 layernorm_zero_centered_gamma=False)
     rebuilt = {default_layer_spec: "plain", get_gpt_decoder_block_spec: "block"}
     assert _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, **plain), "f", rebuilt=rebuilt) == "plain"
     assert _refuse_cpu_spec_gaps(NS(transformer_layer_spec=functools.partial(get_gpt_decoder_block_spec), **plain),
@@ -269,8 +270,23 @@ def test_cpu_spec_refuses_what_it_cannot_rebuild():
     with pytest.raises(UsageError, match="does not reproduce experimental_attention_variant='gated_delta_net' "
                                          r"\(linear attention\).*gpu_only"):
         _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, softmax_type="learnable",
-                                 window_size=(127, 0), experimental_attention_variant="gated_delta_net"), "f",
+                                 window_size=(127, 0), experimental_attention_variant="gated_delta_net",
+                                 layernorm_zero_centered_gamma=False), "f",
                               rebuilt=rebuilt)
+
+
+def test_cpu_spec_refuses_zero_centered_norms():
+    from types import SimpleNamespace as NS
+
+    from moeverify.models.builder import _refuse_cpu_spec_gaps
+
+    def default_layer_spec(config):
+        return None
+
+    with pytest.raises(UsageError, match=r"layernorm_zero_centered_gamma=True \(norms scaled by 1 \+ weight"):
+        _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, softmax_type="vanilla", window_size=None,
+                                 experimental_attention_variant=None, layernorm_zero_centered_gamma=True), "f",
+                              rebuilt={default_layer_spec: "plain"})
 
 
 def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):
