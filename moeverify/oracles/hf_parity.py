@@ -13,8 +13,8 @@ same checkpoint, in fp32 on one rank, with transformers' eager attention as the 
 Tolerance: ``max|megatron - hf| <= RTOL * max|hf|`` per compared tensor. fp32 on CPU, the two
 implementations differ by op order only (measured 3e-7 .. 5e-7 relative on every passing family); one
 changed expert choice or a transposed weight moves a layer by 1e-2 .. 1 relative.
-Runs at world size 1 (the scenario's layout must be the default one); the weights are upcast from the
-checkpoint's dtype exactly, so both models hold the same values.
+Runs at world size 1 (the scenario's layout must be the default one), Megatron on the run's backend and the
+reference on CPU; the weights are upcast from the checkpoint's dtype exactly, so both models hold the same values.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _layer_outputs(model, hf, tokens_BS):
     def keep(store, key, *, sbh: bool):
         def hook(_module, _args, out):
             out = out[0] if isinstance(out, tuple) else out
-            store[key] = (out.transpose(0, 1) if sbh else out).detach().float()
+            store[key] = (out.transpose(0, 1) if sbh else out).detach().float().cpu()
         return hook
 
     inner = model.module if hasattr(model, "module") and not hasattr(model, "decoder") else model
@@ -80,9 +80,10 @@ def _layer_outputs(model, hf, tokens_BS):
     handles += [layer.register_forward_hook(keep(theirs, i, sbh=False)) for i, layer in enumerate(hf.model.layers)]
     try:
         model.eval()
+        device = next(model.parameters()).device  # the HF reference runs on CPU; Megatron where it was built
         positions_BS = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
         with torch.no_grad():
-            ours["logits"] = model(tokens_BS, positions_BS, None).float()
+            ours["logits"] = model(tokens_BS.to(device), positions_BS.to(device), None).float().cpu()
             theirs["logits"] = hf(input_ids=tokens_BS).logits.float()
     finally:
         for handle in handles:
