@@ -71,6 +71,12 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
         _COMMON, model_type="gpt_oss", head_dim=16, intermediate_size=48, num_local_experts=8,
         num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
         tie_word_embeddings=False)),
+    # GLM-4.7-Flash: MLA, sigmoid routing with an fp32 expert bias, a shared expert, a dense first layer.
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", dict(
+        _COMMON, model_type="glm4_moe_lite", num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)),
     # Ernie-4.5-MoE: a dense first layer (moe_layer_start_index), a shared expert, an fp32 expert-bias
     # *parameter*, tied embeddings.
     "ernie45_moe": ("Ernie4_5_MoeForCausalLM", dict(
