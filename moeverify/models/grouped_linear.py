@@ -17,7 +17,7 @@ and reduce-scatters around them. Each expert is a plain ``x_i @ weight_i.T`` on 
 tokens. Parameter attributes follow megatron-core's ``TEGroupedLinear`` (``allreduce`` is false for experts
 on the expert groups, ``tensor_model_parallel``/``partition_dim``/``partition_stride``), so gradient reduction and the
 bridge's parallelism detection (registered by class name, ``AutoMapping.register_module_type``) treat them as
-they treat TE's.
+they treat TE's (``local_spec._register_with_bridge``).
 Legend: T = tokens routed to this rank's experts, I = input features, O = output features (this rank's).
 """
 
@@ -124,15 +124,6 @@ def grouped_experts_spec():
 
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-    _register_with_bridge()
     return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
         linear_fc1=CpuColumnParallelGroupedLinear, linear_fc2=CpuRowParallelGroupedLinear))
 
-
-def _register_with_bridge() -> None:
-    """Megatron-Bridge detects a parameter's tensor-parallel split from its module's class name (0.6.2:
-    ``AutoMapping._MODULE_TYPE_REGISTRY``, extended through ``register_module_type``)."""
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping
-
-    AutoMapping.register_module_type(CpuColumnParallelGroupedLinear.__name__, "column")
-    AutoMapping.register_module_type(CpuRowParallelGroupedLinear.__name__, "row")

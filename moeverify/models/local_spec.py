@@ -235,12 +235,17 @@ def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec 
 
 
 def _register_with_bridge() -> None:
-    """Megatron-Bridge finds how to split a parameter over TP from its module's class name (0.6.2: the sinks'
-    ``softmax_offset`` under ``DotProductAttention``/``TEDotProductAttention`` is a column split, one entry per
-    head); ``LocalCoreAttention`` holds them here."""
+    """Megatron-Bridge finds how to split a parameter over TP from its module's class name (0.6.2:
+    ``AutoMapping._MODULE_TYPE_REGISTRY``, extended through ``register_module_type``): the CPU modules that hold
+    TP-split parameters are registered as the TE modules they stand for (``LocalCoreAttention`` holds the sinks'
+    ``softmax_offset``, one entry per head, a column split as under ``TEDotProductAttention``; the grouped
+    linears as ``TEColumnParallelGroupedLinear``/``TERowParallelGroupedLinear``)."""
     from moeverify import runtime
+    from moeverify.models.grouped_linear import CpuColumnParallelGroupedLinear, CpuRowParallelGroupedLinear
 
     runtime.import_bridge()
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
-    AutoMapping.register_module_type(LocalCoreAttention.__name__, "column")
+    for cls, kind in ((LocalCoreAttention, "column"), (CpuColumnParallelGroupedLinear, "column"),
+                      (CpuRowParallelGroupedLinear, "row")):
+        AutoMapping.register_module_type(cls.__name__, kind)
