@@ -297,7 +297,7 @@ def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from moeverify.runner import launch, report
+    from moeverify.runner import interrupts, launch, report
     from moeverify.runner.outputs import Outputs
 
     outputs = Outputs(json_path=args.json, junit_path=args.junit)
@@ -319,7 +319,7 @@ def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
     t0 = time.perf_counter()
     interrupted = False
     try:
-        with console.status("starting") as status:
+        with interrupts.deferred(), console.status("starting") as status:
             def started(scenario, check) -> None:
                 status.update(f"running {escape(scenario.name)} {escape(check)} (world size {scenario.world_size})")
 

@@ -22,7 +22,7 @@ from typing import Any
 import moeverify
 from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord
-from moeverify.runner import nodes
+from moeverify.runner import interrupts, nodes
 from moeverify.runner.diagnose import Crash, diagnose
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
@@ -177,6 +177,7 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
                     _kill_group(proc)
                     collector.poll()
                     return proc.returncode, True
+                interrupts.check()  # Ctrl-C lands here, outside any lock a progress line holds
                 time.sleep(POLL_S)
         except BaseException:
             _kill_group(proc)
