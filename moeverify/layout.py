@@ -24,6 +24,7 @@ class ModelShape:
     num_query_groups: int
     num_experts: int = 0  # 0 for a dense model
     moe_layers: tuple[int, ...] = ()  # 0-based global layer numbers of MoE layers
+    linear_heads: tuple[int, int] = ()  # (key heads, value heads) of linear-attention layers; () without them
 
     @property
     def is_moe(self) -> bool:
@@ -130,6 +131,10 @@ class Layout:
             raise LayoutError(f"num_attention_heads {shape.num_heads} is not divisible by tp {self.tp}")
         if shape.num_query_groups % self.tp:
             raise LayoutError(f"num_query_groups {shape.num_query_groups} is not divisible by tp {self.tp}")
+        for kind, heads in zip(("key", "value"), shape.linear_heads):
+            if heads % (self.tp * self.cp):
+                raise LayoutError(f"linear attention's {heads} {kind} heads are not divisible by tp*cp = "
+                                  f"{self.tp}*{self.cp} (megatron-core's gated delta net splits them over both)")
         self.stage_layers(shape.num_layers)
         if shape.is_moe:
             if shape.num_experts % self.ep:

@@ -103,11 +103,16 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None)
     family_spec = next((v for k, v in rebuilt.items() if fn is k), None)
     gaps = [] if family_spec is not None else [f"its own layer spec {family_specs.spec_name(fn)}"]
     # Attention sinks and sliding windows are rebuilt by LocalCoreAttention (local_spec.py).
-    if getattr(provider, "layernorm_zero_centered_gamma", False):
-        gaps.append("layernorm_zero_centered_gamma=True (norms scaled by 1 + weight; LocalNorm is torch's norm)")
+    # Zero-centered norms are LocalNorm's ZeroCenteredRMSNorm; gated delta net layers are linear_attention.py's.
+    if getattr(provider, "layernorm_zero_centered_gamma", False) and provider.normalization != "RMSNorm":
+        gaps.append(f"layernorm_zero_centered_gamma=True with {provider.normalization} (built for RMSNorm only)")
     variant = getattr(provider, "experimental_attention_variant", None)
-    if variant:
-        gaps.append(f"experimental_attention_variant={variant!r} (linear attention)")
+    linear = bool(getattr(family_spec, "linear_attention", False))
+    if variant and not (variant == "gated_delta_net" and linear):
+        gaps.append(f"experimental_attention_variant={variant!r}")
+    if linear and variant != "gated_delta_net":
+        gaps.append(f"its layer spec with experimental_attention_variant={variant!r} (the CPU path builds "
+                    "gated_delta_net)")
     if gaps:
         raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
                          f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
@@ -139,11 +144,18 @@ def _moe_pattern(provider) -> tuple[int, ...]:
                      "(megatron-core 0.19's forms)")
 
 
+def _linear_heads(provider) -> tuple[int, int] | tuple[()]:
+    if getattr(provider, "experimental_attention_variant", None) != "gated_delta_net":
+        return ()
+    return (provider.linear_num_key_heads, provider.linear_num_value_heads)
+
+
 def _check_shape(provider, shape: ModelShape, family: str) -> None:
     """The shape the layout was validated against must be the model Megatron-Bridge built."""
     built = ModelShape(num_layers=provider.num_layers, num_heads=provider.num_attention_heads,
                        num_query_groups=provider.num_query_groups or provider.num_attention_heads,
-                       num_experts=provider.num_moe_experts or 0, moe_layers=_moe_pattern(provider))
+                       num_experts=provider.num_moe_experts or 0, moe_layers=_moe_pattern(provider),
+                       linear_heads=_linear_heads(provider))
     if built != shape:
         diffs = [f"{f.name} {getattr(shape, f.name)!r} (from the HF config) != {getattr(built, f.name)!r} (built)"
                  for f in dataclasses.fields(ModelShape) if getattr(shape, f.name) != getattr(built, f.name)]

@@ -24,6 +24,11 @@ _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attentio
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
                attention_dropout=0.0, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
+_QWEN_HYBRID = dict(_COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, tie_word_embeddings=False)
+
 # family -> (HF architecture, config class module/name, config kwargs)
 _FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2ForCausalLM", dict(_COMMON, model_type="qwen2", intermediate_size=128,
@@ -82,6 +87,12 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
     "ernie45_moe": ("Ernie4_5_MoeForCausalLM", dict(
         _COMMON, model_type="ernie4_5_moe", intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8,
         moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1)),
+    # Qwen3-Next: gated delta net (linear attention) on three layers of four, gated full attention on the fourth,
+    # zero-centered norms, a gated shared expert. Built on CPU by linear_attention.py.
+    "qwen3_next": ("Qwen3NextForCausalLM", dict(_QWEN_HYBRID, model_type="qwen3_next", decoder_sparse_step=1,
+                                                mlp_only_layers=[], norm_topk_prob=True)),
+    # Qwen3.5-MoE (text): the same hybrid stack with in_proj split four ways in the HF checkpoint.
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", dict(_QWEN_HYBRID, model_type="qwen3_5_moe_text")),
 }
 
 FAMILIES: tuple[str, ...] = tuple(_FAMILIES)

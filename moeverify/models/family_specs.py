@@ -11,7 +11,11 @@ below was read from the pinned source:
 - OLMoE's ``olmoe_layer_spec``: the default spec with ``self_attention.module = OLMoESelfAttention`` (q/k norms
   over all heads at once), kept as it is;
 - MiniMax-M2's ``minimax_m2_layer_spec``: the MoE spec with ``q_layernorm``/``k_layernorm`` set to its
-  ``FullDimQNorm``/``FullDimKNorm`` (plain torch, TP all-reduce of the sum of squares), kept as they are.
+  ``FullDimQNorm``/``FullDimKNorm`` (plain torch, TP all-reduce of the sum of squares), kept as they are;
+- megatron-core's ``get_transformer_block_with_experimental_attention_variant_spec`` (Qwen3-Next, Qwen3.5-MoE)
+  with ``experimental_attention_variant="gated_delta_net"``: the GPT layers (MoE or dense per
+  ``moe_layer_freq``), with megatron-core's ``GatedDeltaNet`` on the layers ``linear_attention_freq`` marks
+  (``linear_attention.py``); its other variant (DSA) is refused.
 
 Anything else (attention sinks, sliding windows, linear attention, another family's spec function) is
 refused by ``builder``: replacing it would build, and then verify, another model.
@@ -32,6 +36,9 @@ def cpu_rebuilds() -> dict:
         minimax_m2_layer_spec,
     )
     from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention, olmoe_layer_spec
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec,
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from moeverify.models.local_spec import FamilySpec
@@ -42,6 +49,7 @@ def cpu_rebuilds() -> dict:
         _ernie45_decoder_block_spec: FamilySpec(),
         olmoe_layer_spec: FamilySpec(self_attention=OLMoESelfAttention),
         minimax_m2_layer_spec: FamilySpec(q_layernorm=FullDimQNorm, k_layernorm=FullDimKNorm),
+        get_transformer_block_with_experimental_attention_variant_spec: FamilySpec(linear_attention=True),
     }
 
 

@@ -30,11 +30,45 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm scaled by ``1 + weight`` (``layernorm_zero_centered_gamma``, as Transformer Engine's norms and
+    Qwen3-Next's HF norms define it), computed in fp32 and returned in the input's dtype."""
+
+    def __init__(self, hidden_size: int, *, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centered_rms_norm(x, self.weight, self.eps)
+
+
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def local_norm_forward(config, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What ``LocalNorm(config, ...)`` computes, on a weight held elsewhere (a fused norm + linear)."""
+    if getattr(config, "layernorm_zero_centered_gamma", False):
+        return zero_centered_rms_norm(x, weight, eps)
+    if config.normalization == "RMSNorm":
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    raise ValueError(f"a fused norm + linear is built for RMSNorm only, got {config.normalization!r}")
+
+
 class LocalNorm:
-    """``torch.nn.RMSNorm`` / ``LayerNorm`` built from a Megatron config, usable under sequence parallelism."""
+    """``torch.nn.RMSNorm`` / ``LayerNorm`` built from a Megatron config, usable under sequence parallelism
+    (``ZeroCenteredRMSNorm`` where the config sets ``layernorm_zero_centered_gamma``)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        if config.normalization == "RMSNorm":
+        zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        if zero_centered and config.normalization != "RMSNorm":
+            raise ValueError(f"zero-centered gamma is built for RMSNorm only, got {config.normalization!r}")
+        if zero_centered:
+            norm = ZeroCenteredRMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
@@ -218,6 +252,7 @@ class FamilySpec:
     self_attention: type | None = None  # the attention module (OLMoE's full-width q/k norms)
     q_layernorm: object = None  # q/k norm builders (MiniMax-M2's full-dimension norms)
     k_layernorm: object = None
+    linear_attention: bool = False  # GDN on the layers linear_attention_freq marks (Qwen3-Next, Qwen3.5)
 
 
 def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec = FamilySpec()):
@@ -225,11 +260,19 @@ def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec 
 
     Routed experts are ``SequentialMLP`` (per-expert linears), or ``TEGroupedMLP`` over grouped linears laid out
     as Transformer Engine's where ``config.moe_grouped_gemm`` is set (``moeverify.models.grouped_linear``)."""
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+    gpt_config = config
+    if family.linear_attention:  # megatron-core's GPT specs assert no variant: GPT layers first, GDN swapped in below
+        gpt_config = copy.copy(config)
+        gpt_config.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(gpt_config, use_transformer_engine=False,
                                        normalization=config.normalization, vp_stage=vp_stage)
     _register_with_bridge()
     grouped = bool(config.moe_grouped_gemm)
     block.layer_specs = [_patch_layer_spec(s, grouped_experts=grouped, family=family) for s in block.layer_specs]
+    if family.linear_attention:
+        from moeverify.models.linear_attention import use_linear_attention
+
+        use_linear_attention(config, block.layer_specs, vp_stage)
     block.layer_norm = LocalNorm
     return block
 
@@ -246,6 +289,8 @@ def _register_with_bridge() -> None:
     runtime.import_bridge()
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
+    from moeverify.models.linear_attention import CpuGatedDeltaNet
+
     for cls, kind in ((LocalCoreAttention, "column"), (CpuColumnParallelGroupedLinear, "column"),
-                      (CpuRowParallelGroupedLinear, "row")):
+                      (CpuRowParallelGroupedLinear, "row"), (CpuGatedDeltaNet, "column")):
         AutoMapping.register_module_type(cls.__name__, kind)

@@ -268,8 +268,11 @@ def shape_of(config: dict, *, where: str = "model") -> ModelShape:
     experts = next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0)
     if isinstance(experts, list):  # e.g. a per-modality list
         experts = experts[0]
+    linear = ()
+    if "linear_attention" in (config.get("layer_types") or ()) or config.get("linear_num_key_heads"):
+        linear = (int(config.get("linear_num_key_heads") or 0), int(config.get("linear_num_value_heads") or 0))
     return ModelShape(num_layers=layers, num_heads=heads, num_query_groups=int(groups), num_experts=int(experts),
-                      moe_layers=_moe_layers(config, layers) if experts else ())
+                      moe_layers=_moe_layers(config, layers) if experts else (), linear_heads=linear)
 
 
 def _moe_layers(config: dict, layers: int) -> tuple[int, ...]:

@@ -61,14 +61,19 @@ def row(w: torch.Tensor, *, tp: int, r: int) -> Placer:
     return Placer(n=flat.numel(), positions=positions, values=lambda a, b: flat[a:b])
 
 
-def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: int) -> tuple[Placer, Placer, Placer]:
-    """Megatron's fused QKV shard ``[G, H + 2, D, I]`` (interleaved per query group) -> q, k, v."""
+def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: int,
+        output_gate: bool = False) -> tuple[Placer, Placer, Placer]:
+    """Megatron's fused QKV shard ``[G, H + 2, D, I]`` (interleaved per query group) -> q, k, v. With an attention
+    output gate (Qwen3-Next) the shard is ``[G, 2H + 2, D, I]`` (q heads, their gates, k, v) and HF's q_proj holds
+    each head's query and gate one after the other (``[heads, 2D, I]``): q's slot gets both."""
     H, D, G = heads // groups, head_dim, groups // tp
+    per_group = 2 * H + 2 if output_gate else H + 2
     inner = 1 if w.dim() == 1 else w.shape[1]
     flat = w.reshape(-1)
 
-    def placer(first: int, count: int) -> Placer:
-        # slot elements are [G, count, D, I] taken from heads first..first+count of every local group
+    def placer(first: int, count: int, *, stride: int = 1, shift: int = 0) -> Placer:
+        # slot elements are [G, count, D, I] taken from heads first..first+count of every local group; in HF,
+        # head ``h``'s rows start at ``(h * stride + shift) * D`` (stride 2 and shift 0/1 for q/gate)
         def unravel(j_J):
             c = j_J % inner
             d = (j_J // inner) % D
@@ -79,15 +84,33 @@ def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: 
         def positions(a: int, b: int) -> torch.Tensor:
             g, h, d, c = unravel(_j(a, b))
             head = (r * G + g) * count + h  # global q head, or global group for k/v (count == 1)
-            return (head * D + d) * inner + c
+            return ((head * stride + shift) * D + d) * inner + c
 
         def values(a: int, b: int) -> torch.Tensor:
             g, h, d, c = unravel(_j(a, b))
-            return flat[((g * (H + 2) + first + h) * D + d) * inner + c]
+            return flat[((g * per_group + first + h) * D + d) * inner + c]
 
         return Placer(n=G * count * D * inner, positions=positions, values=values)
 
-    return placer(0, H), placer(H, 1), placer(H + 1, 1)
+    k, v = placer(per_group - 2, 1), placer(per_group - 1, 1)
+    if not output_gate:
+        return placer(0, H), k, v
+    return concat(placer(0, H, stride=2), placer(H, H, stride=2, shift=1)), k, v
+
+
+def concat(*parts: Placer) -> Placer:
+    """One slot filled by several placers, their elements one after the other."""
+    starts = [0]
+    for part in parts:
+        starts.append(starts[-1] + part.n)
+
+    def pieces(a: int, b: int, fn: str) -> torch.Tensor:
+        out = [getattr(part, fn)(max(a, lo) - lo, min(b, hi) - lo)
+               for part, lo, hi in zip(parts, starts, starts[1:]) if max(a, lo) < min(b, hi)]
+        return torch.cat(out) if out else getattr(parts[0], fn)(0, 0)
+
+    return Placer(n=starts[-1], positions=lambda a, b: pieces(a, b, "positions"),
+                  values=lambda a, b: pieces(a, b, "values"))
 
 
 def gated(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> tuple[Placer, Placer]:
@@ -130,6 +153,72 @@ def stacked_down(w: torch.Tensor, *, expert: int, tp: int, r: int, hf_shape: tup
         return (expert * inner + r * cols + c) * out + o
 
     return Placer(n=flat.numel(), positions=positions, values=lambda a, b: flat[a:b])
+
+
+def row_map(w: torch.Tensor, *, local_rows: torch.Tensor, hf_rows: torch.Tensor) -> Placer:
+    """Local rows ``local_rows[i]`` (dim 0; the rest flattened) to HF rows ``hf_rows[i]``."""
+    inner = math.prod(w.shape[1:])
+    flat_RI = w.reshape(w.shape[0], inner)
+
+    def split(a: int, b: int):
+        j_J = _j(a, b)
+        return j_J // inner, j_J % inner
+
+    def positions(a: int, b: int) -> torch.Tensor:
+        i_J, c_J = split(a, b)
+        return hf_rows[i_J] * inner + c_J
+
+    def values(a: int, b: int) -> torch.Tensor:
+        i_J, c_J = split(a, b)
+        return flat_RI[local_rows[i_J], c_J]
+
+    return Placer(n=len(local_rows) * inner, positions=positions, values=values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GdnDims:
+    """Gated delta net sizes: key/value head dims and head counts (megatron-core's ``linear_*`` config)."""
+
+    dk: int
+    dv: int
+    nk: int
+    nv: int
+
+    @property
+    def group(self) -> int:  # value heads per key head
+        return self.nv // self.nk
+
+
+def gdn_sections(dims: GdnDims, *, tp: int, r: int, gates: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """megatron-core's GDN shard, section by section: ``in_proj`` holds ``[q, k, v, z, b, a]`` of this TP rank's
+    heads (``gates``), ``conv1d`` ``[q, k, v]``. Per section: (local rows, their global index in the section)."""
+    qk, v = dims.nk * dims.dk, dims.nv * dims.dv
+    sizes = [("q", qk), ("k", qk), ("v", v)] + ([("z", v), ("b", dims.nv), ("a", dims.nv)] if gates else [])
+    out, start = {}, 0
+    for name, full in sizes:
+        n = full // tp
+        out[name] = (_j(start, start + n), _j(r * n, (r + 1) * n))
+        start += n
+    return out
+
+
+def gdn_flat_row(dims: GdnDims, section: str, j_R: torch.Tensor) -> torch.Tensor:
+    """HF row of global section index ``j`` in the flat ``[Q; K; V]`` layout (conv1d, Qwen3.5's in_proj_qkv);
+    z, b, a are tensors of their own (row ``j``)."""
+    qk = dims.nk * dims.dk
+    return j_R + {"q": 0, "k": qk, "v": 2 * qk}.get(section, 0)
+
+
+def gdn_grouped_row(dims: GdnDims, section: str, j_R: torch.Tensor) -> torch.Tensor:
+    """HF row of global section index ``j`` in Qwen3-Next's head-grouped layout: ``in_proj_qkvz`` is, per key
+    head, ``[q (dk), k (dk), v (g*dv), z (g*dv)]``; ``in_proj_ba`` per key head ``[b (g), a (g)]``."""
+    dk, gv, g = dims.dk, dims.group * dims.dv, dims.group
+    width = 2 * dk + 2 * gv
+    if section in ("q", "k"):
+        return (j_R // dk) * width + (dk if section == "k" else 0) + j_R % dk
+    if section in ("v", "z"):
+        return (j_R // gv) * width + 2 * dk + (gv if section == "z" else 0) + j_R % gv
+    return (j_R // g) * 2 * g + (g if section == "a" else 0) + j_R % g
 
 
 def split_range(n: int, parts: int, k: int) -> tuple[int, int]:

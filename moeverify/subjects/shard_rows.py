@@ -85,8 +85,11 @@ def _hf_names(task, config) -> tuple[list[str], list[list[str]]]:
 
     m = task.mapping
     hf = m.hf_param
+    gdn = _gdn_in_proj_kind(m)
     if isinstance(m, QKVMapping):
         base = [hf["q"], hf["k"], hf["v"]]
+    elif gdn is not None:
+        base = [hf[key] for key in _GDN_HF_TENSORS[gdn]]
     elif isinstance(m, GatedMLPMapping):
         base = [hf["gate"], hf["up"]]
     elif isinstance(hf, str):
@@ -181,6 +184,15 @@ def _kind(task) -> str:
         return kind
     if isinstance(m, pm.QKVMapping):
         return "qkv"
+    gdn = _gdn_in_proj_kind(m)
+    if gdn is not None:
+        return gdn
+    if isinstance(m, pm.GDNConv1dMapping):
+        return "gdn_conv1d"
+    if isinstance(m, pm.RMSNorm2ZeroCenteredRMSNormMapping):  # before AutoMapping, its base class
+        if m._detect_parallelism_type(task.megatron_module) != "replicated":
+            raise SubjectError(f"row {task.global_param_name!r}: a zero-centered norm that is not replicated")
+        return "zero_centered_norm"
     if isinstance(m, pm.GatedMLPMapping):
         return "gated"
     if isinstance(m, pm.AutoMapping):
@@ -196,7 +208,42 @@ def _kind(task) -> str:
             return kind
     raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} is not supported by the "
                        f"sharded exporter (supported: QKV, GatedMLP, Auto, Column, Row, Replicated, Direct, "
-                       f"MiniMax-M2's full-dimension q/k norm)")
+                       f"MiniMax-M2's full-dimension q/k norm, gated delta net in_proj/conv1d, zero-centered norm)")
+
+
+# The HF tensors of a gated delta net's in_proj (megatron-bridge 0.6.2): Qwen3-Next's two head-grouped ones
+# (GDNLinearMapping), Qwen3.5's four flat ones (GDNLinearMappingSeparate); sections of each, in order.
+_GDN_HF_TENSORS = {"gdn_in_proj_grouped": ("qkvz", "ba"), "gdn_in_proj_flat": ("qkv", "z", "b", "a")}
+_GDN_SECTIONS_OF = {"qkvz": "qkvz", "ba": "ba", "qkv": "qkv", "z": "z", "b": "b", "a": "a"}  # one letter each
+
+
+def _gdn_in_proj_kind(m) -> str | None:
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    if isinstance(m, pm.GDNLinearMappingSeparate):
+        return "gdn_in_proj_flat"
+    if isinstance(m, pm.GDNLinearMapping):
+        return "gdn_in_proj_grouped"
+    return None
+
+
+def _gdn_dims(config) -> placement.GdnDims:
+    return placement.GdnDims(dk=config.linear_key_head_dim, dv=config.linear_value_head_dim,
+                             nk=config.linear_num_key_heads, nv=config.linear_num_value_heads)
+
+
+def _place_gdn(w: torch.Tensor, *, kind: str, names: list[str], config, tp: int, r: int) -> dict:
+    """A GDN shard's sections into their HF tensors (``names`` in ``_GDN_HF_TENSORS`` order, or conv1d's one)."""
+    dims = _gdn_dims(config)
+    sections = placement.gdn_sections(dims, tp=tp, r=r, gates=kind != "gdn_conv1d")
+    row = placement.gdn_grouped_row if kind == "gdn_in_proj_grouped" else placement.gdn_flat_row
+    tensors = _GDN_HF_TENSORS.get(kind, ("qkv",))
+    out = {}
+    for name, tensor in zip(names, tensors):
+        parts = [(local, row(dims, sec, j)) for sec, (local, j) in sections.items() if sec in _GDN_SECTIONS_OF[tensor]]
+        local_rows = torch.cat([p[0] for p in parts])
+        out[name] = placement.row_map(w, local_rows=local_rows, hf_rows=torch.cat([p[1] for p in parts]))
+    return out
 
 
 def _stacked_kind(m) -> str | None:
@@ -251,7 +298,7 @@ def _owns(task, owner: _Owners) -> bool:
         return first_replica and m.tp_rank % _norm_shards(task)[1] == 0
     if kind == "stacked_down" and task.param_weight.dim() == 1:
         return first_replica and m.tp_rank == 0  # a row-parallel bias: whole on every expert-TP rank
-    tp_replicated = kind == "replicated" or (kind == "row" and task.param_weight.dim() == 1)
+    tp_replicated = kind in ("replicated", "zero_centered_norm") or (kind == "row" and task.param_weight.dim() == 1)
     return first_replica and (not tp_replicated or m.tp_rank == 0)
 
 
@@ -265,11 +312,15 @@ def _place(task, w: torch.Tensor, *, config, shapes, per_base, kind: str) -> dic
         return {name: place(w, expert=_stacked_expert(task), tp=tp, r=r, hf_shape=tuple(shapes[name]))}
     ep_rank = m.ep_rank if (m.is_expert and m.ep_size > 1) else 0
     mine = [group[ep_rank] for group in per_base]
+    if kind.startswith("gdn_"):
+        return _place_gdn(w, kind=kind, names=mine, config=config, tp=tp, r=r)
+    if kind == "zero_centered_norm":  # Megatron holds weight - 1 (its norm scales by 1 + weight); HF the weight
+        return {mine[0]: placement.replicated(w + 1)}
     if kind == "qkv":
         heads = config.num_attention_heads
         head_dim = config.kv_channels or config.hidden_size // heads
         return dict(zip(mine, placement.qkv(w, heads=heads, groups=config.num_query_groups, head_dim=head_dim,
-                                            tp=tp, r=r)))
+                                            tp=tp, r=r, output_gate=bool(config.attention_output_gate))))
     if kind == "gated":
         return dict(zip(mine, placement.gated(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0])))
     if kind == "column":

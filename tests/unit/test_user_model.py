@@ -267,26 +267,34 @@ def test_cpu_spec_refuses_what_it_cannot_rebuild():
                                  "f", rebuilt=rebuilt) == "block"
     with pytest.raises(UsageError, match="f: without Transformer Engine.*own layer spec .*olmoe_layer_spec"):
         _refuse_cpu_spec_gaps(NS(transformer_layer_spec=olmoe_layer_spec, **plain), "f", rebuilt=rebuilt)
-    with pytest.raises(UsageError, match="does not reproduce experimental_attention_variant='gated_delta_net' "
-                                         r"\(linear attention\).*gpu_only"):
+    with pytest.raises(UsageError, match="does not reproduce experimental_attention_variant='gated_delta_net'"
+                                         ".*gpu_only"):  # linear attention under a spec that builds none
         _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, softmax_type="learnable",
                                  window_size=(127, 0), experimental_attention_variant="gated_delta_net",
                                  layernorm_zero_centered_gamma=False), "f",
                               rebuilt=rebuilt)
 
 
-def test_cpu_spec_refuses_zero_centered_norms():
+def test_cpu_spec_builds_gated_delta_net_and_zero_centered_rms_norms_only():
     from types import SimpleNamespace as NS
 
     from moeverify.models.builder import _refuse_cpu_spec_gaps
+    from moeverify.models.local_spec import FamilySpec
 
-    def default_layer_spec(config):
+    def hybrid_spec(config):
         return None
 
-    with pytest.raises(UsageError, match=r"layernorm_zero_centered_gamma=True \(norms scaled by 1 \+ weight"):
-        _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, softmax_type="vanilla", window_size=None,
-                                 experimental_attention_variant=None, layernorm_zero_centered_gamma=True), "f",
-                              rebuilt={default_layer_spec: "plain"})
+    hybrid = FamilySpec(linear_attention=True)
+    rebuilt = {hybrid_spec: hybrid}
+    qwen3_next = dict(transformer_layer_spec=hybrid_spec, softmax_type="vanilla", window_size=None,
+                      normalization="RMSNorm", layernorm_zero_centered_gamma=True)
+    assert _refuse_cpu_spec_gaps(NS(**qwen3_next, experimental_attention_variant="gated_delta_net"), "f",
+                                 rebuilt=rebuilt) is hybrid
+    with pytest.raises(UsageError, match=r"experimental_attention_variant='dsa'"):
+        _refuse_cpu_spec_gaps(NS(**qwen3_next, experimental_attention_variant="dsa"), "f", rebuilt=rebuilt)
+    with pytest.raises(UsageError, match=r"layernorm_zero_centered_gamma=True with LayerNorm"):
+        _refuse_cpu_spec_gaps(NS(**dict(qwen3_next, normalization="LayerNorm"),
+                                 experimental_attention_variant="gated_delta_net"), "f", rebuilt=rebuilt)
 
 
 def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):

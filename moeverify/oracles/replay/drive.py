@@ -129,7 +129,16 @@ class RouterProbe:
             self.forward[(layer, self.current_mb)] = seen
 
 
-def _zero_grads(model_chunks: list) -> None:
+def _new_step(model_chunks: list) -> None:
+    """Each pass starts as a training step does: grads zeroed, and routers' ``global_aux_loss`` trackers reset
+    (megatron-core 0.19.2 accumulates tokens per expert over a step's forwards and resets them in
+    ``finalize_model_grads``; Qwen3-Next's bridge sets ``global_aux_loss``). Without the reset a second pass over
+    the same tokens has another aux loss, and router grads differ from the first pass's."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            reset = getattr(module, "reset_global_aux_loss_tracker", None)
+            if callable(reset):
+                reset()
     for chunk in model_chunks:
         if hasattr(chunk, "zero_grad_buffer"):
             chunk.zero_grad_buffer()
@@ -178,7 +187,7 @@ def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forwa
 
     for chunk in model_chunks:
         chunk.train()
-    _zero_grads(model_chunks)
+    _new_step(model_chunks)
     iterators = [iter(list(items)) for _ in model_chunks]
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
     with RouterProbe(model_chunks) as probe, grad_mode:
@@ -236,7 +245,7 @@ def loop_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl
     result = PassResult(routing={}, recompute={}, logits={}, seq_loss={}, grads={})
     total_tokens = items[0].tokens_BS.shape[0] * seq_len
     chunk.train()
-    _zero_grads(model_chunks)
+    _new_step(model_chunks)
     with impl.replay(routes), RouterProbe(model_chunks) as probe:
         losses = [_loss(item, total_tokens, result, forward_one(chunk, 0, item, impl=impl, probe=probe))[0] / len(items)
                   for item in items]
