@@ -81,21 +81,8 @@ def _torch_kernels():
             setattr(module, name, value)
 
 
-def _eager(fn):
-    """The undecorated function behind megatron-core's ``jit_fuser`` (``torch.compile`` on torch >= 2.2). Compiled
-    on CPU, the same call gives different roundings once the graph is recompiled (another grad mode or shape),
-    and two passes over the same tokens stop being bitwise equal: the replay oracle's own premise."""
-    original = getattr(fn, "_torchdynamo_orig_callable", None) or getattr(fn, "__wrapped__", None)
-    return original if original is not None else fn
-
-
 class CpuGatedDeltaNet(GatedDeltaNet):
-    """megatron-core's ``GatedDeltaNet`` running the torch kernels above (see the module docstring), its
-    ``jit_fuser`` helpers run eagerly."""
-
-    _apply_gated_norm = _eager(GatedDeltaNet._apply_gated_norm)
-    _prepare_input_for_gated_delta_rule = _eager(GatedDeltaNet._prepare_input_for_gated_delta_rule)
-    _compute_g_and_beta = _eager(GatedDeltaNet._compute_g_and_beta)
+    """megatron-core's ``GatedDeltaNet`` running the torch kernels above (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
         with _torch_kernels():

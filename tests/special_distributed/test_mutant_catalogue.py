@@ -1,7 +1,7 @@
 """Every mutant of the catalogue makes the export check FAIL with its named subchecks, and no other
-subcheck fails beyond its declared collateral. All mutants run in ONE 2-rank torchrun over four
+subcheck fails beyond its declared collateral. All mutants run in ONE 2-rank torchrun over five
 scenarios chosen so that every mutant applies somewhere (EP, fp32 router bias, tied embeddings,
-more than one query group per rank)."""
+more than one query group per rank, Qwen3-Next's gated delta net)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from test_export_matrix import run_driver
 
 from moeverify.oracles.export.mutants import MUTANTS
 
-SCENARIOS = ["qwen3_moe:ep2", "deepseek_v3:ep2", "qwen2_tied:pp2", "qwen2:pp2"]
+SCENARIOS = ["qwen3_moe:ep2", "deepseek_v3:ep2", "qwen2_tied:pp2", "qwen2:pp2", "qwen3_next:tp2-sp"]
 
 
 def test_mutant_catalogue_each_fails_with_named_subchecks(tmp_path):

@@ -75,3 +75,19 @@ def test_runtime_parallel_destroys_the_groups_it_made():
     out = subprocess.run([sys.executable, "-c", GROUPS_SCRIPT], capture_output=True, text=True, timeout=300,
                          env=env)
     assert out.returncode == 0 and out.stdout.strip().startswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_oracle_runtime_runs_megatrons_compiled_fusions_eagerly(patched_megatron_world):
+    """megatron-core's jit_fuser (torch.compile) recompiles per grad mode and shape and falls back to eager past
+    dynamo's cache limit: oracle processes run every compiled function eagerly, so passes stay bitwise equal."""
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+
+    @torch.compile(backend="eager")
+    def fused(x):
+        return torch.sin(x) * 2
+
+    before = dynamo_utils.counters["frames"]["total"]
+    x = torch.randn(5)
+    assert torch.equal(fused(x), torch.sin(x) * 2)
+    assert dynamo_utils.counters["frames"]["total"] == before  # no frame was handed to dynamo

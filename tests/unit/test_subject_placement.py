@@ -105,3 +105,99 @@ def test_subject_stacked_down_transposes_each_expert_shard_into_its_slice():
     bias_parts = [placement.stacked_down(bias[e], expert=e, tp=1, r=0, hf_shape=bias.shape).full()
                   for e in range(experts)]
     assert torch.equal(_scatter(bias.shape, bias_parts), bias)
+
+
+def _reassemble(shards, place, shapes):
+    """Scatter every rank's placed shard (in three ranges, as the exporter cuts rows) into the HF tensors."""
+    got = {name: [] for name in shapes}
+    for r, shard in enumerate(shards):
+        for name, placer in place(shard, r).items():
+            for k in range(3):
+                a, b = split_range(placer.n, 3, k)
+                got[name].append((placer.positions(a, b), placer.values(a, b)))
+    return {name: _scatter(shape, got[name]) for name, shape in shapes.items()}
+
+
+def _bridge_mappings():
+    from moeverify import runtime
+
+    runtime.import_bridge()  # megatron-bridge imports through moeverify's shim where Transformer Engine is absent
+    from megatron.bridge.models.conversion import param_mapping
+
+    return param_mapping
+
+
+def _gdn_config(**extra):
+    from types import SimpleNamespace as NS
+
+    return NS(hidden_size=6, linear_key_head_dim=3, linear_value_head_dim=2, linear_num_key_heads=2,
+              linear_num_value_heads=4, **extra)
+
+
+def test_subject_gdn_in_proj_grouped_and_flat_against_the_bridges_merge():
+    pm = _bridge_mappings()
+    _fuse_gdn_separate_to_grouped, merge_gdn_linear_weights = pm._fuse_gdn_separate_to_grouped, pm.merge_gdn_linear_weights
+    cfg = _gdn_config()
+    dims = placement.GdnDims(dk=3, dv=2, nk=2, nv=4)
+    qk, v, hidden = 6, 8, 6
+    qkv, z = torch.randn(2 * qk + v, hidden), torch.randn(v, hidden)
+    b, a = torch.randn(4, hidden), torch.randn(4, hidden)
+    qkvz, ba = _fuse_gdn_separate_to_grouped(cfg, qkv, z, b, a)  # Qwen3-Next's head-grouped HF tensors
+    for tp in (1, 2):
+        shards = torch.chunk(merge_gdn_linear_weights(cfg, qkvz, ba, tp_size=tp), tp)  # Megatron's in_proj per rank
+
+        def grouped(shard, r):
+            sections = placement.gdn_sections(dims, tp=tp, r=r, gates=True)
+            return {name: placement.row_map(shard, local_rows=torch.cat([sections[s][0] for s in secs]),
+                                            hf_rows=torch.cat([placement.gdn_grouped_row(dims, s, sections[s][1])
+                                                               for s in secs]))
+                    for name, secs in (("qkvz", "qkvz"), ("ba", "ba"))}
+
+        def flat(shard, r):
+            sections = placement.gdn_sections(dims, tp=tp, r=r, gates=True)
+            return {name: placement.row_map(shard, local_rows=torch.cat([sections[s][0] for s in secs]),
+                                            hf_rows=torch.cat([placement.gdn_flat_row(dims, s, sections[s][1])
+                                                               for s in secs]))
+                    for name, secs in (("qkv", "qkv"), ("z", "z"), ("b", "b"), ("a", "a"))}
+
+        got = _reassemble(shards, grouped, {"qkvz": qkvz.shape, "ba": ba.shape})
+        assert torch.equal(got["qkvz"], qkvz) and torch.equal(got["ba"], ba), tp
+        got = _reassemble(shards, flat, {"qkv": qkv.shape, "z": z.shape, "b": b.shape, "a": a.shape})
+        assert all(torch.equal(got[k], t) for k, t in (("qkv", qkv), ("z", z), ("b", b), ("a", a))), tp
+
+
+def test_subject_gdn_conv1d_sections_split_per_tp_rank():
+    dims = placement.GdnDims(dk=3, dv=2, nk=2, nv=4)
+    qk, v, width = 6, 8, 4
+    conv = torch.randn(2 * qk + v, 1, width)  # HF: [Q; K; V] channels
+    q, k, vv = torch.split(conv, [qk, qk, v])
+    tp = 2
+    # independent reference: each rank holds its slice of q, of k and of v, one after the other
+    shards = [torch.cat([t.chunk(tp)[r] for t in (q, k, vv)]) for r in range(tp)]
+
+    def place(shard, r):
+        sections = placement.gdn_sections(dims, tp=tp, r=r, gates=False)
+        return {"conv": placement.row_map(shard, local_rows=torch.cat([sections[s][0] for s in "qkv"]),
+                                          hf_rows=torch.cat([placement.gdn_flat_row(dims, s, sections[s][1])
+                                                             for s in "qkv"]))}
+
+    assert torch.equal(_reassemble(shards, place, {"conv": conv.shape})["conv"], conv)
+
+
+def test_subject_qkv_with_output_gate_against_the_bridges_merge():
+    from types import SimpleNamespace as NS
+
+    merge_qkv_weights = _bridge_mappings().merge_qkv_weights
+    heads, groups, dim, hidden = 4, 2, 3, 5
+    cfg = NS(num_attention_heads=heads, num_query_groups=groups, kv_channels=dim, hidden_size=hidden,
+             attention_output_gate=True)
+    q = torch.randn(heads * 2 * dim, hidden)  # HF q_proj: each head's query then its gate
+    k, v = torch.randn(groups * dim, hidden), torch.randn(groups * dim, hidden)
+    fused = merge_qkv_weights(cfg, q, k, v)
+    for tp in (1, 2):
+        def place(shard, r):
+            return dict(zip("qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r,
+                                                 output_gate=True)))
+
+        got = _reassemble(torch.chunk(fused, tp), place, {"q": q.shape, "k": k.shape, "v": v.shape})
+        assert torch.equal(got["q"], q) and torch.equal(got["k"], k) and torch.equal(got["v"], v), tp

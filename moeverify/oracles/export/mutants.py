@@ -293,6 +293,55 @@ def raises_mid_stream(ctx):
         yield row
 
 
+def _hybrid(*, family, layout, world_size) -> bool:
+    return family in ("qwen3_next", "qwen3_5_moe")
+
+
+def gdn_in_proj_flat(ctx):
+    """Qwen3-Next's gated delta net in_proj written as flat ``[q; k; v; z]`` and ``[b; a]`` instead of grouped
+    per key head. Bug class: a converter written for Qwen3.5's separate, flat projections reused for Qwen3-Next,
+    whose ``in_proj_qkvz``/``in_proj_ba`` interleave each key head's q, k, v, z (b, a)."""
+    from moeverify.subjects import placement
+    from moeverify.subjects.shard_rows import _gdn_dims
+
+    model = ctx.model_chunks[0]
+    while hasattr(model, "module"):
+        model = model.module
+    dims = _gdn_dims(model.config)
+
+    def moved(tensor: str):  # grouped HF row -> flat HF row, over the whole tensor
+        sections = "qkvz" if tensor == "qkvz" else "ba"
+        sizes = {"q": dims.nk * dims.dk, "k": dims.nk * dims.dk, "v": dims.nv * dims.dv, "z": dims.nv * dims.dv,
+                 "b": dims.nv, "a": dims.nv}
+        perm, start = {}, 0
+        for sec in sections:
+            j = torch.arange(sizes[sec])
+            perm.update(zip(placement.gdn_grouped_row(dims, sec, j).tolist(), (start + j).tolist()))
+            start += sizes[sec]
+        return torch.tensor([perm[i] for i in range(start)])
+
+    perms = {t: moved(t) for t in ("qkvz", "ba")}
+
+    def fn(slots):
+        out = []
+        for slot in slots:
+            tensor = "qkvz" if slot.hf_name.endswith("in_proj_qkvz.weight") else "ba"
+            inner = slot.hf_shape[-1]
+            rows = perms[tensor][slot.positions // inner]
+            out.append(Slot(slot.hf_name, slot.hf_shape, rows * inner + slot.positions % inner, slot.values))
+        return out
+
+    for row in _rows(ctx):
+        yield _rewrap(row, fn) if row.row.endswith("self_attention.in_proj.weight") else row
+
+
+def zero_centered_norm_unshifted(ctx):
+    """The gated delta net's output norm sent as Megatron holds it (``weight - 1``, its norm scales by
+    ``1 + weight``) while HF's ``linear_attn.norm`` scales by ``weight``. Bug class: an exporter that copies
+    every norm as is, unaware that one of a family's norms is zero-centered in Megatron and not in HF."""
+    yield from _map_named(ctx, lambda n: n.endswith("linear_attn.norm.weight"), lambda v: v - 1)
+
+
 def _last_rank_has_replica(*, family, layout, world_size) -> bool:
     return layout.dp(world_size) > 1 or layout.tp > 1 or (family == "qwen2_tied" and layout.pp > 1)
 
@@ -321,6 +370,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(name="key_renamed", fails=("key_set", "coverage"), factory=key_renamed),
     Mutant(name="extra_key", fails=("key_set",), factory=extra_key),
     Mutant(name="diverged_replica", fails=("replicas",), factory=diverged_replica, applies=_last_rank_has_replica),
+    Mutant(name="gdn_in_proj_flat", fails=("bitwise",), factory=gdn_in_proj_flat,
+           applies=lambda family, layout, world_size: family == "qwen3_next"),
+    Mutant(name="zero_centered_norm_unshifted", fails=("bitwise",), factory=zero_centered_norm_unshifted,
+           applies=_hybrid),
     Mutant(name="raises_mid_stream", fails=("lockstep",), collateral=tuple(
         ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set"]),
         factory=raises_mid_stream),
