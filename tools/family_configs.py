@@ -45,6 +45,13 @@ FAMILIES = {
     "qwen35_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=16, num_experts=8,
         num_experts_per_tok=2, **_LINEAR_ATTENTION)),
+    # GLM-5: MLA with DeepSeek sparse attention (DSA); its bridge builds megatron-core's DSA variant, which the CPU
+    # path refuses (docs/families.md)
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8,
+        num_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, index_topk=8,
+        index_head_dim=16, index_n_heads=2, indexer_rope_interleave=True)),  # read by the bridge, not in the class
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=32, num_local_experts=8,
                                                             num_experts_per_tok=2)),
 }

@@ -178,6 +178,17 @@ def _bridge_for(family: str, hf_path: Path):
         raise UsageError(f"{family}: Megatron-Bridge cannot convert it: {first}") from exc
 
 
+def _provider(bridge, family: str, *, load_weights: bool):
+    """``bridge.to_megatron_provider``; a bridge that cannot read the config (a key its family's configs carry and
+    this one lacks) is the user's config to fix, named with the bridge that asked, not a traceback."""
+    config_errors = (AttributeError, KeyError, TypeError, ValueError) if not load_weights else (AttributeError,)
+    try:  # (loading weights, other errors are the weights', and keep their own messages)
+        return bridge.to_megatron_provider(load_weights=load_weights)
+    except config_errors as exc:
+        raise UsageError(f"{family}: {type(bridge._model_bridge).__name__} could not make a Megatron config from "
+                         f"its config.json: {type(exc).__name__}: {exc}") from None
+
+
 def preflight(family: str, *, te_real: bool) -> None:
     """Refuse, in the launching process and before any rank starts, what every rank's ``build`` would refuse
     once it had started: an architecture without a bridge, and (``te_real`` False) a model the CPU layer
@@ -195,7 +206,7 @@ def preflight(family: str, *, te_real: bool) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 bridge = _bridge_for(family, path)
-                provider = bridge.to_megatron_provider(load_weights=False)
+                provider = _provider(bridge, family, load_weights=False)
                 if not te_real:
                     _cpu_path(provider, family, bridge._model_bridge.mapping_registry())
         finally:
@@ -221,7 +232,7 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     layout.validate(world_size=rt.world_size, shape=shape)
     hf_path = hf_checkpoint(family, seed)
     bridge = _bridge_for(family, hf_path)
-    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider = _provider(bridge, family, load_weights=load_weights)
     _apply_layout(provider, layout)
     if not rt.te_real:
         settings, block_spec = _cpu_path(provider, family, bridge._model_bridge.mapping_registry())

@@ -17,8 +17,9 @@ below was read from the pinned source:
   ``moe_layer_freq``), with megatron-core's ``GatedDeltaNet`` on the layers ``linear_attention_freq`` marks
   (``linear_attention.py``); its other variant (DSA) is refused.
 
-Anything else (attention sinks, sliding windows, linear attention, another family's spec function) is
-refused by ``builder``: replacing it would build, and then verify, another model.
+Anything else (another family's spec function, DSA attention, zero-centered LayerNorm) is refused by
+``builder``: replacing it would build, and then verify, another model. Attention sinks and sliding windows are
+``LocalCoreAttention``'s (``local_spec.py``).
 """
 
 from __future__ import annotations

@@ -331,8 +331,10 @@ def _family_tool(repo_root):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("qwen3_next", r"model:qwen3_next: without Transformer Engine .*experimental_attention_variant='gated_delta_net'"),
+    ("glm_moe_dsa", r"model:glm_moe_dsa: without Transformer Engine .*experimental_attention_variant='dsa'"),
     ("mixtral", r"model:mixtral: Megatron-Bridge cannot convert it: .*'MixtralForCausalLM' is not yet supported"),
+    ("glm_moe_dsa_bare", r"model:glm_moe_dsa_bare: GLM5Bridge could not make a Megatron config from its config.json: "
+                         r"AttributeError: .*indexer_rope_interleave"),
 ])
 def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo_root, monkeypatch, capsys,
                                                                  name, message):
@@ -344,14 +346,20 @@ def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo
         raise AssertionError("a torchrun group was started")
 
     monkeypatch.setattr(launch, "run_group", no_rank_may_start)
-    model = _family_tool(repo_root).write(tmp_path, name)
+    model = _family_tool(repo_root).write(tmp_path, name.removesuffix("_bare"))
+    if name.endswith("_bare"):  # the config transformers writes, without the key GLM-5's hub configs add
+        config = json.loads((model / "config.json").read_text())
+        del config["indexer_rope_interleave"]
+        model = model.rename(tmp_path / name)
+        (model / "config.json").write_text(json.dumps(config))
     code = cli.main(["run", str(repo_root / "scenarios" / "families.yaml"), "--model", str(model),
                      "--backend", "cpu", "--run-dir", str(tmp_path / "runs")])
     err = capsys.readouterr().err
     assert code == 2 and re.search(message, err), err
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "glm4_moe", "olmoe", "minimax_m2", "ernie45_moe"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "glm4_moe", "olmoe", "minimax_m2", "ernie45_moe", "qwen3_next",
+                                  "qwen35_moe"])
 def test_preflight_passes_a_model_the_cpu_path_rebuilds(tmp_path, repo_root, name):
     from moeverify.models import builder
 
