@@ -94,7 +94,8 @@ def test_load_release_file_has_the_release_matrix(repo_root):
 def test_load_families_matrix_runs_every_bridge_family_but_where_a_finding_stops_it(repo_root):
     got = {s.name: s for s in load([str(repo_root / "scenarios/families_matrix.yaml")], checks=CHECKS,
                                    families=FAMILIES)}
-    families = ("glm4_moe", "glm4_moe_lite", "olmoe", "minimax_m2", "gpt_oss", "ernie45_moe")
+    families = ("glm4_moe", "glm4_moe_lite", "olmoe", "minimax_m2", "gpt_oss", "ernie45_moe", "qwen3_next",
+                "qwen3_5_moe")
     layouts = ["tp1", "tp2-sp", "pp2", "pp2-vpp2", "ep2-dp2", "etp2-dp2", "cp2", "ep2-dp4", "pp2-ep2-dp2"]
     expected = {f"{f}/{l}" for f in families for l in layouts if f != "gpt_oss"}
     expected |= {f"gpt_oss/{l}" for l in layouts if l not in ("tp2-sp", "etp2-dp2")} | {"gpt_oss/tp2-etp1-sp"}
