@@ -7,6 +7,8 @@ from moeverify.layout import Layout, ModelShape, parse_layout_name
 
 MOE = ModelShape(num_layers=4, num_heads=4, num_query_groups=2, num_experts=8, moe_layers=(0, 1, 2, 3))
 DENSE = ModelShape(num_layers=4, num_heads=4, num_query_groups=2)
+HYBRID = ModelShape(num_layers=4, num_heads=4, num_query_groups=2, num_experts=8, moe_layers=(0, 1, 2, 3),
+                    linear_heads=(2, 4))  # Qwen3-Next's tiny gated delta net: 2 key heads, 4 value heads
 
 
 @pytest.mark.parametrize("layout, world, shape, match", [
@@ -21,6 +23,8 @@ DENSE = ModelShape(num_layers=4, num_heads=4, num_query_groups=2)
     (Layout(etp=2), 2, DENSE, r"etp 2 set on a dense model"),
     (Layout(ep=4), 2, MOE, r"world_size 2 is not divisible by etp\*ep\*pp = 1\*4\*1 = 4"),
     (Layout(tp=2, sp=True, ep=2, pp=2), 4, MOE, r"world_size 4 is not divisible by etp\*ep\*pp = 2\*2\*2 = 8"),
+    (Layout(tp=2, sp=True, cp=2), 4, HYBRID, r"linear attention's 2 key heads are not divisible by tp\*cp = 2\*2"),
+    (Layout(cp=4), 4, HYBRID, r"linear attention's 2 key heads are not divisible by tp\*cp = 1\*4"),
 ])
 def test_layout_validate_rejects_with_rule(layout, world, shape, match):
     with pytest.raises(LayoutError, match=match):
@@ -175,3 +179,8 @@ def test_as_dict_of_an_even_layout_keeps_the_key_set_older_dumps_hold():
     assert set(Layout(ep=2).as_dict()) == {"tp", "pp", "vpp", "ep", "etp", "cp", "sp"}
     uneven = Layout(pp=2, pp_first=1)
     assert uneven.as_dict()["pp_first"] == 1 and Layout(**uneven.as_dict()) == uneven
+
+
+def test_layout_admits_linear_attention_heads_split_over_tp_or_cp():
+    for layout, world in ((Layout(tp=2, sp=True), 2), (Layout(cp=2), 2), (Layout(ep=2), 2)):
+        layout.validate(world_size=world, shape=HYBRID)
