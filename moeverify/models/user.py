@@ -215,11 +215,13 @@ def _normalised(config: dict, items: tuple[tuple[str, Any], ...], *, where: str)
         for alias in [k for k, v in aliases.items() if v == canonical] + [canonical]:
             merged.pop(alias, None)
         merged[canonical] = value
+    _follow_layer_count(config, merged, dict(items), where=where)
     kwargs = {k: v for k, v in merged.items() if k not in ("model_type", "transformers_version")}
     try:
         obj = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{where}: {config['model_type']}'s config class refuses this config: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 (TypeError, ValueError, huggingface_hub's validation errors: the config's)
+        raise UsageError(f"{where}: {config['model_type']}'s config class refuses this config: "
+                         f"{type(exc).__name__}: {exc}") from None
     for key, value in items:
         got = getattr(obj, key, None)
         if got != value and not (isinstance(got, tuple) and list(got) == value):
@@ -228,6 +230,26 @@ def _normalised(config: dict, items: tuple[tuple[str, Any], ...], *, where: str)
     out = obj.to_dict()
     out["architectures"] = list(config["architectures"])
     return out
+
+
+_PER_LAYER_LISTS = ("layer_types", "mlp_layer_types")  # one entry per decoder layer (hybrid attention, dense/MoE)
+
+
+def _follow_layer_count(config: dict, merged: dict, overrides: dict, *, where: str) -> None:
+    """``num_hidden_layers`` made smaller keeps the first layers of the per-layer lists the config spells out
+    (Qwen3-Next's linear/full attention pattern, a dense prefix), unless they are set too; made larger, there is
+    no pattern to guess: the lists must be given."""
+    if "num_hidden_layers" not in overrides:
+        return
+    old, new = config.get("num_hidden_layers"), overrides["num_hidden_layers"]
+    for key in _PER_LAYER_LISTS:
+        values = config.get(key)
+        if key in overrides or not isinstance(values, list) or len(values) != old or not isinstance(new, int):
+            continue
+        if new > old:
+            raise UsageError(f"{where}: num_hidden_layers={new} is more than the config's {old}, whose {key} has one "
+                             f"entry per layer: give --model-set {key}=[...] with {new} entries too")
+        merged[key] = values[:new]
 
 
 def _modeling_source(config: dict) -> str:

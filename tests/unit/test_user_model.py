@@ -366,3 +366,17 @@ def test_preflight_passes_a_model_the_cpu_path_rebuilds(tmp_path, repo_root, nam
     key = user.register(_family_tool(repo_root).write(tmp_path, name)).key
     builder.preflight(key, te_real=False)  # its spec is rebuilt faithfully (family_specs.py, grouped experts)
     assert not any(tmp_path.glob("**/*.safetensors")), "the preflight reads the config only"
+
+
+def test_model_set_layer_count_carries_the_per_layer_lists(tmp_path, repo_root):
+    model = _family_tool(repo_root).write(tmp_path, "qwen35_moe")  # layer_types: 3 linear, then full attention
+    shrunk = user.register(model, {"num_hidden_layers": 2})
+    assert shrunk.config["layer_types"] == ["linear_attention", "linear_attention"]
+    with pytest.raises(UsageError, match=r"num_hidden_layers=8 is more than the config's 4, whose layer_types has "
+                                         r"one entry per layer: give --model-set layer_types=\[...\] with 8 entries"):
+        user.register(model, {"num_hidden_layers": 8})
+    grown = user.register(model, {"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 7 + ["full_attention"]})
+    assert families.family_shape(grown.key).num_layers == 8
+    with pytest.raises(UsageError, match=r"(?s)config class refuses this config: StrictDataclassClassValidationError.*"
+                                         r"layer_types"):
+        user.register(model, {"num_hidden_layers": 2, "layer_types": ["linear_attention", "nonsense"]})
