@@ -30,6 +30,8 @@ from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from moeverify.errors import UsageError
+
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     """FLA's ``l2norm``: ``x / sqrt(sum(x^2) + eps)`` in fp32, returned in ``x``'s dtype."""
@@ -42,7 +44,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     """FLA's ``causal_conv1d`` on ``x [b, s, d]`` with a depthwise ``weight [d, w]``: the output at ``t`` sees
     ``x[t-w+1 .. t]`` (zeros before the start), then SiLU; ``(y, None)`` as FLA returns without a final state."""
     if cu_seqlens is not None or initial_state is not None or output_final_state:
-        raise NotImplementedError("the CPU gated delta net takes no packed sequences (cu_seqlens) and no "
+        raise UsageError("the CPU gated delta net takes no packed sequences (cu_seqlens) and no "
                                   "recurrent state: run THD packing where flash-linear-attention is installed")
     if activation not in ("silu", "swish"):
         raise ValueError(f"causal_conv1d: activation {activation!r}; megatron-core's GDN asserts silu/swish")
@@ -54,7 +56,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
 def _torch_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
                 cu_seqlens=None):
     if cu_seqlens is not None:
-        raise NotImplementedError("the CPU gated delta net takes no packed sequences (cu_seqlens): run THD "
+        raise UsageError("the CPU gated delta net takes no packed sequences (cu_seqlens): run THD "
                                   "packing where flash-linear-attention is installed")
     return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                         output_final_state=output_final_state,

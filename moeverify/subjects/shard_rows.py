@@ -212,9 +212,9 @@ def _kind(task) -> str:
 
 
 # The HF tensors of a gated delta net's in_proj (megatron-bridge 0.6.2): Qwen3-Next's two head-grouped ones
-# (GDNLinearMapping), Qwen3.5's four flat ones (GDNLinearMappingSeparate); sections of each, in order.
+# (GDNLinearMapping), Qwen3.5's four flat ones (GDNLinearMappingSeparate). Each key is the bridge's name for the
+# tensor and spells the sections it holds, one letter each (q, k, v, z, b, a).
 _GDN_HF_TENSORS = {"gdn_in_proj_grouped": ("qkvz", "ba"), "gdn_in_proj_flat": ("qkv", "z", "b", "a")}
-_GDN_SECTIONS_OF = {"qkvz": "qkvz", "ba": "ba", "qkv": "qkv", "z": "z", "b": "b", "a": "a"}  # one letter each
 
 
 def _gdn_in_proj_kind(m) -> str | None:
@@ -240,7 +240,7 @@ def _place_gdn(w: torch.Tensor, *, kind: str, names: list[str], config, tp: int,
     tensors = _GDN_HF_TENSORS.get(kind, ("qkv",))
     out = {}
     for name, tensor in zip(names, tensors):
-        parts = [(local, row(dims, sec, j)) for sec, (local, j) in sections.items() if sec in _GDN_SECTIONS_OF[tensor]]
+        parts = [(local, row(dims, sec, j)) for sec, (local, j) in sections.items() if sec in tensor]
         local_rows = torch.cat([p[0] for p in parts])
         out[name] = placement.row_map(w, local_rows=local_rows, hf_rows=torch.cat([p[1] for p in parts]))
     return out

@@ -5,6 +5,7 @@ transformers' Qwen3-Next/Qwen3.5 by hf_parity in scenarios/families_ci.yaml."""
 import pytest
 import torch
 
+from moeverify.errors import UsageError
 from moeverify.models import linear_attention as la
 from moeverify.models.local_spec import ZeroCenteredRMSNorm
 
@@ -27,7 +28,7 @@ def test_causal_conv1d_sees_only_the_last_width_tokens_then_silu():
 
 def test_causal_conv1d_refuses_packed_sequences_and_state():
     x, w = torch.randn(1, 4, 2), torch.randn(2, 3)
-    with pytest.raises(NotImplementedError, match="no packed sequences"):
+    with pytest.raises(UsageError, match="no packed sequences"):
         la.causal_conv1d(x, w, activation="silu", cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="activation 'gelu'"):
         la.causal_conv1d(x, w, activation="gelu")
