@@ -24,6 +24,7 @@ class Placer:
     n: int
     positions: Callable[[int, int], torch.Tensor]
     values: Callable[[int, int], torch.Tensor]
+    offset: int | None = None  # set when positions(a, b) is the range a + offset .. b + offset - 1
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.positions(0, self.n), self.values(0, self.n)
@@ -36,7 +37,7 @@ def _j(a: int, b: int) -> torch.Tensor:
 def replicated(w: torch.Tensor) -> Placer:
     """The whole tensor, element ``j`` at HF position ``j``."""
     flat = w.reshape(-1)
-    return Placer(n=flat.numel(), positions=_j, values=lambda a, b: flat[a:b])
+    return Placer(n=flat.numel(), positions=_j, values=lambda a, b: flat[a:b], offset=0)
 
 
 def column(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> Placer:
@@ -46,7 +47,8 @@ def column(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> Placer:
     keep = max(0, min(rows, hf_rows - r * rows))
     flat = w[:keep].reshape(-1)
     offset = r * rows * inner
-    return Placer(n=flat.numel(), positions=lambda a, b: _j(a + offset, b + offset), values=lambda a, b: flat[a:b])
+    return Placer(n=flat.numel(), positions=lambda a, b: _j(a + offset, b + offset), values=lambda a, b: flat[a:b],
+                  offset=offset)
 
 
 def row(w: torch.Tensor, *, tp: int, r: int) -> Placer:
@@ -143,7 +145,8 @@ def stacked_down(w: torch.Tensor, *, expert: int, tp: int, r: int, hf_shape: tup
     flat = w.reshape(-1)
     if w.dim() == 1:
         out = w.shape[0]
-        return Placer(n=out, positions=lambda a, b: expert * out + _j(a, b), values=lambda a, b: flat[a:b])
+        return Placer(n=out, positions=lambda a, b: expert * out + _j(a, b), values=lambda a, b: flat[a:b],
+                      offset=expert * out)
     out, cols = w.shape
     inner = hf_shape[-2]
 

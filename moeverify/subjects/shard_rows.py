@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import torch
 
 from moeverify.errors import SubjectError
-from moeverify.oracles.export import DeferredSlots, ShardRow, Slot, checkpoint_shapes
+from moeverify.oracles.export import DeferredSlots, RangeSlot, ShardRow, Slot, checkpoint_shapes
 from moeverify.subjects import placement
 from moeverify.subjects.placement import split_range
 
@@ -153,7 +153,10 @@ def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardR
                 slots.append(Slot(name, shape, torch.empty(0, dtype=torch.int64), torch.empty(0)))
                 continue
             a, b = split_range(placer.n, parts, k)
-            slots.append(Slot(name, shape, placer.positions(a, b), placer.values(a, b)))
+            if placer.offset is not None:  # one range: no positions tensor built
+                slots.append(RangeSlot(name, shape, a + placer.offset, placer.values(a, b)))
+            else:
+                slots.append(Slot(name, shape, placer.positions(a, b), placer.values(a, b)))
         if k == parts - 1:
             placers.clear()
         return slots

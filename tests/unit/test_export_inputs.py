@@ -1,6 +1,7 @@
 """The export oracle end to end on a 1-rank gloo world with a synthetic reference: passes, and every kind
 of bad subject input fails with a message naming rank, row and slot (never a hang, never a silent pass)."""
 
+import dataclasses
 import sys
 import textwrap
 from pathlib import Path
@@ -12,7 +13,7 @@ from safetensors.torch import save_file
 
 from moeverify.errors import UsageError
 from moeverify.oracles import export
-from moeverify.oracles.export import DeferredSlots, ShardRow, Slot, SubjectContext
+from moeverify.oracles.export import DeferredSlots, RangeSlot, ShardRow, Slot, SubjectContext
 
 REFERENCE = {
     "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -102,6 +103,47 @@ def test_export_bad_deferred_slot_fails_slot_tables(sctx):
     assert "rank 0 row 'row.a': SubjectError: rank 0 row 'row.a' slot 0 ('a'): positions must lie in [0, 6)" in \
         result["slot_tables"]["failures"][0]
     assert "coverage" in _failed(result)
+
+
+def _ranged(name, t, split):
+    flat = t.reshape(-1)
+    return ShardRow(f"row.{name}", [RangeSlot(name, tuple(t.shape), 0, flat[:split]),
+                                    RangeSlot(name, tuple(t.shape), split, flat[split:])])
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_export_range_slots_pass_and_fail_like_slots(sctx, deferred):
+    def rows(change=lambda name, row: row):
+        for name, t in REFERENCE.items():
+            row = change(name, _ranged(name, t, 1))
+            yield ShardRow(row.row, DeferredSlots([(name, tuple(t.shape))] * 2, lambda r=row: r.slots)) if deferred else row
+    assert _failed(_run(lambda ctx: rows(), sctx)) == set()
+    assert RangeSlot("a", (2, 3), 2, torch.zeros(3)).positions.tolist() == [2, 3, 4]
+
+    def gap(name, row):  # element 1 of "b" never written: coverage names it
+        return ShardRow(row.row, [row.slots[0], dataclasses.replace(row.slots[1], start=2, values=row.slots[1].values[1:])]) \
+            if name == "b" else row
+    result = _run(lambda ctx: rows(gap), sctx)
+    assert _failed(result) == {"coverage"} and "b: 1 of 4 element(s) never written, flat [1]" in result["coverage"]["failures"][0]
+
+    def shifted(name, row):  # "a"'s second range one place late: its values land on the wrong elements
+        return ShardRow(row.row, [row.slots[0], dataclasses.replace(row.slots[1], start=2)]) if name == "a" else row
+    result = _run(lambda ctx: rows(shifted), sctx)
+    assert "positions must lie in [0, 6) for shape (2, 3), got min 2 max 6" in \
+        (result["lockstep"]["failures"] + result["slot_tables"]["failures"])[0]
+
+
+@pytest.mark.parametrize("start, values, match", [
+    (-1, torch.zeros(2), "positions must lie in [0, 6) for shape (2, 3), got min -1 max 0"),
+    (5, torch.zeros(2), "positions must lie in [0, 6) for shape (2, 3), got min 5 max 6"),
+    (True, torch.zeros(2), "a RangeSlot's start must be an int, got bool"),
+    (0.0, torch.zeros(2), "a RangeSlot's start must be an int, got float"),
+    (0, [0.0, 1.0], "values must be a tensor, got list"),
+])
+def test_export_bad_range_slot_fails_naming_rank_row_slot(sctx, start, values, match):
+    rows = [ShardRow("row.a", [RangeSlot("a", (2, 3), start, values)])]
+    msg = _run(lambda ctx: iter(rows), sctx)["lockstep"]["failures"][0]
+    assert "rank 0 row 'row.a' slot 0 ('a')" in msg and match in msg
 
 
 def test_export_raising_factory_fails_lockstep(sctx):

@@ -201,3 +201,17 @@ def test_subject_qkv_with_output_gate_against_the_bridges_merge():
 
         got = _reassemble(torch.chunk(fused, tp), place, {"q": q.shape, "k": k.shape, "v": v.shape})
         assert torch.equal(got["q"], q) and torch.equal(got["k"], k) and torch.equal(got["v"], v), tp
+
+
+def test_subject_placers_with_an_offset_are_exactly_that_range():
+    """A placer that declares ``offset`` is exported as a ``RangeSlot`` (no positions built): the range must be
+    the positions it would have built, for every sub-range a row may ask for."""
+    w2, bias = torch.randn(6, 4), torch.randn(5)
+    placers = [placement.replicated(w2), placement.column(w2, tp=2, r=1, hf_rows=12),
+               placement.column(w2, tp=2, r=1, hf_rows=9),  # vocab padding dropped
+               placement.stacked_down(bias, expert=3, tp=1, r=0, hf_shape=(4, 5))]
+    for p in placers:
+        assert p.offset is not None
+        for a, b in [(0, p.n), (1, p.n - 1), (2, 2)]:
+            assert torch.equal(p.positions(a, b), torch.arange(a + p.offset, b + p.offset))
+    assert placement.row(w2, tp=2, r=1).offset is None  # strided: positions are built

@@ -61,6 +61,11 @@ class Collector:
                                             reference=self.held.get(name))
         return self.merges[name]
 
+    def backs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether a merge of ``name`` opened now starts backed by its reference (and so allocates nothing)."""
+        held = self.held.get(name)
+        return held is not None and tuple(held.shape) == tuple(shape) and held.dtype == dtype
+
     def nbytes(self) -> int:
         """Bytes held: open merges and reference tensors kept for later (the memory gate's input)."""
         return (sum(m.nbytes for m in self.merges.values())

@@ -9,8 +9,12 @@ one HF tensor being assembled:
   mask: integer tensors and legitimately-NaN weights are covered or not regardless of their value.
 
 A merge opened with its reference already in hand (same shape and dtype) keeps no values buffer while
-every piece matches the reference bit for bit (each piece is compared on arrival); the first piece
-with other bits turns it into an ordinary merge, so every subcheck counts and reports the same.
+every piece matches the reference bit for bit (each piece is compared on arrival), and no writer mask
+either: it records the runs of elements written (``intervals.py``; *run mode*) and counts coverage
+from them. The first piece with other bits, or a replica to compare, turns it into an ordinary merge
+(the mask built from the runs, the values from the reference), so every subcheck counts and reports
+the same. (The memory gate counts such a merge as free; the fallback allocates what an ordinary
+merge holds, on a failing or replicated tensor only.)
 
 Legend: ``N`` = elements of the HF tensor, ``P`` = elements of one piece (positions and values).
 Every comparison is on raw bits (``moeverify.oracles.bits``), never on float values, so ``-0.0 != 0.0`` and NaN
@@ -24,6 +28,7 @@ import math
 import torch
 
 from moeverify.errors import SubjectError
+from moeverify.oracles.export import intervals
 from moeverify.oracles.bits import bits, hex_bits
 from moeverify.oracles.results import Tally
 
@@ -73,30 +78,62 @@ class TensorMerge:
         # merge goes on as an ordinary one. Written elements hold the subject's bits either way.
         self._ref_N = None
         self.values_N = None
+        self.writer_N = None
+        self._writer_dtype = torch.uint8 if world_size < 255 else torch.int32
+        self._runs: list[torch.Tensor] | None = None  # run mode: [R, 3] (start, length, rank) per write
         if reference is not None and tuple(reference.shape) == self.shape and reference.dtype == dtype:
             self._ref_N = reference.reshape(-1)
+            self._runs = []
         else:
             self.values_N = torch.empty(self.numel, dtype=dtype)
             if dtype.is_floating_point:
                 self.values_N.fill_(float("nan"))
             else:
                 self.values_N.zero_()
-        self.writer_N = torch.zeros(self.numel, dtype=torch.uint8 if world_size < 255 else torch.int32)
+            self.writer_N = torch.zeros(self.numel, dtype=self._writer_dtype)
         self._conflicts = conflicts
         self._replicas = replicas
         self.dtype_seen: set[torch.dtype] = set()
         self.n_missing: int | None = None  # set by check_coverage
 
     @staticmethod
-    def nbytes_for(shape: tuple[int, ...], dtype: torch.dtype, world_size: int) -> int:
-        """Bytes a merge of ``shape`` and ``dtype`` allocates (values and writer mask)."""
+    def nbytes_for(shape: tuple[int, ...], dtype: torch.dtype, world_size: int, *, backed: bool = False) -> int:
+        """Bytes a merge of ``shape`` and ``dtype`` allocates (values and writer mask; none when ``backed``)."""
+        if backed:
+            return 0
         width = torch.empty((), dtype=dtype).element_size() + (1 if world_size < 255 else 4)
         return math.prod(int(s) for s in shape) * width
 
     @property
     def nbytes(self) -> int:
         values = 0 if self.values_N is None else self.values_N.numel() * self.values_N.element_size()
-        return values + self.writer_N.numel() * self.writer_N.element_size()
+        writer = 0 if self.writer_N is None else self.writer_N.numel() * self.writer_N.element_size()
+        return values + writer + (sum(r.numel() * 8 for r in self._runs) if self._runs is not None else 0)
+
+    def run_mode(self, reference_N: torch.Tensor | None = None) -> bool:
+        """Whether writes are kept as runs (and, given ``reference_N``, backed by that very tensor)."""
+        if self._runs is None:
+            return False
+        return reference_N is None or (reference_N.data_ptr() == self._ref_N.data_ptr()
+                                       and reference_N.dtype == self.dtype and reference_N.numel() == self.numel)
+
+    def _writer(self) -> torch.Tensor:
+        """The writer mask, built from the runs when the merge leaves run mode."""
+        if self.writer_N is None:
+            runs = torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64)
+            self.writer_N = intervals.writer_mask(runs, self.numel, self._writer_dtype)
+            self._runs = None
+        return self.writer_N
+
+    def _clean_runs(self, positions_P, values_P: torch.Tensor):
+        """``(starts_R, lengths_R)`` of a piece with the reference's bits at its positions, else None."""
+        if isinstance(positions_P, slice):
+            found = (torch.tensor([positions_P.start]), torch.tensor([positions_P.stop - positions_P.start]))
+        else:
+            found = intervals.index_runs(positions_P, limit=max(64, positions_P.numel() // 16))
+        if found is None or not _same_bits(values_P, self._ref_N[positions_P]):
+            return None
+        return found
 
     def _merged_bits(self) -> torch.Tensor:
         """Raw bits of the merged values (the reference's while backed)."""
@@ -136,7 +173,13 @@ class TensorMerge:
         values_P = self._check_piece(rank, positions_P, values_P)
         if not values_P.numel():
             return
-        earlier_P = self.writer_N[positions_P]
+        if self._runs is not None:
+            found = self._clean_runs(positions_P, values_P)
+            if found is not None:  # the reference's bits: no conflict possible, none lost
+                self._runs.append(intervals.as_runs(*found, rank))
+                self._conflicts.ok(int(values_P.numel()))
+                return
+        earlier_P = self._writer()[positions_P]
         if self.values_N is None:
             if _same_bits(values_P, self._ref_N[positions_P]):
                 # all new bits are the reference's, so are all earlier ones: no conflict, none lost
@@ -197,19 +240,41 @@ class TensorMerge:
             raise SubjectError(f"{self.name}: rank {rank} range [{positions_P.start}, {positions_P.stop}) does not "
                                f"fit [0, {self.numel})")
         self.dtype_seen.add(self.dtype)
-        earlier_P = self.writer_N[positions_P]
+        if not isinstance(positions_P, slice) and (int(positions_P.min()) < 0 or int(positions_P.max()) >= self.numel):
+            raise SubjectError(f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
+                               f"min {int(positions_P.min())} max {int(positions_P.max())}")
+        if self._runs is not None:
+            found = (torch.tensor([positions_P.start]), torch.tensor([n])) if isinstance(positions_P, slice) else \
+                intervals.index_runs(positions_P, limit=max(64, n // 16))
+            if found is not None:
+                self._runs.append(intervals.as_runs(*found, rank))
+                self._conflicts.ok(n)
+                return
+        earlier_P = self._writer()[positions_P]
         if isinstance(positions_P, slice) and not int(torch.count_nonzero(earlier_P)):
             self.writer_N[positions_P] = rank + 1
         else:
             self.writer_N[_as_index(positions_P)[earlier_P == 0]] = rank + 1
         self._conflicts.ok(n)
 
+    def write_reference_runs(self, *, rank: int, runs_R: list[list[int]]) -> None:
+        """In run mode: ``write_reference`` of the reference backing the merge at ``[start, length]`` runs."""
+        if not runs_R:
+            return
+        runs = torch.tensor(runs_R, dtype=torch.int64).reshape(-1, 2)
+        lo, hi = int(runs[:, 0].min()), int((runs[:, 0] + runs[:, 1]).max())
+        if lo < 0 or hi > self.numel or int(runs[:, 1].min()) < 0:
+            raise SubjectError(f"{self.name}: rank {rank} runs reach [{lo}, {hi}), outside [0, {self.numel})")
+        self.dtype_seen.add(self.dtype)
+        self._runs.append(intervals.as_runs(runs[:, 0], runs[:, 1], rank))
+        self._conflicts.ok(int(runs[:, 1].sum()))
+
     def compare_replica(self, *, rank: int, positions_P, values_P: torch.Tensor) -> None:
         """A ``contributes=False`` piece: its bits must equal the merged bits where something was written."""
         values_P = self._check_piece(rank, positions_P, values_P)
         if not values_P.numel():
             return
-        writer_P = self.writer_N[positions_P]
+        writer_P = self._writer()[positions_P]
         covered_P = writer_P != 0  # uncovered elements are the coverage subcheck's to report
         merged_P = self._merged_bits()[positions_P]
         differ_P = (merged_P != bits(values_P)) & covered_P
@@ -227,7 +292,10 @@ class TensorMerge:
     # -- final checks --------------------------------------------------------------------------
     def check_coverage(self, coverage: Tally) -> None:
         n_missing, shown = 0, []
-        for start in range(0, self.numel, COMPARE_CHUNK):
+        if self._runs is not None:
+            runs = torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64)
+            n_missing, shown = intervals.gaps(runs, self.numel)
+        for start in range(0, self.numel if self._runs is None else 0, COMPARE_CHUNK):
             writer_C = self.writer_N[start:start + COMPARE_CHUNK]
             k = writer_C.numel() - int(torch.count_nonzero(writer_C))
             if k and len(shown) < SHOW_INDICES:
@@ -240,7 +308,10 @@ class TensorMerge:
         coverage.ok(self.numel - n_missing)
 
     def _missing(self) -> int:
-        if self.n_missing is None:
+        if self.n_missing is None and self._runs is not None:
+            self.n_missing = intervals.gaps(torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64),
+                                            self.numel)[0]
+        elif self.n_missing is None:
             self.n_missing = self.numel - int(torch.count_nonzero(self.writer_N))
         return self.n_missing
 
@@ -264,6 +335,7 @@ class TensorMerge:
                 bitwise.ok(self.numel - self._missing())  # every written element was checked on write
                 return
             self._materialize()  # another reference than the one backing it: compare as usual
+        self._writer()
         # the merged values are cast INTO the reference dtype (exact when dtypes agree), never
         # both through a narrower one: an fp32 tensor that went through bf16 keeps its lost bits
         if self.dtype == ref_N.dtype and self.n_missing == 0 \

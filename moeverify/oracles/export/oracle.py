@@ -321,7 +321,8 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
         dtype = next((d for (n, d), h in zip(sizes, headers) if n and h["c"]), sizes[0][1])
         if name not in collector.merges and name not in opening:
             opening[name] = (tuple(shape), getattr(torch, dtype))
-    feed.admit(sum(TensorMerge.nbytes_for(shape, dtype, collector.world_size) for shape, dtype in opening.values()))
+    feed.admit(sum(TensorMerge.nbytes_for(shape, dtype, collector.world_size, backed=collector.backs(name, shape, dtype))
+                   for name, (shape, dtype) in opening.items()))
     for name, (shape, dtype) in opening.items():
         collector.merge_for(name, shape, dtype)
     feed.report(collector.nbytes())
@@ -355,6 +356,9 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
 def _replay(merge: TensorMerge, *, rank: int, runs, reference: torch.Tensor, contributes: bool) -> None:
     """Another rank's clean piece, from rank 0's reference: the bits that rank compared equal to its own."""
     ref_N = reference.reshape(-1)
+    if contributes and merge.run_mode(ref_N):  # kept as runs: no element is touched
+        merge.write_reference_runs(rank=rank, runs_R=runs)
+        return
     for positions_C in run_chunks(runs):
         if contributes:
             merge.write_reference(rank=rank, positions_P=positions_C, reference_N=ref_N)

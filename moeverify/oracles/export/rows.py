@@ -29,6 +29,25 @@ class Slot:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=False)
+class RangeSlot:
+    """A slot whose elements go to the one range ``start, start + 1, ...`` of the flat HF tensor.
+
+    The same as ``Slot(hf_name, hf_shape, torch.arange(start, start + values.numel()), values)``, without
+    building (and checking) a positions tensor as large as the values: a sharded exporter uses it for
+    dim-0 shards and replicated tensors. ``positions`` builds the range on demand.
+    """
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    start: int
+    values: torch.Tensor
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.values.numel(), dtype=torch.int64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=False)
 class ShardRow:
     """One row of a sharded export: the same ``row`` name and slot table on every rank."""
 
@@ -66,7 +85,8 @@ class DeferredSlots(Sequence):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Piece:
-    """A validated slot as the oracle moves it: ``positions_P is None`` means the whole tensor."""
+    """A validated slot as the oracle moves it: ``positions_P`` may be None when ``start`` is set (the range
+    ``start, start + 1, ...``; the whole tensor for a full-tensor export)."""
 
     hf_name: str
     hf_shape: tuple[int, ...]
@@ -127,14 +147,16 @@ def _preview(item) -> str:
 def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
     """Raise SubjectError naming rank, row and slot; return the start when positions are one range."""
     where = f"rank {rank} row {row!r} slot {index}"
-    if not isinstance(slot, Slot):
-        raise SubjectError(f"{where}: expected a Slot, got {type(slot).__name__}")
+    if not isinstance(slot, (Slot, RangeSlot)):
+        raise SubjectError(f"{where}: expected a Slot or RangeSlot, got {type(slot).__name__}")
     where = f"{where} ({slot.hf_name!r})"
     if not isinstance(slot.hf_name, str):
         raise SubjectError(f"{where}: hf_name must be a str, got {type(slot.hf_name).__name__}")
     shape = tuple(slot.hf_shape)
     if not all(isinstance(s, int) and s >= 0 for s in shape):
         raise SubjectError(f"{where}: hf_shape must be non-negative ints, got {slot.hf_shape!r}")
+    if isinstance(slot, RangeSlot):
+        return _validate_range(slot, where=where, shape=shape)
     pos, val = slot.positions, slot.values
     if not isinstance(pos, torch.Tensor) or not isinstance(val, torch.Tensor):
         raise SubjectError(f"{where}: positions and values must be tensors, got "
@@ -155,6 +177,18 @@ def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
         raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
                            f"{lo} max {hi}")
     return start
+
+
+def _validate_range(slot: RangeSlot, *, where: str, shape: tuple[int, ...]) -> int | None:
+    if not isinstance(slot.values, torch.Tensor):
+        raise SubjectError(f"{where}: values must be a tensor, got {type(slot.values).__name__}")
+    if isinstance(slot.start, bool) or not isinstance(slot.start, int):
+        raise SubjectError(f"{where}: a RangeSlot's start must be an int, got {type(slot.start).__name__}")
+    n, numel = slot.values.numel(), math.prod(shape)
+    if n and (slot.start < 0 or slot.start + n > numel):
+        raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
+                           f"{slot.start} max {slot.start + n - 1}")
+    return slot.start if n else None
 
 
 def contiguous_start(positions_P: torch.Tensor | None) -> int | None:
@@ -190,9 +224,14 @@ def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
     slots = src.slots.materialize() if deferred else src.slots
     out = []
     for j, slot in enumerate(slots):
-        pos = slot.positions.cpu()
-        start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
-            contiguous_start(pos) if pos.numel() else None)
+        if isinstance(slot, RangeSlot):  # no positions tensor: the range's start says it all
+            pos = None if slot.values.numel() else torch.empty(0, dtype=torch.int64)
+            start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
+                slot.start if slot.values.numel() else None)
+        else:
+            pos = slot.positions.cpu()
+            start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
+                contiguous_start(pos) if pos.numel() else None)
         out.append(Piece(hf_name=slot.hf_name, hf_shape=tuple(int(x) for x in slot.hf_shape), positions_P=pos,
                          values_P=slot.values.detach().reshape(-1).cpu(), start=start))
     return out

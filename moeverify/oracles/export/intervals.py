@@ -1,0 +1,67 @@
+"""Coverage bookkeeping by index runs instead of one writer byte per element.
+
+While every piece written into a merge has the reference's bits (``merge.TensorMerge`` in run mode),
+the merge needs only *which* elements were written, and by whom first: a list of runs
+``(start, length, rank)`` in the order they were written. Coverage is then interval arithmetic over a
+few hundred or thousand runs, not a pass over a writer mask as large as the tensor; the mask is built
+from the runs only when an ordinary merge needs it (a piece with other bits, a replica to compare).
+
+Legend: ``R`` = runs, ``N`` = elements of the HF tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def as_runs(starts_R: torch.Tensor, lengths_R: torch.Tensor, rank: int) -> torch.Tensor:
+    """``[R, 3]`` int64 rows ``(start, length, rank)``."""
+    return torch.stack([starts_R.to(torch.int64), lengths_R.to(torch.int64),
+                        torch.full_like(starts_R, rank, dtype=torch.int64)], dim=1)
+
+
+def index_runs(positions_P: torch.Tensor, *, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``positions_P`` as ``(starts_R, lengths_R)`` of consecutive indices, in order; None past ``limit`` runs."""
+    n = positions_P.numel()
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    breaks = ((positions_P[1:] - positions_P[:-1]) != 1).nonzero().flatten() + 1
+    if breaks.numel() + 1 > limit:
+        return None
+    heads_R = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    lengths_R = torch.diff(heads_R, append=torch.tensor([n], dtype=torch.int64))
+    return positions_P[heads_R], lengths_R
+
+
+def gaps(runs_R3: torch.Tensor, numel: int) -> tuple[int, list[int]]:
+    """``(elements never written, the first few of them)`` for runs over ``[0, numel)`` (runs may overlap)."""
+    from moeverify.oracles.export.merge import SHOW_INDICES
+
+    runs_R3 = runs_R3[runs_R3[:, 1] > 0]
+    if not runs_R3.shape[0]:
+        return numel, list(range(min(numel, SHOW_INDICES)))
+    order = torch.argsort(runs_R3[:, 0], stable=True)
+    s_R = runs_R3[order, 0]
+    e_R = s_R + runs_R3[order, 1]
+    reach_R = torch.cummax(e_R, dim=0).values  # furthest end written by runs 0..i
+    before_R = torch.cat([torch.zeros(1, dtype=torch.int64), reach_R[:-1]])  # furthest end before run i
+    covered = int(torch.clamp(e_R - torch.maximum(s_R, before_R), min=0).sum())
+    holes = [(int(a), int(b)) for a, b in zip(before_R[s_R > before_R].tolist(), s_R[s_R > before_R].tolist())]
+    if int(reach_R[-1]) < numel:
+        holes.append((int(reach_R[-1]), numel))
+    shown: list[int] = []
+    for a, b in holes:
+        shown += range(a, min(b, a + SHOW_INDICES - len(shown)))
+        if len(shown) >= SHOW_INDICES:
+            break
+    return numel - covered, shown
+
+
+def writer_mask(runs_R3: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The writer mask the runs describe: ``rank + 1`` of the first run that wrote each element, 0 if none."""
+    writer_N = torch.zeros(numel, dtype=dtype)
+    for start, length, rank in reversed(runs_R3.tolist()):  # the earliest write is applied last: it wins
+        if length:
+            writer_N[start:start + length] = rank + 1
+    return writer_N
