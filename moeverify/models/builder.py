@@ -8,6 +8,7 @@ that 0.6.2 does not yet make usable for bridge-converted providers, so its warni
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -113,6 +114,9 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None)
     if linear and variant != "gated_delta_net":
         gaps.append(f"its layer spec with experimental_attention_variant={variant!r} (the CPU path builds "
                     "gated_delta_net)")
+    from moeverify.models.mtp_spec import cpu_mtp_gaps
+
+    gaps += cpu_mtp_gaps(provider)  # MTP blocks are mtp_spec.py's local_mtp_block_spec
     if gaps:
         raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
                          f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
@@ -247,8 +251,12 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     _apply_overrides(provider, overrides or {}, what="build overrides")
     provider.finalize()
     _check_shape(provider, shape, family)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.ExitStack() as scoped:
         warnings.simplefilter("ignore", DeprecationWarning)
+        if not rt.te_real:
+            from moeverify.models.mtp_spec import cpu_mtp_block_spec
+
+            scoped.enter_context(cpu_mtp_block_spec(bridge._model_bridge.mapping_registry()))
         chunks = provider.provide_distributed_model(wrap_with_ddp=False,
                                                     use_cpu_initialization=rt.backend == "cpu")
     return Built(family=family, layout=layout, bridge=bridge, model_chunks=list(chunks), hf_path=hf_path,

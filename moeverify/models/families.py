@@ -18,7 +18,7 @@ import torch
 
 from moeverify.errors import UsageError
 from moeverify.layout import ModelShape
-from moeverify.models import user
+from moeverify.models import mtp_weights, user
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -45,6 +45,14 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
         tie_word_embeddings=False, num_nextn_predict_layers=0)),
+    # DeepSeek-V3 with one multi-token-prediction layer (HF layer 4: an MoE layer with enorm, hnorm, eh_proj and
+    # shared_head.norm), seeded by mtp_weights.py since transformers' model has no MTP; built on CPU by mtp_spec.py.
+    "deepseek_v3_mtp": ("DeepseekV3ForCausalLM", dict(
+        _COMMON, model_type="deepseek_v3", num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
+        tie_word_embeddings=False, num_nextn_predict_layers=1)),
     # DeepSeek-V2: MLA, softmax routing without expert bias, a shared expert, a dense first layer.
     # (megatron-bridge 0.6.2 deprecates its DeepSeek-V2 bridge, to be removed in 0.7.)
     "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
@@ -91,6 +99,11 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
     # zero-centered norms, a gated shared expert. Built on CPU by linear_attention.py.
     "qwen3_next": ("Qwen3NextForCausalLM", dict(_QWEN_HYBRID, model_type="qwen3_next", decoder_sparse_step=1,
                                                 mlp_only_layers=[], norm_topk_prob=True)),
+    # Qwen3-Next with one MTP layer (mtp.layers.0: gated full attention and MoE; mtp.fc, its norms), as
+    # production configs ask with mtp_num_hidden_layers (transformers' config class has no such field).
+    "qwen3_next_mtp": ("Qwen3NextForCausalLM", dict(_QWEN_HYBRID, model_type="qwen3_next", decoder_sparse_step=1,
+                                                    mlp_only_layers=[], norm_topk_prob=True,
+                                                    mtp_num_hidden_layers=1)),
     # Qwen3.5-MoE (text): the same hybrid stack with in_proj split four ways in the HF checkpoint.
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", dict(_QWEN_HYBRID, model_type="qwen3_5_moe_text")),
 }
@@ -126,7 +139,8 @@ def cache_dir() -> Path:
 def _fingerprint(cfg: dict, seed: int) -> str:
     import transformers
 
-    blob = json.dumps([cfg, seed, transformers.__version__, _WEIGHTS_VERSION], sort_keys=True)
+    versions = [_WEIGHTS_VERSION] + ([mtp_weights.RECIPE_VERSION] if mtp_weights.mtp_depth(cfg) else [])
+    blob = json.dumps([cfg, seed, transformers.__version__, *versions], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -141,17 +155,21 @@ def _seeded_weights(model: torch.nn.Module, seed: int) -> None:
             if not tensor.is_floating_point() or "rotary" in name or "inv_freq" in name:
                 continue
             noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight") or "layernorm" in name:
-                value = 1.0 + 0.1 * noise
-            elif "e_score_correction_bias" in name:
-                value = 0.05 * noise  # non-zero so that bias-aware routing differs from bias-free
-            elif name.endswith(".bias"):
-                value = 0.02 * noise
-            elif ".gate.weight" in name or name.endswith("gate.weight"):
-                value = 0.5 * noise  # router: spread logits so that top-k choices are well separated
-            else:
-                value = 0.05 * noise
+            value = seeded_value(name, noise)
             tensor.copy_(value.to(tensor.dtype))
+
+
+def seeded_value(name: str, noise: torch.Tensor) -> torch.Tensor:
+    """The recipe: seeded fp32 values for the HF tensor ``name`` from standard-normal ``noise``."""
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return 1.0 + 0.1 * noise
+    if "e_score_correction_bias" in name:
+        return 0.05 * noise  # non-zero so that bias-aware routing differs from bias-free
+    if name.endswith(".bias"):
+        return 0.02 * noise
+    if ".gate.weight" in name or name.endswith("gate.weight"):
+        return 0.5 * noise  # router: spread logits so that top-k choices are well separated
+    return 0.05 * noise
 
 
 def _fp32_expert_bias(model: torch.nn.Module) -> None:
@@ -176,6 +194,7 @@ def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
     _fp32_expert_bias(model)
     _seeded_weights(model, seed)
     model.save_pretrained(dst, safe_serialization=True)
+    mtp_weights.add_mtp_tensors(cfg, seed, dst, value=seeded_value)  # transformers' models hold no MTP layers
 
 
 _STORED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
