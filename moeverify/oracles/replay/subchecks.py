@@ -16,6 +16,7 @@ from moeverify import runtime, views
 from moeverify.layout import Layout
 from moeverify.oracles.replay import checks as rc
 from moeverify.oracles.replay import drive as rd
+from moeverify.oracles.replay import mtp_views
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
 from moeverify.oracles.results import Tally
@@ -37,7 +38,7 @@ def reference(setup: st.Setup) -> tuple[object, dict]:
         setup.impl.bind(chunks)
         logprob = rd.record_pass(chunks, items, seq_len=glob.seq_len, impl=setup.impl)
         plain = rd.run_pass(chunks, items, seq_len=glob.seq_len, forward_only=True)
-        shape = st.num_layers(chunks)
+        shape = mtp_views.router_layers(chunks)  # one stage holds every layer, MTP's too
         global_routes = views.to_global({views.rank_coords(one, rank=0, world_size=1): logprob.routes}, one,
                                         world_size=1, seq_len=glob.seq_len, batch=glob.batch, num_layers=shape,
                                         moe_layers=logprob.routes.layers)
@@ -226,8 +227,10 @@ def cross_layout(setup: st.Setup, t: Tally, reference, own_routes, notes: dict) 
     b = setup.batches
     chunks = st.build(setup, setup.layout, overrides=setup.impl.overrides())
     setup.impl.bind(chunks)
-    local = views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
-                           num_layers=st.num_layers(chunks))
+    mtp_views.check_placement(chunks, setup.layout, coords=setup.coords, num_layers=st.num_layers(chunks),
+                              routers=st.find_routers(chunks))
+    local = mtp_views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
+                               num_layers=st.num_layers(chunks))
     got = rd.replay_pass(chunks, setup.items, seq_len=b.seq_len, impl=setup.impl, routes=local)
     rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference", stage_layers=setup.stage_moe_layers())
     rc.check_losses_close(t, got, ref_seq_loss, dp_rank=setup.coords.dp, batch=b.batch, prefix=setup.prefix)
