@@ -34,6 +34,18 @@ def _j(a: int, b: int) -> torch.Tensor:
     return torch.arange(a, b, dtype=torch.int64)
 
 
+def _by_units(a: int, b: int, unit: int, base_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Elements ``a..b-1`` of a sequence of ``unit``-long blocks, block ``u`` being ``base_of(u) + 0..unit-1``.
+
+    One broadcast add over the blocks that hold the range (instead of a div/mod pass per coordinate).
+    """
+    if b <= a:
+        return torch.zeros(0, dtype=torch.int64)
+    u0, u1 = a // unit, -(-b // unit)
+    base_U = base_of(torch.arange(u0, u1, dtype=torch.int64))
+    return (base_U[:, None] + torch.arange(unit, dtype=torch.int64)[None, :]).reshape(-1)[a - u0 * unit:b - u0 * unit]
+
+
 def replicated(w: torch.Tensor) -> Placer:
     """The whole tensor, element ``j`` at HF position ``j``."""
     flat = w.reshape(-1)
@@ -56,9 +68,8 @@ def row(w: torch.Tensor, *, tp: int, r: int) -> Placer:
     out, cols = w.shape
     flat = w.reshape(-1)
 
-    def positions(a: int, b: int) -> torch.Tensor:
-        j_J = _j(a, b)
-        return (j_J // cols) * (cols * tp) + r * cols + j_J % cols
+    def positions(a: int, b: int) -> torch.Tensor:  # output row o's columns start at o * cols * tp + r * cols
+        return _by_units(a, b, cols, lambda o_U: o_U * (cols * tp) + r * cols)
 
     return Placer(n=flat.numel(), positions=positions, values=lambda a, b: flat[a:b])
 
@@ -74,23 +85,15 @@ def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: 
     flat = w.reshape(-1)
 
     def placer(first: int, count: int, *, stride: int = 1, shift: int = 0) -> Placer:
-        # slot elements are [G, count, D, I] taken from heads first..first+count of every local group; in HF,
-        # head ``h``'s rows start at ``(h * stride + shift) * D`` (stride 2 and shift 0/1 for q/gate)
-        def unravel(j_J):
-            c = j_J % inner
-            d = (j_J // inner) % D
-            h = (j_J // (inner * D)) % count
-            g = j_J // (inner * D * count)
-            return g, h, d, c
-
+        # slot elements are [G, count, D, I] taken from heads first..first+count of every local group, in blocks
+        # of D * I (one head); block u = g * count + h. In HF, head ``h``'s rows start at ``(h * stride + shift) * D``
+        # (stride 2 and shift 0/1 for q/gate), the global head being r * G * count + u
         def positions(a: int, b: int) -> torch.Tensor:
-            g, h, d, c = unravel(_j(a, b))
-            head = (r * G + g) * count + h  # global q head, or global group for k/v (count == 1)
-            return ((head * stride + shift) * D + d) * inner + c
+            return _by_units(a, b, D * inner, lambda u_U: ((r * G * count + u_U) * stride + shift) * D * inner)
 
         def values(a: int, b: int) -> torch.Tensor:
-            g, h, d, c = unravel(_j(a, b))
-            return flat[((g * per_group + first + h) * D + d) * inner + c]
+            local = _by_units(a, b, D * inner, lambda u_U: ((u_U // count) * per_group + first + u_U % count) * D * inner)
+            return flat[local]
 
         return Placer(n=G * count * D * inner, positions=positions, values=values)
 
@@ -161,19 +164,13 @@ def stacked_down(w: torch.Tensor, *, expert: int, tp: int, r: int, hf_shape: tup
 def row_map(w: torch.Tensor, *, local_rows: torch.Tensor, hf_rows: torch.Tensor) -> Placer:
     """Local rows ``local_rows[i]`` (dim 0; the rest flattened) to HF rows ``hf_rows[i]``."""
     inner = math.prod(w.shape[1:])
-    flat_RI = w.reshape(w.shape[0], inner)
-
-    def split(a: int, b: int):
-        j_J = _j(a, b)
-        return j_J // inner, j_J % inner
+    flat = w.reshape(-1)
 
     def positions(a: int, b: int) -> torch.Tensor:
-        i_J, c_J = split(a, b)
-        return hf_rows[i_J] * inner + c_J
+        return _by_units(a, b, inner, lambda i_U: hf_rows[i_U] * inner)
 
     def values(a: int, b: int) -> torch.Tensor:
-        i_J, c_J = split(a, b)
-        return flat_RI[local_rows[i_J], c_J]
+        return flat[_by_units(a, b, inner, lambda i_U: local_rows[i_U] * inner)]
 
     return Placer(n=len(local_rows) * inner, positions=positions, values=values)
 

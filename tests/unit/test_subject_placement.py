@@ -215,3 +215,20 @@ def test_subject_placers_with_an_offset_are_exactly_that_range():
         for a, b in [(0, p.n), (1, p.n - 1), (2, 2)]:
             assert torch.equal(p.positions(a, b), torch.arange(a + p.offset, b + p.offset))
     assert placement.row(w2, tp=2, r=1).offset is None  # strided: positions are built
+
+
+def test_subject_placers_sub_ranges_are_slices_of_the_whole():
+    """Rows cut a large shard into ranges: every placer's positions and values over ``[a, b)`` are exactly that
+    slice of its whole-shard ones, ranges that start or end inside a head or a row included."""
+    w_qkv = torch.randn(2 * (4 + 2) * 3, 5)  # G=2 local groups, H=2 q heads per group + k + v, D=3, I=5
+    placers = [placement.row(torch.randn(6, 4), tp=2, r=1),
+               *placement.qkv(w_qkv, heads=8, groups=4, head_dim=3, tp=2, r=1),
+               *placement.qkv(torch.randn(2 * (2 * 2 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=0,
+                              output_gate=True),
+               placement.row_map(torch.randn(4, 3, 2), local_rows=torch.tensor([2, 0, 3]),
+                                 hf_rows=torch.tensor([7, 1, 4]))]
+    for p in placers:
+        pos, val = p.full()
+        assert pos.numel() == val.numel() == p.n
+        for a, b in [(0, p.n), (1, p.n - 1), (7, 7), (p.n // 3, 2 * p.n // 3 + 1)]:
+            assert torch.equal(p.positions(a, b), pos[a:b]) and torch.equal(p.values(a, b), val[a:b])
