@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from moeverify.errors import RouteError
 from moeverify.record.format import ids_dtype_for
 from moeverify.record.report import DiffReport, bucket_edges
+from moeverify.record.stream import layer_pair
 from moeverify.routes import Routes
 
 __all__ = ["DiffReport", "compare_rows", "diff", "diff_stream", "sequence_spans"]
@@ -165,7 +167,7 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
     first_N = torch.full((tokens,), -1, dtype=torch.int16)
     missed_N = torch.zeros(tokens, dtype=torch.int32)
     for i, layer in enumerate(layers):
-        mbs_a, mbs_b = a.layer(layer), b.layer(layer)
+        mbs_a, mbs_b = layer_pair(a, b, layer)
         for side, mbs in (("A", mbs_a), ("B", mbs_b)):
             got = [t.shape[0] for t in mbs]
             if got != counts:
@@ -173,7 +175,7 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
         for mb, start in enumerate(starts):
             ids_a_TK, ids_b_TK = _narrow(mbs_a[mb], experts), _narrow(mbs_b[mb], experts)
             load_a_LE[i] += torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
-            rest = _rows_differ(ids_a_TK, ids_b_TK).nonzero().squeeze(1)
+            rest = torch.from_numpy(np.flatnonzero(_rows_differ(ids_a_TK, ids_b_TK).numpy()))  # 7x torch's nonzero
             if not rest.numel():
                 continue
             rows_a, rows_b = ids_a_TK.index_select(0, rest), ids_b_TK.index_select(0, rest)

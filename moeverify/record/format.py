@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import re
+import stat
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -224,3 +227,59 @@ class ModelInfo:
             if str(exc).startswith(where):
                 raise
             raise DumpError(f"{where}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepInfo:
+    microbatches: int
+    batch: int | None
+    seq_len: tuple[int, ...] | None
+
+
+def step_info(info: Mapping, *, where: str) -> StepInfo:
+    """One step's entry: ``microbatches`` >= 1; ``batch`` >= 1 and ``seq_len`` (one length >= 1 per micro-batch)
+    where recorded, else null."""
+    microbatches = strict_int(info.get("microbatches"), where=where, key="microbatches", lo=1)
+    batch, seq_len = info.get("batch"), info.get("seq_len")
+    batch = None if batch is None else strict_int(batch, where=where, key="batch", lo=1)
+    if seq_len is not None:
+        seq_len = strict_int_list(seq_len, where=where, key="seq_len", lo=1)
+        if len(seq_len) != microbatches:
+            raise DumpError(f"{where}: seq_len {list(seq_len)!r:.80} holds {len(seq_len)} length(s) != microbatches "
+                            f"{microbatches} (one per micro-batch)")
+    return StepInfo(microbatches=microbatches, batch=batch, seq_len=seq_len)
+
+
+def check_regular_file(path: Path, *, rank: int, directory: Path) -> None:
+    """A rank file is a regular file in the dump directory itself: never a link (which could lead out of
+    the dump), a FIFO (which would block) or a device."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise DumpError(f"{path}: rank {rank} file missing (listed in the manifest)") from None
+    except OSError as exc:
+        raise DumpError(f"{path}: rank {rank} file unreadable: {exc}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise DumpError(f"{path}: rank {rank} file is a symbolic link (to {os.readlink(path)!r:.120}); a dump "
+                        f"never reads outside its directory: copy the file in instead")
+    if not stat.S_ISREG(st.st_mode):
+        raise DumpError(f"{path}: rank {rank} file is not a regular file (a FIFO, device or directory)")
+    if path.resolve().parent != directory.resolve():
+        raise DumpError(f"{path}: rank {rank} file resolves to {path.resolve()}, outside the dump directory")
+
+
+def packed_layers(file: Mapping, *, path: Path, rank: int, manifest: Path) -> tuple[int, ...]:
+    """A v2 file entry's ``layers``: the global layers of its packed tensors, in order; integers, unique."""
+    layers = file.get("layers")
+    if not isinstance(layers, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in layers):
+        raise DumpError(f"{manifest}: rank {rank} file {path.name}: 'layers' must be the list "
+                        f"of global layers its packed tensors hold (format v2), got {layers!r:.80}")
+    twice = sorted({x for x in layers if layers.count(x) > 1})
+    if twice:
+        raise DumpError(f"{path}: rank {rank}: the file's layer list {layers} holds layer(s) {twice} more than "
+                        f"once; expected each packed layer once")
+    if layers != sorted(layers):
+        raise DumpError(f"{manifest}: rank {rank} file {path.name}: 'layers' {layers!r:.80} is "
+                        f"not ascending (the writer packs layers in ascending order); a reordered list would "
+                        f"relabel layers")
+    return tuple(layers)

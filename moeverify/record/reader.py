@@ -4,9 +4,8 @@
 header, rank metadata) and every tensor (name, dtype, shape, layers and micro-batches a rank must
 hold) before any data is read. Every problem is a ``DumpError`` naming the file and tensor, with
 expected vs got. Both format versions are read (``format.VERSIONS``) and indexed per layer alike: a v2
-packed ``[L, T, K]`` tensor gives one index entry per layer, read alone through ``safe_open(...).get_slice``
-(the file is memory-mapped; only that layer's bytes are copied). Legend: L = packed layers, T = tokens
-(local router order), K = top-k.
+packed ``[L, T, K]`` tensor gives one index entry per layer, whose bytes are read alone (``layer_read``: one
+positioned read of that layer's span). Legend: L = packed layers, T = tokens (local router order), K = top-k.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,43 +23,13 @@ from moeverify import views
 from moeverify.errors import DumpError, LayoutError, RouteError
 from moeverify.layout import Layout
 from moeverify.record import format as fmt
+from moeverify.record.layer_read import Entry, checked_offset, data_spans, read, sequence_order
 from moeverify.routes import Routes, validate_topk_ids
 
 _REQUIRED = ("schema", "version", "model", "layout", "world_size", "zigzag", "ids_dtype", "steps", "ranks")
 _LAYOUT_KEYS = {"tp", "pp", "cp", "ep", "etp", "vpp", "sp"}  # written by every version; pp_first/... optional
 _DT_NAMES = {"U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
              "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class StepInfo:
-    microbatches: int
-    batch: int | None
-    seq_len: tuple[int, ...] | None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class _Entry:
-    file: Path
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]  # of this layer's tensor: [T, K] (ids, probs) or [T]
-    index: int | None = None  # position of the layer in a v2 packed [L, T, K] tensor
-    label: str = ""  # how messages name it (``format.layer_label``)
-
-
-def _step_info(info: Mapping, *, where: str) -> StepInfo:
-    """One step's entry: ``microbatches`` >= 1; ``batch`` >= 1 and ``seq_len`` (one length >= 1 per micro-batch)
-    where recorded, else null."""
-    microbatches = fmt.strict_int(info.get("microbatches"), where=where, key="microbatches", lo=1)
-    batch, seq_len = info.get("batch"), info.get("seq_len")
-    batch = None if batch is None else fmt.strict_int(batch, where=where, key="batch", lo=1)
-    if seq_len is not None:
-        seq_len = fmt.strict_int_list(seq_len, where=where, key="seq_len", lo=1)
-        if len(seq_len) != microbatches:
-            raise DumpError(f"{where}: seq_len {list(seq_len)!r:.80} holds {len(seq_len)} length(s) != microbatches "
-                            f"{microbatches} (one per micro-batch)")
-    return StepInfo(microbatches=microbatches, batch=batch, seq_len=seq_len)
 
 
 class Dump:
@@ -101,14 +69,16 @@ class Dump:
         self.probs_dtype = (self._dtype_of(manifest, "probs_dtype", where=where)
                             if manifest.get("probs_dtype") is not None else None)
         self._probs_declared = "probs_dtype" not in manifest or self.probs_dtype is not None
-        self.steps = {fmt.int_key(s, where=where, what="steps"): _step_info(i, where=f"{where}: steps[{s!r}]")
+        self.steps = {fmt.int_key(s, where=where, what="steps"): fmt.step_info(i, where=f"{where}: steps[{s!r}]")
                       for s, i in manifest["steps"].items()}
         self.coords = {rank: self._rank_coords(manifest["ranks"][key]["coords"], rank=rank,
                                                where=f"{where}: ranks[{key!r}].coords")
                        for rank, key in sorted(rank_keys.items())}
-        self._index: dict[tuple[int, int, int, int | None, str], _Entry] = {}
+        self._held: dict[int, tuple[int, ...]] = {}  # rank -> its MoE layers (``_layers``)
+        self._index: dict[tuple[int, int, int, int | None, str], Entry] = {}
         self._tensor_counts: list[tuple[Path, int, int, int]] = []  # (file, rank, held, listed in the manifest)
         self._token_ids_checked: set[int] = set()  # steps whose positions/seq_ids layer_routes has checked
+        self._orders: dict[tuple[int, int, int], torch.Tensor | None | bool] = {}  # (rank, seq_len, batch)
         for rank, entry in sorted(manifest["ranks"].items(), key=lambda kv: int(kv[0])):
             for file in entry["files"]:
                 self._index_file(int(rank), file)
@@ -166,22 +136,23 @@ class Dump:
         self._require_geometry(step, info)
         return [self.layout.dp(self.world_size) * info.batch * length for length in info.seq_len]
 
-    def layer_routes(self, *, step: int = 0, layer: int) -> Routes:
-        """One MoE layer of ``routes(step)`` (same merge, order and checks), reading only that layer's tensors."""
+    def layer_routes(self, *, step: int = 0, layer: int, like: Routes | None = None) -> Routes:
+        """One MoE layer of ``routes(step)`` (same merge, order and checks), reading only that layer's tensors.
+        ``like``: validated routes whose identical rows need no check of their own (``Routes.adopt``)."""
         info = self._step(step)
         if layer not in self.model.moe_layers:
             raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the dump {list(self.model.moe_layers)}")
-
         if self.world_size == 1 and info.seq_len is None:
-            return self._local(0, step, (layer,) if layer in self._layers(0) else (), checked=True)
+            return self._local(0, step, (layer,) if layer in self._layers(0) else (), checked=True, like=like)
         self._require_geometry(step, info)
         if step not in self._token_ids_checked:
             for rank in sorted(self.coords):
                 self._check_token_ids(rank, step, info)
             self._token_ids_checked.add(step)
-        return self._merged(step, info, layers=(layer,), where=f"{self.path}: step {step}: layer {layer}")
+        return self._merged(step, info, layers=(layer,), where=f"{self.path}: step {step}: layer {layer}", like=like)
 
-    def _local(self, rank: int, step: int, layers: tuple[int, ...], *, checked: bool) -> Routes:
+    def _local(self, rank: int, step: int, layers: tuple[int, ...], *, checked: bool,
+               like: Routes | None = None) -> Routes:
         """Rank ``rank``'s ids of ``layers`` in ``step``; ``checked=False`` leaves the ids to the merge's check."""
         info = self._step(step)
         held = {layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]
@@ -189,7 +160,7 @@ class Dump:
         if not checked:
             return Routes.unchecked(held, num_experts=self.model.num_experts, topk=self.model.topk)
         try:
-            return Routes(held, num_experts=self.model.num_experts, topk=self.model.topk)
+            return Routes.adopt(held, num_experts=self.model.num_experts, topk=self.model.topk, like=like)
         except RouteError as exc:
             error = exc
         try:  # the error path only: check again, naming the rank (Routes does not know it)
@@ -201,10 +172,18 @@ class Dump:
             error = exc
         raise DumpError(f"{self._rank_files(rank)}: step {step}: {error}") from None
 
-    def _merged(self, step: int, info: StepInfo, *, layers: tuple[int, ...], where: str) -> Routes:
+    def _merged(self, step: int, info: fmt.StepInfo, *, layers: tuple[int, ...], where: str,
+                like: Routes | None = None) -> Routes:
         """The ranks' ``layers`` merged to the global view. The ids are validated once, as merged: every rank's
         row is in the merged view (replicas are compared equal first). On a failure each rank's tensors are
-        checked on their own, so that the message names the file."""
+        checked on their own, so that the message names the file. Layers that one rank alone holds are put in
+        order by one gather of whole rows as they are read (``layer_read.sequence_order``)."""
+        holders = {layer: [r for r in sorted(self.coords) if layer in self._layers(r)] for layer in layers}
+        if all(len(ranks) == 1 for ranks in holders.values()):
+            merged = self._gathered(step, info, {layer: ranks[0] for layer, ranks in holders.items()}, where=where,
+                                    like=like)
+            if merged is not None:
+                return merged
         local = {self.coords[r]: self._local(r, step, layers, checked=False) for r in sorted(self.coords)}
         try:
             return views.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
@@ -215,7 +194,32 @@ class Dump:
                 self._local(rank, step, layers, checked=True)  # raises naming the rank's file, if the ids are bad
             raise DumpError(f"{where}: cannot merge ranks: {exc}") from None
 
-    def _require_geometry(self, step: int, info: StepInfo) -> None:
+    def _gathered(self, step: int, info: fmt.StepInfo, owner: dict[int, int], *, where: str,
+                  like: Routes | None) -> Routes | None:
+        """``_merged`` of layers each held by the one rank ``owner[layer]``; None where a rank's token order is
+        not a permutation of the micro-batch's tokens (the general merge then says what is wrong)."""
+        orders = {(rank, mb): self._order(rank, info, mb) for rank in owner.values() for mb in range(info.microbatches)}
+        if any(order is False for order in orders.values()):
+            return None
+        held = {layer: [read(self._index[(rank, step, mb, layer, "ids")], order_T=orders[(rank, mb)])
+                        for mb in range(info.microbatches)] for layer, rank in owner.items()}
+        try:
+            routes = Routes.adopt(held, num_experts=self.model.num_experts, topk=self.model.topk, like=like)
+        except RouteError as exc:
+            for rank in sorted(self.coords):
+                self._local(rank, step, tuple(owner), checked=True)  # raises naming the rank's file
+            raise DumpError(f"{where}: cannot merge ranks: {exc}") from None
+        return routes.in_order("sequence" if self.layout.dp(self.world_size) * info.batch > 1 else None)
+
+    def _order(self, rank: int, info: fmt.StepInfo, mb: int) -> torch.Tensor | None | bool:
+        key = (rank, info.seq_len[mb], info.batch)  # cached: the same for every layer and micro-batch
+        if key not in self._orders:
+            self._orders[key] = sequence_order(self.layout, self.coords[rank], seq_len=info.seq_len[mb],
+                                               batch=info.batch, zigzag=self.zigzag,
+                                               tokens=self.layout.dp(self.world_size) * info.batch * info.seq_len[mb])
+        return self._orders[key]
+
+    def _require_geometry(self, step: int, info: fmt.StepInfo) -> None:
         if info.seq_len is None or info.batch is None:
             raise DumpError(f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
                             f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)")
@@ -226,8 +230,9 @@ class Dump:
             raise DumpError(f"{self.path / fmt.MANIFEST}: rank {rank} file entry {file!r} is not an object")
         where = f"{self.path / fmt.MANIFEST}: rank {rank}"
         path = self.path / fmt.checked_file_name(file.get("name"), rank=rank, where=str(self.path / fmt.MANIFEST))
-        self._check_regular(path, rank)
-        packed = self._packed_layers(path, rank, file) if self.version >= 2 else None
+        fmt.check_regular_file(path, rank=rank, directory=self.path)
+        packed = fmt.packed_layers(file, path=path, rank=rank, manifest=self.path / fmt.MANIFEST) \
+            if self.version >= 2 else None
         expected_bytes = fmt.strict_int(file.get("bytes"), where=where, key=f"file {path.name} bytes", lo=0)
         expected_tensors = fmt.strict_int(file.get("tensors"), where=where, key=f"file {path.name} tensors", lo=1)
         size = path.stat().st_size
@@ -240,7 +245,8 @@ class Dump:
                 # a dtype outside the table keeps the file's own name (``I8``), so that messages say what it holds
                 entries = {n: (_DT_NAMES.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape()))
                            for n, s in entries.items()}
-        except (SafetensorError, OSError) as exc:
+            spans = data_spans(path)  # where each tensor's bytes lie: the reads take them from there
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             raise DumpError(f"{path}: not a readable safetensors file: {exc}") from None
         got = (meta.get("schema"), meta.get("version"), meta.get("rank"))
         if got != (fmt.SCHEMA, str(self.version), str(rank)):
@@ -257,50 +263,19 @@ class Dump:
                 raise DumpError(f"{path}: tensor {name}: not a format v{self.version} name; expected {want}")
             if kind in fmt.KINDS and packed is not None:
                 self._index_packed(path, name, rank=rank, step=step, mb=mb, kind=kind, dtype=dtype, shape=shape,
-                                   layers=packed)
+                                   layers=packed, span=spans[name])
                 continue
             key = (rank, step, mb, layer, kind)
             if key in self._index:
                 raise DumpError(f"{path}: tensor {name} also in {self._index[key].file.name}")
             self._check_tensor(path, name, kind, dtype, shape)
-            self._index[key] = _Entry(file=path, name=name, dtype=dtype, shape=shape, label=name)
+            offset = checked_offset(path, name, spans[name], index=None, layers=1,
+                                    layer_bytes=dtype.itemsize * int(torch.Size(shape).numel()))
+            self._index[key] = Entry(file=path, name=name, dtype=dtype, shape=shape, offset=offset, label=name)
         self._tensor_counts.append((path, rank, len(entries), expected_tensors))
 
-    def _check_regular(self, path: Path, rank: int) -> None:
-        """A rank file is a regular file in the dump directory itself: never a link (which could lead out of
-        the dump), a FIFO (which would block) or a device."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise DumpError(f"{path}: rank {rank} file missing (listed in the manifest)") from None
-        except OSError as exc:
-            raise DumpError(f"{path}: rank {rank} file unreadable: {exc}") from None
-        if stat.S_ISLNK(st.st_mode):
-            raise DumpError(f"{path}: rank {rank} file is a symbolic link (to {os.readlink(path)!r:.120}); a dump "
-                            f"never reads outside its directory: copy the file in instead")
-        if not stat.S_ISREG(st.st_mode):
-            raise DumpError(f"{path}: rank {rank} file is not a regular file (a FIFO, device or directory)")
-        if path.resolve().parent != self.path.resolve():
-            raise DumpError(f"{path}: rank {rank} file resolves to {path.resolve()}, outside the dump directory")
-
-    def _packed_layers(self, path: Path, rank: int, file: Mapping) -> tuple[int, ...]:
-        """A v2 file entry's ``layers``: the global layers of its packed tensors, in order; integers, unique."""
-        layers = file.get("layers")
-        if not isinstance(layers, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in layers):
-            raise DumpError(f"{self.path / fmt.MANIFEST}: rank {rank} file {path.name}: 'layers' must be the list "
-                            f"of global layers its packed tensors hold (format v2), got {layers!r:.80}")
-        twice = sorted({x for x in layers if layers.count(x) > 1})
-        if twice:
-            raise DumpError(f"{path}: rank {rank}: the file's layer list {layers} holds layer(s) {twice} more than "
-                            f"once; expected each packed layer once")
-        if layers != sorted(layers):
-            raise DumpError(f"{self.path / fmt.MANIFEST}: rank {rank} file {path.name}: 'layers' {layers!r:.80} is "
-                            f"not ascending (the writer packs layers in ascending order); a reordered list would "
-                            f"relabel layers")
-        return tuple(layers)
-
     def _index_packed(self, path: Path, name: str, *, rank: int, step: int, mb: int, kind: str,
-                      dtype: torch.dtype | None, shape: tuple, layers: tuple[int, ...]) -> None:
+                      dtype: torch.dtype | None, shape: tuple, layers: tuple[int, ...], span: tuple[int, int]) -> None:
         """One index entry per layer of a v2 ``[L, T, K]`` tensor, after checking its dtype and shape."""
         where = f"{path}: tensor {name} (step {step}, mb {mb}, layers {list(layers)})"
         want = fmt.ID_DTYPE_NAMES[self.ids_dtype] if kind == "ids" else "a float dtype"
@@ -311,14 +286,16 @@ class Dump:
         if shape[0] != len(layers):
             raise DumpError(f"{where}: shape {shape} packs {shape[0]} layer(s), but the file's layer list names "
                             f"{len(layers)}: expected (L={len(layers)}, T, K={self.model.topk})")
+        layer_bytes = dtype.itemsize * shape[1] * shape[2]
         for index, layer in enumerate(layers):
             key = (rank, step, mb, layer, kind)
             label = fmt.layer_label(step=step, mb=mb, kind=kind, layer=layer, version=self.version)
             if key in self._index:
                 raise DumpError(f"{path}: tensor {label} (step {step}, mb {mb}, layer {layer}) also in "
                                 f"{self._index[key].file.name}")
-            self._index[key] = _Entry(file=path, name=name, dtype=dtype, shape=tuple(shape[1:]), index=index,
-                                      label=label)
+            self._index[key] = Entry(file=path, name=name, dtype=dtype, shape=tuple(shape[1:]), index=index,
+                                     offset=checked_offset(path, name, span, index=index, layers=len(layers),
+                                                           layer_bytes=layer_bytes), label=label)
 
     def _check_tensor(self, path: Path, name: str, kind: str, dtype: torch.dtype | None, shape: tuple) -> None:
         if kind == "ids":
@@ -377,7 +354,7 @@ class Dump:
                         raise DumpError(f"{entry.file}: tensor {entry.label}: shape ({got}, {self.model.topk}) != "
                                         f"expected (T={want}, K={self.model.topk}) (inconsistent token count)")
 
-    def _check_token_ids(self, rank: int, step: int, info: StepInfo) -> None:
+    def _check_token_ids(self, rank: int, step: int, info: fmt.StepInfo) -> None:
         """Recorded positions/seq_ids, where present, must be where the layout says the tokens are."""
         c = self.coords[rank]
         for mb in range(info.microbatches):
@@ -423,10 +400,12 @@ class Dump:
         return views.RankCoords(**values)
 
     def _layers(self, rank: int) -> tuple[int, ...]:
-        return views.layers_of(self.layout, pp_rank=self.coords[rank].pp, num_layers=self.model.num_layers,
-                               moe_layers=self.model.moe_layers)
+        if rank not in self._held:  # asked for every layer read: computed once
+            self._held[rank] = views.layers_of(self.layout, pp_rank=self.coords[rank].pp,
+                                               num_layers=self.model.num_layers, moe_layers=self.model.moe_layers)
+        return self._held[rank]
 
-    def _step(self, step: int) -> StepInfo:
+    def _step(self, step: int) -> fmt.StepInfo:
         if step not in self.steps:
             raise DumpError(f"{self.path}: step {step} not in dump; steps held: {sorted(self.steps)}")
         return self.steps[step]
@@ -436,16 +415,7 @@ class Dump:
         return str(self.path / (sorted(set(files))[0] if files else fmt.rank_file(rank)))
 
     def _read(self, rank: int, step: int, mb: int, layer: int | None, kind: str) -> torch.Tensor:
-        entry = self._index[(rank, step, mb, layer, kind)]
-        try:
-            with safe_open(entry.file, framework="pt") as handle:
-                if entry.index is None:
-                    return handle.get_tensor(entry.name)
-                # A view of the memory-mapped [L, T, K] tensor touches this layer's pages only; the copy owns
-                # just those bytes, so a kept layer does not pin the whole file's mapping.
-                return handle.get_slice(entry.name)[entry.index].clone()
-        except (SafetensorError, OSError) as exc:
-            raise DumpError(f"{entry.file}: tensor {entry.label}: unreadable: {exc}") from None
+        return read(self._index[(rank, step, mb, layer, kind)])
 
 
 def load(path: str | os.PathLike) -> Dump:

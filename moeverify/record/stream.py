@@ -85,6 +85,18 @@ class DumpSource:
         return self.dump.routes(step=self.step)
 
 
+def layer_pair(a, b, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(a.layer(layer), b.layer(layer))``. Of two dumps, B's rows byte-identical to A's rows (checked as A's
+    layer was read) are not checked again (``Routes.adopt(like=)``): two runs that mostly agree cost about one
+    side's id checks, not two. A bad row of B is still refused, with the message a whole check gives."""
+    if not (isinstance(a, DumpSource) and isinstance(b, DumpSource)):
+        return a.layer(layer), b.layer(layer)
+    routes_a = a.dump.layer_routes(step=a.step, layer=layer)
+    routes_b = b.dump.layer_routes(step=b.step, layer=layer, like=routes_a)
+    return ([routes_a.get(layer, mb) for mb in range(routes_a.microbatches)],
+            [routes_b.get(layer, mb) for mb in range(routes_b.microbatches)])
+
+
 class _Wrapped:
     """A source around ``inner``: its layers, micro-batches, top-k and token counts are ``inner``'s."""
 

@@ -13,6 +13,7 @@ from moeverify import record
 from moeverify.errors import DumpError
 from moeverify.record import format as fmt
 from moeverify.record import reader
+from moeverify.record.layer_read import data_spans
 from moeverify.record.stream import DumpSource
 from moeverify.record.writer import RankWriter
 from moeverify.routes import Routes
@@ -272,36 +273,13 @@ def test_v2_file_with_v1_metadata_refused(v2_dir):
 
 
 # -- streaming one layer -----------------------------------------------------------------------------
-class _SpyOpen:
-    """``safe_open`` recording every tensor or slice read (the index is built before it is installed)."""
+def _spy_reads(calls, real):
+    """``layer_read.read`` recording the span of every tensor or layer read (installed after the index is built)."""
 
-    def __init__(self, calls, real):
-        self.calls, self.real = calls, real
-
-    def __call__(self, *args, **kwargs):
-        spy = self
-
-        class Handle:
-            def __enter__(self):
-                self.inner = spy.real(*args, **kwargs).__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return self.inner.__exit__(*exc)
-
-            def get_tensor(self, name):
-                spy.calls.append(("tensor", name))
-                return self.inner.get_tensor(name)
-
-            def get_slice(self, name):
-                sl = self.inner.get_slice(name)
-
-                class Slice:
-                    def __getitem__(self, index):
-                        spy.calls.append(("slice", name, index))
-                        return sl[index]
-                return Slice()
-        return Handle()
+    def spy(entry, **kwargs):
+        calls.append(("span", entry.name, entry.index, entry.offset, entry.nbytes))
+        return real(entry, **kwargs)
+    return spy
 
 
 def test_v2_streaming_one_layer_reads_only_that_layer(v2_dir, monkeypatch):
@@ -312,9 +290,12 @@ def test_v2_streaming_one_layer_reads_only_that_layer(v2_dir, monkeypatch):
     _rewrite(v2_dir, tensors)
     dump = record.load(v2_dir)  # validation reads headers only
     calls = []
-    monkeypatch.setattr(reader, "safe_open", _SpyOpen(calls, reader.safe_open))
+    monkeypatch.setattr(reader, "read", _spy_reads(calls, reader.read))
     assert dump.layer_routes(step=0, layer=3) == Routes({3: [routes.get(3, 0), routes.get(3, 1)]}, num_experts=16,
                                                         topk=2)
-    assert calls == [("slice", "step0/mb0/ids", 1), ("slice", "step0/mb1/ids", 1)]
+    spans = data_spans(v2_dir / "rank00000.safetensors")
+    layer_bytes = [(spans[f"step0/mb{mb}/ids"][1] - spans[f"step0/mb{mb}/ids"][0]) // 2 for mb in (0, 1)]
+    assert calls == [("span", f"step0/mb{mb}/ids", 1, spans[f"step0/mb{mb}/ids"][0] + layer_bytes[mb],
+                      layer_bytes[mb]) for mb in (0, 1)]  # layer 3 is the second of the packed [1, 3]
     with pytest.raises(DumpError, match=r"rank00000.safetensors: step 0: layer 1 rank 0 mb 0: expert id 255 out of"):
         dump.layer_routes(step=0, layer=1)
