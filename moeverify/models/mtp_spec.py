@@ -21,11 +21,12 @@ import functools
 from moeverify.errors import UsageError
 
 
-def local_mtp_block_spec(config, vp_stage: int | None = None, *, fuse_input_norm: bool = False):
+def local_mtp_block_spec(config, vp_stage: int | None = None, *, registry=None):
     """``gpt_provider.mtp_block_spec`` (megatron-bridge 0.6.2) on the CPU spec: ``None`` where this stage
     builds no MTP layer, else megatron-core's ``MultiTokenPredictionBlockSubmodules`` with CPU modules.
-    ``fuse_input_norm``: the inner layer's input norm is held by ``linear_qkv`` (``layer_norm_weight``), as
-    Transformer Engine's ``LayerNormColumnParallelLinear`` holds it (``mtp_input_norm_fused``)."""
+    ``registry`` (the bridge's mapping registry): where it maps the inner layer's input norm under TE's fused name
+    only, ``linear_qkv`` holds it (``layer_norm_weight``) as TE's ``LayerNormColumnParallelLinear`` does
+    (``mtp_input_norm_fused``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.multi_token_prediction import get_mtp_num_layers_to_build
 
@@ -43,7 +44,7 @@ def local_mtp_block_spec(config, vp_stage: int | None = None, *, fuse_input_norm
         return None
     block = copy.deepcopy(block)
     block.layer_specs = [_local_norms(layer) for layer in block.layer_specs]
-    if fuse_input_norm:
+    if registry is not None and mtp_input_norm_fused(registry):
         for layer in block.layer_specs:
             _fuse_input_norm(layer.submodules.mtp_model_layer)
     return block
@@ -108,8 +109,7 @@ def cpu_mtp_block_spec(registry):
         raise RuntimeError("megatron.bridge.models.gpt_provider.mtp_block_spec is gone: GPTModelProvider.provide "
                            "no longer builds MTP blocks as megatron-bridge 0.6.2 did; moeverify's CPU MTP spec needs "
                            "a new hook")
-    gpt_provider.mtp_block_spec = functools.partial(local_mtp_block_spec,
-                                                    fuse_input_norm=mtp_input_norm_fused(registry))
+    gpt_provider.mtp_block_spec = functools.partial(local_mtp_block_spec, registry=registry)
     try:
         yield
     finally:

@@ -161,3 +161,17 @@ def test_bridge_finding_mtp_embed_and_head_copies_are_not_mapped(built):
     exported = [name for name, _ in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False)]
     assert f"{MTP_LAYER}eh_proj.weight" in exported
     assert not any(n.startswith(MTP_LAYER) and n.endswith(("embed_tokens.weight", "head.weight")) for n in exported)
+
+
+def test_mtp_spec_asks_the_registry_only_for_models_with_mtp():
+    import types
+
+    from moeverify.models.mtp_spec import local_mtp_block_spec, mtp_input_norm_fused
+
+    class Unmapped:
+        def megatron_to_hf_lookup(self, name):
+            return None
+
+    assert local_mtp_block_spec(types.SimpleNamespace(mtp_num_layers=None), registry=Unmapped()) is None
+    with pytest.raises(UsageError, match=r"the bridge maps neither mtp\.layers\.0\.mtp_model_layer\.input_layernorm"):
+        mtp_input_norm_fused(Unmapped())
