@@ -15,6 +15,9 @@ implementations differ by op order only (measured 3e-7 .. 5e-7 relative on every
 changed expert choice or a transposed weight moves a layer by 1e-2 .. 1 relative.
 Runs at world size 1 (the scenario's layout must be the default one), Megatron on the run's backend and the
 reference on CPU; the weights are upcast from the checkpoint's dtype exactly, so both models hold the same values.
+Multi-token-prediction layers (``deepseek_v3_mtp``, ``qwen3_next_mtp``) are not compared: transformers 5.12.1's
+models have no MTP module (it ignores the checkpoint's MTP tensors), so there is no reference for them; the decoder
+layers and the logits are compared as for any family (Megatron's logits without labels are the main head's).
 """
 
 from __future__ import annotations
