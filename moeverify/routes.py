@@ -40,12 +40,12 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
             bad = lo if lo < 0 else hi
             token = int((topk_ids_TK == bad).any(dim=1).nonzero()[0])
             raise RouteError(f"{where}: expert id {bad} out of range [0, {num_experts}) (token {token})")
-        if topk > 1:
-            dup_rows = _duplicate_rows(topk_ids_TK).nonzero().flatten()
-            if dup_rows.numel():
-                row = int(dup_rows[0])
-                raise RouteError(f"{where}: token {row} routes to expert(s) twice: {topk_ids_TK[row].tolist()}"
-                                 f" ({dup_rows.numel()} such row(s))")
+        dup_T = _duplicate_rows(topk_ids_TK) if topk > 1 else None
+        if dup_T is not None and bool(dup_T.any()):  # nonzero (a tenth of the check at 128k rows) only on failure
+            dup_rows = dup_T.nonzero().flatten()
+            row = int(dup_rows[0])
+            raise RouteError(f"{where}: token {row} routes to expert(s) twice: {topk_ids_TK[row].tolist()}"
+                             f" ({dup_rows.numel()} such row(s))")
     return topk_ids_TK
 
 

@@ -33,7 +33,7 @@ import torch
 from moeverify.errors import RouteError
 from moeverify.record.format import ids_dtype_for
 from moeverify.record.report import DiffReport, bucket_edges
-from moeverify.record.stream import layer_pair
+from moeverify.record.stream import LayerPairs
 from moeverify.routes import Routes
 
 __all__ = ["DiffReport", "compare_rows", "diff", "diff_stream", "sequence_spans"]
@@ -166,8 +166,9 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
     differing_N = torch.zeros(tokens, dtype=torch.int16)
     first_N = torch.full((tokens,), -1, dtype=torch.int16)
     missed_N = torch.zeros(tokens, dtype=torch.int32)
+    pairs = LayerPairs(a, b)
     for i, layer in enumerate(layers):
-        mbs_a, mbs_b = layer_pair(a, b, layer)
+        mbs_a, mbs_b, tokens_of = pairs(layer)  # rows in the order of tokens_of (None: global order)
         for side, mbs in (("A", mbs_a), ("B", mbs_b)):
             got = [t.shape[0] for t in mbs]
             if got != counts:
@@ -185,7 +186,8 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
                 continue
             load_b_LE[i] += (torch.bincount(rows_b[moved].reshape(-1).to(torch.int64), minlength=experts)
                              - torch.bincount(rows_a[moved].reshape(-1).to(torch.int64), minlength=experts))
-            token_C = start + rest[moved]  # distinct tokens: fold them into the per-token totals
+            rows_C = rest[moved] if tokens_of[mb] is None else tokens_of[mb][rest[moved]]
+            token_C = start + rows_C  # distinct tokens: fold them into the per-token totals
             missed_C = topk - overlap_R[moved].to(torch.int32)
             bucket_LB[i] += torch.bincount(torch.searchsorted(edges, token_C, right=True) - 1, minlength=nb)[:nb]
             exact_L[i] -= token_C.numel()

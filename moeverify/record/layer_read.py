@@ -101,16 +101,17 @@ def gather_rows(ids_TK: torch.Tensor, order_T: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_order(layout: Layout, coords: views.RankCoords, *, seq_len: int, batch: int, tokens: int,
-                   zigzag: bool) -> torch.Tensor | None | bool:
-    """The local row of each of the ``tokens`` global tokens of a micro-batch, for a rank that holds them all:
-    a gather index ``[tokens]``; None when the rows are already in global order; False when the rank's
-    ``token_index`` is not a permutation of the tokens (the general merge then names what is wrong)."""
-    idx_T = views.token_index(layout, tp_rank=coords.tp, cp_rank=coords.cp, dp_rank=coords.dp, seq_len=seq_len,
-                              batch=batch, zigzag=zigzag)
-    if idx_T.numel() != tokens or (tokens and (int(idx_T.min()) < 0 or int(idx_T.max()) >= tokens)):
-        return False
-    if not bool((torch.bincount(idx_T, minlength=tokens) == 1).all()):
-        return False
-    if torch.equal(idx_T, torch.arange(tokens)):
+                   zigzag: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """For a rank that holds all ``tokens`` global tokens of a micro-batch: ``(gather_T, token_T)``, the local
+    row of each global token (a gather index) and the global token of each local row (``views.token_index``);
+    ``(None, None)`` when the rows are already in global order. None when the rank's ``token_index`` is not a
+    permutation of the tokens (the general merge then names what is wrong)."""
+    token_T = views.token_index(layout, tp_rank=coords.tp, cp_rank=coords.cp, dp_rank=coords.dp, seq_len=seq_len,
+                                batch=batch, zigzag=zigzag)
+    if token_T.numel() != tokens or (tokens and (int(token_T.min()) < 0 or int(token_T.max()) >= tokens)):
         return None
-    return torch.empty_like(idx_T).index_copy_(0, idx_T, torch.arange(tokens))
+    if not bool((torch.bincount(token_T, minlength=tokens) == 1).all()):
+        return None
+    if torch.equal(token_T, torch.arange(tokens)):
+        return None, None
+    return torch.empty_like(token_T).index_copy_(0, token_T, torch.arange(tokens)), token_T

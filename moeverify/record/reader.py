@@ -78,7 +78,7 @@ class Dump:
         self._index: dict[tuple[int, int, int, int | None, str], Entry] = {}
         self._tensor_counts: list[tuple[Path, int, int, int]] = []  # (file, rank, held, listed in the manifest)
         self._token_ids_checked: set[int] = set()  # steps whose positions/seq_ids layer_routes has checked
-        self._orders: dict[tuple[int, int, int], torch.Tensor | None | bool] = {}  # (rank, seq_len, batch)
+        self._orders: dict[tuple[int, int, int], tuple | None] = {}  # (rank, seq_len, batch) -> sequence_order
         for rank, entry in sorted(manifest["ranks"].items(), key=lambda kv: int(kv[0])):
             for file in entry["files"]:
                 self._index_file(int(rank), file)
@@ -124,7 +124,7 @@ class Dump:
                             f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)")
         for rank in sorted(self.coords):
             self._check_token_ids(rank, step, info)
-        return self._merged(step, info, layers=self.model.moe_layers, where=f"{self.path}: step {step}")
+        return self._merged(step, info, layers=self.model.moe_layers, where=f"{self.path}: step {step}")[0]
 
     def microbatch_tokens(self, *, step: int = 0) -> list[int]:
         """Tokens per micro-batch of ``routes(step)``, from the index alone (no data read)."""
@@ -139,17 +139,31 @@ class Dump:
     def layer_routes(self, *, step: int = 0, layer: int, like: Routes | None = None) -> Routes:
         """One MoE layer of ``routes(step)`` (same merge, order and checks), reading only that layer's tensors.
         ``like``: validated routes whose identical rows need no check of their own (``Routes.adopt``)."""
+        return self._layer(step, layer, like=like, gather=True)[0]
+
+    def layer_rows(self, *, step: int = 0, layer: int,
+                   like: Routes | None = None) -> tuple[Routes, list[torch.Tensor | None]]:
+        """``layer_routes``, except that a layer one rank alone holds keeps that rank's row order: its routes
+        (same checks) and, per micro-batch, the global token of each row (None: row ``t`` is token ``t``, as
+        after any merge). For a caller that needs the global token of a few rows only (``diff_stream``: the
+        differing ones), which then saves moving every row."""
+        return self._layer(step, layer, like=like, gather=False)
+
+    def _layer(self, step: int, layer: int, *, like: Routes | None,
+               gather: bool) -> tuple[Routes, list[torch.Tensor | None]]:
         info = self._step(step)
         if layer not in self.model.moe_layers:
             raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the dump {list(self.model.moe_layers)}")
         if self.world_size == 1 and info.seq_len is None:
-            return self._local(0, step, (layer,) if layer in self._layers(0) else (), checked=True, like=like)
+            held = (layer,) if layer in self._layers(0) else ()
+            return self._local(0, step, held, checked=True, like=like), [None] * info.microbatches
         self._require_geometry(step, info)
         if step not in self._token_ids_checked:
             for rank in sorted(self.coords):
                 self._check_token_ids(rank, step, info)
             self._token_ids_checked.add(step)
-        return self._merged(step, info, layers=(layer,), where=f"{self.path}: step {step}: layer {layer}", like=like)
+        return self._merged(step, info, layers=(layer,), where=f"{self.path}: step {step}: layer {layer}", like=like,
+                            gather=gather)
 
     def _local(self, rank: int, step: int, layers: tuple[int, ...], *, checked: bool,
                like: Routes | None = None) -> Routes:
@@ -173,45 +187,51 @@ class Dump:
         raise DumpError(f"{self._rank_files(rank)}: step {step}: {error}") from None
 
     def _merged(self, step: int, info: fmt.StepInfo, *, layers: tuple[int, ...], where: str,
-                like: Routes | None = None) -> Routes:
-        """The ranks' ``layers`` merged to the global view. The ids are validated once, as merged: every rank's
-        row is in the merged view (replicas are compared equal first). On a failure each rank's tensors are
-        checked on their own, so that the message names the file. Layers that one rank alone holds are put in
-        order by one gather of whole rows as they are read (``layer_read.sequence_order``)."""
+                like: Routes | None = None, gather: bool = True) -> tuple[Routes, list[torch.Tensor | None]]:
+        """The ranks' ``layers`` merged to the global view, and tokens as ``layer_rows`` gives them. The ids are
+        validated once, as merged: every rank's row is in the merged view (replicas are compared equal first).
+        On a failure each rank's tensors are checked on their own, so that the message names the file. Layers
+        that one rank alone holds are put in order by one gather of whole rows as they are read
+        (``layer_read.sequence_order``), or, with ``gather=False`` (one layer), left in that rank's order."""
         holders = {layer: [r for r in sorted(self.coords) if layer in self._layers(r)] for layer in layers}
         if all(len(ranks) == 1 for ranks in holders.values()):
             merged = self._gathered(step, info, {layer: ranks[0] for layer, ranks in holders.items()}, where=where,
-                                    like=like)
+                                    like=like, gather=gather)
             if merged is not None:
                 return merged
         local = {self.coords[r]: self._local(r, step, layers, checked=False) for r in sorted(self.coords)}
         try:
             return views.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
                                    batch=info.batch, num_layers=self.model.num_layers, moe_layers=layers,
-                                   zigzag=self.zigzag)
+                                   zigzag=self.zigzag), [None] * info.microbatches
         except (RouteError, LayoutError) as exc:
             for rank in sorted(self.coords):
                 self._local(rank, step, layers, checked=True)  # raises naming the rank's file, if the ids are bad
             raise DumpError(f"{where}: cannot merge ranks: {exc}") from None
 
     def _gathered(self, step: int, info: fmt.StepInfo, owner: dict[int, int], *, where: str,
-                  like: Routes | None) -> Routes | None:
+                  like: Routes | None, gather: bool) -> tuple[Routes, list[torch.Tensor | None]] | None:
         """``_merged`` of layers each held by the one rank ``owner[layer]``; None where a rank's token order is
         not a permutation of the micro-batch's tokens (the general merge then says what is wrong)."""
         orders = {(rank, mb): self._order(rank, info, mb) for rank in owner.values() for mb in range(info.microbatches)}
-        if any(order is False for order in orders.values()):
+        if any(order is None for order in orders.values()):
             return None
-        held = {layer: [read(self._index[(rank, step, mb, layer, "ids")], order_T=orders[(rank, mb)])
-                        for mb in range(info.microbatches)] for layer, rank in owner.items()}
+        held = {layer: [read(self._index[(rank, step, mb, layer, "ids")],
+                             order_T=orders[(rank, mb)][0] if gather else None) for mb in range(info.microbatches)]
+                for layer, rank in owner.items()}
         try:
             routes = Routes.adopt(held, num_experts=self.model.num_experts, topk=self.model.topk, like=like)
         except RouteError as exc:
             for rank in sorted(self.coords):
                 self._local(rank, step, tuple(owner), checked=True)  # raises naming the rank's file
             raise DumpError(f"{where}: cannot merge ranks: {exc}") from None
-        return routes.in_order("sequence" if self.layout.dp(self.world_size) * info.batch > 1 else None)
+        rank = next(iter(owner.values()), None)  # gather=False: one layer, so one rank
+        tokens = [None if gather else orders[(rank, mb)][1] for mb in range(info.microbatches)]
+        if any(t is not None for t in tokens):
+            return routes.in_order("router"), tokens
+        return routes.in_order("sequence" if self.layout.dp(self.world_size) * info.batch > 1 else None), tokens
 
-    def _order(self, rank: int, info: fmt.StepInfo, mb: int) -> torch.Tensor | None | bool:
+    def _order(self, rank: int, info: fmt.StepInfo, mb: int) -> tuple[torch.Tensor | None, ...] | None:
         key = (rank, info.seq_len[mb], info.batch)  # cached: the same for every layer and micro-batch
         if key not in self._orders:
             self._orders[key] = sequence_order(self.layout, self.coords[rank], seq_len=info.seq_len[mb],

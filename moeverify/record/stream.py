@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from moeverify.record.expert_map import ExpertMap
+from moeverify.record.layer_read import gather_rows
 from moeverify.record.reader import Dump
 from moeverify.routes import Routes
 
@@ -85,16 +86,47 @@ class DumpSource:
         return self.dump.routes(step=self.step)
 
 
-def layer_pair(a, b, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(a.layer(layer), b.layer(layer))``. Of two dumps, B's rows byte-identical to A's rows (checked as A's
-    layer was read) are not checked again (``Routes.adopt(like=)``): two runs that mostly agree cost about one
-    side's id checks, not two. A bad row of B is still refused, with the message a whole check gives."""
-    if not (isinstance(a, DumpSource) and isinstance(b, DumpSource)):
-        return a.layer(layer), b.layer(layer)
-    routes_a = a.dump.layer_routes(step=a.step, layer=layer)
-    routes_b = b.dump.layer_routes(step=b.step, layer=layer, like=routes_a)
-    return ([routes_a.get(layer, mb) for mb in range(routes_a.microbatches)],
-            [routes_b.get(layer, mb) for mb in range(routes_b.microbatches)])
+class LayerPairs:
+    """Both sides of a diff, one layer at a time: ``pairs(layer)`` gives A's ``[T, K]`` ids per micro-batch,
+    B's, and per micro-batch the global token of each row (None: row ``t`` is token ``t``).
+
+    Of two dumps, B's rows byte-identical to A's rows (checked as A's layer was read) are not checked again
+    (``Routes.adopt(like=)``): two runs that mostly agree cost about one side's id checks, not two; a bad row
+    of B is still refused, with the message a whole check gives. A layer that one rank alone holds is compared
+    in that rank's row order (``Dump.layer_rows``) when both sides share it: the rows are not moved, and only
+    the differing rows' global tokens are looked up.
+    """
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+        self._same: dict[tuple[int, int], bool] = {}  # (id(A's tokens), id(B's)): the dumps cache them
+
+    def __call__(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+        a, b = self.a, self.b
+        if not (isinstance(a, DumpSource) and isinstance(b, DumpSource)):
+            mbs_a, mbs_b = a.layer(layer), b.layer(layer)
+            return mbs_a, mbs_b, [None] * len(mbs_a)
+        routes_a, tokens_a = a.dump.layer_rows(step=a.step, layer=layer)
+        routes_b, tokens_b = b.dump.layer_rows(step=b.step, layer=layer, like=routes_a)
+        mbs_a = [routes_a.get(layer, mb) for mb in range(routes_a.microbatches)]
+        mbs_b = [routes_b.get(layer, mb) for mb in range(routes_b.microbatches)]
+        if len(tokens_a) == len(tokens_b) and all(self._same_order(x, y) for x, y in zip(tokens_a, tokens_b)):
+            return mbs_a, mbs_b, tokens_a
+        return _in_token_order(mbs_a, tokens_a), _in_token_order(mbs_b, tokens_b), [None] * len(mbs_a)
+
+    def _same_order(self, x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+        if x is None or y is None:
+            return x is y
+        key = (id(x), id(y))
+        if key not in self._same:
+            self._same[key] = x.shape == y.shape and torch.equal(x, y)
+        return self._same[key]
+
+
+def _in_token_order(mbs: list[torch.Tensor], tokens: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Rows moved to global token order (row ``r`` to ``tokens[mb][r]``)."""
+    return [t if tok is None else gather_rows(t, torch.empty_like(tok).index_copy_(0, tok, torch.arange(tok.numel())))
+            for t, tok in zip(mbs, tokens)]
 
 
 class _Wrapped:

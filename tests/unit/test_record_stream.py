@@ -143,13 +143,13 @@ def test_stream_gives_the_in_memory_report_reading_one_layer_at_a_time(tmp_path,
     da, db = record.load(tmp_path / "a"), record.load(tmp_path / "b")
     full = record.diff(da.routes(), db.routes(), seq_len=6, batch=4)
     reads = []
-    original = type(da).layer_routes
+    original = type(da).layer_rows  # what the stream reads a layer with (layer_routes without moving its rows)
 
     def counted(self, *, step=0, layer, **kwargs):  # B's read passes like= (A's layer vouches for equal rows)
         reads.append((self.path.name, layer))
         return original(self, step=step, layer=layer, **kwargs)
 
-    monkeypatch.setattr(type(da), "layer_routes", counted)
+    monkeypatch.setattr(type(da), "layer_rows", counted)
     monkeypatch.setattr(type(da), "routes", lambda self, step=0: pytest.fail("the stream read a whole dump"))
     streamed = record.diff_stream(DumpSource(da), DumpSource(db), seq_len=6, batch=4)
     assert reads == [(side, layer) for layer in (0, 1, 3, 6) for side in ("a", "b")]
