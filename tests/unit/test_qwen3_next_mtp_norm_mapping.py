@@ -1,7 +1,7 @@
 """Finding F9 (docs/families.md): Megatron-Bridge 0.6.2's Qwen3-Next bridge maps the MTP layer's input norm under
 Transformer Engine's fused name only (``mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight``).
 ``MegatronMappingRegistry._add_separate_layernorm_mappings`` adds the separate-norm alias (``input_layernorm.weight``,
-what a model built without TE's fused ``LayerNormColumnParallelLinear`` holds: the local spec, ModelOpt) only for
+what a model built without TE's fused ``LayerNormColumnParallelLinear`` holds: a local spec) only for
 patterns ending ``*.<name>``, and the bridge writes the MTP entries with a literal ``0``: the decoder's full-attention
 layers get the alias, the MTP layer does not. A Qwen3-Next with MTP built without TE fails to load: "No mapping found
 for megatron_param: mtp.layers.0.mtp_model_layer.input_layernorm.weight", then ``AttributeError: 'NoneType' object
