@@ -48,7 +48,7 @@ def digest(tensor: torch.Tensor) -> str:
         w_C = words[a:a + CHUNK]
         total = int(w_C.sum())
         plain += total
-        weighted += int((w_C * _RAMP[: w_C.numel()]).sum()) + a * total
+        weighted += int(torch.dot(w_C, _RAMP[: w_C.numel()])) + a * total  # one pass, no product temporary
     mix = f"{tensor.dtype}|{tuple(tensor.shape)}|{plain & (2**64 - 1)}|{weighted & (2**64 - 1)}"
     return hashlib.sha256(mix.encode()).hexdigest()[:16]
 
