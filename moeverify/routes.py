@@ -93,7 +93,7 @@ def _versions(data: Mapping[int, Sequence]) -> dict:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def _check_shape_args(*, num_experts: object, topk: object) -> None:

@@ -160,12 +160,7 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
     edges = bucket_edges(tokens, nb)
     load_a_LE = torch.zeros(width, experts, dtype=torch.int64)
     load_b_LE = torch.zeros(width, experts, dtype=torch.int64)
-    bucket_LB = torch.zeros(width, nb, dtype=torch.int64)
-    exact_L = torch.full((width,), tokens, dtype=torch.int64)
-    missed_L = torch.zeros(width, dtype=torch.int64)
-    differing_N = torch.zeros(tokens, dtype=torch.int16)
-    first_N = torch.full((tokens,), -1, dtype=torch.int16)
-    missed_N = torch.zeros(tokens, dtype=torch.int32)
+    cells = _Cells(width=width, tokens=tokens, edges=edges)
     pairs = LayerPairs(a, b)
     for i, layer in enumerate(layers):
         mbs_a, mbs_b, tokens_of = pairs(layer)  # rows in the order of tokens_of (None: global order)
@@ -187,20 +182,58 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
             load_b_LE[i] += (torch.bincount(rows_b[moved].reshape(-1).to(torch.int64), minlength=experts)
                              - torch.bincount(rows_a[moved].reshape(-1).to(torch.int64), minlength=experts))
             rows_C = rest[moved] if tokens_of[mb] is None else tokens_of[mb][rest[moved]]
-            token_C = start + rows_C  # distinct tokens: fold them into the per-token totals
-            missed_C = topk - overlap_R[moved].to(torch.int32)
-            bucket_LB[i] += torch.bincount(torch.searchsorted(edges, token_C, right=True) - 1, minlength=nb)[:nb]
-            exact_L[i] -= token_C.numel()
-            missed_L[i] += int(missed_C.sum(dtype=torch.int64))
-            differing_N[token_C] += 1
-            first_C = first_N[token_C]
-            first_N[token_C] = torch.where(first_C < 0, i, first_C).to(torch.int16)  # layers come in order
-            missed_N[token_C] += missed_C
+            cells.add(i, start + rows_C, topk - overlap_R[moved].to(torch.int32))  # distinct tokens
         del mbs_a, mbs_b
-    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=topk, exact_L=exact_L,
-                      overlap_L=tokens * topk - missed_L, load_a_LE=load_a_LE, load_b_LE=load_a_LE + load_b_LE,
-                      differing_N=differing_N, first_N=first_N, missed_N=missed_N, microbatch_tokens=tuple(counts),
-                      sequence_tokens=spans, sequence_extra=_extra(sequence_extra, spans), bucket_differ_LB=bucket_LB)
+    cells.fold()
+    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=topk, exact_L=cells.exact_L,
+                      overlap_L=tokens * topk - cells.missed_L, load_a_LE=load_a_LE, load_b_LE=load_a_LE + load_b_LE,
+                      differing_N=cells.differing_N, first_N=cells.first_N, missed_N=cells.missed_N,
+                      microbatch_tokens=tuple(counts), sequence_tokens=spans,
+                      sequence_extra=_extra(sequence_extra, spans), bucket_differ_LB=cells.bucket_LB)
+
+
+class _Cells:
+    """The differing routers (cells) of streamed layers, folded into per-layer and per-token totals in batches
+    of at least ``tokens`` cells (so memory stays ``O(N)``): a dozen torch calls per layer on a few rows each
+    cost more than the work they do. Layers are added in order, so a token's first divergent layer is the
+    first fold's."""
+
+    def __init__(self, *, width: int, tokens: int, edges: torch.Tensor):
+        self.width, self.tokens, self.edges, self.nb = width, tokens, edges, edges.numel() - 1
+        self.limit = max(tokens, 1 << 16)
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.count = 0
+        self.exact_L = torch.full((width,), tokens, dtype=torch.int64)
+        self.missed_L = torch.zeros(width, dtype=torch.int64)
+        self.bucket_LB = torch.zeros(width, self.nb, dtype=torch.int64)
+        self.differing_N = torch.zeros(tokens, dtype=torch.int16)
+        self.first_N = torch.full((tokens,), -1, dtype=torch.int16)
+        self.missed_N = torch.zeros(tokens, dtype=torch.int32)
+
+    def add(self, layer_index: int, token_C: torch.Tensor, missed_C: torch.Tensor) -> None:
+        self.pending.append((layer_index, token_C, missed_C))
+        self.count += token_C.numel()
+        if self.count >= self.limit:
+            self.fold()
+
+    def fold(self) -> None:
+        if not self.pending:
+            return
+        sizes = torch.tensor([t.numel() for _, t, _ in self.pending])
+        layer_C = torch.repeat_interleave(torch.tensor([i for i, _, _ in self.pending]), sizes)
+        token_C = torch.cat([t for _, t, _ in self.pending])
+        missed_C = torch.cat([m for _, _, m in self.pending])
+        self.pending, self.count = [], 0
+        width, nb = self.width, self.nb
+        self.exact_L -= torch.bincount(layer_C, minlength=width)
+        self.missed_L.index_add_(0, layer_C, missed_C.to(torch.int64))
+        bucket_C = torch.searchsorted(self.edges, token_C, right=True) - 1
+        keep = bucket_C < nb
+        self.bucket_LB += torch.bincount(layer_C[keep] * nb + bucket_C[keep], minlength=width * nb).view(width, nb)
+        self.differing_N += torch.bincount(token_C, minlength=self.tokens).to(torch.int16)
+        first_N = torch.full((self.tokens,), width, dtype=torch.int64).scatter_reduce_(0, token_C, layer_C, "amin")
+        self.first_N = torch.where((self.first_N < 0) & (first_N < width), first_N, self.first_N).to(torch.int16)
+        self.missed_N.index_add_(0, token_C, missed_C)
 
 
 def _gather_rows(a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int,
