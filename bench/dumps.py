@@ -16,8 +16,9 @@ Workload: top-8 of 128 experts, 16 MoE layers, 2 micro-batches of 4096 tokens (1
   (``diff_stream``, one layer at a time) vs the in-memory one (``Dump.routes`` + ``diff``), each in a fresh
   process on one core, both ending in the full JSON record (which must be identical): token-layer rows/s;
   and the streaming engine against the in-memory kernel alone (``diff`` of the two dumps' routes, read before
-  the clock starts; ``diff_stream_vs_kernel``, goal >= 0.5: reading, checking and merging from disk at least
-  half the kernel's speed);
+  the clock starts), both in turn in one fresh process, the fastest of 3 runs each (``diff_stream_vs_kernel``,
+  goal >= 0.5: reading, checking and merging from disk at least half the kernel's speed; the first, cold, runs
+  are reported beside it);
   and peak RSS (``VmHWM``, reset by ``/proc/self/clear_refs``; ``getrusage``'s ``ru_maxrss`` would keep
   the parent's peak across ``exec``) above the process's RSS after imports and ``record.load``,
   as bytes and as multiples of one layer's ids (``tokens x 8`` bytes, one side) and of all ids of both
@@ -302,14 +303,13 @@ def _stream_child(engine: str, a: str, b: str, out: str) -> None:
     da, db = record.load(a), record.load(b)
     info = da.steps[0]
     geometry = {"seq_len": info.seq_len, "batch": info.batch}
+    if engine == "pair":
+        return _pair_child(da, db, geometry, out)
     how = _reset_peak_rss()
     baseline = _status_bytes("VmRSS")
-    ra, rb = (da.routes(), db.routes()) if engine == "kernel" else (None, None)  # the kernel alone: ids in memory
     t0 = time.perf_counter()
     if engine == "stream":
         report = record.diff_stream(DumpSource(da), DumpSource(db), **geometry)
-    elif engine == "kernel":
-        report = record.diff(ra, rb, **geometry)
     else:
         report = record.diff(da.routes(), db.routes(), **geometry)
     result = report.to_json()
@@ -321,13 +321,35 @@ def _stream_child(engine: str, a: str, b: str, out: str) -> None:
                       "rows": report.tokens * len(report.layers)}))
 
 
+def _pair_child(da, db, geometry: dict, out: str, repeats: int = 3) -> None:
+    """The streaming engine from disk and the kernel alone (``diff`` of both dumps' routes, read before the clock
+    starts) in turn in this one process, ``repeats`` times each: the first (cold) and the fastest time of each."""
+    from moeverify.record.stream import DumpSource
+
+    ra, rb = da.routes(), db.routes()
+    engines = {"stream": lambda: record.diff_stream(DumpSource(da), DumpSource(db), **geometry),
+               "kernel": lambda: record.diff(ra, rb, **geometry)}
+    times, records = {name: [] for name in engines}, {}
+    for _ in range(repeats):
+        for name, run in engines.items():
+            t0 = time.perf_counter()
+            records[name] = run().to_json()
+            times[name].append(time.perf_counter() - t0)
+    if records["stream"] != records["kernel"]:
+        raise SystemExit("the streaming engine and the kernel gave different records")
+    Path(out).write_text(json.dumps(records["stream"]))
+    print(json.dumps({"seconds": min(times["stream"]), "kernel_seconds": min(times["kernel"]),
+                      "first": {name: t[0] for name, t in times.items()}, "rows": ra.microbatches and
+                      sum(ra.get(ra.layers[0], mb).shape[0] for mb in range(ra.microbatches)) * len(ra.layers)}))
+
+
 def measure_stream(tokens: int, tmp: Path, rounds: int = 2) -> dict:
     t0 = time.perf_counter()
     a, b = write_stream_dumps(tmp, tokens)
     written = time.perf_counter() - t0
     runs = {}
     for _ in range(rounds):  # engines alternate, each run in a fresh process; the fastest run of each is kept
-        for engine in ("stream", "memory", "kernel"):
+        for engine in ("stream", "memory", "pair"):
             out = tmp / f"{engine}.json"
             proc = subprocess.run([sys.executable, __file__, "--_child", engine, str(a), str(b), str(out)],
                                   capture_output=True, text=True, check=False)
@@ -335,8 +357,15 @@ def measure_stream(tokens: int, tmp: Path, rounds: int = 2) -> dict:
                 raise SystemExit(f"{engine} child failed:\n{proc.stderr}")
             run = json.loads(proc.stdout.strip().splitlines()[-1])
             run["record"] = json.loads(out.read_text())
-            run["growth"] = run["peak_rss"] - run["baseline_rss"]
             best = runs.get(engine)
+            if engine == "pair":
+                if best is not None:
+                    run["seconds"], run["kernel_seconds"] = (min(run["seconds"], best["seconds"]),
+                                                             min(run["kernel_seconds"], best["kernel_seconds"]))
+                    run["first"] = {e: min(run["first"][e], best["first"][e]) for e in run["first"]}
+                runs[engine] = run
+                continue
+            run["growth"] = run["peak_rss"] - run["baseline_rss"]
             if best is not None:
                 if run["record"] != best["record"]:
                     raise SystemExit(f"two {engine} runs gave different records")
@@ -345,25 +374,31 @@ def measure_stream(tokens: int, tmp: Path, rounds: int = 2) -> dict:
                 run["baseline_rss"] = min(run["baseline_rss"], best["baseline_rss"])
                 run["seconds"] = min(run["seconds"], best["seconds"])
             runs[engine] = run
-    if not runs["stream"]["record"] == runs["memory"]["record"] == runs["kernel"]["record"]:
+    if not runs["stream"]["record"] == runs["memory"]["record"] == runs["pair"]["record"]:
         raise SystemExit("the streaming and in-memory records differ")
     check = runs["stream"]["record"]
     rows = runs["stream"]["rows"]
     layer_bytes = tokens * TOPK  # uint8 ids of one layer, one side
     total_bytes = 2 * STREAM_LAYERS * layer_bytes
     disk = sum(p.stat().st_size for d in (a, b) for p in d.iterdir())
-    kernel = runs.pop("kernel")
+    pair = runs.pop("pair")
     growth = {e: r["growth"] for e, r in runs.items()}
     rate = {e: round(rows / r["seconds"]) for e, r in runs.items()}
     note = (f"{tokens} tokens x {STREAM_LAYERS} layers x top-{TOPK} of {EXPERTS} per side from dumps on disk, "
             f"sequences of {STREAM_SEQ_LEN}; {check['tokens_diverging_any_layer']:.4f} of tokens diverge, "
             f"{check['routers_differing_per_token']:.4f} routers differ per token; records identical")
-    kernel_rate = round(rows / kernel["seconds"])
+    first = {e: round(rows / s) for e, s in pair["first"].items()}
     return {
-        "diff_stream_vs_kernel": {"value": rate["stream"], "unit": "token-layer rows/s (1 core, from disk)",
-                                  "peer": kernel_rate, "peer_is": "the in-memory kernel alone: diff() of the same "
-                                  "two dumps' routes, read before the clock starts",
-                                  "ratio": round(rate["stream"] / kernel_rate, 3), "goal": ">=0.5", "note": note},
+        "diff_stream_vs_kernel": {
+            "value": round(rows / pair["seconds"]), "unit": "token-layer rows/s (1 core, from disk)",
+            "peer": round(rows / pair["kernel_seconds"]),
+            "peer_is": "the in-memory kernel alone: diff() of the same two dumps' routes, read before the clock "
+                       "starts; both in turn in one process, 3 times each, the fastest of each",
+            "ratio": round(pair["kernel_seconds"] / pair["seconds"], 3), "goal": ">=0.5",
+            "first_runs": {"stream": first["stream"], "kernel": first["kernel"],
+                           "ratio": round(first["stream"] / first["kernel"], 3),
+                           "note": "the first run of each in a fresh process (cold: fresh buffers fault in)"},
+            "note": note},
         "diff_stream_throughput": {"value": rate["stream"], "unit": "token-layer rows/s (1 core, from disk)",
                                    "peer": rate["memory"], "peer_is": "in-memory: Dump.routes() + diff()",
                                    "ratio": round(rate["stream"] / rate["memory"], 3), "goal": ">=0.5",
@@ -380,8 +415,7 @@ def measure_stream(tokens: int, tmp: Path, rounds: int = 2) -> dict:
             "memory_over_one_layer": round(growth["memory"] / layer_bytes, 2),
             "memory_over_total": round(growth["memory"] / total_bytes, 4),
             "peak_from": runs["stream"]["peak_from"],
-            "seconds": {**{e: round(r["seconds"], 3) for e, r in runs.items()}, "kernel": round(kernel["seconds"], 3)},
-            "write_seconds": round(written, 1)},
+            "seconds": {e: round(r["seconds"], 2) for e, r in runs.items()}, "write_seconds": round(written, 1)},
     }
 
 
