@@ -168,3 +168,20 @@ def test_local_digests_computed_off_thread_and_dropped_tensors_released():
     digests.close()
     gc.collect()
     assert gone() is None
+
+
+def test_digest_the_same_with_and_without_its_thread_pool(monkeypatch):
+    """A large tensor's chunks are summed on a thread pool where the host has cores to spare: the digest (exact
+    integer sums) must not depend on that, nor on the order chunks finish in."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moeverify.oracles.export import local
+
+    x = torch.randn(5 * local.CHUNK * 4 + 3).to(torch.bfloat16)  # 5+ chunks of words: the pool is used
+    monkeypatch.setattr(local, "_POOL", [None])
+    serial = local.digest(x)
+    monkeypatch.setattr(local, "_POOL", [ThreadPoolExecutor(max_workers=3)])
+    assert local.digest(x) == serial
+    y = x.clone()
+    y[-1] = -y[-1] if y[-1] != 0 else 1.0
+    assert local.digest(y) != serial

@@ -20,6 +20,7 @@ Legend: ``P`` = elements of one piece, ``C`` = elements of one chunk, ``R`` = ru
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -43,14 +44,33 @@ def digest(tensor: torch.Tensor) -> str:
     if raw.numel() % 8:
         raw = torch.cat([raw, torch.zeros(8 - raw.numel() % 8, dtype=torch.uint8)])
     words = raw.view(torch.int64)
-    plain, weighted = 0, 0
-    for a in range(0, words.numel(), CHUNK):
-        w_C = words[a:a + CHUNK]
-        total = int(w_C.sum())
-        plain += total
-        weighted += int(torch.dot(w_C, _RAMP[: w_C.numel()])) + a * total  # one pass, no product temporary
+    starts = range(0, words.numel(), CHUNK)
+    pool = _digest_pool() if len(starts) >= 4 else None
+    sums = list(pool.map(lambda a: _sums(words, a), starts)) if pool is not None else [_sums(words, a) for a in starts]
+    plain, weighted = sum(p for p, _ in sums), sum(w for _, w in sums)  # exact integers: any order, same digest
     mix = f"{tensor.dtype}|{tuple(tensor.shape)}|{plain & (2**64 - 1)}|{weighted & (2**64 - 1)}"
     return hashlib.sha256(mix.encode()).hexdigest()[:16]
+
+
+def _sums(words: torch.Tensor, a: int) -> tuple[int, int]:
+    """Chunk ``a``'s plain sum and its index-weighted sum (one pass each, no product temporary)."""
+    w_C = words[a:a + CHUNK]
+    total = int(w_C.sum())
+    return total, int(torch.dot(w_C, _RAMP[: w_C.numel()])) + a * total
+
+
+_POOL: list = []
+
+
+def _digest_pool() -> ThreadPoolExecutor | None:
+    """Threads for a large tensor's digest chunks (torch releases the GIL in them): the cores this host has per
+    local rank, at most 4; None where that is one (the chunks then run in the calling thread)."""
+    if not _POOL:
+        per_rank = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        workers = max(1, min(4, per_rank))
+        _POOL.append(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moeverify-digest")
+                     if workers > 1 else None)
+    return _POOL[0]
 
 
 def runs(positions_P: torch.Tensor, *, limit: int) -> list[list[int]] | None:
