@@ -236,7 +236,8 @@ class Replaying:
         hook = _ReplayHook(self._ids(router, layer, mb, logits))
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
-    def problems(self) -> list[str]:
+    def unused(self) -> list[str]:
+        """One message per layer that left replayed micro-batches unused in a forward."""
         found = []
         for layer, mbs in self.per_layer.items():
             unused = list(range(self.next_mb[layer], len(mbs)))
@@ -244,6 +245,12 @@ class Replaying:
                 found.append(f"layer {layer} rank {self.rank} mb {unused[0]}: {len(unused)} of {len(mbs)} replayed "
                              f"micro-batch(es) never used in a forward (expected {len(mbs)} forwards, "
                              f"got {self.next_mb[layer]})")
+        return found
+
+    def problems(self) -> list[str]:
+        found = []
+        for layer, mbs in self.per_layer.items():
+            found += [p for p in self.unused() if p.startswith(f"layer {layer} ")]
             for mb in range(self.next_mb[layer]):
                 got, ref = self.recomputed[layer][mb], self.regions[layer][mb]
                 if got:

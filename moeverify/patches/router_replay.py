@@ -31,7 +31,7 @@ import torch
 
 from moeverify.errors import EnvironmentProblem, RouteError, UsageError
 from moeverify.patches import compat
-from moeverify.patches import regions
+from moeverify.patches import regions, replay_inputs
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.routers import find_routers, moe_stage_config
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
@@ -46,6 +46,20 @@ _ACTIVE: dict[int, tuple] = {}
 
 
 _FALLBACK: Any = None  # router -> (state, layer) | None for routers no session holds (autopatch)
+# router -> the Replaying of a replay() that exited cleanly and whose check_consumed() has not run: the next
+# record()/replay() on that router, by any session, refuses micro-batches it left unused.
+_UNCHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _refuse_unchecked(routers: dict[int, Any]) -> None:
+    pending = {id(state): state for router in routers.values() if (state := _UNCHECKED.pop(router, None)) is not None}
+    for state in pending.values():
+        unused = state.unused()
+        if unused:
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            raise RouteError(f"the previous replay on these routers was never checked and left routes unused: "
+                             f"{unused[0]}{more}; call session.check_consumed() after each replay (a forward "
+                             "skipped or fed twice shifts every later micro-batch onto other routes)")
 
 
 def _patched_routing(self, logits, *args, **kwargs):
@@ -124,6 +138,14 @@ def refuse_config(config, layer: int, *, disable_fusion: bool) -> None:
                          "micro-batch; router replay keys one call per layer and micro-batch")
 
 
+def _layers_fix(given: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    if len(given) == len(expected) and not set(expected) <= set(given):
+        # As many layers as expected, numbered otherwise: MoE-only indices where dense layers come first.
+        return ("routes are keyed by 0-based global layer number, dense layers counted (an MoE-only index is "
+                f"not a layer number): key them by session.layers = {list(expected)}")
+    return "select this rank's layers with routes.select(session.layers)"
+
+
 class ReplaySession:
     """Record and replay the routes of one model's routers.
 
@@ -150,6 +172,8 @@ class ReplaySession:
                 raise EnvironmentProblem(f"a {type(router).__name__} has no router_replay attribute; expected "
                                          "megatron-core >= 0.16's TopKRouter.__init__ (it sets one)")
         self._routers: dict[int, weakref.ref] = {layer: weakref.ref(router) for layer, (_, router) in found.items()}
+        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else model_chunks
+        self._chunks = [weakref.ref(chunk) for chunk in chunks if isinstance(chunk, torch.nn.Module)]
         # A pipeline stage of an MoE model holding only dense layers binds no router: it records and
         # replays no layer, with the model's expert count and top-k.
         shapes = {(r.num_experts, r.topk) for r in routers} or {(stage.num_moe_experts, stage.moe_router_topk)}
@@ -159,6 +183,7 @@ class ReplaySession:
         self.disable_fusion = disable_fusion
         self._state: Recording | Replaying | None = None
         self._recording: Recording | None = None
+        self._origin: replay_inputs.Origin | None = None
         self._replayed: Replaying | None = None
 
     @property
@@ -190,6 +215,7 @@ class ReplaySession:
         for layer, router in routers.items():
             if id(router) in _ACTIVE:
                 raise UsageError(f"layer {layer}: its router is held by another active session")
+        _refuse_unchecked(routers)
         saved_fusion, checked = {}, set()
         for layer, router in routers.items():
             if id(router.config) not in checked:  # layers usually share one config: check each config once
@@ -215,12 +241,21 @@ class ReplaySession:
     def record(self) -> Iterator[None]:
         """Record the ids chosen by every forward routing call (several micro-batches: in order per layer)."""
         recording = Recording(self._routers, original=_ORIGINAL_ROUTING)
-        with self._active(recording):
-            yield
+        self._check_startable()
+        inputs = replay_inputs.InputLog(self._chunks)
+        try:
+            with self._active(recording):
+                yield
+        finally:
+            inputs.close()
         self._recording = recording
+        self._origin = replay_inputs.Origin(self._routers, inputs)
 
     def routes(self) -> Routes:
         """The routes of the last ``record()``: per layer, one ``[T, K]`` tensor per micro-batch."""
+        if isinstance(self._state, Recording):
+            raise UsageError("routes() inside record(): the recording is complete when the record() block exits; "
+                             "call routes() after it")
         if self._recording is None:
             raise UsageError("nothing recorded yet: run the forward passes inside `with session.record():`")
         counts = {layer: len(mbs) for layer, mbs in self._recording.per_layer.items()}
@@ -229,7 +264,9 @@ class ReplaySession:
         if len(set(counts.values())) != 1 or not next(iter(counts.values())):
             raise RouteError(f"rank {current_rank()}: recorded micro-batch counts per layer are {counts}; every layer "
                              "must record the same number (> 0) of forwards")
-        return Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk).in_order("router")
+        routes = Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk).in_order("router")
+        replay_inputs.register(routes, self._origin)  # replay checks the model and the token ids against these
+        return routes
 
     def _check_routes(self, routes: Routes, rank: int) -> None:
         if not isinstance(routes, Routes):
@@ -241,8 +278,7 @@ class ReplaySession:
             missing = sorted(set(self.layers) - set(routes.layers))
             extra = sorted(set(routes.layers) - set(self.layers))
             raise RouteError(f"rank {rank}: routes layers {list(routes.layers)} != expected {list(self.layers)} "
-                             f"(missing {missing}, extra {extra}); select this rank's layers with "
-                             "routes.select(session.layers)")
+                             f"(missing {missing}, extra {extra}); {_layers_fix(routes.layers, self.layers)}")
         if self.layers and routes.microbatches < 1:  # a dense stage replays no layer, and so no micro-batch
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
         if getattr(routes, "order", None) == "sequence":
@@ -286,9 +322,22 @@ class ReplaySession:
                      for layer in routes.layers}
         replaying = Replaying(per_layer, recompute=recompute, rank=rank, original=_ORIGINAL_ROUTING,
                               fidelity=fidelity)
+        origin = replay_inputs.origin_of(routes)
+        if origin is not None:
+            replay_inputs.check_model(origin, routers, rank=rank)
         self._replayed = replaying
-        with self._active(replaying, routers):
-            yield
+        inputs = replay_inputs.InputLog(self._chunks) if origin is not None else None
+        try:
+            with self._active(replaying, routers):
+                yield
+        finally:
+            if inputs is not None:
+                inputs.close()
+        # Reached only when the block raised nothing: never masks the block's own error.
+        for router in routers.values():
+            _UNCHECKED[router] = replaying
+        if inputs is not None:
+            replay_inputs.check_inputs(origin.inputs, inputs, rank=rank)
 
     def fidelity(self) -> dict[int, float]:
         """After ``replay(routes, fidelity=True)``: ``{layer: share of forward tokens whose replayed top-k expert
@@ -303,6 +352,8 @@ class ReplaySession:
             raise UsageError("check_consumed() needs a replay first (`with session.replay(routes): ...`)")
         if self._state is self._replayed:
             raise UsageError("check_consumed() runs after the replay context has exited")
+        for router in [r for r, state in list(_UNCHECKED.items()) if state is self._replayed]:
+            _UNCHECKED.pop(router, None)
         problems = self._replayed.problems()
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -1,0 +1,113 @@
+"""Which inputs and which model a session's recording belongs to: its routes are replayed on those only.
+
+A route table is a list of ``[T, K]`` rows per micro-batch; nothing in it says which tokens it was chosen
+for. Replayed on other tokens of the same count (micro-batches fed in another order, the routes of the
+previous step's recording replayed on this step's data, an actor's routes given to the reference model's
+session) every token gets another token's experts and training goes on with wrong gradients, no error.
+
+While a session records, a forward pre-hook on each of its model chunks keeps the chunk's token ids per
+forward (the first positional or ``input_ids`` argument, when it is an integer tensor: ``GPTModel``'s
+``input_ids``). ``session.routes()`` registers the ``Routes`` it returns here, by identity of its
+tensors (weak references: nothing is kept alive). ``session.replay(routes)`` of such a ``Routes``:
+
+- on the routers of another live model: refused at once;
+- on the same model: the pre-hook keeps the token ids of every replayed forward, and when the ``replay()``
+  context exits, forward ``i`` of each chunk must have had micro-batch ``i``'s recorded token ids (one
+  host sync per step; compared where both sides had token ids).
+
+Routes built otherwise (``Routes(...)``, ``Routes.from_rollout``, ``routes.select`` / ``to_local`` /
+``replace``, a dump) carry no inputs and are not checked here: they are the way to replay deliberately
+on other inputs.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from moeverify.errors import RouteError
+
+# id(route tensor) -> Origin; an entry is pruned once its tensor is freed (the Routes that held it is gone).
+_ORIGINS: dict[int, tuple[weakref.ref, Origin]] = {}
+
+
+class InputLog:
+    """Per model chunk, the token ids of each forward (None where the chunk got no integer tensor)."""
+
+    def __init__(self, chunks: list[weakref.ref]):
+        self.per_chunk: list[list[torch.Tensor | None]] = [[] for _ in chunks]
+        self._handles = []
+        for index, ref in enumerate(chunks):
+            chunk = ref()
+            if chunk is not None:
+                self._handles.append(chunk.register_forward_pre_hook(self._hook(index), with_kwargs=True))
+
+    def _hook(self, index: int):
+        def pre_hook(_module, args, kwargs):
+            if torch._C._current_graph_task_id() != -1:  # a recompute of the whole chunk: not a new forward
+                return
+            ids = args[0] if args else kwargs.get("input_ids")
+            keep = isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
+            self.per_chunk[index].append(ids.detach().clone() if keep else None)
+        return pre_hook
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class Origin:
+    """The model (its routers, weakly) and the recorded inputs a session's ``Routes`` came from."""
+
+    def __init__(self, routers: dict[int, weakref.ref], inputs: InputLog):
+        self.routers = routers
+        self.inputs = inputs
+
+
+def register(routes, origin: Origin) -> None:
+    """Remember that ``routes`` (just built by ``session.routes()``) came from ``origin``."""
+    for key in [k for k, (ref, _) in _ORIGINS.items() if ref() is None]:
+        del _ORIGINS[key]
+    for layer in routes.layers:
+        tensor = routes.get(layer, 0)
+        _ORIGINS[id(tensor)] = (weakref.ref(tensor), origin)
+
+
+def origin_of(routes) -> Origin | None:
+    """The origin ``register`` noted for ``routes`` (None: built otherwise)."""
+    for layer in routes.layers:
+        tensor = routes.get(layer, 0)
+        entry = _ORIGINS.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+    return None
+
+
+def check_model(origin: Origin, routers: dict[int, object], *, rank: int) -> None:
+    """Refuse routes recorded on the routers of another live model."""
+    for layer, router in routers.items():
+        ref = origin.routers.get(layer)
+        recorded_on = ref() if ref is not None else None
+        if recorded_on is not None and recorded_on is not router:
+            raise RouteError(f"layer {layer} rank {rank}: these routes were recorded by the session of another model "
+                             "(another set of routers, e.g. the actor's routes given to the reference model's "
+                             "session); replay a model's own session.routes(), or rebuild them deliberately with "
+                             "Routes({layer: [...]}, num_experts=, topk=)")
+
+
+def check_inputs(recorded: InputLog, replayed: InputLog, *, rank: int) -> None:
+    """Forward ``i`` of every chunk must have had the token ids recorded for micro-batch ``i``."""
+    for chunk, (rec, rep) in enumerate(zip(recorded.per_chunk, replayed.per_chunk)):
+        for mb, (a, b) in enumerate(zip(rec, rep)):
+            if a is None or b is None:
+                continue
+            if a.shape != b.shape or not torch.equal(a, b.to(a.device)):
+                moved = [i for i, r in enumerate(rec) if r is not None and r.shape == b.shape
+                         and torch.equal(r, b.to(r.device))]
+                which = f"it equals recorded micro-batch {moved[0]}'s" if moved else "they match no recorded micro-batch"
+                raise RouteError(f"chunk {chunk} rank {rank} mb {mb}: the token ids of replayed forward {mb} are not "
+                                 f"those micro-batch {mb}'s routes were recorded on ({which}); forward i replays "
+                                 "micro-batch i: feed the micro-batches in the recorded order, and record again for "
+                                 "new data (session.routes() returns the last record()'s routes)")
