@@ -20,6 +20,9 @@ def guarded(fn):
         except MoEVerifyError as exc:
             print(f"moeverify dump: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        except OSError as exc:  # a path given by the user that cannot be read or written
+            print(f"moeverify dump: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
     run.__name__ = fn.__name__
     run.__doc__ = fn.__doc__
     return run

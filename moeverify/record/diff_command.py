@@ -61,6 +61,8 @@ def _kind(path_text: str) -> str:
 
     path = Path(path_text)
     if path.is_dir():
+        if path.suffix in (".npy", ".npz") and not (path / "manifest.json").exists():
+            raise UsageError(f"{path} is a directory, not a {path.suffix} file (and holds no dump manifest)")
         return "dump"
     if path.suffix in (".npy", ".npz"):
         return "export" if importers.is_export(path) else "array"

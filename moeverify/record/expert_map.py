@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from moeverify.errors import UsageError
+from moeverify.record import npy_file
 from moeverify.routes import Routes
 
 KEY = "physical_to_logical_map"
@@ -97,6 +98,9 @@ def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None 
     count (every row must have that many slots); None (an array side) takes the map's own length."""
     path = Path(path)
     name = str(path)
+    if path.exists() and not path.is_file():
+        raise ExpertMapError(f"{name}: not a regular file (a FIFO, device or directory); an expert map is a .json or "
+                             f".npy file")
     if not path.is_file():
         raise ExpertMapError(f"{name}: expert map not found (a .json or .npy file)")
     if path.suffix == ".json":
@@ -106,10 +110,7 @@ def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None 
             why = "nested too deeply to be an expert map" if isinstance(exc, RecursionError) else exc
             raise ExpertMapError(f"{name}: not valid JSON: {why}") from None
     elif path.suffix == ".npy":
-        try:
-            obj = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as exc:
-            raise ExpertMapError(f"{name}: cannot read as .npy: {exc}") from None
+        obj = npy_file.load_npy(path, error=ExpertMapError, where=name)
         if not np.issubdtype(obj.dtype, np.integer):
             raise ExpertMapError(f"{name}: dtype {obj.dtype} is not an integer dtype (logical expert ids)")
     else:

@@ -57,6 +57,7 @@ _N = r"(0|[1-9]\d*)"  # a canonical decimal: the writer never writes leading zer
 _NAME_RE = re.compile(rf"^step{_N}/mb{_N}/(?:(?:layer{_N}/)?(ids|probs)|(positions|seq_ids))$")
 _CANONICAL_INT = re.compile(r"^(0|[1-9]\d*)$")
 MAX_LAYERS = 2**20  # a bound on num_layers checked before anything is sized by it
+MAX_TOKENS = 2**40  # a bound on batch and seq_len checked before token counts are computed from them
 MAX_EXPERTS = 2**31  # the largest id dtype (int32) holds ids in [0, 2**31)
 
 
@@ -236,14 +237,27 @@ class StepInfo:
     seq_len: tuple[int, ...] | None
 
 
+def check_provenance(manifest: Mapping, *, where: str) -> None:
+    """``versions`` ({package: version}) and ``created`` (ISO time), where present, are strings: a manifest
+    damaged there is damaged, even if nothing reads them but ``inspect``."""
+    versions = manifest.get("versions", {})
+    if not isinstance(versions, dict) or any(not isinstance(v, str) for v in versions.values()):
+        raise DumpError(f"{where}: versions must be an object of package -> version string, got {versions!r:.80}")
+    if not isinstance(manifest.get("created", ""), str):
+        raise DumpError(f"{where}: created must be an ISO time string, got {manifest['created']!r:.80}")
+
+
 def step_info(info: Mapping, *, where: str) -> StepInfo:
     """One step's entry: ``microbatches`` >= 1; ``batch`` >= 1 and ``seq_len`` (one length >= 1 per micro-batch)
     where recorded, else null."""
     microbatches = strict_int(info.get("microbatches"), where=where, key="microbatches", lo=1)
     batch, seq_len = info.get("batch"), info.get("seq_len")
-    batch = None if batch is None else strict_int(batch, where=where, key="batch", lo=1)
+    batch = None if batch is None else strict_int(batch, where=where, key="batch", lo=1, hi=MAX_TOKENS)
+    if (batch is None) != (seq_len is None):
+        raise DumpError(f"{where}: batch {batch!r} and seq_len {seq_len!r:.80} must be recorded together (a step's "
+                        f"geometry) or both null")
     if seq_len is not None:
-        seq_len = strict_int_list(seq_len, where=where, key="seq_len", lo=1)
+        seq_len = strict_int_list(seq_len, where=where, key="seq_len", lo=1, hi=MAX_TOKENS)
         if len(seq_len) != microbatches:
             raise DumpError(f"{where}: seq_len {list(seq_len)!r:.80} holds {len(seq_len)} length(s) != microbatches "
                             f"{microbatches} (one per micro-batch)")

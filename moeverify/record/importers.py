@@ -25,6 +25,7 @@ import torch
 
 from moeverify.errors import DumpError, RouteError, UsageError
 from moeverify.files import atomic_write
+from moeverify.record import npy_file
 from moeverify.record.format import MAX_EXPERTS
 from moeverify.record.router_trace import read_router_trace, read_router_trace_ranks
 from moeverify.routes import Routes
@@ -103,13 +104,9 @@ def read_named_arrays(path: str | os.PathLike, *, fmt: str | None = None) -> dic
     if kind not in ("npy", "npz"):
         raise DumpError(f"{path}: unknown array format {kind!r}; use npy or npz")
     _check_regular(path)
-    try:
-        if kind == "npy":
-            return {path.name: np.load(path, allow_pickle=False)}
-        with np.load(path, allow_pickle=False) as npz:
-            out = {key: npz[key] for key in sorted(npz.files, key=_natural_key)}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise DumpError(f"{path}: cannot read as .{kind}: {exc}") from None
+    if kind == "npy":
+        return {path.name: npy_file.load_npy(path, error=DumpError)}
+    out = npy_file.load_npz(path, error=DumpError, order=lambda keys: sorted(keys, key=_natural_key))
     for key, value in out.items():
         if not isinstance(value, np.ndarray):
             raise DumpError(f"{path}: npz member {key!r} is not a .npy array ({type(value).__name__}); an .npz of "
@@ -252,11 +249,8 @@ def _export_ints(arrays: dict, key: str, *, path: Path, length: int | None = Non
 
 
 def _npz_items(path: Path) -> tuple[list[str], list[np.ndarray]]:
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            return list(npz.files), [npz[k] for k in npz.files]
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise DumpError(f"{path}: cannot read as .npz: {exc}") from None
+    members = npy_file.load_npz(path, error=DumpError, order=list)
+    return list(members), list(members.values())
 
 
 def _natural_key(name: str) -> tuple:

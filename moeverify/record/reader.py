@@ -412,7 +412,7 @@ class Dump:
         if values["rank"] != rank:
             raise DumpError(f"{where}: coords.rank {values['rank']} != its key {rank}")
         sizes = {"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp,
-                 "dp": self.layout.dp(self.world_size)}
+                 "dp": self.layout.dp(self.world_size), "ep": self.layout.ep}
         for name, size in sizes.items():
             if values[name] >= size:
                 raise DumpError(f"{where}: rank {rank}: {name} rank {values[name]} outside [0, {size}) of layout "
@@ -444,6 +444,8 @@ def load(path: str | os.PathLike) -> Dump:
     if not path.is_dir():
         raise DumpError(f"{path}: not a dump directory")
     manifest_path = path / fmt.MANIFEST
+    if manifest_path.exists() and not manifest_path.is_file():  # a FIFO would block, a directory is no manifest
+        raise DumpError(f"{manifest_path}: not a regular file (a FIFO, device or directory)")
     if not manifest_path.is_file():
         hint = (f"; rank records are there: `moeverify dump finalize {path}` commits them "
                 f"(`--drop-uncommitted` discards them)") if any(path.glob("rank*.json")) else ""
@@ -472,6 +474,7 @@ def load(path: str | os.PathLike) -> Dump:
                 not isinstance(entry.get("coords"), dict):
             raise DumpError(f"{manifest_path}: ranks[{rank!r}] must be an object with 'coords' (object) and "
                             f"'files' (list)")
+    fmt.check_provenance(manifest, where=str(manifest_path))
     for step, info in manifest["steps"].items():
         if not isinstance(info, dict):
             raise DumpError(f"{manifest_path}: steps[{step!r}] must be an object, got {type(info).__name__}")

@@ -121,9 +121,13 @@ def _parse(path: Path, *, step: int | None, layer_offset: int, rank: int | None)
                                  f"top_indices")
             ids_TK = torch.tensor(rows, dtype=torch.int64).view(num_tokens, topk_of)
             rec_step, layer = _int_field(rec, "step"), _int_field(rec, "layer") + layer_offset
+            if "rank" in rec:  # one file's records name their rank; a damaged one is not ignored
+                _int_field(rec, "rank")
             if rank is not None and rec.get("rank") != rank:
                 raise ValueError(f"the record says rank {rec.get('rank')!r}, the file name rank {rank}")
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        except KeyError as exc:
+            raise DumpError(f"{path}:{lineno}: not a router_trace record: field {exc} missing") from None
+        except (ValueError, TypeError, RuntimeError) as exc:
             raise DumpError(f"{path}:{lineno}: not a router_trace record: {exc}") from None
         if topk not in (None, ids_TK.shape[1]):
             raise DumpError(f"{path}:{lineno}: topk {ids_TK.shape[1]} != {topk} of earlier records")

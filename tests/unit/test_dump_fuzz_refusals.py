@@ -193,7 +193,7 @@ EXPORT_MUTATIONS = {
     "layers float": (lambda a: a.__setitem__("layers", np.array([0.5, 1.0, 2.0])), r"'layers' shape \(3,\) dtype float"),
     "layers permuted": (lambda a: a.__setitem__("layers", np.array([2, 1, 0])), r"'layers' \[2, 1, 0\] must be"),
     "layers scalar": (lambda a: a.__setitem__("layers", np.array(0)), r"'layers' shape \(\)"),
-    "layers str": (lambda a: a.__setitem__("layers", np.array(["0", "1", "2"])), r"'layers' shape \(3,\) dtype <U1"),
+    "layers str": (lambda a: a.__setitem__("layers", np.array(["0", "1", "2"])), r"'layers\.npy': cannot read as \.npy: dtype <U1 is not a numeric"),
     "layers missing": (lambda a: a.pop("layers"), r"not a valid export: 'layers' missing"),
     "batch float": (lambda a: a.__setitem__("step0_batch", np.array([2.7])), r"'step0_batch' shape \(1,\) dtype float"),
     "batch missing": (lambda a: a.pop("step0_batch"), r"step0_seq_len and step0_batch must be both present"),
