@@ -175,6 +175,11 @@ def _bridge_for(family: str, hf_path: Path):
     runtime.import_bridge()
     from megatron.bridge import AutoBridge
 
+    from moeverify.models import kimi
+    from moeverify.models.families import hf_config_dict
+
+    if hf_config_dict(family).get("model_type") == kimi.MODEL_TYPE:
+        kimi.ensure_registered()  # the in-code config stands in for Kimi-K2's remote code (never trusted)
     try:
         return AutoBridge.from_hf_pretrained(str(hf_path))
     except ValueError as exc:

@@ -18,7 +18,7 @@ import torch
 
 from moeverify.errors import UsageError
 from moeverify.layout import ModelShape
-from moeverify.models import mtp_weights, user
+from moeverify.models import kimi, mtp_weights, user
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -53,6 +53,17 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
         tie_word_embeddings=False, num_nextn_predict_layers=1)),
+    # Kimi-K2: DeepSeek-V3's architecture under its own model type and bridge (KimiK2Bridge: pre-softmax
+    # sigmoid routing with an fp32 expert bias from the config's scoring_func, seq_aux_loss, a shared expert, a
+    # dense first layer, MLA). transformers 5.12.1 has no class: kimi.py makes the config (DeepSeek-V3's plus
+    # Kimi-K2's scoring_func, topk_method, ...) and registers it in-process; weights are DeepseekV3ForCausalLM's.
+    # One expert group as Kimi-K2 (n_group=1), its routed scaling factor, MHA-sized kv heads.
+    "kimi_k2": (kimi.ARCHITECTURE, dict(
+        _COMMON, model_type=kimi.MODEL_TYPE, num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
+        tie_word_embeddings=False, **kimi.KIMI_FIELDS)),
     # DeepSeek-V2: MLA, softmax routing without expert bias, a shared expert, a dense first layer.
     # (megatron-bridge 0.6.2 deprecates its DeepSeek-V2 bridge, to be removed in 0.7.)
     "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
@@ -186,9 +197,11 @@ def _fp32_expert_bias(model: torch.nn.Module) -> None:
 def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
     import transformers
 
+    if cfg.get("model_type") == kimi.MODEL_TYPE:
+        kimi.ensure_registered()  # transformers 5.12.1 has no kimi_k2: the in-code config (kimi.py)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config.architectures = cfg["architectures"]
-    model_cls = getattr(transformers, cfg["architectures"][0])
+    model_cls = kimi.model_class(cfg["architectures"][0])
     torch.manual_seed(seed)
     model = model_cls(config).to(_STORED_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.bfloat16))
     _fp32_expert_bias(model)

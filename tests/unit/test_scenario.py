@@ -95,11 +95,12 @@ def test_load_families_matrix_runs_every_bridge_family_but_where_a_finding_stops
     got = {s.name: s for s in load([str(repo_root / "scenarios/families_matrix.yaml")], checks=CHECKS,
                                    families=FAMILIES)}
     families = ("glm4_moe", "glm4_moe_lite", "olmoe", "minimax_m2", "gpt_oss", "ernie45_moe", "qwen3_next",
-                "qwen3_5_moe", "qwen3_next_mtp", "deepseek_v3_mtp")
+                "qwen3_5_moe", "qwen3_next_mtp", "deepseek_v3_mtp", "kimi_k2")
     layouts = ["tp1", "tp2-sp", "pp2", "pp2-vpp2", "ep2-dp2", "etp2-dp2", "cp2", "ep2-dp4", "pp2-ep2-dp2"]
     expected = {f"{f}/{l}" for f in families for l in layouts if f != "gpt_oss"}
     expected |= {f"gpt_oss/{l}" for l in layouts if l not in ("tp2-sp", "etp2-dp2")} | {"gpt_oss/tp2-etp1-sp"}
     expected |= {"deepseek_v3_mtp/pp2-ppfirst1"}  # MTP with three MoE layers on an uneven last stage
+    expected |= {"kimi_k2/pp2-ppfirst1"}  # the dense first layer alone on stage 0
     assert set(got) == expected
     findings = {"ernie45_moe/tp1": ("roundtrip", "export", "replay"),  # F3: no hf_parity
                 "olmoe/tp2-sp": ("roundtrip", "export")}  # F5: no replay under TP
