@@ -25,6 +25,8 @@ class Placer:
     positions: Callable[[int, int], torch.Tensor]
     values: Callable[[int, int], torch.Tensor]
     offset: int | None = None  # set when positions(a, b) is the range a + offset .. b + offset - 1
+    # set when positions(a, b) are runs of consecutive indices: runs(a, b) -> (starts_R, lengths_R), in order
+    runs: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.positions(0, self.n), self.values(0, self.n)
@@ -44,6 +46,28 @@ def _by_units(a: int, b: int, unit: int, base_of: Callable[[torch.Tensor], torch
     u0, u1 = a // unit, -(-b // unit)
     base_U = base_of(torch.arange(u0, u1, dtype=torch.int64))
     return (base_U[:, None] + torch.arange(unit, dtype=torch.int64)[None, :]).reshape(-1)[a - u0 * unit:b - u0 * unit]
+
+
+def _unit_runs(a: int, b: int, unit: int, base_of: Callable[[torch.Tensor], torch.Tensor]):
+    """The same elements as ``_by_units(a, b, ...)``, as ``(starts_R, lengths_R)``: one run per block (the first
+    and last cut to the range), none built element by element."""
+    if b <= a:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    u0, u1 = a // unit, -(-b // unit)
+    starts_R = base_of(torch.arange(u0, u1, dtype=torch.int64)).clone()
+    lengths_R = torch.full_like(starts_R, unit)
+    head = a - u0 * unit
+    starts_R[0] += head
+    lengths_R[0] -= head
+    lengths_R[-1] -= u1 * unit - b
+    return starts_R, lengths_R
+
+
+def _blocks(n: int, unit: int, base_of, values) -> Placer:
+    """A placer of ``n`` elements in ``unit``-long blocks, block ``u`` at HF ``base_of(u)``."""
+    return Placer(n=n, positions=lambda a, b: _by_units(a, b, unit, base_of), values=values,
+                  runs=lambda a, b: _unit_runs(a, b, unit, base_of))
 
 
 def replicated(w: torch.Tensor) -> Placer:
@@ -68,10 +92,8 @@ def row(w: torch.Tensor, *, tp: int, r: int) -> Placer:
     out, cols = w.shape
     flat = w.reshape(-1)
 
-    def positions(a: int, b: int) -> torch.Tensor:  # output row o's columns start at o * cols * tp + r * cols
-        return _by_units(a, b, cols, lambda o_U: o_U * (cols * tp) + r * cols)
-
-    return Placer(n=flat.numel(), positions=positions, values=lambda a, b: flat[a:b])
+    # output row o's columns start at o * cols * tp + r * cols
+    return _blocks(flat.numel(), cols, lambda o_U: o_U * (cols * tp) + r * cols, lambda a, b: flat[a:b])
 
 
 def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: int,
@@ -88,14 +110,12 @@ def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: 
         # slot elements are [G, count, D, I] taken from heads first..first+count of every local group, in blocks
         # of D * I (one head); block u = g * count + h. In HF, head ``h``'s rows start at ``(h * stride + shift) * D``
         # (stride 2 and shift 0/1 for q/gate), the global head being r * G * count + u
-        def positions(a: int, b: int) -> torch.Tensor:
-            return _by_units(a, b, D * inner, lambda u_U: ((r * G * count + u_U) * stride + shift) * D * inner)
-
         def values(a: int, b: int) -> torch.Tensor:
             local = _by_units(a, b, D * inner, lambda u_U: ((u_U // count) * per_group + first + u_U % count) * D * inner)
             return flat[local]
 
-        return Placer(n=G * count * D * inner, positions=positions, values=values)
+        return _blocks(G * count * D * inner, D * inner,
+                       lambda u_U: ((r * G * count + u_U) * stride + shift) * D * inner, values)
 
     k, v = placer(per_group - 2, 1), placer(per_group - 1, 1)
     if not output_gate:
@@ -114,8 +134,15 @@ def concat(*parts: Placer) -> Placer:
                for part, lo, hi in zip(parts, starts, starts[1:]) if max(a, lo) < min(b, hi)]
         return torch.cat(out) if out else getattr(parts[0], fn)(0, 0)
 
+    def runs(a: int, b: int):
+        got = [part.runs(max(a, lo) - lo, min(b, hi) - lo)
+               for part, lo, hi in zip(parts, starts, starts[1:]) if max(a, lo) < min(b, hi)]
+        got = got or [parts[0].runs(0, 0)]
+        return torch.cat([s for s, _ in got]), torch.cat([n for _, n in got])
+
     return Placer(n=starts[-1], positions=lambda a, b: pieces(a, b, "positions"),
-                  values=lambda a, b: pieces(a, b, "values"))
+                  values=lambda a, b: pieces(a, b, "values"),
+                  runs=runs if all(part.runs is not None for part in parts) else None)
 
 
 def gated(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> tuple[Placer, Placer]:
@@ -166,13 +193,10 @@ def row_map(w: torch.Tensor, *, local_rows: torch.Tensor, hf_rows: torch.Tensor)
     inner = math.prod(w.shape[1:])
     flat = w.reshape(-1)
 
-    def positions(a: int, b: int) -> torch.Tensor:
-        return _by_units(a, b, inner, lambda i_U: hf_rows[i_U] * inner)
-
     def values(a: int, b: int) -> torch.Tensor:
         return flat[_by_units(a, b, inner, lambda i_U: local_rows[i_U] * inner)]
 
-    return Placer(n=len(local_rows) * inner, positions=positions, values=values)
+    return _blocks(len(local_rows) * inner, inner, lambda i_U: hf_rows[i_U] * inner, values)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import torch
 
 from moeverify.errors import SubjectError
-from moeverify.oracles.export import DeferredSlots, RangeSlot, ShardRow, Slot, checkpoint_shapes
+from moeverify.oracles.export import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot, checkpoint_shapes
 from moeverify.subjects import placement
 from moeverify.subjects.placement import split_range
 
@@ -155,6 +155,8 @@ def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardR
             a, b = split_range(placer.n, parts, k)
             if placer.offset is not None:  # one range: no positions tensor built
                 slots.append(RangeSlot(name, shape, a + placer.offset, placer.values(a, b)))
+            elif placer.runs is not None:  # runs of consecutive positions (row-split, per head): none built
+                slots.append(RunSlot(name, shape, *placer.runs(a, b), placer.values(a, b)))
             else:
                 slots.append(Slot(name, shape, placer.positions(a, b), placer.values(a, b)))
         if k == parts - 1:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from moeverify.errors import UsageError
 from moeverify.oracles import export
-from moeverify.oracles.export import DeferredSlots, RangeSlot, ShardRow, Slot, SubjectContext
+from moeverify.oracles.export import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot, SubjectContext
 
 REFERENCE = {
     "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -142,6 +142,64 @@ def test_export_range_slots_pass_and_fail_like_slots(sctx, deferred):
 ])
 def test_export_bad_range_slot_fails_naming_rank_row_slot(sctx, start, values, match):
     rows = [ShardRow("row.a", [RangeSlot("a", (2, 3), start, values)])]
+    msg = _run(lambda ctx: iter(rows), sctx)["lockstep"]["failures"][0]
+    assert "rank 0 row 'row.a' slot 0 ('a')" in msg and match in msg
+
+
+def _run_slots(name, t, mine):
+    """``t`` split between two RunSlots: the elements ``mine`` selects (as runs) and the others."""
+    flat = t.reshape(-1)
+    out = []
+    for keep in (mine, ~mine):
+        idx = keep.nonzero().flatten()
+        heads = torch.cat([torch.tensor([True]), idx[1:] != idx[:-1] + 1]) if idx.numel() else idx.bool()
+        starts = idx[heads]
+        lengths = torch.diff(torch.cat([heads.nonzero().flatten(), torch.tensor([idx.numel()])]))
+        out.append(RunSlot(name, tuple(t.shape), starts, lengths, flat[idx]))
+    return ShardRow(f"row.{name}", out)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_export_run_slots_pass_and_fail_like_slots(sctx, deferred):
+    masks = {"a": torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool), "b": torch.tensor([0, 1, 1, 0], dtype=torch.bool),
+             "i": torch.tensor([1, 0, 0], dtype=torch.bool)}
+
+    def rows(change=lambda name, row: row):
+        for name, t in REFERENCE.items():
+            row = change(name, _run_slots(name, t, masks[name]))
+            yield ShardRow(row.row, DeferredSlots([(name, tuple(t.shape))] * 2, lambda r=row: r.slots)) if deferred else row
+    result = _run(lambda ctx: rows(), sctx)
+    assert _failed(result) == set() and result["bitwise"]["checked"] == 13
+    assert RunSlot("a", (2, 3), torch.tensor([4, 0]), torch.tensor([2, 1]), torch.zeros(3)).positions.tolist() == [4, 5, 0]
+
+    def flipped(name, row):  # one value of "a" with other bits: bitwise names it
+        s = row.slots[0]
+        values = s.values.clone()
+        values[-1] = -values[-1] - 1
+        return ShardRow(row.row, [dataclasses.replace(s, values=values), row.slots[1]]) if name == "a" else row
+    result = _run(lambda ctx: rows(flipped), sctx)
+    assert _failed(result) == {"bitwise"} and "a: 1 element(s) differ from the reference, flat [5]" in \
+        result["bitwise"]["failures"][0]
+
+    def gap(name, row):  # the last run of "b" one element short: coverage names the element
+        s = row.slots[0]
+        return ShardRow(row.row, [dataclasses.replace(s, lengths=s.lengths - torch.tensor([0] * (s.lengths.numel() - 1) + [1]),
+                                                      values=s.values[:-1]), row.slots[1]]) if name == "b" else row
+    result = _run(lambda ctx: rows(gap), sctx)
+    assert _failed(result) == {"coverage"} and "b: 1 of 4 element(s) never written, flat [2]" in result["coverage"]["failures"][0]
+
+
+@pytest.mark.parametrize("starts, lengths, values, match", [
+    (torch.tensor([0, 4]), torch.tensor([2, 3]), torch.zeros(5), "positions must lie in [0, 6) for shape (2, 3), got min 0 max 6"),
+    (torch.tensor([-1]), torch.tensor([2]), torch.zeros(2), "got min -1 max 0"),
+    (torch.tensor([0, 3]), torch.tensor([2, -1]), torch.zeros(1), "run lengths must be >= 0, got min -1"),
+    (torch.tensor([0, 3]), torch.tensor([2, 2]), torch.zeros(3), "values have 3 elements for runs of 4 positions"),
+    (torch.tensor([0, 3]), torch.tensor([2]), torch.zeros(2), "2 starts for 1 lengths"),
+    (torch.tensor([0.0]), torch.tensor([2]), torch.zeros(2), "starts must be a 1-D int64 tensor"),
+    ([0], torch.tensor([2]), torch.zeros(2), "starts, lengths and values must be tensors, got list"),
+])
+def test_export_bad_run_slot_fails_naming_rank_row_slot(sctx, starts, lengths, values, match):
+    rows = [ShardRow("row.a", [RunSlot("a", (2, 3), starts, lengths, values)])]
     msg = _run(lambda ctx: iter(rows), sctx)["lockstep"]["failures"][0]
     assert "rank 0 row 'row.a' slot 0 ('a')" in msg and match in msg
 

@@ -185,3 +185,23 @@ def test_digest_the_same_with_and_without_its_thread_pool(monkeypatch):
     y = x.clone()
     y[-1] = -y[-1] if y[-1] != 0 else 1.0
     assert local.digest(y) != serial
+
+
+def test_verdict_of_a_run_slot_piece_uses_its_runs():
+    """A RunSlot's piece (no positions tensor) is judged on its runs: clean -> those runs; other bits, or more runs
+    than a verdict may carry -> None (it travels, positions expanded)."""
+    from moeverify.oracles.export.local import verdict
+    from moeverify.oracles.export.rows import Piece, expand_runs
+
+    ref = torch.randn(64, 32).to(torch.bfloat16)
+    runs = torch.tensor([[32 * o + 16, 16] for o in range(64)])  # the second half of every row (a row-split shard)
+    values = ref.reshape(-1)[expand_runs(runs[:, 0], runs[:, 1])]
+    piece = Piece(hf_name="w", hf_shape=(64, 32), positions_P=None, values_P=values, runs_R=runs)
+    assert verdict(piece, ref, "d") == {"runs": runs.tolist(), "digest": "d"}
+    assert torch.equal(piece.positions(), expand_runs(runs[:, 0], runs[:, 1]))
+    dirty = values.clone()
+    dirty[40] = -dirty[40] - 1
+    assert verdict(Piece(hf_name="w", hf_shape=(64, 32), positions_P=None, values_P=dirty, runs_R=runs), ref, "d") is None
+    many = torch.tensor([[2 * i, 1] for i in range(1024)])  # 1024 one-element runs of 1024 elements: too many
+    sparse = ref.reshape(-1)[many[:, 0]]
+    assert verdict(Piece(hf_name="w", hf_shape=(64, 32), positions_P=None, values_P=sparse, runs_R=many), ref, "d") is None

@@ -232,3 +232,22 @@ def test_subject_placers_sub_ranges_are_slices_of_the_whole():
         assert pos.numel() == val.numel() == p.n
         for a, b in [(0, p.n), (1, p.n - 1), (7, 7), (p.n // 3, 2 * p.n // 3 + 1)]:
             assert torch.equal(p.positions(a, b), pos[a:b]) and torch.equal(p.values(a, b), val[a:b])
+
+
+def test_subject_placers_runs_are_their_positions():
+    """A placer that declares ``runs`` is exported as a ``RunSlot``: expanded, its runs must be exactly the
+    positions it would have built, for every sub-range (cut inside a block at either end included)."""
+    placers = [placement.row(torch.randn(6, 4), tp=2, r=1),
+               *placement.qkv(torch.randn(2 * (4 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=1),
+               *placement.qkv(torch.randn(2 * (2 * 2 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=0,
+                              output_gate=True),
+               placement.row_map(torch.randn(4, 3, 2), local_rows=torch.tensor([2, 0, 3]),
+                                 hf_rows=torch.tensor([7, 1, 4]))]
+    for p in placers:
+        assert p.runs is not None
+        for a, b in [(0, p.n), (1, p.n - 1), (7, 7), (p.n // 3, 2 * p.n // 3 + 1), (5, 6)]:
+            starts, lengths = p.runs(a, b)
+            assert a == b or int(lengths.min()) >= 1  # no empty runs
+            expanded = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist())]
+                                 or [torch.zeros(0, dtype=torch.int64)])
+            assert torch.equal(expanded, p.positions(a, b))

@@ -65,3 +65,33 @@ def writer_mask(runs_R3: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.
         if length:
             writer_N[start:start + length] = rank + 1
     return writer_N
+
+
+def same_bits_at_runs(values_P: torch.Tensor, runs_R2: torch.Tensor, ref_N: torch.Tensor) -> bool:
+    """Whether ``values_P`` (in run order) has ``ref_N``'s raw bits at the runs ``[R, 2]`` (start, length).
+
+    Runs of one length at one stride (a row-split or per-head shard, maybe cut at either end) are compared as
+    one strided 2-D view of the reference, the cut ends as slices: no index built, no gather. Other runs
+    fall back to a gather by their expanded positions.
+    """
+    from moeverify.oracles.bits import bits
+
+    R = runs_R2.shape[0]
+    starts, lengths = runs_R2[:, 0], runs_R2[:, 1]
+    offsets = [0, *torch.cumsum(lengths, 0).tolist()]
+    if R > 3:
+        mid_s, mid_n = starts[1:-1], lengths[1:-1]
+        step = mid_s[1:] - mid_s[:-1]
+        L, S = int(mid_n[0]), int(step[0]) if step.numel() else 0
+        if bool((mid_n == L).all()) and (not step.numel() or bool((step == S).all())) and S >= L > 0:
+            view = ref_N.as_strided((R - 2, L), (S, 1), ref_N.storage_offset() + int(mid_s[0]))
+            if not torch.equal(bits(values_P[offsets[1]:offsets[R - 1]].view(R - 2, L)), bits(view)):
+                return False
+            return all(torch.equal(bits(values_P[offsets[i]:offsets[i + 1]]),
+                                   bits(ref_N[int(starts[i]):int(starts[i]) + int(lengths[i])])) for i in (0, R - 1))
+    if R <= 64:
+        return all(torch.equal(bits(values_P[offsets[i]:offsets[i + 1]]),
+                               bits(ref_N[int(starts[i]):int(starts[i]) + int(lengths[i])])) for i in range(R))
+    from moeverify.oracles.export.rows import expand_runs
+
+    return torch.equal(bits(values_P), bits(ref_N[expand_runs(starts, lengths)]))

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from moeverify.oracles.bits import bits
+from moeverify.oracles.export import intervals
 
 CHUNK = 1 << 20  # elements per comparison / run-finding chunk (bounds temporaries)
 MAX_RUNS_FRACTION = 16  # a piece is described by runs only if it has at most P / this many ...
@@ -111,10 +112,15 @@ def verdict(piece, reference: torch.Tensor | None, ref_digest: str | None) -> di
     if tuple(reference.shape) != tuple(piece.hf_shape) or reference.dtype != piece.values_P.dtype:
         return None  # shape or dtype differ: rank 0 reports them from the real bytes
     ref_N = reference.reshape(-1)
+    limit = max(MIN_RUNS, piece.numel // MAX_RUNS_FRACTION)
+    if piece.runs_R is not None:  # a RunSlot's piece: its runs as given, compared without an index
+        if piece.runs_R.shape[0] > limit or not intervals.same_bits_at_runs(piece.values_P, piece.runs_R, ref_N):
+            return None
+        return {"runs": piece.runs_R.tolist(), "digest": ref_digest}
     if piece.start is not None:
         found = [[piece.start, piece.numel]]
     else:
-        found = runs(piece.positions_P, limit=max(MIN_RUNS, piece.numel // MAX_RUNS_FRACTION))
+        found = runs(piece.positions_P, limit=limit)
         if found is None:
             return None
     if not same_as_reference(piece.positions_P, piece.values_P, start=piece.start, ref_N=ref_N):

@@ -257,6 +257,19 @@ class TensorMerge:
             self.writer_N[_as_index(positions_P)[earlier_P == 0]] = rank + 1
         self._conflicts.ok(n)
 
+    def write_runs(self, *, rank: int, runs_R2: torch.Tensor, values_P: torch.Tensor) -> bool:
+        """In run mode, a contributing piece given as runs ``[R, 2]`` (values in run order): kept as its runs
+        when every value has the reference's bits (True); otherwise nothing is written (False: the caller
+        writes it element by element, as any piece)."""
+        if self._runs is None or values_P.dtype != self.dtype or not runs_R2.shape[0]:
+            return False
+        if not intervals.same_bits_at_runs(values_P.reshape(-1), runs_R2, self._ref_N):
+            return False
+        self.dtype_seen.add(values_P.dtype)
+        self._runs.append(intervals.as_runs(runs_R2[:, 0], runs_R2[:, 1], rank))
+        self._conflicts.ok(int(values_P.numel()))
+        return True
+
     def write_reference_runs(self, *, rank: int, runs_R: list[list[int]]) -> None:
         """In run mode: ``write_reference`` of the reference backing the merge at ``[start, length]`` runs."""
         if not runs_R:

@@ -269,7 +269,7 @@ def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector |
     if sctx.rank != 0:
         for j, (piece, slot) in enumerate(zip(mine if go else (), header["slots"])):
             if piece.numel and sends is not None and sends[sctx.rank][j]:
-                wire.send_piece(piece.positions_P, piece.values_P, start=slot[4], dst=0, group=group)
+                wire.send_piece(piece.positions(), piece.values_P, start=slot[4], dst=0, group=group)
         return
     if go:
         _merge_row(row, headers, mine, sends, group=group, collector=collector, feed=feed)
@@ -342,7 +342,10 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
                 continue
             if r != 0:
                 collector.elements["received"] += n
-            chunks = (wire.local_piece_chunks(mine[j].positions_P, mine[j].values_P, start=start) if r == 0 else
+            elif contributes and merge is not None and mine[j].runs_R is not None and \
+                    merge.write_runs(rank=0, runs_R2=mine[j].runs_R, values_P=mine[j].values_P):
+                continue  # rank 0's own clean runs, kept as runs
+            chunks = (wire.local_piece_chunks(mine[j].positions(), mine[j].values_P, start=start) if r == 0 else
                       wire.recv_piece_chunks(n=n, dtype=getattr(torch, dtype), start=start, src=r, group=group))
             for positions_C, values_C in chunks:
                 if merge is None:

@@ -48,6 +48,34 @@ class RangeSlot:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=False)
+class RunSlot:
+    """A slot whose elements go to runs of consecutive flat HF positions: run ``i`` is ``starts[i], starts[i] + 1,
+    ..., starts[i] + lengths[i] - 1``, the values in run order.
+
+    The same as ``Slot`` with those positions expanded, without building them: a sharded exporter uses it for
+    row-split and per-head shards (a few hundred runs instead of millions of positions). ``positions`` expands
+    them on demand.
+    """
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return expand_runs(self.starts, self.lengths)
+
+
+def expand_runs(starts_R: torch.Tensor, lengths_R: torch.Tensor) -> torch.Tensor:
+    """The positions ``(starts_R, lengths_R)`` describe, in order."""
+    total = int(lengths_R.sum()) if lengths_R.numel() else 0
+    offsets_R = torch.cumsum(lengths_R, 0) - lengths_R
+    return torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(starts_R - offsets_R, lengths_R)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=False)
 class ShardRow:
     """One row of a sharded export: the same ``row`` name and slot table on every rank."""
 
@@ -93,6 +121,13 @@ class Piece:
     positions_P: torch.Tensor | None
     values_P: torch.Tensor
     start: int | None = None  # set when the positions are one contiguous range (sent as a range)
+    runs_R: torch.Tensor | None = None  # [R, 2] (start, length) of a RunSlot: positions_P is None, built on demand
+
+    def positions(self) -> torch.Tensor | None:
+        """``positions_P``, expanded from the runs for a RunSlot's piece (None for a range)."""
+        if self.positions_P is None and self.runs_R is not None:
+            return expand_runs(self.runs_R[:, 0], self.runs_R[:, 1])
+        return self.positions_P
 
     @property
     def numel(self) -> int:
@@ -147,8 +182,8 @@ def _preview(item) -> str:
 def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
     """Raise SubjectError naming rank, row and slot; return the start when positions are one range."""
     where = f"rank {rank} row {row!r} slot {index}"
-    if not isinstance(slot, (Slot, RangeSlot)):
-        raise SubjectError(f"{where}: expected a Slot or RangeSlot, got {type(slot).__name__}")
+    if not isinstance(slot, (Slot, RangeSlot, RunSlot)):
+        raise SubjectError(f"{where}: expected a Slot, RangeSlot or RunSlot, got {type(slot).__name__}")
     where = f"{where} ({slot.hf_name!r})"
     if not isinstance(slot.hf_name, str):
         raise SubjectError(f"{where}: hf_name must be a str, got {type(slot.hf_name).__name__}")
@@ -157,6 +192,8 @@ def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
         raise SubjectError(f"{where}: hf_shape must be non-negative ints, got {slot.hf_shape!r}")
     if isinstance(slot, RangeSlot):
         return _validate_range(slot, where=where, shape=shape)
+    if isinstance(slot, RunSlot):
+        return _validate_runs(slot, where=where, shape=shape)
     pos, val = slot.positions, slot.values
     if not isinstance(pos, torch.Tensor) or not isinstance(val, torch.Tensor):
         raise SubjectError(f"{where}: positions and values must be tensors, got "
@@ -189,6 +226,29 @@ def _validate_range(slot: RangeSlot, *, where: str, shape: tuple[int, ...]) -> i
         raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
                            f"{slot.start} max {slot.start + n - 1}")
     return slot.start if n else None
+
+
+def _validate_runs(slot: RunSlot, *, where: str, shape: tuple[int, ...]) -> None:
+    starts, lengths, val = slot.starts, slot.lengths, slot.values
+    if not all(isinstance(t, torch.Tensor) for t in (starts, lengths, val)):
+        raise SubjectError(f"{where}: starts, lengths and values must be tensors, got {type(starts).__name__}, "
+                           f"{type(lengths).__name__} and {type(val).__name__}")
+    for what, t in (("starts", starts), ("lengths", lengths)):
+        if t.dim() != 1 or t.dtype != torch.int64:
+            raise SubjectError(f"{where}: {what} must be a 1-D int64 tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
+    if starts.numel() != lengths.numel():
+        raise SubjectError(f"{where}: {starts.numel()} starts for {lengths.numel()} lengths")
+    numel, n = math.prod(shape), int(lengths.sum()) if lengths.numel() else 0
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise SubjectError(f"{where}: run lengths must be >= 0, got min {int(lengths.min())}")
+    if val.numel() != n:
+        raise SubjectError(f"{where}: values have {val.numel()} elements for runs of {n} positions")
+    if n:
+        used = lengths > 0
+        lo, hi = int(starts[used].min()), int((starts + lengths)[used].max()) - 1
+        if lo < 0 or hi >= numel:
+            raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min {lo} max {hi}")
+    return None
 
 
 def contiguous_start(positions_P: torch.Tensor | None) -> int | None:
@@ -224,16 +284,26 @@ def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
     slots = src.slots.materialize() if deferred else src.slots
     out = []
     for j, slot in enumerate(slots):
+        runs_R = None
         if isinstance(slot, RangeSlot):  # no positions tensor: the range's start says it all
             pos = None if slot.values.numel() else torch.empty(0, dtype=torch.int64)
             start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
                 slot.start if slot.values.numel() else None)
+        elif isinstance(slot, RunSlot):  # no positions tensor: the runs say it all
+            if deferred:
+                _validate_slot(slot, rank=rank, row=row.row, index=j)
+            keep = slot.lengths > 0
+            runs_R = torch.stack([slot.starts[keep], slot.lengths[keep]], dim=1)
+            pos, start = (None, None) if slot.values.numel() else (torch.empty(0, dtype=torch.int64), None)
+            if runs_R.shape[0] == 1:  # one run: a range
+                pos, start, runs_R = None, int(runs_R[0, 0]), None
         else:
             pos = slot.positions.cpu()
             start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
                 contiguous_start(pos) if pos.numel() else None)
         out.append(Piece(hf_name=slot.hf_name, hf_shape=tuple(int(x) for x in slot.hf_shape), positions_P=pos,
-                         values_P=slot.values.detach().reshape(-1).cpu(), start=start))
+                         values_P=slot.values.detach().reshape(-1).cpu(), start=start,
+                         runs_R=runs_R if pos is None and start is None else None))
     return out
 
 
