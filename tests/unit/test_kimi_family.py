@@ -64,7 +64,8 @@ def test_hf_checkpoint_kimi_k2_has_deepseek_per_expert_names_and_fp32_bias(cache
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in dtypes  # not transformers 5's fused gate_up_proj
     assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in dtypes)
-    assert "model.layers.0.mlp.gate_proj.weight" in dtypes and "model.layers.1.mlp.shared_experts.up_proj.weight" in dtypes
+    assert "model.layers.0.mlp.gate_proj.weight" in dtypes
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in dtypes
     biases = [n for n in dtypes if n.endswith("e_score_correction_bias")]
     assert biases and all(dtypes[n] == "F32" for n in biases)
     config = json.loads((path / "config.json").read_text())
