@@ -248,9 +248,10 @@ class Replaying:
         return found
 
     def problems(self) -> list[str]:
-        found = []
+        found, unused = [], iter(self.unused())
         for layer, mbs in self.per_layer.items():
-            found += [p for p in self.unused() if p.startswith(f"layer {layer} ")]
+            if self.next_mb[layer] < len(mbs):  # unused() has one message per such layer, in this order
+                found.append(next(unused))
             for mb in range(self.next_mb[layer]):
                 got, ref = self.recomputed[layer][mb], self.regions[layer][mb]
                 if got:
