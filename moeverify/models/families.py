@@ -29,6 +29,12 @@ _QWEN_HYBRID = dict(_COMMON, head_dim=16, intermediate_size=64, moe_intermediate
                     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                     linear_num_value_heads=4, tie_word_embeddings=False)
 
+_DEEPSEEK_V3 = dict(_COMMON, model_type="deepseek_v3", num_key_value_heads=4, intermediate_size=128,
+                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                    n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    rope_interleave=True, tie_word_embeddings=False)
+
 # family -> (HF architecture, config class module/name, config kwargs)
 _FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2ForCausalLM", dict(_COMMON, model_type="qwen2", intermediate_size=128,
@@ -39,31 +45,17 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
                                               moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                                               tie_word_embeddings=False)),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
-        _COMMON, model_type="deepseek_v3", num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
-        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
-        tie_word_embeddings=False, num_nextn_predict_layers=0)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(_DEEPSEEK_V3, num_nextn_predict_layers=0)),
     # DeepSeek-V3 with one multi-token-prediction layer (HF layer 4: an MoE layer with enorm, hnorm, eh_proj and
     # shared_head.norm), seeded by mtp_weights.py since transformers' model has no MTP; built on CPU by mtp_spec.py.
-    "deepseek_v3_mtp": ("DeepseekV3ForCausalLM", dict(
-        _COMMON, model_type="deepseek_v3", num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
-        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
-        tie_word_embeddings=False, num_nextn_predict_layers=1)),
+    "deepseek_v3_mtp": ("DeepseekV3ForCausalLM", dict(_DEEPSEEK_V3, num_nextn_predict_layers=1)),
     # Kimi-K2: DeepSeek-V3's architecture under its own model type and bridge (KimiK2Bridge: pre-softmax
     # sigmoid routing with an fp32 expert bias from the config's scoring_func, seq_aux_loss, a shared expert, a
     # dense first layer, MLA). transformers 5.12.1 has no class: kimi.py makes the config (DeepSeek-V3's plus
     # Kimi-K2's scoring_func, topk_method, ...) and registers it in-process; weights are DeepseekV3ForCausalLM's.
     # One expert group as Kimi-K2 (n_group=1), its routed scaling factor, MHA-sized kv heads.
-    "kimi_k2": (kimi.ARCHITECTURE, dict(
-        _COMMON, model_type=kimi.MODEL_TYPE, num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True, q_lora_rank=32,
-        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
-        tie_word_embeddings=False, **kimi.KIMI_FIELDS)),
+    "kimi_k2": (kimi.ARCHITECTURE, dict(_DEEPSEEK_V3, model_type=kimi.MODEL_TYPE, n_group=1,
+                                        routed_scaling_factor=2.827, **kimi.KIMI_FIELDS)),
     # DeepSeek-V2: MLA, softmax routing without expert bias, a shared expert, a dense first layer.
     # (megatron-bridge 0.6.2 deprecates its DeepSeek-V2 bridge, to be removed in 0.7.)
     "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
