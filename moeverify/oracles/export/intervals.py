@@ -20,16 +20,26 @@ def as_runs(starts_R: torch.Tensor, lengths_R: torch.Tensor, rank: int) -> torch
                         torch.full_like(starts_R, rank, dtype=torch.int64)], dim=1)
 
 
-def index_runs(positions_P: torch.Tensor, *, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``positions_P`` as ``(starts_R, lengths_R)`` of consecutive indices, in order; None past ``limit`` runs."""
+def index_runs(positions_P: torch.Tensor, *, limit: int,
+               chunk: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``positions_P`` as ``(starts_R, lengths_R)`` of consecutive indices, in order; None past ``limit`` runs.
+
+    Breaks are found ``chunk`` positions at a time (bounded temporaries), stopping as soon as ``limit`` is passed.
+    """
     n = positions_P.numel()
     if n == 0:
         empty = torch.zeros(0, dtype=torch.int64)
         return empty, empty
-    breaks = ((positions_P[1:] - positions_P[:-1]) != 1).nonzero().flatten() + 1
-    if breaks.numel() + 1 > limit:
-        return None
-    heads_R = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    heads = [torch.zeros(1, dtype=torch.int64)]
+    count = 1
+    for a in range(0, n - 1, chunk):
+        c = positions_P[a:min(a + chunk + 1, n)]
+        brk = ((c[1:] - c[:-1]) != 1).nonzero().flatten() + (a + 1)
+        count += brk.numel()
+        if count > limit:
+            return None
+        heads.append(brk)
+    heads_R = torch.cat(heads)
     lengths_R = torch.diff(heads_R, append=torch.tensor([n], dtype=torch.int64))
     return positions_P[heads_R], lengths_R
 

@@ -76,21 +76,8 @@ def _digest_pool() -> ThreadPoolExecutor | None:
 
 def runs(positions_P: torch.Tensor, *, limit: int) -> list[list[int]] | None:
     """``positions_P`` as ``[start, length]`` runs of consecutive indices, in order; None past ``limit`` runs."""
-    n = positions_P.numel()
-    if n == 0:
-        return []
-    heads = [torch.zeros(1, dtype=torch.int64)]
-    count = 1
-    for a in range(0, n - 1, CHUNK):
-        c = positions_P[a:min(a + CHUNK + 1, n)]
-        brk = ((c[1:] - c[:-1]) != 1).nonzero().flatten() + (a + 1)
-        count += brk.numel()
-        if count > limit:
-            return None
-        heads.append(brk)
-    idx_R = torch.cat(heads)
-    lengths_R = torch.diff(idx_R, append=torch.tensor([n], dtype=torch.int64))
-    return torch.stack([positions_P[idx_R], lengths_R], dim=1).tolist()
+    found = intervals.index_runs(positions_P, limit=limit, chunk=CHUNK)
+    return None if found is None else torch.stack(found, dim=1).tolist()
 
 
 def same_as_reference(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, start: int | None,
