@@ -298,15 +298,16 @@ class Routes:
     @classmethod
     def from_rollout(cls, topk_ids, *, layers: Sequence[int], num_experts: int, tokens: int | None = None,
                      pad_T=None, split: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
-                     seq_len: int | None = None, num_layers: int | None = None) -> Routes:
+                     seq_len: int | None = None, num_layers: int | None = None, numbering: str | None = None,
+                     rows: Sequence[int] | None = None, expert_map=None) -> Routes:
         """Routes from a rollout engine's per-token routes (numpy or torch), global view.
 
         Args:
             topk_ids: one sequence ``[T, L, K]``; or one array per request ``[S_i - 1 or S_i, L, K]`` (what
                 vLLM's ``routed_experts`` and SGLang's ``return_routed_experts`` give); or a padded
                 ``[B, S, L, K]`` batch. With several requests ``lengths`` is required.
-            layers: global layer numbers of the MoE layers, in column order.
-            num_experts: experts per MoE layer.
+            layers: global layer numbers of the MoE layers (MTP layers numbered ``num_layers + i``).
+            num_experts: experts per MoE layer (logical experts).
             tokens: (one sequence) the token count training will route; default ``T``.
             pad_T: (one sequence) bool ``[tokens]``, True where the token is padding.
             split: token counts of consecutive micro-batches (sum == all tokens); default one.
@@ -314,28 +315,44 @@ class Routes:
                 concatenated). A request's array may hold ``lengths[i]`` or ``lengths[i] - 1`` rows.
             seq_len: (several requests) the padded length of each request in training; default
                 ``max(lengths)``. The result is sequence-major: token ``s`` of request ``b`` is row ``b * seq_len + s``.
-            num_layers: decoder layers of the model. When given, an array with one column per decoder
-                layer (all-layer numbering, dense-prefix models) is accepted and its MoE columns taken.
+            num_layers: decoder layers of the model (MTP layers not counted).
+            numbering: what the layer axis holds: ``"routers"`` (one column per entry of ``layers``, in that
+                order) or ``"decoder"`` (one column per decoder layer, dense ones included; the MoE columns taken by
+                layer number). Default: inferred when one reading fits; when both fit (as many dense layers as
+                MTP layers, or ``num_layers`` not given for a model with dense layers) ``RouteError``.
+            rows: (padded batch) rows the engine returned for each request (``lengths[i] - 1`` or
+                ``lengths[i]``; e.g. the rollout attention mask's row sums): the rest is padding, exactly as the
+                list form. Default: request ``i``'s ``lengths[i]`` rows, less the last when it is uncaptured in
+                every column (the missing last row, padded).
+            expert_map: the engine records physical expert slots (an expert placement, EPLB): ``slot -> logical
+                id`` map, a ``.json``/``.npy`` path or its parsed form (or ``record.expert_map.ExpertMap``), the
+                same format and checks as ``dump diff --expert-map-b``; ids are mapped before use.
 
         Engines return routes for prompt + response minus the final token (it is sampled, never fed
         back): that row, and padding, get a safe route ``(t * K + j) % E``, distinct within the row and
         spread over all experts. A capture gap (a row of -1, or with K > 1 a row of zeros, on a real
         token) raises ``RouteError`` naming request, token and layer: it is never replayed as expert 0.
         """
-        if lengths is None and (isinstance(topk_ids, (list, tuple)) or _ndim(topk_ids) == 4):
+        from moeverify import rollout_arrays as ra
+
+        if lengths is None and (isinstance(topk_ids, (list, tuple)) or ra.ndim(topk_ids) == 4):
             raise RouteError("several rollout requests need lengths= (tokens training feeds per request)")
+        if rows is not None and (lengths is None or isinstance(topk_ids, (list, tuple))):
+            raise RouteError("rows= gives the rows of each request of a padded [B, S, L, K] batch (with lengths=); "
+                             "drop it for other forms")
+        emap = None if expert_map is None else ra.load_map(expert_map, layers=layers, num_layers=num_layers,
+                                                          num_experts=num_experts)
         if lengths is not None:
-            ids_TLK, pad_T = _batch_of_requests(topk_ids, lengths=lengths, seq_len=seq_len, num_experts=num_experts,
-                                                layers=layers, num_layers=num_layers)
+            ids_TLK, pad_T = ra.batch_of_requests(topk_ids, lengths=lengths, rows=rows, seq_len=seq_len,
+                                                  num_experts=num_experts, layers=layers, num_layers=num_layers,
+                                                  numbering=numbering, emap=emap)
             tokens = int(ids_TLK.shape[0])
         else:
-            ids_TLK = _columns(_as_int64(topk_ids), layers=layers, num_layers=num_layers, where="rollout routes")
-            tokens = int(ids_TLK.shape[0]) if tokens is None else tokens
-            pad = None if pad_T is None else _as_bool(pad_T, tokens)
-            ids_TLK = _one_request(ids_TLK, tokens=tokens, num_experts=num_experts, pad_T=pad, where="rollout routes")
-            pad_T = pad
+            ids_TLK, pad_T = ra.one_sequence(topk_ids, layers=layers, num_experts=num_experts, tokens=tokens,
+                                             pad_T=pad_T, numbering=numbering, num_layers=num_layers, emap=emap)
+            tokens = int(ids_TLK.shape[0])
         if pad_T is not None:
-            ids_TLK = _fill_pads(ids_TLK, pad_T, num_experts=num_experts)
+            ids_TLK = ra.fill_pads(ids_TLK, pad_T, num_experts=num_experts)
         sizes = [tokens] if split is None else [int(n) for n in split]
         if sum(sizes) != tokens or any(n < 0 for n in sizes):
             raise RouteError(f"split {sizes} does not partition {tokens} tokens")
@@ -366,112 +383,3 @@ def safe_routes(tokens: int, *, topk: int, num_experts: int, start: int = 0) -> 
         raise RouteError(f"need 1 <= topk <= num_experts, got topk {topk}, num_experts {num_experts}")
     rows_T = torch.arange(start, start + tokens, dtype=torch.int64)
     return (rows_T[:, None] * topk + torch.arange(topk, dtype=torch.int64)[None, :]) % num_experts
-
-
-def _ndim(array) -> int:
-    return len(getattr(array, "shape", ()))
-
-
-def _columns(ids_TLK: torch.Tensor, *, layers: Sequence[int], num_layers: int | None, where: str) -> torch.Tensor:
-    """The MoE-layer columns of ``[T, L, K]``: L is the MoE layer count, or ``num_layers`` (all layers)."""
-    if ids_TLK.dim() != 3:
-        raise RouteError(f"{where} shape {tuple(ids_TLK.shape)} != expected (T, L={len(layers)}, K)")
-    L = ids_TLK.shape[1]
-    if L == len(layers):
-        return ids_TLK
-    if num_layers is not None and L == num_layers:
-        bad = [layer for layer in layers if not 0 <= layer < num_layers]
-        if bad:
-            raise RouteError(f"{where}: MoE layer(s) {bad} outside the {num_layers} decoder layers")
-        return ids_TLK[:, list(layers), :]
-    fits = f"{len(layers)} MoE layers" + (f" or {num_layers} decoder layers" if num_layers is not None else
-                                           " (pass num_layers= for an all-layer array)")
-    raise RouteError(f"{where} hold {L} layer columns, which fits neither numbering: expected {fits}")
-
-
-def _gap_rows(ids_TLK: torch.Tensor) -> torch.Tensor:
-    """``[T, L]`` bool: rows an engine left uncaptured (all -1, or all zero when K > 1)."""
-    gaps = (ids_TLK == -1).all(dim=-1)
-    if ids_TLK.shape[-1] > 1:
-        gaps |= (ids_TLK == 0).all(dim=-1)
-    return gaps
-
-
-def _one_request(ids_TLK: torch.Tensor, *, tokens: int, num_experts: int, pad_T: torch.Tensor | None,
-                 where: str) -> torch.Tensor:
-    """One request's ``[tokens, L, K]``: the missing last row filled, capture gaps on real tokens refused."""
-    T, L, K = ids_TLK.shape
-    if not 1 <= K <= num_experts:
-        raise RouteError(f"{where}: top-k {K} not in [1, num_experts={num_experts}]")
-    if T == tokens - 1:
-        ids_TLK = torch.cat([ids_TLK, safe_routes(1, topk=K, num_experts=num_experts, start=T)
-                             .unsqueeze(1).expand(1, L, K)])
-    elif T != tokens:
-        raise RouteError(f"{where} hold {T} tokens != expected {tokens} (or {tokens - 1}, the engine's "
-                         "missing last row)")
-    gaps_TL = _gap_rows(ids_TLK[:T])
-    if pad_T is not None:
-        gaps_TL &= ~pad_T[:T, None]
-    if gaps_TL.any():
-        t, col = (int(i) for i in gaps_TL.nonzero()[0])
-        raise RouteError(f"{where}: token {t} MoE column {col}: capture gap (a row of -1 or of zeros: "
-                         f"{ids_TLK[t, col].tolist()}), {int(gaps_TL.sum())} such row(s); the engine did not "
-                         "record this route: mark those tokens as padding (pad_T) or fix the capture")
-    return ids_TLK
-
-
-def _batch_of_requests(topk_ids, *, lengths: Sequence[int], seq_len: int | None, num_experts: int,
-                       layers: Sequence[int], num_layers: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Several requests -> sequence-major ``[B * seq_len, L, K]`` and its pad mask."""
-    lengths = [int(n) for n in lengths]
-    if isinstance(topk_ids, (list, tuple)):
-        requests = [_as_int64(a) for a in topk_ids]
-    else:
-        batch = _as_int64(topk_ids)
-        if batch.dim() != 4:
-            raise RouteError(f"padded rollout routes shape {tuple(batch.shape)} != expected (B, S, L, K)")
-        requests = [batch[b, : min(n, batch.shape[1])] for b, n in enumerate(lengths[: batch.shape[0]])]
-    if len(requests) != len(lengths) or not requests:
-        raise RouteError(f"rollout routes hold {len(requests)} request(s) != {len(lengths)} lengths")
-    seq_len = max(lengths) if seq_len is None else int(seq_len)
-    if min(lengths) < 1 or max(lengths) > seq_len:
-        raise RouteError(f"request lengths {lengths} must lie in [1, seq_len={seq_len}]")
-    out = []
-    for b, (ids_TLK, n) in enumerate(zip(requests, lengths)):
-        where = f"rollout request {b}"
-        ids_TLK = _columns(ids_TLK, layers=layers, num_layers=num_layers, where=where)
-        ids_TLK = _one_request(ids_TLK, tokens=n, num_experts=num_experts, pad_T=None, where=where)
-        if out and ids_TLK.shape[2] != out[0].shape[2]:
-            raise RouteError(f"{where}: top-k {ids_TLK.shape[2]} != request 0's {out[0].shape[2]}")
-        filler = torch.zeros(seq_len - n, *ids_TLK.shape[1:], dtype=torch.int64)
-        out.append(torch.cat([ids_TLK, filler]))
-    pad_BS = torch.arange(seq_len)[None, :] >= torch.tensor(lengths)[:, None]
-    return torch.cat(out), pad_BS.reshape(-1)
-
-
-def _as_int64(array) -> torch.Tensor:
-    try:
-        tensor = array if isinstance(array, torch.Tensor) else torch.as_tensor(array)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise RouteError(f"rollout routes must be an integer array, got {type(array).__name__}: {exc}") from exc
-    if tensor.dtype not in _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
-        raise RouteError(f"rollout routes dtype {tensor.dtype} is not an integer dtype")
-    return tensor.to(torch.int64)
-
-
-def _as_bool(array, tokens: int) -> torch.Tensor:
-    pad_T = (array if isinstance(array, torch.Tensor) else torch.as_tensor(array)).to(torch.bool)
-    if pad_T.shape != (tokens,):
-        raise RouteError(f"pad mask shape {tuple(pad_T.shape)} != expected ({tokens},)")
-    return pad_T
-
-
-def _fill_pads(ids_TLK: torch.Tensor, pad_T: torch.Tensor, *, num_experts: int) -> torch.Tensor:
-    rows = pad_T.nonzero().flatten()
-    if not rows.numel():
-        return ids_TLK
-    T, L, K = ids_TLK.shape
-    safe_TK = safe_routes(T, topk=K, num_experts=num_experts)
-    out_TLK = ids_TLK.clone()
-    out_TLK[rows] = safe_TK[rows].unsqueeze(1).expand(-1, L, K)
-    return out_TLK

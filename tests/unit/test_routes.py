@@ -262,3 +262,187 @@ def test_routes_accept_numpy_integer_layers_and_counts():
 
     r = Routes({np.int64(3): [torch.tensor([[0, 1]])]}, num_experts=np.int64(4), topk=2)
     assert r.layers == (3,) and r.num_experts == 4 and type(r.num_experts) is int
+
+
+# -- layer numbering (issue 25 item 3): an axis that fits two numberings is refused, never guessed -------------
+def _dense_plus_mtp(tokens: int = 4):
+    """A model of 3 decoder layers (0 dense, 1 and 2 MoE) plus MTP layer 3: 3 routers, 3 decoder layers. Returns
+    the routes of each router (reference), the engine array numbered by decoder layer (a valid-looking column for
+    the dense layer) and the array numbered by router."""
+    g = torch.Generator().manual_seed(3)
+    ref = {layer: torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K] for layer in (1, 2, 3)}
+    dense_TK = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K]  # what an engine wrote for the dense layer
+    by_decoder_TLK = torch.stack([dense_TK, ref[1], ref[2]], dim=1)
+    by_router_TLK = torch.stack([ref[1], ref[2], ref[3]], dim=1)
+    return ref, by_decoder_TLK, by_router_TLK
+
+
+@pytest.mark.parametrize("num_layers", [3, None])
+def test_from_rollout_layer_axis_fitting_two_numberings_refused(num_layers):
+    _, by_decoder_TLK, _ = _dense_plus_mtp()
+    with pytest.raises(RouteError, match=r"rollout routes: 3 layer columns fit two numberings: one column per router "
+                                         r"\(3 routers \[1, 2, 3\].*one column per decoder layer \(3 decoder layers"
+                                         r".*numbering= routers or numbering= decoder"):
+        Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E, num_layers=num_layers)
+    if num_layers is None:  # the count is unknown: the message names it too
+        with pytest.raises(RouteError, match=r"could have 3 decoder layers, layer\(s\) \[3\] its MTP layers.*"
+                                             r"or give the model's decoder layer count, num_layers="):
+            Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E)
+
+
+def test_from_rollout_layer_numbering_mutant_reading_routers_replays_the_dense_column(monkeypatch):
+    # The broken inference this check exists for: take the router reading whenever its count fits. It replays
+    # the dense layer's column as MoE layer 1, silently; the check (layer_numbering.ambiguous) refuses it.
+    from moeverify import layer_numbering
+
+    ref, by_decoder_TLK, _ = _dense_plus_mtp()
+    monkeypatch.setattr(layer_numbering, "ambiguous", lambda *a, **k: False)
+    wrong = Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E, num_layers=3)
+    assert not torch.equal(wrong.get(1, 0), ref[1])  # MoE layer 1 got the dense layer's routes
+
+
+def test_from_rollout_explicit_numbering_reads_each_layer_its_column():
+    ref, by_decoder_TLK, by_router_TLK = _dense_plus_mtp()
+    routes = Routes.from_rollout(by_router_TLK, layers=(1, 2, 3), num_experts=E, num_layers=3, numbering="routers")
+    assert all(torch.equal(routes.get(layer, 0), ref[layer]) for layer in (1, 2, 3))
+    # One column per decoder layer: the MoE columns by layer number (the MTP layer has none: asked for, refused)
+    routes = Routes.from_rollout(by_decoder_TLK, layers=(1, 2), num_experts=E, num_layers=3, numbering="decoder")
+    assert all(torch.equal(routes.get(layer, 0), ref[layer]) for layer in (1, 2))
+    assert Routes.from_rollout(by_decoder_TLK, layers=(1, 2), num_experts=E, num_layers=3) == routes  # one reading
+    with pytest.raises(RouteError, match=r"layer\(s\) \[3\] lie outside the 3 decoder layer columns \(an MTP layer"):
+        Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E, num_layers=3, numbering="decoder")
+    with pytest.raises(RouteError, match=r"hold 3 layer column\(s\), not one per router: numbering= routers needs 2"):
+        Routes.from_rollout(by_decoder_TLK, layers=(1, 2), num_experts=E, num_layers=3, numbering="routers")
+    with pytest.raises(RouteError, match=r"numbering= must be one of \['routers', 'decoder'\], got 'all'"):
+        Routes.from_rollout(by_router_TLK, layers=(1, 2, 3), num_experts=E, numbering="all")
+
+
+def test_from_rollout_requests_layer_axis_fitting_two_numberings_refused():
+    _, by_decoder_TLK, by_router_TLK = _dense_plus_mtp()
+    with pytest.raises(RouteError, match=r"rollout request 0: 3 layer columns fit two numberings"):
+        Routes.from_rollout([by_decoder_TLK[:3]], layers=(1, 2, 3), num_experts=E, lengths=[4], num_layers=3)
+    padded = Routes.from_rollout(by_router_TLK[None], layers=(1, 2, 3), num_experts=E, lengths=[4], num_layers=3,
+                                 numbering="routers")
+    assert torch.equal(padded.get(3, 0), by_router_TLK[:, 2])
+
+
+def test_from_rollout_routers_of_all_moe_model_need_no_numbering():
+    # Both readings take the same columns (every layer MoE, no MTP): nothing to refuse.
+    all_TLK = torch.stack([safe_routes(3, topk=K, num_experts=E, start=layer) for layer in range(3)], dim=1)
+    assert Routes.from_rollout(all_TLK, layers=(0, 1, 2), num_experts=E).get(2, 0).tolist() == all_TLK[:, 2].tolist()
+
+
+# -- a padded [B, S, L, K] batch accepts what the list form accepts (issue 25 item 6) ---------------------------
+def _padded(arrays, *, fill: int = -1, width: int | None = None):
+    S = width if width is not None else max(a.shape[0] for a in arrays)
+    padded_BSLK = torch.full((len(arrays), S, *arrays[0].shape[1:]), fill, dtype=torch.int64)
+    for b, a in enumerate(arrays):
+        padded_BSLK[b, : a.shape[0]] = a
+    return padded_BSLK
+
+
+@pytest.mark.parametrize("fill, width", [(-1, None), (-1, 6), (0, None)])
+def test_from_rollout_padded_batch_of_unequal_lengths_equals_request_list(fill, width):
+    lengths = [6, 3, 5]
+    arrays = requests(lengths, short=True, layers=2, seed=4)  # each request one row short: the engine's way
+    from_list = Routes.from_rollout(arrays, layers=(1, 3), num_experts=E, lengths=lengths)
+    padded_BSLK = _padded(arrays, fill=fill, width=width)
+    assert Routes.from_rollout(padded_BSLK, layers=(1, 3), num_experts=E, lengths=lengths) == from_list
+    rows = [a.shape[0] for a in arrays]  # e.g. the rollout attention mask's row sums
+    assert Routes.from_rollout(padded_BSLK, layers=(1, 3), num_experts=E, lengths=lengths, rows=rows) == from_list
+
+
+def test_from_rollout_padded_batch_real_capture_gap_still_refused():
+    lengths = [6, 3]
+    arrays = requests(lengths, short=True, seed=5)
+    arrays[0][2] = -1  # a gap on a real token, rows after it captured
+    with pytest.raises(RouteError, match=r"rollout request 0: token 2 MoE column 0: capture gap"):
+        Routes.from_rollout(arrays, layers=(0,), num_experts=E, lengths=lengths)
+    with pytest.raises(RouteError, match=r"rollout request 0: token 2 MoE column 0: capture gap"):
+        Routes.from_rollout(_padded(arrays), layers=(0,), num_experts=E, lengths=lengths)
+    # The engine returned every row and the last is a gap: the list form refuses it; with rows= the padded form too
+    full = requests(lengths, short=False, seed=5)
+    full[1][2] = -1
+    with pytest.raises(RouteError, match=r"rollout request 1: token 2 MoE column 0: capture gap"):
+        Routes.from_rollout(full, layers=(0,), num_experts=E, lengths=lengths)
+    with pytest.raises(RouteError, match=r"rollout request 1: token 2 MoE column 0: capture gap"):
+        Routes.from_rollout(_padded(full), layers=(0,), num_experts=E, lengths=lengths, rows=[6, 3])
+    # Two rows missing at the end is not the engine's one missing row: the one before it is a gap
+    two_short = [a[:-1] for a in arrays[1:]]
+    with pytest.raises(RouteError, match=r"rollout request 0: token 1 MoE column 0: capture gap"):
+        Routes.from_rollout(_padded(two_short, width=3), layers=(0,), num_experts=E, lengths=[3])
+
+
+def test_from_rollout_rows_argument_checked():
+    arrays = requests([4, 3], short=True, seed=6)
+    with pytest.raises(RouteError, match=r"rows= gives 1 request\(s\), the padded batch holds 2"):
+        Routes.from_rollout(_padded(arrays), layers=(0,), num_experts=E, lengths=[4, 3], rows=[3])
+    with pytest.raises(RouteError, match=r"rows= request 1: 9 rows outside the padded batch's \[0, 3\]"):
+        Routes.from_rollout(_padded(arrays), layers=(0,), num_experts=E, lengths=[4, 3], rows=[3, 9])
+    with pytest.raises(RouteError, match=r"rows= gives the rows of each request of a padded"):
+        Routes.from_rollout(arrays, layers=(0,), num_experts=E, lengths=[4, 3], rows=[3, 2])
+
+
+# -- physical expert slots mapped to logical ids (issue 25 item 5) ----------------------------------------------
+P = 12  # physical slots: 8 logical experts, 4 of them with a second replica
+SLOTS_TO_LOGICAL = [5, 0, 7, 3, 1, 6, 2, 4, 3, 0, 6, 5]
+
+
+def _physical(logical_TLK: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Each logical id as one of its slots, the replica chosen at random (what an EPLB engine records)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = {e: [s for s, x in enumerate(SLOTS_TO_LOGICAL) if x == e] for e in range(E)}
+    pick = torch.randint(0, 2, logical_TLK.shape, generator=g)
+    return logical_TLK.clone().apply_(lambda e: -1 if e < 0 else slots[e][0]).where(
+        pick == 0, logical_TLK.clone().apply_(lambda e: -1 if e < 0 else slots[e][-1]))
+
+
+@pytest.mark.parametrize("form", ["list", "json", "npy", "dict"])
+def test_from_rollout_expert_map_replays_physical_slots_as_logical_ids(tmp_path, form):
+    import json
+
+    lengths = [5, 3]
+    logical = requests(lengths, short=True, layers=2, seed=7)
+    physical = [_physical(a, seed=b) for b, a in enumerate(logical)]
+    assert any(int(a.max()) >= E for a in physical)
+    expected = Routes.from_rollout(logical, layers=(1, 3), num_experts=E, lengths=lengths)
+    given = {"list": SLOTS_TO_LOGICAL, "dict": {"physical_to_logical_map": {"1": SLOTS_TO_LOGICAL,
+                                                                            "3": SLOTS_TO_LOGICAL}}}.get(form)
+    if form == "json":
+        given = tmp_path / "map.json"
+        given.write_text(json.dumps([SLOTS_TO_LOGICAL, SLOTS_TO_LOGICAL]))
+    elif form == "npy":
+        given = str(tmp_path / "map.npy")
+        np.save(given, np.array(SLOTS_TO_LOGICAL))
+    got = Routes.from_rollout(physical, layers=(1, 3), num_experts=E, lengths=lengths, expert_map=given)
+    assert got == expected
+    padded = Routes.from_rollout(_padded(physical), layers=(1, 3), num_experts=E, lengths=lengths, expert_map=given)
+    assert padded == expected
+    one = Routes.from_rollout(physical[0], layers=(1, 3), num_experts=E, tokens=5, expert_map=given)
+    assert torch.equal(one.get(3, 0), expected.get(3, 0)[:5])
+
+
+def test_from_rollout_unmapped_physical_slots_refused_naming_the_map():
+    physical = _physical(requests([5], short=True, seed=8)[0], seed=1)
+    assert int(physical.max()) >= E
+    with pytest.raises(RouteError, match=r"rollout routes: token \d+ layer 0: expert id \d+ out of range \[0, 8\) "
+                                         r".*physical expert slots .*pass expert_map="):
+        Routes.from_rollout(physical, layers=(0,), num_experts=E)
+
+
+def test_from_rollout_expert_map_checked_like_the_dump_commands():
+    from moeverify.record.expert_map import ExpertMapError
+
+    physical = _physical(requests([4], short=True, seed=9)[0], seed=2)
+    with pytest.raises(ExpertMapError, match=r"maps onto 8 logical experts, num_experts is 16"):
+        Routes.from_rollout(physical, layers=(0,), num_experts=16, expert_map=SLOTS_TO_LOGICAL)
+    with pytest.raises(ExpertMapError, match=r"layer 0: logical expert\(s\) \[4\] have no physical slot"):
+        Routes.from_rollout(physical, layers=(0,), num_experts=E, expert_map=[0, 1, 2, 3, 5, 6, 7, 7])
+    with pytest.raises(ExpertMapError, match=r"expert id 12 is no slot of expert_map= \(expected \[0, 12\)\)"):
+        Routes.from_rollout(np.array([[[12, 1]]]), layers=(0,), num_experts=E, expert_map=SLOTS_TO_LOGICAL)
+    with pytest.raises(ExpertMapError, match=r"physical slots \[3, 8\] map through expert_map= to logical experts "
+                                             r"\[3, 3\]: two replicas"):
+        Routes.from_rollout(np.array([[[3, 8]]]), layers=(0,), num_experts=E, expert_map=SLOTS_TO_LOGICAL)
+    with pytest.raises(ExpertMapError, match=r"MoE layer\(s\) \[3\] missing"):
+        Routes.from_rollout(physical.expand(-1, 2, -1), layers=(1, 3), num_experts=E,
+                            expert_map={"1": SLOTS_TO_LOGICAL})

@@ -1,0 +1,216 @@
+"""A rollout engine's per-token routes as the ``[tokens, L, K]`` int64 array ``Routes.from_rollout`` builds from.
+
+Engines return routes for prompt + response minus the final token (it is sampled, never fed back). Here: the
+layer columns are picked (``layer_numbering``), physical expert slots mapped to logical ids (``expert_map``),
+requests lined up sequence-major, the missing last row and padding marked, and capture gaps on real tokens
+refused. Legend: T = tokens, L = MoE layers (columns), K = top-k, B = requests, S = padded positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moeverify import layer_numbering
+from moeverify.errors import RouteError
+from moeverify.routes import _INT_DTYPES, safe_routes
+
+PICK, COUNT = "numbering=", "num_layers="
+
+
+def ndim(array) -> int:
+    return len(getattr(array, "shape", ()))
+
+
+def one_sequence(topk_ids, *, layers: Sequence[int], num_experts: int, tokens: int | None, pad_T, numbering,
+                 num_layers: int | None, emap) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sequence ``[T or T - 1, W, K]`` -> ``([tokens, L, K], pad_T or None)``."""
+    where = "rollout routes"
+    ids_TLK = pick_columns(as_int64(topk_ids), layers=layers, num_layers=num_layers, numbering=numbering,
+                           where=where)
+    tokens = int(ids_TLK.shape[0]) if tokens is None else tokens
+    pad = None if pad_T is None else _as_bool(pad_T, tokens)
+    ids_TLK = _one_request(ids_TLK, tokens=tokens, num_experts=num_experts, pad_T=pad, where=where,
+                           layers=layers, emap=emap)
+    return ids_TLK, pad
+
+
+def pick_columns(ids_TLK: torch.Tensor, *, layers: Sequence[int], num_layers: int | None, numbering,
+                 where: str) -> torch.Tensor:
+    """The columns of ``layers`` in ``[T, W, K]`` (``layer_numbering.columns``: refused when two readings fit)."""
+    if ids_TLK.dim() != 3:
+        raise RouteError(f"{where} shape {tuple(ids_TLK.shape)} != expected (T, L={len(layers)}, K)")
+    cols = layer_numbering.columns(ids_TLK.shape[1], layers=layers, num_layers=num_layers, numbering=numbering,
+                                   where=where, error=RouteError, pick=PICK, count=COUNT)
+    return ids_TLK if cols == list(range(ids_TLK.shape[1])) else ids_TLK[:, cols, :]
+
+
+def gap_rows(ids_TLK: torch.Tensor) -> torch.Tensor:
+    """``[T, L]`` bool: rows an engine left uncaptured (all -1, or all zero when K > 1)."""
+    gaps = (ids_TLK == -1).all(dim=-1)
+    if ids_TLK.shape[-1] > 1:
+        gaps |= (ids_TLK == 0).all(dim=-1)
+    return gaps
+
+
+def _to_logical(ids_TLK: torch.Tensor, *, emap, skip_TL: torch.Tensor, layers: Sequence[int],
+                where: str) -> torch.Tensor:
+    """Physical expert slots as logical ids through ``emap`` (``ExpertMap.apply``: a slot outside the map, or two
+    replicas of one expert in a row, refused); rows in ``skip_TL`` (padding) stay as they are."""
+    out_TLK = ids_TLK.clone()
+    keep_TL = ~skip_TL
+    for i, layer in enumerate(layers):
+        rows = keep_TL[:, i].nonzero().flatten()
+        out_TLK[rows, i] = emap.apply(layer, ids_TLK[rows, i], where=where,
+                                      token_label=lambda _mb, row, rows=rows: f"token {int(rows[row])}")
+    return out_TLK
+
+
+def _check_range(ids_TLK: torch.Tensor, *, skip_TL: torch.Tensor, num_experts: int, layers: Sequence[int],
+                 where: str) -> None:
+    """An id at or above the experts on a captured row: a physical slot of an expert placement read unmapped
+    (EPLB with redundant experts) or another model's route; refused, naming the map argument."""
+    high_TL = (ids_TLK >= num_experts).any(dim=-1) & ~skip_TL
+    if bool(high_TL.any()):
+        t, col = (int(i) for i in high_TL.nonzero()[0])
+        raise RouteError(f"{where}: token {t} layer {layers[col]}: expert id {int(ids_TLK[t, col].max())} out of "
+                         f"range [0, {num_experts}) ({int(high_TL.sum())} such row(s)); an engine that records "
+                         f"physical expert slots (an expert placement with redundant experts, EPLB) needs its map: "
+                         f"pass expert_map= (slot -> logical id)")
+
+
+def _one_request(ids_TLK: torch.Tensor, *, tokens: int, num_experts: int, pad_T: torch.Tensor | None, where: str,
+                 layers: Sequence[int], emap) -> torch.Tensor:
+    """One request's ``[tokens, L, K]``: ids mapped, the missing last row filled, capture gaps on real tokens
+    refused."""
+    T, L, K = ids_TLK.shape
+    if not 1 <= K <= num_experts:
+        raise RouteError(f"{where}: top-k {K} not in [1, num_experts={num_experts}]")
+    if T not in (tokens, tokens - 1):
+        raise RouteError(f"{where} hold {T} tokens != expected {tokens} (or {tokens - 1}, the engine's "
+                         "missing last row)")
+    gaps_TL = gap_rows(ids_TLK)
+    if pad_T is not None:
+        gaps_TL &= ~pad_T[:T, None]
+    if gaps_TL.any():
+        t, col = (int(i) for i in gaps_TL.nonzero()[0])
+        raise RouteError(f"{where}: token {t} MoE column {col}: capture gap (a row of -1 or of zeros: "
+                         f"{ids_TLK[t, col].tolist()}), {int(gaps_TL.sum())} such row(s); the engine did not "
+                         "record this route: mark those tokens as padding (pad_T) or fix the capture")
+    pads_TL = (pad_T[:T, None] if pad_T is not None else torch.zeros(T, 1, dtype=torch.bool)).expand(T, L)
+    if emap is not None:  # padding keeps what it holds: it gets a safe route later
+        ids_TLK = _to_logical(ids_TLK, emap=emap, skip_TL=pads_TL, layers=layers, where=where)
+    else:
+        _check_range(ids_TLK, skip_TL=pads_TL, num_experts=num_experts, layers=layers, where=where)
+    if T == tokens - 1:
+        ids_TLK = torch.cat([ids_TLK, safe_routes(1, topk=K, num_experts=num_experts, start=T)
+                             .unsqueeze(1).expand(1, L, K)])
+    return ids_TLK
+
+
+def batch_of_requests(topk_ids, *, lengths: Sequence[int], rows: Sequence[int] | None, seq_len: int | None,
+                      num_experts: int, layers: Sequence[int], num_layers: int | None, numbering,
+                      emap) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several requests -> sequence-major ``[B * seq_len, L, K]`` and its pad mask."""
+    lengths = [int(n) for n in lengths]
+    if isinstance(topk_ids, (list, tuple)):
+        requests = [as_int64(a) for a in topk_ids]
+    else:
+        requests = _unpad(as_int64(topk_ids), lengths=lengths, rows=rows)
+    if len(requests) != len(lengths) or not requests:
+        raise RouteError(f"rollout routes hold {len(requests)} request(s) != {len(lengths)} lengths")
+    seq_len = max(lengths) if seq_len is None else int(seq_len)
+    if min(lengths) < 1 or max(lengths) > seq_len:
+        raise RouteError(f"request lengths {lengths} must lie in [1, seq_len={seq_len}]")
+    out = []
+    for b, (ids_TLK, n) in enumerate(zip(requests, lengths)):
+        where = f"rollout request {b}"
+        ids_TLK = pick_columns(ids_TLK, layers=layers, num_layers=num_layers, numbering=numbering, where=where)
+        ids_TLK = _one_request(ids_TLK, tokens=n, num_experts=num_experts, pad_T=None, where=where, layers=layers,
+                               emap=emap)
+        if out and ids_TLK.shape[2] != out[0].shape[2]:
+            raise RouteError(f"{where}: top-k {ids_TLK.shape[2]} != request 0's {out[0].shape[2]}")
+        filler = torch.zeros(seq_len - n, *ids_TLK.shape[1:], dtype=torch.int64)
+        out.append(torch.cat([ids_TLK, filler]))
+    pad_BS = torch.arange(seq_len)[None, :] >= torch.tensor(lengths)[:, None]
+    return torch.cat(out), pad_BS.reshape(-1)
+
+
+def _unpad(batch_BSLK: torch.Tensor, *, lengths: list[int], rows: Sequence[int] | None) -> list[torch.Tensor]:
+    """Each request's own rows of a padded batch, as the list form would hold them.
+
+    ``rows`` given: request ``b`` is its first ``rows[b]`` rows, exactly. Not given: its first ``lengths[b]`` rows,
+    less the last of them when that position is uncaptured in every column (-1, or zeros with K > 1): the
+    engine's missing last row, padded like the positions after it. A gap on an earlier position is a gap."""
+    if batch_BSLK.dim() != 4:
+        raise RouteError(f"padded rollout routes shape {tuple(batch_BSLK.shape)} != expected (B, S, L, K)")
+    B, S = batch_BSLK.shape[:2]
+    if rows is not None:
+        rows = [int(n) for n in rows]
+        if len(rows) != B:
+            raise RouteError(f"rows= gives {len(rows)} request(s), the padded batch holds {B}")
+        bad = [(b, n) for b, n in enumerate(rows) if not 0 <= n <= S]
+        if bad:
+            raise RouteError(f"rows= request {bad[0][0]}: {bad[0][1]} rows outside the padded batch's [0, {S}]")
+        return [batch_BSLK[b, :n] for b, n in enumerate(rows)]
+    out = []
+    for b, n in enumerate(lengths[:B]):
+        request_TLK = batch_BSLK[b, : min(n, S)]
+        last = request_TLK.shape[0] - 1
+        if last == n - 1 and last >= 0 and bool(gap_rows(request_TLK[last:]).all()):
+            request_TLK = request_TLK[:last]
+        out.append(request_TLK)
+    return out
+
+
+def as_int64(array) -> torch.Tensor:
+    try:
+        tensor = array if isinstance(array, torch.Tensor) else torch.as_tensor(array)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise RouteError(f"rollout routes must be an integer array, got {type(array).__name__}: {exc}") from exc
+    if tensor.dtype not in _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
+        raise RouteError(f"rollout routes dtype {tensor.dtype} is not an integer dtype")
+    return tensor.to(torch.int64)
+
+
+def _as_bool(array, tokens: int) -> torch.Tensor:
+    pad_T = (array if isinstance(array, torch.Tensor) else torch.as_tensor(array)).to(torch.bool)
+    if pad_T.shape != (tokens,):
+        raise RouteError(f"pad mask shape {tuple(pad_T.shape)} != expected ({tokens},)")
+    return pad_T
+
+
+def fill_pads(ids_TLK: torch.Tensor, pad_T: torch.Tensor, *, num_experts: int) -> torch.Tensor:
+    rows = pad_T.nonzero().flatten()
+    if not rows.numel():
+        return ids_TLK
+    T, L, K = ids_TLK.shape
+    safe_TK = safe_routes(T, topk=K, num_experts=num_experts)
+    out_TLK = ids_TLK.clone()
+    out_TLK[rows] = safe_TK[rows].unsqueeze(1).expand(-1, L, K)
+    return out_TLK
+
+
+def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_experts: int):
+    """``expert_map`` (a path, an ``ExpertMap``, or a parsed map: list, list of lists, layer-keyed dict,
+    array) read and checked by ``moeverify.record.expert_map``, the dump commands' one loader."""
+    import os
+
+    from moeverify.record import expert_map as maps
+
+    if isinstance(expert_map, maps.ExpertMap):
+        emap = expert_map
+        missing = sorted(set(layers) - set(emap.per_layer))
+        if missing:
+            raise maps.ExpertMapError(f"{emap.path}: no map for layer(s) {missing} (maps layers "
+                                      f"{sorted(emap.per_layer)})")
+    elif isinstance(expert_map, (str, os.PathLike)):
+        emap = maps.load(expert_map, moe_layers=layers, num_layers=num_layers, what="the rollout routes")
+    else:
+        emap = maps.from_object(expert_map, moe_layers=layers, num_layers=num_layers, what="the rollout routes",
+                                name="expert_map=")
+    if emap.logical != num_experts:
+        raise maps.ExpertMapError(f"{emap.path}: maps onto {emap.logical} logical experts, num_experts is "
+                                  f"{num_experts} (the map's logical ids are the experts training routes to)")
+    return emap
