@@ -56,6 +56,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    ".json or .npy map slot -> logical expert id, one for all layers or one per layer; A's ids are "
                    "mapped to logical ids before comparing")
     p.add_argument("--expert-map-b", metavar="FILE", help="the same for B")
+    _add_numbering(p, "with --rollout: what B's layer axis holds")
     p.add_argument("--in-memory", action="store_true", help="load both sides whole and diff in memory (default: "
                    "read one layer at a time; same figures, memory of one layer)")
     p.set_defaults(func=cmd_diff)
@@ -97,8 +98,17 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--expert-map", metavar="FILE", help="SRC holds physical expert slots: map them to logical expert "
                    "ids (.json or .npy slot -> logical id, one for all layers or one per layer) before writing")
     _add_geometry(p, "of SRC's micro-batches; with them the dump knows its token order")
+    _add_numbering(p, "arrays with --moe-layers: what SRC's layer axis holds")
     p.set_defaults(func=cmd_convert)
     return dump
+
+
+def _add_numbering(p, what: str) -> None:
+    from moeverify.layer_numbering import NUMBERINGS
+
+    p.add_argument("--layer-numbering", choices=NUMBERINGS, help=f"{what}: one column per MoE router (routers) or "
+                   "one per decoder layer, dense ones included (decoder); default: inferred, and refused when the "
+                   "column count fits both (as many dense layers as MTP layers)")
 
 
 def _add_geometry(p, what: str) -> None:

@@ -13,7 +13,7 @@ TO = ("dump", "npz")
 
 
 _ALL = ("--num-experts", "--moe-layers", "--num-layers", "--step", "--layer-offset", "--layout", "--world-size",
-        "--order", "--seq-len", "--batch", "--microbatches")
+        "--order", "--seq-len", "--batch", "--microbatches", "--layer-numbering")
 
 
 @guarded
@@ -54,7 +54,7 @@ def cmd_convert(args) -> int:
         steps = importers.read_router_trace(src, num_experts=args.num_experts, layer_offset=args.layer_offset or 0,
                                             microbatches=args.microbatches)
     else:
-        named = importers.read_named_arrays(src, fmt=src_format)
+        named = _moe_columns(args, importers.read_named_arrays(src, fmt=src_format), src)
         if order and args.seq_len is not None and args.batch is not None:
             for name, arr in named.items():  # each micro-batch's array routes seq_len x batch tokens
                 if getattr(arr, "ndim", 0) == 3 and arr.shape[0] != args.seq_len * args.batch:
@@ -115,6 +115,7 @@ def _refuse_inapplicable(args, src: Path, src_format: str) -> None:
         refuse_options(args, ["--world-size"], because="it gives the ranks of --layout")
     if src_format == "jsonl":
         refuse_options(args, ["--step"], because="router_trace records its own steps, and every step is written")
+        refuse_options(args, ["--layer-numbering"], because="router_trace names each record's layer itself")
         if args.order not in (None, "router"):
             raise UsageError(f"--order {args.order}: router_trace holds Megatron's router order (s * B + b), always; "
                              "drop --order or give --order router")
@@ -196,6 +197,34 @@ def _save_dense_rank(dst: Path, *, step: int, microbatches: int, args, layout, c
                     append=True) as writer:
         for mb in range(microbatches):
             writer.add_tokens(step=step, mb=mb, seq_len=args.seq_len, batch=args.batch)
+
+
+def _moe_columns(args, named: dict, src: Path) -> dict:
+    """Arrays whose layer axis holds one column per decoder layer, cut to their ``--moe-layers`` columns
+    (``layer_numbering``: refused when the width fits both readings, unless ``--layer-numbering`` says which)."""
+    import numpy as np
+
+    from moeverify import layer_numbering
+
+    if args.moe_layers is None:
+        if args.layer_numbering == "decoder":
+            raise UsageError("--layer-numbering decoder needs --moe-layers: which of the decoder layer columns are "
+                             "the MoE layers")
+        return named
+    moe = list(args.moe_layers)
+    num_layers = args.num_layers if args.num_layers is not None else max(moe, default=-1) + 1
+    out = {}
+    for name, arr in named.items():
+        width = arr.shape[1] if isinstance(arr, np.ndarray) and arr.ndim == 3 else None
+        if width is None or (args.layer_numbering is None and width != num_layers
+                             and not layer_numbering.ambiguous(width, layers=moe, num_layers=num_layers)):
+            out[name] = arr  # one column per MoE layer, or refused by routes_from_arrays naming --moe-layers
+            continue
+        cols = layer_numbering.columns(width, layers=moe, num_layers=num_layers, numbering=args.layer_numbering,
+                                       where=f"{src}: {name}", error=UsageError, pick="--layer-numbering",
+                                       count="--num-layers")
+        out[name] = arr if cols == list(range(width)) else arr[:, cols, :]
+    return out
 
 
 def _map_steps(args, steps: dict, src: Path) -> dict:

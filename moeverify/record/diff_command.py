@@ -24,6 +24,7 @@ def cmd_diff(args) -> int:
         raise UsageError("--seq-len and --batch go together")
     if args.rollout:
         return _diff_rollout(args)
+    refuse_options(args, ["--layer-numbering"], because="it says what a rollout's layer axis holds (with --rollout)")
     kind_a, kind_b = _kind(args.a), _kind(args.b)
     if kind_a == "array":
         refuse_options(args, ["--step"], because=f"--step is A's step, and A ({args.a}) is an array of one step "
@@ -210,7 +211,7 @@ def _diff_rollout(args) -> int:
         maps["b"] = map_b.as_json()
     aligned = align(train, seq_len=info.seq_len, batch=batch, moe_layers=dump.model.moe_layers,
                     num_layers=dump.model.num_layers, requests=_rollout_requests(rollout_path), where=str(rollout_path),
-                    expert_map=map_b)
+                    expert_map=map_b, numbering=args.layer_numbering)
     print(f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
           f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart")
     report = record.diff(aligned.train, aligned.rollout, sequence_tokens=aligned.sequence_tokens,

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from moeverify.errors import UsageError
+from moeverify.layer_numbering import ambiguous
 from moeverify.record import npy_file
 from moeverify.routes import Routes
 
@@ -196,6 +197,11 @@ def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int
     else:
         raise ExpertMapError(f"{name}: expected a list, a list of lists, an object keyed by layer or an array; "
                              f"got {type(obj).__name__}")
+    if ambiguous(len(table), layers=moe, num_layers=num_layers):
+        decoders = f"{num_layers}" if num_layers is not None else "as many, with MTP layers after them,"
+        raise ExpertMapError(f"{name}: {len(table)} rows fit both one row per MoE layer {moe} and one row per decoder "
+                             f"layer ({decoders} decoder layers; row r is layer r): refusing to guess; key the rows "
+                             f"by layer ({{\"<global layer>\": [...], ...}}), which cannot be misread")
     if len(table) == len(moe):
         return dict(zip(moe, table))
     if num_layers is not None and len(table) == num_layers:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from moeverify import layer_numbering
 from moeverify.errors import UsageError
 from moeverify.routes import Routes
 
@@ -39,16 +40,16 @@ class Aligned:
                 "capture_gap_rows": self.gaps}
 
 
-def _columns(arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, where: str) -> np.ndarray:
-    if arr.shape[1] == len(moe_layers):
-        return arr
-    if arr.shape[1] == num_layers:
-        return arr[:, list(moe_layers), :]  # all-layer numbering (dense-prefix models): keep the MoE columns
-    raise UsageError(f"{where}: {arr.shape[1]} layer column(s) fit neither the {len(moe_layers)} MoE layers "
-                     f"{list(moe_layers)} nor all {num_layers} decoder layers of the training dump")
+def _columns(arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, numbering: str | None,
+             where: str) -> np.ndarray:
+    """The MoE columns (``layer_numbering``: one per MoE layer, or one per decoder layer; both fitting refused)."""
+    cols = layer_numbering.columns(arr.shape[1], layers=moe_layers, num_layers=num_layers, numbering=numbering,
+                                   where=where, error=UsageError, pick="--layer-numbering",
+                                   count="the training dump's num_layers")
+    return arr if cols == list(range(arr.shape[1])) else arr[:, cols, :]
 
 
-def _check_raw_ids(arr: np.ndarray, *, limit: int, where: str, layers: Sequence[int]) -> None:
+def _check_raw_ids(arr: np.ndarray, *, limit: int, where: str, layers: Sequence[int], mapped: bool) -> None:
     """Ids beyond the experts (or the map's slots), and negatives other than -1, refused in the array's own dtype
     (a uint64 of 2**63 or more would wrap to a negative int64, and then read as a capture gap)."""
     if not arr.size:
@@ -56,8 +57,12 @@ def _check_raw_ids(arr: np.ndarray, *, limit: int, where: str, layers: Sequence[
     bad = (arr >= limit) | ((arr < -1) if np.issubdtype(arr.dtype, np.signedinteger) else False)
     if bad.any():
         n, col, k = (int(i[0]) for i in np.nonzero(bad))
-        raise UsageError(f"{where}: position {n} layer {layers[col]} slot {k}: id {arr[n, col, k].item()} is "
-                         f"outside [0, {limit}) (and not -1, a capture gap)")
+        value = arr[n, col, k].item()
+        hint = "" if mapped or value < limit else (
+            "; a rollout that records physical expert slots (an expert placement with redundant experts, EPLB) "
+            "needs their map to logical ids: --expert-map-b FILE")
+        raise UsageError(f"{where}: position {n} layer {layers[col]} slot {k}: id {value} is "
+                         f"outside [0, {limit}) (and not -1, a capture gap){hint}")
 
 
 def _gap_rows(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> torch.Tensor:
@@ -82,10 +87,11 @@ def _gap_rows(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> to
 
 
 def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequence[int], num_layers: int,
-          requests: Sequence[np.ndarray], where: str, expert_map=None) -> Aligned:
+          requests: Sequence[np.ndarray], where: str, expert_map=None, numbering: str | None = None) -> Aligned:
     """Both sides restricted to the positions the rollout routed (``train`` in sequence order; ``batch``:
     sequences per merged micro-batch). ``expert_map`` (``expert_map.ExpertMap``): the rollout records physical
-    expert slots; its captured rows are mapped to logical ids before the comparison."""
+    expert slots; its captured rows are mapped to logical ids before the comparison. ``numbering``: what the
+    rollout's layer axis holds (``layer_numbering``; None: inferred, refused when two readings fit)."""
     if expert_map is not None and expert_map.logical != train.num_experts:
         raise UsageError(f"{expert_map.path}: maps onto {expert_map.logical} logical experts, the training side has "
                          f"{train.num_experts} (both sides must be the same logical experts)")
@@ -108,9 +114,11 @@ def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequ
             if arr.shape[0] > length:
                 raise UsageError(f"{where}: request {r}: {arr.shape[0]} rows > the training sequence's {length} "
                                  "positions (is it the same request?)")
-            cols = _columns(arr, moe_layers=moe_layers, num_layers=num_layers, where=f"{where}: request {r}")
+            cols = _columns(arr, moe_layers=moe_layers, num_layers=num_layers, numbering=numbering,
+                            where=f"{where}: request {r}")
             limit = expert_map.physical if expert_map is not None else train.num_experts
-            _check_raw_ids(cols, limit=limit, where=f"{where}: request {r}", layers=train.layers)
+            _check_raw_ids(cols, limit=limit, where=f"{where}: request {r}", layers=train.layers,
+                           mapped=expert_map is not None)
             ids = torch.from_numpy(np.ascontiguousarray(cols).astype(np.int64))
             gap_N = _gap_rows(ids, where=f"{where}: request {r}", layers=train.layers)
             keep = (~gap_N).nonzero().flatten()
