@@ -34,7 +34,8 @@ def r3_update(model, optimizer, requests, routed_experts, *, moe_layers, seq_len
     session = rr.ReplaySession(model)
     tokens_BS, predicts_BS = padded_batch(requests, seq_len)
     routes = Routes.from_rollout(routed_experts, layers=moe_layers, num_experts=session.num_experts,
-                                 lengths=[len(r) for r in requests], seq_len=seq_len)  # capture gaps refused
+                                 lengths=[len(r) for r in requests], seq_len=seq_len,
+                                 num_layers=model.config.num_layers)  # capture gaps refused
     layout, coords, _ = job_layout(sp=model.config.sequence_parallel)
     local = routes.to_local(layout, coords=coords, seq_len=seq_len, batch=len(requests),
                             num_layers=model.config.num_layers)               # this rank's layers and tokens

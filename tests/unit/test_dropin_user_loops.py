@@ -197,7 +197,8 @@ def replay_rollout(chunk, tokens_BS, arrays, *, lengths, num_layers, columns_all
 
     session = rr.ReplaySession(chunk)
     routes = Routes.from_rollout(arrays, layers=list(session.layers), num_experts=session.num_experts,
-                                 lengths=lengths, seq_len=S, num_layers=num_layers if columns_all_layers else None)
+                                 lengths=lengths, seq_len=S, num_layers=num_layers,
+                                 numbering="decoder" if columns_all_layers else "routers")
     layout, coords, _ = job_layout(sp=False)
     local = routes.to_local(layout, coords=coords, seq_len=S, batch=len(lengths), num_layers=num_layers)
     with RouterSpy([chunk]) as spy, session.replay(local):
