@@ -232,7 +232,9 @@ def test_rollout_in_physical_slots_against_logical_training(sides, capsys):
     np.savez(tmp_path / "rollout.npz", **{f"r{i}": a for i, a in enumerate(requests)})
     train, rollout, out = str(tmp_path / "logical"), str(tmp_path / "rollout.npz"), tmp_path / "r.json"
     assert main(["dump", "diff", train, rollout, "--rollout"]) == 2
-    assert "is outside [0, 8) (and not -1, a capture gap)" in capsys.readouterr().err
+    assert "is outside [0, 8) (and not -1, a capture gap); a rollout that records physical expert slots (an expert " \
+           "placement with redundant experts, EPLB) needs their map to logical ids: --expert-map-b FILE" \
+        in capsys.readouterr().err
     assert main(["dump", "diff", train, rollout, "--rollout", "--expert-map-b", str(tmp_path / "map.json"),
                  "--json", str(out), "--fail-on-diff"]) == 0
     result = json.loads(out.read_text())
@@ -310,3 +312,17 @@ def test_json_map_id_beyond_int64_is_refused_not_raised_raw(sides, capsys):
     (tmp_path / "big.json").write_text(json.dumps(MAP[:-1] + [2**70]))
     assert _diff(tmp_path, "--expert-map-b", str(tmp_path / "big.json"))[0] == 2
     assert "layer 0 slot 10: logical id 1180591620717411303424 out of range" in capsys.readouterr().err
+
+
+def test_map_rows_fitting_two_layer_numberings_refused():
+    # 3 rows for MoE layers [1, 2, 3] of a model of 3 decoder layers (+ MTP layer 3): one row per MoE layer or
+    # one per decoder layer? Refused, never guessed; the layer-keyed form says which row is which.
+    rows = [list(range(4)), [1, 0, 3, 2], [3, 2, 1, 0]]
+    with pytest.raises(expert_map.ExpertMapError, match=r"3 rows fit both one row per MoE layer \[1, 2, 3\] and one "
+                                                        r"row per decoder layer \(3 decoder layers.*key the rows by "
+                                                        r"layer"):
+        expert_map.from_object(rows, moe_layers=[1, 2, 3], num_layers=3)
+    keyed = expert_map.from_object({str(layer): row for layer, row in zip([1, 2, 3], rows)}, moe_layers=[1, 2, 3],
+                                   num_layers=3)
+    assert keyed.per_layer[2].tolist() == rows[1]
+    assert expert_map.from_object(rows, moe_layers=[1, 2, 3], num_layers=4).per_layer[1].tolist() == rows[0]
