@@ -13,7 +13,8 @@ experts. ``load`` reads one from a file and checks it completely before any rout
 
 Refused (``ExpertMapError``, naming the file, layer and slot, expected vs got): a non-integer entry, a
 row whose length is not the dump's expert count (its physical slots), an id outside ``[0, P)``, a layer
-missing (or one that is not an MoE layer), rows that fit neither layer count, and a layer in which some
+missing (or one that is not an MoE layer), rows that fit neither layer count or both (as many MoE layers as
+decoder layers, the two readings taking other rows: ``layer_numbering``; key such a map by layer), a layer in which some
 logical expert ``0 .. E-1`` has no slot (``E`` = largest id + 1; EPLB gives every logical expert at least
 one replica in every layer). ``apply`` refuses a token whose top-k holds two replicas of one logical
 expert: a correct router picks a logical expert once, so this is a finding, never deduplicated.
@@ -197,10 +198,10 @@ def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int
     else:
         raise ExpertMapError(f"{name}: expected a list, a list of lists, an object keyed by layer or an array; "
                              f"got {type(obj).__name__}")
-    if ambiguous(len(table), layers=moe, num_layers=num_layers):
-        decoders = f"{num_layers}" if num_layers is not None else "as many, with MTP layers after them,"
+    if num_layers is not None and ambiguous(len(table), layers=moe, num_layers=num_layers):  # without the count,
+        # rows are one per MoE layer: no other reading is offered
         raise ExpertMapError(f"{name}: {len(table)} rows fit both one row per MoE layer {moe} and one row per decoder "
-                             f"layer ({decoders} decoder layers; row r is layer r): refusing to guess; key the rows "
+                             f"layer ({num_layers} decoder layers; row r is layer r): refusing to guess; key the rows "
                              f"by layer ({{\"<global layer>\": [...], ...}}), which cannot be misread")
     if len(table) == len(moe):
         return dict(zip(moe, table))
