@@ -555,3 +555,31 @@ def test_replay_of_a_route_written_into_after_validation_is_refused(write):
                                          r"\? mb 0: token 8 routes to expert\(s\) twice)"):
         with session.replay(routes):
             router(hidden(0))
+
+
+def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_its_map():
+    # An EPLB engine records physical slots (12 slots for 8 experts, 4 replicated); with expert_map= the replayed
+    # experts are the logical ones native routing picked. Without the map the slot ids are refused, not replayed.
+    from moeverify import views
+    from moeverify.layout import Layout
+
+    slot_to_logical = [5, 0, 7, 3, 1, 6, 2, 4, 3, 0, 6, 5]
+    last_slot = {e: max(s for s, x in enumerate(slot_to_logical) if x == e) for e in range(E)}
+    router = make_router(1, seed=4)
+    x = hidden(3)
+    session = rr.ReplaySession(router)
+    with torch.no_grad(), session.record():
+        _, native_map = router(x)
+    local = session.routes()
+    logical = [local.get(0, 0).view(S, B, K)[:, b, :].unsqueeze(1) for b in range(B)]
+    physical = [a.clone().apply_(lambda e: last_slot[e]).numpy() for a in logical]
+    assert max(int(a.max()) for a in physical) >= E
+    with pytest.raises(RouteError, match=r"expert id \d+ out of range \[0, 8\) .*pass expert_map="):
+        Routes.from_rollout(physical, layers=[0], num_experts=E, lengths=[S] * B)
+    rollout = Routes.from_rollout(physical, layers=[0], num_experts=E, lengths=[S] * B, expert_map=slot_to_logical)
+    mine = views.to_local(rollout, Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
+                          batch=B, num_layers=4)
+    with torch.no_grad(), session.replay(mine):
+        _, routing_map = router(x)
+    session.check_consumed()
+    assert torch.equal(routing_map, native_map)
