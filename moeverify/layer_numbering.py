@@ -33,35 +33,35 @@ def columns(width: int, *, layers: Sequence[int], num_layers: int | None, number
         layers: global numbers of the routers wanted (MoE layers, then MTP layers), in router column order.
         num_layers: decoder layers of the model (MTP layers not counted), or None when not known.
         numbering: ``"routers"``, ``"decoder"`` or None (inferred where only one reading fits).
-        where: names the array in messages; ``pick``: the argument choosing a numbering (``numbering=``,
-            ``--layer-numbering``); ``count``: the argument giving the decoder layer count.
+        where: names the array in messages; ``pick``: the argument choosing a numbering, a template for its value
+            (``'numbering="{}"'``, ``"--layer-numbering {}"``); ``count``: the argument giving the decoder count.
     """
     layers = [int(layer) for layer in layers]
     if numbering not in (None, *NUMBERINGS):
-        raise error(f"{pick} must be one of {list(NUMBERINGS)}, got {numbering!r}")
+        raise error(f"{pick.format(numbering)}: not a numbering; one of {list(NUMBERINGS)}")
     as_routers = list(range(width))
     fits_routers = width == len(layers)
     fits_decoder = num_layers is not None and width == num_layers
     if numbering == "routers":
         if not fits_routers:
             raise error(f"{where} hold {width} layer column(s), not one per router: "
-                        f"{pick} routers needs {len(layers)} ({_named(layers)})")
+                        f"{pick.format('routers')} needs {len(layers)} ({_named(layers)})")
         return as_routers
     if numbering == "decoder":
         if num_layers is not None and width != num_layers:
-            raise error(f"{where} hold {width} layer column(s), not one per decoder layer: {pick} decoder needs "
-                        f"{num_layers} ({count} {num_layers})")
+            raise error(f"{where} hold {width} layer column(s), not one per decoder layer: "
+                        f"{pick.format('decoder')} needs {num_layers} (the model's decoder layers)")
         return _decoder_columns(width, layers=layers, where=where, error=error)
     if fits_routers and not ambiguous(width, layers=layers, num_layers=num_layers):
         return as_routers
     if fits_routers:  # both readings fit, and they take different columns
         decoders = num_layers if fits_decoder else width
-        known = "" if fits_decoder else (f" (the model could have {width} decoder layers, layer(s) "
-                                         f"{[layer for layer in layers if layer >= width]} its MTP layers)")
+        known = "" if fits_decoder else f" if {[layer for layer in layers if layer >= width]} are MTP layers"
         raise error(f"{where}: {width} layer columns fit two numberings: one column per router ({len(layers)} "
                     f"routers {_named(layers)}, column i is the i-th of them) and one column per decoder layer "
                     f"({decoders} decoder layers{known}, column c is layer c, so layer {layers[0]} would read column "
-                    f"{layers[0]}, not 0). Refusing to guess: say which with {pick} routers or {pick} decoder"
+                    f"{layers[0]}, not 0). Refusing to guess: say which, {pick.format('routers')} or "
+                    f"{pick.format('decoder')}"
                     + ("" if fits_decoder else f" (or give the model's decoder layer count, {count})"))
     if fits_decoder:
         return _decoder_columns(width, layers=layers, where=where, error=error)

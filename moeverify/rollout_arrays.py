@@ -16,7 +16,7 @@ from moeverify import layer_numbering
 from moeverify.errors import RouteError
 from moeverify.routes import _INT_DTYPES, safe_routes
 
-PICK, COUNT = "numbering=", "num_layers="
+PICK, COUNT = 'numbering="{}"', "num_layers="
 
 
 def ndim(array) -> int:

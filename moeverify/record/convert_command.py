@@ -221,7 +221,7 @@ def _moe_columns(args, named: dict, src: Path) -> dict:
             out[name] = arr  # one column per MoE layer, or refused by routes_from_arrays naming --moe-layers
             continue
         cols = layer_numbering.columns(width, layers=moe, num_layers=num_layers, numbering=args.layer_numbering,
-                                       where=f"{src}: {name}", error=UsageError, pick="--layer-numbering",
+                                       where=f"{src}: {name}", error=UsageError, pick="--layer-numbering {}",
                                        count="--num-layers")
         out[name] = arr if cols == list(range(width)) else arr[:, cols, :]
     return out

@@ -44,7 +44,7 @@ def _columns(arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, num
              where: str) -> np.ndarray:
     """The MoE columns (``layer_numbering``: one per MoE layer, or one per decoder layer; both fitting refused)."""
     cols = layer_numbering.columns(arr.shape[1], layers=moe_layers, num_layers=num_layers, numbering=numbering,
-                                   where=where, error=UsageError, pick="--layer-numbering",
+                                   where=where, error=UsageError, pick="--layer-numbering {}",
                                    count="the training dump's num_layers")
     return arr if cols == list(range(arr.shape[1])) else arr[:, cols, :]
 

@@ -282,10 +282,10 @@ def test_from_rollout_layer_axis_fitting_two_numberings_refused(num_layers):
     _, by_decoder_TLK, _ = _dense_plus_mtp()
     with pytest.raises(RouteError, match=r"rollout routes: 3 layer columns fit two numberings: one column per router "
                                          r"\(3 routers \[1, 2, 3\].*one column per decoder layer \(3 decoder layers"
-                                         r".*numbering= routers or numbering= decoder"):
+                                         r'.*say which, numbering="routers" or numbering="decoder"'):
         Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E, num_layers=num_layers)
     if num_layers is None:  # the count is unknown: the message names it too
-        with pytest.raises(RouteError, match=r"could have 3 decoder layers, layer\(s\) \[3\] its MTP layers.*"
+        with pytest.raises(RouteError, match=r"3 decoder layers if \[3\] are MTP layers.*"
                                              r"or give the model's decoder layer count, num_layers="):
             Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E)
 
@@ -311,9 +311,9 @@ def test_from_rollout_explicit_numbering_reads_each_layer_its_column():
     assert Routes.from_rollout(by_decoder_TLK, layers=(1, 2), num_experts=E, num_layers=3) == routes  # one reading
     with pytest.raises(RouteError, match=r"layer\(s\) \[3\] lie outside the 3 decoder layer columns \(an MTP layer"):
         Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E, num_layers=3, numbering="decoder")
-    with pytest.raises(RouteError, match=r"hold 3 layer column\(s\), not one per router: numbering= routers needs 2"):
+    with pytest.raises(RouteError, match=r'hold 3 layer column\(s\), not one per router: numbering="routers" needs 2'):
         Routes.from_rollout(by_decoder_TLK, layers=(1, 2), num_experts=E, num_layers=3, numbering="routers")
-    with pytest.raises(RouteError, match=r"numbering= must be one of \['routers', 'decoder'\], got 'all'"):
+    with pytest.raises(RouteError, match=r'numbering="all": not a numbering; one of \[.routers., .decoder.\]'):
         Routes.from_rollout(by_router_TLK, layers=(1, 2, 3), num_experts=E, numbering="all")
 
 
