@@ -352,6 +352,20 @@ def test_from_rollout_padded_batch_of_unequal_lengths_equals_request_list(fill, 
     assert Routes.from_rollout(padded_BSLK, layers=(1, 3), num_experts=E, lengths=lengths, rows=rows) == from_list
 
 
+def test_from_rollout_padded_batch_mutant_slicing_lengths_raises_the_false_alarm(monkeypatch):
+    # The broken reading this fixes: each request cut at its training length, so a shorter request's padded last
+    # row reads as a capture gap on a real token. The control (the reading above) accepts the same batch.
+    from moeverify import rollout_arrays
+
+    lengths = [6, 3]
+    padded_BSLK = _padded(requests(lengths, short=True, seed=10))
+    Routes.from_rollout(padded_BSLK, layers=(0,), num_experts=E, lengths=lengths)
+    monkeypatch.setattr(rollout_arrays, "_unpad", lambda batch, *, lengths, rows: [
+        batch[b, : min(n, batch.shape[1])] for b, n in enumerate(lengths)])
+    with pytest.raises(RouteError, match=r"rollout request 1: token 2 MoE column 0: capture gap"):
+        Routes.from_rollout(padded_BSLK, layers=(0,), num_experts=E, lengths=lengths)
+
+
 def test_from_rollout_padded_batch_real_capture_gap_still_refused():
     lengths = [6, 3]
     arrays = requests(lengths, short=True, seed=5)
