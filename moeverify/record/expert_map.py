@@ -14,8 +14,8 @@ experts. ``load`` reads one from a file and checks it completely before any rout
 Refused (``ExpertMapError``, naming the file, layer and slot, expected vs got): a non-integer entry, a
 row whose length is not the dump's expert count (its physical slots), an id outside ``[0, P)``, a layer
 missing (or one that is not an MoE layer), rows that fit neither layer count or both (as many MoE layers as
-decoder layers, the two readings taking other rows: ``layer_numbering``; key such a map by layer), a layer in which some
-logical expert ``0 .. E-1`` has no slot (``E`` = largest id + 1; EPLB gives every logical expert at least
+decoder layers, the two readings taking other rows: ``layer_numbering``; key such a map by layer), a layer in
+which some logical expert ``0 .. E-1`` has no slot (``E`` = largest id + 1; EPLB gives every logical expert at least
 one replica in every layer). ``apply`` refuses a token whose top-k holds two replicas of one logical
 expert: a correct router picks a logical expert once, so this is a finding, never deduplicated.
 Legend: T = tokens, K = top-k, P = physical slots.
