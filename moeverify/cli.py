@@ -7,7 +7,6 @@ starts, with the fix. User errors print one message and exit 2, never a tracebac
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import subprocess
@@ -88,28 +87,26 @@ def _add_bench(subparsers) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
-def _add_dump(subparsers) -> None:
-    try:
-        record_cli = importlib.import_module("moeverify.record.cli")
-    except Exception as exc:  # noqa: BLE001 (a broken dump module must not break run/doctor)
-        reason = f"{type(exc).__name__}: {exc}"
-        p = subparsers.add_parser("dump", help="routing dumps (unavailable)", add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=lambda args: _unavailable("dump", f"moeverify.record.cli cannot be imported ({reason})"))
+def _add_dump(subparsers, *, load: bool) -> None:
+    """``dump`` and its verbs when ``load``; else a stub that lists it, so that ``--help``, ``run`` and
+    ``doctor`` never import the dump format (torch)."""
+    if load:
+        from moeverify.record import cli as record_cli  # lazy: torch, safetensors
+
+        record_cli.register(subparsers)
         return
-    record_cli.register(subparsers)
+    p = subparsers.add_parser("dump", help="routing dumps: inspect, diff, convert", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: main(["dump", *args.rest]))
 
 
-def _unavailable(command: str, why: str) -> int:
-    raise UsageError(f"moeverify {command} is not available: {why}")
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``moeverify`` parser; ``command`` is the one about to run (its module is loaded, the others' not)."""
     parser = _Parser(prog="moeverify", description="Prove MoE RL training on Megatron-Core correct.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     _add_run(subparsers)
-    _add_dump(subparsers)
+    _add_dump(subparsers, load=command == "dump")
     doctor.register(subparsers)
     _add_bench(subparsers)
     return parser
@@ -118,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moeverify`` command; returns the exit code."""
     try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         return int(args.func(args) or 0)
     except UsageError as exc:
         print(f"moeverify: error: {exc}", file=sys.stderr)
@@ -144,9 +142,10 @@ def _check_outputs(args) -> None:
 
 def _load(args, node=None):
     from moeverify import scenario as scenario_mod
-    from moeverify.runner import checks, select
+    from moeverify.oracles import registry
+    from moeverify.runner import select
 
-    known = checks.check_names()
+    known = registry.check_names()
     if args.check is not None and args.check not in known:
         raise UsageError(f"--check {args.check!r}: unknown check; known checks: {', '.join(known)}")
     from moeverify.options import OPTIONS

@@ -1,14 +1,17 @@
 """Tiny HF model families made in code and built into Megatron through Megatron-Bridge under a Layout."""
 
 from moeverify.layout import Layout, ModelShape
-from moeverify.models.families import FAMILIES, family_shape, hf_checkpoint, hf_config_dict
+from moeverify.models.configs import FAMILIES, family_shape, family_traits, hf_config_dict
 
-__all__ = ["FAMILIES", "Layout", "ModelShape", "Built", "build", "family_shape", "hf_checkpoint", "hf_config_dict"]
+__all__ = ["FAMILIES", "Layout", "ModelShape", "Built", "build", "family_shape", "family_traits", "hf_checkpoint",
+           "hf_config_dict"]
+
+_LAZY = {"build": "builder", "Built": "builder", "hf_checkpoint": "families"}
 
 
-def __getattr__(name):  # megatron is imported only when a model is built
-    if name in ("build", "Built"):
-        from moeverify.models import builder as _build_module
+def __getattr__(name):  # lazy: torch and megatron are imported only when a checkpoint is written or a model built
+    if name in _LAZY:
+        import importlib
 
-        return getattr(_build_module, name)
+        return getattr(importlib.import_module(f"moeverify.models.{_LAZY[name]}"), name)
     raise AttributeError(name)

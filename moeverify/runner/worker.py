@@ -22,7 +22,7 @@ from pathlib import Path
 from moeverify.oracles.context import CheckContext
 from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord, Tally
-from moeverify.runner import checks as check_table
+from moeverify.oracles import registry
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, append_line, events_path, results_path, stacks_path
 
@@ -89,7 +89,7 @@ def _run_check(me: _Rank, ctx: CheckContext, *, index: int, check: str, total: i
     me.event("start", index=index, check=check)
     t0 = time.perf_counter()
     try:
-        tallies = _tallies(check_table.resolve(check)(ctx), check)
+        tallies = _tallies(registry.resolve(check)(ctx), check)
     except BaseException:  # noqa: BLE001 (any escape ends the rank; the parent reports it)
         me.die(f"in scenario {scenario.name} check {check}")
     seconds = time.perf_counter() - t0

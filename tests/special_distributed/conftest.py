@@ -1,15 +1,14 @@
 """Distributed tests: real torchrun groups of CPU ranks (gloo). Every test here is marked ``distributed``.
 
 ``run_moeverify`` runs the real ``python -m moeverify run`` in a subprocess, with the tiny checks of
-``test_runner_checks.py`` registered through ``MOEVERIFY_EXTRA_CHECKS``, and returns its exit code,
-output and JSON records.
+``test_runner_checks.py`` added to the check registry by a test-side start-up hook (``tiny_checks.py``), and
+returns its exit code, output and JSON records.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,13 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from moeverify.runner.checks import ENV_VAR
+import tiny_checks
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
-TINY_CHECKS = {"passing": "passing", "passing2": "passing", "failing": "failing", "raise1": "raise_on_rank1",
-               "hang1": "hang_on_rank1", "echo": "echo_options", "kill1": "sigkill_on_rank1", "sleep": "sleep_long",
-               "raise_last": "raise_on_last_rank"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -56,8 +52,7 @@ def run_moeverify(tmp_path):
         scenario_file = tmp_path / "scenarios.yaml"
         scenario_file.write_text(textwrap.dedent(yaml_text))
         out_json, out_xml = tmp_path / "out.json", tmp_path / "out.xml"
-        checks_file = HERE / "test_runner_checks.py"
-        env = {**os.environ, ENV_VAR: ",".join(f"{n}={checks_file}:{f}" for n, f in TINY_CHECKS.items())}
+        env = tiny_checks.env()
         cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(out_json),
                "--junit", str(out_xml), "--run-dir", str(tmp_path / "run"), *flags]
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

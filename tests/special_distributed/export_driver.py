@@ -32,12 +32,14 @@ def _subjects(args, family, layout, world_size):
 
     out = [(name, export.load_subject(name)) for name in args.subject]
     if args.mutants or args.only_mutant:
+        from moeverify.models import family_shape, family_traits
         from moeverify.oracles.export import mutants
 
+        traits, shape = family_traits(family), family_shape(family)
         for m in mutants.MUTANTS:
             if args.only_mutant and m.name not in args.only_mutant:
                 continue
-            if m.applies(family=family, layout=layout, world_size=world_size):
+            if m.applies(traits=traits, shape=shape, layout=layout, world_size=world_size):
                 out.append((f"mutant:{m.name}", m.factory))
     return out
 

@@ -18,11 +18,10 @@ import textwrap
 import time
 from pathlib import Path
 
-from moeverify.runner.checks import ENV_VAR
+import tiny_checks
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
-TINY_CHECKS = {"passing": "passing", "passing2": "passing", "raise_last": "raise_on_last_rank", "sleep": "sleep_long"}
 
 
 def _free_port_range(width: int = 16) -> int:
@@ -55,8 +54,7 @@ class TwoNodes:
             path = tmp_path / f"scenarios{node}.yaml"
             path.write_text(textwrap.dedent(text))
             self.files.append(path)
-        checks_file = HERE / "test_runner_checks.py"
-        self.env = {**os.environ, ENV_VAR: ",".join(f"{n}={checks_file}:{f}" for n, f in TINY_CHECKS.items())}
+        self.env = tiny_checks.env()
         self.flags = flags
         self.procs = [self._start(1), self._start(0)]  # node 1 first: it waits for node 0's store
 

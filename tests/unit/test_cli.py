@@ -103,12 +103,6 @@ def test_main_help_exits_0(capsys):
     assert code == 0 and "--replay-impl" in out
 
 
-def test_main_dump_without_record_cli_exits_2(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "moeverify.record.cli", None)  # makes the import fail
-    code, _, err = _run(capsys, "dump", "inspect", "x")
-    assert code == 2 and "moeverify dump is not available: moeverify.record.cli cannot be imported" in err
-
-
 def test_main_bench_list_names_scripts(capsys, repo_root):
     code, out, _ = _run(capsys, "bench", "--list")
     expected = sorted(p.stem for p in (repo_root / "bench").glob("*.py") if not p.name.startswith("_"))

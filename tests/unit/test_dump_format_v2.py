@@ -73,7 +73,10 @@ def test_v2_writer_packs_layers_of_a_microbatch_into_one_tensor(tmp_path):
     assert manifest["version"] == 2 and manifest["ranks"]["0"]["files"][0]["layers"] == [1, 3]
     dump = record.load(tmp_path / "d")
     assert dump.version == 2 and dump.routes(step=0) == Routes(ids, num_experts=16, topk=2)
-    assert all(torch.equal(got, want) for layer in ids for got, want in zip(dump.local_probs()[layer], probs[layer]))
+    local = dump.local_probs()
+    assert ids and {layer: len(local[layer]) for layer in ids} == {layer: len(probs[layer]) for layer in ids}
+    assert [(layer, i) for layer in ids for i, (got, want) in enumerate(zip(local[layer], probs[layer]))
+            if not torch.equal(got, want)] == []
 
 
 def test_v2_layers_of_one_microbatch_flushed_apart_read_back(tmp_path):

@@ -70,4 +70,5 @@ def test_hf_parity_finds_gpt_oss_gate_up_loaded_transposed_when_square(patched_m
 
 def test_hf_parity_refuses_other_layouts_rather_than_passing_on_nothing():
     tallies = hf_parity.run(_ctx("qwen3_moe", world_size=2, layout=Layout(ep=2)))
-    assert all(not t.passed and "hf_parity runs on one rank" in t.failures[0] for t in tallies.values())
+    assert tallies and {k: t.passed for k, t in tallies.items()} == dict.fromkeys(tallies, False)
+    assert {k: t.failures[0] for k, t in tallies.items() if "hf_parity runs on one rank" not in t.failures[0]} == {}

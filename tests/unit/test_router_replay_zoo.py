@@ -128,4 +128,4 @@ def test_replay_log_prob_then_train_in_one_replay_context(model):
         session.check_consumed()
     finally:
         set_recompute(chunks, None)
-    assert all(torch.equal(native[n], replayed[n]) for n in native)
+    assert native and [n for n in native if not torch.equal(native[n], replayed[n])] == []

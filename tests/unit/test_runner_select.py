@@ -1,4 +1,4 @@
-"""Runner decisions made before any work: selection, option use, backends and skips, extra checks."""
+"""Runner decisions made before any work: selection, option use, backends and skips."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 from moeverify.errors import UsageError
 from moeverify.layout import Layout
 from moeverify.scenario import Scenario
-from moeverify.runner import checks
 from moeverify.runner.select import check_option_use, plan_backends, select
 
 
@@ -84,34 +83,3 @@ def test_plan_backends_more_than_8_cpu_ranks_is_refused():
     big = Scenario(family="qwen2", layout=Layout(), world_size=16, checks=("export",))
     with pytest.raises(UsageError, match=r"world size 16 exceeds the 8 CPU ranks"):
         plan_backends([big], backend="cpu", gpu_count=0)
-
-
-def test_extra_checks_parse_entries():
-    env = {checks.ENV_VAR: "a=pkg.mod:fn, b=some/file.py:other"}
-    assert checks.extra_checks(env) == {"a": "pkg.mod:fn", "b": "some/file.py:other"}
-    assert checks.check_names(env)[-2:] == ("a", "b")
-
-
-@pytest.mark.parametrize(("raw", "match"), [
-    ("noequals", r"entry 'noequals' is not name=module:function"),
-    ("a=nocolon", r"entry 'a=nocolon' is not name=module:function"),
-    ("roundtrip=x:y", r"'roundtrip' is a built-in check; pick another name"),
-])
-def test_extra_checks_bad_entry_is_usage_error(raw, match):
-    with pytest.raises(UsageError, match=match):
-        checks.extra_checks({checks.ENV_VAR: raw})
-
-
-def test_resolve_extra_check_from_file(tmp_path, monkeypatch):
-    path = tmp_path / "mine.py"
-    path.write_text("def go(ctx):\n    return {'x': ctx}\n")
-    monkeypatch.setenv(checks.ENV_VAR, f"mine={path}:go")
-    assert checks.resolve("mine")(7) == {"x": 7}
-
-
-def test_resolve_extra_check_missing_function_is_usage_error(tmp_path, monkeypatch):
-    path = tmp_path / "mine.py"
-    path.write_text("x = 1\n")
-    monkeypatch.setenv(checks.ENV_VAR, f"mine={path}:go")
-    with pytest.raises(UsageError, match=r"has no attribute 'go'"):
-        checks.resolve("mine")

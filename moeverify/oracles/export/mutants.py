@@ -3,8 +3,10 @@
 Each mutant is a subject that wraps the reference ``sharded`` exporter and breaks one thing the way
 real weight-sync code has broken it. ``fails`` names the subchecks that must fail; ``collateral``
 the ones that may fail as a consequence (a skipped row leaves its tensors unwritten, etc.); every
-other subcheck must pass. ``applies(family, layout, world_size)`` says where the bug is observable
-(expert renumbering needs EP, interleaving needs more than one query group per rank, ...).
+other subcheck must pass. ``applies(traits=, shape=, layout=, world_size=)`` says where the bug is
+observable (expert renumbering needs EP, interleaving needs more than one query group per rank, ...), from the
+model's traits and shape read from its HF config (``moeverify.models.traits``), never from its name, so a user
+model meets the same mutants as the family it resembles.
 
 The docstrings describe bug classes seen in RL weight-sync code (verl, NeMo-RL, slime and others);
 they describe, they do not cite.
@@ -293,8 +295,8 @@ def raises_mid_stream(ctx):
         yield row
 
 
-def _hybrid(*, family, layout, world_size) -> bool:
-    return family in ("qwen3_next", "qwen3_5_moe")
+def _hybrid(*, traits, shape, layout, world_size) -> bool:
+    return traits.linear_attention
 
 
 def gdn_in_proj_flat(ctx):
@@ -342,13 +344,13 @@ def zero_centered_norm_unshifted(ctx):
     yield from _map_named(ctx, lambda n: n.endswith("linear_attn.norm.weight"), lambda v: v - 1)
 
 
-def _last_rank_has_replica(*, family, layout, world_size) -> bool:
-    return layout.dp(world_size) > 1 or layout.tp > 1 or (family == "qwen2_tied" and layout.pp > 1)
+def _last_rank_has_replica(*, traits, shape, layout, world_size) -> bool:
+    return layout.dp(world_size) > 1 or layout.tp > 1 or (traits.tied_embeddings and layout.pp > 1)
 
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(name="expert_local_ids", fails=("conflicts", "coverage"), collateral=("bitwise", "replicas"),
-           factory=expert_local_ids, applies=lambda family, layout, world_size: layout.ep > 1),
+           factory=expert_local_ids, applies=lambda *, traits, shape, layout, world_size: layout.ep > 1),
     Mutant(name="uncovered_element", fails=("coverage",), factory=uncovered_element),
     Mutant(name="conflicting_write", fails=("conflicts",), collateral=("bitwise", "replicas"),
            factory=conflicting_write),
@@ -358,20 +360,20 @@ MUTANTS: tuple[Mutant, ...] = (
            factory=different_slot_table),
     Mutant(name="flipped_bit", fails=("bitwise",), factory=flipped_bit),
     Mutant(name="fp32_through_bf16", fails=("bitwise",), factory=fp32_through_bf16,
-           applies=lambda family, layout, world_size: family == "deepseek_v3"),
+           applies=lambda *, traits, shape, layout, world_size: traits.expert_bias),
     Mutant(name="bias_sent_as_bf16", fails=("shape_dtype",), collateral=("bitwise",), factory=bias_sent_as_bf16,
-           applies=lambda family, layout, world_size: family == "deepseek_v3"),
+           applies=lambda *, traits, shape, layout, world_size: traits.expert_bias),
     Mutant(name="qkv_concatenated", fails=("bitwise",), factory=qkv_concatenated,
-           applies=lambda family, layout, world_size: family in ("qwen2", "qwen2_tied", "qwen3_moe")
-           and 2 // layout.tp > 1),
+           applies=lambda *, traits, shape, layout, world_size: not traits.mla
+           and shape.num_query_groups // layout.tp > 1),
     Mutant(name="gate_up_swapped", fails=("bitwise",), factory=gate_up_swapped),
     Mutant(name="tied_embedding_dropped", fails=("key_set", "coverage"), factory=tied_embedding_dropped,
-           applies=lambda family, layout, world_size: family == "qwen2_tied"),
+           applies=lambda *, traits, shape, layout, world_size: traits.tied_embeddings),
     Mutant(name="key_renamed", fails=("key_set", "coverage"), factory=key_renamed),
     Mutant(name="extra_key", fails=("key_set",), factory=extra_key),
     Mutant(name="diverged_replica", fails=("replicas",), factory=diverged_replica, applies=_last_rank_has_replica),
     Mutant(name="gdn_in_proj_flat", fails=("bitwise",), factory=gdn_in_proj_flat,
-           applies=lambda family, layout, world_size: family == "qwen3_next"),
+           applies=lambda *, traits, shape, layout, world_size: traits.gdn_in_proj == "grouped"),
     Mutant(name="zero_centered_norm_unshifted", fails=("bitwise",), factory=zero_centered_norm_unshifted,
            applies=_hybrid),
     Mutant(name="raises_mid_stream", fails=("lockstep",), collateral=tuple(

@@ -39,6 +39,7 @@ import torch
 
 from moeverify import runtime, views
 from moeverify.errors import UsageError
+from moeverify.models import family_traits
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import subchecks as sc
 from moeverify.oracles.replay.impls import make_impl
@@ -83,7 +84,9 @@ def run(ctx) -> dict[str, Tally]:
     impl.apply()
     coords = views.rank_coords(layout, rank=ctx.rank, world_size=ctx.world_size)
     outer = parallel_state.model_parallel_is_initialized()
-    skipped = {v.name: v.not_applicable(scenario.family) for v in opts.variants if v.not_applicable(scenario.family)}
+    traits = family_traits(scenario.family)
+    skipped = {v.name: why for v in opts.variants
+               if (why := v.not_applicable(scenario.family, traits=traits)) is not None}
     setups = [st.make_setup(ctx, opts, impl, v, coords) for v in opts.variants if v.name not in skipped]
     if not setups:
         raise UsageError(f"no router variant of {[v.name for v in opts.variants]} applies to {scenario.family}: "

@@ -10,8 +10,12 @@ options say ``router_variants: [...]`` or ``router_variants: full``.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from moeverify.errors import UsageError
+
+if TYPE_CHECKING:  # options.py reads the variant table while parsing arguments: keep this module light
+    from moeverify.models.traits import ModelTraits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,9 +25,9 @@ class RouterVariant:
     padding: bool = False  # hand the router a padding mask (last quarter of every second sequence)
     random_expert_bias: bool = False  # give the expert bias seeded non-zero values so it steers routing
 
-    def not_applicable(self, family: str) -> str | None:
-        """Why this variant cannot be built for ``family`` (None when it can)."""
-        if self.overrides.get("moe_router_enable_expert_bias") and family not in BIAS_FAMILIES:
+    def not_applicable(self, family: str, *, traits: ModelTraits) -> str | None:
+        """Why this variant cannot be built for ``family``, a model with ``traits`` (None when it can)."""
+        if self.overrides.get("moe_router_enable_expert_bias") and not traits.expert_bias:
             return (f"{family}'s HF checkpoint has no expert-bias tensor (e_score_correction_bias) for the bridge "
                     "to load")
         return None
@@ -50,7 +54,6 @@ VARIANTS: dict[str, RouterVariant] = {v.name: v for v in (
 )}
 
 DEFAULT_VARIANTS: tuple[str, ...] = ("default",)
-BIAS_FAMILIES = ("deepseek_v3", "deepseek_v3_mtp")  # families whose checkpoints carry an expert bias
 
 
 def select(option: object) -> tuple[RouterVariant, ...]:
