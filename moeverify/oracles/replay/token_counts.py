@@ -58,7 +58,7 @@ def run(setup: st.Setup, t: Tally, notes: dict) -> None:
             prefix = f"{setup.prefix}token_counts {case} (S={seq}, B={batch}): "
             items = _padded_items(setup, one, seq_len=seq, batch=batch)
             notes.setdefault("token_counts_cases", []).append(f"{case}: S={seq} B={batch}")
-            try:  # the same 1-rank computation on every rank: a failure here is every rank's, no collective waits
+            try:  # every rank runs the same computation (dp = world), so a failure here is every rank's
                 _one_case(setup, t, items, seq_len=seq, prefix=prefix)
             except Exception as error:  # noqa: BLE001 - an implementation crashing on a case fails that case
                 t.fail(f"{prefix}{type(error).__name__}: {str(error)[:300]}")
