@@ -87,7 +87,7 @@ class RoutingMode:
 
     @classmethod
     def from_router(cls, router) -> RoutingMode:
-        """The settings a built ``TopKRouter`` routes by: its own copies (``ROUTER_COPIES``), the config for the rest."""
+        """The settings a built ``TopKRouter`` routes by: its own copies (``ROUTER_COPIES``), else its config."""
         config = router.config
         return cls(num_experts=router.num_experts, topk=router.topk, score_function=router.score_function,
                    pre_softmax=bool(config.moe_router_pre_softmax),

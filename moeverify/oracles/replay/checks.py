@@ -209,8 +209,8 @@ def check_token_counts(t: Tally, *, reference, got, prefix: str) -> None:
         want_E = reference_token_counts(reference.calls, layer=layer, num_experts=got_E.numel())
         extra = got_E - want_E
         t.check(bitwise_equal(got_E, want_E),
-                f"{prefix}layer {layer}: local_tokens_per_expert {got_E.tolist()} != {want_E.tolist()} (native routing's "
-                f"routed experts of non-padding tokens; {int(extra.clamp(min=0).sum())} count(s) too many, "
+                f"{prefix}layer {layer}: local_tokens_per_expert {got_E.tolist()} != {want_E.tolist()} (native "
+                f"routing's routed experts of non-padding tokens; {int(extra.clamp(min=0).sum())} count(s) too many, "
                 f"{int((-extra).clamp(min=0).sum())} too few): the expert-bias update would follow other counts")
     _fill(t, *compare_maps(reference.aux, got.aux, what="tracked loss (name, layer)"), prefix)
     _fill(t, *compare_maps({k: v[0] for k, v in reference.global_counts.items()},

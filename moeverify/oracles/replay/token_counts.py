@@ -136,7 +136,8 @@ def _observe(chunks: list, run_pass) -> Observed:
               if router.local_tokens_per_expert is not None}
     aux = {(name, layer): entry.values[layer].detach().cpu().clone() for name, entry in tracker.metrics.items()
            for layer in routers if layer < entry.values.numel()}
-    global_counts = {layer: (router.global_tokens_per_expert.detach().cpu().clone(), router.ga_steps.detach().cpu().clone())
+    global_counts = {layer: (router.global_tokens_per_expert.detach().cpu().clone(),
+                             router.ga_steps.detach().cpu().clone())
                      for layer, (_, router) in routers.items() if router.global_tokens_per_expert is not None}
     return Observed(calls=calls, counts=counts, aux=aux, global_counts=global_counts)
 
