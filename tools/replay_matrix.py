@@ -98,10 +98,14 @@ print(topk_routing_with_score_function(logits, 2, router_replay=rr)[1].sum(1))  
   routers or refuse with a count mismatch. The oracles address routers through the model instead.
 
 **Megatron-Core 0.19.2 `TopKRouter._apply_expert_bias`** (router.py) computes
-`routing_map & (~padding_mask)` with `routing_map` `[T, E]` and the flattened `padding_mask` `[T]`: every
-training forward of a router with expert bias that is given a padding mask raises ("Attempting to
-broadcast a dimension of length T"), whichever replay implementation is used (DeepSeek-V3's `padding`
-rows). Fix: `routing_map & ~padding_mask.unsqueeze(-1)`. Reproduction: any DeepSeek-V3 (sigmoid + expert
+`routing_map & (~padding_mask)` with `routing_map` `[T, E]` and the flattened `padding_mask` `[T]`, which lines
+the token mask up with the expert axis. With T != E every training forward of a router with expert bias that
+is given a padding mask raises ("The size of tensor a (E) must match the size of tensor b (T)"); with
+T == E (as many tokens in the router call as experts) it raises nothing and the counts are wrong in every
+layer: expert `e` loses its counts whenever token `e` is padding, and padding tokens' experts are counted
+(`tests/unit/test_router_replay_counts.py` pins it; `token_counts` fails `native` and `verl` there, T == E with
+wrong counts, T != E with the error). moeverify's patch counts per token for the routers its sessions hold
+(docs/router_replay.md). Fix: `routing_map & ~padding_mask.unsqueeze(-1)`. Reproduction: any DeepSeek-V3 (sigmoid + expert
 bias) MoE layer called with `padding_mask` in training mode, e.g.
 `moeverify run` on the scenario `{family: deepseek_v3, world_size: 1, checks: [replay],
 options: {replay_impl: native, router_variants: [padding]}}`.

@@ -218,7 +218,7 @@ class ProcessSession:
                 return None
             if self._state is None:
                 self._start(router)
-            rr.refuse_config(router.config, layer, disable_fusion=False)
+            rr.refuse_config(router, layer, disable_fusion=False)
             if isinstance(self._state, state.Recording):
                 self._state.per_layer.setdefault(layer, [])
             elif layer not in self._state.per_layer:

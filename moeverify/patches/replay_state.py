@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.patches import regions
+from moeverify.patches import regions, semantics, token_counts
 
 # region -> {id(router): (state, layer, micro-batch)}; an entry lives exactly as long as its region's graph.
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -98,7 +98,7 @@ def _call_with_hook(original, router, hook, logits, args, kwargs):
     saved = attrs["router_replay"]
     attrs["router_replay"] = hook
     try:
-        return original(router, logits, *args, **kwargs)
+        return token_counts.route(original, router, logits, args, kwargs)
     finally:
         attrs["router_replay"] = saved
 
@@ -147,7 +147,7 @@ class Recording:
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def recompute(self, router, layer, mb, logits, args, kwargs):
-        return self.original(router, logits, *args, **kwargs)
+        return token_counts.route(self.original, router, logits, args, kwargs)
 
 
 class Replaying:
@@ -266,10 +266,17 @@ class Replaying:
 
 
 def guard_call(router, layer: int) -> None:
-    """Per-call checks of settings that may change after a session started."""
+    """Per-call checks of what Megatron routes this call by, which may change after a session started.
+
+    The router's own copies of its settings (``semantics.ROUTER_COPIES``: ``routing_type``, ``score_function``,
+    ``topk``, ...) are read, not its config: Megatron copies them at build time and routes by the copies.
+    """
     if router.config.moe_router_fusion:
         raise UsageError(f"layer {layer}: moe_router_fusion was switched on while a replay session is active; "
                          "the fused path would skip replay: set config.moe_router_fusion = False")
+    problem = semantics.router_problem(router, fusion=False)
+    if problem is not None:
+        raise UsageError(f"layer {layer} rank {current_rank()}: {problem}")
     native = router.router_replay
     if native is not None and getattr(native, "router_replay_action", None) is not None:
         raise UsageError(f"layer {layer}: megatron-core's native RouterReplay action "

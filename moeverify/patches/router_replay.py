@@ -124,8 +124,11 @@ def is_applied() -> bool:
     return _ORIGINAL_ROUTING is not None
 
 
-def refuse_config(config, layer: int, *, disable_fusion: bool) -> None:
-    mode = RoutingMode.from_config(config)
+def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
+    """Refuse a router replay cannot serve: its routing mode read from what Megatron routes by (the router's
+    own copies of its settings, ``RoutingMode.from_router``), then the config-wide settings."""
+    config = router.config
+    mode = RoutingMode.from_router(router)
     if disable_fusion:
         mode = RoutingMode(**{**{f: getattr(mode, f) for f in mode.__dataclass_fields__}, "fused": False})
     refuse_unreplayable(mode, where=f"layer {layer}")
@@ -216,11 +219,9 @@ class ReplaySession:
             if id(router) in _ACTIVE:
                 raise UsageError(f"layer {layer}: its router is held by another active session")
         _refuse_unchecked(routers)
-        saved_fusion, checked = {}, set()
+        saved_fusion = {}
         for layer, router in routers.items():
-            if id(router.config) not in checked:  # layers usually share one config: check each config once
-                refuse_config(router.config, layer, disable_fusion=self.disable_fusion)
-                checked.add(id(router.config))
+            refuse_config(router, layer, disable_fusion=self.disable_fusion)  # per router: its own settings
             if self.disable_fusion and router.config.moe_router_fusion:
                 saved_fusion[id(router.config)] = (router.config, True)
                 router.config.moe_router_fusion = False

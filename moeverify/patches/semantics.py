@@ -12,11 +12,17 @@ computes is kept and evaluated on the current weights:
   logits with its own native top-k, so they do not depend on the replayed ids;
 - the z-loss depends on the logits only;
 - the expert-bias token counts (``local_tokens_per_expert``) count the *replayed* selection
-  (padding rows excluded), so an aux-loss-free bias update follows the routes actually used;
+  (padding rows excluded, the mask applied per token: ``moeverify.patches.token_counts``), so an
+  aux-loss-free bias update follows the routes actually used;
 - capacity-factor dropping runs after selection on the replayed routing map and probabilities.
 
 ``reference_routing`` restates these rules from the maths, independently of Megatron's code, so
 tests can decide the right answer without trusting the code under test.
+
+What decides replayability is what Megatron routes by: ``TopKRouter`` copies some settings from its
+config when it is built (``ROUTER_COPIES``) and reads only its own copies afterwards, so a config
+changed after the build no longer describes the router. ``RoutingMode.from_router`` and
+``router_problem`` read those copies, and the config only for what Megatron reads from it per call.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ from moeverify.errors import UsageError
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 # Load-balancing types whose selection goes through the replay hook.
 _HOOKED_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+# Settings megatron-core 0.19.2's TopKRouter copies from its config at build time and routes by afterwards:
+# the router's attribute -> the config field it was copied from.
+ROUTER_COPIES = {"num_experts": "num_moe_experts", "topk": "moe_router_topk",
+                 "routing_type": "moe_router_load_balancing_type", "score_function": "moe_router_score_function",
+                 "enable_expert_bias": "moe_router_enable_expert_bias"}
+# Copies whose disagreement with the config mixes two settings within one routing call or MoE layer (the
+# router views logits by config.num_moe_experts and selects router.topk; the dispatcher sizes by the config).
+_MUST_AGREE = ("num_experts", "topk")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,20 +85,63 @@ class RoutingMode:
                    load_balancing=tuple(balancing) if isinstance(balancing, list) else (balancing,),
                    fused=bool(config.moe_router_fusion), capacity_factor=config.moe_expert_capacity_factor)
 
+    @classmethod
+    def from_router(cls, router) -> RoutingMode:
+        """The settings a built ``TopKRouter`` routes by: its own copies (``ROUTER_COPIES``), else its config."""
+        config = router.config
+        return cls(num_experts=router.num_experts, topk=router.topk, score_function=router.score_function,
+                   pre_softmax=bool(config.moe_router_pre_softmax),
+                   num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
+                   scaling_factor=config.moe_router_topk_scaling_factor,
+                   expert_bias=getattr(router, "expert_bias", None) is not None,
+                   load_balancing=_balancing_types(router.routing_type),
+                   fused=bool(config.moe_router_fusion), capacity_factor=config.moe_expert_capacity_factor)
+
+
+def _balancing_types(balancing) -> tuple:
+    return tuple(balancing) if isinstance(balancing, list | tuple) else (balancing,)
+
+
+def _problem(*, score_function: str, load_balancing: tuple, fused: bool) -> str | None:
+    if score_function not in SCORE_FUNCTIONS:
+        return f"score function {score_function!r} is unknown to router replay; supported: {list(SCORE_FUNCTIONS)}"
+    unhooked = [t for t in load_balancing if t not in _HOOKED_TYPES]
+    if unhooked:
+        return (f"load-balancing type(s) {unhooked} select experts outside the replay hook "
+                f"(sinkhorn / quantile_balancing); replay supports {list(_HOOKED_TYPES)}")
+    if fused:
+        return ("moe_router_fusion=True takes a fused top-k path that returns before replay is consulted; set "
+                "config.moe_router_fusion = False, or build the session with ReplaySession(..., disable_fusion=True)")
+    return None
+
 
 def refuse_unreplayable(mode: RoutingMode, *, where: str) -> None:
     """Raise ``UsageError`` for router settings whose selection would bypass the replay hook."""
-    if mode.score_function not in SCORE_FUNCTIONS:
-        raise UsageError(f"{where}: score function {mode.score_function!r} is unknown to router replay; "
-                         f"supported: {list(SCORE_FUNCTIONS)}")
-    unhooked = [t for t in mode.load_balancing if t not in _HOOKED_TYPES]
-    if unhooked:
-        raise UsageError(f"{where}: load-balancing type(s) {unhooked} select experts outside the replay hook "
-                         f"(sinkhorn / quantile_balancing); replay supports {list(_HOOKED_TYPES)}")
-    if mode.fused:
-        raise UsageError(f"{where}: moe_router_fusion=True takes a fused top-k path that returns before replay "
-                         "is consulted; set config.moe_router_fusion = False, or build the session with "
-                         "ReplaySession(..., disable_fusion=True)")
+    problem = _problem(score_function=mode.score_function, load_balancing=mode.load_balancing, fused=mode.fused)
+    if problem is not None:
+        raise UsageError(f"{where}: {problem}")
+
+
+def router_problem(router, *, fusion: bool = True) -> str | None:
+    """Why replay cannot serve ``router`` as Megatron routes it now, or None; cheap enough for every call.
+
+    Reads the router's own copies of its settings (what Megatron routes by), not its config: a router whose
+    ``routing_type`` was changed after the build to ``sinkhorn`` routes past the hook whatever the config says.
+    ``fusion=False`` leaves the (config-read) fused path to the caller's own check.
+    """
+    config = router.config
+    problem = _problem(score_function=router.score_function, load_balancing=_balancing_types(router.routing_type),
+                       fused=fusion and bool(config.moe_router_fusion))
+    if problem is not None:
+        return f"{problem} (read from the router's own attributes, which Megatron routes by)"
+    for name in _MUST_AGREE:
+        field = ROUTER_COPIES[name]
+        if getattr(router, name) != getattr(config, field):
+            return (f"the router's {name} = {getattr(router, name)!r} disagrees with its config.{field} = "
+                    f"{getattr(config, field)!r} (changed after the model was built); Megatron reads both in one "
+                    f"MoE layer: rebuild the model with the setting you want, or set router.{name} and "
+                    f"config.{field} alike")
+    return None
 
 
 def _scores(logits_TE: torch.Tensor, mode: RoutingMode) -> torch.Tensor:

@@ -174,3 +174,47 @@ def layer_agreement(a: Routes, b: Routes) -> dict[int, float]:
         values = [agreement(a.get(layer, mb), b.get(layer, mb)) for mb in range(min(a.microbatches, b.microbatches))]
         out[layer] = sum(values) / len(values) if values else 1.0
     return out
+
+
+def reference_token_counts(calls: dict, *, layer: int, num_experts: int) -> torch.Tensor:
+    """``[E]`` float32: the experts routed to by ``layer``'s calls, each non-padding token once per expert.
+
+    ``calls``: ``(layer, mb) -> (map_TE, padding_T or None)``, padding True on a padding token (Megatron's
+    convention). Counted from the expert ids of the valid tokens (``bincount``), independently of how a router
+    masks its map."""
+    total_E = torch.zeros(num_experts, dtype=torch.int64)
+    for (lay, _), (map_TE, padding_T) in sorted(calls.items()):
+        if lay != layer:
+            continue
+        token_N, expert_N = map_TE.nonzero(as_tuple=True)
+        if padding_T is not None:
+            expert_N = expert_N[~padding_T[token_N]]
+        total_E += torch.bincount(expert_N, minlength=num_experts)
+    return total_E.to(torch.float32)
+
+
+def check_token_counts(t: Tally, *, reference, got, prefix: str) -> None:
+    """Expert-bias counts against the reference's routes (padding left out per token), then the aux-loss inputs
+    (tracked aux and z losses, ``global_aux_loss`` token totals) against the reference pass, bit for bit.
+
+    ``reference`` / ``got``: ``token_counts.Observed`` of the native reference pass and the replayed pass."""
+    padded = sum(int(p.sum()) for _, p in reference.calls.values() if p is not None)
+    if not padded:  # a precondition, not an item: a case without padding fails rather than passes
+        t.fail(f"{prefix}no router call received a padding token: the case would prove nothing")
+        return
+    if set(got.counts) != set(reference.counts):
+        t.fail(f"{prefix}layers counting tokens per expert {sorted(got.counts)} != the reference's "
+               f"{sorted(reference.counts)}")
+    for layer, got_E in sorted(got.counts.items()):
+        want_E = reference_token_counts(reference.calls, layer=layer, num_experts=got_E.numel())
+        extra = got_E - want_E
+        t.check(bitwise_equal(got_E, want_E),
+                f"{prefix}layer {layer}: local_tokens_per_expert {got_E.tolist()} != {want_E.tolist()} (native "
+                f"routing's routed experts of non-padding tokens; {int(extra.clamp(min=0).sum())} count(s) too many, "
+                f"{int((-extra).clamp(min=0).sum())} too few): the expert-bias update would follow other counts")
+    _fill(t, *compare_maps(reference.aux, got.aux, what="tracked loss (name, layer)"), prefix)
+    _fill(t, *compare_maps({k: v[0] for k, v in reference.global_counts.items()},
+                           {k: v[0] for k, v in got.global_counts.items()}, what="global_tokens_per_expert layer"),
+          prefix)
+    _fill(t, *compare_maps({k: v[1] for k, v in reference.global_counts.items()},
+                           {k: v[1] for k, v in got.global_counts.items()}, what="ga_steps layer"), prefix)

@@ -10,6 +10,8 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
 - ``no_recompute_replay``: forwards replay, but recompute during backward routes natively.
 - ``fifo_recompute``: moeverify's patch with recompute served in queue order (the next micro-batch
   of the layer) instead of by identity: right when backward runs in forward order, wrong otherwise.
+- ``counts_padding``: moeverify's patch, but padding tokens are counted into the expert-bias token counts
+  (``local_tokens_per_expert``) of replayed calls; routes, probs, losses and gradients are all right.
 - ``one_rank_crash``: raises while replaying on rank 1 only, the other ranks going on into the
   collectives it left. Not a subcheck's catch: the check must end quickly, naming rank 1
   (``runtime.agreement``), instead of waiting for the collective timeout.
@@ -96,6 +98,33 @@ class _FifoRecompute(MoeverifyReplay):
             yield self
 
 
+class _CountsPadding(MoeverifyReplay):
+    name = "counts_padding"
+
+    @contextlib.contextmanager
+    def replay(self, routes):
+        handles = [router.register_forward_hook(_count_padding_too, with_kwargs=True)
+                   for router in self._session._live_routers().values()]
+        try:
+            with super().replay(routes):
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _count_padding_too(router, args, kwargs, output) -> None:
+    padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+    if padding is None or not router.enable_expert_bias or not torch.is_grad_enabled():
+        return
+    with torch.no_grad():
+        router.local_tokens_per_expert += (output[1] & padding.reshape(-1, 1)).sum(dim=0)
+
+
+def counts_padding() -> MoeverifyReplay:
+    return _CountsPadding()
+
+
 def fifo_recompute() -> MoeverifyReplay:
     return _FifoRecompute()
 
@@ -121,4 +150,5 @@ def one_rank_crash() -> NativeReplay:
 
 
 MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",
-           "no_recompute_replay": "recompute", "fifo_recompute": "backward_order"}
+           "no_recompute_replay": "recompute", "fifo_recompute": "backward_order",
+           "counts_padding": "token_counts"}

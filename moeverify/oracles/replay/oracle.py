@@ -28,6 +28,10 @@ backward, replay) second. Per router variant (``variants``):
   out of range, float ids, routes of a model with one more MoE layer) must be refused (an exception)
   before the bad layer routes a token. Runs on a 1-rank build (a refusal on one pipeline stage would
   leave the other waiting).
+- token_counts: expert-bias token counts (``local_tokens_per_expert``) and aux-loss inputs (tracked aux and
+  z losses, ``global_aux_loss`` token totals) after a replayed training pass, with a padding mask, in router
+  calls of T == E and T != E tokens: equal bit for bit to native routing's, padding left out per token
+  (``token_counts``; none of these reach the pass's outputs or gradients, so equivalence cannot see them).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The seven replay subchecks of one router variant (what each proves: ``oracle``'s docstring).
+"""The replay subchecks of one router variant (what each proves: ``oracle``'s docstring).
 
-``variant_on_layout`` runs equivalence, native_parity, drift, recompute, backward_order and
-validation under the scenario layout; ``reference`` and ``cross_layout`` make the 1-rank reference
+``variant_on_layout`` runs equivalence, native_parity, drift, recompute, backward_order,
+validation and token_counts (``token_counts``) under the scenario layout; ``reference`` and ``cross_layout`` make the 1-rank reference
 routes and replay them under the scenario layout. Every function fills the tallies it is given.
 """
 
@@ -18,6 +18,7 @@ from moeverify.oracles.replay import checks as rc
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay import mtp_views
 from moeverify.oracles.replay import setup as st
+from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
 from moeverify.oracles.results import Tally
 from moeverify.routes import Routes
@@ -75,6 +76,9 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
                    tallies["backward_order"], notes)
     if "validation" in want:
         st.guarded(setup, {"validation": tallies["validation"]}, _validation, setup, tallies["validation"])
+    if "token_counts" in want:
+        st.guarded(setup, {"token_counts": tallies["token_counts"]}, token_counts.run, setup, tallies["token_counts"],
+                   notes)
     return routes
 
 
