@@ -1,10 +1,12 @@
 """Runs the export check for several scenarios and subjects inside ONE torchrun (imports paid once).
 
 Usage: torchrun --nproc-per-node N export_driver.py --out OUT.json --scenario qwen3_moe:ep2 ...
-       [--subject sharded --subject bridge] [--mutants] [--reuse-reference]
+       [--subject sharded --subject bridge] [--mutants] [--refresh]
 Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``); rank 0 writes a JSON
 list of ``{"scenario", "subject", "passed", "subchecks"}``. ``--mutants`` adds every mutant of
-``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario.
+``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario. ``--refresh`` adds the ``refresh``
+subcheck (a second export after a weight update) to the named subjects; mutants that must fail ``refresh``
+always get it, the others never (their subchecks are those of one export).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ def _args():
     p.add_argument("--mutants", action="store_true")
     p.add_argument("--only-mutant", action="append", default=[])
     p.add_argument("--lockstep-timeout", type=float, default=None)
+    p.add_argument("--refresh", action="store_true")
     return p.parse_args()
 
 
 def _subjects(args, family, layout, world_size):
     from moeverify.oracles import export
 
-    out = [(name, export.load_subject(name)) for name in args.subject]
+    out = [(name, export.load_subject(name), args.refresh) for name in args.subject]
     if args.mutants or args.only_mutant:
         from moeverify.oracles.export import mutants
 
@@ -38,7 +41,7 @@ def _subjects(args, family, layout, world_size):
             if args.only_mutant and m.name not in args.only_mutant:
                 continue
             if m.applies(family=family, layout=layout, world_size=world_size):
-                out.append((f"mutant:{m.name}", m.factory))
+                out.append((f"mutant:{m.name}", m.factory, "refresh" in m.fails))
     return out
 
 
@@ -47,6 +50,7 @@ def main() -> int:
     from moeverify import models, runtime
     from moeverify.layout import parse_layout_name
     from moeverify.oracles import export
+    from moeverify.oracles.export.refresh import run_twice
 
     rt = runtime.init("cpu")
     records = []
@@ -60,10 +64,11 @@ def main() -> int:
                                          built=built, options={"timeout": 120})
             if args.lockstep_timeout:
                 sctx.options["lockstep_timeout"] = args.lockstep_timeout
-            for name, factory in _subjects(args, family, layout, rt.world_size):
+            for name, factory, refresh in _subjects(args, family, layout, rt.world_size):
                 t0 = time.time()
                 try:
-                    tallies = export.run_subject(factory, sctx)
+                    tallies = (run_twice(export.run_subject, factory, sctx) if refresh
+                               else export.run_subject(factory, sctx))
                     subchecks = {k: t.as_dict() for k, t in tallies.items()}
                     error = None
                 except Exception as exc:  # noqa: BLE001 - reported per scenario

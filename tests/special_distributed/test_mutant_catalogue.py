@@ -1,7 +1,8 @@
 """Every mutant of the catalogue makes the export check FAIL with its named subchecks, and no other
 subcheck fails beyond its declared collateral. All mutants run in ONE 2-rank torchrun over five
 scenarios chosen so that every mutant applies somewhere (EP, fp32 router bias, tied embeddings,
-more than one query group per rank, Qwen3-Next's gated delta net)."""
+more than one query group per rank, Qwen3-Next's gated delta net). The unmutated control and the stale-state
+mutants (``fails=("refresh",)``) run with the ``refresh`` subcheck: a second export after a weight update."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ SCENARIOS = ["qwen3_moe:ep2", "deepseek_v3:ep2", "qwen2_tied:pp2", "qwen2:pp2", 
 
 
 def test_mutant_catalogue_each_fails_with_named_subchecks(tmp_path):
-    records = run_driver(tmp_path, nproc=2, scenarios=SCENARIOS, subjects=("sharded",), extra=["--mutants"])
+    records = run_driver(tmp_path, nproc=2, scenarios=SCENARIOS, subjects=("sharded",), extra=["--mutants", "--refresh"])
     by_name = {m.name: m for m in MUTANTS}
     seen = set()
     problems = []
     for r in records:
         failed = {k for k, v in r["subchecks"].items() if not v["passed"]}
         if r["subject"] == "sharded":
-            if failed:
-                problems.append(f"{r['scenario']}: unmutated sharded failed {failed}")
+            if failed or "refresh" not in r["subchecks"]:
+                problems.append(f"{r['scenario']}: unmutated sharded failed {failed} (refresh run: "
+                                f"{'refresh' in r['subchecks']})")
             continue
         m = by_name[r["subject"].removeprefix("mutant:")]
         seen.add(m.name)
