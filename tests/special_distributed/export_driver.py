@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc-per-node N export_driver.py --out OUT.json --scenario qwen3_moe:ep2 ...
        [--subject sharded --subject bridge] [--mutants] [--refresh]
-Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``); rank 0 writes a JSON
+Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``), or ``path/config.json[+key=value
+...]:layout-name`` for a user model (plain subjects only, no mutants); rank 0 writes a JSON
 list of ``{"scenario", "subject", "passed", "subchecks"}``. ``--mutants`` adds every mutant of
 ``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario. ``--refresh`` adds the ``refresh``
 subcheck (a second export after a weight update) to the named subjects; mutants that must fail ``refresh``
@@ -34,7 +35,7 @@ def _subjects(args, family, layout, world_size):
     from moeverify.oracles import export
 
     out = [(name, export.load_subject(name), args.refresh) for name in args.subject]
-    if args.mutants or args.only_mutant:
+    if (args.mutants or args.only_mutant) and not family.startswith("model:"):
         from moeverify.oracles.export import mutants
 
         for m in mutants.MUTANTS:
@@ -55,8 +56,13 @@ def main() -> int:
     rt = runtime.init("cpu")
     records = []
     for spec in args.scenario:
-        family, _, layout_name = spec.partition(":")
+        family, _, layout_name = spec.rpartition(":")
         layout, _dp = parse_layout_name(layout_name)
+        if family.endswith(".json") or "+" in family:  # a user model: PATH[+key=value...] (plain subjects only)
+            from moeverify.models import user
+
+            path, *sets = family.split("+")
+            family = user.register(path, user.parse_sets(sets)).key
         with runtime.parallel(layout):
             built = models.build(family, layout)
             sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,

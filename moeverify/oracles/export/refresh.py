@@ -37,8 +37,8 @@ def _generator_seed(shape: tuple[int, ...], seed: int) -> int:
 
 
 def step_like(tensor: torch.Tensor, *, seed: int = SEED) -> torch.Tensor:
-    """An optimizer-like update of ``tensor``: every element moves by a seeded 1.5 % to 4.6 % of its magnitude
-    (at least 2^-13 near zero), computed in fp32 and rounded once; enough to change every bf16 element."""
+    """An optimizer-like update of ``tensor``: every element moves by a seeded 1.6 % to 4.7 % of its magnitude
+    (at least 2^-14 near zero), computed in fp32 and rounded once; enough to change every bf16 element."""
     noise = torch.randn(tuple(tensor.shape), generator=torch.Generator().manual_seed(_generator_seed(
         tuple(tensor.shape), seed)), dtype=torch.float32).to(tensor.device)
     size = noise.abs().clamp(max=2.0) + 1.0  # in [1, 3]: never a step too small to change a bf16 element
