@@ -53,7 +53,8 @@ def world(tmp_path_factory):
 
 def _sctx(tmp_path, bridge=None) -> SubjectContext:
     model = _Model()
-    save_file(dict(_Bridge().export_hf_weights([model], cpu=True, show_progress=False)), str(tmp_path / "model.safetensors"))
+    tensors = dict(_Bridge().export_hf_weights([model], cpu=True, show_progress=False))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
     return SubjectContext(bridge=bridge or _Bridge(), model_chunks=[model], layout=None, rank=0, world_size=1,
                           hf_path=tmp_path, options={"timeout": 30})
 
@@ -102,6 +103,16 @@ def _caching_one(keep: str):
         for name, t in _fresh(ctx):
             yield name, cache.setdefault(name, t) if name == keep else t
     return subject
+
+
+def test_updated_weights_updates_a_shared_parameter_once(world):
+    shared = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+    first, second = torch.nn.Module(), torch.nn.Module()
+    first.w, second.w = shared, shared  # tied across chunks (one Parameter): one step, not two
+    with refresh.updated_weights([first, second]) as n:
+        assert n == 1
+        assert torch.equal(shared.detach(), refresh.step_like(torch.ones(5, dtype=torch.bfloat16)))
+    assert torch.equal(shared.detach(), torch.ones(5, dtype=torch.bfloat16))
 
 
 def test_refresh_fresh_subject_passes(world, tmp_path):
@@ -166,7 +177,8 @@ def test_reference_keys_dropped_tensor_names_the_reference(world, tmp_path):
 def test_reference_keys_wrong_shape_names_the_reference(world, tmp_path):
     tallies = export.run_subject(_fresh, _sctx(tmp_path, _Bridge(reshape="w")))
     assert tallies["reference_keys"].failures == [
-        "w: the reference (Megatron-Bridge's export_hf_weights) exported shape (12,), the source checkpoint holds (3, 4)"]
+        "w: the reference (Megatron-Bridge's export_hf_weights) exported shape (12,), "
+        "the source checkpoint holds (3, 4)"]
 
 
 def test_reference_keys_control_passes(world, tmp_path):

@@ -182,7 +182,8 @@ class Collector:
             tally.fail(f"{REFERENCE} dropped {len(missing)} tensor(s) of the source checkpoint: "
                        f"{evidence}{' (+more)' if len(missing) > 8 else ''} (name and checkpoint shape); "
                        + (f"the subject exported {len(sent)} of them ({sum(sent.values())} element(s)), "
-                          f"unverified bit for bit for want of a reference" if sent else "the subject did not export them"))
+                          f"unverified bit for bit for want of a reference" if sent
+                          else "the subject did not export them"))
             bad |= missing
         if extra:
             tally.fail(f"{REFERENCE} exported {len(extra)} name(s) the source checkpoint lacks: {_names(extra)}")

@@ -353,7 +353,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(name="conflicting_write", fails=("conflicts",), collateral=("bitwise", "replicas"),
            factory=conflicting_write),
     Mutant(name="extra_row", fails=("lockstep",), collateral=tuple(
-        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]), factory=extra_row),
+        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]),
+        factory=extra_row),
     Mutant(name="different_slot_table", fails=("slot_tables",), collateral=("coverage", "key_set"),
            factory=different_slot_table),
     Mutant(name="flipped_bit", fails=("bitwise",), factory=flipped_bit),
