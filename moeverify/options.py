@@ -75,6 +75,12 @@ def _positive_seconds(value: object) -> float:
     return float(value)
 
 
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def _router_variants(value: object) -> object:
     from moeverify.oracles.replay.variants import select
 
@@ -113,6 +119,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            help="micro-batches per step (default 3, or 2 x pp under interleaving)"),
     Option(name="replay_notes_path", check="replay", validate=_path,
            help="rank 0 writes per-variant notes (drift agreement) to this JSON file"),
+    Option(name="refresh", check="export", validate=_bool,
+           help="export again after an optimizer-like update of every weight; subcheck refresh (default false)"),
 )}
 
 

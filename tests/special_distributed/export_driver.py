@@ -1,10 +1,13 @@
 """Runs the export check for several scenarios and subjects inside ONE torchrun (imports paid once).
 
 Usage: torchrun --nproc-per-node N export_driver.py --out OUT.json --scenario qwen3_moe:ep2 ...
-       [--subject sharded --subject bridge] [--mutants] [--reuse-reference]
-Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``); rank 0 writes a JSON
+       [--subject sharded --subject bridge] [--mutants] [--refresh]
+Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``), or ``path/config.json[+key=value
+...]:layout-name`` for a user model (plain subjects only, no mutants); rank 0 writes a JSON
 list of ``{"scenario", "subject", "passed", "subchecks"}``. ``--mutants`` adds every mutant of
-``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario.
+``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario. ``--refresh`` adds the ``refresh``
+subcheck (a second export after a weight update) to the named subjects; mutants that must fail ``refresh``
+always get it, the others never (their subchecks are those of one export).
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ def _args():
     p.add_argument("--mutants", action="store_true")
     p.add_argument("--only-mutant", action="append", default=[])
     p.add_argument("--lockstep-timeout", type=float, default=None)
+    p.add_argument("--refresh", action="store_true")
     return p.parse_args()
 
 
 def _subjects(args, family, layout, world_size):
     from moeverify.oracles import export
 
-    out = [(name, export.load_subject(name)) for name in args.subject]
-    if args.mutants or args.only_mutant:
+    out = [(name, export.load_subject(name), args.refresh) for name in args.subject]
+    if (args.mutants or args.only_mutant) and not family.startswith("model:"):
         from moeverify.models import family_shape, family_traits
         from moeverify.oracles.export import mutants
 
@@ -40,7 +44,7 @@ def _subjects(args, family, layout, world_size):
             if args.only_mutant and m.name not in args.only_mutant:
                 continue
             if m.applies(traits=traits, shape=shape, layout=layout, world_size=world_size):
-                out.append((f"mutant:{m.name}", m.factory))
+                out.append((f"mutant:{m.name}", m.factory, "refresh" in m.fails))
     return out
 
 
@@ -49,12 +53,18 @@ def main() -> int:
     from moeverify import models, runtime
     from moeverify.layout import parse_layout_name
     from moeverify.oracles import export
+    from moeverify.oracles.export.refresh import run_twice
 
     rt = runtime.init("cpu")
     records = []
     for spec in args.scenario:
-        family, _, layout_name = spec.partition(":")
+        family, _, layout_name = spec.rpartition(":")
         layout, _dp = parse_layout_name(layout_name)
+        if family.endswith(".json") or "+" in family:  # a user model: PATH[+key=value...] (plain subjects only)
+            from moeverify.models import user
+
+            path, *sets = family.split("+")
+            family = user.register(path, user.parse_sets(sets)).key
         with runtime.parallel(layout):
             built = models.build(family, layout)
             sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
@@ -62,10 +72,11 @@ def main() -> int:
                                          built=built, options={"timeout": 120})
             if args.lockstep_timeout:
                 sctx.options["lockstep_timeout"] = args.lockstep_timeout
-            for name, factory in _subjects(args, family, layout, rt.world_size):
+            for name, factory, refresh in _subjects(args, family, layout, rt.world_size):
                 t0 = time.time()
                 try:
-                    tallies = export.run_subject(factory, sctx)
+                    tallies = (run_twice(export.run_subject, factory, sctx) if refresh
+                               else export.run_subject(factory, sctx))
                     subchecks = {k: t.as_dict() for k, t in tallies.items()}
                     error = None
                 except Exception as exc:  # noqa: BLE001 - reported per scenario

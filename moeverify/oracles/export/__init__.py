@@ -10,6 +10,7 @@ import ShardRow``). Modules, one concept each:
 - ``merge``: one HF tensor assembled from pieces and compared bit for bit (plain tensors);
 - ``collect``: rank 0's open merges, reference tensors in hand and the final subchecks;
 - ``feed``: the reference export in a background thread beside the collection, under a memory gate;
+- ``refresh``: the ``refresh`` subcheck: a second export after an optimizer-like weight update;
 - ``mutants``: injected export bugs, each shown to fail its named subchecks.
 """
 

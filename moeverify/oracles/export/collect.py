@@ -16,7 +16,9 @@ from moeverify.oracles.export.local import digest
 from moeverify.oracles.export.merge import SHOW_INDICES, TensorMerge
 from moeverify.oracles.results import Tally
 
-SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set")
+SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set",
+             "reference_keys")
+REFERENCE = "the reference (Megatron-Bridge's export_hf_weights)"  # the culprit reference_keys names
 
 
 def new_tallies() -> dict[str, Tally]:
@@ -33,16 +35,20 @@ class Collector:
     """Rank 0 state for one export check."""
 
     def __init__(self, *, tallies: dict[str, Tally], tables: list[list[tuple[str, tuple]]],
-                 checkpoint_names: set[str], world_size: int) -> None:
+                 checkpoint_names: set[str] | dict[str, tuple[int, ...]], world_size: int) -> None:
         self.t = tallies
         self.world_size = world_size
-        self.checkpoint_names = checkpoint_names
+        # names, or names with their shapes (then reference_keys compares the reference's shapes with them)
+        self.checkpoint_shapes = dict(checkpoint_names) if isinstance(checkpoint_names, dict) else None
+        self.checkpoint_names = set(checkpoint_names)
         self.last_row: dict[str, int] = {}
         for i, table in enumerate(tables):
             for name, _ in table:
                 self.last_row[name] = i
         self.subject_names = set(self.last_row)
         self.reference_names: list[str] = []
+        self.reference_shapes: dict[str, tuple[int, ...]] = {}
+        self.subject_elements: dict[str, int] = {}  # elements of a merge finished without any reference
         self.merges: dict[str, TensorMerge] = {}
         self.complete: set[str] = set()
         self.held: dict[str, torch.Tensor] = {}  # reference tensors pulled before their merge completed
@@ -99,6 +105,7 @@ class Collector:
 
     def take_reference(self, name: str, tensor: torch.Tensor) -> None:
         self.reference_names.append(name)
+        self.reference_shapes[name] = tuple(tensor.shape)
         if name in self.complete:
             self._finish(name, tensor)
         elif name in self.subject_names and name not in self.done:
@@ -117,6 +124,7 @@ class Collector:
                 continue
             self._finish(name, self.held.pop(name, None))
         self._key_set()
+        self._reference_keys()
 
     def _finish(self, name: str, reference: torch.Tensor | None) -> None:
         self.complete.discard(name)
@@ -130,28 +138,65 @@ class Collector:
             return
         merge.check_coverage(self.t["coverage"])
         if reference is None:
+            self.subject_elements[name] = merge.numel
             return
         merge.check_against(reference, shape_dtype=self.t["shape_dtype"], bitwise=self.t["bitwise"])
 
     def _key_set(self) -> None:
+        """The subject's names against the reference's and the source checkpoint's (the reference's own
+        names against the checkpoint are ``reference_keys``, which names the bridge as the culprit)."""
         tally = self.t["key_set"]
         subject, reference, checkpoint = self.subject_names, set(self.reference_names), self.checkpoint_names
-        dupes = {n for n, c in collections.Counter(self.reference_names).items() if c > 1}
         everything = subject | reference | checkpoint
         bad = set()
         if reference - subject:
             tally.fail(f"missing from the subject (in the reference): {_names(reference - subject)}")
             bad |= reference - subject
         if subject - reference:
-            tally.fail(f"extra in the subject (not in the reference): {_names(subject - reference)}")
+            blamed = (subject & checkpoint) - reference
+            tally.fail(f"extra in the subject (not in the reference): {_names(subject - reference)}"
+                       + (f"; {len(blamed)} of them are in the source checkpoint, which {REFERENCE} lacks "
+                          f"(see reference_keys): their bits were not compared" if blamed else ""))
             bad |= subject - reference
-        if reference != checkpoint:
-            tally.fail(f"reference vs source checkpoint: missing {_names(checkpoint - reference)}, "
-                       f"extra {_names(reference - checkpoint)}")
-            bad |= reference ^ checkpoint
-        if dupes:
-            tally.fail(f"reference yielded names more than once: {_names(dupes)}")
+        if checkpoint - subject - reference:
+            tally.fail(f"missing from the subject and the reference (in the source checkpoint): "
+                       f"{_names(checkpoint - subject - reference)}")
+            bad |= checkpoint - subject - reference
+        if (subject & reference) - checkpoint:
+            tally.fail(f"in the subject and the reference but not in the source checkpoint: "
+                       f"{_names((subject & reference) - checkpoint)}")
+            bad |= (subject & reference) - checkpoint
         tally.ok(len(everything - bad))
+
+    def _reference_keys(self) -> None:
+        """The reference's own names and shapes against the source checkpoint: a finding about the bridge."""
+        tally = self.t["reference_keys"]
+        reference, checkpoint = set(self.reference_names), self.checkpoint_names
+        dupes = sorted(n for n, c in collections.Counter(self.reference_names).items() if c > 1)
+        bad = set(dupes)
+        missing, extra = checkpoint - reference, reference - checkpoint
+        if missing:
+            shapes = self.checkpoint_shapes or {}
+            sent = {n: self.subject_elements[n] for n in missing if n in self.subject_elements}
+            evidence = [f"{n} {tuple(shapes[n]) if n in shapes else ''}".rstrip() for n in sorted(missing)[:8]]
+            tally.fail(f"{REFERENCE} dropped {len(missing)} tensor(s) of the source checkpoint: "
+                       f"{evidence}{' (+more)' if len(missing) > 8 else ''} (name and checkpoint shape); "
+                       + (f"the subject exported {len(sent)} of them ({sum(sent.values())} element(s)), "
+                          f"unverified bit for bit for want of a reference" if sent
+                          else "the subject did not export them"))
+            bad |= missing
+        if extra:
+            tally.fail(f"{REFERENCE} exported {len(extra)} name(s) the source checkpoint lacks: {_names(extra)}")
+            bad |= extra
+        if dupes:
+            tally.fail(f"{REFERENCE} yielded names more than once: {_names(dupes)}")
+        if self.checkpoint_shapes is not None:
+            for name in sorted(reference & checkpoint):
+                want, got = tuple(self.checkpoint_shapes[name]), self.reference_shapes[name]
+                if want != got:
+                    tally.fail(f"{name}: {REFERENCE} exported shape {got}, the source checkpoint holds {want}")
+                    bad.add(name)
+        tally.ok(len((reference | checkpoint) - bad))
 
 
 __all__ = ["Collector", "SUBCHECKS", "new_tallies", "SHOW_INDICES"]

@@ -355,7 +355,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(name="conflicting_write", fails=("conflicts",), collateral=("bitwise", "replicas"),
            factory=conflicting_write),
     Mutant(name="extra_row", fails=("lockstep",), collateral=tuple(
-        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set"]), factory=extra_row),
+        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]),
+        factory=extra_row),
     Mutant(name="different_slot_table", fails=("slot_tables",), collateral=("coverage", "key_set"),
            factory=different_slot_table),
     Mutant(name="flipped_bit", fails=("bitwise",), factory=flipped_bit),
@@ -377,6 +378,80 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(name="zero_centered_norm_unshifted", fails=("bitwise",), factory=zero_centered_norm_unshifted,
            applies=_hybrid),
     Mutant(name="raises_mid_stream", fails=("lockstep",), collateral=tuple(
-        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set"]),
+        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]),
         factory=raises_mid_stream),
+)
+
+
+# -- stale state between exports: caught by ``refresh`` (a second export after a weight update) -------------
+_STALE: dict[str, object] = {}
+
+
+def _cache(ctx, kind: str) -> dict:
+    """Per model (the first chunk, weakly held) and per mutant: what the exporter kept from its first call."""
+    import weakref
+
+    caches = _STALE.setdefault(kind, weakref.WeakKeyDictionary())
+    return caches.setdefault(ctx.model_chunks[0], {})
+
+
+def _kept(slots) -> list[Slot]:
+    return [Slot(s.hf_name, s.hf_shape, s.positions.clone(), s.values.reshape(-1).clone()) for s in slots]
+
+
+def stale_conversion_cache(ctx):
+    """Converted tensors cached from the first export and sent again on every later one. Bug class: a delta or
+    streaming exporter that memoises its conversion (QKV/gate-up re-layout, dtype cast) per parameter name and
+    never invalidates it after an optimizer step: names, shapes and positions stay right, the weights are the
+    first step's forever."""
+    cache = _cache(ctx, "conversion")
+    for row in _rows(ctx):
+        yield _rewrap(row, lambda slots, r=row.row: cache.setdefault(r, _kept(slots)))
+
+
+def stale_one_row(ctx):
+    """One row's slots (its table and the values built with it) cached from the first export. Bug class: a
+    cached per-row slot table that carries its tensors along (an expert row's gathered block, a fused row built
+    once); every other row is fresh, so only that row's tensors stay at the first step's weights."""
+    cache = _cache(ctx, "one_row")
+    rows = list(_rows(ctx))
+    expert = [i for i, r in enumerate(rows) if "@ep" in r.row or any("experts" in n for n, _ in r.slots.table)]
+    keep = expert[0] if expert else len(rows) - 1
+    for i, row in enumerate(rows):
+        yield _rewrap(row, lambda slots, r=row.row: cache.setdefault(r, _kept(slots))) if i == keep else row
+
+
+def stale_pp_broadcast(ctx):
+    """A full-tensor exporter that keeps what it received from other pipeline stages. Bug class: cached
+    PP-collective data (the broadcast of a stage's converted tensors, or the name/shape exchange with its
+    buffers) reused on later exports: this rank's own stage is fresh, the others' tensors are the first
+    step's."""
+    from moeverify.subjects.gather_all import gather_tensors
+
+    cache = _cache(ctx, "pp_broadcast")
+    local = _local_hf_names(ctx)
+    for name, tensor in gather_tensors(ctx):
+        yield name, tensor if name in local else cache.setdefault(name, tensor.clone())
+
+
+def _local_hf_names(ctx) -> set[str]:
+    """HF names converted from parameters this rank holds (its pipeline stage)."""
+    names = set()
+    for task in ctx.bridge.get_conversion_tasks(ctx.model_chunks):
+        if task is not None and task.param_weight is not None:
+            names.update(str(n) for n in _hf_names(task.mapping))
+    return names
+
+
+def _hf_names(mapping) -> list[str]:
+    param = mapping.hf_param
+    return list(param.values()) if isinstance(param, dict) else [param]
+
+
+MUTANTS = MUTANTS + (
+    Mutant(name="stale_conversion_cache", fails=("refresh",), factory=stale_conversion_cache),
+    Mutant(name="stale_one_row", fails=("refresh",), factory=stale_one_row,
+           applies=lambda *, traits, shape, layout, world_size: layout.ep > 1),
+    Mutant(name="stale_pp_broadcast", fails=("refresh",), factory=stale_pp_broadcast,
+           applies=lambda *, traits, shape, layout, world_size: layout.pp > 1),
 )

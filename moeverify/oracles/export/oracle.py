@@ -77,8 +77,13 @@ def subject_context(ctx) -> SubjectContext:
 
 
 def run(ctx) -> dict[str, Tally]:
-    """The ``export`` check: subject from ``ctx.options.get("subject", "sharded")``."""
+    """The ``export`` check: subject from ``ctx.options.get("subject", "sharded")``; with ``refresh`` set, a
+    second export after a weight update (``refresh.run_twice``)."""
     factory = load_subject(ctx.options.get("subject", "sharded"))
+    if ctx.options.get("refresh"):
+        from moeverify.oracles.export.refresh import run_twice
+
+        return run_twice(run_subject, factory, subject_context(ctx))
     return run_subject(factory, subject_context(ctx))
 
 
@@ -103,7 +108,7 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
     shapes = checkpoint_shapes(sctx.hf_path)
     collector = local = None
     if sctx.rank == 0:
-        collector = Collector(tallies=tallies, tables=[r.table for r in rows], checkpoint_names=set(shapes),
+        collector = Collector(tallies=tallies, tables=[r.table for r in rows], checkpoint_names=shapes,
                               world_size=sctx.world_size)
     elif same_tables:
         # every rank named the same tensors in every row, so a rank waiting for its row's references waits

@@ -18,18 +18,20 @@ import torch.distributed as dist
 
 CHUNK = 1 << 20  # elements per point-to-point chunk
 
-_groups: dict[tuple[int, int], object] = {}
+_groups: dict[tuple[int, int], tuple[object, object]] = {}  # key -> (the world it was made in, group)
 
 
 def control_group(timeout_s: float):
     """A gloo group over all ranks with its own timeout (made once per timeout; collective on first use)."""
     key = (dist.get_world_size(), int(timeout_s))
-    if key not in _groups:
+    world, group = _groups.get(key, (None, None))
+    if world is not dist.group.WORLD:  # none yet, or made in a world since destroyed (a re-initialised process)
         from moeverify import runtime
 
-        _groups[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=int(timeout_s)))
-        runtime.keep_group(_groups[key])
-    return _groups[key]
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=int(timeout_s)))
+        runtime.keep_group(group)
+        _groups[key] = (dist.group.WORLD, group)
+    return group
 
 
 def gather_json(obj, *, group, rank: int, world_size: int) -> list | None:

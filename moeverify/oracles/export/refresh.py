@@ -1,0 +1,131 @@
+"""The ``refresh`` subcheck: export, change every weight, export again; the second export must carry the new bits.
+
+Delta and streaming exporters keep state between calls (converted tensors, slot tables, data received from
+other pipeline stages); a cache that is not invalidated after an optimizer step sends the old weights with
+every name, shape and position right, so a single export checks clean. ``refresh`` runs the oracle once, applies
+a deterministic optimizer-like update to every local parameter (and the router's expert bias, which the
+aux-loss-free balancer updates between steps), runs the oracle again against a fresh reference export, and
+restores the original weights bit for bit (later checks of the scenario see the model they were given).
+
+What it reports (``fold``): every subcheck that passed on the first export and fails on the second, with its
+messages prefixed ``after the weight update``; and every reference tensor the update left unchanged (a stale
+copy of it could not be told from a fresh one, so the check would prove nothing there). It counts the
+elements compared bit for bit after the update. Subchecks that already failed on the first export are left
+to their own records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from moeverify.oracles.export.local import digest
+from moeverify.oracles.results import Tally
+
+SHOW = 8  # names quoted per message
+SEED = 20251  # fixed: every run of the check applies the same update
+
+
+def _generator_seed(shape: tuple[int, ...], seed: int) -> int:
+    """A stable seed per local shape: equal-shaped copies (DP, expert-DP, tied, TP-replicated) stay equal."""
+    h = seed
+    for d in shape:
+        h = (h * 1_000_003 + d + 1) % (2**61 - 1)
+    return h
+
+
+def step_like(tensor: torch.Tensor, *, seed: int = SEED) -> torch.Tensor:
+    """An optimizer-like update of ``tensor``: every element moves by a seeded 1.6 % to 4.7 % of its magnitude
+    (at least 2^-14 near zero), computed in fp32 and rounded once; enough to change every bf16 element."""
+    noise = torch.randn(tuple(tensor.shape), generator=torch.Generator().manual_seed(_generator_seed(
+        tuple(tensor.shape), seed)), dtype=torch.float32).to(tensor.device)
+    size = noise.abs().clamp(max=2.0) + 1.0  # in [1, 3]: never a step too small to change a bf16 element
+    base = tensor.detach().float()
+    return (base + torch.sign(noise + 1e-30) * size * (base.abs() * 2**-6 + 2**-14)).to(tensor.dtype)
+
+
+def _updated_tensors(model_chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for i, chunk in enumerate(model_chunks):
+        named = list(chunk.named_parameters()) + [(n, b) for n, b in chunk.named_buffers() if n.endswith("expert_bias")]
+        for name, tensor in named:
+            if id(tensor) in seen or not tensor.is_floating_point():
+                continue
+            seen.add(id(tensor))
+            yield f"chunk {i} {name}", tensor
+
+
+@contextlib.contextmanager
+def updated_weights(model_chunks: list, *, seed: int = SEED):
+    """Apply ``step_like`` to every local parameter and expert bias in place; restore the original bits on exit.
+
+    Yields the number of tensors updated. The originals are kept as one copy of the local model."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for _name, tensor in _updated_tensors(model_chunks):
+                saved.append((tensor, tensor.detach().clone()))
+                tensor.copy_(step_like(tensor, seed=seed))
+        yield len(saved)
+    finally:
+        with torch.no_grad():
+            for tensor, original in saved:
+                tensor.copy_(original)
+
+
+class Fingerprints:
+    """A reference export, started on first iteration, recording a digest per tensor name (where ``record``)."""
+
+    def __init__(self, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, record: bool) -> None:
+        self._export, self._record = export, record
+        self.digests: dict[str, str] = {}
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._export():
+            if self._record:
+                self.digests[name] = digest(tensor)
+            yield name, tensor
+
+
+def fold(*, first: dict[str, Tally], second: dict[str, Tally], before: dict[str, str], after: dict[str, str],
+         tally: Tally) -> Tally:
+    """The refresh verdict from the two exports' tallies and the reference digests before and after the update."""
+    if not after:
+        tally.fail("no reference tensor was exported after the weight update: nothing compared")
+    unchanged = sorted(n for n, d in after.items() if before.get(n) == d)
+    if unchanged:
+        more = f" (+{len(unchanged) - SHOW} more)" if len(unchanged) > SHOW else ""
+        tally.fail(f"the weight update left {len(unchanged)} reference tensor(s) bit-identical, so a stale copy "
+                   f"of them cannot be told from a fresh one: {unchanged[:SHOW]}{more}")
+    for name, t in second.items():
+        if t.passed or not first[name].passed:
+            continue
+        shown = t.failures or ["checked 0 items"]
+        for message in shown:
+            tally.fail(f"after the weight update (passed before it): {name}: {message}")
+    tally.ok(max(second["bitwise"].checked, 0) if "bitwise" in second else 0)
+    return tally
+
+
+def run_twice(run_subject, factory, sctx, *, seed: int = SEED) -> dict[str, Tally]:
+    """The oracle's tallies for the first export, plus ``refresh`` from a second export after an update.
+
+    ``run_subject(factory, sctx, reference=...)`` is the oracle's own entry point (passed in, not imported,
+    so this module stays free of the per-row machinery)."""
+    def reference():
+        return Fingerprints(lambda: sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False),
+                            record=sctx.rank == 0)
+
+    first_reference = reference()
+    first = run_subject(factory, sctx, reference=first_reference)
+    refresh = Tally()
+    if not first["lockstep"].passed:
+        refresh.fail("skipped: lockstep failed on the first export, no weight update was made")
+        return {**first, "refresh": refresh}
+    with updated_weights(sctx.model_chunks, seed=seed):
+        second_reference = reference()
+        second = run_subject(factory, sctx, reference=second_reference)
+    fold(first=first, second=second, before=first_reference.digests, after=second_reference.digests, tally=refresh)
+    return {**first, "refresh": refresh}

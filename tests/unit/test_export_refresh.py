@@ -1,0 +1,186 @@
+"""The export oracle's ``refresh`` (a second export after a weight update) and ``reference_keys`` (the reference's
+own names and shapes against the source checkpoint), on a 1-rank gloo world with plain modules as the model and
+a bridge stand-in that exports them: stale subjects fail ``refresh``, a fresh one passes; a reference that drops
+or reshapes a checkpoint tensor fails ``reference_keys`` naming the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from moeverify.oracles import export
+from moeverify.oracles.export import SubjectContext, refresh
+from moeverify.oracles.results import Tally
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(3, 4, generator=g).to(torch.bfloat16))
+        self.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        self.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))  # zeros must move too
+        self.register_buffer("expert_bias", torch.zeros(2, dtype=torch.float32))
+
+
+class _Bridge:
+    """Exports the model's tensors under HF names (what ``export_hf_weights`` does for a real model)."""
+
+    def __init__(self, *, drop: str | None = None, reshape: str | None = None) -> None:
+        self.drop, self.reshape = drop, reshape
+
+    def export_hf_weights(self, chunks, *, cpu, show_progress):
+        m = chunks[0]
+        for name, t in (("w", m.w), ("norm", m.norm), ("bias", m.bias), ("expert_bias", m.expert_bias)):
+            if name == self.drop:
+                continue
+            t = t.detach().clone()
+            yield name, t.reshape(-1) if name == self.reshape else t
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    made = not dist.is_initialized()
+    if made:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    if made and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _sctx(tmp_path, bridge=None) -> SubjectContext:
+    model = _Model()
+    tensors = dict(_Bridge().export_hf_weights([model], cpu=True, show_progress=False))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return SubjectContext(bridge=bridge or _Bridge(), model_chunks=[model], layout=None, rank=0, world_size=1,
+                          hf_path=tmp_path, options={"timeout": 30})
+
+
+def _failed(tallies) -> set[str]:
+    return {k for k, t in tallies.items() if not t.passed}
+
+
+def test_step_like_changes_every_element_and_keeps_equal_shapes_equal():
+    a = torch.tensor([0.0, -0.0, 1.0, -3.5, 1e-30, 65504.0], dtype=torch.bfloat16)
+    b = a.clone()
+    new_a, new_b = refresh.step_like(a), refresh.step_like(b)
+    assert torch.equal(new_a.view(torch.int16), new_b.view(torch.int16))  # copies of one tensor stay copies
+    assert bool((new_a.view(torch.int16) != a.view(torch.int16)).all())
+    fp32 = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    assert bool((refresh.step_like(fp32) != fp32).all())
+
+
+def test_updated_weights_restores_original_bits(world, tmp_path):
+    sctx = _sctx(tmp_path)
+    before = {k: v.clone() for k, v in sctx.model_chunks[0].state_dict().items()}
+    with refresh.updated_weights(sctx.model_chunks) as n:
+        assert n == 4  # three parameters and the expert bias
+        assert not any(torch.equal(v, before[k]) for k, v in sctx.model_chunks[0].state_dict().items())
+    assert all(torch.equal(v.view(torch.uint8), before[k].view(torch.uint8))
+               for k, v in sctx.model_chunks[0].state_dict().items())
+
+
+def _fresh(ctx):
+    yield from _Bridge().export_hf_weights(ctx.model_chunks, cpu=True, show_progress=False)
+
+
+def _caching():
+    cache = {}
+
+    def subject(ctx):
+        for name, t in _fresh(ctx):
+            yield name, cache.setdefault(name, t)
+    return subject
+
+
+def _caching_one(keep: str):
+    cache = {}
+
+    def subject(ctx):
+        for name, t in _fresh(ctx):
+            yield name, cache.setdefault(name, t) if name == keep else t
+    return subject
+
+
+def test_updated_weights_updates_a_shared_parameter_once(world):
+    shared = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+    first, second = torch.nn.Module(), torch.nn.Module()
+    first.w, second.w = shared, shared  # tied across chunks (one Parameter): one step, not two
+    with refresh.updated_weights([first, second]) as n:
+        assert n == 1
+        assert torch.equal(shared.detach(), refresh.step_like(torch.ones(5, dtype=torch.bfloat16)))
+    assert torch.equal(shared.detach(), torch.ones(5, dtype=torch.bfloat16))
+
+
+def test_refresh_fresh_subject_passes(world, tmp_path):
+    tallies = refresh.run_twice(export.run_subject, _fresh, _sctx(tmp_path))
+    assert _failed(tallies) == set()
+    assert tallies["refresh"].checked == 12 + 4 + 4 + 2
+
+
+def test_refresh_stale_cache_fails_only_refresh(world, tmp_path):
+    tallies = refresh.run_twice(export.run_subject, _caching(), _sctx(tmp_path))
+    assert _failed(tallies) == {"refresh"}
+    assert any(f.startswith("after the weight update (passed before it): bitwise: w:")
+               for f in tallies["refresh"].failures), tallies["refresh"].failures
+
+
+def test_refresh_one_stale_tensor_names_it(world, tmp_path):
+    tallies = refresh.run_twice(export.run_subject, _caching_one("expert_bias"), _sctx(tmp_path))
+    assert _failed(tallies) == {"refresh"}
+    failures = tallies["refresh"].failures
+    assert failures and all(": bitwise: expert_bias:" in f for f in failures), failures
+
+
+def test_refresh_unchanged_reference_fails(world, tmp_path):
+    t = Tally()
+    same = {"a": "d1", "b": "d2"}
+    passed = {k: Tally(checked=1) for k in ("bitwise", "coverage")}
+    refresh.fold(first=passed, second=passed, before=same, after={"a": "d1", "b": "d3"}, tally=t)
+    assert t.failures == ["the weight update left 1 reference tensor(s) bit-identical, so a stale copy of them "
+                          "cannot be told from a fresh one: ['a']"]
+
+
+def test_refresh_fold_ignores_subchecks_failing_before_the_update():
+    failing = Tally(checked=3, failures=["x"])
+    first = {"bitwise": failing, "coverage": Tally(checked=2)}
+    second = {"bitwise": Tally(checked=3, failures=["y"]), "coverage": Tally(checked=2, failures=["z"])}
+    t = refresh.fold(first=first, second=second, before={"a": "1"}, after={"a": "2"}, tally=Tally())
+    assert t.failures == ["after the weight update (passed before it): coverage: z"]
+
+
+def test_refresh_fold_counts_nothing_without_a_reference():
+    ok = {"bitwise": Tally(checked=0)}
+    t = refresh.fold(first=ok, second=ok, before={}, after={}, tally=Tally())
+    assert not t.passed and "nothing compared" in t.failures[0]
+
+
+def test_refresh_skipped_when_lockstep_fails(world, tmp_path):
+    tallies = refresh.run_twice(export.run_subject, lambda ctx: iter(["bad"]), _sctx(tmp_path))
+    assert not tallies["refresh"].passed and "skipped: lockstep failed" in tallies["refresh"].failures[0]
+
+
+def test_reference_keys_dropped_tensor_names_the_reference(world, tmp_path):
+    tallies = export.run_subject(_fresh, _sctx(tmp_path, _Bridge(drop="norm")))
+    failures = tallies["reference_keys"].failures
+    assert failures == ["the reference (Megatron-Bridge's export_hf_weights) dropped 1 tensor(s) of the source "
+                        "checkpoint: ['norm (4,)'] (name and checkpoint shape); the subject exported 1 of them "
+                        "(4 element(s)), unverified bit for bit for want of a reference"]
+    assert "key_set" in _failed(tallies)  # still caught there too, pointing at reference_keys
+    assert "which the reference (Megatron-Bridge's export_hf_weights) lacks (see reference_keys)" in \
+        tallies["key_set"].failures[0]
+
+
+def test_reference_keys_wrong_shape_names_the_reference(world, tmp_path):
+    tallies = export.run_subject(_fresh, _sctx(tmp_path, _Bridge(reshape="w")))
+    assert tallies["reference_keys"].failures == [
+        "w: the reference (Megatron-Bridge's export_hf_weights) exported shape (12,), "
+        "the source checkpoint holds (3, 4)"]
+
+
+def test_reference_keys_control_passes(world, tmp_path):
+    tallies = export.run_subject(_fresh, _sctx(tmp_path))
+    assert _failed(tallies) == set() and tallies["reference_keys"].checked == 4
