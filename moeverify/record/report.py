@@ -222,7 +222,7 @@ class DiffReport:
                     "first divergent layer", *[k.replace("_", " ") for k in extra]):
             table.add_column(col, justify="right")
         for s in diverging[:n]:
-            table.add_row(str(s["sequence"]), str(s["microbatch"]), str(s["tokens"]),
+            table.add_row(Text(str(s["sequence"])), str(s["microbatch"]), str(s["tokens"]),
                           f"{s['tokens_diverging_any_layer']:.2%}", f"{s['routers_differing_per_token']:.4f}",
                           str(s["first_divergent_layer"]), *[Text(str(s[k])) for k in extra], style="red")
         return table
