@@ -194,6 +194,8 @@ def _cmd_run(args) -> int:
         for s in chosen:
             extra = f"  (gpu only: {s.gpu_only})" if s.gpu_only else ""
             extra += f"  (not run: {s.unfit})" if s.unfit else ""
+            extra += "".join(f"  (expected failure: {e.finding} {e.check} {','.join(e.subchecks)})"
+                             for e in s.expect_fail)
             print(f"{s.name}  {s.world_size}  {','.join(s.checks)}{extra}")
         return 0
     groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend),
@@ -294,25 +296,30 @@ def _make_run_dir(args, *, sub: str | None = None) -> Path:
 
 def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
     from rich.console import Console
-    from rich.markup import escape
+    from rich.text import Text
 
     from moeverify.runner import interrupts, launch, report
     from moeverify.runner.outputs import Outputs
 
     outputs = Outputs(json_path=args.json, junit_path=args.junit)
     run_dir = _make_run_dir(args)
-    console = Console(highlight=False)
+    # Scenario names, paths and messages are the user's text: printed as Text, never read as markup or
+    # emoji codes (a model named "m" makes "model:m:", which rich would print as an emoji).
+    console = Console(highlight=False, emoji=False)
     for notice in notices:
-        console.print(f"[yellow]note:[/] {escape(notice)}")
+        console.print(Text.assemble(("note:", "yellow"), f" {notice}"))
     planned = [(s.name, c) for g in groups for s in g.scenarios for c in s.checks]
+    marks = report.expect_marks(s for g in groups for s in g.scenarios)  # expect_fail: known findings
     results = list(skipped)
     streamed: list[report.Result] = []  # results as they arrive (the group's list adds peak RSS at its end)
 
     def progress(result: report.Result) -> None:
+        result = report.expect(result, marks)
         streamed.append(result)
         style = {"passed": "green", "failed": "red", "crashed": "bold red"}.get(result.status, "yellow")
-        console.print(f"[{len(streamed)}/{len(planned)}] [{style}]{result.status:7}[/] "
-                      f"{escape(result.record.scenario)} {escape(result.record.check)} ({result.record.seconds:.1f}s)")
+        console.print(Text.assemble(f"[{len(streamed)}/{len(planned)}] ", (f"{result.label:7}", style),
+                                    f" {result.record.scenario} {result.record.check} "
+                                    f"({result.record.seconds:.1f}s)"))
         outputs.write(results + streamed[len(results) - len(skipped):])
 
     t0 = time.perf_counter()
@@ -320,16 +327,17 @@ def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
     try:
         with interrupts.deferred(), console.status("starting") as status:
             def started(scenario, check) -> None:
-                status.update(f"running {escape(scenario.name)} {escape(check)} (world size {scenario.world_size})")
+                status.update(Text(f"running {scenario.name} {check} (world size {scenario.world_size})"))
 
             for group in groups:
-                console.print(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} "
-                              f"scenario(s); files in {escape(str(run_dir))}")
-                status.update(f"starting torchrun with {group.world_size} rank(s)")
+                console.print(Text(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} "
+                                   f"scenario(s); files in {run_dir}"))
+                status.update(Text(f"starting torchrun with {group.world_size} rank(s)"))
                 spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios,
                                         backend=group.backend, options=options, timeout_s=args.timeout,
                                         run_dir=run_dir, verbose=args.verbose, cluster=cluster)
-                results += launch.run_group(spec, on_result=progress, on_start=started)
+                results += [report.expect(r, marks) for r in launch.run_group(spec, on_result=progress,
+                                                                               on_start=started)]
     except KeyboardInterrupt:
         interrupted = True
         results += streamed[len(results) - len(skipped):]
@@ -338,7 +346,8 @@ def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
     report.print_report(results, console=console)
     console.print(f"wall time {time.perf_counter() - t0:.1f}s")
     if interrupted:
-        console.print("[bold red]interrupted[/]: the results so far are in the table and the result files")
+        console.print(Text.assemble(("interrupted", "bold red"), ": the results so far are in the table and the "
+                                    "result files"))
         return EXIT_INTERRUPTED
     return report.exit_code(results)
 

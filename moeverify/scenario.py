@@ -15,6 +15,8 @@ from typing import Any
 
 from moeverify import options
 from moeverify.errors import LayoutError, UsageError
+from moeverify.expectations import ExpectedFailure
+from moeverify.expectations import parse as parse_expect_fail
 from moeverify.layout import Layout, ModelShape
 from moeverify.yaml_file import Where, error, read_yaml
 
@@ -22,8 +24,8 @@ FORMAT_VERSION = 1
 CPU_MAX_WORLD_SIZE = 8  # CPU ranks are processes: allowed up to 8 whatever the core count
 
 _TOP_KEYS = frozenset({"version", "defaults", "scenarios", "matrix"})
-_FIELD_KEYS = frozenset({"checks", "seed", "gpu_only", "options"})
-_DEFAULT_KEYS = _FIELD_KEYS | {"world_size", "moe_checks"}
+_FIELD_KEYS = frozenset({"checks", "seed", "gpu_only", "options", "expect_fail"})
+_DEFAULT_KEYS = (_FIELD_KEYS - {"expect_fail"}) | {"world_size", "moe_checks"}  # findings are per family
 _SCENARIO_KEYS = _FIELD_KEYS | {"family", "model", "model_set", "world_size", "layout"}
 _MATRIX_KEYS = _FIELD_KEYS | {"families", "models", "layouts", "world_size", "moe_checks"}
 _MODEL_KEYS = frozenset({"path", "set"})
@@ -45,6 +47,7 @@ class Scenario:
     source: str = ""  # "file.yaml" where it was defined, for messages
     model: dict | None = None  # a user model's spec ({"path", "set"}); ``family`` is then its key
     unfit: str | None = None  # why the user model given with --model cannot run this layout (skipped)
+    expect_fail: tuple[ExpectedFailure, ...] = ()  # known findings that make a check fail (expectations.py)
 
     @property
     def name(self) -> str:
@@ -160,7 +163,8 @@ def _layout_of(where: Where, mapping: object) -> Layout:
 
 def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collection[str],
            moe_checks: Sequence[str] = (), fit_or_skip: bool = False) -> Scenario:
-    """A validated scenario; with ``fit_or_skip`` a layout its model does not admit is marked ``unfit``."""
+    """A validated scenario; with ``fit_or_skip`` (``--model``) a layout its model does not admit is marked
+    ``unfit``, and ``expect_fail`` is not applied: the file's findings are about the file's own families."""
     where = spec.where
     shape = _shape_of(spec.family, families) if isinstance(spec.family, str) else None
     if shape is None:
@@ -196,10 +200,13 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
             raise error(where, f"the replay check's sequence of {seq_len} tokens is not divisible by 2 * cp = "
                                 f"{2 * layout.cp} (context parallelism splits each sequence in 2 * cp chunks); "
                                 "set options: {replay_seq_len: N} with N a multiple of it")
+    expect_fail = () if fit_or_skip else parse_expect_fail(
+        where, spec.fields.get("expect_fail"), checks=check_list,
+        replay_subchecks=scenario_options.get("replay_subchecks"))
     return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
                     seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
                     gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
-                    options=scenario_options, unfit=unfit,
+                    options=scenario_options, unfit=unfit, expect_fail=expect_fail,
                     source=f"{where.path}:{where.line}" if where.line else where.path,
                     model=_spec_of(spec.family))
 
@@ -375,7 +382,7 @@ def scenario_to_dict(scenario: Scenario) -> dict:
     return {"family": scenario.family, "layout": scenario.layout.as_dict(), "world_size": scenario.world_size,
             "checks": list(scenario.checks), "seed": scenario.seed, "gpu_only": scenario.gpu_only,
             "options": dict(scenario.options), "source": scenario.source, "model": scenario.model,
-            "unfit": scenario.unfit}
+            "unfit": scenario.unfit, "expect_fail": [e.as_dict() for e in scenario.expect_fail]}
 
 
 def scenario_from_dict(data: Mapping) -> Scenario:
@@ -389,4 +396,5 @@ def scenario_from_dict(data: Mapping) -> Scenario:
             raise UsageError(f"scenario {data['family']}: its model spec registers as {key}")
     return Scenario(family=data["family"], layout=Layout(**data["layout"]), world_size=data["world_size"],
                     checks=tuple(data["checks"]), seed=data["seed"], gpu_only=data["gpu_only"],
-                    options=dict(data["options"]), source=data["source"], model=model, unfit=data.get("unfit"))
+                    options=dict(data["options"]), source=data["source"], model=model, unfit=data.get("unfit"),
+                    expect_fail=tuple(ExpectedFailure.from_dict(e) for e in data.get("expect_fail", ())))

@@ -198,10 +198,22 @@ def _provider(bridge, family: str, *, load_weights: bool):
                          f"its config.json: {type(exc).__name__}: {exc}") from None
 
 
+def _refuse_unconvertible(family: str, bridge, provider) -> None:
+    """A config the bridge would build as another model is refused with the key that it ignores
+    (``bridge_limits``); the built-in families are converted as they are."""
+    from moeverify.models import bridge_limits, user
+    from moeverify.models.families import hf_config_dict
+
+    if user.is_user_key(family):
+        bridge_limits.refuse_unconvertible(family=family, config=hf_config_dict(family), bridge=bridge,
+                                           provider=provider, built_moe_layers=_moe_pattern(provider))
+
+
 def preflight(family: str, *, te_real: bool) -> None:
     """Refuse, in the launching process and before any rank starts, what every rank's ``build`` would refuse
-    once it had started: an architecture without a bridge, and (``te_real`` False) a model the CPU layer
-    spec cannot rebuild. Reads the config only: no weights are written or loaded."""
+    once it had started: an architecture without a bridge, a config the bridge would build as another model
+    (``bridge_limits``), and (``te_real`` False) a model the CPU layer spec cannot rebuild. Reads the config
+    only: no weights are written or loaded."""
     from moeverify.models import user
     from moeverify.models.families import hf_config_dict
 
@@ -216,6 +228,7 @@ def preflight(family: str, *, te_real: bool) -> None:
                 warnings.simplefilter("ignore")
                 bridge = _bridge_for(family, path)
                 provider = _provider(bridge, family, load_weights=False)
+                _refuse_unconvertible(family, bridge, provider)
                 if not te_real:
                     _cpu_path(provider, family, bridge._model_bridge.mapping_registry())
         finally:
@@ -242,6 +255,7 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     hf_path = hf_checkpoint(family, seed)
     bridge = _bridge_for(family, hf_path)
     provider = _provider(bridge, family, load_weights=load_weights)
+    _refuse_unconvertible(family, bridge, provider)
     _apply_layout(provider, layout)
     if not rt.te_real:
         settings, block_spec = _cpu_path(provider, family, bridge._model_bridge.mapping_registry())

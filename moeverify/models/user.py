@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import re
@@ -278,8 +279,10 @@ _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num
 def shape_of(config: dict, *, where: str = "model") -> ModelShape:
     """Layer, head and expert counts of an HF config, with which global layers are MoE layers.
 
-    The MoE-layer rules read the HF keys of the families Megatron-Bridge 0.6.2 converts; the built model
-    is checked against them on the rank (``builder``), so a family with another rule fails loudly there.
+    The MoE-layer rules are transformers' (what the HF model builds): a layer-pattern key the architecture's
+    modeling code never reads is no rule (transformers 5's DeepSeek-V2 ignores ``moe_layer_freq``). What
+    Megatron-Bridge builds is checked against it before any rank starts (``bridge_limits``) and on every rank
+    (``builder``).
     """
     try:
         layers = int(config["num_hidden_layers"])
@@ -294,7 +297,53 @@ def shape_of(config: dict, *, where: str = "model") -> ModelShape:
     if "linear_attention" in (config.get("layer_types") or ()) or config.get("linear_num_key_heads"):
         linear = (int(config.get("linear_num_key_heads") or 0), int(config.get("linear_num_value_heads") or 0))
     return ModelShape(num_layers=layers, num_heads=heads, num_query_groups=int(groups), num_experts=int(experts),
-                      moe_layers=_moe_layers(config, layers) if experts else (), linear_heads=linear)
+                      moe_layers=_moe_layers(pattern_read(config), layers) if experts else (), linear_heads=linear)
+
+
+# Keys that say which decoder layers are MoE, with the value under which each says nothing (every layer MoE).
+PATTERN_KEYS = {"mlp_layer_types": None, "first_k_dense_replace": 0, "moe_layer_freq": 1, "moe_layer_start_index": 0,
+                "moe_layer_end_index": None, "moe_layer_interval": 1, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def neutral(key: str, layers: int) -> Any:
+    """The value of layer-pattern ``key`` under which it makes no layer dense."""
+    if key == "mlp_layer_types":
+        return ["sparse"] * layers
+    return layers - 1 if key == "moe_layer_end_index" else PATTERN_KEYS[key]
+
+
+def pattern_read(config: dict) -> dict:
+    """``config`` without the layer-pattern keys that neither its transformers modeling code nor its config class
+    reads. Applies to a config as transformers' config class writes it (``transformers_version`` set: every user
+    model, normalised by ``register``), whose derived keys are spelled out (GLM-4.7-Flash's ``mlp_layer_types``);
+    the built-in families' hand-written kwargs are read as written, their rules pinned by their tests."""
+    model_type = config.get("model_type")
+    written = isinstance(model_type, str) and "transformers_version" in config
+    source = _pattern_source(model_type) if written else None
+    if source is None:
+        return config
+    return {k: v for k, v in config.items() if k not in PATTERN_KEYS or re.search(rf"\b{k}\b", source)}
+
+
+@functools.lru_cache(maxsize=None)
+def _pattern_source(model_type: str) -> str | None:
+    """The text of transformers' modeling and configuration modules of ``model_type`` (read, not imported);
+    None where transformers has none (a model type registered in code): the keys are then read as written."""
+    import importlib.util
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    texts = []
+    for kind in ("modeling", "configuration"):
+        try:
+            spec = importlib.util.find_spec(f"transformers.models.{name}.{kind}_{name}")
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.origin:
+            return None
+        texts.append(Path(spec.origin).read_text(encoding="utf-8"))
+    return "\n".join(texts)
 
 
 def _moe_layers(config: dict, layers: int) -> tuple[int, ...]:
@@ -308,8 +357,8 @@ def _moe_layers(config: dict, layers: int) -> tuple[int, ...]:
         start = int(config["moe_layer_start_index"])
         end = config.get("moe_layer_end_index")
         end = layers - 1 if end in (None, -1) else int(end)
-        step = int(config.get("moe_layer_interval") or 1)
-        return tuple(i for i in range(start, end + 1) if (i - start) % step == 0)
+        step = int(config.get("moe_layer_interval") or 1)  # transformers' Ernie-4.5: (i + 1) % interval == 0
+        return tuple(i for i in range(start, end + 1) if (i + 1) % step == 0)
     if "decoder_sparse_step" in config or "mlp_only_layers" in config:
         step = int(config.get("decoder_sparse_step") or 1)
         dense = set(config.get("mlp_only_layers") or ())

@@ -25,6 +25,7 @@ from __future__ import annotations
 from moeverify.oracles.results import Tally
 
 RTOL = 1e-4
+SUBCHECKS = ("layers", "logits")
 SEQ_LEN, BATCH = 32, 2  # longer than the tiny families' sliding windows (8)
 _FP32 = dict(bf16=False, fp16=False)
 
@@ -32,7 +33,7 @@ _FP32 = dict(bf16=False, fp16=False)
 def run(ctx) -> dict[str, Tally]:
     import torch
 
-    tallies = {"layers": Tally(), "logits": Tally()}
+    tallies = {name: Tally() for name in SUBCHECKS}
     from moeverify.layout import Layout
 
     if ctx.world_size != 1 or ctx.scenario.layout != Layout():

@@ -15,13 +15,14 @@ from moeverify.oracles.checkpoint import tensor_files
 from moeverify.oracles.results import Tally
 
 SHOW = 5  # names quoted per key_set failure
+SUBCHECKS = ("bitwise", "key_set")
 
 
 def run(ctx) -> dict[str, Tally]:
     from safetensors import safe_open
 
     built = ctx.model()
-    tallies = {"bitwise": Tally(), "key_set": Tally()}
+    tallies = {name: Tally() for name in SUBCHECKS}
     files = tensor_files(built.hf_path) if ctx.rank == 0 else {}
     exported: list[str] = []
     handles: dict[Path, object] = {}

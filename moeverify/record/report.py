@@ -207,6 +207,7 @@ class DiffReport:
     def sequence_table(self, n: int = 10):
         """A ``rich`` table of the ``n`` sequences that diverge most; None when the sequences are not known."""
         from rich.table import Table
+        from rich.text import Text  # request ids and extra fields are the dump's own text: never markup
 
         sequences = self.sequences()
         if sequences is None:
@@ -221,9 +222,9 @@ class DiffReport:
                     "first divergent layer", *[k.replace("_", " ") for k in extra]):
             table.add_column(col, justify="right")
         for s in diverging[:n]:
-            table.add_row(str(s["sequence"]), str(s["microbatch"]), str(s["tokens"]),
+            table.add_row(Text(str(s["sequence"])), str(s["microbatch"]), str(s["tokens"]),
                           f"{s['tokens_diverging_any_layer']:.2%}", f"{s['routers_differing_per_token']:.4f}",
-                          str(s["first_divergent_layer"]), *[str(s[k]) for k in extra], style="red")
+                          str(s["first_divergent_layer"]), *[Text(str(s[k])) for k in extra], style="red")
         return table
 
 

@@ -41,17 +41,18 @@ def summarize(dump: Dump, *, step: int | None = None) -> dict:
 def summary_table(summary: dict):
     """``rich`` renderables: a header line and the per-layer load table."""
     from rich.table import Table
+    from rich.text import Text
 
     model = summary["model"]
     steps = summary["steps"]
-    title = (f"{summary['path']}: {model['num_layers']} layers, MoE {model['moe_layers']}, "
-             f"top-{model['topk']} of {model['num_experts']} ({summary['ids_dtype']}), layout {summary['layout']} "
-             f"on {summary['world_size']} rank(s), {len(steps)} step(s) {list(steps)}, "
-             f"micro-batches {[v['microbatches'] for v in steps.values()]}, probs {summary['probs']}")
+    title = Text(f"{summary['path']}: {model['num_layers']} layers, MoE {model['moe_layers']}, "
+                 f"top-{model['topk']} of {model['num_experts']} ({summary['ids_dtype']}), layout {summary['layout']} "
+                 f"on {summary['world_size']} rank(s), {len(steps)} step(s) {list(steps)}, "
+                 f"micro-batches {[v['microbatches'] for v in steps.values()]}, probs {summary['probs']}")
     table = Table(title=f"expert load, step {summary.get('load_step', '-')}, {summary.get('tokens', 0)} tokens")
     for col in ("layer", "min", "max", "max/mean", "cv", "idle experts"):
         table.add_column(col, justify="right")
     for layer, row in summary["load"].items():
-        table.add_row(layer, str(row["min"]), str(row["max"]), f"{row['max_over_mean']:.3f}", f"{row['cv']:.3f}",
-                      str(row["idle_experts"]))
+        table.add_row(Text(str(layer)), str(row["min"]), str(row["max"]), f"{row['max_over_mean']:.3f}",
+                      f"{row['cv']:.3f}", str(row["idle_experts"]))
     return title, table

@@ -3,7 +3,8 @@
 A failed check is a ``<failure>`` (its failing subchecks in the message, every failure line in the
 text); a crashed one (a rank raised, hung or died) an ``<error>`` with the rank's traceback, an
 interrupted one (Ctrl-C, SIGTERM) an ``<error>`` as well; a skipped
-scenario a ``<skipped>`` with the reason.
+scenario a ``<skipped>`` with the reason. A check failing as its ``expect_fail`` mark says is a ``<skipped>``
+naming the finding; one that now passes is a ``<failure>`` saying so.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ def _testcase(result: Result) -> ET.Element:
     status = result.status
     if status == "skipped":
         ET.SubElement(case, "skipped", message=result.skipped or "")
+    elif status == "xfailed":
+        skipped = ET.SubElement(case, "skipped", type="ExpectedFailure", message=result.verdict.message)
+        skipped.text = "\n".join(record.failure_lines())
+    elif status == "xpassed":
+        failure = ET.SubElement(case, "failure", type="ExpectedFailureNowPasses", message=result.verdict.message)
+        failure.text = "\n".join(failing_lines(result))
     elif status in ("crashed", "interrupted"):
         error = ET.SubElement(case, "error", type=status.capitalize(), message=record.error.splitlines()[0])
         error.text = record.error
@@ -32,7 +39,10 @@ def _testcase(result: Result) -> ET.Element:
 
 
 def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.ElementTree:
-    counts = {s: sum(r.status == s for r in results) for s in ("failed", "crashed", "skipped", "interrupted")}
+    counts = {s: sum(r.status == s for r in results)
+              for s in ("failed", "crashed", "skipped", "interrupted", "xfailed", "xpassed")}
+    counts["skipped"] += counts.pop("xfailed")  # JUnit has no expected failure: a skip that names the finding
+    counts["failed"] += counts.pop("xpassed")
     counts["crashed"] += counts.pop("interrupted")  # JUnit knows errors, failures and skips
     total_s = sum(r.record.seconds for r in results)
     root = ET.Element("testsuites", name=suite, tests=str(len(results)), failures=str(counts["failed"]),

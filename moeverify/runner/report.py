@@ -3,6 +3,9 @@
 A JSON entry is the DESIGN.md record plus, where known, ``"peak_rss_mb": [per rank]`` (the rank's
 peak RSS at the end of that check; peaks only grow within a group) and, for a scenario that did not
 run, ``"skipped": reason`` with ``"passed": false``. Skipped entries do not change the exit code.
+A check its scenario marks ``expect_fail`` carries ``"expected_failure": {finding, check, subchecks, reason,
+outcome, status, message}``: failing as the finding says (``"status": "expected failure (F3)"``) does not change
+the exit code; passing again (``"expected failure now passes: F3"``) does, like a failure.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import math
 from collections.abc import Sequence
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from moeverify import expectations
+from moeverify.expectations import ExpectedFailure, Verdict
 from moeverify.oracles.results import CheckRecord
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -31,6 +35,7 @@ class Result:
     skipped: str | None = None
     peak_rss_mb: tuple[float, ...] = ()
     interrupted: bool = False  # the run was stopped (Ctrl-C, SIGTERM) before this check finished
+    verdict: Verdict | None = None  # set when the scenario marks this check expect_fail (``expect``)
 
     @property
     def status(self) -> str:
@@ -38,9 +43,18 @@ class Result:
             return "interrupted"
         if self.skipped is not None:
             return "skipped"
+        if self.verdict is not None and self.verdict.outcome == expectations.EXPECTED:
+            return "xfailed"
+        if self.verdict is not None and self.verdict.outcome == expectations.NOW_PASSES:
+            return "xpassed"
         if self.record.passed:
             return "passed"
         return "crashed" if self.record.error is not None else "failed"
+
+    @property
+    def label(self) -> str:
+        """The status as the table shows it: ``expected failure (F3)`` names the finding."""
+        return self.verdict.label if self.status in ("xfailed", "xpassed") else self.status
 
     def as_dict(self) -> dict:
         out = self.record.as_dict()
@@ -49,6 +63,8 @@ class Result:
             out["skipped"] = self.skipped
         if self.interrupted:
             out["interrupted"] = True
+        if self.verdict is not None and self.skipped is None and not self.interrupted:
+            out["expected_failure"] = self.verdict.as_dict()
         if self.peak_rss_mb:
             out["peak_rss_mb"] = [None if math.isnan(v) else v for v in self.peak_rss_mb]
         return out
@@ -66,15 +82,41 @@ def interrupted(planned: Sequence[tuple[str, str]], *, done: set[tuple[str, str]
             for scenario, check in planned if (scenario, check) not in done]
 
 
+def expect(result: Result, marks: dict[tuple[str, str], ExpectedFailure]) -> Result:
+    """``result`` judged against its scenario's ``expect_fail`` mark for its check, if there is one."""
+    mark = marks.get((result.record.scenario, result.record.check))
+    if mark is None or result.skipped is not None or result.interrupted:
+        return result
+    record = result.record
+    failing = [name for name, sub in record.subchecks.items() if not sub["passed"]]
+    verdict = expectations.judge(mark, passed=record.passed, crashed=record.error is not None, failing=failing)
+    return dataclasses.replace(result, verdict=verdict)
+
+
+def expect_marks(scenarios) -> dict[tuple[str, str], ExpectedFailure]:
+    """(scenario name, check) -> the scenario's ``expect_fail`` entry for that check."""
+    return {(s.name, e.check): e for s in scenarios for e in s.expect_fail}
+
+
+_OK = ("passed", "xfailed")  # an expected failure failing as expected is no change
+
+
 def exit_code(results: Sequence[Result]) -> int:
-    """0 when every check that ran passed (and at least one ran), else 1."""
+    """0 when every check that ran passed or failed exactly as its expect_fail mark says (and at least one
+    ran), else 1: an expected failure that now passes is a change too."""
     ran = [r for r in results if r.status != "skipped"]
-    return EXIT_OK if ran and all(r.status == "passed" for r in ran) else EXIT_FAILED
+    return EXIT_OK if ran and all(r.status in _OK for r in ran) else EXIT_FAILED
 
 
 def failing_lines(result: Result) -> list[str]:
     if result.skipped is not None:
         return [result.skipped]
+    if result.verdict is not None and result.status != "xfailed":
+        return [result.verdict.message] + _record_lines(result)
+    return _record_lines(result)
+
+
+def _record_lines(result: Result) -> list[str]:
     record = result.record
     if record.error is not None:
         return [record.error.splitlines()[0]]
@@ -82,8 +124,9 @@ def failing_lines(result: Result) -> list[str]:
             for name, sub in record.subchecks.items() if not sub["passed"]]
 
 
-_STYLE = {"passed": "green", "failed": "red", "crashed": "bold red", "skipped": "yellow",
-          "interrupted": "magenta"}
+_STYLE = {"passed": "green", "xfailed": "cyan", "failed": "red", "xpassed": "bold red", "crashed": "bold red",
+          "skipped": "yellow", "interrupted": "magenta"}
+_SUMMARY_NAME = {"xfailed": "expected failure(s)", "xpassed": "expected failure(s) now passing"}
 
 
 def table(results: Sequence[Result]) -> Table:
@@ -97,24 +140,24 @@ def table(results: Sequence[Result]) -> Table:
             lines = lines[:_MAX_SHOWN] + [f"... {len(lines) - _MAX_SHOWN} more (see --json)"]
         # Failure text is data (gloo errors look like markup: "[/__w/pytorch/...]"), never markup.
         out.add_row(Text(result.record.scenario), Text(result.record.check),
-                    Text(result.status, style=_STYLE[result.status]), f"{result.record.seconds:.1f}",
+                    Text(result.label, style=_STYLE[result.status]), f"{result.record.seconds:.1f}",
                     Text("\n".join(lines)))
     return out
 
 
 def summary(results: Sequence[Result]) -> str:
     counts = {s: sum(r.status == s for r in results) for s in _STYLE}
-    return ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing ran"
+    return ", ".join(f"{n} {_SUMMARY_NAME.get(s, s)}" for s, n in counts.items() if n) or "nothing ran"
 
 
 def print_report(results: Sequence[Result], *, console: Console | None = None) -> None:
     console = console or Console()
     console.print(table(results))
-    console.print(summary(results))
+    console.print(Text(summary(results)))
     for result in results:
         if result.status == "crashed":
             console.print(Text(f"\n{result.record.scenario} {result.record.check} crashed", style="bold red"))
-            console.print(result.record.error, markup=False, highlight=False)
+            console.print(Text(result.record.error), highlight=False)  # the rank's text: no markup, no emoji
 
 
 def to_json(results: Sequence[Result]) -> bytes:

@@ -276,3 +276,13 @@ def test_rollout_npy_keeps_an_interior_capture_gap_in_place(tmp_path, capsys):
         results[kind] = json.loads(out.read_text())["rollout"]
     assert results["npy"] == results["npz"]
     assert results["npy"]["capture_gap_rows"] == 1 and results["npy"]["compared_tokens"] == 3
+
+
+def test_cli_inspect_prints_the_dump_path_verbatim(tmp_path, capsys, monkeypatch):
+    """A path is the user's text: rich must read neither ``:m:`` as an emoji nor ``[b]`` as markup."""
+    monkeypatch.setenv("COLUMNS", "400")
+    path = tmp_path / "run:m:[b]"
+    record.save(path, _routes(0), order="router", seq_len=12, batch=2)
+    assert main(["dump", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert str(path) in out and "\N{CIRCLED LATIN CAPITAL LETTER M}" not in out, out

@@ -146,6 +146,7 @@ def test_parse_sets_reads_yaml_scalars():
     (dict(mlp_only_layers=[0, 3], decoder_sparse_step=1), (1, 2, 4, 5)),  # Qwen2/3-MoE
     (dict(decoder_sparse_step=2), (1, 3, 5)),
     (dict(moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=1), (1, 2, 3, 4)),  # Ernie-4.5
+    (dict(moe_layer_start_index=0, moe_layer_end_index=5, moe_layer_interval=2), (1, 3, 5)),  # (i + 1) % interval
     (dict(mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse", "sparse"]), (1, 2, 4, 5)),
     (dict(), (0, 1, 2, 3, 4, 5)),  # Mixtral, OLMoE, GPT-OSS: every layer
 ])
