@@ -25,7 +25,7 @@ from typing import Any
 
 from moeverify.errors import UsageError
 
-FINDING = "F10"  # the README's findings table: the bridge builds another model than its config says
+FINDING = "F11"  # the README's findings table: the bridge builds another model than its config says
 
 # Provider attributes that change the weights or the forward (not dropout, init, aux-loss or MTP settings), and
 # how to read the value the provider will build with (a q/k/v bias is there with add_bias_linear too).

@@ -1,4 +1,4 @@
-"""A config the installed Megatron-Bridge would build as another model is refused before any rank starts (F10)."""
+"""A config the installed Megatron-Bridge would build as another model is refused before any rank starts (F11)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_run_refuses_a_dense_first_layer_the_qwen3_moe_bridge_ignores(qwen3_moe_
     err = captured.err
     assert code == 2, err
     assert re.search(r"model:m: the installed Megatron-Bridge's Qwen3MoEBridge cannot convert this config as it is "
-                     r"\(finding F10, README\): mlp_only_layers=\[0\]: Qwen3MoEBridge ignores mlp_only_layers: "
+                     r"\(finding F11, README\): mlp_only_layers=\[0\]: Qwen3MoEBridge ignores mlp_only_layers: "
                      r"transformers builds MoE layers 1, 2, 3, Qwen3MoEBridge builds MoE layers 0-3 \(every layer\)"
                      r".*Way out: .*--model-set mlp_only_layers=\[\]", err), err
     assert "Traceback" not in err + captured.out and "\N{CIRCLED LATIN CAPITAL LETTER M}" not in err + captured.out
