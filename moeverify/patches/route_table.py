@@ -1,0 +1,147 @@
+"""One model chunk's routes of one RL step's log-prob passes, found again by token identity.
+
+Legend of shape suffixes: T = tokens of one forward (router order), N = recorded tokens (all forwards),
+G = distinct recorded keys, K = top-k.
+
+Recording appends each log-prob forward's keys ``[T]`` and, per MoE layer, its ids ``[T, K]``. The first
+lookup freezes the table: keys are sorted once, duplicates (the same prefix recorded more than once: GRPO
+responses of one prompt, a sequence in two passes) collapse to one entry, and a key whose copies hold
+different expert sets is marked as a conflict. A lookup is one sorted search per forward; each layer then
+gathers its ids with that search's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeverify.errors import RouteError
+from moeverify.patches.token_keys import TokenKeys
+
+DUPLICATES = ("refuse", "first")  # a key recorded with different routes: refuse at lookup, or keep the first
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lookup:
+    """Where a forward's tokens sit in a frozen table: ``index_T`` (G rows), ``native_T`` (None: all found)."""
+
+    index_T: torch.Tensor
+    native_T: torch.Tensor | None
+
+
+class RouteTable:
+    """Routes keyed by token; see the module docstring.
+
+    Args:
+        max_tokens: refuse to record more tokens than this (duplicates counted): the table's memory bound.
+        num_experts: picks the stored id dtype (int16 up to 32767 experts).
+        duplicates: ``"refuse"`` or ``"first"`` (see ``DUPLICATES``).
+    """
+
+    def __init__(self, *, max_tokens: int, num_experts: int, duplicates: str = "refuse"):
+        self.max_tokens = max_tokens
+        self.duplicates = duplicates
+        self.dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+        self.tokens = 0
+        self._keys: list[TokenKeys] = []
+        self._ids: dict[int, list[torch.Tensor]] = {}
+        self.key1_G: torch.Tensor | None = None
+        self.key2_G: torch.Tensor | None = None
+        self.conflict_G: torch.Tensor | None = None
+        self.ids_GK: dict[int, torch.Tensor] = {}
+
+    @property
+    def frozen(self) -> bool:
+        return self.key1_G is not None
+
+    def add_forward(self, keys: TokenKeys, *, rank: int) -> int:
+        """Register a log-prob forward's tokens; returns its forward index."""
+        if self.tokens + keys.tokens > self.max_tokens:
+            raise RouteError(f"rank {rank}: this step's log-prob passes recorded {self.tokens + keys.tokens} tokens "
+                             f"for one model chunk, over the cap of {self.max_tokens} (memory bound of in-job replay); "
+                             "raise MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if the step really holds that many")
+        self.tokens += keys.tokens
+        self._keys.append(keys)
+        return len(self._keys) - 1
+
+    def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int) -> None:
+        held = self._ids.setdefault(layer, [])
+        if len(held) != forward:
+            raise RouteError(f"layer {layer} rank {rank}: log-prob forward {forward} routed this layer after "
+                             f"{len(held)} forward(s); each forward must route every layer once")
+        held.append(ids_TK.to(self.dtype))
+
+    def freeze(self, *, rank: int) -> None:
+        """Sort and deduplicate the recorded keys; mark keys recorded with different expert sets."""
+        forwards = len(self._keys)
+        short = {layer: len(ids) for layer, ids in self._ids.items() if len(ids) != forwards}
+        if short:
+            raise RouteError(f"rank {rank}: per layer, log-prob forwards routed {short} of {forwards}: a log-prob "
+                             "forward stopped before its last MoE layer")
+        key1_N = torch.cat([k.key1_T for k in self._keys])
+        key2_N = torch.cat([k.key2_T for k in self._keys])
+        by2 = torch.argsort(key2_N, stable=True)
+        order_N = by2[torch.argsort(key1_N[by2], stable=True)]
+        key1_N, key2_N = key1_N[order_N], key2_N[order_N]
+        same1 = key1_N[1:] == key1_N[:-1]
+        same = same1 & (key2_N[1:] == key2_N[:-1])
+        if bool((same1 & ~same).any()):
+            raise RouteError(f"rank {rank}: two different recorded token prefixes share one 64-bit key half (chance "
+                             "about N^2 / 2^65); rerun the step")
+        first_N = torch.ones_like(key1_N, dtype=torch.bool)
+        first_N[1:] = ~same
+        group_N = torch.cumsum(first_N, dim=0) - 1
+        heads_G = first_N.nonzero().squeeze(1)
+        conflict_G = torch.zeros(heads_G.shape[0], dtype=torch.int32, device=key1_N.device)
+        for layer, ids in self._ids.items():
+            ids_NK = torch.cat(ids)[order_N]
+            canon_NK = ids_NK.sort(dim=1).values  # a route is an expert set: slot order does not count
+            differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1)
+            conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
+            self.ids_GK[layer] = ids_NK[heads_G]
+        self.key1_G, self.key2_G = key1_N[heads_G], key2_N[heads_G]
+        self.conflict_G = conflict_G > 0
+        self._keys.clear()
+        self._ids.clear()
+
+    def nbytes(self) -> int:
+        """Device bytes held by the frozen table (keys, conflict flags and ids)."""
+        if not self.frozen:
+            raise RouteError("nbytes() of a table still recording")
+        tensors = [self.key1_G, self.key2_G, self.conflict_G, *self.ids_GK.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def lookup(self, keys: TokenKeys, *, layer: int, rank: int) -> Lookup:
+        """Find a forward's tokens; ``RouteError`` for a token (not padding) with no route or a conflicting one."""
+        g = self.key1_G.shape[0]
+        index_T = torch.searchsorted(self.key1_G, keys.key1_T).clamp(max=g - 1)
+        found_T = (self.key1_G[index_T] == keys.key1_T) & (self.key2_G[index_T] == keys.key2_T)
+        bad_T = ~found_T
+        if self.duplicates == "refuse":
+            bad_T = bad_T | (found_T & self.conflict_G[index_T])
+        if keys.pad_T is not None:
+            bad_T = bad_T & ~keys.pad_T
+        any_bad, any_missing = torch.stack([bad_T.any(), (~found_T).any()]).tolist()  # one host sync per forward
+        if any_bad:
+            raise RouteError(self._explain(keys, found_T, bad_T, layer=layer, rank=rank))
+        return Lookup(index_T=index_T, native_T=~found_T if any_missing else None)
+
+    def _explain(self, keys: TokenKeys, found_T, bad_T, *, layer: int, rank: int) -> str:
+        bad = bad_T.nonzero().squeeze(1)
+        t = int(bad[0])
+        where = (f"layer {layer} rank {rank}: training token {t} (sequence {int(keys.seq_T[t])} of this forward, "
+                 f"position {int(keys.pos_T[t])})")
+        more = f" ({bad.numel()} of {keys.tokens} tokens of this forward)"
+        if not bool(found_T[t]):
+            return (f"{where} has no route recorded by this step's log-prob pass{more}; in-job replay (r2) "
+                    "replays routes only on the tokens (same content and position from the sequence start) its "
+                    "log-prob forwards routed: run the log-prob pass on every sequence the step trains on, or "
+                    "mark padding with padding_mask / cu_seqlens_padded")
+        return (f"{where} was recorded more than once with different expert sets{more}: identical prefixes "
+                "routed differently in the log-prob pass (batch-dependent numerics); set "
+                "MOEVERIFY_ROUTER_REPLAY_DUPLICATES=first to replay the first recorded route")
+
+    def ids(self, layer: int, found: Lookup) -> torch.Tensor:
+        """This layer's recorded ids ``[T, K]`` (int64) for a looked-up forward."""
+        return self.ids_GK[layer][found.index_T].long()

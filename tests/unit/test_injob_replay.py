@@ -1,0 +1,245 @@
+"""In-job R2 (``MOEVERIFY_ROUTER_REPLAY=r2``) in RL loops written the way trainers write them (1 CPU rank).
+
+The patch is installed from the environment as the entry point does, before the models are built; the loops
+never mention it. A spy (a forward hook on every ``TopKRouter``) reads the experts Megatron actually used, so
+every training token is checked against the route its own log-prob forward chose (found by the test from the
+sequence and position it fed, independently of the patch's keys), and gradients are compared bitwise with
+the session API given those routes aligned by hand.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from moeverify.errors import RouteError
+from moeverify.layout import Layout
+from moeverify.patches import autopatch, injob
+from moeverify.patches import router_replay as rr
+
+VOCAB_SEED = 11
+
+
+@pytest.fixture(scope="module")
+def world():
+    from moeverify import models, runtime
+
+    runtime.init("cpu")
+    with runtime.parallel(Layout(), seed=0):
+        gc.collect()  # models are numbered over live routers: earlier modules' models must be gone
+        saved = {k: os.environ.get(k) for k in (autopatch.ENV, autopatch.MODEL_ENV)}
+        os.environ[autopatch.ENV] = "r2"
+        os.environ[autopatch.MODEL_ENV] = str(len(autopatch._ORDER.models()))  # the actor: built next
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        try:
+            autopatch.install_from_env()
+            actor = models.build("qwen3_moe", Layout(), seed=0)
+            reference = models.build("qwen3_moe", Layout(), seed=1)
+            for chunk in actor.model_chunks + reference.model_chunks:
+                chunk.train()
+            yield actor.model_chunks[0], reference.model_chunks[0], actor.config.vocab_size
+        finally:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+            autopatch.uninstall()
+            rr.revert()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+class Spy:
+    """Per forward routing call of the bound model (recomputes apart): ``(layer, sorted ids [T, K])``."""
+
+    def __init__(self, chunk):
+        self.calls: list[tuple[int, torch.Tensor]] = []
+        self.handles = [m.register_forward_hook(self._hook) for m in chunk.modules() if type(m).__name__ == "TopKRouter"]
+
+    def _hook(self, router, _inputs, outputs):
+        if torch._C._current_graph_task_id() == -1:
+            self.calls.append((router.layer_number - 1, torch.topk(outputs[1].int(), router.topk).indices.sort().values))
+
+    def take(self) -> list:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def batch_of(sequences, uids):
+    """Right-padded ``[B, S]`` ids, Megatron's padding mask, and the (uid, position) of each token in router order."""
+    width = max(len(sequences[u]) for u in uids)
+    ids = torch.zeros(len(uids), width, dtype=torch.long)
+    pad = torch.ones(len(uids), width, dtype=torch.bool)
+    for b, u in enumerate(uids):
+        ids[b, :len(sequences[u])], pad[b, :len(sequences[u])] = sequences[u], False
+    where = [(uids[b], s) if not pad[b, s] else None for s in range(width) for b in range(len(uids))]
+    return ids, pad, where
+
+
+def forward(chunk, ids, pad):
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    return chunk(ids, pos, None, padding_mask=pad if bool(pad.any()) else None)
+
+
+def loss_of(output, pad):
+    return output.float().square().mean(dim=-1).masked_fill(pad, 0.0).sum() / (~pad).sum()
+
+
+def log_prob_pass(chunk, sequences, uids, spy, *, micro=4) -> dict:
+    """verl's compute_log_prob: no grad, its own micro-batch size; returns (layer, uid, pos) -> sorted ids."""
+    routes = {}
+    with torch.no_grad():
+        for i in range(0, len(uids), micro):
+            ids, pad, where = batch_of(sequences, uids[i:i + micro])
+            forward(chunk, ids, pad)
+            for layer, ids_TK in spy.take():
+                routes.update({(layer, *w): ids_TK[t] for t, w in enumerate(where) if w is not None})
+    return routes
+
+
+def dynamic_micro_batches(sequences, uids, max_tokens):
+    """Group a mini-batch's sequences by token count (padded width x rows <= max_tokens), in the given order."""
+    groups, current = [], []
+    for u in uids:
+        trial = current + [u]
+        if current and max(len(sequences[v]) for v in trial) * len(trial) > max_tokens:
+            groups.append(current)
+            trial = [u]
+        current = trial
+    return groups + [current]
+
+
+def ppo_update(chunk, sequences, plan, *, spy=None, aligned=None, session=None):
+    """PPO epochs of shuffled mini-batches (one optimizer step each); returns the grads of every mini-batch.
+
+    ``aligned``: (layer, uid, pos) -> ids to replay through ``session`` by hand (the reference run); else the
+    loop runs as a trainer writes it and ``spy`` collects what each token used."""
+    opt = torch.optim.SGD(chunk.parameters(), lr=0.5)
+    grads, used = [], []
+    for minibatch in plan:
+        opt.zero_grad(set_to_none=True)
+        for micro in minibatch:
+            ids, pad, where = batch_of(sequences, micro)
+            if aligned is None:
+                loss_of(forward(chunk, ids, pad), pad).backward()
+                used.append((where, spy.take()))
+                continue
+            routes = rr.Routes({layer: [torch.stack([aligned[(layer, *(w or ("pad", tuple(micro), t)))]
+                                                     for t, w in enumerate(where)])] for layer in session.layers},
+                               num_experts=session.num_experts, topk=session.topk)
+            with session.replay(routes):
+                loss_of(forward(chunk, ids, pad), pad).backward()
+            session.check_consumed()
+        grads.append({n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None})
+        opt.step()
+    return grads, used
+
+
+def verl_plan(uids, *, epochs=2, minibatches=2, ppo_micro=2, max_tokens=None, sequences=None, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    plan = []
+    for _ in range(epochs):
+        order = [uids[i] for i in torch.randperm(len(uids), generator=g).tolist()]
+        size = len(order) // minibatches
+        for m in range(minibatches):
+            part = order[m * size:(m + 1) * size]
+            if max_tokens is None:
+                plan.append([part[i:i + ppo_micro] for i in range(0, len(part), ppo_micro)])
+            else:
+                plan.append(dynamic_micro_batches(sequences, part, max_tokens))
+    return plan
+
+
+def run_step(world, sequences, plan, *, reference=False):
+    """One RL step as a trainer runs it, then the same updates by hand through the session API; compares."""
+    actor, ref_model, _ = world
+    saved = {k: v.clone() for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}
+    uids = list(range(len(sequences)))
+    spy = Spy(actor)
+    try:
+        logp = log_prob_pass(actor, sequences, uids, spy)
+        if reference:
+            with torch.no_grad():
+                for i in range(0, len(uids), 4):
+                    ids, pad, _ = batch_of(sequences, uids[i:i + 4])
+                    forward(ref_model, ids, pad)
+        got, used = ppo_update(actor, sequences, plan, spy=spy)
+    finally:
+        spy.close()
+    checked, aligned = 0, dict(logp)
+    for (where, calls), micro in zip(used, [m for mb in plan for m in mb]):
+        assert len(calls) == 4, f"{len(calls)} forward routing calls, expected one per MoE layer"
+        for layer, ids_TK in calls:
+            for t, w in enumerate(where):
+                if w is None:
+                    aligned[(layer, "pad", tuple(micro), t)] = ids_TK[t]  # padding: natively routed, replayed as it went
+                    continue
+                assert torch.equal(ids_TK[t], logp[(layer, *w)]), f"layer {layer} token {w}: not its log-prob route"
+                checked += 1
+    assert checked == 4 * sum(len(sequences[u]) for mb in plan for m in mb for u in m)
+    actor.load_state_dict(saved, strict=False)
+    session = rr.ReplaySession(actor)
+    want, _ = ppo_update(actor, sequences, plan, aligned=aligned, session=session)
+    actor.load_state_dict(saved, strict=False)
+    assert len(got) == len(want) == len(plan)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.keys() == b.keys() and a
+        diff = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not diff, f"mini-batch {i}: gradients differ from the session API with hand-aligned routes: {diff[:3]}"
+    return checked
+
+
+def random_sequences(vocab, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def test_injob_verl_loop_replays_each_tokens_log_prob_route(world):
+    sequences = random_sequences(world[2], [8] * 8, VOCAB_SEED)
+    checked = run_step(world, sequences, verl_plan(list(range(8))))
+    assert checked == 2 * 8 * 8 * 4
+
+
+def test_injob_dynamic_batching_by_token_count_with_padding(world):
+    sequences = random_sequences(world[2], [6, 3, 8, 5, 7, 2, 8, 4], VOCAB_SEED + 1)
+    plan = verl_plan(list(range(8)), max_tokens=24, sequences=sequences)
+    assert {len(m) for mb in plan for m in mb} != {2}  # micro-batches of several sizes
+    run_step(world, sequences, plan)
+
+
+def test_injob_grpo_step_shared_prompts_and_reference_model(world):
+    vocab = world[2]
+    prompts = random_sequences(vocab, [4, 5], VOCAB_SEED + 2)
+    responses = random_sequences(vocab, [3] * 6, VOCAB_SEED + 3)
+    sequences = [torch.cat([prompts[i // 3], responses[i]]) for i in range(6)]  # 3 responses per prompt
+    plan = verl_plan(list(range(6)), epochs=1, minibatches=2, ppo_micro=3, seed=5)
+    run_step(world, sequences, plan, reference=True)
+    session = autopatch.session()
+    assert len(session.state.tables) == 1  # the actor's chunk only: the reference model routed natively
+
+
+def test_injob_token_without_route_refused(world):
+    actor, _, vocab = world
+    sequences = random_sequences(vocab, [5, 5], VOCAB_SEED + 4)
+    with torch.no_grad():
+        forward(actor, sequences[0][None], torch.zeros(1, 5, dtype=torch.bool))
+    ids = torch.stack(sequences)
+    with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0"
+                                         r"\) has no route recorded by this step's log-prob pass \(5 of 10 tokens"):
+        forward(actor, ids, torch.zeros(2, 5, dtype=torch.bool))
+    with torch.no_grad():  # a new step: the previous step's routes are dropped
+        forward(actor, ids[1:], torch.zeros(1, 5, dtype=torch.bool))
+    with pytest.raises(RouteError, match=r"training token 0 \(sequence 0 of this forward, position 0\) has no route"):
+        forward(actor, ids[:1], torch.zeros(1, 5, dtype=torch.bool))
+    with injob.pass_kind("log_prob"):  # the override: a forward with grad enabled that records
+        forward(actor, ids, torch.zeros(2, 5, dtype=torch.bool))
+    forward(actor, ids, torch.zeros(2, 5, dtype=torch.bool)).sum().backward()
