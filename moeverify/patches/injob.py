@@ -235,8 +235,9 @@ class InJobState:
                              "chunk: in-job replay (r2) replays the routes of the step's log-prob pass (a forward "
                              "under torch.no_grad()); run it first, or mark it with injob.pass_kind('log_prob')")
         if not table.frozen:
+            group = _sequence_parallel_group(router.config)
             for held in self.tables.values():
-                held.freeze(rank=rank)
+                held.freeze(rank=rank, group=group)
             self.table_bytes = sum(held.nbytes() for held in self.tables.values())
         self.phase = "training"
         if layer not in table.ids_GK:
@@ -253,6 +254,15 @@ class InJobState:
 
     def recompute(self, router, layer, mb, logits, args, kwargs):
         return replay_state._call_with_hook(self.original, router, mb, logits, args, kwargs)
+
+
+def _sequence_parallel_group(config):
+    """The TP group when its ranks split every sequence (sequence parallel), else None."""
+    from megatron.core import parallel_state
+
+    if getattr(config, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
 
 
 def _env_int(name: str, default: int) -> int:

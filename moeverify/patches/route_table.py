@@ -44,7 +44,7 @@ class RouteTable:
         self.duplicates = duplicates
         self.dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self.tokens = 0
-        self._keys: list[TokenKeys] = []
+        self._keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # (key1_T, key2_T) per forward
         self._ids: dict[int, list[torch.Tensor]] = {}
         self.key1_G: torch.Tensor | None = None
         self.key2_G: torch.Tensor | None = None
@@ -62,7 +62,7 @@ class RouteTable:
                              f"for one model chunk, over the cap of {self.max_tokens} (memory bound of in-job replay); "
                              "raise MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if the step really holds that many")
         self.tokens += keys.tokens
-        self._keys.append(keys)
+        self._keys.append((keys.key1_T, keys.key2_T))
         return len(self._keys) - 1
 
     def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int) -> None:
@@ -72,15 +72,22 @@ class RouteTable:
                              f"{len(held)} forward(s); each forward must route every layer once")
         held.append(ids_TK.to(self.dtype))
 
-    def freeze(self, *, rank: int) -> None:
-        """Sort and deduplicate the recorded keys; mark keys recorded with different expert sets."""
+    def freeze(self, *, rank: int, group=None) -> None:
+        """Sort and deduplicate the recorded keys; mark keys recorded with different expert sets.
+
+        Args:
+            group: a process group whose ranks each routed a part of every token list (the TP group under
+                sequence parallel): their recordings are pooled, since another batching splits sequences
+                over the ranks at other positions. Collective over ``group``."""
         forwards = len(self._keys)
         short = {layer: len(ids) for layer, ids in self._ids.items() if len(ids) != forwards}
         if short:
             raise RouteError(f"rank {rank}: per layer, log-prob forwards routed {short} of {forwards}: a log-prob "
                              "forward stopped before its last MoE layer")
-        key1_N = torch.cat([k.key1_T for k in self._keys])
-        key2_N = torch.cat([k.key2_T for k in self._keys])
+        key1_N = torch.cat([k1 for k1, _ in self._keys])
+        key2_N = torch.cat([k2 for _, k2 in self._keys])
+        if group is not None:
+            key1_N, key2_N = self._pool(key1_N, key2_N, group)
         by2 = torch.argsort(key2_N, stable=True)
         order_N = by2[torch.argsort(key1_N[by2], stable=True)]
         key1_N, key2_N = key1_N[order_N], key2_N[order_N]
@@ -104,6 +111,27 @@ class RouteTable:
         self.conflict_G = conflict_G > 0
         self._keys.clear()
         self._ids.clear()
+
+    def _pool(self, key1_N, key2_N, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather the recorded rows of ``group`` (sizes differ per rank); ids of every layer come along."""
+        import torch.distributed as dist
+
+        layers = sorted(self._ids)
+        rows_NC = torch.cat([key1_N[:, None], key2_N[:, None]]
+                            + [torch.cat(self._ids[layer]).long() for layer in layers], dim=1)
+        count = torch.tensor([rows_NC.shape[0]], device=rows_NC.device)
+        counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, count, group=group)
+        most = int(max(c.item() for c in counts))
+        padded_NC = torch.zeros(most, rows_NC.shape[1], dtype=rows_NC.dtype, device=rows_NC.device)
+        padded_NC[:rows_NC.shape[0]] = rows_NC
+        gathered = [torch.empty_like(padded_NC) for _ in counts]
+        dist.all_gather(gathered, padded_NC, group=group)
+        pooled_NC = torch.cat([g[:int(c.item())] for g, c in zip(gathered, counts)])
+        k = (pooled_NC.shape[1] - 2) // max(len(layers), 1)
+        for i, layer in enumerate(layers):
+            self._ids[layer] = [pooled_NC[:, 2 + i * k:2 + (i + 1) * k].to(self.dtype)]
+        return pooled_NC[:, 0].contiguous(), pooled_NC[:, 1].contiguous()
 
     def nbytes(self) -> int:
         """Device bytes held by the frozen table (keys, conflict flags and ids)."""

@@ -145,14 +145,16 @@ def ppo_update(chunk, sequences, plan, *, spy=None, aligned=None, session=None):
 
 
 def verl_plan(uids, *, epochs=2, minibatches=2, ppo_micro=2, max_tokens=None, sequences=None, seed=3):
+    """verl's update_policy: per epoch, shuffled mini-batches split into micro-batches of ``ppo_micro``
+    sequences; with ``max_tokens``, the last epoch regroups them by token count (use_dynamic_bsz) instead."""
     g = torch.Generator().manual_seed(seed)
     plan = []
-    for _ in range(epochs):
+    for epoch in range(epochs):
         order = [uids[i] for i in torch.randperm(len(uids), generator=g).tolist()]
         size = len(order) // minibatches
         for m in range(minibatches):
             part = order[m * size:(m + 1) * size]
-            if max_tokens is None:
+            if max_tokens is None or epoch < epochs - 1:
                 plan.append([part[i:i + ppo_micro] for i in range(0, len(part), ppo_micro)])
             else:
                 plan.append(dynamic_micro_batches(sequences, part, max_tokens))
@@ -204,16 +206,12 @@ def random_sequences(vocab, lengths, seed):
 
 
 def test_injob_verl_loop_replays_each_tokens_log_prob_route(world):
-    sequences = random_sequences(world[2], [8] * 8, VOCAB_SEED)
-    checked = run_step(world, sequences, verl_plan(list(range(8))))
-    assert checked == 2 * 8 * 8 * 4
-
-
-def test_injob_dynamic_batching_by_token_count_with_padding(world):
-    sequences = random_sequences(world[2], [6, 3, 8, 5, 7, 2, 8, 4], VOCAB_SEED + 1)
+    # log-prob micro-batch 4; PPO micro-batch 2, then dynamic batching by token count; 2 shuffled mini-batches,
+    # 2 epochs; sequences of several lengths, right-padded with Megatron's padding_mask
+    sequences = random_sequences(world[2], [6, 3, 8, 5, 7, 2, 8, 4], VOCAB_SEED)
     plan = verl_plan(list(range(8)), max_tokens=24, sequences=sequences)
-    assert {len(m) for mb in plan for m in mb} != {2}  # micro-batches of several sizes
-    run_step(world, sequences, plan)
+    assert {len(m) for mb in plan for m in mb} == {1, 2, 3}
+    assert run_step(world, sequences, plan) == 2 * sum(len(s) for s in sequences) * 4
 
 
 def test_injob_grpo_step_shared_prompts_and_reference_model(world):
@@ -243,3 +241,19 @@ def test_injob_token_without_route_refused(world):
     with injob.pass_kind("log_prob"):  # the override: a forward with grad enabled that records
         forward(actor, ids, torch.zeros(2, 5, dtype=torch.bool))
     forward(actor, ids, torch.zeros(2, 5, dtype=torch.bool)).sum().backward()
+
+
+def test_injob_spy_catches_routes_replayed_on_other_tokens(world, monkeypatch):
+    # mutant: the table replays each forward's rows shifted by one token (a layout bug); run_step's spy must fail
+    from moeverify.patches.route_table import Lookup, RouteTable
+
+    real = RouteTable.lookup
+
+    def shifted(self, keys, *, layer, rank):
+        found = real(self, keys, layer=layer, rank=rank)
+        return Lookup(index_T=found.index_T.roll(1), native_T=found.native_T)
+
+    monkeypatch.setattr(RouteTable, "lookup", shifted)
+    sequences = random_sequences(world[2], [5, 5], VOCAB_SEED + 5)
+    with pytest.raises(AssertionError, match=r"not its log-prob route"):
+        run_step(world, sequences, [[[1, 0]]])
