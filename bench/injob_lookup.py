@@ -4,8 +4,9 @@ Variants, interleaved round by round in one process (the fastest round counts):
 - ``unpatched``: Megatron-Core as installed (the patch reverted);
 - ``r2.replay``: a training forward under ``MOEVERIFY_ROUTER_REPLAY=r2``: the chunk forward's token keys
   (prefix hashes of ``[1, T]`` ids), one sorted search in a table of the step's recorded tokens, the layer's
-  gather, then Megatron's routing with the found ids. With one MoE layer per forward, the keys and the search
+  gather, then Megatron's routing with the found ids, and the forward's found-check (one host sync). With one MoE layer per forward, the keys and the search
   are all this layer's: the worst case;
+- ``r2.replay_unchecked``: the same without the found-check (its host sync: what the check costs);
 - ``r2.replay_gather``: the same with the forward's keys and search already done (a later layer of the same
   forward: what each layer pays in a many-layer model);
 - ``r2.record_fwd`` vs ``unpatched_fwd``: a log-prob forward (no grad) recording into the table.
@@ -88,6 +89,12 @@ def main(argv=None) -> dict:
         injob._CURRENT.pop()
 
         def replay():
+            fwd = forward_of(rows[0])
+            bench._layer_step(router, x)
+            injob._CURRENT.pop()
+            fwd.check()  # what the chunk's forward hook runs when the forward ends: the one host sync
+
+        def replay_unchecked():
             forward_of(rows[0])
             bench._layer_step(router, x)
             injob._CURRENT.pop()
@@ -122,6 +129,7 @@ def main(argv=None) -> dict:
                 router(x)
 
         variants = {"unpatched": lambda: bench._layer_step(router, x), "r2.replay": held(replay),
+                    "r2.replay_unchecked": held(replay_unchecked),
                     "r2.replay_gather": held(replay_gather), "unpatched_fwd": unpatched_fwd,
                     "r2.record_fwd": held(record_fwd, recorder)}
         timer = bench._timer(args)
@@ -131,13 +139,13 @@ def main(argv=None) -> dict:
                 best[name] = min(best[name], timer(step))
         table = next(iter(state.tables.values()))
         rr.revert()
-    base = {"r2.replay": "unpatched", "r2.replay_gather": "unpatched", "r2.record_fwd": "unpatched_fwd"}
+    base = {"r2.replay": "unpatched", "r2.replay_unchecked": "unpatched", "r2.replay_gather": "unpatched", "r2.record_fwd": "unpatched_fwd"}
     metrics = {name: {"value": round(ms, 4), "unit": "ms"} for name, ms in best.items()}
     for name, peer in base.items():
         metrics[name].update(peer=peer, ratio=round(best[name] / best[peer], 4))
     metrics["r2.replay"]["goal"] = "<=1.02"
     result = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "metrics": metrics,
-              "table_bytes": table.nbytes(), "table_tokens": int(table.key1_G.shape[0])}
+              "table_bytes": table.nbytes(), "table_tokens": int(table.keys_2G.shape[1])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -66,6 +66,7 @@ class ChunkForward:
         self.padding_mask = kwargs.get("padding_mask")
         self.recorded_as: int | None = None  # forward index in the table (log-prob pass)
         self.found: Lookup | None = None  # the table lookup (training pass)
+        self.check = None  # refuses the lookup's bad tokens; run when the forward ends
         self._keys: tk.TokenKeys | None = None
 
     def keys(self, router, layer: int, tokens: int, *, rank: int) -> tk.TokenKeys:
@@ -107,7 +108,9 @@ def _chunk_pre_hook(chunk, args, kwargs):
 
 def _chunk_post_hook(chunk, args, kwargs, output):
     if _CURRENT and _CURRENT[-1].chunk is chunk:
-        _CURRENT.pop()
+        fwd = _CURRENT.pop()
+        if fwd.check is not None and output is not None:  # not while the forward's own error propagates
+            fwd.check()
 
 
 class ChunkHooks:
@@ -244,7 +247,8 @@ class InJobState:
             raise RouteError(f"layer {layer} rank {rank}: the log-prob pass recorded layers {sorted(table.ids_GK)} "
                              "for this model chunk, not this one")
         if fwd.found is None:
-            fwd.found = table.lookup(keys, layer=layer, rank=rank)
+            fwd.found = table.lookup(keys)
+            fwd.check = lambda: table.check(fwd.found, layer=layer, rank=rank)
         ids_TK = table.ids(layer, fwd.found)
         region = regions.forward_region()
         if region is not None:

@@ -7,7 +7,9 @@ Recording appends each log-prob forward's keys ``[T]`` and, per MoE layer, its i
 lookup freezes the table: keys are sorted once, duplicates (the same prefix recorded more than once: GRPO
 responses of one prompt, a sequence in two passes) collapse to one entry, and a key whose copies hold
 different expert sets is marked as a conflict. A lookup is one sorted search per forward; each layer then
-gathers its ids with that search's result.
+gathers its ids with that search's result. The lookup makes no host sync: whether every token was found is
+copied to pinned host memory behind an event and read once per forward, when it ends, waiting only for the search
+(long finished by then), never for the work queued after it.
 """
 
 from __future__ import annotations
@@ -22,12 +24,38 @@ from moeverify.patches.token_keys import TokenKeys
 DUPLICATES = ("refuse", "first")  # a key recorded with different routes: refuse at lookup, or keep the first
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+class _DeviceFlag:
+    """A device boolean read later without draining the stream: copied to pinned memory behind an event, so the
+    read waits only for the kernels before it (long done by then), not for the work queued since."""
+
+    __slots__ = ("value", "host", "event")
+
+    def __init__(self, value: torch.Tensor):
+        self.value, self.host, self.event = value, None, None
+        if value.is_cuda:
+            self.host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            self.host.copy_(value, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self) -> bool:
+        if self.event is None:
+            return bool(self.value)
+        self.event.synchronize()
+        return bool(self.host)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Lookup:
-    """Where a forward's tokens sit in a frozen table: ``index_T`` (G rows), ``native_T`` (None: all found)."""
+    """Where a forward's tokens sit in a frozen table: ``index_T`` (G rows); ``native_T``: tokens to route natively
+    (padding not found; None without padding information); ``bad_T``: tokens ``RouteTable.check`` refuses."""
 
     index_T: torch.Tensor
     native_T: torch.Tensor | None
+    bad_T: torch.Tensor
+    found_T: torch.Tensor
+    keys: TokenKeys
+    any_bad: _DeviceFlag
 
 
 class RouteTable:
@@ -44,16 +72,15 @@ class RouteTable:
         self.duplicates = duplicates
         self.dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self.tokens = 0
-        self._keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # (key1_T, key2_T) per forward
+        self._keys: list[torch.Tensor] = []  # keys_2T per forward
         self._ids: dict[int, list[torch.Tensor]] = {}
-        self.key1_G: torch.Tensor | None = None
-        self.key2_G: torch.Tensor | None = None
+        self.keys_2G: torch.Tensor | None = None  # sorted by the first half
         self.conflict_G: torch.Tensor | None = None
         self.ids_GK: dict[int, torch.Tensor] = {}
 
     @property
     def frozen(self) -> bool:
-        return self.key1_G is not None
+        return self.keys_2G is not None
 
     def add_forward(self, keys: TokenKeys, *, rank: int) -> int:
         """Register a log-prob forward's tokens; returns its forward index."""
@@ -62,7 +89,7 @@ class RouteTable:
                              f"for one model chunk, over the cap of {self.max_tokens} (memory bound of in-job replay); "
                              "raise MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if the step really holds that many")
         self.tokens += keys.tokens
-        self._keys.append((keys.key1_T, keys.key2_T))
+        self._keys.append(keys.keys_2T)
         return len(self._keys) - 1
 
     def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int) -> None:
@@ -84,8 +111,7 @@ class RouteTable:
         if short:
             raise RouteError(f"rank {rank}: per layer, log-prob forwards routed {short} of {forwards}: a log-prob "
                              "forward stopped before its last MoE layer")
-        key1_N = torch.cat([k1 for k1, _ in self._keys])
-        key2_N = torch.cat([k2 for _, k2 in self._keys])
+        key1_N, key2_N = torch.cat(self._keys, dim=1)
         if group is not None:
             key1_N, key2_N = self._pool(key1_N, key2_N, group)
         by2 = torch.argsort(key2_N, stable=True)
@@ -107,7 +133,7 @@ class RouteTable:
             differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1)
             conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
             self.ids_GK[layer] = ids_NK[heads_G]
-        self.key1_G, self.key2_G = key1_N[heads_G], key2_N[heads_G]
+        self.keys_2G = torch.stack([key1_N[heads_G], key2_N[heads_G]])
         self.conflict_G = conflict_G > 0
         self._keys.clear()
         self._ids.clear()
@@ -137,29 +163,35 @@ class RouteTable:
         """Device bytes held by the frozen table (keys, conflict flags and ids)."""
         if not self.frozen:
             raise RouteError("nbytes() of a table still recording")
-        tensors = [self.key1_G, self.key2_G, self.conflict_G, *self.ids_GK.values()]
+        tensors = [self.keys_2G, self.conflict_G, *self.ids_GK.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def lookup(self, keys: TokenKeys, *, layer: int, rank: int) -> Lookup:
-        """Find a forward's tokens; ``RouteError`` for a token (not padding) with no route or a conflicting one."""
-        g = self.key1_G.shape[0]
-        index_T = torch.searchsorted(self.key1_G, keys.key1_T).clamp(max=g - 1)
-        found_T = (self.key1_G[index_T] == keys.key1_T) & (self.key2_G[index_T] == keys.key2_T)
+    def lookup(self, keys: TokenKeys) -> Lookup:
+        """Find a forward's tokens, with no host sync: ``Lookup.check`` (later) refuses the bad ones."""
+        g = self.keys_2G.shape[1]
+        index_T = torch.searchsorted(self.keys_2G[0], keys.keys_2T[0]).clamp(max=g - 1)
+        found_T = (self.keys_2G[:, index_T] == keys.keys_2T).all(dim=0)
         bad_T = ~found_T
         if self.duplicates == "refuse":
             bad_T = bad_T | (found_T & self.conflict_G[index_T])
+        native_T = None
         if keys.pad_T is not None:
             bad_T = bad_T & ~keys.pad_T
-        any_bad, any_missing = torch.stack([bad_T.any(), (~found_T).any()]).tolist()  # one host sync per forward
-        if any_bad:
-            raise RouteError(self._explain(keys, found_T, bad_T, layer=layer, rank=rank))
-        return Lookup(index_T=index_T, native_T=~found_T if any_missing else None)
+            native_T = ~found_T  # padding not found routes natively (bad_T covers the rest)
+        return Lookup(index_T=index_T, native_T=native_T, bad_T=bad_T, found_T=found_T, keys=keys,
+                      any_bad=_DeviceFlag(bad_T.any()))
+
+    def check(self, found: Lookup, *, layer: int, rank: int) -> None:
+        """``RouteError`` for a looked-up token (not padding) with no route or a conflicting one."""
+        if found.any_bad.read():
+            raise RouteError(self._explain(found.keys, found.found_T, found.bad_T, layer=layer, rank=rank))
+
 
     def _explain(self, keys: TokenKeys, found_T, bad_T, *, layer: int, rank: int) -> str:
         bad = bad_T.nonzero().squeeze(1)
         t = int(bad[0])
-        where = (f"layer {layer} rank {rank}: training token {t} (sequence {int(keys.seq_T[t])} of this forward, "
-                 f"position {int(keys.pos_T[t])})")
+        seq, pos = keys.locate(t)
+        where = f"layer {layer} rank {rank}: training token {t} (sequence {seq} of this forward, position {pos})"
         more = f" ({bad.numel()} of {keys.tokens} tokens of this forward)"
         if not bool(found_T[t]):
             return (f"{where} has no route recorded by this step's log-prob pass{more}; in-job replay (r2) "

@@ -245,15 +245,34 @@ def test_injob_token_without_route_refused(world):
 
 def test_injob_spy_catches_routes_replayed_on_other_tokens(world, monkeypatch):
     # mutant: the table replays each forward's rows shifted by one token (a layout bug); run_step's spy must fail
-    from moeverify.patches.route_table import Lookup, RouteTable
+    import dataclasses
+
+    from moeverify.patches.route_table import RouteTable
 
     real = RouteTable.lookup
 
-    def shifted(self, keys, *, layer, rank):
-        found = real(self, keys, layer=layer, rank=rank)
-        return Lookup(index_T=found.index_T.roll(1), native_T=found.native_T)
+    def shifted(self, keys):
+        found = real(self, keys)
+        return dataclasses.replace(found, index_T=found.index_T.roll(1))
 
     monkeypatch.setattr(RouteTable, "lookup", shifted)
     sequences = random_sequences(world[2], [5, 5], VOCAB_SEED + 5)
     with pytest.raises(AssertionError, match=r"not its log-prob route"):
         run_step(world, sequences, [[[1, 0]]])
+
+
+def test_injob_stage_without_input_ids_refused(world):
+    # a pipeline stage fed hidden states only (no input_ids): its tokens cannot be identified, never routed natively
+    actor, _, vocab = world
+    ids = random_sequences(vocab, [4], VOCAB_SEED + 6)[0][None]
+    with torch.no_grad():
+        forward(actor, ids, torch.zeros(1, 4, dtype=torch.bool))
+    hidden_SBH = torch.randn(4, 1, actor.config.hidden_size, dtype=next(actor.parameters()).dtype)
+    with pytest.raises(RouteError, match=r"layer 0 rank 0: this model chunk's forward got no input_ids"):
+        actor(None, None, None, decoder_input=hidden_SBH)
+
+
+def test_injob_setting_parsed_from_the_environment_value():
+    assert (autopatch.parse("r2").mode, autopatch.parse("r2").directory) == ("r2", None)
+    with pytest.raises(Exception, match=r"expected record:DIR or replay:DIR, or r2"):
+        autopatch.parse("r2:/tmp/x")

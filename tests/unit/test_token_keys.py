@@ -23,7 +23,8 @@ def by_token(keys: tk.TokenKeys, uids) -> dict:
     for t in range(keys.tokens):
         if keys.pad_T is not None and bool(keys.pad_T[t]):
             continue
-        out[(uids[int(keys.seq_T[t])], int(keys.pos_T[t]))] = (int(keys.key1_T[t]), int(keys.key2_T[t]))
+        seq, pos = keys.locate(t)
+        out[(uids[seq], pos)] = tuple(keys.keys_2T[:, t].tolist())
     return out
 
 
@@ -66,16 +67,25 @@ def test_token_keys_differ_for_other_prefixes_and_agree_on_shared_prompts():
     assert [keys[("a", s)] == keys[("b", s)] for s in range(5)] == [True, True, True, True, False]
     shifted = by_token(tk.row_keys(torch.cat([torch.tensor([0]), a])[None]), ["x"])
     assert all(shifted[("x", s + 1)] != keys[("a", s)] for s in range(5))  # a position counts, not just content
-    many = tk.row_keys(torch.randint(0, VOCAB, (64, 32), generator=torch.Generator().manual_seed(1)))
-    assert torch.unique(many.key1_T).numel() == torch.unique(torch.stack([many.key1_T, many.key2_T]), dim=1).shape[1]
+    rows = torch.randint(0, 4, (64, 32), generator=torch.Generator().manual_seed(1))  # many shared prefixes
+    many = tk.row_keys(rows)
+    prefixes = {tuple(row[:s + 1].tolist()) for row in rows for s in range(32)}
+    assert torch.unique(many.keys_2T[0]).numel() == torch.unique(many.keys_2T, dim=1).shape[1] == len(prefixes)
 
 
 def test_token_keys_router_order_and_sequence_parallel_slice():
     ids = torch.arange(12).view(2, 6)
     keys = tk.row_keys(ids)
-    assert keys.seq_T.tolist() == [0, 1] * 6 and keys.pos_T.tolist() == [s for s in range(6) for _ in range(2)]
+    assert [keys.locate(t) for t in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     part = tk.sequence_slice(keys, rank=1, size=2)
-    assert part.pos_T.tolist() == [3, 3, 4, 4, 5, 5]
+    assert [part.locate(t)[1] for t in range(6)] == [3, 3, 4, 4, 5, 5]
+    assert torch.equal(part.keys_2T, keys.keys_2T[:, 6:])
+
+
+def look(table, keys):
+    found = table.lookup(keys)
+    table.check(found, layer=0, rank=0)
+    return found
 
 
 def table_of(forwards, *, duplicates="refuse"):
@@ -92,15 +102,15 @@ def test_route_table_finds_routes_across_batching_and_refuses_unknown_tokens():
     recorded = tk.row_keys(ids)
     ids_TK = torch.arange(recorded.tokens * 2).view(-1, 2) % 8
     table = table_of([(recorded, ids_TK)])
-    assert table.nbytes() == 12 * (8 + 8 + 1 + 2 * 2)
+    assert table.nbytes() == 12 * (8 + 8 + 1 + 2 * 2)  # keys, conflict flag, K = 2 int16 ids
     again = tk.row_keys(ids[[2, 0]])
-    found = table.ids(0, table.lookup(again, layer=0, rank=0))
+    found = table.ids(0, look(table, again))
     want = ids_TK.view(4, 3, 2)[:, [2, 0]].reshape(-1, 2)  # router order s * B + b
     assert torch.equal(found, want)
     other, _ = padded(seqs([4], seed=5), 4)
     with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0\)"
                                          r" has no route recorded by this step's log-prob pass \(4 of 8 tokens"):
-        table.lookup(tk.row_keys(torch.cat([ids[:1], other])), layer=0, rank=0)
+        look(table, tk.row_keys(torch.cat([ids[:1], other])))
 
 
 def test_route_table_duplicate_keys_with_different_routes_refused_unless_first():
@@ -108,9 +118,9 @@ def test_route_table_duplicate_keys_with_different_routes_refused_unless_first()
     keys = tk.row_keys(ids)
     one, two = torch.tensor([[0, 1]] * 3), torch.tensor([[1, 0], [0, 1], [2, 1]])  # token 0 same set, token 2 not
     with pytest.raises(RouteError, match=r"position 2\) was recorded more than once with different expert sets"):
-        table_of([(keys, one), (keys, two)]).lookup(keys, layer=0, rank=0)
+        look(table_of([(keys, one), (keys, two)]), keys)
     first = table_of([(keys, one), (keys, two)], duplicates="first")
-    assert torch.equal(first.ids(0, first.lookup(keys, layer=0, rank=0)), one)
+    assert torch.equal(first.ids(0, look(first, keys)), one)
 
 
 def test_route_table_cap_on_recorded_tokens():
