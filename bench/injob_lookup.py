@@ -4,9 +4,10 @@ Variants, interleaved round by round in one process (the fastest round counts):
 - ``unpatched``: Megatron-Core as installed (the patch reverted);
 - ``r2.replay``: a training forward under ``MOEVERIFY_ROUTER_REPLAY=r2``: the chunk forward's token keys
   (prefix hashes of ``[1, T]`` ids), one sorted search in a table of the step's recorded tokens, the layer's
-  gather, then Megatron's routing with the found ids, and the forward's found-check (one host sync). With one MoE layer per forward, the keys and the search
+  gather, then Megatron's routing with the found ids, and the forward's found check (a flag read behind an
+  event). With one MoE layer per forward, the keys and the search
   are all this layer's: the worst case;
-- ``r2.replay_unchecked``: the same without the found-check (its host sync: what the check costs);
+- ``r2.replay_unchecked``: the same without the found check (what the check costs);
 - ``r2.replay_gather``: the same with the forward's keys and search already done (a later layer of the same
   forward: what each layer pays in a many-layer model);
 - ``r2.record_fwd`` vs ``unpatched_fwd``: a log-prob forward (no grad) recording into the table.
@@ -92,7 +93,7 @@ def main(argv=None) -> dict:
             fwd = forward_of(rows[0])
             bench._layer_step(router, x)
             injob._CURRENT.pop()
-            fwd.check()  # what the chunk's forward hook runs when the forward ends: the one host sync
+            fwd.check()  # what the chunk's forward hook runs when the forward ends
 
         def replay_unchecked():
             forward_of(rows[0])
@@ -139,7 +140,8 @@ def main(argv=None) -> dict:
                 best[name] = min(best[name], timer(step))
         table = next(iter(state.tables.values()))
         rr.revert()
-    base = {"r2.replay": "unpatched", "r2.replay_unchecked": "unpatched", "r2.replay_gather": "unpatched", "r2.record_fwd": "unpatched_fwd"}
+    base = {"r2.replay": "unpatched", "r2.replay_unchecked": "unpatched", "r2.replay_gather": "unpatched",
+            "r2.record_fwd": "unpatched_fwd"}
     metrics = {name: {"value": round(ms, 4), "unit": "ms"} for name, ms in best.items()}
     for name, peer in base.items():
         metrics[name].update(peer=peer, ratio=round(best[name] / best[peer], 4))

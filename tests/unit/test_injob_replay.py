@@ -59,11 +59,13 @@ class Spy:
 
     def __init__(self, chunk):
         self.calls: list[tuple[int, torch.Tensor]] = []
-        self.handles = [m.register_forward_hook(self._hook) for m in chunk.modules() if type(m).__name__ == "TopKRouter"]
+        self.handles = [m.register_forward_hook(self._hook) for m in chunk.modules()
+                        if type(m).__name__ == "TopKRouter"]
 
     def _hook(self, router, _inputs, outputs):
         if torch._C._current_graph_task_id() == -1:
-            self.calls.append((router.layer_number - 1, torch.topk(outputs[1].int(), router.topk).indices.sort().values))
+            ids_TK = torch.topk(outputs[1].int(), router.topk).indices.sort().values
+            self.calls.append((router.layer_number - 1, ids_TK))
 
     def take(self) -> list:
         calls, self.calls = self.calls, []
@@ -183,7 +185,7 @@ def run_step(world, sequences, plan, *, reference=False):
         for layer, ids_TK in calls:
             for t, w in enumerate(where):
                 if w is None:
-                    aligned[(layer, "pad", tuple(micro), t)] = ids_TK[t]  # padding: natively routed, replayed as it went
+                    aligned[(layer, "pad", tuple(micro), t)] = ids_TK[t]  # padding: as it was routed
                     continue
                 assert torch.equal(ids_TK[t], logp[(layer, *w)]), f"layer {layer} token {w}: not its log-prob route"
                 checked += 1

@@ -10,7 +10,8 @@ shuffled mini-batches each, in micro-batches of 2 sequences in the first epoch a
 
 Forward hooks on the routers (the job's own observation, apart from autopatch) note the experts each token used
 in the log-prob pass, keyed by (sequence, position) as the job knows them from its own batching and its TP
-rank's half of the sequence (pooled over the TP ranks); then each training token's experts are compared with its log-prob route, and with
+rank's half of the sequence (pooled over the TP ranks); then each training token's experts are compared with its
+log-prob route, and with
 what native top-k with the current weights would pick. Each rank writes OUT.rank{R}: tokens checked, mismatches,
 tokens where native routing would differ, and the losses.
 
