@@ -278,3 +278,66 @@ def test_injob_setting_parsed_from_the_environment_value():
     assert (autopatch.parse("r2").mode, autopatch.parse("r2").directory) == ("r2", None)
     with pytest.raises(Exception, match=r"expected record:DIR or replay:DIR, or r2"):
         autopatch.parse("r2:/tmp/x")
+
+
+def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively(world):
+    # THD: the log-prob pass packs A|B, training packs B|C|A in padded slots (the router itself, driven as the
+    # GPTModel pre-hook drives it: CPU attention cannot run packed sequences). Each token's hidden state depends on
+    # its (sequence, position) only; the router weights move between the passes, so native routing differs.
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
+                               moe_router_topk=2, use_cpu_initialization=True, moe_aux_loss_coeff=0.0)
+    router = TopKRouter(config, pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    chunk = torch.nn.ModuleList([router])
+    g = torch.Generator().manual_seed(7)
+    seqs = {u: torch.randint(0, 100, (n,), generator=g) for u, n in (("A", 5), ("B", 3), ("C", 4))}
+    hidden = {u: torch.randn(len(s), 16, generator=g) for u, s in seqs.items()}
+
+    def packed_pass(order, slot):
+        cu = torch.tensor([0] + [len(seqs[u]) for u in order]).cumsum(0).int()
+        cu_pad = torch.tensor([0] + [slot or len(seqs[u]) for u in order]).cumsum(0).int()
+        n = int(cu_pad[-1])
+        ids, h = torch.zeros(1, n, dtype=torch.long), torch.randn(n, 1, 16, generator=g)  # padding: any state
+        where = [None] * n
+        for i, u in enumerate(order):
+            at = int(cu_pad[i])
+            ids[0, at:at + len(seqs[u])], h[at:at + len(seqs[u]), 0] = seqs[u], hidden[u]
+            where[at:at + len(seqs[u])] = [(u, p) for p in range(len(seqs[u]))]
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                                 cu_seqlens_kv_padded=cu_pad)
+        fwd = injob.ChunkForward(chunk, (ids, None, None), {"packed_seq_params": packed})
+        injob._CURRENT.append(fwd)
+        try:
+            ids_TK = torch.topk(router(h)[1].int(), 2).indices.sort().values
+        finally:
+            injob._CURRENT.pop()
+        if fwd.check is not None:
+            fwd.check()
+        return ids_TK, where, h
+
+    state = injob.InJobState(original=rr.original_routing(), num_experts=8)
+    rr._ACTIVE[id(router)] = (state, 0)
+    try:
+        with torch.no_grad():
+            recorded, where, _ = packed_pass(["A", "B"], None)
+        logp = {w: recorded[t] for t, w in enumerate(where)}
+        with torch.no_grad():
+            router.weight.add_(torch.randn(router.weight.shape, generator=g) * 3)
+        replayed, where, h = packed_pass(["B", "A"], 6)  # other order, padded slots, trailing padding none
+        with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 6 \(sequence 1 of this forward, "
+                                             r"position 0\) has no route"):
+            packed_pass(["B", "C"], 6)
+    finally:
+        del rr._ACTIVE[id(router)]
+    native_TK = torch.topk(h.view(-1, 16) @ router.weight.t(), 2).indices.sort().values
+    real = [t for t, w in enumerate(where) if w is not None]
+    assert len(real) == 8 and len(where) == 12
+    assert all(torch.equal(replayed[t], logp[where[t]]) for t in real)
+    assert sum(not torch.equal(native_TK[t], logp[where[t]]) for t in real) > 0  # replay did the work
+    pads = [t for t, w in enumerate(where) if w is None]
+    assert all(torch.equal(replayed[t], native_TK[t]) for t in pads)  # padding slots routed natively
