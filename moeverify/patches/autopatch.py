@@ -28,6 +28,9 @@ recorded step's forwards and that no checkpointed forward is left without its re
 
 Refused before the job runs: a record directory that already holds files, an unknown mode, a
 replay directory without this rank's dump.
+
+``MOEVERIFY_ROUTER_REPLAY=r2`` is in-job replay instead: each step's log-prob forwards (grad disabled) record
+and the step's training forwards replay their routes, found by token identity (``moeverify.patches.injob``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from moeverify.patches.routers import global_layer
 ENV = "MOEVERIFY_ROUTER_REPLAY"
 MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
 MODES = ("record", "replay")
+INJOB = "r2"  # in-job replay: no directory (moeverify.patches.injob)
 EXIT_UNUSED = 3  # exit status of a replayed job that left recorded routes unused
 
 
@@ -62,24 +66,26 @@ class Setting:
     """What the environment asked for."""
 
     mode: str
-    directory: Path
+    directory: Path | None  # None in r2 mode
     model: int | None = None  # build-order index of the model to bind; None: the only MoE model
 
 
 def parse(value: str, model: str | None = None) -> Setting:
     """``"record:DIR"`` / ``"replay:DIR"`` (+ the model index) -> ``Setting``; ``UsageError`` otherwise."""
     mode, sep, directory = value.partition(":")
-    if not sep or mode not in MODES or not directory:
-        raise UsageError(f"{ENV}={value!r}: expected record:DIR or replay:DIR")
+    if value != INJOB and (not sep or mode not in MODES or not directory):
+        raise UsageError(f"{ENV}={value!r}: expected record:DIR or replay:DIR, or {INJOB} (in-job replay)")
     index = None
     if model not in (None, ""):
         if not model.isdigit():
             raise UsageError(f"{MODEL_ENV}={model!r}: expected a model index by build order (0, 1, ...)")
         index = int(model)
-    return Setting(mode=mode, directory=Path(directory), model=index)
+    return Setting(mode=mode, directory=Path(directory) if directory else None, model=index)
 
 
 def _check_directory(setting: Setting, rank: int) -> None:
+    if setting.mode == INJOB:
+        return
     if setting.mode == "record":
         if setting.directory.exists() and (not setting.directory.is_dir() or any(setting.directory.iterdir())):
             raise UsageError(f"{ENV}: record directory {setting.directory} already holds files (a previous "
@@ -149,6 +155,16 @@ class BuildOrder:
         raise AssertionError("a stamped router is missing from the build order")
 
 
+def selected(order: BuildOrder, setting: Setting, router) -> bool:
+    """Whether ``router`` belongs to the model ``setting`` names; ``UsageError`` when several are built and none is."""
+    index, models = order.model_of(router)
+    if setting.model is None and len(models) > 1:
+        raise UsageError(f"{ENV}: {len(models)} MoE models are built in this process ({_describe(models)}); "
+                         f"set {MODEL_ENV}=N to name the model to {setting.mode} by build order "
+                         "(0 = built first); the others then route natively")
+    return index == (setting.model or 0)
+
+
 def _describe(models: list[list]) -> str:
     return "; ".join(f"model {i}: layers {[global_layer(r) for r in routers]}" for i, routers in enumerate(models))
 
@@ -208,12 +224,7 @@ class ProcessSession:
         held = self._bound.get(layer)
         current = held() if held is not None else None
         if current is not router:
-            index, models = self.order.model_of(router)
-            if self.setting.model is None and len(models) > 1:
-                raise UsageError(f"{ENV}: {len(models)} MoE models are built in this process ({_describe(models)}); "
-                                 f"set {MODEL_ENV}=N to name the model to {self.setting.mode} by build order "
-                                 "(0 = built first); the others then route natively")
-            if index != (self.setting.model or 0):
+            if not selected(self.order, self.setting, router):
                 self._native.add(router)
                 return None
             if self._state is None:
@@ -312,9 +323,10 @@ def _check_same_job(dump, config, *, rank: int, directory: Path) -> None:
                          + "); replay in the recorded layout")
 
 
-_SESSION: ProcessSession | None = None
+_SESSION = None  # ProcessSession, or injob.InJobSession in r2 mode
 _HOOKS: list = []
 _ORDER = BuildOrder()  # one per process: routers built under an earlier install stay numbered
+_CHUNKS = None  # injob.ChunkHooks while r2 is installed
 
 
 def _at_exit() -> None:
@@ -331,9 +343,9 @@ def _at_exit() -> None:
         os._exit(EXIT_UNUSED)  # atexit cannot change the exit status otherwise: a warning alone is not a refusal
 
 
-def install(setting: Setting) -> ProcessSession:
+def install(setting: Setting):
     """Apply the patch and route the selected model's routers through a process-wide session."""
-    global _SESSION
+    global _SESSION, _CHUNKS
     if _SESSION is not None:
         raise UsageError(f"{ENV}: autopatch is already installed in this process")
     _check_directory(setting, state.current_rank())
@@ -341,7 +353,15 @@ def install(setting: Setting) -> ProcessSession:
     _ORDER.install()
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    session_ = ProcessSession(setting, order=_ORDER)
+    if setting.mode == INJOB:
+        from moeverify.patches import injob
+
+        _CHUNKS = injob.ChunkHooks()
+        _CHUNKS.install()
+        session_ = injob.InJobSession(selected=lambda router: selected(_ORDER, setting, router),
+                                      original=rr.original_routing())
+    else:
+        session_ = ProcessSession(setting, order=_ORDER)
     _HOOKS.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: session_.end_step()))
     rr.set_fallback(session_.bind)
     _SESSION = session_
@@ -351,21 +371,25 @@ def install(setting: Setting) -> ProcessSession:
 
 def uninstall() -> None:
     """Remove the process-wide session (the patch itself stays applied)."""
-    global _SESSION
+    global _SESSION, _CHUNKS
     if _SESSION is not None:
         atexit.unregister(_at_exit)
     _ORDER.uninstall()
+    if _CHUNKS is not None:
+        _CHUNKS.uninstall()
+        _CHUNKS = None
     while _HOOKS:
         _HOOKS.pop().remove()
     rr.set_fallback(None)
     _SESSION = None
 
 
-def session() -> ProcessSession | None:
+def session():
+    """The installed session (``ProcessSession``; ``injob.InJobSession`` in r2 mode), or None."""
     return _SESSION
 
 
-def install_from_env() -> ProcessSession | None:
+def install_from_env():
     value = os.environ.get(ENV)
     return install(parse(value, os.environ.get(MODEL_ENV))) if value else None
 
@@ -378,10 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not argv or argv[0].startswith("-"):
             raise UsageError("usage: python -m moeverify.patches.autopatch SCRIPT [ARGS...] (with "
-                             f"{ENV}=record:DIR or replay:DIR set)")
+                             f"{ENV}=record:DIR, replay:DIR or {INJOB} set)")
         if not os.environ.get(ENV):
-            raise UsageError(f"{ENV} is not set: expected record:DIR or replay:DIR (nothing would be recorded "
-                             "or replayed)")
+            raise UsageError(f"{ENV} is not set: expected record:DIR, replay:DIR or {INJOB} (nothing would be "
+                             "recorded or replayed)")
         if not Path(argv[0]).is_file():
             raise UsageError(f"script {argv[0]!r} not found")
         # This file runs as __main__; the job may import moeverify.patches.autopatch too: one instance only,

@@ -1,0 +1,158 @@
+"""Benchmark: in-job R2's cost at layer scope, one MoE layer's router + local dispatch, forward and backward.
+
+Variants, interleaved round by round in one process (the fastest round counts):
+- ``unpatched``: Megatron-Core as installed (the patch reverted);
+- ``r2.replay``: a training forward under ``MOEVERIFY_ROUTER_REPLAY=r2``: the chunk forward's token keys
+  (prefix hashes of ``[1, T]`` ids), one sorted search in a table of the step's recorded tokens, the layer's
+  gather, then Megatron's routing with the found ids, and the forward's found check (a flag read behind an
+  event). With one MoE layer per forward, the keys and the search
+  are all this layer's: the worst case;
+- ``r2.replay_unchecked``: the same without the found check (what the check costs);
+- ``r2.replay_gather``: the same with the forward's keys and search already done (a later layer of the same
+  forward: what each layer pays in a many-layer model);
+- ``r2.record_fwd`` vs ``unpatched_fwd``: a log-prob forward (no grad) recording into the table.
+
+The table holds ``--recorded`` tokens (default 4x the micro-batch: a step's log-prob passes), the micro-batch's
+tokens among them. H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtype bf16``.
+Writes ``bench/results/injob_lookup.json``.
+
+Legend of shape suffixes: T = tokens, H = hidden, E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import router_replay as bench  # noqa: E402 (the layer step and timer of the router-replay benchmark)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "injob_lookup.json"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--recorded", type=int, default=None, help="tokens in the step's table (default 4 x --tokens)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    args.iters = args.iters or (50 if args.device == "cuda" else 10)
+    args.recorded = args.recorded or 4 * args.tokens
+    args.scope, args.scoring = "layer", "softmax"
+    if args.recorded % args.tokens:
+        p.error("--recorded must be a multiple of --tokens")
+    return args
+
+
+def main(argv=None) -> dict:
+    import torch
+
+    from moeverify import runtime
+    from moeverify.layout import Layout
+    from moeverify.patches import injob
+    from moeverify.patches import router_replay as rr
+
+    args = parse_args(argv)
+    bench.SCOPE[:] = ["layer"]
+    runtime.init("cpu" if args.device == "cpu" else "cuda")
+    with runtime.parallel(Layout(), seed=0):
+        router = bench._router(args)
+        chunk = torch.nn.ModuleList([router])  # the model chunk whose forward carries the token ids
+        x = bench._input(args)
+        g = torch.Generator().manual_seed(2)
+        rows = [torch.randint(0, 150000, (1, args.tokens), generator=g).to(args.device)
+                for _ in range(args.recorded // args.tokens)]
+        rr.apply()
+        state = injob.InJobState(original=rr.original_routing(), num_experts=args.experts)
+        rr._ACTIVE[id(router)] = (state, 0)
+
+        def forward_of(ids):
+            fwd = injob.ChunkForward(chunk, (ids,), {})
+            injob._CURRENT.append(fwd)
+            return fwd
+
+        with torch.no_grad():
+            for ids in rows:  # the step's log-prob passes
+                forward_of(ids)
+                router(x)
+                injob._CURRENT.pop()
+        ready = forward_of(rows[0])
+        bench._layer_step(router, x)  # freezes the table; this forward's keys and search stay cached
+        injob._CURRENT.pop()
+
+        def replay():
+            fwd = forward_of(rows[0])
+            bench._layer_step(router, x)
+            injob._CURRENT.pop()
+            fwd.check()  # what the chunk's forward hook runs when the forward ends
+
+        def replay_unchecked():
+            forward_of(rows[0])
+            bench._layer_step(router, x)
+            injob._CURRENT.pop()
+
+        def replay_gather():
+            injob._CURRENT.append(ready)
+            bench._layer_step(router, x)
+            injob._CURRENT.pop()
+
+        recorder = injob.InJobState(original=rr.original_routing(), num_experts=args.experts)
+
+        def record_fwd():
+            with torch.no_grad():
+                recorder.phase = "training"  # each call starts a new step's table
+                forward_of(rows[0])
+                router(x)
+                injob._CURRENT.pop()
+
+        del rr._ACTIVE[id(router)]
+
+        def held(step, owner=state):
+            def run():
+                rr._ACTIVE[id(router)] = (owner, 0)
+                try:
+                    step()
+                finally:
+                    del rr._ACTIVE[id(router)]
+            return run
+
+        def unpatched_fwd():
+            with torch.no_grad():
+                router(x)
+
+        variants = {"unpatched": lambda: bench._layer_step(router, x), "r2.replay": held(replay),
+                    "r2.replay_unchecked": held(replay_unchecked),
+                    "r2.replay_gather": held(replay_gather), "unpatched_fwd": unpatched_fwd,
+                    "r2.record_fwd": held(record_fwd, recorder)}
+        timer = bench._timer(args)
+        best = {name: float("inf") for name in variants}
+        for _ in range(args.rounds):
+            for name, step in variants.items():
+                best[name] = min(best[name], timer(step))
+        table = next(iter(state.tables.values()))
+        rr.revert()
+    base = {"r2.replay": "unpatched", "r2.replay_unchecked": "unpatched", "r2.replay_gather": "unpatched",
+            "r2.record_fwd": "unpatched_fwd"}
+    metrics = {name: {"value": round(ms, 4), "unit": "ms"} for name, ms in best.items()}
+    for name, peer in base.items():
+        metrics[name].update(peer=peer, ratio=round(best[name] / best[peer], 4))
+    metrics["r2.replay"]["goal"] = "<=1.02"
+    result = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "metrics": metrics,
+              "table_bytes": table.nbytes(), "table_tokens": int(table.keys_2G.shape[1])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

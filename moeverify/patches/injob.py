@@ -1,0 +1,327 @@
+"""In-job router replay (R2) without code changes: ``MOEVERIFY_ROUTER_REPLAY=r2``.
+
+Legend of shape suffixes: T = tokens of one router call (router order), K = top-k.
+
+Each forward of the bound model is a pass of one of two kinds, decided once per model-chunk forward by a
+forward pre-hook on Megatron's ``GPTModel`` (grad mode as the chunk's ``forward`` is entered):
+- **log-prob pass** (grad disabled: ``torch.no_grad()``/``inference_mode``): routes natively and records the
+  routes per token;
+- **training pass** (grad enabled): every token replays the route its log-prob pass recorded, looked up by
+  token identity (``token_keys``: content and position from the sequence start), whatever the micro-batch,
+  order, shuffling, epoch, dynamic batching, right padding or packing. Recomputes inside backward take their
+  forward's routes (checkpoint regions, as everywhere in the patch).
+
+``with injob.pass_kind("log_prob" | "training"):`` overrides the grad-mode rule for the forwards inside.
+
+The first log-prob forward after a training forward starts a new table (the previous step's routes are
+dropped); the table serves every PPO mini-batch and epoch of the step. A training token that its step's
+log-prob passes did not route raises ``RouteError`` (layer, rank, sequence, position); padding the model is
+told about (``padding_mask=``, THD slots past ``cu_seqlens``) routes natively when not found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from moeverify.errors import RouteError, UsageError
+from moeverify.patches import regions, replay_state
+from moeverify.patches import token_keys as tk
+from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
+from moeverify.patches.routers import global_layer
+
+MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
+DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
+DEFAULT_MAX_TOKENS = 1 << 22  # per model chunk, rank and RL step
+KINDS = ("log_prob", "training")
+
+_OVERRIDE: list[str] = []  # pass_kind() stack
+_CURRENT: list = []  # the model-chunk forward running now (chunk forwards do not nest)
+
+
+@contextlib.contextmanager
+def pass_kind(kind: str) -> Iterator[None]:
+    """Treat the bound model's forwards inside as ``"log_prob"`` (record) or ``"training"`` (replay) passes."""
+    if kind not in KINDS:
+        raise UsageError(f"pass_kind({kind!r}): expected one of {KINDS}")
+    _OVERRIDE.append(kind)
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
+
+
+class ChunkForward:
+    """One model-chunk forward: its inputs, its pass kind, and (lazily) its token keys and table lookup."""
+
+    def __init__(self, chunk, args, kwargs):
+        self.chunk = chunk
+        self.kind = _OVERRIDE[-1] if _OVERRIDE else ("training" if torch.is_grad_enabled() else "log_prob")
+        self.input_ids = args[0] if args else kwargs.get("input_ids")
+        self.packed = args[6] if len(args) > 6 else kwargs.get("packed_seq_params")
+        self.padding_mask = kwargs.get("padding_mask")
+        self.recorded_as: int | None = None  # forward index in the table (log-prob pass)
+        self.found: Lookup | None = None  # the table lookup (training pass)
+        self.check = None  # refuses the lookup's bad tokens; run when the forward ends
+        self._keys: tk.TokenKeys | None = None
+
+    def keys(self, router, layer: int, tokens: int, *, rank: int) -> tk.TokenKeys:
+        if self._keys is None:
+            self._keys = self._full_keys(layer, rank=rank)
+        keys = self._keys
+        config = router.config
+        if keys.tokens != tokens and getattr(config, "sequence_parallel", False):
+            from megatron.core import parallel_state
+
+            keys = tk.sequence_slice(keys, rank=parallel_state.get_tensor_model_parallel_rank(),
+                                     size=parallel_state.get_tensor_model_parallel_world_size())
+        if keys.tokens != tokens:
+            raise RouteError(f"layer {layer} rank {rank}: the router sees {tokens} tokens but the chunk's input_ids "
+                             f"give {self._keys.tokens}; in-job replay keys tokens from the GPTModel's input_ids "
+                             "(BSHD [B, S], or THD [1, N] with packed_seq_params)")
+        return keys
+
+    def _full_keys(self, layer: int, *, rank: int) -> tk.TokenKeys:
+        from megatron.core import parallel_state
+
+        if parallel_state.get_context_parallel_world_size() > 1:
+            raise UsageError(f"layer {layer} rank {rank}: in-job replay (r2) does not support context parallel yet "
+                             "(a CP rank holds zigzag halves; a token's key needs its whole prefix)")
+        ids = self.input_ids
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+            raise RouteError(f"layer {layer} rank {rank}: this model chunk's forward got no input_ids (a pipeline "
+                             "stage past the first?); in-job replay finds routes by token identity: pass input_ids "
+                             "to every stage's GPTModel forward, as verl does")
+        if self.packed is not None and getattr(self.packed, "qkv_format", "thd") == "thd":
+            return tk.packed_keys(ids, cu_seqlens=self.packed.cu_seqlens_q,
+                                  cu_seqlens_padded=getattr(self.packed, "cu_seqlens_q_padded", None))
+        return tk.row_keys(ids, padding_mask_BS=self.padding_mask)
+
+
+def _chunk_pre_hook(chunk, args, kwargs):
+    _CURRENT.append(ChunkForward(chunk, args, kwargs))
+
+
+def _chunk_post_hook(chunk, args, kwargs, output):
+    if _CURRENT and _CURRENT[-1].chunk is chunk:
+        fwd = _CURRENT.pop()
+        if fwd.check is not None and output is not None:  # not while the forward's own error propagates
+            fwd.check()
+
+
+class ChunkHooks:
+    """Patches ``GPTModel.__init__`` so that every model built afterwards announces its forwards (reversible)."""
+
+    def __init__(self):
+        self._original = None
+
+    def install(self) -> None:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        if self._original is not None:
+            return
+        original = self._original = GPTModel.__init__
+
+        def __init__(model, *args, **kwargs):
+            original(model, *args, **kwargs)
+            model.register_forward_pre_hook(_chunk_pre_hook, with_kwargs=True)
+            model.register_forward_hook(_chunk_post_hook, with_kwargs=True, always_call=True)
+
+        __init__.__wrapped__ = original
+        GPTModel.__init__ = __init__
+
+    def uninstall(self) -> None:
+        if self._original is not None:
+            from megatron.core.models.gpt.gpt_model import GPTModel
+
+            GPTModel.__init__ = self._original
+            self._original = None
+
+
+def _routers_of(chunk) -> frozenset:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    held = chunk.__dict__.get("_moeverify_router_ids")
+    if held is None:
+        held = chunk.__dict__["_moeverify_router_ids"] = frozenset(
+            id(m) for m in chunk.modules() if isinstance(m, TopKRouter))
+    return held
+
+
+class _RecordIds:
+    """Megatron's ``router_replay`` protocol: native top-k, ids kept in the step's table."""
+
+    __slots__ = ("table", "layer", "forward", "rank")
+
+    def __init__(self, table, layer, forward, rank):
+        self.table, self.layer, self.forward, self.rank = table, layer, forward, rank
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        values, topk_ids_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        self.table.add_ids(layer=self.layer, forward=self.forward, ids_TK=topk_ids_TK, rank=self.rank)
+        return values, topk_ids_TK
+
+
+class _ReplayIds:
+    """Megatron's ``router_replay`` protocol: the looked-up ids; padding not found routes natively."""
+
+    __slots__ = ("topk_ids_TK", "native_T")
+
+    def __init__(self, topk_ids_TK, native_T):
+        self.topk_ids_TK, self.native_T = topk_ids_TK, native_T
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        ids_TK = self.topk_ids_TK
+        if self.native_T is not None:
+            _, native_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
+        return scores.gather(1, ids_TK), ids_TK
+
+
+class InJobState:
+    """The state autopatch lends the bound model's routers in r2 mode (``route`` / ``recompute`` protocol)."""
+
+    def __init__(self, *, original, num_experts: int):
+        self.original = original
+        self.num_experts = num_experts
+        self.max_tokens = _env_int(MAX_TOKENS_ENV, DEFAULT_MAX_TOKENS)
+        self.duplicates = os.environ.get(DUPLICATES_ENV) or "refuse"
+        if self.duplicates not in DUPLICATES:
+            raise UsageError(f"{DUPLICATES_ENV}={self.duplicates!r}: expected one of {DUPLICATES}")
+        self.tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> RouteTable
+        self.phase: str | None = None  # kind of the last bound forward
+        self.steps = 0  # tables started (RL steps seen)
+        self.table_bytes: int = 0  # device bytes of the frozen tables of the current step
+
+    def _forward(self, router, layer: int, rank: int) -> ChunkForward:
+        fwd = _CURRENT[-1] if _CURRENT else None
+        if fwd is None or id(router) not in _routers_of(fwd.chunk):
+            raise RouteError(f"layer {layer} rank {rank}: a routing call outside any GPTModel forward built under "
+                             "in-job replay: its tokens cannot be identified (build the model after installing "
+                             "moeverify.patches.autopatch, and call the GPTModel itself)")
+        return fwd
+
+    def route(self, router, layer, logits, args, kwargs):
+        replay_state.guard_call(router, layer)
+        rank = replay_state.current_rank()
+        fwd = self._forward(router, layer, rank)
+        tokens = logits.numel() // router.num_experts
+        keys = fwd.keys(router, layer, tokens, rank=rank)
+        if fwd.kind == "log_prob":
+            hook = self._record(fwd, keys, layer, rank)
+        else:
+            hook = self._replay(fwd, keys, router, layer, rank)
+        return replay_state._call_with_hook(self.original, router, hook, logits, args, kwargs)
+
+    def _record(self, fwd: ChunkForward, keys, layer: int, rank: int) -> _RecordIds:
+        if self.phase != "log_prob":
+            self.tables = weakref.WeakKeyDictionary()  # a new step: the previous step's routes are dropped
+            self.table_bytes = 0
+            self.steps += 1
+            self.phase = "log_prob"
+        table = self.tables.get(fwd.chunk)
+        if table is None:
+            table = self.tables[fwd.chunk] = RouteTable(max_tokens=self.max_tokens, num_experts=self.num_experts,
+                                                        duplicates=self.duplicates)
+        if fwd.recorded_as is None:
+            fwd.recorded_as = table.add_forward(keys, rank=rank)
+        return _RecordIds(table, layer, fwd.recorded_as, rank)
+
+    def _replay(self, fwd: ChunkForward, keys, router, layer: int, rank: int) -> _ReplayIds:
+        table = self.tables.get(fwd.chunk)
+        if table is None:
+            raise RouteError(f"layer {layer} rank {rank}: a training forward with no routes recorded for this model "
+                             "chunk: in-job replay (r2) replays the routes of the step's log-prob pass (a forward "
+                             "under torch.no_grad()); run it first, or mark it with injob.pass_kind('log_prob')")
+        if not table.frozen:
+            group = _sequence_parallel_group(router.config)
+            for held in self.tables.values():
+                held.freeze(rank=rank, group=group)
+            self.table_bytes = sum(held.nbytes() for held in self.tables.values())
+        self.phase = "training"
+        if layer not in table.ids_GK:
+            raise RouteError(f"layer {layer} rank {rank}: the log-prob pass recorded layers {sorted(table.ids_GK)} "
+                             "for this model chunk, not this one")
+        if fwd.found is None:
+            fwd.found = table.lookup(keys)
+            fwd.check = lambda: table.check(fwd.found, layer=layer, rank=rank)
+        ids_TK = table.ids(layer, fwd.found)
+        region = regions.forward_region()
+        if region is not None:
+            replay_state._bind(region, router, self, layer, _ReplayIds(ids_TK, fwd.found.native_T))
+        replay_state._REPLAYED.add(router)
+        return _ReplayIds(ids_TK, fwd.found.native_T)
+
+    def recompute(self, router, layer, mb, logits, args, kwargs):
+        return replay_state._call_with_hook(self.original, router, mb, logits, args, kwargs)
+
+
+def _sequence_parallel_group(config):
+    """The TP group when its ranks split every sequence (sequence parallel), else None."""
+    from megatron.core import parallel_state
+
+    if getattr(config, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"{name}={value!r}: expected a positive integer")
+    return int(value)
+
+
+def refuse_router(router, layer: int) -> None:
+    """Routers in-job replay cannot key by token (checked when a router is bound)."""
+    if getattr(router, "is_mtp_layer", False):
+        raise UsageError(f"layer {layer}: in-job replay (r2) keys a token by its prefix, but an MTP layer's router "
+                         "also sees the next tokens; MTP layers are not supported in r2 mode")
+
+
+class InJobSession:
+    """The process-wide r2 session behind ``autopatch``: binds the selected model's routers to one ``InJobState``.
+
+    Args:
+        selected: ``router -> bool``, autopatch's model choice (build order, ``MOEVERIFY_ROUTER_REPLAY_MODEL``).
+    """
+
+    def __init__(self, *, selected, original):
+        self._selected = selected
+        self._original = original
+        self._bound: dict[int, weakref.ref] = {}
+        self._native: weakref.WeakSet = weakref.WeakSet()
+        self.state: InJobState | None = None
+        self.step = 0
+
+    def bind(self, router):
+        """``router_replay.set_fallback`` binder: ``(state, layer)`` for the selected model, None for others."""
+        if router in self._native:
+            return None
+        layer = global_layer(router)
+        held = self._bound.get(layer)
+        if held is None or held() is not router:
+            if not self._selected(router):
+                self._native.add(router)
+                return None
+            from moeverify.patches import router_replay as rr
+
+            rr.refuse_config(router.config, layer, disable_fusion=False)
+            refuse_router(router, layer)
+            if self.state is None:
+                self.state = InJobState(original=self._original, num_experts=router.num_experts)
+            self._bound[layer] = weakref.ref(router)
+        return self.state, layer
+
+    def end_step(self) -> None:
+        """An optimizer step: nothing to close (one RL step's table serves all its optimizer steps)."""
+        self.step += 1
+
+    def finish(self) -> list[str]:
+        return []

@@ -1,0 +1,207 @@
+"""One model chunk's routes of one RL step's log-prob passes, found again by token identity.
+
+Legend of shape suffixes: T = tokens of one forward (router order), N = recorded tokens (all forwards),
+G = distinct recorded keys, K = top-k.
+
+Recording appends each log-prob forward's keys ``[T]`` and, per MoE layer, its ids ``[T, K]``. The first
+lookup freezes the table: keys are sorted once, duplicates (the same prefix recorded more than once: GRPO
+responses of one prompt, a sequence in two passes) collapse to one entry, and a key whose copies hold
+different expert sets is marked as a conflict. A lookup is one sorted search per forward; each layer then
+gathers its ids with that search's result. The lookup makes no host sync: whether every token was found is
+copied to pinned host memory behind an event and read once per forward, when it ends, waiting only for the search
+(long finished by then), never for the work queued after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeverify.errors import RouteError
+from moeverify.patches.token_keys import TokenKeys
+
+DUPLICATES = ("refuse", "first")  # a key recorded with different routes: refuse at lookup, or keep the first
+
+
+class _DeviceFlag:
+    """A device boolean read later without draining the stream: copied to pinned memory behind an event, so the
+    read waits only for the kernels before it (long done by then), not for the work queued since."""
+
+    __slots__ = ("value", "host", "event")
+
+    def __init__(self, value: torch.Tensor):
+        self.value, self.host, self.event = value, None, None
+        if value.is_cuda:
+            self.host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            self.host.copy_(value, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self) -> bool:
+        if self.event is None:
+            return bool(self.value)
+        self.event.synchronize()
+        return bool(self.host)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Lookup:
+    """Where a forward's tokens sit in a frozen table: ``index_T`` (G rows); ``native_T``: tokens to route natively
+    (padding not found; None without padding information); ``bad_T``: tokens ``RouteTable.check`` refuses."""
+
+    index_T: torch.Tensor
+    native_T: torch.Tensor | None
+    bad_T: torch.Tensor
+    found_T: torch.Tensor
+    keys: TokenKeys
+    any_bad: _DeviceFlag
+
+
+class RouteTable:
+    """Routes keyed by token; see the module docstring.
+
+    Args:
+        max_tokens: refuse to record more tokens than this (duplicates counted): the table's memory bound.
+        num_experts: picks the stored id dtype (int16 up to 32767 experts).
+        duplicates: ``"refuse"`` or ``"first"`` (see ``DUPLICATES``).
+    """
+
+    def __init__(self, *, max_tokens: int, num_experts: int, duplicates: str = "refuse"):
+        self.max_tokens = max_tokens
+        self.duplicates = duplicates
+        self.dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+        self.tokens = 0
+        self._keys: list[torch.Tensor] = []  # keys_2T per forward
+        self._ids: dict[int, list[torch.Tensor]] = {}
+        self.keys_2G: torch.Tensor | None = None  # sorted by the first half
+        self.conflict_G: torch.Tensor | None = None
+        self.ids_GK: dict[int, torch.Tensor] = {}
+
+    @property
+    def frozen(self) -> bool:
+        return self.keys_2G is not None
+
+    def add_forward(self, keys: TokenKeys, *, rank: int) -> int:
+        """Register a log-prob forward's tokens; returns its forward index."""
+        if self.tokens + keys.tokens > self.max_tokens:
+            raise RouteError(f"rank {rank}: this step's log-prob passes recorded {self.tokens + keys.tokens} tokens "
+                             f"for one model chunk, over the cap of {self.max_tokens} (memory bound of in-job replay); "
+                             "raise MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if the step really holds that many")
+        self.tokens += keys.tokens
+        self._keys.append(keys.keys_2T)
+        return len(self._keys) - 1
+
+    def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int) -> None:
+        held = self._ids.setdefault(layer, [])
+        if len(held) != forward:
+            raise RouteError(f"layer {layer} rank {rank}: log-prob forward {forward} routed this layer after "
+                             f"{len(held)} forward(s); each forward must route every layer once")
+        held.append(ids_TK.to(self.dtype))
+
+    def freeze(self, *, rank: int, group=None) -> None:
+        """Sort and deduplicate the recorded keys; mark keys recorded with different expert sets.
+
+        Args:
+            group: a process group whose ranks each routed a part of every token list (the TP group under
+                sequence parallel): their recordings are pooled, since another batching splits sequences
+                over the ranks at other positions. Collective over ``group``."""
+        forwards = len(self._keys)
+        short = {layer: len(ids) for layer, ids in self._ids.items() if len(ids) != forwards}
+        if short:
+            raise RouteError(f"rank {rank}: per layer, log-prob forwards routed {short} of {forwards}: a log-prob "
+                             "forward stopped before its last MoE layer")
+        key1_N, key2_N = torch.cat(self._keys, dim=1)
+        if group is not None:
+            key1_N, key2_N = self._pool(key1_N, key2_N, group)
+        by2 = torch.argsort(key2_N, stable=True)
+        order_N = by2[torch.argsort(key1_N[by2], stable=True)]
+        key1_N, key2_N = key1_N[order_N], key2_N[order_N]
+        same1 = key1_N[1:] == key1_N[:-1]
+        same = same1 & (key2_N[1:] == key2_N[:-1])
+        if bool((same1 & ~same).any()):
+            raise RouteError(f"rank {rank}: two different recorded token prefixes share one 64-bit key half (chance "
+                             "about N^2 / 2^65); rerun the step")
+        first_N = torch.ones_like(key1_N, dtype=torch.bool)
+        first_N[1:] = ~same
+        group_N = torch.cumsum(first_N, dim=0) - 1
+        heads_G = first_N.nonzero().squeeze(1)
+        conflict_G = torch.zeros(heads_G.shape[0], dtype=torch.int32, device=key1_N.device)
+        for layer, ids in self._ids.items():
+            ids_NK = torch.cat(ids)[order_N]
+            canon_NK = ids_NK.sort(dim=1).values  # a route is an expert set: slot order does not count
+            differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1)
+            conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
+            self.ids_GK[layer] = ids_NK[heads_G]
+        self.keys_2G = torch.stack([key1_N[heads_G], key2_N[heads_G]])
+        self.conflict_G = conflict_G > 0
+        self._keys.clear()
+        self._ids.clear()
+
+    def _pool(self, key1_N, key2_N, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather the recorded rows of ``group`` (sizes differ per rank); ids of every layer come along."""
+        import torch.distributed as dist
+
+        layers = sorted(self._ids)
+        rows_NC = torch.cat([key1_N[:, None], key2_N[:, None]]
+                            + [torch.cat(self._ids[layer]).long() for layer in layers], dim=1)
+        count = torch.tensor([rows_NC.shape[0]], device=rows_NC.device)
+        counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, count, group=group)
+        most = int(max(c.item() for c in counts))
+        padded_NC = torch.zeros(most, rows_NC.shape[1], dtype=rows_NC.dtype, device=rows_NC.device)
+        padded_NC[:rows_NC.shape[0]] = rows_NC
+        gathered = [torch.empty_like(padded_NC) for _ in counts]
+        dist.all_gather(gathered, padded_NC, group=group)
+        pooled_NC = torch.cat([g[:int(c.item())] for g, c in zip(gathered, counts)])
+        k = (pooled_NC.shape[1] - 2) // max(len(layers), 1)
+        for i, layer in enumerate(layers):
+            self._ids[layer] = [pooled_NC[:, 2 + i * k:2 + (i + 1) * k].to(self.dtype)]
+        return pooled_NC[:, 0].contiguous(), pooled_NC[:, 1].contiguous()
+
+    def nbytes(self) -> int:
+        """Device bytes held by the frozen table (keys, conflict flags and ids)."""
+        if not self.frozen:
+            raise RouteError("nbytes() of a table still recording")
+        tensors = [self.keys_2G, self.conflict_G, *self.ids_GK.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def lookup(self, keys: TokenKeys) -> Lookup:
+        """Find a forward's tokens, with no host sync: ``Lookup.check`` (later) refuses the bad ones."""
+        g = self.keys_2G.shape[1]
+        index_T = torch.searchsorted(self.keys_2G[0], keys.keys_2T[0]).clamp(max=g - 1)
+        found_T = (self.keys_2G[:, index_T] == keys.keys_2T).all(dim=0)
+        bad_T = ~found_T
+        if self.duplicates == "refuse":
+            bad_T = bad_T | (found_T & self.conflict_G[index_T])
+        native_T = None
+        if keys.pad_T is not None:
+            bad_T = bad_T & ~keys.pad_T
+            native_T = ~found_T  # padding not found routes natively (bad_T covers the rest)
+        return Lookup(index_T=index_T, native_T=native_T, bad_T=bad_T, found_T=found_T, keys=keys,
+                      any_bad=_DeviceFlag(bad_T.any()))
+
+    def check(self, found: Lookup, *, layer: int, rank: int) -> None:
+        """``RouteError`` for a looked-up token (not padding) with no route or a conflicting one."""
+        if found.any_bad.read():
+            raise RouteError(self._explain(found.keys, found.found_T, found.bad_T, layer=layer, rank=rank))
+
+
+    def _explain(self, keys: TokenKeys, found_T, bad_T, *, layer: int, rank: int) -> str:
+        bad = bad_T.nonzero().squeeze(1)
+        t = int(bad[0])
+        seq, pos = keys.locate(t)
+        where = f"layer {layer} rank {rank}: training token {t} (sequence {seq} of this forward, position {pos})"
+        more = f" ({bad.numel()} of {keys.tokens} tokens of this forward)"
+        if not bool(found_T[t]):
+            return (f"{where} has no route recorded by this step's log-prob pass{more}; in-job replay (r2) "
+                    "replays routes only on the tokens (same content and position from the sequence start) its "
+                    "log-prob forwards routed: run the log-prob pass on every sequence the step trains on, or "
+                    "mark padding with padding_mask / cu_seqlens_padded")
+        return (f"{where} was recorded more than once with different expert sets{more}: identical prefixes "
+                "routed differently in the log-prob pass (batch-dependent numerics); set "
+                "MOEVERIFY_ROUTER_REPLAY_DUPLICATES=first to replay the first recorded route")
+
+    def ids(self, layer: int, found: Lookup) -> torch.Tensor:
+        """This layer's recorded ids ``[T, K]`` (int64) for a looked-up forward."""
+        return self.ids_GK[layer][found.index_T].long()

@@ -1,0 +1,114 @@
+"""Token identity: one 128-bit key per token from its sequence's content up to and including it.
+
+Legend of shape suffixes: B = sequences (rows), S = positions in a row, T = tokens in router order.
+
+A token's key is a hash of its sequence prefix: two independent 64-bit mixes of (token id, position in its
+sequence), each summed with wrap-around over the positions ``0..s``. Keys depend only on the
+content and position of the prefix, so a token keeps its key whatever micro-batch, row, packing offset,
+shuffling, epoch or right padding it comes in; two tokens with equal keys have the same prefix (up to a
+2**-128 collision chance), which under causal attention means the same routing inputs. Plain tensor math.
+
+Router order: Megatron's router sees hidden states ``[s, b]`` flattened as ``s * B + b`` (THD: the packed
+token order, ``B = 1``); under sequence parallel each TP rank holds the ``t``-th contiguous ``1 / tp`` slice
+of the sequence dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from moeverify.errors import RouteError
+
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_MUL1 = -0x40A7B892E31B1A47    # 0xBF58476D1CE4E5B9
+_MUL2 = -0x6B2FB644ECCEEE15    # 0x94D049BB133111EB
+_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # one per key half
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    # Logical right shift of int64 (torch shifts signed values arithmetically).
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 with wrap-around arithmetic."""
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TokenKeys:
+    """Keys of one forward's tokens in router order, and where each token sits (for error messages).
+
+    ``keys_2T``: the two 64-bit halves; ``pad_T``: tokens the model was told are padding (they may route
+    natively when not found); ``locate(t)``: (batch row or packed sequence index, position) of token ``t``."""
+
+    keys_2T: torch.Tensor
+    pad_T: torch.Tensor | None
+    locate: Callable[[int], tuple[int, int]]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.keys_2T.shape[1])
+
+
+def _values(base: torch.Tensor) -> torch.Tensor:
+    """Two independent mixes ``[2, *base.shape]`` of a token's (id, position) value ``base``."""
+    return _mix(torch.stack([base + _SEEDS[0], base + _SEEDS[1]]))
+
+
+def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None = None) -> TokenKeys:
+    """Keys of a ``[B, S]`` batch, one sequence per row from position 0, in router order ``s * B + b``.
+
+    Args:
+        padding_mask_BS: Megatron's ``padding_mask`` (True = padding), or None.
+    """
+    if input_ids_BS.dim() != 2:
+        raise RouteError(f"token keys need input_ids [B, S], got shape {tuple(input_ids_BS.shape)}")
+    b, s = input_ids_BS.shape
+    base_BS = input_ids_BS.long() * _GOLDEN + torch.arange(s, device=input_ids_BS.device) * _MUL1
+    keys_2BS = torch.cumsum(_values(base_BS), dim=2)  # wrap-around sums of each row's prefix
+    keys_2T = keys_2BS.transpose(1, 2).reshape(2, s * b)
+    pad = padding_mask_BS.bool().t().reshape(-1) if padding_mask_BS is not None else None
+    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, t // b))
+
+
+def packed_keys(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
+                cu_seqlens_padded: torch.Tensor | None = None) -> TokenKeys:
+    """Keys of packed (THD) tokens ``[N]``: sequence ``i`` starts at ``cu_seqlens_padded[i]`` (or ``cu_seqlens[i]``)
+    and holds ``cu_seqlens[i + 1] - cu_seqlens[i]`` real tokens; the rest of its slot, and anything past the last
+    slot, is padding."""
+    ids_N = input_ids_N.reshape(-1).long()
+    n, device = ids_N.shape[0], ids_N.device
+    real = cu_seqlens.to(device=device, dtype=torch.int64)
+    slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=device, dtype=torch.int64)
+    if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
+        raise RouteError(f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
+                         f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]")
+    index_N = torch.arange(n, device=device)
+    seq_N = (torch.searchsorted(slots[1:], index_N, right=True)).clamp(max=real.numel() - 2)
+    start_N = slots[seq_N]
+    pos_N = index_N - start_N
+    length_N = (real[1:] - real[:-1])[seq_N]
+    pad_N = (pos_N >= length_N) | (index_N >= slots[-1])
+    total_2N = torch.cumsum(_values(ids_N * _GOLDEN + pos_N * _MUL1), dim=1)
+    before_2N = torch.where(start_N > 0, total_2N[:, (start_N - 1).clamp(min=0)], 0)
+    return TokenKeys(keys_2T=total_2N - before_2N, pad_T=pad_N, locate=lambda t: (int(seq_N[t]), int(pos_N[t])))
+
+
+def sequence_slice(keys: TokenKeys, *, rank: int, size: int) -> TokenKeys:
+    """The ``rank``-th of ``size`` contiguous slices along the sequence dimension (sequence parallel).
+
+    Router order is sequence-major, so a slice of ``S / size`` positions is a contiguous run of rows."""
+    n = keys.tokens
+    if n % size:
+        raise RouteError(f"sequence parallel: {n} tokens are not divisible by tp {size}")
+    part = n // size
+    first = rank * part
+    return TokenKeys(keys_2T=keys.keys_2T[:, first:first + part],
+                     pad_T=None if keys.pad_T is None else keys.pad_T[first:first + part],
+                     locate=lambda t: keys.locate(first + t))

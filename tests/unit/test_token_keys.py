@@ -1,0 +1,130 @@
+"""Token keys and the route table on synthetic tensors: identity is content + position, never batch layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeverify.errors import RouteError
+from moeverify.patches import token_keys as tk
+from moeverify.patches.route_table import RouteTable
+
+VOCAB = 50
+
+
+def seqs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def by_token(keys: tk.TokenKeys, uids) -> dict:
+    """(uid, position) -> (key1, key2) for the real tokens of one forward."""
+    out = {}
+    for t in range(keys.tokens):
+        if keys.pad_T is not None and bool(keys.pad_T[t]):
+            continue
+        seq, pos = keys.locate(t)
+        out[(uids[seq], pos)] = tuple(keys.keys_2T[:, t].tolist())
+    return out
+
+
+def padded(batch, width):
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    pad = torch.ones(len(batch), width, dtype=torch.bool)
+    for b, s in enumerate(batch):
+        ids[b, :len(s)], pad[b, :len(s)] = s, False
+    return ids, pad
+
+
+def packed(batch, *, slot=None):
+    lengths = [len(s) for s in batch]
+    slots = [slot or n for n in lengths]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    cu_pad = torch.tensor([0] + slots).cumsum(0)
+    ids = torch.zeros(int(cu_pad[-1]) + 3, dtype=torch.long)  # 3 trailing pad tokens past the last slot
+    for i, s in enumerate(batch):
+        ids[int(cu_pad[i]):int(cu_pad[i]) + len(s)] = s
+    return tk.packed_keys(ids[None], cu_seqlens=cu, cu_seqlens_padded=cu_pad)
+
+
+def test_token_keys_invariant_to_batching_padding_and_packing():
+    data = seqs([5, 8, 3, 8])
+    whole_ids, whole_pad = padded(data, 8)
+    reference = by_token(tk.row_keys(whole_ids, padding_mask_BS=whole_pad), [0, 1, 2, 3])
+    assert len(reference) == 24
+    ids, pad = padded([data[3], data[0]], 11)  # other rows, order and right padding
+    assert by_token(tk.row_keys(ids, padding_mask_BS=pad), [3, 0]) == {k: v for k, v in reference.items()
+                                                                       if k[0] in (3, 0)}
+    thd = packed([data[2], data[1], data[0]], slot=9)  # packed, padded slots, trailing padding
+    assert by_token(thd, [2, 1, 0]) == {k: v for k, v in reference.items() if k[0] in (2, 1, 0)}
+    assert int(thd.pad_T.sum()) == thd.tokens - 16
+
+
+def test_token_keys_differ_for_other_prefixes_and_agree_on_shared_prompts():
+    prompt = torch.tensor([7, 8, 9])
+    a, b = torch.cat([prompt, torch.tensor([1, 2])]), torch.cat([prompt, torch.tensor([1, 3])])
+    keys = by_token(tk.row_keys(torch.stack([a, b])), ["a", "b"])
+    assert [keys[("a", s)] == keys[("b", s)] for s in range(5)] == [True, True, True, True, False]
+    shifted = by_token(tk.row_keys(torch.cat([torch.tensor([0]), a])[None]), ["x"])
+    assert all(shifted[("x", s + 1)] != keys[("a", s)] for s in range(5))  # a position counts, not just content
+    rows = torch.randint(0, 4, (64, 32), generator=torch.Generator().manual_seed(1))  # many shared prefixes
+    many = tk.row_keys(rows)
+    prefixes = {tuple(row[:s + 1].tolist()) for row in rows for s in range(32)}
+    assert torch.unique(many.keys_2T[0]).numel() == torch.unique(many.keys_2T, dim=1).shape[1] == len(prefixes)
+
+
+def test_token_keys_router_order_and_sequence_parallel_slice():
+    ids = torch.arange(12).view(2, 6)
+    keys = tk.row_keys(ids)
+    assert [keys.locate(t) for t in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    part = tk.sequence_slice(keys, rank=1, size=2)
+    assert [part.locate(t)[1] for t in range(6)] == [3, 3, 4, 4, 5, 5]
+    assert torch.equal(part.keys_2T, keys.keys_2T[:, 6:])
+
+
+def look(table, keys):
+    found = table.lookup(keys)
+    table.check(found, layer=0, rank=0)
+    return found
+
+
+def table_of(forwards, *, duplicates="refuse"):
+    table = RouteTable(max_tokens=1000, num_experts=8, duplicates=duplicates)
+    for keys, ids_TK in forwards:
+        table.add_ids(layer=0, forward=table.add_forward(keys, rank=0), ids_TK=ids_TK, rank=0)
+    table.freeze(rank=0)
+    return table
+
+
+def test_route_table_finds_routes_across_batching_and_refuses_unknown_tokens():
+    data = seqs([4, 4, 4])
+    ids, _ = padded(data, 4)
+    recorded = tk.row_keys(ids)
+    ids_TK = torch.arange(recorded.tokens * 2).view(-1, 2) % 8
+    table = table_of([(recorded, ids_TK)])
+    assert table.nbytes() == 12 * (8 + 8 + 1 + 2 * 2)  # keys, conflict flag, K = 2 int16 ids
+    again = tk.row_keys(ids[[2, 0]])
+    found = table.ids(0, look(table, again))
+    want = ids_TK.view(4, 3, 2)[:, [2, 0]].reshape(-1, 2)  # router order s * B + b
+    assert torch.equal(found, want)
+    other, _ = padded(seqs([4], seed=5), 4)
+    with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0\)"
+                                         r" has no route recorded by this step's log-prob pass \(4 of 8 tokens"):
+        look(table, tk.row_keys(torch.cat([ids[:1], other])))
+
+
+def test_route_table_duplicate_keys_with_different_routes_refused_unless_first():
+    ids, _ = padded(seqs([3]), 3)
+    keys = tk.row_keys(ids)
+    one, two = torch.tensor([[0, 1]] * 3), torch.tensor([[1, 0], [0, 1], [2, 1]])  # token 0 same set, token 2 not
+    with pytest.raises(RouteError, match=r"position 2\) was recorded more than once with different expert sets"):
+        look(table_of([(keys, one), (keys, two)]), keys)
+    first = table_of([(keys, one), (keys, two)], duplicates="first")
+    assert torch.equal(first.ids(0, look(first, keys)), one)
+
+
+def test_route_table_cap_on_recorded_tokens():
+    table = RouteTable(max_tokens=10, num_experts=8)
+    table.add_forward(tk.row_keys(torch.zeros(2, 4, dtype=torch.long)), rank=0)
+    with pytest.raises(RouteError, match=r"recorded 16 tokens for one model chunk, over the cap of 10"):
+        table.add_forward(tk.row_keys(torch.ones(2, 4, dtype=torch.long)), rank=0)
