@@ -312,7 +312,7 @@ class InJobSession:
                 return None
             from moeverify.patches import router_replay as rr
 
-            rr.refuse_config(router.config, layer, disable_fusion=False)
+            rr.refuse_config(router, layer, disable_fusion=False)
             refuse_router(router, layer)
             if self.state is None:
                 self.state = InJobState(original=self._original, num_experts=router.num_experts)
