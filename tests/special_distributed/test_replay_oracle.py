@@ -49,7 +49,8 @@ def _summary(record: dict) -> str:
     return "\n".join(lines)
 
 
-SUBCHECKS = {"equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order", "validation"}
+SUBCHECKS = {"equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order", "validation",
+             "weights"}
 # Findings in the peers: both serve recomputes in queue order (Megatron-Core's replay_backward_list.pop(0)), so
 # a reverse-order or summed-loss backward recomputes with another micro-batch's routes; and both accept some
 # bad routes (routes for a layer the model lacks; verl also a table one row short) without a refusal.
@@ -92,6 +93,18 @@ def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
     sub = record["subchecks"][subcheck]
     assert not record["passed"] and not sub["passed"], _summary(record)
     assert any(reason in f for f in sub["failures"]), _summary(record)
+
+
+def test_replay_weights_catch_right_ids_in_another_slot_order_at_top8_of_64(tmp_path):
+    # deepseek_v3_wide: top-8 of 64 in 8 groups with an expert bias; a sum of 8 probabilities depends on its order
+    options = {"replay_subchecks": ["weights"]}
+    control = run_replay(tmp_path, "deepseek_v3_wide", world_size=1, impl="moeverify", options=options)
+    assert control["passed"] and control["subchecks"]["weights"]["checked"] > 0, _summary(control)
+    record = run_replay(tmp_path, "deepseek_v3_wide", world_size=1,
+                        impl="moeverify.oracles.replay.faulty:reversed_slots", options=options)
+    sub = record["subchecks"]["weights"]
+    assert not sub["passed"], _summary(record)
+    assert any("replay vs recorded pass: router probs" in f for f in sub["failures"]), _summary(record)
 
 
 def test_replay_mutant_no_recompute_replay_reports_unconsumed_routes(tmp_path):
