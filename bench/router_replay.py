@@ -186,7 +186,8 @@ def _variants_moeverify(args, x):
     x_holder[:] = [x]
     native_steps = _native_steps(native, RouterReplayAction, routes.get(0, 0).to(torch.int64))
     return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay,
-            "replay_fidelity": replay_fidelity, "slot_order": slot_order, "native.record": (native_steps["record"], reverted),
+            "replay_fidelity": replay_fidelity, "slot_order": slot_order,
+            "native.record": (native_steps["record"], reverted),
             "native.replay": (native_steps["replay"], reverted)}
 
 

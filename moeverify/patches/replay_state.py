@@ -182,7 +182,8 @@ class Replaying:
         self.fidelity: dict[int, list] | None = {} if fidelity else None
         self.per_layer = per_layer
         # ids ascending per row, once per replay: the hooks order the slots by score from there (canonical_slots)
-        self.sorted_ids = {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs) for layer, mbs in per_layer.items()}
+        self.sorted_ids = {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs)
+                           for layer, mbs in per_layer.items()}
         self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
         self.recompute_mode = recompute
         self.rank = rank

@@ -50,7 +50,8 @@ VARIANTS: dict[str, RouterVariant] = {v.name: v for v in (
 )}
 
 DEFAULT_VARIANTS: tuple[str, ...] = ("default",)
-BIAS_FAMILIES = ("deepseek_v3", "deepseek_v3_mtp", "deepseek_v3_wide")  # families whose checkpoints carry an expert bias
+# families whose checkpoints carry an expert bias
+BIAS_FAMILIES = ("deepseek_v3", "deepseek_v3_mtp", "deepseek_v3_wide")
 
 
 def select(option: object) -> tuple[RouterVariant, ...]:
