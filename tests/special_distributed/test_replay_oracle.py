@@ -107,6 +107,20 @@ def test_replay_weights_catch_right_ids_in_another_slot_order_at_top8_of_64(tmp_
     assert any("replay vs recorded pass: router probs" in f for f in sub["failures"]), _summary(record)
 
 
+def test_replay_equivalence_under_the_slot_order_finding_still_checks_gradients(tmp_path):
+    # plain top-8 of 64 (sigmoid, no groups): the no-grad pass routes with other probs (F10); the native-based
+    # mutant replays that order, so equivalence takes native grad-mode routing in that order as its reference,
+    # and its detached probabilities still fail there, on the gradients
+    options = {"replay_subchecks": ["equivalence"], "router_variants": ["sigmoid"], "replay_microbatches": 1,
+               "replay_notes_path": str(tmp_path / "notes.json")}
+    record = run_replay(tmp_path, "deepseek_v3_wide", world_size=1,
+                        impl="moeverify.oracles.replay.faulty:detached_probs", options=options)
+    sub = record["subchecks"]["equivalence"]
+    assert not sub["passed"] and any("replay vs plain pass: grad" in f for f in sub["failures"]), _summary(record)
+    notes = json.loads((tmp_path / "notes.json").read_text())["variants"]["sigmoid"]["notes"]
+    assert "F10" in notes["findings"] and "no-grad slot order" in notes["equivalence"], notes
+
+
 def test_replay_mutant_no_recompute_replay_reports_unconsumed_routes(tmp_path):
     record = run_replay(tmp_path, "qwen3_moe", world_size=1, impl="moeverify.oracles.replay.faulty:no_recompute_replay",
                         options={"replay_subchecks": ["recompute"], "replay_recompute": ["full"]})
