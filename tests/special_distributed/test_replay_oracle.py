@@ -96,10 +96,9 @@ def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
 
 
 def test_replay_weights_catch_right_ids_in_another_slot_order_at_top8_of_64(tmp_path):
-    # deepseek_v3_wide: top-8 of 64 in 8 groups with an expert bias; a sum of 8 probabilities depends on its order
+    # deepseek_v3_wide: top-8 of 64 in 8 groups with an expert bias; a sum of 8 probabilities depends on its order.
+    # The control (moeverify passes weights on this family, both variants) is scenarios/families_ci.yaml's run.
     options = {"replay_subchecks": ["weights"], "replay_microbatches": 1}  # one micro-batch: ~65 of 2,048 probs differ
-    control = run_replay(tmp_path, "deepseek_v3_wide", world_size=1, impl="moeverify", options=options)
-    assert control["passed"] and control["subchecks"]["weights"]["checked"] > 0, _summary(control)
     record = run_replay(tmp_path, "deepseek_v3_wide", world_size=1,
                         impl="moeverify.oracles.replay.faulty:reversed_slots", options=options)
     sub = record["subchecks"]["weights"]
