@@ -19,6 +19,9 @@ group-limited top-k (DeepSeek-V3 style) instead of softmax.
 CPU (default): a small realistic shape that runs in well under two minutes.
 H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtype bf16``.
 
+``moeverify.slot_order`` times the canonical slot order alone (the ids' sort and the scores' argsort at
+them, on ``[T, K]``), as a share of the unpatched step: what bitwise replay at top-k >= 3 costs.
+
 Writes ``bench/results/router_replay.json``: ``{"metrics": {NAME: {"value", "unit", "peer", "ratio",
 "goal"}}}``.
 
@@ -178,12 +181,31 @@ def _variants_moeverify(args, x):
 
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    slot_order = _slot_order_step(args, routes.get(0, 0))
     native = _router(args, native=True)  # Megatron-Core's own RouterReplay, timed with moeverify's patch reverted
     x_holder[:] = [x]
     native_steps = _native_steps(native, RouterReplayAction, routes.get(0, 0).to(torch.int64))
     return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay,
-            "replay_fidelity": replay_fidelity, "native.record": (native_steps["record"], reverted),
+            "replay_fidelity": replay_fidelity, "slot_order": slot_order,
+            "native.record": (native_steps["record"], reverted),
             "native.replay": (native_steps["replay"], reverted)}
+
+
+def _slot_order_step(args, ids_TK):
+    """What the canonical slot order adds to one replayed routing call: the per-replay sort of the ids and the
+    hook's gather + argsort of the scores at them (``moeverify.patches.replay_state``), on ``[T, K]``."""
+    import torch
+
+    from moeverify.patches.replay_state import canonical_slots
+
+    ids_TK = ids_TK.to(args.device, torch.int64)
+    scores_TE = torch.randn(ids_TK.shape[0], args.experts, generator=torch.Generator().manual_seed(2)).to(args.device)
+
+    def step():
+        sorted_TK = ids_TK.sort(dim=1).values
+        sorted_TK.gather(1, canonical_slots(scores_TE.gather(1, sorted_TK)))
+
+    return step
 
 
 def _native_steps(router, action_enum, ids_TK):
@@ -271,6 +293,8 @@ def run_parent(args) -> dict:
             metrics[key] = _metric(times[name], times["unpatched"], GOALS.get(key))
         metrics["moeverify.replay_fidelity"] = _metric(times["replay_fidelity"], times["unpatched"], None)
         metrics["moeverify.fidelity_vs_replay"] = _metric(times["replay_fidelity"], times["replay"], None)
+        # the canonical slot order's own ops, against the unpatched step: the share of it that ordering costs
+        metrics["moeverify.slot_order"] = _metric(times["slot_order"], times["unpatched"], None)
     if "verl" in medians:
         times = medians["verl"]
         metrics["verl.unpatched"] = _metric(times["unpatched"], times["unpatched"], None)

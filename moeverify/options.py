@@ -16,7 +16,7 @@ from moeverify.errors import UsageError
 # The replay oracle's subchecks and recompute modes, named here so they can be validated without torch;
 # moeverify.oracles.replay.oracle runs them under these names.
 REPLAY_SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order",
-                    "validation", "token_counts")
+                    "validation", "token_counts", "weights")
 RECOMPUTE_MODES = ("full", "moe")
 SUBJECTS = {
     "bridge": "moeverify.subjects:bridge",

@@ -40,6 +40,12 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
     # DeepSeek-V3 with one multi-token-prediction layer (HF layer 4: an MoE layer with enorm, hnorm, eh_proj and
     # shared_head.norm), seeded by mtp_weights.py since transformers' model has no MTP; built on CPU by mtp_spec.py.
     "deepseek_v3_mtp": ("DeepseekV3ForCausalLM", dict(_DEEPSEEK_V3, num_nextn_predict_layers=1)),
+    # DeepSeek-V3 at its routing shape: 64 experts in 8 groups, 4 groups then top-8 per token, an fp32 expert bias:
+    # the shape where top-k slot order (an ulp at top-k >= 3), group-limited ties and T == E live. Two layers (the
+    # dense first one and one MoE layer) and narrow experts: 64 experts cost CPU time per expert, so CI stays cheap.
+    "deepseek_v3_wide": ("DeepseekV3ForCausalLM", dict(_DEEPSEEK_V3, num_nextn_predict_layers=0, num_hidden_layers=2,
+                                                       n_routed_experts=64, num_experts_per_tok=8, n_group=8,
+                                                       topk_group=4, moe_intermediate_size=16)),
     # Kimi-K2: DeepSeek-V3's architecture under its own model type and bridge (KimiK2Bridge: pre-softmax
     # sigmoid routing with an fp32 expert bias from the config's scoring_func, seq_aux_loss, a shared expert, a
     # dense first layer, MLA). transformers 5.12.1 has no class: kimi.py makes the config (DeepSeek-V3's plus

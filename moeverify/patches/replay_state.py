@@ -11,6 +11,15 @@ forward by identity: a forward inside a checkpointed region binds (region, route
 micro-batch (``moeverify.patches.regions``), and the recompute of that region finds the binding,
 whatever order the backward passes run in. A recompute without a binding on a router that replayed
 raises ``RouteError``: it is never given another micro-batch's routes.
+
+Slot order: Megatron-Core 0.19.2 takes the plain top-k sorted only when grad is enabled, and sums the K
+gathered probabilities of a row in slot order (softmax over the K gathered logits, or the sigmoid
+normalisation), so a no-grad log-prob pass and a grad-mode pass differ by an ulp at top-k >= 3. Both
+hooks put every row in one canonical order, the one a sorted top-k gives: descending selection key (the
+tensor the hook is handed: scores, or scores + expert bias), ties by ascending expert id. Recorded ids,
+the recording pass's own probabilities and replayed ids from any source (a session, rollout arrays, a
+dump) are summed alike, so the log-prob pass, the replayed training pass and a native grad-mode pass
+give bitwise the same probabilities.
 """
 
 from __future__ import annotations
@@ -103,8 +112,14 @@ def _call_with_hook(original, router, hook, logits, args, kwargs):
         attrs["router_replay"] = saved
 
 
+def canonical_slots(key_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` permutation putting each row of ids in canonical slot order: descending ``key_TK`` (the
+    selection key gathered at those ids, the ids ascending within the row), ties kept in ascending id order."""
+    return key_TK.argsort(dim=1, descending=True, stable=True)
+
+
 class _RecordHook:
-    """Megatron's ``router_replay`` protocol: compute the native top-k and keep the ids."""
+    """Megatron's ``router_replay`` protocol: compute the native top-k, keep the ids, both in canonical order."""
 
     __slots__ = ("sink",)
 
@@ -112,21 +127,28 @@ class _RecordHook:
         self.sink = sink
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        values, topk_ids_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self.sink.append(topk_ids_TK)  # integer ids carry no autograd history: nothing to detach
-        return values, topk_ids_TK
+        values_TK, ids_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        # values are the selection key at the ids (group-limited top-k masks only unselected experts)
+        ids_TK, by_id_TK = ids_TK.sort(dim=1)
+        values_TK = values_TK.gather(1, by_id_TK)
+        order_TK = canonical_slots(values_TK.detach())
+        ids_TK = ids_TK.gather(1, order_TK)
+        self.sink.append(ids_TK)  # integer ids carry no autograd history: nothing to detach
+        return values_TK.gather(1, order_TK), ids_TK
 
 
 class _ReplayHook:
-    """Megatron's ``router_replay`` protocol: use the given ids, gather scores of the current weights."""
+    """Megatron's ``router_replay`` protocol: use the given ids (ascending per row), in canonical slot order of
+    the current scores, and gather those scores."""
 
-    __slots__ = ("topk_ids_TK",)
+    __slots__ = ("sorted_ids_TK",)
 
-    def __init__(self, topk_ids_TK: torch.Tensor):
-        self.topk_ids_TK = topk_ids_TK
+    def __init__(self, sorted_ids_TK: torch.Tensor):
+        self.sorted_ids_TK = sorted_ids_TK
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        return scores.gather(1, self.topk_ids_TK), self.topk_ids_TK
+        ids_TK = self.sorted_ids_TK.gather(1, canonical_slots(scores.detach().gather(1, self.sorted_ids_TK)))
+        return scores.gather(1, ids_TK), ids_TK
 
 
 class Recording:
@@ -159,6 +181,9 @@ class Replaying:
         # layer -> [tokens whose replayed top-k equals native top-k (device tensor), tokens] over forwards
         self.fidelity: dict[int, list] | None = {} if fidelity else None
         self.per_layer = per_layer
+        # ids ascending per row, once per replay: the hooks order the slots by score from there (canonical_slots)
+        self.sorted_ids = {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs)
+                           for layer, mbs in per_layer.items()}
         self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
         self.recompute_mode = recompute
         self.rank = rank
@@ -175,7 +200,7 @@ class Replaying:
             shape = tuple(self.per_layer[layer][mb].shape)
             raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: replay ids shape {shape}"
                              f" != expected (T={tokens}, K={router.topk}) for this router call")
-        return self.per_layer[layer][mb]
+        return self.sorted_ids[layer][mb]
 
     def describe(self, layer) -> str:
         if layer not in self.next_mb:

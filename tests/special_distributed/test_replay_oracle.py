@@ -50,7 +50,7 @@ def _summary(record: dict) -> str:
 
 
 SUBCHECKS = {"equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order", "validation",
-             "token_counts"}
+             "token_counts", "weights"}
 # Findings in the peers: both serve recomputes in queue order (Megatron-Core's replay_backward_list.pop(0)), so
 # a reverse-order or summed-loss backward recomputes with another micro-batch's routes; and both accept some
 # bad routes (routes for a layer the model lacks; verl also a table one row short) without a refusal.
@@ -99,6 +99,31 @@ def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
     sub = record["subchecks"][subcheck]
     assert not record["passed"] and not sub["passed"], _summary(record)
     assert any(reason in f for f in sub["failures"]), _summary(record)
+
+
+def test_replay_weights_catch_right_ids_in_another_slot_order_at_top8_of_64(tmp_path):
+    # deepseek_v3_wide: top-8 of 64 in 8 groups with an expert bias; a sum of 8 probabilities depends on its order.
+    # The control (moeverify passes weights on this family, both variants) is scenarios/families_ci.yaml's run.
+    options = {"replay_subchecks": ["weights"], "replay_microbatches": 1}  # one micro-batch: ~65 of 2,048 probs differ
+    record = run_replay(tmp_path, "deepseek_v3_wide", world_size=1,
+                        impl="moeverify.oracles.replay.faulty:reversed_slots", options=options)
+    sub = record["subchecks"]["weights"]
+    assert not sub["passed"], _summary(record)
+    assert any("replay vs recorded pass: router probs" in f for f in sub["failures"]), _summary(record)
+
+
+def test_replay_equivalence_under_the_slot_order_finding_still_checks_gradients(tmp_path):
+    # plain top-8 of 64 (sigmoid, no groups): the no-grad pass routes with other probs (F12); the native-based
+    # mutant replays that order, so equivalence takes native grad-mode routing in that order as its reference,
+    # and its detached probabilities still fail there, on the gradients
+    options = {"replay_subchecks": ["equivalence"], "router_variants": ["sigmoid"], "replay_microbatches": 1,
+               "replay_notes_path": str(tmp_path / "notes.json")}
+    record = run_replay(tmp_path, "deepseek_v3_wide", world_size=1,
+                        impl="moeverify.oracles.replay.faulty:detached_probs", options=options)
+    sub = record["subchecks"]["equivalence"]
+    assert not sub["passed"] and any("replay vs plain pass: grad" in f for f in sub["failures"]), _summary(record)
+    notes = json.loads((tmp_path / "notes.json").read_text())["variants"]["sigmoid"]["notes"]
+    assert "F12" in notes["findings"] and "no-grad slot order" in notes["equivalence"], notes
 
 
 def test_replay_mutant_no_recompute_replay_reports_unconsumed_routes(tmp_path):

@@ -12,6 +12,9 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
   of the layer) instead of by identity: right when backward runs in forward order, wrong otherwise.
 - ``counts_padding``: moeverify's patch, but padding tokens are counted into the expert-bias token counts
   (``local_tokens_per_expert``) of replayed calls; routes, probs, losses and gradients are all right.
+- ``reversed_slots``: replays the right ids with each row's slots reversed (ids handed over in another order
+  than the recording took them, as rollout arrays may be): the probabilities are summed in another order, an
+  ulp off at top-k >= 3 (a top-2 sum is order-free, so only a top-k >= 3 family can show it).
 - ``one_rank_crash``: raises while replaying on rank 1 only, the other ranks going on into the
   collectives it left. Not a subcheck's catch: the check must end quickly, naming rank 1
   (``runtime.agreement``), instead of waiting for the collective timeout.
@@ -67,6 +70,13 @@ class _NoRecomputeReplay(NativeReplay):
                 rr.clear_router_replay_action()
         else:
             super().after_forward(chunk, mb)
+
+
+class _ReversedSlots(NativeReplay):
+    name = "reversed_slots"
+
+    def target(self, layer: int, mb: int) -> torch.Tensor:
+        return self._replaying.get(layer, mb).flip(1)
 
 
 class _OneRankCrash(NativeReplay):
@@ -145,10 +155,14 @@ def no_recompute_replay() -> NativeReplay:
     return _NoRecomputeReplay()
 
 
+def reversed_slots() -> NativeReplay:
+    return _ReversedSlots()
+
+
 def one_rank_crash() -> NativeReplay:
     return _OneRankCrash()
 
 
 MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",
            "no_recompute_replay": "recompute", "fifo_recompute": "backward_order",
-           "counts_padding": "token_counts"}
+           "counts_padding": "token_counts", "reversed_slots": "weights"}

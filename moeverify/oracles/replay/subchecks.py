@@ -1,7 +1,7 @@
 """The replay subchecks of one router variant (what each proves: ``oracle``'s docstring).
 
-``variant_on_layout`` runs equivalence, native_parity, drift, recompute, backward_order,
-validation and token_counts (``token_counts``) under the scenario layout; ``reference`` and ``cross_layout`` make the 1-rank reference
+``variant_on_layout`` runs weights, equivalence, native_parity, drift, recompute, backward_order,
+validation and token_counts under the scenario layout; ``reference`` and ``cross_layout`` make the 1-rank reference
 routes and replay them under the scenario layout. Every function fills the tallies it is given.
 """
 
@@ -16,7 +16,7 @@ from moeverify import runtime, views
 from moeverify.layout import Layout
 from moeverify.oracles.replay import checks as rc
 from moeverify.oracles.replay import drive as rd
-from moeverify.oracles.replay import mtp_views
+from moeverify.oracles.replay import mtp_views, slot_order
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
@@ -59,10 +59,14 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
     logprob = rd.record_pass(chunks, setup.items, seq_len=seq, impl=impl)
     routes = logprob.routes
     replayed = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
+    if "weights" in want:  # the training pass takes the log-prob pass's routing weights, slot order included
+        rc.compare_passes(tallies["weights"], logprob, replayed, prefix=p + "replay vs recorded pass: ", grads=False,
+                          logits=False)
     if "equivalence" in want:
         t = tallies["equivalence"]
         rc.check_recorded(t, routes, plain, prefix=p + "recorded vs plain pass: ")
-        rc.compare_passes(t, plain, replayed, prefix=p + "replay vs plain pass: ")
+        expected = _equivalence_reference(setup, chunks, plain, replayed, notes)
+        rc.compare_passes(t, expected, replayed, prefix=p + "replay vs plain pass: ")
         for msg in impl.check_consumed(recompute=False):
             t.fail(p + msg)
     if "native_parity" in want:
@@ -80,6 +84,29 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
         st.guarded(setup, {"token_counts": tallies["token_counts"]}, token_counts.run, setup, tallies["token_counts"],
                    notes)
     return routes
+
+
+def _equivalence_reference(setup: st.Setup, chunks: list, plain, replayed, notes: dict):
+    """The plain pass the replay must equal: native grad-mode routing, or, where a plain no-grad pass routes
+    with other probabilities (finding ``slot_order.FINDING``, recorded in ``notes``) and the replay took the
+    no-grad pass's probabilities, native grad-mode routing in the no-grad slot order."""
+    seq = setup.batches.seq_len
+    nograd = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=True)
+    evidence = slot_order.evidence(plain, nograd)
+    if not evidence:
+        return plain
+    notes.setdefault("findings", {})[slot_order.FINDING] = {"title": slot_order.TITLE, "evidence": evidence[:8],
+                                                            "pairs": len(evidence)}
+    if slot_order.same_probs(replayed, plain) or not slot_order.same_probs(replayed, nograd):
+        return plain
+    reference = slot_order.reference_pass(chunks, lambda: rd.run_pass(chunks, setup.items, seq_len=seq,
+                                                                       forward_only=False))
+    if not slot_order.same_probs(reference, nograd):  # not the reference it claims to be: judge by the plain pass
+        notes["equivalence"] = "native routing in the no-grad slot order did not reproduce the no-grad pass"
+        return plain
+    notes["equivalence"] = (f"the replay routes with the no-grad pass's probabilities ({slot_order.FINDING}): "
+                            "compared with native grad-mode routing in the no-grad slot order")
+    return reference
 
 
 @contextlib.contextmanager
