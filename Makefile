@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NPROC ?= 2
 
-.PHONY: setup demo test test-unit test-distributed release bench clean
+.PHONY: setup demo lint test test-unit test-distributed release bench clean
 
 setup:
 	@bash tools/setup.sh
@@ -11,9 +11,13 @@ demo: setup
 	@mkdir -p runs
 	$(PY) -m moeverify run scenarios/smoke.yaml --json runs/demo.json
 
-# Unit tests, then the release matrix bit for bit on CPU ranks (with a subset of the bridge families' matrix),
+lint: setup
+	.venv/bin/ruff check .
+
+# Lint (ruff, seconds), unit tests, then the release matrix bit for bit on CPU ranks (a subset of the families matrix),
 # then the torchrun scenario tests.
 test: setup
+	.venv/bin/ruff check .
 	@mkdir -p runs
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_ci.yaml --json runs/release.json --junit runs/release.xml

@@ -285,7 +285,7 @@ def measure(weights: str, layout, rt) -> dict | None:
         else:
             naive_mib, naive_s, _ = _phase(lambda: gather_everything(sctx))
         stats = dict(sctx.options["stats"])
-        del built, sctx
+        built = sctx = None  # drop the model before leaving the parallel state (the closures share these cells)
     if rt.rank != 0:
         return None
     failed = {k: t.failures[:2] for k, t in tallies.items() if not t.passed}

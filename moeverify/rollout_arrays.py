@@ -197,7 +197,7 @@ def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_e
     array) read and checked by ``moeverify.record.expert_map``, the dump commands' one loader."""
     import os
 
-    from moeverify.record import expert_map as maps
+    from moeverify.record import expert_map as maps  # deferred: the record package pulls in safetensors
 
     if isinstance(expert_map, maps.ExpertMap):
         emap = expert_map

@@ -86,4 +86,25 @@ EOF
     echo "moeverify setup: the stack in $stack does not import; remove it and run make setup again" >&2; exit 1; }
   echo "$stack" > "$venv/.moeverify-stack"
 fi
+# Lint tools: a small venv of their own, cached by the hash of requirements/tools.txt, so changing them does
+# not reinstall the stack. `make lint` runs .venv/bin/ruff, a link into it.
+tkey=$(cat "$repo"/requirements/tools.txt <(echo "$pyver") | sha256sum | cut -c1-16)
+tools="$cache_root/tools-$tkey"
+if [ ! -f "$tools/.complete" ]; then
+  mkdir -p "$cache_root"
+  exec 8>"$cache_root/.tools-$tkey.lock"
+  flock 8
+  if [ ! -f "$tools/.complete" ]; then
+    echo "moeverify setup: installing the lint tools into $tools"
+    ttmp="$tools.tmp.$$"
+    rm -rf "$ttmp"
+    "$py" -m venv "$ttmp"
+    "$ttmp/bin/python" -m pip install --quiet --disable-pip-version-check --no-input -r "$repo/requirements/tools.txt"
+    touch "$ttmp/.complete"
+    rm -rf "$tools"
+    mv "$ttmp" "$tools"
+  fi
+  flock -u 8
+fi
+ln -sfn "$tools/bin/ruff" "$venv/bin/ruff"
 echo "moeverify setup: .venv ready (python $pyver, stack $key)"

@@ -26,7 +26,7 @@ class CheckContext:
     def model(self):
         """The scenario's model built under its layout (``moeverify.models.build``), cached per scenario."""
         if self._built is None:
-            from moeverify import models
+            from moeverify import models  # deferred: the model builder (megatron) only when a check builds
 
             self._built = models.build(self.scenario.family, self.scenario.layout, seed=self.scenario.seed)
         return self._built

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from moeverify.errors import UsageError
 from moeverify.views import job_layout
+
+if TYPE_CHECKING:  # annotations only
+    from moeverify.layout import Layout
+    from moeverify.views import RankCoords
 
 COLLECTIVE_TIMEOUT_S = 600
 

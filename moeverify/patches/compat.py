@@ -88,7 +88,7 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         raise EnvironmentProblem(f"torch {torch.__version__}: torch._C._current_graph_task_id is missing; router "
                                  "replay needs it to tell a recompute (inside backward) from a forward")
-    from moeverify.patches import regions
+    from moeverify.patches import regions  # deferred: pulls in torch's autograd/multiprocessing machinery
 
     problem = regions.probe()
     if problem is not None:

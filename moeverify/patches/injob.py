@@ -33,6 +33,7 @@ from moeverify.patches import regions, replay_state
 from moeverify.patches import token_keys as tk
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
+from moeverify.patches import router_replay as rr
 
 MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
 DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
@@ -310,7 +311,6 @@ class InJobSession:
             if not self._selected(router):
                 self._native.add(router)
                 return None
-            from moeverify.patches import router_replay as rr
 
             rr.refuse_config(router, layer, disable_fusion=False)
             refuse_router(router, layer)

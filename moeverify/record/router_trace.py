@@ -31,6 +31,7 @@ import torch
 
 from moeverify.errors import DumpError, RouteError, UsageError
 from moeverify.routes import Routes
+from moeverify import views
 
 TRACE_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
 
@@ -220,7 +221,6 @@ def read_router_trace_ranks(directory: str | os.PathLike, *, layout, world_size:
     told apart), an empty trace where the stage is not known to be dense, ranks holding different steps, a
     layer outside its stage.
     """
-    from moeverify import views
 
     directory = Path(directory)
     files = _rank_files(directory, world_size=world_size)

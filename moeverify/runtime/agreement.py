@@ -28,6 +28,7 @@ import os
 import torch.distributed as dist
 
 from moeverify.errors import EnvironmentProblem, RankDisagreement
+from moeverify.runtime import DEFAULT_TIMEOUT_S
 
 AGREE_TIMEOUT_S = float(os.environ.get("MOEVERIFY_AGREE_TIMEOUT_S", "60"))
 _steps = itertools.count()
@@ -51,7 +52,6 @@ def agree(error: BaseException | None, *, what: str, wait_s: float | None = None
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    from moeverify.runtime import DEFAULT_TIMEOUT_S
 
     store, rank, world, step = _store(), dist.get_rank(), dist.get_world_size(), next(_steps)
     keys = [f"moeverify/agree/{step}/{r}" for r in range(world)]

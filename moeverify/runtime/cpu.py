@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from moeverify.errors import EnvironmentProblem
+
 _CPU = torch.device("cpu")
 _saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) in install order
 _mode: TorchFunctionMode | None = None
@@ -230,7 +232,6 @@ def install() -> None:
     global _mode
     if _mode is not None:
         return
-    from moeverify.errors import EnvironmentProblem
 
     targets = []
     for module_name, attr, value in _MEGATRON_REDIRECTIONS:

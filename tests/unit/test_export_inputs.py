@@ -2,9 +2,7 @@
 of bad subject input fails with a message naming rank, row and slot (never a hang, never a silent pass)."""
 
 import dataclasses
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch

@@ -278,7 +278,7 @@ def test_manifest_of_wrong_json_types_is_refused_by_name(tmp_path, key, value):
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     manifest[key] = value
     (tmp_path / "d" / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DumpError, match=rf"manifest\.json: (steps|ranks|world_size|model)"):
+    with pytest.raises(DumpError, match=r"manifest\.json: (steps|ranks|world_size|model)"):
         load(tmp_path / "d")
 
 

@@ -146,7 +146,7 @@ def test_autopatch_replay_without_dump_refused_before_start(tmp_path):
 def test_autopatch_second_model_without_selection_refused(tmp_path):
     autopatch.install(autopatch.Setting(mode="record", directory=tmp_path))
     try:
-        reference, actor = make_router(1, seed=4), make_router(1, seed=3)
+        _reference, actor = make_router(1, seed=4), make_router(1, seed=3)  # two models built
         x = torch.randn(S, B, H)
         with torch.no_grad():
             with pytest.raises(UsageError, match=r"2 MoE models are built in this process \(model 0: layers \[0\]; "

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from moeverify.oracles.results import Tally
-from moeverify.runner.worker import _tallies, peak_rss_mb
+from moeverify.runner.worker import _tallies
 
 
 def test_tallies_accepts_dict_of_tally():

@@ -39,6 +39,7 @@ from moeverify.errors import MoEVerifyError, UsageError
 from moeverify.options import REPLAY_IMPLS
 from moeverify.patches.routers import find_routers
 from moeverify.routes import Routes
+from moeverify.patches import router_replay as rr
 
 IMPLS = REPLAY_IMPLS  # declared in moeverify.options
 
@@ -230,7 +231,6 @@ class MoeverifyReplay(ReplayImpl):
     name = "moeverify"
 
     def __init__(self) -> None:
-        from moeverify.patches import router_replay as rr
 
         self._rr = rr
         self._session = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from moeverify.oracles.bits import bitwise_equal
+from moeverify.patches.routers import find_routers
 
 FINDING = "F12"
 TITLE = "megatron-core 0.19.2 top-k slot order: a no-grad pass and a grad-mode pass route with other probabilities"
@@ -55,7 +56,6 @@ def same_probs(a, b) -> bool:
 
 def reference_pass(chunks: list, run) -> object:
     """``run()`` (a grad-mode pass of ``chunks``) with every router routing natively in the no-grad slot order."""
-    from moeverify.patches.routers import find_routers
 
     routers = [router for _, router in find_routers(chunks).values()]
     saved = [router.__dict__.get("router_replay") for router in routers]
