@@ -13,11 +13,13 @@ demo: setup
 
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 
-# Lint (ruff, seconds), unit tests, then the release matrix bit for bit on CPU ranks (a subset of the families matrix),
+# Lint (ruff and the import layers contract, seconds), unit tests, then the release matrix bit for bit on CPU ranks (a subset of the families matrix),
 # then the torchrun scenario tests.
 test: setup
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 	@mkdir -p runs
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_ci.yaml --json runs/release.json --junit runs/release.xml

@@ -107,4 +107,8 @@ if [ ! -f "$tools/.complete" ]; then
   flock -u 8
 fi
 ln -sfn "$tools/bin/ruff" "$venv/bin/ruff"
+# import-linter's own script names the venv's temporary path: run its entry point through the venv's python
+# (the working directory, the repo root, is on its path, so the package is analysed without being installed).
+printf '#!/bin/sh\nexec "%s/bin/python" -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())" --no-cache "$@"\n' "$tools" > "$venv/bin/lint-imports"
+chmod +x "$venv/bin/lint-imports"
 echo "moeverify setup: .venv ready (python $pyver, stack $key)"
