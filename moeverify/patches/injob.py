@@ -87,20 +87,93 @@ class ChunkForward:
         return keys
 
     def _full_keys(self, layer: int, *, rank: int) -> tk.TokenKeys:
+        """Keys of the tokens this chunk's forward holds (all of them; under CP this rank's zigzag halves)."""
         from megatron.core import parallel_state
 
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise UsageError(f"layer {layer} rank {rank}: in-job replay (r2) does not support context parallel yet "
-                             "(a CP rank holds zigzag halves; a token's key needs its whole prefix)")
         ids = self.input_ids
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
-            raise RouteError(f"layer {layer} rank {rank}: this model chunk's forward got no input_ids (a pipeline "
-                             "stage past the first?); in-job replay finds routes by token identity: pass input_ids "
-                             "to every stage's GPTModel forward, as verl does")
-        if self.packed is not None and getattr(self.packed, "qkv_format", "thd") == "thd":
+            raise RouteError(f"layer {layer} rank {rank}: this model chunk's forward got no input_ids "
+                             f"({_stage_of(self.chunk)}); in-job replay finds routes by token identity and a stage "
+                             "past the first gets only hidden states from the pipeline (Megatron-LM's get_batch "
+                             "gives tokens to the first and last stages only): pass input_ids to every stage's "
+                             "GPTModel forward, as verl does (a stage past the first ignores them for compute)")
+        thd = self.packed is not None and getattr(self.packed, "qkv_format", "thd") == "thd"
+        if parallel_state.get_context_parallel_world_size() > 1:
+            return self._cp_keys(ids, thd=thd, layer=layer, rank=rank)
+        if thd:
             return tk.packed_keys(ids, cu_seqlens=self.packed.cu_seqlens_q,
                                   cu_seqlens_padded=getattr(self.packed, "cu_seqlens_q_padded", None))
         return tk.row_keys(ids, padding_mask_BS=self.padding_mask)
+
+    def _cp_keys(self, ids: torch.Tensor, *, thd: bool, layer: int, rank: int) -> tk.TokenKeys:
+        """Context parallel: put the CP ranks' input ids back together, key the full sequences, take this rank's
+        tokens (``token_keys`` module docstring). Collective over the CP group, once per forward."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+        cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        parts = _gather_cp(ids, group, cp=cp, layer=layer, rank=rank)
+        if thd:
+            if ids.dim() != 2 or ids.shape[0] != 1:
+                raise RouteError(f"layer {layer} rank {rank}: packed (THD) input_ids must be [1, N], got "
+                                 f"{tuple(ids.shape)}")
+            padded = getattr(self.packed, "cu_seqlens_q_padded", None)
+            slots = padded if padded is not None else self.packed.cu_seqlens_q
+            length = int(slots[-1])
+            if length != ids.shape[1] * cp:
+                raise UsageError(f"layer {layer} rank {rank}: context parallel with packed sequences: {cp} CP ranks "
+                                 f"hold {ids.shape[1]} tokens each but the slots (cu_seqlens_padded, else "
+                                 f"cu_seqlens) end at {length}; in-job replay (r2) supports Megatron's per-document "
+                                 "split (every slot a multiple of 2 * cp, no tokens past the last slot)")
+            indices = [tk.thd_zigzag_index(slots, rank=r, size=cp) for r in range(cp)]
+            full = tk.packed_keys(tk.unshard(parts, indices, length=length), cu_seqlens=self.packed.cu_seqlens_q,
+                                  cu_seqlens_padded=padded)
+            return tk.take(full, indices[cp_rank])
+        if ids.dim() != 2:
+            raise RouteError(f"layer {layer} rank {rank}: token keys need input_ids [B, S], got {tuple(ids.shape)}")
+        length = ids.shape[1] * cp
+        indices = [tk.zigzag_index(length, rank=r, size=cp) for r in range(cp)]
+        full = tk.row_keys(tk.unshard(parts, indices, length=length))
+        pad = self.padding_mask
+        pad_T = None if pad is None else pad.bool().t().reshape(-1)  # already this rank's halves, like input_ids
+        return tk.take(full, tk.row_zigzag_tokens(indices[cp_rank], batch=ids.shape[0]), pad_T=pad_T)
+
+
+def _stage_of(chunk) -> str:
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    where = f"pipeline stage {parallel_state.get_pipeline_model_parallel_rank()} of {pp}"
+    vp_stage = getattr(chunk, "vp_stage", None)
+    return where if vp_stage is None else f"{where}, virtual chunk {vp_stage}"
+
+
+def _gather_cp(ids: torch.Tensor, group, *, cp: int, layer: int, rank: int) -> list[torch.Tensor]:
+    """Every CP rank's input ids (equal shapes checked first), each wait bounded by the collective timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moeverify.runtime import DEFAULT_TIMEOUT_S
+
+    def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(cp)]
+        work = dist.all_gather(out, t, group=group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        except RuntimeError as e:
+            raise RouteError(f"layer {layer} rank {rank}: gathering the CP group's {what} for token keys did not "
+                             f"finish within {DEFAULT_TIMEOUT_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a CP rank "
+                             f"did not run this forward? ({e})") from e
+        return out
+
+    ids = ids.contiguous()
+    shape = torch.tensor(list(ids.shape), dtype=torch.int64, device=ids.device)
+    shapes = [tuple(s.tolist()) for s in gather(shape, "input_ids shapes")]
+    if len(set(shapes)) != 1:
+        raise RouteError(f"layer {layer} rank {rank}: the CP ranks' input_ids have shapes {shapes}; under context "
+                         "parallel every CP rank holds its zigzag halves of the same batch (equal shapes)")
+    return gather(ids.long(), "input_ids")
 
 
 def _chunk_pre_hook(chunk, args, kwargs):
@@ -239,7 +312,7 @@ class InJobState:
                              "chunk: in-job replay (r2) replays the routes of the step's log-prob pass (a forward "
                              "under torch.no_grad()); run it first, or mark it with injob.pass_kind('log_prob')")
         if not table.frozen:
-            group = _sequence_parallel_group(router.config)
+            group = _pool_group(router.config)
             for held in self.tables.values():
                 held.freeze(rank=rank, group=group)
             self.table_bytes = sum(held.nbytes() for held in self.tables.values())
@@ -261,12 +334,20 @@ class InJobState:
         return replay_state._call_with_hook(self.original, router, mb, logits, args, kwargs)
 
 
-def _sequence_parallel_group(config):
-    """The TP group when its ranks split every sequence (sequence parallel), else None."""
+def _pool_group(config):
+    """The ranks that each route a part of every sequence, whose recordings are pooled when a table freezes: another
+    batch width moves a token to another of them. Under sequence parallel the TP ranks (each a slice of the
+    sequence), under context parallel the CP ranks (zigzag halves), both: the TP x CP group; else None."""
     from megatron.core import parallel_state
 
-    if getattr(config, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1:
+    sp = getattr(config, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    cp = parallel_state.get_context_parallel_world_size() > 1
+    if sp and cp:
+        return parallel_state.get_tensor_and_context_parallel_group()
+    if sp:
         return parallel_state.get_tensor_model_parallel_group()
+    if cp:
+        return parallel_state.get_context_parallel_group()
     return None
 
 

@@ -11,6 +11,13 @@ shuffling, epoch or right padding it comes in; two tokens with equal keys have t
 Router order: Megatron's router sees hidden states ``[s, b]`` flattened as ``s * B + b`` (THD: the packed
 token order, ``B = 1``); under sequence parallel each TP rank holds the ``t``-th contiguous ``1 / tp`` slice
 of the sequence dimension.
+
+Context parallel (megatron-core 0.19.2's ``get_batch_on_this_cp_rank``): BSHD rows are cut into ``2 * cp`` equal
+chunks and CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, in that order (``zigzag_index``); THD cuts
+each packed sequence's slot (``cu_seqlens_padded``, else ``cu_seqlens``, which stay global) the same way, slot
+by slot (Transformer Engine's ``thd_get_partitioned_indices``: ``thd_zigzag_index``). A key needs the whole
+prefix, so the CP ranks' input ids are put back together (``unshard``), the full keys computed, and this rank's
+tokens taken (``take``).
 """
 
 from __future__ import annotations
@@ -112,3 +119,57 @@ def sequence_slice(keys: TokenKeys, *, rank: int, size: int) -> TokenKeys:
     return TokenKeys(keys_2T=keys.keys_2T[:, first:first + part],
                      pad_T=None if keys.pad_T is None else keys.pad_T[first:first + part],
                      locate=lambda t: keys.locate(first + t))
+
+
+def zigzag_index(length: int, *, rank: int, size: int) -> torch.Tensor:
+    """Positions ``[length / size]`` of a ``length``-token row that CP rank ``rank`` of ``size`` holds, in its order:
+    chunks ``rank`` and ``2 * size - 1 - rank`` of ``2 * size`` equal chunks."""
+    if length % (2 * size):
+        raise RouteError(f"context parallel: a row of {length} tokens is not divisible by 2 * cp = {2 * size}")
+    part = length // (2 * size)
+    return torch.cat([torch.arange(c * part, (c + 1) * part) for c in (rank, 2 * size - 1 - rank)])
+
+
+def thd_zigzag_index(slots: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
+    """Packed positions ``[slots[-1] / size]`` CP rank ``rank`` holds: each sequence slot
+    ``[slots[i], slots[i + 1])`` zigzag-split on its own, slot after slot."""
+    bounds = [int(x) for x in slots.reshape(-1).tolist()]
+    parts = []
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if (end - start) % (2 * size):
+            raise RouteError(f"context parallel, packed sequences: slot {i} holds {end - start} tokens, not a multiple "
+                             f"of 2 * cp = {2 * size}; Megatron's per-document split (Transformer Engine's "
+                             "thd_get_partitioned_indices) pads every slot to one (cu_seqlens_padded)")
+        parts.append(start + zigzag_index(end - start, rank=rank, size=size))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def unshard(parts: list[torch.Tensor], indices: list[torch.Tensor], *, length: int) -> torch.Tensor:
+    """The full ``[..., length]`` tensor whose positions ``indices[r]`` (last dim) CP rank ``r`` holds as ``parts[r]``."""
+    full = parts[0].new_zeros(*parts[0].shape[:-1], length)
+    seen = torch.zeros(length, dtype=torch.int64)
+    for part, index in zip(parts, indices):
+        if part.shape[-1] != index.numel():
+            raise RouteError(f"context parallel: a rank holds {part.shape[-1]} tokens, its split gives {index.numel()}")
+        full[..., index.to(full.device)] = part
+        seen[index] += 1
+    if not bool((seen == 1).all()):
+        raise RouteError("context parallel: the CP ranks' positions do not cover every token exactly once")
+    return full
+
+
+def take(keys: TokenKeys, full_T: torch.Tensor, *, pad_T: torch.Tensor | None = None) -> TokenKeys:
+    """The keys of the tokens ``full_T`` (indices in ``keys``' router order), in that order.
+
+    Args:
+        pad_T: padding of the taken tokens; default: ``keys.pad_T`` at ``full_T``."""
+    full_T = full_T.to(keys.keys_2T.device)
+    if pad_T is None and keys.pad_T is not None:
+        pad_T = keys.pad_T[full_T]
+    return TokenKeys(keys_2T=keys.keys_2T[:, full_T], pad_T=pad_T, locate=lambda t: keys.locate(int(full_T[t])))
+
+
+def row_zigzag_tokens(index_S: torch.Tensor, *, batch: int) -> torch.Tensor:
+    """Router-order indices ``s * B + b`` in a full ``[B, S]`` batch of a CP rank's local tokens
+    (``s_local * B + b``) whose positions are ``index_S``."""
+    return (index_S[:, None] * batch + torch.arange(batch)[None, :]).reshape(-1)
