@@ -63,3 +63,21 @@ def test_injob_r2_layout_replays_each_tokens_log_prob_route(tmp_path, layout):
         assert ranks[1]["no_input_ids"].startswith(f"layer {1 if vpp else 2} rank 1: this model chunk's forward got "
                                                    f"no input_ids {stage}")
         assert "pass input_ids to every stage's GPTModel forward, as verl does" in ranks[1]["no_input_ids"]
+
+
+def test_injob_r2_cp2_packed_thd_at_the_router_replays_across_cp_ranks(tmp_path):
+    # packed sequences under CP2 (per-slot zigzag halves), at the router: CPU attention cannot run THD
+    job = JOB.parent / "injob_cp_thd_job.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(job),
+           str(tmp_path / "out")]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in range(2)]
+    for r, got in enumerate(ranks):
+        assert got["wrong"] == [], f"rank {r}: tokens not on their log-prob route: {got['wrong']}"
+        assert got["padding"] > 0 and got["padding_not_native"] == 0, f"rank {r}: {got}"
+    assert sum(got["checked"] for got in ranks) == 8  # A (5) and B (3): each real token on one CP rank
+    assert sum(got["native_differs"] for got in ranks) > 0
+    refused = [got["refused"] for got in ranks if got["refused"]]
+    assert refused and all("(sequence 1 of this forward, position" in e and "has no route recorded" in e
+                           for e in refused), refused
