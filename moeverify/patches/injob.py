@@ -17,6 +17,12 @@ The first log-prob forward after a training forward starts a new table (the prev
 dropped); the table serves every PPO mini-batch and epoch of the step. A training token that its step's
 log-prob passes did not route raises ``RouteError`` (layer, rank, sequence, position); padding the model is
 told about (``padding_mask=``, THD slots past ``cu_seqlens``) routes natively when not found.
+
+Layouts: under sequence parallel the router sees a TP rank's slice of the keys; under context parallel the chunk's
+``input_ids`` are this rank's zigzag halves, so the CP ranks' ids are all-gathered (bounded wait), the full
+sequences keyed and this rank's tokens taken; the ranks that split sequences (TP under SP, CP) pool their tables
+when a step's first training forward freezes them. Every pipeline stage (and VPP chunk) keys the ``input_ids`` its
+forward gets; a stage fed only hidden states raises ``RouteError`` naming the stage and the remedy.
 """
 
 from __future__ import annotations
