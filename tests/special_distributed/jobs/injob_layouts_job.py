@@ -30,7 +30,8 @@ from common import RouteLog, grad_digest, perturb_routers, routers_of, set_full_
 from moeverify import models, runtime
 from moeverify.layout import Layout
 
-LAYOUTS = {"cp2": Layout(cp=2), "pp2": Layout(pp=2), "pp2-vpp2": Layout(pp=2, vpp=2)}
+LAYOUTS = {"cp2": Layout(cp=2), "pp2": Layout(pp=2), "pp2-vpp2": Layout(pp=2, vpp=2),
+           "tp2-sp-cp2": Layout(tp=2, sp=True, cp=2)}  # 4 ranks
 LENGTHS = [6, 3, 8, 5, 7, 2, 8, 4]
 LOGPROB_WIDTH, TRAIN_WIDTH = 8, 12
 
@@ -44,8 +45,9 @@ def cp_split(val_BS: torch.Tensor, *, cp: int, rank: int) -> torch.Tensor:
 
 
 class Batches:
-    def __init__(self, sequences, *, cp: int, cp_rank: int):
+    def __init__(self, sequences, *, cp: int, cp_rank: int, sp_tp: int = 1, tp_rank: int = 0):
         self.sequences, self.cp, self.cp_rank = sequences, cp, cp_rank
+        self.sp_tp, self.tp_rank = sp_tp, tp_rank  # under sequence parallel a TP rank routes a slice of the CP halves
 
     def full(self, uids, width):
         ids = torch.zeros(len(uids), width, dtype=torch.long)
@@ -63,7 +65,9 @@ class Batches:
     def tokens(self, uids, width):
         """(uid, position) or None (padding) of each token this rank's routers see, in router order s * B + b."""
         _, pos, pad = self.local(uids, width)
-        return [None if pad[b, s] else (uids[b], int(pos[b, s])) for s in range(pos.shape[1])
+        part = pos.shape[1] // self.sp_tp
+        return [None if pad[b, s] else (uids[b], int(pos[b, s])) for s in range(self.tp_rank * part,
+                                                                                 (self.tp_rank + 1) * part)
                 for b in range(len(uids))]
 
 
@@ -84,7 +88,9 @@ def main(layout_name: str, out: str) -> None:
         log, twin_log = RouteLog(actor.model_chunks), RouteLog(twin.model_chunks)
         g = torch.Generator().manual_seed(11)
         sequences = [torch.randint(0, actor.config.vocab_size, (n,), generator=g) for n in LENGTHS]
-        batches = Batches(sequences, cp=cp, cp_rank=cp_rank)
+        sp_tp = ps.get_tensor_model_parallel_world_size() if layout.sp else 1
+        batches = Batches(sequences, cp=cp, cp_rank=cp_rank, sp_tp=sp_tp,
+                          tp_rank=ps.get_tensor_model_parallel_rank())
         uids = list(range(len(sequences)))
 
         def schedule(built, micro, *, width, forward_only):
@@ -117,9 +123,10 @@ def main(layout_name: str, out: str) -> None:
             for micro, ids_TK in zip(logprob_micro, calls):
                 where = batches.tokens(micro, LOGPROB_WIDTH)
                 logp.update({(layer, *w): sorted(ids_TK[t]) for t, w in enumerate(where) if w})
-        if cp > 1:
-            pooled = [None] * cp
-            torch.distributed.all_gather_object(pooled, logp, group=ps.get_context_parallel_group())
+        if cp * sp_tp > 1:
+            group = ps.get_tensor_and_context_parallel_group() if sp_tp > 1 else ps.get_context_parallel_group()
+            pooled = [None] * (cp * sp_tp)
+            torch.distributed.all_gather_object(pooled, logp, group=group)
             logp = {k: v for part in pooled for k, v in part.items()}
 
         order = torch.randperm(len(uids), generator=torch.Generator().manual_seed(3)).tolist()
