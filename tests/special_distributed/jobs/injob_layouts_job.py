@@ -1,11 +1,12 @@
-"""An unmodified RL-style step on 2 ranks under context parallel 2 or pipeline parallel 2, run under in-job R2.
+"""An unmodified RL-style step under in-job R2 with context or pipeline parallelism.
 
 Run under ``MOEVERIFY_ROUTER_REPLAY=r2 MOEVERIFY_ROUTER_REPLAY_MODEL=0 torchrun ... -m moeverify.patches.autopatch
-injob_layouts_job.py LAYOUT OUT`` with LAYOUT ``cp2``, ``pp2`` or ``pp2-vpp2``
-(interleaved 1F1B, one layer per model chunk). Two qwen3_moe models with the same seed: the
-actor (built first: autopatch binds it) and its twin (built second: routes natively), both driven through
-Megatron's own schedule (``get_forward_backward_func``), full recompute, every stage's forward given ``input_ids``
-(as verl does). Eight sequences of lengths up to 8, right-padded (``padding_mask``):
+injob_layouts_job.py LAYOUT OUT`` with LAYOUT ``cp2``, ``pp2`` or ``pp2-vpp2`` (interleaved 1F1B, one layer per
+model chunk) on 2 ranks, or ``tp2-sp-cp2`` on 4 (a TP rank routes a slice of its CP rank's halves). Two qwen3_moe
+models with the same seed: the actor (built first: autopatch binds it) and its twin (built second: routes
+natively), both driven through Megatron's own schedule (``get_forward_backward_func``), full recompute, every
+stage's forward given ``input_ids`` (as verl does). Eight sequences of lengths up to 8, right-padded
+(``padding_mask``):
 
 - the log-prob pass (no_grad, forward only): micro-batches of 4 sequences in order, width 8;
 - the training pass: micro-batches of 2 sequences in a shuffled order, width 12 (under CP2 the zigzag chunks are
@@ -15,11 +16,12 @@ Megatron's own schedule (``get_forward_backward_func``), full recompute, every s
 Under CP each rank feeds its zigzag halves (megatron-core's ``get_batch_on_this_cp_rank``: chunks ``r`` and
 ``2 * cp - 1 - r`` of ``2 * cp``) of ids, positions and padding mask. Forward hooks on the routers (``RouteLog``,
 apart from autopatch) note what each router used; a token is known by (sequence, position) from the job's own
-batching. Each rank writes OUT.rank{R}: tokens checked, tokens not on their log-prob route, perturbed-pass tokens
-where native routing would differ, per training mini-batch whether actor and twin routed alike and whether
-their gradients are bitwise equal, and (PP, last stage) whether a stage fed no input_ids was refused.
+batching (log-prob routes pooled over the ranks that split sequences). Each rank writes OUT.rank{R}: tokens
+checked, tokens not on their log-prob route, perturbed-pass tokens where native routing would differ, per training
+mini-batch whether actor and twin routed alike and whether their gradients are bitwise equal, and (PP, stages past
+the first) the error a stage fed no input_ids raised.
 
-Usage (torchrun, 2 ranks): injob_layouts_job.py cp2|pp2|pp2-vpp2 OUT
+Usage (torchrun, 2 ranks; 4 for tp2-sp-cp2): injob_layouts_job.py cp2|pp2|pp2-vpp2|tp2-sp-cp2 OUT
 """
 
 import sys
