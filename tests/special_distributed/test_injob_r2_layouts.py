@@ -91,3 +91,7 @@ def test_injob_r2_cp2_packed_thd_at_the_router_replays_across_cp_ranks(tmp_path)
     refused = [got["refused"] for got in ranks if got["refused"]]
     assert refused and all("(sequence 1 of this forward, position" in e and "has no route recorded" in e
                            for e in refused), refused
+    for r, got in enumerate(ranks):
+        assert got["tail_refused"].startswith(f"layer 0 rank {r}: context parallel with packed sequences: 2 CP ranks "
+                                              "hold 6 tokens each but the slots (cu_seqlens_padded, else cu_seqlens) "
+                                              "end at 8"), got["tail_refused"]

@@ -10,7 +10,7 @@ packs B|C (C never scored) and must be refused on the rank holding C's tokens.
 
 Each rank writes OUT.rank{R}: real tokens checked, tokens (real, or padding the log-prob pass also held) not on
 their log-prob route, real tokens where native routing would differ, padding past the log-prob pass's slots not
-routed natively, and the error text of the last pass.
+routed natively, the error text of the last pass, and that of a batch with tokens past its last slot.
 
 Usage (torchrun, 2 ranks): injob_cp_thd_job.py OUT
 """
@@ -118,10 +118,31 @@ def main(out: str) -> None:
                 result["refused"] = ""
             except RouteError as e:
                 result["refused"] = str(e)
+            result["tail_refused"] = tail_refused(chunk, router)
         finally:
             del rr._ACTIVE[id(router)]
             rr.revert()
         write_json(f"{out}.rank{rt.rank}", result)
+
+
+def tail_refused(chunk, router) -> str:
+    """Tokens past the last slot (6 per CP rank, slots ending at 8): not Megatron's per-slot split, refused."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from moeverify.errors import UsageError
+    from moeverify.patches import injob
+
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    injob._CURRENT.append(injob.ChunkForward(chunk, (torch.zeros(1, 6, dtype=torch.long), None, None),
+                                             {"packed_seq_params": packed}))
+    try:
+        router(torch.randn(6, 1, HIDDEN))
+    except UsageError as e:
+        return str(e)
+    finally:
+        injob._CURRENT.pop()
+    return ""
 
 
 if __name__ == "__main__":
