@@ -55,7 +55,7 @@ def cmd_diff(args) -> int:
             raise
         raise UsageError(f"{exc} (A: {args.a}, B: {args.b})") from None
     return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps,
-                                  "tokens": tokens})
+                                  "token_identity": tokens})
 
 
 def _check_tokens(args, a, b) -> dict:

@@ -48,6 +48,10 @@ def fingerprints(dump: Dump, step: int) -> dict[tuple[int, int], torch.Tensor]:
 
 def compare(a: Dump, step_a: int, b: Dump, step_b: int) -> TokenCheck | str:
     """The two sides' token identity compared, or why it is unknown (one line)."""
+    layouts = [dump.layout.name(dump.world_size) for dump in (a, b)]
+    if layouts[0] != layouts[1]:
+        return (f"token identity unknown: A ran layout {layouts[0]}, B {layouts[1]}; fingerprints are taken of each "
+                f"rank's own input sequences, so they are compared between dumps of one layout only")
     fa, fb = fingerprints(a, step_a), fingerprints(b, step_b)
     unknown = [f"{side} ({dump.path}, step {step})" for side, dump, step, fps in
                (("A", a, step_a, fa), ("B", b, step_b, fb)) if not fps]

@@ -158,8 +158,13 @@ def test_dump_diff_of_runs_on_other_tokens_says_so_and_refuses(recorded, tmp_pat
     assert code == 2
     assert "tokens differ in 6 of 6 sequences (first: micro-batch 0, dp rank 0, sequence 0)" in text
     assert "--tokens-differ-ok" in text
-    code, text = run_diff(capsys, str(directory), str(other), "--tokens-differ-ok")
+    out = tmp_path / "diff.json"
+    code, text = run_diff(capsys, str(directory), str(other), "--tokens-differ-ok", "--json", str(out))
     assert code == 0
+    import json
+
+    assert json.loads(out.read_text())["token_identity"] == {"identity": "differ", "sequences": 6, "differ": 6,
+                                                             "first": "micro-batch 0, dp rank 0, sequence 0"}
     assert text.index("tokens differ in 6 of 6 sequences") < text.index("DIFFERING tokens") < text.index("layer")
     code, text = run_diff(capsys, str(directory), str(directory), "--step", "1")
     assert code == 0 and "tokens: the same in all 6 sequences" in text
