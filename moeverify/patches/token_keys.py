@@ -138,17 +138,20 @@ def packed_fingerprints(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
                         cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
     """``[sequences]`` int64: the fingerprint of each packed (THD) sequence: its content, length and slot index
     in the pack (see ``packed_keys`` for the slots)."""
-    keys = packed_keys(input_ids_N, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     ids_N = input_ids_N.reshape(-1).long()
     real = cu_seqlens.to(device=ids_N.device, dtype=torch.int64)
     slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=ids_N.device, dtype=torch.int64)
+    if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
+        raise RouteError(f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
+                         f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]")
     count = real.numel() - 1
     index_N = torch.arange(ids_N.shape[0], device=ids_N.device)
     seq_N = torch.searchsorted(slots[1:], index_N, right=True).clamp(max=count - 1)
     pos_N = index_N - slots[seq_N]
-    values_N = _mix(ids_N * _GOLDEN + pos_N * _MUL1 + _SEEDS[0]).masked_fill(keys.pad_T, 0)
-    total = torch.zeros(count, dtype=torch.int64, device=ids_N.device).index_add_(0, seq_N, values_N)
     length = real[1:] - real[:-1]
+    pad_N = (pos_N >= length[seq_N]) | (index_N >= slots[-1])  # as packed_keys: slot padding, past the last slot
+    values_N = _mix(ids_N * _GOLDEN + pos_N * _MUL1 + _SEEDS[0]).masked_fill(pad_N, 0)
+    total = torch.zeros(count, dtype=torch.int64, device=ids_N.device).index_add_(0, seq_N, values_N)
     slot = torch.arange(count, device=ids_N.device)
     return _mix(total ^ _mix(length * _GOLDEN + _LENGTH_SEED) ^ _mix(slot * _MUL2 + _SLOT_SEED)).cpu()
 

@@ -133,6 +133,9 @@ def test_fingerprints_see_content_length_padding_and_packed_slot():
     assert swapped[0] != plain[0]  # position counts
     packed = tk.packed_fingerprints(torch.tensor([[5, 6, 7, 5, 6, 7]]), cu_seqlens=torch.tensor([0, 3, 6]))
     assert packed[0] != packed[1]  # same content, other slot in the pack
+    slotted = tk.packed_fingerprints(torch.tensor([[5, 6, 7, 0, 5, 6, 7, 0]]), cu_seqlens=torch.tensor([0, 3, 6]),
+                                     cu_seqlens_padded=torch.tensor([0, 4, 8]))
+    assert torch.equal(slotted, packed)  # slot padding is not content
     assert identity.fingerprints_of((torch.zeros(2, 3),), {}) is None  # no integer input_ids: identity unknown
 
 
