@@ -182,6 +182,10 @@ def test_dump_diff_with_a_dump_without_fingerprints_says_identity_unknown(record
     old = record.save(tmp_path / "old", dump.routes(step=0), num_layers=dump.model.num_layers,
                       moe_layers=dump.model.moe_layers, seq_len=S, batch=B, order="sequence")
     assert not record.load(old).has_fingerprints
+    from moeverify.record.summary import summarize
+
+    assert (summarize(record.load(old))["token_identity"], summarize(dump)["token_identity"]) == \
+        ("unknown", "fingerprints")
     code, text = run_diff(capsys, str(directory), str(old))
     assert code == 0
     assert f"token identity unknown: B ({old}, step 0) carries no token fingerprints" in text
