@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
+from moeverify.patches import identity
 from moeverify.patches import replay_state as state
 from moeverify.patches.autopatch_dump import JobDump
 from moeverify.views import job_layout
@@ -185,6 +186,8 @@ class ProcessSession:
         self._step_ends: dict[int, int] = {}
         self._config = None  # the bound model's TransformerConfig
         self._dump = JobDump(setting.directory) if setting.mode == "record" else None
+        self._tokens = identity.JobTokens(rank=state.current_rank)  # token fingerprints per forward
+        self._first_chunks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> takes fingerprints
 
     @property
     def rank(self) -> int:
@@ -215,6 +218,29 @@ class ProcessSession:
             self._step_ends[step] = (max(self._step_ends.values(), default=0)) + routes.microbatches
         self._state = state.Replaying({k: tuple(v) for k, v in per_layer.items()}, recompute="auto", rank=self.rank,
                                       original=rr.original_routing())
+
+    def note_forward(self, chunk, fingerprints_B) -> None:
+        """A ``GPTModel`` forward (``identity.ChunkTokens``): the bound model's first chunk on this rank records
+        its input sequences' fingerprints (record) or refuses tokens other than the recorded ones (replay)."""
+        first = self._first_chunks.get(chunk)
+        if first is None:
+            routers = [r for r in identity.routers_of(chunk) if r.layer_number is not None]
+            if routers:
+                lowest = min(routers, key=global_layer)
+                if selected(self.order, self.setting, lowest):
+                    index, models = self.order.model_of(lowest)
+                    first = global_layer(lowest) == min(global_layer(r) for r in models[index])
+            first = self._first_chunks[chunk] = bool(first)
+        if not first:
+            return
+        if self.setting.mode == "record":
+            self._tokens.record(fingerprints_B)
+            return
+        if not self._tokens.loaded:
+            from moeverify import record
+
+            self._tokens.load(record.load(self.setting.directory), self.setting.directory)
+        self._tokens.check(fingerprints_B)
 
     def bind(self, router):
         """``rr.set_fallback`` binder: ``(state, layer)`` for the selected model's routers, None for others."""
@@ -252,8 +278,11 @@ class ProcessSession:
         Recording is collective: every rank takes part at every step, also a rank that routed nothing."""
         if self.setting.mode == "record":
             recorded = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
-            self._dump.write_step(step=self.step, routes=self.routes() if recorded else None, config=self._config,
-                                  shapes=self._state.shapes if recorded else {}, shape=self._shape)
+            routes = self.routes() if recorded else None
+            fingerprints = self._tokens.take_step(routes.microbatches if recorded else 0)
+            self._dump.write_step(step=self.step, routes=routes, config=self._config,
+                                  shapes=self._state.shapes if recorded else {}, shape=self._shape,
+                                  fingerprints=fingerprints if recorded else None)
             if recorded:
                 for mbs in self._state.per_layer.values():
                     mbs.clear()
@@ -326,7 +355,7 @@ def _check_same_job(dump, config, *, rank: int, directory: Path) -> None:
 _SESSION = None  # ProcessSession, or injob.InJobSession in r2 mode
 _HOOKS: list = []
 _ORDER = BuildOrder()  # one per process: routers built under an earlier install stay numbered
-_CHUNKS = None  # injob.ChunkHooks while r2 is installed
+_CHUNKS = None  # injob.ChunkHooks while r2 is installed; identity.ChunkTokens under record/replay
 
 
 def _at_exit() -> None:
@@ -362,6 +391,8 @@ def install(setting: Setting):
                                       original=rr.original_routing())
     else:
         session_ = ProcessSession(setting, order=_ORDER)
+        _CHUNKS = identity.ChunkTokens(session_.note_forward)  # token identity of each forward
+        _CHUNKS.install()
     _HOOKS.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: session_.end_step()))
     rr.set_fallback(session_.bind)
     _SESSION = session_

@@ -78,8 +78,10 @@ class JobDump:
         self.model = ModelInfo(num_layers=num_layers, moe_layers=tuple(i for i, p in enumerate(present) if p),
                                num_experts=experts, topk=k)
 
-    def write_step(self, *, step: int, routes, config, shapes: dict[int, list], shape: tuple[int, int] | None) -> None:
-        """Write this rank's ``routes`` (None: nothing recorded here) as ``step`` and commit it (collective)."""
+    def write_step(self, *, step: int, routes, config, shapes: dict[int, list], shape: tuple[int, int] | None,
+                   fingerprints: list | None = None) -> None:
+        """Write this rank's ``routes`` (None: nothing recorded here) as ``step`` and commit it (collective);
+        ``fingerprints``: the ``[B]`` token fingerprints of each micro-batch's input sequences, or None (unknown)."""
         from moeverify.record import RankWriter, finalize
 
         rows = sum(routes.get(layer, mb).shape[0] for layer in routes.layers for mb in range(routes.microbatches)) \
@@ -94,6 +96,8 @@ class JobDump:
             if routes:
                 seq_len, batch = self._geometry(shapes, routes)
                 writer.add_routes(routes, step=step, seq_len=seq_len, batch=batch)
+                for mb, fingerprints_B in enumerate(fingerprints or []):
+                    writer.add_tokens(step=step, mb=mb, fingerprints_B=fingerprints_B)
         self._barrier()
         if self.coords.rank == 0:
             finalize(self.directory, world_size=self.world)

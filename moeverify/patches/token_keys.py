@@ -173,3 +173,50 @@ def row_zigzag_tokens(index_S: torch.Tensor, *, batch: int) -> torch.Tensor:
     """Router-order indices ``s * B + b`` in a full ``[B, S]`` batch of a CP rank's local tokens
     (``s_local * B + b``) whose positions are ``index_S``."""
     return (index_S[:, None] * batch + torch.arange(batch)[None, :]).reshape(-1)
+
+
+_LENGTH_SEED = 0x452821E638D01377  # the length term of a sequence fingerprint
+_SLOT_SEED = 0x0BE5466CF34E90C6  # the packed slot term
+
+
+def row_fingerprints(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B]`` int64: one 64-bit fingerprint per row of a ``[B, S]`` batch, of its content and length.
+
+    A row's fingerprint mixes the wrap-around sum of its real tokens' (id, position) values (the first half of
+    ``row_keys``) with its length (``S``, or the count of tokens ``padding_mask`` does not mark as padding)."""
+    if input_ids_BS.dim() != 2:
+        raise RouteError(f"token fingerprints need input_ids [B, S], got shape {tuple(input_ids_BS.shape)}")
+    s = input_ids_BS.shape[1]
+    base_BS = input_ids_BS.long() * _GOLDEN + torch.arange(s, device=input_ids_BS.device) * _MUL1
+    values_BS = _mix(base_BS + _SEEDS[0])
+    real_BS = torch.ones_like(values_BS, dtype=torch.bool) if padding_mask_BS is None else ~padding_mask_BS.bool()
+    total_B = values_BS.masked_fill(~real_BS, 0).sum(dim=1)
+    length_B = real_BS.sum(dim=1)
+    return _mix(total_B ^ _mix(length_B * _GOLDEN + _LENGTH_SEED)).cpu()
+
+
+def packed_fingerprints(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
+                        cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+    """``[sequences]`` int64: the fingerprint of each packed (THD) sequence: its content, length and slot index
+    in the pack (see ``packed_keys`` for the slots)."""
+    ids_N = input_ids_N.reshape(-1).long()
+    real = cu_seqlens.to(device=ids_N.device, dtype=torch.int64)
+    slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=ids_N.device, dtype=torch.int64)
+    if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
+        raise RouteError(f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
+                         f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]")
+    count = real.numel() - 1
+    index_N = torch.arange(ids_N.shape[0], device=ids_N.device)
+    seq_N = torch.searchsorted(slots[1:], index_N, right=True).clamp(max=count - 1)
+    pos_N = index_N - slots[seq_N]
+    length = real[1:] - real[:-1]
+    pad_N = (pos_N >= length[seq_N]) | (index_N >= slots[-1])  # as packed_keys: slot padding, past the last slot
+    values_N = _mix(ids_N * _GOLDEN + pos_N * _MUL1 + _SEEDS[0]).masked_fill(pad_N, 0)
+    total = torch.zeros(count, dtype=torch.int64, device=ids_N.device).index_add_(0, seq_N, values_N)
+    slot = torch.arange(count, device=ids_N.device)
+    return _mix(total ^ _mix(length * _GOLDEN + _LENGTH_SEED) ^ _mix(slot * _MUL2 + _SLOT_SEED)).cpu()
+
+
+def fingerprint_hex(value: int) -> str:
+    """A fingerprint (int64 bit pattern) as 16 hex digits."""
+    return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"

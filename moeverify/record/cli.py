@@ -43,6 +43,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write the disagreement heatmap and expert-load bars")
     p.add_argument("--worst", type=_non_negative, default=10, metavar="N", help="tokens listed in JSON (default 10)")
     p.add_argument("--fail-on-diff", action="store_true", help="exit 1 if any token's expert set differs")
+    p.add_argument("--tokens-differ-ok", action="store_true",
+                   help="compare although both sides' token fingerprints say they routed different tokens (refused "
+                        "otherwise); the report then labels the divergence as on differing tokens")
     p.add_argument("--order-a", choices=ORDERS, help="token order of A when it is an array (a dump knows its own)")
     p.add_argument("--order-b", choices=ORDERS, help="token order of B when it is an array")
     _add_geometry(p, "of the array side(s) given in router order")

@@ -40,6 +40,7 @@ def cmd_diff(args) -> int:
     if a.order is not None and b.order is not None:
         refuse_options(args, ["--assume-same-order"], because="both sides' token orders are known, so they are "
                        "lined up token for token without it")
+    tokens = _check_tokens(args, a, b)
     require_same_tokens(a, b, assume_same_order=args.assume_same_order)
     geometry = shared_geometry(a, b)
     src_a, src_b, maps = _mapped(args, a, b)
@@ -53,7 +54,36 @@ def cmd_diff(args) -> int:
         if not str(exc).startswith("cannot diff:"):
             raise
         raise UsageError(f"{exc} (A: {args.a}, B: {args.b})") from None
-    return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps})
+    return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps,
+                                  "token_identity": tokens})
+
+
+def _check_tokens(args, a, b) -> dict:
+    """Token identity first: refuse sides whose tokens differ unless ``--tokens-differ-ok``; one line when it is
+    unknown. Returns the JSON record (``tokens``)."""
+    from moeverify.record import stream, tokens
+
+    sides = [side.routes for side in (a, b)]
+    if not all(isinstance(s, stream.DumpSource) for s in sides):
+        which = " and ".join(f"{name} ({side.source})" for name, side in (("A", a), ("B", b))
+                             if not isinstance(side.routes, stream.DumpSource))
+        print(f"token identity unknown: {which} carr{'y' if ' and ' in which else 'ies'} no token fingerprints "
+              f"(only a dump does)")
+        return {"identity": "unknown"}
+    check = tokens.compare(sides[0].dump, sides[0].step, sides[1].dump, sides[1].step)
+    if isinstance(check, str):
+        print(check)
+        return {"identity": "unknown"}
+    if check.differ:
+        if not getattr(args, "tokens_differ_ok", False):
+            raise UsageError(f"{check.line()}: A ({a.source}) and B ({b.source}) did not route the same tokens, so "
+                             f"their routing cannot be compared as divergence; --tokens-differ-ok compares them "
+                             f"anyway (reported as routing on differing tokens)")
+        print(f"{check.line()}: the routing divergence below is on DIFFERING tokens (--tokens-differ-ok), not "
+              f"divergence of one routing")
+    else:
+        print(f"tokens: the same in all {check.sequences} sequences (fingerprints)")
+    return {"identity": "differ" if check.differ else "same", **check.as_json()}
 
 
 def _kind(path_text: str) -> str:
@@ -183,6 +213,7 @@ def _diff_rollout(args) -> int:
     refuse_options(args, ["--order-a", "--order-b", "--seq-len", "--batch", "--assume-same-order"],
                    because="--rollout lines requests up by themselves")
     refuse_options(args, ["--step-b"], because="a rollout holds one step's requests (A's step is --step)")
+    refuse_options(args, ["--tokens-differ-ok"], because="a rollout file carries no token ids to compare")
     if _kind(args.b) == "export":
         raise UsageError(f"--rollout: {rollout_path} is an export of a dump (dump convert DIR OUT.npz), not a rollout "
                          "engine's routed experts; compare it without --rollout")
@@ -212,6 +243,7 @@ def _diff_rollout(args) -> int:
     aligned = align(train, seq_len=info.seq_len, batch=batch, moe_layers=dump.model.moe_layers,
                     num_layers=dump.model.num_layers, requests=_rollout_requests(rollout_path), where=str(rollout_path),
                     expert_map=map_b, numbering=args.layer_numbering)
+    print("token identity unknown: a rollout file carries no token ids; the requests are lined up by position")
     print(f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
           f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart")
     report = record.diff(aligned.train, aligned.rollout, sequence_tokens=aligned.sequence_tokens,

@@ -15,6 +15,9 @@ tensor of that file holds exactly those layers::
     step{S}/mb{M}/probs           [L, T, K] float router probabilities of those experts (optional)
     step{S}/mb{M}/positions       [T] int64 position of each local token in its sequence (optional)
     step{S}/mb{M}/seq_ids         [T] int64 sequence of each local token (optional)
+    step{S}/mb{M}/fingerprints    [B] int64 token identity of each input sequence of the micro-batch (optional):
+                                  a 64-bit fingerprint of its token ids and length (and slot, packed), per row
+                                  of the model chunk's ``input_ids`` (``moeverify.patches.token_keys``)
 
 The layers of one (step, micro-batch) may be spread over several part files (a writer flushed between
 them), never repeated. Version 1 (read only) holds one tensor per layer, and its file entries no ``layers``::
@@ -51,10 +54,11 @@ ID_DTYPE_NAMES = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int3
 PROB_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 INDEX_DTYPE = torch.int64  # positions and seq_ids
 KINDS = ("ids", "probs")
-TOKEN_KINDS = ("positions", "seq_ids")
+TOKEN_KINDS = ("positions", "seq_ids", "fingerprints")
+FINGERPRINTS = "fingerprints"  # [B] per micro-batch, not per token: a dump without them has token identity unknown
 
 _N = r"(0|[1-9]\d*)"  # a canonical decimal: the writer never writes leading zeros, so ``layer01`` is not ours
-_NAME_RE = re.compile(rf"^step{_N}/mb{_N}/(?:(?:layer{_N}/)?(ids|probs)|(positions|seq_ids))$")
+_NAME_RE = re.compile(rf"^step{_N}/mb{_N}/(?:(?:layer{_N}/)?(ids|probs)|(positions|seq_ids|fingerprints))$")
 _CANONICAL_INT = re.compile(r"^(0|[1-9]\d*)$")
 MAX_LAYERS = 2**20  # a bound on num_layers checked before anything is sized by it
 MAX_TOKENS = 2**40  # a bound on batch and seq_len checked before token counts are computed from them
@@ -145,7 +149,7 @@ def parse_tensor_name(name: str) -> tuple[int, int, int | None, str]:
     m = _NAME_RE.match(name)
     if not m:
         raise DumpError(f"tensor name {name!r} is not step{{S}}/mb{{M}}/(ids|probs) (v2), "
-                        f"step{{S}}/mb{{M}}/layer{{L}}/(ids|probs) (v1) or step{{S}}/mb{{M}}/(positions|seq_ids)")
+                        f"step{{S}}/mb{{M}}/layer{{L}}/(ids|probs) (v1) or step{{S}}/mb{{M}}/(positions|seq_ids|fingerprints)")
     step, mb, layer, kind, token_kind = m.groups()
     return int(step), int(mb), None if layer is None else int(layer), kind or token_kind
 

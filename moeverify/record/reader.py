@@ -98,6 +98,16 @@ class Dump:
     def has_probs(self) -> bool:
         return any(key[4] == "probs" for key in self._index)
 
+    @property
+    def has_fingerprints(self) -> bool:
+        """Whether any micro-batch carries token fingerprints (``format``); without them token identity is unknown."""
+        return any(key[4] == fmt.FINGERPRINTS for key in self._index)
+
+    def fingerprints(self, *, step: int = 0, rank: int = 0, mb: int = 0) -> torch.Tensor | None:
+        """``[B]`` int64 fingerprints of micro-batch ``mb``'s input sequences on ``rank``, or None (not recorded)."""
+        key = (rank, step, mb, None, fmt.FINGERPRINTS)
+        return self._read(*key) if key in self._index else None
+
     def local_routes(self, *, step: int = 0, rank: int = 0) -> Routes:
         """The routes rank ``rank`` recorded in ``step``: its MoE layers, its tokens in local order."""
         return self._local(rank, step, self._layers(rank), checked=True)
@@ -351,7 +361,7 @@ class Dump:
                             f"{names(unexpected)}")
         self._check_token_counts(rank, layers)
         for (r, step, mb, layer, kind), entry in self._index.items():
-            if r != rank or kind == "ids":
+            if r != rank or kind in ("ids", fmt.FINGERPRINTS):  # fingerprints: one per sequence, not per token
                 continue
             ref = self._index.get((rank, step, mb, layer if kind == "probs" else layers[0] if layers else None, "ids"))
             if ref is not None and entry.shape[0] != ref.shape[0]:

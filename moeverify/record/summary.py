@@ -16,6 +16,7 @@ def summarize(dump: Dump, *, step: int | None = None) -> dict:
     out = {"path": str(dump.path), "schema": dump.manifest["schema"], "version": dump.manifest["version"],
            "model": dump.model.as_dict(), "layout": dump.layout.name(dump.world_size),
            "world_size": dump.world_size, "ids_dtype": dump.manifest["ids_dtype"], "probs": dump.has_probs,
+           "token_identity": "fingerprints" if dump.has_fingerprints else "unknown",
            "steps": steps, "versions": dump.manifest.get("versions", {}), "load": {}}
     if not dump.steps:
         return out
@@ -48,7 +49,8 @@ def summary_table(summary: dict):
     title = Text(f"{summary['path']}: {model['num_layers']} layers, MoE {model['moe_layers']}, "
                  f"top-{model['topk']} of {model['num_experts']} ({summary['ids_dtype']}), layout {summary['layout']} "
                  f"on {summary['world_size']} rank(s), {len(steps)} step(s) {list(steps)}, "
-                 f"micro-batches {[v['microbatches'] for v in steps.values()]}, probs {summary['probs']}")
+                 f"micro-batches {[v['microbatches'] for v in steps.values()]}, probs {summary['probs']}, token identity "
+                 + ("per-sequence fingerprints" if summary["token_identity"] == "fingerprints" else "unknown"))
     table = Table(title=f"expert load, step {summary.get('load_step', '-')}, {summary.get('tokens', 0)} tokens")
     for col in ("layer", "min", "max", "max/mean", "cv", "idle experts"):
         table.add_column(col, justify="right")

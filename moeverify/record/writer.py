@@ -117,11 +117,14 @@ class RankWriter:
         self._submit(item)
 
     def add_tokens(self, *, step: int, mb: int, seq_len: int | None = None, batch: int | None = None,
-                   positions_T: torch.Tensor | None = None, seq_ids_T: torch.Tensor | None = None) -> None:
-        """Record a micro-batch's geometry (global ``seq_len``, per-DP-rank ``batch``) and token ids."""
+                   positions_T: torch.Tensor | None = None, seq_ids_T: torch.Tensor | None = None,
+                   fingerprints_B: torch.Tensor | None = None) -> None:
+        """Record a micro-batch's geometry (global ``seq_len``, per-DP-rank ``batch``), token ids and the token
+        identity of its input sequences (``fingerprints_B``, see ``format``)."""
         item = ("tokens", step, mb, seq_len, batch,
                 None if positions_T is None else _to_cpu(positions_T),
-                None if seq_ids_T is None else _to_cpu(seq_ids_T))
+                None if seq_ids_T is None else _to_cpu(seq_ids_T),
+                None if fingerprints_B is None else _to_cpu(fingerprints_B))
         self._submit(item)
 
     def add_routes(self, routes: Routes, *, step: int = 0, seq_len: int | Sequence[int] | None = None,
@@ -227,7 +230,7 @@ class RankWriter:
         info = self._steps.setdefault(step, {"microbatches": 0, "seq_len": {}, "batch": None})
         info["microbatches"] = max(info["microbatches"], mb + 1)
 
-    def _store_tokens(self, step, mb, seq_len, batch, positions_T, seq_ids_T) -> None:
+    def _store_tokens(self, step, mb, seq_len, batch, positions_T, seq_ids_T, fingerprints_B=None) -> None:
         info = self._steps.setdefault(step, {"microbatches": 0, "seq_len": {}, "batch": None})
         info["microbatches"] = max(info["microbatches"], mb + 1)
         if seq_len is not None:
@@ -236,7 +239,7 @@ class RankWriter:
             if info["batch"] not in (None, int(batch)):
                 raise DumpError(f"{self.path}: step {step}: batch {batch} != {info['batch']} given before")
             info["batch"] = int(batch)
-        for kind, t in (("positions", positions_T), ("seq_ids", seq_ids_T)):
+        for kind, t in (("positions", positions_T), ("seq_ids", seq_ids_T), (fmt.FINGERPRINTS, fingerprints_B)):
             if t is not None:
                 name = fmt.packed_name(step=step, mb=mb, kind=kind)
                 self._claim(step, name)
