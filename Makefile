@@ -23,17 +23,18 @@ test: setup
 	@mkdir -p runs
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_ci.yaml --json runs/release.json --junit runs/release.xml
-	$(PY) -m pytest -q -p no:xdist tests/special_distributed
+	$(PY) -m pytest -q -p no:xdist -m "not release" tests/special_distributed
 
 test-unit: setup
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
 
 test-distributed: setup
-	$(PY) -m pytest -q -p no:xdist tests/special_distributed
+	$(PY) -m pytest -q -p no:xdist -m "not release" tests/special_distributed
 
 release: setup
 	@mkdir -p runs
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_matrix.yaml --json runs/release.json --junit runs/release.xml
+	$(PY) -m pytest -q -p no:xdist -m release tests/special_distributed
 
 bench: setup
 	$(PY) -m moeverify bench

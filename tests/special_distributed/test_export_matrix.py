@@ -56,6 +56,7 @@ def test_export_matrix_two_ranks_pass(tmp_path):
 
 
 @pytest.mark.skipif(os.cpu_count() < 2, reason="4 ranks need at least 2 cores")
+@pytest.mark.release  # 4 ranks; the release matrix runs the export check on 4 and 8 ranks
 def test_export_matrix_four_ranks_pass(tmp_path):
     records = run_driver(tmp_path, nproc=4, scenarios=FOUR_RANKS, subjects=("sharded", "bridge"))
     assert len(records) == 2 * len(FOUR_RANKS)

@@ -41,6 +41,7 @@ def test_runner_passing_group_on_2_ranks_passes_scenario_options(run_moeverify):
     assert "world size 2 on cpu: 2 scenario(s)" in run.output
 
 
+@pytest.mark.release  # the 1- and 2-rank groups prove the same path; the matrix runs 4-rank groups
 def test_runner_passing_group_on_4_ranks(run_moeverify):
     run = run_moeverify("""
         scenarios:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import pytest
 from pathlib import Path
 
 import tiny_checks
@@ -86,6 +87,7 @@ def _record(records, scenario, check):
     return match
 
 
+@pytest.mark.release  # 12 ranks on one host
 def test_groups_of_4_and_8_ranks_spread_over_two_nodes(tmp_path):
     nodes = TwoNodes(tmp_path, """
         scenarios:
@@ -152,6 +154,7 @@ def test_nodes_that_loaded_different_scenarios_are_refused(tmp_path):
     assert rc1 == 2 and records == [], out1
 
 
+@pytest.mark.release  # 16 ranks on one host
 def test_sixteen_ranks_tp2_pp2_ep2_dp2_of_a_real_model_on_two_nodes(tmp_path):
     nodes = TwoNodes(tmp_path, """
         scenarios:
