@@ -171,6 +171,17 @@ def _variants_moeverify(args, x):
         with session.replay(routes, fidelity=True):
             _layer_step(router, x)
 
+    def replay_agreement():  # the live agreement guard on, one flush per step (its cost vs plain replay)
+        from moeverify.patches import agreement
+
+        guard = agreement.guard()
+        try:
+            with session.replay(routes):
+                _layer_step(router, x)
+            guard.end_step()
+        finally:
+            agreement.stop()
+
     @contextlib.contextmanager
     def reverted():
         rr.revert()
@@ -186,7 +197,7 @@ def _variants_moeverify(args, x):
     x_holder[:] = [x]
     native_steps = _native_steps(native, RouterReplayAction, routes.get(0, 0).to(torch.int64))
     return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay,
-            "replay_fidelity": replay_fidelity, "slot_order": slot_order,
+            "replay_fidelity": replay_fidelity, "replay_agreement": replay_agreement, "slot_order": slot_order,
             "native.record": (native_steps["record"], reverted),
             "native.replay": (native_steps["replay"], reverted)}
 
@@ -293,6 +304,8 @@ def run_parent(args) -> dict:
             metrics[key] = _metric(times[name], times["unpatched"], GOALS.get(key))
         metrics["moeverify.replay_fidelity"] = _metric(times["replay_fidelity"], times["unpatched"], None)
         metrics["moeverify.fidelity_vs_replay"] = _metric(times["replay_fidelity"], times["replay"], None)
+        metrics["moeverify.replay_agreement"] = _metric(times["replay_agreement"], times["unpatched"], None)
+        metrics["moeverify.agreement_vs_replay"] = _metric(times["replay_agreement"], times["replay"], None)
         # the canonical slot order's own ops, against the unpatched step: the share of it that ordering costs
         metrics["moeverify.slot_order"] = _metric(times["slot_order"], times["unpatched"], None)
     if "verl" in medians:

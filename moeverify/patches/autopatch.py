@@ -42,13 +42,14 @@ import itertools
 import os
 import runpy
 import sys
+import types
 import weakref
 from pathlib import Path
 
 import torch
 
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
-from moeverify.patches import identity
+from moeverify.patches import agreement, identity
 from moeverify.patches import replay_state as state
 from moeverify.patches.autopatch_dump import JobDump
 from moeverify.views import job_layout
@@ -378,6 +379,7 @@ def install(setting: Setting):
     if _SESSION is not None:
         raise UsageError(f"{ENV}: autopatch is already installed in this process")
     _check_directory(setting, state.current_rank())
+    guard = agreement.from_env()  # refuses a bad setting before anything is installed
     rr.apply()
     _ORDER.install()
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -394,6 +396,8 @@ def install(setting: Setting):
         _CHUNKS = identity.ChunkTokens(session_.note_forward)  # token identity of each forward
         _CHUNKS.install()
     _HOOKS.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: session_.end_step()))
+    if guard is not None:  # MOEVERIFY_AGREEMENT: the live agreement guard, ended with the session
+        _HOOKS.append(types.SimpleNamespace(remove=agreement.stop))
     rr.set_fallback(session_.bind)
     _SESSION = session_
     atexit.register(_at_exit)

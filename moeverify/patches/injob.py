@@ -250,6 +250,7 @@ class _ReplayIds:
     """Megatron's ``router_replay`` protocol: the looked-up ids; padding not found routes natively."""
 
     __slots__ = ("topk_ids_TK", "native_T")
+    REPLAYS = True  # counted by the agreement guard
 
     def __init__(self, topk_ids_TK, native_T):
         self.topk_ids_TK, self.native_T = topk_ids_TK, native_T

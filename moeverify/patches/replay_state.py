@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.patches import regions, semantics, token_counts
+from moeverify.patches import agreement, regions, semantics, token_counts
 
 # region -> {id(router): (state, layer, micro-batch)}; an entry lives exactly as long as its region's graph.
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -103,6 +103,8 @@ def current_rank() -> int:
 def _call_with_hook(original, router, hook, logits, args, kwargs):
     # router_replay is a plain attribute (never a parameter, buffer or module): write the instance
     # dict directly and skip nn.Module.__setattr__'s bookkeeping on the hot path.
+    if agreement.ACTIVE is not None:
+        hook = agreement.watch(hook, router)
     attrs = router.__dict__
     saved = attrs["router_replay"]
     attrs["router_replay"] = hook
@@ -142,6 +144,7 @@ class _ReplayHook:
     the current scores, and gather those scores."""
 
     __slots__ = ("sorted_ids_TK",)
+    REPLAYS = True  # counted by the agreement guard
 
     def __init__(self, sorted_ids_TK: torch.Tensor):
         self.sorted_ids_TK = sorted_ids_TK

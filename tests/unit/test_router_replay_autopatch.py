@@ -211,3 +211,30 @@ def test_autopatch_a_dense_critics_optimizer_steps_record_nothing_and_replay_ali
             forward_steps(routers, 3, critic=False)
     finally:
         autopatch.uninstall()
+
+
+def test_autopatch_agreement_guard_from_the_environment_fails_the_step_below_its_minimum(tmp_path, monkeypatch):
+    from moeverify.patches import agreement
+
+    autopatch.install(autopatch.Setting(mode="record", directory=tmp_path / "dump"))
+    try:
+        routers = [make_router(1, seed=1), make_router(2, seed=2)]
+        forward_steps(routers, 1)
+        assert autopatch.session().finish() == []
+    finally:
+        autopatch.uninstall()
+    with torch.no_grad():
+        for r in routers:  # the replayed job's routers now route otherwise for most tokens
+            r.weight.add_(torch.randn(E, H, generator=torch.Generator().manual_seed(9)) * 3)
+    monkeypatch.setenv(agreement.ENV, str(tmp_path / "agreement.jsonl"))
+    monkeypatch.setenv(agreement.MIN_ENV, "0.999")
+    autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path / "dump"))
+    try:
+        assert agreement.ACTIVE is not None
+        with pytest.raises(RouteError, match=r"agreement guard: step 1 layer \d rank 0: .* expected at least 99.9000%"):
+            forward_steps(routers, 1)
+    finally:
+        autopatch.uninstall()
+    assert agreement.ACTIVE is None  # ended with the session
+    rows = [line for line in (tmp_path / "agreement.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all('"step": 1' in row for row in rows), rows
