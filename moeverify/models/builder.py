@@ -235,6 +235,16 @@ def preflight(family: str, *, te_real: bool) -> None:
             logging.disable(logging.NOTSET)
 
 
+def _fresh_moe_metrics() -> None:
+    """Drop megatron-core's process-global MoE metrics tracker before a model is built: megatron-core 0.19.2's
+    ``MoEMetricsTracker`` sizes each metric (aux losses per layer) by the first model that records into it and
+    ``clear()`` keeps that size, so a later model with more routers in the same process (an MTP layer) indexes
+    past it (IndexError in ``moe_logging.record``). The next router call makes a new one."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+
+
 def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None = None,
           load_weights: bool = True) -> Built:
     """Build ``family`` under ``layout`` (call inside ``moeverify.runtime.parallel(layout)``).
@@ -270,6 +280,7 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     _apply_overrides(provider, overrides or {}, what="build overrides")
     provider.finalize()
     _check_shape(provider, shape, family)
+    _fresh_moe_metrics()
     with warnings.catch_warnings(), contextlib.ExitStack() as scoped:
         warnings.simplefilter("ignore", DeprecationWarning)
         if not rt.te_real:
