@@ -5,21 +5,32 @@ A reader, or a run that dies mid-write, sees the previous complete file or the n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from moeverify.errors import UsageError
 
 
 def atomic_write(path: Path | str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename, fsync dir)."""
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path | str) -> Iterator[BinaryIO]:
+    """A binary file object whose content becomes ``path`` atomically when the block ends without an error (temp
+    file in the same directory, fsync, rename, fsync dir); on an error nothing is left behind."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

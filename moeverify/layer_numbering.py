@@ -24,6 +24,17 @@ from moeverify.errors import MoEVerifyError
 NUMBERINGS = ("routers", "decoder")
 
 
+def moe_layers(*, num_layers: int, moe_layer_freq) -> tuple[int, ...]:
+    """Global numbers of the MoE decoder layers (Megatron-Core 0.19's ``moe_layer_freq``: an int, every n-th layer
+    from layer 0, or a 0/1 list of ``num_layers`` entries); ``ValueError`` for another form."""
+    if isinstance(moe_layer_freq, int):
+        return tuple(i for i in range(num_layers) if i % moe_layer_freq == 0)
+    if isinstance(moe_layer_freq, (list, tuple)) and len(moe_layer_freq) == num_layers:
+        return tuple(i for i, is_moe in enumerate(moe_layer_freq) if is_moe)
+    raise ValueError(f"moe_layer_freq {moe_layer_freq!r}: expected an int or a list of {num_layers} 0/1 entries "
+                     "(megatron-core 0.19's forms)")
+
+
 def columns(width: int, *, layers: Sequence[int], num_layers: int | None, numbering: str | None, where: str,
             error: type[MoEVerifyError], pick: str, count: str) -> list[int]:
     """The array column of each of ``layers`` (in ``layers`` order), or ``error`` naming why not.

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from moeverify import layer_numbering
 from moeverify.errors import UsageError
 from moeverify.layout import Layout, ModelShape
 from moeverify.models import family_specs
@@ -136,16 +137,13 @@ def _cpu_path(provider, family: str, registry) -> tuple[dict, Any]:
 
 
 def _moe_pattern(provider) -> tuple[int, ...]:
-    """Global MoE layer numbers of the provider (Megatron-Core 0.19: ``moe_layer_freq`` int or 0/1 list)."""
+    """Global MoE layer numbers of the provider (``layer_numbering.moe_layers``)."""
     if not provider.num_moe_experts:
         return ()
-    freq = provider.moe_layer_freq
-    if isinstance(freq, int):
-        return tuple(i for i in range(provider.num_layers) if i % freq == 0)
-    if isinstance(freq, (list, tuple)) and len(freq) == provider.num_layers:
-        return tuple(i for i, is_moe in enumerate(freq) if is_moe)
-    raise UsageError(f"moe_layer_freq {freq!r}: expected an int or a list of {provider.num_layers} 0/1 entries "
-                     "(megatron-core 0.19's forms)")
+    try:
+        return layer_numbering.moe_layers(num_layers=provider.num_layers, moe_layer_freq=provider.moe_layer_freq)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _linear_heads(provider) -> tuple[int, int] | tuple[()]:

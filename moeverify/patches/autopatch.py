@@ -31,6 +31,8 @@ replay directory without this rank's dump.
 
 ``MOEVERIFY_ROUTER_REPLAY=r2`` is in-job replay instead: each step's log-prob forwards (grad disabled) record
 and the step's training forwards replay their routes, found by token identity (``moeverify.patches.injob``).
+``MOEVERIFY_ROUTER_REPLAY=r3:DIR`` replays a rollout engine's routes, written to DIR by
+``moeverify.rollout_writer.RolloutWriter``, in every forward of the bound model, found by token identity.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ ENV = "MOEVERIFY_ROUTER_REPLAY"
 MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
 MODES = ("record", "replay")
 INJOB = "r2"  # in-job replay: no directory (moeverify.patches.injob)
+ROLLOUT = "r3"  # in-job replay of a rollout engine's routes: r3:DIR (moeverify.rollout_writer files)
 EXIT_UNUSED = 3  # exit status of a replayed job that left recorded routes unused
 
 
@@ -68,15 +71,17 @@ class Setting:
     """What the environment asked for."""
 
     mode: str
-    directory: Path | None  # None in r2 mode
+    directory: Path | None  # None in r2 mode; the rollout directory in r3 mode
     model: int | None = None  # build-order index of the model to bind; None: the only MoE model
 
 
 def parse(value: str, model: str | None = None) -> Setting:
-    """``"record:DIR"`` / ``"replay:DIR"`` (+ the model index) -> ``Setting``; ``UsageError`` otherwise."""
+    """``"record:DIR"`` / ``"replay:DIR"`` / ``"r2"`` / ``"r3:DIR"`` (+ the model index) -> ``Setting``;
+    ``UsageError`` otherwise."""
     mode, sep, directory = value.partition(":")
-    if value != INJOB and (not sep or mode not in MODES or not directory):
-        raise UsageError(f"{ENV}={value!r}: expected record:DIR or replay:DIR, or {INJOB} (in-job replay)")
+    if value != INJOB and (not sep or mode not in (*MODES, ROLLOUT) or not directory):
+        raise UsageError(f"{ENV}={value!r}: expected record:DIR or replay:DIR, {INJOB} (in-job replay of the "
+                         f"log-prob pass) or {ROLLOUT}:DIR (in-job replay of a rollout's routes)")
     index = None
     if model not in (None, ""):
         if not model.isdigit():
@@ -86,6 +91,12 @@ def parse(value: str, model: str | None = None) -> Setting:
 
 
 def _check_directory(setting: Setting, rank: int) -> None:
+    if setting.mode == ROLLOUT:  # the rollout writes its steps while the job runs; the parent must exist
+        if setting.directory.exists() and not setting.directory.is_dir():
+            raise UsageError(f"{ENV}: {setting.directory} is not a directory (the rollout routes' directory)")
+        if not setting.directory.exists() and not setting.directory.parent.is_dir():
+            raise UsageError(f"{ENV}: neither {setting.directory} nor its parent exists (a typo?)")
+        return
     if setting.mode == INJOB:
         return
     if setting.mode == "record":
@@ -384,13 +395,14 @@ def install(setting: Setting):
     _ORDER.install()
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    if setting.mode == INJOB:
+    if setting.mode in (INJOB, ROLLOUT):
         from moeverify.patches import injob
 
         _CHUNKS = injob.ChunkHooks()
         _CHUNKS.install()
         session_ = injob.InJobSession(selected=lambda router: selected(_ORDER, setting, router),
-                                      original=rr.original_routing())
+                                      original=rr.original_routing(),
+                                      directory=setting.directory if setting.mode == ROLLOUT else None)
     else:
         session_ = ProcessSession(setting, order=_ORDER)
         _CHUNKS = identity.ChunkTokens(session_.note_forward)  # token identity of each forward
@@ -437,10 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not argv or argv[0].startswith("-"):
             raise UsageError("usage: python -m moeverify.patches.autopatch SCRIPT [ARGS...] (with "
-                             f"{ENV}=record:DIR, replay:DIR or {INJOB} set)")
+                             f"{ENV}=record:DIR, replay:DIR, {INJOB} or {ROLLOUT}:DIR set)")
         if not os.environ.get(ENV):
-            raise UsageError(f"{ENV} is not set: expected record:DIR, replay:DIR or {INJOB} (nothing would be "
-                             "recorded or replayed)")
+            raise UsageError(f"{ENV} is not set: expected record:DIR, replay:DIR, {INJOB} or {ROLLOUT}:DIR (nothing "
+                             "would be recorded or replayed)")
         if not Path(argv[0]).is_file():
             raise UsageError(f"script {argv[0]!r} not found")
         # This file runs as __main__; the job may import moeverify.patches.autopatch too: one instance only,

@@ -37,6 +37,7 @@ import torch
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import regions, replay_state
 from moeverify.patches import token_keys as tk
+from moeverify.patches.rollout_source import RolloutSource
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
 from moeverify.patches import router_replay as rr
@@ -73,6 +74,7 @@ class ChunkForward:
         self.padding_mask = kwargs.get("padding_mask")
         self.recorded_as: int | None = None  # forward index in the table (log-prob pass)
         self.found: Lookup | None = None  # the table lookup (training pass)
+        self.table: RouteTable | None = None  # the table looked up
         self.check = None  # refuses the lookup's bad tokens; run when the forward ends
         self._keys: tk.TokenKeys | None = None
 
@@ -266,11 +268,11 @@ class _ReplayIds:
 class InJobState:
     """The state autopatch lends the bound model's routers in r2 mode (``route`` / ``recompute`` protocol)."""
 
-    def __init__(self, *, original, num_experts: int):
+    def __init__(self, *, original, num_experts: int, duplicates: str = "refuse"):
         self.original = original
         self.num_experts = num_experts
         self.max_tokens = _env_int(MAX_TOKENS_ENV, DEFAULT_MAX_TOKENS)
-        self.duplicates = os.environ.get(DUPLICATES_ENV) or "refuse"
+        self.duplicates = os.environ.get(DUPLICATES_ENV) or duplicates
         if self.duplicates not in DUPLICATES:
             raise UsageError(f"{DUPLICATES_ENV}={self.duplicates!r}: expected one of {DUPLICATES}")
         self.tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> RouteTable
@@ -327,10 +329,13 @@ class InJobState:
         if layer not in table.ids_GK:
             raise RouteError(f"layer {layer} rank {rank}: the log-prob pass recorded layers {sorted(table.ids_GK)} "
                              "for this model chunk, not this one")
+        return self._replay_from(table, fwd, keys, router, layer, rank)
+
+    def _replay_from(self, table: RouteTable, fwd: ChunkForward, keys, router, layer: int, rank: int) -> _ReplayIds:
         if fwd.found is None:
-            fwd.found = table.lookup(keys)
+            fwd.table, fwd.found = table, table.lookup(keys)
             fwd.check = lambda: table.check(fwd.found, layer=layer, rank=rank)
-        ids_TK = table.ids(layer, fwd.found)
+        ids_TK = fwd.table.ids(layer, fwd.found)
         region = regions.forward_region()
         if region is not None:
             replay_state._bind(region, router, self, layer, _ReplayIds(ids_TK, fwd.found.native_T))
@@ -339,6 +344,36 @@ class InJobState:
 
     def recompute(self, router, layer, mb, logits, args, kwargs):
         return replay_state._call_with_hook(self.original, router, mb, logits, args, kwargs)
+
+
+class RolloutState(InJobState):
+    """r3 (``MOEVERIFY_ROUTER_REPLAY=r3:DIR``): every forward of the bound model, log-prob and training passes alike,
+    replays the rollout engine's routes written by ``moeverify.rollout_writer``, found by token identity in the
+    newest complete steps of ``DIR`` (``rollout_source``). A token one prefix routed differently in two requests takes
+    the first route (``MOEVERIFY_ROUTER_REPLAY_DUPLICATES=refuse`` refuses it)."""
+
+    def __init__(self, *, original, num_experts: int, directory):
+        super().__init__(original=original, num_experts=num_experts, duplicates="first")
+        self.source = RolloutSource(directory, max_tokens=self.max_tokens, duplicates=self.duplicates)
+
+    def route(self, router, layer, logits, args, kwargs):
+        replay_state.guard_call(router, layer)
+        rank = replay_state.current_rank()
+        fwd = self._forward(router, layer, rank)
+        keys = fwd.keys(router, layer, logits.numel() // router.num_experts, rank=rank)
+        if fwd.table is None:  # the forward's first routing call: newer rollout steps replace the tables
+            self.source.refresh()
+            fwd.table = self.source.table(fwd.chunk, layers=_layers_of(fwd.chunk), config=router.config, rank=rank)
+            self.table_bytes = fwd.table.nbytes()
+        self.phase = fwd.kind
+        hook = self._replay_from(fwd.table, fwd, keys, router, layer, rank)
+        return replay_state._call_with_hook(self.original, router, hook, logits, args, kwargs)
+
+
+def _layers_of(chunk) -> list[int]:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return sorted(global_layer(m) for m in chunk.modules() if isinstance(m, TopKRouter))
 
 
 def _pool_group(config):
@@ -370,8 +405,8 @@ def _env_int(name: str, default: int) -> int:
 def refuse_router(router, layer: int) -> None:
     """Routers in-job replay cannot key by token (checked when a router is bound)."""
     if getattr(router, "is_mtp_layer", False):
-        raise UsageError(f"layer {layer}: in-job replay (r2) keys a token by its prefix, but an MTP layer's router "
-                         "also sees the next tokens; MTP layers are not supported in r2 mode")
+        raise UsageError(f"layer {layer}: in-job replay (r2, r3) keys a token by its prefix, but an MTP layer's "
+                         "router also sees the next tokens; MTP layers are not supported in in-job replay")
 
 
 class InJobSession:
@@ -381,9 +416,10 @@ class InJobSession:
         selected: ``router -> bool``, autopatch's model choice (build order, ``MOEVERIFY_ROUTER_REPLAY_MODEL``).
     """
 
-    def __init__(self, *, selected, original):
+    def __init__(self, *, selected, original, directory=None):
         self._selected = selected
         self._original = original
+        self._directory = directory  # r3: the rollout directory
         self._bound: dict[int, weakref.ref] = {}
         self._native: weakref.WeakSet = weakref.WeakSet()
         self.state: InJobState | None = None
@@ -402,7 +438,10 @@ class InJobSession:
 
             rr.refuse_config(router, layer, disable_fusion=False)
             refuse_router(router, layer)
-            if self.state is None:
+            if self.state is None and self._directory is not None:
+                self.state = RolloutState(original=self._original, num_experts=router.num_experts,
+                                          directory=self._directory)
+            elif self.state is None:
                 self.state = InJobState(original=self._original, num_experts=router.num_experts)
             self._bound[layer] = weakref.ref(router)
         return self.state, layer

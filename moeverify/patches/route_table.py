@@ -7,7 +7,9 @@ Recording appends each log-prob forward's keys ``[T]`` and, per MoE layer, its i
 lookup freezes the table: keys are sorted once, duplicates (the same prefix recorded more than once: GRPO
 responses of one prompt, a sequence in two passes) collapse to one entry, and a key whose copies hold
 different expert sets is marked as a conflict. A lookup is one sorted search per forward; each layer then
-gathers its ids with that search's result. The lookup makes no host sync: whether every token was found is
+gathers its ids with that search's result. A recorded token may be flagged native (R3: the last token of a request,
+whose route the rollout engine never computed): it is found, and routes natively; a real route recorded for the
+same key elsewhere wins over the flag. The lookup makes no host sync: whether every token was found is
 copied to pinned host memory behind an event and read once per forward, when it ends, waiting only for the search
 (long finished by then), never for the work queued after it.
 """
@@ -22,6 +24,8 @@ from moeverify.errors import RouteError
 from moeverify.patches.token_keys import TokenKeys
 
 DUPLICATES = ("refuse", "first")  # a key recorded with different routes: refuse at lookup, or keep the first
+_R2_ORIGIN = "this step's log-prob pass"
+_R2_REMEDY = "run the log-prob pass on every sequence the step trains on"
 
 
 class _DeviceFlag:
@@ -48,7 +52,8 @@ class _DeviceFlag:
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Lookup:
     """Where a forward's tokens sit in a frozen table: ``index_T`` (G rows); ``native_T``: tokens to route natively
-    (padding not found; None without padding information); ``bad_T``: tokens ``RouteTable.check`` refuses."""
+    (padding not found, tokens recorded native; None when there are none); ``bad_T``: tokens ``RouteTable.check``
+    refuses."""
 
     index_T: torch.Tensor
     native_T: torch.Tensor | None
@@ -65,14 +70,20 @@ class RouteTable:
         max_tokens: refuse to record more tokens than this (duplicates counted): the table's memory bound.
         num_experts: picks the stored id dtype (int16 up to 32767 experts).
         duplicates: ``"refuse"`` or ``"first"`` (see ``DUPLICATES``).
+        origin: what recorded the routes, and how to record a missing token, for error messages.
     """
 
-    def __init__(self, *, max_tokens: int, num_experts: int, duplicates: str = "refuse"):
+    def __init__(self, *, max_tokens: int, num_experts: int, duplicates: str = "refuse",
+                 origin: tuple[str, str] = (_R2_ORIGIN, _R2_REMEDY)):
         self.max_tokens = max_tokens
         self.duplicates = duplicates
+        self.origin, self.remedy = origin
         self.dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self.tokens = 0
         self._keys: list[torch.Tensor] = []  # keys_2T per forward
+        self._native: list[torch.Tensor | None] = []  # native_T per forward
+        self.native_G: torch.Tensor | None = None
+        self.any_native = False
         self._ids: dict[int, list[torch.Tensor]] = {}
         self.keys_2G: torch.Tensor | None = None  # sorted by the first half
         self.conflict_G: torch.Tensor | None = None
@@ -82,14 +93,15 @@ class RouteTable:
     def frozen(self) -> bool:
         return self.keys_2G is not None
 
-    def add_forward(self, keys: TokenKeys, *, rank: int) -> int:
-        """Register a log-prob forward's tokens; returns its forward index."""
+    def add_forward(self, keys: TokenKeys, *, rank: int, native_T: torch.Tensor | None = None) -> int:
+        """Register a recorded forward's tokens (``native_T``: those to route natively); returns its forward index."""
         if self.tokens + keys.tokens > self.max_tokens:
             raise RouteError(f"rank {rank}: this step's log-prob passes recorded {self.tokens + keys.tokens} tokens "
                              f"for one model chunk, over the cap of {self.max_tokens} (memory bound of in-job replay); "
                              "raise MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if the step really holds that many")
         self.tokens += keys.tokens
         self._keys.append(keys.keys_2T)
+        self._native.append(native_T)
         return len(self._keys) - 1
 
     def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int) -> None:
@@ -112,11 +124,14 @@ class RouteTable:
             raise RouteError(f"rank {rank}: per layer, log-prob forwards routed {short} of {forwards}: a log-prob "
                              "forward stopped before its last MoE layer")
         key1_N, key2_N = torch.cat(self._keys, dim=1)
+        native_N = torch.cat([torch.zeros(k.shape[1], dtype=torch.bool, device=k.device) if n is None
+                              else n.to(device=k.device, dtype=torch.bool) for k, n in zip(self._keys, self._native)])
         if group is not None:
-            key1_N, key2_N = self._pool(key1_N, key2_N, group)
-        by2 = torch.argsort(key2_N, stable=True)
-        order_N = by2[torch.argsort(key1_N[by2], stable=True)]
-        key1_N, key2_N = key1_N[order_N], key2_N[order_N]
+            key1_N, key2_N, native_N = self._pool(key1_N, key2_N, native_N, group)
+        order_N = torch.argsort(native_N.to(torch.int8), stable=True)  # a real route before a native flag
+        order_N = order_N[torch.argsort(key2_N[order_N], stable=True)]
+        order_N = order_N[torch.argsort(key1_N[order_N], stable=True)]
+        key1_N, key2_N, native_N = key1_N[order_N], key2_N[order_N], native_N[order_N]
         same1 = key1_N[1:] == key1_N[:-1]
         same = same1 & (key2_N[1:] == key2_N[:-1])
         if bool((same1 & ~same).any()):
@@ -130,20 +145,23 @@ class RouteTable:
         for layer, ids in self._ids.items():
             ids_NK = torch.cat(ids)[order_N]
             canon_NK = ids_NK.sort(dim=1).values  # a route is an expert set: slot order does not count
-            differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1)
+            differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1) & ~native_N
             conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
             self.ids_GK[layer] = ids_NK[heads_G]
         self.keys_2G = torch.stack([key1_N[heads_G], key2_N[heads_G]])
         self.conflict_G = conflict_G > 0
+        self.native_G = native_N[heads_G]
+        self.any_native = bool(self.native_G.any())
         self._keys.clear()
+        self._native.clear()
         self._ids.clear()
 
-    def _pool(self, key1_N, key2_N, group) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather the recorded rows of ``group`` (sizes differ per rank); ids of every layer come along."""
+    def _pool(self, key1_N, key2_N, native_N, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """All-gather the recorded rows of ``group`` (sizes differ per rank); flags and every layer's ids come along."""
         import torch.distributed as dist
 
         layers = sorted(self._ids)
-        rows_NC = torch.cat([key1_N[:, None], key2_N[:, None]]
+        rows_NC = torch.cat([key1_N[:, None], key2_N[:, None], native_N[:, None].long()]
                             + [torch.cat(self._ids[layer]).long() for layer in layers], dim=1)
         count = torch.tensor([rows_NC.shape[0]], device=rows_NC.device)
         counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
@@ -154,16 +172,16 @@ class RouteTable:
         gathered = [torch.empty_like(padded_NC) for _ in counts]
         dist.all_gather(gathered, padded_NC, group=group)
         pooled_NC = torch.cat([g[:int(c.item())] for g, c in zip(gathered, counts)])
-        k = (pooled_NC.shape[1] - 2) // max(len(layers), 1)
+        k = (pooled_NC.shape[1] - 3) // max(len(layers), 1)
         for i, layer in enumerate(layers):
-            self._ids[layer] = [pooled_NC[:, 2 + i * k:2 + (i + 1) * k].to(self.dtype)]
-        return pooled_NC[:, 0].contiguous(), pooled_NC[:, 1].contiguous()
+            self._ids[layer] = [pooled_NC[:, 3 + i * k:3 + (i + 1) * k].to(self.dtype)]
+        return pooled_NC[:, 0].contiguous(), pooled_NC[:, 1].contiguous(), pooled_NC[:, 2].bool()
 
     def nbytes(self) -> int:
         """Device bytes held by the frozen table (keys, conflict flags and ids)."""
         if not self.frozen:
             raise RouteError("nbytes() of a table still recording")
-        tensors = [self.keys_2G, self.conflict_G, *self.ids_GK.values()]
+        tensors = [self.keys_2G, self.conflict_G, self.native_G, *self.ids_GK.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def lookup(self, keys: TokenKeys) -> Lookup:
@@ -178,6 +196,9 @@ class RouteTable:
         if keys.pad_T is not None:
             bad_T = bad_T & ~keys.pad_T
             native_T = ~found_T  # padding not found routes natively (bad_T covers the rest)
+        if self.any_native:
+            flagged_T = found_T & self.native_G[index_T]
+            native_T = flagged_T if native_T is None else native_T | flagged_T
         return Lookup(index_T=index_T, native_T=native_T, bad_T=bad_T, found_T=found_T, keys=keys,
                       any_bad=_DeviceFlag(bad_T.any()))
 
@@ -194,12 +215,11 @@ class RouteTable:
         where = f"layer {layer} rank {rank}: training token {t} (sequence {seq} of this forward, position {pos})"
         more = f" ({bad.numel()} of {keys.tokens} tokens of this forward)"
         if not bool(found_T[t]):
-            return (f"{where} has no route recorded by this step's log-prob pass{more}; in-job replay (r2) "
-                    "replays routes only on the tokens (same content and position from the sequence start) its "
-                    "log-prob forwards routed: run the log-prob pass on every sequence the step trains on, or "
-                    "mark padding with padding_mask / cu_seqlens_padded")
+            return (f"{where} has no route recorded by {self.origin}{more}; in-job replay replays routes only on "
+                    f"the tokens (same content and position from the sequence start) it recorded: {self.remedy}, "
+                    "or mark padding with padding_mask / cu_seqlens_padded")
         return (f"{where} was recorded more than once with different expert sets{more}: identical prefixes "
-                "routed differently in the log-prob pass (batch-dependent numerics); set "
+                f"routed differently by {self.origin} (batch-dependent numerics); set "
                 "MOEVERIFY_ROUTER_REPLAY_DUPLICATES=first to replay the first recorded route")
 
     def ids(self, layer: int, found: Lookup) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 
 from moeverify.errors import UsageError
 from moeverify.layer_numbering import ambiguous
-from moeverify.record import npy_file
+from moeverify import npy_file
 from moeverify.routes import Routes
 
 KEY = "physical_to_logical_map"

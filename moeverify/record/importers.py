@@ -25,7 +25,7 @@ import torch
 
 from moeverify.errors import DumpError, RouteError, UsageError
 from moeverify.files import atomic_write
-from moeverify.record import npy_file
+from moeverify import npy_file
 from moeverify.record.format import MAX_EXPERTS
 from moeverify.record.router_trace import read_router_trace, read_router_trace_ranks
 from moeverify.routes import Routes

@@ -276,8 +276,11 @@ def test_injob_stage_without_input_ids_refused(world):
 
 def test_injob_setting_parsed_from_the_environment_value():
     assert (autopatch.parse("r2").mode, autopatch.parse("r2").directory) == ("r2", None)
-    with pytest.raises(Exception, match=r"expected record:DIR or replay:DIR, or r2"):
-        autopatch.parse("r2:/tmp/x")
+    assert (autopatch.parse("r3:/tmp/x").mode, str(autopatch.parse("r3:/tmp/x").directory)) == ("r3", "/tmp/x")
+    for bad in ("r2:/tmp/x", "r3", "r3:", "r4:/tmp/x"):
+        with pytest.raises(Exception, match=r"expected record:DIR or replay:DIR, r2 \(in-job replay of the log-prob "
+                                            r"pass\) or r3:DIR \(in-job replay of a rollout's routes\)"):
+            autopatch.parse(bad)
 
 
 def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively(world):

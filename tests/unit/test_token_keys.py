@@ -102,7 +102,7 @@ def test_route_table_finds_routes_across_batching_and_refuses_unknown_tokens():
     recorded = tk.row_keys(ids)
     ids_TK = torch.arange(recorded.tokens * 2).view(-1, 2) % 8
     table = table_of([(recorded, ids_TK)])
-    assert table.nbytes() == 12 * (8 + 8 + 1 + 2 * 2)  # keys, conflict flag, K = 2 int16 ids
+    assert table.nbytes() == 12 * (8 + 8 + 1 + 1 + 2 * 2)  # keys, conflict and native flags, K = 2 int16 ids
     again = tk.row_keys(ids[[2, 0]])
     found = table.ids(0, look(table, again))
     want = ids_TK.view(4, 3, 2)[:, [2, 0]].reshape(-1, 2)  # router order s * B + b

@@ -1,0 +1,224 @@
+"""In-job R3's route source: a rollout engine's routes (``moeverify.rollout_writer`` files) as route tables keyed by
+token identity, one per model chunk.
+
+Legend: N = tokens of a step (all requests, concatenated), R = requests, W = layer columns in the files, L = this
+chunk's MoE layers, K = top-k.
+
+The newest ``KEEP`` complete steps of the directory serve (a trainer one step off-policy trains on the previous
+step's rollout while the next one is written); a token found in both takes the newer step's route. The directory
+is looked at again at every model-chunk forward (one directory listing), and tables are rebuilt when the set of
+newest complete steps changes. A step's requests are checked as ``Routes.from_rollout`` checks them: the layer
+columns picked (a width that fits two numberings refused), physical expert slots mapped through the step's
+``expert_map`` (or ``MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP``), ids out of range refused, capture gaps (a row of -1, or
+of zeros with K > 1) refused on a real token; the engine's missing last row is recorded as native: that token routes
+natively (nothing in the loss reads it under causal attention).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moeverify import layer_numbering, npy_file
+from moeverify import rollout_arrays as ra
+from moeverify import rollout_writer as rw
+from moeverify.errors import RouteError, UsageError
+from moeverify.patches import token_keys as tk
+from moeverify.patches.route_table import RouteTable
+
+KEEP = 2  # newest complete steps that serve
+EXPERT_MAP_ENV = "MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP"
+_NUMBERING = {code: name for name, code in rw.NUMBERINGS.items()}
+
+
+class Step:
+    """One complete step's requests, checked, on the host: tokens ``[N]``, request starts, routes per token."""
+
+    def __init__(self, directory: Path, step: int):
+        self.step = step
+        self.where = rw.step_dir(directory, step)
+        parts = [self._part(self.where / name) for name in rw.read_marker(directory, step)]
+        widths = {p["routes"].shape[1:] for p in parts}
+        if len(widths) != 1:
+            raise RouteError(f"{self.where}: parts hold routes of shapes [*, W, K] {sorted(widths)}; one engine's")
+        numbering = {int(p["numbering"][0]) for p in parts}
+        if len(numbering) != 1:
+            raise RouteError(f"{self.where}: parts say different layer numberings {sorted(numbering)}")
+        code = numbering.pop()
+        if code not in _NUMBERING:
+            raise RouteError(f"{self.where}: numbering code {code} is none of {sorted(_NUMBERING)}")
+        self.numbering = _NUMBERING[code]
+        maps = [p.get("expert_map") for p in parts]
+        if any(m is not None for m in maps) and not all(m is not None and np.array_equal(m, maps[0]) for m in maps):
+            raise RouteError(f"{self.where}: some parts carry an expert_map and others another or none")
+        self.expert_map = maps[0]
+        self.parts = parts
+
+    @staticmethod
+    def _part(path: Path) -> dict:
+        arrays = npy_file.load_npz(path, error=RouteError)
+        need = {"tokens": 1, "lengths": 1, "rows": 1, "routes": 3, "numbering": 1}
+        for key, dims in need.items():
+            if key not in arrays or arrays[key].ndim != dims or arrays[key].dtype.kind not in "iu":
+                got = "missing" if key not in arrays else f"{arrays[key].ndim}-d {arrays[key].dtype}"
+                raise RouteError(f"{path}: {key!r} must be a {dims}-d integer array, got {got}")
+        lengths, rows = arrays["lengths"].astype(np.int64), arrays["rows"].astype(np.int64)
+        if lengths.shape != rows.shape or not lengths.size or lengths.min() < 1:
+            raise RouteError(f"{path}: lengths {lengths.shape} and rows {rows.shape} must give >= 1 token per request")
+        if int(lengths.sum()) != arrays["tokens"].shape[0] or int(rows.sum()) != arrays["routes"].shape[0]:
+            raise RouteError(f"{path}: {arrays['tokens'].shape[0]} tokens and {arrays['routes'].shape[0]} route rows, "
+                             f"the requests' lengths and rows sum to {int(lengths.sum())} and {int(rows.sum())}")
+        short = (rows != lengths) & (rows != lengths - 1)
+        if short.any():
+            r = int(short.nonzero()[0][0])
+            raise RouteError(f"{path}: request {r} holds {int(rows[r])} route rows for {int(lengths[r])} tokens; "
+                             f"expected {int(lengths[r]) - 1} or {int(lengths[r])}")
+        if "expert_map" in arrays and arrays["expert_map"].ndim != 2:
+            raise RouteError(f"{path}: expert_map must be [W or 1, P], got {arrays['expert_map'].shape}")
+        arrays["lengths"], arrays["rows"], arrays["path"] = lengths, rows, path
+        return arrays
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(p["tokens"].shape[0]) for p in self.parts)
+
+    def ids(self, *, layers: list[int], model_layers: list[int], num_layers: int, num_experts: int,
+            expert_map=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens [N], starts [R + 1], ids [N, L, K], native [N])`` of ``layers`` (a subset of ``model_layers``,
+        the model's MoE layers in router order): missing last rows filled and flagged native."""
+        width = int(self.parts[0]["routes"].shape[1])
+        cols = layer_numbering.columns(width, layers=model_layers, num_layers=num_layers, numbering=self.numbering,
+                                       where=f"{self.where} routes", error=RouteError, pick=ra.PICK, count=ra.COUNT)
+        pick = [cols[model_layers.index(layer)] for layer in layers]
+        emap = self._map(expert_map, layers=layers, cols=pick, width=width, num_layers=num_layers,
+                         num_experts=num_experts, model_layers=model_layers)
+        tokens, starts, ids, native = [], [0], [], []
+        for part in self.parts:
+            i, n = self._request_rows(part, pick=pick, layers=layers, num_experts=num_experts, emap=emap)
+            tokens.append(torch.from_numpy(part["tokens"].astype(np.int64)))
+            starts.extend((starts[-1] + np.cumsum(part["lengths"])).tolist())
+            ids.append(i)
+            native.append(n)
+        return torch.cat(tokens), torch.tensor(starts), torch.cat(ids), torch.cat(native)
+
+    def _map(self, expert_map, *, layers, cols, width, num_layers, num_experts, model_layers):
+        stored = self.expert_map
+        if stored is not None and expert_map is not None:
+            raise UsageError(f"{self.where}: the step's files carry an expert_map and {EXPERT_MAP_ENV} names "
+                             "another; give one")
+        if stored is None:
+            return None if expert_map is None else ra.load_map(expert_map, layers=layers, num_layers=num_layers,
+                                                               num_experts=num_experts)
+        if stored.shape[0] not in (1, width):
+            raise RouteError(f"{self.where}: expert_map holds {stored.shape[0]} rows, the routes {width} columns "
+                             "(give one row for every layer, or one per column)")
+        per_layer = {layer: stored[0 if stored.shape[0] == 1 else col].tolist() for layer, col in zip(layers, cols)}
+        return ra.load_map(per_layer, layers=layers, num_layers=num_layers, num_experts=num_experts)
+
+    @staticmethod
+    def _request_rows(part: dict, *, pick, layers, num_experts, emap):
+        """One part's ``(ids [N, L, K], native [N])``: each token's row; the missing last rows native."""
+        lengths, rows = part["lengths"], part["rows"]
+        routes_RLK = torch.from_numpy(part["routes"][:, pick].astype(np.int64))
+        n = int(lengths.sum())
+        request_N = torch.repeat_interleave(torch.arange(lengths.size), torch.from_numpy(lengths))
+        start_N = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]))[request_N]
+        pos_N = torch.arange(n) - start_N
+        has_row_N = pos_N < torch.from_numpy(rows)[request_N]
+        gaps_RL = ra.gap_rows(routes_RLK)
+        where = part["path"]
+        if bool(gaps_RL.any()):
+            row, col = (int(i) for i in gaps_RL.nonzero()[0])
+            r, s = _request_of(row, rows)
+            raise RouteError(f"{where}: request {r} position {s} layer {layers[col]}: capture gap (a row of -1 or of "
+                             f"zeros: {routes_RLK[row, col].tolist()}), {int(gaps_RL.sum())} such row(s); the engine "
+                             "did not record this route (a real token): fix the capture, or leave the token out of "
+                             "token_ids")
+        if emap is not None:
+            routes_RLK = ra._to_logical(routes_RLK, emap=emap, skip_TL=torch.zeros_like(gaps_RL), layers=layers,
+                                        where=str(where))
+        high_RL = (routes_RLK >= num_experts).any(dim=-1) | (routes_RLK < 0).any(dim=-1)
+        if bool(high_RL.any()):
+            row, col = (int(i) for i in high_RL.nonzero()[0])
+            r, s = _request_of(row, rows)
+            raise RouteError(f"{where}: request {r} position {s} layer {layers[col]}: expert ids "
+                             f"{routes_RLK[row, col].tolist()} outside [0, {num_experts}) ({int(high_RL.sum())} such "
+                             f"row(s)); an engine that records physical expert slots (EPLB with redundant experts) "
+                             f"needs its map: RolloutWriter(expert_map=) or {EXPERT_MAP_ENV}=PATH")
+        k = routes_RLK.shape[2]
+        ids_NLK = torch.arange(k).expand(n, len(layers), k).clone()  # native rows: any valid distinct ids
+        ids_NLK[has_row_N] = routes_RLK
+        return ids_NLK, ~has_row_N
+
+
+def _request_of(row: int, rows: np.ndarray) -> tuple[int, int]:
+    ends = np.cumsum(rows)
+    r = int(np.searchsorted(ends, row, side="right"))
+    return r, row - int(ends[r - 1] if r else 0)
+
+
+class RolloutSource:
+    """The route tables of a rollout directory for the bound model's chunks (module docstring).
+
+    Args:
+        directory: the ``r3:DIR`` directory (``RolloutWriter`` files).
+        max_tokens: refuse a table of more tokens (the newest steps together): its memory bound.
+        duplicates: ``RouteTable``'s rule for one prefix routed differently (R3 default: the newest step's first
+            route; the engine routed identical prefixes in other batches).
+    """
+
+    def __init__(self, directory: Path | str, *, max_tokens: int, duplicates: str = "first"):
+        self.directory = Path(directory)
+        self.max_tokens, self.duplicates = max_tokens, duplicates
+        self.expert_map = os.environ.get(EXPERT_MAP_ENV) or None
+        self.steps: tuple[int, ...] = ()  # the newest complete steps now serving, newest first
+        self._loaded: dict[int, Step] = {}
+        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> table of self.steps
+        self.builds = 0
+
+    def refresh(self) -> None:
+        """Look at the directory again; newer complete steps replace the tables."""
+        if not self.directory.is_dir():
+            raise UsageError(f"r3: {self.directory} is not a directory (RolloutWriter's output)")
+        newest = tuple(reversed(rw.complete_steps(self.directory)[-KEEP:]))
+        if newest != self.steps:
+            self.steps = newest
+            self._loaded = {s: self._loaded[s] for s in newest if s in self._loaded}
+            self._tables = weakref.WeakKeyDictionary()
+
+    def table(self, chunk, *, layers: list[int], config, rank: int) -> RouteTable:
+        """The frozen table of ``chunk``'s MoE ``layers`` (global, router order) for the serving steps."""
+        held = self._tables.get(chunk)
+        if held is not None:
+            return held
+        if not self.steps:
+            raise RouteError(f"rank {rank}: in-job replay r3:{self.directory}: no complete rollout step yet (a step's "
+                             f"routes are read once its {rw.MARKER} marker exists: RolloutWriter.close() or "
+                             "rollout_writer.mark_complete())")
+        model_layers = list(layer_numbering.moe_layers(num_layers=config.num_layers,
+                                                       moe_layer_freq=config.moe_layer_freq))
+        device = next(chunk.parameters()).device
+        steps = ", ".join(str(s) for s in self.steps)
+        table = RouteTable(max_tokens=self.max_tokens, num_experts=config.num_moe_experts, duplicates=self.duplicates,
+                           origin=(f"the rollout routes of step(s) {steps} in {self.directory}",
+                                   "write every sequence the step trains on with RolloutWriter (prompt + response, "
+                                   "every turn)"))
+        for step in self.steps:  # newest first: the newest route of a token is recorded first
+            loaded = self._loaded.get(step)
+            if loaded is None:
+                loaded = self._loaded[step] = Step(self.directory, step)
+            tokens_N, starts, ids_NLK, native_N = loaded.ids(
+                layers=layers, model_layers=model_layers, num_layers=config.num_layers,
+                num_experts=config.num_moe_experts, expert_map=self.expert_map)
+            keys = tk.packed_keys(tokens_N.to(device), cu_seqlens=starts.to(device))
+            forward = table.add_forward(keys, rank=rank, native_T=native_N.to(device))
+            for i, layer in enumerate(layers):
+                table.add_ids(layer=layer, forward=forward, ids_TK=ids_NLK[:, i].to(device), rank=rank)
+        table.freeze(rank=rank)
+        self._tables[chunk] = table
+        self.builds += 1
+        return table
