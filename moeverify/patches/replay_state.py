@@ -120,6 +120,20 @@ def canonical_slots(key_TK: torch.Tensor) -> torch.Tensor:
     return key_TK.argsort(dim=1, descending=True, stable=True)
 
 
+def canonical_topk(values_TK: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A native top-k's ``(values, ids)`` in canonical slot order (the values are the selection key at the ids)."""
+    ids_TK, by_id_TK = ids_TK.sort(dim=1)
+    values_TK = values_TK.gather(1, by_id_TK)
+    order_TK = canonical_slots(values_TK.detach())
+    return values_TK.gather(1, order_TK), ids_TK.gather(1, order_TK)
+
+
+def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replayed ids (ascending per row) in canonical slot order of the current ``scores``, and those scores."""
+    ids_TK = sorted_ids_TK.gather(1, canonical_slots(scores.detach().gather(1, sorted_ids_TK)))
+    return scores.gather(1, ids_TK), ids_TK
+
+
 class _RecordHook:
     """Megatron's ``router_replay`` protocol: compute the native top-k, keep the ids, both in canonical order."""
 
@@ -131,12 +145,9 @@ class _RecordHook:
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values_TK, ids_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         # values are the selection key at the ids (group-limited top-k masks only unselected experts)
-        ids_TK, by_id_TK = ids_TK.sort(dim=1)
-        values_TK = values_TK.gather(1, by_id_TK)
-        order_TK = canonical_slots(values_TK.detach())
-        ids_TK = ids_TK.gather(1, order_TK)
+        values_TK, ids_TK = canonical_topk(values_TK, ids_TK)
         self.sink.append(ids_TK)  # integer ids carry no autograd history: nothing to detach
-        return values_TK.gather(1, order_TK), ids_TK
+        return values_TK, ids_TK
 
 
 class _ReplayHook:
@@ -150,8 +161,7 @@ class _ReplayHook:
         self.sorted_ids_TK = sorted_ids_TK
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        ids_TK = self.sorted_ids_TK.gather(1, canonical_slots(scores.detach().gather(1, self.sorted_ids_TK)))
-        return scores.gather(1, ids_TK), ids_TK
+        return canonical_replay(scores, self.sorted_ids_TK)
 
 
 class Recording:

@@ -123,10 +123,11 @@ def dynamic_micro_batches(sequences, uids, max_tokens):
 def ppo_update(chunk, sequences, plan, *, spy=None, aligned=None, session=None):
     """PPO epochs of shuffled mini-batches (one optimizer step each); returns the grads of every mini-batch.
 
-    ``aligned``: (layer, uid, pos) -> ids to replay through ``session`` by hand (the reference run); else the
-    loop runs as a trainer writes it and ``spy`` collects what each token used."""
+    ``aligned``: (layer, uid, pos) -> ids to replay through ``session`` by hand (the reference run), or a list of
+    such dicts, one per micro-batch in order; else the loop runs as a trainer writes it and ``spy`` collects what
+    each token used."""
     opt = torch.optim.SGD(chunk.parameters(), lr=0.5)
-    grads, used = [], []
+    grads, used, count = [], [], 0
     for minibatch in plan:
         opt.zero_grad(set_to_none=True)
         for micro in minibatch:
@@ -135,7 +136,9 @@ def ppo_update(chunk, sequences, plan, *, spy=None, aligned=None, session=None):
                 loss_of(forward(chunk, ids, pad), pad).backward()
                 used.append((where, spy.take()))
                 continue
-            routes = rr.Routes({layer: [torch.stack([aligned[(layer, *(w or ("pad", tuple(micro), t)))]
+            table = aligned[count] if isinstance(aligned, list) else aligned
+            count += 1
+            routes = rr.Routes({layer: [torch.stack([table[(layer, *(w or ("pad", tuple(micro), t)))]
                                                      for t, w in enumerate(where)])] for layer in session.layers},
                                num_experts=session.num_experts, topk=session.topk)
             with session.replay(routes):

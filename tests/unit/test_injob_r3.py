@@ -1,0 +1,326 @@
+"""In-job R3 (``MOEVERIFY_ROUTER_REPLAY=r3:DIR``): a rollout engine's routes, written by ``RolloutWriter``, replayed
+in an RL step's log-prob and training passes by token identity (1 CPU rank).
+
+The "engine" is a second model (other weights, so its routes differ from the actor's native ones) run one request at
+a time without the patch; what it routed is written as vLLM returns it (``[S - 1, L, K]``: no row for the last,
+sampled token). The actor runs verl's loop unmodified under the patch; a spy on its routers reads what Megatron
+actually used, and gradients are compared bitwise with the session API given the rollout's routes by hand.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_injob_replay import Spy, batch_of, forward, ppo_update, random_sequences, verl_plan
+
+from moeverify.errors import RouteError, UsageError
+from moeverify.layout import Layout
+from moeverify.patches import autopatch
+from moeverify.patches import router_replay as rr
+from moeverify.rollout_writer import RolloutWriter, complete_steps, mark_complete
+
+SEED = 23
+
+
+def r3_world(tmp_path_factory, family: str, overrides: dict | None = None):
+    """An actor bound to r3 on a fresh directory, and an engine model of other weights routing natively."""
+    from moeverify import models, runtime
+
+    directory = tmp_path_factory.mktemp("rollout")
+    runtime.init("cpu")
+    with runtime.parallel(Layout(), seed=0):
+        gc.collect()  # models are numbered over live routers: earlier modules' models must be gone
+        saved = {k: os.environ.get(k) for k in (autopatch.ENV, autopatch.MODEL_ENV)}
+        os.environ[autopatch.ENV] = f"r3:{directory}"
+        os.environ[autopatch.MODEL_ENV] = str(len(autopatch._ORDER.models()))  # the actor: built next
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        try:
+            autopatch.install_from_env()
+            actor = models.build(family, Layout(), seed=0, overrides=overrides)
+            engine = models.build(family, Layout(), seed=1, overrides=overrides)
+            for chunk in actor.model_chunks + engine.model_chunks:
+                chunk.train()
+            yield actor.model_chunks[0], engine.model_chunks[0], actor.config.vocab_size, directory
+        finally:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+            autopatch.uninstall()
+            rr.revert()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    yield from r3_world(tmp_path_factory, "qwen3_moe")
+
+
+def engine_routes(engine, sequences) -> list[torch.Tensor]:
+    """What the engine routed for each request, ``[S, L, K]`` (sorted ids), one request at a time."""
+    spy = Spy(engine)
+    out = []
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                forward(engine, seq[None], torch.zeros(1, len(seq), dtype=torch.bool))
+                calls = spy.take()
+                out.append(torch.stack([ids_TK for _, ids_TK in sorted(calls, key=lambda c: c[0])], dim=1))
+    finally:
+        spy.close()
+    return out
+
+
+def write_step(directory, step, sequences, routes, *, last_row=False, **kwargs):
+    with RolloutWriter(directory, step=step, **kwargs) as w:
+        for seq, r in zip(sequences, routes):
+            w.add(seq, r if last_row else r[:-1])  # vLLM: no row for the last, sampled token
+
+
+def check_used(used, sequences, routes, micro_batches, *, layers=(0, 1, 2, 3)) -> tuple[int, list[dict]]:
+    """Every token but each sequence's last used its rollout route; returns (tokens checked, per micro-batch the
+    routes to replay by hand: the rollout's, and padding and last tokens as they were routed natively)."""
+    checked, aligned = 0, []
+    for (where, calls), micro in zip(used, micro_batches):
+        assert sorted(c[0] for c in calls) == list(layers), f"routing calls of layers {[c[0] for c in calls]}"
+        table = {}
+        for column, (layer, ids_TK) in enumerate(sorted(calls, key=lambda c: c[0])):
+            for t, w in enumerate(where):
+                if w is None or w[1] == len(sequences[w[0]]) - 1:  # padding, the last token: as it was routed
+                    table[(layer, *(w or ("pad", tuple(micro), t)))] = ids_TK[t]
+                    continue
+                want = routes[w[0]][w[1], column]
+                assert torch.equal(ids_TK[t], want), f"layer {layer} token {w}: not its rollout route"
+                table[(layer, *w)] = want
+                checked += 1
+        aligned.append(table)
+    return checked, aligned
+
+
+def test_r3_verl_loop_replays_the_rollouts_routes(world):
+    actor, engine, vocab, directory = world
+    run_r3_step(actor, engine, directory, random_sequences(vocab, [6, 3, 8, 5, 7, 2, 8, 4], SEED), step=0)
+
+
+def run_r3_step(actor, engine, directory, sequences, *, step, layers=(0, 1, 2, 3)):
+    """One verl step under r3 (log-prob pass, shuffled mini-batches, 2 epochs, dynamic batching), checked token by
+    token and against the session API given the rollout's routes by hand."""
+    routes = engine_routes(engine, sequences)
+    write_step(directory, step, sequences, routes)
+    uids = list(range(len(sequences)))
+    spy = Spy(actor)
+    saved = {k: v.clone() for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}
+    plan = verl_plan(uids, max_tokens=24, sequences=sequences)
+    try:
+        with torch.no_grad():  # the log-prob pass replays the rollout's routes too
+            logp_used = []
+            for i in range(0, len(uids), 4):
+                ids, pad, where = batch_of(sequences, uids[i:i + 4])
+                forward(actor, ids, pad)
+                logp_used.append((where, spy.take()))
+        got, used = ppo_update(actor, sequences, plan, spy=spy)
+    finally:
+        spy.close()
+    logp_checked, _ = check_used(logp_used, sequences, routes, [uids[i:i + 4] for i in range(0, len(uids), 4)],
+                                 layers=layers)
+    micro_batches = [m for mb in plan for m in mb]
+    checked, aligned = check_used(used, sequences, routes, micro_batches, layers=layers)
+    real = sum(len(s) - 1 for s in sequences)
+    assert logp_checked == len(layers) * real and checked == 2 * len(layers) * real
+    actor.load_state_dict(saved, strict=False)
+    session = rr.ReplaySession(actor)
+    want, _ = ppo_update(actor, sequences, plan, aligned=aligned, session=session)
+    actor.load_state_dict(saved, strict=False)
+    assert len(got) == len(want) == len(plan)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.keys() == b.keys() and a
+        diff = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not diff, f"mini-batch {i}: gradients differ from the session API with the rollout's routes: {diff[:3]}"
+
+
+def test_r3_routes_differ_from_native_routing(world):
+    # the rollout engine's weights differ from the actor's: replay must have changed routes (else the test is moot)
+    actor, engine, vocab, directory = world
+    sequences = random_sequences(vocab, [8, 8], SEED + 1)
+    routes = engine_routes(engine, sequences)
+    with torch.no_grad():
+        state = {k: v.clone() for k, v in engine.state_dict().items() if isinstance(v, torch.Tensor)}
+        engine.load_state_dict({k: v for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)},
+                               strict=False)
+        native = engine_routes(engine, sequences)
+        engine.load_state_dict(state, strict=False)
+    differ = sum(not torch.equal(a[:-1], b[:-1]) for a, b in zip(routes, native))
+    assert differ == 2
+
+
+def test_r3_token_not_in_the_rollout_refused(world):
+    actor, engine, vocab, directory = world
+    sequences = random_sequences(vocab, [5, 5], SEED + 2)
+    write_step(directory, 10, sequences[:1], engine_routes(engine, sequences[:1]))
+    with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0"
+                                         r"\) has no route recorded by the rollout routes of step\(s\) 10(, \d+)? in .*"
+                                         r"\(5 of 10 tokens of this forward\).*write every sequence the step trains "
+                                         r"on with RolloutWriter"):
+        forward(actor, torch.stack(sequences), torch.zeros(2, 5, dtype=torch.bool)).sum().backward()
+
+
+def test_r3_newest_steps_serve_and_the_newer_route_wins(world):
+    actor, engine, vocab, directory = world
+    old, new = random_sequences(vocab, [6, 6], SEED + 3)
+    routes_old = engine_routes(engine, [old, new])
+    write_step(directory, 20, [old, new], routes_old)
+    flipped = [(r + 1) % 8 for r in routes_old]  # another engine version: other (valid, distinct) experts
+    write_step(directory, 21, [new], flipped[1:])
+    spy = Spy(actor)
+    try:
+        with torch.no_grad():
+            forward(actor, torch.stack([old, new]), torch.zeros(2, 6, dtype=torch.bool))
+        calls = spy.take()
+        assert autopatch.session().state.source.steps == (21, 20)
+        for layer, ids_TK in calls:
+            for s in range(5):  # router order s * B + b
+                assert torch.equal(ids_TK[s * 2], routes_old[0][s, layer])  # only in step 20
+                assert torch.equal(ids_TK[s * 2 + 1], flipped[1][s, layer].sort().values)  # the newer step wins
+        write_step(directory, 22, [new], routes_old[1:])
+        with pytest.raises(RouteError, match=r"has no route recorded by the rollout routes of step\(s\) 22, 21"):
+            with torch.no_grad():
+                forward(actor, old[None], torch.zeros(1, 6, dtype=torch.bool))
+    finally:
+        spy.close()
+
+
+def test_r3_physical_slots_mapped_through_the_steps_expert_map(world):
+    actor, engine, vocab, directory = world
+    seq = random_sequences(vocab, [7], SEED + 4)
+    routes = engine_routes(engine, seq)
+    # an expert placement with 2 redundant slots (8 holds expert 3, 9 expert 0); the engine records slots
+    emap = np.array([3, 0, 7, 1, 6, 2, 5, 4, 3, 0])
+    slot_of = {int(e): p for p, e in enumerate(emap[:8])}
+    physical = routes[0].clone().apply_(lambda e: slot_of[e])
+    replica = {slot_of[3]: 8, slot_of[0]: 9}
+    physical[::2] = physical[::2].clone().apply_(lambda p: replica.get(p, p))  # even positions use the replicas
+    assert bool((physical >= 8).any()) and not torch.equal(physical, routes[0])
+    write_step(directory, 30, seq, [physical])  # the map forgotten
+    with pytest.raises(RouteError, match=r"step-30/part-0.npz: request 0 position \d layer \d: expert ids .* outside "
+                                         r"\[0, 8\).*RolloutWriter\(expert_map=\) or MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP"):
+        with torch.no_grad():
+            forward(actor, seq[0][None], torch.zeros(1, 7, dtype=torch.bool))
+    for step in (31, 32):  # the forgotten map's step no longer among the newest two
+        write_step(directory, step, seq, [physical], expert_map=emap)
+    spy = Spy(actor)
+    try:
+        with torch.no_grad():
+            forward(actor, seq[0][None], torch.zeros(1, 7, dtype=torch.bool))
+        calls = spy.take()
+    finally:
+        spy.close()
+    assert len(calls) == 4
+    for layer, ids_TK in calls:
+        assert torch.equal(ids_TK[:6], routes[0][:6, layer])
+
+
+def test_r3_capture_gap_on_a_real_token_refused(world):
+    actor, engine, vocab, directory = world
+    seq = random_sequences(vocab, [6], SEED + 5)
+    routes = engine_routes(engine, seq)[0].clone()
+    routes[2, 1] = -1  # position 2, layer 1 not captured
+    write_step(directory, 40, seq, [routes])
+    with pytest.raises(RouteError, match=r"step-40/part-0.npz: request 0 position 2 layer 1: capture gap \(a row of "
+                                         r"-1 or of zeros: \[-1, -1\]\)"):
+        with torch.no_grad():
+            forward(actor, seq[0][None], torch.zeros(1, 6, dtype=torch.bool))
+    for step in (41, 42):  # later tests start from complete, well-formed steps
+        write_step(directory, step, seq, engine_routes(engine, seq))
+
+
+def test_r3_incomplete_step_is_not_read(world, tmp_path):
+    actor, engine, vocab, directory = world
+    seq = random_sequences(vocab, [5], SEED + 6)
+    routes = engine_routes(engine, seq)
+    other = random_sequences(vocab, [4], SEED + 7)
+    write_step(directory, 49, other, engine_routes(engine, other))
+    before = complete_steps(directory)[::-1][:2]
+    w = RolloutWriter(directory, step=50, part="worker1")
+    w.add(seq[0], routes[0][:-1])
+    w.close(complete=False)
+    with pytest.raises(RouteError, match=r"has no route recorded by the rollout routes of step\(s\) "
+                                         + ", ".join(str(s) for s in before)):
+        with torch.no_grad():
+            forward(actor, seq[0][None], torch.zeros(1, 5, dtype=torch.bool))
+    mark_complete(directory, step=50)
+    with torch.no_grad():
+        forward(actor, seq[0][None], torch.zeros(1, 5, dtype=torch.bool))
+    assert autopatch.session().state.source.steps[0] == 50
+
+
+def test_rollout_writer_refusals(tmp_path):
+    ok_tokens, ok_routes = np.arange(5), np.zeros((4, 2, 2), dtype=np.int64) + [0, 1]
+    w = RolloutWriter(tmp_path, step=0)
+    cases = [
+        ((np.arange(5.0), ok_routes), r"request 0 of part-0.npz: token_ids: expected a 1-d integer array, got 1-d "
+                                      r"float64"),
+        ((ok_tokens, ok_routes[:2]), r"routes hold 2 rows for 5 tokens; expected 4 \(the engine's missing last row\) "
+                                     r"or 5"),
+        ((ok_tokens, ok_routes[0]), r"routes: expected a 3-d integer array, got 2-d int64"),
+        ((ok_tokens, ok_routes - 3), r"routes hold -3; expert ids are >= 0 \(-1: not captured\)"),
+        ((-ok_tokens - 1, ok_routes), r"token_ids hold a negative id -5"),
+        ((np.arange(0), np.zeros((0, 2, 2), dtype=np.int64)), r"token_ids is empty"),
+    ]
+    for args, message in cases:
+        with pytest.raises(UsageError, match=message):
+            w.add(*args)
+    w.add(ok_tokens, ok_routes)
+    with pytest.raises(UsageError, match=r"request 1 of part-0.npz: routes \[\*, W, K\] = \(3, 2\) != request 0's "
+                                         r"\(2, 2\)"):
+        w.add(ok_tokens, np.zeros((5, 3, 2), dtype=np.int64))
+    with pytest.raises(UsageError, match=r"already exists: each writer of a step needs its own part= name"):
+        w.close(complete=False)
+        RolloutWriter(tmp_path, step=0)
+    mark_complete(tmp_path, step=0)
+    with pytest.raises(UsageError, match=r"step 0 is already complete"):
+        RolloutWriter(tmp_path, step=0, part="late")
+    for kwargs, message in [({"step": -1}, r"step=-1: expected an integer >= 0"),
+                            ({"step": 1, "part": "../x"}, r"part='../x': expected 1-64 letters"),
+                            ({"step": 1, "numbering": "layers"}, r"numbering='layers': expected 'routers'")]:
+        with pytest.raises(UsageError, match=message):
+            RolloutWriter(tmp_path, **kwargs)
+    with pytest.raises(UsageError, match=r"step-2: no part-\*.npz written; nothing to mark complete"):
+        mark_complete(tmp_path, step=2)
+    assert sorted(p.name for p in (tmp_path / "step-0").iterdir()) == ["COMPLETE", "part-0.npz"]  # no temp left
+
+
+def test_rollout_files_malformed_refused(tmp_path):
+    from moeverify.patches.rollout_source import Step
+
+    good = {"tokens": np.arange(5), "lengths": np.array([5]), "rows": np.array([4]),
+            "routes": np.zeros((4, 2, 2), dtype=np.int16), "numbering": np.array([0], dtype=np.int8)}
+    cases = [
+        ({"tokens": np.arange(6)}, r"6 tokens and 4 route rows, the requests' lengths and rows sum to 5 and 4"),
+        ({"rows": np.array([2])}, r"5 tokens and 4 route rows, the requests' lengths and rows sum to 5 and 2"),
+        ({"rows": np.array([3]), "routes": np.zeros((3, 2, 2), dtype=np.int16)},
+         r"request 0 holds 3 route rows for 5 tokens; expected 4 or 5"),
+        ({"routes": np.zeros((4, 2), dtype=np.int16)}, r"'routes' must be a 3-d integer array, got 2-d int16"),
+        ({"lengths": np.array([5.0])}, r"'lengths' must be a 1-d integer array, got 1-d float64"),
+        ({"numbering": np.array([7], dtype=np.int8)}, r"numbering code 7 is none of \[0, 1, 2\]"),
+        ({"tokens": np.array(["a"] * 5)}, r"dtype <U1 is not a numeric dtype"),
+    ]
+    for step, (change, message) in enumerate(cases):
+        where = tmp_path / f"step-{step}"
+        where.mkdir()
+        np.savez(where / "part-0.npz", **{**good, **change})
+        mark_complete(tmp_path, step=step)
+        with pytest.raises(RouteError, match=message):
+            Step(tmp_path, step)
+    where = tmp_path / "step-99"
+    where.mkdir()
+    np.savez(where / "part-0.npz", **good, extra=np.array([object()], dtype=object))
+    mark_complete(tmp_path, step=99)
+    with pytest.raises(RouteError, match=r"npz member 'extra.npy'.*object arrays are never unpickled"):
+        Step(tmp_path, 99)
