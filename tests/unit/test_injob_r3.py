@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_injob_replay import Spy, batch_of, forward, ppo_update, random_sequences, verl_plan
+from test_injob_replay import Spy, batch_of, forward, ppo_update, random_sequences, backend_of_tests, verl_plan
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.layout import Layout
@@ -31,7 +31,7 @@ def r3_world(tmp_path_factory, family: str, overrides: dict | None = None):
     from moeverify import models, runtime
 
     directory = tmp_path_factory.mktemp("rollout")
-    runtime.init("cpu")
+    runtime.init(backend_of_tests())
     with runtime.parallel(Layout(), seed=0):
         gc.collect()  # models are numbered over live routers: earlier modules' models must be gone
         saved = {k: os.environ.get(k) for k in (autopatch.ENV, autopatch.MODEL_ENV)}

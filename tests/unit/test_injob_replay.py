@@ -23,11 +23,20 @@ from moeverify.patches import router_replay as rr
 VOCAB_SEED = 11
 
 
+def backend_of_tests() -> str:
+    """cpu (gloo); ``MOEVERIFY_TEST_BACKEND=cuda``: one GPU with deterministic kernels (docs/gpu/)."""
+    backend = os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu")
+    if backend == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    return backend
+
+
 @pytest.fixture(scope="module")
 def world():
     from moeverify import models, runtime
 
-    runtime.init("cpu")
+    runtime.init(backend_of_tests())
     with runtime.parallel(Layout(), seed=0):
         gc.collect()  # models are numbered over live routers: earlier modules' models must be gone
         saved = {k: os.environ.get(k) for k in (autopatch.ENV, autopatch.MODEL_ENV)}
@@ -64,7 +73,7 @@ class Spy:
 
     def _hook(self, router, _inputs, outputs):
         if torch._C._current_graph_task_id() == -1:
-            ids_TK = torch.topk(outputs[1].int(), router.topk).indices.sort().values
+            ids_TK = torch.topk(outputs[1].int(), router.topk).indices.sort().values.cpu()
             self.calls.append((router.layer_number - 1, ids_TK))
 
     def take(self) -> list:
@@ -88,11 +97,14 @@ def batch_of(sequences, uids):
 
 
 def forward(chunk, ids, pad):
-    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    device = next(chunk.parameters()).device
+    ids, pad = ids.to(device), pad.to(device)
+    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
     return chunk(ids, pos, None, padding_mask=pad if bool(pad.any()) else None)
 
 
 def loss_of(output, pad):
+    pad = pad.to(output.device)
     return output.float().square().mean(dim=-1).masked_fill(pad, 0.0).sum() / (~pad).sum()
 
 
