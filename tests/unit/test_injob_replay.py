@@ -284,7 +284,8 @@ def test_injob_stage_without_input_ids_refused(world):
     ids = random_sequences(vocab, [4], VOCAB_SEED + 6)[0][None]
     with torch.no_grad():
         forward(actor, ids, torch.zeros(1, 4, dtype=torch.bool))
-    hidden_SBH = torch.randn(4, 1, actor.config.hidden_size, dtype=next(actor.parameters()).dtype)
+    weight = next(actor.parameters())
+    hidden_SBH = torch.randn(4, 1, actor.config.hidden_size, dtype=weight.dtype).to(weight.device)
     with pytest.raises(RouteError, match=r"layer 0 rank 0: this model chunk's forward got no input_ids"):
         actor(None, None, None, decoder_input=hidden_SBH)
 
@@ -309,7 +310,7 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
 
     config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
                                moe_router_topk=2, use_cpu_initialization=True, moe_aux_loss_coeff=0.0)
-    router = TopKRouter(config, pg_collection=get_default_pg_collection())
+    router = TopKRouter(config, pg_collection=get_default_pg_collection()).cpu()  # CPU tensors below, any backend
     router.set_layer_number(1)
     chunk = torch.nn.ModuleList([router])
     g = torch.Generator().manual_seed(7)
