@@ -310,7 +310,8 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
 
     config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
                                moe_router_topk=2, use_cpu_initialization=True, moe_aux_loss_coeff=0.0)
-    router = TopKRouter(config, pg_collection=get_default_pg_collection()).cpu()  # CPU tensors below, any backend
+    device = "cuda" if os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu") == "cuda" else "cpu"
+    router = TopKRouter(config, pg_collection=get_default_pg_collection()).to(device)
     router.set_layer_number(1)
     chunk = torch.nn.ModuleList([router])
     g = torch.Generator().manual_seed(7)
@@ -322,17 +323,18 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
         cu_pad = torch.tensor([0] + [slot or len(seqs[u]) for u in order]).cumsum(0).int()
         n = int(cu_pad[-1])
         ids, h = torch.zeros(1, n, dtype=torch.long), torch.randn(n, 1, 16, generator=g)  # padding: any state
+        h = h.to(device)
         where = [None] * n
         for i, u in enumerate(order):
             at = int(cu_pad[i])
-            ids[0, at:at + len(seqs[u])], h[at:at + len(seqs[u]), 0] = seqs[u], hidden[u]
+            ids[0, at:at + len(seqs[u])], h[at:at + len(seqs[u]), 0] = seqs[u], hidden[u].to(device)
             where[at:at + len(seqs[u])] = [(u, p) for p in range(len(seqs[u]))]
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
                                  cu_seqlens_kv_padded=cu_pad)
-        fwd = injob.ChunkForward(chunk, (ids, None, None), {"packed_seq_params": packed})
+        fwd = injob.ChunkForward(chunk, (ids.to(device), None, None), {"packed_seq_params": packed})
         injob._CURRENT.append(fwd)
         try:
-            ids_TK = torch.topk(router(h)[1].int(), 2).indices.sort().values
+            ids_TK = torch.topk(router(h)[1].int(), 2).indices.sort().values.cpu()
         finally:
             injob._CURRENT.pop()
         if fwd.check is not None:
@@ -346,14 +348,14 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
             recorded, where, _ = packed_pass(["A", "B"], None)
         logp = {w: recorded[t] for t, w in enumerate(where)}
         with torch.no_grad():
-            router.weight.add_(torch.randn(router.weight.shape, generator=g) * 3)
+            router.weight.add_(torch.randn(router.weight.shape, generator=g).to(device) * 3)
         replayed, where, h = packed_pass(["B", "A"], 6)  # other order, padded slots, trailing padding none
         with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 6 \(sequence 1 of this forward, "
                                              r"position 0\) has no route"):
             packed_pass(["B", "C"], 6)
     finally:
         del rr._ACTIVE[id(router)]
-    native_TK = torch.topk(h.view(-1, 16) @ router.weight.t(), 2).indices.sort().values
+    native_TK = torch.topk(h.view(-1, 16) @ router.weight.t(), 2).indices.sort().values.cpu()
     real = [t for t, w in enumerate(where) if w is not None]
     assert len(real) == 8 and len(where) == 12
     assert all(torch.equal(replayed[t], logp[where[t]]) for t in real)
