@@ -21,6 +21,7 @@ import torch
 
 from moeverify.errors import RouteError
 from moeverify.patches import token_keys as tk
+from moeverify.patches.model_hooks import ModelInitHooks
 
 
 def fingerprints_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -51,30 +52,14 @@ class ChunkTokens:
 
     def __init__(self, on_forward: Callable):
         self._on_forward = on_forward
-        self._original = None
+        self._hooks = ModelInitHooks(self._pre_hook)
 
     def install(self) -> None:
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        if self._original is not None:
-            return
-        original = self._original = GPTModel.__init__
-        tokens = self
-
-        def __init__(model, *args, **kwargs):
-            original(model, *args, **kwargs)
-            model.register_forward_pre_hook(tokens._pre_hook, with_kwargs=True)
-
-        __init__.__wrapped__ = original
-        GPTModel.__init__ = __init__
+        self._hooks.install()
 
     def uninstall(self) -> None:
-        if self._original is not None:
-            from megatron.core.models.gpt.gpt_model import GPTModel
-
-            GPTModel.__init__ = self._original
-            self._original = None
-            self._on_forward = lambda chunk, fingerprints: None  # models built meanwhile keep their hook
+        self._hooks.uninstall()
+        self._on_forward = lambda chunk, fingerprints: None  # models built meanwhile keep their hook
 
     def _pre_hook(self, chunk, args, kwargs):
         if torch._C._current_graph_task_id() != -1:

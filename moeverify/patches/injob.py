@@ -37,6 +37,7 @@ import torch
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import regions, replay_state
 from moeverify.patches import token_keys as tk
+from moeverify.patches.model_hooks import ModelInitHooks
 from moeverify.patches.rollout_source import RolloutSource
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
@@ -195,33 +196,11 @@ def _chunk_post_hook(chunk, args, kwargs, output):
             fwd.check()
 
 
-class ChunkHooks:
+class ChunkHooks(ModelInitHooks):
     """Patches ``GPTModel.__init__`` so that every model built afterwards announces its forwards (reversible)."""
 
     def __init__(self):
-        self._original = None
-
-    def install(self) -> None:
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        if self._original is not None:
-            return
-        original = self._original = GPTModel.__init__
-
-        def __init__(model, *args, **kwargs):
-            original(model, *args, **kwargs)
-            model.register_forward_pre_hook(_chunk_pre_hook, with_kwargs=True)
-            model.register_forward_hook(_chunk_post_hook, with_kwargs=True, always_call=True)
-
-        __init__.__wrapped__ = original
-        GPTModel.__init__ = __init__
-
-    def uninstall(self) -> None:
-        if self._original is not None:
-            from megatron.core.models.gpt.gpt_model import GPTModel
-
-            GPTModel.__init__ = self._original
-            self._original = None
+        super().__init__(_chunk_pre_hook, _chunk_post_hook)
 
 
 def _routers_of(chunk) -> frozenset:
