@@ -324,3 +324,40 @@ def test_rollout_files_malformed_refused(tmp_path):
     mark_complete(tmp_path, step=99)
     with pytest.raises(RouteError, match=r"npz member 'extra.npy'.*object arrays are never unpickled"):
         Step(tmp_path, 99)
+
+
+def test_r3_grpo_shared_prompt_routed_differently_takes_the_first_route(world):
+    # GRPO: 3 responses of one prompt; the engine prefilled the prompt in different batches and routed its tokens
+    # differently for request 1 (batch-dependent numerics). Each copy of the prompt replays request 0's route (the
+    # first written); with MOEVERIFY_ROUTER_REPLAY_DUPLICATES=refuse the step is refused.
+    actor, engine, vocab, directory = world
+    prompt = random_sequences(vocab, [5], SEED + 8)[0]
+    responses = random_sequences(vocab, [3, 3, 3], SEED + 9)
+    sequences = [torch.cat([prompt, r]) for r in responses]
+    routes = engine_routes(engine, sequences)
+    routes[1][:5] = (routes[1][:5] + 1) % 8  # request 1's prompt rows: other (valid, distinct) experts
+    for step in (60, 61):  # the two serving steps hold the same requests
+        write_step(directory, step, sequences, routes)
+    spy = Spy(actor)
+    try:
+        ids, pad, where = batch_of(sequences, [2, 1, 0])
+        with torch.no_grad():
+            forward(actor, ids, pad)
+        calls = spy.take()
+    finally:
+        spy.close()
+    assert len(calls) == 4
+    for layer, ids_TK in calls:
+        for t, (u, p) in enumerate(where):
+            want = routes[0][p, layer] if p < 5 else routes[u][p, layer]  # the prompt: request 0's route
+            if p < len(sequences[u]) - 1:
+                assert torch.equal(ids_TK[t], want.sort().values), f"layer {layer} token {(u, p)}"
+    source = autopatch.session().state.source
+    source.duplicates, source._tables = "refuse", type(source._tables)()
+    try:
+        with pytest.raises(RouteError, match=r"position 0\) was recorded more than once with different expert sets "
+                                             r".*routed differently by the rollout routes of step\(s\) 61, 60"):
+            with torch.no_grad():
+                forward(actor, ids, pad)
+    finally:
+        source.duplicates, source._tables = "first", type(source._tables)()
