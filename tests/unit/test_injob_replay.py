@@ -362,3 +362,14 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
     assert sum(not torch.equal(native_TK[t], logp[where[t]]) for t in real) > 0  # replay did the work
     pads = [t for t, w in enumerate(where) if w is None]
     assert all(torch.equal(replayed[t], native_TK[t]) for t in pads)  # padding slots routed natively
+
+
+def test_injob_multi_turn_samples_share_their_earlier_turns(world):
+    # multi-turn RL: each turn of a conversation is a sample (turn 1, turns 1-2, turns 1-3: every earlier turn a
+    # prefix of the later samples) plus a second conversation; shuffled PPO mini-batches of 2
+    vocab = world[2]
+    turns = random_sequences(vocab, [4, 3, 5], VOCAB_SEED + 7)
+    other = random_sequences(vocab, [6], VOCAB_SEED + 8)[0]
+    sequences = [turns[0], torch.cat(turns[:2]), torch.cat(turns), other]
+    plan = verl_plan(list(range(4)), epochs=2, minibatches=2, ppo_micro=2, seed=9)
+    assert run_step(world, sequences, plan) == 2 * sum(len(s) for s in sequences) * 4
