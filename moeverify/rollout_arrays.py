@@ -194,10 +194,10 @@ def fill_pads(ids_TLK: torch.Tensor, pad_T: torch.Tensor, *, num_experts: int) -
 
 def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_experts: int):
     """``expert_map`` (a path, an ``ExpertMap``, or a parsed map: list, list of lists, layer-keyed dict,
-    array) read and checked by ``moeverify.record.expert_map``, the dump commands' one loader."""
+    array) read and checked by ``moeverify.expert_map``, the dump commands' one loader."""
     import os
 
-    from moeverify.record import expert_map as maps  # deferred: the record package pulls in safetensors
+    from moeverify import expert_map as maps  # deferred: numpy and json parsing, only with a map
 
     if isinstance(expert_map, maps.ExpertMap):
         emap = expert_map

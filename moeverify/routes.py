@@ -325,7 +325,7 @@ class Routes:
                 list form. Default: request ``i``'s ``lengths[i]`` rows, less the last when it is uncaptured in
                 every column (the missing last row, padded).
             expert_map: the engine records physical expert slots (an expert placement, EPLB): ``slot -> logical
-                id`` map, a ``.json``/``.npy`` path or its parsed form (or ``record.expert_map.ExpertMap``), the
+                id`` map, a ``.json``/``.npy`` path or its parsed form (or ``moeverify.expert_map.ExpertMap``), the
                 same format and checks as ``dump diff --expert-map-b``; ids are mapped before use.
 
         Engines return routes for prompt + response minus the final token (it is sampled, never fed

@@ -38,7 +38,7 @@ def cmd_convert(args) -> int:
         dump = record.load(src)
         routes_of = None
         if args.expert_map:
-            from moeverify.record import expert_map
+            from moeverify import expert_map
 
             emap = expert_map.load(args.expert_map, moe_layers=dump.model.moe_layers, num_layers=dump.model.num_layers,
                                    physical_experts=dump.model.num_experts, what=str(src))
@@ -229,7 +229,7 @@ def _moe_columns(args, named: dict, src: Path) -> dict:
 
 def _map_steps(args, steps: dict, src: Path) -> dict:
     """Converted routes (physical expert slots) as logical expert ids through ``--expert-map``."""
-    from moeverify.record import expert_map
+    from moeverify import expert_map
 
     out = {}
     for step, routes in steps.items():

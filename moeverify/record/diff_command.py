@@ -102,7 +102,8 @@ def _kind(path_text: str) -> str:
 
 def _mapped(args, a, b):
     """Both sides' layer sources with their expert maps applied and one expert count; the maps' JSON record."""
-    from moeverify.record import expert_map, stream
+    from moeverify import expert_map
+    from moeverify.record import stream
 
     sides = {}
     for name, side, flag, path in (("a", a, "--expert-map-a", args.expert_map_a),
@@ -222,7 +223,7 @@ def _diff_rollout(args) -> int:
     if dump.token_order(step) is None:
         raise UsageError(f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
                          "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=, order=)")
-    from moeverify.record import expert_map
+    from moeverify import expert_map
     from moeverify.record.order import Ordered
 
     info = dump.steps[step]

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from moeverify.record.expert_map import ExpertMap
+from moeverify.expert_map import ExpertMap
 from moeverify.record.layer_read import gather_rows
 from moeverify.record.reader import Dump
 from moeverify.routes import Routes

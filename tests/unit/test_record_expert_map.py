@@ -10,7 +10,7 @@ import torch
 
 from moeverify import record
 from moeverify.cli import main
-from moeverify.record import expert_map
+from moeverify import expert_map
 from moeverify.record.stream import MappedSource, RoutesSource, widen
 from moeverify.routes import Routes
 

@@ -445,7 +445,7 @@ def test_from_rollout_unmapped_physical_slots_refused_naming_the_map():
 
 
 def test_from_rollout_expert_map_checked_like_the_dump_commands():
-    from moeverify.record.expert_map import ExpertMapError
+    from moeverify.expert_map import ExpertMapError
 
     physical = _physical(requests([4], short=True, seed=9)[0], seed=2)
     with pytest.raises(ExpertMapError, match=r"maps onto 8 logical experts, num_experts is 16"):
