@@ -31,6 +31,7 @@ driver) calls ``complete(DIR, step=7)`` once all parts are written.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -170,14 +171,21 @@ def mark_complete(directory: Path | str, *, step: int) -> Path:
     return marker
 
 
-def complete_steps(directory: Path | str) -> list[int]:
-    """The steps of ``directory`` whose ``COMPLETE`` marker exists, ascending."""
-    root = Path(directory)
+def complete_steps(directory: Path | str, *, newest: int | None = None) -> list[int]:
+    """The steps of ``directory`` whose ``COMPLETE`` marker exists, ascending; with ``newest``, only the newest that
+    many (markers looked up from the highest step down: a few file checks however many steps the directory holds)."""
+    numbers = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            number = entry.name[len("step-"):]
+            if entry.name.startswith("step-") and number.isdigit():
+                numbers.append(int(number))
     steps = []
-    for entry in root.glob("step-*"):
-        number = entry.name[len("step-"):]
-        if number.isdigit() and (entry / MARKER).is_file():
-            steps.append(int(number))
+    for number in sorted(numbers, reverse=True):
+        if (step_dir(directory, number) / MARKER).is_file():
+            steps.append(number)
+            if newest is not None and len(steps) == newest:
+                break
     return sorted(steps)
 
 

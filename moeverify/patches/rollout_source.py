@@ -184,7 +184,7 @@ class RolloutSource:
         """Look at the directory again; newer complete steps replace the tables."""
         if not self.directory.is_dir():
             raise UsageError(f"r3: {self.directory} is not a directory (RolloutWriter's output)")
-        newest = tuple(reversed(rw.complete_steps(self.directory)[-KEEP:]))
+        newest = tuple(reversed(rw.complete_steps(self.directory, newest=KEEP)))
         if newest != self.steps:
             self.steps = newest
             self._loaded = {s: self._loaded[s] for s in newest if s in self._loaded}
@@ -201,6 +201,14 @@ class RolloutSource:
                              "rollout_writer.mark_complete())")
         model_layers = list(layer_numbering.moe_layers(num_layers=config.num_layers,
                                                        moe_layer_freq=config.moe_layer_freq))
+        for step in self.steps:
+            if step not in self._loaded:
+                self._loaded[step] = Step(self.directory, step)
+            topk = int(self._loaded[step].parts[0]["routes"].shape[2])
+            if topk != config.moe_router_topk:
+                raise RouteError(f"rank {rank}: {self._loaded[step].where}: the rollout routes hold top-{topk} ids, "
+                                 f"the model routes top-{config.moe_router_topk} (moe_router_topk): another model's "
+                                 "routes?")
         device = next(chunk.parameters()).device
         steps = ", ".join(str(s) for s in self.steps)
         table = RouteTable(max_tokens=self.max_tokens, num_experts=config.num_moe_experts, duplicates=self.duplicates,

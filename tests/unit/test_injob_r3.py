@@ -361,3 +361,17 @@ def test_r3_grpo_shared_prompt_routed_differently_takes_the_first_route(world):
                 forward(actor, ids, pad)
     finally:
         source.duplicates, source._tables = "first", type(source._tables)()
+
+
+def test_r3_other_top_k_refused(world):
+    actor, engine, vocab, directory = world
+    seq = random_sequences(vocab, [5], SEED + 10)
+    routes = engine_routes(engine, seq)[0]
+    for step in (70, 71):
+        write_step(directory, step, seq, [torch.cat([routes, (routes[..., :1] + 2) % 8], dim=2)])  # top-3 ids
+    with pytest.raises(RouteError, match=r"step-71: the rollout routes hold top-3 ids, the model routes top-2 "
+                                         r"\(moe_router_topk\): another model's routes\?"):
+        with torch.no_grad():
+            forward(actor, seq[0][None], torch.zeros(1, 5, dtype=torch.bool))
+    for step in (72, 73):  # later tests start from well-formed steps
+        write_step(directory, step, seq, [routes])
