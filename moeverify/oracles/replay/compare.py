@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from moeverify.oracles.bits import bitwise_equal, differ
+from moeverify.oracles.replay.grad_print import GradPrint
 
 
 def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -49,6 +50,10 @@ def compare_maps(expected: Mapping, got: Mapping, *, what: str) -> tuple[int, li
             failures.append(f"{what} {key}: missing in the run under test")
         elif key not in expected:
             failures.append(f"{what} {key}: present only in the run under test")
+        elif isinstance(expected[key], GradPrint) or isinstance(got[key], GradPrint):
+            a, b = (v if isinstance(v, GradPrint) else GradPrint.of(v) for v in (expected[key], got[key]))
+            if not a.same(b):
+                failures.append(f"{what} {key}: {a.describe(b)}")
         elif not bitwise_equal(expected[key], got[key]):
             failures.append(f"{what} {key}: {describe_mismatch(expected[key], got[key])}")
     return len(keys), failures

@@ -26,6 +26,7 @@ import torch
 
 from moeverify import views
 from moeverify.layout import Layout
+from moeverify.oracles.replay import grad_print
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.patches.routers import find_routers
 from moeverify.routes import Routes
@@ -91,7 +92,7 @@ class PassResult:
     recompute: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]  # layer -> calls during backward, in order
     logits: dict[int, torch.Tensor]  # mb -> [B, S_local, V] (last stage only)
     seq_loss: dict[int, torch.Tensor]  # mb -> [B] token-CE sums per sequence over this rank's positions
-    grads: dict[str, torch.Tensor]  # "chunk.param" -> gradient (empty for forward-only passes)
+    grads: dict[str, torch.Tensor | grad_print.GradPrint]  # "chunk.param" -> gradient or, when large, its print
     routes: object = None  # Routes recorded by the implementation (record passes)
 
     def topk_ids(self, layer: int, mb: int) -> torch.Tensor:
@@ -156,7 +157,7 @@ def _grads(model_chunks: list) -> dict[str, torch.Tensor]:
             if g is None:
                 g = p.grad
             if g is not None:
-                out[f"{c}.{name}"] = g.detach().to("cpu", copy=True)
+                out[f"{c}.{name}"] = grad_print.keep(g)
     return out
 
 
