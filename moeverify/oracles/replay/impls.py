@@ -61,6 +61,10 @@ class ReplayImpl(abc.ABC):
     def bind(self, model_chunks: list) -> None:
         """Implemented by every adapter."""
 
+    def unbind(self) -> None:
+        """Drop every reference to the bound model, so that its memory is freed before the oracle builds the next
+        one (optional: an adapter that keeps the model only costs memory)."""
+
     @abc.abstractmethod
     def record(self) -> contextlib.AbstractContextManager:
         """Implemented by every adapter."""
@@ -116,6 +120,9 @@ class ActionReplay(ReplayImpl):
             any_router = next(iter(self._routers.values()))[1]
             self._num_experts = int(any_router.config.num_moe_experts)
             self._topk = int(any_router.topk)
+
+    def unbind(self) -> None:
+        self._routers, self._recorded, self._replaying = {}, {}, None
 
     def _chunk_routers(self, chunk: int) -> Iterator[tuple[int, torch.nn.Module]]:
         for layer, (c, router) in self._routers.items():
@@ -241,6 +248,9 @@ class MoeverifyReplay(ReplayImpl):
 
     def bind(self, model_chunks: list) -> None:
         self._session = self._rr.ReplaySession(model_chunks)
+
+    def unbind(self) -> None:
+        self._session = None
 
     def record(self):
         return self._session.record()

@@ -133,6 +133,15 @@ def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVarian
                  batches=batches, items=items)
 
 
+def release(impl) -> None:
+    """Free the model ``impl`` was bound to (and whatever the caller dropped) before the next build: ``unbind``, then
+    a collection (modules, hooks and probes hold each other in cycles that reference counting never frees)."""
+    import gc
+
+    impl.unbind()
+    gc.collect()
+
+
 def guarded(setup: Setup, tallies: dict[str, Tally], fn, *args):
     """``fn(*args)``; an exception raised on every rank fails the subchecks in ``tallies`` (those that
     depend on it) instead, and the oracle goes on.

@@ -73,8 +73,14 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
         st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
                    tallies["native_parity"], routes, replayed)
     dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
+    drifted = None
     if dependent:
-        st.guarded(setup, dependent, _drift_and_recompute, setup, tallies, chunks, routes, notes)
+        drifted = st.guarded(setup, dependent, _drift, setup, tallies, chunks, routes, notes)
+    del plain, logprob, replayed, chunks  # the subchecks below build models of their own: free this one first
+    st.release(impl)
+    if "recompute" in want and drifted is not None:
+        st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
+                   drifted)
     if "backward_order" in want:
         st.guarded(setup, {"backward_order": tallies["backward_order"]}, _backward_order, setup,
                    tallies["backward_order"], notes)
@@ -227,8 +233,9 @@ def _one_forward(chunks: list, item, *, impl: ReplayImpl, routes) -> tuple[set, 
     return set(probe.forward), None
 
 
-def _drift_and_recompute(setup: st.Setup, tallies: dict[str, Tally], chunks: list, routes, notes: dict) -> None:
-    """Perturb the router weights of ``chunks``; drift on them, then recompute on fresh perturbed builds."""
+def _drift(setup: st.Setup, tallies: dict[str, Tally], chunks: list, routes, notes: dict):
+    """Perturb the router weights of ``chunks`` and replay on them (drift); returns that pass, the reference of the
+    recompute subcheck (run on fresh perturbed builds)."""
     p, seq, impl = setup.prefix, setup.batches.seq_len, setup.impl
     st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
     native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
@@ -239,9 +246,7 @@ def _drift_and_recompute(setup: st.Setup, tallies: dict[str, Tally], chunks: lis
         rc.check_drift_moved(t, counts, prefix=p, stage_layers=setup.stage_moe_layers())
         rc.check_follows(t, routes, drifted, prefix=p, what="recorded", stage_layers=setup.stage_moe_layers())
         notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
-    if "recompute" in tallies:
-        st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
-                   drifted)
+    return drifted
 
 
 def _native_parity(setup: st.Setup, t: Tally, routes, replayed) -> None:
@@ -250,6 +255,8 @@ def _native_parity(setup: st.Setup, t: Tally, routes, replayed) -> None:
         chunks = st.build(setup, setup.layout, overrides=native_impl.overrides())
         native_impl.bind(chunks)
         native = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl, routes=routes)
+        del chunks
+        st.release(native_impl)
     rc.compare_passes(t, native, replayed, prefix=setup.prefix + "vs native RouterReplay: ")
 
 
@@ -284,3 +291,5 @@ def _recompute(setup: st.Setup, t: Tally, routes, drifted) -> None:
         for msg in setup.impl.check_consumed(recompute=True):
             t.fail(p + msg)
         rc.compare_passes(t, drifted, got, prefix=p + "vs no-recompute replay: ")
+        del chunks, got
+        st.release(setup.impl)
