@@ -9,16 +9,13 @@ actually used, and gradients are compared bitwise with the session API given the
 
 from __future__ import annotations
 
-import gc
-import os
 
 import numpy as np
 import pytest
 import torch
-from test_injob_replay import Spy, batch_of, forward, ppo_update, random_sequences, backend_of_tests, verl_plan
+from test_injob_replay import Spy, batch_of, forward, installed_world, ppo_update, random_sequences, verl_plan
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.layout import Layout
 from moeverify.patches import autopatch
 from moeverify.patches import router_replay as rr
 from moeverify.rollout_writer import RolloutWriter, complete_steps, mark_complete
@@ -28,34 +25,9 @@ SEED = 23
 
 def r3_world(tmp_path_factory, family: str, overrides: dict | None = None):
     """An actor bound to r3 on a fresh directory, and an engine model of other weights routing natively."""
-    from moeverify import models, runtime
-
     directory = tmp_path_factory.mktemp("rollout")
-    runtime.init(backend_of_tests())
-    with runtime.parallel(Layout(), seed=0):
-        gc.collect()  # models are numbered over live routers: earlier modules' models must be gone
-        saved = {k: os.environ.get(k) for k in (autopatch.ENV, autopatch.MODEL_ENV)}
-        os.environ[autopatch.ENV] = f"r3:{directory}"
-        os.environ[autopatch.MODEL_ENV] = str(len(autopatch._ORDER.models()))  # the actor: built next
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        try:
-            autopatch.install_from_env()
-            actor = models.build(family, Layout(), seed=0, overrides=overrides)
-            engine = models.build(family, Layout(), seed=1, overrides=overrides)
-            for chunk in actor.model_chunks + engine.model_chunks:
-                chunk.train()
-            yield actor.model_chunks[0], engine.model_chunks[0], actor.config.vocab_size, directory
-        finally:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
-            autopatch.uninstall()
-            rr.revert()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    for actor, engine, vocab in installed_world(f"r3:{directory}", family, overrides):
+        yield actor, engine, vocab, directory
 
 
 @pytest.fixture(scope="module")

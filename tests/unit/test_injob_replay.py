@@ -32,26 +32,28 @@ def backend_of_tests() -> str:
     return backend
 
 
-@pytest.fixture(scope="module")
-def world():
+def installed_world(setting: str, family: str = "qwen3_moe", overrides: dict | None = None):
+    """Autopatch installed from the environment (``MOEVERIFY_ROUTER_REPLAY=setting``) as the entry point does,
+    then two models built: the actor (bound) and a second one of other weights (the reference or the engine,
+    routing natively). Yields (actor chunk, second chunk, vocab size)."""
     from moeverify import models, runtime
 
     runtime.init(backend_of_tests())
     with runtime.parallel(Layout(), seed=0):
         gc.collect()  # models are numbered over live routers: earlier modules' models must be gone
         saved = {k: os.environ.get(k) for k in (autopatch.ENV, autopatch.MODEL_ENV)}
-        os.environ[autopatch.ENV] = "r2"
+        os.environ[autopatch.ENV] = setting
         os.environ[autopatch.MODEL_ENV] = str(len(autopatch._ORDER.models()))  # the actor: built next
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         try:
             autopatch.install_from_env()
-            actor = models.build("qwen3_moe", Layout(), seed=0)
-            reference = models.build("qwen3_moe", Layout(), seed=1)
-            for chunk in actor.model_chunks + reference.model_chunks:
+            actor = models.build(family, Layout(), seed=0, overrides=overrides)
+            second = models.build(family, Layout(), seed=1, overrides=overrides)
+            for chunk in actor.model_chunks + second.model_chunks:
                 chunk.train()
-            yield actor.model_chunks[0], reference.model_chunks[0], actor.config.vocab_size
+            yield actor.model_chunks[0], second.model_chunks[0], actor.config.vocab_size
         finally:
             MoEAuxLossAutoScaler.main_loss_backward_scale = scale
             autopatch.uninstall()
@@ -61,6 +63,11 @@ def world():
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def world():
+    yield from installed_world("r2")
 
 
 class Spy:

@@ -20,23 +20,13 @@ import sys
 
 import torch
 from common import RouteLog, perturb_routers, routers_of, set_full_recompute, write_json
-from injob_verl_job import LENGTHS, plan_of
+from injob_verl_job import LENGTHS, batch_of, plan_of
 
 from moeverify import models, runtime
 from moeverify.layout import Layout
 from moeverify.rollout_writer import RolloutWriter
 
 LAYOUTS = {"tp2sp": Layout(tp=2, sp=True), "ep2": Layout(ep=2)}
-
-
-def batch_of(sequences, uids):
-    width = max(len(sequences[u]) for u in uids)
-    width += width % 2  # sequence parallel splits the sequence over 2 TP ranks
-    ids = torch.zeros(len(uids), width, dtype=torch.long)
-    pad = torch.ones(len(uids), width, dtype=torch.bool)
-    for b, u in enumerate(uids):
-        ids[b, :len(sequences[u])], pad[b, :len(sequences[u])] = sequences[u], False
-    return ids, pad
 
 
 def local_tokens(sequences, uids, *, tp_rank, parts):
