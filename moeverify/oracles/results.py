@@ -1,7 +1,9 @@
 """Result records shared by every check (DESIGN.md, Results).
 
 A record is ``{"scenario", "check", "passed", "seconds", "subchecks": {NAME: {"passed", "checked",
-"failures"}}}``. A subcheck that checked zero items fails: an oracle that looked at nothing proves nothing.
+"failures"}}}``. A subcheck that checked zero items fails: an oracle that looked at nothing proves nothing,
+unless the oracle found it not applicable to the model: then its entry also carries ``"not_applicable": REASON``
+(``checked`` 0, no failures), and the record passes only if some other subcheck checked items.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ class Tally:
     checked: int = 0
     failures: list[str] = dataclasses.field(default_factory=list)
     dropped: int = 0
+    not_applicable: str | None = None  # why the subcheck does not apply to this model (it then checks nothing)
+
+    def skip(self, reason: str) -> None:
+        """Mark the subcheck not applicable; one that already counted items cannot be."""
+        if self.checked:
+            raise RuntimeError(f"a subcheck that checked {self.checked} item(s) cannot be not applicable: {reason}")
+        self.not_applicable = reason
 
     def ok(self, n: int = 1) -> None:
         self.checked += n
@@ -39,9 +48,13 @@ class Tally:
 
     @property
     def passed(self) -> bool:
+        if self.not_applicable is not None:
+            return self.checked == 0
         return self.checked > 0 and not self.failures
 
     def as_dict(self) -> dict:
+        if self.not_applicable is not None and self.checked == 0:
+            return {"passed": True, "checked": 0, "failures": [], "not_applicable": self.not_applicable}
         failures = list(self.failures)
         if self.checked == 0:
             failures.append("checked 0 items: an oracle that checked nothing fails")
@@ -62,7 +75,8 @@ class CheckRecord:
 
     @property
     def passed(self) -> bool:
-        return self.error is None and bool(self.subchecks) and all(s["passed"] for s in self.subchecks.values())
+        ran = [s for s in self.subchecks.values() if "not_applicable" not in s]
+        return self.error is None and bool(ran) and all(s["passed"] for s in self.subchecks.values())
 
     @classmethod
     def from_tallies(cls, *, scenario: str, check: str, seconds: float, tallies: dict[str, Tally]) -> CheckRecord:

@@ -56,3 +56,12 @@ def test_token_counts_mutant_counts_padding_fails_only_token_counts():
     sc.variant_on_layout(make_setup("moeverify.oracles.replay.faulty:counts_padding", subchecks=("equivalence",)),
                          tallies, {})
     assert tallies["equivalence"].passed, tallies["equivalence"].failures
+
+
+def test_token_counts_not_applicable_on_deepseek_v2_with_reason():
+    """DeepSeek-V2's tiny model: no expert bias, no aux loss, no z-loss: reported not applicable, not failed."""
+    t, notes = run_token_counts(make_setup("moeverify", family="deepseek_v2"))
+    assert t.checked == 0 and not t.failures
+    assert "no expert bias" in t.not_applicable and "moe_aux_loss_coeff" in t.not_applicable, t.not_applicable
+    assert t.as_dict() == {"passed": True, "checked": 0, "failures": [], "not_applicable": t.not_applicable}
+    assert notes["token_counts"].startswith("not applicable: ")

@@ -39,6 +39,7 @@ backward, replay) second. Per router variant (``variants``):
   z losses, ``global_aux_loss`` token totals) after a replayed training pass, with a padding mask, in router
   calls of T == E and T != E tokens: equal bit for bit to native routing's, padding left out per token
   (``token_counts``; none of these reach the pass's outputs or gradients, so equivalence cannot see them).
+  Not applicable (reported so, with the reason) to a model with no expert bias, no aux loss and no z-loss.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ SUBCHECKS = st.SUBCHECKS
 
 def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Tally]:
     """Rank 0 gets every rank's counts and failures (prefixed with the rank)."""
-    mine = {name: (t.checked, [f"{label}: {m}" for m in t.failures], t.dropped) for name, t in tallies.items()}
+    mine = {name: (t.checked, [f"{label}: {m}" for m in t.failures], t.dropped, t.not_applicable)
+            for name, t in tallies.items()}
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         everyone = [mine]
     else:
@@ -71,7 +73,9 @@ def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Ta
     for name in tallies:
         t = Tally()
         for per_rank in everyone:
-            checked, failures, dropped = per_rank[name]
+            checked, failures, dropped, not_applicable = per_rank[name]
+            if not_applicable is not None and t.not_applicable is None:
+                t.not_applicable = not_applicable
             t.checked += checked - len(failures)
             for msg in failures:
                 t.fail(msg)
@@ -124,7 +128,7 @@ def run(ctx) -> dict[str, Tally]:
 def _report(ctx, opts: st.ReplayOptions, coords: views.RankCoords, tallies: dict, notes: dict,
             skipped: dict[str, str]) -> dict[str, Tally]:
     total = {name: Tally() for name in opts.subchecks}
-    per_variant = {}
+    per_variant, reasons = {}, {}
     for variant, per_check in tallies.items():
         merged = _gather(per_check, rank=ctx.rank, label=coords.label())
         for name, t in merged.items():
@@ -132,7 +136,12 @@ def _report(ctx, opts: st.ReplayOptions, coords: views.RankCoords, tallies: dict
             for msg in t.failures:
                 total[name].fail(msg)
             total[name].dropped += t.dropped
+            if t.not_applicable is not None:
+                reasons.setdefault(name, []).append(f"[{variant}] {t.not_applicable}")
         per_variant[variant] = {"subchecks": {n: t.as_dict() for n, t in merged.items()}, "notes": notes[variant]}
+    for name, why in reasons.items():  # not applicable to any variant: reported so, with the reasons
+        if total[name].checked == 0 and len(why) == len(tallies):
+            total[name].skip("; ".join(why))
     if ctx.rank == 0 and opts.notes_path:
         with open(opts.notes_path, "w") as f:
             json.dump({"scenario": ctx.scenario.name, "impl": opts.impl, "variants": per_variant,

@@ -50,8 +50,32 @@ class Observed:
     global_counts: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (global_tokens_per_expert, ga_steps)
 
 
+def not_applicable(*, expert_bias: bool, config) -> str | None:
+    """Why the subcheck has nothing to compare on a model, or None when it has something.
+
+    Args:
+        expert_bias: the model has an expert bias (``ModelTraits.expert_bias``).
+        config: the built model's ``TransformerConfig`` (its router variant applied): whether the bias is
+            enabled there, and its aux-loss (``moe_aux_loss_coeff``, a float or one per loss type) and z-loss
+            (``moe_z_loss_coeff``) coefficients.
+    """
+    bias = expert_bias and bool(getattr(config, "moe_router_enable_expert_bias", False))
+    aux = getattr(config, "moe_aux_loss_coeff", 0.0)
+    aux = any(float(c) > 0 for c in aux) if isinstance(aux, (list, tuple)) else float(aux or 0.0) > 0
+    z_loss = float(getattr(config, "moe_z_loss_coeff", None) or 0.0) > 0
+    if bias or aux or z_loss:
+        return None
+    return ("the model has no expert bias (traits.expert_bias "
+            f"{expert_bias}, moe_router_enable_expert_bias {getattr(config, 'moe_router_enable_expert_bias', None)}), "
+            f"no aux loss (moe_aux_loss_coeff {getattr(config, 'moe_aux_loss_coeff', None)!r}) and no z-loss "
+            f"(moe_z_loss_coeff {getattr(config, 'moe_z_loss_coeff', None)!r}): no token count or loss to compare")
+
+
 def run(setup: st.Setup, t: Tally, notes: dict) -> None:
-    """Both cases on a nested 1-rank layout; fills ``t``."""
+    """Both cases on a nested 1-rank layout; fills ``t``, or marks it not applicable (``not_applicable``)."""
+    from moeverify.models import family_traits
+
+    expert_bias = family_traits(setup.ctx.scenario.family).expert_bias
     one = Layout()
     with runtime.parallel(one, seed=setup.ctx.scenario.seed):
         for case, (seq, batch) in _cases(setup).items():
@@ -59,7 +83,11 @@ def run(setup: st.Setup, t: Tally, notes: dict) -> None:
             items = _padded_items(setup, one, seq_len=seq, batch=batch)
             notes.setdefault("token_counts_cases", []).append(f"{case}: S={seq} B={batch}")
             try:  # every rank runs the same computation (dp = world), so a failure here is every rank's
-                _one_case(setup, t, items, seq_len=seq, prefix=prefix)
+                _one_case(setup, t, items, seq_len=seq, prefix=prefix, expert_bias=expert_bias)
+            except _NotApplicable as why:  # decided on the first case's reference build, before any pass
+                t.skip(str(why))
+                notes["token_counts"] = f"not applicable: {why}"
+                return
             except Exception as error:  # noqa: BLE001 - an implementation crashing on a case fails that case
                 t.fail(f"{prefix}{type(error).__name__}: {str(error)[:300]}")
 
@@ -88,10 +116,16 @@ def _padded_items(setup: st.Setup, layout: Layout, *, seq_len: int, batch: int) 
             for item in rd.local_microbatches(glob, layout, dp_rank=0, cp_rank=0)]
 
 
-def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: str) -> None:
+class _NotApplicable(Exception):
+    """The built model has nothing for the subcheck to compare (``not_applicable``)."""
+
+
+def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: str, expert_bias: bool) -> None:
     one, impl = Layout(), setup.impl
     with pristine():
         chunks = st.build(setup, one, overrides={})
+        if (why := not_applicable(expert_bias=expert_bias, config=chunks[0].config)) is not None:
+            raise _NotApplicable(why)
         with _count_off(chunks):
             reference = _observe(chunks, lambda: rd.run_pass(chunks, items, seq_len=seq_len, forward_only=False))
     chunks = st.build(setup, one, overrides=impl.overrides())

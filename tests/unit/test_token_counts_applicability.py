@@ -1,0 +1,62 @@
+"""When the replay subcheck ``token_counts`` applies (expert bias, aux loss or z-loss), and how a subcheck that does
+not apply is reported: with its reason, never failed, never counted as the only thing a check passed on."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from moeverify.oracles.replay.token_counts import not_applicable
+from moeverify.oracles.results import CheckRecord, Tally
+
+
+def config(*, bias=False, aux=0.0, z=None):
+    """The attributes of a megatron ``TransformerConfig`` the decision reads."""
+    return types.SimpleNamespace(moe_router_enable_expert_bias=bias, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+
+
+@pytest.mark.parametrize("traits_bias, cfg", [
+    (True, config(bias=True)),                  # expert bias alone (DeepSeek-V3's aux-loss-free routing)
+    (False, config(aux=0.001)),                 # aux loss alone
+    (False, config(aux=[0.0, 0.01])),           # one of several aux-loss types
+    (False, config(z=1e-3)),                    # z-loss alone
+])
+def test_token_counts_applies_with_any_of_bias_aux_z(traits_bias, cfg):
+    assert not_applicable(expert_bias=traits_bias, config=cfg) is None
+
+
+@pytest.mark.parametrize("traits_bias, cfg", [
+    (False, config()),                          # DeepSeek-V2's tiny model
+    (False, config(aux=[0.0, 0.0], z=0.0)),
+    (True, config(bias=False)),                 # a router variant that switched the model's bias off
+    (False, config(bias=True)),                 # the traits say the checkpoint has no bias to count with
+])
+def test_token_counts_not_applicable_names_what_is_missing(traits_bias, cfg):
+    why = not_applicable(expert_bias=traits_bias, config=cfg)
+    assert "no expert bias" in why and "no aux loss (moe_aux_loss_coeff" in why and "no z-loss" in why
+
+
+def test_not_applicable_subcheck_reported_with_reason_and_not_counted_as_a_pass():
+    na = Tally()
+    na.skip("no expert bias")
+    assert na.passed and na.as_dict()["not_applicable"] == "no expert bias"
+    empty = Tally()
+    assert not empty.passed and empty.as_dict()["failures"]  # checked 0 without a reason still fails
+    alone = CheckRecord.from_tallies(scenario="s", check="replay", seconds=0.0, tallies={"token_counts": na})
+    assert not alone.passed  # a check where nothing applied proves nothing
+    ok = Tally()
+    ok.ok()
+    both = CheckRecord.from_tallies(scenario="s", check="replay", seconds=0.0, tallies={"token_counts": na, "x": ok})
+    assert both.passed
+    bad = Tally()
+    bad.fail("wrong")
+    assert not CheckRecord.from_tallies(scenario="s", check="replay", seconds=0.0,
+                                        tallies={"token_counts": na, "x": bad}).passed
+
+
+def test_a_subcheck_that_counted_items_cannot_be_marked_not_applicable():
+    t = Tally()
+    t.ok()
+    with pytest.raises(RuntimeError, match="checked 1 item"):
+        t.skip("late")
