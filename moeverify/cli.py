@@ -14,12 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from moeverify import doctor
+from moeverify import doctor, timeouts
 from moeverify.errors import UsageError
 
 DEFAULT_SCENARIOS = "scenarios/smoke.yaml"
 RELEASE_SCENARIOS = "scenarios/release.yaml"
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = timeouts.SCENARIO_S  # public name of timeouts.SCENARIO_S
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 REPO_ROOT = Path(__file__).resolve().parents[1]

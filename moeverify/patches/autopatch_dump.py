@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moeverify import timeouts
 from moeverify.views import job_layout
 
 if TYPE_CHECKING:  # annotations only
     from moeverify.layout import Layout
     from moeverify.views import RankCoords
 
-COLLECTIVE_TIMEOUT_S = 600
 
 
 class JobDump:
@@ -45,7 +45,7 @@ class JobDump:
         if dist is None or dist.get_world_size() == 1:
             return None
         if self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.DUMP_COLLECTIVE_S))
         return self._group
 
     def _all_max(self, values: list[int]) -> list[int]:

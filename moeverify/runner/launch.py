@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import moeverify
+from moeverify import timeouts
 from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord
 from moeverify.runner import interrupts, nodes
@@ -27,9 +28,8 @@ from moeverify.runner.diagnose import Crash, diagnose
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
 from moeverify.runner.report import Result
-from moeverify.runner.worker import STARTUP_TIMEOUT_S
 
-STARTUP_SLACK_S = STARTUP_TIMEOUT_S + 60.0  # past the ranks' own start-up watchdog: theirs fires first
+STARTUP_SLACK_S = timeouts.STARTUP_SLACK_S  # past the ranks' own start-up watchdog: theirs fires first
 GRACE_S = 60.0  # after --timeout, before the parent kills a group whose ranks' watchdogs did not fire
 POLL_S = 0.5
 

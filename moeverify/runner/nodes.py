@@ -34,12 +34,11 @@ from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
+from moeverify import timeouts
 from moeverify.errors import UsageError
 
 BEAT_S = 1.0
 DEAD_AFTER_S = 15.0
-JOIN_TIMEOUT_S = 300.0
-REPORT_TIMEOUT_S = 60.0
 MAX_FILE_BYTES = 1 << 20  # per rank file copied to node 0 (stacks, events)
 
 
@@ -124,7 +123,7 @@ def digest(plan_like: Mapping) -> str:
 class Control:
     """The control store shared by the nodes' ``moeverify run`` processes (node 0 hosts it)."""
 
-    def __init__(self, node: NodeSpec, *, loaded: str, timeout_s: float = JOIN_TIMEOUT_S):
+    def __init__(self, node: NodeSpec, *, loaded: str, timeout_s: float = timeouts.NODE_JOIN_S):
         from torch.distributed import TCPStore
 
         self.node = node
@@ -186,9 +185,9 @@ class Control:
         loaded = self.loaded
         for rank in range(1, self.node.nnodes):
             try:
-                joined = self.get(f"join/{rank}", timeout_s=JOIN_TIMEOUT_S)
+                joined = self.get(f"join/{rank}", timeout_s=timeouts.NODE_JOIN_S)
             except NodeLost:
-                raise UsageError(f"node {rank} did not join within {JOIN_TIMEOUT_S:.0f} s (is `moeverify run "
+                raise UsageError(f"node {rank} did not join within {timeouts.NODE_JOIN_S:.0f} s (is `moeverify run "
                                  f"--nnodes {self.node.nnodes} --node-rank {rank}` running, with "
                                  f"--rdzv-endpoint {self.node.host}:{self.node.port}?)") from None
             if joined["loaded"] != loaded:
@@ -203,7 +202,7 @@ class Control:
         missing = []
         for rank in range(1, self.node.nnodes):
             try:
-                report = self.get(f"report/{launch}/{rank}", timeout_s=REPORT_TIMEOUT_S, watch=rank)
+                report = self.get(f"report/{launch}/{rank}", timeout_s=timeouts.NODE_REPORT_S, watch=rank)
             except NodeLost as exc:
                 missing.append((rank, str(exc)))
                 continue

@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+from moeverify import timeouts
 from moeverify.oracles.context import CheckContext
 from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord, Tally
@@ -27,7 +28,6 @@ from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, append_line, events_path, results_path, stacks_path
 
 EXIT_RAISED = 3  # a check raised on this rank (a faulthandler timeout exits 1)
-STARTUP_TIMEOUT_S = 300.0  # imports and rendezvous: slow on loaded CI machines, whatever --timeout says
 
 
 def peak_rss_mb() -> float:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     die_with_parent(signal.SIGKILL)  # torchrun gone (killed with its parent): nothing to report to
     me = _Rank(plan_file.parent, rank, plan.timeout_s)
-    me.arm(max(plan.timeout_s, STARTUP_TIMEOUT_S))
+    me.arm(max(plan.timeout_s, timeouts.STARTUP_S))
     try:
         from moeverify import runtime
 

@@ -15,12 +15,13 @@ import socket
 
 import torch
 
+from moeverify import timeouts
 from moeverify.errors import UsageError
 from moeverify.runtime.bridge_import import import_bridge, real_te_available
 
 __all__ = ["Runtime", "init", "parallel", "import_bridge", "current", "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = int(os.environ.get("MOEVERIFY_COLLECTIVE_TIMEOUT_S", "300"))
+DEFAULT_TIMEOUT_S = timeouts.COLLECTIVE_S  # public name of timeouts.COLLECTIVE_S
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +53,7 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def init(backend: str = "auto", *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Runtime:
+def init(backend: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
     """Pick the backend, install CPU redirections if needed, and initialise torch.distributed (idempotent).
 
     Under torchrun the world comes from the environment; otherwise a 1-rank world is created.
@@ -125,7 +126,7 @@ def keep_group(group) -> None:
 
 
 @contextlib.contextmanager
-def parallel(layout, *, seed: int = 0, timeout_s: int = DEFAULT_TIMEOUT_S):
+def parallel(layout, *, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Initialise megatron parallel_state for ``layout`` (plus model-parallel RNG seeds).
 
     Nests: on exit the state is destroyed and, if an enclosing ``parallel()`` is active, its layout is

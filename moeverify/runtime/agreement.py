@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import os
 
 import torch.distributed as dist
 
+from moeverify import timeouts
 from moeverify.errors import EnvironmentProblem, RankDisagreement
 from moeverify.runtime import DEFAULT_TIMEOUT_S
 
-AGREE_TIMEOUT_S = float(os.environ.get("MOEVERIFY_AGREE_TIMEOUT_S", "60"))
+AGREE_TIMEOUT_S = timeouts.AGREE_S  # public name of timeouts.AGREE_S
 _steps = itertools.count()
 _OK = "ok"
 

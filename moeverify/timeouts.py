@@ -1,0 +1,80 @@
+"""Every timeout moeverify waits with, declared once: its meaning, how to override it, its default.
+
+Users read the values from here (``timeouts.COLLECTIVE_S``, ...); the modules that always exposed one keep
+their public name as an alias of this table's value (``runtime.DEFAULT_TIMEOUT_S``, ``cli.DEFAULT_TIMEOUT_S``,
+``runtime.agreement.AGREE_TIMEOUT_S``). An environment override is read once, at import; a value that is not a
+positive number of seconds is refused, naming the variable. ``markdown_table()`` renders the table in
+docs/design.md (a test checks the two agree). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from moeverify.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Timeout:
+    """One timeout: ``name`` (the attribute of this module), its ``default_s``, its ``env`` override (or the
+    command-line flag that sets it, ``flag``), what waits on it (``meaning``)."""
+
+    name: str
+    default_s: float
+    meaning: str
+    env: str | None = None
+    flag: str | None = None
+    derived: str | None = None  # how it follows from another entry (not overridable itself)
+
+    def seconds(self, environ=os.environ) -> float:
+        """The value: the environment override when set, else the default."""
+        raw = environ.get(self.env) if self.env else None
+        if raw is None or raw == "":
+            return self.default_s
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            raise UsageError(f"{self.env}={raw!r}: expected a positive number of seconds ({self.meaning})")
+        return value
+
+
+TABLE: tuple[Timeout, ...] = (
+    Timeout(name="SCENARIO_S", default_s=600.0, flag="--timeout",
+            meaning="per-scenario deadline on every rank: a rank past it writes every thread's stack and ends hard"),
+    Timeout(name="STARTUP_S", default_s=300.0, env="MOEVERIFY_STARTUP_TIMEOUT_S",
+            meaning="a rank's imports and rendezvous, before its first scenario (whatever --timeout says)"),
+    Timeout(name="STARTUP_SLACK_S", default_s=360.0, derived="STARTUP_S + 60",
+            meaning="the launcher's wait for ranks to start: past the ranks' own start-up watchdog, so theirs fires first"),
+    Timeout(name="COLLECTIVE_S", default_s=300.0, env="MOEVERIFY_COLLECTIVE_TIMEOUT_S",
+            meaning="process-group timeout of every collective a check runs (also export's lockstep_timeout default)"),
+    Timeout(name="AGREE_S", default_s=60.0, env="MOEVERIFY_AGREE_TIMEOUT_S",
+            meaning="a rank that raised waits this long for the others to report before ending the group"),
+    Timeout(name="NODE_JOIN_S", default_s=300.0, env="MOEVERIFY_NODE_JOIN_TIMEOUT_S",
+            meaning="multi-node run: node 0 waits this long for every node to join"),
+    Timeout(name="NODE_REPORT_S", default_s=60.0, env="MOEVERIFY_NODE_REPORT_TIMEOUT_S",
+            meaning="multi-node run: node 0 waits this long for a node's report once its launch ended"),
+    Timeout(name="DUMP_COLLECTIVE_S", default_s=600.0, env="MOEVERIFY_DUMP_COLLECTIVE_TIMEOUT_S",
+            meaning="autopatch recording: the dump's own gloo group (ranks settle each dump step on it)"),
+)
+_BY_NAME = {t.name: t for t in TABLE}
+
+SCENARIO_S = _BY_NAME["SCENARIO_S"].seconds()
+STARTUP_S = _BY_NAME["STARTUP_S"].seconds()
+STARTUP_SLACK_S = STARTUP_S + 60.0
+COLLECTIVE_S = _BY_NAME["COLLECTIVE_S"].seconds()
+AGREE_S = _BY_NAME["AGREE_S"].seconds()
+NODE_JOIN_S = _BY_NAME["NODE_JOIN_S"].seconds()
+NODE_REPORT_S = _BY_NAME["NODE_REPORT_S"].seconds()
+DUMP_COLLECTIVE_S = _BY_NAME["DUMP_COLLECTIVE_S"].seconds()
+
+
+def markdown_table() -> str:
+    """The table as docs/design.md shows it (between its ``timeouts`` markers)."""
+    lines = ["| timeout | default (s) | override | meaning |", "|---|---|---|---|"]
+    for t in TABLE:
+        override = f"`{t.env}`" if t.env else f"`{t.flag}`" if t.flag else f"= {t.derived}"
+        lines.append(f"| `timeouts.{t.name}` | {t.default_s:g} | {override} | {t.meaning} |")
+    return "\n".join(lines) + "\n"
