@@ -60,3 +60,40 @@ def test_a_subcheck_that_counted_items_cannot_be_marked_not_applicable():
     t.ok()
     with pytest.raises(RuntimeError, match="checked 1 item"):
         t.skip("late")
+
+
+def test_replay_report_marks_a_subcheck_not_applicable_only_where_no_variant_checked_it(tmp_path):
+    """The oracle's merge over router variants (1 rank): not applicable to every variant -> reported so, with each
+    variant's reason; applicable to one variant -> that variant's items count and no reason is shown."""
+    import json
+
+    from moeverify import views
+    from moeverify.layout import Layout
+    from moeverify.oracles.replay import oracle
+    from moeverify.oracles.replay import setup as st
+    from moeverify.oracles.replay.variants import VARIANTS
+
+    ctx = types.SimpleNamespace(rank=0, world_size=1, scenario=types.SimpleNamespace(name="s"))
+    opts = st.ReplayOptions(impl="moeverify", variants=(VARIANTS["default"],), subchecks=("token_counts", "weights"),
+                            notes_path=str(tmp_path / "notes.json"))
+    coords = views.rank_coords(Layout(), rank=0, world_size=1)
+
+    def tallies(*, checked_in_padding: bool):
+        out = {}
+        for variant in ("default", "padding"):
+            tc, w = Tally(), Tally()
+            w.ok(3)
+            if variant == "padding" and checked_in_padding:
+                tc.ok(4)
+            else:
+                tc.skip(f"no bias in {variant}")
+            out[variant] = {"token_counts": tc, "weights": w}
+        return out
+
+    total = oracle._report(ctx, opts, coords, tallies(checked_in_padding=False), {"default": {}, "padding": {}}, {})
+    assert total["token_counts"].as_dict() == {"passed": True, "checked": 0, "failures": [], "not_applicable":
+                                               "[default] no bias in default; [padding] no bias in padding"}
+    notes = json.loads((tmp_path / "notes.json").read_text())
+    assert notes["variants"]["default"]["subchecks"]["token_counts"]["not_applicable"] == "no bias in default"
+    total = oracle._report(ctx, opts, coords, tallies(checked_in_padding=True), {"default": {}, "padding": {}}, {})
+    assert total["token_counts"].as_dict() == {"passed": True, "checked": 4, "failures": []}
