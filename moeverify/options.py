@@ -25,7 +25,8 @@ SUBJECTS = {
     "verl": "moeverify.subjects.verl:verl",
 }
 REPLAY_IMPLS = ("moeverify", "native", "verl")
-RECEIVERS = {"fused": "moeverify.oracles.export.receiver:fused"}  # the export check's receiver subcheck
+RECEIVERS = {"fused": "moeverify.oracles.export.receiver:fused",
+             "transformers": "moeverify.oracles.export.receiver_transformers:transformers_receiver"}  # the export check's receiver subcheck
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -103,3 +103,37 @@ def test_bad_receiver_input_is_a_usage_error():
     with pytest.raises(UsageError, match="receiver 'nope'"):
         load_receiver("nope")
     assert isinstance(load_receiver("fused")(), FusedReceiver)
+
+
+def _tiny_hf(tmp_path, *, tied: bool):
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    return safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_receiver_round_trip(tmp_path, tied):
+    from moeverify.oracles.export.receiver_transformers import transformers_receiver
+
+    export = _tiny_hf(tmp_path, tied=tied)
+    assert ("lm_head.weight" in export) is not tied
+    held = transformers_receiver(hf_path=tmp_path).load(export.items())
+    assert tuple(held.tensors["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 16, 16)
+    tally = compare(held, export, Tally())
+    assert tally.passed and tally.checked >= len(export), tally.failures
+
+
+def test_transformers_receiver_catches_a_cast(tmp_path):
+    from moeverify.oracles.export.receiver_transformers import transformers_receiver
+
+    export = _tiny_hf(tmp_path, tied=False)
+    export["model.norm.weight"] = export["model.norm.weight"].float() + 2**-12  # bits bf16 cannot hold
+    failures = compare(transformers_receiver(hf_path=tmp_path).load(export.items()), export, Tally()).failures
+    assert failures == ["model.norm.weight(whole) = model.norm.weight: held (16,) torch.bfloat16 != reference (16,) "
+                        "torch.float32"]

@@ -222,7 +222,7 @@ def run_receiver(factory, sctx, *, reload: bool) -> dict[str, Tally]:
     def export():
         return {n: t for n, t in sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)}
 
-    receiver = factory(**sctx.options) if sctx.rank == 0 else None
+    receiver = factory(**{**sctx.options, "hf_path": sctx.hf_path}) if sctx.rank == 0 else None
     out = {"receiver": Tally()}
     reference = export()
     if receiver is not None:

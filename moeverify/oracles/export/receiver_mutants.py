@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moeverify.oracles.export.receiver import FusedReceiver
+from moeverify.oracles.export.receiver_transformers import transformers_receiver
 
 
 class _GateUpSwapped(FusedReceiver):
@@ -52,6 +53,7 @@ MUTANTS = {
     "load_dropped": (lambda **_: _LoadDropped(), "receiver"),
     "reload_keeps_old": (lambda **_: _ReloadKeepsOld(), "receiver_reload"),
 }
-CONTROLS = {"fused": lambda **_: FusedReceiver()}
+CONTROLS = {"fused": lambda **_: FusedReceiver(),
+            "transformers": lambda **kw: transformers_receiver(**kw)}
 
 __all__ = ["CONTROLS", "MUTANTS"]
