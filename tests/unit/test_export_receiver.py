@@ -137,3 +137,11 @@ def test_transformers_receiver_catches_a_cast(tmp_path):
     failures = compare(transformers_receiver(hf_path=tmp_path).load(export.items()), export, Tally()).failures
     assert failures == ["model.norm.weight(whole) = model.norm.weight: held (16,) torch.bfloat16 != reference (16,) "
                         "torch.float32"]
+
+
+def test_receiver_option_validates():
+    from moeverify import options
+
+    assert options.validate("s.yaml", "receiver", "transformers") == "transformers"
+    with pytest.raises(UsageError, match="option receiver: receiver 'vllm' is not fused, transformers, "):
+        options.validate("s.yaml", "receiver", "vllm")
