@@ -145,3 +145,14 @@ def test_receiver_option_validates():
     assert options.validate("s.yaml", "receiver", "transformers") == "transformers"
     with pytest.raises(UsageError, match="option receiver: receiver 'vllm' is not fused, transformers, "):
         options.validate("s.yaml", "receiver", "vllm")
+
+
+def test_a_receiver_that_cannot_load_is_refused_before_launch():
+    from moeverify.layout import Layout
+    from moeverify.runner.select import check_plugins
+    from moeverify.scenario import Scenario
+
+    s = Scenario(family="qwen3_moe", layout=Layout(ep=2), world_size=2, checks=("export",))
+    check_plugins([s], {"receiver": "fused"})
+    with pytest.raises(UsageError, match="receiver 'no_such_pkg.mod:factory': no module named 'no_such_pkg.mod'"):
+        check_plugins([s], {"receiver": "no_such_pkg.mod:factory"})
