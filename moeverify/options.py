@@ -25,6 +25,8 @@ SUBJECTS = {
     "verl": "moeverify.subjects.verl:verl",
 }
 REPLAY_IMPLS = ("moeverify", "native", "verl")
+RECEIVERS = {"fused": "moeverify.oracles.export.receiver:fused",
+             "transformers": "moeverify.oracles.export.receiver_transformers:transformers_receiver"}  # the export check's receiver subcheck
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,6 +123,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            help="rank 0 writes per-variant notes (drift agreement) to this JSON file"),
     Option(name="refresh", check="export", validate=_bool,
            help="export again after an optimizer-like update of every weight; subcheck refresh (default false)"),
+    Option(name="receiver", check="export", flag="--receiver", metavar="R", validate=_plugin(RECEIVERS, "receiver"),
+           help=f"load the export into a receiver ({', '.join(RECEIVERS)}, package.module:factory or "
+                "path/file.py:factory) and compare what it holds; subcheck receiver, and receiver_reload "
+                "with refresh (default: none)"),
 )}
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from moeverify import plugins
 from moeverify.errors import UsageError
-from moeverify.options import OPTIONS, REPLAY_IMPLS, SUBJECTS
+from moeverify.options import OPTIONS, RECEIVERS, REPLAY_IMPLS, SUBJECTS
 from moeverify.scenario import Scenario
 from moeverify.runner.report import Result
 from moeverify.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
@@ -50,8 +50,8 @@ def check_plugins(scenarios: Sequence[Scenario], options: dict) -> None:
     seen = set()
     for s in scenarios:
         merged = {**s.options, **{k: v for k, v in options.items() if v is not None}}
-        for key, what, builtins in (("subject", "subject", SUBJECTS), ("replay_impl", "replay implementation",
-                                                                       dict.fromkeys(REPLAY_IMPLS))):
+        for key, what, builtins in (("subject", "subject", SUBJECTS), ("receiver", "receiver", RECEIVERS),
+                                    ("replay_impl", "replay implementation", dict.fromkeys(REPLAY_IMPLS))):
             spec = merged.get(key)
             if spec is None or (key, spec) in seen or OPTIONS[key].check not in s.checks:
                 continue

@@ -28,6 +28,7 @@ def _args():
     p.add_argument("--only-mutant", action="append", default=[])
     p.add_argument("--lockstep-timeout", type=float, default=None)
     p.add_argument("--refresh", action="store_true")
+    p.add_argument("--receivers", action="store_true", help="the receiver controls and mutants, with a reload")
     return p.parse_args()
 
 
@@ -86,14 +87,37 @@ def main() -> int:
                 records.append({"scenario": f"{family}/{layout.name(rt.world_size)}", "subject": name,
                                 "passed": passed, "seconds": round(time.time() - t0, 2),
                                 "subchecks": subchecks, "error": error})
-                if rt.rank == 0:
-                    bad = [k for k, s in subchecks.items() if not s["passed"]]
-                    print(f"{records[-1]['scenario']} {name}: {'PASS' if passed else 'FAIL ' + ','.join(bad)}"
-                          f" ({records[-1]['seconds']}s)", flush=True)
+                _report(records, rt.rank)
+            if args.receivers:
+                _receivers(records, sctx, family=family, layout=layout, world_size=rt.world_size)
     if rt.rank == 0:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
     return 0
+
+
+def _report(records, rank):
+    if rank == 0:
+        r = records[-1]
+        bad = [k for k, s in r["subchecks"].items() if not s["passed"]]
+        print(f"{r['scenario']} {r['subject']}: {'PASS' if r['passed'] else 'FAIL ' + ','.join(bad)} ({r['seconds']}s)",
+              flush=True)
+
+
+def _receivers(records, sctx, *, family, layout, world_size):
+    """The receiver controls and mutants (``receiver_mutants``) on this scenario, each with a reload."""
+    from moeverify.oracles.export.receiver import run_receiver
+    from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS
+
+    named = [(f"receiver:{n}", f) for n, f in CONTROLS.items()] + [(f"receiver-mutant:{n}", f)
+                                                                    for n, (f, _) in MUTANTS.items()]
+    for name, factory in named:
+        t0 = time.time()
+        subchecks = {k: t.as_dict() for k, t in run_receiver(factory, sctx, reload=True).items()}
+        records.append({"scenario": f"{family}/{layout.name(world_size)}", "subject": name,
+                        "passed": all(s["passed"] for s in subchecks.values()), "seconds": round(time.time() - t0, 2),
+                        "subchecks": subchecks, "error": None})
+        _report(records, sctx.rank)
 
 
 if __name__ == "__main__":

@@ -78,13 +78,21 @@ def subject_context(ctx) -> SubjectContext:
 
 def run(ctx) -> dict[str, Tally]:
     """The ``export`` check: subject from ``ctx.options.get("subject", "sharded")``; with ``refresh`` set, a
-    second export after a weight update (``refresh.run_twice``)."""
+    second export after a weight update (``refresh.run_twice``); with ``receiver`` set, the ``receiver`` subcheck
+    (``receiver.run_receiver``)."""
     factory = load_subject(ctx.options.get("subject", "sharded"))
+    sctx = subject_context(ctx)
     if ctx.options.get("refresh"):
         from moeverify.oracles.export.refresh import run_twice
 
-        return run_twice(run_subject, factory, subject_context(ctx))
-    return run_subject(factory, subject_context(ctx))
+        tallies = run_twice(run_subject, factory, sctx)
+    else:
+        tallies = run_subject(factory, sctx)
+    if ctx.options.get("receiver"):
+        from moeverify.oracles.export.receiver import load_receiver, run_receiver
+
+        tallies |= run_receiver(load_receiver(ctx.options["receiver"]), sctx, reload=bool(ctx.options.get("refresh")))
+    return tallies
 
 
 def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, Tally]:

@@ -1,0 +1,158 @@
+"""The receiver subcheck's mapping and comparison on synthetic HF tensors; each receiver mutant is caught."""
+
+import pytest
+import torch
+
+from moeverify.errors import UsageError
+from moeverify.oracles.export.receiver import FusedReceiver, Held, Part, compare, fused_layout, load_receiver
+from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS
+from moeverify.oracles.results import Tally
+
+E, I, H = 3, 4, 6  # experts, expert intermediate, hidden
+
+
+def _export(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=g).to(dtype)
+
+    out = {"model.embed_tokens.weight": r(10, H), "model.norm.weight": r(H, dtype=torch.float32)}
+    pre = "model.layers.0"
+    out |= {f"{pre}.self_attn.q_proj.weight": r(8, H), f"{pre}.self_attn.k_proj.weight": r(4, H),
+            f"{pre}.self_attn.v_proj.weight": r(4, H), f"{pre}.mlp.gate.weight": r(E, H)}
+    for e in range(E):
+        out |= {f"{pre}.mlp.experts.{e}.gate_proj.weight": r(I, H), f"{pre}.mlp.experts.{e}.up_proj.weight": r(I, H),
+                f"{pre}.mlp.experts.{e}.down_proj.weight": r(H, I)}
+    out |= {f"{pre}.mlp.shared_expert.gate_proj.weight": r(I, H), f"{pre}.mlp.shared_expert.up_proj.weight": r(I, H)}
+    return out
+
+
+def test_fused_layout_names_and_shapes():
+    ref = _export()
+    held = FusedReceiver().load(ref.items())
+    t = held.tensors
+    assert tuple(t["model.layers.0.self_attn.qkv_proj.weight"].shape) == (16, H)
+    assert tuple(t["model.layers.0.mlp.experts.w13_weight"].shape) == (E, 2 * I, H)
+    assert tuple(t["model.layers.0.mlp.experts.w2_weight"].shape) == (E, H, I)
+    assert tuple(t["model.layers.0.mlp.shared_expert.gate_up_proj.weight"].shape) == (2 * I, H)
+    assert held.parts["model.layers.0.mlp.experts.w13_weight"][3] == Part(
+        hf_name="model.layers.0.mlp.experts.1.up_proj.weight", index=1, start=I, length=I)
+    assert torch.equal(t["model.layers.0.mlp.experts.w13_weight"][2, :I],
+                       ref["model.layers.0.mlp.experts.2.gate_proj.weight"])
+    assert t["model.norm.weight"].dtype == torch.float32
+
+
+def test_control_passes_and_reloads_into_same_buffers():
+    first, second = _export(0), _export(1)
+    receiver = CONTROLS["fused"]()
+    tally = compare(receiver.load(first.items()), first, Tally())
+    assert tally.passed and tally.checked == len(first)
+    before = receiver.tensors["model.layers.0.mlp.experts.w13_weight"]
+    again = compare(receiver.load(second.items()), second, Tally())
+    assert again.passed and receiver.tensors["model.layers.0.mlp.experts.w13_weight"] is before
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_each_mutant_caught_by_its_subcheck(name):
+    factory, subcheck = MUTANTS[name]
+    first, second = _export(0), _export(1)
+    receiver = factory()
+    tallies = {"receiver": compare(receiver.load(first.items()), first, Tally())}
+    tallies["receiver_reload"] = compare(receiver.load(second.items()), second, Tally(), when="after the weight sync: ")
+    assert not tallies[subcheck].passed, name
+    if subcheck == "receiver_reload":  # a fault of the weight sync alone: the first load is clean
+        assert tallies["receiver"].passed, tallies["receiver"].failures
+
+
+def test_failure_names_tensor_part_and_first_element():
+    ref = _export()
+    held = FusedReceiver().load(ref.items())
+    held.tensors["model.layers.0.mlp.experts.w13_weight"][1, I + 2, 3] += 1
+    tally = compare(held, ref, Tally())
+    assert tally.failures == [
+        "model.layers.0.mlp.experts.w13_weight[1].narrow(dim=0, 4, 4) = model.layers.0.mlp.experts.1.up_proj.weight: "
+        f"1 of {I * H} element(s) differ, first at [2, 3]: held "
+        f"{held.tensors['model.layers.0.mlp.experts.w13_weight'][1, I + 2, 3].item()!r}, reference "
+        f"{ref['model.layers.0.mlp.experts.1.up_proj.weight'][2, 3].item()!r}"]
+
+
+def test_dropped_extra_dtype_and_empty():
+    ref = _export()
+    held = FusedReceiver().load(ref.items())
+    fewer = Held(tensors=held.tensors, parts={k: v for k, v in held.parts.items() if k != "model.norm.weight"})
+    assert "dropped: 1 reference tensor(s) the receiver never loaded: ['model.norm.weight']" in \
+        compare(fewer, ref, Tally()).failures[0]
+    short = {k: v for k, v in ref.items() if k != "model.norm.weight"}
+    assert compare(held, short, Tally()).failures == ["model.norm.weight(whole) = model.norm.weight: the reference "
+                                                      "has no tensor 'model.norm.weight'"]
+    cast = Held(tensors={"n": ref["model.norm.weight"].bfloat16()}, parts={"n": (Part(hf_name="model.norm.weight"),)})
+    failures = compare(cast, {"model.norm.weight": ref["model.norm.weight"]}, Tally()).failures
+    assert failures == [f"n(whole) = model.norm.weight: held ({H},) torch.bfloat16 != reference ({H},) torch.float32"]
+    assert compare(Held(tensors={}, parts={}), {}, Tally()).failures == ["the receiver held no tensor: nothing compared"]
+
+
+def test_bad_receiver_input_is_a_usage_error():
+    with pytest.raises(UsageError, match="weight sync sent 'new.weight', which the first load did not"):
+        r = FusedReceiver()
+        r.load([("a.weight", torch.zeros(2))])
+        r.load([("new.weight", torch.zeros(2))])
+    with pytest.raises(UsageError, match="stacks unequal experts"):
+        fused_layout({"x.experts.0.down_proj.weight": ((2, 3), torch.float32),
+                      "x.experts.1.down_proj.weight": ((2, 4), torch.float32)})
+    with pytest.raises(UsageError, match="receiver 'nope'"):
+        load_receiver("nope")
+    assert isinstance(load_receiver("fused")(), FusedReceiver)
+
+
+def _tiny_hf(tmp_path, *, tied: bool):
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    return safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_receiver_round_trip(tmp_path, tied):
+    from moeverify.oracles.export.receiver_transformers import transformers_receiver
+
+    export = _tiny_hf(tmp_path, tied=tied)
+    assert ("lm_head.weight" in export) is not tied
+    held = transformers_receiver(hf_path=tmp_path).load(export.items())
+    assert tuple(held.tensors["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 16, 16)
+    tally = compare(held, export, Tally())
+    assert tally.passed and tally.checked >= len(export), tally.failures
+
+
+def test_transformers_receiver_catches_a_cast(tmp_path):
+    from moeverify.oracles.export.receiver_transformers import transformers_receiver
+
+    export = _tiny_hf(tmp_path, tied=False)
+    export["model.norm.weight"] = export["model.norm.weight"].float() + 2**-12  # bits bf16 cannot hold
+    failures = compare(transformers_receiver(hf_path=tmp_path).load(export.items()), export, Tally()).failures
+    assert failures == ["model.norm.weight(whole) = model.norm.weight: held (16,) torch.bfloat16 != reference (16,) "
+                        "torch.float32"]
+
+
+def test_receiver_option_validates():
+    from moeverify import options
+
+    assert options.validate("s.yaml", "receiver", "transformers") == "transformers"
+    with pytest.raises(UsageError, match="option receiver: receiver 'vllm' is not fused, transformers, "):
+        options.validate("s.yaml", "receiver", "vllm")
+
+
+def test_a_receiver_that_cannot_load_is_refused_before_launch():
+    from moeverify.layout import Layout
+    from moeverify.runner.select import check_plugins
+    from moeverify.scenario import Scenario
+
+    s = Scenario(family="qwen3_moe", layout=Layout(ep=2), world_size=2, checks=("export",))
+    check_plugins([s], {"receiver": "fused"})
+    with pytest.raises(UsageError, match="receiver 'no_such_pkg.mod:factory': no module named 'no_such_pkg.mod'"):
+        check_plugins([s], {"receiver": "no_such_pkg.mod:factory"})
