@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from moeverify import plugins
+from moeverify import plugins, timeouts
 from moeverify.oracles.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
@@ -217,7 +217,7 @@ def _lockstep(rows, error, *, sctx, group, tally: Tally) -> tuple[bool, bool]:
 
     import datetime
 
-    wait_s = float(sctx.options.get("lockstep_timeout", sctx.options.get("timeout", 300)))
+    wait_s = float(sctx.options.get("lockstep_timeout", sctx.options.get("timeout", timeouts.COLLECTIVE_S)))
     try:
         # names a rank that never arrives (stalled in its subject) instead of hanging on it
         dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=wait_s), wait_all_ranks=True)
