@@ -40,10 +40,11 @@ _WRAP = ("import json, resource, subprocess, sys, time\n"
 
 _IMPORT = "import torch, transformers, moeverify.models.families  # noqa\n"
 
-_CHECKPOINT = ("import json, sys\nfrom pathlib import Path\n"
-               "from moeverify.models import families\n"
-               "cfg = json.loads(Path(sys.argv[1]).read_text()); cfg['num_hidden_layers'] = int(sys.argv[2])\n"
-               "families._write_checkpoint(cfg, 0, Path(sys.argv[3]))\n")
+# The seeded checkpoint as a check's rank makes it (``hf_checkpoint``, into MOEVERIFY_CACHE_DIR): the checks
+# that follow find it cached, so their peaks are the bridge load, build and check alone.
+_CHECKPOINT = ("import sys\nfrom moeverify.models import families, user\n"
+               "key = user.register(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).key\n"
+               "print(families.hf_checkpoint(key, 0))\n")
 
 
 def _peak(cmd: list[str], *, env: dict | None = None, log: Path | None = None) -> dict:
@@ -67,8 +68,9 @@ def measure(model: Path, layers: list[int], checks: list[str], work: Path) -> di
     rows = [dict(phase="import", layers=0, **_peak([sys.executable, "-c", _IMPORT], env=env))]
     print(f"import only: peak {rows[0]['peak'] / 1e9:.2f} GB", flush=True)
     for n in layers:
-        ckpt = work / f"ckpt-{n}"
-        row = _peak([sys.executable, "-c", _CHECKPOINT, str(model), str(n), str(ckpt)], env=env)
+        before = set((work / "cache").glob("models/*"))
+        row = _peak([sys.executable, "-c", _CHECKPOINT, str(model), str(n)], env=env)
+        (ckpt,) = set((work / "cache").glob("models/*")) - before
         model_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         rows.append(dict(phase="checkpoint", layers=n, model_bytes=model_bytes, **row))
         print(f"{n} layers: model {model_bytes / 1e9:.3f} GB; checkpoint peak {row['peak'] / 1e9:.2f} GB "
