@@ -85,7 +85,16 @@ def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
     config.architectures = cfg["architectures"]
     model_cls = kimi.model_class(cfg["architectures"][0])
     torch.manual_seed(seed)
-    model = model_cls(config).to(_STORED_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.bfloat16))
+    dtype = _STORED_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.bfloat16)
+    # Built in the stored dtype, not in fp32 then cast: every saved tensor is overwritten by _seeded_weights, so
+    # the file is the same, without a transient fp32 copy of the whole model (2x its bytes; docs/memory.md).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to(dtype)
     _fp32_expert_bias(model)
     _seeded_weights(model, seed)
     model.save_pretrained(dst, safe_serialization=True)

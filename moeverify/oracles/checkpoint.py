@@ -46,3 +46,53 @@ def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:
             for name in names:
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
+
+
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+class TensorReader:
+    """One safetensors file read tensor by tensor with ``pread`` into fresh memory.
+
+    ``safe_open(...).get_tensor`` maps the file: every page read stays in the process's resident set while the
+    handle is open, so a check that reads a whole checkpoint through one handle holds an extra model's bytes of
+    RSS (docs/memory.md). A read here leaves only the returned tensor.
+    """
+
+    def __init__(self, path) -> None:
+        import os
+        import struct
+
+        self.path = str(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        self._header = json.loads(os.pread(self._fd, n, 8))
+        self._base = 8 + n
+
+    def get_tensor(self, name: str):
+        import os
+
+        import torch
+
+        entry = self._header[name]
+        begin, end = entry["data_offsets"]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise MoEVerifyError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']!r}; "
+                                 f"expected one of {sorted(_DTYPES)}")
+        buf = bytearray(end - begin)
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            chunk = os.preadv(self._fd, [view[got:]], self._base + begin + got)
+            if chunk == 0:
+                raise MoEVerifyError(f"{self.path}: tensor {name!r} ends past the end of the file")
+            got += chunk
+        torch_dtype = getattr(torch, dtype)
+        flat = torch.frombuffer(buf, dtype=torch_dtype) if buf else torch.empty(0, dtype=torch_dtype)
+        return flat.reshape(entry["shape"])
+
+    def close(self) -> None:
+        import os
+
+        os.close(self._fd)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeverify.oracles.bits import compare_bits
-from moeverify.oracles.checkpoint import tensor_files
+from moeverify.oracles.checkpoint import TensorReader, tensor_files
 from moeverify.oracles.results import Tally
 
 SHOW = 5  # names quoted per key_set failure
@@ -19,8 +19,6 @@ SUBCHECKS = ("bitwise", "key_set")
 
 
 def run(ctx) -> dict[str, Tally]:
-    from safetensors import safe_open
-
     built = ctx.model()
     tallies = {name: Tally() for name in SUBCHECKS}
     files = tensor_files(built.hf_path) if ctx.rank == 0 else {}
@@ -34,11 +32,13 @@ def run(ctx) -> dict[str, Tally]:
             if name not in files:
                 continue  # reported by key_set
             if files[name] not in handles:
-                handles[files[name]] = safe_open(str(files[name]), "pt")
+                handles[files[name]] = TensorReader(files[name])  # not mmap: pages read stay out of RSS
             expected = handles[files[name]].get_tensor(name)
             message = compare_bits(name, expected, tensor)
             tallies["bitwise"].check(message is None, message or "")
     finally:
+        for handle in handles.values():
+            handle.close()
         handles.clear()
     if ctx.rank == 0:
         _key_set(tallies["key_set"], exported=exported, source=list(files))

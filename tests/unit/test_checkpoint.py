@@ -28,3 +28,32 @@ def test_tensor_files_index_weight_map_decides(tmp_path):
 def test_tensor_files_empty_directory_refused(tmp_path):
     with pytest.raises(MoEVerifyError, match="no model.safetensors.index.json and no \\*.safetensors file"):
         tensor_files(tmp_path)
+
+
+def test_tensor_reader_reads_every_tensor_bitwise_as_safe_open_does(tmp_path):
+    from safetensors import safe_open
+
+    from moeverify.oracles.checkpoint import TensorReader
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=gen).to(torch.bfloat16), "b": torch.randn(7, generator=gen),
+               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "empty": torch.zeros(0, 4, dtype=torch.float16)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    reader = TensorReader(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            for name in tensors:
+                got, want = reader.get_tensor(name), f.get_tensor(name)
+                assert got.dtype == want.dtype and got.shape == want.shape, name
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    finally:
+        reader.close()
+    path.write_bytes(path.read_bytes()[:-8])  # the last tensor's bytes cut short
+    reader = TensorReader(path)
+    try:
+        last = max(tensors, key=lambda n: reader._header[n]["data_offsets"][1] if n in reader._header else -1)
+        with pytest.raises(MoEVerifyError, match=f"{last!r} ends past the end of the file"):
+            reader.get_tensor(last)
+    finally:
+        reader.close()

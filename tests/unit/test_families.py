@@ -62,3 +62,25 @@ def test_family_shape_marks_dense_and_moe_layers():
 def test_hf_checkpoint_unknown_family_names_known_ones():
     with pytest.raises(UsageError, match=r"unknown model family 'llama'; known families: qwen2, qwen2_tied"):
         hf_checkpoint("llama")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_seeded_checkpoint_built_in_its_dtype_equals_the_fp32_build_cast(family, tmp_path):
+    """The model is built in the stored dtype (no fp32 copy of the whole model, docs/memory.md); every saved
+    tensor must equal, bit for bit, the former recipe's: built in fp32, cast, then seeded."""
+    import torch
+    import transformers
+
+    from moeverify.models import families
+
+    cfg = families.hf_config_dict(family)
+    families._write_checkpoint(cfg, 0, tmp_path / "new")
+    assert torch.get_default_dtype() == torch.float32  # restored
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    torch.manual_seed(0)
+    former = families.kimi.model_class(cfg["architectures"][0])(config).to(torch.bfloat16)
+    families._fp32_expert_bias(former)
+    families._seeded_weights(former, 0)
+    former.save_pretrained(tmp_path / "former", safe_serialization=True)
+    families.mtp_weights.add_mtp_tensors(cfg, 0, tmp_path / "former", value=families.seeded_value)
+    assert _digest(tmp_path / "new") == _digest(tmp_path / "former")

@@ -1,0 +1,143 @@
+"""Peak host RSS per phase of the roundtrip, export and replay checks, as a ratio to the model's bytes.
+
+One CPU rank, a user model config (``--model PATH/config.json``, default: ``bench/qwen3_30b_a3b_narrow.json``,
+Qwen3-30B-A3B's architecture narrowed to hidden 1024, 64 experts top-8, expert FFN 384, vocab 32000), at
+each depth of ``--layers`` (``num_hidden_layers`` overridden). Phases, each in a fresh process so that each
+peak is its own:
+
+- ``import``: torch + transformers + moeverify imported, nothing built (the fixed cost);
+- ``checkpoint``: the seeded HF checkpoint written (``moeverify.models.families._write_checkpoint``);
+  model bytes = the written ``*.safetensors`` bytes;
+- ``check:<name>``: ``python -m moeverify run`` of a 1-rank scenario with that check alone, the checkpoint
+  already cached: bridge load, model build, the check and its reference export. Peak = the largest
+  ``ru_maxrss`` of any process of the run (``getrusage(RUSAGE_CHILDREN)`` of a fresh wrapper).
+
+Reports peak RSS / model bytes per phase and depth, and the least-squares slope per layer (bytes of RSS per
+byte of model added per layer: the part that grows with depth). Writes JSON under bench/results/ and a PNG.
+
+    python bench/memory.py [--model config.json] [--layers 1 2 4] [--checks roundtrip export replay]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "bench" / "qwen3_30b_a3b_narrow.json"
+CHECKS = ("roundtrip", "export", "replay")
+
+_WRAP = ("import json, resource, subprocess, sys, time\n"
+         "t = time.perf_counter(); rc = subprocess.run(sys.argv[1:]).returncode\n"
+         "print(json.dumps(dict(rc=rc, wall=time.perf_counter() - t,\n"
+         "      peak=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)))\n")
+
+_IMPORT = "import torch, transformers, moeverify.models.families  # noqa\n"
+
+# The seeded checkpoint as a check's rank makes it (``hf_checkpoint``, into MOEVERIFY_CACHE_DIR): the checks
+# that follow find it cached, so their peaks are the bridge load, build and check alone.
+_CHECKPOINT = ("import sys\nfrom moeverify.models import families, user\n"
+               "key = user.register(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).key\n"
+               "print(families.hf_checkpoint(key, 0))\n")
+
+
+def _peak(cmd: list[str], *, env: dict | None = None, log: Path | None = None) -> dict:
+    """Run ``cmd`` under a fresh wrapper: its exit code, wall seconds and the largest RSS of any descendant."""
+    proc = subprocess.run([sys.executable, "-c", _WRAP, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
+    if log is not None:
+        log.write_text(proc.stderr)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["rc"] != 0:
+        raise SystemExit(f"bench/memory.py: {' '.join(cmd)} exited {out['rc']}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+def _scenario(path: Path, model: Path, layers: int, check: str) -> None:
+    path.write_text(json.dumps({"scenarios": [{
+        "model": str(model), "model_set": {"num_hidden_layers": layers}, "world_size": 1, "checks": [check]}]}))
+
+
+def measure(model: Path, layers: list[int], checks: list[str], work: Path) -> dict:
+    env = dict(os.environ, MOEVERIFY_CACHE_DIR=str(work / "cache"))
+    rows = [dict(phase="import", layers=0, **_peak([sys.executable, "-c", _IMPORT], env=env))]
+    print(f"import only: peak {rows[0]['peak'] / 1e9:.2f} GB", flush=True)
+    for n in layers:
+        before = set((work / "cache").glob("models/*"))
+        row = _peak([sys.executable, "-c", _CHECKPOINT, str(model), str(n)], env=env)
+        (ckpt,) = set((work / "cache").glob("models/*")) - before
+        model_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        rows.append(dict(phase="checkpoint", layers=n, model_bytes=model_bytes, **row))
+        print(f"{n} layers: model {model_bytes / 1e9:.3f} GB; checkpoint peak {row['peak'] / 1e9:.2f} GB "
+              f"({row['peak'] / model_bytes:.2f}x)", flush=True)
+        for check in checks:
+            scen = work / f"scen-{n}-{check}.json"
+            _scenario(scen, model, n, check)
+            row = _peak([sys.executable, "-m", "moeverify", "run", str(scen), "--backend", "cpu",
+                         "--run-dir", str(work / f"run-{n}-{check}")], env=env, log=work / f"{n}-{check}.log")
+            rows.append(dict(phase=f"check:{check}", layers=n, model_bytes=model_bytes, **row))
+            print(f"{n} layers: {check} peak {row['peak'] / 1e9:.2f} GB ({row['peak'] / model_bytes:.2f}x), "
+                  f"{row['wall']:.0f} s", flush=True)
+    return dict(model=str(model), rows=rows, fits=_fits(rows))
+
+
+def _fits(rows: list[dict]) -> dict:
+    """Per phase: RSS = a + b * model_bytes over the depths (b: RSS bytes per model byte a layer adds)."""
+    fits = {}
+    for phase in sorted({r["phase"] for r in rows if r["layers"]}):
+        pts = [(r["model_bytes"], r["peak"]) for r in rows if r["phase"] == phase]
+        if len(pts) < 2:
+            continue
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        fits[phase] = dict(slope=round(b, 3), fixed_gb=round((my - b * mx) / 1e9, 3))
+    return fits
+
+
+def _plot(result: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for phase in sorted({r["phase"] for r in result["rows"] if r["layers"]}):
+        pts = [r for r in result["rows"] if r["phase"] == phase]
+        ax.plot([r["layers"] for r in pts], [r["peak"] / r["model_bytes"] for r in pts], marker="o", label=phase)
+    ax.set_xlabel("layers")
+    ax.set_ylabel("peak RSS / model bytes")
+    ax.set_title(f"host memory per phase, one CPU rank ({result.get('label', '')})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a config.json (default %(default)s)")
+    p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
+    p.add_argument("--label", default="memory", help="results file stem under bench/results/")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="moeverify-membench-") as tmp:
+        result = measure(args.model.resolve(), args.layers, args.checks, Path(tmp))
+    result["label"] = args.label
+    out = ROOT / "bench" / "results" / f"{args.label}.json"
+    tmp_out = out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(result, indent=1))
+    os.replace(tmp_out, out)
+    print(json.dumps(result["fits"], indent=1))
+    try:
+        _plot(result, out.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
