@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_injob_replay import Spy, batch_of, forward, installed_world, ppo_update, random_sequences, verl_plan
+from test_injob_replay import (Spy, assert_grads_as_session_api, batch_of, forward, installed_world, ppo_update,
+                               random_sequences, verl_plan)
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import autopatch
-from moeverify.patches import router_replay as rr
 from moeverify.rollout_writer import RolloutWriter, complete_steps, mark_complete
 
 SEED = 23
@@ -106,15 +106,7 @@ def run_r3_step(actor, engine, directory, sequences, *, step, layers=(0, 1, 2, 3
     checked, aligned = check_used(used, sequences, routes, micro_batches, layers=layers)
     real = sum(len(s) - 1 for s in sequences)
     assert logp_checked == len(layers) * real and checked == 2 * len(layers) * real
-    actor.load_state_dict(saved, strict=False)
-    session = rr.ReplaySession(actor)
-    want, _ = ppo_update(actor, sequences, plan, aligned=aligned, session=session)
-    actor.load_state_dict(saved, strict=False)
-    assert len(got) == len(want) == len(plan)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.keys() == b.keys() and a
-        diff = [n for n in a if not torch.equal(a[n], b[n])]
-        assert not diff, f"mini-batch {i}: gradients differ from the session API with the rollout's routes: {diff[:3]}"
+    assert_grads_as_session_api(actor, saved, sequences, plan, aligned, got, what="the rollout's routes")
 
 
 def test_r3_routes_differ_from_native_routing(world):

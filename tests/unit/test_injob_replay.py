@@ -212,6 +212,13 @@ def run_step(world, sequences, plan, *, reference=False):
                 assert torch.equal(ids_TK[t], logp[(layer, *w)]), f"layer {layer} token {w}: not its log-prob route"
                 checked += 1
     assert checked == 4 * sum(len(sequences[u]) for mb in plan for m in mb for u in m)
+    assert_grads_as_session_api(actor, saved, sequences, plan, aligned, got, what="hand-aligned routes")
+    return checked
+
+
+def assert_grads_as_session_api(actor, saved, sequences, plan, aligned, got, *, what: str) -> None:
+    """The same updates through the session API given ``aligned`` routes from the ``saved`` weights: every
+    mini-batch's gradients bitwise equal to ``got``; the weights are restored after."""
     actor.load_state_dict(saved, strict=False)
     session = rr.ReplaySession(actor)
     want, _ = ppo_update(actor, sequences, plan, aligned=aligned, session=session)
@@ -220,8 +227,7 @@ def run_step(world, sequences, plan, *, reference=False):
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.keys() == b.keys() and a
         diff = [n for n in a if not torch.equal(a[n], b[n])]
-        assert not diff, f"mini-batch {i}: gradients differ from the session API with hand-aligned routes: {diff[:3]}"
-    return checked
+        assert not diff, f"mini-batch {i}: gradients differ from the session API with {what}: {diff[:3]}"
 
 
 def random_sequences(vocab, lengths, seed):
