@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from seeded_router import seeded_router
 
 from moeverify.errors import UsageError
 from moeverify.patches import router_replay as rr
@@ -20,22 +21,9 @@ pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def make_router(seed: int = 0, **overrides):
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    settings = dict(num_layers=2, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
-                    use_cpu_initialization=True, moe_aux_loss_coeff=0.0, add_bias_linear=False,
-                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
-    settings.update(overrides)
-    router = TopKRouter(TransformerConfig(**settings), pg_collection=get_default_pg_collection())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        router.weight.normal_(0.0, 1.0, generator=g)
-        if router.expert_bias is not None:
-            router.expert_bias.normal_(0.0, 0.5, generator=g)
-    router.set_layer_number(1)
-    return router
+    return seeded_router(hidden=H, experts=E, topk=K, seed=seed, **{"moe_router_score_function": "sigmoid",
+                                                                     "moe_router_enable_expert_bias": True,
+                                                                     **overrides})
 
 
 def hidden(seq: int, batch: int, seed: int = 0) -> torch.Tensor:

@@ -8,6 +8,9 @@ The references are written here from megatron-core 0.19.2's ``_get_batch_on_this
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +18,9 @@ from moeverify.errors import RouteError
 from moeverify.layout import Layout
 from moeverify.patches import token_keys as tk
 from moeverify.views import sequence_positions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "special_distributed" / "jobs"))
+from te_reference import te_thd_indices  # noqa: E402 (shared with the torchrun job)
 
 VOCAB = 50
 
@@ -24,20 +30,6 @@ def megatron_cp_split(val_BS: torch.Tensor, *, cp: int, rank: int) -> torch.Tens
     val = val_BS.view(val_BS.shape[0], 2 * cp, val_BS.shape[1] // (2 * cp))
     val = val.index_select(1, torch.tensor([rank, 2 * cp - rank - 1]))
     return val.reshape(val_BS.shape[0], -1)
-
-
-def te_thd_indices(cu_seqlens: list[int], *, cp: int, rank: int) -> list[int]:
-    """Transformer Engine's ``thd_partition_indices_kernel``, one local token at a time."""
-    local = [c // cp for c in cu_seqlens]
-    out = []
-    for token in range(cu_seqlens[-1] // cp):
-        seq = max(i for i in range(len(local) - 1) if local[i] <= token)
-        seq_len = local[seq + 1] - local[seq]
-        index = token - local[seq]
-        offset = rank if index < seq_len // 2 else (cp - 1) * 2 - rank
-        index += local[seq] * cp + seq_len // 2 * offset
-        out.append(index)
-    return out
 
 
 def by_position(keys: tk.TokenKeys) -> dict:

@@ -3,7 +3,7 @@
 CPU attention cannot run packed sequences, so this drives a megatron-core ``TopKRouter`` the way the ``GPTModel``
 pre-hook drives it (``injob.ChunkForward`` around the call), as ``tests/unit/test_injob_replay.py`` does on one
 rank. Each CP rank holds its per-slot zigzag halves of the packed batch (Transformer Engine's
-``thd_partition_indices_kernel``, written out here: ``te_indices``); a token's hidden state depends on its
+``thd_partition_indices_kernel``, written out in ``te_reference.py``); a token's hidden state depends on its
 (sequence, position) only. The log-prob pass packs A|B in slots of 8 and 4; the router weights then move (native
 routing would differ); the training pass packs B|A in slots of 8 and 12, so tokens change CP rank; a last pass
 packs B|C (C never scored) and must be refused on the rank holding C's tokens.
@@ -19,24 +19,12 @@ import sys
 
 import torch
 from common import write_json
+from te_reference import te_thd_indices
 
 from moeverify import runtime
 from moeverify.layout import Layout
 
 HIDDEN, EXPERTS = 16, 8
-
-
-def te_indices(cu_seqlens: list[int], *, cp: int, rank: int) -> list[int]:
-    """Transformer Engine's ``thd_partition_indices_kernel``, one local token at a time."""
-    local = [c // cp for c in cu_seqlens]
-    out = []
-    for token in range(cu_seqlens[-1] // cp):
-        seq = max(i for i in range(len(local) - 1) if local[i] <= token)
-        seq_len = local[seq + 1] - local[seq]
-        index = token - local[seq]
-        offset = rank if index < seq_len // 2 else (cp - 1) * 2 - rank
-        out.append(index + local[seq] * cp + seq_len // 2 * offset)
-    return out
 
 
 def main(out: str) -> None:
@@ -74,7 +62,7 @@ def main(out: str) -> None:
                 at = int(cu_pad[i])
                 ids[at:at + len(seqs[u])], h[at:at + len(seqs[u])] = seqs[u], hidden[u]
                 where += [(u, p) if p < len(seqs[u]) else ("pad", u, p) for p in range(slots[i])]
-            mine = te_indices(cu_pad.tolist(), cp=cp, rank=cp_rank)
+            mine = te_thd_indices(cu_pad.tolist(), cp=cp, rank=cp_rank)
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
                                      cu_seqlens_kv_padded=cu_pad)  # global, as megatron-core leaves them under CP
             fwd = injob.ChunkForward(chunk, (ids[mine][None], None, None), {"packed_seq_params": packed})
