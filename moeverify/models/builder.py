@@ -21,7 +21,7 @@ from typing import Any
 from moeverify import layer_numbering
 from moeverify.errors import UsageError
 from moeverify.layout import Layout, ModelShape
-from moeverify.models import family_specs
+from moeverify.models import family_specs, seeded
 from moeverify.models.families import family_shape, hf_checkpoint
 
 # Settings that select TE-only (or apex-only) kernels; switched off wherever real TE is absent
@@ -179,10 +179,15 @@ def _bridge_for(family: str, hf_path: Path):
     if hf_config_dict(family).get("model_type") == kimi.MODEL_TYPE:
         kimi.ensure_registered()  # the in-code config stands in for Kimi-K2's remote code (never trusted)
     try:
-        return AutoBridge.from_hf_pretrained(str(hf_path))
+        bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     except ValueError as exc:
         first = next((line.strip(" ✗") for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise UsageError(f"{family}: Megatron-Bridge cannot convert it: {first}") from exc
+    if seeded.is_seeded(hf_path):
+        from moeverify.models import seeded_state  # lazy: megatron.bridge (imported above, after import_bridge)
+
+        seeded_state.install(bridge, hf_path)
+    return bridge
 
 
 def _provider(bridge, family: str, *, load_weights: bool):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from moeverify.models import kimi, mtp_weights, user
+from moeverify.models import kimi, mtp_weights, seeded, user
+from moeverify.models.seeded import seeded_value
 from moeverify.models.configs import FAMILIES, check_family, family_shape, family_traits, hf_config_dict
 
 __all__ = ["FAMILIES", "cache_dir", "family_shape", "family_traits", "hf_checkpoint", "hf_config_dict",
@@ -52,19 +53,6 @@ def _seeded_weights(model: torch.nn.Module, seed: int) -> None:
             tensor.copy_(value.to(tensor.dtype))
 
 
-def seeded_value(name: str, noise: torch.Tensor) -> torch.Tensor:
-    """The recipe: seeded fp32 values for the HF tensor ``name`` from standard-normal ``noise``."""
-    if name.endswith("norm.weight") or "layernorm" in name:
-        return 1.0 + 0.1 * noise
-    if "e_score_correction_bias" in name:
-        return 0.05 * noise  # non-zero so that bias-aware routing differs from bias-free
-    if name.endswith(".bias"):
-        return 0.02 * noise
-    if ".gate.weight" in name or name.endswith("gate.weight"):
-        return 0.5 * noise  # router: spread logits so that top-k choices are well separated
-    return 0.05 * noise
-
-
 def _fp32_expert_bias(model: torch.nn.Module) -> None:
     """Real DeepSeek-V3 checkpoints keep the router's correction bias in fp32 (a buffer; Ernie-4.5's is a parameter)."""
     for module in model.modules():
@@ -76,7 +64,9 @@ def _fp32_expert_bias(model: torch.nn.Module) -> None:
             module.e_score_correction_bias = bias.to(torch.float32)
 
 
-def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
+def _hf_model(cfg: dict) -> torch.nn.Module:
+    """transformers' model of ``cfg`` in its stored dtype (on the current default device: ``meta`` for names and
+    shapes only), the expert-correction bias in fp32 as real checkpoints keep it."""
     import transformers
 
     if cfg.get("model_type") == kimi.MODEL_TYPE:
@@ -84,7 +74,6 @@ def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config.architectures = cfg["architectures"]
     model_cls = kimi.model_class(cfg["architectures"][0])
-    torch.manual_seed(seed)
     dtype = _STORED_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.bfloat16)
     # Built in the stored dtype, not in fp32 then cast: every saved tensor is overwritten by _seeded_weights, so
     # the file is the same, without a transient fp32 copy of the whole model (2x its bytes; docs/memory.md).
@@ -96,9 +85,42 @@ def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
         torch.set_default_dtype(previous)
     model = model.to(dtype)
     _fp32_expert_bias(model)
+    return model
+
+
+def _write_checkpoint(cfg: dict, seed: int, dst: Path) -> None:
+    torch.manual_seed(seed)
+    model = _hf_model(cfg)
     _seeded_weights(model, seed)
     model.save_pretrained(dst, safe_serialization=True)
     mtp_weights.add_mtp_tensors(cfg, seed, dst, value=seeded_value)  # transformers' models hold no MTP layers
+
+
+def saved_specs(cfg: dict, config_to: Path | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{name: (shape, dtype)}`` of every tensor ``save_pretrained`` (and the MTP recipe) would write for
+    ``cfg``, from the model built on the ``meta`` device: no memory, no file (transformers 5.12.1's three saving
+    steps: ignored keys dropped, tied duplicates removed, fused weights converted back to the checkpoint's names).
+    With ``config_to``, the config files ``save_pretrained`` writes are written there (``dtype`` included)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    with torch.device("meta"):
+        model = _hf_model(cfg)
+    if config_to is not None:  # as save_pretrained writes them: the stored dtype and the class name recorded
+        model.config.dtype = str(model.dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(config_to)
+        if model.can_generate():
+            model.generation_config.save_pretrained(config_to)
+    state = model.state_dict()
+    for key in model._keys_to_ignore_on_save or ():
+        state.pop(key, None)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    kept = remove_tied_weights_from_state_dict({k: v for k, v in state.items() if k in params}, model)
+    state = {k: v for k, v in state.items() if k in kept or k not in params}  # buffers (the expert bias) stay
+    saved = {name: (tuple(t.shape), t.dtype) for name, t in revert_weight_conversion(model, state).items()}
+    saved.update(mtp_weights.mtp_specs(cfg, saved))
+    return saved
 
 
 _STORED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -117,6 +139,9 @@ def hf_checkpoint(family: str, seed: int = 0) -> Path:
             return real
     label = family.removeprefix(user.PREFIX).replace("+", "-") if user.is_user_key(family) else family
     dst = cache_dir() / f"{label}-seed{seed}-{_fingerprint(cfg, seed)}"
+    if user.is_user_key(family):  # a config alone: its weights are made per tensor when read (no file)
+        return seeded.make(dst.with_name(dst.name + "-" + seeded.RECIPE), seed,
+                           describe=lambda to: saved_specs(cfg, config_to=to))
     if (dst / "config.json").exists():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,37 @@ import json
 from pathlib import Path
 
 from moeverify.errors import MoEVerifyError
+from moeverify.models import seeded
 
 INDEX = "model.safetensors.index.json"
+
+
+def open_tensors(hf_path):
+    """A reader of the checkpoint's tensors (``names()``, ``get_tensor(name)``, ``close()``): safetensors files read
+    by ``pread``, or seeded weights made on demand (``moeverify.models.seeded``)."""
+    if seeded.is_seeded(hf_path):
+        return seeded.SeededWeights(hf_path)
+    return _FileTensors(tensor_files(hf_path))
+
+
+class _FileTensors:
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._files = files
+        self._readers: dict[Path, TensorReader] = {}
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def get_tensor(self, name: str):
+        path = self._files[name]
+        if path not in self._readers:
+            self._readers[path] = TensorReader(path)  # not mmap: pages read stay out of RSS
+        return self._readers[path].get_tensor(name)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
 
 
 def tensor_files(hf_path) -> dict[str, Path]:
@@ -34,8 +63,11 @@ def tensor_files(hf_path) -> dict[str, Path]:
 
 
 def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the checkpoint's tensors, read from safetensors headers only."""
+    """Names and shapes of the checkpoint's tensors, read from safetensors headers only (or the seeded marker)."""
     from safetensors import safe_open
+
+    if seeded.is_seeded(hf_path):
+        return seeded.SeededWeights(hf_path).shapes()
 
     by_file: dict[Path, list[str]] = {}
     for name, path in tensor_files(hf_path).items():

@@ -22,6 +22,8 @@ layers and the logits are compared as for any family (Megatron's logits without 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from moeverify.oracles.results import Tally
 
 RTOL = 1e-4
@@ -58,11 +60,23 @@ def run(ctx) -> dict[str, Tally]:
 
 
 def _hf_model(path):
+    import tempfile
+
     import torch
     import transformers
+    from safetensors.torch import save_file
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                              attn_implementation="eager")
+    from moeverify.models import seeded
+
+    with tempfile.TemporaryDirectory(prefix="moeverify-hf-parity-") as tmp:
+        if seeded.is_seeded(path):  # weights made on demand: written out for transformers (hf_parity's tiny models)
+            weights = seeded.SeededWeights(path)
+            save_file({name: weights.get_tensor(name) for name in weights.names()}, f"{tmp}/model.safetensors",
+                      metadata={"format": "pt"})
+            (Path(tmp) / "config.json").write_text((Path(path) / "config.json").read_text())
+            path = tmp
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                                  attn_implementation="eager")
     return model.eval()
 
 

@@ -8,10 +8,8 @@ one tensor at a time, reading the source lazily.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from moeverify.oracles.bits import compare_bits
-from moeverify.oracles.checkpoint import TensorReader, tensor_files
+from moeverify.oracles.checkpoint import open_tensors
 from moeverify.oracles.results import Tally
 
 SHOW = 5  # names quoted per key_set failure
@@ -21,27 +19,21 @@ SUBCHECKS = ("bitwise", "key_set")
 def run(ctx) -> dict[str, Tally]:
     built = ctx.model()
     tallies = {name: Tally() for name in SUBCHECKS}
-    files = tensor_files(built.hf_path) if ctx.rank == 0 else {}
+    source = open_tensors(built.hf_path) if ctx.rank == 0 else None
+    names = set(source.names()) if source is not None else set()
     exported: list[str] = []
-    handles: dict[Path, object] = {}
     try:
         for name, tensor in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):
             exported.append(name)
-            if ctx.rank != 0:
-                continue
-            if name not in files:
-                continue  # reported by key_set
-            if files[name] not in handles:
-                handles[files[name]] = TensorReader(files[name])  # not mmap: pages read stay out of RSS
-            expected = handles[files[name]].get_tensor(name)
-            message = compare_bits(name, expected, tensor)
+            if source is None or name not in names:
+                continue  # other ranks; a name not in the checkpoint is reported by key_set
+            message = compare_bits(name, source.get_tensor(name), tensor)
             tallies["bitwise"].check(message is None, message or "")
     finally:
-        for handle in handles.values():
-            handle.close()
-        handles.clear()
+        if source is not None:
+            source.close()
     if ctx.rank == 0:
-        _key_set(tallies["key_set"], exported=exported, source=list(files))
+        _key_set(tallies["key_set"], exported=exported, source=sorted(names))
     return tallies
 
 

@@ -6,10 +6,11 @@ import json
 import textwrap
 
 import pytest
+import torch
 
 from moeverify import cli
 from moeverify.errors import UsageError
-from moeverify.models import families, user
+from moeverify.models import families, seeded, user
 from moeverify.models.builder import _moe_pattern
 from moeverify.scenario import load, scenario_from_dict, scenario_to_dict
 
@@ -58,13 +59,21 @@ def test_random_weights_checkpoint_holds_the_overridden_config_and_is_determinis
     path = families.hf_checkpoint(key, seed=1)
     written = json.loads((path / "config.json").read_text())
     assert written["num_local_experts"] == 8 and written["num_hidden_layers"] == 4
-    blob = b"".join(p.read_bytes() for p in sorted(path.glob("*.safetensors")))
+    assert not list(path.glob("*.safetensors"))  # a config alone: weights made per tensor when read
+    weights = seeded.SeededWeights(path)
+    names = weights.names()
+    assert any(".mlp.experts.7." in n for n in names) and len(names) > 40
+    blob = b"".join(weights.get_tensor(n).view(-1).view(torch.uint8).numpy().tobytes() for n in names)
     import shutil
 
     shutil.rmtree(path)
     again = families.hf_checkpoint(key, seed=1)
-    assert b"".join(p.read_bytes() for p in sorted(again.glob("*.safetensors"))) == blob
-    assert families.hf_checkpoint(key, seed=2) != again
+    assert again == path and (again / seeded.MARKER).read_text() == (path / seeded.MARKER).read_text()
+    redo = seeded.SeededWeights(again)
+    assert b"".join(redo.get_tensor(n).view(-1).view(torch.uint8).numpy().tobytes() for n in names) == blob
+    other = seeded.SeededWeights(families.hf_checkpoint(key, seed=2))
+    assert other.names() == names
+    assert [n for n in names[:10] if torch.equal(other.get_tensor(n), redo.get_tensor(n))] == []
 
 
 def test_real_weights_directory_is_used_as_it_is(tmp_path, monkeypatch):
