@@ -13,28 +13,20 @@ The check's outcome is then judged against that statement (``judge``):
 - any other subcheck fails, or the check crashes: a plain failure or crash, as without the mark.
 
 Entries are validated when the file is loaded: the finding id, a check the scenario runs, and subchecks that
-check declares (``SUBCHECKS``, read from each check's own declaration).
+check declares (``CheckSpec.subchecks`` in ``moeverify.checks``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from collections.abc import Collection, Mapping, Sequence
 
+from moeverify.checks import CHECKS
 from moeverify.yaml_file import Where, error
 
 _KEYS = frozenset({"finding", "check", "subchecks", "reason"})
 _FINDING = re.compile(r"[A-Z]+[0-9]+")  # the README's findings table ids: F3, M1
-
-# Where each built-in check declares its subcheck names (module:attribute), read only when a file marks one.
-SUBCHECKS: dict[str, str] = {
-    "roundtrip": "moeverify.oracles.roundtrip:SUBCHECKS",
-    "export": "moeverify.oracles.export.collect:SUBCHECKS",
-    "replay": "moeverify.options:REPLAY_SUBCHECKS",
-    "hf_parity": "moeverify.oracles.hf_parity:SUBCHECKS",
-}
 
 EXPECTED, NOW_PASSES = "expected failure", "expected failure now passes"
 
@@ -60,11 +52,8 @@ class ExpectedFailure:
 
 def subcheck_names(check: str) -> tuple[str, ...] | None:
     """The subcheck names ``check`` declares; None for a check that declares none (an extra check)."""
-    target = SUBCHECKS.get(check)
-    if target is None:
-        return None
-    module, _, attr = target.partition(":")
-    return tuple(getattr(importlib.import_module(module), attr))
+    spec = CHECKS.get(check)
+    return spec.subchecks if spec is not None and spec.subchecks else None
 
 
 def parse(where: Where, value: object, *, checks: Sequence[str], replay_subchecks: Collection[str] | None = None

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moeverify.checks import CHECKS
 from moeverify.oracles.bits import compare_bits
 from moeverify.oracles.checkpoint import TensorReader, tensor_files
 from moeverify.oracles.results import Tally
 
 SHOW = 5  # names quoted per key_set failure
-SUBCHECKS = ("bitwise", "key_set")
+SUBCHECKS = CHECKS["roundtrip"].subchecks  # bitwise, key_set (moeverify.checks)
 
 
 def run(ctx) -> dict[str, Tally]:

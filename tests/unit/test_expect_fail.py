@@ -93,10 +93,13 @@ def test_expect_fail_not_a_default_and_not_applied_under_model(tmp_path):
 
 
 def test_declared_subchecks_are_the_checks_own(repo_root):
-    from moeverify.oracles import registry
+    from moeverify import checks
+    from moeverify.oracles import hf_parity
 
-    assert set(expectations.SUBCHECKS) == set(registry.CHECKS)
-    assert expectations.subcheck_names("hf_parity") == ("layers", "logits")
+    declared = {name: expectations.subcheck_names(name) for name in checks.CHECKS}
+    assert None not in declared.values(), f"every built-in check declares its subchecks: {declared}"
+    assert declared["hf_parity"] == hf_parity.SUBCHECKS == ("layers", "logits")
+    assert expectations.subcheck_names("no_such_check") is None
     assert "key_set" in expectations.subcheck_names("export") and "bitwise" in expectations.subcheck_names("roundtrip")
 
 

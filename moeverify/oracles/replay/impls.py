@@ -36,12 +36,12 @@ import torch
 
 from moeverify import plugins
 from moeverify.errors import MoEVerifyError, UsageError
-from moeverify.options import REPLAY_IMPLS
+from moeverify.checks import REPLAY_IMPLS
 from moeverify.patches.routers import find_routers
 from moeverify.routes import Routes
 from moeverify.patches import router_replay as rr
 
-IMPLS = REPLAY_IMPLS  # declared in moeverify.options
+IMPLS = REPLAY_IMPLS  # declared in moeverify.checks
 
 
 class ReplayImpl(abc.ABC):
