@@ -94,7 +94,7 @@ def run(ctx) -> dict[str, Tally]:
     """
     from megatron.core import parallel_state
 
-    opts = ReplayOptions.from_options(ctx.options)
+    opts = ReplayOptions.from_options(ctx.options, where="replay check options")
     scenario, layout = ctx.scenario, ctx.scenario.layout
     impl = make_impl(opts.impl)
     impl.apply()
