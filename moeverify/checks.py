@@ -251,7 +251,6 @@ class CheckSpec:
 
     name: str
     entry: str
-    summary: str
     subchecks: tuple[str, ...] = ()  # the tallies it always reports (expect_fail may name them); none: undeclared
     options: type[CheckOptions] = NoOptions
     scenario_rule: Callable[[Any, Layout], str | None] | None = None
@@ -269,17 +268,17 @@ class CheckSpec:
 
 
 CHECKS: dict[str, CheckSpec] = {c.name: c for c in (
-    CheckSpec(name="roundtrip", entry="moeverify.oracles.roundtrip:run", subchecks=("bitwise", "key_set"),
-              summary="HF -> Megatron -> HF through the bridge, bitwise equal to the source checkpoint"),
+    # HF -> Megatron -> HF through the bridge, bitwise equal to the source checkpoint
+    CheckSpec(name="roundtrip", entry="moeverify.oracles.roundtrip:run", subchecks=("bitwise", "key_set")),
+    # a subject's per-tensor export vs Megatron-Bridge's, bit for bit (docs/export.md)
     CheckSpec(name="export", entry="moeverify.oracles.export:run", options=ExportOptions,
               subchecks=("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise",
-                         "key_set", "reference_keys"),
-              summary="a subject's per-tensor export vs Megatron-Bridge's, bit for bit"),
+                         "key_set", "reference_keys")),
+    # routes recorded in one pass replayed in the next, bit for bit, per router variant (docs/replay_matrix.md)
     CheckSpec(name="replay", entry="moeverify.oracles.replay.oracle:run", options=ReplayOptions,
-              subchecks=REPLAY_SUBCHECKS, scenario_rule=_replay_rule,
-              summary="routes recorded in one pass replayed in the next, bit for bit, per router variant"),
-    CheckSpec(name="hf_parity", entry="moeverify.oracles.hf_parity:run", subchecks=("layers", "logits"),
-              summary="Megatron's forward vs transformers' on the same weights, layer by layer and logits"),
+              subchecks=REPLAY_SUBCHECKS, scenario_rule=_replay_rule),
+    # Megatron's forward vs transformers' on the same weights, layer by layer and the logits
+    CheckSpec(name="hf_parity", entry="moeverify.oracles.hf_parity:run", subchecks=("layers", "logits")),
 )}
 
 

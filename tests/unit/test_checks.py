@@ -46,7 +46,7 @@ def test_checks_option_declared_by_two_checks_refused():
     class Clash(checks.CheckOptions):
         seq: int = checks.option(16, key="replay_seq_len", validate=int, help="tokens")
 
-    specs = {**checks.CHECKS, "clash": checks.CheckSpec(name="clash", entry="m:f", summary="", options=Clash)}
+    specs = {**checks.CHECKS, "clash": checks.CheckSpec(name="clash", entry="m:f", options=Clash)}
     with pytest.raises(AssertionError, match="option replay_seq_len is declared by replay and clash"):
         options._table(specs)
 
@@ -90,7 +90,7 @@ def test_checks_replay_scenario_rule_reads_the_declared_seq_len():
 
 
 def test_checks_without_options_read_none():
-    spec = checks.CheckSpec(name="tiny", entry="m:f", summary="a test check")
+    spec = checks.CheckSpec(name="tiny", entry="m:f")
     assert spec.options.from_options({"subject": "bridge"}) == checks.NoOptions()
     assert spec.refusal({"replay_seq_len": 3}, Layout(cp=2)) is None
 

@@ -11,5 +11,5 @@ TINY_CHECKS = {"passing": "passing", "passing2": "passing", "failing": "failing"
                "hang1": "hang_on_rank1", "echo": "echo_options", "kill1": "sigkill_on_rank1", "sleep": "sleep_long",
                "raise_last": "raise_on_last_rank"}
 
-checks.CHECKS.update({name: checks.CheckSpec(name=name, entry=f"test_runner_checks:{fn}", summary=f"test: {fn}")
+checks.CHECKS.update({name: checks.CheckSpec(name=name, entry=f"test_runner_checks:{fn}")
                       for name, fn in TINY_CHECKS.items()})
