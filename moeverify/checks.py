@@ -38,7 +38,11 @@ SUBJECTS = {
     "gather": "moeverify.subjects:gather",
     "verl": "moeverify.subjects.verl:verl",
 }
-REPLAY_IMPLS = ("moeverify", "native", "verl")
+REPLAY_IMPLS = {
+    "moeverify": "moeverify.oracles.replay.impls:MoeverifyReplay",
+    "native": "moeverify.oracles.replay.impls:NativeReplay",
+    "verl": "moeverify.oracles.replay.impls:VerlReplay",
+}
 RECEIVERS = {"fused": "moeverify.oracles.export.receiver:fused",
              "transformers": "moeverify.oracles.export.receiver_transformers:transformers_receiver"}
 

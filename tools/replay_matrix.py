@@ -25,9 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 from moeverify.layout import Layout, parse_layout_name  # noqa: E402
 from moeverify.oracles.replay.oracle import SUBCHECKS  # noqa: E402
+from moeverify.checks import REPLAY_IMPLS  # noqa: E402
 from moeverify.router_variants import VARIANTS  # noqa: E402
 
-IMPLS = ("moeverify", "native", "verl")
+IMPLS = tuple(REPLAY_IMPLS)
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 LAYOUTS = (("tp1", 1), ("ep2", 2), ("tp2-sp", 2), ("pp2-vpp2", 2), ("cp2", 2))
 

@@ -271,13 +271,7 @@ class MoeverifyReplay(ReplayImpl):
 
 def make_impl(spec: str) -> ReplayImpl:
     """The adapter named ``spec``: one of ``IMPLS``, ``module:factory`` or ``path/file.py:factory``."""
-    if spec == "moeverify":
-        return MoeverifyReplay()
-    if spec == "native":
-        return NativeReplay()
-    if spec == "verl":
-        return VerlReplay()
-    factory = plugins.load(spec, what="replay implementation", builtins=dict.fromkeys(IMPLS))
+    factory = plugins.load(spec, what="replay implementation", builtins=IMPLS)
     impl = factory()
     if not isinstance(impl, ReplayImpl):
         raise UsageError(f"replay implementation {spec!r} returned {type(impl).__name__}, expected a ReplayImpl")
