@@ -124,3 +124,11 @@ def test_checks_declarations_import_no_torch(repo_root):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[:2] == [str(len(VARIANTS)), "12"], proc.stdout
     assert "the replay check's sequence of 16 tokens" in proc.stdout
+
+
+def test_checks_export_docs_table_lists_the_declared_subchecks(repo_root):
+    text = (repo_root / "docs" / "export.md").read_text()
+    table = text[text.index("| subcheck | checks | counts |"):text.index("\n\n", text.index("| subcheck | checks |"))]
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    always = tuple(r.strip("`") for r in rows if "(option)" not in r)
+    assert always == checks.CHECKS["export"].subchecks
