@@ -258,11 +258,22 @@ class CheckSpec:
     subchecks: tuple[str, ...] = ()  # the tallies it always reports (expect_fail may name them); none: undeclared
     options: type[CheckOptions] = NoOptions
     scenario_rule: Callable[[Any, Layout], str | None] | None = None
+    subchecks_field: str | None = None  # the options field that narrows which subchecks run (replay: subchecks)
 
     def load(self) -> Callable:
         """The check function (imports its module: its heavy imports are paid only by scenarios that run it)."""
         module, _, attr = self.entry.partition(":")
         return getattr(importlib.import_module(module), attr)
+
+    def selected_subchecks(self, options: Mapping[str, object]) -> tuple[tuple[str, ...], str | None]:
+        """The declared subchecks a scenario with these (validated) ``options`` runs, in declared order, and the
+        option key that narrowed them (None when all run)."""
+        declared = {f.name: m for f, m in self.options.declared()}
+        key = declared[self.subchecks_field].key if self.subchecks_field else None
+        if key is None or options.get(key) is None:
+            return self.subchecks, None
+        chosen = getattr(self.options.from_options(options), self.subchecks_field)
+        return tuple(s for s in self.subchecks if s in chosen), key
 
     def refusal(self, options: Mapping[str, object], layout: Layout) -> str | None:
         """Why a scenario with these (validated) ``options`` and ``layout`` cannot run this check, or None."""
@@ -280,7 +291,7 @@ CHECKS: dict[str, CheckSpec] = {c.name: c for c in (
                          "key_set", "reference_keys")),
     # routes recorded in one pass replayed in the next, bit for bit, per router variant (docs/replay_matrix.md)
     CheckSpec(name="replay", entry="moeverify.oracles.replay.oracle:run", options=ReplayOptions,
-              subchecks=REPLAY_SUBCHECKS, scenario_rule=_replay_rule),
+              subchecks=REPLAY_SUBCHECKS, subchecks_field="subchecks", scenario_rule=_replay_rule),
     # Megatron's forward vs transformers' on the same weights, layer by layer and the logits
     CheckSpec(name="hf_parity", entry="moeverify.oracles.hf_parity:run", subchecks=("layers", "logits")),
 )}

@@ -200,8 +200,7 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
         if refusal:
             raise error(where, refusal)
     expect_fail = () if fit_or_skip else parse_expect_fail(
-        where, spec.fields.get("expect_fail"), checks=check_list,
-        replay_subchecks=scenario_options.get("replay_subchecks"))
+        where, spec.fields.get("expect_fail"), checks=check_list, options=scenario_options)
     return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
                     seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
                     gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),

@@ -132,3 +132,11 @@ def test_checks_export_docs_table_lists_the_declared_subchecks(repo_root):
     rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
     always = tuple(r.strip("`") for r in rows if "(option)" not in r)
     assert always == checks.CHECKS["export"].subchecks
+
+
+def test_checks_selected_subchecks_follow_the_declared_option():
+    replay, export = checks.CHECKS["replay"], checks.CHECKS["export"]
+    assert replay.selected_subchecks({}) == (replay.subchecks, None)
+    assert replay.selected_subchecks({"replay_subchecks": ("weights", "drift")}) == (("drift", "weights"),
+                                                                                     "replay_subchecks")
+    assert export.selected_subchecks({"replay_subchecks": ("drift",)}) == (export.subchecks, None)

@@ -70,7 +70,8 @@ def test_expect_fail_bad_entries_are_refused_at_load(tmp_path, entry, message):
 
 
 def test_expect_fail_replay_subcheck_not_run_is_refused(tmp_path):
-    with pytest.raises(UsageError, match=r"unknown replay subcheck\(s\) \['drift'\] \(or not run"):
+    with pytest.raises(UsageError, match=r"unknown replay subcheck\(s\) \['drift'\] \(or not run: replay_subchecks\); "
+                                             r"known: equivalence$"):
         _load(tmp_path, """
             scenarios:
               - {family: qwen3_moe, world_size: 1, checks: [replay], options: {replay_subchecks: [equivalence]},
