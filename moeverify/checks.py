@@ -65,7 +65,7 @@ def _names(allowed: tuple[str, ...], what: str) -> Callable[[object], tuple[str,
     return check
 
 
-def _plugin(builtins: tuple[str, ...] | Mapping[str, str], what: str) -> Callable[[object], str]:
+def _plugin(builtins: Mapping[str, str], what: str) -> Callable[[object], str]:
     def check(value: object) -> str:
         if not isinstance(value, str) or not value:
             raise ValueError(f"expected a non-empty string, got {value!r}")
@@ -121,7 +121,7 @@ class OptionMeta:
     metavar: str = "VALUE"
     default_text: str | None = None  # the default in words, where the field's default does not say it
     plugin: str | None = None  # what a plugin given here is called in messages ("subject", ...)
-    builtins: tuple[str, ...] | Mapping[str, str] = ()  # the built-in names a plugin option accepts
+    builtins: Mapping[str, str] | None = None  # a plugin option's built-in names -> "module:attr"
 
 
 def option(default: Any, *, key: str, help: str, validate: Callable[[object], object], **meta: Any) -> Any:
@@ -130,8 +130,8 @@ def option(default: Any, *, key: str, help: str, validate: Callable[[object], ob
                                                                              **meta)})
 
 
-def plugin_option(default: str | None, *, key: str, what: str, builtins: tuple[str, ...] | Mapping[str, str],
-                  help: str, **meta: Any) -> Any:
+def plugin_option(default: str | None, *, key: str, what: str, builtins: Mapping[str, str], help: str,
+                  **meta: Any) -> Any:
     """An option naming a plugin: a built-in name, ``package.module:factory`` or ``path/file.py:factory``."""
     return option(default, key=key, validate=_plugin(builtins, what), plugin=what, builtins=builtins,
                   help=f"{help}: {', '.join(builtins)}, package.module:factory or path/file.py:factory", **meta)
@@ -158,7 +158,7 @@ class CheckOptions:
     def from_options(cls, options: Mapping[str, object], *, where: object = None) -> Self:
         """The typed options from an options mapping (a scenario's merged with the run's). Keys of other checks
         are ignored, a key set to None counts as unset (its default applies), every value is validated again."""
-        where = where or f"{cls.__name__}"
+        where = where or cls.__name__
         values = {}
         for field, meta in cls.declared():
             raw = options.get(meta.key)

@@ -43,8 +43,7 @@ class Option:
         """``(what, builtins)`` for an option that names a plugin, None otherwise."""
         if self.meta.plugin is None:
             return None
-        builtins = self.meta.builtins
-        return self.meta.plugin, builtins if isinstance(builtins, Mapping) else dict.fromkeys(builtins)
+        return self.meta.plugin, self.meta.builtins or {}
 
 
 def _table(specs: Mapping[str, checks.CheckSpec]) -> dict[str, Option]:
