@@ -141,11 +141,11 @@ def _check_outputs(args) -> None:
 
 
 def _load(args, node=None):
+    from moeverify import checks
     from moeverify import scenario as scenario_mod
-    from moeverify.oracles import registry
     from moeverify.runner import select
 
-    known = registry.check_names()
+    known = checks.check_names()
     if args.check is not None and args.check not in known:
         raise UsageError(f"--check {args.check!r}: unknown check; known checks: {', '.join(known)}")
     from moeverify.options import OPTIONS

@@ -25,9 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 from moeverify.layout import Layout, parse_layout_name  # noqa: E402
 from moeverify.oracles.replay.oracle import SUBCHECKS  # noqa: E402
-from moeverify.oracles.replay.variants import VARIANTS  # noqa: E402
+from moeverify.checks import REPLAY_IMPLS  # noqa: E402
+from moeverify.router_variants import VARIANTS  # noqa: E402
 
-IMPLS = ("moeverify", "native", "verl")
+IMPLS = tuple(REPLAY_IMPLS)
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 LAYOUTS = (("tp1", 1), ("ep2", 2), ("tp2-sp", 2), ("pp2-vpp2", 2), ("cp2", 2))
 
@@ -39,7 +40,7 @@ Every rank of the layout drives the model through Megatron's own pipeline schedu
 (forward only, no grad, routes recorded), training pass second (forward + backward, routes replayed).
 Data: seeded token ids per DP rank, labels = next token; loss = mean token cross-entropy (vocab-parallel,
 fp32). Models are the tiny `moeverify.models` families in fp32 with dropout off. Router variants
-(`moeverify/oracles/replay/variants.py`) override the family's TransformerConfig at build time.
+(`moeverify/router_variants.py`) override the family's TransformerConfig at build time.
 
 - **equivalence**: recorded routes == routes the routers took; replayed training pass == plain native
   training pass bit for bit (routing maps, router probs, logits, per-sequence losses, every gradient).

@@ -70,7 +70,7 @@ def main() -> int:
             built = models.build(family, layout)
             sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
                                          rank=rt.rank, world_size=rt.world_size, hf_path=built.hf_path,
-                                         built=built, options={"timeout": 120})
+                                         built=built, timeout_s=120)
             if args.lockstep_timeout:
                 sctx.options["lockstep_timeout"] = args.lockstep_timeout
             for name, factory, refresh in _subjects(args, family, layout, rt.world_size):

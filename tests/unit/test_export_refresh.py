@@ -56,7 +56,7 @@ def _sctx(tmp_path, bridge=None) -> SubjectContext:
     tensors = dict(_Bridge().export_hf_weights([model], cpu=True, show_progress=False))
     save_file(tensors, str(tmp_path / "model.safetensors"))
     return SubjectContext(bridge=bridge or _Bridge(), model_chunks=[model], layout=None, rank=0, world_size=1,
-                          hf_path=tmp_path, options={"timeout": 30})
+                          hf_path=tmp_path, timeout_s=30)
 
 
 def _failed(tallies) -> set[str]:

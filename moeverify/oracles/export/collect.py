@@ -12,12 +12,12 @@ import collections
 
 import torch
 
+from moeverify.checks import CHECKS
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.export.merge import SHOW_INDICES, TensorMerge
 from moeverify.oracles.results import Tally
 
-SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set",
-             "reference_keys")
+SUBCHECKS = CHECKS["export"].subchecks  # lockstep, slot_tables, coverage, conflicts, replicas, ... (moeverify.checks)
 REFERENCE = "the reference (Megatron-Bridge's export_hf_weights)"  # the culprit reference_keys names
 
 

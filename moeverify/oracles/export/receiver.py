@@ -25,7 +25,7 @@ import torch
 from moeverify import plugins
 from moeverify.errors import UsageError
 from moeverify.oracles.results import Tally
-from moeverify.options import RECEIVERS
+from moeverify.checks import RECEIVERS
 
 SHOW = 8  # names quoted per message
 
