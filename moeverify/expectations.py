@@ -31,7 +31,7 @@ _FINDING = re.compile(r"[A-Z]+[0-9]+")  # the README's findings table ids: F3, M
 # Where each built-in check declares its subcheck names (module:attribute), read only when a file marks one.
 SUBCHECKS: dict[str, str] = {
     "roundtrip": "moeverify.oracles.roundtrip:SUBCHECKS",
-    "export": "moeverify.oracles.export.collect:SUBCHECKS",
+    "export": "moeverify.oracles.export.collect:ALL_SUBCHECKS",  # refresh and receiver included
     "replay": "moeverify.options:REPLAY_SUBCHECKS",
     "hf_parity": "moeverify.oracles.hf_parity:SUBCHECKS",
 }

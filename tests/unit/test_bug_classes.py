@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moeverify import bug_classes
+from moeverify import bug_classes, expectations
 from moeverify.oracles.results import CheckRecord, Tally
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +50,7 @@ def test_bug_classes_every_emitted_subcheck_of_every_check_is_declared():
     for check, names in emitted.items():
         assert set(bug_classes.subchecks(check)) == set(names), check
         assert all(bug_classes.guards(check, n) for n in names)
+        assert set(expectations.subcheck_names(check)) == set(names), check  # what expect_fail may name
 
 
 def test_bug_classes_name_only_mutants_that_exist_and_that_fail_the_subcheck():

@@ -20,6 +20,7 @@ SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "sh
              "reference_keys")
 # emitted only with the check's options: ``refresh`` (refresh.py), ``receiver`` and, with both, ``receiver_reload``
 OPTIONAL_SUBCHECKS = ("refresh", "receiver", "receiver_reload")
+ALL_SUBCHECKS = SUBCHECKS + OPTIONAL_SUBCHECKS  # every name the export check can emit
 REFERENCE = "the reference (Megatron-Bridge's export_hf_weights)"  # the culprit reference_keys names
 
 
@@ -204,4 +205,4 @@ class Collector:
         tally.ok(len((reference | checkpoint) - bad))
 
 
-__all__ = ["Collector", "OPTIONAL_SUBCHECKS", "SUBCHECKS", "new_tallies", "SHOW_INDICES"]
+__all__ = ["ALL_SUBCHECKS", "Collector", "OPTIONAL_SUBCHECKS", "SUBCHECKS", "new_tallies", "SHOW_INDICES"]
