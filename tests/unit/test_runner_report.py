@@ -103,6 +103,7 @@ def test_junit_has_one_testcase_per_check_with_outcome(tmp_path):
     failure = cases["qwen3_moe/ep2-dp2", "export"].find("failure")
     assert failure.get("message") == "failed subchecks: bitwise"
     assert "bitwise: tensor v: dtype bf16 != fp32" in failure.text
+    assert failure.text.endswith(f"guards against: export bitwise: {bug_classes.guards('export', 'bitwise')}")
     error = cases["qwen3_moe/pp2", "replay"].find("error")
     assert error.get("message") == "rank 1 raised ValueError: boom in check replay" and "Traceback" in error.text
     assert cases["deepseek_v3/cp2", "export"].find("skipped").get("message") == "gpu only: TE attention"

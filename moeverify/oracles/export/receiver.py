@@ -295,8 +295,7 @@ class ReceiverRun:
             try:
                 held = self._receiver.load(self._subject)
             except Exception as exc:  # noqa: BLE001 - the engine refusing the subject's export is a finding
-                tally.fail(f"{when}the receiver could not load the subject's export ({len(self._subject)} tensor(s) "
-                           f"left unread): {type(exc).__name__}: {exc}")
+                tally.fail(f"{when}the receiver could not load the subject's export: {type(exc).__name__}: {exc}")
         self._subject = None
         if held is None:
             for _ in reference:
