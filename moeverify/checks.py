@@ -259,6 +259,12 @@ class CheckSpec:
     options: type[CheckOptions] = NoOptions
     scenario_rule: Callable[[Any, Layout], str | None] | None = None
     subchecks_field: str | None = None  # the options field that narrows which subchecks run (replay: subchecks)
+    optional_subchecks: tuple[str, ...] = ()  # reported only when an option asks for them (export: refresh, ...)
+
+    @property
+    def declared_subchecks(self) -> tuple[str, ...]:
+        """Every subcheck name the check can report."""
+        return self.subchecks + self.optional_subchecks
 
     def load(self) -> Callable:
         """The check function (imports its module: its heavy imports are paid only by scenarios that run it)."""
@@ -271,7 +277,7 @@ class CheckSpec:
         declared = {f.name: m for f, m in self.options.declared()}
         key = declared[self.subchecks_field].key if self.subchecks_field else None
         if key is None or options.get(key) is None:
-            return self.subchecks, None
+            return self.declared_subchecks, None
         chosen = getattr(self.options.from_options(options), self.subchecks_field)
         return tuple(s for s in self.subchecks if s in chosen), key
 
@@ -288,7 +294,8 @@ CHECKS: dict[str, CheckSpec] = {c.name: c for c in (
     # a subject's per-tensor export vs Megatron-Bridge's, bit for bit (docs/export.md)
     CheckSpec(name="export", entry="moeverify.oracles.export:run", options=ExportOptions,
               subchecks=("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise",
-                         "key_set", "reference_keys")),
+                         "key_set", "reference_keys"),
+              optional_subchecks=("refresh", "receiver", "receiver_reload")),
     # routes recorded in one pass replayed in the next, bit for bit, per router variant (docs/replay_matrix.md)
     CheckSpec(name="replay", entry="moeverify.oracles.replay.oracle:run", options=ReplayOptions,
               subchecks=REPLAY_SUBCHECKS, subchecks_field="subchecks", scenario_rule=_replay_rule),

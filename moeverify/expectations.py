@@ -53,7 +53,7 @@ class ExpectedFailure:
 def subcheck_names(check: str) -> tuple[str, ...] | None:
     """The subcheck names ``check`` declares; None for a check that declares none (an extra check)."""
     spec = CHECKS.get(check)
-    return spec.subchecks if spec is not None and spec.subchecks else None
+    return spec.declared_subchecks if spec is not None and spec.declared_subchecks else None
 
 
 def parse(where: Where, value: object, *, checks: Sequence[str], options: Mapping[str, object] | None = None

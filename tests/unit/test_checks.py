@@ -139,4 +139,5 @@ def test_checks_selected_subchecks_follow_the_declared_option():
     assert replay.selected_subchecks({}) == (replay.subchecks, None)
     assert replay.selected_subchecks({"replay_subchecks": ("weights", "drift")}) == (("drift", "weights"),
                                                                                      "replay_subchecks")
-    assert export.selected_subchecks({"replay_subchecks": ("drift",)}) == (export.subchecks, None)
+    assert export.selected_subchecks({"replay_subchecks": ("drift",)}) == (export.declared_subchecks, None)
+    assert export.declared_subchecks == export.subchecks + ("refresh", "receiver", "receiver_reload")

@@ -79,28 +79,42 @@ def subject_context(ctx) -> SubjectContext:
 def run(ctx) -> dict[str, Tally]:
     """The ``export`` check (options: ``ExportOptions``): the subject's export; with ``refresh`` set, a second
     export after a weight update (``refresh.run_twice``); with ``receiver`` set, the ``receiver`` subcheck
-    (``receiver.run_receiver``)."""
+    (``receiver.ReceiverRun``: the receiver loads what the subject streamed)."""
     opts = ExportOptions.from_options(ctx.options, where="export check options")
-    factory = load_subject(opts.subject)
-    sctx = subject_context(ctx)
-    if opts.refresh:
+    receiver = None
+    if opts.receiver:
+        from moeverify.oracles.export.receiver import load_receiver
+
+        receiver = load_receiver(opts.receiver)
+    return run_export(load_subject(opts.subject), subject_context(ctx), refresh=opts.refresh, receiver=receiver)
+
+
+def run_export(factory, sctx: SubjectContext, *, refresh: bool = False, receiver=None) -> dict[str, Tally]:
+    """The export check's subchecks for subject ``factory``: with ``refresh``, export twice around a weight update;
+    with a ``receiver`` factory, the receiver loads what the subject streamed (``receiver``, and ``receiver_reload``
+    with ``refresh``) and what it holds is compared with the reference."""
+    run = None
+    if receiver is not None:
+        from moeverify.oracles.export.receiver import ReceiverRun
+
+        run = ReceiverRun(receiver, sctx)
+    if refresh:
         from moeverify.oracles.export.refresh import run_twice
 
-        tallies = run_twice(run_subject, factory, sctx)
+        tallies = run_twice(run_subject, factory, sctx, receiver=run)
     else:
-        tallies = run_subject(factory, sctx)
-    if opts.receiver:
-        from moeverify.oracles.export.receiver import load_receiver, run_receiver
-
-        tallies |= run_receiver(load_receiver(opts.receiver), sctx, reload=opts.refresh)
-    return tallies
+        tallies = run_subject(factory, sctx, sink=run and run.sink())
+        if run is not None:
+            run.check("receiver", tallies)
+    return tallies | (run.tallies if run is not None else {})
 
 
-def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, Tally]:
+def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> dict[str, Tally]:
     """Check one subject factory against the reference on every rank; rank 0's tallies are the result.
 
     ``reference``: an iterable of ``(name, tensor)`` to use instead of a fresh ``export_hf_weights``
-    (every rank must pass the same sequence); tests use it to reuse one export.
+    (every rank must pass the same sequence); tests use it to reuse one export. ``sink`` (rank 0's only):
+    called as ``sink(hf_name, tensor)`` with each tensor the subject streamed, merged, once it is checked.
     """
     group = wire.control_group(float(sctx.timeout_s))
     tallies = new_tallies()
@@ -116,7 +130,7 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
     collector = local = None
     if sctx.rank == 0:
         collector = Collector(tallies=tallies, tables=[r.table for r in rows], checkpoint_names=shapes,
-                              world_size=sctx.world_size)
+                              world_size=sctx.world_size, sink=sink)
     elif same_tables:
         # every rank named the same tensors in every row, so a rank waiting for its row's references waits
         # only for tensors rank 0 pulls too; otherwise (slot tables differ somewhere) no rank checks locally
