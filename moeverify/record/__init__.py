@@ -28,6 +28,7 @@ from moeverify.errors import DumpError, UsageError
 from moeverify.layout import Layout
 from moeverify.record.diff import DiffReport, diff, diff_stream
 from moeverify.record.format import MANIFEST, SCHEMA, VERSION, ModelInfo, ids_dtype_for
+from moeverify.record.order import ORDERS, to_router_order
 from moeverify.record.reader import Dump, load
 from moeverify.record.commit import finalize
 from moeverify.record.writer import RankWriter
@@ -89,8 +90,6 @@ def _group_is_the_dump(world_size: int) -> bool:
 
 def _router_order(routes: Routes, *, seq_len, batch: int | None, order: str | None, world_size: int) -> Routes:
     """``routes`` in the router order a dump stores, from the order the caller states (never a guess)."""
-    from moeverify.record.order import ORDERS, to_router_order
-
     if order is not None and order not in ORDERS:
         raise UsageError(f"save: order {order!r} is not one of {', '.join(ORDERS)}")
     if seq_len is None or batch is None:

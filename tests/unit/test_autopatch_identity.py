@@ -142,7 +142,7 @@ def test_fingerprints_see_content_length_padding_and_packed_slot():
 def run_diff(capsys, *argv) -> tuple[int, str]:
     import argparse
 
-    from moeverify.record import cli
+    from moeverify.commands import dump as cli
 
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
