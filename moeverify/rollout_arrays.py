@@ -8,10 +8,12 @@ refused. Legend: T = tokens, L = MoE layers (columns), K = top-k, B = requests, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
+from moeverify import expert_map as maps
 from moeverify import layer_numbering
 from moeverify.errors import RouteError
 from moeverify.routes import _INT_DTYPES, safe_routes
@@ -195,10 +197,6 @@ def fill_pads(ids_TLK: torch.Tensor, pad_T: torch.Tensor, *, num_experts: int) -
 def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_experts: int):
     """``expert_map`` (a path, an ``ExpertMap``, or a parsed map: list, list of lists, layer-keyed dict,
     array) read and checked by ``moeverify.expert_map``, the dump commands' one loader."""
-    import os
-
-    from moeverify import expert_map as maps  # deferred: numpy and json parsing, only with a map
-
     if isinstance(expert_map, maps.ExpertMap):
         emap = expert_map
         missing = sorted(set(layers) - set(emap.per_layer))

@@ -121,7 +121,7 @@ def test_mtp_spec_builds_cpu_modules_and_restores_the_bridge_function(built):
 
     layer = built.model_chunks[0].module.mtp.layers[0]
     norm = ZeroCenteredRMSNorm if built.family == "qwen3_next_mtp" else torch.nn.RMSNorm
-    assert all(type(m) is norm for m in (layer.enorm, layer.hnorm, layer.final_layernorm))
+    assert [type(m) for m in (layer.enorm, layer.hnorm, layer.final_layernorm)] == [norm] * 3
     assert type(layer.eh_proj) is ColumnParallelLinear
     inner = layer.mtp_model_layer
     assert isinstance(inner.self_attention.core_attention, LocalCoreAttention)

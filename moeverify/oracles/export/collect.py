@@ -13,7 +13,7 @@ import collections
 import torch
 
 from moeverify.oracles.export.local import digest
-from moeverify.oracles.export.merge import SHOW_INDICES, TensorMerge
+from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.results import Tally
 
 SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set",
@@ -199,4 +199,4 @@ class Collector:
         tally.ok(len((reference | checkpoint) - bad))
 
 
-__all__ = ["Collector", "SUBCHECKS", "new_tallies", "SHOW_INDICES"]
+__all__ = ["Collector", "SUBCHECKS", "new_tallies"]
