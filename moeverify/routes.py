@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from moeverify import views
 from moeverify.errors import RouteError
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -77,9 +78,8 @@ def _validate_unlike(ids_TK: torch.Tensor, valid_TK: torch.Tensor, **where) -> N
     """``validate_topk_ids`` of the rows of ``ids_TK`` that are not byte-identical to ``valid_TK``'s (validated,
     same dtype and shape); on a failure, of the whole tensor, so that the message names the same token and
     count (every bad row is among the rows checked: the others equal valid rows)."""
-    from moeverify.views import _rows
-
-    words_TW, valid_TW = _rows(ids_TK).numpy(), _rows(valid_TK).numpy()  # NumPy: 7x faster nonzero on one core
+    # NumPy: 7x faster nonzero on one core
+    words_TW, valid_TW = views.word_rows(ids_TK).numpy(), views.word_rows(valid_TK).numpy()
     differ_T = words_TW[:, 0] != valid_TW[:, 0] if words_TW.shape[1] == 1 else (words_TW != valid_TW).any(axis=1)
     try:
         validate_topk_ids(ids_TK.index_select(0, torch.from_numpy(np.flatnonzero(differ_T))), **where)
@@ -281,8 +281,6 @@ class Routes:
 
     def to_local(self, layout, *, coords, seq_len, batch: int, num_layers: int, zigzag: bool = True) -> Routes:
         """This global view as one rank's routers see it (delegates to ``moeverify.views.to_local``)."""
-        from moeverify import views
-
         return views.to_local(self, layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers,
                               zigzag=zigzag)
 
@@ -290,8 +288,6 @@ class Routes:
     def to_global(local_by_rank, layout, *, world_size: int, seq_len, batch: int, num_layers: int,
                   moe_layers: Sequence[int], zigzag: bool = True) -> Routes:
         """Merge ranks' local routes into the global view (delegates to ``moeverify.views.to_global``)."""
-        from moeverify import views
-
         return views.to_global(local_by_rank, layout, world_size=world_size, seq_len=seq_len, batch=batch,
                                num_layers=num_layers, moe_layers=moe_layers, zigzag=zigzag)
 

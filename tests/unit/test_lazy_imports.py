@@ -26,7 +26,7 @@ NOT_YET = frozenset({
     "patches/autopatch_dump.py", "patches/compat.py", "patches/injob.py", "patches/model_hooks.py",
     "patches/regions.py", "patches/replay_state.py", "patches/route_table.py", "patches/router_replay.py",
     "patches/routers.py", "routes.py", "runtime/__init__.py", "runtime/agreement.py", "scenario.py",
-    "subjects/__init__.py", "subjects/shard_rows.py", "subjects/verl.py", "views.py",
+    "subjects/__init__.py", "subjects/shard_rows.py", "subjects/verl.py",
 })
 
 
