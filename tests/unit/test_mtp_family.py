@@ -116,7 +116,8 @@ def test_mtp_spec_builds_cpu_modules_and_restores_the_bridge_function(built):
     from megatron.core.transformer.identity_op import IdentityOp
 
     from moeverify.models.linear_attention import CpuLayerNormColumnParallelLinear
-    from moeverify.models.local_spec import LocalCoreAttention, ZeroCenteredRMSNorm
+    from moeverify.models.local_spec import LocalCoreAttention
+    from moeverify.models.norms import ZeroCenteredRMSNorm
     from moeverify.models.mtp_spec import cpu_mtp_block_spec
 
     layer = built.model_chunks[0].module.mtp.layers[0]

@@ -26,6 +26,7 @@ from moeverify import plugins
 from moeverify.errors import UsageError
 from moeverify.oracles.results import Tally
 from moeverify.options import RECEIVERS
+from moeverify.oracles.export.refresh import updated_weights
 
 SHOW = 8  # names quoted per message
 
@@ -217,8 +218,6 @@ def run_receiver(factory, sctx, *, reload: bool) -> dict[str, Tally]:
     collective); rank 0 loads it into the receiver and compares what it holds with the same export. With
     ``reload``, every weight is updated (as the ``refresh`` subcheck does), the new export is loaded into the
     same receiver (a weight sync) and compared again; the weights are restored after."""
-    from moeverify.oracles.export.refresh import updated_weights
-
     def export():
         return {n: t for n, t in sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)}
 
