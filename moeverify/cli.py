@@ -24,7 +24,6 @@ from moeverify.options import OPTIONS
 from moeverify.options import validate as validate_option
 from moeverify.oracles import registry
 from moeverify.runner import interrupts, nodes
-from moeverify.scenario import scenario_to_dict
 
 __all__ = ["DEFAULT_SCENARIOS", "DEFAULT_TIMEOUT_S", "EXIT_INTERRUPTED", "EXIT_USAGE", "RELEASE_SCENARIOS", "build_parser",
            "main"]
@@ -237,7 +236,7 @@ def _preflight_models(groups) -> None:
 
 def _control(args, node, *, chosen, groups, options):
     """Several nodes: join the control store, with a digest of what this node loaded (all must agree)."""
-    scenarios = [{k: v for k, v in scenario_to_dict(s).items() if k != "source"} for s in chosen]  # not where
+    scenarios = [{k: v for k, v in scenario_mod.scenario_to_dict(s).items() if k != "source"} for s in chosen]  # not where
     loaded = nodes.digest({"scenarios": scenarios, "options": options,
                            "timeout": args.timeout, "groups": [(g.world_size, g.backend) for g in groups],
                            "nnodes": node.nnodes})
