@@ -16,7 +16,7 @@ import torch
 from moeverify import expert_map as maps
 from moeverify import layer_numbering
 from moeverify.errors import RouteError
-from moeverify.routes import _INT_DTYPES, safe_routes
+from moeverify.route_ids import INT_DTYPES, safe_routes
 
 PICK, COUNT = 'numbering="{}"', "num_layers="
 
@@ -171,7 +171,7 @@ def as_int64(array) -> torch.Tensor:
         tensor = array if isinstance(array, torch.Tensor) else torch.as_tensor(array)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise RouteError(f"rollout routes must be an integer array, got {type(array).__name__}: {exc}") from exc
-    if tensor.dtype not in _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
+    if tensor.dtype not in INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
         raise RouteError(f"rollout routes dtype {tensor.dtype} is not an integer dtype")
     return tensor.to(torch.int64)
 

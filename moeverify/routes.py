@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from moeverify import rollout_arrays as ra
 from moeverify import views
 from moeverify.errors import RouteError
-
-_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+from moeverify.route_ids import INT_DTYPES
+from moeverify.route_ids import safe_routes as safe_routes  # public here too (``moeverify.routes.safe_routes``)
 
 
 def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_experts: int, topk: int,
@@ -27,7 +28,7 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
     where = f"layer {layer} rank {rank} mb {microbatch}"
     if not isinstance(topk_ids_TK, torch.Tensor):
         raise RouteError(f"{where}: route must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
-    if topk_ids_TK.dtype not in _INT_DTYPES:
+    if topk_ids_TK.dtype not in INT_DTYPES:
         raise RouteError(f"{where}: route dtype {topk_ids_TK.dtype} is not an integer dtype")
     expected = f"(T={tokens if tokens is not None else 'any'}, K={topk})"
     if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[1] != topk or (tokens is not None and topk_ids_TK.shape[0] != tokens):
@@ -329,8 +330,6 @@ class Routes:
         spread over all experts. A capture gap (a row of -1, or with K > 1 a row of zeros, on a real
         token) raises ``RouteError`` naming request, token and layer: it is never replayed as expert 0.
         """
-        from moeverify import rollout_arrays as ra
-
         if lengths is None and (isinstance(topk_ids, (list, tuple)) or ra.ndim(topk_ids) == 4):
             raise RouteError("several rollout requests need lengths= (tokens training feeds per request)")
         if rows is not None and (lengths is None or isinstance(topk_ids, (list, tuple))):
@@ -371,11 +370,3 @@ class Routes:
         tokens = [int(t.shape[0]) for t in self._data[self.layers[0]]] if self._data else []
         return (f"Routes(layers={list(self.layers)}, microbatches={self.microbatches}, tokens={tokens}, "
                 f"num_experts={self.num_experts}, topk={self.topk})")
-
-
-def safe_routes(tokens: int, *, topk: int, num_experts: int, start: int = 0) -> torch.Tensor:
-    """``[tokens, topk]`` int64 filler routes: row ``t`` takes experts ``((start + t) * K + j) % E``."""
-    if not 1 <= topk <= num_experts:
-        raise RouteError(f"need 1 <= topk <= num_experts, got topk {topk}, num_experts {num_experts}")
-    rows_T = torch.arange(start, start + tokens, dtype=torch.int64)
-    return (rows_T[:, None] * topk + torch.arange(topk, dtype=torch.int64)[None, :]) % num_experts

@@ -21,7 +21,6 @@ NOT_YET = frozenset({
     "oracles/export/mutants.py",  # imports subjects, whose modules import oracles.export back
     "patches/autopatch.py",  # imports record, a layer above patches
     "patches/replay_state.py",
-    "routes.py",  # Routes.from_rollout -> rollout_arrays, which imports routes
 })
 
 
