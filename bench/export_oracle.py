@@ -265,7 +265,7 @@ def measure(weights: str, layout, rt) -> dict | None:
         largest = max(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size() / 2**20
         sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
                                      rank=rt.rank, world_size=rt.world_size, hf_path=hf_path, built=built,
-                                     options={"timeout": 1200, "stats": {}})
+                                     timeout_s=1200, stats={})
 
         def bare():
             for _name, _t in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):
@@ -284,7 +284,7 @@ def measure(weights: str, layout, rt) -> dict | None:
             naive_mib, naive_s = float("nan"), float("nan")
         else:
             naive_mib, naive_s, _ = _phase(lambda: gather_everything(sctx))
-        stats = dict(sctx.options["stats"])
+        stats = dict(sctx.stats)
         built = sctx = None  # drop the model before leaving the parallel state (the closures share these cells)
     if rt.rank != 0:
         return None

@@ -6,8 +6,11 @@ each depth of ``--layers`` (``num_hidden_layers`` overridden). Phases, each in a
 peak is its own:
 
 - ``import``: torch + transformers + moeverify imported, nothing built (the fixed cost);
-- ``checkpoint``: the seeded HF checkpoint written (``moeverify.models.families._write_checkpoint``);
-  model bytes = the written ``*.safetensors`` bytes;
+- ``checkpoint``: the seeded checkpoint made (``hf_checkpoint``: a config alone gets its weights made per tensor
+  when read, so this phase writes the config and the tensor list only); model bytes = the sum of every tensor's
+  bytes (its shape and dtype);
+- ``bare_export``: the peer of every check's time: the model loaded through Megatron-Bridge and one plain
+  ``export_hf_weights`` pass over it, nothing compared (what a trainer's weight sync costs);
 - ``check:<name>``: ``python -m moeverify run`` of a 1-rank scenario with that check alone, the checkpoint
   already cached: bridge load, model build, the check and its reference export. Peak = the largest
   ``ru_maxrss`` of any process of the run (``getrusage(RUSAGE_CHILDREN)`` of a fresh wrapper).
@@ -16,12 +19,14 @@ Reports peak RSS / model bytes per phase and depth, and the least-squares slope 
 byte of model added per layer: the part that grows with depth). Writes JSON under bench/results/ and a PNG.
 
     python bench/memory.py [--model config.json] [--layers 1 2 4] [--checks roundtrip export replay]
+                           [--backend cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,6 +43,17 @@ _WRAP = ("import json, resource, subprocess, sys, time\n"
          "      peak=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)))\n")
 
 _IMPORT = "import torch, transformers, moeverify.models.families  # noqa\n"
+
+# The peer: build (bridge load) and one export pass, nothing kept or compared.
+_BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverify.layout import Layout\n"
+         "from moeverify.models import user\n"
+         "key = user.register(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).key\n"
+         "runtime.init(sys.argv[3])\n"
+         "with runtime.parallel(Layout(), seed=0):\n"
+         "    built = models.build(key, Layout())\n"
+         "    n = sum(t.numel() for _, t in built.bridge.export_hf_weights(built.model_chunks, cpu=True,\n"
+         "                                                                    show_progress=False))\n"
+         "print(n)\n")
 
 # The seeded checkpoint as a check's rank makes it (``hf_checkpoint``, into MOEVERIFY_CACHE_DIR): the checks
 # that follow find it cached, so their peaks are the bridge load, build and check alone.
@@ -62,27 +78,62 @@ def _scenario(path: Path, model: Path, layers: int, check: str) -> None:
         "model": str(model), "model_set": {"num_hidden_layers": layers}, "world_size": 1, "checks": [check]}]}))
 
 
-def measure(model: Path, layers: list[int], checks: list[str], work: Path) -> dict:
+def _model_bytes(ckpt: Path) -> int:
+    """Bytes of the model's tensors: seeded weights made on demand (their list) or safetensors files."""
+    from moeverify.models import seeded
+
+    if seeded.is_seeded(ckpt):
+        weights = seeded.SeededWeights(ckpt)
+        return sum(math.prod(shape) * dtype.itemsize
+                   for shape, dtype in zip(weights.shapes().values(), weights.dtypes().values(), strict=True))
+    return sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+
+
+def measure(model: Path, layers: list[int], checks: list[str], work: Path, backend: str = "cpu",
+            save=lambda rows: None) -> dict:
+    """Every phase at every depth; ``save(rows)`` after each row (a cut-off run keeps what it measured)."""
     env = dict(os.environ, MOEVERIFY_CACHE_DIR=str(work / "cache"))
-    rows = [dict(phase="import", layers=0, **_peak([sys.executable, "-c", _IMPORT], env=env))]
+    rows = _Rows(save)
+    rows += [dict(phase="import", layers=0, **_peak([sys.executable, "-c", _IMPORT], env=env))]
     print(f"import only: peak {rows[0]['peak'] / 1e9:.2f} GB", flush=True)
     for n in layers:
         before = set((work / "cache").glob("models/*"))
         row = _peak([sys.executable, "-c", _CHECKPOINT, str(model), str(n)], env=env)
         (ckpt,) = set((work / "cache").glob("models/*")) - before
-        model_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        model_bytes = _model_bytes(ckpt)
         rows.append(dict(phase="checkpoint", layers=n, model_bytes=model_bytes, **row))
         print(f"{n} layers: model {model_bytes / 1e9:.3f} GB; checkpoint peak {row['peak'] / 1e9:.2f} GB "
               f"({row['peak'] / model_bytes:.2f}x)", flush=True)
+        bare = _peak([sys.executable, "-c", _BARE, str(model), str(n), backend], env=env,
+                     log=work / f"{n}-bare.log")
+        rows.append(dict(phase="bare_export", layers=n, model_bytes=model_bytes, **bare))
+        print(f"{n} layers: bare export peak {bare['peak'] / 1e9:.2f} GB ({bare['peak'] / model_bytes:.2f}x), "
+              f"{bare['wall']:.0f} s", flush=True)
         for check in checks:
             scen = work / f"scen-{n}-{check}.json"
             _scenario(scen, model, n, check)
-            row = _peak([sys.executable, "-m", "moeverify", "run", str(scen), "--backend", "cpu",
+            row = _peak([sys.executable, "-m", "moeverify", "run", str(scen), "--backend", backend,
                          "--run-dir", str(work / f"run-{n}-{check}")], env=env, log=work / f"{n}-{check}.log")
-            rows.append(dict(phase=f"check:{check}", layers=n, model_bytes=model_bytes, **row))
+            rows.append(dict(phase=f"check:{check}", layers=n, model_bytes=model_bytes,
+                             time_vs_bare_export=round(row["wall"] / bare["wall"], 3), **row))
             print(f"{n} layers: {check} peak {row['peak'] / 1e9:.2f} GB ({row['peak'] / model_bytes:.2f}x), "
-                  f"{row['wall']:.0f} s", flush=True)
-    return dict(model=str(model), rows=rows, fits=_fits(rows))
+                  f"{row['wall']:.0f} s ({row['wall'] / bare['wall']:.2f}x the bare export)", flush=True)
+    return dict(model=str(model), rows=list(rows), fits=_fits(rows))
+
+
+class _Rows(list):
+    def __init__(self, save) -> None:
+        super().__init__()
+        self._save = save
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self._save(list(self))
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
 
 
 def _fits(rows: list[dict]) -> dict:
@@ -111,7 +162,7 @@ def _plot(result: dict, png: Path) -> None:
         ax.plot([r["layers"] for r in pts], [r["peak"] / r["model_bytes"] for r in pts], marker="o", label=phase)
     ax.set_xlabel("layers")
     ax.set_ylabel("peak RSS / model bytes")
-    ax.set_title(f"host memory per phase, one CPU rank ({result.get('label', '')})")
+    ax.set_title(f"host memory per phase, one {result.get('backend', 'cpu')} rank ({result.get('label', '')})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -123,14 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
     p.add_argument("--label", default="memory", help="results file stem under bench/results/")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="moeverify-membench-") as tmp:
-        result = measure(args.model.resolve(), args.layers, args.checks, Path(tmp))
-    result["label"] = args.label
     out = ROOT / "bench" / "results" / f"{args.label}.json"
-    tmp_out = out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(result, indent=1))
-    os.replace(tmp_out, out)
+
+    def save(result: dict) -> None:
+        tmp_out = out.with_suffix(".json.tmp")
+        tmp_out.write_text(json.dumps(dict(result, label=args.label, backend=args.backend), indent=1))
+        os.replace(tmp_out, out)
+
+    with tempfile.TemporaryDirectory(prefix="moeverify-membench-") as tmp:
+        result = measure(args.model.resolve(), args.layers, args.checks, Path(tmp), args.backend,
+                         save=lambda rows: save(dict(model=str(args.model), rows=rows, fits=_fits(rows))))
+    result.update(label=args.label, backend=args.backend)
+    save(result)
     print(json.dumps(result["fits"], indent=1))
     try:
         _plot(result, out.with_suffix(".png"))

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from moeverify import checks
 from moeverify import scenario as scenario_mod
 from moeverify import timeouts
 from moeverify.commands import bench, doctor
@@ -22,7 +23,6 @@ from moeverify.errors import UsageError
 from moeverify.models import user
 from moeverify.options import OPTIONS
 from moeverify.options import validate as validate_option
-from moeverify.oracles import registry
 from moeverify.runner import interrupts, nodes
 
 __all__ = ["DEFAULT_SCENARIOS", "DEFAULT_TIMEOUT_S", "EXIT_INTERRUPTED", "EXIT_USAGE", "RELEASE_SCENARIOS", "build_parser",
@@ -142,7 +142,7 @@ def _check_outputs(args) -> None:
 def _load(args, node=None):
     from moeverify.runner import select  # lazy: rich (its results table)
 
-    known = registry.check_names()
+    known = checks.check_names()
     if args.check is not None and args.check not in known:
         raise UsageError(f"--check {args.check!r}: unknown check; known checks: {', '.join(known)}")
     options = {o.name: getattr(args, o.name) for o in OPTIONS.values() if o.flag}

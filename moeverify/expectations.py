@@ -13,28 +13,20 @@ The check's outcome is then judged against that statement (``judge``):
 - any other subcheck fails, or the check crashes: a plain failure or crash, as without the mark.
 
 Entries are validated when the file is loaded: the finding id, a check the scenario runs, and subchecks that
-check declares (``SUBCHECKS``, read from each check's own declaration).
+check declares (``CheckSpec.subchecks`` in ``moeverify.checks``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from collections.abc import Collection, Mapping, Sequence
 
+from moeverify.checks import CHECKS
 from moeverify.yaml_file import Where, error
 
 _KEYS = frozenset({"finding", "check", "subchecks", "reason"})
 _FINDING = re.compile(r"[A-Z]+[0-9]+")  # the README's findings table ids: F3, M1
-
-# Where each built-in check declares its subcheck names (module:attribute), read only when a file marks one.
-SUBCHECKS: dict[str, str] = {
-    "roundtrip": "moeverify.oracles.roundtrip:SUBCHECKS",
-    "export": "moeverify.oracles.export.collect:SUBCHECKS",
-    "replay": "moeverify.options:REPLAY_SUBCHECKS",
-    "hf_parity": "moeverify.oracles.hf_parity:SUBCHECKS",
-}
 
 EXPECTED, NOW_PASSES = "expected failure", "expected failure now passes"
 
@@ -60,18 +52,16 @@ class ExpectedFailure:
 
 def subcheck_names(check: str) -> tuple[str, ...] | None:
     """The subcheck names ``check`` declares; None for a check that declares none (an extra check)."""
-    target = SUBCHECKS.get(check)
-    if target is None:
-        return None
-    module, _, attr = target.partition(":")
-    return tuple(getattr(importlib.import_module(module), attr))
+    spec = CHECKS.get(check)
+    return spec.declared_subchecks if spec is not None and spec.declared_subchecks else None
 
 
-def parse(where: Where, value: object, *, checks: Sequence[str], replay_subchecks: Collection[str] | None = None
+def parse(where: Where, value: object, *, checks: Sequence[str], options: Mapping[str, object] | None = None
           ) -> tuple[ExpectedFailure, ...]:
     """``expect_fail:`` of one scenario, whose checks are ``checks``; ``UsageError`` naming the rule otherwise.
 
-    ``replay_subchecks`` (the scenario's ``replay_subchecks`` option) limits which replay subchecks can fail.
+    ``options`` (the scenario's validated check options) may narrow which subchecks run, and so can fail
+    (``replay_subchecks``: ``CheckSpec.selected_subchecks``).
     """
     if value is None:
         return ()
@@ -80,7 +70,7 @@ def parse(where: Where, value: object, *, checks: Sequence[str], replay_subcheck
                            f"mappings, got {value!r}")
     out: list[ExpectedFailure] = []
     for entry in value:
-        out.append(_entry(where.at(entry), entry, checks=checks, replay_subchecks=replay_subchecks))
+        out.append(_entry(where.at(entry), entry, checks=checks, options=options or {}))
     dups = sorted({e.check for e in out if sum(o.check == e.check for o in out) > 1})
     if dups:
         raise error(where, f"expect_fail names check(s) {dups} twice; give one entry per check, its subchecks "
@@ -88,7 +78,7 @@ def parse(where: Where, value: object, *, checks: Sequence[str], replay_subcheck
     return tuple(out)
 
 
-def _entry(where: Where, entry: object, *, checks: Sequence[str], replay_subchecks) -> ExpectedFailure:
+def _entry(where: Where, entry: object, *, checks: Sequence[str], options: Mapping[str, object]) -> ExpectedFailure:
     if not isinstance(entry, Mapping):
         raise error(where, f"expect_fail entry must be a mapping {{finding, check, subchecks, reason}}, got {entry!r}")
     unknown = sorted(str(k) for k in entry if k not in _KEYS)
@@ -104,19 +94,17 @@ def _entry(where: Where, entry: object, *, checks: Sequence[str], replay_subchec
     if check not in checks:
         raise error(where, f"expect_fail ({finding}): check {check!r} is not run by this scenario (its checks: "
                            f"{', '.join(checks)})")
-    known = subcheck_names(check)
-    if known is None:
+    if subcheck_names(check) is None:
         raise error(where, f"expect_fail ({finding}): check {check!r} declares no subchecks, so none can be "
                            "expected to fail")
-    if replay_subchecks is not None and check == "replay":
-        known = tuple(s for s in known if s in replay_subchecks)
+    known, narrowed_by = CHECKS[check].selected_subchecks(options)
     if not isinstance(subs, list) or not subs or not all(isinstance(s, str) for s in subs):
         raise error(where, f"expect_fail ({finding}): subchecks must be a non-empty list of {check}'s subcheck "
                            f"names ({', '.join(known)}), got {subs!r}")
     bad = [s for s in subs if s not in known]
     if bad:
         raise error(where, f"expect_fail ({finding}): unknown {check} subcheck(s) {bad}"
-                           f"{' (or not run: replay_subchecks)' if replay_subchecks is not None else ''}; "
+                           f"{f' (or not run: {narrowed_by})' if narrowed_by else ''}; "
                            f"known: {', '.join(known)}")
     if len(set(subs)) != len(subs):
         raise error(where, f"expect_fail ({finding}): a subcheck is listed twice in {subs}")

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from moeverify import options
+from moeverify.checks import CHECKS, check_names
 from moeverify.errors import LayoutError, UsageError
 from moeverify.expectations import ExpectedFailure
 from moeverify.expectations import parse as parse_expect_fail
@@ -194,15 +195,12 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
     if not check_list:
         raise error(where, "checks is empty: a scenario must run at least one check")
     scenario_options = _options_field(where, spec.fields.get("options", {}))
-    if "replay" in check_list:
-        seq_len = scenario_options.get("replay_seq_len", 16)
-        if seq_len % (2 * layout.cp):
-            raise error(where, f"the replay check's sequence of {seq_len} tokens is not divisible by 2 * cp = "
-                                f"{2 * layout.cp} (context parallelism splits each sequence in 2 * cp chunks); "
-                                "set options: {replay_seq_len: N} with N a multiple of it")
+    for check in check_list:  # each check's own rule (moeverify.checks: CheckSpec.scenario_rule)
+        refusal = CHECKS[check].refusal(scenario_options, layout) if check in CHECKS else None
+        if refusal:
+            raise error(where, refusal)
     expect_fail = () if fit_or_skip else parse_expect_fail(
-        where, spec.fields.get("expect_fail"), checks=check_list,
-        replay_subchecks=scenario_options.get("replay_subchecks"))
+        where, spec.fields.get("expect_fail"), checks=check_list, options=scenario_options)
     return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
                     seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
                     gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
@@ -346,9 +344,7 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
     name merge instead: their checks are united, the first one's other fields kept.
     """
     if checks is None:
-        from moeverify.oracles import registry
-
-        checks = registry.check_names()
+        checks = check_names()
     families = _families() if families is None else families
     seen: dict[str, Scenario] = {}
     out = []

@@ -1,5 +1,6 @@
 """Run the replay oracles over implementations x MoE families x router variants (and layouts) and
-write docs/replay_matrix.md from the records.
+write docs/replay_matrix.md from the records (its hand-written sections, from "How the oracles work" to the first
+table, are kept from the page as it is; the bug-class table in them is rendered from ``moeverify.bug_classes``).
 
     python tools/replay_matrix.py                 # run everything, then render
     python tools/replay_matrix.py --render-only   # re-render from the JSON kept in --work
@@ -23,99 +24,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moeverify.bug_classes import with_table  # noqa: E402
 from moeverify.layout import Layout, parse_layout_name  # noqa: E402
 from moeverify.oracles.replay.oracle import SUBCHECKS  # noqa: E402
-from moeverify.oracles.replay.variants import VARIANTS  # noqa: E402
+from moeverify.checks import REPLAY_IMPLS  # noqa: E402
+from moeverify.router_variants import VARIANTS  # noqa: E402
 
-IMPLS = ("moeverify", "native", "verl")
+IMPLS = tuple(REPLAY_IMPLS)
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 LAYOUTS = (("tp1", 1), ("ep2", 2), ("tp2-sp", 2), ("pp2-vpp2", 2), ("cp2", 2))
 
 
-FINDINGS = """\
-## How the oracles work
-Every rank of the layout drives the model through Megatron's own pipeline schedule
-(`get_forward_backward_func`) with several micro-batches (3; 4 under PP2 x VPP2), log-prob pass first
-(forward only, no grad, routes recorded), training pass second (forward + backward, routes replayed).
-Data: seeded token ids per DP rank, labels = next token; loss = mean token cross-entropy (vocab-parallel,
-fp32). Models are the tiny `moeverify.models` families in fp32 with dropout off. Router variants
-(`moeverify/oracles/replay/variants.py`) override the family's TransformerConfig at build time.
-
-- **equivalence**: recorded routes == routes the routers took; replayed training pass == plain native
-  training pass bit for bit (routing maps, router probs, logits, per-sequence losses, every gradient).
-- **drift**: router weights perturbed (seeded, weight-scale noise): native routing must change (else the
-  check fails: it would prove nothing); the replayed pass follows the recorded routes for 100% of tokens.
-  Per-layer native-vs-replayed agreement (R3's metric) is listed under each variant table.
-- **recompute**: full (uniform, 1 layer) and MoE-only (selective `["moe"]`) recompute on perturbed weights:
-  gradients == the no-recompute replay bit for bit, each micro-batch recomputed once per layer with its
-  forward's routes, and the implementation reports every route consumed.
-- **cross_layout**: a 1-rank-layout reference (every rank runs it with dp = world on the global batch)
-  records global routes; `moeverify.views.to_local` converts them to each rank's view; replayed under the
-  scenario layout they must be followed token for token and give per-sequence losses within rtol 1e-4 /
-  atol 1e-4 of the reference (not bitwise: TP, EP, SP and CP change fp32 reduction orders).
-- **native_parity**: the implementation's replay vs Megatron-Core's native `RouterReplay` replaying the same
-  routes on a second build of the same weights (Megatron's own routing restored while it runs): identical
-  routing, probs, logits and gradients. For `native` itself this is a determinism self-check.
-
-Every oracle is shown to fail on a broken implementation (`moeverify/oracles/replay/faulty.py`, tested in
-`tests/special_distributed/test_replay_oracle.py`): replaying the wrong micro-batch fails equivalence,
-drift, cross_layout and native_parity; routes off by one layer fail drift and native_parity; detached
-replay probabilities fail equivalence (router gradients); no replay in recompute fails recompute.
-
-## Findings
-**verl 0.9.1 `router_replay_patch`** replaces `TopKRouter.routing` with its own copy of megatron-core's
-routing, which on megatron-core 0.19.2
-- raises `ValueError: Invalid score_function: sqrtsoftplus` (0.19.2 offers sqrtsoftplus; verl's copy has
-  only softmax and sigmoid);
-- drops the router's `padding_mask` (accepted through `*args, **kwargs` and ignored), so aux losses and
-  expert-bias token counts include padding tokens: with a padding mask its gradients differ from native
-  routing (native_parity fails on the `padding` variant; equivalence still passes, because verl agrees
-  with itself).
-
-**Megatron-Core 0.19.2 native `RouterReplay`** replays its input without checking it (pinned in
-`tests/unit/test_replay_oracle_native_findings.py`); reproduction on CPU, no model needed:
-```python
-import torch
-from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-rr = RouterReplay(); rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-logits = torch.randn(2, 4)
-rr.set_target_indices(torch.tensor([[0, 1]]))          # 1 row for a 2-token call
-print(topk_routing_with_score_function(logits, 2, router_replay=rr)[1].sum(1))  # tensor([2, 0])
-rr.set_target_indices(torch.tensor([[0, 0], [1, 2]]))  # expert 0 twice
-print(topk_routing_with_score_function(logits, 2, router_replay=rr)[1].sum(1))  # tensor([1, 2])
-```
-- a route table shorter than the router call (a rollout engine's missing last row, R3) silently routes the
-  uncovered tokens to no expert at all;
-- a duplicate expert id silently routes the token to fewer than top-k experts (verl patches the alltoall
-  dispatcher's `num_out_tokens = T * K` for this case);
-- out-of-range ids fail only inside `gather` ("index 9 is out of bounds for dimension 1 with size 4" on
-  CPU, naming no layer, rank or micro-batch);
-- `replay_backward_list` is appended on every `set_target_indices` and popped only by recompute: without
-  recompute it grows every step unless the trainer calls `clear_global_indices()`;
-- `RouterReplay.global_router_replay_instances` keeps the routers of every model ever built in the process
-  (actor + reference, rebuilt decoders): `set_replay_data`/`get_recorded_data` then address the wrong
-  routers or refuse with a count mismatch. The oracles address routers through the model instead.
-
-**Megatron-Core 0.19.2 `TopKRouter._apply_expert_bias`** (router.py) computes
-`routing_map & (~padding_mask)` with `routing_map` `[T, E]` and the flattened `padding_mask` `[T]`, which lines
-the token mask up with the expert axis. With T != E every training forward of a router with expert bias that
-is given a padding mask raises ("The size of tensor a (E) must match the size of tensor b (T)"); with
-T == E (as many tokens in the router call as experts) it raises nothing and the counts are wrong in every
-layer: expert `e` loses its counts whenever token `e` is padding, and padding tokens' experts are counted
-(`tests/unit/test_router_replay_counts.py` pins it; `token_counts` fails `native` and `verl` there, T == E with
-wrong counts, T != E with the error). moeverify's patch counts per token for the routers its sessions hold
-(docs/router_replay.md). Fix: `routing_map & ~padding_mask.unsqueeze(-1)`. Reproduction: any DeepSeek-V3 (sigmoid + expert
-bias) MoE layer called with `padding_mask` in training mode, e.g.
-`moeverify run` on the scenario `{family: deepseek_v3, world_size: 1, checks: [replay],
-options: {replay_impl: native, router_variants: [padding]}}`.
-
-**CPU ranks (gloo)**: with batched p2p (`batch_p2p_comm=True`, Megatron's default) PP2 x VPP2 training
-passes exchange activation and gradient messages with the same peer in the wrong order: micro-batches
-after the first group compute on another message's tensor (forward-only passes are correct). The
-equivalence oracle caught it (recorded log-prob routes differed from the training pass's). The oracles
-build with `batch_p2p_comm=False` on CPU.
-"""
+def preamble(page: Path) -> str:
+    """The hand-written part of ``page`` (from "## How the oracles work" to the first generated table), kept as it
+    is, with its bug-class table rendered anew from ``moeverify.bug_classes``."""
+    text = page.read_text()
+    start, stop = text.find("## How the oracles work"), text.find("\n### ")
+    if start < 0 or stop < start:
+        raise SystemExit(f"{page}: no '## How the oracles work' section before the first '### ' table to keep")
+    return with_table(text[start:stop], "replay").rstrip("\n")
 
 
 def _run(work: Path, *, impl: str, family: str, layout: str, nproc: int, variants: str, timeout: int) -> Path:
@@ -215,7 +142,9 @@ def render(work: Path, out: Path, *, variant_layout: str, preamble: str) -> None
     lines = ["# Router replay: oracle x implementation x family x router variant", "",
              f"Generated by `tools/replay_matrix.py` from real runs ({datetime.date.today()}; CPU ranks, gloo, fp32;",
              "megatron-core 0.19.2, verl 0.9.1). Each cell: `pass (items checked)` or the first failure reason;",
-             "every rank's failures are in the JSON records. Do not edit by hand: re-run the tool.", "",
+             "every rank's failures are in the JSON records. Do not edit the tables by hand: re-run the tool (it keeps",
+             "the sections above them as written and renders their bug-class table from `moeverify/bug_classes.py`).",
+             "",
              preamble, ""]
     for family in FAMILIES:
         lines += _variant_rows(work, family, variant_layout)
@@ -253,7 +182,7 @@ def main() -> int:
                     for impl in impls:
                         _run(work, impl=impl, family=family, layout=layout, nproc=nproc, variants="default",
                              timeout=args.timeout)
-    render(work, Path(args.out), variant_layout=args.variant_layout, preamble=FINDINGS)
+    render(work, Path(args.out), variant_layout=args.variant_layout, preamble=preamble(Path(args.out)))
     return 0
 
 

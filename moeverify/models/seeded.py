@@ -5,9 +5,10 @@ be a 61 GB file (a node's whole disk) and ``save_pretrained`` would hold the mod
 its directory holds ``config.json`` and ``MARKER``: the recipe, the seed and every tensor's name, shape and dtype
 as ``save_pretrained`` would have written them (transformers' own reverse weight conversion applied to the model
 built on the ``meta`` device: no memory, a few seconds at 48 layers). A tensor's values are made when it is read,
-from a generator seeded by (seed, tensor name) alone, so any rank, any reader and any order get the same bits:
-Megatron-Bridge's loader reads them through ``moeverify.models.seeded_state`` and the roundtrip check compares
-the export with them.
+a counter-based hash of (seed, tensor name, element index) in 64-bit integer arithmetic (``noise``), so any rank,
+any reader, any order and any device get the same bits; they are made on the GPU where there is one (a 48-layer
+model is 30 G values: a CPU generator takes minutes per pass, the GPU a second). Megatron-Bridge's loader reads them
+through ``moeverify.models.seeded_state`` and the roundtrip check compares the export with them.
 
 Version assumptions (transformers 5.12.1): ``save_pretrained`` drops ``_keys_to_ignore_on_save``, removes tied
 duplicates (``remove_tied_weights_from_state_dict``) and applies ``revert_weight_conversion`` (fused experts to
@@ -17,19 +18,23 @@ per-expert tensors); the names here follow the same three steps, and a test comp
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moeverify.errors import MoEVerifyError
 
 MARKER = "moeverify-seeded.json"
-RECIPE = "per-tensor-1"  # bump when the values or the names below change (part of the cache fingerprint)
+RECIPE = "per-tensor-2"  # bump when the values or the names below change (part of the cache fingerprint)
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
@@ -39,8 +44,101 @@ def is_seeded(path) -> bool:
 
 
 def tensor_seed(seed: int, name: str) -> int:
-    """The generator seed of tensor ``name``: depends on nothing but the model's seed and the name."""
+    """The key of tensor ``name``'s values: depends on nothing but the model's seed and the name (63 bits)."""
     return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)  # splitmix64's increment and multipliers
+_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_BLOCK = 1 << 24  # elements per step: bounds the int64 temporaries (8 bytes each, a few alive)
+_SQRT12 = 12 ** 0.5
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def noise(key: int, numel: int, *, device=None) -> torch.Tensor:
+    """``numel`` fp32 values of mean 0 and variance 1 (uniform on [-sqrt 3, sqrt 3)), element i a function of (key, i)
+    alone: splitmix64 of ``key + (i + 1) * golden`` in wrapping 64-bit arithmetic, its top 24 bits as the fraction.
+    Only integer operations, one exact int-to-float conversion and two correctly rounded fp32 operations, so the CPU
+    path (numpy uint64, blocks on threads) and the GPU path (torch int64) give the same bits (``test_seeded_weights``
+    holds both to a pure-Python reference)."""
+    device = torch.device(device or "cpu")
+    if device.type == "cpu":
+        return torch.from_numpy(_noise_numpy(key, numel))
+    return _noise_torch(key, numel, device)
+
+
+def _noise_torch(key: int, numel: int, device: torch.device) -> torch.Tensor:
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    for start in range(0, numel, _BLOCK):
+        x = torch.arange(start + 1, min(start + _BLOCK, numel) + 1, dtype=torch.int64, device=device)
+        x = x * _GOLDEN + key
+        x = (x ^ _shr(x, 30)) * _MIX1
+        x = (x ^ _shr(x, 27)) * _MIX2
+        x = x ^ _shr(x, 31)
+        u = _shr(x, 40).to(torch.float32) * (1.0 / (1 << 24))  # exact: 24 bits, a power-of-two scale
+        out[start:start + len(u)] = (u - 0.5) * _SQRT12
+    return out
+
+
+def _noise_numpy(key: int, numel: int):
+    out = np.empty(numel, dtype=np.float32)
+    g, m1, m2 = (np.uint64(c & ((1 << 64) - 1)) for c in (_GOLDEN, _MIX1, _MIX2))
+
+    def block(start: int) -> None:
+        x = np.arange(start + 1, min(start + _CPU_BLOCK, numel) + 1, dtype=np.uint64)
+        x *= g
+        x += np.uint64(key)
+        x ^= x >> np.uint64(30)
+        x *= m1
+        x ^= x >> np.uint64(27)
+        x *= m2
+        x ^= x >> np.uint64(31)
+        u = (x >> np.uint64(40)).astype(np.float32)
+        u *= np.float32(1.0 / (1 << 24))
+        u -= np.float32(0.5)
+        u *= np.float32(_SQRT12)
+        out[start:start + len(u)] = u
+
+    starts = range(0, numel, _CPU_BLOCK)
+    if len(starts) == 1:
+        block(0)
+    else:
+        list(_pool().map(block, starts))  # numpy releases the GIL in its loops
+    return out
+
+
+_CPU_BLOCK = 1 << 22
+
+
+@functools.cache
+def _pool():
+    return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="moeverify-seeded")
+
+
+def noise_reference(key: int, index: int) -> float:
+    """Element ``index`` of ``noise(key, ...)`` in plain Python integers and float32 rounding (the tests' oracle)."""
+    mask = (1 << 64) - 1
+    x = ((index + 1) * 0x9E3779B97F4A7C15 + key) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    u = np.float32(x >> 40) * np.float32(1.0 / (1 << 24))
+    return float((u - np.float32(0.5)) * np.float32(_SQRT12))
+
+
+def _device():
+    """Where values are made: the current GPU once this process uses one, else the CPU (the same bits)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def write(seed: int, dst: Path, *, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -83,9 +181,8 @@ class SeededWeights:
         if name not in self._specs:
             raise KeyError(f"{self.path}: no seeded tensor {name!r}")
         shape, dtype = self._specs[name]
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(tensor_seed(self.seed, name)),
-                            dtype=torch.float32)
-        return seeded_value(name, noise).to(dtype)
+        values = noise(tensor_seed(self.seed, name), math.prod(shape), device=_device()).view(shape)
+        return seeded_value(name, values).to(dtype).cpu()
 
     def close(self) -> None:
         pass

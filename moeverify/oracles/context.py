@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from moeverify import timeouts
 from moeverify.scenario import Scenario  # defined upstream; imported here for the checks
 from moeverify import models
 
@@ -13,8 +14,9 @@ from moeverify import models
 class CheckContext:
     """Handed to every check on every rank.
 
-    ``options`` holds run-wide options from the command line (``subject``, ``replay_impl``, ``timeout``)
-    merged over the scenario's own ``options``.
+    ``options`` holds the check options given on the command line (``subject``, ``replay_impl``, ...) merged
+    over the scenario's own ``options``; each check reads its own through its options dataclass
+    (``moeverify.checks``). ``timeout_s`` is the run's per-scenario deadline (``--timeout``).
     """
 
     scenario: Scenario
@@ -22,6 +24,7 @@ class CheckContext:
     world_size: int
     backend: str
     options: dict[str, Any]
+    timeout_s: float = timeouts.SCENARIO_S
     _built: Any = None
 
     def model(self):

@@ -4,11 +4,17 @@ A record is ``{"scenario", "check", "passed", "seconds", "subchecks": {NAME: {"p
 "failures"}}}``. A subcheck that checked zero items fails: an oracle that looked at nothing proves nothing,
 unless the oracle found it not applicable to the model: then its entry also carries ``"not_applicable": REASON``
 (``checked`` 0, no failures), and the record passes only if some other subcheck checked items.
+
+Every subcheck of a built-in check also carries ``"guards": CLASS``, the class of bug it exists for, and a record
+whose subchecks ran lists the declared subchecks that did not (an option off, ``replay_subchecks``) under
+``"not_run": {NAME: CLASS}``, so a reader sees what was and was not checked (``moeverify.bug_classes``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from moeverify import bug_classes
 
 MAX_FAILURES_KEPT = 50  # per subcheck; the count of the rest is reported in one line
 
@@ -72,6 +78,7 @@ class CheckRecord:
     seconds: float
     subchecks: dict[str, dict]
     error: str | None = None  # set when the check raised or a rank died instead of finishing
+    not_run: dict[str, str] = dataclasses.field(default_factory=dict)  # declared subchecks that did not run
 
     @property
     def passed(self) -> bool:
@@ -80,8 +87,14 @@ class CheckRecord:
 
     @classmethod
     def from_tallies(cls, *, scenario: str, check: str, seconds: float, tallies: dict[str, Tally]) -> CheckRecord:
-        return cls(scenario=scenario, check=check, seconds=seconds,
-                   subchecks={name: t.as_dict() for name, t in tallies.items()})
+        subchecks = {}
+        for name, t in tallies.items():
+            subchecks[name] = t.as_dict()
+            if (what := bug_classes.guards(check, name)) is not None:
+                subchecks[name]["guards"] = what
+        not_run = {name: bug_classes.guards(check, name) for name in bug_classes.subchecks(check)
+                   if name not in tallies} if tallies else {}
+        return cls(scenario=scenario, check=check, seconds=seconds, subchecks=subchecks, not_run=not_run)
 
     @classmethod
     def crashed(cls, *, scenario: str, check: str, seconds: float, error: str) -> CheckRecord:
@@ -92,12 +105,14 @@ class CheckRecord:
                "seconds": round(self.seconds, 3), "subchecks": self.subchecks}
         if self.error is not None:
             out["error"] = self.error
+        if self.not_run:
+            out["not_run"] = dict(self.not_run)
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> CheckRecord:
         return cls(scenario=data["scenario"], check=data["check"], seconds=float(data["seconds"]),
-                   subchecks=dict(data["subchecks"]), error=data.get("error"))
+                   subchecks=dict(data["subchecks"]), error=data.get("error"), not_run=dict(data.get("not_run", {})))
 
     def failure_lines(self) -> list[str]:
         lines = [] if self.error is None else [self.error]

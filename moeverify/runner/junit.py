@@ -1,7 +1,7 @@
 """JUnit XML for CI dashboards: one testcase per scenario x check.
 
 A failed check is a ``<failure>`` (its failing subchecks in the message, every failure line in the
-text); a crashed one (a rank raised, hung or died) an ``<error>`` with the rank's traceback, an
+text, then the class of bug each failing subcheck guards against); a crashed one (a rank raised, hung or died) an ``<error>`` with the rank's traceback, an
 interrupted one (Ctrl-C, SIGTERM) an ``<error>`` as well; a skipped
 scenario a ``<skipped>`` with the reason. A check failing as its ``expect_fail`` mark says is a ``<skipped>``
 naming the finding; one that now passes is a ``<failure>`` saying so.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from moeverify.runner.report import Result, failing_lines
+from moeverify.runner.report import Result, failing_lines, guard_lines
 
 
 def _testcase(result: Result) -> ET.Element:
@@ -34,7 +34,8 @@ def _testcase(result: Result) -> ET.Element:
         failed = [name for name, sub in record.subchecks.items() if not sub["passed"]]
         message = f"failed subchecks: {', '.join(failed)}" if failed else "no subcheck ran"
         failure = ET.SubElement(case, "failure", type="CheckFailed", message=message)
-        failure.text = "\n".join(record.failure_lines() or failing_lines(result))
+        guards = [f"guards against: {line}" for line in guard_lines([result])]
+        failure.text = "\n".join((record.failure_lines() or failing_lines(result)) + guards)
     return case
 
 

@@ -150,10 +150,25 @@ def summary(results: Sequence[Result]) -> str:
     return ", ".join(f"{n} {_SUMMARY_NAME.get(s, s)}" for s, n in counts.items() if n) or "nothing ran"
 
 
+def guard_lines(results: Sequence[Result]) -> list[str]:
+    """One line per (check, subcheck) that failed in a failing result: the class of bug it exists for (the
+    record's ``guards``), so the reader of a red table sees what kind of bug each failure points at."""
+    seen: dict[tuple[str, str], str] = {}
+    for result in results:
+        if result.status not in ("failed", "xpassed"):
+            continue
+        for name, sub in result.record.subchecks.items():
+            if not sub["passed"] and sub.get("guards"):
+                seen.setdefault((result.record.check, name), sub["guards"])
+    return [f"{check} {name}: {what}" for (check, name), what in seen.items()]
+
+
 def print_report(results: Sequence[Result], *, console: Console | None = None) -> None:
     console = console or Console()
     console.print(table(results))
     console.print(Text(summary(results)))
+    if lines := guard_lines(results):
+        console.print(Text("What the failing subchecks guard against:\n" + "\n".join(f"  {line}" for line in lines)))
     for result in results:
         if result.status == "crashed":
             console.print(Text(f"\n{result.record.scenario} {result.record.check} crashed", style="bold red"))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from moeverify import plugins
 from moeverify.errors import UsageError
-from moeverify.options import OPTIONS, RECEIVERS, REPLAY_IMPLS, SUBJECTS
+from moeverify.options import OPTIONS
 from moeverify.scenario import Scenario
 from moeverify.runner.report import Result
 from moeverify.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
@@ -46,16 +46,17 @@ def check_option_use(scenarios: Sequence[Scenario], options: dict) -> None:
 
 
 def check_plugins(scenarios: Sequence[Scenario], options: dict) -> None:
-    """Refuse, before torchrun starts, a subject or replay implementation that cannot load."""
+    """Refuse, before torchrun starts, a plugin option (subject, receiver, replay implementation) that cannot load."""
+    plugin_options = [o for o in OPTIONS.values() if o.plugin]
     seen = set()
     for s in scenarios:
         merged = {**s.options, **{k: v for k, v in options.items() if v is not None}}
-        for key, what, builtins in (("subject", "subject", SUBJECTS), ("receiver", "receiver", RECEIVERS),
-                                    ("replay_impl", "replay implementation", dict.fromkeys(REPLAY_IMPLS))):
-            spec = merged.get(key)
-            if spec is None or (key, spec) in seen or OPTIONS[key].check not in s.checks:
+        for option in plugin_options:
+            spec = merged.get(option.name)
+            if spec is None or (option.name, spec) in seen or option.check not in s.checks:
                 continue
-            seen.add((key, spec))
+            seen.add((option.name, spec))
+            what, builtins = option.plugin
             plugins.check(spec, what=what, builtins=builtins)
 
 

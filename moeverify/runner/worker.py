@@ -19,11 +19,10 @@ import time
 import traceback
 from pathlib import Path
 
-from moeverify import timeouts
+from moeverify import checks, timeouts
 from moeverify.oracles.context import CheckContext
 from moeverify.scenario import Scenario
 from moeverify.oracles.results import CheckRecord, Tally
-from moeverify.oracles import registry
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, append_line, events_path, results_path, stacks_path
 
@@ -89,7 +88,7 @@ def _run_check(me: _Rank, ctx: CheckContext, *, index: int, check: str, total: i
     me.event("start", index=index, check=check)
     t0 = time.perf_counter()
     try:
-        tallies = _tallies(registry.resolve(check)(ctx), check)
+        tallies = _tallies(checks.resolve(check)(ctx), check)
     except BaseException:  # noqa: BLE001 (any escape ends the rank; the parent reports it)
         me.die(f"in scenario {scenario.name} check {check}")
     seconds = time.perf_counter() - t0
@@ -102,11 +101,11 @@ def _run_check(me: _Rank, ctx: CheckContext, *, index: int, check: str, total: i
 
 
 def _run_scenario(me: _Rank, runtime, scenario: Scenario, *, index: int, plan: Plan) -> None:
-    options = {**scenario.options, **plan.options, "timeout": plan.timeout_s}
+    options = {**scenario.options, **plan.options}
     me.event("scenario", index=index)
     with runtime.parallel(scenario.layout, seed=scenario.seed):
         ctx = CheckContext(scenario=scenario, rank=me.rank, world_size=scenario.world_size,
-                           backend=plan.backend, options=options)
+                           backend=plan.backend, options=options, timeout_s=plan.timeout_s)
         for check in scenario.checks:
             _run_check(me, ctx, index=index, check=check, total=len(plan.scenarios))
         del ctx

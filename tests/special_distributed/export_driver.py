@@ -28,7 +28,9 @@ def _args():
     p.add_argument("--only-mutant", action="append", default=[])
     p.add_argument("--lockstep-timeout", type=float, default=None)
     p.add_argument("--refresh", action="store_true")
-    p.add_argument("--receivers", action="store_true", help="the receiver controls and mutants, with a reload")
+    p.add_argument("--receivers", action="store_true",
+                   help="the receiver controls and mutants on the sharded subject's stream, with a reload, and the "
+                        "subject mutants the receiver must show")
     return p.parse_args()
 
 
@@ -70,7 +72,7 @@ def main() -> int:
             built = models.build(family, layout)
             sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
                                          rank=rt.rank, world_size=rt.world_size, hf_path=built.hf_path,
-                                         built=built, options={"timeout": 120})
+                                         built=built, timeout_s=120)
             if args.lockstep_timeout:
                 sctx.options["lockstep_timeout"] = args.lockstep_timeout
             for name, factory, refresh in _subjects(args, family, layout, rt.world_size):
@@ -105,20 +107,27 @@ def _report(records, rank):
 
 
 def _receivers(records, sctx, *, family, layout, world_size):
-    """The receiver controls and mutants (``receiver_mutants``) on this scenario, each with a reload."""
-    from moeverify.oracles.export.receiver import run_receiver
-    from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS
+    """The receiver controls and mutants (``receiver_mutants``) on this scenario, each loading the ``sharded``
+    subject's stream (the controls and reload mutants with a reload: ``refresh``), and the subject mutants the
+    receiver must show (``SUBJECT_MUTANTS``) streamed into the ``fused`` receiver."""
+    from moeverify.oracles.export import load_subject, mutants, run_export
+    from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS, SUBJECT_MUTANTS
 
-    named = [(f"receiver:{n}", f) for n, f in CONTROLS.items()] + [(f"receiver-mutant:{n}", f)
-                                                                    for n, (f, _) in MUTANTS.items()]
-    for name, factory in named:
+    sharded = load_subject("sharded")
+    by_name = {m.name: m.factory for m in mutants.MUTANTS}
+    # the weight update (refresh) only where receiver_reload must pass or fail
+    named = [(f"receiver:{n}", sharded, f, True) for n, f in CONTROLS.items()]
+    named += [(f"receiver-mutant:{n}", sharded, f, s == "receiver_reload") for n, (f, s) in MUTANTS.items()]
+    named += [(f"subject-mutant:{n}", by_name[n], CONTROLS["fused"], s == "receiver_reload")
+              for n, s in SUBJECT_MUTANTS.items()]
+    for name, subject, receiver, refresh in named:
         t0 = time.time()
-        subchecks = {k: t.as_dict() for k, t in run_receiver(factory, sctx, reload=True).items()}
+        tallies = run_export(subject, sctx, refresh=refresh, receiver=receiver)
+        subchecks = {k: t.as_dict() for k, t in tallies.items()}
         records.append({"scenario": f"{family}/{layout.name(world_size)}", "subject": name,
                         "passed": all(s["passed"] for s in subchecks.values()), "seconds": round(time.time() - t0, 2),
                         "subchecks": subchecks, "error": None})
         _report(records, sctx.rank)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,7 +70,8 @@ def test_expect_fail_bad_entries_are_refused_at_load(tmp_path, entry, message):
 
 
 def test_expect_fail_replay_subcheck_not_run_is_refused(tmp_path):
-    with pytest.raises(UsageError, match=r"unknown replay subcheck\(s\) \['drift'\] \(or not run"):
+    with pytest.raises(UsageError, match=r"unknown replay subcheck\(s\) \['drift'\] \(or not run: replay_subchecks\); "
+                                             r"known: equivalence$"):
         _load(tmp_path, """
             scenarios:
               - {family: qwen3_moe, world_size: 1, checks: [replay], options: {replay_subchecks: [equivalence]},
@@ -93,10 +94,13 @@ def test_expect_fail_not_a_default_and_not_applied_under_model(tmp_path):
 
 
 def test_declared_subchecks_are_the_checks_own(repo_root):
-    from moeverify.oracles import registry
+    from moeverify import checks
+    from moeverify.oracles import hf_parity
 
-    assert set(expectations.SUBCHECKS) == set(registry.CHECKS)
-    assert expectations.subcheck_names("hf_parity") == ("layers", "logits")
+    declared = {name: expectations.subcheck_names(name) for name in checks.CHECKS}
+    assert None not in declared.values(), f"every built-in check declares its subchecks: {declared}"
+    assert declared["hf_parity"] == hf_parity.SUBCHECKS == ("layers", "logits")
+    assert expectations.subcheck_names("no_such_check") is None
     assert "key_set" in expectations.subcheck_names("export") and "bitwise" in expectations.subcheck_names("roundtrip")
 
 

@@ -35,7 +35,7 @@ def world(tmp_path_factory):
 def sctx(world, tmp_path):
     save_file({k: v.contiguous() for k, v in REFERENCE.items()}, str(tmp_path / "model.safetensors"))
     return SubjectContext(bridge=None, model_chunks=[], layout=None, rank=0, world_size=1, hf_path=tmp_path,
-                          options={"timeout": 30})
+                          timeout_s=30)
 
 
 def _run(factory, sctx):

@@ -56,7 +56,7 @@ def _sctx(tmp_path, bridge=None) -> SubjectContext:
     tensors = dict(_Bridge().export_hf_weights([model], cpu=True, show_progress=False))
     save_file(tensors, str(tmp_path / "model.safetensors"))
     return SubjectContext(bridge=bridge or _Bridge(), model_chunks=[model], layout=None, rank=0, world_size=1,
-                          hf_path=tmp_path, options={"timeout": 30})
+                          hf_path=tmp_path, timeout_s=30)
 
 
 def _failed(tallies) -> set[str]:
@@ -185,3 +185,39 @@ def test_reference_keys_wrong_shape_names_the_reference(world, tmp_path):
 def test_reference_keys_control_passes(world, tmp_path):
     tallies = export.run_subject(_fresh, _sctx(tmp_path))
     assert _failed(tallies) == set() and tallies["reference_keys"].checked == 4
+
+
+def _fused(**_options):
+    from moeverify.oracles.export.receiver import FusedReceiver
+
+    return FusedReceiver()
+
+
+def test_receiver_loads_the_subjects_stream_fresh_passes_stale_fails_the_reload(world, tmp_path):
+    tallies = export.run_export(_fresh, _sctx(tmp_path), refresh=True, receiver=_fused)
+    assert _failed(tallies) == set()
+    assert (tallies["receiver"].checked, tallies["receiver_reload"].checked) == (4, 4)
+    stale = export.run_export(_caching(), _sctx(tmp_path), refresh=True, receiver=_fused)
+    assert _failed(stale) == {"refresh", "receiver_reload"}  # the engine got the first step's weights again
+    assert stale["receiver_reload"].failures and all(
+        f.startswith("after the weight sync: ") for f in stale["receiver_reload"].failures)
+
+
+def test_receiver_holds_the_subjects_bits_and_nan_where_it_sent_nothing(world, tmp_path):
+    from moeverify.oracles.export import ShardRow, Slot
+
+    def subject(ctx):
+        for name, t in _fresh(ctx):
+            if name == "w":
+                yield name, -t  # wrong bits under the right name
+            elif name == "norm":  # the last element never sent
+                yield ShardRow(row="norm", slots=[Slot("norm", (4,), torch.arange(3), t[:3])], contributes=True)
+            else:
+                yield name, t
+
+    tallies = export.run_export(subject, _sctx(tmp_path), receiver=_fused)
+    assert {"bitwise", "coverage", "receiver"} <= _failed(tallies)
+    assert "receiver_reload" not in tallies  # no weight sync without refresh
+    failures = tallies["receiver"].failures
+    assert any(f.startswith("w(whole) = w: 12 of 12 element(s) differ") for f in failures), failures
+    assert any(f.startswith("norm(whole) = norm: 1 of 4 element(s) differ, first at [3]: held nan") for f in failures)

@@ -16,7 +16,7 @@ HEAVY = ("torch", "megatron", "transformers", "safetensors", "rich", "matplotlib
 LAZY = re.compile(r"#\s*lazy:\s*(\w+)")
 
 NOT_YET = frozenset({
-    "options.py", "scenario.py", "oracles/replay/setup.py", "oracles/replay/token_counts.py",  # checks declared once
+    "scenario.py", "oracles/replay/setup.py", "oracles/replay/token_counts.py",
     "oracles/export/oracle.py",
     "oracles/export/mutants.py",  # imports subjects, whose modules import oracles.export back
     "patches/autopatch.py",  # imports record, a layer above patches

@@ -11,7 +11,7 @@ from moeverify.errors import UsageError
 from moeverify.layout import Layout
 from moeverify.models import FAMILIES, family_shape, family_traits, hf_config_dict, user
 from moeverify.models.traits import traits_of
-from moeverify.oracles.replay.variants import VARIANTS
+from moeverify.router_variants import VARIANTS
 
 BIAS_VARIANTS = ("sigmoid_bias", "sqrtsoftplus_bias")
 

@@ -9,13 +9,14 @@ import types
 import pytest
 
 from moeverify import views
+from moeverify.checks import ReplayOptions
 from moeverify.layout import Layout
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import subchecks as sc
 from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.faulty import MUTANTS
 from moeverify.oracles.replay.impls import make_impl
-from moeverify.oracles.replay.variants import VARIANTS
+from moeverify.router_variants import VARIANTS
 from moeverify.oracles.results import Tally
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 def make_setup(impl: str, *, family: str = "deepseek_v3", subchecks=("token_counts",)) -> st.Setup:
     scenario = types.SimpleNamespace(name=f"{family}-unit", family=family, seed=0, layout=Layout())
     ctx = types.SimpleNamespace(scenario=scenario, world_size=1, rank=0, options={})
-    opts = st.ReplayOptions(impl=impl, variants=(VARIANTS["default"],), subchecks=subchecks, microbatches=2)
+    opts = ReplayOptions(impl=impl, variants=(VARIANTS["default"],), subchecks=subchecks, microbatches=2)
     implementation = make_impl(impl)
     implementation.apply()
     return st.make_setup(ctx, opts, implementation, VARIANTS["default"], views.rank_coords(Layout(), rank=0,

@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ET
 
 from rich.console import Console
 
+from moeverify import bug_classes
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner import junit, report
 from moeverify.runner.report import Result
@@ -49,7 +50,9 @@ def test_result_status_of_each_kind():
 def test_result_as_dict_is_design_record_plus_rss_and_skip():
     d = _passed().as_dict()
     assert d == {"scenario": "qwen2/tp2", "check": "roundtrip", "passed": True, "seconds": 1.25,
-                 "subchecks": {"bitwise": {"passed": True, "checked": 3, "failures": []}},
+                 "subchecks": {"bitwise": {"passed": True, "checked": 3, "failures": [],
+                                           "guards": bug_classes.guards("roundtrip", "bitwise")}},
+                 "not_run": {"key_set": bug_classes.guards("roundtrip", "key_set")},
                  "peak_rss_mb": [100.0, 101.5]}
     assert _crashed().as_dict()["peak_rss_mb"] == [100.0, None]
     skipped = _skipped().as_dict()
@@ -76,6 +79,9 @@ def test_table_shows_failing_subchecks_and_crash_line():
     assert "rank 1 raised ValueError: boom in check replay" in text
     assert "gpu only: TE attention" in text
     assert "1 passed, 1 failed, 1 crashed, 1 skipped" in text
+    # the class of bug each failing subcheck guards against, once per (check, subcheck)
+    assert f"export bitwise: {bug_classes.guards('export', 'bitwise')}" in " ".join(text.split())
+    assert "export key_set" not in text
 
 
 def test_write_json_is_a_list_of_records(tmp_path):
@@ -97,6 +103,7 @@ def test_junit_has_one_testcase_per_check_with_outcome(tmp_path):
     failure = cases["qwen3_moe/ep2-dp2", "export"].find("failure")
     assert failure.get("message") == "failed subchecks: bitwise"
     assert "bitwise: tensor v: dtype bf16 != fp32" in failure.text
+    assert failure.text.endswith(f"guards against: export bitwise: {bug_classes.guards('export', 'bitwise')}")
     error = cases["qwen3_moe/pp2", "replay"].find("error")
     assert error.get("message") == "rank 1 raised ValueError: boom in check replay" and "Traceback" in error.text
     assert cases["deepseek_v3/cp2", "export"].find("skipped").get("message") == "gpu only: TE attention"

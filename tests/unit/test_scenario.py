@@ -158,8 +158,8 @@ def test_load_smoke_file_is_small_and_valid(repo_root):
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], gpu_only: ''}",
      r"gpu_only must be a reason \(non-empty string\) or null"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subjct: bridge}}",
-     r"unknown option 'subjct'; known options: subject, lockstep_timeout, replay_impl, router_variants, "
-     r"replay_subchecks"),
+     r"unknown option 'subjct'; known options: subject, lockstep_timeout, refresh, receiver, replay_impl, "
+     r"router_variants, replay_subchecks"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {replay_impl: vllm}}",
      r"option replay_impl: replay implementation 'vllm' is not moeverify, native, verl, package.module:attr"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [export], options: {subject: nocolon}}",

@@ -70,7 +70,7 @@ def test_a_marker_of_another_recipe_is_refused_naming_the_file(seeded_dir):
     data = json.loads(marker.read_text())
     marker.write_text(json.dumps({**data, "recipe": "per-tensor-0"}))
     with pytest.raises(MoEVerifyError, match=r"moeverify-seeded\.json: seeded-weights recipe 'per-tensor-0', "
-                                             r"expected 'per-tensor-1'"):
+                                             r"expected 'per-tensor-2'"):
         seeded.SeededWeights(seeded_dir)
     marker.write_text("{not json")
     with pytest.raises(MoEVerifyError, match="unreadable seeded-weights marker"):
@@ -97,3 +97,27 @@ def test_a_config_without_a_dtype_is_written_with_the_stored_one(tmp_path):
     cfg = {k: v for k, v in hf_config_dict("qwen3_moe").items() if k not in ("dtype", "torch_dtype")}
     saved_specs(cfg, config_to=tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("numel", [1, 5, (1 << 22) + 3])
+def test_noise_cpu_and_gpu_paths_equal_the_reference_bit_for_bit(numel):
+    """The numpy path (CPU) and the torch int64 path (run on the GPU; here on the CPU, and on the GPU when the test
+    backend is cuda) are the same function: both equal the pure-Python reference at sampled elements and each other
+    everywhere."""
+    import os
+
+    import numpy as np
+
+    from moeverify.models.seeded import _noise_torch, noise, noise_reference, tensor_seed
+
+    key = tensor_seed(7, "model.layers.0.mlp.gate.weight")
+    cpu = noise(key, numel)
+    device = torch.device("cuda" if os.environ.get("MOEVERIFY_TEST_BACKEND") == "cuda" else "cpu")
+    other = _noise_torch(key, numel, device).cpu()
+    assert cpu.dtype == other.dtype == torch.float32 and cpu.shape == other.shape == (numel,)
+    assert torch.equal(cpu.view(torch.int32), other.view(torch.int32))
+    picks = sorted({0, numel // 2, numel - 1, min(numel - 1, 1 << 22)})
+    assert [np.float32(cpu[i].item()) for i in picks] == [np.float32(noise_reference(key, i)) for i in picks]
+    if numel > 1000:
+        assert abs(cpu.mean().item()) < 0.01 and abs(cpu.std().item() - 1) < 0.01
+        assert cpu.abs().max().item() < 3 ** 0.5

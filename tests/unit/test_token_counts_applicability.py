@@ -70,11 +70,11 @@ def test_replay_report_marks_a_subcheck_not_applicable_only_where_no_variant_che
     from moeverify import views
     from moeverify.layout import Layout
     from moeverify.oracles.replay import oracle
-    from moeverify.oracles.replay import setup as st
-    from moeverify.oracles.replay.variants import VARIANTS
+    from moeverify.checks import ReplayOptions
+    from moeverify.router_variants import VARIANTS
 
     ctx = types.SimpleNamespace(rank=0, world_size=1, scenario=types.SimpleNamespace(name="s"))
-    opts = st.ReplayOptions(impl="moeverify", variants=(VARIANTS["default"],), subchecks=("token_counts", "weights"),
+    opts = ReplayOptions(impl="moeverify", variants=(VARIANTS["default"],), subchecks=("token_counts", "weights"),
                             notes_path=str(tmp_path / "notes.json"))
     coords = views.rank_coords(Layout(), rank=0, world_size=1)
 

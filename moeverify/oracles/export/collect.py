@@ -12,12 +12,15 @@ import collections
 
 import torch
 
+from moeverify.checks import CHECKS
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.results import Tally
 
-SUBCHECKS = ("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set",
-             "reference_keys")
+SUBCHECKS = CHECKS["export"].subchecks  # lockstep, slot_tables, coverage, conflicts, replicas, ... (moeverify.checks)
+# emitted only with the check's options: ``refresh`` (refresh.py), ``receiver`` and, with both, ``receiver_reload``
+OPTIONAL_SUBCHECKS = CHECKS["export"].optional_subchecks
+ALL_SUBCHECKS = SUBCHECKS + OPTIONAL_SUBCHECKS  # every name the export check can emit
 REFERENCE = "the reference (Megatron-Bridge's export_hf_weights)"  # the culprit reference_keys names
 
 
@@ -35,8 +38,9 @@ class Collector:
     """Rank 0 state for one export check."""
 
     def __init__(self, *, tallies: dict[str, Tally], tables: list[list[tuple[str, tuple]]],
-                 checkpoint_names: set[str] | dict[str, tuple[int, ...]], world_size: int) -> None:
+                 checkpoint_names: set[str] | dict[str, tuple[int, ...]], world_size: int, sink=None) -> None:
         self.t = tallies
+        self.sink = sink  # called as sink(name, tensor) with each merged subject tensor once it is checked
         self.world_size = world_size
         # names, or names with their shapes (then reference_keys compares the reference's shapes with them)
         self.checkpoint_shapes = dict(checkpoint_names) if isinstance(checkpoint_names, dict) else None
@@ -139,8 +143,10 @@ class Collector:
         merge.check_coverage(self.t["coverage"])
         if reference is None:
             self.subject_elements[name] = merge.numel
-            return
-        merge.check_against(reference, shape_dtype=self.t["shape_dtype"], bitwise=self.t["bitwise"])
+        else:
+            merge.check_against(reference, shape_dtype=self.t["shape_dtype"], bitwise=self.t["bitwise"])
+        if self.sink is not None:  # what the subject streamed, as an engine would receive it (the receiver's input)
+            self.sink(name, merge.merged())
 
     def _key_set(self) -> None:
         """The subject's names against the reference's and the source checkpoint's (the reference's own
@@ -199,4 +205,4 @@ class Collector:
         tally.ok(len((reference | checkpoint) - bad))
 
 
-__all__ = ["Collector", "SUBCHECKS", "new_tallies"]
+__all__ = ["ALL_SUBCHECKS", "Collector", "OPTIONAL_SUBCHECKS", "SUBCHECKS", "new_tallies"]

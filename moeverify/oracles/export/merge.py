@@ -301,6 +301,20 @@ class TensorMerge:
                 f"{hex_bits(int(bits(values_P)[first]), self.dtype)}", n=n_bad)
         self._replicas.ok(int(covered_P.sum()) - n_bad)
 
+    def merged(self) -> torch.Tensor:
+        """The tensor the subject streamed, in its shape and dtype: what an engine loading it would receive.
+
+        Elements never written are NaN (0 in integer tensors): the engine would keep whatever it held there.
+        Called once, after the final checks: it hands over (and may overwrite) the merge's own buffers, and a
+        fully written merge backed by its reference returns that reference (the same bits, shown on write)."""
+        if self.values_N is None and self._missing() == 0:
+            return self._ref_N.view(self.shape)
+        self._materialize()
+        values_N, writer_N = self.values_N, self._writer()
+        if self._missing():
+            values_N[writer_N == 0] = float("nan") if self.dtype.is_floating_point else 0
+        return values_N.view(self.shape)
+
     # -- final checks --------------------------------------------------------------------------
     def check_coverage(self, coverage: Tally) -> None:
         n_missing, shown = 0, []

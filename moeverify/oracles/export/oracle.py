@@ -2,7 +2,7 @@
 
 ``run(ctx)`` runs on every rank (DESIGN.md, "Export oracle: contract"):
 
-1. the subject (``ctx.options["subject"]``, default ``sharded``) is called on every rank and drained
+1. the subject (``ExportOptions.subject``, default ``sharded``) is called on every rank and drained
    into a row list (sharded rows defer their tensors, so this is cheap); a raise becomes an error
    status instead of an exception;
 2. **lockstep**: one all_gather of ``[status, row count, hash of row names]`` on a dedicated gloo group
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from moeverify import plugins, timeouts
+from moeverify.checks import SUBJECTS, ExportOptions
 from moeverify.oracles.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
@@ -46,7 +47,6 @@ from moeverify.oracles.export.local import LocalReferences, run_chunks, verdict
 from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.export.rows import DrainedRow, Piece, drain, iterate_subject, pieces
 from moeverify.oracles.results import Tally
-from moeverify.options import SUBJECTS
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SubjectContext:
@@ -59,7 +59,9 @@ class SubjectContext:
     world_size: int
     hf_path: Path
     built: Any = None
-    options: dict = dataclasses.field(default_factory=dict)
+    options: dict = dataclasses.field(default_factory=dict)  # the check options (``ExportOptions`` reads them)
+    timeout_s: float = timeouts.COLLECTIVE_S  # the export's control-group collectives (``moeverify run``: --timeout)
+    stats: dict | None = None  # a dict here gets the elements each rank checked locally (the benchmark reads it)
 
 
 def load_subject(name: str):
@@ -69,41 +71,52 @@ def load_subject(name: str):
 
 def subject_context(ctx) -> SubjectContext:
     built = ctx.model()
-    from moeverify import runtime
-
     return SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=ctx.scenario.layout,
                           rank=ctx.rank, world_size=ctx.world_size, hf_path=Path(built.hf_path), built=built,
-                          options=dict(ctx.options, timeout=ctx.options.get("timeout", runtime.DEFAULT_TIMEOUT_S)))
+                          options=dict(ctx.options), timeout_s=ctx.timeout_s)
 
 
 def run(ctx) -> dict[str, Tally]:
-    """The ``export`` check: subject from ``ctx.options.get("subject", "sharded")``; with ``refresh`` set, a
-    second export after a weight update (``refresh.run_twice``); with ``receiver`` set, the ``receiver`` subcheck
-    (``receiver.run_receiver``)."""
-    factory = load_subject(ctx.options.get("subject", "sharded"))
-    sctx = subject_context(ctx)
-    if ctx.options.get("refresh"):
+    """The ``export`` check (options: ``ExportOptions``): the subject's export; with ``refresh`` set, a second
+    export after a weight update (``refresh.run_twice``); with ``receiver`` set, the ``receiver`` subcheck
+    (``receiver.ReceiverRun``: the receiver loads what the subject streamed)."""
+    opts = ExportOptions.from_options(ctx.options, where="export check options")
+    receiver = None
+    if opts.receiver:
+        from moeverify.oracles.export.receiver import load_receiver
+
+        receiver = load_receiver(opts.receiver)
+    return run_export(load_subject(opts.subject), subject_context(ctx), refresh=opts.refresh, receiver=receiver)
+
+
+def run_export(factory, sctx: SubjectContext, *, refresh: bool = False, receiver=None) -> dict[str, Tally]:
+    """The export check's subchecks for subject ``factory``: with ``refresh``, export twice around a weight update;
+    with a ``receiver`` factory, the receiver loads what the subject streamed (``receiver``, and ``receiver_reload``
+    with ``refresh``) and what it holds is compared with the reference."""
+    run = None
+    if receiver is not None:
+        from moeverify.oracles.export.receiver import ReceiverRun
+
+        run = ReceiverRun(receiver, sctx)
+    if refresh:
         from moeverify.oracles.export.refresh import run_twice
 
-        tallies = run_twice(run_subject, factory, sctx)
+        tallies = run_twice(run_subject, factory, sctx, receiver=run)
     else:
-        tallies = run_subject(factory, sctx)
-    if ctx.options.get("receiver"):
-        from moeverify.oracles.export.receiver import load_receiver, run_receiver
-
-        tallies |= run_receiver(load_receiver(ctx.options["receiver"]), sctx, reload=bool(ctx.options.get("refresh")))
-    return tallies
+        tallies = run_subject(factory, sctx, sink=run and run.sink())
+        if run is not None:
+            run.check("receiver", tallies)
+    return tallies | (run.tallies if run is not None else {})
 
 
-def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, Tally]:
+def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> dict[str, Tally]:
     """Check one subject factory against the reference on every rank; rank 0's tallies are the result.
 
     ``reference``: an iterable of ``(name, tensor)`` to use instead of a fresh ``export_hf_weights``
-    (every rank must pass the same sequence); tests use it to reuse one export.
+    (every rank must pass the same sequence); tests use it to reuse one export. ``sink`` (rank 0's only):
+    called as ``sink(hf_name, tensor)`` with each tensor the subject streamed, merged, once it is checked.
     """
-    from moeverify import runtime
-
-    group = wire.control_group(float(sctx.options.get("timeout", runtime.DEFAULT_TIMEOUT_S)))
+    group = wire.control_group(float(sctx.timeout_s))
     tallies = new_tallies()
     rows, error = _drain(factory, sctx)
     in_step, same_tables = _lockstep(rows, error, sctx=sctx, group=group, tally=tallies["lockstep"])
@@ -117,7 +130,7 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
     collector = local = None
     if sctx.rank == 0:
         collector = Collector(tallies=tallies, tables=[r.table for r in rows], checkpoint_names=shapes,
-                              world_size=sctx.world_size)
+                              world_size=sctx.world_size, sink=sink)
     elif same_tables:
         # every rank named the same tensors in every row, so a rank waiting for its row's references waits
         # only for tensors rank 0 pulls too; otherwise (slot tables differ somewhere) no rank checks locally
@@ -155,8 +168,8 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None) -> dict[str, T
             store.close()
     if collector is not None:
         collector.finish_all()
-        if isinstance(sctx.options.get("stats"), dict):  # the benchmark reads where the elements were checked
-            sctx.options["stats"].update(collector.elements)
+        if sctx.stats is not None:  # the benchmark reads where the elements were checked
+            sctx.stats.update(collector.elements)
     return tallies
 
 
@@ -217,7 +230,7 @@ def _lockstep(rows, error, *, sctx, group, tally: Tally) -> tuple[bool, bool]:
 
     import datetime
 
-    wait_s = float(sctx.options.get("lockstep_timeout", sctx.options.get("timeout", timeouts.COLLECTIVE_S)))
+    wait_s = ExportOptions.from_options(sctx.options, where="export check options").lockstep_timeout or sctx.timeout_s
     try:
         # names a rank that never arrives (stalled in its subject) instead of hanging on it
         dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=wait_s), wait_all_ranks=True)

@@ -11,22 +11,26 @@ with a later export (a weight sync): it must write into the same buffers.
 
 ``compare(held, reference, tally)`` checks, bit for bit, every part of every held tensor against the reference
 HF tensor it names (the failure names the engine tensor, the part and the first differing element), every
-reference tensor that no part covers (``dropped``) and every part naming a tensor the reference lacks.
+reference tensor that no part covers (``dropped``) and every part naming a tensor the reference lacks; the
+reference may be a stream (one tensor in hand at a time).
+
+``ReceiverRun`` is the subcheck in the export check: the receiver loads what the SUBJECT streamed (the oracle's
+merged tensors, handed over through ``SubjectExport``), so a subject bug the engine would hold is seen there too,
+and what it holds is compared with a fresh reference export.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from moeverify import plugins
 from moeverify.errors import UsageError
 from moeverify.oracles.results import Tally
-from moeverify.options import RECEIVERS
-from moeverify.oracles.export.refresh import updated_weights
+from moeverify.checks import RECEIVERS
 
 SHOW = 8  # names quoted per message
 
@@ -88,31 +92,48 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return a.numel() == 0 or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def compare(held: Held, reference: Mapping[str, torch.Tensor], tally: Tally, *, when: str = "") -> Tally:
-    """Check ``held`` against the reference HF tensors, bit for bit; ``when`` prefixes each message."""
-    covered: set[str] = set()
+def _wanted(held: Held) -> dict[str, list[tuple[str, Part]]]:
+    """HF name -> the (engine tensor, part) pairs that hold it, engine tensors in name order."""
+    wanted: dict[str, list[tuple[str, Part]]] = {}
     for engine_name in sorted(held.parts):
-        tensor = held.tensors[engine_name]
         for part in held.parts[engine_name]:
-            where = f"{when}{engine_name}{part.describe()}"
-            covered.add(part.hf_name)
-            want = reference.get(part.hf_name)
-            if want is None:
-                tally.fail(f"{where}: the reference has no tensor {part.hf_name!r}")
-                continue
-            try:
-                got = part.view(tensor)
-            except (IndexError, RuntimeError) as exc:
-                tally.fail(f"{where}: part out of range of the held tensor {tuple(tensor.shape)}: {exc}")
-                continue
-            if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-                tally.fail(f"{where}: held {tuple(got.shape)} {got.dtype} != reference {tuple(want.shape)} "
-                           f"{want.dtype}")
-            elif not _same_bits(got, want):
-                tally.fail(f"{where}: {_first_difference(got, want)}")
-            else:
-                tally.ok()
-    dropped = sorted(set(reference) - covered)
+            wanted.setdefault(part.hf_name, []).append((engine_name, part))
+    return wanted
+
+
+def _compare_part(tensor: torch.Tensor, part: Part, want: torch.Tensor, tally: Tally, where: str) -> None:
+    try:
+        got = part.view(tensor)
+    except (IndexError, RuntimeError) as exc:
+        tally.fail(f"{where}: part out of range of the held tensor {tuple(tensor.shape)}: {exc}")
+        return
+    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        tally.fail(f"{where}: held {tuple(got.shape)} {got.dtype} != reference {tuple(want.shape)} {want.dtype}")
+    elif not _same_bits(got, want):
+        tally.fail(f"{where}: {_first_difference(got, want)}")
+    else:
+        tally.ok()
+
+
+def compare(held: Held, reference: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], tally: Tally,
+            *, when: str = "") -> Tally:
+    """Check ``held`` against the reference HF tensors, bit for bit; ``when`` prefixes each message.
+
+    ``reference`` is a mapping or a stream of ``(name, tensor)`` (an ``export_hf_weights`` pass): each tensor is
+    compared with the parts that hold it as it comes, so only one reference tensor is in hand at a time."""
+    wanted = _wanted(held)
+    seen: set[str] = set()
+    dropped: list[str] = []
+    for name, want in (reference.items() if isinstance(reference, Mapping) else reference):
+        seen.add(name)
+        for engine_name, part in wanted.get(name, ()):
+            _compare_part(held.tensors[engine_name], part, want, tally, f"{when}{engine_name}{part.describe()}")
+        if name not in wanted:
+            dropped.append(name)
+    for name in sorted(set(wanted) - seen):
+        for engine_name, part in wanted[name]:
+            tally.fail(f"{when}{engine_name}{part.describe()}: the reference has no tensor {part.hf_name!r}")
+    dropped = sorted(set(dropped))
     if dropped:
         more = f" (+{len(dropped) - SHOW} more)" if len(dropped) > SHOW else ""
         tally.fail(f"{when}dropped: {len(dropped)} reference tensor(s) the receiver never loaded: "
@@ -200,10 +221,14 @@ class FusedReceiver:
         part.view(self.tensors[engine]).copy_(tensor)
 
     def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Held:
-        items = list(stream)
-        if not self.tensors:
-            self.allocate({n: (tuple(t.shape), t.dtype) for n, t in items})
-        for name, tensor in items:
+        if self.tensors:  # a weight sync: written as it streams in
+            for name, tensor in stream:
+                self.write(name, tensor)
+            return Held(tensors=self.tensors, parts=self.parts)
+        items = list(stream)  # the first load lays the buffers out from every shape
+        self.allocate({n: (tuple(t.shape), t.dtype) for n, t in items})
+        for i, (name, tensor) in enumerate(items):
+            items[i] = None  # each sent tensor is dropped once copied in
             self.write(name, tensor)
         return Held(tensors=self.tensors, parts=self.parts)
 
@@ -213,27 +238,71 @@ def fused(**_options) -> FusedReceiver:
     return FusedReceiver()
 
 
-def run_receiver(factory, sctx, *, reload: bool) -> dict[str, Tally]:
-    """``receiver`` (and, with ``reload``, ``receiver_reload``): every rank iterates the reference export (a
-    collective); rank 0 loads it into the receiver and compares what it holds with the same export. With
-    ``reload``, every weight is updated (as the ``refresh`` subcheck does), the new export is loaded into the
-    same receiver (a weight sync) and compared again; the weights are restored after."""
-    def export():
-        return {n: t for n, t in sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)}
+class SubjectExport:
+    """Rank 0's sink for what the subject streamed (``Collector``'s ``sink``): merged tensors by name, handed to
+    the receiver as a stream that lets each go as it is taken, so the receiver's copy replaces this one."""
 
-    receiver = factory(**{**sctx.options, "hf_path": sctx.hf_path}) if sctx.rank == 0 else None
-    out = {"receiver": Tally()}
-    reference = export()
-    if receiver is not None:
-        compare(receiver.load(reference.items()), reference, out["receiver"])
-    if reload:
-        out["receiver_reload"] = Tally()
-        with updated_weights(sctx.model_chunks):
-            second = export()
-            if receiver is not None:
-                compare(receiver.load(second.items()), second, out["receiver_reload"],
-                        when="after the weight sync: ")
-    return out
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        self._tensors[name] = tensor
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self._tensors:
+            name = next(iter(self._tensors))
+            yield name, self._tensors.pop(name)
 
 
-__all__ = ["Held", "Part", "RECEIVERS", "FusedReceiver", "compare", "fused", "fused_layout", "load_receiver"]
+class ReceiverRun:
+    """The ``receiver`` subcheck (and ``receiver_reload``) of one export check: the receiver loads what the SUBJECT
+    streamed (its pieces as the oracle merged them on rank 0: ``sink`` before each ``run_subject``), and what it
+    holds is compared with a fresh reference export, streamed tensor by tensor (``check`` after each
+    ``run_subject``, with the weights as they were exported). The receiver is made and loaded on rank 0; every
+    rank takes part in each reference export (a collective)."""
+
+    def __init__(self, factory, sctx) -> None:
+        self._sctx = sctx
+        self._receiver = factory(**{**sctx.options, "hf_path": sctx.hf_path}) if sctx.rank == 0 else None
+        self._subject: SubjectExport | None = None
+        self.tallies: dict[str, Tally] = {}
+
+    def sink(self) -> SubjectExport | None:
+        """A fresh sink for the next ``run_subject`` (None on ranks other than 0)."""
+        self._subject = SubjectExport() if self._sctx.rank == 0 else None
+        return self._subject
+
+    def skip(self, name: str, why: str) -> None:
+        self.tallies[name] = Tally()
+        self.tallies[name].fail(f"skipped: {why}")
+
+    def check(self, name: str, export: dict[str, Tally], *, when: str = "") -> Tally:
+        """Load the subject's export just merged into the receiver and compare what it holds; every rank calls it."""
+        tally = self.tallies[name] = Tally()
+        sctx = self._sctx
+        reference = sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)
+        if self._receiver is None:  # other ranks: their part of the export's collectives
+            for _ in reference:
+                pass
+            return tally
+        held = None
+        if not export["lockstep"].passed:
+            tally.fail(f"{when}skipped: lockstep failed, the subject's export was not merged")
+        else:
+            try:
+                held = self._receiver.load(self._subject)
+            except Exception as exc:  # noqa: BLE001 - the engine refusing the subject's export is a finding
+                tally.fail(f"{when}the receiver could not load the subject's export: {type(exc).__name__}: {exc}")
+        self._subject = None
+        if held is None:
+            for _ in reference:
+                pass
+            return tally
+        return compare(held, reference, tally, when=when)
+
+
+__all__ = ["Held", "Part", "RECEIVERS", "FusedReceiver", "ReceiverRun", "SubjectExport", "compare", "fused",
+           "fused_layout", "load_receiver"]

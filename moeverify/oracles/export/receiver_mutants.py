@@ -1,7 +1,9 @@
 """Receivers that are wrong in one known way, each with the receiver subcheck that must catch it.
 
 ``MUTANTS`` maps a name to ``(factory, subcheck)``; ``CONTROLS`` are receivers that must pass. Each mutant is
-the fused receiver with one fault an engine's loader can have."""
+the fused receiver with one fault an engine's loader can have. ``SUBJECT_MUTANTS`` are subject mutants
+(``mutants.py``) whose error the receiver, loading what the subject streamed, must show too, each with the
+receiver subcheck that must fail."""
 
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ MUTANTS = {
     "load_dropped": (lambda **_: _LoadDropped(), "receiver"),
     "reload_keeps_old": (lambda **_: _ReloadKeepsOld(), "receiver_reload"),
 }
+SUBJECT_MUTANTS = {"gate_up_swapped": "receiver", "stale_conversion_cache": "receiver_reload"}
 CONTROLS = {"fused": lambda **_: FusedReceiver(),
             "transformers": lambda **kw: transformers_receiver(**kw)}
 
-__all__ = ["CONTROLS", "MUTANTS"]
+__all__ = ["CONTROLS", "MUTANTS", "SUBJECT_MUTANTS"]

@@ -52,17 +52,19 @@ class TransformersReceiver:
         import safetensors.torch  # lazy: safetensors
         from transformers import AutoModelForCausalLM  # lazy: transformers
 
-        sent = {n: t.detach().cpu().contiguous().clone() for n, t in stream}
         folder = Path(tempfile.mkdtemp(prefix="moeverify-receiver-"))
         try:
             shutil.copyfile(self.config, folder / "config.json")
+            sent = {n: t.detach().cpu().contiguous() for n, t in stream}  # save_file only reads them
             safetensors.torch.save_file(sent, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            names = set(sent)
+            del sent  # the model loads from the file: the stream's tensors are not held beside it
             model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         state = {n: t.detach() for n, t in model.state_dict().items()}
         tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-        return Held(tensors=state, parts=parts_of(state, set(sent), tied=tied))
+        return Held(tensors=state, parts=parts_of(state, names, tied=tied))
 
 
 def transformers_receiver(*, hf_path: Path, **_options) -> TransformersReceiver:

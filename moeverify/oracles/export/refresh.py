@@ -109,23 +109,31 @@ def fold(*, first: dict[str, Tally], second: dict[str, Tally], before: dict[str,
     return tally
 
 
-def run_twice(run_subject, factory, sctx, *, seed: int = SEED) -> dict[str, Tally]:
+def run_twice(run_subject, factory, sctx, *, seed: int = SEED, receiver=None) -> dict[str, Tally]:
     """The oracle's tallies for the first export, plus ``refresh`` from a second export after an update.
 
-    ``run_subject(factory, sctx, reference=...)`` is the oracle's own entry point (passed in, not imported,
-    so this module stays free of the per-row machinery)."""
+    ``run_subject(factory, sctx, reference=..., sink=...)`` is the oracle's own entry point (passed in, not
+    imported, so this module stays free of the per-row machinery). ``receiver`` (a ``receiver.ReceiverRun``): the
+    receiver loads what the subject streamed each time, ``receiver`` after the first export and ``receiver_reload``
+    (the same receiver, a weight sync) after the second, while the updated weights are in place."""
     def reference():
         return Fingerprints(lambda: sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False),
                             record=sctx.rank == 0)
 
     first_reference = reference()
-    first = run_subject(factory, sctx, reference=first_reference)
+    first = run_subject(factory, sctx, reference=first_reference, sink=receiver and receiver.sink())
+    if receiver is not None:
+        receiver.check("receiver", first)
     refresh = Tally()
     if not first["lockstep"].passed:
         refresh.fail("skipped: lockstep failed on the first export, no weight update was made")
+        if receiver is not None:
+            receiver.skip("receiver_reload", "lockstep failed on the first export, no weight update was made")
         return {**first, "refresh": refresh}
     with updated_weights(sctx.model_chunks, seed=seed):
         second_reference = reference()
-        second = run_subject(factory, sctx, reference=second_reference)
+        second = run_subject(factory, sctx, reference=second_reference, sink=receiver and receiver.sink())
+        if receiver is not None:
+            receiver.check("receiver_reload", second, when="after the weight sync: ")
     fold(first=first, second=second, before=first_reference.digests, after=second_reference.digests, tally=refresh)
     return {**first, "refresh": refresh}

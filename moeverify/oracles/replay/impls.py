@@ -37,12 +37,12 @@ import torch
 
 from moeverify import plugins
 from moeverify.errors import MoEVerifyError, UsageError
-from moeverify.options import REPLAY_IMPLS
+from moeverify.checks import REPLAY_IMPLS
 from moeverify.patches.routers import find_routers
 from moeverify.routes import Routes
 from moeverify.patches import router_replay as rr
 
-IMPLS = REPLAY_IMPLS  # declared in moeverify.options
+IMPLS = REPLAY_IMPLS  # declared in moeverify.checks
 
 
 class ReplayImpl(abc.ABC):
@@ -270,13 +270,7 @@ class MoeverifyReplay(ReplayImpl):
 
 def make_impl(spec: str) -> ReplayImpl:
     """The adapter named ``spec``: one of ``IMPLS``, ``module:factory`` or ``path/file.py:factory``."""
-    if spec == "moeverify":
-        return MoeverifyReplay()
-    if spec == "native":
-        return NativeReplay()
-    if spec == "verl":
-        return VerlReplay()
-    factory = plugins.load(spec, what="replay implementation", builtins=dict.fromkeys(IMPLS))
+    factory = plugins.load(spec, what="replay implementation", builtins=IMPLS)
     impl = factory()
     if not isinstance(impl, ReplayImpl):
         raise UsageError(f"replay implementation {spec!r} returned {type(impl).__name__}, expected a ReplayImpl")

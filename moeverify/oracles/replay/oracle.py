@@ -50,6 +50,7 @@ import json
 import torch
 
 from moeverify import runtime, views
+from moeverify.checks import CHECKS, ReplayOptions
 from moeverify.errors import UsageError
 from moeverify.models import family_traits
 from moeverify.oracles.replay import setup as st
@@ -57,7 +58,7 @@ from moeverify.oracles.replay import subchecks as sc
 from moeverify.oracles.replay.impls import make_impl
 from moeverify.oracles.results import Tally
 
-SUBCHECKS = st.SUBCHECKS
+SUBCHECKS = CHECKS["replay"].subchecks
 
 
 def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Tally]:
@@ -93,7 +94,7 @@ def run(ctx) -> dict[str, Tally]:
     """
     from megatron.core import parallel_state  # lazy: megatron
 
-    opts = st.ReplayOptions.from_options(ctx.options)
+    opts = ReplayOptions.from_options(ctx.options, where="replay check options")
     scenario, layout = ctx.scenario, ctx.scenario.layout
     impl = make_impl(opts.impl)
     impl.apply()
@@ -125,7 +126,7 @@ def run(ctx) -> dict[str, Tally]:
     return _report(ctx, opts, coords, tallies, notes, skipped)
 
 
-def _report(ctx, opts: st.ReplayOptions, coords: views.RankCoords, tallies: dict, notes: dict,
+def _report(ctx, opts: ReplayOptions, coords: views.RankCoords, tallies: dict, notes: dict,
             skipped: dict[str, str]) -> dict[str, Tally]:
     total = {name: Tally() for name in opts.subchecks}
     per_variant, reasons = {}, {}

@@ -1,4 +1,4 @@
-"""What the replay oracles share: options, exact builds, per-variant setup, guarded subchecks.
+"""What the replay oracles share: exact builds, per-variant setup, guarded subchecks.
 
 A ``Setup`` is what every subcheck of one router variant needs on this rank: the options, the
 implementation under test, the variant, the scenario layout and this rank's micro-batches. Models
@@ -12,56 +12,19 @@ import dataclasses
 import torch
 
 from moeverify import views
-from moeverify.errors import RankDisagreement, UsageError
+from moeverify.checks import ReplayOptions
+from moeverify.errors import RankDisagreement
 from moeverify.layout import Layout
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.patches.routers import find_routers
-from moeverify.oracles.replay.variants import RouterVariant, select
 from moeverify.oracles.results import Tally
-from moeverify.options import RECOMPUTE_MODES as _RECOMPUTE_NAMES
-from moeverify.options import REPLAY_SUBCHECKS
+from moeverify.router_variants import RouterVariant
 from moeverify.runtime.agreement import agree
 
-SUBCHECKS = REPLAY_SUBCHECKS  # declared in moeverify.options (validated there without torch)
-RECOMPUTE_MODES = {
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
-}
-assert tuple(RECOMPUTE_MODES) == _RECOMPUTE_NAMES, "moeverify.options.RECOMPUTE_MODES is out of date"
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
 _EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
               hidden_dropout=0.0, attention_dropout=0.0)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ReplayOptions:
-    impl: str = "moeverify"
-    variants: tuple[RouterVariant, ...] = ()
-    subchecks: tuple[str, ...] = SUBCHECKS
-    recompute: tuple[str, ...] = tuple(RECOMPUTE_MODES)
-    seq_len: int = 16
-    batch: int = 2
-    microbatches: int | None = None  # default: 3, or 2 * pp under interleaving (the schedule needs M % pp == 0)
-    notes_path: str | None = None  # rank 0 writes per-variant notes (drift agreement) here as JSON
-
-    @classmethod
-    def from_options(cls, options: dict) -> ReplayOptions:
-        subchecks = tuple(options.get("replay_subchecks") or SUBCHECKS)
-        recompute = tuple(options.get("replay_recompute") or RECOMPUTE_MODES)
-        bad = [s for s in subchecks if s not in SUBCHECKS] + [m for m in recompute if m not in RECOMPUTE_MODES]
-        if bad:
-            raise UsageError(f"unknown replay subcheck or recompute mode {bad}; subchecks: {', '.join(SUBCHECKS)}; "
-                             f"recompute modes: {', '.join(RECOMPUTE_MODES)}")
-        return cls(impl=str(options.get("replay_impl") or "moeverify"),
-                   variants=select(options.get("router_variants")), subchecks=subchecks, recompute=recompute,
-                   seq_len=int(options.get("replay_seq_len", 16)), batch=int(options.get("replay_batch", 2)),
-                   microbatches=options.get("replay_microbatches"), notes_path=options.get("replay_notes_path"))
-
-    def num_microbatches(self, layout: Layout) -> int:
-        if self.microbatches:
-            return int(self.microbatches)
-        return 2 * layout.pp if layout.vpp_chunks > 1 else 3
 
 
 @dataclasses.dataclass(kw_only=True)

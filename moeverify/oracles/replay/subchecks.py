@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from moeverify import runtime, views
+from moeverify.checks import RECOMPUTE_MODES
 from moeverify.layout import Layout
 from moeverify.oracles.replay import checks as rc
 from moeverify.oracles.replay import drive as rd
@@ -168,7 +169,7 @@ def _set_full_recompute(chunks: list, on: bool) -> None:
     configs = {id(m.config): m.config for chunk in chunks for m in chunk.modules()
                if hasattr(getattr(m, "config", None), "recompute_granularity")}
     for config in configs.values():
-        for key, value in st.RECOMPUTE_MODES["full"].items():
+        for key, value in RECOMPUTE_MODES["full"].items():
             setattr(config, key, value if on else None)
 
 
@@ -282,7 +283,7 @@ def _recompute(setup: st.Setup, t: Tally, routes, drifted) -> None:
         return
     for mode in setup.opts.recompute:
         p = f"{setup.prefix}recompute={mode}: "
-        chunks = st.build(setup, setup.layout, overrides=setup.impl.overrides(), extra=st.RECOMPUTE_MODES[mode])
+        chunks = st.build(setup, setup.layout, overrides=setup.impl.overrides(), extra=RECOMPUTE_MODES[mode])
         st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
         setup.impl.bind(chunks)
         got = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=setup.impl, routes=routes)

@@ -4,18 +4,20 @@ Every score function megatron-core 0.19.2's ``topk_routing_with_score_function``
 with top-k before or after the softmax, sigmoid, sqrtsoftplus), with and without the aux-loss-free
 expert bias, group-limited top-k, and padding masks handed to the router. ``default`` is the
 family's own router as its HF config describes it. A scenario runs ``DEFAULT_VARIANTS`` unless its
-options say ``router_variants: [...]`` or ``router_variants: full``.
+options say ``router_variants: [...]`` or ``router_variants: full``. Pure Python (no torch): scenario files and
+the ``router_variants`` option are checked against this table before torchrun starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from moeverify.errors import UsageError
 
-if TYPE_CHECKING:  # options.py reads the variant table while parsing arguments: keep this module light
-    from moeverify.models.traits import ModelTraits
+
+class _Traits(Protocol):  # moeverify.models.traits.ModelTraits, as far as the variants read it
+    expert_bias: bool
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,7 +27,7 @@ class RouterVariant:
     padding: bool = False  # hand the router a padding mask (last quarter of every second sequence)
     random_expert_bias: bool = False  # give the expert bias seeded non-zero values so it steers routing
 
-    def not_applicable(self, family: str, *, traits: ModelTraits) -> str | None:
+    def not_applicable(self, family: str, *, traits: _Traits) -> str | None:
         """Why this variant cannot be built for ``family``, a model with ``traits`` (None when it can)."""
         if self.overrides.get("moe_router_enable_expert_bias") and not traits.expert_bias:
             return (f"{family}'s HF checkpoint has no expert-bias tensor (e_score_correction_bias) for the bridge "

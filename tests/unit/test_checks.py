@@ -1,0 +1,143 @@
+"""Checks declared once (moeverify.checks): each CheckSpec's options dataclass is what the flat option table, the
+flags, the scenario rule and the checks' own defaults read."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moeverify import checks, cli, options
+from moeverify.errors import UsageError
+from moeverify.layout import Layout
+from moeverify.router_variants import VARIANTS
+
+
+def _run_parser():
+    return next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.values()
+                if a.prog.endswith("run"))
+
+
+def test_checks_every_entry_point_loads_a_function():
+    loaded = {name: spec.load() for name, spec in checks.CHECKS.items()}
+    assert sorted(loaded) == ["export", "hf_parity", "replay", "roundtrip"]
+    assert {name: (fn.__module__, fn.__name__) for name, fn in loaded.items()} == {
+        "roundtrip": ("moeverify.oracles.roundtrip", "run"), "export": ("moeverify.oracles.export.oracle", "run"),
+        "replay": ("moeverify.oracles.replay.oracle", "run"), "hf_parity": ("moeverify.oracles.hf_parity", "run")}
+
+
+def test_checks_resolve_unknown_names_the_known_checks():
+    with pytest.raises(UsageError, match=r"unknown check 'nope'; known checks: roundtrip, export, replay, hf_parity"):
+        checks.resolve("nope")
+
+
+def test_checks_option_table_is_every_declared_field():
+    declared = {meta.key: (name, field.default) for name, spec in checks.CHECKS.items()
+                for field, meta in spec.options.declared()}
+    assert {k: o.check for k, o in options.OPTIONS.items()} == {k: check for k, (check, _) in declared.items()}
+    assert len(declared) == 12
+
+
+def test_checks_option_declared_by_two_checks_refused():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Clash(checks.CheckOptions):
+        seq: int = checks.option(16, key="replay_seq_len", validate=int, help="tokens")
+
+    specs = {**checks.CHECKS, "clash": checks.CheckSpec(name="clash", entry="m:f", options=Clash)}
+    with pytest.raises(AssertionError, match="option replay_seq_len is declared by replay and clash"):
+        options._table(specs)
+
+
+def test_checks_typed_defaults_are_what_the_checks_use():
+    assert checks.ExportOptions.from_options({}) == checks.ExportOptions(subject="sharded", lockstep_timeout=None,
+                                                                         refresh=False, receiver=None)
+    replay = checks.ReplayOptions.from_options({})
+    assert (replay.impl, replay.variants, replay.seq_len, replay.batch) == ("moeverify", (VARIANTS["default"],), 16, 2)
+    assert replay.subchecks == checks.CHECKS["replay"].subchecks and replay.recompute == ("full", "moe")
+
+
+def test_checks_from_options_reads_its_own_keys_converted_and_none_as_unset():
+    merged = {"subject": "bridge", "replay_seq_len": 8, "router_variants": "full", "replay_impl": None,
+              "replay_subchecks": "drift, recompute"}
+    assert checks.ExportOptions.from_options(merged).subject == "bridge"
+    replay = checks.ReplayOptions.from_options(merged)
+    assert (replay.seq_len, replay.impl, replay.subchecks) == (8, "moeverify", ("drift", "recompute"))
+    assert replay.variants == tuple(VARIANTS.values())
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    ({"refresh": "yes"}, r"^export check options: option refresh: expected true or false, got 'yes'$"),
+    ({"lockstep_timeout": 0}, r"^export check options: option lockstep_timeout: expected a finite number of "
+                              r"seconds > 0, got 0$"),
+    ({"subject": "nocolon"}, r"^export check options: option subject: subject 'nocolon' is not bridge, sharded"),
+])
+def test_checks_from_options_validates_again_naming_where(raw, match):
+    with pytest.raises(UsageError, match=match):
+        checks.ExportOptions.from_options(raw, where="export check options")
+
+
+def test_checks_replay_scenario_rule_reads_the_declared_seq_len():
+    replay = checks.CHECKS["replay"]
+    assert replay.refusal({}, Layout(cp=2)) is None  # 16 % 4
+    assert replay.refusal({"replay_seq_len": 12}, Layout(cp=3)) is None
+    assert replay.refusal({}, Layout(cp=3)) == (
+        "the replay check's sequence of 16 tokens is not divisible by 2 * cp = 6 (context parallelism splits each "
+        "sequence in 2 * cp chunks); set options: {replay_seq_len: N} with N a multiple of it")
+    assert checks.CHECKS["export"].refusal({}, Layout(cp=3)) is None
+
+
+def test_checks_without_options_read_none():
+    spec = checks.CheckSpec(name="tiny", entry="m:f")
+    assert spec.options.from_options({"subject": "bridge"}) == checks.NoOptions()
+    assert spec.refusal({"replay_seq_len": 3}, Layout(cp=2)) is None
+
+
+def test_checks_run_flags_and_help_come_from_the_declaration():
+    actions = {a.dest: a for a in _run_parser()._actions}
+    flagged = {k: o for k, o in options.OPTIONS.items() if o.flag}
+    assert sorted(flagged) == ["receiver", "replay_impl", "subject"]
+    for key, option in flagged.items():
+        assert (actions[key].option_strings, actions[key].metavar) == ([option.flag], option.metavar)
+    assert actions["replay_impl"].help.endswith("(default moeverify)")
+    assert actions["subject"].help.endswith("path/file.py:factory (default sharded)")
+
+
+def test_checks_declarations_import_no_torch(repo_root):
+    code = textwrap.dedent("""
+        import sys
+
+        class _Refuse:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "megatron", "transformers", "safetensors"):
+                    raise ImportError(f"blocked import of {name}")
+
+        sys.meta_path.insert(0, _Refuse())
+        from moeverify import checks, options
+        from moeverify.layout import Layout
+        opts = checks.ReplayOptions.from_options({"router_variants": "full", "replay_seq_len": 8})
+        print(len(opts.variants), len(options.OPTIONS), checks.CHECKS["replay"].refusal({}, Layout(cp=3))[:40])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[:2] == [str(len(VARIANTS)), "12"], proc.stdout
+    assert "the replay check's sequence of 16 tokens" in proc.stdout
+
+
+def test_checks_export_docs_table_lists_the_declared_subchecks(repo_root):
+    text = (repo_root / "docs" / "export.md").read_text()
+    table = text[text.index("| subcheck | checks | counts |"):text.index("\n\n", text.index("| subcheck | checks |"))]
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    always = tuple(r.strip("`") for r in rows if "(option)" not in r)
+    assert always == checks.CHECKS["export"].subchecks
+
+
+def test_checks_selected_subchecks_follow_the_declared_option():
+    replay, export = checks.CHECKS["replay"], checks.CHECKS["export"]
+    assert replay.selected_subchecks({}) == (replay.subchecks, None)
+    assert replay.selected_subchecks({"replay_subchecks": ("weights", "drift")}) == (("drift", "weights"),
+                                                                                     "replay_subchecks")
+    assert export.selected_subchecks({"replay_subchecks": ("drift",)}) == (export.declared_subchecks, None)
+    assert export.declared_subchecks == export.subchecks + ("refresh", "receiver", "receiver_reload")
