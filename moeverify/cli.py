@@ -1,28 +1,36 @@
-"""``moeverify run | dump | doctor | bench``.
+"""``moeverify run | dump | doctor | bench``: the entry point, its dispatch, and the ``run`` command.
 
-Options are parsed once, up front; conflicting or impossible requests are refused before any work
-starts, with the fix. User errors print one message and exit 2, never a traceback.
+The other commands live in ``moeverify.commands``; ``dump``'s module is imported only when ``dump`` runs (its
+format needs torch), so ``--help``, ``run --list`` and scenario validation import no torch. Options are parsed
+once, up front; conflicting or impossible requests are refused before any work starts, with the fix. User
+errors print one message and exit 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from moeverify import doctor, timeouts
+from moeverify import checks
+from moeverify import scenario as scenario_mod
+from moeverify import timeouts
+from moeverify.commands import bench, doctor
+from moeverify.commands.common import EXIT_INTERRUPTED, EXIT_USAGE, REPO_ROOT, user_model_key
 from moeverify.errors import UsageError
+from moeverify.models import user
+from moeverify.options import OPTIONS
+from moeverify.options import validate as validate_option
+from moeverify.runner import interrupts, nodes
+
+__all__ = ["DEFAULT_SCENARIOS", "DEFAULT_TIMEOUT_S", "EXIT_INTERRUPTED", "EXIT_USAGE", "RELEASE_SCENARIOS", "build_parser",
+           "main"]
 
 DEFAULT_SCENARIOS = "scenarios/smoke.yaml"
 RELEASE_SCENARIOS = "scenarios/release.yaml"
 DEFAULT_TIMEOUT_S = timeouts.SCENARIO_S  # public name of timeouts.SCENARIO_S
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,8 +51,6 @@ def _positive_float(text: str) -> float:
 
 
 def _add_run(subparsers) -> None:
-    from moeverify.options import OPTIONS
-
     p = subparsers.add_parser("run", help="run scenario files (torchrun per world size)",
                               description="Run the checks of scenario files; exit 0 all passed, 1 any failed, "
                                           "2 usage error.")
@@ -80,20 +86,13 @@ def _add_run(subparsers) -> None:
     p.set_defaults(func=_cmd_run)
 
 
-def _add_bench(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="run benchmark scripts from bench/")
-    p.add_argument("names", nargs="*", metavar="NAME", help="bench/NAME.py to run (default: all)")
-    p.add_argument("--list", action="store_true", help="list the benchmarks")
-    p.set_defaults(func=_cmd_bench)
-
-
 def _add_dump(subparsers, *, load: bool) -> None:
     """``dump`` and its verbs when ``load``; else a stub that lists it, so that ``--help``, ``run`` and
     ``doctor`` never import the dump format (torch)."""
     if load:
-        from moeverify.record import cli as record_cli  # lazy: torch, safetensors
+        from moeverify.commands import dump  # lazy: torch, safetensors (the dump format)
 
-        record_cli.register(subparsers)
+        dump.register(subparsers)
         return
     p = subparsers.add_parser("dump", help="routing dumps: inspect, diff, convert", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -108,7 +107,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_run(subparsers)
     _add_dump(subparsers, load=command == "dump")
     doctor.register(subparsers)
-    _add_bench(subparsers)
+    bench.register(subparsers)
     return parser
 
 
@@ -141,16 +140,11 @@ def _check_outputs(args) -> None:
 
 
 def _load(args, node=None):
-    from moeverify import checks
-    from moeverify import scenario as scenario_mod
-    from moeverify.runner import select
+    from moeverify.runner import select  # lazy: rich (its results table)
 
     known = checks.check_names()
     if args.check is not None and args.check not in known:
         raise UsageError(f"--check {args.check!r}: unknown check; known checks: {', '.join(known)}")
-    from moeverify.options import OPTIONS
-    from moeverify.options import validate as validate_option
-
     options = {o.name: getattr(args, o.name) for o in OPTIONS.values() if o.flag}
     for key, value in options.items():
         if value is not None:
@@ -170,7 +164,7 @@ def _load(args, node=None):
 def _gpu_count(backend: str) -> int:
     if backend == "cpu":
         return 0
-    import torch
+    import torch  # lazy: torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -181,14 +175,12 @@ def _terminate_cleanly(signum, frame) -> None:
 
 
 def _cmd_run(args) -> int:
-    from moeverify.runner import nodes, select
+    from moeverify.runner import select  # lazy: rich (its results table)
 
     _check_outputs(args)
     node = nodes.from_args(args)
     chosen, options = _load(args, node)
     if args.list:
-        from moeverify.models import user
-
         for key in dict.fromkeys(s.family for s in chosen if s.model):
             print(f"# {key}: {user.registered(key).describe()}")
         for s in chosen:
@@ -208,7 +200,7 @@ def _cmd_run(args) -> int:
             return _follow(args, node, control, groups=groups, options=options)
         cluster = None
         if node is not None:
-            from moeverify.runner import launch
+            from moeverify.runner import launch  # lazy: rich (its results table)
 
             control.wait_joined()
             cluster = launch.Cluster(node, control)
@@ -233,8 +225,8 @@ def _preflight_models(groups) -> None:
                 without_te[scenario.family] = without_te.get(scenario.family, False) or group.backend == "cpu"
     if not without_te:
         return
-    from moeverify.models import builder
-    from moeverify.runtime.bridge_import import real_te_available
+    from moeverify.models import builder  # lazy: torch, megatron
+    from moeverify.runtime.bridge_import import real_te_available  # lazy: torch
 
     te_here = real_te_available()
     for key, on_cpu in without_te.items():
@@ -244,10 +236,7 @@ def _preflight_models(groups) -> None:
 
 def _control(args, node, *, chosen, groups, options):
     """Several nodes: join the control store, with a digest of what this node loaded (all must agree)."""
-    from moeverify.runner import nodes
-    from moeverify.scenario import scenario_to_dict
-
-    scenarios = [{k: v for k, v in scenario_to_dict(s).items() if k != "source"} for s in chosen]  # not where
+    scenarios = [{k: v for k, v in scenario_mod.scenario_to_dict(s).items() if k != "source"} for s in chosen]  # not where
     loaded = nodes.digest({"scenarios": scenarios, "options": options,
                            "timeout": args.timeout, "groups": [(g.world_size, g.backend) for g in groups],
                            "nnodes": node.nnodes})
@@ -256,7 +245,7 @@ def _control(args, node, *, chosen, groups, options):
 
 def _follow(args, node, control, *, groups, options) -> int:
     """A node other than node 0: run its share of every group node 0 starts; node 0's exit code."""
-    from moeverify.runner import launch, nodes
+    from moeverify.runner import launch  # lazy: rich (its results table)
 
     run_dir = _make_run_dir(args, sub=f"node{node.node_rank}")
     specs = [launch.GroupSpec(world_size=g.world_size, scenarios=g.scenarios, backend=g.backend, options=options,
@@ -295,11 +284,11 @@ def _make_run_dir(args, *, sub: str | None = None) -> Path:
 
 
 def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
-    from rich.console import Console
-    from rich.text import Text
+    from rich.console import Console  # lazy: rich
+    from rich.text import Text  # lazy: rich
 
-    from moeverify.runner import interrupts, launch, report
-    from moeverify.runner.outputs import Outputs
+    from moeverify.runner import launch, report  # lazy: rich
+    from moeverify.runner.outputs import Outputs  # lazy: rich
 
     outputs = Outputs(json_path=args.json, junit_path=args.junit)
     run_dir = _make_run_dir(args)
@@ -350,38 +339,3 @@ def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
                                     "result files"))
         return EXIT_INTERRUPTED
     return report.exit_code(results)
-
-
-# --------------------------------------------------------------------------------------- doctor
-def user_model_key(args) -> str | None:
-    """Register ``--model`` with its ``--model-set`` overrides (None without --model)."""
-    if args.model_set and not args.model:
-        raise UsageError("--model-set overrides the config of --model PATH; give --model")
-    if not args.model:
-        return None
-    from moeverify.models import user
-
-    return user.register(args.model, user.parse_sets(args.model_set)).key
-
-
-# ---------------------------------------------------------------------------------------- bench
-def _bench_scripts() -> dict[str, Path]:
-    folder = REPO_ROOT / "bench"
-    return {p.stem: p for p in sorted(folder.glob("*.py")) if not p.name.startswith("_")}
-
-
-def _cmd_bench(args) -> int:
-    scripts = _bench_scripts()
-    if args.list:
-        print("\n".join(scripts) or "(no benchmarks in bench/)")
-        return 0
-    unknown = [n for n in args.names if n not in scripts]
-    if unknown:
-        raise UsageError(f"unknown benchmark(s) {unknown}; available: {', '.join(scripts) or 'none'}")
-    worst = 0
-    for name in args.names or list(scripts):
-        print(f"== bench/{name}.py", flush=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
-        rc = subprocess.call([sys.executable, str(scripts[name])], cwd=REPO_ROOT, env=env)
-        worst = max(worst, 1 if rc else 0)
-    return worst

@@ -8,6 +8,7 @@ combination with the rule that broke, before any process group exists.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 
 from moeverify.errors import LayoutError
@@ -227,8 +228,6 @@ class Layout:
 
 
 def _digest(text: str) -> str:
-    import hashlib
-
     return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
@@ -237,12 +236,12 @@ def _pp_layout_counts(text: str, pp: int, *, num_layers: int | None = None) -> l
     by Megatron-Core's own ``PipelineParallelLayerLayout`` (0.19: ``transformer/pipeline_parallel_layer_layout``);
     with ``num_layers``, also its rules (one embedding first, one loss last, that many decoder layers)."""
     try:
-        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout  # lazy: megatron
     except ImportError as exc:  # pragma: no cover (megatron-core 0.19 has it)
         raise LayoutError(f"pp_layout needs megatron-core's PipelineParallelLayerLayout: {exc}") from None
     try:
         parsed = PipelineParallelLayerLayout(text, pp)
-        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.enums import LayerType  # lazy: megatron
 
         if num_layers is not None:
             if LayerType.mtp in parsed.flatten_layout:

@@ -7,6 +7,7 @@ module, a syntax error or a missing factory is a usage error (exit 2), not a cra
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
@@ -99,8 +100,6 @@ def _source_of(target: str) -> tuple[str, str] | None:
 
 def _top_level(body):
     """Module-level statements, also those inside top-level if/try/with/for blocks (not in functions)."""
-    import ast
-
     for node in body:
         yield node
         if isinstance(node, ast.If | ast.For | ast.While | ast.With):
@@ -114,8 +113,6 @@ def check(spec: str, *, what: str, builtins: Mapping[str, str] | None = None) ->
     """Refuse, without running any of it, a plugin that cannot load: a bad name, a missing module or
     file, a syntax error, or no top-level ``attr``. The parent calls this before torchrun starts; the
     ranks then ``load`` it for real."""
-    import ast
-
     builtins = builtins or {}
     if spec in builtins:
         return

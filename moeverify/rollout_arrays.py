@@ -8,13 +8,15 @@ refused. Legend: T = tokens, L = MoE layers (columns), K = top-k, B = requests, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
+from moeverify import expert_map as maps
 from moeverify import layer_numbering
 from moeverify.errors import RouteError
-from moeverify.routes import _INT_DTYPES, safe_routes
+from moeverify.route_ids import INT_DTYPES, safe_routes
 
 PICK, COUNT = 'numbering="{}"', "num_layers="
 
@@ -169,7 +171,7 @@ def as_int64(array) -> torch.Tensor:
         tensor = array if isinstance(array, torch.Tensor) else torch.as_tensor(array)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise RouteError(f"rollout routes must be an integer array, got {type(array).__name__}: {exc}") from exc
-    if tensor.dtype not in _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
+    if tensor.dtype not in INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64):
         raise RouteError(f"rollout routes dtype {tensor.dtype} is not an integer dtype")
     return tensor.to(torch.int64)
 
@@ -195,10 +197,6 @@ def fill_pads(ids_TLK: torch.Tensor, pad_T: torch.Tensor, *, num_experts: int) -
 def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_experts: int):
     """``expert_map`` (a path, an ``ExpertMap``, or a parsed map: list, list of lists, layer-keyed dict,
     array) read and checked by ``moeverify.expert_map``, the dump commands' one loader."""
-    import os
-
-    from moeverify import expert_map as maps  # deferred: numpy and json parsing, only with a map
-
     if isinstance(expert_map, maps.ExpertMap):
         emap = expert_map
         missing = sorted(set(layers) - set(emap.per_layer))

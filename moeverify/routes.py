@@ -15,9 +15,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from moeverify import rollout_arrays as ra
+from moeverify import views
 from moeverify.errors import RouteError
-
-_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+from moeverify.route_ids import INT_DTYPES
+from moeverify.route_ids import safe_routes as safe_routes  # public here too (``moeverify.routes.safe_routes``)
 
 
 def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_experts: int, topk: int,
@@ -26,7 +28,7 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
     where = f"layer {layer} rank {rank} mb {microbatch}"
     if not isinstance(topk_ids_TK, torch.Tensor):
         raise RouteError(f"{where}: route must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
-    if topk_ids_TK.dtype not in _INT_DTYPES:
+    if topk_ids_TK.dtype not in INT_DTYPES:
         raise RouteError(f"{where}: route dtype {topk_ids_TK.dtype} is not an integer dtype")
     expected = f"(T={tokens if tokens is not None else 'any'}, K={topk})"
     if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[1] != topk or (tokens is not None and topk_ids_TK.shape[0] != tokens):
@@ -77,9 +79,8 @@ def _validate_unlike(ids_TK: torch.Tensor, valid_TK: torch.Tensor, **where) -> N
     """``validate_topk_ids`` of the rows of ``ids_TK`` that are not byte-identical to ``valid_TK``'s (validated,
     same dtype and shape); on a failure, of the whole tensor, so that the message names the same token and
     count (every bad row is among the rows checked: the others equal valid rows)."""
-    from moeverify.views import _rows
-
-    words_TW, valid_TW = _rows(ids_TK).numpy(), _rows(valid_TK).numpy()  # NumPy: 7x faster nonzero on one core
+    # NumPy: 7x faster nonzero on one core
+    words_TW, valid_TW = views.word_rows(ids_TK).numpy(), views.word_rows(valid_TK).numpy()
     differ_T = words_TW[:, 0] != valid_TW[:, 0] if words_TW.shape[1] == 1 else (words_TW != valid_TW).any(axis=1)
     try:
         validate_topk_ids(ids_TK.index_select(0, torch.from_numpy(np.flatnonzero(differ_T))), **where)
@@ -281,8 +282,6 @@ class Routes:
 
     def to_local(self, layout, *, coords, seq_len, batch: int, num_layers: int, zigzag: bool = True) -> Routes:
         """This global view as one rank's routers see it (delegates to ``moeverify.views.to_local``)."""
-        from moeverify import views
-
         return views.to_local(self, layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers,
                               zigzag=zigzag)
 
@@ -290,8 +289,6 @@ class Routes:
     def to_global(local_by_rank, layout, *, world_size: int, seq_len, batch: int, num_layers: int,
                   moe_layers: Sequence[int], zigzag: bool = True) -> Routes:
         """Merge ranks' local routes into the global view (delegates to ``moeverify.views.to_global``)."""
-        from moeverify import views
-
         return views.to_global(local_by_rank, layout, world_size=world_size, seq_len=seq_len, batch=batch,
                                num_layers=num_layers, moe_layers=moe_layers, zigzag=zigzag)
 
@@ -333,8 +330,6 @@ class Routes:
         spread over all experts. A capture gap (a row of -1, or with K > 1 a row of zeros, on a real
         token) raises ``RouteError`` naming request, token and layer: it is never replayed as expert 0.
         """
-        from moeverify import rollout_arrays as ra
-
         if lengths is None and (isinstance(topk_ids, (list, tuple)) or ra.ndim(topk_ids) == 4):
             raise RouteError("several rollout requests need lengths= (tokens training feeds per request)")
         if rows is not None and (lengths is None or isinstance(topk_ids, (list, tuple))):
@@ -375,11 +370,3 @@ class Routes:
         tokens = [int(t.shape[0]) for t in self._data[self.layers[0]]] if self._data else []
         return (f"Routes(layers={list(self.layers)}, microbatches={self.microbatches}, tokens={tokens}, "
                 f"num_experts={self.num_experts}, topk={self.topk})")
-
-
-def safe_routes(tokens: int, *, topk: int, num_experts: int, start: int = 0) -> torch.Tensor:
-    """``[tokens, topk]`` int64 filler routes: row ``t`` takes experts ``((start + t) * K + j) % E``."""
-    if not 1 <= topk <= num_experts:
-        raise RouteError(f"need 1 <= topk <= num_experts, got topk {topk}, num_experts {num_experts}")
-    rows_T = torch.arange(start, start + tokens, dtype=torch.int64)
-    return (rows_T[:, None] * topk + torch.arange(topk, dtype=torch.int64)[None, :]) % num_experts

@@ -1,6 +1,8 @@
 """Which tokens and MoE layers a rank's routers see under a Layout, and routes between views.
 
-Plain tensor math; no Megatron import. Conventions:
+Plain tensor math (``job_layout`` alone reads Megatron's parallel state), and no import of ``moeverify.routes``:
+``Routes.to_local``/``to_global`` call into this module, whose results are built as the given routes' own class.
+Conventions:
 
 - **Global token index** of a micro-batch of ``B`` sequences of length ``S`` (per data-parallel
   rank) is sequence-major: ``g = b * S + s``, the order rollout engines return tokens in, sequence
@@ -37,12 +39,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeverify.errors import LayoutError, RouteError, UsageError
 from moeverify.layout import Layout
-from moeverify.routes import Routes
+
+if TYPE_CHECKING:  # annotations only: routes.py imports this module
+    from moeverify.routes import Routes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,7 +172,8 @@ def to_local(global_routes: Routes, layout: Layout, *, coords: RankCoords, seq_l
                 raise RouteError(f"layer {layer} mb {mb}: global routes hold {global_TK.shape[0]} tokens, "
                                  f"{coords.label()} needs token {int(idx_T.max())} (seq_len {length}, batch {batch})")
             per_layer[layer].append(global_TK[idx_T])
-    return Routes(per_layer, num_experts=global_routes.num_experts, topk=global_routes.topk).in_order("router")
+    return type(global_routes)(per_layer, num_experts=global_routes.num_experts,
+                               topk=global_routes.topk).in_order("router")
 
 
 def to_global(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, world_size: int,
@@ -203,7 +209,7 @@ def to_global(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, wor
         for layer in moe:
             per_layer[layer].append(_merge_one(local_by_rank, layout, layer=layer, mb=mb, seq_len=length,
                                                batch=batch, tokens=tokens, topk=topk, dtype=dtype, zigzag=zigzag))
-    return Routes(per_layer, num_experts=experts, topk=topk).in_order("sequence" if dp * batch > 1 else None)
+    return type(first)(per_layer, num_experts=experts, topk=topk).in_order("sequence" if dp * batch > 1 else None)
 
 
 def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, layer: int, mb: int, seq_len: int,
@@ -223,7 +229,7 @@ def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, la
     out_TK = torch.empty(tokens, topk, dtype=dtype)  # every row is written or named missing below
     if len(holders) == 1 and holders[0][1].numel() == tokens:  # one rank holds every token (token_index
         _, idx_T, local_TK = holders[0]                          # never repeats one): nothing to compare
-        _rows(out_TK).index_copy_(0, idx_T, _rows(local_TK))
+        word_rows(out_TK).index_copy_(0, idx_T, word_rows(local_TK))
         return out_TK
     owner_T = torch.full((tokens,), -1, dtype=torch.int64)
     for n, (coords, idx_T, local_TK) in enumerate(holders):
@@ -242,7 +248,7 @@ def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, la
             out_TK[idx_T[fresh_T]] = local_TK[fresh_T]
             owner_T[idx_T[fresh_T]] = coords.rank
         else:
-            _rows(out_TK).index_copy_(0, idx_T, _rows(local_TK))
+            word_rows(out_TK).index_copy_(0, idx_T, word_rows(local_TK))
             owner_T[idx_T] = coords.rank
     if bool((owner_T < 0).any()):
         missing = int((owner_T < 0).sum())
@@ -254,7 +260,7 @@ def _merge_one(local_by_rank: Mapping[RankCoords, Routes], layout: Layout, *, la
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _rows(t_TK: torch.Tensor) -> torch.Tensor:
+def word_rows(t_TK: torch.Tensor) -> torch.Tensor:
     """A contiguous ``[T, K]`` tensor viewed as ``[T, W]`` machine words (top-8 uint8 ids: one int64 per
     row), so that moving whole rows by index moves words, not bytes (about 4x faster on CPU)."""
     t_TK = t_TK.contiguous()
@@ -307,7 +313,7 @@ def job_layout(*, sp: bool) -> tuple[Layout, RankCoords, int]:
 
     Refuses (``UsageError``) a multi-rank job without model-parallel state, and a rank order other than
     Megatron's default ``tp-cp-ep-dp-pp`` (the one ``rank_coords`` and the dump format assume)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron
 
     dist = torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist else (1, 0)

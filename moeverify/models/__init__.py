@@ -1,5 +1,7 @@
 """Tiny HF model families made in code and built into Megatron through Megatron-Bridge under a Layout."""
 
+import importlib
+
 from moeverify.layout import Layout, ModelShape
 from moeverify.models.configs import FAMILIES, family_shape, family_traits, hf_config_dict
 
@@ -11,7 +13,5 @@ _LAZY = {"build": "builder", "Built": "builder", "hf_checkpoint": "families"}
 
 def __getattr__(name):  # lazy: torch and megatron are imported only when a checkpoint is written or a model built
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f"moeverify.models.{_LAZY[name]}"), name)
     raise AttributeError(name)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from moeverify.errors import UsageError
+from moeverify.models import user
 
 FINDING = "F11"  # the README's findings table: the bridge builds another model than its config says
 
@@ -62,8 +63,6 @@ def refuse_unconvertible(*, family: str, config: dict, bridge, provider, built_m
 
 # ----------------------------------------------------------------------------------------------- MoE pattern
 def _pattern_problems(config: dict, built: tuple[int, ...], *, bridge_name: str) -> list[str]:
-    from moeverify.models import user
-
     wanted = user.shape_of(config).moe_layers
     if not user.shape_of(config).num_experts or wanted == built:
         return []
@@ -88,8 +87,6 @@ def _pattern_problems(config: dict, built: tuple[int, ...], *, bridge_name: str)
 
 def _explaining(config: dict, present: list[str], built: tuple[int, ...], *, layers: int) -> tuple[str, ...] | None:
     """The fewest layer-pattern keys that, at their neutral values, give the pattern the bridge built."""
-    from moeverify.models import user
-
     for size in range(1, len(present) + 1):
         for keys in itertools.combinations(present, size):
             changed = dict(config, **{k: user.neutral(k, layers) for k in keys})

@@ -18,11 +18,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from moeverify import layer_numbering
+from moeverify import layer_numbering, runtime
 from moeverify.errors import UsageError
 from moeverify.layout import Layout, ModelShape
-from moeverify.models import family_specs, seeded
-from moeverify.models.families import family_shape, hf_checkpoint
+from moeverify.models import bridge_limits, family_specs, kimi, seeded, user
+from moeverify.models.families import family_shape, hf_checkpoint, hf_config_dict
+from moeverify.models.mtp_spec import cpu_mtp_block_spec, cpu_mtp_gaps
 
 # Settings that select TE-only (or apex-only) kernels; switched off wherever real TE is absent
 # (every CPU rank, and GPU nodes without TE), where the local block spec is used instead.
@@ -115,8 +116,6 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None)
     if linear and variant != "gated_delta_net":
         gaps.append(f"its layer spec with experimental_attention_variant={variant!r} (the CPU path builds "
                     "gated_delta_net)")
-    from moeverify.models.mtp_spec import cpu_mtp_gaps
-
     gaps += cpu_mtp_gaps(provider)  # MTP blocks are mtp_spec.py's local_mtp_block_spec
     if gaps:
         raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
@@ -127,7 +126,7 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None)
 
 def _cpu_path(provider, family: str, registry) -> tuple[dict, Any]:
     """Refuse what the CPU spec cannot rebuild; else the provider settings and the block spec it builds with."""
-    from moeverify.models.local_spec import local_block_spec
+    from moeverify.models.local_spec import local_block_spec  # lazy: megatron
 
     family_spec = _refuse_cpu_spec_gaps(provider, family)
     family_specs.cover_cuda_call_sites()
@@ -168,13 +167,8 @@ def _check_shape(provider, shape: ModelShape, family: str) -> None:
 def _bridge_for(family: str, hf_path: Path):
     """``AutoBridge.from_hf_pretrained(hf_path)``; an architecture Megatron-Bridge has no bridge for is a
     ``UsageError`` naming it (megatron-bridge 0.6.2 raises a ValueError whose first line says so)."""
-    from moeverify import runtime
-
     runtime.import_bridge()
-    from megatron.bridge import AutoBridge
-
-    from moeverify.models import kimi
-    from moeverify.models.families import hf_config_dict
+    from megatron.bridge import AutoBridge  # lazy: megatron
 
     if hf_config_dict(family).get("model_type") == kimi.MODEL_TYPE:
         kimi.ensure_registered()  # the in-code config stands in for Kimi-K2's remote code (never trusted)
@@ -204,9 +198,6 @@ def _provider(bridge, family: str, *, load_weights: bool):
 def _refuse_unconvertible(family: str, bridge, provider) -> None:
     """A config the bridge would build as another model is refused with the key that it ignores
     (``bridge_limits``); the built-in families are converted as they are."""
-    from moeverify.models import bridge_limits, user
-    from moeverify.models.families import hf_config_dict
-
     if user.is_user_key(family):
         bridge_limits.refuse_unconvertible(family=family, config=hf_config_dict(family), bridge=bridge,
                                            provider=provider, built_moe_layers=_moe_pattern(provider))
@@ -217,9 +208,6 @@ def preflight(family: str, *, te_real: bool) -> None:
     once it had started: an architecture without a bridge, a config the bridge would build as another model
     (``bridge_limits``), and (``te_real`` False) a model the CPU layer spec cannot rebuild. Reads the config
     only: no weights are written or loaded."""
-    from moeverify.models import user
-    from moeverify.models.families import hf_config_dict
-
     path = user.registered(family).weights_dir if user.is_user_key(family) else None
     with tempfile.TemporaryDirectory(prefix="moeverify-preflight-") as tmp:
         if path is None:
@@ -243,7 +231,7 @@ def _fresh_moe_metrics() -> None:
     ``MoEMetricsTracker`` sizes each metric (aux losses per layer) by the first model that records into it and
     ``clear()`` keeps that size, so a later model with more routers in the same process (an MTP layer) indexes
     past it (IndexError in ``moe_logging.record``). The next router call makes a new one."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker  # lazy: megatron
 
     destroy_moe_metrics_tracker()
 
@@ -260,8 +248,6 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
             (e.g. ``{"moe_router_score_function": "sigmoid"}``).
         load_weights: load the HF checkpoint's weights (else Megatron's own init).
     """
-    from moeverify import runtime
-
     rt = runtime.current()
     shape = family_shape(family)
     layout.validate(world_size=rt.world_size, shape=shape)
@@ -287,8 +273,6 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
     with warnings.catch_warnings(), contextlib.ExitStack() as scoped:
         warnings.simplefilter("ignore", DeprecationWarning)
         if not rt.te_real:
-            from moeverify.models.mtp_spec import cpu_mtp_block_spec
-
             scoped.enter_context(cpu_mtp_block_spec(bridge._model_bridge.mapping_registry()))
         chunks = provider.provide_distributed_model(wrap_with_ddp=False,
                                                     use_cpu_initialization=rt.backend == "cpu")

@@ -31,7 +31,7 @@ def cache_dir() -> Path:
 
 
 def _fingerprint(cfg: dict, seed: int) -> str:
-    import transformers
+    import transformers  # lazy: transformers
 
     versions = [_WEIGHTS_VERSION] + ([mtp_weights.RECIPE_VERSION] if mtp_weights.mtp_depth(cfg) else [])
     blob = json.dumps([cfg, seed, transformers.__version__, *versions], sort_keys=True)
@@ -67,7 +67,7 @@ def _fp32_expert_bias(model: torch.nn.Module) -> None:
 def _hf_model(cfg: dict) -> torch.nn.Module:
     """transformers' model of ``cfg`` in its stored dtype (on the current default device: ``meta`` for names and
     shapes only), the expert-correction bias in fp32 as real checkpoints keep it."""
-    import transformers
+    import transformers  # lazy: transformers
 
     if cfg.get("model_type") == kimi.MODEL_TYPE:
         kimi.ensure_registered()  # transformers 5.12.1 has no kimi_k2: the in-code config (kimi.py)
@@ -101,8 +101,8 @@ def saved_specs(cfg: dict, config_to: Path | None = None) -> dict[str, tuple[tup
     ``cfg``, from the model built on the ``meta`` device: no memory, no file (transformers 5.12.1's three saving
     steps: ignored keys dropped, tied duplicates removed, fused weights converted back to the checkpoint's names).
     With ``config_to``, the config files ``save_pretrained`` writes are written there (``dtype`` included)."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    from transformers.core_model_loading import revert_weight_conversion  # lazy: transformers
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict  # lazy: transformers
 
     with torch.device("meta"):
         model = _hf_model(cfg)

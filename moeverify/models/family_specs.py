@@ -29,20 +29,20 @@ import functools
 
 def cpu_rebuilds() -> dict:
     """Bridge spec function -> the ``local_spec.FamilySpec`` that rebuilds it without Transformer Engine."""
-    from megatron.bridge.models.ernie.ernie_45_bridge import _ernie45_decoder_block_spec
-    from megatron.bridge.models.gpt_provider import default_layer_spec
-    from megatron.bridge.models.minimax_m2.minimax_m2_provider import (
+    from megatron.bridge.models.ernie.ernie_45_bridge import _ernie45_decoder_block_spec  # lazy: megatron
+    from megatron.bridge.models.gpt_provider import default_layer_spec  # lazy: megatron
+    from megatron.bridge.models.minimax_m2.minimax_m2_provider import (  # lazy: megatron
         FullDimKNorm,
         FullDimQNorm,
         minimax_m2_layer_spec,
     )
-    from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention, olmoe_layer_spec
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention, olmoe_layer_spec  # lazy: megatron
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (  # lazy: megatron
         get_transformer_block_with_experimental_attention_variant_spec,
     )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # lazy: megatron
 
-    from moeverify.models.local_spec import FamilySpec
+    from moeverify.models.local_spec import FamilySpec  # lazy: torch, megatron
 
     return {
         default_layer_spec: FamilySpec(),
@@ -58,9 +58,9 @@ def cover_cuda_call_sites() -> None:
     """Bridge code that the CPU runtime's redirections do not reach, run under ``cpu.ordinal_current_device``
     (idempotent; a no-op on GPUs). megatron-bridge 0.6.2: MiniMax-M2's ``_FullDimQKNormMapping.hf_to_megatron``
     builds ``torch.device("cuda", torch.cuda.current_device())`` to load its q/k norms under TP > 1."""
-    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping  # lazy: megatron
 
-    from moeverify.runtime import cpu
+    from moeverify.runtime import cpu  # lazy: torch
 
     original = _FullDimQKNormMapping.hf_to_megatron
     if getattr(original, "_moeverify_covered", False):

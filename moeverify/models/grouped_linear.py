@@ -23,6 +23,8 @@ Legend: T = tokens routed to this rank's experts, I = input features, O = output
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
@@ -120,9 +122,7 @@ class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
 
 def grouped_experts_spec():
     """``TEGroupedMLP`` (megatron-core 0.19.2) over the CPU grouped linears, as the experts of a ``MoELayer``."""
-    import functools
-
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP  # lazy: megatron
 
     return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
         linear_fc1=CpuColumnParallelGroupedLinear, linear_fc2=CpuRowParallelGroupedLinear))

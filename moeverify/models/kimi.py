@@ -36,8 +36,8 @@ KIMI_FIELDS = dict(scoring_func="sigmoid", topk_method="noaux_tc", seq_aux=True,
 @functools.cache
 def classes() -> tuple[type, type]:
     """``(KimiK2Config, KimiK2ForCausalLM)``, made once per process (not registered: ``ensure_registered``)."""
-    import transformers
-    from huggingface_hub.dataclasses import strict
+    import transformers  # lazy: transformers
+    from huggingface_hub.dataclasses import strict  # lazy: huggingface_hub
 
     base_config = getattr(transformers, "DeepseekV3Config", None)
     base_model = getattr(transformers, "DeepseekV3ForCausalLM", None)
@@ -68,8 +68,8 @@ def classes() -> tuple[type, type]:
 
 def ensure_registered() -> None:
     """Register ``kimi_k2`` with transformers' auto classes in this process (idempotent)."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    import transformers  # lazy: transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # lazy: transformers
 
     config_cls, model_cls = classes()
     known = CONFIG_MAPPING._extra_content.get(MODEL_TYPE)  # transformers 5.12.1: registered types live here
@@ -85,7 +85,7 @@ def ensure_registered() -> None:
     # transformers 5.x fuses per-expert weights on load and splits them on save by a conversion keyed by model
     # type; without DeepSeek-V3's, kimi_k2 checkpoints would be saved as fused ``mlp.experts.gate_up_proj``,
     # which no bridge mapping names (Kimi-K2's real checkpoints keep DeepSeek-V3's per-expert names).
-    from transformers import conversion_mapping
+    from transformers import conversion_mapping  # lazy: transformers
 
     deepseek = conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3")
     if deepseek is None:
@@ -96,7 +96,7 @@ def ensure_registered() -> None:
 
 def model_class(architecture: str):
     """The model class for an architecture name: transformers' own, or Kimi-K2's made in code."""
-    import transformers
+    import transformers  # lazy: transformers
 
     if architecture == ARCHITECTURE:
         ensure_registered()

@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from moeverify.errors import UsageError
+from moeverify.models.norms import LocalNorm, local_norm_forward
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -112,8 +113,6 @@ class CpuLayerNormColumnParallelLinear(ColumnParallelLinear):
         self.layer_norm_weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        from moeverify.models.local_spec import local_norm_forward
-
         normed = local_norm_forward(self.config, input_, self.layer_norm_weight, self.config.layernorm_epsilon)
         return super().forward(normed, weight=weight, runtime_gather_output=runtime_gather_output)
 
@@ -121,8 +120,6 @@ class CpuLayerNormColumnParallelLinear(ColumnParallelLinear):
 def gdn_attention_spec() -> ModuleSpec:
     """The GDN attention of megatron-core's ``get_gated_delta_net_module_spec`` with the CPU modules; the layer's
     ``input_layernorm`` is fused into ``in_proj`` (``metainfo['fuse_input_layernorm']``, as the TE spec sets)."""
-    from moeverify.models.local_spec import LocalNorm
-
     return ModuleSpec(module=CpuGatedDeltaNet,
                       submodules=GatedDeltaNetSubmodules(in_proj=CpuLayerNormColumnParallelLinear,
                                                          out_norm=LocalNorm, out_proj=RowParallelLinear),
@@ -132,9 +129,9 @@ def gdn_attention_spec() -> ModuleSpec:
 def local_layer_numbers(config, vp_stage: int | None) -> list[int]:
     """Global (0-based) numbers of the decoder layers this rank builds, as megatron-core 0.19.2's
     ``get_transformer_block_with_experimental_attention_variant_spec`` slices them."""
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.enums import LayerType  # lazy: megatron
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build  # lazy: megatron
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # lazy: megatron
 
     if config.pipeline_model_parallel_layout is not None:
         return list(config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
@@ -145,8 +142,8 @@ def local_layer_numbers(config, vp_stage: int | None) -> list[int]:
 
 def use_linear_attention(config, layer_specs: list, vp_stage: int | None) -> None:
     """Give the layers megatron-core's ``get_linear_attention_pattern`` marks linear the GDN attention."""
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
-    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern  # lazy: megatron
+    from megatron.core.transformer.identity_op import IdentityOp  # lazy: megatron
 
     if config.experimental_attention_variant != "gated_delta_net":
         raise ValueError(f"the CPU linear attention is gated_delta_net; the config asks for "

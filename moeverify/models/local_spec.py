@@ -3,7 +3,7 @@ local spec with the two modules that keep it from running our matrix replaced.
 
 megatron-core 0.19.2's local spec refuses two things every matrix needs (ENVIRONMENT.md):
 - its torch norm asserts "sequence parallel not supported by torch LayerNorm", and MoE with tp > 1 needs
-  sequence parallelism: ``LocalNorm`` is the same per-token norm, marked ``sequence_parallel`` so that
+  sequence parallelism: ``LocalNorm`` (``norms.py``) is the same per-token norm, marked ``sequence_parallel`` so that
   Megatron all-reduces its gradients across TP exactly as it does for TE's norms;
 - its ``DotProductAttention`` takes no ``k_channels``/``v_channels`` (MLA) and refuses context parallelism:
   ``LocalCoreAttention`` is a plain causal attention on ``[s, b, heads, dim]`` that takes MLA's arguments and,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import torch
@@ -29,54 +30,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """RMSNorm scaled by ``1 + weight`` (``layernorm_zero_centered_gamma``, as Transformer Engine's norms and
-    Qwen3-Next's HF norms define it), computed in fp32 and returned in the input's dtype."""
-
-    def __init__(self, hidden_size: int, *, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return zero_centered_rms_norm(x, self.weight, self.eps)
-
-
-def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
-
-
-def local_norm_forward(config, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """What ``LocalNorm(config, ...)`` computes, on a weight held elsewhere (a fused norm + linear)."""
-    if getattr(config, "layernorm_zero_centered_gamma", False):
-        return zero_centered_rms_norm(x, weight, eps)
-    if config.normalization == "RMSNorm":
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    raise ValueError(f"a fused norm + linear is built for RMSNorm only, got {config.normalization!r}")
-
-
-class LocalNorm:
-    """``torch.nn.RMSNorm`` / ``LayerNorm`` built from a Megatron config, usable under sequence parallelism
-    (``ZeroCenteredRMSNorm`` where the config sets ``layernorm_zero_centered_gamma``)."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        if zero_centered and config.normalization != "RMSNorm":
-            raise ValueError(f"zero-centered gamma is built for RMSNorm only, got {config.normalization!r}")
-        if zero_centered:
-            norm = ZeroCenteredRMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        else:
-            raise ValueError(f"LocalNorm supports RMSNorm and LayerNorm, got {config.normalization!r}")
-        for param in norm.parameters():
-            param.sequence_parallel = bool(config.sequence_parallel)
-        return norm
+from moeverify import runtime
+from moeverify.models.grouped_linear import (CpuColumnParallelGroupedLinear, CpuRowParallelGroupedLinear,
+                                             grouped_experts_spec)
+from moeverify.models.linear_attention import CpuGatedDeltaNet, use_linear_attention
+from moeverify.models.norms import LocalNorm
 
 
 class _GatherFromCP(torch.autograd.Function):
@@ -123,7 +81,7 @@ class LocalCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
-        from megatron.core.transformer.utils import is_layer_window_attention
+        from megatron.core.transformer.utils import is_layer_window_attention  # lazy: megatron
 
         self.window_size = (tuple(config.window_size) if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, layer_number) else None)
@@ -169,7 +127,7 @@ class LocalCoreAttention(MegatronModule):
         scores = scores.masked_fill(self._mask(q_pos, k_pos).to(scores.device), float("-inf"))
         probs = self._softmax(scores).to(v_BHSD.dtype)
         if self.training and self.dropout_p > 0:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # lazy: megatron
 
             with get_cuda_rng_tracker().fork():
                 probs = torch.nn.functional.dropout(probs, p=self.dropout_p)
@@ -224,11 +182,7 @@ def _patch_layer_spec(layer_spec: ModuleSpec, *, grouped_experts: bool, family: 
 def _use_grouped_experts(sub) -> None:
     """MoE layers (megatron-core 0.19.2: ``mlp`` is ``partial(MoELayer, submodules=MoESubmodules(...))``) get
     ``TEGroupedMLP`` over the CPU grouped linears in place of ``SequentialMLP``."""
-    import functools
-
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    from moeverify.models.grouped_linear import grouped_experts_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer  # lazy: megatron
 
     mlp = sub.mlp
     if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
@@ -240,7 +194,7 @@ def _use_grouped_experts(sub) -> None:
 
 
 def _is_identity(module) -> bool:
-    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.identity_op import IdentityOp  # lazy: megatron
 
     return module is IdentityOp or (isinstance(module, ModuleSpec) and module.module is IdentityOp)
 
@@ -270,8 +224,6 @@ def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec 
     grouped = bool(config.moe_grouped_gemm)
     block.layer_specs = [_patch_layer_spec(s, grouped_experts=grouped, family=family) for s in block.layer_specs]
     if family.linear_attention:
-        from moeverify.models.linear_attention import use_linear_attention
-
         use_linear_attention(config, block.layer_specs, vp_stage)
     block.layer_norm = LocalNorm
     return block
@@ -283,13 +235,8 @@ def _register_with_bridge() -> None:
     TP-split parameters are registered as the TE modules they stand for (``LocalCoreAttention`` holds the sinks'
     ``softmax_offset``, one entry per head, a column split as under ``TEDotProductAttention``; the grouped
     linears as ``TEColumnParallelGroupedLinear``/``TERowParallelGroupedLinear``)."""
-    from moeverify import runtime
-    from moeverify.models.grouped_linear import CpuColumnParallelGroupedLinear, CpuRowParallelGroupedLinear
-
     runtime.import_bridge()
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping
-
-    from moeverify.models.linear_attention import CpuGatedDeltaNet
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping  # lazy: megatron
 
     for cls, kind in ((LocalCoreAttention, "column"), (CpuColumnParallelGroupedLinear, "column"),
                       (CpuRowParallelGroupedLinear, "row"), (CpuGatedDeltaNet, "column")):

@@ -27,8 +27,8 @@ def local_mtp_block_spec(config, vp_stage: int | None = None, *, registry=None):
     ``registry`` (the bridge's mapping registry): where it maps the inner layer's input norm under TE's fused name
     only, ``linear_qkv`` holds it (``layer_norm_weight``) as TE's ``LayerNormColumnParallelLinear`` does
     (``mtp_input_norm_fused``)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from megatron.core.transformer.multi_token_prediction import get_mtp_num_layers_to_build
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # lazy: megatron
+    from megatron.core.transformer.multi_token_prediction import get_mtp_num_layers_to_build  # lazy: megatron
 
     if not getattr(config, "mtp_num_layers", None) or not get_mtp_num_layers_to_build(config, vp_stage=vp_stage):
         return None  # a chunk without MTP asks nothing of its decoder spec
@@ -51,9 +51,9 @@ def local_mtp_block_spec(config, vp_stage: int | None = None, *, registry=None):
 
 
 def _local_norms(layer_spec):
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear  # lazy: megatron
 
-    from moeverify.models.local_spec import LocalNorm
+    from moeverify.models.norms import LocalNorm  # lazy: torch
 
     sub = layer_spec.submodules
     for name in ("enorm", "hnorm", "layer_norm", "eh_proj", "mtp_model_layer"):
@@ -68,10 +68,10 @@ def _local_norms(layer_spec):
 
 
 def _fuse_input_norm(layer_spec) -> None:
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear  # lazy: megatron
+    from megatron.core.transformer.identity_op import IdentityOp  # lazy: megatron
 
-    from moeverify.models.linear_attention import CpuLayerNormColumnParallelLinear
+    from moeverify.models.linear_attention import CpuLayerNormColumnParallelLinear  # lazy: torch, megatron
 
     sub = layer_spec.submodules
     attn = getattr(sub.self_attention, "submodules", None)
@@ -102,7 +102,7 @@ def mtp_input_norm_fused(registry) -> bool:
 def cpu_mtp_block_spec(registry):
     """While active, Megatron-Bridge's providers build MTP blocks from ``local_mtp_block_spec`` (with the input
     norm where ``registry``, the bridge's mapping registry, maps it)."""
-    from megatron.bridge.models import gpt_provider
+    from megatron.bridge.models import gpt_provider  # lazy: megatron
 
     original = getattr(gpt_provider, "mtp_block_spec", None)
     if original is None:
@@ -120,7 +120,7 @@ def cpu_mtp_gaps(provider) -> list[str]:
     """What of ``provider``'s MTP the CPU spec cannot build as the bridge means it (empty where it can)."""
     if not getattr(provider, "mtp_num_layers", None):
         return []
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.models.gpt_provider import GPTModelProvider  # lazy: megatron
 
     if type(provider).provide is not GPTModelProvider.provide:
         return [f"MTP layers under {type(provider).__name__}'s own provide() (the CPU MTP spec replaces "

@@ -98,8 +98,8 @@ def mtp_specs(cfg: dict, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) 
 def add_mtp_tensors(cfg: dict, seed: int, dst: Path, *, value: Callable[[str, torch.Tensor], torch.Tensor]) -> int:
     """Add the seeded MTP tensors ``cfg`` asks for to ``dst/model.safetensors`` (one file, as transformers writes
     tiny models); ``value(name, noise)`` is the families' recipe. Returns how many tensors were added."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors import safe_open  # lazy: safetensors
+    from safetensors.torch import save_file  # lazy: safetensors
 
     if not mtp_depth(cfg):
         return 0

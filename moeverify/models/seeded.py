@@ -25,8 +25,10 @@ import math
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moeverify.errors import MoEVerifyError
@@ -87,8 +89,6 @@ def _noise_torch(key: int, numel: int, device: torch.device) -> torch.Tensor:
 
 
 def _noise_numpy(key: int, numel: int):
-    import numpy as np
-
     out = np.empty(numel, dtype=np.float32)
     g, m1, m2 = (np.uint64(c & ((1 << 64) - 1)) for c in (_GOLDEN, _MIX1, _MIX2))
 
@@ -120,15 +120,11 @@ _CPU_BLOCK = 1 << 22
 
 @functools.cache
 def _pool():
-    from concurrent.futures import ThreadPoolExecutor
-
     return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="moeverify-seeded")
 
 
 def noise_reference(key: int, index: int) -> float:
     """Element ``index`` of ``noise(key, ...)`` in plain Python integers and float32 rounding (the tests' oracle)."""
-    import numpy as np
-
     mask = (1 << 64) - 1
     x = ((index + 1) * 0x9E3779B97F4A7C15 + key) & mask
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask

@@ -27,10 +27,15 @@ import dataclasses
 import difflib
 import functools
 import hashlib
+import importlib.util
+import inspect
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from moeverify.errors import UsageError
 from moeverify.layout import ModelShape
@@ -131,8 +136,6 @@ def register_spec(spec: dict) -> UserModel:
 
 def parse_sets(items: list[str] | tuple[str, ...], *, where: str = "--model-set") -> dict:
     """``key=value`` strings to a dict; values read as YAML scalars/lists (4, 0.5, true, [1, 2], null)."""
-    import yaml
-
     out: dict = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -163,7 +166,7 @@ def _read_config(config_path: Path, *, where: str) -> dict:
                          f"(e.g. [\"Qwen3MoeForCausalLM\"]), got {archs!r}")
     if not isinstance(config.get("model_type"), str):
         raise UsageError(f"{where}: {config_path}: 'model_type' is missing")
-    import transformers
+    import transformers  # lazy: transformers
 
     if not hasattr(transformers, archs[0]):
         raise UsageError(f"{where}: {config_path}: transformers {transformers.__version__} has no class "
@@ -177,7 +180,7 @@ def _read_config(config_path: Path, *, where: str) -> dict:
 
 
 def _check_overrides(config: dict, items: tuple[tuple[str, Any], ...], *, where: str) -> None:
-    import transformers
+    import transformers  # lazy: transformers
 
     empty = transformers.AutoConfig.for_model(config["model_type"])
     defaults = dict(empty.to_dict(), **{alias: None for alias in getattr(empty, "attribute_map", {})})
@@ -207,7 +210,7 @@ def _normalised(config: dict, items: tuple[tuple[str, Any], ...], *, where: str)
     maps ``num_experts`` onto it): an override under either name must win, and every override must read
     back unchanged from the class, else it would be silently lost.
     """
-    import transformers
+    import transformers  # lazy: transformers
 
     aliases = dict(getattr(transformers.AutoConfig.for_model(config["model_type"]), "attribute_map", {}))
     merged = dict(config)
@@ -255,10 +258,7 @@ def _follow_layer_count(config: dict, merged: dict, overrides: dict, *, where: s
 
 def _modeling_source(config: dict) -> str:
     """The source of the architecture's modeling module: a key it reads is a real setting."""
-    import inspect
-    import sys
-
-    import transformers
+    import transformers  # lazy: transformers
 
     cls = getattr(transformers, config["architectures"][0])
     return inspect.getsource(sys.modules[cls.__module__])
@@ -329,9 +329,7 @@ def pattern_read(config: dict) -> dict:
 def _pattern_source(model_type: str) -> str | None:
     """The text of transformers' modeling and configuration modules of ``model_type`` (read, not imported);
     None where transformers has none (a model type registered in code): the keys are then read as written."""
-    import importlib.util
-
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.configuration_auto import model_type_to_module_name  # lazy: transformers
 
     name = model_type_to_module_name(model_type)
     texts = []

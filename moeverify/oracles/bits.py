@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-SHOW = 5  # differing elements quoted per message
+SHOW = 5  # items quoted per failure message: differing elements, flat indices, names (the one limit)
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -8,7 +8,11 @@ Only headers are read; tensors are loaded by the caller, lazily.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
+
+import torch
 
 from moeverify.errors import MoEVerifyError
 from moeverify.models import seeded
@@ -50,7 +54,7 @@ def tensor_files(hf_path) -> dict[str, Path]:
     index = hf_path / INDEX
     if index.exists():
         return {name: hf_path / fname for name, fname in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors
 
     files = sorted(hf_path.glob("*.safetensors"))
     if not files:
@@ -64,7 +68,7 @@ def tensor_files(hf_path) -> dict[str, Path]:
 
 def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the checkpoint's tensors, read from safetensors headers only (or the seeded marker)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors
 
     if seeded.is_seeded(hf_path):
         return seeded.SeededWeights(hf_path).shapes()
@@ -93,9 +97,6 @@ class TensorReader:
     """
 
     def __init__(self, path) -> None:
-        import os
-        import struct
-
         self.path = str(path)
         self._fd = os.open(self.path, os.O_RDONLY)
         (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
@@ -103,10 +104,6 @@ class TensorReader:
         self._base = 8 + n
 
     def get_tensor(self, name: str):
-        import os
-
-        import torch
-
         entry = self._header[name]
         begin, end = entry["data_offsets"]
         dtype = _DTYPES.get(entry["dtype"])
@@ -125,6 +122,4 @@ class TensorReader:
         return flat.reshape(entry["shape"])
 
     def close(self) -> None:
-        import os
-
         os.close(self._fd)

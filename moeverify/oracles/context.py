@@ -7,6 +7,7 @@ from typing import Any
 
 from moeverify import timeouts
 from moeverify.scenario import Scenario  # defined upstream; imported here for the checks
+from moeverify import models
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -29,7 +30,5 @@ class CheckContext:
     def model(self):
         """The scenario's model built under its layout (``moeverify.models.build``), cached per scenario."""
         if self._built is None:
-            from moeverify import models  # deferred: the model builder (megatron) only when a check builds
-
             self._built = models.build(self.scenario.family, self.scenario.layout, seed=self.scenario.seed)
         return self._built

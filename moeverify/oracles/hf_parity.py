@@ -22,9 +22,12 @@ layers and the logits are compared as for any family (Megatron's logits without 
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
+from moeverify import models
 from moeverify.checks import CHECKS
+from moeverify.layout import Layout
 from moeverify.oracles.results import Tally
 
 RTOL = 1e-4
@@ -34,19 +37,15 @@ _FP32 = dict(bf16=False, fp16=False)
 
 
 def run(ctx) -> dict[str, Tally]:
-    import torch
+    import torch  # lazy: torch
 
     tallies = {name: Tally() for name in SUBCHECKS}
-    from moeverify.layout import Layout
-
     if ctx.world_size != 1 or ctx.scenario.layout != Layout():
         message = (f"hf_parity runs on one rank with the default layout; scenario {ctx.scenario.name} has "
                    f"world size {ctx.world_size}: put hf_parity in a world_size 1 scenario")
         for t in tallies.values():
             t.fail(message)
         return tallies
-    from moeverify import models
-
     built = models.build(ctx.scenario.family, ctx.scenario.layout, seed=ctx.scenario.seed,
                          overrides=dict(_FP32, params_dtype=torch.float32, pipeline_dtype=torch.float32,
                                         autocast_dtype=torch.float32))
@@ -61,13 +60,11 @@ def run(ctx) -> dict[str, Tally]:
 
 
 def _hf_model(path):
-    import tempfile
+    import torch  # lazy: torch
+    import transformers  # lazy: transformers
+    from safetensors.torch import save_file  # lazy: safetensors
 
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from moeverify.models import seeded
+    from moeverify.models import seeded  # lazy: torch
 
     with tempfile.TemporaryDirectory(prefix="moeverify-hf-parity-") as tmp:
         if seeded.is_seeded(path):  # weights made on demand: written out for transformers (hf_parity's tiny models)
@@ -83,7 +80,7 @@ def _hf_model(path):
 
 def _layer_outputs(model, hf, tokens_BS):
     """Per decoder layer hidden states ``[B, S, H]`` and the logits ``[B, S, V]`` of both models."""
-    import torch
+    import torch  # lazy: torch
 
     ours: dict = {}
     theirs: dict = {}

@@ -9,11 +9,10 @@ one tensor at a time, reading the source lazily.
 from __future__ import annotations
 
 from moeverify.checks import CHECKS
-from moeverify.oracles.bits import compare_bits
+from moeverify.oracles.bits import SHOW, compare_bits
 from moeverify.oracles.checkpoint import open_tensors
 from moeverify.oracles.results import Tally
 
-SHOW = 5  # names quoted per key_set failure
 SUBCHECKS = CHECKS["roundtrip"].subchecks  # bitwise, key_set (moeverify.checks)
 
 

@@ -64,7 +64,7 @@ class JobDump:
     def _start(self, *, config, layers: list[int], num_experts: int, topk: int) -> None:
         """Agree with every rank on the model shape (the union of the ranks' MoE layers) and the layout
         (collective). A rank without a router (a dense pipeline stage) takes part with zeros."""
-        from moeverify.record.format import ModelInfo
+        from moeverify.record.format import ModelInfo  # lazy: safetensors
 
         decoder = int(getattr(config, "num_layers", 0) or 0) + int(getattr(config, "mtp_num_layers", 0) or 0)
         sp = int(bool(getattr(config, "sequence_parallel", False)))
@@ -82,7 +82,7 @@ class JobDump:
                    fingerprints: list | None = None) -> None:
         """Write this rank's ``routes`` (None: nothing recorded here) as ``step`` and commit it (collective);
         ``fingerprints``: the ``[B]`` token fingerprints of each micro-batch's input sequences, or None (unknown)."""
-        from moeverify.record import RankWriter, finalize
+        from moeverify.record import RankWriter, finalize  # lazy: safetensors
 
         rows = sum(routes.get(layer, mb).shape[0] for layer in routes.layers for mb in range(routes.microbatches)) \
             if routes else 0

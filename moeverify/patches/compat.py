@@ -38,7 +38,7 @@ class RouterApi:
 
 def megatron_version() -> str:
     try:
-        from megatron.core import package_info
+        from megatron.core import package_info  # lazy: megatron
     except ImportError as exc:  # pragma: no cover - the project pins megatron-core
         raise EnvironmentProblem(f"router replay needs megatron-core >= 0.16 installed; import failed: {exc}") from exc
     return str(package_info.__version__)
@@ -83,20 +83,20 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
         allow_replaced: accept a ``TopKRouter.routing`` that is already this project's patch.
     """
     version = megatron_version()
-    import torch
+    import torch  # lazy: torch
 
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         raise EnvironmentProblem(f"torch {torch.__version__}: torch._C._current_graph_task_id is missing; router "
                                  "replay needs it to tell a recompute (inside backward) from a forward")
-    from moeverify.patches import regions  # deferred: pulls in torch's autograd/multiprocessing machinery
+    from moeverify.patches import regions  # lazy: torch (deferred: pulls in torch's autograd/multiprocessing machinery)
 
     problem = regions.probe()
     if problem is not None:
         raise EnvironmentProblem(f"torch {torch.__version__}: {problem}; router replay matches a recompute to its "
                                  "forward through torch's checkpoint regions (torch 2.14 layout expected)")
     try:
-        from megatron.core.transformer.moe import moe_utils
-        from megatron.core.transformer.moe import router as router_mod
+        from megatron.core.transformer.moe import moe_utils  # lazy: megatron
+        from megatron.core.transformer.moe import router as router_mod  # lazy: megatron
     except ImportError as exc:
         raise EnvironmentProblem(f"megatron-core {version}: cannot import transformer.moe.router: {exc}") from exc
     router_cls = getattr(router_mod, "TopKRouter", None)
@@ -116,7 +116,7 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
     _check_topk_function(moe_utils, version)
     _check_router_source(routing, version)
     try:
-        from megatron.core.transformer.moe.router_replay import RouterReplay as native
+        from megatron.core.transformer.moe.router_replay import RouterReplay as native  # lazy: megatron
     except ImportError:
         native = None
     return RouterApi(version=version, router_cls=router_cls, routing=routing, native_replay_cls=native)

@@ -28,6 +28,7 @@ forward gets; a stage fed only hidden states raises ``RouteError`` naming the st
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import weakref
 from collections.abc import Iterator
@@ -42,6 +43,8 @@ from moeverify.patches.rollout_source import RolloutSource
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
 from moeverify.patches import router_replay as rr
+from moeverify.runtime import DEFAULT_TIMEOUT_S
+import torch.distributed as dist
 
 MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
 DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
@@ -85,7 +88,7 @@ class ChunkForward:
         keys = self._keys
         config = router.config
         if keys.tokens != tokens and getattr(config, "sequence_parallel", False):
-            from megatron.core import parallel_state
+            from megatron.core import parallel_state  # lazy: megatron
 
             keys = tk.sequence_slice(keys, rank=parallel_state.get_tensor_model_parallel_rank(),
                                      size=parallel_state.get_tensor_model_parallel_world_size())
@@ -97,7 +100,7 @@ class ChunkForward:
 
     def _full_keys(self, layer: int, *, rank: int) -> tk.TokenKeys:
         """Keys of the tokens this chunk's forward holds (all of them; under CP this rank's zigzag halves)."""
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # lazy: megatron
 
         ids = self.input_ids
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
@@ -117,7 +120,7 @@ class ChunkForward:
     def _cp_keys(self, ids: torch.Tensor, *, thd: bool, layer: int, rank: int) -> tk.TokenKeys:
         """Context parallel: put the CP ranks' input ids back together, key the full sequences, take this rank's
         tokens (``token_keys`` module docstring). Collective over the CP group, once per forward."""
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # lazy: megatron
 
         group = parallel_state.get_context_parallel_group()
         cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
@@ -149,7 +152,7 @@ class ChunkForward:
 
 
 def _stage_of(chunk) -> str:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: megatron
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     where = f"pipeline stage {parallel_state.get_pipeline_model_parallel_rank()} of {pp}"
@@ -159,12 +162,6 @@ def _stage_of(chunk) -> str:
 
 def _gather_cp(ids: torch.Tensor, group, *, cp: int, layer: int, rank: int) -> list[torch.Tensor]:
     """Every CP rank's input ids (equal shapes checked first), each wait bounded by the collective timeout."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from moeverify.runtime import DEFAULT_TIMEOUT_S
-
     def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(cp)]
         work = dist.all_gather(out, t, group=group, async_op=True)
@@ -204,7 +201,7 @@ class ChunkHooks(ModelInitHooks):
 
 
 def _routers_of(chunk) -> frozenset:
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
     held = chunk.__dict__.get("_moeverify_router_ids")
     if held is None:
@@ -352,7 +349,7 @@ class RolloutState(InJobState):
 
 
 def _layers_of(chunk) -> list[int]:
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
     return sorted(global_layer(m) for m in chunk.modules() if isinstance(m, TopKRouter))
 
@@ -361,7 +358,7 @@ def _pool_group(config):
     """The ranks that each route a part of every sequence, whose recordings are pooled when a table freezes: another
     batch width moves a token to another of them. Under sequence parallel the TP ranks (each a slice of the
     sequence), under context parallel the CP ranks (zigzag halves), both: the TP x CP group; else None."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: megatron
 
     sp = getattr(config, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1
     cp = parallel_state.get_context_parallel_world_size() > 1

@@ -19,7 +19,7 @@ class ModelInitHooks:
         self._original = None
 
     def install(self) -> None:
-        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.models.gpt.gpt_model import GPTModel  # lazy: megatron
 
         if self._original is not None:
             return
@@ -37,7 +37,7 @@ class ModelInitHooks:
 
     def uninstall(self) -> None:
         if self._original is not None:
-            from megatron.core.models.gpt.gpt_model import GPTModel
+            from megatron.core.models.gpt.gpt_model import GPTModel  # lazy: megatron
 
             GPTModel.__init__ = self._original
             self._original = None

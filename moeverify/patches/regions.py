@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from torch.utils.checkpoint import checkpoint
+
 _FORWARD_CELL = "frame"  # _checkpoint_hook.__init__.<locals>.pack_hook closes over the _CheckpointFrame
 _RECOMPUTE_CELL = "target_frame_ref"  # _recomputation_hook.__init__.<locals>.pack_hook: a weakref to it
 _MAX_DEPTH = 256  # frames searched for a reentrant checkpoint's forward
@@ -93,8 +95,6 @@ def probe() -> str | None:
         return "torch._C._autograd._top_saved_tensors_default_hooks is missing"
     if not callable(getattr(torch._C, "_current_autograd_node", None)):
         return "torch._C._current_autograd_node is missing"
-    from torch.utils.checkpoint import checkpoint
-
     seen: dict[str, list] = {"forward": [], "recompute": []}
 
     def region_fn(x):

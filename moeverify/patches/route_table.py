@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from moeverify.errors import RouteError
 from moeverify.patches.token_keys import TokenKeys
@@ -158,8 +159,6 @@ class RouteTable:
 
     def _pool(self, key1_N, key2_N, native_N, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """All-gather the recorded rows of ``group`` (sizes differ per rank); flags and every layer's ids come along."""
-        import torch.distributed as dist
-
         layers = sorted(self._ids)
         rows_NC = torch.cat([key1_N[:, None], key2_N[:, None], native_N[:, None].long()]
                             + [torch.cat(self._ids[layer]).long() for layer in layers], dim=1)

@@ -93,7 +93,7 @@ def revert() -> None:
     if len(_ACTIVE):
         raise UsageError(f"cannot revert the router-replay patch while {len(_ACTIVE)} router(s) are held by an "
                          "active record()/replay(); leave those contexts first")
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
     if _current_routing() is _patched_routing:
         TopKRouter.routing = _ORIGINAL_ROUTING
@@ -101,7 +101,7 @@ def revert() -> None:
 
 
 def _current_routing():
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
     return TopKRouter.__dict__.get("routing")
 

@@ -37,7 +37,7 @@ def find_routers(model_chunks: torch.nn.Module | Iterable[torch.nn.Module]) -> d
     ``model_chunks`` is one module or the list of (virtual-pipeline) chunks of ONE model; a router reached
     twice is counted once, and two routers claiming one global layer are refused (``UsageError``).
     """
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     found: dict[int, tuple[int, torch.nn.Module]] = {}
@@ -58,7 +58,7 @@ def moe_stage_config(model_chunks: torch.nn.Module | Iterable[torch.nn.Module]):
     """The model config when ``model_chunks`` are one pipeline stage of an MoE model (a stage may hold only
     dense layers: a dense prefix, an uneven split); else None. Read from the first module carrying a
     megatron-core ``TransformerConfig`` as ``.config`` (GPTModel and its wrappers do)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig  # lazy: megatron
 
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     for chunk in chunks:

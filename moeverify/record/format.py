@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from moeverify import __version__
 from moeverify.errors import DumpError
 
 SCHEMA = "moeverify.routing_dump"
@@ -112,14 +113,6 @@ def ids_dtype_for(num_experts: int) -> torch.dtype:
     raise DumpError(f"num_experts {num_experts} exceeds the largest id dtype (int32)")
 
 
-def dtype_by_name(name: str) -> torch.dtype:
-    for table in (ID_DTYPE_NAMES, PROB_DTYPES):
-        for dtype, dtype_name in table.items():
-            if dtype_name == name:
-                return dtype
-    raise DumpError(f"unknown dtype name {name!r}")
-
-
 def tensor_name(*, step: int, mb: int, kind: str, layer: int | None = None) -> str:
     """The version-1 name of one layer's tensor (also the name of one layer in messages), or a token tensor's."""
     if kind in KINDS:
@@ -184,7 +177,6 @@ def versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     if "moeverify" not in out:
-        from moeverify import __version__
         out["moeverify"] = __version__
     return out
 

@@ -187,7 +187,7 @@ class DiffReport:
 
     def table(self):
         """A ``rich`` table: one row per layer."""
-        from rich.table import Table
+        from rich.table import Table  # lazy: rich
 
         table = Table(title=f"routing diff: {self.tokens} tokens, top-{self.topk} of {self.num_experts}, "
                             f"{self.tokens_diverging_any_layer:.2%} diverge in >= 1 layer; "
@@ -206,8 +206,8 @@ class DiffReport:
 
     def sequence_table(self, n: int = 10):
         """A ``rich`` table of the ``n`` sequences that diverge most; None when the sequences are not known."""
-        from rich.table import Table
-        from rich.text import Text  # request ids and extra fields are the dump's own text: never markup
+        from rich.table import Table  # lazy: rich
+        from rich.text import Text  # lazy: rich (request ids and extra fields are the dump's own text: never markup)
 
         sequences = self.sequences()
         if sequences is None:

@@ -41,8 +41,8 @@ def summarize(dump: Dump, *, step: int | None = None) -> dict:
 
 def summary_table(summary: dict):
     """``rich`` renderables: a header line and the per-layer load table."""
-    from rich.table import Table
-    from rich.text import Text
+    from rich.table import Table  # lazy: rich
+    from rich.text import Text  # lazy: rich
 
     model = summary["model"]
     steps = summary["steps"]

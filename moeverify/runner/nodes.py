@@ -124,7 +124,7 @@ class Control:
     """The control store shared by the nodes' ``moeverify run`` processes (node 0 hosts it)."""
 
     def __init__(self, node: NodeSpec, *, loaded: str, timeout_s: float = timeouts.NODE_JOIN_S):
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # lazy: torch
 
         self.node = node
         try:

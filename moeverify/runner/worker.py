@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     me = _Rank(plan_file.parent, rank, plan.timeout_s)
     me.arm(max(plan.timeout_s, timeouts.STARTUP_S))
     try:
-        from moeverify import runtime
+        from moeverify import runtime  # lazy: torch
 
         runtime.init(plan.backend)  # collective timeouts: runtime.DEFAULT_TIMEOUT_S
     except BaseException:  # noqa: BLE001
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shutdown(me: _Rank) -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch
 
     me.arm()  # a teardown that hangs is killed too
     try:

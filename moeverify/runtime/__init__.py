@@ -14,9 +14,12 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from moeverify import timeouts
 from moeverify.errors import UsageError
+from moeverify.runtime import cpu
 from moeverify.runtime.bridge_import import import_bridge, real_te_available
 
 __all__ = ["Runtime", "init", "parallel", "import_bridge", "current", "DEFAULT_TIMEOUT_S"]
@@ -76,8 +79,6 @@ def init(backend: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runt
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device, dist_backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
     else:
-        from moeverify.runtime import cpu
-
         cpu.install()
         device, dist_backend = torch.device("cpu"), "gloo"
     if not torch.distributed.is_initialized():
@@ -94,7 +95,7 @@ def _eager_fusions() -> None:
     scenarios, two passes over the same tokens then differ in the last bits (seen: Qwen3-Next's CP2
     backward_order after the group's other layouts). Oracles compare passes bit for bit, so every compiled
     function runs eagerly, as the first pass and the last alike (the same math, unfused)."""
-    import torch._dynamo
+    import torch._dynamo  # lazy: torch (torch._dynamo, not loaded by import torch)
 
     torch._dynamo.config.disable = True
 
@@ -149,8 +150,8 @@ def parallel(layout, *, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
 
 
 def _initialise(layout, *, seed: int, timeout_s: int) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core import parallel_state  # lazy: megatron
+    from megatron.core.tensor_parallel import random as mp_random  # lazy: megatron
 
     global _groups_before
     if parallel_state.model_parallel_is_initialized():
@@ -171,7 +172,7 @@ def _initialise(layout, *, seed: int, timeout_s: int) -> None:
 
 
 def _destroy() -> None:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: megatron
 
     parallel_state.destroy_model_parallel()
     _reset_megatron_globals()
@@ -180,8 +181,6 @@ def _destroy() -> None:
 
 
 def _live_groups() -> set:
-    from torch.distributed import distributed_c10d
-
     return set(distributed_c10d._world.pg_map)
 
 
@@ -197,8 +196,6 @@ def _destroy_new_groups() -> None:
     2-core machine 10-100x until collectives time out. Collective: every rank destroys the same groups.
     """
     global _groups_before
-    import torch.distributed as dist
-
     if _groups_before is None:
         return
     for group in _live_groups() - _groups_before - _kept_groups:
@@ -208,7 +205,7 @@ def _destroy_new_groups() -> None:
 
 def _reset_megatron_globals() -> None:
     """Clear process-wide megatron state that would leak from one scenario into the next."""
-    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.tensor_parallel import random as mp_random  # lazy: megatron
 
     tracker = mp_random.get_cuda_rng_tracker()
     tracker.reset()

@@ -25,6 +25,7 @@ import datetime
 import itertools
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from moeverify import timeouts
 from moeverify.errors import EnvironmentProblem, RankDisagreement
@@ -36,8 +37,6 @@ _OK = "ok"
 
 
 def _store():
-    from torch.distributed import distributed_c10d
-
     get = getattr(distributed_c10d, "_get_default_store", None)
     if get is None:
         raise EnvironmentProblem("torch.distributed.distributed_c10d._get_default_store is gone (torch 2.11 to 2.14 "

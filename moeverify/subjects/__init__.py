@@ -18,14 +18,14 @@ def bridge(ctx):
 
 def sharded(ctx):
     """The reference sharded exporter (local shards only, flat HF positions)."""
-    from moeverify.subjects.shard_rows import sharded_rows
+    from moeverify.subjects.shard_rows import sharded_rows  # lazy: torch
 
     return sharded_rows(ctx)
 
 
 def gather(ctx):
     """Every parameter all-gathered to full size on every rank, then converted (what most RL stacks do)."""
-    from moeverify.subjects.gather_all import gather_tensors
+    from moeverify.subjects.gather_all import gather_tensors  # lazy: torch
 
     return gather_tensors(ctx)
 

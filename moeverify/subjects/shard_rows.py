@@ -50,7 +50,7 @@ def _unwrap(module):
 
 def sharded_rows(ctx) -> Iterator[ShardRow]:
     """Yield one ShardRow per conversion task, tensors deferred until the oracle asks for them."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron
 
     shapes = checkpoint_shapes(ctx.hf_path)
     config = _unwrap(ctx.model_chunks[0]).config
@@ -81,7 +81,7 @@ def _tied_output_copy(model_chunks):
 
 def _hf_names(task, config) -> tuple[list[str], list[list[str]]]:
     """Base HF names of the task and, per base name, its names on every EP rank (index = ep rank)."""
-    from megatron.bridge.models.conversion.param_mapping import GatedMLPMapping, QKVMapping
+    from megatron.bridge.models.conversion.param_mapping import GatedMLPMapping, QKVMapping  # lazy: megatron
 
     m = task.mapping
     hf = m.hf_param
@@ -177,7 +177,7 @@ def _tied_lm_head(task, shapes) -> str | None:
 
 
 def _kind(task) -> str:
-    from megatron.bridge.models.conversion import param_mapping as pm
+    from megatron.bridge.models.conversion import param_mapping as pm  # lazy: megatron
 
     m = task.mapping
     if getattr(m, "is_grouped_export", False):  # megatron-bridge 0.6.2: experts stacked as one [E, ...] HF tensor
@@ -223,7 +223,7 @@ _GDN_HF_TENSORS = {"gdn_in_proj_grouped": ("qkvz", "ba"), "gdn_in_proj_flat": ("
 
 
 def _gdn_in_proj_kind(m) -> str | None:
-    from megatron.bridge.models.conversion import param_mapping as pm
+    from megatron.bridge.models.conversion import param_mapping as pm  # lazy: megatron
 
     if isinstance(m, pm.GDNLinearMappingSeparate):
         return "gdn_in_proj_flat"
@@ -255,7 +255,7 @@ def _stacked_kind(m) -> str | None:
     """GPT-OSS's stacked expert mappings (megatron-bridge 0.6.2 ``gpt_oss_bridge``): ``gate_up_proj`` ``[E, I, 2F]``
     with gate and up interleaved, ``down_proj`` ``[E, F, O]`` transposed, biases ``[E, 2F]`` and ``[E, O]``."""
     try:
-        from megatron.bridge.models.gpt_oss.gpt_oss_bridge import (
+        from megatron.bridge.models.gpt_oss.gpt_oss_bridge import (  # lazy: megatron
             GPTOSSMLPDownProjMapping,
             GPTOSSMLPGateUpProjMapping,
         )
@@ -279,7 +279,7 @@ def _full_dim_norm_mapping():
     ``minimax_m2_bridge._FullDimQKNormMapping``): the weight is split on dim 0 over ``shard_world_size`` unique
     shards, each held by ``tp / shard_world_size`` consecutive TP ranks (K norm with fewer KV heads than TP)."""
     try:
-        from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+        from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping  # lazy: megatron
     except ImportError:
         return None
     return _FullDimQKNormMapping

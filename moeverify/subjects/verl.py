@@ -24,6 +24,7 @@ import types
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from moeverify.errors import SubjectError
 from moeverify.oracles.export import ShardRow, Slot
@@ -56,8 +57,7 @@ def load_delta_export():
 def verl(ctx):
     """The ``verl`` subject factory."""
     delta = load_delta_export()
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron
 
     pp = ps.get_pipeline_model_parallel_world_size()
     index = delta.build_export_index(ctx.bridge, ctx.model_chunks, slot_cache={})

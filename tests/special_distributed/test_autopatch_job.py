@@ -79,7 +79,8 @@ def test_autopatch_on_two_ranks_records_one_dump_with_the_real_layout_and_replay
     assert [(c.ep, c.dp) for _, c in sorted(loaded.coords.items())] == [(0, 0), (1, 1)]
     assert loaded.token_order(0) == "sequence"  # each micro-batch's geometry was recorded
     # token identity: every rank's micro-batches carry one fingerprint per input sequence (B = 2)
-    assert all(loaded.fingerprints(step=0, rank=r, mb=m).shape == (2,) for r in (0, 1) for m in range(4))
+    assert {(r, m): tuple(loaded.fingerprints(step=0, rank=r, mb=m).shape) for r in (0, 1) for m in range(4)} == \
+        {(r, m): (2,) for r in (0, 1) for m in range(4)}
     merged = loaded.routes(step=0)
     # 2 log-prob and 2 training forwards per step, each dp2 x B2 x S8 tokens
     assert merged.microbatches == 4 and merged.get(merged.layers[0], 0).shape[0] == 2 * 2 * 8

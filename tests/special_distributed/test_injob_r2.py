@@ -35,5 +35,5 @@ def test_injob_r2_verl_step_tp2_sp_replays_each_tokens_log_prob_route(tmp_path):
         assert got["sizes"] == [1, 2, 3], f"rank {r}: micro-batch sizes {got['sizes']}"
     # each TP rank checks its half of every sequence: together, every real token of both epochs, every layer
     assert sum(got["checked"] for got in ranks) == EPOCHS * LAYERS * ranks[0]["real_tokens"]
-    assert all(got["native_differs"] > 0 for got in ranks)  # replay did the work: native would differ
-    assert all(len(got["losses"]) == 8 for got in ranks)  # 2 epochs x 2 mini-batches x 2 micro-batches
+    assert [r for r, got in enumerate(ranks) if got["native_differs"] == 0] == []  # replay did the work
+    assert [len(got["losses"]) for got in ranks] == [8, 8]  # 2 epochs x 2 mini-batches x 2 micro-batches

@@ -53,13 +53,13 @@ def test_injob_r2_layout_replays_each_tokens_log_prob_route(tmp_path, layout):
     check_replayed(ranks)
     if layout == "cp2":
         # each CP rank checks its zigzag halves: together every real token, both training passes, every layer
-        assert all(got["layers"] == list(range(LAYERS)) for got in ranks)
+        assert [got["layers"] for got in ranks] == [list(range(LAYERS))] * 2
         assert sum(got["checked"] for got in ranks) == 2 * LAYERS * ranks[0]["real_tokens"]
     else:
         # each stage checks its own layers (VPP: one per model chunk) on every real token
         vpp = layout == "pp2-vpp2"
         assert [got["layers"] for got in ranks] == ([[0, 2], [1, 3]] if vpp else [[0, 1], [2, 3]])
-        assert all(got["checked"] == 2 * 2 * got["real_tokens"] for got in ranks)
+        assert [got["checked"] for got in ranks] == [2 * 2 * got["real_tokens"] for got in ranks]  # both ranks, above
         stage = "(pipeline stage 1 of 2, virtual chunk 0)" if vpp else "(pipeline stage 1 of 2)"
         assert ranks[1]["no_input_ids"].startswith(f"layer {1 if vpp else 2} rank 1: this model chunk's forward got "
                                                    f"no input_ids {stage}")

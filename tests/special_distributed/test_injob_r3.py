@@ -39,4 +39,4 @@ def test_injob_r3_verl_step_replays_the_rollouts_routes(tmp_path, layout):
     per_rank = 2 if layout == "ep2" else 1  # EP2: both ranks route every token; TP2 + SP: each rank half
     assert sum(got["checked"] for got in ranks) == per_rank * EPOCHS * layers * (real - seqs)
     assert sum(got["last"] for got in ranks) == per_rank * EPOCHS * layers * seqs
-    assert all(got["native_differs"] > 0 for got in ranks)  # replay did the work: native would differ
+    assert len(ranks) == 2 and [r for r, got in enumerate(ranks) if got["native_differs"] == 0] == []  # replay did the work

@@ -73,7 +73,7 @@ def test_native_routes_agree_fully_and_one_line_per_layer_per_optimizer_step(rou
         _replay_step(routers, per_layer, x[step], optimizer)
     rows = [json.loads(line) for line in guard_path.read_text().splitlines()]
     assert [(r["step"], r["layer"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
-    assert all(r["agreement"] == 1.0 and r["tokens"] == T and r["rank"] == 0 for r in rows), rows
+    assert [(r["agreement"], r["tokens"], r["rank"]) for r in rows] == [(1.0, T, 0)] * 4, rows
     assert guard.step == 2 and guard.history == rows
 
 

@@ -1,5 +1,5 @@
 """The CPU gated delta net's torch kernels and zero-centered norm against independent references
-(moeverify/models/linear_attention.py, local_spec.ZeroCenteredRMSNorm); the whole layer is checked against
+(moeverify/models/linear_attention.py, norms.ZeroCenteredRMSNorm); the whole layer is checked against
 transformers' Qwen3-Next/Qwen3.5 by hf_parity in scenarios/families_ci.yaml."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from moeverify.errors import UsageError
 from moeverify.models import linear_attention as la
-from moeverify.models.local_spec import ZeroCenteredRMSNorm
+from moeverify.models.norms import ZeroCenteredRMSNorm
 
 
 def test_causal_conv1d_sees_only_the_last_width_tokens_then_silu():

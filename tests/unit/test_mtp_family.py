@@ -116,12 +116,13 @@ def test_mtp_spec_builds_cpu_modules_and_restores_the_bridge_function(built):
     from megatron.core.transformer.identity_op import IdentityOp
 
     from moeverify.models.linear_attention import CpuLayerNormColumnParallelLinear
-    from moeverify.models.local_spec import LocalCoreAttention, ZeroCenteredRMSNorm
+    from moeverify.models.local_spec import LocalCoreAttention
+    from moeverify.models.norms import ZeroCenteredRMSNorm
     from moeverify.models.mtp_spec import cpu_mtp_block_spec
 
     layer = built.model_chunks[0].module.mtp.layers[0]
     norm = ZeroCenteredRMSNorm if built.family == "qwen3_next_mtp" else torch.nn.RMSNorm
-    assert all(type(m) is norm for m in (layer.enorm, layer.hnorm, layer.final_layernorm))
+    assert [type(m) for m in (layer.enorm, layer.hnorm, layer.final_layernorm)] == [norm] * 3
     assert type(layer.eh_proj) is ColumnParallelLinear
     inner = layer.mtp_model_layer
     assert isinstance(inner.self_attention.core_attention, LocalCoreAttention)

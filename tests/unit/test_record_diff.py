@@ -131,7 +131,7 @@ def test_diff_json_table_and_plot(tmp_path):
     console = Console(record=True, width=120)
     console.print(report.table())
     assert "overlap@k" in console.export_text()
-    from moeverify.record.plots import plot_diff
+    from moeverify.commands.dump_plot import plot_diff
 
     png = plot_diff(report, tmp_path / "d.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -40,7 +40,8 @@ def test_find_routers_mtp_router_after_decoder_layers(gpt_with_mtp):
     mtp_router = found[2][1]
     assert mtp_router.is_mtp_layer and mtp_router.layer_number == 1  # Megatron numbers it by MTP depth
     assert any(m is mtp_router for m in gpt_with_mtp.mtp.modules())
-    assert all(not found[layer][1].is_mtp_layer and found[layer][1].layer_number == layer + 1 for layer in (0, 1))
+    assert {layer: (found[layer][1].is_mtp_layer, found[layer][1].layer_number) for layer in (0, 1)} == \
+        {0: (False, 1), 1: (False, 2)}
 
 
 def test_find_routers_patch_and_recorder_see_the_same_layers(gpt_with_mtp):

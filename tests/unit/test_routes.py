@@ -76,7 +76,7 @@ def test_routes_select_missing_layer_raises():
 
 def test_safe_routes_distinct_and_spread_over_experts():
     safe_TK = safe_routes(12, topk=3, num_experts=E)
-    assert all(len(set(row)) == 3 for row in safe_TK.tolist())
+    assert [len(set(row)) for row in safe_TK.tolist()] == [3] * 12
     counts_E = torch.bincount(safe_TK.flatten(), minlength=E)
     assert int(counts_E.max() - counts_E.min()) <= 1  # round-robin: every expert within one of the others
 
@@ -237,7 +237,8 @@ def test_routes_to_local_to_global_roundtrip_pp2_sp():
     local = {c: global_routes.to_local(layout, coords=c, seq_len=seq_len, batch=batch, num_layers=num_layers)
              for c in views.all_rank_coords(layout, world_size=world)}
     assert {c.rank: r.layers for c, r in local.items()} == {0: (1,), 1: (1,), 2: (3,), 3: (3,)}
-    assert all(r.get(r.layers[0], 0).shape == (tokens // 2, K) for r in local.values())
+    assert {c.rank: tuple(r.get(r.layers[0], 0).shape) for c, r in local.items()} == \
+        {rank: (tokens // 2, K) for rank in range(4)}
     merged = Routes.to_global(local, layout, world_size=world, seq_len=seq_len, batch=batch,
                               num_layers=num_layers, moe_layers=(1, 3))
     assert merged == global_routes
@@ -304,10 +305,12 @@ def test_from_rollout_layer_numbering_mutant_reading_routers_replays_the_dense_c
 def test_from_rollout_explicit_numbering_reads_each_layer_its_column():
     ref, by_decoder_TLK, by_router_TLK = _dense_plus_mtp()
     routes = Routes.from_rollout(by_router_TLK, layers=(1, 2, 3), num_experts=E, num_layers=3, numbering="routers")
-    assert all(torch.equal(routes.get(layer, 0), ref[layer]) for layer in (1, 2, 3))
+    assert routes.layers == (1, 2, 3)
+    assert [layer for layer in routes.layers if not torch.equal(routes.get(layer, 0), ref[layer])] == []
     # One column per decoder layer: the MoE columns by layer number (the MTP layer has none: asked for, refused)
     routes = Routes.from_rollout(by_decoder_TLK, layers=(1, 2), num_experts=E, num_layers=3, numbering="decoder")
-    assert all(torch.equal(routes.get(layer, 0), ref[layer]) for layer in (1, 2))
+    assert routes.layers == (1, 2)
+    assert [layer for layer in routes.layers if not torch.equal(routes.get(layer, 0), ref[layer])] == []
     assert Routes.from_rollout(by_decoder_TLK, layers=(1, 2), num_experts=E, num_layers=3) == routes  # one reading
     with pytest.raises(RouteError, match=r"layer\(s\) \[3\] lie outside the 3 decoder layer columns \(an MTP layer"):
         Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E, num_layers=3, numbering="decoder")

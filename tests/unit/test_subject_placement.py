@@ -163,7 +163,9 @@ def test_subject_gdn_in_proj_grouped_and_flat_against_the_bridges_merge():
         got = _reassemble(shards, grouped, {"qkvz": qkvz.shape, "ba": ba.shape})
         assert torch.equal(got["qkvz"], qkvz) and torch.equal(got["ba"], ba), tp
         got = _reassemble(shards, flat, {"qkv": qkv.shape, "z": z.shape, "b": b.shape, "a": a.shape})
-        assert all(torch.equal(got[k], t) for k, t in (("qkv", qkv), ("z", z), ("b", b), ("a", a))), tp
+        expected = {"qkv": qkv, "z": z, "b": b, "a": a}
+        assert sorted(got) == sorted(expected), tp
+        assert [k for k, t in expected.items() if not torch.equal(got[k], t)] == [], tp
 
 
 def test_subject_gdn_conv1d_sections_split_per_tp_rank():

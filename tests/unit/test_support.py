@@ -67,7 +67,7 @@ def test_check_names_what_is_unsupported_and_what_is_missing():
 
 
 def test_doctor_refuses_an_unsupported_stack(monkeypatch, capsys):
-    from moeverify import doctor
+    from moeverify.commands import doctor
 
     monkeypatch.setattr(doctor, "_versions", lambda: {"torch": "2.9.1", "megatron-core": "0.19.2",
                                                     "megatron-bridge": "0.6.2", "transformers": "5.12.1",

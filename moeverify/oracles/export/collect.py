@@ -14,7 +14,7 @@ import torch
 
 from moeverify.checks import CHECKS
 from moeverify.oracles.export.local import digest
-from moeverify.oracles.export.merge import SHOW_INDICES, TensorMerge
+from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.results import Tally
 
 SUBCHECKS = CHECKS["export"].subchecks  # lockstep, slot_tables, coverage, conflicts, replicas, ... (moeverify.checks)
@@ -205,4 +205,4 @@ class Collector:
         tally.ok(len((reference | checkpoint) - bad))
 
 
-__all__ = ["ALL_SUBCHECKS", "Collector", "OPTIONAL_SUBCHECKS", "SUBCHECKS", "new_tallies", "SHOW_INDICES"]
+__all__ = ["ALL_SUBCHECKS", "Collector", "OPTIONAL_SUBCHECKS", "SUBCHECKS", "new_tallies"]

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from moeverify.oracles.bits import SHOW, bits
+from moeverify.oracles.export.rows import expand_runs
+
 
 def as_runs(starts_R: torch.Tensor, lengths_R: torch.Tensor, rank: int) -> torch.Tensor:
     """``[R, 3]`` int64 rows ``(start, length, rank)``."""
@@ -46,11 +49,9 @@ def index_runs(positions_P: torch.Tensor, *, limit: int,
 
 def gaps(runs_R3: torch.Tensor, numel: int) -> tuple[int, list[int]]:
     """``(elements never written, the first few of them)`` for runs over ``[0, numel)`` (runs may overlap)."""
-    from moeverify.oracles.export.merge import SHOW_INDICES
-
     runs_R3 = runs_R3[runs_R3[:, 1] > 0]
     if not runs_R3.shape[0]:
-        return numel, list(range(min(numel, SHOW_INDICES)))
+        return numel, list(range(min(numel, SHOW)))
     order = torch.argsort(runs_R3[:, 0], stable=True)
     s_R = runs_R3[order, 0]
     e_R = s_R + runs_R3[order, 1]
@@ -62,8 +63,8 @@ def gaps(runs_R3: torch.Tensor, numel: int) -> tuple[int, list[int]]:
         holes.append((int(reach_R[-1]), numel))
     shown: list[int] = []
     for a, b in holes:
-        shown += range(a, min(b, a + SHOW_INDICES - len(shown)))
-        if len(shown) >= SHOW_INDICES:
+        shown += range(a, min(b, a + SHOW - len(shown)))
+        if len(shown) >= SHOW:
             break
     return numel - covered, shown
 
@@ -84,8 +85,6 @@ def same_bits_at_runs(values_P: torch.Tensor, runs_R2: torch.Tensor, ref_N: torc
     one strided 2-D view of the reference, the cut ends as slices: no index built, no gather. Other runs
     fall back to a gather by their expanded positions.
     """
-    from moeverify.oracles.bits import bits
-
     R = runs_R2.shape[0]
     starts, lengths = runs_R2[:, 0], runs_R2[:, 1]
     offsets = [0, *torch.cumsum(lengths, 0).tolist()]
@@ -102,6 +101,4 @@ def same_bits_at_runs(values_P: torch.Tensor, runs_R2: torch.Tensor, ref_N: torc
     if R <= 64:
         return all(torch.equal(bits(values_P[offsets[i]:offsets[i + 1]]),
                                bits(ref_N[int(starts[i]):int(starts[i]) + int(lengths[i])])) for i in range(R))
-    from moeverify.oracles.export.rows import expand_runs
-
     return torch.equal(bits(values_P), bits(ref_N[expand_runs(starts, lengths)]))

@@ -29,10 +29,9 @@ import torch
 
 from moeverify.errors import SubjectError
 from moeverify.oracles.export import intervals
-from moeverify.oracles.bits import bits, hex_bits
+from moeverify.oracles.bits import SHOW, bits, hex_bits
 from moeverify.oracles.results import Tally
 
-SHOW_INDICES = 5  # first differing flat indices quoted per failure
 COMPARE_CHUNK = 1 << 22  # elements per comparison chunk, to bound temporaries
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,8 +57,8 @@ def _as_index(positions) -> torch.Tensor:
 
 
 def _index_list(idx_K: torch.Tensor, total: int) -> str:
-    shown = ", ".join(str(int(i)) for i in idx_K[:SHOW_INDICES])
-    more = f" (+{total - SHOW_INDICES} more)" if total > SHOW_INDICES else ""
+    shown = ", ".join(str(int(i)) for i in idx_K[:SHOW])
+    more = f" (+{total - SHOW} more)" if total > SHOW else ""
     return f"[{shown}]{more}"
 
 
@@ -325,8 +324,8 @@ class TensorMerge:
         for start in range(0, self.numel if self._runs is None else 0, COMPARE_CHUNK):
             writer_C = self.writer_N[start:start + COMPARE_CHUNK]
             k = writer_C.numel() - int(torch.count_nonzero(writer_C))
-            if k and len(shown) < SHOW_INDICES:
-                shown += ((writer_C == 0).nonzero().flatten()[: SHOW_INDICES - len(shown)] + start).tolist()
+            if k and len(shown) < SHOW:
+                shown += ((writer_C == 0).nonzero().flatten()[: SHOW - len(shown)] + start).tolist()
             n_missing += k
         self.n_missing = n_missing
         if n_missing:
@@ -383,7 +382,7 @@ class TensorMerge:
                 if first_bad is None:
                     i = int(idx_C[0])
                     first_bad = (start + i, int(exp_C[i]), int(got_C[i]))
-                shown += [start + int(i) for i in idx_C[: SHOW_INDICES - len(shown)]]
+                shown += [start + int(i) for i in idx_C[: SHOW - len(shown)]]
                 n_bad += bad
         if n_bad:
             flat, exp, got = first_bad

@@ -49,8 +49,8 @@ class TransformersReceiver:
             raise UsageError(f"receiver transformers: no HF config at {self.config}")
 
     def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Held:
-        import safetensors.torch
-        from transformers import AutoModelForCausalLM
+        import safetensors.torch  # lazy: safetensors
+        from transformers import AutoModelForCausalLM  # lazy: transformers
 
         folder = Path(tempfile.mkdtemp(prefix="moeverify-receiver-"))
         try:

@@ -16,6 +16,8 @@ import json
 import torch
 import torch.distributed as dist
 
+from moeverify import runtime
+
 CHUNK = 1 << 20  # elements per point-to-point chunk
 
 _groups: dict[tuple[int, int], tuple[object, object]] = {}  # key -> (the world it was made in, group)
@@ -26,8 +28,6 @@ def control_group(timeout_s: float):
     key = (dist.get_world_size(), int(timeout_s))
     world, group = _groups.get(key, (None, None))
     if world is not dist.group.WORLD:  # none yet, or made in a world since destroyed (a re-initialised process)
-        from moeverify import runtime
-
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=int(timeout_s)))
         runtime.keep_group(group)
         _groups[key] = (dist.group.WORLD, group)

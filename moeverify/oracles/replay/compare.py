@@ -9,7 +9,7 @@ Bitwise means equal raw bits in the tensor's own dtype (``moeverify.oracles.bits
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -98,17 +98,3 @@ def close_within(expected: float, got: float, *, rtol: float, atol: float) -> bo
     if not (torch.isfinite(torch.tensor(expected)) and torch.isfinite(torch.tensor(got))):
         return False
     return abs(got - expected) <= atol + rtol * abs(expected)
-
-
-def format_agreement(per_layer: Mapping[int, float]) -> str:
-    """``"layer 1: 0.875, layer 2: 1.000"`` in layer order."""
-    return ", ".join(f"layer {layer}: {value:.3f}" for layer, value in sorted(per_layer.items()))
-
-
-def first_items(items: Iterable, n: int = 3) -> list:
-    out = []
-    for item in items:
-        if len(out) == n:
-            break
-        out.append(item)
-    return out

@@ -30,6 +30,7 @@ from moeverify.oracles.replay import grad_print
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.patches.routers import find_routers
 from moeverify.routes import Routes
+from moeverify.oracles.replay.compare import topk_ids_from_map
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,8 +97,6 @@ class PassResult:
     routes: object = None  # Routes recorded by the implementation (record passes)
 
     def topk_ids(self, layer: int, mb: int) -> torch.Tensor:
-        from moeverify.oracles.replay.compare import topk_ids_from_map
-
         return topk_ids_from_map(self.routing[(layer, mb)][0])
 
 
@@ -162,7 +161,7 @@ def _grads(model_chunks: list) -> dict[str, torch.Tensor]:
 
 
 def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: torch.Tensor):
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # lazy: megatron
 
     ce_BS = tensor_parallel.vocab_parallel_cross_entropy(output_BSV.float(), item.labels_BS.to(output_BSV.device))
     result.logits[item.mb] = output_BSV.detach().to("cpu", copy=True)
@@ -174,7 +173,7 @@ def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: t
 def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forward_only: bool,
              impl: ReplayImpl | None = None) -> PassResult:
     """One pass of Megatron's pipeline schedule over ``items``; ``impl`` gets its per-step hooks."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: megatron
 
     result = PassResult(routing={}, recompute={}, logits={}, seq_loss={}, grads={})
     index = {id(chunk): c for c, chunk in enumerate(model_chunks)}
@@ -216,7 +215,7 @@ def forward_one(model, chunk: int, item: MicroBatch, *, impl: ReplayImpl | None,
 
 
 def _finish(result: PassResult, probe: RouterProbe, model_chunks: list, *, grads: bool) -> PassResult:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: megatron
 
     result.routing = probe.forward
     result.recompute = probe.recompute

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from moeverify.oracles.replay.impls import MoeverifyReplay, NativeReplay
 
@@ -83,8 +84,6 @@ class _OneRankCrash(NativeReplay):
     name = "one_rank_crash"
 
     def target(self, layer: int, mb: int) -> torch.Tensor:
-        import torch.distributed as dist
-
         if dist.is_initialized() and dist.get_rank() == 1:
             raise RuntimeError(f"one_rank_crash: rank 1 fails replaying layer {layer} micro-batch {mb}")
         return super().target(layer, mb)

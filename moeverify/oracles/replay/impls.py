@@ -31,6 +31,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
+import io
 
 import torch
 
@@ -209,7 +210,7 @@ class NativeReplay(ActionReplay):
 
     def __init__(self) -> None:
         super().__init__()
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction  # lazy: megatron
 
         self.action_enum = RouterReplayAction
 
@@ -226,8 +227,6 @@ class VerlReplay(ActionReplay):
 
     def apply(self) -> None:
         pristine_snapshot()
-        import io
-
         with contextlib.redirect_stdout(io.StringIO()):  # it prints a banner on every call
             self._module.apply_router_replay_patch()
 
@@ -313,7 +312,7 @@ _PRISTINE: list[tuple[object, str, object]] | None = None
 
 
 def _patch_points() -> list[tuple[object, str]]:
-    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher  # lazy: megatron
 
     return [(router.TopKRouter, "__init__"), (router.TopKRouter, "routing"), (router.TopKRouter, "forward"),
             (router, "topk_routing_with_score_function"), (moe_utils, "topk_routing_with_score_function"),

@@ -92,7 +92,7 @@ def run(ctx) -> dict[str, Tally]:
     (the runner's, when it set one); phase 2 makes the 1-rank references (their own, nested parallel
     state) and replays them under the scenario layout, which the nesting restores.
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: megatron
 
     opts = ReplayOptions.from_options(ctx.options, where="replay check options")
     scenario, layout = ctx.scenario, ctx.scenario.layout

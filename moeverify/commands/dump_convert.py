@@ -3,10 +3,18 @@ of one job) to a dump; a dump to ``.npz``. A failed convert leaves nothing behin
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from moeverify.errors import UsageError
-from moeverify.record.cli_errors import guarded, refuse_options
+import numpy as np
+
+from moeverify import expert_map, layer_numbering, record
+from moeverify.commands.dump_errors import guarded, refuse_options
+from moeverify.errors import LayoutError, UsageError
+from moeverify.layout import parse_layout_name
+from moeverify.record import importers
+from moeverify.record.writer import RankWriter
+from moeverify.views import rank_coords
 
 FROM = ("dump", "npy", "npz", "jsonl")
 TO = ("dump", "npz")
@@ -19,9 +27,6 @@ _ALL = ("--num-experts", "--moe-layers", "--num-layers", "--step", "--layer-offs
 @guarded
 def cmd_convert(args) -> int:
     """``dump convert SRC DST``."""
-    from moeverify import record
-    from moeverify.record import importers
-
     src, dst = Path(args.src), Path(args.dst)
     if args.layout is not None and args.src_format is None and src.suffix in (".npy", ".npz"):
         raise UsageError(f"--layout reads a directory of every rank's router_trace_rank<R>.jsonl; {src} is a "
@@ -38,8 +43,6 @@ def cmd_convert(args) -> int:
         dump = record.load(src)
         routes_of = None
         if args.expert_map:
-            from moeverify import expert_map
-
             emap = expert_map.load(args.expert_map, moe_layers=dump.model.moe_layers, num_layers=dump.model.num_layers,
                                    physical_experts=dump.model.num_experts, what=str(src))
             routes_of = lambda step: emap.map_routes(dump.routes(step=step), where=f"{src} step {step}")  # noqa: E731
@@ -79,8 +82,6 @@ def cmd_convert(args) -> int:
 
 
 def _check_dst(dst: Path, dst_format: str) -> None:
-    from moeverify import record
-
     if not dst.resolve().parent.is_dir():
         raise UsageError(f"{dst}: directory {dst.resolve().parent} does not exist")
     if dst_format == "dump" and dst.exists() and not dst.is_dir():
@@ -96,8 +97,6 @@ def _check_dst(dst: Path, dst_format: str) -> None:
 
 def _refuse_inapplicable(args, src: Path, src_format: str) -> None:
     """Every option that would not change what this source converts to is refused, naming it."""
-    from moeverify.record import importers
-
     if src_format == "dump":
         refuse_options(args, _ALL, because=f"{src} is a dump, which records its own model, steps, token order and "
                                            "layout; convert DIR OUT.npz writes them as they are")
@@ -126,12 +125,6 @@ def _refuse_inapplicable(args, src: Path, src_format: str) -> None:
 
 def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
     """``convert TRACE_DIR DST --layout NAME``: every rank's router_trace as one merged dump."""
-    from moeverify import record
-    from moeverify.errors import LayoutError
-    from moeverify.layout import parse_layout_name
-    from moeverify.record import importers
-    from moeverify.views import rank_coords
-
     if not src.is_dir():
         raise UsageError(f"convert --layout reads a directory of router_trace_rank<R>.jsonl files; {src} is not one")
     missing = [flag for flag, value in (("--world-size", args.world_size), ("--num-layers", args.num_layers),
@@ -191,8 +184,6 @@ def _convert_trace_ranks(args, src: Path, dst: Path) -> int:
 
 
 def _save_dense_rank(dst: Path, *, step: int, microbatches: int, args, layout, coords, model) -> None:
-    from moeverify.record.writer import RankWriter
-
     with RankWriter(dst, model=model, coords=coords, layout=layout, world_size=args.world_size, background=False,
                     append=True) as writer:
         for mb in range(microbatches):
@@ -202,10 +193,6 @@ def _save_dense_rank(dst: Path, *, step: int, microbatches: int, args, layout, c
 def _moe_columns(args, named: dict, src: Path) -> dict:
     """Arrays whose layer axis holds one column per decoder layer, cut to their ``--moe-layers`` columns
     (``layer_numbering``: refused when the width fits both readings, unless ``--layer-numbering`` says which)."""
-    import numpy as np
-
-    from moeverify import layer_numbering
-
     if args.moe_layers is None:
         if args.layer_numbering == "decoder":
             raise UsageError("--layer-numbering decoder needs --moe-layers: which of the decoder layer columns are "
@@ -229,8 +216,6 @@ def _moe_columns(args, named: dict, src: Path) -> dict:
 
 def _map_steps(args, steps: dict, src: Path) -> dict:
     """Converted routes (physical expert slots) as logical expert ids through ``--expert-map``."""
-    from moeverify import expert_map
-
     out = {}
     for step, routes in steps.items():
         num_layers = args.num_layers if args.num_layers is not None else max(routes.layers) + 1
@@ -276,8 +261,6 @@ class _removed_on_failure:
 
     def __exit__(self, kind, exc, tb):
         if kind is not None and not self.existed and self.dst.exists():
-            import shutil
-
             shutil.rmtree(self.dst, ignore_errors=True)
         return False
 

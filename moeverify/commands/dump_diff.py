@@ -6,17 +6,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.console import Console
+
+from moeverify import expert_map, record
+from moeverify.commands.dump_errors import EXIT_DIFF, guarded, out_path, refuse_options
+from moeverify.commands.dump_plot import plot_diff
 from moeverify.errors import RouteError, UsageError
 from moeverify.files import atomic_write
-from moeverify.record.cli_errors import EXIT_DIFF, guarded, out_path, refuse_options
+from moeverify.record import importers, stream, tokens
+from moeverify.record.order import Ordered, require_same_tokens, shared_geometry, to_sequence_order
+from moeverify.record.rollout import align
 
 
 @guarded
 def cmd_diff(args) -> int:
     """``dump diff A B``."""
-    from moeverify import record
-    from moeverify.record.order import require_same_tokens, shared_geometry
-
     out_path("--json", args.json)
     out_path("--plot", args.plot)
 
@@ -61,8 +65,6 @@ def cmd_diff(args) -> int:
 def _check_tokens(args, a, b) -> dict:
     """Token identity first: refuse sides whose tokens differ unless ``--tokens-differ-ok``; one line when it is
     unknown. Returns the JSON record (``tokens``)."""
-    from moeverify.record import stream, tokens
-
     sides = [side.routes for side in (a, b)]
     if not all(isinstance(s, stream.DumpSource) for s in sides):
         which = " and ".join(f"{name} ({side.source})" for name, side in (("A", a), ("B", b))
@@ -88,8 +90,6 @@ def _check_tokens(args, a, b) -> dict:
 
 def _kind(path_text: str) -> str:
     """``dump`` (a directory), ``export`` (a .npz that ``dump convert DIR OUT.npz`` wrote) or ``array``."""
-    from moeverify.record import importers
-
     path = Path(path_text)
     if path.is_dir():
         if path.suffix in (".npy", ".npz") and not (path / "manifest.json").exists():
@@ -102,9 +102,6 @@ def _kind(path_text: str) -> str:
 
 def _mapped(args, a, b):
     """Both sides' layer sources with their expert maps applied and one expert count; the maps' JSON record."""
-    from moeverify import expert_map
-    from moeverify.record import stream
-
     sides = {}
     for name, side, flag, path in (("a", a, "--expert-map-a", args.expert_map_a),
                                    ("b", b, "--expert-map-b", args.expert_map_b)):
@@ -162,8 +159,6 @@ def _token_label(side):
 
 
 def _report(args, report, extra: dict | None = None) -> int:
-    from rich.console import Console
-
     console = Console()
     console.print(report.table())
     sequences = report.sequence_table(args.worst)
@@ -175,8 +170,6 @@ def _report(args, report, extra: dict | None = None) -> int:
             record_json.update(extra)
         atomic_write(Path(args.json), (json.dumps(record_json, indent=1) + "\n").encode())
     if args.plot:
-        from moeverify.record.plots import plot_diff
-
         plot_diff(report, args.plot)
     if args.fail_on_diff and report.tokens_diverging_any_layer > 0:
         return EXIT_DIFF
@@ -184,8 +177,6 @@ def _report(args, report, extra: dict | None = None) -> int:
 
 
 def _rollout_requests(path: Path) -> list:
-    from moeverify.record import importers
-
     arrays = importers.read_arrays(path)
     if path.suffix == ".npy":
         (arr,) = arrays
@@ -205,9 +196,6 @@ def _strip_trailing_padding(request_PLK):
 
 def _diff_rollout(args) -> int:
     """``dump diff TRAIN ROLLOUT --rollout``: request by request, uncaptured positions and gaps apart."""
-    from moeverify import record
-    from moeverify.record.rollout import align
-
     train_path, rollout_path = Path(args.a), Path(args.b)
     if not train_path.is_dir():
         raise UsageError(f"--rollout: A must be the training dump (a directory), got {train_path}")
@@ -223,9 +211,6 @@ def _diff_rollout(args) -> int:
     if dump.token_order(step) is None:
         raise UsageError(f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
                          "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=, order=)")
-    from moeverify import expert_map
-    from moeverify.record.order import Ordered
-
     info = dump.steps[step]
     batch = dump.layout.dp(dump.world_size) * info.batch  # sequences per merged micro-batch
     train = dump.routes(step=step)
@@ -255,10 +240,6 @@ def _diff_rollout(args) -> int:
 def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str):
     """One side of a diff as a layer source (``stream``), in sequence order where its order is known
     (``order.Ordered``, with the sequences where the side knows them)."""
-    from moeverify import record
-    from moeverify.record import importers, stream
-    from moeverify.record.order import Ordered, to_sequence_order
-
     path = Path(path_text)
     kind = _kind(path_text)
     if kind == "dump":

@@ -1,4 +1,5 @@
-"""``moeverify dump inspect | diff | convert``: ``register(subparsers)`` adds them; each verb sets ``func``.
+"""``moeverify dump inspect | diff | convert | finalize``: ``register(subparsers)`` adds them; each verb sets
+``func``. ``moeverify.cli`` imports this module only when ``dump`` runs (the dump format needs torch).
 
 Every verb returns an exit code: 0 done, 1 ``diff --fail-on-diff`` found a difference, 2 bad input
 (unreadable, corrupt or inconsistent dumps, impossible option combinations), with one message.
@@ -10,12 +11,18 @@ import argparse
 import json
 from pathlib import Path
 
+from rich.console import Console
+
+from moeverify import record
+from moeverify.commands.dump_convert import FROM, TO, cmd_convert
+from moeverify.commands.dump_diff import cmd_diff
+from moeverify.commands.dump_errors import EXIT_DIFF, EXIT_USAGE, guarded, out_path, refuse_options
 from moeverify.errors import UsageError
 from moeverify.files import atomic_write
-from moeverify.record.cli_errors import EXIT_DIFF, EXIT_USAGE, guarded, out_path, refuse_options
-from moeverify.record.convert_command import FROM, TO, cmd_convert
-from moeverify.record.diff_command import cmd_diff
+from moeverify.layer_numbering import NUMBERINGS
+from moeverify.record.commit import drop_uncommitted
 from moeverify.record.order import ORDERS
+from moeverify.record.summary import summarize, summary_table
 
 __all__ = ["EXIT_DIFF", "EXIT_USAGE", "cmd_convert", "cmd_diff", "cmd_finalize", "cmd_inspect", "register"]
 
@@ -107,8 +114,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_numbering(p, what: str) -> None:
-    from moeverify.layer_numbering import NUMBERINGS
-
     p.add_argument("--layer-numbering", choices=NUMBERINGS, help=f"{what}: one column per MoE router (routers) or "
                    "one per decoder layer, dense ones included (decoder); default: inferred, and refused when the "
                    "column count fits both (as many dense layers as MTP layers)")
@@ -148,11 +153,6 @@ def _int_list(text: str) -> tuple[int, ...]:
 @guarded
 def cmd_inspect(args) -> int:
     """``dump inspect PATH``."""
-    from rich.console import Console
-
-    from moeverify import record
-    from moeverify.record.summary import summarize, summary_table
-
     out_path("--json", args.json)
     summary = summarize(record.load(args.path), step=args.step)
     title, table = summary_table(summary)
@@ -167,9 +167,6 @@ def cmd_inspect(args) -> int:
 @guarded
 def cmd_finalize(args) -> int:
     """``dump finalize PATH``."""
-    from moeverify import record
-    from moeverify.record.commit import drop_uncommitted
-
     path = Path(args.path)
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory")

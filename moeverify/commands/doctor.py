@@ -11,8 +11,12 @@ import logging
 import sys
 import time
 import warnings
+from importlib import metadata
 
+from moeverify import models, support
+from moeverify.commands.common import user_model_key
 from moeverify.errors import MoEVerifyError
+from moeverify.layout import Layout
 
 
 def register(subparsers) -> None:
@@ -27,8 +31,6 @@ def register(subparsers) -> None:
 
 
 def _versions() -> dict[str, str]:
-    from importlib import metadata
-
     out = {}
     for dist in ("torch", "megatron-core", "megatron-bridge", "transformers", "verl"):
         try:
@@ -39,10 +41,6 @@ def _versions() -> dict[str, str]:
 
 
 def _cmd_doctor(args) -> int:
-    from moeverify import support
-
-    from moeverify.cli import user_model_key
-
     model = user_model_key(args)
 
     print(f"python           {sys.executable} ({sys.version.split()[0]})")
@@ -58,7 +56,7 @@ def _cmd_doctor(args) -> int:
         for problem in problems:
             print(f"doctor: {problem}", file=sys.stderr)
         return 1
-    from moeverify import runtime
+    from moeverify import runtime  # lazy: torch
 
     with _quiet(enabled=not args.verbose, sink=io.StringIO()):
         rt = runtime.init(args.backend)
@@ -68,8 +66,7 @@ def _cmd_doctor(args) -> int:
 
 
 def _doctor_build(family: str, *, verbose: bool) -> int:
-    from moeverify import models, runtime
-    from moeverify.layout import Layout
+    from moeverify import runtime  # lazy: torch
 
     t0 = time.perf_counter()
     noise = io.StringIO()

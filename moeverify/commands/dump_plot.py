@@ -1,4 +1,5 @@
-"""PNG plots of a routing diff (matplotlib, Agg backend; imported only when a plot is asked for)."""
+"""PNG plots of a routing diff for ``dump diff --plot`` (matplotlib, Agg backend, imported only when a plot is
+asked for)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from moeverify.record.report import DiffReport
 
 def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64) -> Path:
     """Two panels: layer x token-bucket disagreement heatmap, and per-layer expert-load bars (A vs B)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     fig, (ax_heat, ax_load) = plt.subplots(2, 1, figsize=(10, 8), constrained_layout=True)
     heat_LB = report.bucket_disagreement(buckets)

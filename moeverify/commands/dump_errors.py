@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 
+from moeverify.commands.common import EXIT_USAGE
 from moeverify.errors import MoEVerifyError, UsageError
 from moeverify.files import check_output_file
 
 EXIT_DIFF = 1
-EXIT_USAGE = 2
 
 
 def guarded(fn):

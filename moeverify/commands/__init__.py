@@ -1,0 +1,14 @@
+"""The ``moeverify`` commands other than ``run`` (which ``moeverify.cli`` holds with the dispatch).
+
+``moeverify.cli`` builds the parser and imports a command's module only where its imports are light or the
+command is the one about to run: ``dump``'s verbs load torch and safetensors through the dump format, so
+``--help``, ``run --list`` and scenario validation never import them.
+
+- ``common``: what the commands share (exit codes, the repository root, ``--model``/``--model-set``).
+- ``doctor``: ``moeverify doctor`` (installed stack, backend, one tiny model built).
+- ``bench``: ``moeverify bench`` (the scripts of bench/).
+- ``dump``: ``moeverify dump``'s parser with ``inspect`` and ``finalize``; ``dump_diff``, ``dump_convert`` and
+  ``dump_plot`` (``diff --plot``) hold the other verbs, ``dump_errors`` their exit codes and input guard.
+
+A new command is a module here with ``register(subparsers)`` (setting ``func``), added to ``cli.build_parser``.
+"""

@@ -1,0 +1,21 @@
+"""What the commands share: exit codes, the repository root, and the ``--model``/``--model-set`` flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeverify.errors import UsageError
+from moeverify.models import user
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def user_model_key(args) -> str | None:
+    """Register ``--model`` with its ``--model-set`` overrides (None without --model)."""
+    if args.model_set and not args.model:
+        raise UsageError("--model-set overrides the config of --model PATH; give --model")
+    if not args.model:
+        return None
+    return user.register(args.model, user.parse_sets(args.model_set)).key
