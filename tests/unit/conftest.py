@@ -1,5 +1,6 @@
 """Shared unit-test fixtures."""
 
+import sys
 import os
 
 import pytest
@@ -39,3 +40,15 @@ def qwen3_moe_train(patched_megatron_world):
     for chunk in built.model_chunks:
         chunk.train()
     return built
+
+
+@pytest.fixture(autouse=True)
+def _fresh_aux_loss_scale():
+    """megatron-core 0.19.2 keeps the aux-loss gradient scale on a class (``MoEAuxLossAutoScaler.
+    main_loss_backward_scale``): a backward outside Megatron's schedule makes it a 0-d tensor, and a later schedule's
+    ``set_loss_scale`` copies a [1] tensor into it and raises. One process runs many tests: each starts unset, as a
+    fresh trainer process does."""
+    yield
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")  # only when a test imported megatron
+    if moe_utils is not None:
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
