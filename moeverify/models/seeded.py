@@ -18,7 +18,6 @@ per-expert tensors); the names here follow the same three steps, and a test comp
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -118,9 +117,15 @@ def _noise_numpy(key: int, numel: int):
 _CPU_BLOCK = 1 << 22
 
 
-@functools.cache
-def _pool():
-    return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="moeverify-seeded")
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's pool (per pid: a forked child inherits the parent's pool object but none of its threads)."""
+    pid = os.getpid()
+    if pid not in _POOLS:
+        _POOLS[pid] = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="moeverify-seeded")
+    return _POOLS[pid]
 
 
 def noise_reference(key: int, index: int) -> float:

@@ -121,3 +121,23 @@ def test_noise_cpu_and_gpu_paths_equal_the_reference_bit_for_bit(numel):
     if numel > 1000:
         assert abs(cpu.mean().item()) < 0.01 and abs(cpu.std().item() - 1) < 0.01
         assert cpu.abs().max().item() < 3 ** 0.5
+
+
+def test_noise_in_a_forked_child_does_not_wait_on_the_parents_threads():
+    """The CPU path runs blocks on a thread pool; a child forked after the parent used it must make its own."""
+    import multiprocessing
+
+    from moeverify.models.seeded import noise
+
+    big = (1 << 22) * 2 + 1  # more than one block: the pool is used
+    parent = noise(11, big)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        child = pool.apply_async(_child_noise, (11, big)).get(timeout=60)
+    assert child == parent[-4:].tolist()
+
+
+def _child_noise(key: int, numel: int) -> list[float]:
+    from moeverify.models.seeded import noise
+
+    return noise(key, numel)[-4:].tolist()
