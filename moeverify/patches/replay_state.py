@@ -246,7 +246,7 @@ class Replaying:
         Native's choice is megatron-core's own ``topk_routing_with_score_function`` with the router's
         settings (score function, pre-softmax, groups, scaling, expert bias), before capacity dropping;
         read against megatron-core 0.19.2's ``TopKRouter.routing``. No side effects, no host sync."""
-        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function  # lazy: megatron
 
         config = router.config
         with torch.no_grad():

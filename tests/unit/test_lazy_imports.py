@@ -16,11 +16,9 @@ HEAVY = ("torch", "megatron", "transformers", "safetensors", "rich", "matplotlib
 LAZY = re.compile(r"#\s*lazy:\s*(\w+)")
 
 NOT_YET = frozenset({
-    "scenario.py", "oracles/replay/setup.py", "oracles/replay/token_counts.py",
-    "oracles/export/oracle.py",
+    "scenario.py",
     "oracles/export/mutants.py",  # imports subjects, whose modules import oracles.export back
     "patches/autopatch.py",  # imports record, a layer above patches
-    "patches/replay_state.py",
 })
 
 

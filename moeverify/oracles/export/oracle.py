@@ -29,22 +29,27 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import math
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moeverify import plugins, timeouts
 from moeverify.checks import SUBJECTS, ExportOptions
 from moeverify.oracles.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
-from moeverify.oracles.export.feed import ReferenceFeed
+from moeverify.oracles.export.feed import ReferenceFeed, thread_context
 from moeverify.oracles.export.local import LocalReferences, run_chunks, verdict
 from moeverify.oracles.export.merge import TensorMerge
+from moeverify.oracles.export.receiver import ReceiverRun, load_receiver
+from moeverify.oracles.export.refresh import run_twice
 from moeverify.oracles.export.rows import DrainedRow, Piece, drain, iterate_subject, pieces
 from moeverify.oracles.results import Tally
 
@@ -83,8 +88,6 @@ def run(ctx) -> dict[str, Tally]:
     opts = ExportOptions.from_options(ctx.options, where="export check options")
     receiver = None
     if opts.receiver:
-        from moeverify.oracles.export.receiver import load_receiver
-
         receiver = load_receiver(opts.receiver)
     return run_export(load_subject(opts.subject), subject_context(ctx), refresh=opts.refresh, receiver=receiver)
 
@@ -95,12 +98,8 @@ def run_export(factory, sctx: SubjectContext, *, refresh: bool = False, receiver
     with ``refresh``) and what it holds is compared with the reference."""
     run = None
     if receiver is not None:
-        from moeverify.oracles.export.receiver import ReceiverRun
-
         run = ReceiverRun(receiver, sctx)
     if refresh:
-        from moeverify.oracles.export.refresh import run_twice
-
         tallies = run_twice(run_subject, factory, sctx, receiver=run)
     else:
         tallies = run_subject(factory, sctx, sink=run and run.sink())
@@ -177,10 +176,6 @@ class _Ahead:
     """Build row ``i + 1``'s header and pieces on a helper thread while row ``i`` is sent."""
 
     def __init__(self, rows: list[DrainedRow], *, rank: int) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from moeverify.oracles.export.feed import thread_context
-
         self._rows, self._rank, self._context = rows, rank, thread_context()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeverify-export-ahead")
         self._next = self._submit(0)
@@ -226,10 +221,6 @@ def _tables_hash(rows: list[DrainedRow]) -> int:
 
 def _lockstep(rows, error, *, sctx, group, tally: Tally) -> tuple[bool, bool]:
     """``(in step, same slot tables on every rank)``; only the first is the lockstep subcheck's."""
-    import torch.distributed as dist
-
-    import datetime
-
     wait_s = ExportOptions.from_options(sctx.options, where="export check options").lockstep_timeout or sctx.timeout_s
     try:
         # names a rank that never arrives (stalled in its subject) instead of hanging on it

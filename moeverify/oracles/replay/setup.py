@@ -8,13 +8,15 @@ are built in fp32 without dropout (``build``), so passes can be compared bit for
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import torch
 
-from moeverify import views
+from moeverify import models, views
 from moeverify.checks import ReplayOptions
 from moeverify.errors import RankDisagreement
 from moeverify.layout import Layout
+from moeverify.models import family_shape, hf_config_dict
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.patches.routers import find_routers
@@ -46,16 +48,12 @@ class Setup:
 
     def stage_moe_layers(self) -> tuple[int, ...]:
         """The MoE decoder layers this rank's pipeline stage holds (none on a dense stage)."""
-        from moeverify.models import family_shape
-
         shape = family_shape(self.ctx.scenario.family)
         return views.layers_of(self.layout, pp_rank=self.coords.pp, num_layers=shape.num_layers,
                                moe_layers=shape.moe_layers)
 
 
 def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None = None) -> list:
-    from moeverify import models
-
     scenario = setup.ctx.scenario
     built = models.build(scenario.family, layout, seed=scenario.seed,
                          overrides={**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})})
@@ -99,8 +97,6 @@ def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVarian
 def release(impl) -> None:
     """Free the model ``impl`` was bound to (and whatever the caller dropped) before the next build: ``unbind``, then
     a collection (modules, hooks and probes hold each other in cycles that reference counting never frees)."""
-    import gc
-
     impl.unbind()
     gc.collect()
 
@@ -129,6 +125,4 @@ def guarded(setup: Setup, tallies: dict[str, Tally], fn, *args):
 
 
 def _vocab_size(family: str) -> int:
-    from moeverify.models import hf_config_dict
-
     return int(hf_config_dict(family)["vocab_size"])

@@ -36,6 +36,7 @@ from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay.impls import pristine
 from moeverify.oracles.results import Tally
+from moeverify.models import family_shape, family_traits
 
 MICROBATCHES = 1  # one is enough: counts of a call; cost matters (the subcheck runs in every replay scenario)
 
@@ -73,8 +74,6 @@ def not_applicable(*, expert_bias: bool, config) -> str | None:
 
 def run(setup: st.Setup, t: Tally, notes: dict) -> None:
     """Both cases on a nested 1-rank layout; fills ``t``, or marks it not applicable (``not_applicable``)."""
-    from moeverify.models import family_traits
-
     expert_bias = family_traits(setup.ctx.scenario.family).expert_bias
     one = Layout()
     with runtime.parallel(one, seed=setup.ctx.scenario.seed):
@@ -94,8 +93,6 @@ def run(setup: st.Setup, t: Tally, notes: dict) -> None:
 
 def _cases(setup: st.Setup) -> dict[str, tuple[int, int]]:
     """``{case: (S, B)}``: one router call of T == E tokens, and one of T != E."""
-    from moeverify.models import family_shape
-
     experts = family_shape(setup.ctx.scenario.family).num_experts
     batch = 2 if experts % 2 == 0 and experts >= 4 else 1
     seq, other_batch = setup.batches.seq_len, setup.batches.batch
@@ -150,7 +147,7 @@ def _count_off(chunks: list):
 
 def _observe(chunks: list, run_pass) -> Observed:
     """Run ``run_pass`` with the routers' counts zeroed and the loss tracker cleared; read what they hold."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # lazy: megatron
 
     routers = st.find_routers(chunks)
     for _, router in routers.values():
