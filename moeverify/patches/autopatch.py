@@ -49,14 +49,17 @@ import weakref
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from moeverify import record
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
-from moeverify.patches import agreement, identity
+from moeverify.patches import agreement, identity, injob
 from moeverify.patches import replay_state as state
 from moeverify.patches.autopatch_dump import JobDump
 from moeverify.views import job_layout
 from moeverify.patches import router_replay as rr
 from moeverify.patches.routers import global_layer
+from moeverify.routes import Routes
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
 MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
@@ -117,7 +120,7 @@ class BuildOrder:
         self._original_init = None
 
     def install(self) -> None:
-        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
         if self._original_init is not None:
             return
@@ -136,7 +139,7 @@ class BuildOrder:
 
     def uninstall(self) -> None:
         if self._original_init is not None:
-            from megatron.core.transformer.moe.router import TopKRouter
+            from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
             TopKRouter.__init__ = self._original_init
             self._original_init = None
@@ -212,8 +215,6 @@ class ProcessSession:
         if self.setting.mode == "record":
             self._state = _ShapedRecording((), original=rr.original_routing())
             return
-        from moeverify import record
-
         dump = record.load(self.setting.directory)
         _check_same_job(dump, router.config, rank=self.rank, directory=self.setting.directory)
         per_layer: dict[int, list] = {}
@@ -249,8 +250,6 @@ class ProcessSession:
             self._tokens.record(fingerprints_B)
             return
         if not self._tokens.loaded:
-            from moeverify import record
-
             self._tokens.load(record.load(self.setting.directory), self.setting.directory)
         self._tokens.check(fingerprints_B)
 
@@ -278,8 +277,6 @@ class ProcessSession:
 
     def routes(self):
         """What was recorded since the last step, as ``Routes`` (record mode)."""
-        from moeverify.routes import Routes
-
         if not isinstance(self._state, state.Recording) or not any(self._state.per_layer.values()):
             raise UsageError(f"{ENV}: nothing recorded in this process")
         return Routes(self._state.per_layer, num_experts=self._shape[0], topk=self._shape[1]).in_order("router")
@@ -393,11 +390,7 @@ def install(setting: Setting):
     guard = agreement.from_env()  # refuses a bad setting before anything is installed
     rr.apply()
     _ORDER.install()
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
     if setting.mode in (INJOB, ROLLOUT):
-        from moeverify.patches import injob
-
         _CHUNKS = injob.ChunkHooks()
         _CHUNKS.install()
         session_ = injob.InJobSession(selected=lambda router: selected(_ORDER, setting, router),

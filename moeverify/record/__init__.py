@@ -13,7 +13,7 @@ Python API (DESIGN.md, Routing dumps)::
 Several ranks: each rank opens a ``RankWriter`` with its ``views.RankCoords`` (or calls ``save`` with
 ``coords=``, ``layout=``, ``world_size=``), and rank 0 calls ``finalize`` after all ranks closed
 (``save`` does the barrier itself when torch.distributed is initialised). ``RouteRecorder``
-(``moeverify.record.recorder``) records any Megatron model's routing through forward hooks.
+(``moeverify.patches.recorder``) records any Megatron model's routing through forward hooks.
 """
 
 from __future__ import annotations

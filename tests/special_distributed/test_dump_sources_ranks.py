@@ -32,7 +32,7 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> N
     from moeverify import models, record, runtime, views
     from moeverify.layout import Layout
     from moeverify.oracles.replay import drive as rd
-    from moeverify.record.recorder import RouteRecorder, model_info
+    from moeverify.patches.recorder import RouteRecorder, model_info
     from moeverify.record.writer import RankWriter
 
     layout = Layout(**layout_dict)

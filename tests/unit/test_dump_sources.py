@@ -20,7 +20,7 @@ def two_sources(tmp_path_factory):
     from megatron.core.transformer.moe import router_trace
 
     from moeverify import models
-    from moeverify.record.recorder import RouteRecorder, model_info
+    from moeverify.patches.recorder import RouteRecorder, model_info
     from moeverify.record.commit import finalize
     from moeverify.record.writer import RankWriter
 

@@ -18,7 +18,6 @@ LAZY = re.compile(r"#\s*lazy:\s*(\w+)")
 NOT_YET = frozenset({
     "scenario.py",
     "oracles/export/mutants.py",  # imports subjects, whose modules import oracles.export back
-    "patches/autopatch.py",  # imports record, a layer above patches
 })
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.record.recorder import _topk_ids, model_info
+from moeverify.patches.recorder import _topk_ids, model_info
 
 
 def test_topk_ids_from_routing_map_are_set_columns():

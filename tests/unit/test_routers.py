@@ -45,7 +45,7 @@ def test_find_routers_mtp_router_after_decoder_layers(gpt_with_mtp):
 
 
 def test_find_routers_patch_and_recorder_see_the_same_layers(gpt_with_mtp):
-    from moeverify.record.recorder import RouteRecorder
+    from moeverify.patches.recorder import RouteRecorder
 
     assert rr.ReplaySession(gpt_with_mtp).layers == (0, 1, 2)
     with RouteRecorder([gpt_with_mtp], writer=None) as recorder:
