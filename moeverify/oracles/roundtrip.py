@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from moeverify.checks import CHECKS
 from moeverify.oracles.bits import SHOW, compare_bits
-from moeverify.oracles.checkpoint import open_tensors
+from moeverify.models.checkpoint import open_tensors
 from moeverify.oracles.results import Tally
 
 SUBCHECKS = CHECKS["roundtrip"].subchecks  # bitwise, key_set (moeverify.checks)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from moeverify.oracles.export import checkpoint_shapes
+from moeverify.models.checkpoint import checkpoint_shapes
 
 
 def gather_tensors(ctx) -> Iterator[tuple[str, torch.Tensor]]:

@@ -33,7 +33,8 @@ from collections.abc import Iterator
 import torch
 
 from moeverify.errors import SubjectError
-from moeverify.oracles.export import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot, checkpoint_shapes
+from moeverify.models.checkpoint import checkpoint_shapes
+from moeverify.subjects.slots import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
 from moeverify.subjects import placement
 from moeverify.subjects.placement import split_range
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moeverify.errors import SubjectError
-from moeverify.oracles.export import ShardRow, Slot
+from moeverify.subjects.slots import ShardRow, Slot
 
 _MODULES = ("verl.workers.engine.spec", "verl.workers.engine.megatron.delta_export")
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from moeverify.errors import MoEVerifyError
-from moeverify.oracles.checkpoint import checkpoint_shapes, tensor_files
+from moeverify.models.checkpoint import checkpoint_shapes, tensor_files
 
 
 def test_tensor_files_single_file_lists_its_tensors(tmp_path):
@@ -33,7 +33,7 @@ def test_tensor_files_empty_directory_refused(tmp_path):
 def test_tensor_reader_reads_every_tensor_bitwise_as_safe_open_does(tmp_path):
     from safetensors import safe_open
 
-    from moeverify.oracles.checkpoint import TensorReader
+    from moeverify.models.checkpoint import TensorReader
 
     gen = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(3, 5, generator=gen).to(torch.bfloat16), "b": torch.randn(7, generator=gen),

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from moeverify.errors import MoEVerifyError
 from moeverify.models import FAMILIES, seeded
 from moeverify.models.families import hf_checkpoint, hf_config_dict, saved_specs
-from moeverify.oracles.checkpoint import checkpoint_shapes, open_tensors
+from moeverify.models.checkpoint import checkpoint_shapes, open_tensors
 
 
 def _written(family: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -5,7 +5,8 @@ import ShardRow``). Modules, one concept each:
 
 - ``oracle``: ``run`` / ``run_export`` / ``run_subject`` on every rank: lockstep, per-row headers, pieces to rank 0;
 - ``local``: a rank's own pieces compared with its own copy of the reference (verdicts, runs, digests);
-- ``rows``: what a subject yields (``ShardRow``, ``Slot``, ``RangeSlot``, ``RunSlot``, ``DeferredSlots``) and its validation;
+- ``rows``: what a subject yields (``ShardRow``, ``Slot``, ``RangeSlot``, ``RunSlot``, ``DeferredSlots``, declared in
+  ``moeverify.subjects.slots``) validated where it enters;
 - ``wire``: the collectives (JSON gathers, chunked point-to-point pieces) on a dedicated gloo group;
 - ``merge``: one HF tensor assembled from pieces and compared bit for bit (plain tensors);
 - ``collect``: rank 0's open merges, reference tensors in hand and the final subchecks;
@@ -16,7 +17,7 @@ import ShardRow``). Modules, one concept each:
 - ``mutants``: injected export bugs, each shown to fail its named subchecks.
 """
 
-from moeverify.oracles.checkpoint import checkpoint_shapes
+from moeverify.models.checkpoint import checkpoint_shapes
 from moeverify.oracles.export.collect import SUBCHECKS
 from moeverify.oracles.export.oracle import SubjectContext, load_subject, run, run_export, run_subject
 from moeverify.oracles.export.rows import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from moeverify.oracles.bits import bits
 from moeverify.oracles.export.rows import DeferredSlots, ShardRow, Slot
+from moeverify.subjects import placement
+from moeverify.subjects.gather_all import gather_tensors
+from moeverify.subjects.shard_rows import _gdn_dims, sharded_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,7 +39,6 @@ class Mutant:
 
 
 def _rows(ctx):
-    from moeverify.subjects.shard_rows import sharded_rows
 
     return sharded_rows(ctx)
 
@@ -303,8 +306,6 @@ def gdn_in_proj_flat(ctx):
     """Qwen3-Next's gated delta net in_proj written as flat ``[q; k; v; z]`` and ``[b; a]`` instead of grouped
     per key head. Bug class: a converter written for Qwen3.5's separate, flat projections reused for Qwen3-Next,
     whose ``in_proj_qkvz``/``in_proj_ba`` interleave each key head's q, k, v, z (b, a)."""
-    from moeverify.subjects import placement
-    from moeverify.subjects.shard_rows import _gdn_dims
 
     model = ctx.model_chunks[0]
     while hasattr(model, "module"):
@@ -389,7 +390,6 @@ _STALE: dict[str, object] = {}
 
 def _cache(ctx, kind: str) -> dict:
     """Per model (the first chunk, weakly held) and per mutant: what the exporter kept from its first call."""
-    import weakref
 
     caches = _STALE.setdefault(kind, weakref.WeakKeyDictionary())
     return caches.setdefault(ctx.model_chunks[0], {})
@@ -426,7 +426,6 @@ def stale_pp_broadcast(ctx):
     PP-collective data (the broadcast of a stage's converted tensors, or the name/shape exchange with its
     buffers) reused on later exports: this rank's own stage is fresh, the others' tensors are the first
     step's."""
-    from moeverify.subjects.gather_all import gather_tensors
 
     cache = _cache(ctx, "pp_broadcast")
     local = _local_hf_names(ctx)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from moeverify import plugins, timeouts
 from moeverify.checks import SUBJECTS, ExportOptions
-from moeverify.oracles.checkpoint import checkpoint_shapes
+from moeverify.models.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
 from moeverify.oracles.export.feed import ReferenceFeed, thread_context
