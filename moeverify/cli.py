@@ -18,9 +18,10 @@ from moeverify import checks
 from moeverify import scenario as scenario_mod
 from moeverify import timeouts
 from moeverify.commands import bench, doctor
-from moeverify.commands.common import EXIT_INTERRUPTED, EXIT_USAGE, REPO_ROOT, user_model_key
+from moeverify.commands.common import EXIT_INTERRUPTED, EXIT_USAGE, REPO_ROOT, user_model_ref
 from moeverify.errors import UsageError
 from moeverify.models import user
+from moeverify.models.ref import ModelRef
 from moeverify.options import OPTIONS
 from moeverify.options import validate as validate_option
 from moeverify.runner import interrupts, nodes
@@ -149,7 +150,7 @@ def _load(args, node=None):
     for key, value in options.items():
         if value is not None:
             validate_option(OPTIONS[key].flag, key, value)
-    model = user_model_key(args)
+    model = user_model_ref(args)
     fallback = RELEASE_SCENARIOS if model else DEFAULT_SCENARIOS
     default = fallback if Path(fallback).is_file() else str(REPO_ROOT / fallback)
     files = args.files or [default]
@@ -181,8 +182,8 @@ def _cmd_run(args) -> int:
     node = nodes.from_args(args)
     chosen, options = _load(args, node)
     if args.list:
-        for key in dict.fromkeys(s.family for s in chosen if s.model):
-            print(f"# {key}: {user.registered(key).describe()}")
+        for ref in dict.fromkeys(s.model for s in chosen if s.model.is_user):
+            print(f"# {ref.key}: {user.load(ref).describe()}")
         for s in chosen:
             extra = f"  (gpu only: {s.gpu_only})" if s.gpu_only else ""
             extra += f"  (not run: {s.unfit})" if s.unfit else ""
@@ -218,20 +219,20 @@ def _cmd_run(args) -> int:
 def _preflight_models(groups) -> None:
     """User models (``--model``, ``model:``) are checked here, before torchrun, for what every rank would
     refuse: an architecture Megatron-Bridge cannot convert, a layer spec the CPU path cannot rebuild."""
-    without_te: dict[str, bool] = {}
+    without_te: dict[ModelRef, bool] = {}
     for group in groups:
         for scenario in group.scenarios:
-            if scenario.model:
-                without_te[scenario.family] = without_te.get(scenario.family, False) or group.backend == "cpu"
+            if scenario.model.is_user:
+                without_te[scenario.model] = without_te.get(scenario.model, False) or group.backend == "cpu"
     if not without_te:
         return
     from moeverify.models import builder  # lazy: torch, megatron
     from moeverify.runtime.bridge_import import real_te_available  # lazy: torch
 
     te_here = real_te_available()
-    for key, on_cpu in without_te.items():
-        print(f"checking {key} with Megatron-Bridge before any rank starts ...", flush=True)
-        builder.preflight(key, te_real=te_here and not on_cpu)
+    for ref, on_cpu in without_te.items():
+        print(f"checking {ref.key} with Megatron-Bridge before any rank starts ...", flush=True)
+        builder.preflight(ref, te_real=te_here and not on_cpu)
 
 
 def _control(args, node, *, chosen, groups, options):

@@ -19,6 +19,7 @@ from moeverify.errors import LayoutError, UsageError
 from moeverify.expectations import ExpectedFailure
 from moeverify.expectations import parse as parse_expect_fail
 from moeverify.layout import Layout, ModelShape
+from moeverify.models.ref import ModelRef
 from moeverify.yaml_file import Where, error, read_yaml
 
 FORMAT_VERSION = 1
@@ -46,9 +47,15 @@ class Scenario:
     gpu_only: str | None = None  # the reason, when this scenario cannot run on CPU ranks
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-scenario check options
     source: str = ""  # "file.yaml" where it was defined, for messages
-    model: dict | None = None  # a user model's spec ({"path", "set"}); ``family`` is then its key
+    model: ModelRef | None = None  # the model run (filled from ``family`` for a built-in family)
     unfit: str | None = None  # why the user model given with --model cannot run this layout (skipped)
     expect_fail: tuple[ExpectedFailure, ...] = ()  # known findings that make a check fail (expectations.py)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            object.__setattr__(self, "model", ModelRef.builtin(self.family))
+        elif self.model.key != self.family:
+            raise UsageError(f"scenario {self.family}: its model reference reads as {self.model.key}")
 
     @property
     def name(self) -> str:
@@ -113,8 +120,8 @@ def _gpu_only_field(where: Where, value: object) -> str | None:
     return value.strip()
 
 
-def _user_model(where: Where, value: object, sets: object = None) -> str:
-    """Register the user model of ``model: PATH`` (or ``{path, set}``), relative to the file; its key."""
+def _user_model(where: Where, value: object, sets: object = None) -> ModelRef:
+    """Read and check the user model of ``model: PATH`` (or ``{path, set}``), relative to the file."""
     from moeverify.models import user
 
     if isinstance(value, Mapping):
@@ -129,15 +136,20 @@ def _user_model(where: Where, value: object, sets: object = None) -> str:
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = Path(where.path).resolve().parent / path
-    return user.register(path, dict(sets or {}), where=str(where)).key
+    return user.read(path, dict(sets or {}), where=str(where)).ref
 
 
-def _shape_of(key: str, families: Mapping[str, ModelShape]) -> ModelShape | None:
-    if key in families:
-        return families[key]
-    from moeverify.models import user
+def _shape_of(family: object, families: Mapping[str, ModelShape]) -> ModelShape | None:
+    if isinstance(family, ModelRef):
+        from moeverify.models import user
 
-    return user.shape_of(user.registered(key).config, where=key) if user.is_user_key(key) else None
+        return user.shape_of(user.load(family).config, where=family.key)
+    return families.get(family) if isinstance(family, str) else None
+
+
+def _key(family: object) -> object:
+    """A spec's family as scenario names spell it (a user model's key)."""
+    return family.key if isinstance(family, ModelRef) else family
 
 
 # -------------------------------------------------------------------------------------- entries
@@ -167,14 +179,15 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
     """A validated scenario; with ``fit_or_skip`` (``--model``) a layout its model does not admit is marked
     ``unfit``, and ``expect_fail`` is not applied: the file's findings are about the file's own families."""
     where = spec.where
-    shape = _shape_of(spec.family, families) if isinstance(spec.family, str) else None
+    shape = _shape_of(spec.family, families)
+    family = _key(spec.family)
     if shape is None:
-        raise error(where, f"unknown family {spec.family!r}; known families: {', '.join(families)}")
+        raise error(where, f"unknown family {family!r}; known families: {', '.join(families)}")
     if spec.world_size is None:
         raise error(where, "world_size is missing (set it on the scenario or in defaults)")
     world_size = _int_field(where, spec.world_size, "world_size", minimum=1)
     layout = _layout_of(where, spec.layout)
-    name = f"{spec.family}/{layout.name(world_size)}"
+    name = f"{family}/{layout.name(world_size)}"
     where = Where(path=where.path, line=where.line, scenario=name)
     unfit = None
     try:
@@ -186,7 +199,7 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
             layout.validate(world_size=world_size)
         except LayoutError as bad:
             raise error(where, f"invalid layout: {bad}") from None
-        unfit = f"{spec.family} does not admit this layout: {exc}"
+        unfit = f"{family} does not admit this layout: {exc}"
     if "checks" not in spec.fields:
         raise error(where, "checks is missing (set it on the scenario or in defaults)")
     check_list = list(_checks_field(where, spec.fields["checks"], checks))
@@ -201,18 +214,12 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
             raise error(where, refusal)
     expect_fail = () if fit_or_skip else parse_expect_fail(
         where, spec.fields.get("expect_fail"), checks=check_list, options=scenario_options)
-    return Scenario(family=spec.family, layout=layout, world_size=world_size, checks=tuple(check_list),
+    return Scenario(family=family, layout=layout, world_size=world_size, checks=tuple(check_list),
                     seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
                     gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
                     options=scenario_options, unfit=unfit, expect_fail=expect_fail,
                     source=f"{where.path}:{where.line}" if where.line else where.path,
-                    model=_spec_of(spec.family))
-
-
-def _spec_of(key: str) -> dict | None:
-    from moeverify.models import user
-
-    return user.registered(key).spec() if user.is_user_key(key) else None
+                    model=spec.family if isinstance(spec.family, ModelRef) else None)
 
 
 def _merge_fields(defaults: Mapping, entry: Mapping) -> dict:
@@ -263,10 +270,10 @@ def _is_expert_layout(layout: Mapping) -> bool:
 
 
 def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Mapping[str, ModelShape],
-                  checks: Collection[str], model: str | None = None) -> list[tuple[_Spec, tuple]]:
+                  checks: Collection[str], model: ModelRef | None = None) -> list[tuple[_Spec, tuple]]:
     """Expand ``matrix`` blocks: families x layouts; dense families skip expert layouts.
 
-    ``model`` (a user model's key) stands for every block's families and models.
+    ``model`` (a user model) stands for every block's families and models.
     """
     if not isinstance(blocks, list):
         raise error(where, f"matrix must be a list of blocks, got {type(blocks).__name__}")
@@ -289,7 +296,7 @@ def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Map
             at = here.at(raw)
             raw = _check_keys(at, raw, _LAYOUT_KEYS | _MATRIX_LAYOUT_KEYS, "matrix layout")
             for family in fams:
-                shape = _shape_of(family, families) if isinstance(family, str) else None
+                shape = _shape_of(family, families)
                 layout = {k: v for k, v in raw.items() if k in _LAYOUT_KEYS}
                 if layout.get("sp") == "moe":
                     layout["sp"] = shape is not None and shape.is_moe
@@ -303,10 +310,10 @@ def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Map
 
 
 def load_file(path: str, *, checks: Collection[str], families: Mapping[str, ModelShape] | None = None,
-              max_world_size: int = CPU_MAX_WORLD_SIZE, model: str | None = None) -> list[Scenario]:
+              max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | None = None) -> list[Scenario]:
     """Load and validate one scenario file. Raises ``UsageError`` naming file:line, scenario and rule.
 
-    ``model`` (a registered user model's key, from ``--model``) replaces every scenario's family or
+    ``model`` (a user model, from ``--model``) replaces every scenario's family or
     model; layouts it does not admit come back ``unfit`` (reported as skipped) instead of refused.
     """
     families = _families() if families is None else families
@@ -337,7 +344,7 @@ def load_file(path: str, *, checks: Collection[str], families: Mapping[str, Mode
 
 def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
          families: Mapping[str, ModelShape] | None = None,
-         max_world_size: int = CPU_MAX_WORLD_SIZE, model: str | None = None) -> list[Scenario]:
+         max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | None = None) -> list[Scenario]:
     """Load several scenario files, in order; scenario names must be unique across all of them.
 
     With ``model`` (see ``load_file``) the files' families collapse onto one model, so scenarios of one
@@ -347,10 +354,12 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
         checks = check_names()
     families = _families() if families is None else families
     seen: dict[str, Scenario] = {}
+    refs: dict[str, ModelRef] = {} if model is None else {model.key: model}
     out = []
     for path in paths:
         for scenario in load_file(path, checks=checks, families=families, max_world_size=max_world_size,
                                   model=model):
+            _one_model_per_key(refs, scenario)
             first = seen.get(scenario.name)
             if first is not None and model is not None:
                 merged = first.checks + tuple(c for c in scenario.checks if c not in first.checks)
@@ -365,6 +374,14 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
     return out
 
 
+def _one_model_per_key(refs: dict[str, ModelRef], scenario: Scenario) -> None:
+    """Two user models whose directories share a name would share a key (and their scenarios, a name)."""
+    previous = refs.setdefault(scenario.family, scenario.model)
+    if previous != scenario.model:
+        raise UsageError(f"{scenario.source}: two user models share the key {scenario.family!r}: {previous.path} "
+                         f"and {scenario.model.path}; rename one directory")
+
+
 def group_by_world_size(scenarios: Iterable[Scenario]) -> dict[int, list[Scenario]]:
     """Scenarios per world size, smallest world first, file order kept within a group."""
     groups: dict[int, list[Scenario]] = {}
@@ -377,19 +394,17 @@ def scenario_to_dict(scenario: Scenario) -> dict:
     """JSON form of a scenario (for the worker's plan file)."""
     return {"family": scenario.family, "layout": scenario.layout.as_dict(), "world_size": scenario.world_size,
             "checks": list(scenario.checks), "seed": scenario.seed, "gpu_only": scenario.gpu_only,
-            "options": dict(scenario.options), "source": scenario.source, "model": scenario.model,
+            "options": dict(scenario.options), "source": scenario.source, "model": scenario.model.to_dict(),
             "unfit": scenario.unfit, "expect_fail": [e.as_dict() for e in scenario.expect_fail]}
 
 
 def scenario_from_dict(data: Mapping) -> Scenario:
-    """Inverse of ``scenario_to_dict``; a user model is registered in this process again."""
-    model = data.get("model")
-    if model is not None:
+    """Inverse of ``scenario_to_dict``; a user model is read in this process again from its reference."""
+    model = ModelRef.from_dict(data["family"], data.get("model"))
+    if model.is_user:
         from moeverify.models import user
 
-        key = user.register_spec(model).key
-        if key != data["family"]:
-            raise UsageError(f"scenario {data['family']}: its model spec registers as {key}")
+        user.load(model)
     return Scenario(family=data["family"], layout=Layout(**data["layout"]), world_size=data["world_size"],
                     checks=tuple(data["checks"]), seed=data["seed"], gpu_only=data["gpu_only"],
                     options=dict(data["options"]), source=data["source"], model=model, unfit=data.get("unfit"),

@@ -6,16 +6,17 @@ from pathlib import Path
 
 from moeverify.errors import UsageError
 from moeverify.models import user
+from moeverify.models.ref import ModelRef
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def user_model_key(args) -> str | None:
-    """Register ``--model`` with its ``--model-set`` overrides (None without --model)."""
+def user_model_ref(args) -> ModelRef | None:
+    """``--model`` with its ``--model-set`` overrides, read and checked (None without --model)."""
     if args.model_set and not args.model:
         raise UsageError("--model-set overrides the config of --model PATH; give --model")
     if not args.model:
         return None
-    return user.register(args.model, user.parse_sets(args.model_set)).key
+    return user.read(args.model, user.parse_sets(args.model_set)).ref

@@ -14,9 +14,10 @@ import warnings
 from importlib import metadata
 
 from moeverify import models, support
-from moeverify.commands.common import user_model_key
+from moeverify.commands.common import user_model_ref
 from moeverify.errors import MoEVerifyError
 from moeverify.layout import Layout
+from moeverify.models.ref import ModelRef
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,7 @@ def _versions() -> dict[str, str]:
 
 
 def _cmd_doctor(args) -> int:
-    model = user_model_key(args)
+    model = user_model_ref(args)
 
     print(f"python           {sys.executable} ({sys.version.split()[0]})")
     versions = _versions()
@@ -62,25 +63,25 @@ def _cmd_doctor(args) -> int:
         rt = runtime.init(args.backend)
     print(f"backend          {rt.backend} ({rt.dist_backend}, device {rt.device})")
     print(f"transformer-engine real: {rt.te_real}")
-    return _doctor_build(model or args.family, verbose=args.verbose)
+    return _doctor_build(model or ModelRef.builtin(args.family), verbose=args.verbose)
 
 
-def _doctor_build(family: str, *, verbose: bool) -> int:
+def _doctor_build(model: ModelRef, *, verbose: bool) -> int:
     from moeverify import runtime  # lazy: torch
 
     t0 = time.perf_counter()
     noise = io.StringIO()
     try:
         with _quiet(enabled=not verbose, sink=noise), runtime.parallel(Layout(), seed=0):
-            built = models.build(family, Layout())
+            built = models.build(model, Layout())
             params = sum(p.numel() for chunk in built.model_chunks for p in chunk.parameters())
     except MoEVerifyError:
         raise
     except Exception as exc:  # noqa: BLE001 (doctor reports what broke instead of a traceback)
         print(noise.getvalue()[-4000:], end="")
-        print(f"build {family}: FAILED: {type(exc).__name__}: {exc}")
+        print(f"build {model.key}: FAILED: {type(exc).__name__}: {exc}")
         return 1
-    print(f"build {family} on 1 rank: ok, {params:,} parameters ({time.perf_counter() - t0:.1f}s)")
+    print(f"build {model.key} on 1 rank: ok, {params:,} parameters ({time.perf_counter() - t0:.1f}s)")
     return 0
 
 

@@ -4,8 +4,9 @@ import importlib
 
 from moeverify.layout import Layout, ModelShape
 from moeverify.models.configs import FAMILIES, family_shape, family_traits, hf_config_dict
+from moeverify.models.ref import ModelRef
 
-__all__ = ["FAMILIES", "Layout", "ModelShape", "Built", "build", "family_shape", "family_traits", "hf_checkpoint",
+__all__ = ["FAMILIES", "Layout", "ModelRef", "ModelShape", "Built", "build", "family_shape", "family_traits", "hf_checkpoint",
            "hf_config_dict"]
 
 _LAZY = {"build": "builder", "Built": "builder", "hf_checkpoint": "families"}

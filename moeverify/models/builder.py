@@ -22,7 +22,9 @@ from moeverify import layer_numbering, runtime
 from moeverify.errors import UsageError
 from moeverify.layout import Layout, ModelShape
 from moeverify.models import bridge_limits, family_specs, kimi, seeded, user
+from moeverify.models.configs import check_family
 from moeverify.models.families import family_shape, hf_checkpoint, hf_config_dict
+from moeverify.models.ref import ModelRef, as_ref
 from moeverify.models.mtp_spec import cpu_mtp_block_spec, cpu_mtp_gaps
 
 # Settings that select TE-only (or apex-only) kernels; switched off wherever real TE is absent
@@ -164,13 +166,14 @@ def _check_shape(provider, shape: ModelShape, family: str) -> None:
                          f"config: {'; '.join(diffs)}")
 
 
-def _bridge_for(family: str, hf_path: Path):
+def _bridge_for(model: str | ModelRef, hf_path: Path):
     """``AutoBridge.from_hf_pretrained(hf_path)``; an architecture Megatron-Bridge has no bridge for is a
     ``UsageError`` naming it (megatron-bridge 0.6.2 raises a ValueError whose first line says so)."""
     runtime.import_bridge()
     from megatron.bridge import AutoBridge  # lazy: megatron
 
-    if hf_config_dict(family).get("model_type") == kimi.MODEL_TYPE:
+    family = as_ref(model).key
+    if hf_config_dict(model).get("model_type") == kimi.MODEL_TYPE:
         kimi.ensure_registered()  # the in-code config stands in for Kimi-K2's remote code (never trusted)
     try:
         bridge = AutoBridge.from_hf_pretrained(str(hf_path))
@@ -195,31 +198,33 @@ def _provider(bridge, family: str, *, load_weights: bool):
                          f"its config.json: {type(exc).__name__}: {exc}") from None
 
 
-def _refuse_unconvertible(family: str, bridge, provider) -> None:
+def _refuse_unconvertible(ref: ModelRef, bridge, provider) -> None:
     """A config the bridge would build as another model is refused with the key that it ignores
     (``bridge_limits``); the built-in families are converted as they are."""
-    if user.is_user_key(family):
-        bridge_limits.refuse_unconvertible(family=family, config=hf_config_dict(family), bridge=bridge,
+    if ref.is_user:
+        bridge_limits.refuse_unconvertible(family=ref.key, config=hf_config_dict(ref), bridge=bridge,
                                            provider=provider, built_moe_layers=_moe_pattern(provider))
 
 
-def preflight(family: str, *, te_real: bool) -> None:
+def preflight(model: str | ModelRef, *, te_real: bool) -> None:
     """Refuse, in the launching process and before any rank starts, what every rank's ``build`` would refuse
     once it had started: an architecture without a bridge, a config the bridge would build as another model
     (``bridge_limits``), and (``te_real`` False) a model the CPU layer spec cannot rebuild. Reads the config
     only: no weights are written or loaded."""
-    path = user.registered(family).weights_dir if user.is_user_key(family) else None
+    ref = check_family(model)
+    family = ref.key
+    path = user.load(ref).weights_dir if ref.is_user else None
     with tempfile.TemporaryDirectory(prefix="moeverify-preflight-") as tmp:
         if path is None:
             path = Path(tmp)
-            (path / "config.json").write_text(json.dumps(hf_config_dict(family)))
+            (path / "config.json").write_text(json.dumps(hf_config_dict(ref)))
         logging.disable(logging.WARNING)  # the launcher's terminal is for moeverify's own lines
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                bridge = _bridge_for(family, path)
+                bridge = _bridge_for(ref, path)
                 provider = _provider(bridge, family, load_weights=False)
-                _refuse_unconvertible(family, bridge, provider)
+                _refuse_unconvertible(ref, bridge, provider)
                 if not te_real:
                     _cpu_path(provider, family, bridge._model_bridge.mapping_registry())
         finally:
@@ -236,12 +241,12 @@ def _fresh_moe_metrics() -> None:
     destroy_moe_metrics_tracker()
 
 
-def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None = None,
+def build(model: str | ModelRef, layout: Layout, *, seed: int = 0, overrides: dict | None = None,
           load_weights: bool = True) -> Built:
     """Build ``family`` under ``layout`` (call inside ``moeverify.runtime.parallel(layout)``).
 
     Args:
-        family: one of ``moeverify.models.FAMILIES``.
+        model: a family of ``moeverify.models.FAMILIES`` (by name or reference) or a user model's reference.
         layout: the parallel layout; validated against the family's shape.
         seed: weight seed of the tiny HF checkpoint.
         overrides: provider / TransformerConfig attributes set before the model is provided
@@ -249,12 +254,14 @@ def build(family: str, layout: Layout, *, seed: int = 0, overrides: dict | None 
         load_weights: load the HF checkpoint's weights (else Megatron's own init).
     """
     rt = runtime.current()
-    shape = family_shape(family)
+    ref = check_family(model)
+    family = ref.key
+    shape = family_shape(ref)
     layout.validate(world_size=rt.world_size, shape=shape)
-    hf_path = hf_checkpoint(family, seed)
-    bridge = _bridge_for(family, hf_path)
+    hf_path = hf_checkpoint(ref, seed)
+    bridge = _bridge_for(ref, hf_path)
     provider = _provider(bridge, family, load_weights=load_weights)
-    _refuse_unconvertible(family, bridge, provider)
+    _refuse_unconvertible(ref, bridge, provider)
     _apply_layout(provider, layout)
     if not rt.te_real:
         settings, block_spec = _cpu_path(provider, family, bridge._model_bridge.mapping_registry())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from moeverify.errors import UsageError
 from moeverify.layout import ModelShape
 from moeverify.models import kimi, user
+from moeverify.models.ref import ModelRef, as_ref
 from moeverify.models.traits import ModelTraits, traits_of
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -112,26 +113,34 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
 FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 
-def check_family(family: str) -> None:
-    if family not in _FAMILIES and not user.is_user_key(family):
-        raise UsageError(f"unknown model family {family!r}; known families: {', '.join(FAMILIES)}")
+def check_family(model: str | ModelRef) -> ModelRef:
+    """``model`` as a reference; an unknown family's name is a ``UsageError`` listing the known ones."""
+    ref = as_ref(model)
+    if ref.is_user:
+        return ref
+    if user.is_user_key(ref.family):
+        raise UsageError(f"user model {ref.family!r}: a user model is read from its reference (path and "
+                         "overrides), not looked up by its key")
+    if ref.family not in _FAMILIES:
+        raise UsageError(f"unknown model family {ref.family!r}; known families: {', '.join(FAMILIES)}")
+    return ref
 
 
-def hf_config_dict(family: str) -> dict:
-    """The HF ``config.json`` content of a family or a registered user model (plain dict)."""
-    check_family(family)
-    if user.is_user_key(family):
-        return dict(user.registered(family).config)
-    arch, kwargs = _FAMILIES[family]
+def hf_config_dict(model: str | ModelRef) -> dict:
+    """The HF ``config.json`` content of a family (by name or reference) or a user model (plain dict)."""
+    ref = check_family(model)
+    if ref.is_user:
+        return dict(user.load(ref).config)
+    arch, kwargs = _FAMILIES[ref.family]
     return dict(kwargs, architectures=[arch], dtype="bfloat16")
 
 
-def family_shape(family: str) -> ModelShape:
+def family_shape(model: str | ModelRef) -> ModelShape:
     """Layer, head and expert counts the layout rules check against (one reading of HF configs for built-in
     families and user models alike: ``user.shape_of``)."""
-    return user.shape_of(hf_config_dict(family), where=family)
+    return user.shape_of(hf_config_dict(model), where=as_ref(model).key)
 
 
-def family_traits(family: str) -> ModelTraits:
-    """What checks need to know about a family or a registered user model, read from its HF config."""
-    return traits_of(hf_config_dict(family), where=family)
+def family_traits(model: str | ModelRef) -> ModelTraits:
+    """What checks need to know about a family or a user model, read from its HF config."""
+    return traits_of(hf_config_dict(model), where=as_ref(model).key)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from moeverify.models import kimi, mtp_weights, seeded, user
+from moeverify.models.ref import PREFIX, ModelRef
 from moeverify.models.seeded import seeded_value
 from moeverify.models.configs import FAMILIES, check_family, family_shape, family_traits, hf_config_dict
 
@@ -126,20 +127,21 @@ def saved_specs(cfg: dict, config_to: Path | None = None) -> dict[str, tuple[tup
 _STORED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def hf_checkpoint(family: str, seed: int = 0) -> Path:
-    """Path of the HF checkpoint of ``family`` (created once, atomically, in the cache dir).
+def hf_checkpoint(model: str | ModelRef, seed: int = 0) -> Path:
+    """Path of the HF checkpoint of ``model`` (a family by name or reference, or a user model's reference;
+    created once, atomically, in the cache dir).
 
     A user model with real weights is its own directory; one without gets seeded weights like a family.
     """
-    check_family(family)
-    cfg = hf_config_dict(family)
-    if user.is_user_key(family):
-        real = user.registered(family).weights_dir
+    ref = check_family(model)
+    cfg = hf_config_dict(ref)
+    if ref.is_user:
+        real = user.load(ref).weights_dir
         if real is not None:
             return real
-    label = family.removeprefix(user.PREFIX).replace("+", "-") if user.is_user_key(family) else family
+    label = ref.key.removeprefix(PREFIX).replace("+", "-")
     dst = cache_dir() / f"{label}-seed{seed}-{_fingerprint(cfg, seed)}"
-    if user.is_user_key(family):  # a config alone: its weights are made per tensor when read (no file)
+    if ref.is_user:  # a config alone: its weights are made per tensor when read (no file)
         return seeded.make(dst.with_name(dst.name + "-" + seeded.RECIPE), seed,
                            describe=lambda to: saved_specs(cfg, config_to=to))
     if (dst / "config.json").exists():

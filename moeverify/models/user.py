@@ -1,10 +1,10 @@
 """The user's own model: an HF model directory or a ``config.json``, with ``--model-set`` overrides.
 
-A user model is known by a key (``model:NAME``, ``NAME`` the directory's name, plus a short hash of the
-overrides when there are some) that stands where a built-in family name does: in scenario names, in
-``families.hf_config_dict`` / ``family_shape`` / ``hf_checkpoint`` and in ``models.build``. Keys live in a
-per-process registry; the scenario carries the spec (path and overrides) to every rank, which registers
-it again (``spec_of`` / ``register``).
+A user model is a ``ModelRef`` (``ref.py``: the path and the overrides), which stands where a built-in
+family does: in ``families.hf_config_dict`` / ``family_shape`` / ``hf_checkpoint`` and in ``models.build``.
+Its key (``model:NAME``, ``NAME`` the directory's name, plus a short hash of the overrides when there are
+some) names it in scenario names and messages only. The scenario carries the reference to every rank, which
+reads the model from it again (``load``); nothing is registered.
 
 Weights:
 - a directory holding ``*.safetensors`` files: its real weights, read through Megatron-Bridge's own
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import hashlib
 import importlib.util
 import inspect
 import json
@@ -39,31 +38,34 @@ import yaml
 
 from moeverify.errors import UsageError
 from moeverify.layout import ModelShape
+from moeverify.models.ref import PREFIX, ModelRef
 
-PREFIX = "model:"
 CONFIG = "config.json"
 _PICKLED = ("pytorch_model.bin", "*.pt", "*.pth", "pytorch_model-*.bin")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UserModel:
-    """One user model: where it is, the overrides, and what it was read as."""
+    """One user model as read: its reference (path and overrides) and its normalised config."""
 
-    path: Path  # the directory, or the config.json file given
-    overrides: tuple[tuple[str, Any], ...] = ()
+    ref: ModelRef
     config: dict = dataclasses.field(compare=False, hash=False, repr=False)
 
     @property
+    def path(self) -> Path:  # the directory, or the config.json file given
+        return Path(self.ref.path)
+
+    @property
+    def overrides(self) -> tuple[tuple[str, Any], ...]:
+        return self.ref.overrides
+
+    @property
     def key(self) -> str:
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", self.name) or "model"
-        if not self.overrides:
-            return f"{PREFIX}{name}"
-        digest = hashlib.sha256(json.dumps(self.overrides, sort_keys=True).encode()).hexdigest()[:6]
-        return f"{PREFIX}{name}+{digest}"
+        return self.ref.key
 
     @property
     def name(self) -> str:
-        return (self.path.parent if self.path.is_file() else self.path).name
+        return self.ref.name
 
     @property
     def weights_dir(self) -> Path | None:
@@ -77,38 +79,50 @@ class UserModel:
         weights = "real weights" if self.weights_dir else "random weights per seed"
         return f"{self.path} ({weights}{', set ' + sets if sets else ''})"
 
-    def spec(self) -> dict:
-        """JSON form: what a rank needs to register the same model."""
-        return {"path": str(self.path), "set": dict(self.overrides)}
-
-
-_REGISTRY: dict[str, UserModel] = {}
-
 
 def is_user_key(key: object) -> bool:
     return isinstance(key, str) and key.startswith(PREFIX)
 
 
-def registered(key: str) -> UserModel:
-    try:
-        return _REGISTRY[key]
-    except KeyError:
-        raise UsageError(f"user model {key!r} is not registered in this process (known: "
-                         f"{', '.join(_REGISTRY) or 'none'})") from None
-
-
-def register(path: str | Path, overrides: dict | None = None, *, where: str = "--model") -> UserModel:
-    """Read and check the model at ``path`` with ``overrides``; register it under its key and return it."""
+def read(path: str | Path, overrides: dict | None = None, *, where: str = "--model") -> UserModel:
+    """Read and check the model at ``path`` with ``overrides`` (``UsageError`` naming ``where``)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise UsageError(f"{where}: {path} does not exist (expected an HF model directory or a config.json)")
-    path = path.resolve()
+    return load(ModelRef.user(path.resolve(), overrides), where=where)
+
+
+# A memo of what was read, by value: the same reference and the same config file read the same model.
+_READ: dict[tuple[ModelRef, tuple[int, int] | None], UserModel] = {}
+
+
+def load(ref: ModelRef, *, where: str = "scenario model") -> UserModel:
+    """The user model of ``ref`` (read once per process while its config file is unchanged)."""
+    if not ref.is_user:
+        raise UsageError(f"{where}: {ref.key} is a built-in family, not a user model")
+    path = Path(ref.path)
+    config_path = path if path.is_file() else path / CONFIG
+    try:
+        stat = config_path.stat()
+        stamp = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        stamp = None
+    model = _READ.get((ref, stamp))
+    if model is None:
+        model = _READ[(ref, stamp)] = _read(ref, where=where)
+    return model
+
+
+def _read(ref: ModelRef, *, where: str) -> UserModel:
+    path = Path(ref.path)
+    if not path.exists():
+        raise UsageError(f"{where}: {path} does not exist (expected an HF model directory or a config.json)")
     config_path = path if path.is_file() else path / CONFIG
     if path.is_dir() and not config_path.is_file():
         raise UsageError(f"{where}: {path} has no {CONFIG} (expected an HF model directory)")
     config = _read_config(config_path, where=where)
-    items = tuple(sorted((overrides or {}).items()))
-    model = UserModel(path=path, overrides=items, config={})
+    items = ref.overrides
+    model = UserModel(ref=ref, config={})
     if items and model.weights_dir is not None:
         raise UsageError(f"{where}: {path} holds real weights, which would not fit a config changed by "
                          f"--model-set {', '.join(k for k, _ in items)}; give {config_path} (the config alone, "
@@ -120,18 +134,7 @@ def register(path: str | Path, overrides: dict | None = None, *, where: str = "-
                              "never unpickles a user's file: convert them to safetensors, or give the "
                              f"{CONFIG} file alone for random weights")
     _check_overrides(config, items, where=where)
-    model = dataclasses.replace(model, config=_normalised(config, items, where=where))
-    previous = _REGISTRY.get(model.key)
-    if previous is not None and previous != model:
-        raise UsageError(f"{where}: two user models share the key {model.key!r}: {previous.path} and {path}; "
-                         "rename one directory")
-    _REGISTRY[model.key] = model
-    return model
-
-
-def register_spec(spec: dict) -> UserModel:
-    """Inverse of ``UserModel.spec`` (on a rank)."""
-    return register(spec["path"], dict(spec.get("set") or {}), where="scenario model")
+    return dataclasses.replace(model, config=_normalised(config, items, where=where))
 
 
 def parse_sets(items: list[str] | tuple[str, ...], *, where: str = "--model-set") -> dict:
@@ -315,7 +318,7 @@ def neutral(key: str, layers: int) -> Any:
 def pattern_read(config: dict) -> dict:
     """``config`` without the layer-pattern keys that neither its transformers modeling code nor its config class
     reads. Applies to a config as transformers' config class writes it (``transformers_version`` set: every user
-    model, normalised by ``register``), whose derived keys are spelled out (GLM-4.7-Flash's ``mlp_layer_types``);
+    model, normalised when read), whose derived keys are spelled out (GLM-4.7-Flash's ``mlp_layer_types``);
     the built-in families' hand-written kwargs are read as written, their rules pinned by their tests."""
     model_type = config.get("model_type")
     written = isinstance(model_type, str) and "transformers_version" in config

@@ -30,5 +30,5 @@ class CheckContext:
     def model(self):
         """The scenario's model built under its layout (``moeverify.models.build``), cached per scenario."""
         if self._built is None:
-            self._built = models.build(self.scenario.family, self.scenario.layout, seed=self.scenario.seed)
+            self._built = models.build(self.scenario.model, self.scenario.layout, seed=self.scenario.seed)
         return self._built

@@ -46,7 +46,7 @@ def run(ctx) -> dict[str, Tally]:
         for t in tallies.values():
             t.fail(message)
         return tallies
-    built = models.build(ctx.scenario.family, ctx.scenario.layout, seed=ctx.scenario.seed,
+    built = models.build(ctx.scenario.model, ctx.scenario.layout, seed=ctx.scenario.seed,
                          overrides=dict(_FP32, params_dtype=torch.float32, pipeline_dtype=torch.float32,
                                         autocast_dtype=torch.float32))
     (model,) = built.model_chunks

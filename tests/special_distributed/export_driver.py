@@ -67,9 +67,12 @@ def main() -> int:
             from moeverify.models import user
 
             path, *sets = family.split("+")
-            family = user.register(path, user.parse_sets(sets)).key
+            model = user.read(path, user.parse_sets(sets)).ref
+            family = model.key
+        else:
+            model = models.ModelRef.builtin(family)
         with runtime.parallel(layout):
-            built = models.build(family, layout)
+            built = models.build(model, layout)
             sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
                                          rank=rt.rank, world_size=rt.world_size, hf_path=built.hf_path,
                                          built=built, timeout_s=120)

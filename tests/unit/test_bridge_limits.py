@@ -16,11 +16,6 @@ SMALL = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_int
              max_position_embeddings=256)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch):
-    monkeypatch.setattr(user, "_REGISTRY", {})
-
-
 @pytest.fixture
 def qwen3_moe_dir(tmp_path):
     """A small Qwen3-MoE config.json whose first layer is dense, in a directory named ``m`` (key ``model:m``)."""
@@ -71,27 +66,27 @@ def test_run_refuses_a_dense_first_layer_the_qwen3_moe_bridge_ignores(qwen3_moe_
      r"model than the checkpoint's. Way out: .*--model-set attention_bias=false"),
 ])
 def test_preflight_names_each_key_the_bridge_ignores(qwen3_moe_dir, sets, message):
-    key = user.register(qwen3_moe_dir / "config.json", sets).key
+    ref = user.read(qwen3_moe_dir / "config.json", sets).ref
     with pytest.raises(UsageError, match=message):
-        builder.preflight(key, te_real=False)
+        builder.preflight(ref, te_real=False)
 
 
 def test_preflight_passes_the_variant_the_bridge_builds(qwen3_moe_dir):
     """The way out the refusal names is a config the bridge converts as it is (the control)."""
-    key = user.register(qwen3_moe_dir / "config.json", {"mlp_only_layers": []}).key
-    builder.preflight(key, te_real=False)
+    ref = user.read(qwen3_moe_dir / "config.json", {"mlp_only_layers": []}).ref
+    builder.preflight(ref, te_real=False)
 
 
 def test_preflight_refuses_the_ernie_interval_the_bridge_ignores(repo_root, tmp_path):
     """Megatron-Bridge 0.6.2's Ernie-4.5 bridge reads the first MoE layer only: an interval or an end index is
     lost (transformers reads all three)."""
     model = _family_dir(repo_root, tmp_path, "ernie45_moe")
-    builder.preflight(user.register(model).key, te_real=False)  # the family's own config: converted as it is
-    interval = user.register(model / "config.json", {"moe_layer_interval": 2}).key
+    builder.preflight(user.read(model).ref, te_real=False)  # the family's own config: converted as it is
+    interval = user.read(model / "config.json", {"moe_layer_interval": 2}).ref
     with pytest.raises(UsageError, match=r"moe_layer_interval=2: Ernie45Bridge ignores moe_layer_interval: "
                                          r"transformers builds MoE layers 1, 3, Ernie45Bridge builds MoE layers 1, 2, 3"):
         builder.preflight(interval, te_real=False)
-    end = user.register(model / "config.json", {"moe_layer_end_index": 2}).key
+    end = user.read(model / "config.json", {"moe_layer_end_index": 2}).ref
     with pytest.raises(UsageError, match=r"moe_layer_end_index=2: Ernie45Bridge ignores moe_layer_end_index"):
         builder.preflight(end, te_real=False)
 
@@ -105,9 +100,9 @@ def test_layer_pattern_keys_transformers_does_not_read_are_no_rule(tmp_path):
     config.architectures = ["DeepseekV2ForCausalLM"]
     config.moe_layer_freq = 2
     config.save_pretrained(tmp_path / "dsv2")
-    assert families.family_shape(user.register(tmp_path / "dsv2").key).moe_layers == (1, 2, 3, 4, 5)
+    assert families.family_shape(user.read(tmp_path / "dsv2").ref).moe_layers == (1, 2, 3, 4, 5)
     qwen = transformers.Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=2)
     qwen.architectures = ["Qwen3MoeForCausalLM"]
     qwen.first_k_dense_replace = 3
     qwen.save_pretrained(tmp_path / "qwen")
-    assert families.family_shape(user.register(tmp_path / "qwen").key).moe_layers == (1, 3)
+    assert families.family_shape(user.read(tmp_path / "qwen").ref).moe_layers == (1, 3)

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import re
 
-import pytest
 
 from moeverify import cli
-from moeverify.models import user
 
 # Qwen3-235B-A22B's shape (its published config.json): what the layout rules check against.
 SHAPE = dict(num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
              num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, intermediate_size=12288,
              vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[])
-
-
-@pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch):
-    monkeypatch.setattr(user, "_REGISTRY", {})
 
 
 def _blocks(text: str, lang: str) -> list[str]:

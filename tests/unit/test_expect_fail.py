@@ -261,9 +261,7 @@ def test_run_progress_prints_user_model_names_verbatim(tmp_path, capsys, fake_gr
     import transformers
 
     from moeverify import cli
-    from moeverify.models import user
 
-    monkeypatch.setattr(user, "_REGISTRY", {})
     monkeypatch.setattr(cli, "_preflight_models", lambda groups: None)  # no bridge here: the output is tested
     config = transformers.Qwen3MoeConfig(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)
     config.architectures = ["Qwen3MoeForCausalLM"]

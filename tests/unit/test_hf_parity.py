@@ -6,12 +6,14 @@ from types import SimpleNamespace as NS
 import pytest
 
 from moeverify.layout import Layout
+from moeverify.models.ref import as_ref
 from moeverify.oracles import hf_parity
 
 
 def _ctx(family, *, world_size=1, layout=Layout()):
+    model = as_ref(family)
     return NS(rank=0, world_size=world_size, options={},
-              scenario=NS(family=family, layout=layout, seed=0, name=f"{family}/x"))
+              scenario=NS(family=model.key, model=model, layout=layout, seed=0, name=f"{model.key}/x"))
 
 
 def _failures(tallies):
@@ -63,8 +65,8 @@ def test_hf_parity_finds_gpt_oss_gate_up_loaded_transposed_when_square(patched_m
 
     config = families.hf_config_dict("gpt_oss") | {"intermediate_size": 32}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    key = user.register(tmp_path).key
-    failures = _failures(hf_parity.run(_ctx(key)))
+    ref = user.read(tmp_path).ref
+    failures = _failures(hf_parity.run(_ctx(ref)))
     assert failures["layers"][0] == "first divergent layer: 0 (global layer number, 0-based)"
 
 

@@ -9,24 +9,19 @@ import pytest
 
 from moeverify.errors import UsageError
 from moeverify.layout import Layout
-from moeverify.models import FAMILIES, family_shape, family_traits, hf_config_dict, user
+from moeverify.models import FAMILIES, ModelRef, family_shape, family_traits, hf_config_dict, user
 from moeverify.models.traits import traits_of
 from moeverify.router_variants import VARIANTS
 
 BIAS_VARIANTS = ("sigmoid_bias", "sqrtsoftplus_bias")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch):
-    monkeypatch.setattr(user, "_REGISTRY", {})
-
-
-def _user_copy(tmp_path, family: str) -> str:
-    """A user model (a config.json alone) with a built-in family's config; its registered key."""
+def _user_copy(tmp_path, family: str) -> ModelRef:
+    """A user model (a config.json alone) with a built-in family's config; its reference."""
     path = tmp_path / f"my-{family}"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(hf_config_dict(family)))
-    return user.register(path).key
+    return user.read(path).ref
 
 
 def _hf_holds_expert_bias(family: str) -> bool:
@@ -71,8 +66,8 @@ def test_bias_variants_skip_a_family_without_expert_bias_with_the_reason():
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "qwen3_moe", "qwen2_tied", "qwen3_next",
                                     "deepseek_v3_mtp"])
 def test_user_model_has_the_traits_of_the_family_it_copies(tmp_path, family):
-    key = _user_copy(tmp_path, family)
-    assert family_traits(key) == family_traits(family)
+    ref = _user_copy(tmp_path, family)
+    assert family_traits(ref) == family_traits(family)
 
 
 def test_traits_of_each_kind():

@@ -23,11 +23,6 @@ SHRINK = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_in
               max_position_embeddings=256)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch):
-    monkeypatch.setattr(user, "_REGISTRY", {})
-
-
 @pytest.fixture
 def prod_dir(tmp_path):
     import transformers
@@ -43,11 +38,11 @@ def _sets(overrides: dict) -> list[str]:
 
 
 def test_shrunk_production_config_reads_as_the_small_model(prod_dir):
-    model = user.register(prod_dir, user.parse_sets(_sets(SHRINK)))
+    model = user.read(prod_dir, user.parse_sets(_sets(SHRINK)))
     assert model.key.startswith("model:Qwen3-Prod+") and model.weights_dir is None
     # transformers 5 stores the expert count as num_local_experts: the override under its alias must win
     assert model.config["num_local_experts"] == 8 and "num_experts" not in model.config
-    shape = families.family_shape(model.key)
+    shape = families.family_shape(model.ref)
     assert (shape.num_layers, shape.num_heads, shape.num_query_groups, shape.num_experts) == (4, 4, 2, 8)
     assert shape.moe_layers == (0, 1, 2, 3)
     assert "random weights per seed" in model.describe() and "num_experts=8" in model.describe()
@@ -55,8 +50,8 @@ def test_shrunk_production_config_reads_as_the_small_model(prod_dir):
 
 def test_random_weights_checkpoint_holds_the_overridden_config_and_is_deterministic(prod_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path / "cache"))
-    key = user.register(prod_dir, dict(SHRINK)).key
-    path = families.hf_checkpoint(key, seed=1)
+    ref = user.read(prod_dir, dict(SHRINK)).ref
+    path = families.hf_checkpoint(ref, seed=1)
     written = json.loads((path / "config.json").read_text())
     assert written["num_local_experts"] == 8 and written["num_hidden_layers"] == 4
     assert not list(path.glob("*.safetensors"))  # a config alone: weights made per tensor when read
@@ -67,11 +62,11 @@ def test_random_weights_checkpoint_holds_the_overridden_config_and_is_determinis
     import shutil
 
     shutil.rmtree(path)
-    again = families.hf_checkpoint(key, seed=1)
+    again = families.hf_checkpoint(ref, seed=1)
     assert again == path and (again / seeded.MARKER).read_text() == (path / seeded.MARKER).read_text()
     redo = seeded.SeededWeights(again)
     assert b"".join(redo.get_tensor(n).view(-1).view(torch.uint8).numpy().tobytes() for n in names) == blob
-    other = seeded.SeededWeights(families.hf_checkpoint(key, seed=2))
+    other = seeded.SeededWeights(families.hf_checkpoint(ref, seed=2))
     assert other.names() == names
     assert [n for n in names[:10] if torch.equal(other.get_tensor(n), redo.get_tensor(n))] == []
 
@@ -82,14 +77,14 @@ def test_real_weights_directory_is_used_as_it_is(tmp_path, monkeypatch):
     import shutil
 
     shutil.copytree(src, tmp_path / "mine")
-    model = user.register(tmp_path / "mine")
+    model = user.read(tmp_path / "mine")
     assert model.weights_dir == (tmp_path / "mine").resolve()
-    assert families.hf_checkpoint(model.key, seed=5) == model.weights_dir
-    assert families.family_shape(model.key) == families.family_shape("qwen3_moe")
+    assert families.hf_checkpoint(model.ref, seed=5) == model.weights_dir
+    assert families.family_shape(model.ref) == families.family_shape("qwen3_moe")
     with pytest.raises(UsageError, match="holds real weights.*num_hidden_layers.*config.json"):
-        user.register(tmp_path / "mine", {"num_hidden_layers": 2})
+        user.read(tmp_path / "mine", {"num_hidden_layers": 2})
     # the config alone (the file) is accepted with overrides: random weights
-    assert user.register(tmp_path / "mine" / "config.json", {"num_hidden_layers": 2}).weights_dir is None
+    assert user.read(tmp_path / "mine" / "config.json", {"num_hidden_layers": 2}).weights_dir is None
 
 
 @pytest.mark.parametrize("setup, overrides, message", [
@@ -107,13 +102,13 @@ def test_real_weights_directory_is_used_as_it_is(tmp_path, monkeypatch):
 def test_bad_model_paths_are_refused_with_the_reason(tmp_path, setup, overrides, message):
     setup(tmp_path / "m")
     with pytest.raises(UsageError, match=message):
-        user.register(tmp_path / "m", overrides)
+        user.read(tmp_path / "m", overrides)
 
 
 def test_pickled_weights_are_never_loaded(prod_dir):
     (prod_dir / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     with pytest.raises(UsageError, match="never unpickles"):
-        user.register(prod_dir)
+        user.read(prod_dir)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -125,12 +120,12 @@ def test_pickled_weights_are_never_loaded(prod_dir):
 ])
 def test_bad_overrides_are_refused(prod_dir, overrides, message):
     with pytest.raises(UsageError, match=message):
-        user.register(prod_dir, overrides)
+        user.read(prod_dir, overrides)
 
 
 def test_override_read_by_the_modeling_code_only_is_accepted(prod_dir):
     # head_dim is no attribute of Qwen3MoeConfig in transformers 5, but the attention reads it
-    assert user.register(prod_dir, {"head_dim": 16}).config["head_dim"] == 16
+    assert user.read(prod_dir, {"head_dim": 16}).config["head_dim"] == 16
 
 
 @pytest.mark.parametrize("items, message", [
@@ -194,7 +189,7 @@ def test_scenario_file_model_relative_to_the_file_and_round_trip(tmp_path, prod_
     """)
     first, second = load([path], checks=CHECKS)
     assert first.name.startswith("model:Qwen3-Prod+") and first.name.endswith("/ep2-dp2")
-    assert first.family == second.family and first.model == {"path": str(prod_dir.resolve()), "set": SHRINK}
+    assert first.family == second.family and first.model == second.model and first.model.to_dict() == {"path": str(prod_dir.resolve()), "set": SHRINK}
     back = scenario_from_dict(json.loads(json.dumps(scenario_to_dict(first))))
     assert back == first
 
@@ -237,9 +232,12 @@ def test_two_models_of_one_name_are_refused(tmp_path, prod_dir):
     import shutil
 
     shutil.copytree(prod_dir, tmp_path / "other" / "Qwen3-Prod")
-    user.register(prod_dir)
-    with pytest.raises(UsageError, match="share the key 'model:Qwen3-Prod'.*rename one"):
-        user.register(tmp_path / "other" / "Qwen3-Prod")
+    assert user.read(prod_dir).key == user.read(tmp_path / "other" / "Qwen3-Prod").key  # read alone: no clash
+    first = _write(tmp_path, f"scenarios:\n  - {{model: {prod_dir}, world_size: 1, checks: [export]}}\n")
+    second = tmp_path / "t.yaml"
+    second.write_text("scenarios:\n  - {model: other/Qwen3-Prod, world_size: 2, layout: {ep: 2}, checks: [export]}\n")
+    with pytest.raises(UsageError, match=r"t.yaml:2: two user models share the key 'model:Qwen3-Prod'.*rename one"):
+        load([first, str(second)], checks=CHECKS)
 
 
 def test_cli_model_set_needs_model(capsys):
@@ -327,7 +325,7 @@ def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):
     ("qwen35_moe", (0, 1, 2, 3)), ("mixtral", (0, 1, 2, 3)),
 ])
 def test_family_configs_register_with_their_moe_layers(tmp_path, repo_root, name, moe_layers):
-    shape = families.family_shape(user.register(_family_tool(repo_root).write(tmp_path, name)).key)
+    shape = families.family_shape(user.read(_family_tool(repo_root).write(tmp_path, name)).ref)
     assert (shape.num_layers, shape.num_experts, shape.moe_layers) == (4, 8, moe_layers)
 
 
@@ -373,20 +371,20 @@ def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo
 def test_preflight_passes_a_model_the_cpu_path_rebuilds(tmp_path, repo_root, name):
     from moeverify.models import builder
 
-    key = user.register(_family_tool(repo_root).write(tmp_path, name)).key
-    builder.preflight(key, te_real=False)  # its spec is rebuilt faithfully (family_specs.py, grouped experts)
+    ref = user.read(_family_tool(repo_root).write(tmp_path, name)).ref
+    builder.preflight(ref, te_real=False)  # its spec is rebuilt faithfully (family_specs.py, grouped experts)
     assert not any(tmp_path.glob("**/*.safetensors")), "the preflight reads the config only"
 
 
 def test_model_set_layer_count_carries_the_per_layer_lists(tmp_path, repo_root):
     model = _family_tool(repo_root).write(tmp_path, "qwen35_moe")  # layer_types: 3 linear, then full attention
-    shrunk = user.register(model, {"num_hidden_layers": 2})
+    shrunk = user.read(model, {"num_hidden_layers": 2})
     assert shrunk.config["layer_types"] == ["linear_attention", "linear_attention"]
     with pytest.raises(UsageError, match=r"num_hidden_layers=8 is more than the config's 4, whose layer_types has "
                                          r"one entry per layer: give --model-set layer_types=\[...\] with 8 entries"):
-        user.register(model, {"num_hidden_layers": 8})
-    grown = user.register(model, {"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 7 + ["full_attention"]})
-    assert families.family_shape(grown.key).num_layers == 8
+        user.read(model, {"num_hidden_layers": 8})
+    grown = user.read(model, {"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 7 + ["full_attention"]})
+    assert families.family_shape(grown.ref).num_layers == 8
     with pytest.raises(UsageError, match=r"(?s)config class refuses this config: StrictDataclassClassValidationError.*"
                                          r"layer_types"):
-        user.register(model, {"num_hidden_layers": 2, "layer_types": ["linear_attention", "nonsense"]})
+        user.read(model, {"num_hidden_layers": 2, "layer_types": ["linear_attention", "nonsense"]})

@@ -100,7 +100,7 @@ def run(ctx) -> dict[str, Tally]:
     impl.apply()
     coords = views.rank_coords(layout, rank=ctx.rank, world_size=ctx.world_size)
     outer = parallel_state.model_parallel_is_initialized()
-    traits = family_traits(scenario.family)
+    traits = family_traits(scenario.model)
     skipped = {v.name: why for v in opts.variants
                if (why := v.not_applicable(scenario.family, traits=traits)) is not None}
     setups = [st.make_setup(ctx, opts, impl, v, coords) for v in opts.variants if v.name not in skipped]

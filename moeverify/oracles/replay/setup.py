@@ -48,14 +48,14 @@ class Setup:
 
     def stage_moe_layers(self) -> tuple[int, ...]:
         """The MoE decoder layers this rank's pipeline stage holds (none on a dense stage)."""
-        shape = family_shape(self.ctx.scenario.family)
+        shape = family_shape(self.ctx.scenario.model)
         return views.layers_of(self.layout, pp_rank=self.coords.pp, num_layers=shape.num_layers,
                                moe_layers=shape.moe_layers)
 
 
 def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None = None) -> list:
     scenario = setup.ctx.scenario
-    built = models.build(scenario.family, layout, seed=scenario.seed,
+    built = models.build(scenario.model, layout, seed=scenario.seed,
                          overrides={**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})})
     if setup.variant.random_expert_bias:
         _seed_expert_bias(built.model_chunks, seed=scenario.seed)
@@ -87,7 +87,7 @@ def num_layers(chunks: list) -> int:
 def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant, coords: views.RankCoords) -> Setup:
     scenario, layout = ctx.scenario, ctx.scenario.layout
     batches = rd.Batches(seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.num_microbatches(layout),
-                         dp=layout.dp(ctx.world_size), vocab_size=_vocab_size(scenario.family), seed=scenario.seed,
+                         dp=layout.dp(ctx.world_size), vocab_size=_vocab_size(scenario.model), seed=scenario.seed,
                          padding=variant.padding)
     items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
     return Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
@@ -124,5 +124,5 @@ def guarded(setup: Setup, tallies: dict[str, Tally], fn, *args):
     return out
 
 
-def _vocab_size(family: str) -> int:
-    return int(hf_config_dict(family)["vocab_size"])
+def _vocab_size(model) -> int:  # a ModelRef
+    return int(hf_config_dict(model)["vocab_size"])

@@ -74,7 +74,7 @@ def not_applicable(*, expert_bias: bool, config) -> str | None:
 
 def run(setup: st.Setup, t: Tally, notes: dict) -> None:
     """Both cases on a nested 1-rank layout; fills ``t``, or marks it not applicable (``not_applicable``)."""
-    expert_bias = family_traits(setup.ctx.scenario.family).expert_bias
+    expert_bias = family_traits(setup.ctx.scenario.model).expert_bias
     one = Layout()
     with runtime.parallel(one, seed=setup.ctx.scenario.seed):
         for case, (seq, batch) in _cases(setup).items():
@@ -93,7 +93,7 @@ def run(setup: st.Setup, t: Tally, notes: dict) -> None:
 
 def _cases(setup: st.Setup) -> dict[str, tuple[int, int]]:
     """``{case: (S, B)}``: one router call of T == E tokens, and one of T != E."""
-    experts = family_shape(setup.ctx.scenario.family).num_experts
+    experts = family_shape(setup.ctx.scenario.model).num_experts
     batch = 2 if experts % 2 == 0 and experts >= 4 else 1
     seq, other_batch = setup.batches.seq_len, setup.batches.batch
     if seq * other_batch == experts:
