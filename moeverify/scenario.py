@@ -19,7 +19,7 @@ from moeverify.errors import LayoutError, UsageError
 from moeverify.expectations import ExpectedFailure
 from moeverify.expectations import parse as parse_expect_fail
 from moeverify.layout import Layout, ModelShape
-from moeverify.models.ref import ModelRef
+from moeverify.models.ref import ModelRef, as_ref
 from moeverify.yaml_file import Where, error, read_yaml
 
 FORMAT_VERSION = 1
@@ -140,6 +140,8 @@ def _user_model(where: Where, value: object, sets: object = None) -> ModelRef:
 
 
 def _shape_of(family: object, families: Mapping[str, ModelShape]) -> ModelShape | None:
+    if isinstance(family, ModelRef) and not family.is_user:
+        family = family.family
     if isinstance(family, ModelRef):
         from moeverify.models import user
 
@@ -310,13 +312,14 @@ def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Map
 
 
 def load_file(path: str, *, checks: Collection[str], families: Mapping[str, ModelShape] | None = None,
-              max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | None = None) -> list[Scenario]:
+              max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | str | None = None) -> list[Scenario]:
     """Load and validate one scenario file. Raises ``UsageError`` naming file:line, scenario and rule.
 
-    ``model`` (a user model, from ``--model``) replaces every scenario's family or
+    ``model`` (a user model from ``--model``, or a family) replaces every scenario's family or
     model; layouts it does not admit come back ``unfit`` (reported as skipped) instead of refused.
     """
     families = _families() if families is None else families
+    model = None if model is None else as_ref(model)
     where = Where(path=path)
     doc = read_yaml(path)
     if doc is None:
@@ -344,7 +347,7 @@ def load_file(path: str, *, checks: Collection[str], families: Mapping[str, Mode
 
 def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
          families: Mapping[str, ModelShape] | None = None,
-         max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | None = None) -> list[Scenario]:
+         max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | str | None = None) -> list[Scenario]:
     """Load several scenario files, in order; scenario names must be unique across all of them.
 
     With ``model`` (see ``load_file``) the files' families collapse onto one model, so scenarios of one
@@ -353,6 +356,7 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
     if checks is None:
         checks = check_names()
     families = _families() if families is None else families
+    model = None if model is None else as_ref(model)
     seen: dict[str, Scenario] = {}
     refs: dict[str, ModelRef] = {} if model is None else {model.key: model}
     out = []
