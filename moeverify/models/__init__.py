@@ -3,11 +3,11 @@
 import importlib
 
 from moeverify.layout import Layout, ModelShape
-from moeverify.models.configs import FAMILIES, family_shape, family_traits, hf_config_dict
+from moeverify.models.configs import FAMILIES, ModelSpec, family_shape, family_traits, hf_config_dict, model_spec
 from moeverify.models.ref import ModelRef
 
-__all__ = ["FAMILIES", "Layout", "ModelRef", "ModelShape", "Built", "build", "family_shape", "family_traits", "hf_checkpoint",
-           "hf_config_dict"]
+__all__ = ["FAMILIES", "Layout", "ModelRef", "ModelShape", "ModelSpec", "Built", "build", "family_shape",
+           "family_traits", "hf_checkpoint", "hf_config_dict", "model_spec"]
 
 _LAZY = {"build": "builder", "Built": "builder", "hf_checkpoint": "families"}
 

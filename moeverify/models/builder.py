@@ -21,8 +21,8 @@ from typing import Any
 from moeverify import layer_numbering, runtime
 from moeverify.errors import UsageError
 from moeverify.layout import Layout, ModelShape
-from moeverify.models import bridge_limits, family_specs, kimi, seeded, user
-from moeverify.models.configs import check_family
+from moeverify.models import bridge_limits, family_specs, seeded, user
+from moeverify.models.configs import check_family, model_spec
 from moeverify.models.families import family_shape, hf_checkpoint, hf_config_dict
 from moeverify.models.ref import ModelRef, as_ref
 from moeverify.models.mtp_spec import cpu_mtp_block_spec, cpu_mtp_gaps
@@ -173,8 +173,8 @@ def _bridge_for(model: str | ModelRef, hf_path: Path):
     from megatron.bridge import AutoBridge  # lazy: megatron
 
     family = as_ref(model).key
-    if hf_config_dict(model).get("model_type") == kimi.MODEL_TYPE:
-        kimi.ensure_registered()  # the in-code config stands in for Kimi-K2's remote code (never trusted)
+    if (prepare := model_spec(model).prepare) is not None:
+        prepare()  # e.g. the in-code config that stands in for Kimi-K2's remote code (never trusted)
     try:
         bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     except ValueError as exc:

@@ -1,10 +1,15 @@
 """Tiny HF model families made in code: their ``config.json`` content, read without torch.
 
 ``families.py`` writes their seeded checkpoints; this table is what scenario files, the layout rules and
-the checks' traits read (``moeverify run --list`` and scenario validation import no torch).
+the checks' traits read (``moeverify run --list`` and scenario validation import no torch). A model is named by
+a ``ModelRef`` (``ref.py``: a family here, or a user model's path and overrides) and read, here, into a
+``ModelSpec``: config, shape, traits and an optional prepare hook. A new family is one entry in ``_FAMILIES``.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 from moeverify.errors import UsageError
 from moeverify.layout import ModelShape
@@ -133,6 +138,32 @@ def hf_config_dict(model: str | ModelRef) -> dict:
         return dict(user.load(ref).config)
     arch, kwargs = _FAMILIES[ref.family]
     return dict(kwargs, architectures=[arch], dtype="bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """What a model reference reads as: its HF config, shape and traits, and the hook to run before transformers
+    or Megatron-Bridge reads that config (None for most; Kimi-K2's registers its in-code classes)."""
+
+    ref: ModelRef
+    config: dict = dataclasses.field(compare=False, repr=False)
+    shape: ModelShape
+    traits: ModelTraits
+    prepare: Callable[[], None] | None = None
+
+
+def prepare_hook(config: dict) -> Callable[[], None] | None:
+    """The hook a config needs before transformers or Megatron-Bridge reads it (by its ``model_type``)."""
+    # transformers 5.12.1 has no kimi_k2: its in-code config stands in for the remote code (never trusted)
+    return kimi.ensure_registered if config.get("model_type") == kimi.MODEL_TYPE else None
+
+
+def model_spec(model: str | ModelRef) -> ModelSpec:
+    """The ``ModelSpec`` of a family (by name or reference) or a user model's reference."""
+    ref = check_family(model)
+    config = hf_config_dict(ref)
+    return ModelSpec(ref=ref, config=config, shape=user.shape_of(config, where=ref.key),
+                     traits=traits_of(config, where=ref.key), prepare=prepare_hook(config))
 
 
 def family_shape(model: str | ModelRef) -> ModelShape:

@@ -20,7 +20,7 @@ import torch
 from moeverify.models import kimi, mtp_weights, seeded, user
 from moeverify.models.ref import PREFIX, ModelRef
 from moeverify.models.seeded import seeded_value
-from moeverify.models.configs import FAMILIES, check_family, family_shape, family_traits, hf_config_dict
+from moeverify.models.configs import FAMILIES, check_family, prepare_hook, family_shape, family_traits, hf_config_dict
 
 __all__ = ["FAMILIES", "cache_dir", "family_shape", "family_traits", "hf_checkpoint", "hf_config_dict",
            "seeded_value"]
@@ -70,8 +70,8 @@ def _hf_model(cfg: dict) -> torch.nn.Module:
     shapes only), the expert-correction bias in fp32 as real checkpoints keep it."""
     import transformers  # lazy: transformers
 
-    if cfg.get("model_type") == kimi.MODEL_TYPE:
-        kimi.ensure_registered()  # transformers 5.12.1 has no kimi_k2: the in-code config (kimi.py)
+    if (prepare := prepare_hook(cfg)) is not None:
+        prepare()  # e.g. transformers 5.12.1 has no kimi_k2: the in-code config (kimi.py)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config.architectures = cfg["architectures"]
     model_cls = kimi.model_class(cfg["architectures"][0])
