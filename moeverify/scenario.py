@@ -19,6 +19,7 @@ from moeverify.errors import LayoutError, UsageError
 from moeverify.expectations import ExpectedFailure
 from moeverify.expectations import parse as parse_expect_fail
 from moeverify.layout import Layout, ModelShape
+from moeverify.models import FAMILIES, family_shape, user
 from moeverify.models.ref import ModelRef, as_ref
 from moeverify.yaml_file import Where, error, read_yaml
 
@@ -66,11 +67,7 @@ class Scenario:
 # ------------------------------------------------------------------------------------- families
 def _families() -> dict[str, ModelShape]:
     """Family name -> its ModelShape, from ``moeverify.models``."""
-    from moeverify import models
-
-    if not hasattr(models, "family_shape"):  # the package front may not re-export them yet
-        from moeverify.models import families as models
-    return {name: models.family_shape(name) for name in models.FAMILIES}
+    return {name: family_shape(name) for name in FAMILIES}
 
 
 # --------------------------------------------------------------------------------------- fields
@@ -122,8 +119,6 @@ def _gpu_only_field(where: Where, value: object) -> str | None:
 
 def _user_model(where: Where, value: object, sets: object = None) -> ModelRef:
     """Read and check the user model of ``model: PATH`` (or ``{path, set}``), relative to the file."""
-    from moeverify.models import user
-
     if isinstance(value, Mapping):
         value = _check_keys(where, value, _MODEL_KEYS, "model")
         if sets is not None:
@@ -143,8 +138,6 @@ def _shape_of(family: object, families: Mapping[str, ModelShape]) -> ModelShape 
     if isinstance(family, ModelRef) and not family.is_user:
         family = family.family
     if isinstance(family, ModelRef):
-        from moeverify.models import user
-
         return user.shape_of(user.load(family).config, where=family.key)
     return families.get(family) if isinstance(family, str) else None
 
@@ -406,8 +399,6 @@ def scenario_from_dict(data: Mapping) -> Scenario:
     """Inverse of ``scenario_to_dict``; a user model is read in this process again from its reference."""
     model = ModelRef.from_dict(data["family"], data.get("model"))
     if model.is_user:
-        from moeverify.models import user
-
         user.load(model)
     return Scenario(family=data["family"], layout=Layout(**data["layout"]), world_size=data["world_size"],
                     checks=tuple(data["checks"]), seed=data["seed"], gpu_only=data["gpu_only"],

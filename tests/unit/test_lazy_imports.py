@@ -15,9 +15,7 @@ from pathlib import Path
 HEAVY = ("torch", "megatron", "transformers", "safetensors", "rich", "matplotlib", "huggingface_hub")
 LAZY = re.compile(r"#\s*lazy:\s*(\w+)")
 
-NOT_YET = frozenset({
-    "scenario.py",
-})
+NOT_YET: frozenset[str] = frozenset()
 
 
 def _unexplained(path: Path) -> list[str]:
