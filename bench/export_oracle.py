@@ -244,7 +244,7 @@ def _build(weights: str, layout, rt):
 
     if weights == "real":
         hf_path, shapes = real_checkpoint()
-        built = models.build(user.register(hf_path, where="bench").key, layout, load_weights=True)
+        built = models.build(user.read(hf_path, where="bench").ref, layout, load_weights=True)
         return built, hf_path, shapes
     built = models.build("qwen2", layout, overrides=dict(SCALE), load_weights=False)
     dtype = next(built.model_chunks[0].parameters()).dtype

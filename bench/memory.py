@@ -47,7 +47,7 @@ _IMPORT = "import torch, transformers, moeverify.models.families  # noqa\n"
 # The peer: build (bridge load) and one export pass, nothing kept or compared.
 _BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverify.layout import Layout\n"
          "from moeverify.models import user\n"
-         "key = user.register(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).key\n"
+         "key = user.read(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).ref\n"
          "runtime.init(sys.argv[3])\n"
          "with runtime.parallel(Layout(), seed=0):\n"
          "    built = models.build(key, Layout())\n"
@@ -58,7 +58,7 @@ _BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverif
 # The seeded checkpoint as a check's rank makes it (``hf_checkpoint``, into MOEVERIFY_CACHE_DIR): the checks
 # that follow find it cached, so their peaks are the bridge load, build and check alone.
 _CHECKPOINT = ("import sys\nfrom moeverify.models import families, user\n"
-               "key = user.register(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).key\n"
+               "key = user.read(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).ref\n"
                "print(families.hf_checkpoint(key, 0))\n")
 
 
