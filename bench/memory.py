@@ -211,7 +211,7 @@ def _plot(result: dict, png: Path) -> None:
                 marker="o", label=key)
     ax.set_xlabel("layers")
     ax.set_ylabel("peak RSS (largest rank) / model bytes")
-    ax.set_title(f"host memory per phase, one {result.get('backend', 'cpu')} rank ({result.get('label', '')})")
+    ax.set_title(f"host memory per phase (and layout), largest {result.get('backend', 'cpu')} rank ({result.get('label', '')})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
