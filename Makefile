@@ -34,6 +34,7 @@ test-distributed: setup
 release: setup
 	@mkdir -p runs
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_matrix.yaml --json runs/release.json --junit runs/release.xml
+	$(PY) -m moeverify run scenarios/production_cpu.yaml --timeout 1800 --json runs/production_cpu.json --junit runs/production_cpu.xml
 	$(PY) -m pytest -q -p no:xdist -m release tests/special_distributed
 
 bench: setup

@@ -15,11 +15,17 @@ peak is its own:
   already cached: bridge load, model build, the check and its reference export. Peak = the largest
   ``ru_maxrss`` of any process of the run (``getrusage(RUSAGE_CHILDREN)`` of a fresh wrapper).
 
+``--layout tp1 ep2 pp2`` runs each check under each layout (a scenario layout name, read with
+``moeverify.layout.parse_layout_name``; the world size is the least the layout admits, or tp*pp*cp*dp when the
+name gives dpN): a multi-rank ``moeverify run`` on CPU ranks, and each rank's own peak RSS (VmHWM at the end
+of the check, the run's ``peak_rss_mb``) recorded as ``rank_peaks`` next to the wrapper's peak (the largest
+process alone). The per-rank share is the largest rank's peak over the model's bytes.
+
 Reports peak RSS / model bytes per phase and depth, and the least-squares slope per layer (bytes of RSS per
 byte of model added per layer: the part that grows with depth). Writes JSON under bench/results/ and a PNG.
 
     python bench/memory.py [--model config.json] [--layers 1 2 4] [--checks roundtrip export replay]
-                           [--backend cpu|cuda]
+                           [--backend cpu|cuda] [--layout tp1 ep2 pp2]
 """
 
 from __future__ import annotations
@@ -73,9 +79,36 @@ def _peak(cmd: list[str], *, env: dict | None = None, log: Path | None = None) -
     return out
 
 
-def _scenario(path: Path, model: Path, layers: int, check: str) -> None:
+def parse_layout(name: str) -> tuple[str, dict, int]:
+    """A scenario layout name (``tp1``, ``ep2``, ``pp2``, ``ep2-dp2``): its canonical name, its scenario mapping
+    (the non-default fields) and its world size (tp*pp*cp*dp when the name gives dpN, else the least world
+    size the layout admits)."""
+    from moeverify.layout import Layout, parse_layout_name
+
+    layout, dp = parse_layout_name(name)
+    if any(part.startswith("dp") for part in name.split("-")):
+        world = layout.model_parallel_size() * dp
+    else:
+        world = math.lcm(layout.model_parallel_size(), layout.expert_tp * layout.ep * layout.pp)
+    layout.validate(world_size=world)
+    default = Layout().as_dict()
+    return layout.name(world), {k: v for k, v in layout.as_dict().items() if v != default.get(k)}, world
+
+
+def _scenario(path: Path, model: Path, layers: int, check: str, layout: dict | None = None,
+              world_size: int = 1) -> None:
     path.write_text(json.dumps({"scenarios": [{
-        "model": str(model), "model_set": {"num_hidden_layers": layers}, "world_size": 1, "checks": [check]}]}))
+        "model": str(model), "model_set": {"num_hidden_layers": layers}, "world_size": world_size,
+        "layout": layout or {}, "checks": [check]}]}))
+
+
+def _rank_peaks(report: Path) -> list[int]:
+    """Each rank's peak RSS in bytes at the end of the check (the run's JSON ``peak_rss_mb``, MiB)."""
+    (record,) = json.loads(report.read_text())
+    peaks = record.get("peak_rss_mb") or []
+    if not peaks or any(v is None for v in peaks):
+        raise SystemExit(f"bench/memory.py: {report}: no peak_rss_mb for every rank (got {peaks!r})")
+    return [round(v * 2**20) for v in peaks]
 
 
 def _model_bytes(ckpt: Path) -> int:
@@ -90,7 +123,7 @@ def _model_bytes(ckpt: Path) -> int:
 
 
 def measure(model: Path, layers: list[int], checks: list[str], work: Path, backend: str = "cpu",
-            save=lambda rows: None) -> dict:
+            save=lambda rows: None, layouts: tuple[str, ...] = ("tp1",)) -> dict:
     """Every phase at every depth; ``save(rows)`` after each row (a cut-off run keeps what it measured)."""
     env = dict(os.environ, MOEVERIFY_CACHE_DIR=str(work / "cache"))
     rows = _Rows(save)
@@ -110,14 +143,22 @@ def measure(model: Path, layers: list[int], checks: list[str], work: Path, backe
         print(f"{n} layers: bare export peak {bare['peak'] / 1e9:.2f} GB ({bare['peak'] / model_bytes:.2f}x), "
               f"{bare['wall']:.0f} s", flush=True)
         for check in checks:
-            scen = work / f"scen-{n}-{check}.json"
-            _scenario(scen, model, n, check)
-            row = _peak([sys.executable, "-m", "moeverify", "run", str(scen), "--backend", backend,
-                         "--run-dir", str(work / f"run-{n}-{check}")], env=env, log=work / f"{n}-{check}.log")
-            rows.append(dict(phase=f"check:{check}", layers=n, model_bytes=model_bytes,
-                             time_vs_bare_export=round(row["wall"] / bare["wall"], 3), **row))
-            print(f"{n} layers: {check} peak {row['peak'] / 1e9:.2f} GB ({row['peak'] / model_bytes:.2f}x), "
-                  f"{row['wall']:.0f} s ({row['wall'] / bare['wall']:.2f}x the bare export)", flush=True)
+            for name in layouts:
+                name, mapping, world = parse_layout(name)
+                tag = f"{n}-{check}-{name}"
+                scen = work / f"scen-{tag}.json"
+                _scenario(scen, model, n, check, mapping, world)
+                row = _peak([sys.executable, "-m", "moeverify", "run", str(scen), "--backend", backend,
+                             "--json", str(work / f"{tag}.json"), "--run-dir", str(work / f"run-{tag}")],
+                            env=env, log=work / f"{tag}.log")
+                ranks = _rank_peaks(work / f"{tag}.json")
+                rows.append(dict(phase=f"check:{check}", layers=n, model_bytes=model_bytes, layout=name,
+                                 world_size=world, rank_peaks=ranks, rank_share=round(max(ranks) / model_bytes, 3),
+                                 time_vs_bare_export=round(row["wall"] / bare["wall"], 3), **row))
+                print(f"{n} layers, {name} ({world} rank(s)): {check} peak {row['peak'] / 1e9:.2f} GB "
+                      f"({row['peak'] / model_bytes:.2f}x), ranks {[round(r / 1e9, 2) for r in ranks]} GB "
+                      f"(largest {max(ranks) / model_bytes:.2f}x), {row['wall']:.0f} s "
+                      f"({row['wall'] / bare['wall']:.2f}x the bare export)", flush=True)
     return dict(model=str(model), rows=list(rows), fits=_fits(rows))
 
 
@@ -137,17 +178,24 @@ class _Rows(list):
 
 
 def _fits(rows: list[dict]) -> dict:
-    """Per phase: RSS = a + b * model_bytes over the depths (b: RSS bytes per model byte a layer adds)."""
+    """Per phase (and layout other than tp1: ``check:export@ep2-dp2``): RSS = a + b * model_bytes over the
+    depths (b: RSS bytes per model byte a layer adds). RSS: the largest rank's peak where ranks were
+    measured, else the wrapper's peak."""
     fits = {}
-    for phase in sorted({r["phase"] for r in rows if r["layers"]}):
-        pts = [(r["model_bytes"], r["peak"]) for r in rows if r["phase"] == phase]
+    for key in sorted({_key(r) for r in rows if r["layers"]}):
+        pts = [(r["model_bytes"], max(r.get("rank_peaks") or [r["peak"]])) for r in rows if _key(r) == key]
         if len(pts) < 2:
             continue
         mx = sum(x for x, _ in pts) / len(pts)
         my = sum(y for _, y in pts) / len(pts)
         b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-        fits[phase] = dict(slope=round(b, 3), fixed_gb=round((my - b * mx) / 1e9, 3))
+        fits[key] = dict(slope=round(b, 3), fixed_gb=round((my - b * mx) / 1e9, 3))
     return fits
+
+
+def _key(row: dict) -> str:
+    layout = row.get("layout", "tp1")
+    return row["phase"] if layout == "tp1" else f"{row['phase']}@{layout}"
 
 
 def _plot(result: dict, png: Path) -> None:
@@ -157,12 +205,13 @@ def _plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for phase in sorted({r["phase"] for r in result["rows"] if r["layers"]}):
-        pts = [r for r in result["rows"] if r["phase"] == phase]
-        ax.plot([r["layers"] for r in pts], [r["peak"] / r["model_bytes"] for r in pts], marker="o", label=phase)
+    for key in sorted({_key(r) for r in result["rows"] if r["layers"]}):
+        pts = [r for r in result["rows"] if _key(r) == key]
+        ax.plot([r["layers"] for r in pts], [max(r.get("rank_peaks") or [r["peak"]]) / r["model_bytes"] for r in pts],
+                marker="o", label=key)
     ax.set_xlabel("layers")
-    ax.set_ylabel("peak RSS / model bytes")
-    ax.set_title(f"host memory per phase, one {result.get('backend', 'cpu')} rank ({result.get('label', '')})")
+    ax.set_ylabel("peak RSS (largest rank) / model bytes")
+    ax.set_title(f"host memory per phase (and layout), largest {result.get('backend', 'cpu')} rank ({result.get('label', '')})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -175,7 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
     p.add_argument("--label", default="memory", help="results file stem under bench/results/")
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--layout", nargs="+", default=["tp1"],
+                   help="scenario layout names, each check runs under each (e.g. tp1 ep2 pp2; default tp1)")
     args = p.parse_args(argv)
+    for name in args.layout:
+        try:
+            parse_layout(name)
+        except Exception as exc:  # LayoutError: a clear message, before anything runs
+            p.error(f"--layout {name}: {exc}")
     out = ROOT / "bench" / "results" / f"{args.label}.json"
 
     def save(result: dict) -> None:
@@ -185,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="moeverify-membench-") as tmp:
         result = measure(args.model.resolve(), args.layers, args.checks, Path(tmp), args.backend,
-                         save=lambda rows: save(dict(model=str(args.model), rows=rows, fits=_fits(rows))))
+                         save=lambda rows: save(dict(model=str(args.model), rows=rows, fits=_fits(rows))),
+                         layouts=tuple(args.layout))
     result.update(label=args.label, backend=args.backend)
     save(result)
     print(json.dumps(result["fits"], indent=1))

@@ -126,6 +126,15 @@ def test_load_smoke_file_is_small_and_valid(repo_root):
     assert moe and [s.name for s in moe if "replay" not in s.checks] == []
 
 
+def test_load_production_slice_is_qwen3_30b_width_at_one_layer_ep1_and_ep2(repo_root):
+    got = load([str(repo_root / "scenarios/production_cpu.yaml")])
+    assert [(s.layout, s.world_size, s.checks) for s in got] == [
+        (Layout(), 1, ("roundtrip", "export")), (Layout(ep=2), 2, ("roundtrip", "export"))]
+    for s in got:
+        assert s.model["path"] == str(repo_root / "bench" / "qwen3_30b_a3b.json")
+        assert s.model["set"] == {"num_hidden_layers": 1}
+
+
 @pytest.mark.parametrize(("text", "match"), [
     ("scenarioz: []", r"s\.yaml: unknown top-level key\(s\) \['scenarioz'\]"),
     ("scenarios:\n  - {family: qwen2, world_size: 1, checks: [roundtrip], colour: red}",
