@@ -131,8 +131,8 @@ def test_load_production_slice_is_qwen3_30b_width_at_one_layer_ep1_and_ep2(repo_
     assert [(s.layout, s.world_size, s.checks) for s in got] == [
         (Layout(), 1, ("roundtrip", "export")), (Layout(ep=2), 2, ("roundtrip", "export"))]
     for s in got:
-        assert s.model["path"] == str(repo_root / "bench" / "qwen3_30b_a3b.json")
-        assert s.model["set"] == {"num_hidden_layers": 1}
+        assert s.model.path == str(repo_root / "bench" / "qwen3_30b_a3b.json")
+        assert dict(s.model.overrides) == {"num_hidden_layers": 1}
 
 
 @pytest.mark.parametrize(("text", "match"), [
