@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from moeverify.models.ref import ModelRef
 from moeverify import views
 from moeverify.checks import ReplayOptions
 from moeverify.layout import Layout
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def make_setup(impl: str, *, family: str = "deepseek_v3", subchecks=("token_counts",)) -> st.Setup:
-    scenario = types.SimpleNamespace(name=f"{family}-unit", family=family, seed=0, layout=Layout())
+    scenario = types.SimpleNamespace(name=f"{family}-unit", family=family, model=ModelRef.builtin(family), seed=0,
+                                     layout=Layout())
     ctx = types.SimpleNamespace(scenario=scenario, world_size=1, rank=0, options={})
     opts = ReplayOptions(impl=impl, variants=(VARIANTS["default"],), subchecks=subchecks, microbatches=2)
     implementation = make_impl(impl)
