@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moeverify import hash64
 from moeverify.errors import MoEVerifyError
 
 MARKER = "moeverify-seeded.json"
@@ -47,19 +48,8 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _signed(0x9E3779B97F4A7C15)  # splitmix64's increment and multipliers
-_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 _BLOCK = 1 << 24  # elements per step: bounds the int64 temporaries (8 bytes each, a few alive)
 _SQRT12 = 12 ** 0.5
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def noise(key: int, numel: int, *, device=None) -> torch.Tensor:
@@ -78,18 +68,15 @@ def _noise_torch(key: int, numel: int, device: torch.device) -> torch.Tensor:
     out = torch.empty(numel, dtype=torch.float32, device=device)
     for start in range(0, numel, _BLOCK):
         x = torch.arange(start + 1, min(start + _BLOCK, numel) + 1, dtype=torch.int64, device=device)
-        x = x * _GOLDEN + key
-        x = (x ^ _shr(x, 30)) * _MIX1
-        x = (x ^ _shr(x, 27)) * _MIX2
-        x = x ^ _shr(x, 31)
-        u = _shr(x, 40).to(torch.float32) * (1.0 / (1 << 24))  # exact: 24 bits, a power-of-two scale
+        x = hash64.mix(x * hash64.GOLDEN + key)
+        u = hash64.shr(x, 40).to(torch.float32) * (1.0 / (1 << 24))  # exact: 24 bits, a power-of-two scale
         out[start:start + len(u)] = (u - 0.5) * _SQRT12
     return out
 
 
 def _noise_numpy(key: int, numel: int):
     out = np.empty(numel, dtype=np.float32)
-    g, m1, m2 = (np.uint64(c & ((1 << 64) - 1)) for c in (_GOLDEN, _MIX1, _MIX2))
+    g, m1, m2 = (np.uint64(c & ((1 << 64) - 1)) for c in (hash64.GOLDEN, hash64.MIX1, hash64.MIX2))
 
     def block(start: int) -> None:
         x = np.arange(start + 1, min(start + _CPU_BLOCK, numel) + 1, dtype=np.uint64)

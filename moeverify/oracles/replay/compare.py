@@ -51,7 +51,8 @@ def compare_maps(expected: Mapping, got: Mapping, *, what: str) -> tuple[int, li
         elif key not in expected:
             failures.append(f"{what} {key}: present only in the run under test")
         elif isinstance(expected[key], GradPrint) or isinstance(got[key], GradPrint):
-            a, b = (v if isinstance(v, GradPrint) else GradPrint.of(v) for v in (expected[key], got[key]))
+            digest = next(v.digest for v in (expected[key], got[key]) if isinstance(v, GradPrint))
+            a, b = (v if isinstance(v, GradPrint) else GradPrint.of(v, digest=digest) for v in (expected[key], got[key]))
             if not a.same(b):
                 failures.append(f"{what} {key}: {a.describe(b)}")
         elif not bitwise_equal(expected[key], got[key]):
