@@ -123,6 +123,9 @@ def run(ctx) -> dict[str, Tally]:
                 if refs[name] is not None:
                     st.guarded(s, tallies[name], sc.cross_layout, s, tallies[name]["cross_layout"], refs[name],
                                own[name], notes[name])
+    for s in setups:
+        notes[s.variant.name]["builds"] = dict(s.builds)
+        s.weights.clear()
     return _report(ctx, opts, coords, tallies, notes, skipped)
 
 

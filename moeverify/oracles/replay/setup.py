@@ -3,6 +3,13 @@
 A ``Setup`` is what every subcheck of one router variant needs on this rank: the options, the
 implementation under test, the variant, the scenario layout and this rank's micro-batches. Models
 are built in fp32 without dropout (``build``), so passes can be compared bit for bit.
+
+A variant's subchecks build the same model a dozen times (a fresh build per subcheck, per recompute mode, per
+reference). The first build under a layout loads the checkpoint through Megatron-Bridge and keeps a copy of every
+parameter and buffer where the model lives (``WeightCopy``); later builds under that layout skip Megatron's init
+and the bridge's load and copy those tensors in, after checking that the new build has exactly the same names,
+shapes and dtypes (else it loads through the bridge as the first did). One copy of this rank's fp32 model,
+against one load and conversion per build.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ class Setup:
     coords: views.RankCoords
     batches: rd.Batches
     items: list
+    weights: dict = dataclasses.field(default_factory=dict)  # Layout -> WeightCopy of its first build
+    builds: dict = dataclasses.field(default_factory=lambda: {"loaded": 0, "copied": 0})
 
     @property
     def prefix(self) -> str:
@@ -53,13 +62,59 @@ class Setup:
                                moe_layers=shape.moe_layers)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class WeightCopy:
+    """Every parameter and buffer of a freshly loaded build, by (chunk, name), cloned where the model lives."""
+
+    tensors: dict[tuple[int, str], torch.Tensor]
+
+    @classmethod
+    def of(cls, chunks: list) -> WeightCopy:
+        with torch.no_grad():
+            return cls({key: t.detach().clone() for key, t in _tensors(chunks).items()})
+
+    def restore(self, chunks: list) -> bool:
+        """Copy into ``chunks`` when they hold exactly these names, shapes and dtypes (True), else touch nothing."""
+        mine = _tensors(chunks)
+        if mine.keys() != self.tensors.keys() or any(
+                (t.shape, t.dtype, t.device) != (self.tensors[k].shape, self.tensors[k].dtype, self.tensors[k].device)
+                for k, t in mine.items()):
+            return False
+        with torch.no_grad():
+            for key, t in mine.items():
+                t.copy_(self.tensors[key])
+        return True
+
+
+def _tensors(chunks: list) -> dict[tuple[int, str], torch.Tensor]:
+    out = {}
+    for c, chunk in enumerate(chunks):
+        out.update({(c, f"param:{name}"): p for name, p in chunk.named_parameters()})
+        out.update({(c, f"buffer:{name}"): b for name, b in chunk.named_buffers()})
+    return out
+
+
 def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None = None) -> list:
+    """A fresh model under ``layout`` with the variant's settings, ``overrides`` and ``extra``: the checkpoint's
+    weights loaded through Megatron-Bridge the first time, copied from that build's ``WeightCopy`` after."""
     scenario = setup.ctx.scenario
-    built = models.build(scenario.model, layout, seed=scenario.seed,
-                         overrides={**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})})
+    settings = {**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})}
+    chunks = None
+    if (copy := setup.weights.get(layout)) is not None:
+        chunks = models.build(scenario.model, layout, seed=scenario.seed, load_weights=False,
+                              overrides={**settings, "perform_initialization": False}).model_chunks
+        if copy.restore(chunks):
+            setup.builds["copied"] += 1
+        else:  # another structure (an option that adds a tensor): load it as the first build did
+            chunks = None
+    if chunks is None:
+        chunks = models.build(scenario.model, layout, seed=scenario.seed, overrides=settings).model_chunks
+        setup.builds["loaded"] += 1
+        if layout not in setup.weights:
+            setup.weights[layout] = WeightCopy.of(chunks)
     if setup.variant.random_expert_bias:
-        _seed_expert_bias(built.model_chunks, seed=scenario.seed)
-    return built.model_chunks
+        _seed_expert_bias(chunks, seed=scenario.seed)
+    return chunks
 
 
 def _seed_expert_bias(chunks: list, *, seed: int) -> None:

@@ -1,0 +1,69 @@
+"""The replay oracle's later builds copy the first build's weights (``setup.WeightCopy``) instead of loading the
+checkpoint again: a copied build equals a freshly loaded one bit for bit, every parameter and buffer, on families
+with expert bias, grouped experts with biases and an MTP layer; a build of another structure loads."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from moeverify import models, views
+from moeverify.checks import RECOMPUTE_MODES, ReplayOptions
+from moeverify.layout import Layout
+from moeverify.models.ref import ModelRef
+from moeverify.oracles.bits import bitwise_equal
+from moeverify.oracles.replay import setup as st
+from moeverify.oracles.replay.impls import make_impl
+from moeverify.router_variants import VARIANTS
+
+pytestmark = pytest.mark.usefixtures("patched_megatron_world")
+
+
+def _setup(family: str) -> st.Setup:
+    scenario = types.SimpleNamespace(name=f"{family}-unit", family=family, model=ModelRef.builtin(family), seed=0,
+                                     layout=Layout())
+    ctx = types.SimpleNamespace(scenario=scenario, world_size=1, rank=0, options={})
+    opts = ReplayOptions(impl="moeverify", variants=(VARIANTS["default"],), microbatches=2)
+    return st.make_setup(ctx, opts, make_impl("moeverify"), VARIANTS["default"],
+                         views.rank_coords(Layout(), rank=0, world_size=1))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next_mtp"])
+def test_a_copied_build_is_the_loaded_build_bit_for_bit(family):
+    setup = _setup(family)
+    first = st.build(setup, Layout(), overrides={})
+    copied = st.build(setup, Layout(), overrides={}, extra=RECOMPUTE_MODES["full"])  # the recompute subcheck's
+    assert setup.builds == {"loaded": 1, "copied": 1}
+    want, got = st._tensors(first), st._tensors(copied)  # the variant's seeded expert biases included
+    assert want.keys() == got.keys() and len(want) > 10
+    assert [key for key in want if not bitwise_equal(want[key], got[key])] == []
+    loaded = st._tensors(models.build(ModelRef.builtin(family), Layout(), seed=0,
+                                      overrides=dict(st._EXACT)).model_chunks)  # a plain load: the checkpoint's
+    assert loaded.keys() == want.keys()
+    assert [key for key in loaded if not key[1].endswith("expert_bias") and not bitwise_equal(loaded[key], got[key])] \
+        == []
+
+
+def test_a_build_of_another_structure_loads_and_keeps_the_first_copy():
+    """Qwen3-Next's ``global_aux_loss`` keeps per-router token buffers; the backward_order subcheck builds it with the
+    aux loss off, without them: that build loads through the bridge."""
+    setup = _setup("qwen3_next")
+    st.build(setup, Layout(), overrides={})
+    (copy,) = setup.weights.values()
+    chunks = st.build(setup, Layout(), overrides={}, extra={"moe_aux_loss_coeff": 0.0})
+    assert setup.builds == {"loaded": 2, "copied": 0}
+    assert len(st._tensors(chunks)) < len(copy.tensors)
+    assert setup.weights == {Layout(): copy}
+
+
+def test_restore_refuses_a_model_of_other_shapes_and_touches_nothing():
+    small = [torch.nn.Linear(4, 3)]
+    copy = st.WeightCopy.of(small)
+    other = [torch.nn.Linear(4, 2)]
+    before = other[0].weight.detach().clone()
+    assert not copy.restore(other)
+    assert torch.equal(other[0].weight, before)
+    same = [torch.nn.Linear(4, 3)]
+    assert copy.restore(same) and torch.equal(same[0].weight, small[0].weight)
