@@ -111,6 +111,12 @@ def _rank_peaks(report: Path) -> list[int]:
     return [round(v * 2**20) for v in peaks]
 
 
+def _gpu_peaks(report: Path) -> list[int]:
+    """Each GPU rank's most GPU memory held (the run's JSON ``peak_gpu_mb``, MiB), in bytes; [] on CPU ranks."""
+    (record,) = json.loads(report.read_text())
+    return [round(v * 2**20) for v in record.get("peak_gpu_mb") or [] if v is not None]
+
+
 def _model_bytes(ckpt: Path) -> int:
     """Bytes of the model's tensors: seeded weights made on demand (their list) or safetensors files."""
     from moeverify.models import seeded
@@ -152,12 +158,14 @@ def measure(model: Path, layers: list[int], checks: list[str], work: Path, backe
                              "--json", str(work / f"{tag}.json"), "--run-dir", str(work / f"run-{tag}")],
                             env=env, log=work / f"{tag}.log")
                 ranks = _rank_peaks(work / f"{tag}.json")
+                gpu = _gpu_peaks(work / f"{tag}.json")
                 rows.append(dict(phase=f"check:{check}", layers=n, model_bytes=model_bytes, layout=name,
                                  world_size=world, rank_peaks=ranks, rank_share=round(max(ranks) / model_bytes, 3),
-                                 time_vs_bare_export=round(row["wall"] / bare["wall"], 3), **row))
+                                 time_vs_bare_export=round(row["wall"] / bare["wall"], 3), gpu_peaks=gpu, **row))
+                on_gpu = f", GPU peak {max(gpu) / 1e9:.1f} GB ({max(gpu) / model_bytes:.2f}x)" if gpu else ""
                 print(f"{n} layers, {name} ({world} rank(s)): {check} peak {row['peak'] / 1e9:.2f} GB "
                       f"({row['peak'] / model_bytes:.2f}x), ranks {[round(r / 1e9, 2) for r in ranks]} GB "
-                      f"(largest {max(ranks) / model_bytes:.2f}x), {row['wall']:.0f} s "
+                      f"(largest {max(ranks) / model_bytes:.2f}x){on_gpu}, {row['wall']:.0f} s "
                       f"({row['wall'] / bare['wall']:.2f}x the bare export)", flush=True)
     return dict(model=str(model), rows=list(rows), fits=_fits(rows))
 

@@ -134,12 +134,17 @@ class _Collector:
     def results(self) -> list[Result]:
         """Every record so far with each rank's peak RSS at the end of that check (read once ranks are done)."""
         ends: dict[tuple[int, str, int], float] = {}
+        gpu: dict[tuple[int, str, int], float] = {}
         for rank in range(self.world_size):
             for e in read_lines(events_path(self.directory, rank)):
                 if e.get("event") == "end":
                     ends[e["index"], e["check"], rank] = e["peak_rss_mb"]
-        return [Result(record=record, peak_rss_mb=tuple(ends.get((*key, r), float("nan"))
-                                                         for r in range(self.world_size)))
+                    if e.get("peak_gpu_mb") is not None:
+                        gpu[e["index"], e["check"], rank] = e["peak_gpu_mb"]
+        ranks = range(self.world_size)
+        return [Result(record=record, peak_rss_mb=tuple(ends.get((*key, r), float("nan")) for r in ranks),
+                       peak_gpu_mb=tuple(gpu.get((*key, r), float("nan")) for r in ranks)
+                       if any((*key, r) in gpu for r in ranks) else ())
                 for key, record in self.records.items()]
 
 

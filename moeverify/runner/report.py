@@ -1,7 +1,8 @@
 """What a run hands back: one ``Result`` per scenario and check, the table, the JSON file, the exit code.
 
 A JSON entry is the DESIGN.md record plus, where known, ``"peak_rss_mb": [per rank]`` (the rank's
-peak RSS at the end of that check; peaks only grow within a group) and, for a scenario that did not
+peak RSS at the end of that check; peaks only grow within a group), on GPU ranks ``"peak_gpu_mb": [per rank]``
+(the most GPU memory their tensors held, likewise) and, for a scenario that did not
 run, ``"skipped": reason`` with ``"passed": false``. Skipped entries do not change the exit code.
 A check its scenario marks ``expect_fail`` carries ``"expected_failure": {finding, check, subchecks, reason,
 outcome, status, message}``: failing as the finding says (``"status": "expected failure (F3)"``) does not change
@@ -34,6 +35,7 @@ class Result:
     record: CheckRecord
     skipped: str | None = None
     peak_rss_mb: tuple[float, ...] = ()
+    peak_gpu_mb: tuple[float, ...] = ()  # GPU ranks only: the most their tensors held
     interrupted: bool = False  # the run was stopped (Ctrl-C, SIGTERM) before this check finished
     verdict: Verdict | None = None  # set when the scenario marks this check expect_fail (``expect``)
 
@@ -67,6 +69,8 @@ class Result:
             out["expected_failure"] = self.verdict.as_dict()
         if self.peak_rss_mb:
             out["peak_rss_mb"] = [None if math.isnan(v) else v for v in self.peak_rss_mb]
+        if self.peak_gpu_mb:
+            out["peak_gpu_mb"] = [None if math.isnan(v) else v for v in self.peak_gpu_mb]
         return out
 
     @classmethod

@@ -46,6 +46,15 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def peak_gpu_mb() -> float | None:
+    """The most GPU memory this process's tensors have held so far (``torch.cuda.max_memory_allocated``), in MiB;
+    None where CUDA was never initialised (CPU ranks)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+
+
 class _Rank:
     """This rank's files and its watchdog."""
 
@@ -65,7 +74,8 @@ class _Rank:
 
     def event(self, kind: str, **data) -> None:
         append_line(events_path(self.directory, self.rank),
-                    {"event": kind, "t": time.time(), "peak_rss_mb": peak_rss_mb(), **data})
+                    {"event": kind, "t": time.time(), "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(),
+                     **data})
 
     def die(self, where: str) -> None:
         """Write the active exception's traceback and end the process without cleanup."""

@@ -55,6 +55,24 @@ def test_result_as_dict_is_design_record_plus_rss_and_skip():
                  "not_run": {"key_set": bug_classes.guards("roundtrip", "key_set")},
                  "peak_rss_mb": [100.0, 101.5]}
     assert _crashed().as_dict()["peak_rss_mb"] == [100.0, None]
+    assert "peak_gpu_mb" not in d  # CPU ranks: no GPU figure at all
+
+
+def test_gpu_peaks_come_from_the_ranks_end_events(tmp_path):
+    """Each rank's ``end`` event carries its GPU peak (None on a CPU rank); the record lists them per rank."""
+    from moeverify.runner.launch import _Collector
+    from moeverify.runner.plan import append_line, events_path, results_path
+
+    record = _passed(scenario="m/tp1", check="replay").record
+    append_line(results_path(tmp_path), {"index": 0, "record": record.as_dict()})
+    for rank, gpu in ((0, 2048.0), (1, None)):
+        append_line(events_path(tmp_path, rank), {"event": "end", "index": 0, "check": "replay", "t": 0.0,
+                                                   "peak_rss_mb": 100.0 + rank, "peak_gpu_mb": gpu})
+    collector = _Collector(tmp_path, 2, on_result=lambda r: None)
+    collector.poll()
+    (result,) = collector.results()
+    assert result.as_dict()["peak_gpu_mb"] == [2048.0, None]
+    assert result.as_dict()["peak_rss_mb"] == [100.0, 101.0]
     skipped = _skipped().as_dict()
     assert (skipped["passed"], skipped["skipped"]) == (False, "gpu only: TE attention")
 

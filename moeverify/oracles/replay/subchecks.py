@@ -70,15 +70,16 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
         rc.compare_passes(t, expected, replayed, prefix=p + "replay vs plain pass: ")
         for msg in impl.check_consumed(recompute=False):
             t.fail(p + msg)
-    if "native_parity" in want:
-        st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
-                   tallies["native_parity"], routes, replayed)
     dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
     drifted = None
     if dependent:
         drifted = st.guarded(setup, dependent, _drift, setup, tallies, chunks, routes, notes)
-    del plain, logprob, replayed, chunks  # the subchecks below build models of their own: free this one first
+    del plain, logprob, chunks  # the subchecks below build models of their own: free this one first
     st.release(impl)
+    if "native_parity" in want:  # one model alive at a time: the native build after this one is freed
+        st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
+                   tallies["native_parity"], routes, replayed)
+    del replayed
     if "recompute" in want and drifted is not None:
         st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
                    drifted)
