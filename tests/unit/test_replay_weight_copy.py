@@ -67,3 +67,66 @@ def test_restore_refuses_a_model_of_other_shapes_and_touches_nothing():
     assert torch.equal(other[0].weight, before)
     same = [torch.nn.Linear(4, 3)]
     assert copy.restore(same) and torch.equal(same[0].weight, small[0].weight)
+
+
+def test_a_large_build_first_frees_the_model_a_subcheck_dropped(monkeypatch):
+    """A dropped model held only by its own reference cycles is collected before the next build once the weight copies
+    exceed ``COLLECT_ABOVE`` (at production width it would be another copy of the model on the device), and not
+    before (tiny builds skip the collection's cost). Automatic collection is off, so only the build's can free it."""
+    import gc
+    import weakref
+
+    def dropped_model():
+        holder = torch.nn.Linear(2, 2)
+        holder.cycle = [holder]
+        return weakref.ref(holder)
+
+    setup = _setup("qwen3_moe")
+    st.build(setup, Layout(), overrides={})
+    gc.disable()
+    try:
+        monkeypatch.setattr(st, "COLLECT_ABOVE", 1 << 40)
+        kept = dropped_model()
+        st.build(setup, Layout(), overrides={})
+        assert kept() is not None
+        monkeypatch.setattr(st, "COLLECT_ABOVE", 0)
+        freed = dropped_model()
+        st.build(setup, Layout(), overrides={})
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_every_build_of_a_variant_starts_with_no_other_model_alive(monkeypatch):
+    """At production width each model alive is another fp32 copy on the device: every subcheck lets its model go
+    before the next build (validation's rebuild after a refused forward, backward order's rebuild, both token-count
+    builds included), so a variant holds one model, its gradients and the weight copy. Parameters of modules still
+    tracked by the collector, reachable or not, are counted before each build (collection forced on)."""
+    import gc
+    import traceback
+
+    def live_parameter_bytes() -> int:
+        return sum(p.numel() * p.element_size() for o in gc.get_objects() if isinstance(o, torch.nn.Module)
+                   for p in o.parameters(recurse=False))
+
+    from moeverify.checks import CHECKS
+    from moeverify.oracles.replay import subchecks as sc
+    from moeverify.oracles.results import Tally
+
+    monkeypatch.setattr(st, "COLLECT_ABOVE", 0)
+    baseline, seen = live_parameter_bytes(), []
+    real_build = models.build
+
+    def counting_build(*args, **kwargs):
+        seen.append((traceback.extract_stack()[-3].name, live_parameter_bytes() - baseline))
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(st.models, "build", counting_build)
+    setup = _setup("qwen3_moe")
+    tallies = {name: Tally() for name in CHECKS["replay"].subchecks if name != "cross_layout"}
+    sc.variant_on_layout(setup, tallies, {})
+    assert {name: t.failures for name, t in tallies.items() if not t.passed} == {}
+    callers = {name for name, _ in seen}
+    assert {"variant_on_layout", "_native_parity", "_recompute", "_backward_order", "_validation",
+            "_one_case"} <= callers and len(seen) >= 10
+    assert [(name, extra) for name, extra in seen if extra > 0] == []

@@ -62,11 +62,21 @@ class Setup:
                                moe_layers=shape.moe_layers)
 
 
+# bytes of weight copies above which a build first collects garbage: a model some subcheck dropped is still held by
+# its reference cycles until a collection, and at production width it is another copy of the model on the device
+# (a collection costs a fraction of a second, too much to pay before every tiny build)
+COLLECT_ABOVE = 256 << 20
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WeightCopy:
     """Every parameter and buffer of a freshly loaded build, by (chunk, name), cloned where the model lives."""
 
     tensors: dict[tuple[int, str], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     @classmethod
     def of(cls, chunks: list) -> WeightCopy:
@@ -99,6 +109,8 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
     weights loaded through Megatron-Bridge the first time, copied from that build's ``WeightCopy`` after."""
     scenario = setup.ctx.scenario
     settings = {**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})}
+    if sum(c.nbytes for c in setup.weights.values()) > COLLECT_ABOVE:
+        gc.collect()  # a model the last subcheck dropped (modules and hooks hold each other in cycles) goes first
     chunks = None
     if (copy := setup.weights.get(layout)) is not None:
         chunks = models.build(scenario.model, layout, seed=scenario.seed, load_weights=False,

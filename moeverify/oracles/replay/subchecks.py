@@ -146,6 +146,7 @@ def _backward_order(setup: st.Setup, t: Tally, notes: dict) -> None:
     with _hand_loop_layout(setup) as (layout, items):
         chunks = st.build(setup, layout, overrides=impl.overrides())
         if _global_aux_loss(chunks):
+            chunks = None  # one model alive at a time
             chunks = st.build(setup, layout, overrides=impl.overrides(), extra={"moe_aux_loss_coeff": 0.0})
             notes["backward_order"] = ("global_aux_loss off: its tracker counts recompute forwards in backward "
                                        "order (finding F6)")
@@ -211,6 +212,8 @@ def _validation(setup: st.Setup, t: Tally) -> None:
             # the valid routes must route the layer, else a refusal below would prove nothing.
             routed, error = _one_forward(chunks, items[0], impl=impl, routes=routes)
             if error is not None:
+                impl.unbind()
+                chunks = None  # one model alive at a time
                 chunks = st.build(setup, one, overrides=impl.overrides())
                 impl.bind(chunks)
                 routed, error = _one_forward(chunks, items[0], impl=impl, routes=routes)
