@@ -4,8 +4,11 @@ and a directory of real safetensors weights that moeverify did not write."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SHRINK = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
               num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
@@ -76,3 +79,30 @@ def test_bad_override_is_refused_before_torchrun(run_moeverify, tmp_path, overri
     run = run_moeverify("scenarios: [{family: qwen3_moe, world_size: 2, checks: [export]}]",
                         "--model", str(tmp_path / "Qwen3-Prod"), "--model-set", override, timeout_s=60)
     assert run.code == 2 and message in run.output and "torchrun" not in run.output, run.output
+
+
+@pytest.mark.release
+def test_production_width_directory_written_by_transformers(run_moeverify, tmp_path, monkeypatch):
+    """Qwen3-30B-A3B's published width (hidden 2048, 128 experts top-8, vocab 151,936) at one layer, initialised and
+    saved by transformers itself in 1 GB safetensors shards with their index (2.49 GB, weights moeverify never made):
+    roundtrip and export pass on one rank and under EP2, every element of the export compared."""
+    import torch
+    import transformers
+
+    monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path / "cache"))
+    published = json.loads((REPO_ROOT / "bench" / "qwen3_30b_a3b.json").read_text())
+    config = transformers.Qwen3MoeConfig(**{**published, "num_hidden_layers": 1, "max_window_layers": 1})
+    torch.manual_seed(5)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "Qwen3-30B-A3B-1layer", max_shard_size="1GB")
+    del model
+    shards = sorted((tmp_path / "Qwen3-30B-A3B-1layer").glob("*.safetensors"))
+    assert len(shards) >= 2 and (tmp_path / "Qwen3-30B-A3B-1layer" / "model.safetensors.index.json").is_file()
+    run = run_moeverify("""
+        scenarios:
+          - {model: Qwen3-30B-A3B-1layer, world_size: 1, checks: [roundtrip, export]}
+          - {model: Qwen3-30B-A3B-1layer, world_size: 2, layout: {ep: 2}, checks: [roundtrip, export]}
+    """, timeout_s=900)
+    _assert_all_passed(run, "model:Qwen3-30B-A3B-1layer/tp1", ("roundtrip", "export"))
+    _assert_all_passed(run, "model:Qwen3-30B-A3B-1layer/ep2-dp2", ("roundtrip", "export"))
+    assert run.record("model:Qwen3-30B-A3B-1layer/tp1", "export")["subchecks"]["bitwise"]["checked"] > 1.2e9
