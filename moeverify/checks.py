@@ -28,6 +28,15 @@ from moeverify.layout import Layout
 # Built-in names the options accept; plugins (``module:factory``, ``file.py:factory``) are the way out.
 REPLAY_SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order",
                     "validation", "token_counts", "weights")
+# Replay subchecks that build the whole model on one rank (on every rank of the scenario), whatever the layout: a
+# model that needs its layout to fit leaves them out (``replay_subchecks: in_layout``).
+REPLAY_WHOLE_MODEL = {
+    "cross_layout": "its reference is the model on one rank (the rollout engine's view), on the global batch",
+    "validation": "bad routes are handed to a 1-rank build (a refusal on one stage would leave the others waiting)",
+    "token_counts": "the counts are compared on a 1-rank build",
+    "backward_order": "under pipeline parallelism its hand-written loops run on a 1-rank build",
+}
+REPLAY_IN_LAYOUT = tuple(s for s in REPLAY_SUBCHECKS if s not in REPLAY_WHOLE_MODEL)
 RECOMPUTE_MODES = {  # the replay recompute subcheck's modes: the TransformerConfig settings each one builds with
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
@@ -63,6 +72,16 @@ def _names(allowed: tuple[str, ...], what: str) -> Callable[[object], tuple[str,
             raise ValueError(f"unknown {what} {unknown}; known: {', '.join(allowed)}")
         return names
     return check
+
+
+def _replay_subchecks(value: object) -> tuple[str, ...]:
+    """A list of replay subchecks, or ``"in_layout"``: those that build only this rank's shard (``REPLAY_IN_LAYOUT``)."""
+    if value == "in_layout":
+        return REPLAY_IN_LAYOUT
+    try:
+        return _names(REPLAY_SUBCHECKS, "replay subchecks")(value)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or 'in_layout' for {', '.join(REPLAY_IN_LAYOUT)}") from None
 
 
 def _plugin(builtins: Mapping[str, str], what: str) -> Callable[[object], str]:
@@ -216,9 +235,9 @@ class ReplayOptions(CheckOptions):
         rv.select(None), key="router_variants", validate=_router_variants, convert=rv.select,
         default_text=", ".join(rv.DEFAULT_VARIANTS),
         help="router configurations to replay: a name, a list of names, or 'full'")
-    subchecks: tuple[str, ...] = option(REPLAY_SUBCHECKS, key="replay_subchecks",
-                                        validate=_names(REPLAY_SUBCHECKS, "replay subchecks"),
-                                        help="replay subchecks to run")
+    subchecks: tuple[str, ...] = option(REPLAY_SUBCHECKS, key="replay_subchecks", validate=_replay_subchecks,
+                                        help="replay subchecks to run: a list, or 'in_layout' (those that build only "
+                                             "each rank's shard: " + ", ".join(REPLAY_IN_LAYOUT) + ")")
     recompute: tuple[str, ...] = option(tuple(RECOMPUTE_MODES), key="replay_recompute",
                                         validate=_names(tuple(RECOMPUTE_MODES), "recompute modes"),
                                         help="recompute modes the recompute subcheck drives")

@@ -141,3 +141,16 @@ def test_checks_selected_subchecks_follow_the_declared_option():
                                                                                      "replay_subchecks")
     assert export.selected_subchecks({"replay_subchecks": ("drift",)}) == (export.declared_subchecks, None)
     assert export.declared_subchecks == export.subchecks + ("refresh", "receiver", "receiver_reload")
+
+
+def test_replay_subchecks_in_layout_leaves_out_every_whole_model_build():
+    """``replay_subchecks: in_layout`` runs exactly the declared subchecks that never build the whole model on one
+    rank; each left out says why; a misspelling names the shorthand too."""
+    from moeverify.checks import REPLAY_IN_LAYOUT, REPLAY_SUBCHECKS, REPLAY_WHOLE_MODEL, ReplayOptions
+
+    assert set(REPLAY_WHOLE_MODEL) <= set(REPLAY_SUBCHECKS) and all(REPLAY_WHOLE_MODEL.values())
+    got = ReplayOptions.from_options({"replay_subchecks": "in_layout"}).subchecks
+    assert got == REPLAY_IN_LAYOUT == ("equivalence", "drift", "recompute", "native_parity", "weights")
+    assert set(got) | set(REPLAY_WHOLE_MODEL) == set(REPLAY_SUBCHECKS)
+    with pytest.raises(UsageError, match="or 'in_layout' for equivalence"):
+        ReplayOptions.from_options({"replay_subchecks": "in_layouts"})

@@ -126,10 +126,10 @@ def test_load_smoke_file_is_small_and_valid(repo_root):
     assert moe and [s.name for s in moe if "replay" not in s.checks] == []
 
 
-def test_load_production_slice_is_qwen3_30b_width_at_one_layer_ep1_and_ep2(repo_root):
+def test_load_production_slice_is_qwen3_30b_width_at_one_layer_ep1_and_ep2_replay_on_one_rank(repo_root):
     got = load([str(repo_root / "scenarios/production_cpu.yaml")])
     assert [(s.layout, s.world_size, s.checks) for s in got] == [
-        (Layout(), 1, ("roundtrip", "export")), (Layout(ep=2), 2, ("roundtrip", "export"))]
+        (Layout(), 1, ("roundtrip", "export", "replay")), (Layout(ep=2), 2, ("roundtrip", "export"))]
     for s in got:
         assert s.model.path == str(repo_root / "bench" / "qwen3_30b_a3b.json")
         assert dict(s.model.overrides) == {"num_hidden_layers": 1}
