@@ -25,7 +25,7 @@ Reports peak RSS / model bytes per phase and depth, and the least-squares slope 
 byte of model added per layer: the part that grows with depth). Writes JSON under bench/results/ and a PNG.
 
     python bench/memory.py [--model config.json] [--layers 1 2 4] [--checks roundtrip export replay]
-                           [--backend cpu|cuda] [--layout tp1 ep2 pp2]
+                           [--backend cpu|cuda] [--layout tp1 ep2 pp2] [--options JSON]
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ def parse_layout(name: str) -> tuple[str, dict, int]:
 
 
 def _scenario(path: Path, model: Path, layers: int, check: str, layout: dict | None = None,
-              world_size: int = 1) -> None:
+              world_size: int = 1, options: dict | None = None) -> None:
     path.write_text(json.dumps({"scenarios": [{
         "model": str(model), "model_set": {"num_hidden_layers": layers}, "world_size": world_size,
-        "layout": layout or {}, "checks": [check]}]}))
+        "layout": layout or {}, "checks": [check], **({"options": options} if options else {})}]}))
 
 
 def _rank_peaks(report: Path) -> list[int]:
@@ -129,7 +129,7 @@ def _model_bytes(ckpt: Path) -> int:
 
 
 def measure(model: Path, layers: list[int], checks: list[str], work: Path, backend: str = "cpu",
-            save=lambda rows: None, layouts: tuple[str, ...] = ("tp1",)) -> dict:
+            save=lambda rows: None, layouts: tuple[str, ...] = ("tp1",), options: dict | None = None) -> dict:
     """Every phase at every depth; ``save(rows)`` after each row (a cut-off run keeps what it measured)."""
     env = dict(os.environ, MOEVERIFY_CACHE_DIR=str(work / "cache"))
     rows = _Rows(save)
@@ -153,7 +153,7 @@ def measure(model: Path, layers: list[int], checks: list[str], work: Path, backe
                 name, mapping, world = parse_layout(name)
                 tag = f"{n}-{check}-{name}"
                 scen = work / f"scen-{tag}.json"
-                _scenario(scen, model, n, check, mapping, world)
+                _scenario(scen, model, n, check, mapping, world, options)
                 row = _peak([sys.executable, "-m", "moeverify", "run", str(scen), "--backend", backend,
                              "--json", str(work / f"{tag}.json"), "--run-dir", str(work / f"run-{tag}")],
                             env=env, log=work / f"{tag}.log")
@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--layout", nargs="+", default=["tp1"],
                    help="scenario layout names, each check runs under each (e.g. tp1 ep2 pp2; default tp1)")
+    p.add_argument("--options", type=json.loads, default=None,
+                   help='scenario options as JSON, e.g. \'{"replay_subchecks": "in_layout"}\'')
     args = p.parse_args(argv)
     for name in args.layout:
         try:
@@ -244,14 +246,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(result: dict) -> None:
         tmp_out = out.with_suffix(".json.tmp")
-        tmp_out.write_text(json.dumps(dict(result, label=args.label, backend=args.backend), indent=1))
+        tmp_out.write_text(json.dumps(dict(result, label=args.label, backend=args.backend, options=args.options),
+                                      indent=1))
         os.replace(tmp_out, out)
 
     with tempfile.TemporaryDirectory(prefix="moeverify-membench-") as tmp:
         result = measure(args.model.resolve(), args.layers, args.checks, Path(tmp), args.backend,
                          save=lambda rows: save(dict(model=str(args.model), rows=rows, fits=_fits(rows))),
-                         layouts=tuple(args.layout))
-    result.update(label=args.label, backend=args.backend)
+                         layouts=tuple(args.layout), options=args.options)
+    result.update(label=args.label, backend=args.backend, options=args.options)
     save(result)
     print(json.dumps(result["fits"], indent=1))
     try:
