@@ -247,7 +247,8 @@ class ReplayOptions(CheckOptions):
                                       default_text="3, or 2 x pp under interleaving",
                                       help="micro-batches per step")
     notes_path: str | None = option(None, key="replay_notes_path", validate=_path,
-                                    help="rank 0 writes per-variant notes (drift agreement) to this JSON file")
+                                    help="rank 0 writes per-variant notes (drift agreement, findings, builds loaded and copied, "
+                                         "seconds per step) to this JSON file")
 
     def num_microbatches(self, layout: Layout) -> int:
         """``microbatches``, else 3, or 2 * pp under interleaving (the schedule needs M % pp == 0)."""

@@ -130,3 +130,32 @@ def test_every_build_of_a_variant_starts_with_no_other_model_alive(monkeypatch):
     assert {"variant_on_layout", "_native_parity", "_recompute", "_backward_order", "_validation",
             "_one_case"} <= callers and len(seen) >= 10
     assert [(name, extra) for name, extra in seen if extra > 0] == []
+
+
+def test_guarded_steps_report_their_own_seconds_nested_steps_apart():
+    """The replay notes' ``seconds``: each guarded step's wall time without the steps it runs inside it, summed over
+    its calls; a step that raised is timed too."""
+    import time
+
+    fake = types.SimpleNamespace(prefix="", _open=[], seconds={})
+
+    def _inner():
+        time.sleep(0.05)
+
+    def _failing():
+        time.sleep(0.02)
+        raise ValueError("refused")
+
+    def _outer():
+        time.sleep(0.03)
+        st.guarded(fake, {}, _inner)
+        st.guarded(fake, {}, _inner)
+        st.guarded(fake, {"x": Tally()}, _failing)
+
+    from moeverify.oracles.results import Tally
+
+    st.guarded(fake, {}, _outer)
+    assert set(fake.seconds) == {"outer", "inner", "failing"} and fake._open == []
+    assert 0.1 <= fake.seconds["inner"] < 0.2
+    assert 0.02 <= fake.seconds["failing"] < 0.1
+    assert 0.03 <= fake.seconds["outer"] < 0.1  # its own sleep, not its nested steps' 0.12 s

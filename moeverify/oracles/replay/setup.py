@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 
 import torch
 
@@ -50,6 +51,8 @@ class Setup:
     items: list
     weights: dict = dataclasses.field(default_factory=dict)  # Layout -> WeightCopy of its first build
     builds: dict = dataclasses.field(default_factory=lambda: {"loaded": 0, "copied": 0})
+    seconds: dict = dataclasses.field(default_factory=dict)  # step -> wall seconds spent in it alone (``guarded``)
+    _open: list = dataclasses.field(default_factory=list)  # seconds the steps running now spent in nested steps
 
     @property
     def prefix(self) -> str:
@@ -177,14 +180,23 @@ def guarded(setup: Setup, tallies: dict[str, Tally], fn, *args):
     errors are raised on all of them. An error on some ranks only is no result: ``agree`` raises
     ``RankDisagreement`` naming them, and the check ends (quickly, not at the collective timeout).
     """
-    error = None
+    error, step = None, getattr(fn, "__name__", "step").lstrip("_")
+    if step == "run":  # a subcheck module's entry point (token_counts.run): named by its module
+        step = fn.__module__.rsplit(".", 1)[-1]
+    start = time.perf_counter()
+    setup._open.append(0.0)
     try:
         out = fn(*args)
     except RankDisagreement:
         raise
     except Exception as e:  # noqa: BLE001
         error, out = e, None
-    agree(error, what=f"replay {setup.prefix}{getattr(fn, '__name__', 'step').lstrip('_')}")
+    finally:
+        took, nested = time.perf_counter() - start, setup._open.pop()
+        setup.seconds[step] = round(setup.seconds.get(step, 0.0) + took - nested, 3)
+        if setup._open:
+            setup._open[-1] += took
+    agree(error, what=f"replay {setup.prefix}{step}")
     if error is not None:
         for t in tallies.values():
             t.fail(f"{setup.prefix}{type(error).__name__}: {str(error)[:500]}")
