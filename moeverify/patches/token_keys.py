@@ -27,24 +27,12 @@ from collections.abc import Callable
 
 import torch
 
+from moeverify import hash64
 from moeverify.errors import RouteError
 
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
-_MUL1 = -0x40A7B892E31B1A47    # 0xBF58476D1CE4E5B9
-_MUL2 = -0x6B2FB644ECCEEE15    # 0x94D049BB133111EB
+_GOLDEN, _MUL1, _MUL2 = hash64.GOLDEN, hash64.MIX1, hash64.MIX2  # splitmix64's constants, also position salts
 _SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # one per key half
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    # Logical right shift of int64 (torch shifts signed values arithmetically).
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 with wrap-around arithmetic."""
-    x = (x ^ _shr(x, 30)) * _MUL1
-    x = (x ^ _shr(x, 27)) * _MUL2
-    return x ^ _shr(x, 31)
+_mix = hash64.mix
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
