@@ -101,6 +101,14 @@ def _positive_int(value: object) -> int:
     return value
 
 
+def _one_of(allowed: tuple[str, ...]) -> Callable[[object], str]:
+    def check(value: object) -> str:
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
+        return str(value)
+    return check
+
+
 def _positive_seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
         raise ValueError(f"expected a finite number of seconds > 0, got {value!r}")
@@ -241,6 +249,9 @@ class ReplayOptions(CheckOptions):
     recompute: tuple[str, ...] = option(tuple(RECOMPUTE_MODES), key="replay_recompute",
                                         validate=_names(tuple(RECOMPUTE_MODES), "recompute modes"),
                                         help="recompute modes the recompute subcheck drives")
+    dtype: str = option("fp32", key="replay_dtype", validate=_one_of(("fp32", "bf16")),
+                        help="the dtype the check builds the model in: fp32, or bf16 (half the memory, for a model "
+                             "that needs it; every comparison stays bitwise, cross_layout's loss tolerance is fp32's)")
     seq_len: int = option(16, key="replay_seq_len", validate=_positive_int, help="tokens per sequence")
     batch: int = option(2, key="replay_batch", validate=_positive_int, help="sequences per micro-batch")
     microbatches: int | None = option(None, key="replay_microbatches", validate=_positive_int,

@@ -38,7 +38,7 @@ def test_checks_option_table_is_every_declared_field():
     declared = {meta.key: (name, field.default) for name, spec in checks.CHECKS.items()
                 for field, meta in spec.options.declared()}
     assert {k: o.check for k, o in options.OPTIONS.items()} == {k: check for k, (check, _) in declared.items()}
-    assert len(declared) == 12
+    assert len(declared) == 13
 
 
 def test_checks_option_declared_by_two_checks_refused():
@@ -122,7 +122,7 @@ def test_checks_declarations_import_no_torch(repo_root):
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[:2] == [str(len(VARIANTS)), "12"], proc.stdout
+    assert proc.stdout.split()[:2] == [str(len(VARIANTS)), "13"], proc.stdout
     assert "the replay check's sequence of 16 tokens" in proc.stdout
 
 
@@ -154,3 +154,12 @@ def test_replay_subchecks_in_layout_leaves_out_every_whole_model_build():
     assert set(got) | set(REPLAY_WHOLE_MODEL) == set(REPLAY_SUBCHECKS)
     with pytest.raises(UsageError, match="or 'in_layout' for equivalence"):
         ReplayOptions.from_options({"replay_subchecks": "in_layouts"})
+
+
+def test_replay_dtype_is_fp32_or_bf16():
+    from moeverify.checks import ReplayOptions
+
+    assert ReplayOptions.from_options({}).dtype == "fp32"
+    assert ReplayOptions.from_options({"replay_dtype": "bf16"}).dtype == "bf16"
+    with pytest.raises(UsageError, match="replay_dtype: expected one of fp32, bf16, got 'fp16'"):
+        ReplayOptions.from_options({"replay_dtype": "fp16"})

@@ -23,11 +23,11 @@ from moeverify.oracles.results import Tally
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
-def make_setup(impl: str, *, family: str = "deepseek_v3", subchecks=("token_counts",)) -> st.Setup:
+def make_setup(impl: str, *, family: str = "deepseek_v3", subchecks=("token_counts",), dtype="fp32") -> st.Setup:
     scenario = types.SimpleNamespace(name=f"{family}-unit", family=family, model=ModelRef.builtin(family), seed=0,
                                      layout=Layout())
     ctx = types.SimpleNamespace(scenario=scenario, world_size=1, rank=0, options={})
-    opts = ReplayOptions(impl=impl, variants=(VARIANTS["default"],), subchecks=subchecks, microbatches=2)
+    opts = ReplayOptions(impl=impl, variants=(VARIANTS["default"],), subchecks=subchecks, microbatches=2, dtype=dtype)
     implementation = make_impl(impl)
     implementation.apply()
     return st.make_setup(ctx, opts, implementation, VARIANTS["default"], views.rank_coords(Layout(), rank=0,
@@ -68,3 +68,42 @@ def test_token_counts_not_applicable_on_deepseek_v2_with_reason():
     assert "no expert bias" in t.not_applicable and "moe_aux_loss_coeff" in t.not_applicable, t.not_applicable
     assert t.as_dict() == {"passed": True, "checked": 0, "failures": [], "not_applicable": t.not_applicable}
     assert notes["token_counts"].startswith("not applicable: ")
+
+
+def test_bf16_build_counts_compared_as_megatron_holds_them_and_finding_f13_noted():
+    """``replay_dtype: bf16``: megatron-core 0.19.2's Float16Module casts the count buffer to bf16 (finding F13); the
+    subcheck compares it with the counts accumulated the same way in bf16, passes for moeverify, notes the evidence,
+    and still fails the counts_padding mutant."""
+    t, notes = run_token_counts(make_setup("moeverify", dtype="bf16"))
+    assert t.passed, t.failures
+    evidence = notes["findings"][token_counts.FINDING]["evidence"]
+    assert {e["dtype"] for e in evidence} == {"torch.bfloat16"} and {e["case"] for e in evidence} == {"T==E", "T!=E"}
+    bad, _ = run_token_counts(make_setup("moeverify.oracles.replay.faulty:counts_padding", dtype="bf16"))
+    assert any("local_tokens_per_expert" in f and "count(s) too many" in f for f in bad.failures), bad.failures
+
+
+def test_bf16_counts_above_256_are_held_rounded_and_a_wrong_count_still_fails():
+    """Synthetic calls: 301 tokens to experts 0 and 1 twice (602 exact, no bf16 value): the bf16 buffer holds what
+    two rounded additions give; that passes (and is reported rounded), eight more fails."""
+    import torch
+
+    from moeverify.oracles.replay.checks import check_token_counts, held_token_counts, reference_token_counts
+
+    map_TE = torch.zeros(302, 4, dtype=torch.bool)
+    map_TE[:, :2] = True
+    padding_T = torch.zeros(302, dtype=torch.bool)
+    padding_T[-1] = True  # one padding token per call, left out of the counts
+    calls = {(0, 0): (map_TE, padding_T), (0, 1): (map_TE, padding_T)}
+    exact_E = reference_token_counts(calls, layer=0, num_experts=4)
+    held_E = held_token_counts(calls, layer=0, num_experts=4, dtype=torch.bfloat16)
+    assert exact_E.tolist() == [602.0, 602.0, 0.0, 0.0] and held_E.float().tolist()[:2] != [602.0, 602.0]
+    reference = token_counts.Observed(calls=calls, counts={0: exact_E}, aux={}, global_counts={})
+    t = Tally()
+    evidence = check_token_counts(t, reference=reference, got=token_counts.Observed(
+        calls=calls, counts={0: held_E.clone()}, aux={}, global_counts={}), prefix="")
+    assert t.passed and t.checked == 1, t.failures
+    assert evidence == [{"layer": 0, "dtype": "torch.bfloat16", "max_exact": 602.0, "experts_rounded": 2}]
+    t = Tally()
+    check_token_counts(t, reference=reference, got=token_counts.Observed(
+        calls=calls, counts={0: held_E + 8}, aux={}, global_counts={}), prefix="")
+    assert not t.passed and "local_tokens_per_expert" in t.failures[0], t.failures

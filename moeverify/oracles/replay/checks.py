@@ -183,21 +183,40 @@ def reference_token_counts(calls: dict, *, layer: int, num_experts: int) -> torc
     convention). Counted from the expert ids of the valid tokens (``bincount``), independently of how a router
     masks its map."""
     total_E = torch.zeros(num_experts, dtype=torch.int64)
+    for per_call_E in _per_call_counts(calls, layer=layer, num_experts=num_experts):
+        total_E += per_call_E
+    return total_E.to(torch.float32)
+
+
+def held_token_counts(calls: dict, *, layer: int, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[E]`` in ``dtype``: the same counts accumulated the way Megatron-Core 0.19.2 accumulates them into a
+    ``dtype`` buffer (``local_tokens_per_expert += counts`` once per router call, in call order): what a
+    bf16-cast buffer holds, rounding included (finding F13)."""
+    held_E = torch.zeros(num_experts, dtype=dtype)
+    for per_call_E in _per_call_counts(calls, layer=layer, num_experts=num_experts):
+        held_E += per_call_E
+    return held_E
+
+
+def _per_call_counts(calls: dict, *, layer: int, num_experts: int):
     for (lay, _), (map_TE, padding_T) in sorted(calls.items()):
         if lay != layer:
             continue
         token_N, expert_N = map_TE.nonzero(as_tuple=True)
         if padding_T is not None:
             expert_N = expert_N[~padding_T[token_N]]
-        total_E += torch.bincount(expert_N, minlength=num_experts)
-    return total_E.to(torch.float32)
+        yield torch.bincount(expert_N, minlength=num_experts)
 
 
-def check_token_counts(t: Tally, *, reference, got, prefix: str) -> None:
+def check_token_counts(t: Tally, *, reference, got, prefix: str) -> list[dict]:
     """Expert-bias counts against the reference's routes (padding left out per token), then the aux-loss inputs
     (tracked aux and z losses, ``global_aux_loss`` token totals) against the reference pass, bit for bit.
 
-    ``reference`` / ``got``: ``token_counts.Observed`` of the native reference pass and the replayed pass."""
+    ``reference`` / ``got``: ``token_counts.Observed`` of the native reference pass and the replayed pass. A count
+    buffer Megatron holds in another dtype than fp32 (bf16 under ``Float16Module``, finding F13) is compared with the
+    counts accumulated the same way in that dtype; the evidence of F13 (per layer: the dtype, how many experts' held
+    counts differ from the exact ones) is returned, not failed."""
+    evidence = []
     padded = sum(int(p.sum()) for _, p in reference.calls.values() if p is not None)
     if not padded:  # a precondition, not an item: a case without padding fails rather than passes
         t.fail(f"{prefix}no router call received a padding token: the case would prove nothing")
@@ -207,7 +226,12 @@ def check_token_counts(t: Tally, *, reference, got, prefix: str) -> None:
                f"{sorted(reference.counts)}")
     for layer, got_E in sorted(got.counts.items()):
         want_E = reference_token_counts(reference.calls, layer=layer, num_experts=got_E.numel())
-        extra = got_E - want_E
+        if got_E.dtype != want_E.dtype:
+            exact_E = want_E
+            want_E = held_token_counts(reference.calls, layer=layer, num_experts=got_E.numel(), dtype=got_E.dtype)
+            evidence.append({"layer": layer, "dtype": str(got_E.dtype), "max_exact": float(exact_E.max()),
+                             "experts_rounded": int((want_E.float() != exact_E).sum())})
+        extra = got_E.float() - want_E.float()
         t.check(bitwise_equal(got_E, want_E),
                 f"{prefix}layer {layer}: local_tokens_per_expert {got_E.tolist()} != {want_E.tolist()} (native "
                 f"routing's routed experts of non-padding tokens; {int(extra.clamp(min=0).sum())} count(s) too many, "
@@ -218,3 +242,4 @@ def check_token_counts(t: Tally, *, reference, got, prefix: str) -> None:
           prefix)
     _fill(t, *compare_maps({k: v[1] for k, v in reference.global_counts.items()},
                            {k: v[1] for k, v in got.global_counts.items()}, what="ga_steps layer"), prefix)
+    return evidence

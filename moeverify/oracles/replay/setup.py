@@ -2,7 +2,7 @@
 
 A ``Setup`` is what every subcheck of one router variant needs on this rank: the options, the
 implementation under test, the variant, the scenario layout and this rank's micro-batches. Models
-are built in fp32 without dropout (``build``), so passes can be compared bit for bit.
+are built in fp32 (or bf16, ``replay_dtype``) without dropout (``build``), so passes can be compared bit for bit.
 
 A variant's subchecks build the same model a dozen times (a fresh build per subcheck, per recompute mode, per
 reference). The first build under a layout loads the checkpoint through Megatron-Bridge and keeps a copy of every
@@ -35,6 +35,10 @@ from moeverify.runtime.agreement import agree
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
 _EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
               hidden_dropout=0.0, attention_dropout=0.0)
+# ``replay_dtype: bf16``: Megatron's own bf16 build (Float16Module), half the memory; passes of one process stay
+# deterministic, so every comparison is still bitwise
+_BF16 = dict(_EXACT, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+SETTINGS = {"fp32": _EXACT, "bf16": _BF16}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -111,7 +115,7 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
     """A fresh model under ``layout`` with the variant's settings, ``overrides`` and ``extra``: the checkpoint's
     weights loaded through Megatron-Bridge the first time, copied from that build's ``WeightCopy`` after."""
     scenario = setup.ctx.scenario
-    settings = {**_EXACT, **setup.variant.overrides, **overrides, **(extra or {})}
+    settings = {**SETTINGS[setup.opts.dtype], **setup.variant.overrides, **overrides, **(extra or {})}
     if sum(c.nbytes for c in setup.weights.values()) > COLLECT_ABOVE:
         gc.collect()  # a model the last subcheck dropped (modules and hooks hold each other in cycles) goes first
     chunks = None

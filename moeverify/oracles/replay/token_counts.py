@@ -39,6 +39,12 @@ from moeverify.oracles.results import Tally
 from moeverify.models import family_shape, family_traits
 
 MICROBATCHES = 1  # one is enough: counts of a call; cost matters (the subcheck runs in every replay scenario)
+# Finding F13 (README): megatron-core 0.19.2 keeps ``expert_bias`` in fp32 under ``Float16Module`` but not the counts
+# its update is made from: ``local_tokens_per_expert`` becomes bf16 in a bf16 build and rounds once an expert's count
+# passes 256 (fixed upstream after 0.19.2: Megatron-LM PR #7081). Seen with ``replay_dtype: bf16``.
+FINDING = "F13"
+TITLE = ("megatron-core 0.19.2 holds the expert-bias token counts (local_tokens_per_expert) in the model's dtype: "
+         "bf16 counts round above 256")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,7 +88,10 @@ def run(setup: st.Setup, t: Tally, notes: dict) -> None:
             items = _padded_items(setup, one, seq_len=seq, batch=batch)
             notes.setdefault("token_counts_cases", []).append(f"{case}: S={seq} B={batch}")
             try:  # every rank runs the same computation (dp = world), so a failure here is every rank's
-                _one_case(setup, t, items, seq_len=seq, prefix=prefix, expert_bias=expert_bias)
+                evidence = _one_case(setup, t, items, seq_len=seq, prefix=prefix, expert_bias=expert_bias)
+                if evidence:
+                    entry = notes.setdefault("findings", {}).setdefault(FINDING, {"title": TITLE, "evidence": []})
+                    entry["evidence"] += [dict(e, case=case) for e in evidence]
             except _NotApplicable as why:  # decided on the first case's reference build, before any pass
                 t.skip(str(why))
                 notes["token_counts"] = f"not applicable: {why}"
@@ -117,7 +126,7 @@ class _NotApplicable(Exception):
     """The built model has nothing for the subcheck to compare (``not_applicable``)."""
 
 
-def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: str, expert_bias: bool) -> None:
+def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: str, expert_bias: bool) -> list[dict]:
     one, impl = Layout(), setup.impl
     with pristine():
         chunks = st.build(setup, one, overrides={})
@@ -131,7 +140,7 @@ def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: s
     routes = rd.record_pass(chunks, items, seq_len=seq_len, impl=impl).routes
     got = _observe(chunks, lambda: rd.replay_pass(chunks, items, seq_len=seq_len, impl=impl, routes=routes))
     impl.unbind()
-    rc.check_token_counts(t, reference=reference, got=got, prefix=prefix)
+    return rc.check_token_counts(t, reference=reference, got=got, prefix=prefix)
 
 
 @contextlib.contextmanager
