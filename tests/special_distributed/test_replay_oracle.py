@@ -163,3 +163,15 @@ def test_replay_one_rank_crash_ends_quickly_naming_the_rank(tmp_path):
     assert "RankDisagreement" in error and "rank 1 raised RuntimeError: one_rank_crash" in error, _summary(record)
     assert "rank(s) [0] did not end this step within 20 s" in error, _summary(record)
     assert seconds < 600, f"{seconds:.0f} s: the check waited for the collective timeout"
+
+
+def test_replay_in_bf16_on_two_ranks_passes_every_subcheck_and_notes_f13(tmp_path):
+    """``replay_dtype: bf16`` under EP2 (expert bias, padding): every subcheck passes bitwise on Megatron's bf16
+    builds, and token_counts notes finding F13 (the count buffer held in bf16) with its evidence."""
+    options = {"replay_dtype": "bf16", "replay_notes_path": str(tmp_path / "notes.json")}
+    record = run_replay(tmp_path, "deepseek_v3", world_size=2, layout={"ep": 2}, impl="moeverify", options=options)
+    assert record["passed"] and set(record["subchecks"]) == SUBCHECKS, _summary(record)
+    assert all(sub["checked"] > 0 for sub in record["subchecks"].values()), _summary(record)
+    notes = json.loads((tmp_path / "notes.json").read_text())["variants"]["default"]["notes"]
+    evidence = notes["findings"]["F13"]["evidence"]
+    assert evidence and {e["dtype"] for e in evidence} == {"torch.bfloat16"}, notes["findings"]
