@@ -162,3 +162,28 @@ def test_guarded_steps_report_their_own_seconds_nested_steps_apart():
     # each second counted once: the outer step's own time is its wall time less its nested steps'
     assert abs(sum(fake.seconds.values()) - wall) < 0.01, (fake.seconds, wall)
     assert fake.seconds["outer"] < wall - 0.12
+
+
+@pytest.mark.parametrize(("free_gb", "home"), [(200, "cuda"), (100, "cuda"), (70, "cpu"), (10, "cpu")])
+def test_a_weight_copy_stays_on_the_gpu_only_with_room_for_the_gradients_besides(free_gb, home):
+    """A 40 GB copy on a GPU: after it, the model's gradients (40 GB) and a quarter more must still fit."""
+    assert st.copy_home(40 << 30, free=free_gb << 30) == home
+
+
+def test_a_copy_held_elsewhere_restores_into_the_model_bit_for_bit():
+    """A copy in host memory restores into a model on another device; only names, shapes and dtypes must match."""
+    setup = _setup("qwen3_moe")
+    first = st.build(setup, Layout(), overrides={})
+    copy = st.WeightCopy.of(first)
+    assert copy.device == "cpu" and copy.nbytes == sum(t.numel() * t.element_size() for t in copy.tensors.values())
+    moved = st.WeightCopy({key: t.to(torch.float64).to(torch.float32) for key, t in copy.tensors.items()})
+    fresh = st.build(setup, Layout(), overrides={})
+    for t in st._tensors(fresh).values():
+        with torch.no_grad():
+            t.zero_()
+    assert moved.restore(fresh)
+    got = st._tensors(fresh)
+    assert [key for key in copy.tensors if not bitwise_equal(copy.tensors[key], got[key])] == []
+    wrong = st.WeightCopy({key: t.to(torch.bfloat16) if t.is_floating_point() else t
+                           for key, t in copy.tensors.items()})
+    assert not wrong.restore(fresh)

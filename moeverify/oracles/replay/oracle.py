@@ -125,6 +125,8 @@ def run(ctx) -> dict[str, Tally]:
                                own[name], notes[name])
     for s in setups:
         notes[s.variant.name]["builds"] = dict(s.builds)
+        notes[s.variant.name]["weight_copies"] = {lay.name(ctx.world_size): {"bytes": c.nbytes, "on": c.device}
+                                                  for lay, c in s.weights.items()}
         notes[s.variant.name]["seconds"] = dict(s.seconds)  # each step alone (a step's nested steps apart)
         s.weights.clear()
     return _report(ctx, opts, coords, tallies, notes, skipped)

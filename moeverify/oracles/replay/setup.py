@@ -8,8 +8,10 @@ A variant's subchecks build the same model a dozen times (a fresh build per subc
 reference). The first build under a layout loads the checkpoint through Megatron-Bridge and keeps a copy of every
 parameter and buffer where the model lives (``WeightCopy``); later builds under that layout skip Megatron's init
 and the bridge's load and copy those tensors in, after checking that the new build has exactly the same names,
-shapes and dtypes (else it loads through the bridge as the first did). One copy of this rank's fp32 model,
-against one load and conversion per build.
+shapes and dtypes (else it loads through the bridge as the first did). One copy of this rank's model, against
+one load and conversion per build. The copy stays on the GPU only while the device keeps room for it and for the
+model's gradients besides (``copy_home``); else it is held in host memory (a production-depth bf16 build: the model,
+its gradients and a copy would not fit one GPU together).
 """
 
 from __future__ import annotations
@@ -75,9 +77,21 @@ class Setup:
 COLLECT_ABOVE = 256 << 20
 
 
+# a weight copy stays on the GPU when, with it made, the device still has this many times the copy's bytes free: the
+# model's gradients (the copy's size: Megatron's bf16 and fp32 builds without a DDP wrapper keep ``param.grad`` in
+# the parameter's dtype) and room for activations
+ROOM_AFTER_COPY = 1.25
+
+
+def copy_home(nbytes: int, *, free: int) -> str:
+    """Where a weight copy of ``nbytes`` is held when the model lives on a GPU with ``free`` bytes free."""
+    return "cuda" if free - nbytes >= ROOM_AFTER_COPY * nbytes else "cpu"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WeightCopy:
-    """Every parameter and buffer of a freshly loaded build, by (chunk, name), cloned where the model lives."""
+    """Every parameter and buffer of a freshly loaded build, by (chunk, name), cloned on the GPU when it fits there
+    with room to spare (``copy_home``), else in host memory; a CPU model's copy stays on the CPU."""
 
     tensors: dict[tuple[int, str], torch.Tensor]
 
@@ -85,17 +99,25 @@ class WeightCopy:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    @property
+    def device(self) -> str:
+        return next(iter(self.tensors.values())).device.type if self.tensors else "cpu"
+
     @classmethod
     def of(cls, chunks: list) -> WeightCopy:
+        tensors = _tensors(chunks)
+        home = None
+        if any(t.is_cuda for t in tensors.values()):
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            home = copy_home(nbytes, free=torch.cuda.mem_get_info()[0])
         with torch.no_grad():
-            return cls({key: t.detach().clone() for key, t in _tensors(chunks).items()})
+            return cls({key: t.detach().to(home or t.device, copy=True) for key, t in tensors.items()})
 
     def restore(self, chunks: list) -> bool:
         """Copy into ``chunks`` when they hold exactly these names, shapes and dtypes (True), else touch nothing."""
         mine = _tensors(chunks)
         if mine.keys() != self.tensors.keys() or any(
-                (t.shape, t.dtype, t.device) != (self.tensors[k].shape, self.tensors[k].dtype, self.tensors[k].device)
-                for k, t in mine.items()):
+                (t.shape, t.dtype) != (self.tensors[k].shape, self.tensors[k].dtype) for k, t in mine.items()):
             return False
         with torch.no_grad():
             for key, t in mine.items():
