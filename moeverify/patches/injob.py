@@ -211,7 +211,7 @@ def _routers_of(chunk) -> frozenset:
 
 
 class _RecordIds:
-    """Megatron's ``router_replay`` protocol: native top-k in canonical slot order, ids kept in the step's table."""
+    """Megatron's ``router_replay`` protocol: native top-k in grad-mode slot order, ids kept in the step's table."""
 
     __slots__ = ("table", "layer", "forward", "rank")
 
@@ -219,14 +219,13 @@ class _RecordIds:
         self.table, self.layer, self.forward, self.rank = table, layer, forward, rank
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        values, topk_ids_TK = replay_state.canonical_topk(
-            *default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk))
+        values, topk_ids_TK = replay_state.grad_mode_topk(default_compute_topk, scores, topk, num_groups, group_topk)
         self.table.add_ids(layer=self.layer, forward=self.forward, ids_TK=topk_ids_TK, rank=self.rank)
         return values, topk_ids_TK
 
 
 class _ReplayIds:
-    """Megatron's ``router_replay`` protocol: the looked-up ids in canonical slot order of the current scores (the
+    """Megatron's ``router_replay`` protocol: the looked-up ids in the slot order a grad-mode pass gives them (the
     replay_state module's rule, so any source's ids sum alike); tokens flagged native route natively."""
 
     __slots__ = ("topk_ids_TK", "native_T")
@@ -240,7 +239,8 @@ class _ReplayIds:
         if self.native_T is not None:
             _, native_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
-        return replay_state.canonical_replay(scores, ids_TK.sort(dim=1).values)
+        return replay_state.canonical_replay(scores, ids_TK.sort(dim=1).values, default_compute_topk, topk=topk,
+                                             num_groups=num_groups, group_topk=group_topk)
 
 
 class InJobState:

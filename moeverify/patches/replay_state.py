@@ -12,14 +12,20 @@ micro-batch (``moeverify.patches.regions``), and the recompute of that region fi
 whatever order the backward passes run in. A recompute without a binding on a router that replayed
 raises ``RouteError``: it is never given another micro-batch's routes.
 
-Slot order: Megatron-Core 0.19.2 takes the plain top-k sorted only when grad is enabled, and sums the K
-gathered probabilities of a row in slot order (softmax over the K gathered logits, or the sigmoid
-normalisation), so a no-grad log-prob pass and a grad-mode pass differ by an ulp at top-k >= 3. Both
-hooks put every row in one canonical order, the one a sorted top-k gives: descending selection key (the
-tensor the hook is handed: scores, or scores + expert bias), ties by ascending expert id. Recorded ids,
-the recording pass's own probabilities and replayed ids from any source (a session, rollout arrays, a
-dump) are summed alike, so the log-prob pass, the replayed training pass and a native grad-mode pass
-give bitwise the same probabilities.
+Slot order: Megatron-Core 0.19.2 takes the plain top-k sorted only when grad is enabled
+(``sorted=torch.is_grad_enabled()`` in ``topk_routing_with_score_function``'s ``_compute_topk``), and sums the K
+gathered probabilities of a row in slot order (softmax over the K gathered logits, or the sigmoid normalisation), so
+a no-grad log-prob pass and a grad-mode pass differ by an ulp at top-k >= 3. The slot order of tied scores matters
+too, in the backward alone: tied values sum alike, but their gradients are summed in slot order (bf16 logits tie
+often: on an H200 at Qwen3-30B-A3B's width, a replay in "descending score, ties by id" order gave every forward
+bitwise and the gradients of every layer below the router off by bf16 ulps). So both hooks give every row the order
+of Megatron's own top-k *in grad mode* (``grad_mode_topk``), ties broken as ``torch.topk`` breaks them on this
+device: the recording hook takes its top-k with grad enabled; the replay hook takes each row's native grad-mode
+order when the replayed ids are the ids native routing picks (the same weights: the training pass of a log-prob
+pass), and otherwise (routes that differ from native) the descending selection key, ties by ascending expert id
+(``canonical_slots``). The selection key is the tensor the hook is handed: scores, or scores + expert bias. So
+the log-prob pass, the replayed training pass and a native grad-mode pass give bitwise the same probabilities and
+gradients; routes of any source (a session, rollout arrays, a dump) are summed alike.
 """
 
 from __future__ import annotations
@@ -120,22 +126,30 @@ def canonical_slots(key_TK: torch.Tensor) -> torch.Tensor:
     return key_TK.argsort(dim=1, descending=True, stable=True)
 
 
-def canonical_topk(values_TK: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A native top-k's ``(values, ids)`` in canonical slot order (the values are the selection key at the ids)."""
-    ids_TK, by_id_TK = ids_TK.sort(dim=1)
-    values_TK = values_TK.gather(1, by_id_TK)
-    order_TK = canonical_slots(values_TK.detach())
-    return values_TK.gather(1, order_TK), ids_TK.gather(1, order_TK)
+def grad_mode_topk(default_compute_topk, scores, topk, num_groups=None, group_topk=None):
+    """Megatron's native top-k ``(values, ids)`` of ``scores`` as a grad-mode (training) pass takes it, slot order and
+    ties included, whatever the grad mode of the pass calling it (``scores`` of a no-grad pass need no grad, so no
+    graph is made)."""
+    with torch.enable_grad():
+        return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
 
 
-def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replayed ids (ascending per row) in canonical slot order of the current ``scores``, and those scores."""
-    ids_TK = sorted_ids_TK.gather(1, canonical_slots(scores.detach().gather(1, sorted_ids_TK)))
+def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_compute_topk=None, *, topk: int,
+                     num_groups=None, group_topk=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
+    scores gathered at them."""
+    key_TK = scores.detach().gather(1, sorted_ids_TK)
+    ids_TK = sorted_ids_TK.gather(1, canonical_slots(key_TK))
+    if default_compute_topk is not None:
+        with torch.no_grad():
+            _, native_TK = grad_mode_topk(default_compute_topk, scores.detach(), topk, num_groups, group_topk)
+            same_T = (native_TK.sort(dim=1).values == sorted_ids_TK).all(dim=1)
+            ids_TK = torch.where(same_T[:, None], native_TK, ids_TK)
     return scores.gather(1, ids_TK), ids_TK
 
 
 class _RecordHook:
-    """Megatron's ``router_replay`` protocol: compute the native top-k, keep the ids, both in canonical order."""
+    """Megatron's ``router_replay`` protocol: compute the native top-k in grad-mode slot order, keep the ids."""
 
     __slots__ = ("sink",)
 
@@ -143,16 +157,14 @@ class _RecordHook:
         self.sink = sink
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        values_TK, ids_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        # values are the selection key at the ids (group-limited top-k masks only unselected experts)
-        values_TK, ids_TK = canonical_topk(values_TK, ids_TK)
+        values_TK, ids_TK = grad_mode_topk(default_compute_topk, scores, topk, num_groups, group_topk)
         self.sink.append(ids_TK)  # integer ids carry no autograd history: nothing to detach
         return values_TK, ids_TK
 
 
 class _ReplayHook:
-    """Megatron's ``router_replay`` protocol: use the given ids (ascending per row), in canonical slot order of
-    the current scores, and gather those scores."""
+    """Megatron's ``router_replay`` protocol: use the given ids (ascending per row), in the slot order a grad-mode
+    pass gives them (``canonical_replay``), and gather those scores."""
 
     __slots__ = ("sorted_ids_TK",)
     REPLAYS = True  # counted by the agreement guard
@@ -161,7 +173,8 @@ class _ReplayHook:
         self.sorted_ids_TK = sorted_ids_TK
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        return canonical_replay(scores, self.sorted_ids_TK)
+        return canonical_replay(scores, self.sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups,
+                                group_topk=group_topk)
 
 
 class Recording:
