@@ -19,8 +19,9 @@ group-limited top-k (DeepSeek-V3 style) instead of softmax.
 CPU (default): a small realistic shape that runs in well under two minutes.
 H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtype bf16``.
 
-``moeverify.slot_order`` times the canonical slot order alone (the ids' sort and the scores' argsort at
-them, on ``[T, K]``), as a share of the unpatched step: what bitwise replay at top-k >= 3 costs.
+``moeverify.slot_order`` times the slot order alone (the ids' sort, the scores' argsort at them and the native
+grad-mode top-k whose tie order rows routed as native take, on ``[T, K]``), as a share of the unpatched step: what
+bitwise replay at top-k >= 3 costs.
 
 Writes ``bench/results/router_replay.json``: ``{"metrics": {NAME: {"value", "unit", "peer", "ratio",
 "goal"}}}``.
@@ -203,18 +204,21 @@ def _variants_moeverify(args, x):
 
 
 def _slot_order_step(args, ids_TK):
-    """What the canonical slot order adds to one replayed routing call: the per-replay sort of the ids and the
-    hook's gather + argsort of the scores at them (``moeverify.patches.replay_state``), on ``[T, K]``."""
+    """What the slot order adds to one replayed routing call: the per-replay sort of the ids and the hook's
+    ``canonical_replay`` (gather + argsort of the scores at them, and the native grad-mode top-k whose order rows
+    routed as native take; ``moeverify.patches.replay_state``), on ``[T, K]``."""
     import torch
 
-    from moeverify.patches.replay_state import canonical_slots
+    from moeverify.patches.replay_state import canonical_replay
 
     ids_TK = ids_TK.to(args.device, torch.int64)
     scores_TE = torch.randn(ids_TK.shape[0], args.experts, generator=torch.Generator().manual_seed(2)).to(args.device)
 
+    def native_topk(scores, topk, num_groups=None, group_topk=None):  # Megatron's plain ``_compute_topk``
+        return torch.topk(scores, k=topk, dim=1, sorted=torch.is_grad_enabled())
+
     def step():
-        sorted_TK = ids_TK.sort(dim=1).values
-        sorted_TK.gather(1, canonical_slots(scores_TE.gather(1, sorted_TK)))
+        canonical_replay(scores_TE, ids_TK.sort(dim=1).values, native_topk, topk=ids_TK.shape[1])
 
     return step
 
