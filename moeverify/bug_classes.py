@@ -116,10 +116,11 @@ _EXPORT = (
 _REPLAY = (
     _c("replay", "equivalence",
        "the replayed training pass is not the native pass on the recorded routes: routes of another micro-batch "
-       "or token, or replayed probabilities that carry no gradient to the router",
+       "or token, replayed probabilities that carry no gradient to the router, or tied scores in another slot "
+       "order than native top-k's (every forward bitwise, the gradients not)",
        "areal-project/AReaL#1207 (review): rollout routes split into micro-batches by `batch // n_microbatches`, "
        "which drops samples and pairs routing rows with other inputs",
-       "replay:wrong_microbatch", "replay:detached_probs"),
+       "replay:wrong_microbatch", "replay:detached_probs", "replay:ties_by_id"),
     _c("replay", "drift",
        "replay that is silently not applied, or applied to another layer, which only shows once the weights move "
        "away from the recording",

@@ -2,7 +2,7 @@
 
 Every score function megatron-core 0.19.2's ``topk_routing_with_score_function`` offers (softmax
 with top-k before or after the softmax, sigmoid, sqrtsoftplus), with and without the aux-loss-free
-expert bias, group-limited top-k, and padding masks handed to the router. ``default`` is the
+expert bias, group-limited top-k, padding masks handed to the router, and router scores that tie in every row. ``default`` is the
 family's own router as its HF config describes it. A scenario runs ``DEFAULT_VARIANTS`` unless its
 options say ``router_variants: [...]`` or ``router_variants: full``. Pure Python (no torch): scenario files and
 the ``router_variants`` option are checked against this table before torchrun starts.
@@ -26,6 +26,9 @@ class RouterVariant:
     overrides: dict = dataclasses.field(default_factory=dict)
     padding: bool = False  # hand the router a padding mask (last quarter of every second sequence)
     random_expert_bias: bool = False  # give the expert bias seeded non-zero values so it steers routing
+    # router weight rows equal in pairs (expert 2j+1's row is expert 2j's): the two experts' logits tie in every
+    # row, so the slot order of tied scores is exercised (tied values sum alike, their gradients in slot order)
+    tied_scores: bool = False
 
     def not_applicable(self, family: str, *, traits: _Traits) -> str | None:
         """Why this variant cannot be built for ``family``, a model with ``traits`` (None when it can)."""
@@ -53,6 +56,7 @@ VARIANTS: dict[str, RouterVariant] = {v.name: v for v in (
     RouterVariant(name="group_topk", overrides=dict(_PLAIN, moe_router_score_function="sigmoid",
                                                     moe_router_num_groups=2, moe_router_group_topk=1)),
     RouterVariant(name="padding", padding=True, random_expert_bias=True),
+    RouterVariant(name="tied_scores", tied_scores=True, overrides=dict(_PLAIN, moe_router_score_function="softmax")),
 )}
 
 DEFAULT_VARIANTS: tuple[str, ...] = ("default",)

@@ -120,6 +120,20 @@ def test_replay_weights_catch_right_ids_in_another_slot_order_at_top8_of_64(tmp_
     assert any("replay vs recorded pass: router probs" in f for f in sub["failures"]), _summary(record)
 
 
+def test_replay_equivalence_catches_tied_scores_summed_in_another_slot_order(tmp_path):
+    # tied_scores: router rows equal in pairs, so logits tie in every row; top-8 of 64. A replay that breaks ties by
+    # expert id instead of as native top-k does gives every forward bitwise and the gradients below the router not
+    # (what an H200 showed in bf16 at Qwen3-30B-A3B's width); moeverify's own order passes the same case.
+    options = {"replay_subchecks": ["equivalence"], "router_variants": ["tied_scores"], "replay_microbatches": 1}
+    control = run_replay(tmp_path, "deepseek_v3_wide", world_size=1, impl="moeverify", options=options)
+    assert control["passed"] and control["subchecks"]["equivalence"]["checked"] > 0, _summary(control)
+    record = run_replay(tmp_path, "deepseek_v3_wide", world_size=1,
+                        impl="moeverify.oracles.replay.faulty:ties_by_id", options=options)
+    sub = record["subchecks"]["equivalence"]
+    assert not sub["passed"], _summary(record)
+    assert all("replay vs plain pass: grad" in f or "more failure" in f for f in sub["failures"]), _summary(record)
+
+
 def test_replay_equivalence_under_the_slot_order_finding_still_checks_gradients(tmp_path):
     # plain top-8 of 64 (sigmoid, no groups): the no-grad pass routes with other probs (F12); the native-based
     # mutant replays that order, so equivalence takes native grad-mode routing in that order as its reference,

@@ -187,3 +187,17 @@ def test_a_copy_held_elsewhere_restores_into_the_model_bit_for_bit():
     wrong = st.WeightCopy({key: t.to(torch.bfloat16) if t.is_floating_point() else t
                            for key, t in copy.tensors.items()})
     assert not wrong.restore(fresh)
+
+
+def test_the_tied_scores_variant_ties_router_rows_in_pairs_in_every_build():
+    """Loaded and copied builds alike: expert 2j+1's router row is expert 2j's, so their logits tie bitwise."""
+    setup = _setup("deepseek_v3_wide")
+    setup.variant = VARIANTS["tied_scores"]
+    for chunks in (st.build(setup, Layout(), overrides={}), st.build(setup, Layout(), overrides={})):
+        for _, router in st.find_routers(chunks).values():
+            w = router.weight.detach()
+            assert torch.equal(w[1::2], w[0::2]) and not torch.equal(w[0::2][:-1], w[0::2][1:])
+            x = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(0))
+            logits = x @ w.t()
+            assert torch.equal(logits[:, 1::2], logits[:, 0::2])
+    assert setup.builds == {"loaded": 1, "copied": 1}

@@ -15,6 +15,10 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
 - ``reversed_slots``: replays the right ids with each row's slots reversed (ids handed over in another order
   than the recording took them, as rollout arrays may be): the probabilities are summed in another order, an
   ulp off at top-k >= 3 (a top-2 sum is order-free, so only a top-k >= 3 family can show it).
+- ``ties_by_id``: moeverify's patch with replayed slots ordered by descending score, ties by expert id, instead of
+  the order Megatron's own grad-mode top-k gives tied scores: every forward is bitwise, but the tied slots'
+  gradients are summed in another order (found on an H200 in bf16 at Qwen3-30B-A3B's width; on CPU the
+  ``tied_scores`` variant shows it).
 - ``one_rank_crash``: raises while replaying on rank 1 only, the other ranks going on into the
   collectives it left. Not a subcheck's catch: the check must end quickly, naming rank 1
   (``runtime.agreement``), instead of waiting for the collective timeout.
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moeverify.oracles.replay.impls import MoeverifyReplay, NativeReplay
+from moeverify.patches import replay_state
 
 
 class _WrongMicrobatch(NativeReplay):
@@ -122,6 +127,25 @@ class _CountsPadding(MoeverifyReplay):
                 handle.remove()
 
 
+class _TiesById(MoeverifyReplay):
+    name = "ties_by_id"
+
+    @contextlib.contextmanager
+    def replay(self, routes):
+        hook = replay_state._ReplayHook
+        original = hook.get_replay_topk
+
+        def by_id(self_, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            return replay_state.canonical_replay(scores, self_.sorted_ids_TK, None, topk=topk)
+
+        hook.get_replay_topk = by_id
+        try:
+            with super().replay(routes):
+                yield self
+        finally:
+            hook.get_replay_topk = original
+
+
 def _count_padding_too(router, args, kwargs, output) -> None:
     padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
     if padding is None or not router.enable_expert_bias or not torch.is_grad_enabled():
@@ -132,6 +156,10 @@ def _count_padding_too(router, args, kwargs, output) -> None:
 
 def counts_padding() -> MoeverifyReplay:
     return _CountsPadding()
+
+
+def ties_by_id() -> MoeverifyReplay:
+    return _TiesById()
 
 
 def fifo_recompute() -> MoeverifyReplay:
@@ -164,4 +192,4 @@ def one_rank_crash() -> NativeReplay:
 
 MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",
            "no_recompute_replay": "recompute", "fifo_recompute": "backward_order",
-           "counts_padding": "token_counts", "reversed_slots": "weights"}
+           "counts_padding": "token_counts", "reversed_slots": "weights", "ties_by_id": "equivalence"}

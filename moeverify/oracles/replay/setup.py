@@ -155,7 +155,16 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
             setup.weights[layout] = WeightCopy.of(chunks)
     if setup.variant.random_expert_bias:
         _seed_expert_bias(chunks, seed=scenario.seed)
+    if setup.variant.tied_scores:
+        _tie_router_rows(chunks)
     return chunks
+
+
+def _tie_router_rows(chunks: list) -> None:
+    """Expert 2j+1's router row := expert 2j's (the ``tied_scores`` variant): their logits tie in every row."""
+    for _, router in find_routers(chunks).values():
+        with torch.no_grad():
+            router.weight[1::2] = router.weight[0::2]
 
 
 def _seed_expert_bias(chunks: list, *, seed: int) -> None:
