@@ -125,3 +125,15 @@ def test_compare_maps_prints_a_tensor_with_the_digest_it_meets():
     moved[7] += 1.0
     checked, failures = compare_maps(gpu_like, {"w": moved}, what="grad")
     assert checked == 1 and len(failures) == 1 and failures[0].startswith("grad w: 1 of 2 block(s)")
+
+
+def test_blake2b_blocks_hashed_on_threads_are_the_blocks_in_order():
+    """The host digest hashes blocks on threads: the same bytes as one BLAKE2b per block, in block order."""
+    import hashlib
+
+    from moeverify.oracles.replay import grad_print as gp
+
+    g = torch.randn(3 * gp.BLOCK + 5, generator=torch.Generator().manual_seed(3))
+    raw = g.numpy().view("int32")
+    want = tuple(hashlib.blake2b(raw[i:i + gp.BLOCK], digest_size=16).digest() for i in range(0, raw.shape[0], gp.BLOCK))
+    assert GradPrint.of(g, digest="blake2b").blocks == want and len(want) == 4
