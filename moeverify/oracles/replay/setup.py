@@ -164,7 +164,8 @@ def _tie_router_rows(chunks: list) -> None:
     """Expert 2j+1's router row := expert 2j's (the ``tied_scores`` variant): their logits tie in every row."""
     for _, router in find_routers(chunks).values():
         with torch.no_grad():
-            router.weight[1::2] = router.weight[0::2]
+            pairs = router.weight.shape[0] // 2  # an odd last expert keeps its own row
+            router.weight[1:2 * pairs:2] = router.weight[0:2 * pairs:2]
 
 
 def _seed_expert_bias(chunks: list, *, seed: int) -> None:

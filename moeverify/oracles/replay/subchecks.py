@@ -243,7 +243,8 @@ def _drift(setup: st.Setup, tallies: dict[str, Tally], chunks: list, routes, not
     recompute subcheck (run on fresh perturbed builds)."""
     p, seq, impl = setup.prefix, setup.batches.seq_len, setup.impl
     st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
-    native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
+    # where native routing now sends each token (expert sets only): a forward, no backward to fingerprint
+    native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=True)
     drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
     if "drift" in tallies:
         t = tallies["drift"]
