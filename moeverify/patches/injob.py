@@ -235,12 +235,14 @@ class _ReplayIds:
         self.topk_ids_TK, self.native_T = topk_ids_TK, native_T
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        ids_TK = self.topk_ids_TK
-        if self.native_T is not None:
-            _, native_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        ids_TK, native_TK = self.topk_ids_TK, None
+        if self.native_T is not None:  # one native top-k: the flagged tokens' ids and every row's slot order
+            with torch.no_grad():
+                _, native_TK = replay_state.grad_mode_topk(default_compute_topk, scores.detach(), topk, num_groups,
+                                                           group_topk)
             ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
         return replay_state.canonical_replay(scores, ids_TK.sort(dim=1).values, default_compute_topk, topk=topk,
-                                             num_groups=num_groups, group_topk=group_topk)
+                                             num_groups=num_groups, group_topk=group_topk, native_TK=native_TK)
 
 
 class InJobState:

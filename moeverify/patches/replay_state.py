@@ -135,20 +135,23 @@ def grad_mode_topk(default_compute_topk, scores, topk, num_groups=None, group_to
 
 
 def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_compute_topk=None, *, topk: int,
-                     num_groups=None, group_topk=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_groups=None, group_topk=None, native_TK: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
-    scores gathered at them."""
+    scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them."""
     key_TK = scores.detach().gather(1, sorted_ids_TK)
     order_TK = canonical_slots(key_TK)
     ids_TK = sorted_ids_TK.gather(1, order_TK)
     # a row without ties has one descending order, whichever top-k gives it: the native top-k is needed only where
     # the replayed scores tie (on a GPU always taken: checking would cost a device sync, the top-k costs less)
     ranked_TK = key_TK.gather(1, order_TK)
-    if default_compute_topk is not None and (scores.is_cuda or bool((ranked_TK[:, 1:] == ranked_TK[:, :-1]).any())):
+    if native_TK is None and default_compute_topk is not None and (
+            scores.is_cuda or bool((ranked_TK[:, 1:] == ranked_TK[:, :-1]).any())):
         with torch.no_grad():
             _, native_TK = grad_mode_topk(default_compute_topk, scores.detach(), topk, num_groups, group_topk)
-            same_T = (native_TK.sort(dim=1).values == sorted_ids_TK).all(dim=1)
-            ids_TK = torch.where(same_T[:, None], native_TK, ids_TK)
+    if native_TK is not None:
+        same_T = (native_TK.sort(dim=1).values == sorted_ids_TK).all(dim=1)
+        ids_TK = torch.where(same_T[:, None], native_TK, ids_TK)
     return scores.gather(1, ids_TK), ids_TK
 
 
