@@ -50,10 +50,10 @@ def _device() -> torch.device:
     return torch.device("cuda" if os.environ.get("MOEVERIFY_TEST_BACKEND") == "cuda" else "cpu")
 
 
-def _mix64_reference(values: list[int], *, block: int, width: int) -> tuple[bytes, ...]:
-    """The ``mix64`` digest in plain Python integers: per block and lane, the wrapping sum of splitmix64's finalizer
-    of (the element's bits, sign-extended) xor (the finalizer of its 1-based position times golden plus the lane key);
-    the last block padded with zero bits."""
+def _lin64_reference(values: list[int], *, block: int, width: int) -> tuple[bytes, ...]:
+    """The ``lin64`` digest in plain Python integers: per block and lane, the wrapping sum of each element's bits
+    (sign-extended) times its position's key: splitmix64's finalizer of (1-based position times golden plus the
+    lane constant), made odd; the last block padded with zero bits."""
     mask = (1 << 64) - 1
 
     def mix(x):
@@ -65,50 +65,50 @@ def _mix64_reference(values: list[int], *, block: int, width: int) -> tuple[byte
     for start in range(0, len(values), block):
         chunk = values[start:start + block] + [0] * (block - len(values[start:start + block]))
         sums = []
-        for key in grad_print._LANES:
+        for lane in grad_print._LANES:
             total = 0
             for j, v in enumerate(chunk):
                 signed = v - (1 << width) if v >= 1 << (width - 1) else v
-                total += mix((signed & mask) ^ mix(((j + 1) * 0x9E3779B97F4A7C15 + key) & mask))
+                total += signed * (mix(((j + 1) * 0x9E3779B97F4A7C15 + lane) & mask) | 1)
             sums.append((total & mask).to_bytes(8, "little"))
         out.append(b"".join(sums))
     return tuple(out)
 
 
-def test_mix64_digest_equals_its_pure_python_reference(monkeypatch):
+def test_lin64_digest_equals_its_pure_python_reference(monkeypatch):
     """The GPU digest (torch int64, here on the test backend's device) is the function its docstring states: equal
     to a plain-Python reference bit for bit, bf16 and fp32, with a padded last block."""
     monkeypatch.setattr(grad_print, "BLOCK", 64)
     for dtype, width in ((torch.float32, 32), (torch.bfloat16, 16)):
         g = torch.randn(150, generator=torch.Generator().manual_seed(3)).to(dtype)
-        got = GradPrint.of(g.to(_device()), digest="mix64")
+        got = GradPrint.of(g.to(_device()), digest="lin64")
         raw = [int(v) & ((1 << width) - 1) for v in g.view(torch.int32 if width == 32 else torch.int16).tolist()]
-        assert got.blocks == _mix64_reference(raw, block=64, width=width), dtype
+        assert got.blocks == _lin64_reference(raw, block=64, width=width), dtype
 
 
-def test_mix64_prints_equal_only_when_bitwise_equal(monkeypatch):
+def test_lin64_prints_equal_only_when_bitwise_equal(monkeypatch):
     """One ulp anywhere, -0.0 for 0.0, two elements swapped inside a block or across blocks: another print; the same
     bits (NaN payloads too): the same print. A print of each digest kind is never the same as the other's."""
     monkeypatch.setattr(grad_print, "BLOCK", 1 << 12)
     block = grad_print.BLOCK
     g = torch.randn(3 * block + 5, generator=torch.Generator().manual_seed(5)).to(_device())
-    base = GradPrint.of(g, digest="mix64")
-    assert len(base.blocks) == 4 and base.same(GradPrint.of(g.clone(), digest="mix64"))
+    base = GradPrint.of(g, digest="lin64")
+    assert len(base.blocks) == 4 and base.same(GradPrint.of(g.clone(), digest="lin64"))
     changed = []
     for flat in (0, 2 * block + 7, 3 * block + 4):
         other = g.clone()
         other[flat] = torch.nextafter(other[flat], torch.tensor(float("inf"), device=g.device))
-        changed.append(GradPrint.of(other, digest="mix64"))
+        changed.append(GradPrint.of(other, digest="lin64"))
     for i, j in ((3, 9), (5, block + 5)):
         other = g.clone()
         other[[i, j]] = other[[j, i]]
-        changed.append(GradPrint.of(other, digest="mix64"))
+        changed.append(GradPrint.of(other, digest="lin64"))
     negzero = torch.zeros(block + 1, device=g.device)
-    changed.append(GradPrint.of(-negzero, digest="mix64"))
+    changed.append(GradPrint.of(-negzero, digest="lin64"))
     assert [base.same(c) for c in changed[:-1]] == [False] * 5
-    assert not GradPrint.of(negzero, digest="mix64").same(changed[-1])
+    assert not GradPrint.of(negzero, digest="lin64").same(changed[-1])
     nan = torch.full((block + 1,), float("nan"), device=g.device)
-    assert GradPrint.of(nan, digest="mix64").same(GradPrint.of(nan.clone(), digest="mix64"))
+    assert GradPrint.of(nan, digest="lin64").same(GradPrint.of(nan.clone(), digest="lin64"))
     blake = GradPrint.of(g.cpu(), digest="blake2b")
     assert not base.same(blake) and "cannot be compared" in base.describe(blake)
     assert base.describe(changed[1]).startswith("1 of 4 block(s)") and "first in flat [8192, 12288)" in \
@@ -116,10 +116,10 @@ def test_mix64_prints_equal_only_when_bitwise_equal(monkeypatch):
 
 
 def test_compare_maps_prints_a_tensor_with_the_digest_it_meets():
-    """A kept tensor met by a ``mix64`` print (a GPU pass against a host copy) is printed with ``mix64``, not told
+    """A kept tensor met by a ``lin64`` print (a GPU pass against a host copy) is printed with ``lin64``, not told
     apart by the digest kind."""
     big = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(1))
-    gpu_like = {"w": GradPrint.of(big, digest="mix64")}
+    gpu_like = {"w": GradPrint.of(big, digest="lin64")}
     assert compare_maps(gpu_like, {"w": big.clone()}, what="grad") == (1, [])
     moved = big.clone()
     moved[7] += 1.0
@@ -137,3 +137,28 @@ def test_blake2b_blocks_hashed_on_threads_are_the_blocks_in_order():
     raw = g.numpy().view("int32")
     want = tuple(hashlib.blake2b(raw[i:i + gp.BLOCK], digest_size=16).digest() for i in range(0, raw.shape[0], gp.BLOCK))
     assert GradPrint.of(g, digest="blake2b").blocks == want and len(want) == 4
+
+
+def test_keep_all_reads_a_pass_back_at_once_and_equals_one_print_each(monkeypatch):
+    """A pass's gradients kept together (one host read of every GPU print) are what each kept alone gives: small
+    ones as host tensors, large ones as prints of the same blocks, sums and maxima; an unknown digest is refused."""
+    monkeypatch.setattr(grad_print, "BLOCK", 1 << 12)
+    monkeypatch.setattr(grad_print, "KEEP", 100)
+    gen = torch.Generator().manual_seed(11)
+    grads = {f"g{i}": torch.randn(n, generator=gen).to(dtype).to(_device())
+             for i, (n, dtype) in enumerate([(50, torch.float32), (5000, torch.float32), (3 * (1 << 12), torch.bfloat16),
+                                            (101, torch.bfloat16)])}
+    together = grad_print.keep_all(grads)
+    for key, g in grads.items():
+        alone = grad_print.keep(g)
+        if isinstance(alone, GradPrint):
+            got = together[key]
+            assert isinstance(got, GradPrint) and got.same(alone) and (got.total, got.absmax) == (alone.total,
+                                                                                              alone.absmax), key
+            assert got.absmax == float(g.float().abs().max()) and len(got.blocks) == -(-g.numel() // (1 << 12))
+        else:
+            assert torch.equal(together[key], alone) and together[key].device.type == "cpu", key
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown digest 'md5'"):
+        GradPrint.of(grads["g1"], digest="md5")

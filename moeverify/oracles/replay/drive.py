@@ -156,8 +156,8 @@ def _grads(model_chunks: list) -> dict[str, torch.Tensor]:
             if g is None:
                 g = p.grad
             if g is not None:
-                out[f"{c}.{name}"] = grad_print.keep(g)
-    return out
+                out[f"{c}.{name}"] = g
+    return grad_print.keep_all(out)
 
 
 def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: torch.Tensor):

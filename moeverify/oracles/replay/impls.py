@@ -51,6 +51,9 @@ class ReplayImpl(abc.ABC):
     name = "base"
     #: why this implementation cannot replay in recompute, or None when it can
     recompute_unsupported: str | None = None
+    #: its models are Megatron-Core's own construction (``apply`` patches methods, never ``TopKRouter.__init__``):
+    #: with no ``overrides``, Megatron's native replay can be attached to its build (``toggles.native_replay``)
+    constructs_natively: bool = False
 
     def overrides(self) -> dict:
         return {}
@@ -235,6 +238,7 @@ class MoeverifyReplay(ReplayImpl):
     """moeverify's own patch (``moeverify.patches.router_replay``)."""
 
     name = "moeverify"
+    constructs_natively = True  # patches TopKRouter.routing only
 
     def __init__(self) -> None:
 

@@ -18,15 +18,18 @@ backward, replay) second. Per router variant (``variants``):
 - drift: router weights perturbed: native routing must change (else the check proves nothing) and
   the replayed pass follows the recorded routes for 100% of tokens; per-layer agreement of native vs
   replayed routes is reported (``notes``).
-- recompute: full (uniform) and MoE-only (selective ``["moe"]``) recompute on perturbed weights:
-  gradients equal the no-recompute replay bit for bit, every micro-batch is recomputed once with
-  its forward's routes, and the implementation reports every route consumed.
+- recompute: full (uniform) and MoE-only (selective ``["moe"]``) recompute on perturbed weights (each
+  mode switched on over the drifted build, as building with it would set it: ``toggles``): gradients
+  equal the no-recompute replay bit for bit, every micro-batch is recomputed once with its forward's
+  routes, and the implementation reports every route consumed.
 - cross_layout: routes recorded by a 1-rank-layout reference (every rank runs it with dp = world,
   on the global micro-batches) are converted to this rank's local view (``moeverify.views``) and
   replayed under the scenario layout: same per-token routing, per-sequence losses within
   ``checks.CROSS_LAYOUT_RTOL/ATOL`` of the reference (why not bitwise: see there).
 - native_parity: the implementation's replay vs Megatron-Core's native ``RouterReplay`` replaying the
-  same routes on a second build of the same weights: identical routing, probs, logits and gradients.
+  same routes with the same weights: identical routing, probs, logits and gradients. Megatron's own
+  routing code runs (``pristine``), its ``RouterReplay`` attached to the build under test where the
+  implementation builds as Megatron does (``ReplayImpl.constructs_natively``), else on a build of its own.
 - backward_order: full recompute on perturbed weights in hand-written loops (all forwards, then
   backward in reverse order, or one backward of the summed losses): every recompute call equals one
   forward micro-batch's routing and probs, and gradients equal the same loop without recompute bit for

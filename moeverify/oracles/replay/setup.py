@@ -4,14 +4,15 @@ A ``Setup`` is what every subcheck of one router variant needs on this rank: the
 implementation under test, the variant, the scenario layout and this rank's micro-batches. Models
 are built in fp32 (or bf16, ``replay_dtype``) without dropout (``build``), so passes can be compared bit for bit.
 
-A variant's subchecks build the same model a dozen times (a fresh build per subcheck, per recompute mode, per
-reference). The first build under a layout loads the checkpoint through Megatron-Bridge and keeps a copy of every
-parameter and buffer where the model lives (``WeightCopy``); later builds under that layout skip Megatron's init
-and the bridge's load and copy those tensors in, after checking that the new build has exactly the same names,
-shapes and dtypes (else it loads through the bridge as the first did). One copy of this rank's model, against
-one load and conversion per build. The copy stays on the GPU only while the device keeps room for it and for the
-model's gradients besides (``copy_home``); else it is held in host memory (a production-depth bf16 build: the model,
-its gradients and a copy would not fit one GPU together).
+A variant's subchecks share one build where they can (native parity and recompute switch settings on it:
+``toggles``); the whole-model subchecks (backward_order, validation, token_counts, cross_layout) build the model
+again. Only then does the first build under a layout keep a copy of every parameter and buffer (``WeightCopy``,
+``Setup.keep_copies``); later builds under that layout skip Megatron's init and the bridge's load and copy those
+tensors in, after checking that the new build has exactly the same names, shapes and dtypes (else it loads through
+the bridge as the first did). One copy of this rank's model, against one load and conversion per build. The copy
+stays on the GPU only while the device keeps room for it and for the model's gradients besides (``copy_home``);
+else it is held in host memory (a production-depth bf16 build: the model, its gradients and a copy would not fit
+one GPU together).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Setup:
     batches: rd.Batches
     items: list
     weights: dict = dataclasses.field(default_factory=dict)  # Layout -> WeightCopy of its first build
+    keep_copies: bool = True  # a first build keeps a WeightCopy (off when no later build will use it)
     builds: dict = dataclasses.field(default_factory=lambda: {"loaded": 0, "copied": 0})
     seconds: dict = dataclasses.field(default_factory=dict)  # step -> wall seconds spent in it alone (``guarded``)
     _open: list = dataclasses.field(default_factory=list)  # seconds the steps running now spent in nested steps
@@ -151,7 +153,7 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
     if chunks is None:
         chunks = models.build(scenario.model, layout, seed=scenario.seed, overrides=settings).model_chunks
         setup.builds["loaded"] += 1
-        if layout not in setup.weights:
+        if layout not in setup.weights and setup.keep_copies:
             setup.weights[layout] = WeightCopy.of(chunks)
     if setup.variant.random_expert_bias:
         _seed_expert_bias(chunks, seed=scenario.seed)

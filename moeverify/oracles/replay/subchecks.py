@@ -13,11 +13,11 @@ import dataclasses
 import torch
 
 from moeverify import runtime, views
-from moeverify.checks import RECOMPUTE_MODES
+from moeverify.checks import REPLAY_WHOLE_MODEL
 from moeverify.layout import Layout
 from moeverify.oracles.replay import checks as rc
 from moeverify.oracles.replay import drive as rd
-from moeverify.oracles.replay import mtp_views, slot_order
+from moeverify.oracles.replay import mtp_views, slot_order, toggles
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
@@ -50,10 +50,15 @@ def reference(setup: st.Setup) -> tuple[object, dict]:
 def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
     """equivalence, native_parity, drift, recompute of one variant (scenario's model-parallel state set).
 
-    Returns the routes recorded under the scenario layout (cross_layout compares them to the reference).
+    One build serves them all where it can: native_parity attaches Megatron's ``RouterReplay`` to it (an
+    implementation that builds as Megatron does), recompute switches each mode on over the drifted weights
+    (``toggles``); a weight copy is kept only for the builds still to come. Returns the routes recorded under the
+    scenario layout (cross_layout compares them to the reference).
     """
     opts, impl, p, seq = setup.opts, setup.impl, setup.prefix, setup.batches.seq_len
     want = set(opts.subchecks)
+    native_here = impl.constructs_natively and not impl.overrides()
+    setup.keep_copies = bool(want & set(REPLAY_WHOLE_MODEL))  # they build models of their own or ("native_parity" in want and not native_here)
     chunks = st.build(setup, setup.layout, overrides=impl.overrides())
     impl.bind(chunks)
     plain = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
@@ -70,19 +75,23 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
         rc.compare_passes(t, expected, replayed, prefix=p + "replay vs plain pass: ")
         for msg in impl.check_consumed(recompute=False):
             t.fail(p + msg)
+    del plain, logprob
+    if "native_parity" in want and native_here:  # before drift moves the weights
+        st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
+                   tallies["native_parity"], routes, replayed, chunks)
     dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
-    drifted = None
     if dependent:
         drifted = st.guarded(setup, dependent, _drift, setup, tallies, chunks, routes, notes)
-    del plain, logprob, chunks  # the subchecks below build models of their own: free this one first
+        if "recompute" in want and drifted is not None:
+            st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], chunks,
+                       routes, drifted)
+        del drifted
+    del chunks  # the subchecks below build models of their own: free this one first
     st.release(impl)
-    if "native_parity" in want:  # one model alive at a time: the native build after this one is freed
+    if "native_parity" in want and not native_here:  # one model alive at a time: the native build after this one
         st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
-                   tallies["native_parity"], routes, replayed)
+                   tallies["native_parity"], routes, replayed, None)
     del replayed
-    if "recompute" in want and drifted is not None:
-        st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], routes,
-                   drifted)
     if "backward_order" in want:
         st.guarded(setup, {"backward_order": tallies["backward_order"]}, _backward_order, setup,
                    tallies["backward_order"], notes)
@@ -155,24 +164,11 @@ def _backward_order(setup: st.Setup, t: Tally, notes: dict) -> None:
         st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
         for order in rd.BACKWARD_ORDERS:
             p = f"{setup.prefix}backward={order}: "
-            _set_full_recompute(chunks, False)
             plain = rd.loop_pass(chunks, items, seq_len=seq, impl=impl, routes=routes, order=order)
-            _set_full_recompute(chunks, True)
-            try:
+            with toggles.recompute(chunks, "full"):
                 got = rd.loop_pass(chunks, items, seq_len=seq, impl=impl, routes=routes, order=order)
-            finally:
-                _set_full_recompute(chunks, False)
             rc.check_recompute_identity(t, got, microbatches=len(items), prefix=p)
             rc.compare_passes(t, plain, got, prefix=p + "vs the same loop without recompute: ")
-
-
-def _set_full_recompute(chunks: list, on: bool) -> None:
-    """Switch full recompute (read by the decoder at every forward) on or off for a built model."""
-    configs = {id(m.config): m.config for chunk in chunks for m in chunk.modules()
-               if hasattr(getattr(m, "config", None), "recompute_granularity")}
-    for config in configs.values():
-        for key, value in RECOMPUTE_MODES["full"].items():
-            setattr(config, key, value if on else None)
 
 
 def _bad_routes(routes, layer: int, microbatch: int) -> dict[str, object]:
@@ -255,14 +251,23 @@ def _drift(setup: st.Setup, tallies: dict[str, Tally], chunks: list, routes, not
     return drifted
 
 
-def _native_parity(setup: st.Setup, t: Tally, routes, replayed) -> None:
+def _native_parity(setup: st.Setup, t: Tally, routes, replayed, chunks: list | None) -> None:
+    """Megatron-Core's native ``RouterReplay`` replays ``routes``: attached to ``chunks`` (the build under test,
+    its weights as the replayed pass had them), or on a build of its own when ``chunks`` is None."""
     native_impl = NativeReplay()
     with pristine():
-        chunks = st.build(setup, setup.layout, overrides=native_impl.overrides())
-        native_impl.bind(chunks)
-        native = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl, routes=routes)
-        del chunks
-        st.release(native_impl)
+        if chunks is None:
+            own = st.build(setup, setup.layout, overrides=native_impl.overrides())
+            native_impl.bind(own)
+            native = rd.replay_pass(own, setup.items, seq_len=setup.batches.seq_len, impl=native_impl, routes=routes)
+            del own
+            st.release(native_impl)
+        else:
+            with toggles.native_replay(chunks):
+                native_impl.bind(chunks)
+                native = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl,
+                                        routes=routes)
+                native_impl.unbind()
     rc.compare_passes(t, native, replayed, prefix=setup.prefix + "vs native RouterReplay: ")
 
 
@@ -282,20 +287,19 @@ def cross_layout(setup: st.Setup, t: Tally, reference, own_routes, notes: dict) 
         notes["native_vs_reference_agreement"] = {str(k): v for k, v in rc.layer_agreement(local, own_routes).items()}
 
 
-def _recompute(setup: st.Setup, t: Tally, routes, drifted) -> None:
+def _recompute(setup: st.Setup, t: Tally, chunks: list, routes, drifted) -> None:
+    """Each recompute mode switched on over the drifted build (``toggles.recompute``): the replayed pass equals the
+    drifted pass without recompute, and every recompute call replays its forward's routes."""
     if setup.impl.recompute_unsupported:
         t.fail(f"{setup.prefix}{setup.impl.name} cannot replay in recompute: {setup.impl.recompute_unsupported}")
         return
     for mode in setup.opts.recompute:
         p = f"{setup.prefix}recompute={mode}: "
-        chunks = st.build(setup, setup.layout, overrides=setup.impl.overrides(), extra=RECOMPUTE_MODES[mode])
-        st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
-        setup.impl.bind(chunks)
-        got = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=setup.impl, routes=routes)
+        with toggles.recompute(chunks, mode):
+            got = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=setup.impl, routes=routes)
         # root causes (routes of the recompute calls) first, their consequences (gradients) after
         rc.check_recompute_calls(t, got, microbatches=routes.microbatches, prefix=p)
         for msg in setup.impl.check_consumed(recompute=True):
             t.fail(p + msg)
         rc.compare_passes(t, drifted, got, prefix=p + "vs no-recompute replay: ")
-        del chunks, got
-        st.release(setup.impl)
+        del got
