@@ -12,17 +12,16 @@ from moeverify.layout import Layout
 
 
 def _grads_reverse_loop(chunk, batches, *, recompute: bool) -> dict[str, torch.Tensor]:
-    from moeverify.oracles.replay.drive import _new_step
-    from moeverify.oracles.replay.subchecks import _set_full_recompute
+    import contextlib
 
-    _set_full_recompute([chunk], recompute)
-    try:
+    from moeverify.oracles.replay import toggles
+    from moeverify.oracles.replay.drive import _new_step
+
+    with toggles.recompute([chunk], "full") if recompute else contextlib.nullcontext():
         _new_step([chunk])
         losses = [chunk(tokens, torch.arange(tokens.shape[1])[None], None).float().pow(2).mean() for tokens in batches]
         for loss in reversed(losses):
             loss.backward()
-    finally:
-        _set_full_recompute([chunk], False)
     return {n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None}
 
 
