@@ -161,7 +161,7 @@ def test_guarded_steps_report_their_own_seconds_nested_steps_apart():
     assert fake.seconds["inner"] >= 0.1 and fake.seconds["failing"] >= 0.02 and fake.seconds["outer"] >= 0.03
     # each second counted once: the outer step's own time is its wall time less its nested steps'
     assert abs(sum(fake.seconds.values()) - wall) < 0.01, (fake.seconds, wall)
-    assert fake.seconds["outer"] < wall - 0.12
+    assert fake.seconds["outer"] < wall - 0.12 + 0.001  # seconds are kept rounded to the millisecond
 
 
 @pytest.mark.parametrize(("free_gb", "home"), [(200, "cuda"), (100, "cuda"), (70, "cpu"), (10, "cpu")])
