@@ -203,10 +203,13 @@ def test_the_tied_scores_variant_ties_router_rows_in_pairs_in_every_build():
     assert setup.builds == {"loaded": 1, "copied": 1}
 
 
-def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy():
+@pytest.mark.parametrize(("impl", "builds"), [("moeverify", {"loaded": 1, "copied": 0}),
+                                               ("native", {"loaded": 1, "copied": 1})])
+def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy(impl, builds):
     """``replay_subchecks: in_layout`` (what a production-size model runs): native parity and both recompute modes
     run on the variant's one build, so no weight copy is made (at 48 Qwen3-30B-A3B layers it was 61 GB of host
-    memory) and every subcheck still checks items and passes."""
+    memory) and every subcheck still checks items and passes. An implementation built with overrides of its own
+    (``native``: ``moe_enable_routing_replay``) gets native parity on a second build, copied from the first."""
     import dataclasses
 
     from moeverify.checks import REPLAY_IN_LAYOUT
@@ -214,9 +217,11 @@ def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy():
     from moeverify.oracles.results import Tally
 
     setup = _setup("deepseek_v3")
+    setup.impl = make_impl(impl)
+    setup.impl.apply()
     setup.opts = dataclasses.replace(setup.opts, subchecks=REPLAY_IN_LAYOUT)
     tallies = {name: Tally() for name in REPLAY_IN_LAYOUT}
     sc.variant_on_layout(setup, tallies, {})
     assert {name: (t.passed, t.checked > 0) for name, t in tallies.items()} == dict.fromkeys(REPLAY_IN_LAYOUT,
                                                                                            (True, True))
-    assert setup.builds == {"loaded": 1, "copied": 0} and setup.weights == {}
+    assert setup.builds == builds and (setup.weights == {}) == (builds["copied"] == 0)
