@@ -58,6 +58,11 @@ class ReplayImpl(abc.ABC):
     def overrides(self) -> dict:
         return {}
 
+    def builds_natively(self) -> bool:
+        """Its build is the one Megatron's native replay and a pristine reference would make (``constructs_natively``
+        and no ``overrides``): they may run on it instead of a build of their own."""
+        return self.constructs_natively and not self.overrides()
+
     def apply(self) -> None:
         pass
 

@@ -57,7 +57,7 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
     """
     opts, impl, p, seq = setup.opts, setup.impl, setup.prefix, setup.batches.seq_len
     want = set(opts.subchecks)
-    native_here = impl.constructs_natively and not impl.overrides()
+    native_here = impl.builds_natively()
     # later builds: the whole-model subchecks', and native parity's own where it cannot attach to this one
     setup.keep_copies = bool(want & set(REPLAY_WHOLE_MODEL)) or ("native_parity" in want and not native_here)
     chunks = st.build(setup, setup.layout, overrides=impl.overrides())

@@ -134,7 +134,7 @@ def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: s
             raise _NotApplicable(why)
         with _count_off(chunks):
             reference = _observe(chunks, lambda: rd.run_pass(chunks, items, seq_len=seq_len, forward_only=False))
-    if not (impl.constructs_natively and not impl.overrides()):  # else the reference's build is the one it builds
+    if not impl.builds_natively():  # else the reference's build is the one it would build
         chunks = None  # one model alive at a time: the reference goes before the next build
         chunks = st.build(setup, one, overrides=impl.overrides())
     impl.bind(chunks)
