@@ -2,8 +2,9 @@
 
 One CPU rank, a user model config (``--model PATH/config.json``, default: ``bench/qwen3_30b_a3b_narrow.json``,
 Qwen3-30B-A3B's architecture narrowed to hidden 1024, 64 experts top-8, expert FFN 384, vocab 32000), at
-each depth of ``--layers`` (``num_hidden_layers`` overridden). Phases, each in a fresh process so that each
-peak is its own:
+each depth of ``--layers`` (``num_hidden_layers`` overridden); or ``--model DIR``, a directory of safetensors
+(real weights, read where they are: no checkpoint phase), at its own depth. Phases, each in a fresh process so
+that each peak is its own:
 
 - ``import``: torch + transformers + moeverify imported, nothing built (the fixed cost);
 - ``checkpoint``: the seeded checkpoint made (``hf_checkpoint``: a config alone gets its weights made per tensor
@@ -53,7 +54,7 @@ _IMPORT = "import torch, transformers, moeverify.models.families  # noqa\n"
 # The peer: build (bridge load) and one export pass, nothing kept or compared.
 _BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverify.layout import Layout\n"
          "from moeverify.models import user\n"
-         "key = user.read(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).ref\n"
+         "import json\nkey = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
          "runtime.init(sys.argv[3])\n"
          "with runtime.parallel(Layout(), seed=0):\n"
          "    built = models.build(key, Layout())\n"
@@ -63,8 +64,8 @@ _BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverif
 
 # The seeded checkpoint as a check's rank makes it (``hf_checkpoint``, into MOEVERIFY_CACHE_DIR): the checks
 # that follow find it cached, so their peaks are the bridge load, build and check alone.
-_CHECKPOINT = ("import sys\nfrom moeverify.models import families, user\n"
-               "key = user.read(sys.argv[1], {'num_hidden_layers': int(sys.argv[2])}).ref\n"
+_CHECKPOINT = ("import json, sys\nfrom moeverify.models import families, user\n"
+               "key = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
                "print(families.hf_checkpoint(key, 0))\n")
 
 
@@ -95,10 +96,28 @@ def parse_layout(name: str) -> tuple[str, dict, int]:
     return layout.name(world), {k: v for k, v in layout.as_dict().items() if v != default.get(k)}, world
 
 
+def weights_dir(model: Path) -> bool:
+    """``model`` is a directory of safetensors (real weights, at their own depth), not a config alone."""
+    return model.is_dir() and any(model.glob("*.safetensors"))
+
+
+def depth_overrides(model: Path, layers: int) -> dict:
+    """The config change that gives ``model`` ``layers`` layers: none for a weights directory, whose depth is its
+    own (refused when ``--layers`` asks for another)."""
+    if not weights_dir(model):
+        return {"num_hidden_layers": layers}
+    own = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    if layers != own:
+        raise SystemExit(f"bench/memory.py: {model} holds weights of {own} layers; --layers {layers} cannot change "
+                         f"them (give --layers {own})")
+    return {}
+
+
 def _scenario(path: Path, model: Path, layers: int, check: str, layout: dict | None = None,
               world_size: int = 1, options: dict | None = None) -> None:
+    overrides = depth_overrides(model, layers)
     path.write_text(json.dumps({"scenarios": [{
-        "model": str(model), "model_set": {"num_hidden_layers": layers}, "world_size": world_size,
+        "model": str(model), **({"model_set": overrides} if overrides else {}), "world_size": world_size,
         "layout": layout or {}, "checks": [check], **({"options": options} if options else {})}]}))
 
 
@@ -136,14 +155,19 @@ def measure(model: Path, layers: list[int], checks: list[str], work: Path, backe
     rows += [dict(phase="import", layers=0, **_peak([sys.executable, "-c", _IMPORT], env=env))]
     print(f"import only: peak {rows[0]['peak'] / 1e9:.2f} GB", flush=True)
     for n in layers:
-        before = set((work / "cache").glob("models/*"))
-        row = _peak([sys.executable, "-c", _CHECKPOINT, str(model), str(n)], env=env)
-        (ckpt,) = set((work / "cache").glob("models/*")) - before
-        model_bytes = _model_bytes(ckpt)
-        rows.append(dict(phase="checkpoint", layers=n, model_bytes=model_bytes, **row))
-        print(f"{n} layers: model {model_bytes / 1e9:.3f} GB; checkpoint peak {row['peak'] / 1e9:.2f} GB "
-              f"({row['peak'] / model_bytes:.2f}x)", flush=True)
-        bare = _peak([sys.executable, "-c", _BARE, str(model), str(n), backend], env=env,
+        overrides = json.dumps(depth_overrides(model, n))
+        if weights_dir(model):  # real weights: read where they are, nothing made
+            model_bytes = _model_bytes(model)
+            print(f"{n} layers: model {model_bytes / 1e9:.3f} GB of safetensors in {model}", flush=True)
+        else:
+            before = set((work / "cache").glob("models/*"))
+            row = _peak([sys.executable, "-c", _CHECKPOINT, str(model), overrides], env=env)
+            (ckpt,) = set((work / "cache").glob("models/*")) - before
+            model_bytes = _model_bytes(ckpt)
+            rows.append(dict(phase="checkpoint", layers=n, model_bytes=model_bytes, **row))
+            print(f"{n} layers: model {model_bytes / 1e9:.3f} GB; checkpoint peak {row['peak'] / 1e9:.2f} GB "
+                  f"({row['peak'] / model_bytes:.2f}x)", flush=True)
+        bare = _peak([sys.executable, "-c", _BARE, str(model), overrides, backend], env=env,
                      log=work / f"{n}-bare.log")
         rows.append(dict(phase="bare_export", layers=n, model_bytes=model_bytes, **bare))
         print(f"{n} layers: bare export peak {bare['peak'] / 1e9:.2f} GB ({bare['peak'] / model_bytes:.2f}x), "
@@ -227,7 +251,8 @@ def _plot(result: dict, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a config.json (default %(default)s)")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                   help="a config.json, or a directory of safetensors at its own depth (default %(default)s)")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
     p.add_argument("--label", default="memory", help="results file stem under bench/results/")

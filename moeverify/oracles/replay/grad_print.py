@@ -18,8 +18,9 @@ independent). Three int64 operations an element and lane, against eleven for spl
 Hashing on the host was most of the check's time at production width: a training pass of one Qwen3-30B-A3B
 layer has 1.2 G gradient elements, 5 GB copied to the host and hashed at about 0.3 G elements a second.
 
-A pass's GPU prints are made in one ``Batch``: every gradient's digest, sum and extrema are queued on the device and
-read back with one copy at the end (a 48-layer model has 12,500 gradients; a host sync each was seconds a pass).
+A pass's GPU prints are made in one ``Batch``: gradients of one size are digested together (a 48-layer model has
+12,500 gradients in a few hundred sizes), every digest, sum and extrema is queued on the device and read back with
+one copy at the end (a host sync a gradient was seconds a pass, a digest a gradient a second more).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from moeverify.oracles.bits import bits
 KEEP = 1 << 16  # elements: kept as a tensor up to this size
 _HASH_THREADS = min(8, os.cpu_count() or 1)  # host blocks hashed at once (1.9x on two cores)
 BLOCK = 1 << 20  # elements per digest block
-_ROWS = 16  # blocks hashed at once on the GPU: bounds the int64 temporaries (8 bytes an element, a few alive)
+_ROWS = 32  # blocks hashed at once on the GPU: bounds the int64 temporaries (24 bytes an element: 768 MB)
 _LANES = (hash64.signed(0x6A09E667F3BCC908), hash64.signed(0xBB67AE8584CAA73B))  # the two sums' position keys
 
 
@@ -107,61 +108,80 @@ def _keys(device: torch.device) -> torch.Tensor:
     return _KEYS[device, BLOCK]
 
 
-def _lin64(flat: torch.Tensor) -> torch.Tensor:
-    """``[rows, lanes]`` int64 on ``flat``'s device: each block's keyed sums (the last block padded with zero
-    bits: the shape tells how many are real); no rows for no elements."""
-    rows = -(-flat.shape[0] // BLOCK)
-    keys = _keys(flat.device)
-    sums = torch.empty(rows, len(_LANES), dtype=torch.int64, device=flat.device)
-    for start in range(0, rows, _ROWS):
-        part = flat[start * BLOCK:(start + _ROWS) * BLOCK].to(torch.int64)
-        if part.shape[0] % BLOCK:
-            part = torch.nn.functional.pad(part, (0, BLOCK - part.shape[0] % BLOCK))
-        part = part.view(-1, 1, BLOCK)
-        sums[start:start + part.shape[0]] = (part * keys).sum(dim=2)
+def _lin64(flat_GN: torch.Tensor) -> torch.Tensor:
+    """``[g, rows, lanes]`` int64 on the device of ``flat_GN`` (``[g, n]`` raw bits, one tensor a row): each row's
+    blocks' keyed sums (a row's last block padded with zero bits: the shape tells how many are real). At most
+    ``_ROWS`` blocks are widened to int64 at once."""
+    g, n = flat_GN.shape
+    rows = -(-n // BLOCK)
+    keys = _keys(flat_GN.device)
+    sums = torch.empty(g, rows, len(_LANES), dtype=torch.int64, device=flat_GN.device)
+    step = max(1, _ROWS // max(g, 1))  # blocks of every row at once
+    for start in range(0, rows, step):
+        part = flat_GN[:, start * BLOCK:(start + step) * BLOCK].to(torch.int64)
+        if part.shape[1] % BLOCK:
+            part = torch.nn.functional.pad(part, (0, BLOCK - part.shape[1] % BLOCK))
+        part = part.view(g, -1, 1, BLOCK)
+        sums[:, start:start + part.shape[1]] = (part * keys).sum(dim=3)
     return sums
 
 
+def _stats(vals_GN: torch.Tensor) -> torch.Tensor:
+    """``[g, 3]`` float64: each row's sum, least and largest element (zeros for empty rows)."""
+    g, n = vals_GN.shape
+    if n == 0:
+        return torch.zeros(g, 3, dtype=torch.float64, device=vals_GN.device)
+    lo, hi = torch.aminmax(vals_GN, dim=1)
+    total = vals_GN.sum(dim=1, dtype=torch.float64 if vals_GN.is_floating_point() else torch.int64)
+    return torch.stack([total.double(), lo.double(), hi.double()], dim=1)
+
+
 class Batch:
-    """Prints of many tensors with one host sync: ``add`` queues a tensor's digest, sum and extrema where it is,
-    ``finish`` reads them all back at once and returns ``{key: GradPrint}``."""
+    """Prints of many tensors with one host sync: ``add`` takes a tensor, ``finish`` digests the GPU ones where they
+    are, tensors of one device, dtype and size together (a 48-layer model's 12,500 gradients are a few hundred
+    shapes: 128 experts a layer share two), reads every digest back at once and returns ``{key: GradPrint}``. A
+    digest does not depend on the tensors it was made with (each row is summed on its own, in wrapping integer
+    arithmetic); sums and extrema, for messages only, may differ in the last bits of the float64 sum."""
 
     def __init__(self):
         self._done: dict = {}  # key -> GradPrint (host digests, made at once)
-        self._queued: list = []  # (key, (shape, dtype, numel), sums [rows, lanes] int64, stats [3] float64), on a GPU
+        self._pending: dict = {}  # (device, dtype, numel) -> [(key, shape, tensor)], digested in ``finish``
 
     def add(self, key, t: torch.Tensor, *, digest: str | None = None) -> None:
         digest = digest or ("blake2b" if t.device.type == "cpu" else "lin64")
-        t = t.detach()
-        flat = bits(t.contiguous()).reshape(-1)
-        if t.numel():
-            lo, hi = torch.aminmax(t)
-            stats = torch.stack([t.sum(dtype=torch.float64 if t.is_floating_point() else torch.int64).double(),
-                                 lo.double(), hi.double()])
-        else:
-            stats = torch.zeros(3, dtype=torch.float64, device=t.device)
-        what = (tuple(t.shape), t.dtype, t.numel())
-        if digest == "blake2b":
-            self._done[key] = _print(what, digest, _blake2b(flat), stats)
-        elif digest == "lin64":
-            self._queued.append((key, what, _lin64(flat), stats))
-        else:
+        if digest not in DIGESTS:
             raise ValueError(f"unknown digest {digest!r}; expected one of {sorted(DIGESTS)}")
+        t = t.detach()
+        if digest == "blake2b":
+            what = (tuple(t.shape), t.dtype, t.numel())
+            self._done[key] = _print(what, digest, _blake2b(bits(t.contiguous()).reshape(-1)),
+                                     _stats(t.reshape(1, -1))[0])
+        else:
+            self._pending.setdefault((t.device, t.dtype, t.numel()), []).append((key, tuple(t.shape), t))
 
     def finish(self) -> dict:
         out = dict(self._done)
-        by_device: dict = {}
-        for item in self._queued:
-            by_device.setdefault(item[2].device, []).append(item)
-        for items in by_device.values():  # one copy to the host per device
-            sums = torch.cat([s for _, _, s, _ in items]).cpu().numpy()
-            stats = torch.stack([st for _, _, _, st in items]).cpu()
-            row = 0
-            for i, (key, what, s, _) in enumerate(items):
-                blocks = tuple(sums[r].tobytes() for r in range(row, row + s.shape[0]))
-                row += s.shape[0]
-                out[key] = _print(what, "lin64", blocks, stats[i])
-        self._done, self._queued = {}, []
+        queued: dict = {}  # device -> [(keys and shapes, dtype, numel, sums [g, rows, lanes], stats [g, 3])]
+        for (device, dtype, numel), items in self._pending.items():
+            per = max(1, _ROWS // max(1, -(-numel // BLOCK)))  # tensors digested at once
+            for i in range(0, len(items), per):
+                part = items[i:i + per]
+                vals = (part[0][2].reshape(1, -1) if len(part) == 1
+                        else torch.stack([t.reshape(-1) for _, _, t in part]))
+                queued.setdefault(device, []).append(([(k, s) for k, s, _ in part], dtype, numel,
+                                                      _lin64(bits(vals)), _stats(vals)))
+        for items in queued.values():  # one copy to the host per device
+            sums = torch.cat([s.reshape(-1, len(_LANES)) for *_, s, _ in items]).cpu().numpy()
+            stats = torch.cat([st for *_, st in items]).cpu()
+            row = srow = 0
+            for names, dtype, numel, s, _ in items:
+                rows = s.shape[1]
+                for key, shape in names:
+                    blocks = tuple(sums[r].tobytes() for r in range(row, row + rows))
+                    row += rows
+                    out[key] = _print((shape, dtype, numel), "lin64", blocks, stats[srow])
+                    srow += 1
+        self._done, self._pending = {}, {}
         return out
 
 
@@ -180,12 +200,17 @@ def keep(t: torch.Tensor) -> torch.Tensor | GradPrint:
 
 
 def keep_all(grads: dict) -> dict:
-    """``keep`` of every ``{key: gradient}``, the GPU prints read back with one host sync."""
-    out, batch = {}, Batch()
+    """``keep`` of every ``{key: gradient}``: the small ones copied to the host together (one copy per device and
+    dtype), the GPU prints read back with one host sync."""
+    out, batch, small = {}, Batch(), {}
     for key, t in grads.items():
         if t.numel() <= KEEP:
-            out[key] = t.detach().to("cpu", copy=True)
+            small.setdefault((t.device, t.dtype), []).append((key, t.detach()))
         else:
             batch.add(key, t)
+    for items in small.values():
+        flat = torch.cat([t.reshape(-1) for _, t in items]).to("cpu", copy=True)
+        for (key, t), host in zip(items, flat.split([t.numel() for _, t in items])):
+            out[key] = host.view(t.shape)
     out.update(batch.finish())
     return out
