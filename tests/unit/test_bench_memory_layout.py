@@ -65,3 +65,23 @@ def test_fits_per_layout_use_largest_rank(memory):
     fits = memory._fits(rows)
     assert fits["check:export@ep2-dp2"] == dict(slope=0.02, fixed_gb=0.0)
     assert set(fits) == {"check:export", "check:export@ep2-dp2"}
+
+
+def test_weights_directory_is_measured_at_its_own_depth(memory, tmp_path):
+    """A config alone gets its depth set per row; a directory of safetensors keeps its own (no override in the
+    scenario), and a row asking it for another depth is refused rather than measured as something else."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 3}))
+    assert not memory.weights_dir(config) and memory.depth_overrides(config, 2) == {"num_hidden_layers": 2}
+    assert not memory.weights_dir(tmp_path)  # a config without weights beside it
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert memory.weights_dir(tmp_path) and memory.depth_overrides(tmp_path, 3) == {}
+    with pytest.raises(SystemExit, match="holds weights of 3 layers; --layers 2"):
+        memory.depth_overrides(tmp_path, 2)
+    scen = tmp_path / "scen.json"
+    memory._scenario(scen, tmp_path, 3, "export")
+    (entry,) = json.loads(scen.read_text())["scenarios"]
+    assert "model_set" not in entry and entry["model"] == str(tmp_path)
+    memory._scenario(scen, config, 2, "export")
+    (entry,) = json.loads(scen.read_text())["scenarios"]
+    assert entry["model_set"] == {"num_hidden_layers": 2}
