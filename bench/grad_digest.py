@@ -43,7 +43,7 @@ def lin64_per_tensor(grads: dict) -> dict:
     """The nearer peer: ``lin64`` digest, sums and extrema queued one tensor at a time, read back with one copy."""
     queued = [(key, grad_print._lin64(bits(g).reshape(1, -1)), grad_print._stats(g.reshape(1, -1)))
               for key, g in grads.items()]
-    sums = torch.cat([s.reshape(-1, 2) for _, s, _ in queued]).cpu().numpy()
+    sums = torch.cat([s.reshape(-1, len(grad_print._LANES)) for _, s, _ in queued]).cpu().numpy()
     stats = torch.cat([st for *_, st in queued]).cpu()
     return {key: (sums, stats) for key, _, _ in queued}
 
