@@ -8,6 +8,7 @@ file (and npz member) named.
 
 from __future__ import annotations
 
+import io
 import tokenize
 import zipfile
 from pathlib import Path
@@ -43,6 +44,16 @@ def load_npy(path: Path, *, error, where: str | None = None) -> np.ndarray:
         with open(path, "rb") as fp:
             _check_header(fp, path.stat().st_size, where=where, error=error)
         return np.load(path, allow_pickle=False)
+    except _PARSE_ERRORS as exc:
+        raise error(f"{where}: cannot read as .npy: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def load_npy_bytes(data: bytes, *, error, where: str) -> np.ndarray:
+    """The array of a ``.npy`` held in memory (a decoded base64 payload), its header checked first, as
+    ``load_npy`` does for a file; ``error`` is the exception class raised, ``where`` names the payload."""
+    try:
+        _check_header(io.BytesIO(data), len(data), where=where, error=error)
+        return np.load(io.BytesIO(data), allow_pickle=False)
     except _PARSE_ERRORS as exc:
         raise error(f"{where}: cannot read as .npy: {type(exc).__name__}: {exc}"[:300]) from None
 
