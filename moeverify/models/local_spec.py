@@ -124,6 +124,11 @@ class LocalCoreAttention(MegatronModule):
             v_SBGD = v_SBGD.repeat_interleave(heads // groups, dim=2)
         q_BHSD, k_BHSD, v_BHSD = (t.permute(1, 2, 0, 3) for t in (q_SBHD, k_SBGD, v_SBGD))
         scores = torch.matmul(q_BHSD.float(), k_BHSD.float().transpose(-1, -2)) * self.softmax_scale
+        if attention_mask is not None and cp_size == 1 and attention_mask.shape[-2:] == scores.shape[-2:]:
+            # Megatron's [B or 1, 1, Sq, Sk] mask (True = masked), e.g. a padded batch's padding keys: the lowest
+            # finite logit, so a query whose every key is padding (left padding) stays finite
+            scores = scores.masked_fill(attention_mask.to(device=scores.device, dtype=torch.bool),
+                                        torch.finfo(scores.dtype).min)
         scores = scores.masked_fill(self._mask(q_pos, k_pos).to(scores.device), float("-inf"))
         probs = self._softmax(scores).to(v_BHSD.dtype)
         if self.training and self.dropout_p > 0:

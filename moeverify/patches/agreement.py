@@ -35,61 +35,148 @@ from moeverify.errors import RouteError, UsageError
 
 ENV = "MOEVERIFY_AGREEMENT"
 MIN_ENV = "MOEVERIFY_AGREEMENT_MIN"
+FLOOR_ENV = "MOEVERIFY_AGREEMENT_FLOOR"
+OFF = "off"
+CHANCE = "chance"  # the default floor of in-job replay: better than random expert ids (module docstring)
 TAG = "moeverify/agreement/layer{layer}"
+PASS_TAG = "moeverify/agreement/{kind}/layer{layer}"
+PASSES = ("training", "log_prob", "replay")  # in-job passes; "replay": a session's or a whole-job replay's calls
+Z = 3.0  # standard deviations above chance that a sample must show to pass the chance floor below its margin
 
 ACTIVE: Guard | None = None  # read on the routing hot path: None costs one global load per call
 
 
-class Guard:
-    """Per-layer agreement counts of replayed router calls, flushed per step (see the module docstring)."""
+def chance_floor(*, topk: int, num_experts: int, slots: int) -> tuple[float, float]:
+    """``(chance, floor)``: the mean overlap random top-``topk`` ids of ``num_experts`` have with any top-k
+    (``topk / num_experts``), and the overlap below which ``slots`` replayed slots are judged no better than random:
+    below both a quarter of the way from chance to 1 and ``Z`` standard deviations of a random sample above chance."""
+    chance = topk / num_experts
+    margin = chance + (1.0 - chance) / 4
+    noise = chance + Z * math.sqrt(chance * (1.0 - chance) / max(slots, 1))
+    return chance, min(margin, noise)
 
-    def __init__(self, *, path: str | os.PathLike | None = None, minimum: float | None = None, writer=None):
-        if minimum is not None and not (isinstance(minimum, (int, float)) and 0.0 <= minimum <= 1.0):
-            raise UsageError(f"agreement minimum {minimum!r}: expected a share in [0, 1]")
+
+class Guard:
+    """Per-pass, per-layer agreement counts of replayed router calls, flushed per step (see the module docstring).
+
+    Args:
+        path: the JSONL file of rows (None: rows kept in ``history`` only).
+        minimum: fail a step whose agreement (exact top-k sets) falls below this share in some pass and layer.
+        floor: ``"chance"``: fail a step whose replayed ids overlap native routing's no better than random ids would
+            (``chance_floor``); a number: fail below that mean overlap; None: no floor.
+        writer: a TensorBoard-like ``add_scalar`` logger.
+    """
+
+    def __init__(self, *, path: str | os.PathLike | None = None, minimum: float | None = None, writer=None,
+                 floor: str | float | None = None):
+        for name, value in (("minimum", minimum), ("floor", None if floor == CHANCE else floor)):
+            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise UsageError(f"agreement {name} {value!r}: expected a share in [0, 1]")
         self.path = Path(path) if path is not None else None
         self.minimum = minimum
+        self.floor = floor
         self.writer = writer
         self.step = 0  # steps flushed with counted calls
+        self.fresh = False  # new routes arrived since the last flush (``routes_changed``)
         self.history: list[dict] = []  # every row written, for code users and tests
-        self._counts: dict[int, list] = {}  # layer -> [agreeing tokens (device tensor), tokens]
+        # (pass, layer) -> [agreeing, overlapping slots, counted, padding, native (device tensors), calls' tokens,
+        #                   top-k, experts]
+        self._counts: dict[tuple[str, int], list] = {}
         self._file = None
         self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
 
-    def count(self, layer: int, replayed_TK: torch.Tensor, native_TK: torch.Tensor) -> None:
+    def count(self, layer: int, replayed_TK: torch.Tensor, native_TK: torch.Tensor, *, kind: str = "replay",
+              num_experts: int | None = None, pad_T: torch.Tensor | None = None,
+              routed_natively_T: torch.Tensor | None = None) -> None:
+        """Count one routing call. Tokens of ``pad_T`` (padding the model was told of) and ``routed_natively_T``
+        (tokens the replay routed natively: padding, tokens with no route) are left out and counted apart."""
+        t, k = replayed_TK.shape
         with torch.no_grad():
-            agree = (replayed_TK.sort(dim=1).values == native_TK.sort(dim=1).values).all(dim=1).sum()
-        counts = self._counts.get(layer)
+            counted_T = torch.ones(t, dtype=torch.bool, device=replayed_TK.device)
+            pad_n = native_n = torch.zeros((), dtype=torch.int64, device=replayed_TK.device)
+            if pad_T is not None:
+                pad_T = pad_T.reshape(-1).to(device=replayed_TK.device, dtype=torch.bool)
+                if pad_T.numel() != t:
+                    raise RouteError(f"agreement guard: layer {layer}: the router's padding mask holds "
+                                     f"{pad_T.numel()} tokens, the call routes {t}")
+                counted_T &= ~pad_T
+                pad_n = pad_T.sum()
+            if routed_natively_T is not None:
+                native_T = routed_natively_T.to(device=replayed_TK.device, dtype=torch.bool) & counted_T
+                counted_T &= ~native_T
+                native_n = native_T.sum()
+            same_T = (replayed_TK.sort(dim=1).values == native_TK.sort(dim=1).values).all(dim=1)
+            hits_T = (replayed_TK[:, :, None] == native_TK[:, None, :]).any(dim=2).sum(dim=1)
+            sums = [(same_T & counted_T).sum(), hits_T.masked_fill(~counted_T, 0).sum(), counted_T.sum(), pad_n,
+                    native_n]
+        counts = self._counts.get((kind, layer))
         if counts is None:
-            self._counts[layer] = [agree, int(replayed_TK.shape[0])]
+            self._counts[(kind, layer)] = [*sums, t, k, num_experts]
         else:
-            counts[0] = counts[0] + agree
-            counts[1] += int(replayed_TK.shape[0])
+            for i in range(5):
+                counts[i] = counts[i] + sums[i]
+            counts[5] += t
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._counts:
             self.end_step()
 
     def end_step(self) -> dict[int, float]:
-        """Flush this step's counts: ``{layer: agreement}``; raises ``RouteError`` below the minimum."""
+        """Flush this step's counts: ``{layer: agreement}`` of the training (or replay) pass; every pass's rows go to
+        ``history``, the file and the logger. Raises ``RouteError`` below the minimum or the floor."""
         if not self._counts:
             return {}
         self.step += 1
         rank = _rank()
-        shares = {layer: int(agree) / tokens for layer, (agree, tokens) in sorted(self._counts.items())}
-        rows = [{"step": self.step, "layer": layer, "rank": rank, "agreement": share,
-                 "tokens": self._counts[layer][1]} for layer, share in shares.items()]
+        rows = [self._row(kind, layer, counts, rank) for (kind, layer), counts in
+                sorted(self._counts.items(), key=lambda item: (PASSES.index(item[0][0]), item[0][1]))]
         self._counts.clear()
         self.history.extend(rows)
         self._write(rows, rank)
-        self._log(shares)
+        self._log(rows)
+        self._judge(rows, rank)
+        return {row["layer"]: row["agreement"] for row in rows if row["pass"] != "log_prob"}
+
+    def _row(self, kind: str, layer: int, counts: list, rank: int) -> dict:
+        agree, hits, counted, pad, native, calls_tokens, k, experts = counts
+        counted = int(counted)
+        row = {"step": self.step, "pass": kind, "layer": layer, "rank": rank,
+               "agreement": int(agree) / counted if counted else None,
+               "overlap": int(hits) / (counted * k) if counted else None,
+               "tokens": counted, "padding": int(pad), "routed_natively": int(native), "routed": calls_tokens}
+        if experts:
+            row["chance"], row["floor"] = chance_floor(topk=k, num_experts=experts, slots=counted * k)
+        return row
+
+    def _judge(self, rows: list[dict], rank: int) -> None:
+        def fail(row: dict, what: str, got: float, want: float, setting: str, count: int) -> None:
+            raise RouteError(f"agreement guard: step {self.step} {row['pass']} pass layer {row['layer']} rank {rank}: "
+                             f"{what} {got:.4%} over {row['tokens']} replayed tokens (padding {row['padding']} and "
+                             f"tokens routed natively {row['routed_natively']} not counted), expected at least "
+                             f"{want:.4%} ({setting}); {count} pass-layer(s) below")
+
+        judged = [r for r in rows if r["tokens"]]
+        fresh, self.fresh = self.fresh, False
         if self.minimum is not None:
-            below = {layer: share for layer, share in shares.items() if share < self.minimum}
+            below = [r for r in judged if r["agreement"] < self.minimum]
             if below:
-                layer, share = min(below.items(), key=lambda item: item[1])
-                raise RouteError(f"agreement guard: step {self.step} layer {layer} rank {rank}: {share:.4%} of "
-                                 f"replayed tokens have native routing's top-k, expected at least "
-                                 f"{self.minimum:.4%} ({MIN_ENV}); {len(below)} layer(s) below")
-        return shares
+                worst = min(below, key=lambda r: r["agreement"])
+                fail(worst, "agreement (top-k set equal to native routing's)", worst["agreement"], self.minimum,
+                     MIN_ENV, len(below))
+        if self.floor is not None:
+            if self.floor == CHANCE:  # judged where the weights are those the routes were made for (docstring)
+                judged = [r for r in judged if r["pass"] != "training" or fresh]
+            floors = {id(r): (r.get("floor") if self.floor == CHANCE else self.floor) for r in judged}
+            below = [r for r in judged if floors[id(r)] is not None and r["overlap"] < floors[id(r)]]
+            if below:
+                worst = min(below, key=lambda r: r["overlap"] - floors[id(r)])
+                what = ("overlap (replayed experts native routing also picks; random ids give "
+                        f"{worst.get('chance', 0):.4%}), no better than random ids: another expert numbering (EPLB "
+                        "physical slots without their map), another model's or step's routes?") \
+                    if self.floor == CHANCE else "overlap (replayed experts native routing also picks)"
+                fail(worst, what, worst["overlap"], floors[id(worst)],
+                     f"{FLOOR_ENV}={self.floor}" if self.floor != CHANCE else f"{FLOOR_ENV}={CHANCE}, the default "
+                     f"of in-job replay; {FLOOR_ENV}={OFF} turns it off", len(below))
 
     def _write(self, rows: list[dict], rank: int) -> None:
         if self.path is None:
@@ -103,13 +190,16 @@ class Guard:
         self._file.write("".join(json.dumps(row) + "\n" for row in rows))
         self._file.flush()
 
-    def _log(self, shares: dict[int, float]) -> None:
+    def _log(self, rows: list[dict]) -> None:
+        scalars = {(TAG.format(layer=r["layer"]) if r["pass"] != "log_prob" else
+                    PASS_TAG.format(kind=r["pass"], layer=r["layer"])): r["agreement"]
+                   for r in rows if r["agreement"] is not None}
         for writer in self._writers():
-            for layer, share in shares.items():
-                writer.add_scalar(TAG.format(layer=layer), share, self.step)
+            for tag, share in scalars.items():
+                writer.add_scalar(tag, share, self.step)
         wandb = sys.modules.get("wandb")  # only a job that imported wandb and started a run
         if self.writer is None and wandb is not None and getattr(wandb, "run", None) is not None:
-            wandb.log({TAG.format(layer=layer): share for layer, share in shares.items()}, commit=False)
+            wandb.log(scalars, commit=False)
 
     def _writers(self) -> list:
         if self.writer is not None:
@@ -127,37 +217,54 @@ class Guard:
 
 
 class Watched:
-    """A replay hook (Megatron's ``router_replay`` protocol) whose replayed ids are counted against native's."""
+    """A replay hook (Megatron's ``router_replay`` protocol) whose replayed ids are counted against native's.
 
-    __slots__ = ("inner", "guard", "layer")
+    The inner hook may say which pass it serves (``kind``) and which tokens it routed natively (``native_T``);
+    ``pad_T`` is the padding mask the router was called with."""
 
-    def __init__(self, inner, guard: Guard, layer: int):
-        self.inner, self.guard, self.layer = inner, guard, layer
+    __slots__ = ("inner", "guard", "layer", "pad_T", "num_experts")
+
+    def __init__(self, inner, guard: Guard, layer: int, pad_T=None, num_experts: int | None = None):
+        self.inner, self.guard, self.layer, self.pad_T, self.num_experts = inner, guard, layer, pad_T, num_experts
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values_TK, ids_TK = self.inner.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-        with torch.no_grad():
-            _, native_TK = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
-        self.guard.count(self.layer, ids_TK, native_TK)
+        native_TK = getattr(self.inner, "last_native_TK", None)
+        if native_TK is None:
+            with torch.no_grad():
+                _, native_TK = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
+                                                    group_topk=group_topk)
+        self.guard.count(self.layer, ids_TK, native_TK, kind=getattr(self.inner, "kind", "replay"),
+                         num_experts=self.num_experts, pad_T=self.pad_T,
+                         routed_natively_T=getattr(self.inner, "native_T", None))
         return values_TK, ids_TK
 
 
-def watch(hook, router):
-    """``hook``, counted by the active guard when it replays and this is a forward (not a recompute in backward)."""
+def watch(hook, router, pad_T=None):
+    """``hook``, counted by the active guard when it replays and this is a forward (not a recompute in backward);
+    ``pad_T``: the padding mask of the routing call."""
     guard = ACTIVE
     if guard is None or not getattr(hook, "REPLAYS", False) or torch._C._current_graph_task_id() != -1:
         return hook
-    return Watched(hook, guard, router.layer_number - 1 + (router.config.num_layers
-                                                           if getattr(router, "is_mtp_layer", False) else 0))
+    layer = router.layer_number - 1 + (router.config.num_layers if getattr(router, "is_mtp_layer", False) else 0)
+    return Watched(hook, guard, layer, pad_T, router.num_experts)
 
 
-def guard(*, path: str | os.PathLike | None = None, minimum: float | None = None, writer=None) -> Guard:
-    """Start the process's agreement guard (one at a time); ``stop()`` ends it."""
+def guard(*, path: str | os.PathLike | None = None, minimum: float | None = None, writer=None,
+          floor: str | float | None = None) -> Guard:
+    """Start the process's agreement guard (one at a time); ``stop()`` ends it. Arguments as ``Guard``'s."""
     global ACTIVE
     if ACTIVE is not None:
         raise UsageError("an agreement guard is already active in this process: call agreement.stop() first")
-    ACTIVE = Guard(path=path, minimum=minimum, writer=writer)
+    ACTIVE = Guard(path=path, minimum=minimum, writer=writer, floor=floor)
     return ACTIVE
+
+
+def routes_changed() -> None:
+    """In-job replay serves new routes (a rollout step or batch): the next step's training pass is judged by the
+    chance floor (it runs on the weights the routes were made for, before this RL step's first optimizer step)."""
+    if ACTIVE is not None:
+        ACTIVE.fresh = True
 
 
 def stop() -> None:
@@ -167,20 +274,47 @@ def stop() -> None:
         ACTIVE = None
 
 
-def from_env() -> Guard | None:
-    """Start the guard from ``MOEVERIFY_AGREEMENT`` / ``MOEVERIFY_AGREEMENT_MIN`` if set (autopatch calls it)."""
-    path, minimum = os.environ.get(ENV) or None, os.environ.get(MIN_ENV) or None
-    if path is None and minimum is None:
-        return None
-    if path is None:
-        raise UsageError(f"{MIN_ENV}={minimum} needs {ENV}=PATH.jsonl (where the per-step agreement goes)")
+def _share(name: str, value: str) -> float:
     try:
-        share = float(minimum) if minimum is not None else None
+        share = float(value)
     except ValueError:
         share = math.nan
-    if share is not None and not 0.0 <= share <= 1.0:
-        raise UsageError(f"{MIN_ENV}={minimum!r}: expected a share in [0, 1], e.g. 0.99")
-    return guard(path=path, minimum=share)
+    if not 0.0 <= share <= 1.0:
+        raise UsageError(f"{name}={value!r}: expected a share in [0, 1], e.g. 0.99")
+    return share
+
+
+def from_env(*, in_job: bool = False, floor_default: str | None = None) -> Guard | None:
+    """Start the guard from ``MOEVERIFY_AGREEMENT`` / ``_MIN`` / ``_FLOOR`` (autopatch calls it).
+
+    Args:
+        in_job: in-job replay (r2, r3, routes from the batch): the guard is on unless ``MOEVERIFY_AGREEMENT=off``;
+            elsewhere it is off unless ``MOEVERIFY_AGREEMENT=PATH.jsonl`` is set.
+        floor_default: the floor when ``MOEVERIFY_AGREEMENT_FLOOR`` is unset (``"chance"`` for a rollout engine's
+            routes).
+    """
+    path, minimum, floor = (os.environ.get(name) or None for name in (ENV, MIN_ENV, FLOOR_ENV))
+    if in_job and ACTIVE is not None and path is minimum is floor is None:
+        return None  # the job started its own guard (agreement.guard()): it counts in-job replay too
+    if path == OFF:
+        if minimum is not None or floor not in (None, OFF):
+            raise UsageError(f"{ENV}={OFF} turns the agreement guard off, but {MIN_ENV} or {FLOOR_ENV} asks it to "
+                             "judge the job: unset one of them")
+        return None
+    if not in_job:
+        if path is None and minimum is None and floor is None:
+            return None
+        if path is None:
+            name, value = (MIN_ENV, minimum) if minimum is not None else (FLOOR_ENV, floor)
+            raise UsageError(f"{name}={value} needs {ENV}=PATH.jsonl (where the per-step agreement goes)")
+    share = _share(MIN_ENV, minimum) if minimum is not None else None
+    if floor is None:
+        floor = floor_default
+    elif floor == OFF:
+        floor = None
+    elif floor != CHANCE:
+        floor = _share(FLOOR_ENV, floor)
+    return guard(path=path, minimum=share, floor=floor)
 
 
 def _rank() -> int:

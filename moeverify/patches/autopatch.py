@@ -387,7 +387,8 @@ def install(setting: Setting):
     if _SESSION is not None:
         raise UsageError(f"{ENV}: autopatch is already installed in this process")
     _check_directory(setting, state.current_rank())
-    guard = agreement.from_env()  # refuses a bad setting before anything is installed
+    guard = agreement.from_env(in_job=setting.mode in (INJOB, ROLLOUT),  # a bad setting refused before installing
+                               floor_default=agreement.CHANCE if setting.mode == ROLLOUT else None)
     rr.apply()
     _ORDER.install()
     if setting.mode in (INJOB, ROLLOUT):

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.patches import regions, replay_state
+from moeverify.patches import agreement, regions, replay_state
 from moeverify.patches import token_keys as tk
 from moeverify.patches.model_hooks import ModelInitHooks
 from moeverify.patches.rollout_source import RolloutSource
@@ -124,8 +124,8 @@ class ChunkForward:
 
         group = parallel_state.get_context_parallel_group()
         cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-        parts = _gather_cp(ids, group, cp=cp, layer=layer, rank=rank)
         if thd:
+            parts = _gather_cp(ids, group, cp=cp, layer=layer, rank=rank)
             if ids.dim() != 2 or ids.shape[0] != 1:
                 raise RouteError(f"layer {layer} rank {rank}: packed (THD) input_ids must be [1, N], got "
                                  f"{tuple(ids.shape)}")
@@ -143,12 +143,17 @@ class ChunkForward:
             return tk.take(full, indices[cp_rank])
         if ids.dim() != 2:
             raise RouteError(f"layer {layer} rank {rank}: token keys need input_ids [B, S], got {tuple(ids.shape)}")
+        # the padding mask (this rank's halves, like input_ids) travels with the ids: a key needs the whole row's
+        parts = _gather_cp(ids if self.padding_mask is None else torch.stack([ids.long(), self.padding_mask.long()]),
+                           group, cp=cp, layer=layer, rank=rank)
+        if self.padding_mask is None:
+            parts = [p[None] for p in parts]
         length = ids.shape[1] * cp
         indices = [tk.zigzag_index(length, rank=r, size=cp) for r in range(cp)]
-        full = tk.row_keys(tk.unshard(parts, indices, length=length))
-        pad = self.padding_mask
-        pad_T = None if pad is None else pad.bool().t().reshape(-1)  # already this rank's halves, like input_ids
-        return tk.take(full, tk.row_zigzag_tokens(indices[cp_rank], batch=ids.shape[0]), pad_T=pad_T)
+        full_ids = tk.unshard([p[0] for p in parts], indices, length=length)
+        full_pad = None if self.padding_mask is None else tk.unshard([p[1] for p in parts], indices, length=length)
+        full = tk.row_keys(full_ids, padding_mask_BS=None if full_pad is None else full_pad.bool())
+        return tk.take(full, tk.row_zigzag_tokens(indices[cp_rank], batch=ids.shape[0]))
 
 
 def _stage_of(chunk) -> str:
@@ -226,21 +231,26 @@ class _RecordIds:
 
 class _ReplayIds:
     """Megatron's ``router_replay`` protocol: the looked-up ids in the slot order a grad-mode pass gives them (the
-    replay_state module's rule, so any source's ids sum alike); tokens flagged native route natively."""
+    replay_state module's rule, so any source's ids sum alike); tokens flagged native route natively. ``kind`` (the
+    pass), ``native_T`` and the native top-k it took (``last_native_TK``) are read by the agreement guard."""
 
-    __slots__ = ("topk_ids_TK", "native_T")
+    __slots__ = ("topk_ids_TK", "native_T", "kind", "last_native_TK")
     REPLAYS = True  # counted by the agreement guard
 
-    def __init__(self, topk_ids_TK, native_T):
-        self.topk_ids_TK, self.native_T = topk_ids_TK, native_T
+    def __init__(self, topk_ids_TK, native_T, kind: str):
+        self.topk_ids_TK, self.native_T, self.kind = topk_ids_TK, native_T, kind
+        self.last_native_TK = None
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         ids_TK, native_TK = self.topk_ids_TK, None
-        if self.native_T is not None:  # one native top-k: the flagged tokens' ids and every row's slot order
+        if self.native_T is not None or agreement.ACTIVE is not None:
+            # one native top-k: the flagged tokens' ids, every row's slot order and the guard's comparison
             with torch.no_grad():
                 _, native_TK = replay_state.grad_mode_topk(default_compute_topk, scores.detach(), topk, num_groups,
                                                            group_topk)
-            ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
+            self.last_native_TK = native_TK
+            if self.native_T is not None:
+                ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
         return replay_state.canonical_replay(scores, ids_TK.sort(dim=1).values, default_compute_topk, topk=topk,
                                              num_groups=num_groups, group_topk=group_topk, native_TK=native_TK)
 
@@ -318,9 +328,9 @@ class InJobState:
         ids_TK = fwd.table.ids(layer, fwd.found)
         region = regions.forward_region()
         if region is not None:
-            replay_state._bind(region, router, self, layer, _ReplayIds(ids_TK, fwd.found.native_T))
+            replay_state._bind(region, router, self, layer, _ReplayIds(ids_TK, fwd.found.native_T, fwd.kind))
         replay_state._REPLAYED.add(router)
-        return _ReplayIds(ids_TK, fwd.found.native_T)
+        return _ReplayIds(ids_TK, fwd.found.native_T, fwd.kind)
 
     def recompute(self, router, layer, mb, logits, args, kwargs):
         return replay_state._call_with_hook(self.original, router, mb, logits, args, kwargs)

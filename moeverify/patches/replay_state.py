@@ -110,7 +110,7 @@ def _call_with_hook(original, router, hook, logits, args, kwargs):
     # router_replay is a plain attribute (never a parameter, buffer or module): write the instance
     # dict directly and skip nn.Module.__setattr__'s bookkeeping on the hot path.
     if agreement.ACTIVE is not None:
-        hook = agreement.watch(hook, router)
+        hook = agreement.watch(hook, router, token_counts.padding_mask_of(args, kwargs))
     attrs = router.__dict__
     saved = attrs["router_replay"]
     attrs["router_replay"] = hook

@@ -27,6 +27,7 @@ from moeverify import layer_numbering, npy_file
 from moeverify import rollout_arrays as ra
 from moeverify import rollout_writer as rw
 from moeverify.errors import RouteError, UsageError
+from moeverify.patches import agreement
 from moeverify.patches import token_keys as tk
 from moeverify.patches.route_table import RouteTable
 
@@ -229,4 +230,5 @@ class RolloutSource:
         table.freeze(rank=rank)
         self._tables[chunk] = table
         self.builds += 1
+        agreement.routes_changed()
         return table

@@ -194,7 +194,7 @@ class RouteTable:
         native_T = None
         if keys.pad_T is not None:
             bad_T = bad_T & ~keys.pad_T
-            native_T = ~found_T  # padding not found routes natively (bad_T covers the rest)
+            native_T = keys.pad_T | ~found_T  # padding routes natively (bad_T covers the rest)
         if self.any_native:
             flagged_T = found_T & self.native_G[index_T]
             native_T = flagged_T if native_T is None else native_T | flagged_T

@@ -5,8 +5,9 @@ Legend of shape suffixes: B = sequences (rows), S = positions in a row, T = toke
 A token's key is a hash of its sequence prefix: two independent 64-bit mixes of (token id, position in its
 sequence), each summed with wrap-around over the positions ``0..s``. Keys depend only on the
 content and position of the prefix, so a token keeps its key whatever micro-batch, row, packing offset,
-shuffling, epoch or right padding it comes in; two tokens with equal keys have the same prefix (up to a
-2**-128 collision chance), which under causal attention means the same routing inputs. Plain tensor math.
+shuffling, epoch or padding (right padding, or padding on either side that the padding mask marks) it comes in;
+two tokens with equal keys have the same prefix (up to a 2**-128 collision chance), which under causal attention
+means the same routing inputs. Plain tensor math.
 
 Router order: Megatron's router sees hidden states ``[s, b]`` flattened as ``s * B + b`` (THD: the packed
 token order, ``B = 1``); under sequence parallel each TP rank holds the ``t``-th contiguous ``1 / tp`` slice
@@ -33,6 +34,8 @@ from moeverify.errors import RouteError
 _GOLDEN, _MUL1, _MUL2 = hash64.GOLDEN, hash64.MIX1, hash64.MIX2  # splitmix64's constants, also position salts
 _SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # one per key half
 _mix = hash64.mix
+# the key of every padding token of a BSHD row: a real token's key equals it with chance 2**-128
+PAD_KEY = torch.tensor([-0x5A5A5A5A5A5A5A5B, 0x3C3C3C3C3C3C3C3C], dtype=torch.int64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,7 +60,12 @@ def _values(base: torch.Tensor) -> torch.Tensor:
 
 
 def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None = None) -> TokenKeys:
-    """Keys of a ``[B, S]`` batch, one sequence per row from position 0, in router order ``s * B + b``.
+    """Keys of a ``[B, S]`` batch, one sequence per row, in router order ``s * B + b``.
+
+    A row's sequence is its real tokens: with ``padding_mask_BS`` the padding is left out of every prefix and the
+    real tokens are numbered from 0 where the first one sits, so a row padded on the left, on the right (or both)
+    keys its tokens as the unpadded sequence does (what a rollout engine routed). Padding tokens get one constant
+    key that no real token has (``PAD_KEY``); they route natively.
 
     Args:
         padding_mask_BS: Megatron's ``padding_mask`` (True = padding), or None.
@@ -65,11 +73,26 @@ def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None
     if input_ids_BS.dim() != 2:
         raise RouteError(f"token keys need input_ids [B, S], got shape {tuple(input_ids_BS.shape)}")
     b, s = input_ids_BS.shape
-    base_BS = input_ids_BS.long() * _GOLDEN + torch.arange(s, device=input_ids_BS.device) * _MUL1
-    keys_2BS = torch.cumsum(_values(base_BS), dim=2)  # wrap-around sums of each row's prefix
+    device = input_ids_BS.device
+    if padding_mask_BS is None:
+        pos_BS = torch.arange(s, device=device).expand(b, s)
+        pad = None
+    else:
+        if tuple(padding_mask_BS.shape) != (b, s):
+            raise RouteError(f"token keys: padding_mask {tuple(padding_mask_BS.shape)} does not match input_ids "
+                             f"{(b, s)}")
+        pad_BS = padding_mask_BS.to(device=device, dtype=torch.bool)
+        pos_BS = torch.cumsum(~pad_BS, dim=1) - 1  # real tokens numbered from the row's first real token
+        pad = pad_BS.t().reshape(-1)
+    base_BS = input_ids_BS.long() * _GOLDEN + pos_BS * _MUL1
+    values_2BS = _values(base_BS)
+    if pad is not None:
+        values_2BS = values_2BS.masked_fill(pad_BS, 0)
+    keys_2BS = torch.cumsum(values_2BS, dim=2)  # wrap-around sums of each row's (real) prefix
     keys_2T = keys_2BS.transpose(1, 2).reshape(2, s * b)
-    pad = padding_mask_BS.bool().t().reshape(-1) if padding_mask_BS is not None else None
-    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, t // b))
+    if pad is not None:
+        keys_2T = torch.where(pad, PAD_KEY.to(device)[:, None], keys_2T)
+    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, int(pos_BS[t % b, t // b])))
 
 
 def packed_keys(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,

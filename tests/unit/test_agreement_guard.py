@@ -93,7 +93,8 @@ def test_perturbed_routes_give_the_share_counted_by_hand_and_the_minimum_fails_t
     with pytest.raises(RouteError) as err:
         _replay_step(routers, per_layer, x, optimizer)
     worst = min(expected, key=expected.get)
-    assert f"agreement guard: step 1 layer {worst} rank 0: {expected[worst]:.4%} of replayed tokens" in str(err.value)
+    assert (f"agreement guard: step 1 replay pass layer {worst} rank 0: agreement (top-k set equal to native "
+            f"routing's) {expected[worst]:.4%} over {T} replayed tokens") in str(err.value)
     assert "expected at least 99.9000% (MOEVERIFY_AGREEMENT_MIN)" in str(err.value)
     rows = {r["layer"]: r["agreement"] for r in map(json.loads, guard_path.read_text().splitlines())}
     assert rows == pytest.approx(expected, abs=0), rows  # written before the step fails

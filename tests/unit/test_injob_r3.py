@@ -9,6 +9,7 @@ actually used, and gradients are compared bitwise with the session API given the
 
 from __future__ import annotations
 
+import os
 
 import numpy as np
 import pytest
@@ -17,17 +18,31 @@ from test_injob_replay import (Spy, assert_grads_as_session_api, batch_of, forwa
                                random_sequences, verl_plan)
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.patches import autopatch
+from moeverify.patches import agreement, autopatch
 from moeverify.rollout_writer import RolloutWriter, complete_steps, mark_complete
 
 SEED = 23
 
 
-def r3_world(tmp_path_factory, family: str, overrides: dict | None = None):
-    """An actor bound to r3 on a fresh directory, and an engine model of other weights routing natively."""
+def r3_world(tmp_path_factory, family: str, overrides: dict | None = None, *, floor: str | None = agreement.OFF):
+    """An actor bound to r3 on a fresh directory, and an engine model of other weights routing natively.
+
+    The engine's routes are no better than random ids for the actor (other weights): the agreement guard's chance
+    floor, which exists to refuse exactly that, is turned off (``floor``; ``test_injob_r3_guard.py`` tests it)."""
     directory = tmp_path_factory.mktemp("rollout")
-    for actor, engine, vocab in installed_world(f"r3:{directory}", family, overrides):
-        yield actor, engine, vocab, directory
+    saved = os.environ.get(agreement.FLOOR_ENV)
+    if floor is None:
+        os.environ.pop(agreement.FLOOR_ENV, None)
+    else:
+        os.environ[agreement.FLOOR_ENV] = floor
+    try:
+        for actor, engine, vocab in installed_world(f"r3:{directory}", family, overrides):
+            yield actor, engine, vocab, directory
+    finally:
+        if saved is None:
+            os.environ.pop(agreement.FLOOR_ENV, None)
+        else:
+            os.environ[agreement.FLOOR_ENV] = saved
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +75,13 @@ def check_used(used, sequences, routes, micro_batches, *, layers=(0, 1, 2, 3)) -
     """Every token but each sequence's last used its rollout route; returns (tokens checked, per micro-batch the
     routes to replay by hand: the rollout's, and padding and last tokens as they were routed natively)."""
     checked, aligned = 0, []
-    for (where, calls), micro in zip(used, micro_batches):
+    for occurrence, (where, calls) in enumerate(used):
         assert sorted(c[0] for c in calls) == list(layers), f"routing calls of layers {[c[0] for c in calls]}"
         table = {}
         for column, (layer, ids_TK) in enumerate(sorted(calls, key=lambda c: c[0])):
             for t, w in enumerate(where):
                 if w is None or w[1] == len(sequences[w[0]]) - 1:  # padding, the last token: as it was routed
-                    table[(layer, *(w or ("pad", tuple(micro), t)))] = ids_TK[t]
+                    table[(layer, *(w or ("pad", occurrence, t)))] = ids_TK[t]
                     continue
                 want = routes[w[0]][w[1], column]
                 assert torch.equal(ids_TK[t], want), f"layer {layer} token {w}: not its rollout route"

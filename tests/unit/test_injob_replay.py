@@ -156,8 +156,8 @@ def ppo_update(chunk, sequences, plan, *, spy=None, aligned=None, session=None):
                 used.append((where, spy.take()))
                 continue
             table = aligned[count] if isinstance(aligned, list) else aligned
-            count += 1
-            routes = rr.Routes({layer: [torch.stack([table[(layer, *(w or ("pad", tuple(micro), t)))]
+            count += 1  # padding is keyed by micro-batch occurrence: one micro-batch may recur in another epoch
+            routes = rr.Routes({layer: [torch.stack([table[(layer, *(w or ("pad", count - 1, t)))]
                                                      for t, w in enumerate(where)])] for layer in session.layers},
                                num_experts=session.num_experts, topk=session.topk)
             with session.replay(routes):
@@ -202,12 +202,12 @@ def run_step(world, sequences, plan, *, reference=False):
     finally:
         spy.close()
     checked, aligned = 0, dict(logp)
-    for (where, calls), micro in zip(used, [m for mb in plan for m in mb]):
+    for occurrence, (where, calls) in enumerate(used):
         assert len(calls) == 4, f"{len(calls)} forward routing calls, expected one per MoE layer"
         for layer, ids_TK in calls:
             for t, w in enumerate(where):
                 if w is None:
-                    aligned[(layer, "pad", tuple(micro), t)] = ids_TK[t]  # padding: as it was routed
+                    aligned[(layer, "pad", occurrence, t)] = ids_TK[t]  # padding: as it was routed
                     continue
                 assert torch.equal(ids_TK[t], logp[(layer, *w)]), f"layer {layer} token {w}: not its log-prob route"
                 checked += 1
@@ -387,3 +387,32 @@ def test_injob_multi_turn_samples_share_their_earlier_turns(world):
     sequences = [turns[0], torch.cat(turns[:2]), torch.cat(turns), other]
     plan = verl_plan(list(range(4)), epochs=2, minibatches=2, ppo_micro=2, seed=9)
     assert run_step(world, sequences, plan) == 2 * sum(len(s) for s in sequences) * 4
+
+
+def test_injob_training_pass_padded_on_the_left_replays_its_right_padded_log_prob_routes(world):
+    # the log-prob pass pads on the right, the training pass on the left (verl's prompt padding) at another width:
+    # with the padding mask every real token finds its log-prob route; padding routes natively
+    actor = world[0]
+    sequences = random_sequences(world[2], [6, 3, 8, 5], VOCAB_SEED + 9)
+    spy = Spy(actor)
+    try:
+        logp = log_prob_pass(actor, sequences, [0, 1, 2, 3], spy)
+        width = 11
+        ids = torch.zeros(4, width, dtype=torch.long)
+        pad = torch.ones(4, width, dtype=torch.bool)
+        where = {}
+        for b, seq in enumerate(sequences):
+            first = width - len(seq)
+            ids[b, first:], pad[b, first:] = seq, False
+            where.update({(first + s) * 4 + b: (b, s) for s in range(len(seq))})
+        loss_of(forward(actor, ids, pad), pad).backward()
+        calls = spy.take()
+    finally:
+        spy.close()
+        actor.zero_grad(set_to_none=True)
+    checked = 0
+    for layer, ids_TK in calls:
+        for t, (b, s) in where.items():
+            assert torch.equal(ids_TK[t], logp[(layer, b, s)]), f"layer {layer} sequence {b} position {s}"
+            checked += 1
+    assert checked == 4 * sum(len(s) for s in sequences)

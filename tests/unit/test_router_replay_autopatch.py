@@ -231,7 +231,8 @@ def test_autopatch_agreement_guard_from_the_environment_fails_the_step_below_its
     autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path / "dump"))
     try:
         assert agreement.ACTIVE is not None
-        with pytest.raises(RouteError, match=r"agreement guard: step 1 layer \d rank 0: .* expected at least 99.9000%"):
+        with pytest.raises(RouteError, match=r"agreement guard: step 1 replay pass layer \d rank 0: .* expected at least "
+                                             r"99.9000%"):
             forward_steps(routers, 1)
     finally:
         autopatch.uninstall()

@@ -60,6 +60,30 @@ def test_token_keys_invariant_to_batching_padding_and_packing():
     assert int(thd.pad_T.sum()) == thd.tokens - 16
 
 
+def test_token_keys_left_and_both_side_padding_key_the_unpadded_sequence():
+    # verl's BSHD batches pad prompts on the left; an engine never sees that padding: with the padding mask, a row's
+    # real tokens are numbered from its first real token and keyed as the unpadded (packed) sequence
+    data = seqs([5, 8, 3], seed=4)
+    reference = by_token(packed(data), [0, 1, 2])
+    width = 12
+    for offsets in ([7, 4, 9], [2, 1, 5]):  # left padding only; padding on both sides
+        ids = torch.zeros(len(data), width, dtype=torch.long)
+        pad = torch.ones(len(data), width, dtype=torch.bool)
+        for b, (s, first) in enumerate(zip(data, offsets)):
+            ids[b, first:first + len(s)], pad[b, first:first + len(s)] = s, False
+        keys = tk.row_keys(ids, padding_mask_BS=pad)
+        assert by_token(keys, [0, 1, 2]) == reference
+        pad_T = pad.t().reshape(-1)
+        assert torch.equal(keys.pad_T, pad_T)
+        assert bool((keys.keys_2T[:, pad_T] == tk.PAD_KEY[:, None]).all())  # one key, no real token's
+        real = keys.keys_2T[:, ~pad_T]
+        assert not bool((real == tk.PAD_KEY[:, None]).all(dim=0).any())
+    # without the mask the padding is content: the same rows key other (unmatched) tokens
+    assert not set(by_token(tk.row_keys(ids), [0, 1, 2]).values()) & set(reference.values())
+    with pytest.raises(RouteError, match=r"padding_mask \(3, 11\) does not match input_ids \(3, 12\)"):
+        tk.row_keys(ids, padding_mask_BS=pad[:, :11])
+
+
 def test_token_keys_differ_for_other_prefixes_and_agree_on_shared_prompts():
     prompt = torch.tensor([7, 8, 9])
     a, b = torch.cat([prompt, torch.tensor([1, 2])]), torch.cat([prompt, torch.tensor([1, 3])])
