@@ -52,6 +52,7 @@ DEFAULT_MAX_TOKENS = 1 << 22  # per model chunk, rank and RL step
 KINDS = ("log_prob", "training")
 
 _OVERRIDE: list[str] = []  # pass_kind() stack
+_VERSION: list[int] = []  # rollout_version() stack
 _CURRENT: list = []  # the model-chunk forward running now (chunk forwards do not nest)
 
 
@@ -67,12 +68,27 @@ def pass_kind(kind: str) -> Iterator[None]:
         _OVERRIDE.pop()
 
 
+@contextlib.contextmanager
+def rollout_version(version: int) -> Iterator[None]:
+    """Serve the bound model's forwards inside from the routes of rollout ``version`` (the step or policy version
+    the batch was generated under) only: a token that version did not route is refused, never served another
+    version's route. Without it, each sequence takes the one served version that holds it whole."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise UsageError(f"rollout_version({version!r}): expected a step or policy version, an integer >= 0")
+    _VERSION.append(version)
+    try:
+        yield
+    finally:
+        _VERSION.pop()
+
+
 class ChunkForward:
     """One model-chunk forward: its inputs, its pass kind, and (lazily) its token keys and table lookup."""
 
     def __init__(self, chunk, args, kwargs):
         self.chunk = chunk
         self.kind = _OVERRIDE[-1] if _OVERRIDE else ("training" if torch.is_grad_enabled() else "log_prob")
+        self.version = _VERSION[-1] if _VERSION else None
         self.input_ids = args[0] if args else kwargs.get("input_ids")
         self.packed = args[6] if len(args) > 6 else kwargs.get("packed_seq_params")
         self.padding_mask = kwargs.get("padding_mask")
@@ -323,7 +339,7 @@ class InJobState:
 
     def _replay_from(self, table: RouteTable, fwd: ChunkForward, keys, router, layer: int, rank: int) -> _ReplayIds:
         if fwd.found is None:
-            fwd.table, fwd.found = table, table.lookup(keys)
+            fwd.table, fwd.found = table, table.lookup(keys, version=fwd.version)
             fwd.check = lambda: table.check(fwd.found, layer=layer, rank=rank)
         ids_TK = fwd.table.ids(layer, fwd.found)
         region = regions.forward_region()

@@ -224,7 +224,7 @@ class RolloutSource:
                 layers=layers, model_layers=model_layers, num_layers=config.num_layers,
                 num_experts=config.num_moe_experts, expert_map=self.expert_map)
             keys = tk.packed_keys(tokens_N.to(device), cu_seqlens=starts.to(device))
-            forward = table.add_forward(keys, rank=rank, native_T=native_N.to(device))
+            forward = table.add_forward(keys, rank=rank, native_T=native_N.to(device), version=step)
             for i, layer in enumerate(layers):
                 table.add_ids(layer=layer, forward=forward, ids_TK=ids_NLK[:, i].to(device), rank=rank)
         table.freeze(rank=rank)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moeverify.errors import RouteError
-from moeverify.patches.token_keys import TokenKeys
+from moeverify.patches.token_keys import TokenKeys, salted, version_salt
 
 DUPLICATES = ("refuse", "first")  # a key recorded with different routes: refuse at lookup, or keep the first
 _R2_ORIGIN = "this step's log-prob pass"
@@ -62,6 +62,9 @@ class Lookup:
     found_T: torch.Tensor
     keys: TokenKeys
     any_bad: _DeviceFlag
+    version_T: torch.Tensor | None = None  # versioned tables: the index (in ``versions``) each token was served from
+    ambiguous_T: torch.Tensor | None = None  # versioned tables: sequences held whole by several versions
+    version: int | None = None  # the version the forward named, if any
 
 
 class RouteTable:
@@ -89,17 +92,29 @@ class RouteTable:
         self.keys_2G: torch.Tensor | None = None  # sorted by the first half
         self.conflict_G: torch.Tensor | None = None
         self.ids_GK: dict[int, torch.Tensor] = {}
+        self.versions: list[int] = []  # rollout versions held (newest first); empty: one unversioned recording
+        self._forward_version: list[int] = []  # per recorded forward, its index in ``versions``
+        self.xconflict_G: torch.Tensor | None = None  # versioned: the token's route differs in another version
 
     @property
     def frozen(self) -> bool:
         return self.keys_2G is not None
 
-    def add_forward(self, keys: TokenKeys, *, rank: int, native_T: torch.Tensor | None = None) -> int:
-        """Register a recorded forward's tokens (``native_T``: those to route natively); returns its forward index."""
+    def add_forward(self, keys: TokenKeys, *, rank: int, native_T: torch.Tensor | None = None,
+                    version: int | None = None) -> int:
+        """Register a recorded forward's tokens (``native_T``: those to route natively; ``version``: the rollout
+        version they were generated under, kept apart from other versions' routes); returns its forward index."""
         if self.tokens + keys.tokens > self.max_tokens:
-            raise RouteError(f"rank {rank}: this step's log-prob passes recorded {self.tokens + keys.tokens} tokens "
-                             f"for one model chunk, over the cap of {self.max_tokens} (memory bound of in-job replay); "
-                             "raise MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if the step really holds that many")
+            raise RouteError(f"rank {rank}: {self.tokens + keys.tokens} tokens of {self.origin} for one model chunk, "
+                             f"over the cap of {self.max_tokens} (memory bound of in-job replay); raise "
+                             "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if they really are that many")
+        if (version is None) != (not self.versions) and self.tokens:
+            raise RouteError(f"rank {rank}: a route table holds versioned and unversioned routes at once")
+        if version is not None:
+            if version not in self.versions:
+                self.versions.append(version)
+            keys = salted(keys, version_salt([version], device=keys.keys_2T.device)[:, 0])
+            self._forward_version.append(self.versions.index(version))
         self.tokens += keys.tokens
         self._keys.append(keys.keys_2T)
         self._native.append(native_T)
@@ -153,9 +168,35 @@ class RouteTable:
         self.conflict_G = conflict_G > 0
         self.native_G = native_N[heads_G]
         self.any_native = bool(self.native_G.any())
+        if self.versions:
+            version_N = torch.cat([torch.full((k.shape[1],), v, dtype=torch.int64, device=k.device)
+                                   for k, v in zip(self._keys, self._forward_version)])[order_N]
+            self.xconflict_G = self._across_versions(version_N[heads_G])
         self._keys.clear()
+        self._forward_version.clear()
         self._native.clear()
         self._ids.clear()
+
+    def _across_versions(self, version_G: torch.Tensor) -> torch.Tensor:
+        """``[G]``: the same token (unsalted key) holds another expert set in another version (a real route in each)."""
+        salt_2G = version_salt(self.versions, device=version_G.device)[:, version_G]
+        plain1_G, plain2_G = self.keys_2G - salt_2G
+        order_G = torch.argsort(plain2_G, stable=True)
+        order_G = order_G[torch.argsort(plain1_G[order_G], stable=True)]
+        p1, p2 = plain1_G[order_G], plain2_G[order_G]
+        first = torch.ones_like(p1, dtype=torch.bool)
+        first[1:] = (p1[1:] != p1[:-1]) | (p2[1:] != p2[:-1])
+        group = torch.cumsum(first, dim=0) - 1
+        heads = first.nonzero().squeeze(1)
+        real = ~self.native_G[order_G]
+        differs = torch.zeros(heads.shape[0], dtype=torch.int32, device=version_G.device)
+        for ids_GK in self.ids_GK.values():
+            canon = ids_GK[order_G].sort(dim=1).values
+            head_real = real[heads][group]
+            differs.index_add_(0, group, ((canon != canon[heads][group]).any(dim=1) & real & head_real).to(torch.int32))
+        out = torch.zeros_like(plain1_G, dtype=torch.bool)
+        out[order_G] = (differs > 0)[group]
+        return out
 
     def _pool(self, key1_N, key2_N, native_N, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """All-gather the recorded rows of ``group`` (sizes differ per rank); flags and every layer's ids come along."""
@@ -183,12 +224,48 @@ class RouteTable:
         tensors = [self.keys_2G, self.conflict_G, self.native_G, *self.ids_GK.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def lookup(self, keys: TokenKeys) -> Lookup:
-        """Find a forward's tokens, with no host sync: ``Lookup.check`` (later) refuses the bad ones."""
-        g = self.keys_2G.shape[1]
-        index_T = torch.searchsorted(self.keys_2G[0], keys.keys_2T[0]).clamp(max=g - 1)
-        found_T = (self.keys_2G[:, index_T] == keys.keys_2T).all(dim=0)
+    def _find(self, keys_2T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index_T, found_T)`` of keys in the frozen table."""
+        index_T = torch.searchsorted(self.keys_2G[0], keys_2T[0]).clamp(max=self.keys_2G.shape[1] - 1)
+        return index_T, (self.keys_2G[:, index_T] == keys_2T).all(dim=0)
+
+    def _versioned(self, keys: TokenKeys, version: int | None) -> tuple[TokenKeys, torch.Tensor, torch.Tensor]:
+        """Each token's version: the one named, else the version that holds its whole sequence (its last real
+        token), the newest where several do (flagged ambiguous). Returns the keys salted with it."""
+        device = keys.keys_2T.device
+        salt_2V = version_salt(self.versions, device=device)
+        if keys.last_2T is None:
+            raise RouteError("versioned route tables need each token's sequence key (TokenKeys.last_2T)")
+        if version is not None:
+            if version not in self.versions:
+                version_T = torch.full((keys.tokens,), -1, dtype=torch.int64, device=device)
+                return keys, version_T, torch.zeros(keys.tokens, dtype=torch.bool, device=device)
+            version_T = torch.full((keys.tokens,), self.versions.index(version), dtype=torch.int64, device=device)
+            return salted(keys, salt_2V[:, version_T]), version_T, torch.zeros_like(version_T, dtype=torch.bool)
+        held_VT = torch.stack([self._find(keys.last_2T + salt_2V[:, v, None])[1] for v in range(len(self.versions))])
+        version_T = held_VT.to(torch.int8).argmax(dim=0).long()  # the first (newest) version holding the sequence
+        ambiguous_T = held_VT.sum(dim=0) > 1
+        return salted(keys, salt_2V[:, version_T]), version_T, ambiguous_T
+
+    def lookup(self, keys: TokenKeys, *, version: int | None = None) -> Lookup:
+        """Find a forward's tokens, with no host sync: ``Lookup.check`` (later) refuses the bad ones.
+
+        Args:
+            version: a versioned table serves every token from this version (the forward named it); else each
+                sequence from the version that holds it whole (several: refused).
+        """
+        version_T = ambiguous_T = None
+        if self.versions:
+            keys, version_T, ambiguous_T = self._versioned(keys, version)
+        elif version is not None:
+            raise RouteError(f"a forward names rollout version {version}, but {self.origin} carry no version")
+        index_T, found_T = self._find(keys.keys_2T)
+        if version_T is not None:
+            found_T = found_T & (version_T >= 0)
         bad_T = ~found_T
+        if ambiguous_T is not None:  # a sequence whole in several versions: refused where its routes differ
+            ambiguous_T = ambiguous_T & found_T & self.xconflict_G[index_T]
+            bad_T = bad_T | ambiguous_T
         if self.duplicates == "refuse":
             bad_T = bad_T | (found_T & self.conflict_G[index_T])
         native_T = None
@@ -199,20 +276,39 @@ class RouteTable:
             flagged_T = found_T & self.native_G[index_T]
             native_T = flagged_T if native_T is None else native_T | flagged_T
         return Lookup(index_T=index_T, native_T=native_T, bad_T=bad_T, found_T=found_T, keys=keys,
-                      any_bad=_DeviceFlag(bad_T.any()))
+                      any_bad=_DeviceFlag(bad_T.any()), version_T=version_T, ambiguous_T=ambiguous_T,
+                      version=version)
 
     def check(self, found: Lookup, *, layer: int, rank: int) -> None:
         """``RouteError`` for a looked-up token (not padding) with no route or a conflicting one."""
         if found.any_bad.read():
-            raise RouteError(self._explain(found.keys, found.found_T, found.bad_T, layer=layer, rank=rank))
+            raise RouteError(self._explain(found, layer=layer, rank=rank))
 
-
-    def _explain(self, keys: TokenKeys, found_T, bad_T, *, layer: int, rank: int) -> str:
+    def _explain(self, found: Lookup, *, layer: int, rank: int) -> str:
+        keys, found_T, bad_T = found.keys, found.found_T, found.bad_T
         bad = bad_T.nonzero().squeeze(1)
         t = int(bad[0])
         seq, pos = keys.locate(t)
         where = f"layer {layer} rank {rank}: training token {t} (sequence {seq} of this forward, position {pos})"
         more = f" ({bad.numel()} of {keys.tokens} tokens of this forward)"
+        versions = ", ".join(str(v) for v in self.versions)
+        if found.version is not None and found.version not in self.versions:
+            return (f"{where}: the forward names rollout version {found.version}, but {self.origin} hold versions "
+                    f"{versions}{more}: train on a version that is served, or write that version's routes")
+        if found.ambiguous_T is not None and bool(found.ambiguous_T[t]):
+            return (f"{where}: its whole sequence was rolled out under several versions ({versions}), routed "
+                    f"differently in them{more}; which version's routes it trains on cannot be told from its tokens: "
+                    "name the version the batch was generated under with `with injob.rollout_version(N):` around the "
+                    "forward")
+        if not bool(found_T[t]) and found.version is not None:
+            return (f"{where} has no route recorded by {self.origin}{more}: version {found.version}, which the "
+                    "forward names (injob.rollout_version), did not roll out this token's sequence; train it under "
+                    "the version that generated it")
+        if not bool(found_T[t]) and self.versions:
+            return (f"{where} has no route recorded by {self.origin}{more}: no served version holds its whole sequence "
+                    f"(versions {versions}; a sequence takes every route from the one version that rolled it out, "
+                    f"never a shared prefix's route from another); {self.remedy}, or mark padding with padding_mask / "
+                    "cu_seqlens_padded")
         if not bool(found_T[t]):
             return (f"{where} has no route recorded by {self.origin}{more}; in-job replay replays routes only on "
                     f"the tokens (same content and position from the sequence start) it recorded: {self.remedy}, "

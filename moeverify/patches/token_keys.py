@@ -42,12 +42,15 @@ PAD_KEY = torch.tensor([-0x5A5A5A5A5A5A5A5B, 0x3C3C3C3C3C3C3C3C], dtype=torch.in
 class TokenKeys:
     """Keys of one forward's tokens in router order, and where each token sits (for error messages).
 
-    ``keys_2T``: the two 64-bit halves; ``pad_T``: tokens the model was told are padding (they may route
-    natively when not found); ``locate(t)``: (batch row or packed sequence index, position) of token ``t``."""
+    ``keys_2T``: the two 64-bit halves; ``pad_T``: tokens the model was told are padding (they route natively);
+    ``locate(t)``: (batch row or packed sequence index, position) of token ``t``; ``last_2T``: the key of the last
+    real token of token ``t``'s sequence (the whole sequence's identity, which picks the rollout version a sequence
+    was generated under; None where it is not needed)."""
 
     keys_2T: torch.Tensor
     pad_T: torch.Tensor | None
     locate: Callable[[int], tuple[int, int]]
+    last_2T: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -92,7 +95,10 @@ def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None
     keys_2T = keys_2BS.transpose(1, 2).reshape(2, s * b)
     if pad is not None:
         keys_2T = torch.where(pad, PAD_KEY.to(device)[:, None], keys_2T)
-    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, int(pos_BS[t % b, t // b])))
+    last_2B = keys_2BS[:, :, -1]  # the row's prefix sum at its end: its last real token's key (padding adds 0)
+    last_2T = last_2B[:, None, :].expand(2, s, b).reshape(2, s * b)
+    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, int(pos_BS[t % b, t // b])),
+                     last_2T=last_2T)
 
 
 def packed_keys(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
@@ -115,7 +121,27 @@ def packed_keys(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
     pad_N = (pos_N >= length_N) | (index_N >= slots[-1])
     total_2N = torch.cumsum(_values(ids_N * _GOLDEN + pos_N * _MUL1), dim=1)
     before_2N = torch.where(start_N > 0, total_2N[:, (start_N - 1).clamp(min=0)], 0)
-    return TokenKeys(keys_2T=total_2N - before_2N, pad_T=pad_N, locate=lambda t: (int(seq_N[t]), int(pos_N[t])))
+    keys_2N = total_2N - before_2N
+    last_N = (slots[:-1] + (real[1:] - real[:-1]) - 1).clamp(min=0, max=max(n - 1, 0))[seq_N]  # last real token
+    return TokenKeys(keys_2T=keys_2N, pad_T=pad_N, locate=lambda t: (int(seq_N[t]), int(pos_N[t])),
+                     last_2T=keys_2N[:, last_N] if n else keys_2N)
+
+
+_VERSION_SEEDS = (0x7C5A3B1E9D2F4068, 0x1F83D9ABFB41BD6B)  # one per key half
+
+
+def version_salt(versions: list[int], *, device) -> torch.Tensor:
+    """``[2, V]`` int64: what each key half of a route recorded under rollout version ``versions[v]`` is shifted by,
+    so that one table holds several versions' routes of the same tokens apart."""
+    v_V = torch.tensor(list(versions), dtype=torch.int64, device=device) * _GOLDEN
+    return _mix(torch.stack([v_V + _VERSION_SEEDS[0], v_V + _VERSION_SEEDS[1]]))
+
+
+def salted(keys: TokenKeys, salt_2: torch.Tensor) -> TokenKeys:
+    """``keys`` shifted by one version's salt ``[2]`` (or per token, ``[2, T]``)."""
+    salt = salt_2 if salt_2.dim() == 2 else salt_2[:, None]
+    return dataclasses.replace(keys, keys_2T=keys.keys_2T + salt,
+                               last_2T=None if keys.last_2T is None else keys.last_2T + salt)
 
 
 def sequence_slice(keys: TokenKeys, *, rank: int, size: int) -> TokenKeys:
@@ -129,7 +155,8 @@ def sequence_slice(keys: TokenKeys, *, rank: int, size: int) -> TokenKeys:
     first = rank * part
     return TokenKeys(keys_2T=keys.keys_2T[:, first:first + part],
                      pad_T=None if keys.pad_T is None else keys.pad_T[first:first + part],
-                     locate=lambda t: keys.locate(first + t))
+                     locate=lambda t: keys.locate(first + t),
+                     last_2T=None if keys.last_2T is None else keys.last_2T[:, first:first + part])
 
 
 def zigzag_index(length: int, *, rank: int, size: int) -> torch.Tensor:
@@ -177,7 +204,8 @@ def take(keys: TokenKeys, full_T: torch.Tensor, *, pad_T: torch.Tensor | None = 
     full_T = full_T.to(keys.keys_2T.device)
     if pad_T is None and keys.pad_T is not None:
         pad_T = keys.pad_T[full_T]
-    return TokenKeys(keys_2T=keys.keys_2T[:, full_T], pad_T=pad_T, locate=lambda t: keys.locate(int(full_T[t])))
+    return TokenKeys(keys_2T=keys.keys_2T[:, full_T], pad_T=pad_T, locate=lambda t: keys.locate(int(full_T[t])),
+                     last_2T=None if keys.last_2T is None else keys.last_2T[:, full_T])
 
 
 def row_zigzag_tokens(index_S: torch.Tensor, *, batch: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from test_injob_replay import (Spy, assert_grads_as_session_api, batch_of, forwa
                                random_sequences, verl_plan)
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.patches import agreement, autopatch
+from moeverify.patches import agreement, autopatch, injob
 from moeverify.rollout_writer import RolloutWriter, complete_steps, mark_complete
 
 SEED = 23
@@ -150,7 +150,7 @@ def test_r3_token_not_in_the_rollout_refused(world):
         forward(actor, torch.stack(sequences), torch.zeros(2, 5, dtype=torch.bool)).sum().backward()
 
 
-def test_r3_newest_steps_serve_and_the_newer_route_wins(world):
+def test_r3_newest_steps_serve_and_a_sequence_rolled_out_in_both_names_its_version(world):
     actor, engine, vocab, directory = world
     old, new = random_sequences(vocab, [6, 6], SEED + 3)
     routes_old = engine_routes(engine, [old, new])
@@ -160,17 +160,64 @@ def test_r3_newest_steps_serve_and_the_newer_route_wins(world):
     spy = Spy(actor)
     try:
         with torch.no_grad():
-            forward(actor, torch.stack([old, new]), torch.zeros(2, 6, dtype=torch.bool))
-        calls = spy.take()
-        assert autopatch.session().state.source.steps == (21, 20)
-        for layer, ids_TK in calls:
-            for s in range(5):  # router order s * B + b
-                assert torch.equal(ids_TK[s * 2], routes_old[0][s, layer])  # only in step 20
-                assert torch.equal(ids_TK[s * 2 + 1], flipped[1][s, layer].sort().values)  # the newer step wins
+            forward(actor, old[None], torch.zeros(1, 6, dtype=torch.bool))
+            assert autopatch.session().state.source.steps == (21, 20)
+            for layer, ids_TK in spy.take():  # only in step 20
+                assert all(torch.equal(ids_TK[s], routes_old[0][s, layer]) for s in range(5))
+            # `new` was rolled out whole in both steps, routed differently: refused unless the batch names its version
+            with pytest.raises(RouteError, match=r"training token 0 \(sequence 0 of this forward, position 0\): its "
+                                                 r"whole sequence was rolled out under several versions \(21, 20\), "
+                                                 r"routed differently in them \(5 of 6 tokens of this forward\).*"
+                                                 r"injob.rollout_version\(N\)"):
+                forward(actor, new[None], torch.zeros(1, 6, dtype=torch.bool))
+            spy.take()
+            for version, want in ((20, routes_old[1]), (21, flipped[1])):
+                with injob.rollout_version(version):
+                    forward(actor, torch.stack([old, new]) if version == 20 else new[None],
+                            torch.zeros(2 if version == 20 else 1, 6, dtype=torch.bool))
+                b = 2 if version == 20 else 1
+                for layer, ids_TK in spy.take():  # router order s * B + b
+                    assert all(torch.equal(ids_TK[s * b + b - 1], want[s, layer].sort().values) for s in range(5))
+            with injob.rollout_version(21), pytest.raises(RouteError, match=r"training token 0 \(sequence 0 of this "
+                                                                           r"forward, position 0\) has no route "
+                                                                           r"recorded by the rollout routes of step\(s\)"
+                                                                           r" 21, 20.*version 21, which the forward "
+                                                                           r"names .*did not roll out"):
+                forward(actor, old[None], torch.zeros(1, 6, dtype=torch.bool))  # not rolled out under 21
+            with injob.rollout_version(7), pytest.raises(RouteError, match=r"names rollout version 7, but the rollout "
+                                                                          r"routes of step\(s\) 21, 20 .*hold versions "
+                                                                          r"21, 20"):
+                forward(actor, old[None], torch.zeros(1, 6, dtype=torch.bool))
         write_step(directory, 22, [new], routes_old[1:])
         with pytest.raises(RouteError, match=r"has no route recorded by the rollout routes of step\(s\) 22, 21"):
             with torch.no_grad():
                 forward(actor, old[None], torch.zeros(1, 6, dtype=torch.bool))
+    finally:
+        spy.close()
+
+
+def test_r3_off_policy_samples_keep_their_own_steps_routes_on_shared_prompts(world):
+    # GRPO one step off-policy: steps 23 and 24 share their prompts (a system prompt, the same questions), each with
+    # its own responses and another engine version's routes; training on step 30's samples while step 31 is served
+    # too must replay step 23's routes on the shared prompt tokens, never step 24's
+    actor, engine, vocab, directory = world
+    prompts = random_sequences(vocab, [5, 4], SEED + 9)
+    answers = random_sequences(vocab, [3, 4, 2, 5], SEED + 10)
+    samples = {23: [torch.cat([prompts[0], answers[0]]), torch.cat([prompts[1], answers[1]])],
+               24: [torch.cat([prompts[0], answers[2]]), torch.cat([prompts[1], answers[3]])]}
+    routes = {23: engine_routes(engine, samples[23])}
+    routes[24] = [(r + 3) % 8 for r in engine_routes(engine, samples[24])]  # the next engine version's routes
+    for step in (23, 24):
+        write_step(directory, step, samples[step], routes[step])
+    spy = Spy(actor)
+    try:
+        for step in (23, 24):
+            with torch.no_grad():
+                for seq, want in zip(samples[step], routes[step]):
+                    forward(actor, seq[None], torch.zeros(1, len(seq), dtype=torch.bool))
+                    for layer, ids_TK in spy.take():
+                        for pos in range(len(seq) - 1):
+                            assert torch.equal(ids_TK[pos], want[pos, layer].sort().values), (step, layer, pos)
     finally:
         spy.close()
 

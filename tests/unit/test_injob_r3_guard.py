@@ -16,7 +16,7 @@ from test_injob_r3 import engine_routes, r3_world, write_step
 from test_injob_replay import Spy, random_sequences
 
 from moeverify.errors import RouteError
-from moeverify.patches import agreement
+from moeverify.patches import agreement, injob
 
 SEED = 41
 LAYERS = (0, 1, 2, 3)
@@ -123,7 +123,8 @@ def test_r3_engine_in_another_expert_numbering_fails_the_default_floor(world):
                                          r"default of in-job replay"):
         guard.end_step()
     write_step(directory, 111, sequences, routes)  # the engine's logical ids: the same batch passes
-    run_forward(actor, ids, pad, grad=False)
+    with injob.rollout_version(111):  # rolled out whole in steps 110 and 111: the batch names its version
+        run_forward(actor, ids, pad, grad=False)
     assert guard.end_step() == {} and all(r["overlap"] >= 0.9 for r in guard.history[-len(LAYERS):])
 
 

@@ -150,5 +150,45 @@ def test_route_table_duplicate_keys_with_different_routes_refused_unless_first()
 def test_route_table_cap_on_recorded_tokens():
     table = RouteTable(max_tokens=10, num_experts=8)
     table.add_forward(tk.row_keys(torch.zeros(2, 4, dtype=torch.long)), rank=0)
-    with pytest.raises(RouteError, match=r"recorded 16 tokens for one model chunk, over the cap of 10"):
+    with pytest.raises(RouteError, match=r"rank 0: 16 tokens of this step.s log-prob pass for one model chunk, "
+                                         r"over the cap of 10"):
         table.add_forward(tk.row_keys(torch.ones(2, 4, dtype=torch.long)), rank=0)
+
+
+def versioned_table(entries) -> RouteTable:
+    """A frozen table of rollout versions: ``entries`` = [(version, [sequences], expert id of every token)]."""
+    table = RouteTable(max_tokens=1000, num_experts=8, duplicates="first")
+    for version, sequences, expert in entries:
+        keys = packed(sequences)
+        forward = table.add_forward(keys, rank=0, version=version)
+        ids = torch.tensor([[expert, (expert + 1) % 8]]).expand(keys.tokens, 2)
+        table.add_ids(layer=0, forward=forward, ids_TK=ids, rank=0)
+    table.freeze(rank=0)
+    return table
+
+
+def test_route_table_versions_serve_each_sequence_from_the_version_that_holds_it_whole():
+    prompt, a, b, c = seqs([4, 3, 2, 5], seed=7)
+    one, two, three = torch.cat([prompt, a]), torch.cat([prompt, b]), torch.cat([prompt, c])
+    table = versioned_table([(6, [two, three], 5), (5, [one, three], 1)])  # newest first; the prompt in both
+    ids, pad = padded([one, one[:5]], len(one))  # a sample of version 5, and a prefix of it
+    keys = tk.row_keys(ids, padding_mask_BS=pad)
+    found = table.lookup(keys)
+    assert not bool(found.bad_T.any())
+    real = ~pad.t().reshape(-1)
+    assert table.ids(0, found)[real, 0].tolist() == [1] * int(real.sum())  # version 5's, on the shared prompt too
+    found = table.lookup(tk.row_keys(two[None]))
+    assert table.ids(0, found)[:, 0].tolist() == [5] * len(two)
+    # `three` was rolled out whole in both versions with other routes: refused unless a version is named
+    found = table.lookup(tk.row_keys(three[None]))
+    assert bool(found.ambiguous_T.all()) and bool(found.bad_T.all())
+    with pytest.raises(RouteError, match=r"rolled out under several versions \(6, 5\), routed differently"):
+        table.check(found, layer=0, rank=0)
+    for version, expert in ((5, 1), (6, 5)):
+        found = table.lookup(tk.row_keys(three[None]), version=version)
+        assert not bool(found.bad_T.any()) and table.ids(0, found)[:, 0].tolist() == [expert] * len(three)
+    found = table.lookup(tk.row_keys(one[None]), version=6)  # not rolled out under version 6
+    with pytest.raises(RouteError, match=r"version 6, which the forward names .*did not roll out"):
+        table.check(found, layer=0, rank=0)
+    same = versioned_table([(6, [three], 2), (5, [three], 2)])  # whole in both, routed alike: served
+    assert not bool(same.lookup(tk.row_keys(three[None])).bad_T.any())
