@@ -70,6 +70,33 @@ def test_token_counts_not_applicable_on_deepseek_v2_with_reason():
     assert notes["token_counts"].startswith("not applicable: ")
 
 
+def test_token_counts_not_applicable_on_gpt_oss_whose_aux_coefficient_has_no_loss_type():
+    """GPT-OSS's bridge builds ``moe_router_load_balancing_type 'none'`` beside ``moe_aux_loss_coeff 0.001``: Megatron
+    computes no aux loss, the model has no expert bias and no z-loss. Reported not applicable with the reason (it
+    used to be found applicable on the coefficient alone, then check 0 items and fail on a GPU suite run)."""
+    t, notes = run_token_counts(make_setup("moeverify", family="gpt_oss"))
+    assert t.checked == 0 and not t.failures
+    assert "moe_router_load_balancing_type 'none'" in t.not_applicable, t.not_applicable
+    assert t.as_dict() == {"passed": True, "checked": 0, "failures": [], "not_applicable": t.not_applicable}
+    assert notes["token_counts"].startswith("not applicable: ")
+
+
+def test_a_reference_pass_that_left_nothing_to_compare_fails_by_name():
+    """Found applicable, yet native routing's pass left no count buffer, tracked loss or global_aux_loss total: the
+    applicability rule and Megatron disagree, a failure that says so (not a bare "checked 0 items")."""
+    import torch
+
+    from moeverify.oracles.replay.checks import check_token_counts
+
+    padding_T = torch.tensor([False, True])
+    calls = {(0, 0): (torch.tensor([[True, False], [False, True]]), padding_T)}
+    empty = token_counts.Observed(calls=calls, counts={}, aux={}, global_counts={})
+    t = Tally()
+    check_token_counts(t, reference=empty, got=empty, prefix="T==E: ")
+    assert not t.passed and t.checked == 1
+    assert t.failures[0].startswith("T==E: native routing's pass left nothing to compare"), t.failures
+
+
 def test_bf16_build_counts_compared_as_megatron_holds_them_and_finding_f13_noted():
     """``replay_dtype: bf16``: megatron-core 0.19.2's Float16Module casts the count buffer to bf16 (finding F13); the
     subcheck compares it with the counts accumulated the same way in bf16, passes for moeverify, notes the evidence,

@@ -1,5 +1,6 @@
 """When the replay subcheck ``token_counts`` applies (expert bias, aux loss or z-loss), and how a subcheck that does
-not apply is reported: with its reason, never failed, never counted as the only thing a check passed on."""
+not apply is reported: with its reason, never failed, never counted as the only thing a check passed on. Whether an
+aux loss applies is decided as megatron-core's own ``TopKRouter`` decides it (held to it here)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from moeverify.oracles.replay.token_counts import not_applicable
 from moeverify.oracles.results import CheckRecord, Tally
 
 
-def config(*, bias=False, aux=0.0, z=None):
-    """The attributes of a megatron ``TransformerConfig`` the decision reads."""
-    return types.SimpleNamespace(moe_router_enable_expert_bias=bias, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+def config(*, bias=False, aux=0.0, z=None, balancing="aux_loss"):
+    """The attributes of a megatron ``TransformerConfig`` the decision reads (``TransformerConfig``'s defaults)."""
+    return types.SimpleNamespace(moe_router_enable_expert_bias=bias, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z,
+                                 moe_router_load_balancing_type=balancing)
 
 
 @pytest.mark.parametrize("traits_bias, cfg", [
     (True, config(bias=True)),                  # expert bias alone (DeepSeek-V3's aux-loss-free routing)
     (False, config(aux=0.001)),                 # aux loss alone
-    (False, config(aux=[0.0, 0.01])),           # one of several aux-loss types
+    (False, config(aux=[0.0, 0.01], balancing=["aux_loss", "seq_aux_loss"])),   # one of several aux-loss types
+    (False, config(aux=0.01, balancing="global_aux_loss")),                       # Qwen3-Next's
     (False, config(z=1e-3)),                    # z-loss alone
 ])
 def test_token_counts_applies_with_any_of_bias_aux_z(traits_bias, cfg):
@@ -28,13 +31,41 @@ def test_token_counts_applies_with_any_of_bias_aux_z(traits_bias, cfg):
 
 @pytest.mark.parametrize("traits_bias, cfg", [
     (False, config()),                          # DeepSeek-V2's tiny model
-    (False, config(aux=[0.0, 0.0], z=0.0)),
+    (False, config(aux=[0.0, 0.0], z=0.0, balancing=["aux_loss", "seq_aux_loss"])),
+    (False, config(aux=0.001, balancing="none")),   # GPT-OSS's bridge: a coefficient beside no aux-loss type
+    (False, config(aux=[0.01, 0.0], balancing=["none", "aux_loss"])),   # the coefficient > 0 is the "none" one's
     (True, config(bias=False)),                 # a router variant that switched the model's bias off
     (False, config(bias=True)),                 # the traits say the checkpoint has no bias to count with
 ])
 def test_token_counts_not_applicable_names_what_is_missing(traits_bias, cfg):
     why = not_applicable(expert_bias=traits_bias, config=cfg)
     assert "no expert bias" in why and "no aux loss (moe_aux_loss_coeff" in why and "no z-loss" in why
+    assert f"moe_router_load_balancing_type {cfg.moe_router_load_balancing_type!r}" in why
+
+
+BALANCING = [("aux_loss", 0.001), ("seq_aux_loss", 0.01), ("global_aux_loss", 0.001), ("none", 0.001),
+             ("sinkhorn", 0.0), ("aux_loss", 0.0), (["aux_loss", "seq_aux_loss"], [0.0, 0.01]),
+             (["none", "aux_loss"], [0.01, 0.0]), (["seq_aux_loss", "global_aux_loss"], [0.0, 0.0]),
+             (["aux_loss", "aux_loss"], [0.0, 0.5])]
+
+
+@pytest.mark.parametrize("balancing, coeff", BALANCING)
+def test_aux_loss_applies_exactly_where_megatron_core_applies_one(balancing, coeff):
+    """The rule against megatron-core's own ``TopKRouter.get_aux_loss_coeff`` / ``is_aux_loss_enabled``, run on the
+    same settings: per type, the coefficient Megatron applies, and whether any aux loss is on."""
+    import functools
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from moeverify.oracles.replay.token_counts import AUX_LOSS_TYPES, aux_loss_coeffs
+
+    cfg = config(aux=coeff, balancing=balancing)
+    router = types.SimpleNamespace(routing_type=balancing, config=cfg)
+    router.get_aux_loss_coeff = functools.partial(TopKRouter.get_aux_loss_coeff, router)
+    megatron = {kind: c for kind in AUX_LOSS_TYPES if (c := router.get_aux_loss_coeff(kind)) > 0}
+    assert aux_loss_coeffs(cfg) == megatron
+    assert bool(aux_loss_coeffs(cfg)) == TopKRouter.is_aux_loss_enabled(router)
+    assert (not_applicable(expert_bias=False, config=cfg) is None) == TopKRouter.is_aux_loss_enabled(router)
 
 
 def test_not_applicable_subcheck_reported_with_reason_and_not_counted_as_a_pass():

@@ -220,7 +220,12 @@ def check_token_counts(t: Tally, *, reference, got, prefix: str) -> list[dict]:
     padded = sum(int(p.sum()) for _, p in reference.calls.values() if p is not None)
     if not padded:  # a precondition, not an item: a case without padding fails rather than passes
         t.fail(f"{prefix}no router call received a padding token: the case would prove nothing")
-        return
+        return evidence
+    if not (reference.counts or reference.aux or reference.global_counts):  # a precondition too, failed by name
+        t.fail(f"{prefix}native routing's pass left nothing to compare (no expert-bias count buffer, no tracked aux or "
+               "z-loss, no global_aux_loss totals) on a model token_counts.not_applicable found something on: the "
+               "applicability rule and Megatron-Core disagree")
+        return evidence
     if set(got.counts) != set(reference.counts):
         t.fail(f"{prefix}layers counting tokens per expert {sorted(got.counts)} != the reference's "
                f"{sorted(reference.counts)}")

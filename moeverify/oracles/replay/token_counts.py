@@ -57,24 +57,49 @@ class Observed:
     global_counts: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (global_tokens_per_expert, ga_steps)
 
 
+# The load-balancing types whose aux loss megatron-core 0.19.2's TopKRouter computes and tracks
+# (``TopKRouter.is_aux_loss_enabled``); any other type ("none", "sinkhorn", ...) has none.
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+def aux_loss_coeffs(config) -> dict[str, float]:
+    """``{type: coefficient}`` of the aux losses a router built from ``config`` applies, as megatron-core 0.19.2's
+    ``TopKRouter.get_aux_loss_coeff`` pairs them: ``moe_aux_loss_coeff`` belongs to the load-balancing type
+    ``moe_router_load_balancing_type`` names (a list of types takes a list of coefficients, index by index, the
+    first occurrence of a type counting). A coefficient under a type with no aux loss ("none": GPT-OSS's bridge
+    leaves the default 0.001 beside it) applies nothing; only types of ``AUX_LOSS_TYPES`` with a coefficient > 0
+    are returned."""
+    kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if isinstance(kinds, str):
+        kinds, coeffs = (kinds,), (coeffs,)
+    elif not isinstance(coeffs, list | tuple):
+        coeffs = (coeffs,) * len(kinds)  # TransformerConfig refuses this pairing; read it leniently
+    out: dict[str, float] = {}
+    for kind, coeff in zip(kinds, coeffs):
+        out.setdefault(kind, float(coeff or 0.0))
+    return {kind: coeff for kind, coeff in out.items() if kind in AUX_LOSS_TYPES and coeff > 0}
+
+
 def not_applicable(*, expert_bias: bool, config) -> str | None:
     """Why the subcheck has nothing to compare on a model, or None when it has something.
 
     Args:
         expert_bias: the model has an expert bias (``ModelTraits.expert_bias``).
         config: the built model's ``TransformerConfig`` (its router variant applied): whether the bias is
-            enabled there, and its aux-loss (``moe_aux_loss_coeff``, a float or one per loss type) and z-loss
-            (``moe_z_loss_coeff``) coefficients.
+            enabled there, which aux losses its load-balancing type(s) and coefficient(s) switch on
+            (``aux_loss_coeffs``: a coefficient alone switches on nothing), and its z-loss coefficient
+            (``moe_z_loss_coeff``).
     """
     bias = expert_bias and bool(getattr(config, "moe_router_enable_expert_bias", False))
-    aux = getattr(config, "moe_aux_loss_coeff", 0.0)
-    aux = any(float(c) > 0 for c in aux) if isinstance(aux, (list, tuple)) else float(aux or 0.0) > 0
+    aux = aux_loss_coeffs(config)
     z_loss = float(getattr(config, "moe_z_loss_coeff", None) or 0.0) > 0
     if bias or aux or z_loss:
         return None
     return ("the model has no expert bias (traits.expert_bias "
             f"{expert_bias}, moe_router_enable_expert_bias {getattr(config, 'moe_router_enable_expert_bias', None)}), "
-            f"no aux loss (moe_aux_loss_coeff {getattr(config, 'moe_aux_loss_coeff', None)!r}) and no z-loss "
+            f"no aux loss (moe_aux_loss_coeff {config.moe_aux_loss_coeff!r} under moe_router_load_balancing_type "
+            f"{config.moe_router_load_balancing_type!r}: Megatron-Core applies a coefficient only to the "
+            f"{'/'.join(AUX_LOSS_TYPES)} type it is paired with) and no z-loss "
             f"(moe_z_loss_coeff {getattr(config, 'moe_z_loss_coeff', None)!r}): no token count or loss to compare")
 
 
