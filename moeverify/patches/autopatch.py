@@ -53,7 +53,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from moeverify import record
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
-from moeverify.patches import agreement, identity, injob
+from moeverify.patches import agreement, batch_routes, identity, injob
 from moeverify.patches import replay_state as state
 from moeverify.patches.autopatch_dump import JobDump
 from moeverify.views import job_layout
@@ -82,9 +82,10 @@ def parse(value: str, model: str | None = None) -> Setting:
     """``"record:DIR"`` / ``"replay:DIR"`` / ``"r2"`` / ``"r3:DIR"`` (+ the model index) -> ``Setting``;
     ``UsageError`` otherwise."""
     mode, sep, directory = value.partition(":")
-    if value != INJOB and (not sep or mode not in (*MODES, ROLLOUT) or not directory):
+    if value not in (INJOB, ROLLOUT) and (not sep or mode not in (*MODES, ROLLOUT) or not directory):
         raise UsageError(f"{ENV}={value!r}: expected record:DIR or replay:DIR, {INJOB} (in-job replay of the "
-                         f"log-prob pass) or {ROLLOUT}:DIR (in-job replay of a rollout's routes)")
+                         f"log-prob pass), {ROLLOUT}:DIR (in-job replay of a rollout's routes written to DIR) or "
+                         f"{ROLLOUT} (the rollout's routes handed over with the batch: injob.add_routes)")
     index = None
     if model not in (None, ""):
         if not model.isdigit():
@@ -94,6 +95,8 @@ def parse(value: str, model: str | None = None) -> Setting:
 
 
 def _check_directory(setting: Setting, rank: int) -> None:
+    if setting.mode == ROLLOUT and setting.directory is None:  # routes handed over with the batch
+        return
     if setting.mode == ROLLOUT:  # the rollout writes its steps while the job runs; the parent must exist
         if setting.directory.exists() and not setting.directory.is_dir():
             raise UsageError(f"{ENV}: {setting.directory} is not a directory (the rollout routes' directory)")
@@ -396,7 +399,8 @@ def install(setting: Setting):
         _CHUNKS.install()
         session_ = injob.InJobSession(selected=lambda router: selected(_ORDER, setting, router),
                                       original=rr.original_routing(),
-                                      directory=setting.directory if setting.mode == ROLLOUT else None)
+                                      directory=setting.directory if setting.mode == ROLLOUT else None,
+                                      rollout=setting.mode == ROLLOUT)
     else:
         session_ = ProcessSession(setting, order=_ORDER)
         _CHUNKS = identity.ChunkTokens(session_.note_forward)  # token identity of each forward
@@ -422,6 +426,7 @@ def uninstall() -> None:
     while _HOOKS:
         _HOOKS.pop().remove()
     rr.set_fallback(None)
+    batch_routes.detach()
     _SESSION = None
 
 

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.patches import agreement, regions, replay_state
+from moeverify.patches import agreement, batch_routes, regions, replay_state
 from moeverify.patches import token_keys as tk
 from moeverify.patches.model_hooks import ModelInitHooks
 from moeverify.patches.rollout_source import RolloutSource
@@ -50,6 +50,9 @@ MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
 DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
 DEFAULT_MAX_TOKENS = 1 << 22  # per model chunk, rank and RL step
 KINDS = ("log_prob", "training")
+
+add_routes = batch_routes.add_routes  # r3 with the routes handed over with the batch (batch_routes)
+drop_routes = batch_routes.drop_routes
 
 _OVERRIDE: list[str] = []  # pass_kind() stack
 _VERSION: list[int] = []  # rollout_version() stack
@@ -358,9 +361,10 @@ class RolloutState(InJobState):
     newest complete steps of ``DIR`` (``rollout_source``). A token one prefix routed differently in two requests takes
     the first route (``MOEVERIFY_ROUTER_REPLAY_DUPLICATES=refuse`` refuses it)."""
 
-    def __init__(self, *, original, num_experts: int, directory):
+    def __init__(self, *, original, num_experts: int, directory=None, source=None):
         super().__init__(original=original, num_experts=num_experts, duplicates="first")
-        self.source = RolloutSource(directory, max_tokens=self.max_tokens, duplicates=self.duplicates)
+        self.source = source if source is not None else RolloutSource(directory, max_tokens=self.max_tokens,
+                                                                      duplicates=self.duplicates)
 
     def route(self, router, layer, logits, args, kwargs):
         replay_state.guard_call(router, layer)
@@ -422,10 +426,16 @@ class InJobSession:
         selected: ``router -> bool``, autopatch's model choice (build order, ``MOEVERIFY_ROUTER_REPLAY_MODEL``).
     """
 
-    def __init__(self, *, selected, original, directory=None):
+    def __init__(self, *, selected, original, directory=None, rollout: bool = False):
         self._selected = selected
         self._original = original
         self._directory = directory  # r3: the rollout directory
+        self._rollout = rollout or directory is not None  # r3 (from files, or with the batch when no directory)
+        self.batch = None  # r3 with the batch: the routes handed over by injob.add_routes()
+        if self._rollout and directory is None:
+            self.batch = batch_routes.BatchSource(max_tokens=_env_int(MAX_TOKENS_ENV, DEFAULT_MAX_TOKENS),
+                                                  duplicates=os.environ.get(DUPLICATES_ENV) or "first")
+            batch_routes.attach(self.batch)
         self._bound: dict[int, weakref.ref] = {}
         self._native: weakref.WeakSet = weakref.WeakSet()
         self.state: InJobState | None = None
@@ -444,9 +454,9 @@ class InJobSession:
 
             rr.refuse_config(router, layer, disable_fusion=False)
             refuse_router(router, layer)
-            if self.state is None and self._directory is not None:
+            if self.state is None and self._rollout:
                 self.state = RolloutState(original=self._original, num_experts=router.num_experts,
-                                          directory=self._directory)
+                                          directory=self._directory, source=self.batch)
             elif self.state is None:
                 self.state = InJobState(original=self._original, num_experts=router.num_experts)
             self._bound[layer] = weakref.ref(router)

@@ -37,12 +37,20 @@ _NUMBERING = {code: name for name, code in rw.NUMBERINGS.items()}
 
 
 class Step:
-    """One complete step's requests, checked, on the host: tokens ``[N]``, request starts, routes per token."""
+    """One rollout version's requests, checked, on the host: tokens ``[N]``, request starts, routes per token.
 
-    def __init__(self, directory: Path, step: int):
+    Args:
+        parts: each ``{"tokens", "lengths", "rows", "routes", "numbering", "expert_map"?, "path"}`` as
+            ``RolloutWriter`` stores a part, checked by ``checked_part``.
+        where: what messages name (the step's directory, or the batch that handed the routes over).
+        step: the rollout version (RL step or policy version) the requests were generated under.
+    """
+
+    def __init__(self, parts: list[dict], *, where, step: int):
         self.step = step
-        self.where = rw.step_dir(directory, step)
-        parts = [self._part(self.where / name) for name in rw.read_marker(directory, step)]
+        self.where = where
+        if not parts:
+            raise RouteError(f"{where}: no requests")
         widths = {p["routes"].shape[1:] for p in parts}
         if len(widths) != 1:
             raise RouteError(f"{self.where}: parts hold routes of shapes [*, W, K] {sorted(widths)}; one engine's")
@@ -59,29 +67,13 @@ class Step:
         self.expert_map = maps[0]
         self.parts = parts
 
-    @staticmethod
-    def _part(path: Path) -> dict:
-        arrays = npy_file.load_npz(path, error=RouteError)
-        need = {"tokens": 1, "lengths": 1, "rows": 1, "routes": 3, "numbering": 1}
-        for key, dims in need.items():
-            if key not in arrays or arrays[key].ndim != dims or arrays[key].dtype.kind not in "iu":
-                got = "missing" if key not in arrays else f"{arrays[key].ndim}-d {arrays[key].dtype}"
-                raise RouteError(f"{path}: {key!r} must be a {dims}-d integer array, got {got}")
-        lengths, rows = arrays["lengths"].astype(np.int64), arrays["rows"].astype(np.int64)
-        if lengths.shape != rows.shape or not lengths.size or lengths.min() < 1:
-            raise RouteError(f"{path}: lengths {lengths.shape} and rows {rows.shape} must give >= 1 token per request")
-        if int(lengths.sum()) != arrays["tokens"].shape[0] or int(rows.sum()) != arrays["routes"].shape[0]:
-            raise RouteError(f"{path}: {arrays['tokens'].shape[0]} tokens and {arrays['routes'].shape[0]} route rows, "
-                             f"the requests' lengths and rows sum to {int(lengths.sum())} and {int(rows.sum())}")
-        short = (rows != lengths) & (rows != lengths - 1)
-        if short.any():
-            r = int(short.nonzero()[0][0])
-            raise RouteError(f"{path}: request {r} holds {int(rows[r])} route rows for {int(lengths[r])} tokens; "
-                             f"expected {int(lengths[r]) - 1} or {int(lengths[r])}")
-        if "expert_map" in arrays and arrays["expert_map"].ndim != 2:
-            raise RouteError(f"{path}: expert_map must be [W or 1, P], got {arrays['expert_map'].shape}")
-        arrays["lengths"], arrays["rows"], arrays["path"] = lengths, rows, path
-        return arrays
+    @classmethod
+    def read(cls, directory: Path, step: int) -> Step:
+        """A complete step of a ``RolloutWriter`` directory."""
+        where = rw.step_dir(directory, step)
+        parts = [checked_part(npy_file.load_npz(where / name, error=RouteError), where / name)
+                 for name in rw.read_marker(directory, step)]
+        return cls(parts, where=where, step=step)
 
     @property
     def tokens(self) -> int:
@@ -156,75 +148,102 @@ class Step:
         return ids_NLK, ~has_row_N
 
 
+def checked_part(arrays: dict, path) -> dict:
+    """A part's arrays checked (``RolloutWriter``'s layout): integer arrays of the right ranks, request lengths and
+    route rows that add up, each request's rows ``S - 1`` or ``S``; ``path`` is what messages name."""
+    need = {"tokens": 1, "lengths": 1, "rows": 1, "routes": 3, "numbering": 1}
+    for key, dims in need.items():
+        if key not in arrays or arrays[key].ndim != dims or arrays[key].dtype.kind not in "iu":
+            got = "missing" if key not in arrays else f"{arrays[key].ndim}-d {arrays[key].dtype}"
+            raise RouteError(f"{path}: {key!r} must be a {dims}-d integer array, got {got}")
+    lengths, rows = arrays["lengths"].astype(np.int64), arrays["rows"].astype(np.int64)
+    if lengths.shape != rows.shape or not lengths.size or lengths.min() < 1:
+        raise RouteError(f"{path}: lengths {lengths.shape} and rows {rows.shape} must give >= 1 token per request")
+    if int(lengths.sum()) != arrays["tokens"].shape[0] or int(rows.sum()) != arrays["routes"].shape[0]:
+        raise RouteError(f"{path}: {arrays['tokens'].shape[0]} tokens and {arrays['routes'].shape[0]} route rows, "
+                         f"the requests' lengths and rows sum to {int(lengths.sum())} and {int(rows.sum())}")
+    short = (rows != lengths) & (rows != lengths - 1)
+    if short.any():
+        r = int(short.nonzero()[0][0])
+        raise RouteError(f"{path}: request {r} holds {int(rows[r])} route rows for {int(lengths[r])} tokens; "
+                         f"expected {int(lengths[r]) - 1} or {int(lengths[r])}")
+    if "expert_map" in arrays and arrays["expert_map"].ndim != 2:
+        raise RouteError(f"{path}: expert_map must be [W or 1, P], got {arrays['expert_map'].shape}")
+    arrays["lengths"], arrays["rows"], arrays["path"] = lengths, rows, path
+    return arrays
+
+
 def _request_of(row: int, rows: np.ndarray) -> tuple[int, int]:
     ends = np.cumsum(rows)
     r = int(np.searchsorted(ends, row, side="right"))
     return r, row - int(ends[r - 1] if r else 0)
 
 
-class RolloutSource:
-    """The route tables of a rollout directory for the bound model's chunks (module docstring).
+class TableSource:
+    """Route tables of the serving rollout versions for the bound model's chunks: what ``RolloutSource`` (files) and
+    ``BatchSource`` (routes handed over with the batch) share. Subclasses give ``_serving()`` and ``_empty()``.
 
     Args:
-        directory: the ``r3:DIR`` directory (``RolloutWriter`` files).
-        max_tokens: refuse a table of more tokens (the newest steps together): its memory bound.
-        duplicates: ``RouteTable``'s rule for one prefix routed differently (R3 default: the newest step's first
+        max_tokens: refuse a table of more tokens (the serving versions together): its memory bound.
+        duplicates: ``RouteTable``'s rule for one prefix routed differently within a version (R3 default: the first
             route; the engine routed identical prefixes in other batches).
     """
 
-    def __init__(self, directory: Path | str, *, max_tokens: int, duplicates: str = "first"):
-        self.directory = Path(directory)
+    origin = "the rollout routes"
+    remedy = "hand over every sequence the step trains on"
+
+    def __init__(self, *, max_tokens: int, duplicates: str = "first"):
         self.max_tokens, self.duplicates = max_tokens, duplicates
         self.expert_map = os.environ.get(EXPERT_MAP_ENV) or None
-        self.steps: tuple[int, ...] = ()  # the newest complete steps now serving, newest first
-        self._loaded: dict[int, Step] = {}
-        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> table of self.steps
+        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> table of the serving steps
         self.builds = 0
 
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The serving versions, newest first."""
+        return tuple(step.step for step in self._serving())
+
+    def _serving(self) -> list[Step]:
+        raise NotImplementedError  # abstract: each source lists its own serving versions
+
+    def _empty(self, rank: int) -> str:
+        raise NotImplementedError  # abstract: each source says why nothing serves
+
+    def describe(self, versions: str) -> str:
+        """What error messages call the routes of ``versions``."""
+        return f"{self.origin} of step(s) {versions}"
+
     def refresh(self) -> None:
-        """Look at the directory again; newer complete steps replace the tables."""
-        if not self.directory.is_dir():
-            raise UsageError(f"r3: {self.directory} is not a directory (RolloutWriter's output)")
-        newest = tuple(reversed(rw.complete_steps(self.directory, newest=KEEP)))
-        if newest != self.steps:
-            self.steps = newest
-            self._loaded = {s: self._loaded[s] for s in newest if s in self._loaded}
-            self._tables = weakref.WeakKeyDictionary()
+        """Look for newer versions; they replace the tables."""
+
+    def invalidate(self) -> None:
+        self._tables = weakref.WeakKeyDictionary()
 
     def table(self, chunk, *, layers: list[int], config, rank: int) -> RouteTable:
-        """The frozen table of ``chunk``'s MoE ``layers`` (global, router order) for the serving steps."""
+        """The frozen table of ``chunk``'s MoE ``layers`` (global, router order) for the serving versions."""
         held = self._tables.get(chunk)
         if held is not None:
             return held
-        if not self.steps:
-            raise RouteError(f"rank {rank}: in-job replay r3:{self.directory}: no complete rollout step yet (a step's "
-                             f"routes are read once its {rw.MARKER} marker exists: RolloutWriter.close() or "
-                             "rollout_writer.mark_complete())")
+        serving = self._serving()
+        if not serving:
+            raise RouteError(self._empty(rank))
         model_layers = list(layer_numbering.moe_layers(num_layers=config.num_layers,
                                                        moe_layer_freq=config.moe_layer_freq))
-        for step in self.steps:
-            if step not in self._loaded:
-                self._loaded[step] = Step(self.directory, step)
-            topk = int(self._loaded[step].parts[0]["routes"].shape[2])
+        for step in serving:
+            topk = int(step.parts[0]["routes"].shape[2])
             if topk != config.moe_router_topk:
-                raise RouteError(f"rank {rank}: {self._loaded[step].where}: the rollout routes hold top-{topk} ids, "
-                                 f"the model routes top-{config.moe_router_topk} (moe_router_topk): another model's "
-                                 "routes?")
+                raise RouteError(f"rank {rank}: {step.where}: the rollout routes hold top-{topk} ids, the model routes "
+                                 f"top-{config.moe_router_topk} (moe_router_topk): another model's routes?")
         device = next(chunk.parameters()).device
-        steps = ", ".join(str(s) for s in self.steps)
+        versions = ", ".join(str(step.step) for step in serving)
         table = RouteTable(max_tokens=self.max_tokens, num_experts=config.num_moe_experts, duplicates=self.duplicates,
-                           origin=(f"the rollout routes of step(s) {steps} in {self.directory}",
-                                   "write every sequence the step trains on with RolloutWriter (prompt + response, "
-                                   "every turn)"))
-        for step in self.steps:  # newest first: the newest route of a token is recorded first
-            loaded = self._loaded.get(step)
-            if loaded is None:
-                loaded = self._loaded[step] = Step(self.directory, step)
-            tokens_N, starts, ids_NLK, native_N = loaded.ids(
+                           origin=(self.describe(versions), self.remedy))
+        for step in serving:  # newest first
+            tokens_N, starts, ids_NLK, native_N = step.ids(
                 layers=layers, model_layers=model_layers, num_layers=config.num_layers,
                 num_experts=config.num_moe_experts, expert_map=self.expert_map)
             keys = tk.packed_keys(tokens_N.to(device), cu_seqlens=starts.to(device))
-            forward = table.add_forward(keys, rank=rank, native_T=native_N.to(device), version=step)
+            forward = table.add_forward(keys, rank=rank, native_T=native_N.to(device), version=step.step)
             for i, layer in enumerate(layers):
                 table.add_ids(layer=layer, forward=forward, ids_TK=ids_NLK[:, i].to(device), rank=rank)
         table.freeze(rank=rank)
@@ -232,3 +251,43 @@ class RolloutSource:
         self.builds += 1
         agreement.routes_changed()
         return table
+
+
+class RolloutSource(TableSource):
+    """The route tables of a rollout directory (``RolloutWriter`` files) for the bound model's chunks (module
+    docstring): the newest ``KEEP`` complete steps serve; every rank reads them whole.
+
+    Args:
+        directory: the ``r3:DIR`` directory.
+    """
+
+    remedy = "write every sequence the step trains on with RolloutWriter (prompt + response, every turn)"
+
+    def __init__(self, directory: Path | str, *, max_tokens: int, duplicates: str = "first"):
+        super().__init__(max_tokens=max_tokens, duplicates=duplicates)
+        self.directory = Path(directory)
+        self._newest: tuple[int, ...] = ()
+        self._loaded: dict[int, Step] = {}
+
+    def describe(self, versions: str) -> str:
+        return f"the rollout routes of step(s) {versions} in {self.directory}"
+
+    def _serving(self) -> list[Step]:
+        for step in self._newest:
+            if step not in self._loaded:
+                self._loaded[step] = Step.read(self.directory, step)
+        return [self._loaded[step] for step in self._newest]
+
+    def _empty(self, rank: int) -> str:
+        return (f"rank {rank}: in-job replay r3:{self.directory}: no complete rollout step yet (a step's routes are "
+                f"read once its {rw.MARKER} marker exists: RolloutWriter.close() or rollout_writer.mark_complete())")
+
+    def refresh(self) -> None:
+        """Look at the directory again; newer complete steps replace the tables."""
+        if not self.directory.is_dir():
+            raise UsageError(f"r3: {self.directory} is not a directory (RolloutWriter's output)")
+        newest = tuple(reversed(rw.complete_steps(self.directory, newest=KEEP)))
+        if newest != self._newest:
+            self._newest = newest
+            self._loaded = {s: self._loaded[s] for s in newest if s in self._loaded}
+            self.invalidate()

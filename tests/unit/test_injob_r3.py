@@ -343,13 +343,13 @@ def test_rollout_files_malformed_refused(tmp_path):
         np.savez(where / "part-0.npz", **{**good, **change})
         mark_complete(tmp_path, step=step)
         with pytest.raises(RouteError, match=message):
-            Step(tmp_path, step)
+            Step.read(tmp_path, step)
     where = tmp_path / "step-99"
     where.mkdir()
     np.savez(where / "part-0.npz", **good, extra=np.array([object()], dtype=object))
     mark_complete(tmp_path, step=99)
     with pytest.raises(RouteError, match=r"npz member 'extra.npy'.*object arrays are never unpickled"):
-        Step(tmp_path, 99)
+        Step.read(tmp_path, 99)
 
 
 def test_r3_grpo_shared_prompt_routed_differently_takes_the_first_route(world):

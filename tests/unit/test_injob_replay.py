@@ -281,8 +281,8 @@ def test_injob_spy_catches_routes_replayed_on_other_tokens(world, monkeypatch):
 
     real = RouteTable.lookup
 
-    def shifted(self, keys):
-        found = real(self, keys)
+    def shifted(self, keys, **kwargs):
+        found = real(self, keys, **kwargs)
         return dataclasses.replace(found, index_T=found.index_T.roll(1))
 
     monkeypatch.setattr(RouteTable, "lookup", shifted)
@@ -306,9 +306,11 @@ def test_injob_stage_without_input_ids_refused(world):
 def test_injob_setting_parsed_from_the_environment_value():
     assert (autopatch.parse("r2").mode, autopatch.parse("r2").directory) == ("r2", None)
     assert (autopatch.parse("r3:/tmp/x").mode, str(autopatch.parse("r3:/tmp/x").directory)) == ("r3", "/tmp/x")
-    for bad in ("r2:/tmp/x", "r3", "r3:", "r4:/tmp/x"):
+    assert (autopatch.parse("r3").mode, autopatch.parse("r3").directory) == ("r3", None)  # routes with the batch
+    for bad in ("r2:/tmp/x", "r3:", "r4:/tmp/x"):
         with pytest.raises(Exception, match=r"expected record:DIR or replay:DIR, r2 \(in-job replay of the log-prob "
-                                            r"pass\) or r3:DIR \(in-job replay of a rollout's routes\)"):
+                                            r"pass\), r3:DIR \(in-job replay of a rollout's routes written to DIR\) "
+                                            r"or r3 \(the rollout's routes handed over with the batch"):
             autopatch.parse(bad)
 
 
