@@ -2,7 +2,9 @@
 PY := .venv/bin/python
 NPROC ?= 2
 
-.PHONY: setup demo lint test test-unit test-distributed release bench clean
+BUSY ?= 4
+
+.PHONY: setup demo lint test test-unit test-load test-distributed release bench clean
 
 setup:
 	@bash tools/setup.sh
@@ -15,18 +17,25 @@ lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
 
-# Lint (ruff and the import layers contract, seconds), unit tests, then the release matrix bit for bit on CPU ranks (a subset of the families matrix),
-# then the torchrun scenario tests.
+# Lint (ruff and the import layers contract, seconds), unit tests (the timing-sensitive ones with the CPUs busy, as on a
+# loaded CI host), then the release matrix bit for bit on CPU ranks (a subset of the families matrix), then the
+# torchrun scenario tests.
 test: setup
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
 	@mkdir -p runs
-	$(PY) -m pytest -q -n $(NPROC) tests/unit
+	$(PY) -m pytest -q -n $(NPROC) -m "not timing" tests/unit
+	$(PY) tools/under_load.py --busy $(BUSY) -- $(PY) -m pytest -q -n $(NPROC) -m timing tests/unit
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_ci.yaml --json runs/release.json --junit runs/release.xml
 	$(PY) -m pytest -q -p no:xdist -m "not release" tests/special_distributed
 
 test-unit: setup
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
+
+# The unit tests that wait on a child process, a thread, a signal or the clock (marker `timing`), with BUSY processes
+# spinning beside them: every such wait must hold on a loaded host (tests/unit/waiting.py).
+test-load: setup
+	$(PY) tools/under_load.py --busy $(BUSY) -- $(PY) -m pytest -q -n $(NPROC) -m timing tests/unit
 
 test-distributed: setup
 	$(PY) -m pytest -q -p no:xdist -m "not release" tests/special_distributed

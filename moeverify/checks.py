@@ -268,11 +268,19 @@ class ReplayOptions(CheckOptions):
         return 2 * layout.pp if layout.vpp_chunks > 1 else 3
 
 
-def _replay_rule(opts: ReplayOptions, layout: Layout) -> str | None:
+def _replay_rule(opts: ReplayOptions, layout: Layout, world_size: int) -> str | None:
     if opts.seq_len % (2 * layout.cp):
         return (f"the replay check's sequence of {opts.seq_len} tokens is not divisible by 2 * cp = {2 * layout.cp} "
                 "(context parallelism splits each sequence in 2 * cp chunks); set options: {replay_seq_len: N} with "
                 "N a multiple of it")
+    return None
+
+
+def _hf_parity_rule(opts: NoOptions, layout: Layout, world_size: int) -> str | None:
+    if world_size != 1 or layout != Layout():
+        where = f"world_size {world_size}" + ("" if layout == Layout() else f", layout {layout.name(world_size)}")
+        return (f"hf_parity runs on one rank with the default layout (transformers' model is the reference), not at "
+                f"{where}: put hf_parity in a world_size 1 scenario without a layout")
     return None
 
 
@@ -281,14 +289,14 @@ def _replay_rule(opts: ReplayOptions, layout: Layout) -> str | None:
 class CheckSpec:
     """One check. ``entry`` (``"module:function"``) is called as ``run(ctx: CheckContext) -> dict[str, Tally]``
     on every rank of the group; the tallies of rank 0 become the scenario's record, so a check gathers what it
-    needs to rank 0 itself. ``scenario_rule(options, layout)`` returns why a scenario cannot run the check (the
-    file is refused with that reason), or None."""
+    needs to rank 0 itself. ``scenario_rule(options, layout, world_size)`` returns why a scenario cannot run the
+    check (the file is refused with that reason), or None."""
 
     name: str
     entry: str
     subchecks: tuple[str, ...] = ()  # the tallies it always reports (expect_fail may name them); none: undeclared
     options: type[CheckOptions] = NoOptions
-    scenario_rule: Callable[[Any, Layout], str | None] | None = None
+    scenario_rule: Callable[[Any, Layout, int], str | None] | None = None
     subchecks_field: str | None = None  # the options field that narrows which subchecks run (replay: subchecks)
     optional_subchecks: tuple[str, ...] = ()  # reported only when an option asks for them (export: refresh, ...)
 
@@ -312,11 +320,12 @@ class CheckSpec:
         chosen = getattr(self.options.from_options(options), self.subchecks_field)
         return tuple(s for s in self.subchecks if s in chosen), key
 
-    def refusal(self, options: Mapping[str, object], layout: Layout) -> str | None:
-        """Why a scenario with these (validated) ``options`` and ``layout`` cannot run this check, or None."""
+    def refusal(self, options: Mapping[str, object], layout: Layout, *, world_size: int) -> str | None:
+        """Why a scenario with these (validated) ``options``, ``layout`` and ``world_size`` cannot run this check,
+        or None."""
         if self.scenario_rule is None:
             return None
-        return self.scenario_rule(self.options.from_options(options), layout)
+        return self.scenario_rule(self.options.from_options(options), layout, world_size)
 
 
 CHECKS: dict[str, CheckSpec] = {c.name: c for c in (
@@ -331,7 +340,8 @@ CHECKS: dict[str, CheckSpec] = {c.name: c for c in (
     CheckSpec(name="replay", entry="moeverify.oracles.replay.oracle:run", options=ReplayOptions,
               subchecks=REPLAY_SUBCHECKS, subchecks_field="subchecks", scenario_rule=_replay_rule),
     # Megatron's forward vs transformers' on the same weights, layer by layer and the logits
-    CheckSpec(name="hf_parity", entry="moeverify.oracles.hf_parity:run", subchecks=("layers", "logits")),
+    CheckSpec(name="hf_parity", entry="moeverify.oracles.hf_parity:run", subchecks=("layers", "logits"),
+              scenario_rule=_hf_parity_rule),
 )}
 
 

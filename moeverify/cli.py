@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from moeverify import checks
+from moeverify import checks, files
 from moeverify import scenario as scenario_mod
 from moeverify import timeouts
 from moeverify.commands import bench, doctor
@@ -48,6 +48,8 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected seconds > 0 (and finite), got {text!r}")
+    if value > timeouts.MAX_S:
+        raise argparse.ArgumentTypeError(f"expected seconds at most {timeouts.MAX_S:.0f}, got {text!r}")
     return value
 
 
@@ -191,6 +193,9 @@ def _cmd_run(args) -> int:
                              for e in s.expect_fail)
             print(f"{s.name}  {s.world_size}  {','.join(s.checks)}{extra}")
         return 0
+    timeouts.check()  # every MOEVERIFY_*_TIMEOUT_S the launcher and the ranks read: refused here, before any rank
+    files.check_cache_root()  # MOEVERIFY_CACHE_DIR: where the ranks write seeded checkpoints
+    select.probe_plugins(chosen, options)  # a user's subject, receiver or replay implementation, loaded for real
     groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend),
                                                     per_node=node.per_node if node else (lambda world: world))
     _preflight_models(groups)

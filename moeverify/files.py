@@ -62,3 +62,59 @@ def check_output_file(flag: str, value: str) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {value}: directory {parent} is not writable")
     return resolved
+
+
+# ------------------------------------------------------------------------------------------ the cache
+CACHE_ENV = "MOEVERIFY_CACHE_DIR"
+
+
+def _cache_refusal(path: Path, why: str, environ) -> UsageError:
+    raw = environ.get(CACHE_ENV)
+    named = f"{CACHE_ENV}={raw!r}" if raw else f"the cache directory {path} (set {CACHE_ENV} to use another)"
+    return UsageError(f"{named}: {why}; expected a directory moeverify can create files in (seeded checkpoints "
+                      "are written there)")
+
+
+def cache_root(environ=os.environ) -> Path:
+    """moeverify's cache directory: ``MOEVERIFY_CACHE_DIR``, else ``~/.cache/moeverify`` (not created here)."""
+    return Path(environ.get(CACHE_ENV) or Path("~/.cache/moeverify").expanduser())
+
+
+def check_cache_root(environ=os.environ) -> Path:
+    """The cache directory, refused (``UsageError`` naming ``MOEVERIFY_CACHE_DIR``) when it could not be used: a file,
+    under a file, or missing under a directory that cannot be written. Creates nothing (``moeverify run`` calls
+    this before any rank starts; a cache that exists is accepted as it is: it may be a read-only, filled one)."""
+    root = cache_root(environ)
+    try:
+        probe = root.absolute()
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise _cache_refusal(root, f"{probe} is not a directory", environ)
+        if probe != root.absolute() and not os.access(probe, os.W_OK | os.X_OK):
+            raise _cache_refusal(root, f"{root} does not exist and {probe} is not writable", environ)
+    except (OSError, ValueError) as exc:
+        raise _cache_refusal(root, f"cannot look at {root} ({getattr(exc, 'strerror', None) or exc})", environ) \
+            from None
+    return root
+
+
+def cache_dir(name: str, environ=os.environ) -> Path:
+    """The cache's subdirectory ``name``, created if absent (``UsageError`` naming ``MOEVERIFY_CACHE_DIR`` if it
+    cannot be)."""
+    path = cache_root(environ) / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        raise _cache_refusal(path, f"cannot create {path} ({getattr(exc, 'strerror', None) or exc})", environ) \
+            from None
+    return path
+
+
+def cache_tempdir(parent: Path, *, prefix: str) -> Path:
+    """A new temporary directory in the cache directory ``parent`` (``UsageError`` naming ``MOEVERIFY_CACHE_DIR``
+    when it cannot be written)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    except OSError as exc:
+        raise _cache_refusal(parent, f"cannot write in {parent} ({exc.strerror or exc})", os.environ) from None

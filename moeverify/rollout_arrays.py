@@ -8,6 +8,7 @@ refused. Legend: T = tokens, L = MoE layers (columns), K = top-k, B = requests, 
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Sequence
 
@@ -19,6 +20,29 @@ from moeverify.errors import RouteError
 from moeverify.route_ids import INT_DTYPES, safe_routes
 
 PICK, COUNT = 'numbering="{}"', "num_layers="
+
+
+def check_layers(layers) -> list[int]:
+    """``layers`` as ints: global layer numbers (>= 0), each once, ascending (router column order: the MoE layers,
+    then the MTP layers numbered ``num_layers + i``); ``RouteError`` naming the entry otherwise. A layer given twice
+    would take two columns into one layer's routes, an order other than the columns' would swap layers."""
+    if isinstance(layers, str | bytes) or not hasattr(layers, "__iter__"):
+        raise RouteError(f"layers={layers!r}: expected a sequence of global layer numbers (ints >= 0)")
+    given = list(layers)
+    if not given:
+        raise RouteError("layers=[]: expected at least one global layer number (the MoE layers the routes are of)")
+    for i, layer in enumerate(given):
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0:
+            raise RouteError(f"layers={given!r}: entry {i} is {layer!r}; expected a global layer number (an int >= 0)")
+    given = [int(layer) for layer in given]
+    for i in range(1, len(given)):
+        if given[i] in given[:i]:
+            raise RouteError(f"layers={given}: layer {given[i]} is given twice (entries {given.index(given[i])} and "
+                             f"{i}); expected each MoE layer once")
+        if given[i] < given[i - 1]:
+            raise RouteError(f"layers={given}: entry {i} ({given[i]}) comes after {given[i - 1]}; expected the layers "
+                             f"ascending, in router column order (MoE layers, then MTP layers): {sorted(given)}")
+    return given
 
 
 def ndim(array) -> int:

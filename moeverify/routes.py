@@ -303,7 +303,7 @@ class Routes:
             topk_ids: one sequence ``[T, L, K]``; or one array per request ``[S_i - 1 or S_i, L, K]`` (what
                 vLLM's ``routed_experts`` and SGLang's ``return_routed_experts`` give); or a padded
                 ``[B, S, L, K]`` batch. With several requests ``lengths`` is required.
-            layers: global layer numbers of the MoE layers (MTP layers numbered ``num_layers + i``).
+            layers: global layer numbers of the MoE layers, ascending, each once (MTP layers numbered ``num_layers + i``).
             num_experts: experts per MoE layer (logical experts).
             tokens: (one sequence) the token count training will route; default ``T``.
             pad_T: (one sequence) bool ``[tokens]``, True where the token is padding.
@@ -330,6 +330,7 @@ class Routes:
         spread over all experts. A capture gap (a row of -1, or with K > 1 a row of zeros, on a real
         token) raises ``RouteError`` naming request, token and layer: it is never replayed as expert 0.
         """
+        layers = ra.check_layers(layers)
         if lengths is None and (isinstance(topk_ids, (list, tuple)) or ra.ndim(topk_ids) == 4):
             raise RouteError("several rollout requests need lengths= (tokens training feeds per request)")
         if rows is not None and (lengths is None or isinstance(topk_ids, (list, tuple))):

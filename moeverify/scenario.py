@@ -204,7 +204,7 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
         raise error(where, "checks is empty: a scenario must run at least one check")
     scenario_options = _options_field(where, spec.fields.get("options", {}))
     for check in check_list:  # each check's own rule (moeverify.checks: CheckSpec.scenario_rule)
-        refusal = CHECKS[check].refusal(scenario_options, layout) if check in CHECKS else None
+        refusal = CHECKS[check].refusal(scenario_options, layout, world_size=world_size) if check in CHECKS else None
         if refusal:
             raise error(where, refusal)
     expect_fail = () if fit_or_skip else parse_expect_fail(

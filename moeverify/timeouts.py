@@ -2,9 +2,12 @@
 
 Users read the values from here (``timeouts.COLLECTIVE_S``, ...); the modules that always exposed one keep
 their public name as an alias of this table's value (``runtime.DEFAULT_TIMEOUT_S``, ``cli.DEFAULT_TIMEOUT_S``,
-``runtime.agreement.AGREE_TIMEOUT_S``). An environment override is read once, at import; a value that is not a
-positive number of seconds is refused, naming the variable. ``markdown_table()`` renders the table in
-docs/design.md (a test checks the two agree). Pure Python: no torch.
+``runtime.agreement.AGREE_TIMEOUT_S``, ``runner.launch.STARTUP_SLACK_S``). An environment override is read when
+the value is: importing never raises, so ``moeverify --help`` works whatever the environment holds, and a value
+that is not a positive number of seconds is refused where it is used (``UsageError`` naming the variable, what it
+holds and what was expected). ``check()`` reads every override at once: ``moeverify run`` calls it before any
+rank starts (exit 2). ``markdown_table()`` renders the table in docs/design.md (a test checks the two agree).
+Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import dataclasses
 import os
 
 from moeverify.errors import UsageError
+
+# The longest wait any entry (and ``--timeout``) accepts: about 115 days. Longer ones overflow what they are
+# handed to (``datetime.timedelta`` of a process group, ``faulthandler``'s watchdog, a store's deadline).
+MAX_S = 1e7
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,8 +43,9 @@ class Timeout:
             value = float(raw)
         except ValueError:
             value = float("nan")
-        if not value > 0 or value == float("inf"):
-            raise UsageError(f"{self.env}={raw!r}: expected a positive number of seconds ({self.meaning})")
+        if not 0 < value <= MAX_S:
+            raise UsageError(f"{self.env}={raw!r}: expected a positive number of seconds, at most {MAX_S:.0f} "
+                             f"({self.meaning})")
         return value
 
 
@@ -61,14 +69,27 @@ TABLE: tuple[Timeout, ...] = (
 )
 _BY_NAME = {t.name: t for t in TABLE}
 
-SCENARIO_S = _BY_NAME["SCENARIO_S"].seconds()
-STARTUP_S = _BY_NAME["STARTUP_S"].seconds()
-STARTUP_SLACK_S = STARTUP_S + 60.0
-COLLECTIVE_S = _BY_NAME["COLLECTIVE_S"].seconds()
-AGREE_S = _BY_NAME["AGREE_S"].seconds()
-NODE_JOIN_S = _BY_NAME["NODE_JOIN_S"].seconds()
-NODE_REPORT_S = _BY_NAME["NODE_REPORT_S"].seconds()
-DUMP_COLLECTIVE_S = _BY_NAME["DUMP_COLLECTIVE_S"].seconds()
+_DERIVED = {"STARTUP_SLACK_S": lambda environ: value("STARTUP_S", environ) + 60.0}
+
+
+def value(name: str, environ=os.environ) -> float:
+    """The seconds of the entry ``name`` now (its override read now); ``UsageError`` naming a bad override."""
+    if name in _DERIVED:
+        return _DERIVED[name](environ)
+    return _BY_NAME[name].seconds(environ)
+
+
+def check(environ=os.environ) -> None:
+    """Refuse a bad override of any entry (``UsageError`` naming the first bad variable); nothing else."""
+    for t in TABLE:
+        value(t.name, environ)
+
+
+def __getattr__(name: str) -> float:
+    """``timeouts.COLLECTIVE_S`` and the other entries: read when used, never at import."""
+    if name in _BY_NAME:
+        return value(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def markdown_table() -> str:

@@ -12,11 +12,11 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from moeverify import files
 from moeverify.models import kimi, mtp_weights, seeded, user
 from moeverify.models.ref import PREFIX, ModelRef
 from moeverify.models.seeded import seeded_value
@@ -27,8 +27,9 @@ __all__ = ["FAMILIES", "cache_dir", "family_shape", "family_traits", "hf_checkpo
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MOEVERIFY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moeverify")
-    return Path(root) / "models"
+    """Where seeded checkpoints are written: ``models/`` of ``MOEVERIFY_CACHE_DIR`` (else ``~/.cache/moeverify``),
+    created here; ``UsageError`` naming the variable when it cannot be."""
+    return files.cache_dir("models")
 
 
 def _fingerprint(cfg: dict, seed: int) -> str:
@@ -146,8 +147,7 @@ def hf_checkpoint(model: str | ModelRef, seed: int = 0) -> Path:
                            describe=lambda to: saved_specs(cfg, config_to=to))
     if (dst / "config.json").exists():
         return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp = files.cache_tempdir(dst.parent, prefix=f".{dst.name}.")
     try:
         _write_checkpoint(cfg, seed, tmp)
         try:

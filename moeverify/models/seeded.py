@@ -23,14 +23,13 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from moeverify import hash64
+from moeverify import files, hash64
 from moeverify.errors import MoEVerifyError
 
 MARKER = "moeverify-seeded.json"
@@ -199,7 +198,7 @@ def make(dst: Path, seed: int, *, describe) -> Path:
     if is_seeded(dst):
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp = files.cache_tempdir(dst.parent, prefix=f".{dst.name}.")
     try:
         write(seed, tmp, specs=describe(tmp))
         try:

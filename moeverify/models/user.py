@@ -29,7 +29,9 @@ import functools
 import importlib.util
 import inspect
 import json
+import os
 import re
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -133,8 +135,77 @@ def _read(ref: ModelRef, *, where: str) -> UserModel:
             raise UsageError(f"{where}: {path} holds only pickled weights ({', '.join(pickled[:3])}); moeverify "
                              "never unpickles a user's file: convert them to safetensors, or give the "
                              f"{CONFIG} file alone for random weights")
+    if model.weights_dir is not None:
+        check_weights(model.weights_dir, where=where)
     _check_overrides(config, items, where=where)
     return dataclasses.replace(model, config=_normalised(config, items, where=where))
+
+
+INDEX = "model.safetensors.index.json"  # the name transformers writes (models.checkpoint reads the same)
+_HEADER_MAX = 100 << 20  # safetensors' own limit on a header's length
+
+
+def _safetensors_names(path: Path, *, where: str) -> set[str]:
+    """The tensor names a safetensors file's header lists (the header alone is read)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None or n > min(size - 8, _HEADER_MAX):
+                raise UsageError(f"{where}: {path}: not a safetensors file (expected an 8-byte header length and a "
+                                 f"JSON header of at most the file's {size} bytes)")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise UsageError(f"{where}: {path}: cannot read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{where}: {path}: not a safetensors file (its header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise UsageError(f"{where}: {path}: not a safetensors file (expected a JSON object header, got "
+                         f"{type(header).__name__})")
+    return {name for name in header if name != "__metadata__"}
+
+
+def check_weights(directory: Path, *, where: str = "--model") -> None:
+    """Refuse (``UsageError``) a directory of safetensors weights Megatron-Bridge could not read on the ranks: a file
+    whose header is not a safetensors header; with ``model.safetensors.index.json``, an index that is not a
+    ``weight_map`` of tensor name -> file, or that names a file the directory lacks or a tensor its file does not
+    hold. Headers only are read (no tensor data, no torch)."""
+    directory = Path(directory)
+    index = directory / INDEX
+    if not index.exists():
+        for path in sorted(directory.glob("*.safetensors")):
+            _safetensors_names(path, where=where)
+        return
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: {index}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where}: {index}: not valid JSON: {exc}") from None
+    except AttributeError:
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise UsageError(f"{where}: {index}: expected a JSON object whose \"weight_map\" maps each tensor name to "
+                         f"the safetensors file holding it, got weight_map {str(weight_map)[:200]}")
+    by_file: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        by_file.setdefault(fname, []).append(name)
+    for fname, names in sorted(by_file.items()):
+        path = directory / fname
+        if Path(fname).is_absolute() or ".." in Path(fname).parts or not path.is_file():
+            raise UsageError(f"{where}: {index}: weight_map names {names[0]!r}"
+                             + (f" (and {len(names) - 1} more tensors)" if len(names) > 1 else "")
+                             + f" in {fname!r}, which is not a file in {directory}")
+        held = _safetensors_names(path, where=where)
+        missing = [name for name in names if name not in held]
+        if missing:
+            raise UsageError(f"{where}: {index}: weight_map names {missing[0]!r} in {fname}, which does not hold it"
+                             + (f" ({len(missing) - 1} more tensors of that file missing too)" if len(missing) > 1
+                                else "")
+                             + f": expected it in the file's header, which lists {len(held)} tensors"
+                             + (f" ({', '.join(repr(n) for n in sorted(held)[:3])}, ...)" if held else ""))
 
 
 def parse_sets(items: list[str] | tuple[str, ...], *, where: str = "--model-set") -> dict:

@@ -29,9 +29,16 @@ from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
 from moeverify.runner.report import Result
 
-STARTUP_SLACK_S = timeouts.STARTUP_SLACK_S  # past the ranks' own start-up watchdog: theirs fires first
 GRACE_S = 60.0  # after --timeout, before the parent kills a group whose ranks' watchdogs did not fire
 POLL_S = 0.5
+
+
+def __getattr__(name: str) -> float:
+    """``STARTUP_SLACK_S`` (past the ranks' own start-up watchdog: theirs fires first): the public name of
+    ``timeouts.STARTUP_SLACK_S``, read when used (never at import)."""
+    if name == "STARTUP_SLACK_S":
+        return timeouts.STARTUP_SLACK_S
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,7 +173,7 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
         cluster.launches += 1
         cluster.control.put(f"launch/{launch}", {"world_size": spec.world_size, "start": plan.start,
                                                  "backend": plan.backend, "attempt": directory.name})
-    startup_deadline = time.monotonic() + STARTUP_SLACK_S
+    startup_deadline = time.monotonic() + timeouts.STARTUP_SLACK_S
     log = None if spec.verbose else open(directory / "torchrun.log", "w")  # noqa: SIM115
     try:
         proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file, node=node,

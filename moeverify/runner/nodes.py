@@ -123,9 +123,10 @@ def digest(plan_like: Mapping) -> str:
 class Control:
     """The control store shared by the nodes' ``moeverify run`` processes (node 0 hosts it)."""
 
-    def __init__(self, node: NodeSpec, *, loaded: str, timeout_s: float = timeouts.NODE_JOIN_S):
+    def __init__(self, node: NodeSpec, *, loaded: str, timeout_s: float | None = None):
         from torch.distributed import TCPStore  # lazy: torch
 
+        timeout_s = timeouts.NODE_JOIN_S if timeout_s is None else timeout_s
         self.node = node
         try:
             self.store = TCPStore(node.host, node.port, is_master=node.node_rank == 0,

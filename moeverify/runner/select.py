@@ -14,6 +14,7 @@ from moeverify import plugins
 from moeverify.errors import UsageError
 from moeverify.options import OPTIONS
 from moeverify.scenario import Scenario
+from moeverify.runner import probe
 from moeverify.runner.report import Result
 from moeverify.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
 
@@ -45,8 +46,9 @@ def check_option_use(scenarios: Sequence[Scenario], options: dict) -> None:
                              f"runs; drop {flag} or select {option.check} (e.g. --check {option.check})")
 
 
-def check_plugins(scenarios: Sequence[Scenario], options: dict) -> None:
-    """Refuse, before torchrun starts, a plugin option (subject, receiver, replay implementation) that cannot load."""
+def _plugin_uses(scenarios: Sequence[Scenario], options: dict):
+    """``(spec, what, builtins)`` of every plugin option (subject, receiver, replay implementation) the selected
+    scenarios' checks read, once each."""
     plugin_options = [o for o in OPTIONS.values() if o.plugin]
     seen = set()
     for s in scenarios:
@@ -57,7 +59,23 @@ def check_plugins(scenarios: Sequence[Scenario], options: dict) -> None:
                 continue
             seen.add((option.name, spec))
             what, builtins = option.plugin
-            plugins.check(spec, what=what, builtins=builtins)
+            yield spec, what, builtins
+
+
+def check_plugins(scenarios: Sequence[Scenario], options: dict) -> None:
+    """Refuse, before torchrun starts, a plugin option (subject, receiver, replay implementation) that cannot load:
+    read without running it (``plugins.check``: a fraction of a second, also for ``--list``)."""
+    for spec, what, builtins in _plugin_uses(scenarios, options):
+        plugins.check(spec, what=what, builtins=builtins)
+
+
+def probe_plugins(scenarios: Sequence[Scenario], options: dict, *, say=print) -> None:
+    """Refuse, before torchrun starts, a user's plugin whose loading raises on a rank (its import raises, its
+    attribute is not callable): each one loaded in a child Python (``moeverify.runner.probe``; built-ins skipped)."""
+    for spec, what, builtins in _plugin_uses(scenarios, options):
+        if spec not in builtins:
+            say(f"loading {what} {spec} as a rank would, before any rank starts ...", flush=True)
+            probe.probe(spec, what=what, builtins=builtins)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,13 @@ from moeverify.runtime.bridge_import import import_bridge, real_te_available
 
 __all__ = ["Runtime", "init", "parallel", "import_bridge", "current", "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = timeouts.COLLECTIVE_S  # public name of timeouts.COLLECTIVE_S
+
+
+def __getattr__(name: str) -> float:
+    """``DEFAULT_TIMEOUT_S``: the public name of ``timeouts.COLLECTIVE_S``, read when used (never at import)."""
+    if name == "DEFAULT_TIMEOUT_S":
+        return timeouts.COLLECTIVE_S
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,13 +62,15 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def init(backend: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
+def init(backend: str = "auto", *, timeout_s: float | None = None) -> Runtime:
     """Pick the backend, install CPU redirections if needed, and initialise torch.distributed (idempotent).
 
-    Under torchrun the world comes from the environment; otherwise a 1-rank world is created.
+    Under torchrun the world comes from the environment; otherwise a 1-rank world is created. ``timeout_s``:
+    the process group's collective timeout, ``timeouts.COLLECTIVE_S`` by default.
     """
     global _runtime
     resolved = _resolve_backend(backend)
+    timeout_s = timeouts.COLLECTIVE_S if timeout_s is None else timeout_s
     if _runtime is not None and not torch.distributed.is_initialized():
         _runtime = None  # someone destroyed the process group since: make a new one rather than hand out a dead world
     if _runtime is not None:
@@ -127,16 +135,17 @@ def keep_group(group) -> None:
 
 
 @contextlib.contextmanager
-def parallel(layout, *, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
+def parallel(layout, *, seed: int = 0, timeout_s: float | None = None):
     """Initialise megatron parallel_state for ``layout`` (plus model-parallel RNG seeds).
 
     Nests: on exit the state is destroyed and, if an enclosing ``parallel()`` is active, its layout is
     initialised again, so a check may run a reference under another layout (e.g. 1 rank) and hand the
     scenario's layout back to the checks after it. Every rank must enter and leave together: making
-    groups is collective.
+    groups is collective. ``timeout_s``: the groups' collective timeout, ``timeouts.COLLECTIVE_S`` by default.
     """
     rt = current()
     layout.validate(world_size=rt.world_size)
+    timeout_s = timeouts.COLLECTIVE_S if timeout_s is None else timeout_s
     _initialise(layout, seed=seed, timeout_s=timeout_s)
     _layouts.append((layout, seed, timeout_s))
     try:

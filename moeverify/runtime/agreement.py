@@ -29,11 +29,16 @@ from torch.distributed import distributed_c10d
 
 from moeverify import timeouts
 from moeverify.errors import EnvironmentProblem, RankDisagreement
-from moeverify.runtime import DEFAULT_TIMEOUT_S
 
-AGREE_TIMEOUT_S = timeouts.AGREE_S  # public name of timeouts.AGREE_S
 _steps = itertools.count()
 _OK = "ok"
+
+
+def __getattr__(name: str) -> float:
+    """``AGREE_TIMEOUT_S``: the public name of ``timeouts.AGREE_S``, read when used (never at import)."""
+    if name == "AGREE_TIMEOUT_S":
+        return timeouts.AGREE_S
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _store():
@@ -56,7 +61,7 @@ def agree(error: BaseException | None, *, what: str, wait_s: float | None = None
     keys = [f"moeverify/agree/{step}/{r}" for r in range(world)]
     mine = _OK if error is None else (f"{type(error).__name__}: {error}"[:400] or type(error).__name__)
     store.set(keys[rank], mine)
-    wait = wait_s if wait_s is not None else (AGREE_TIMEOUT_S if error is not None else DEFAULT_TIMEOUT_S)
+    wait = wait_s if wait_s is not None else (timeouts.AGREE_S if error is not None else timeouts.COLLECTIVE_S)
     try:
         store.wait(keys, datetime.timedelta(seconds=wait))
     except Exception:  # noqa: BLE001 (the store's timeout: DistStoreError, a RuntimeError subclass, by version)

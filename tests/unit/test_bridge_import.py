@@ -3,6 +3,9 @@
 import subprocess
 import sys
 
+import pytest
+from waiting import CHILD_S
+
 SCRIPT = r"""
 import importlib.util, sys
 from moeverify.runtime.bridge_import import import_bridge, real_te_available
@@ -23,6 +26,7 @@ print("OK")
 """
 
 
+@pytest.mark.timing
 def test_bridge_import_scopes_te_placeholder_to_lora_layers():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=CHILD_S)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]

@@ -14,6 +14,7 @@ from moeverify import checks, cli, options
 from moeverify.errors import UsageError
 from moeverify.layout import Layout
 from moeverify.router_variants import VARIANTS
+from waiting import CHILD_S
 
 
 def _run_parser():
@@ -81,18 +82,32 @@ def test_checks_from_options_validates_again_naming_where(raw, match):
 
 def test_checks_replay_scenario_rule_reads_the_declared_seq_len():
     replay = checks.CHECKS["replay"]
-    assert replay.refusal({}, Layout(cp=2)) is None  # 16 % 4
-    assert replay.refusal({"replay_seq_len": 12}, Layout(cp=3)) is None
-    assert replay.refusal({}, Layout(cp=3)) == (
+    assert replay.refusal({}, Layout(cp=2), world_size=2) is None  # 16 % 4
+    assert replay.refusal({"replay_seq_len": 12}, Layout(cp=3), world_size=3) is None
+    assert replay.refusal({}, Layout(cp=3), world_size=3) == (
         "the replay check's sequence of 16 tokens is not divisible by 2 * cp = 6 (context parallelism splits each "
         "sequence in 2 * cp chunks); set options: {replay_seq_len: N} with N a multiple of it")
-    assert checks.CHECKS["export"].refusal({}, Layout(cp=3)) is None
+    assert checks.CHECKS["export"].refusal({}, Layout(cp=3), world_size=3) is None
 
 
 def test_checks_without_options_read_none():
     spec = checks.CheckSpec(name="tiny", entry="m:f")
     assert spec.options.from_options({"subject": "bridge"}) == checks.NoOptions()
-    assert spec.refusal({"replay_seq_len": 3}, Layout(cp=2)) is None
+    assert spec.refusal({"replay_seq_len": 3}, Layout(cp=2), world_size=2) is None
+
+
+@pytest.mark.parametrize(("layout", "world_size", "match"), [
+    (Layout(), 2, r"^hf_parity runs on one rank with the default layout .*not at world_size 2: put hf_parity in a "
+                  r"world_size 1 scenario"),
+    (Layout(ep=2), 2, r"not at world_size 2, layout ep2-dp2: put hf_parity"),
+    (Layout(tp=2), 4, r"not at world_size 4, layout tp2-dp2"),
+])
+def test_checks_hf_parity_is_refused_at_load_off_one_rank(layout, world_size, match):
+    import re
+
+    refusal = checks.CHECKS["hf_parity"].refusal({}, layout, world_size=world_size)
+    assert refusal is not None and re.search(match, refusal), refusal
+    assert checks.CHECKS["hf_parity"].refusal({}, Layout(), world_size=1) is None
 
 
 def test_checks_run_flags_and_help_come_from_the_declaration():
@@ -105,6 +120,7 @@ def test_checks_run_flags_and_help_come_from_the_declaration():
     assert actions["subject"].help.endswith("path/file.py:factory (default sharded)")
 
 
+@pytest.mark.timing
 def test_checks_declarations_import_no_torch(repo_root):
     code = textwrap.dedent("""
         import sys
@@ -118,9 +134,9 @@ def test_checks_declarations_import_no_torch(repo_root):
         from moeverify import checks, options
         from moeverify.layout import Layout
         opts = checks.ReplayOptions.from_options({"router_variants": "full", "replay_seq_len": 8})
-        print(len(opts.variants), len(options.OPTIONS), checks.CHECKS["replay"].refusal({}, Layout(cp=3))[:40])
+        print(len(opts.variants), len(options.OPTIONS), checks.CHECKS["replay"].refusal({}, Layout(cp=3), world_size=3)[:40])
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[:2] == [str(len(VARIANTS)), "13"], proc.stdout
     assert "the replay check's sequence of 16 tokens" in proc.stdout

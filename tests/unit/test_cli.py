@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from moeverify import cli
+from waiting import CHILD_S
 
 GOOD = """
 defaults: {checks: [roundtrip, export]}
@@ -109,9 +110,10 @@ def test_main_bench_list_names_scripts(capsys, repo_root):
     assert code == 0 and (out.split() == expected or (not expected and "no benchmarks" in out))
 
 
+@pytest.mark.timing
 def test_python_dash_m_moeverify_runs_main(good_file, repo_root):
     proc = subprocess.run([sys.executable, "-m", "moeverify", "run", good_file, "--list", "--check", "export"],
-                          cwd=repo_root, capture_output=True, text=True, timeout=120)
+                          cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == "qwen3_moe/ep2-dp2  2  export"
 
@@ -153,3 +155,34 @@ def test_run_accepts_every_documented_subject_and_replay_impl_form(capsys, tmp_p
     code, out, err = _run(capsys, "run", str(tmp_path / "s.yaml"), "--list", *(f.format(tmp=tmp_path) for f in flags))
     assert code == 0, err
     assert out.startswith("qwen3_moe/tp1  1  export,replay")
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize(("source", "flags", "match"), [
+    ("raise RuntimeError('no GPU here')\ndef factory(ctx):\n    return iter(())\n", ["--subject", "{tmp}/plug.py:factory"],
+     r"subject '.*plug\.py:factory': loading .*plug\.py raised RuntimeError: no GPU here"),
+    ("factory = 3\n", ["--subject", "{tmp}/plug.py:factory"],
+     r"subject '.*plug\.py:factory': .*plug\.py:factory is a int, not a callable factory"),
+    ("import sys\nsys.exit(4)\ndef factory(ctx):\n    pass\n", ["--replay-impl", "{tmp}/plug.py:factory"],
+     r"replay implementation '.*plug\.py:factory': loading .*plug\.py raised SystemExit: 4"),
+    ("import os\nos._exit(9)\nfactory = None\n", ["--subject", "{tmp}/plug.py:factory"],
+     r"subject '.*plug\.py:factory': loading it ended the process \(exit code 9\) before it could report"),
+])
+def test_run_refuses_a_plugin_whose_loading_raises_before_launch(capsys, tmp_path, monkeypatch, source, flags, match):
+    """What reading the source cannot tell (an import that raises, an attribute that is not callable) is found by
+    loading the plugin in a child Python before any rank starts: exit 2, not a crash on every rank."""
+    from moeverify.runner import launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a group was launched")
+
+    monkeypatch.setattr(launch, "run_group", no_launch)
+    (tmp_path / "s.yaml").write_text(PLUGIN_FILE)
+    (tmp_path / "plug.py").write_text(source)
+    code, out, err = _run(capsys, "run", str(tmp_path / "s.yaml"), "--backend", "cpu",
+                          *(f.format(tmp=tmp_path) for f in flags))
+    assert code == 2 and re.search(match, err), err
+    assert "Traceback" not in err
+    # --list still reads the source only (no child process, no import of the user's code)
+    code, out, err = _run(capsys, "run", str(tmp_path / "s.yaml"), "--list", *(f.format(tmp=tmp_path) for f in flags))
+    assert code == 0, err

@@ -12,7 +12,9 @@ import sys
 import textwrap
 
 import pytest
+from waiting import CHILD_S
 
+pytestmark = pytest.mark.timing  # child processes, each with a bound
 BLOCKED = ("torch", "megatron", "transformers", "safetensors")
 
 PRELUDE = textwrap.dedent(f"""
@@ -30,7 +32,7 @@ PRELUDE = textwrap.dedent(f"""
 
 def _run(repo_root, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=repo_root,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=CHILD_S)
 
 
 def _main(argv: list[str]) -> str:

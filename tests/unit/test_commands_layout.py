@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from waiting import CHILD_S
+
 
 def _argparse_users(package: Path) -> list[str]:
     """Modules that import argparse or declare command-line arguments (``add_argument``/``add_parser`` calls)."""
@@ -29,10 +32,11 @@ def test_argparse_code_only_in_cli_and_commands(repo_root):
     assert [u for u in users if u != "cli.py" and not u.startswith("commands/")] == []
 
 
+@pytest.mark.timing
 def test_importing_the_dump_format_loads_no_command(repo_root):
     code = ("import sys, moeverify.record, moeverify.record.reader, moeverify.record.importers\n"
             "print(sorted(m for m in sys.modules if m == 'moeverify.cli' or m.startswith('moeverify.commands')))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 

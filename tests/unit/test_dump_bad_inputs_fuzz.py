@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 from dump_bad_inputs import (B, E, FILE_MUTATORS, K, LAYERS, MBS, NPY_MUTATORS, NPZ_MUTATORS, SAFETENSORS_MUTATORS, S,
                              T, _dump_dir_mutators, _jsonl, _Pickled, _resized, manifest_mutators)
 from dump_bad_inputs import _to_fifo
@@ -334,6 +335,7 @@ def run_all(root: Path, *, runner=run_inprocess, verbose: bool = False, sample: 
     return counts, bad
 
 
+@pytest.mark.timing
 def test_dump_bad_inputs_are_all_refused_loudly(tmp_path):
     start = time.monotonic()
     counts, bad = run_all(tmp_path)

@@ -16,6 +16,7 @@ import pytest
 
 from moeverify import engine_routes as er
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
+from waiting import CHILD_S
 
 RNG = np.random.default_rng(7)
 S, K = 9, 2  # tokens of the request (prompt 5 + completion 4), top-k
@@ -192,6 +193,7 @@ def test_vllm_021_never_written_columns_after_the_moe_layers_are_trimmed():
         er.decode(ref, engine="tgi")
 
 
+@pytest.mark.timing
 def test_import_needs_no_torch(repo_root):
     code = textwrap.dedent("""
         import sys
@@ -204,7 +206,8 @@ def test_import_needs_no_torch(repo_root):
         from moeverify import engine_routes as er
         print(er.from_trtllm(np.zeros((3, 2, 2), np.int16), num_tokens=4).routes.shape)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True,
+                          timeout=CHILD_S)
     assert proc.returncode == 0 and "(3, 2, 2)" in proc.stdout, proc.stderr
 
 

@@ -44,6 +44,7 @@ def test_export_feed_drains_everything_in_order():
     assert collector.taken == ["t0", "t1", "t2"]
 
 
+@pytest.mark.timing
 def test_export_feed_large_holdings_stop_pulls_until_demand():
     items = _items([100, 100, 100])
     ref = _Counting(items)

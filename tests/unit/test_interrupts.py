@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import time
+import threading
 
 import pytest
 
 from moeverify.runner import interrupts
 
 
+pytestmark = pytest.mark.timing
+
+
 def _signal_self(sig) -> None:
-    os.kill(os.getpid(), sig)
-    time.sleep(0.05)  # the handler runs at the next bytecode boundary
+    """``sig`` to this (the main) thread: delivered before ``pthread_kill`` returns, and its Python handler run
+    before it returns too (``pthread_kill`` checks for signals). ``os.kill`` of the process may be delivered to
+    another thread, whose handler a loaded host may not run for a while."""
+    signal.pthread_kill(threading.main_thread().ident, sig)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -10,6 +10,7 @@ import pytest
 
 from moeverify.oracles.results import Tally
 from moeverify.runner.worker import _tallies
+from waiting import CHILD_S
 
 
 def test_tallies_accepts_dict_of_tally():
@@ -23,6 +24,7 @@ def test_tallies_rejects_other_results_naming_the_check(bad):
         _tallies(bad, "roundtrip")
 
 
+@pytest.mark.timing
 def test_peak_rss_mb_is_this_process_in_megabytes():
     # A fresh process, then 256 MiB touched page by page: its own peak must rise by about 256 in the unit
     # reported. A value in KiB or bytes, or a peak inherited from the parent (ru_maxrss), is far off.
@@ -33,5 +35,5 @@ def test_peak_rss_mb_is_this_process_in_megabytes():
         blob[::4096] = b"x" * len(blob[::4096])
         print(peak_rss_mb() - before)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_S, check=True)
     assert 200 <= float(out.stdout) <= 300, out.stdout  # below 256 where the import peaked above its final size

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moeverify.runtime import cpu
+from waiting import CHILD_S
 
 
 @pytest.fixture
@@ -125,6 +126,7 @@ print("OK", me)
 """
 
 
+@pytest.mark.timing
 def test_cpu_uneven_all_gather_and_reduce_scatter_on_gloo(tmp_path):
     import os
     import socket
@@ -140,6 +142,6 @@ def test_cpu_uneven_all_gather_and_reduce_scatter_on_gloo(tmp_path):
         env.update(RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-c", UNEVEN_SCRIPT], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [p.communicate(timeout=CHILD_S) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"OK {rank}" in out, f"rank {rank}: {err[-2000:]}"

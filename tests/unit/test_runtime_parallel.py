@@ -4,6 +4,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+from waiting import CHILD_S
+
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 SCRIPT = r"""
@@ -30,9 +33,10 @@ print("OK")
 """
 
 
+@pytest.mark.timing
 def test_runtime_parallel_nests_and_restores_outer_layout():
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}  # a fresh 1-rank world, not the worker's
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=CHILD_S, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
 
 
@@ -68,11 +72,12 @@ print("OK", base_groups, inner, counts)
 """
 
 
+@pytest.mark.timing
 def test_runtime_parallel_destroys_the_groups_it_made():
     # Megatron-Core's destroy_model_parallel only drops references; every gloo group left alive holds
     # its own threads, and a release run grew to 2,700 threads per rank until collectives timed out.
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    out = subprocess.run([sys.executable, "-c", GROUPS_SCRIPT], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", GROUPS_SCRIPT], capture_output=True, text=True, timeout=CHILD_S,
                          env=env)
     assert out.returncode == 0 and out.stdout.strip().startswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
 

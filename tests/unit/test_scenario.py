@@ -190,6 +190,12 @@ def test_load_production_slice_is_qwen3_30b_width_at_one_layer_ep1_and_ep2_repla
      r"seed must be an integer in \[0, 2147483647\], got 99999999999999999999"),
     ("scenarios:\n  - {family: qwen3_moe, world_size: 3, layout: {cp: 3}, checks: [replay]}",
      r"sequence of 16 tokens is not divisible by 2 \* cp = 6"),
+    ("scenarios:\n  - {family: qwen3_moe, world_size: 2, checks: [roundtrip, hf_parity]}",
+     r"s\.yaml:2: scenario qwen3_moe/\S+: hf_parity runs on one rank with the default layout .*not at world_size 2: "
+     r"put hf_parity in a world_size 1 scenario"),
+    ("matrix:\n  - {families: [qwen3_moe], world_size: 2, checks: [roundtrip], moe_checks: [hf_parity], "
+     "layouts: [{ep: 2}]}", r"scenario qwen3_moe/ep2-dp2: hf_parity runs on one rank .*not at world_size 2, layout "
+                            r"ep2-dp2"),
     ("scenarios:\n  - qwen2", r"scenario must be a mapping, got str"),
     ("version: 2\nscenarios: []", r"version 2 is not supported; this moeverify reads version 1"),
     ("defaults: {checks: [export]}", r"no 'scenarios' or 'matrix' section"),

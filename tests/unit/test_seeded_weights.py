@@ -13,6 +13,7 @@ from moeverify.errors import MoEVerifyError
 from moeverify.models import FAMILIES, seeded
 from moeverify.models.families import hf_checkpoint, hf_config_dict, saved_specs
 from moeverify.models.checkpoint import checkpoint_shapes, open_tensors
+from waiting import CHILD_S
 
 
 def _written(family: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -123,6 +124,7 @@ def test_noise_cpu_and_gpu_paths_equal_the_reference_bit_for_bit(numel):
         assert cpu.abs().max().item() < 3 ** 0.5
 
 
+@pytest.mark.timing
 def test_noise_in_a_forked_child_does_not_wait_on_the_parents_threads():
     """The CPU path runs blocks on a thread pool; a child forked after the parent used it must make its own."""
     import multiprocessing
@@ -133,7 +135,7 @@ def test_noise_in_a_forked_child_does_not_wait_on_the_parents_threads():
     parent = noise(11, big)
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
-        child = pool.apply_async(_child_noise, (11, big)).get(timeout=60)
+        child = pool.apply_async(_child_noise, (11, big)).get(timeout=CHILD_S)
     assert child == parent[-4:].tolist()
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from moeverify import support
 from moeverify.cli import main
+from waiting import CHILD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,6 +78,7 @@ def test_doctor_refuses_an_unsupported_stack(monkeypatch, capsys):
     assert "UNSUPPORTED" in out.out and "torch 2.9.1 is outside the supported range >=2.11,<2.15" in out.err
 
 
+@pytest.mark.timing
 def test_pip_install_no_deps_into_an_existing_environment_works_outside_the_checkout(tmp_path):
     """What users do in an NGC container or beside a cluster's own torch: install moeverify alone (no deps,
     nothing from the network), then use it from anywhere; the installed copy, not this checkout, answers."""
@@ -92,5 +94,5 @@ def test_pip_install_no_deps_into_an_existing_environment_works_outside_the_chec
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert probe.returncode == 0 and probe.stdout.strip().startswith(str(site)), probe.stderr[-2000:]
     listing = subprocess.run([sys.executable, "-m", "moeverify", "run", str(ROOT / "scenarios" / "smoke.yaml"),
-                              "--list"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+                              "--list"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=CHILD_S)
     assert listing.returncode == 0 and "qwen3_moe" in listing.stdout, listing.stderr[-2000:]

@@ -13,6 +13,7 @@ import pytest
 
 from moeverify import timeouts
 from moeverify.errors import UsageError
+from waiting import CHILD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,20 +62,83 @@ def test_the_literal_finder_finds_a_declaration():
     assert _timeout_literals(text, "x.py") == ["x.py:1 JOIN_TIMEOUT_S", "x.py:2 STARTUP_SLACK_S"]
 
 
+@pytest.mark.timing
 def test_public_aliases_and_users_read_the_table():
     code = ("from moeverify import cli, timeouts; from moeverify.runtime import agreement; import moeverify.runtime as r;"
             "from moeverify.runner import launch;"
             "print(cli.DEFAULT_TIMEOUT_S, r.DEFAULT_TIMEOUT_S, agreement.AGREE_TIMEOUT_S, launch.STARTUP_SLACK_S)")
     env = {"MOEVERIFY_COLLECTIVE_TIMEOUT_S": "123", "MOEVERIFY_AGREE_TIMEOUT_S": "7.5",
            "MOEVERIFY_STARTUP_TIMEOUT_S": "40", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHILD_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["600.0", "123.0", "7.5", "100.0"]
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-5", "inf", "nan"])
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "inf", "nan", "1e300", "10000001"])
 def test_bad_override_is_refused_naming_the_variable(raw):
     entry = next(t for t in timeouts.TABLE if t.name == "AGREE_S")
-    with pytest.raises(UsageError, match=rf"MOEVERIFY_AGREE_TIMEOUT_S={raw!r}: expected a positive number"):
+    with pytest.raises(UsageError, match=rf"MOEVERIFY_AGREE_TIMEOUT_S={raw!r}: expected a positive number of seconds, "
+                                         r"at most 10000000"):
         entry.seconds({"MOEVERIFY_AGREE_TIMEOUT_S": raw})
     assert entry.seconds({}) == 60.0 and entry.seconds({"MOEVERIFY_AGREE_TIMEOUT_S": "2"}) == 2.0
+    assert entry.seconds({"MOEVERIFY_AGREE_TIMEOUT_S": "10000000"}) == timeouts.MAX_S
+
+
+ENVS = [t.env for t in timeouts.TABLE if t.env]
+# Every module that reads a timeout, and the public aliases: importing them reads none.
+IMPORTS = ("import moeverify.cli, moeverify.runtime, moeverify.runtime.agreement, moeverify.runner.launch, "
+           "moeverify.runner.worker, moeverify.runner.nodes, moeverify.oracles.export.oracle, "
+           "moeverify.oracles.context, moeverify.patches.autopatch_dump")
+
+
+@pytest.mark.timing
+def test_bad_overrides_break_no_import_and_not_help():
+    bad = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **dict.fromkeys(ENVS, "soon")}
+    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, env=bad, capture_output=True, text=True,
+                         timeout=CHILD_S)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "moeverify", "--help"], cwd=ROOT, env=bad, capture_output=True,
+                         text=True, timeout=CHILD_S)
+    assert out.returncode == 0 and "run" in out.stdout and not out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_a_bad_override_is_refused_where_it_is_read(env, monkeypatch):
+    from moeverify.runner import launch
+    from moeverify.runtime import agreement
+    import moeverify.runtime as rt
+
+    monkeypatch.setenv(env, "-3")
+    match = rf"^{env}='-3': expected a positive number of seconds"
+    name = next(t.name for t in timeouts.TABLE if t.env == env)
+    with pytest.raises(UsageError, match=match):
+        getattr(timeouts, name)
+    with pytest.raises(UsageError, match=match):
+        timeouts.check()
+    aliases = {"MOEVERIFY_COLLECTIVE_TIMEOUT_S": (rt, "DEFAULT_TIMEOUT_S"),
+               "MOEVERIFY_AGREE_TIMEOUT_S": (agreement, "AGREE_TIMEOUT_S"),
+               "MOEVERIFY_STARTUP_TIMEOUT_S": (launch, "STARTUP_SLACK_S")}
+    if env in aliases:
+        with pytest.raises(UsageError, match=match):
+            getattr(*aliases[env])
+    monkeypatch.setenv(env, "12.5")
+    assert getattr(timeouts, name) == 12.5 and timeouts.check() is None
+    with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_S'"):
+        timeouts.NO_SUCH_S  # noqa: B018
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_run_refuses_a_bad_override_before_any_rank_starts(env, monkeypatch, capsys, repo_root):
+    from moeverify import cli
+    from moeverify.runner import launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a group was launched")
+
+    monkeypatch.setattr(launch, "run_group", no_launch)
+    monkeypatch.setenv(env, "1e400")
+    code = cli.main(["run", str(repo_root / "scenarios/smoke.yaml"), "--backend", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"moeverify: error: {env}='1e400': expected a positive number of seconds" in err, err
+    assert "Traceback" not in err
+    assert cli.main(["run", str(repo_root / "scenarios/smoke.yaml"), "--list"]) == 0  # --list launches nothing

@@ -65,7 +65,8 @@ class SubjectContext:
     hf_path: Path
     built: Any = None
     options: dict = dataclasses.field(default_factory=dict)  # the check options (``ExportOptions`` reads them)
-    timeout_s: float = timeouts.COLLECTIVE_S  # the export's control-group collectives (``moeverify run``: --timeout)
+    # the export's control-group collectives (``moeverify run``: --timeout; else ``timeouts.COLLECTIVE_S``, read here)
+    timeout_s: float = dataclasses.field(default_factory=lambda: timeouts.COLLECTIVE_S)
     stats: dict | None = None  # a dict here gets the elements each rank checked locally (the benchmark reads it)
 
 
