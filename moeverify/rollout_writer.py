@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeverify.engine_routes import EngineRoutes
 from moeverify.errors import UsageError
 from moeverify.files import atomic_write_json, atomic_writer
 
@@ -100,10 +101,12 @@ class RolloutWriter:
     def add(self, token_ids, routes) -> None:
         """One request: ``token_ids`` ``[S]`` (every token training feeds for it) and the engine's routes
         ``[S - 1 or S, W, K]`` (numpy or torch, any integer dtype; a row of -1 is a capture gap the training job
-        refuses on a real token)."""
+        refuses on a real token), or a decoded payload (``moeverify.engine_routes.EngineRoutes``: its layer numbering
+        is taken, and physical slots need the writer's ``expert_map``)."""
         if self._closed:
             raise UsageError(f"{self.path}: add() after close()")
         where = f"request {len(self._tokens)} of {self.path.name}"
+        routes = self._payload(routes, where)
         tokens_S = _integers(token_ids, f"{where}: token_ids", dims=1)
         routes_SWK = _integers(routes, f"{where}: routes", dims=3)
         s = tokens_S.shape[0]
@@ -121,6 +124,24 @@ class RolloutWriter:
             raise UsageError(f"{where}: routes hold {int(routes_SWK.min())}; expert ids are >= 0 (-1: not captured)")
         self._tokens.append(tokens_S.astype(np.int64, copy=False))
         self._routes.append(routes_SWK)
+
+    def _payload(self, routes, where: str):
+        """An ``EngineRoutes``' array, its numbering and placement checked against the writer's; else ``routes``."""
+        if not isinstance(routes, EngineRoutes):
+            return routes
+        if routes.start:
+            raise UsageError(f"{where}: the engine's rows start at position {routes.start}, not 0; join them to the "
+                             "request's earlier rows first (moeverify.engine_routes.splice)")
+        if self.numbering is None and not self._routes:
+            self.numbering = routes.numbering
+        if routes.numbering != self.numbering:
+            raise UsageError(f"{where}: the payload numbers layers {routes.numbering!r}, this part "
+                             f"{self.numbering!r}; one engine's routes per part")
+        if routes.physical and self.expert_map is None:
+            raise UsageError(f"{where}: the engine recorded physical expert slots (EPLB): give RolloutWriter("
+                             "expert_map=) (slot -> logical expert; docs/engine_routes.md says where each engine "
+                             "keeps it)")
+        return routes.routes
 
     def close(self, *, complete: bool = True) -> Path:
         """Write this part (atomically); with ``complete`` also mark the step whole. Returns the part's path."""

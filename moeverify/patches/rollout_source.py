@@ -131,6 +131,15 @@ class Step:
                              f"zeros: {routes_RLK[row, col].tolist()}), {int(gaps_RL.sum())} such row(s); the engine "
                              "did not record this route (a real token): fix the capture, or leave the token out of "
                              "token_ids")
+        partial_RL = (routes_RLK == -1).any(dim=-1)
+        if bool(partial_RL.any()):  # not a gap (every slot -1), not an id out of range: a row cut short
+            row, col = (int(i) for i in partial_RL.nonzero()[0])
+            r, s = _request_of(row, rows)
+            raise RouteError(f"{where}: request {r} position {s} layer {layers[col]}: route "
+                             f"{routes_RLK[row, col].tolist()} has -1 (not captured) in "
+                             f"{int((routes_RLK[row, col] == -1).sum())} of its {routes_RLK.shape[2]} slots "
+                             f"({int(partial_RL.sum())} such row(s)): a variable top-k, or a capture cut mid-row; "
+                             "replay needs every one of the router's top-k experts of a real token")
         if emap is not None:
             routes_RLK = ra._to_logical(routes_RLK, emap=emap, skip_TL=torch.zeros_like(gaps_RL), layers=layers,
                                         where=str(where))

@@ -401,3 +401,37 @@ def test_r3_other_top_k_refused(world):
             forward(actor, seq[0][None], torch.zeros(1, 5, dtype=torch.bool))
     for step in (72, 73):  # later tests start from well-formed steps
         write_step(directory, step, seq, [routes])
+
+
+def test_r3_writer_takes_engine_payloads_as_returned(world, tmp_path):
+    # last in this file: its steps are the newest of the world's directory from here on
+    import base64
+
+    from moeverify import engine_routes as er
+
+    actor, engine, vocab, directory = world
+    seq = random_sequences(vocab, [7], SEED + 12)[0]
+    routes = engine_routes(engine, [seq])[0]
+    payload = {"meta_info": {"routed_experts": base64.b64encode(routes[:-1].numpy().astype("<i4").tobytes())
+                             .decode()}}  # SGLang: base64 int32 [S - 1, num_hidden_layers, K]
+    decoded = er.from_sglang(payload, num_layers=4, top_k=2, num_tokens=len(seq), physical=False, request="r0")
+    with RolloutWriter(directory, step=200) as w:
+        w.add(seq, decoded)
+        assert w.numbering == "decoder"  # taken from the payload
+    spy = Spy(actor)
+    try:
+        with torch.no_grad():
+            forward(actor, seq[None], torch.zeros(1, len(seq), dtype=torch.bool))
+        for layer, ids_TK in spy.take():
+            assert all(torch.equal(ids_TK[s], routes[s, layer]) for s in range(len(seq) - 1))
+    finally:
+        spy.close()
+    physical = er.from_sglang(payload, num_layers=4, top_k=2, num_tokens=len(seq), physical=True)
+    with pytest.raises(UsageError, match=r"request 0 of part-0.npz: the engine recorded physical expert slots"):
+        RolloutWriter(tmp_path, step=0).add(seq, physical)
+    later = er.EngineRoutes(routes=routes[3:-1].numpy().astype(np.int16), numbering="decoder", physical=False,
+                            engine="sglang", request=1, start=3)
+    with pytest.raises(UsageError, match=r"rows start at position 3, not 0.*splice"):
+        RolloutWriter(tmp_path, step=1).add(seq, later)
+    with pytest.raises(UsageError, match=r"the payload numbers layers 'decoder', this part 'routers'"):
+        RolloutWriter(tmp_path, step=2, numbering="routers").add(seq, decoded)

@@ -183,3 +183,20 @@ def test_r3_batch_nothing_handed_over_and_not_installed_refused(world, monkeypat
     monkeypatch.setattr(injob.batch_routes, "_SOURCE", [source])
     with pytest.raises(UsageError, match=r"this rank now holds 5 tokens of routes .*over the cap of 4"):
         injob.add_routes(version=0, sequences=[seq], routes=[np.tile(np.arange(2), (4, 4, 1))])
+
+
+def test_r3_batch_route_cut_short_named_as_such_not_as_out_of_range(world):
+    # a row with -1 in some of its K slots (a variable top-k engine): neither a capture gap nor an EPLB slot
+    actor, engine, vocab = world
+    seq = random_sequences(vocab, [6], SEED + 5)[0]
+    routes = engine_routes(engine, [seq])[0][:-1].clone()
+    routes[2, 1, 1] = -1
+    injob.add_routes(version=0, sequences=[seq], routes=[routes])
+    try:
+        with pytest.raises(Exception, match=r"the batch routes of version 0: request 0 position 2 layer 1: route "
+                                            r"\[\d+, -1\] has -1 \(not captured\) in 1 of its 2 slots \(1 such "
+                                            r"row\(s\)\): a variable top-k"):
+            with torch.no_grad():
+                actor(seq[None], torch.arange(6)[None], None)
+    finally:
+        injob.drop_routes()
