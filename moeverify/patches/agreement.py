@@ -284,6 +284,19 @@ def _share(name: str, value: str) -> float:
     return share
 
 
+def _check_writable(path: str) -> None:
+    """The rows' file can be written (refused now, naming the variable, not at the first step)."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        writable = not target.is_dir() and os.access(target.parent, os.W_OK) and (
+            not target.exists() or os.access(target, os.W_OK))
+    except OSError as exc:
+        raise UsageError(f"{ENV}={path[:80]!r}: not a file path this job can write ({exc.strerror})") from exc
+    if not writable:
+        raise UsageError(f"{ENV}={path[:80]!r}: not a writable file path (where the per-step agreement rows go)")
+
+
 def from_env(*, in_job: bool = False, floor_default: str | None = None) -> Guard | None:
     """Start the guard from ``MOEVERIFY_AGREEMENT`` / ``_MIN`` / ``_FLOOR`` (autopatch calls it).
 
@@ -307,6 +320,8 @@ def from_env(*, in_job: bool = False, floor_default: str | None = None) -> Guard
         if path is None:
             name, value = (MIN_ENV, minimum) if minimum is not None else (FLOOR_ENV, floor)
             raise UsageError(f"{name}={value} needs {ENV}=PATH.jsonl (where the per-step agreement goes)")
+    if path is not None:
+        _check_writable(path)
     share = _share(MIN_ENV, minimum) if minimum is not None else None
     if floor is None:
         floor = floor_default

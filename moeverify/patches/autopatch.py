@@ -88,8 +88,8 @@ def parse(value: str, model: str | None = None) -> Setting:
                          f"{ROLLOUT} (the rollout's routes handed over with the batch: injob.add_routes)")
     index = None
     if model not in (None, ""):
-        if not model.isdigit():
-            raise UsageError(f"{MODEL_ENV}={model!r}: expected a model index by build order (0, 1, ...)")
+        if not (model.isascii() and model.isdigit()) or len(model) > 9:
+            raise UsageError(f"{MODEL_ENV}={model[:40]!r}: expected a model index by build order (0, 1, ...)")
         index = int(model)
     return Setting(mode=mode, directory=Path(directory) if directory else None, model=index)
 

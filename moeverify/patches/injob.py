@@ -43,7 +43,7 @@ from moeverify.patches.rollout_source import RolloutSource
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
 from moeverify.patches import router_replay as rr
-from moeverify.runtime import DEFAULT_TIMEOUT_S
+from moeverify import timeouts
 import torch.distributed as dist
 
 MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
@@ -190,10 +190,10 @@ def _gather_cp(ids: torch.Tensor, group, *, cp: int, layer: int, rank: int) -> l
         out = [torch.empty_like(t) for _ in range(cp)]
         work = dist.all_gather(out, t, group=group, async_op=True)
         try:
-            work.wait(timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+            work.wait(timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_S))
         except RuntimeError as e:
             raise RouteError(f"layer {layer} rank {rank}: gathering the CP group's {what} for token keys did not "
-                             f"finish within {DEFAULT_TIMEOUT_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a CP rank "
+                             f"finish within {timeouts.COLLECTIVE_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a CP rank "
                              f"did not run this forward? ({e})") from e
         return out
 
@@ -407,8 +407,8 @@ def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value in (None, ""):
         return default
-    if not value.isdigit() or int(value) < 1:
-        raise UsageError(f"{name}={value!r}: expected a positive integer")
+    if not (value.isascii() and value.isdigit()) or len(value) > 18 or int(value) < 1:
+        raise UsageError(f"{name}={value[:40]!r}: expected a positive integer")
     return int(value)
 
 
