@@ -23,9 +23,9 @@ from moeverify.route_ids import safe_routes as safe_routes  # public here too (`
 
 
 def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_experts: int, topk: int,
-                      tokens: int | None = None, rank: int | str = "?") -> torch.Tensor:
+                      tokens: int | None = None, rank: int | None = None) -> torch.Tensor:
     """Check one route tensor before it is used; raise ``RouteError`` naming where and expected vs got."""
-    where = f"layer {layer} rank {rank} mb {microbatch}"
+    where = f"layer {layer} mb {microbatch}" if rank is None else f"layer {layer} rank {rank} mb {microbatch}"
     if not isinstance(topk_ids_TK, torch.Tensor):
         raise RouteError(f"{where}: route must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
     if topk_ids_TK.dtype not in INT_DTYPES:

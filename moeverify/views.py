@@ -142,15 +142,23 @@ def chunk_layers(layout: Layout, *, pp_rank: int, vp_stage: int, num_layers: int
 
 def layers_of(layout: Layout, *, pp_rank: int, num_layers: int, moe_layers: Sequence[int],
               vp_stage: int | None = None) -> tuple[int, ...]:
-    """Sorted MoE layers held by pipeline stage ``pp_rank`` (all its chunks, or only ``vp_stage``)."""
+    """Sorted MoE layers held by pipeline stage ``pp_rank`` (all its chunks, or only ``vp_stage``).
+
+    ``num_layers`` counts decoder layers; a MoE layer numbered ``num_layers + i`` is MTP layer ``i``, which
+    Megatron-Core 0.19 builds on the last pipeline stage, in its last virtual chunk (``mtp_on_this_rank``)."""
     stages = range(layout.vpp_chunks) if vp_stage is None else (vp_stage,)
     moe = set(moe_layers)
-    bad = sorted(layer for layer in moe if not 0 <= layer < num_layers)
+    mtp = sorted(layer for layer in moe if layer >= num_layers)
+    bad = sorted(layer for layer in moe if layer < 0) + ([] if mtp == list(range(num_layers, num_layers + len(mtp)))
+                                                           else mtp)
     if bad:
-        raise LayoutError(f"moe_layers {bad} outside [0, num_layers={num_layers})")
+        raise LayoutError(f"moe_layers {bad} outside [0, num_layers={num_layers}), and not MTP layers numbered "
+                          f"num_layers + i ({num_layers}, {num_layers + 1}, ...)")
     held = set()
     for c in stages:
         held.update(chunk_layers(layout, pp_rank=pp_rank, vp_stage=c, num_layers=num_layers))
+    if pp_rank == layout.pp - 1 and layout.vpp_chunks - 1 in stages:
+        held.update(layer for layer in moe if layer >= num_layers)
     return tuple(sorted(held & moe))
 
 

@@ -79,7 +79,8 @@ def test_layers_of_mixed_dense_moe_stack():
 
 
 def test_layers_of_moe_layer_out_of_range_raises():
-    with pytest.raises(LayoutError, match=r"moe_layers \[9\] outside \[0, num_layers=4\)"):
+    with pytest.raises(LayoutError, match=r"moe_layers \[9\] outside \[0, num_layers=4\), and not MTP layers numbered "
+                                          r"num_layers \+ i \(4, 5, ...\)"):
         layers_of(Layout(), pp_rank=0, num_layers=4, moe_layers=(1, 9))
 
 
@@ -175,3 +176,27 @@ def test_to_global_wrong_layers_raises():
     local = {c: Routes({0: [torch.zeros(4, 1, dtype=torch.int64)]}, num_experts=2, topk=1) for c in coords}
     with pytest.raises(RouteError, match=r"rank 1 \(tp0 pp1.*\(2, 1, \(0,\), 1\) != expected \(2, 1, \(1,\), 1\)"):
         to_global(local, layout, world_size=2, seq_len=4, batch=1, num_layers=2, moe_layers=(0, 1))
+
+
+@pytest.mark.parametrize("layout,world", [(Layout(), 1), (Layout(pp=2), 2), (Layout(pp=2, vpp=2), 2)])
+def test_views_mtp_layer_numbered_after_the_decoder_goes_with_the_last_stage(layout, world):
+    from moeverify import views
+
+    # the docs' R3 example on a DeepSeek-V3 with MTP: Routes.from_rollout(num_layers=N) numbers the MTP layer N, and
+    # to_local(num_layers=N) must place it where Megatron builds it (the last stage's last chunk), rows in the same
+    # token order as every layer of that rank
+    from moeverify.routes import Routes
+
+    n, seq, batch = 4, 6, 2
+    engine = torch.stack([torch.stack([torch.tensor([(t + c) % 8, (t + c + 3) % 8]) for c in range(5)])
+                          for t in range(seq * batch)])  # [T, 5 columns: 4 decoder layers + 1 MTP, K]
+    routes = Routes.from_rollout(engine[:, [1, 2, 3, 4]], layers=[1, 2, 3, n], num_experts=8, num_layers=n,
+                                 numbering="routers")
+    for rank in range(world):
+        coords = views.rank_coords(layout, rank=rank, world_size=world)
+        local = routes.to_local(layout, coords=coords, seq_len=seq, batch=batch, num_layers=n)
+        last = coords.pp == layout.pp - 1
+        assert (n in local.layers) == last
+        if last:
+            decoder = routes.select([3]).to_local(layout, coords=coords, seq_len=seq, batch=batch, num_layers=n)
+            assert torch.equal((local.get(n, 0) - 4) % 8, (decoder.get(3, 0) - 3) % 8)  # the same tokens' rows
