@@ -1,5 +1,5 @@
-"""In-job R3 (``MOEVERIFY_ROUTER_REPLAY=r3:DIR``) on 2 ranks: a rollout engine's routes, written by
-``RolloutWriter``, replayed in an unmodified verl-like step under TP2 + SP (each router sees half of every sequence)
+"""In-job R3 on 2 ranks: a rollout engine's routes, written by ``RolloutWriter`` (``MOEVERIFY_ROUTER_REPLAY=r3:DIR``)
+or handed over with the batch (``r3``, ``injob.add_routes``), replayed in an unmodified verl-like step under TP2 + SP (each router sees half of every sequence)
 and under EP2 (``jobs/injob_r3_job.py``). Every training token but each sequence's last uses exactly the engine's
 route for its (sequence, position), in every micro-batching of the step; the last token (no rollout row) routes
 natively; native routing with the actor's perturbed weights would have picked other experts for many tokens.
@@ -21,15 +21,21 @@ TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "600"))
 EPOCHS = 2
 
 
-@pytest.mark.parametrize("layout", ["tp2sp", "ep2"])
-def test_injob_r3_verl_step_replays_the_rollouts_routes(tmp_path, layout):
+@pytest.mark.parametrize(("layout", "source"), [("tp2sp", "files"), ("ep2", "files"), ("tp2sp", "batch"),
+                                                ("ep2", "batch")])
+def test_injob_r3_verl_step_replays_the_rollouts_routes(tmp_path, layout, source):
     rollout = tmp_path / "rollout"
-    env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": f"r3:{rollout}", "MOEVERIFY_ROUTER_REPLAY_MODEL": "0"}
+    # the engine has other weights than the actor: its routes are no better than random ids for the actor, which the
+    # agreement guard's default floor refuses; here replay itself is under test
+    env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": "r3" if source == "batch" else f"r3:{rollout}",
+           "MOEVERIFY_ROUTER_REPLAY_MODEL": "0", "MOEVERIFY_AGREEMENT_FLOOR": "off"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "moeverify.patches.autopatch", str(JOB), layout, str(rollout), str(tmp_path / "out")]
+           "moeverify.patches.autopatch", str(JOB), layout, "batch" if source == "batch" else str(rollout),
+           str(tmp_path / "out")]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert sorted(p.name for p in (rollout / "step-0").iterdir()) == ["COMPLETE", "part-0.npz"]
+    if source == "files":
+        assert sorted(p.name for p in (rollout / "step-0").iterdir()) == ["COMPLETE", "part-0.npz"]
     ranks = [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in range(2)]
     for r, got in enumerate(ranks):
         assert got["wrong"] == [], f"rank {r}: training tokens not on their rollout route: {got['wrong']}"

@@ -2,7 +2,9 @@
 
 Run under ``MOEVERIFY_ROUTER_REPLAY=r3:DIR MOEVERIFY_ROUTER_REPLAY_MODEL=0 torchrun ... -m moeverify.patches.autopatch
 injob_r3_job.py LAYOUT DIR OUT`` with LAYOUT ``tp2sp`` (Layout(tp=2, sp=True): each router sees half of every
-sequence) or ``ep2`` (Layout(ep=2)). qwen3_moe, full recompute.
+sequence) or ``ep2`` (Layout(ep=2)). qwen3_moe, full recompute. With DIR ``batch`` (and
+``MOEVERIFY_ROUTER_REPLAY=r3``) every rank hands the routes over with the batch (``injob.add_routes``) instead of
+rank 0 writing them.
 
 The rollout: an "engine" model (the second one built, other weights, routing natively: autopatch binds model 0)
 routes the eight sequences; its routes, pooled over the ranks that each saw a part, are written by rank 0 with
@@ -71,11 +73,16 @@ def main(layout_name: str, directory: str, out: str) -> None:
         torch.distributed.all_gather_object(pooled, seen)
         rollout = {k: v for part in pooled for k, v in part.items()}
         layers = sorted(engine_log.forward)
-        if rt.rank == 0:
+        routes = [torch.tensor([[rollout[(layer, u, s)] for layer in layers] for s in range(len(seq) - 1)])
+                  for u, seq in enumerate(sequences)]
+        if directory == "batch":  # MOEVERIFY_ROUTER_REPLAY=r3: the routes handed over with the batch, every rank
+            from moeverify.patches import injob  # the lines a trainer adds where its batch is built
+
+            injob.add_routes(version=0, sequences=sequences, routes=routes)
+        elif rt.rank == 0:
             with RolloutWriter(directory, step=0) as w:
-                for u, seq in enumerate(sequences):
-                    rows = [[rollout[(layer, u, s)] for layer in layers] for s in range(len(seq) - 1)]
-                    w.add(seq, torch.tensor(rows))
+                for seq, rows in zip(sequences, routes):
+                    w.add(seq, rows)
         torch.distributed.barrier()
 
         log = RouteLog(actor.model_chunks)
