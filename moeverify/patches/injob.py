@@ -335,8 +335,8 @@ class InJobState:
                 held.freeze(rank=rank, group=group)
             self.table_bytes = sum(held.nbytes() for held in self.tables.values())
         self.phase = "training"
-        if layer not in table.ids_GK:
-            raise RouteError(f"layer {layer} rank {rank}: the log-prob pass recorded layers {sorted(table.ids_GK)} "
+        if layer not in table.layer_index:
+            raise RouteError(f"layer {layer} rank {rank}: the log-prob pass recorded layers {sorted(table.layer_index)} "
                              "for this model chunk, not this one")
         return self._replay_from(table, fwd, keys, router, layer, rank)
 

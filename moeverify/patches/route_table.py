@@ -65,6 +65,7 @@ class Lookup:
     version_T: torch.Tensor | None = None  # versioned tables: the index (in ``versions``) each token was served from
     ambiguous_T: torch.Tensor | None = None  # versioned tables: sequences held whole by several versions
     version: int | None = None  # the version the forward named, if any
+    ids_TLK: torch.Tensor | None = None  # every layer's ids of the forward, gathered at its first layer
 
 
 class RouteTable:
@@ -91,7 +92,8 @@ class RouteTable:
         self._ids: dict[int, list[torch.Tensor]] = {}
         self.keys_2G: torch.Tensor | None = None  # sorted by the first half
         self.conflict_G: torch.Tensor | None = None
-        self.ids_GK: dict[int, torch.Tensor] = {}
+        self.ids_GLK: torch.Tensor | None = None  # frozen: every layer's ids, one gather serves a forward
+        self.layer_index: dict[int, int] = {}  # global layer -> its column in ids_GLK
         self.versions: list[int] = []  # rollout versions held (newest first); empty: one unversioned recording
         self._forward_version: list[int] = []  # per recorded forward, its index in ``versions``
         self.xconflict_G: torch.Tensor | None = None  # versioned: the token's route differs in another version
@@ -158,12 +160,16 @@ class RouteTable:
         group_N = torch.cumsum(first_N, dim=0) - 1
         heads_G = first_N.nonzero().squeeze(1)
         conflict_G = torch.zeros(heads_G.shape[0], dtype=torch.int32, device=key1_N.device)
-        for layer, ids in self._ids.items():
-            ids_NK = torch.cat(ids)[order_N]
+        ids_GK = []
+        for layer in sorted(self._ids):
+            ids_NK = torch.cat(self._ids[layer])[order_N]
             canon_NK = ids_NK.sort(dim=1).values  # a route is an expert set: slot order does not count
             differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1) & ~native_N
             conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
-            self.ids_GK[layer] = ids_NK[heads_G]
+            self.layer_index[layer] = len(ids_GK)
+            ids_GK.append(ids_NK[heads_G])
+        self.ids_GLK = torch.stack(ids_GK, dim=1) if ids_GK else torch.zeros(heads_G.shape[0], 0, 0,
+                                                                             dtype=self.dtype, device=key1_N.device)
         self.keys_2G = torch.stack([key1_N[heads_G], key2_N[heads_G]])
         self.conflict_G = conflict_G > 0
         self.native_G = native_N[heads_G]
@@ -190,8 +196,8 @@ class RouteTable:
         heads = first.nonzero().squeeze(1)
         real = ~self.native_G[order_G]
         differs = torch.zeros(heads.shape[0], dtype=torch.int32, device=version_G.device)
-        for ids_GK in self.ids_GK.values():
-            canon = ids_GK[order_G].sort(dim=1).values
+        for i in range(self.ids_GLK.shape[1]):
+            canon = self.ids_GLK[order_G, i].sort(dim=1).values
             head_real = real[heads][group]
             differs.index_add_(0, group, ((canon != canon[heads][group]).any(dim=1) & real & head_real).to(torch.int32))
         out = torch.zeros_like(plain1_G, dtype=torch.bool)
@@ -221,7 +227,9 @@ class RouteTable:
         """Device bytes held by the frozen table (keys, conflict flags and ids)."""
         if not self.frozen:
             raise RouteError("nbytes() of a table still recording")
-        tensors = [self.keys_2G, self.conflict_G, self.native_G, *self.ids_GK.values()]
+        tensors = [self.keys_2G, self.conflict_G, self.native_G, self.ids_GLK]
+        if self.xconflict_G is not None:
+            tensors.append(self.xconflict_G)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _find(self, keys_2T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +250,9 @@ class RouteTable:
                 return keys, version_T, torch.zeros(keys.tokens, dtype=torch.bool, device=device)
             version_T = torch.full((keys.tokens,), self.versions.index(version), dtype=torch.int64, device=device)
             return salted(keys, salt_2V[:, version_T]), version_T, torch.zeros_like(version_T, dtype=torch.bool)
+        if len(self.versions) == 1:  # one version: every sequence is either in it or not found at all
+            version_T = torch.zeros(keys.tokens, dtype=torch.int64, device=device)
+            return salted(keys, salt_2V[:, 0]), version_T, None
         held_VT = torch.stack([self._find(keys.last_2T + salt_2V[:, v, None])[1] for v in range(len(self.versions))])
         version_T = held_VT.to(torch.int8).argmax(dim=0).long()  # the first (newest) version holding the sequence
         ambiguous_T = held_VT.sum(dim=0) > 1
@@ -318,5 +329,8 @@ class RouteTable:
                 "MOEVERIFY_ROUTER_REPLAY_DUPLICATES=first to replay the first recorded route")
 
     def ids(self, layer: int, found: Lookup) -> torch.Tensor:
-        """This layer's recorded ids ``[T, K]`` (int64) for a looked-up forward."""
-        return self.ids_GK[layer][found.index_T].long()
+        """This layer's recorded ids ``[T, K]`` (int64) for a looked-up forward: the forward's first call gathers
+        every layer's at once (one gather and one cast a forward, not one each per layer)."""
+        if found.ids_TLK is None:
+            object.__setattr__(found, "ids_TLK", self.ids_GLK[found.index_T].long())
+        return found.ids_TLK[:, self.layer_index[layer]]
