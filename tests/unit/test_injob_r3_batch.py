@@ -55,10 +55,18 @@ def verl_batch(sequences, routes, *, width):
     return ids, mask, routed
 
 
+def run(actor, seq):
+    """A one-sequence forward on the actor's device."""
+    device = next(actor.parameters()).device
+    return actor(seq[None].to(device), torch.arange(len(seq), device=device)[None], None)
+
+
 def forward_padded(actor, ids, mask, *, grad):
+    device = next(actor.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     pad = mask == 0
     pos = (torch.cumsum(mask, dim=1) - 1).clamp(min=0)
-    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)
+    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=device).triu(1)
     with torch.set_grad_enabled(grad):
         out = actor(ids, pos, causal[None, None] | pad[:, None, None, :], padding_mask=pad)
     if grad:
@@ -122,7 +130,7 @@ def test_r3_batch_engine_payloads_as_the_engines_return_them(world):
     try:
         with torch.no_grad():
             for seq, want in zip(sequences, routes):
-                actor(seq[None], torch.arange(len(seq))[None], None)
+                run(actor, seq)
                 for layer, ids_TK in spy.take():
                     assert all(torch.equal(ids_TK[s], want[s, layer]) for s in range(len(seq) - 1))
     finally:
@@ -142,7 +150,7 @@ def test_r3_batch_off_policy_versions_and_refusals(world):
     spy = Spy(actor)
     try:
         with torch.no_grad():  # one step off-policy: version 10's sample keeps version 10's prompt routes
-            actor(old[None], torch.arange(len(old))[None], None)
+            run(actor, old)
             for layer, ids_TK in spy.take():
                 assert all(torch.equal(ids_TK[s], routes_old[s, layer]) for s in range(len(old) - 1))
     finally:
@@ -174,7 +182,7 @@ def test_r3_batch_nothing_handed_over_and_not_installed_refused(world, monkeypat
     seq = random_sequences(vocab, [5], SEED + 4)[0]
     with pytest.raises(Exception, match=r"no routes handed over yet; call injob.add_routes"):
         with torch.no_grad():
-            actor(seq[None], torch.arange(5)[None], None)
+            run(actor, seq)
     source = autopatch.session().batch
     monkeypatch.setattr(injob.batch_routes, "_SOURCE", [])
     with pytest.raises(UsageError, match=r"not installed; run the job with MOEVERIFY_ROUTER_REPLAY=r3"):
@@ -197,6 +205,6 @@ def test_r3_batch_route_cut_short_named_as_such_not_as_out_of_range(world):
                                             r"\[\d+, -1\] has -1 \(not captured\) in 1 of its 2 slots \(1 such "
                                             r"row\(s\)\): a variable top-k"):
             with torch.no_grad():
-                actor(seq[None], torch.arange(6)[None], None)
+                run(actor, seq)
     finally:
         injob.drop_routes()

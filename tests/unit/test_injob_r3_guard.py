@@ -56,8 +56,10 @@ def padded(sequences, *, side: str, width: int):
 def run_forward(actor, ids, pad, *, grad: bool):
     """A forward as verl's BSHD batches give it: positions from each row's first real token, padding keys masked
     in attention (RoPE sees relative positions: a shifted row attends as the unpadded sequence)."""
+    device = next(actor.parameters()).device
+    ids, pad = ids.to(device), pad.to(device)
     pos = (torch.cumsum(~pad, dim=1) - 1).clamp(min=0)
-    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)
+    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=device).triu(1)
     mask = causal[None, None] | pad[:, None, None, :]
     with torch.set_grad_enabled(grad):
         out = actor(ids, pos, mask, padding_mask=pad)
