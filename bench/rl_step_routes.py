@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import router_replay as bench  # noqa: E402 (its timer)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "rl_step_routes.json"
 
 
@@ -112,7 +114,7 @@ def main(argv=None) -> dict:
             table.ids(layer, found)
         table.check(found, layer=0, rank=0)
 
-    timer = _timer(args)
+    timer = bench._timer(args)  # the router-replay benchmark's timer: warm-up, synchronised, mean of --iters
     best = {name: float("inf") for name in ("native", "lookup")}
     for _ in range(5):
         for name, step in (("native", native), ("lookup", lookup)):
@@ -138,23 +140,6 @@ def main(argv=None) -> dict:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
-
-
-def _timer(args):
-    import torch
-
-    def run(step) -> float:
-        step()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            step()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / args.iters * 1e3
-
-    return run
 
 
 def _device() -> str:
