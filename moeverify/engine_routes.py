@@ -161,9 +161,11 @@ def from_trtllm(routed_experts, *, num_tokens: int, num_moe_layers: int | None =
 
 
 def from_transformers(router_logits, *, top_k: int, num_tokens: int | None = None, batch: int | None = None,
-                      index: int = 0, request=None) -> EngineRoutes:
+                      index: int = 0, attention_mask=None, request=None) -> EngineRoutes:
     """Hugging Face transformers ``output_router_logits=True``: ``outputs.router_logits``, one ``[T, E]`` float
     array per MoE layer (``[B * T, E]`` with ``batch=B``: request ``index`` is taken), numbering ``"routers"``.
+    A padded batch (``generate`` pads on the left) gives ``attention_mask`` ``[B, T]`` (1 = real token): the
+    request's rows are its real tokens' (contiguous), in order.
 
     The model picks ``topk(softmax(float(logits)))`` (transformers 5.x ``Qwen3MoeTopKRouter``; Mixtral, Qwen2-MoE,
     OLMoE likewise); softmax is monotonic, so the top-k is taken over the float32 logits, descending, ties by
@@ -189,6 +191,16 @@ def from_transformers(router_logits, *, top_k: int, num_tokens: int | None = Non
                              f"or index {index} is outside it")
         rows = logits_TLE.shape[0] // batch
         logits_TLE = logits_TLE[index * rows:(index + 1) * rows]
+    if attention_mask is not None:
+        mask_BT = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
+        if mask_BT.ndim != 2 or mask_BT.shape[1] != logits_TLE.shape[0] or not 0 <= index < mask_BT.shape[0]:
+            raise RouteError(f"{where}: attention_mask {mask_BT.shape} does not match {logits_TLE.shape[0]} "
+                             f"positions a request (batch={batch}, index={index})")
+        real = np.flatnonzero(mask_BT[index].astype(bool))
+        if not real.size or real[-1] - real[0] + 1 != real.size:
+            raise RouteError(f"{where}: attention_mask row {index} holds no real token, or a hole: padding sits on "
+                             "either side of a request")
+        logits_TLE = logits_TLE[real]
     bad = np.argwhere(~np.isfinite(logits_TLE).all(axis=-1))
     if bad.size:
         raise RouteError(f"{where}: router logits at position {bad[0][0]} MoE layer {bad[0][1]} are not finite: "

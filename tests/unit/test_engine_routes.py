@@ -326,3 +326,17 @@ def test_refusals_are_route_errors_and_bad_arguments_usage_errors():
         er.from_transformers([np.zeros((S, 8), np.float32)], top_k=9)
     with pytest.raises(UsageError, match="num_tokens=0"):
         er.from_trtllm(GOOD, num_tokens=0)
+
+
+def test_transformers_left_padded_batch_takes_each_requests_real_rows():
+    # generate() pads on the left: with the attention mask each request's rows are its real tokens', in order
+    g = np.random.default_rng(5)
+    mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    logits = [g.standard_normal((2 * 6, 8)).astype(np.float32) for _ in range(2)]
+    got = er.from_transformers(logits, top_k=2, batch=2, index=0, attention_mask=mask, num_tokens=4, request="a")
+    want = np.argsort(-np.stack(logits, axis=1)[2:6], axis=-1, kind="stable")[..., :2]
+    assert np.array_equal(got.routes, want) and got.routes.shape == (4, 2, 2)
+    with pytest.raises(RouteError, match=r"attention_mask row 0 holds no real token, or a hole"):
+        er.from_transformers(logits, top_k=2, batch=2, index=0, attention_mask=np.array([[1, 0, 1, 1, 1, 1]] * 2))
+    with pytest.raises(RouteError, match=r"attention_mask \(2, 5\) does not match 6 positions"):
+        er.from_transformers(logits, top_k=2, batch=2, index=0, attention_mask=mask[:, :5])
