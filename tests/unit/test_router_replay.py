@@ -551,8 +551,8 @@ def test_replay_of_a_route_written_into_after_validation_is_refused(write):
     else:
         ids.numpy()[-4:] = 0  # a write torch's in-place counter does not see
     session = rr.ReplaySession(router)
-    with pytest.raises(RouteError, match=r"layer 0 (mb 0: the route was written into after it was validated|rank "
-                                         r"\? mb 0: token 8 routes to expert\(s\) twice)"):
+    with pytest.raises(RouteError, match=r"layer 0 mb 0: (the route was written into after it was validated|token 8 "
+                                         r"routes to expert\(s\) twice)"):
         with session.replay(routes):
             router(hidden(0))
 
