@@ -45,6 +45,7 @@ release: setup
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_matrix.yaml --json runs/release.json --junit runs/release.xml
 	$(PY) -m moeverify run scenarios/production_cpu.yaml --timeout 1800 --json runs/production_cpu.json --junit runs/production_cpu.xml
 	$(PY) -m pytest -q -p no:xdist -m release tests/special_distributed
+	eval "$$(bash tools/verl_peer.sh)" && $(PY) -m pytest -q -p no:xdist -rs tests/unit/test_verl_actor_r3.py
 
 bench: setup
 	$(PY) -m moeverify bench
