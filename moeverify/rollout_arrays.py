@@ -125,6 +125,13 @@ def _one_request(ids_TLK: torch.Tensor, *, tokens: int, num_experts: int, pad_T:
                          f"{ids_TLK[t, col].tolist()}), {int(gaps_TL.sum())} such row(s); the engine did not "
                          "record this route: mark those tokens as padding (pad_T) or fix the capture")
     pads_TL = (pad_T[:T, None] if pad_T is not None else torch.zeros(T, 1, dtype=torch.bool)).expand(T, L)
+    partial_TL = (ids_TLK == -1).any(dim=-1) & ~pads_TL  # not a gap (every slot -1): a route cut short
+    if partial_TL.any():
+        t, col = (int(i) for i in partial_TL.nonzero()[0])
+        raise RouteError(f"{where}: token {t} MoE column {col}: route {ids_TLK[t, col].tolist()} has -1 (not "
+                         f"captured) in {int((ids_TLK[t, col] == -1).sum())} of its {K} slots "
+                         f"({int(partial_TL.sum())} such row(s)): a variable top-k, or a capture cut mid-row; replay "
+                         "needs every one of the router's top-k experts of a real token")
     if emap is not None:  # padding keeps what it holds: it gets a safe route later
         ids_TLK = _to_logical(ids_TLK, emap=emap, skip_TL=pads_TL, layers=layers, where=where)
     else:

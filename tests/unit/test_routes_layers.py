@@ -40,3 +40,17 @@ def test_from_rollout_layers_of_any_integer_type_in_column_order_pass():
     routes = Routes.from_rollout(_ids(2), layers=np.array([1, 3]), num_experts=E, numbering="routers")
     assert routes.layers == (1, 3)
     assert Routes.from_rollout(_ids(2), layers=(np.int32(0), 2), num_experts=E, num_layers=4).layers == (0, 2)
+
+
+def test_from_rollout_route_cut_short_is_named_not_out_of_range():
+    # -1 in some slots of a real token's row (a variable top-k engine): not a capture gap, not an EPLB slot
+    import pytest
+    import torch
+
+    from moeverify.errors import RouteError
+    from moeverify.routes import Routes
+
+    ids = torch.tensor([[[0, 1]], [[2, -1]], [[3, 4]]])
+    with pytest.raises(RouteError, match=r"token 1 MoE column 0: route \[2, -1\] has -1 \(not captured\) in 1 of its "
+                                         r"2 slots \(1 such row\(s\)\): a variable top-k"):
+        Routes.from_rollout(ids, layers=[0], num_experts=8)
