@@ -192,3 +192,21 @@ def test_route_table_versions_serve_each_sequence_from_the_version_that_holds_it
         table.check(found, layer=0, rank=0)
     same = versioned_table([(6, [three], 2), (5, [three], 2)])  # whole in both, routed alike: served
     assert not bool(same.lookup(tk.row_keys(three[None])).bad_T.any())
+
+
+def test_token_keys_sequence_key_is_the_last_real_tokens_in_every_layout():
+    # the key that picks a sequence's rollout version: the same under BSHD (padding either side), THD (padded slots,
+    # trailing padding), a sequence-parallel slice and a CP take
+    data = seqs([5, 8, 3], seed=9)
+    last = {i: by_token(packed([s]), [i])[(i, len(s) - 1)] for i, s in enumerate(data)}
+    ids, pad = padded(data, 10)
+    for keys, uids in ((tk.row_keys(ids, padding_mask_BS=pad), [0, 1, 2]), (packed(data, slot=9), [0, 1, 2])):
+        for t in range(keys.tokens):
+            if not bool(keys.pad_T[t]):
+                seq, _ = keys.locate(t)
+                assert tuple(keys.last_2T[:, t].tolist()) == last[uids[seq]]
+    keys = tk.row_keys(ids, padding_mask_BS=pad)
+    half = tk.sequence_slice(keys, rank=1, size=2)
+    assert torch.equal(half.last_2T, keys.last_2T[:, keys.tokens // 2:])
+    taken = tk.take(keys, torch.tensor([4, 0, 7]))
+    assert torch.equal(taken.last_2T, keys.last_2T[:, [4, 0, 7]])
