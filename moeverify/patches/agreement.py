@@ -128,8 +128,11 @@ class Guard:
             return {}
         self.step += 1
         rank = _rank()
-        rows = [self._row(kind, layer, counts, rank) for (kind, layer), counts in
-                sorted(self._counts.items(), key=lambda item: (PASSES.index(item[0][0]), item[0][1]))]
+        entries = sorted(self._counts.items(), key=lambda item: (PASSES.index(item[0][0]), item[0][1]))
+        device = entries[0][1][0].device
+        read = torch.stack([torch.stack([c.to(device) for c in counts[:5]]) for _, counts in entries]).tolist()
+        rows = [self._row(kind, layer, [*values, *counts[5:]], rank)  # one host read a step
+                for ((kind, layer), counts), values in zip(entries, read)]
         self._counts.clear()
         self.history.extend(rows)
         self._write(rows, rank)
