@@ -121,6 +121,20 @@ def _bool(value: object) -> bool:
     return value
 
 
+AUTO = "auto"
+
+
+def _bool_or_auto(value: object) -> bool | str:
+    """true, false, or ``"auto"`` (the option's default rule decides: ``ExportOptions.decisions``)."""
+    if value != AUTO and not isinstance(value, bool):
+        raise ValueError(f"expected true, false or {AUTO}, got {value!r}")
+    return value
+
+
+def _auto_as_none(value: bool | str) -> bool | None:
+    return None if value == AUTO else bool(value)
+
+
 def _router_variants(value: object) -> object:
     try:
         rv.select(value)
@@ -145,6 +159,7 @@ class OptionMeta:
     validate: Callable[[object], object]  # raw -> normalised value (JSON-able), or ValueError with the reason
     convert: Callable[[Any], Any] | None = None  # normalised value -> the field's value, where they differ
     flag: str | None = None  # the ``moeverify run`` flag, where there is one
+    switch: bool = False  # a true/false option: ``flag`` takes no value, ``--no-NAME`` sets it false
     metavar: str = "VALUE"
     default_text: str | None = None  # the default in words, where the field's default does not say it
     plugin: str | None = None  # what a plugin given here is called in messages ("subject", ...)
@@ -195,6 +210,11 @@ class CheckOptions:
             values[field.name] = meta.convert(value) if meta.convert else value
         return cls(**values)
 
+    def decisions(self) -> dict[str, dict]:
+        """Options whose value a rule decided (a default that depends on other options): ``{key: {"on": bool,
+        "why": str}}``; the result record carries it (``CheckRecord.decisions``). None by default."""
+        return {}
+
     @classmethod
     def default_text(cls, field: dataclasses.Field, meta: OptionMeta) -> str:
         """The field's default as the help and the docs show it."""
@@ -225,12 +245,42 @@ class ExportOptions(CheckOptions):
         None, key="lockstep_timeout", validate=_positive_seconds,
         default_text="the export's collective timeout: --timeout under moeverify run",
         help="seconds a rank waits for the others at each exported row")
-    refresh: bool = option(False, key="refresh", validate=_bool,
-                           help="export again after an optimizer-like update of every weight; subcheck refresh")
+    refresh: bool | None = option(
+        None, key="refresh", validate=_bool_or_auto, convert=_auto_as_none, flag="--refresh", switch=True,
+        default_text="auto: on for a user's subject or with a receiver, off for the built-in subjects alone",
+        help="export again after an optimizer-like update of every weight (subcheck refresh, and receiver_reload "
+             "with a receiver): true, false or auto")
     receiver: str | None = plugin_option(
         None, key="receiver", what="receiver", builtins=RECEIVERS, flag="--receiver", metavar="R",
         help="load the export into a receiver and compare what it holds (subcheck receiver, and receiver_reload "
              "with refresh)")
+
+    @property
+    def refresh_on(self) -> bool:
+        """Whether the check exports twice: ``refresh`` where set, else on for a user's subject (any that is not
+        a built-in) or with any receiver, off for a built-in subject alone (``refresh_why`` says which)."""
+        return self._refresh()[0]
+
+    @property
+    def refresh_why(self) -> str:
+        return self._refresh()[1]
+
+    def _refresh(self) -> tuple[bool, str]:
+        if self.refresh is True:
+            return True, "asked (--refresh or refresh: true)"
+        if self.refresh is False:
+            return False, "turned off (--no-refresh or refresh: false)"
+        off = "; --no-refresh or refresh: false turns it off"
+        if self.subject not in SUBJECTS:
+            return True, f"default for a user's subject ({self.subject}){off}"
+        if self.receiver is not None:
+            return True, f"default with a receiver ({self.receiver}){off}"
+        return False, (f"default for the built-in subject {self.subject} without a receiver; --refresh or "
+                       "refresh: true turns it on")
+
+    def decisions(self) -> dict[str, dict]:
+        on, why = self._refresh()
+        return {"refresh": {"on": on, "why": why}}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -298,7 +348,7 @@ class CheckSpec:
     options: type[CheckOptions] = NoOptions
     scenario_rule: Callable[[Any, Layout, int], str | None] | None = None
     subchecks_field: str | None = None  # the options field that narrows which subchecks run (replay: subchecks)
-    optional_subchecks: tuple[str, ...] = ()  # reported only when an option asks for them (export: refresh, ...)
+    optional_subchecks: tuple[str, ...] = ()  # reported only when an option turns them on (export: refresh, ...)
 
     @property
     def declared_subchecks(self) -> tuple[str, ...]:

@@ -70,7 +70,10 @@ def _add_run(subparsers) -> None:
                    help="override a config.json key of --model (repeatable), e.g. num_hidden_layers=4 to shrink "
                         "a production config to a CPU-sized model of the same architecture")
     for option in OPTIONS.values():
-        if option.flag:
+        if option.flag and option.meta.switch:  # --NAME / --no-NAME; neither given: the option's default rule
+            p.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=option.help)
+        elif option.flag:
             p.add_argument(option.flag, dest=option.name, metavar=option.metavar, help=option.help)
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto", help="device backend (default auto)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
@@ -151,7 +154,7 @@ def _load(args, node=None):
     options = {o.name: getattr(args, o.name) for o in OPTIONS.values() if o.flag}
     for key, value in options.items():
         if value is not None:
-            validate_option(OPTIONS[key].flag, key, value)
+            validate_option(OPTIONS[key].flag_for(value), key, value)
     model = user_model_ref(args)
     fallback = RELEASE_SCENARIOS if model else DEFAULT_SCENARIOS
     default = fallback if Path(fallback).is_file() else str(REPO_ROOT / fallback)

@@ -30,6 +30,19 @@ class Option:
         return self.meta.flag
 
     @property
+    def flags(self) -> tuple[str, ...]:
+        """Every flag that sets it: a switch (``OptionMeta.switch``) has ``--NAME`` and ``--no-NAME``."""
+        if self.flag is None:
+            return ()
+        return (self.flag, "--no-" + self.flag.removeprefix("--")) if self.meta.switch else (self.flag,)
+
+    def flag_for(self, value: object) -> str:
+        """The flag that gave ``value`` (``--no-NAME`` for a switch set false), else the option's key."""
+        if not self.flags:
+            return self.name
+        return self.flags[-1] if self.meta.switch and value is False else self.flags[0]
+
+    @property
     def metavar(self) -> str:
         return self.meta.metavar
 
@@ -71,6 +84,6 @@ def validate(where: object, key: object, value: object) -> object:
 def markdown_table() -> str:
     """The options as a Markdown table (docs/scenarios.md is checked against it)."""
     rows = ["| option | check | flag | default | meaning |", "|---|---|---|---|---|"]
-    rows += [f"| `{o.name}` | {o.check} | {f'`{o.flag}`' if o.flag else ''} | {o.default} | {o.meta.help} |"
+    rows += [f"| `{o.name}` | {o.check} | {', '.join(f'`{f}`' for f in o.flags)} | {o.default} | {o.meta.help} |"
              for o in OPTIONS.values()]
     return "\n".join(rows)

@@ -7,7 +7,9 @@ unless the oracle found it not applicable to the model: then its entry also carr
 
 Every subcheck of a built-in check also carries ``"guards": CLASS``, the class of bug it exists for, and a record
 whose subchecks ran lists the declared subchecks that did not (an option off, ``replay_subchecks``) under
-``"not_run": {NAME: CLASS}``, so a reader sees what was and was not checked (``moeverify.bug_classes``).
+``"not_run": {NAME: CLASS}``, so a reader sees what was and was not checked (``moeverify.bug_classes``). Options
+whose value a default rule decided (export's ``refresh``: on for a user's subject) are listed under
+``"decisions": {KEY: {"on": bool, "why": str}}`` (``CheckOptions.decisions``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class CheckRecord:
     subchecks: dict[str, dict]
     error: str | None = None  # set when the check raised or a rank died instead of finishing
     not_run: dict[str, str] = dataclasses.field(default_factory=dict)  # declared subchecks that did not run
+    decisions: dict[str, dict] = dataclasses.field(default_factory=dict)  # options a rule decided, and why
 
     @property
     def passed(self) -> bool:
@@ -86,7 +89,8 @@ class CheckRecord:
         return self.error is None and bool(ran) and all(s["passed"] for s in self.subchecks.values())
 
     @classmethod
-    def from_tallies(cls, *, scenario: str, check: str, seconds: float, tallies: dict[str, Tally]) -> CheckRecord:
+    def from_tallies(cls, *, scenario: str, check: str, seconds: float, tallies: dict[str, Tally],
+                     decisions: dict[str, dict] | None = None) -> CheckRecord:
         subchecks = {}
         for name, t in tallies.items():
             subchecks[name] = t.as_dict()
@@ -94,7 +98,8 @@ class CheckRecord:
                 subchecks[name]["guards"] = what
         not_run = {name: bug_classes.guards(check, name) for name in bug_classes.subchecks(check)
                    if name not in tallies} if tallies else {}
-        return cls(scenario=scenario, check=check, seconds=seconds, subchecks=subchecks, not_run=not_run)
+        return cls(scenario=scenario, check=check, seconds=seconds, subchecks=subchecks, not_run=not_run,
+                   decisions=dict(decisions or {}))
 
     @classmethod
     def crashed(cls, *, scenario: str, check: str, seconds: float, error: str) -> CheckRecord:
@@ -107,12 +112,15 @@ class CheckRecord:
             out["error"] = self.error
         if self.not_run:
             out["not_run"] = dict(self.not_run)
+        if self.decisions:
+            out["decisions"] = {k: dict(v) for k, v in self.decisions.items()}
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> CheckRecord:
         return cls(scenario=data["scenario"], check=data["check"], seconds=float(data["seconds"]),
-                   subchecks=dict(data["subchecks"]), error=data.get("error"), not_run=dict(data.get("not_run", {})))
+                   subchecks=dict(data["subchecks"]), error=data.get("error"), not_run=dict(data.get("not_run", {})),
+                   decisions=dict(data.get("decisions", {})))
 
     def failure_lines(self) -> list[str]:
         lines = [] if self.error is None else [self.error]

@@ -120,6 +120,17 @@ def failing_lines(result: Result) -> list[str]:
     return _record_lines(result)
 
 
+def not_run_line(result: Result) -> str | None:
+    """``not run: NAME, ...`` for a check whose declared subchecks did not all run (an option off, a narrowed
+    subcheck list), with why where a default rule decided it (``refresh off: default for the built-in subject
+    ...``); None when every declared subcheck ran. Not-run subchecks do not change the exit code."""
+    record = result.record
+    if result.skipped is not None or result.interrupted or record.error is not None or not record.not_run:
+        return None
+    why = [f"{key} off: {d['why']}" for key, d in record.decisions.items() if not d.get("on") and d.get("why")]
+    return f"not run: {', '.join(record.not_run)}" + "".join(f" ({w})" for w in why)
+
+
 def _record_lines(result: Result) -> list[str]:
     record = result.record
     if record.error is not None:
@@ -134,7 +145,7 @@ _SUMMARY_NAME = {"xfailed": "expected failure(s)", "xpassed": "expected failure(
 
 
 def table(results: Sequence[Result]) -> Table:
-    """The result table: scenario, check, status, seconds, failing subchecks."""
+    """The result table: scenario, check, status, seconds, failing subchecks (and the subchecks not run)."""
     out = Table(title="moeverify run", show_lines=False)
     for column in ("scenario", "check", "result", "seconds", "failing subchecks"):
         out.add_column(column, justify="right" if column == "seconds" else "left", overflow="fold")
@@ -142,6 +153,8 @@ def table(results: Sequence[Result]) -> Table:
         lines = failing_lines(result)
         if len(lines) > _MAX_SHOWN:
             lines = lines[:_MAX_SHOWN] + [f"... {len(lines) - _MAX_SHOWN} more (see --json)"]
+        if (line := not_run_line(result)) is not None:
+            lines.append(line)
         # Failure text is data (gloo errors look like markup: "[/__w/pytorch/...]"), never markup.
         out.add_row(Text(result.record.scenario), Text(result.record.check),
                     Text(result.label, style=_STYLE[result.status]), f"{result.record.seconds:.1f}",

@@ -40,7 +40,7 @@ def check_option_use(scenarios: Sequence[Scenario], options: dict) -> None:
     checks = {c for s in scenarios for c in s.checks}
     for key, value in options.items():
         option = OPTIONS[key]
-        flag = option.flag or key
+        flag = option.flag_for(value)
         if value is not None and option.check not in checks:
             raise UsageError(f"{flag} applies to the {option.check} check, which none of the selected scenarios "
                              f"runs; drop {flag} or select {option.check} (e.g. --check {option.check})")

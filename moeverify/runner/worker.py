@@ -104,7 +104,10 @@ def _run_check(me: _Rank, ctx: CheckContext, *, index: int, check: str, total: i
     seconds = time.perf_counter() - t0
     me.event("end", index=index, check=check, seconds=seconds)
     if me.rank == 0:
-        record = CheckRecord.from_tallies(scenario=scenario.name, check=check, seconds=seconds, tallies=tallies)
+        spec = checks.CHECKS.get(check)  # tests add checks of their own, with no options declared
+        decisions = spec.options.from_options(ctx.options).decisions() if spec is not None else {}
+        record = CheckRecord.from_tallies(scenario=scenario.name, check=check, seconds=seconds, tallies=tallies,
+                                          decisions=decisions)
         append_line(results_path(me.directory), {"index": index, "record": record.as_dict()})
         verdict = "PASS" if record.passed else "FAIL"
         print(f"[moeverify] {index + 1}/{total} {scenario.name} {check}: {verdict} ({seconds:.1f}s)", flush=True)

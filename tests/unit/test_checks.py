@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_checks_option_declared_by_two_checks_refused():
 
 def test_checks_typed_defaults_are_what_the_checks_use():
     assert checks.ExportOptions.from_options({}) == checks.ExportOptions(subject="sharded", lockstep_timeout=None,
-                                                                         refresh=False, receiver=None)
+                                                                         refresh=None, receiver=None)
     replay = checks.ReplayOptions.from_options({})
     assert (replay.impl, replay.variants, replay.seq_len, replay.batch) == ("moeverify", (VARIANTS["default"],), 16, 2)
     assert replay.subchecks == checks.CHECKS["replay"].subchecks and replay.recompute == ("full", "moe")
@@ -70,7 +71,7 @@ def test_checks_from_options_reads_its_own_keys_converted_and_none_as_unset():
 
 
 @pytest.mark.parametrize(("raw", "match"), [
-    ({"refresh": "yes"}, r"^export check options: option refresh: expected true or false, got 'yes'$"),
+    ({"refresh": "yes"}, r"^export check options: option refresh: expected true, false or auto, got 'yes'$"),
     ({"lockstep_timeout": 0}, r"^export check options: option lockstep_timeout: expected a finite number of "
                               r"seconds > 0, got 0$"),
     ({"subject": "nocolon"}, r"^export check options: option subject: subject 'nocolon' is not bridge, sharded"),
@@ -78,6 +79,57 @@ def test_checks_from_options_reads_its_own_keys_converted_and_none_as_unset():
 def test_checks_from_options_validates_again_naming_where(raw, match):
     with pytest.raises(UsageError, match=match):
         checks.ExportOptions.from_options(raw, where="export check options")
+
+
+USER = "my_pkg.export:factory"
+USER_FILE = f"{Path(__file__).resolve().parents[1] / 'special_distributed' / 'stale_subject.py'}:stale"
+
+
+@pytest.mark.parametrize(("options_", "on", "why"), [
+    ({"subject": USER}, True, "default for a user's subject (my_pkg.export:factory); --no-refresh"),
+    ({"subject": USER_FILE}, True, f"default for a user's subject ({USER_FILE})"),
+    ({"subject": "sharded", "receiver": "fused"}, True, "default with a receiver (fused)"),
+    ({"receiver": "my_pkg.engine:receiver"}, True, "default with a receiver (my_pkg.engine:receiver)"),
+    ({}, False, "default for the built-in subject sharded without a receiver; --refresh"),
+    ({"subject": "gather"}, False, "default for the built-in subject gather"),
+    ({"subject": "verl", "refresh": "auto"}, False, "default for the built-in subject verl"),
+    ({"subject": USER, "refresh": "auto"}, True, "default for a user's subject"),
+    ({"subject": USER, "refresh": False}, False, "turned off (--no-refresh or refresh: false)"),
+    ({"subject": USER, "receiver": "fused", "refresh": False}, False, "turned off"),
+    ({"subject": "bridge", "refresh": True}, True, "asked (--refresh or refresh: true)"),
+])
+def test_checks_export_refresh_resolves_by_subject_receiver_and_request(options_, on, why):
+    opts = checks.ExportOptions.from_options(options_)
+    assert opts.refresh_on is on
+    assert opts.refresh_why.startswith(why)
+    assert opts.decisions() == {"refresh": {"on": on, "why": opts.refresh_why}}
+
+
+@pytest.mark.parametrize(("scenario", "argv", "on"), [
+    ({}, [], False),  # built-in subject alone
+    ({}, ["--subject", USER], True),  # a user's subject: on with no option
+    ({}, ["--subject", USER, "--no-refresh"], False),  # the flag turns it off
+    ({}, ["--refresh"], True),  # and on for a built-in
+    ({"refresh": True}, ["--no-refresh"], False),  # a flag overrides the scenario's key, both ways
+    ({"subject": USER, "refresh": False}, ["--refresh"], True),
+    ({"subject": USER, "refresh": False}, [], False),  # the scenario key alone
+    ({"refresh": True}, [], True),
+    ({"receiver": "fused"}, [], True),
+])
+def test_checks_export_refresh_flags_and_scenario_keys(scenario, argv, on):
+    args = _run_parser().parse_args(argv)
+    flags = {o.name: getattr(args, o.name) for o in options.OPTIONS.values() if o.flag}
+    merged = {**scenario, **{k: v for k, v in flags.items() if v is not None}}  # as the worker merges them
+    assert checks.ExportOptions.from_options(merged).refresh_on is on
+
+
+def test_checks_export_refresh_flag_names_itself_in_messages():
+    refresh = options.OPTIONS["refresh"]
+    assert (refresh.flag_for(True), refresh.flag_for(False)) == ("--refresh", "--no-refresh")
+    assert options.OPTIONS["subject"].flag_for("x") == "--subject"
+    assert options.OPTIONS["replay_seq_len"].flag_for(3) == "replay_seq_len"
+    assert options.validate("x", "refresh", "auto") == "auto" and checks.ExportOptions.from_options(
+        {"refresh": "auto"}).refresh is None
 
 
 def test_checks_replay_scenario_rule_reads_the_declared_seq_len():
@@ -113,8 +165,11 @@ def test_checks_hf_parity_is_refused_at_load_off_one_rank(layout, world_size, ma
 def test_checks_run_flags_and_help_come_from_the_declaration():
     actions = {a.dest: a for a in _run_parser()._actions}
     flagged = {k: o for k, o in options.OPTIONS.items() if o.flag}
-    assert sorted(flagged) == ["receiver", "replay_impl", "subject"]
+    assert sorted(flagged) == ["receiver", "refresh", "replay_impl", "subject"]
     for key, option in flagged.items():
+        if option.meta.switch:
+            assert actions[key].option_strings == ["--refresh", "--no-refresh"] == list(option.flags)
+            continue
         assert (actions[key].option_strings, actions[key].metavar) == ([option.flag], option.metavar)
     assert actions["replay_impl"].help.endswith("(default moeverify)")
     assert actions["subject"].help.endswith("path/file.py:factory (default sharded)")

@@ -57,6 +57,8 @@ def test_main_list_default_file_is_smoke(capsys, monkeypatch, repo_root):
     (["run", "{good}", "--filter", "zzz*"], r"--filter zzz\* matches none of the 2 scenarios"),
     (["run", "{good}", "--list", "--json", "x.json"], r"--list runs nothing, so --json has nothing to do"),
     (["run", "{good}", "--check", "roundtrip", "--subject", "sharded"], r"--subject applies to the export check"),
+    (["run", "{good}", "--check", "roundtrip", "--no-refresh"], r"--no-refresh applies to the export check.*drop --no-refresh"),
+    (["run", "{good}", "--refresh=yes"], r"argument --refresh/--no-refresh: ignored explicit argument 'yes'"),
     (["run", "{good}", "--subject", "nocolon"], r"--subject: option subject: subject 'nocolon' is not bridge, sharded, gather, verl"),
     (["run", "{good}", "--replay-impl", "vllm"], r"--replay-impl: option replay_impl: replay implementation 'vllm' is not moeverify, native, verl"),
     (["run", "{good}", "--timeout", "0"], r"argument --timeout: expected seconds > 0 \(and finite\), got '0'"),

@@ -133,3 +133,26 @@ def test_table_prints_failure_text_that_looks_like_markup():
     out = io.StringIO()
     report.print_report([crashed], console=Console(file=out, width=300, color_system=None))
     assert out.getvalue().count("[/__w/pytorch/gloo/pair.cc:561] Connection closed by peer [bold]") == 2
+
+
+def test_table_says_which_declared_subchecks_did_not_run_and_why_without_changing_the_exit_code():
+    t = Tally()
+    t.ok(3)
+    ran = dict.fromkeys(("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise",
+                         "key_set", "reference_keys"), t)
+    off = {"refresh": {"on": False, "why": "default for the built-in subject sharded without a receiver; --refresh "
+                                           "or refresh: true turns it on"}}
+    once = Result(record=CheckRecord.from_tallies(scenario="qwen3_moe/tp1", check="export", seconds=1.0, tallies=ran,
+                                                  decisions=off))
+    twice = Result(record=CheckRecord.from_tallies(
+        scenario="qwen2/tp2", check="export", seconds=1.0, tallies=ran | {"refresh": t, "receiver": t,
+                                                                           "receiver_reload": t},
+        decisions={"refresh": {"on": True, "why": "default with a receiver (fused); ..."}}))
+    assert report.not_run_line(once) == ("not run: refresh, receiver, receiver_reload (refresh off: "
+                                         f"{off['refresh']['why']})")
+    assert report.not_run_line(twice) is None and report.not_run_line(_skipped()) is None
+    assert once.as_dict()["decisions"] == off and CheckRecord.from_dict(once.as_dict()).decisions == off
+    assert report.exit_code([once, twice]) == 0  # not-run subchecks do not change the exit code
+    out = io.StringIO()
+    report.print_report([once, twice], console=Console(file=out, width=300, color_system=None))
+    assert "not run: refresh, receiver, receiver_reload (refresh off: default for the built-in" in out.getvalue()

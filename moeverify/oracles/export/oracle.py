@@ -83,14 +83,15 @@ def subject_context(ctx) -> SubjectContext:
 
 
 def run(ctx) -> dict[str, Tally]:
-    """The ``export`` check (options: ``ExportOptions``): the subject's export; with ``refresh`` set, a second
-    export after a weight update (``refresh.run_twice``); with ``receiver`` set, the ``receiver`` subcheck
-    (``receiver.ReceiverRun``: the receiver loads what the subject streamed)."""
+    """The ``export`` check (options: ``ExportOptions``): the subject's export; with ``refresh`` on (asked, or by
+    default for a user's subject or with a receiver: ``ExportOptions.refresh_on``), a second export after a weight
+    update (``refresh.run_twice``); with ``receiver`` set, the ``receiver`` subcheck (``receiver.ReceiverRun``: the
+    receiver loads what the subject streamed)."""
     opts = ExportOptions.from_options(ctx.options, where="export check options")
     receiver = None
     if opts.receiver:
         receiver = load_receiver(opts.receiver)
-    return run_export(load_subject(opts.subject), subject_context(ctx), refresh=opts.refresh, receiver=receiver)
+    return run_export(load_subject(opts.subject), subject_context(ctx), refresh=opts.refresh_on, receiver=receiver)
 
 
 def run_export(factory, sctx: SubjectContext, *, refresh: bool = False, receiver=None) -> dict[str, Tally]:
