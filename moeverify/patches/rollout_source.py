@@ -16,6 +16,7 @@ natively (nothing in the loss reads it under causal attention).
 
 from __future__ import annotations
 
+import abc
 import os
 import weakref
 from pathlib import Path
@@ -188,7 +189,7 @@ def _request_of(row: int, rows: np.ndarray) -> tuple[int, int]:
     return r, row - int(ends[r - 1] if r else 0)
 
 
-class TableSource:
+class TableSource(abc.ABC):
     """Route tables of the serving rollout versions for the bound model's chunks: what ``RolloutSource`` (files) and
     ``BatchSource`` (routes handed over with the batch) share. Subclasses give ``_serving()`` and ``_empty()``.
 
@@ -212,11 +213,13 @@ class TableSource:
         """The serving versions, newest first."""
         return tuple(step.step for step in self._serving())
 
+    @abc.abstractmethod
     def _serving(self) -> list[Step]:
-        raise NotImplementedError  # abstract: each source lists its own serving versions
+        """The serving versions' checked requests, newest first."""
 
+    @abc.abstractmethod
     def _empty(self, rank: int) -> str:
-        raise NotImplementedError  # abstract: each source says why nothing serves
+        """Why nothing serves (the message of the ``RouteError`` a forward then raises)."""
 
     def describe(self, versions: str) -> str:
         """What error messages call the routes of ``versions``."""
