@@ -8,9 +8,9 @@ rank. Each CP rank holds its per-slot zigzag halves of the packed batch (Transfo
 routing would differ); the training pass packs B|A in slots of 8 and 12, so tokens change CP rank; a last pass
 packs B|C (C never scored) and must be refused on the rank holding C's tokens.
 
-Each rank writes OUT.rank{R}: real tokens checked, tokens (real, or padding the log-prob pass also held) not on
-their log-prob route, real tokens where native routing would differ, padding past the log-prob pass's slots not
-routed natively, the error text of the last pass, and that of a batch with tokens past its last slot.
+Each rank writes OUT.rank{R}: real tokens checked, real tokens not on their log-prob route, real tokens where native
+routing would differ, padding (every slot's) not routed natively, the error text of the last pass, and that of a
+batch with tokens past its last slot.
 
 Usage (torchrun, 2 ranks): injob_cp_thd_job.py OUT
 """
@@ -92,12 +92,12 @@ def main(out: str) -> None:
             replayed, where, h_T1H = packed_pass(["B", "A"], [8, 12])
             native_TK = torch.topk(h_T1H.view(-1, HIDDEN) @ router.weight.t(), 2).indices.sort().values
             for t, w in enumerate(where):
-                if w not in logp:  # padding past what the log-prob pass padded: routed natively
-                    assert w[0] == "pad", f"rank {rt.rank}: real token {w} not scored by the log-prob pass"
+                if w[0] == "pad":  # a slot's padding routes natively, whatever the log-prob pass padded
                     result["padding"] += 1
                     result["padding_not_native"] += not torch.equal(replayed[t], native_TK[t])
                     continue
-                result["checked"] += w[0] != "pad"
+                assert w in logp, f"rank {rt.rank}: real token {w} not scored by the log-prob pass"
+                result["checked"] += 1
                 if replayed[t].tolist() != logp[w]:
                     result["wrong"].append([*w, t])
                 result["native_differs"] += native_TK[t].tolist() != logp[w]
