@@ -16,7 +16,7 @@ forward pre-hook on Megatron's ``GPTModel`` (grad mode as the chunk's ``forward`
 The first log-prob forward after a training forward starts a new table (the previous step's routes are
 dropped); the table serves every PPO mini-batch and epoch of the step. A training token that its step's
 log-prob passes did not route raises ``RouteError`` (layer, rank, sequence, position); padding the model is
-told about (``padding_mask=``, THD slots past ``cu_seqlens``) routes natively when not found.
+told about (``padding_mask=``, THD slots past ``cu_seqlens``) routes natively.
 
 Layouts: under sequence parallel the router sees a TP rank's slice of the keys; under context parallel the chunk's
 ``input_ids`` are this rank's zigzag halves, so the CP ranks' ids are all-gathered (bounded wait), the full
