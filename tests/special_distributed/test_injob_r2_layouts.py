@@ -66,6 +66,7 @@ def test_injob_r2_layout_replays_each_tokens_log_prob_route(tmp_path, layout):
         assert "pass input_ids to every stage's GPTModel forward, as verl does" in ranks[1]["no_input_ids"]
 
 
+@pytest.mark.release  # 4 ranks; make test runs CP2 and TP2 + SP on 2 ranks each
 def test_injob_r2_tp2_sp_cp2_pools_over_tp_and_cp(tmp_path):
     # 4 ranks (about 47 s on a loaded 2-core host): a TP rank routes a slice of its CP rank's halves; the 4 ranks of
     # the TP x CP group pool their recordings
