@@ -73,6 +73,19 @@ def forward_padded(actor, ids, mask, *, grad):
         out.float().square().masked_fill(pad[..., None], 0).sum().backward()
 
 
+def assert_each_on_its_route(actor, sequences, routes) -> None:
+    """A no-grad forward per sequence: every token but the last (no engine row) on its engine route."""
+    spy = Spy(actor)
+    try:
+        with torch.no_grad():
+            for seq, want in zip(sequences, routes):
+                run(actor, seq)
+                for layer, ids_TK in spy.take():
+                    assert all(torch.equal(ids_TK[s], want[s, layer]) for s in range(len(seq) - 1)), layer
+    finally:
+        spy.close()
+
+
 def check_replayed(calls, sequences, routes, *, width) -> int:
     checked = 0
     b = len(sequences)
@@ -126,15 +139,7 @@ def test_r3_batch_engine_payloads_as_the_engines_return_them(world):
                         physical=False, numbering="routers", request="req-1")
     injob.add_routes(version=4, sequences=sequences[:1], routes=[sglang])  # one engine's layer numbering a version
     injob.add_routes(version=5, sequences=sequences[1:], routes=[vllm])
-    spy = Spy(actor)
-    try:
-        with torch.no_grad():
-            for seq, want in zip(sequences, routes):
-                run(actor, seq)
-                for layer, ids_TK in spy.take():
-                    assert all(torch.equal(ids_TK[s], want[s, layer]) for s in range(len(seq) - 1))
-    finally:
-        spy.close()
+    assert_each_on_its_route(actor, sequences, routes)
     injob.drop_routes()
 
 
@@ -147,14 +152,7 @@ def test_r3_batch_off_policy_versions_and_refusals(world):
     routes_new = (engine_routes(engine, [new])[0] + 5) % 8  # the next policy version's routes
     injob.add_routes(version=10, sequences=[old], routes=[routes_old[:-1]])
     injob.add_routes(version=11, sequences=[new], routes=[routes_new[:-1]])
-    spy = Spy(actor)
-    try:
-        with torch.no_grad():  # one step off-policy: version 10's sample keeps version 10's prompt routes
-            run(actor, old)
-            for layer, ids_TK in spy.take():
-                assert all(torch.equal(ids_TK[s], routes_old[s, layer]) for s in range(len(old) - 1))
-    finally:
-        spy.close()
+    assert_each_on_its_route(actor, [old], [routes_old])  # one step off-policy: version 10's prompt routes
     injob.drop_routes()
     bad = [
         (dict(version=-1, sequences=[old], routes=[routes_old]), r"expected the step or policy version"),
