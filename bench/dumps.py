@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from moeverify import record  # noqa: E402
 from moeverify.record import format as fmt  # noqa: E402
 from moeverify.record.writer import RankWriter  # noqa: E402
-from moeverify.routes import Routes  # noqa: E402
+from moeverify.routing.routes import Routes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "dumps.json"
 EXPERTS, TOPK, LAYERS, MICROBATCHES = 128, 8, 16, 2

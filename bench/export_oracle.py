@@ -8,7 +8,7 @@ The tiny ``qwen2`` family scaled up (hidden 1024, vocab 81920, ffn 4096: about 2
 TP2 x PP2, with weights from one of two sources (``--weights both``, the default, measures each):
 
 - ``real``: a safetensors HF checkpoint of the scaled model with real values (seeded normal draws) is
-  written once, registered as a user model (``moeverify.models.user``) and loaded through
+  written once, registered as a user model (``moeverify.spec.models.user``) and loaded through
   Megatron-Bridge's own loading path (``to_megatron_provider(load_weights=True)``);
 - ``init``: the family built with ``moeverify.models.build`` overrides (Megatron's own init); its HF key
   set and shapes come from a shape-only checkpoint written next to it (values are not read by anyone).
@@ -240,7 +240,7 @@ def _later(again: dict) -> dict | None:
 def _build(weights: str, layout, rt):
     """The scaled model and its checkpoint directory, for ``weights`` ``real`` or ``init``."""
     from moeverify import models
-    from moeverify.models import user
+    from moeverify.spec.models import user
 
     if weights == "real":
         hf_path, shapes = real_checkpoint()
@@ -334,7 +334,7 @@ def main() -> int:
     if args.scale == "small":
         SCALE.update(SMALL)
     from moeverify import runtime
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
 
     rt = runtime.init("cpu")
     layout = Layout(tp=2, pp=2)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from moeverify import hash64
+from moeverify.runtime import hash64
 from moeverify.oracles.bits import bits
 from moeverify.oracles.replay import grad_print
 

@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
     import torch
 
     from moeverify import runtime
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
     from moeverify.patches import injob
     from moeverify.patches import router_replay as rr
 
@@ -164,8 +164,8 @@ def _rollout_dir(router, rows, args) -> str:
 
     import torch
 
-    from moeverify import layer_numbering
-    from moeverify.rollout_writer import RolloutWriter
+    from moeverify.routing import layer_numbering
+    from moeverify.routing.rollout_writer import RolloutWriter
 
     config = router.config
     width = len(layer_numbering.moe_layers(num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq))

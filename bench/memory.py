@@ -17,7 +17,7 @@ that each peak is its own:
   ``ru_maxrss`` of any process of the run (``getrusage(RUSAGE_CHILDREN)`` of a fresh wrapper).
 
 ``--layout tp1 ep2 pp2`` runs each check under each layout (a scenario layout name, read with
-``moeverify.layout.parse_layout_name``; the world size is the least the layout admits, or tp*pp*cp*dp when the
+``moeverify.spec.layout.parse_layout_name``; the world size is the least the layout admits, or tp*pp*cp*dp when the
 name gives dpN): a multi-rank ``moeverify run`` on CPU ranks, and each rank's own peak RSS (VmHWM at the end
 of the check, the run's ``peak_rss_mb``) recorded as ``rank_peaks`` next to the wrapper's peak (the largest
 process alone). The per-rank share is the largest rank's peak over the model's bytes.
@@ -52,8 +52,8 @@ _WRAP = ("import json, resource, subprocess, sys, time\n"
 _IMPORT = "import torch, transformers, moeverify.models.families  # noqa\n"
 
 # The peer: build (bridge load) and one export pass, nothing kept or compared.
-_BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverify.layout import Layout\n"
-         "from moeverify.models import user\n"
+_BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverify.spec.layout import Layout\n"
+         "from moeverify.spec.models import user\n"
          "import json\nkey = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
          "runtime.init(sys.argv[3])\n"
          "with runtime.parallel(Layout(), seed=0):\n"
@@ -84,7 +84,7 @@ def parse_layout(name: str) -> tuple[str, dict, int]:
     """A scenario layout name (``tp1``, ``ep2``, ``pp2``, ``ep2-dp2``): its canonical name, its scenario mapping
     (the non-default fields) and its world size (tp*pp*cp*dp when the name gives dpN, else the least world
     size the layout admits)."""
-    from moeverify.layout import Layout, parse_layout_name
+    from moeverify.spec.layout import Layout, parse_layout_name
 
     layout, dp = parse_layout_name(name)
     if any(part.startswith("dp") for part in name.split("-")):

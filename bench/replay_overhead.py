@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     import contextlib
 
     from moeverify import runtime
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
 
     args = bench.parse_args(list(argv if argv is not None else sys.argv[1:]) + ["--device", "cuda"])
     bench.SCOPE[0] = args.scope

@@ -32,17 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show", type=int, default=6, help="failures shown per pair")
     args = p.parse_args(argv)
 
-    from moeverify import runtime, views
-    from moeverify.checks import ReplayOptions
-    from moeverify.layout import Layout
-    from moeverify.models import user
-    from moeverify.oracles.replay import checks as rc
+    from moeverify import runtime
+    from moeverify.routing import views
+    from moeverify.spec.checks import ReplayOptions
+    from moeverify.spec.layout import Layout
+    from moeverify.spec.models import user
+    from moeverify.oracles.replay import pass_checks as rc
     from moeverify.oracles.replay import drive as rd
     from moeverify.oracles.replay import setup as st
     from moeverify.oracles.replay import slot_order
     from moeverify.oracles.replay.impls import make_impl
     from moeverify.oracles.results import Tally
-    from moeverify.router_variants import VARIANTS
+    from moeverify.spec.router_variants import VARIANTS
 
     ref = user.read(args.model, {"num_hidden_layers": args.layers}).ref
     runtime.init(args.backend)

@@ -266,7 +266,7 @@ def run_child(args) -> dict:
     import torch
 
     from moeverify import runtime
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
 
     if args.device == "cpu":
         torch.set_num_threads(1)  # one core per process: steadier figures on a shared machine

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeverify.errors import UsageError
-from moeverify.models import user
-from moeverify.models.ref import ModelRef
+from moeverify.spec.models import user
+from moeverify.spec.models.ref import ModelRef
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130

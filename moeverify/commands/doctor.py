@@ -13,11 +13,12 @@ import time
 import warnings
 from importlib import metadata
 
-from moeverify import models, support
+from moeverify import models
+from moeverify.spec import support
 from moeverify.commands.common import user_model_ref
 from moeverify.errors import MoEVerifyError
-from moeverify.layout import Layout
-from moeverify.models.ref import ModelRef
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 
 
 def register(subparsers) -> None:

@@ -19,7 +19,7 @@ from moeverify.commands.dump_diff import cmd_diff
 from moeverify.commands.dump_errors import EXIT_DIFF, EXIT_USAGE, guarded, out_path, refuse_options
 from moeverify.errors import UsageError
 from moeverify.files import atomic_write
-from moeverify.layer_numbering import NUMBERINGS
+from moeverify.routing.layer_numbering import NUMBERINGS
 from moeverify.record.commit import drop_uncommitted
 from moeverify.record.order import ORDERS
 from moeverify.record.summary import summarize, summary_table

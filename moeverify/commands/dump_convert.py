@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from moeverify import expert_map, layer_numbering, record
+from moeverify.routing import expert_map, layer_numbering
+from moeverify import record
 from moeverify.commands.dump_errors import guarded, refuse_options
 from moeverify.errors import LayoutError, UsageError
-from moeverify.layout import parse_layout_name
+from moeverify.spec.layout import parse_layout_name
 from moeverify.record import importers
 from moeverify.record.writer import RankWriter
-from moeverify.views import rank_coords
+from moeverify.routing.views import rank_coords
 
 FROM = ("dump", "npy", "npz", "jsonl")
 TO = ("dump", "npz")
@@ -45,7 +46,7 @@ def cmd_convert(args) -> int:
         if args.expert_map:
             emap = expert_map.load(args.expert_map, moe_layers=dump.model.moe_layers, num_layers=dump.model.num_layers,
                                    physical_experts=dump.model.num_experts, what=str(src))
-            routes_of = lambda step: emap.map_routes(dump.routes(step=step), where=f"{src} step {step}")  # noqa: E731
+            routes_of = lambda step: dump.routes(step=step).map_experts(emap, where=f"{src} step {step}")  # noqa: E731
         out = importers.export_npz(dump, dst, routes_of=routes_of)
         print(f"wrote {out}" + (f" (logical expert ids through {args.expert_map})" if routes_of else "")
               + "; dump diff reads it back with its steps and token order")
@@ -224,7 +225,7 @@ def _map_steps(args, steps: dict, src: Path) -> dict:
         if routes.num_experts > emap.physical:
             raise expert_map.ExpertMapError(f"{args.expert_map}: {emap.physical} slot(s), but {src} step {step} holds "
                                             f"expert id {routes.num_experts - 1}")
-        out[step] = emap.map_routes(routes, where=f"{src} step {step}")
+        out[step] = routes.map_experts(emap, where=f"{src} step {step}")
     return out
 
 

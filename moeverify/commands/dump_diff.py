@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from moeverify import expert_map, record
+from moeverify.routing import expert_map
+from moeverify import record
 from moeverify.commands.dump_errors import EXIT_DIFF, guarded, out_path, refuse_options
 from moeverify.commands.dump_plot import plot_diff
 from moeverify.errors import RouteError, UsageError
@@ -219,7 +220,7 @@ def _diff_rollout(args) -> int:
         map_a = expert_map.load(args.expert_map_a, moe_layers=train.layers, num_layers=dump.model.num_layers,
                                 physical_experts=dump.model.num_experts, what=str(train_path))
         side = Ordered(routes=None, source=str(train_path), order="sequence", seq_len=info.seq_len, batch=batch)
-        train = map_a.map_routes(train, where=str(train_path), token_label=_token_label(side))
+        train = train.map_experts(map_a, where=str(train_path), token_label=_token_label(side))
         maps["a"] = map_a.as_json()
     map_b = None
     if args.expert_map_b:

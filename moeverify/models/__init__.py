@@ -2,9 +2,9 @@
 
 import importlib
 
-from moeverify.layout import Layout, ModelShape
-from moeverify.models.configs import FAMILIES, ModelSpec, family_shape, family_traits, hf_config_dict, model_spec
-from moeverify.models.ref import ModelRef
+from moeverify.spec.layout import Layout, ModelShape
+from moeverify.spec.models.configs import FAMILIES, ModelSpec, family_shape, family_traits, hf_config_dict, model_spec
+from moeverify.spec.models.ref import ModelRef
 
 __all__ = ["FAMILIES", "Layout", "ModelRef", "ModelShape", "ModelSpec", "Built", "build", "family_shape",
            "family_traits", "hf_checkpoint", "hf_config_dict", "model_spec"]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from moeverify.errors import UsageError
-from moeverify.models import user
+from moeverify.spec.models import user
 
 FINDING = "F11"  # the README's findings table: the bridge builds another model than its config says
 

@@ -18,13 +18,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from moeverify import layer_numbering, runtime
+from moeverify.routing import layer_numbering
+from moeverify import runtime
 from moeverify.errors import UsageError
-from moeverify.layout import Layout, ModelShape
-from moeverify.models import bridge_limits, family_specs, seeded, user
-from moeverify.models.configs import check_family, model_spec
+from moeverify.spec.layout import Layout, ModelShape
+from moeverify.models import bridge_limits, family_specs, seeded
+from moeverify.spec.models import user
+from moeverify.spec.models.configs import check_family, model_spec
 from moeverify.models.families import family_shape, hf_checkpoint, hf_config_dict
-from moeverify.models.ref import ModelRef, as_ref
+from moeverify.spec.models.ref import ModelRef, as_ref
 from moeverify.models.mtp_spec import cpu_mtp_block_spec, cpu_mtp_gaps
 
 # Settings that select TE-only (or apex-only) kernels; switched off wherever real TE is absent

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from moeverify import files
-from moeverify.models import kimi, mtp_weights, seeded, user
-from moeverify.models.ref import PREFIX, ModelRef
+from moeverify.spec.models import kimi, user
+from moeverify.models import mtp_weights, seeded
+from moeverify.spec.models.ref import PREFIX, ModelRef
 from moeverify.models.seeded import seeded_value
-from moeverify.models.configs import FAMILIES, check_family, prepare_hook, family_shape, family_traits, hf_config_dict
+from moeverify.spec.models.configs import FAMILIES, check_family, prepare_hook, family_shape, family_traits, hf_config_dict
 
 __all__ = ["FAMILIES", "cache_dir", "family_shape", "family_traits", "hf_checkpoint", "hf_config_dict",
            "seeded_value"]

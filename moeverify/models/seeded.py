@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeverify import files, hash64
+from moeverify import files
+from moeverify.runtime import hash64
 from moeverify.errors import MoEVerifyError
 
 MARKER = "moeverify-seeded.json"

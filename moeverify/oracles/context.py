@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from moeverify import models, timeouts
+from moeverify import models
+from moeverify.spec import timeouts
 
 if TYPE_CHECKING:  # the runner hands a check its Scenario; nothing here runs scenario code
-    from moeverify.scenario import Scenario
+    from moeverify.spec.scenario import Scenario
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -17,7 +18,7 @@ class CheckContext:
 
     ``options`` holds the check options given on the command line (``subject``, ``replay_impl``, ...) merged
     over the scenario's own ``options``; each check reads its own through its options dataclass
-    (``moeverify.checks``). ``timeout_s`` is the run's per-scenario deadline (``--timeout``).
+    (``moeverify.spec.checks``). ``timeout_s`` is the run's per-scenario deadline (``--timeout``).
     """
 
     scenario: Scenario

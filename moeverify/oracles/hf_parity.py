@@ -26,12 +26,12 @@ import tempfile
 from pathlib import Path
 
 from moeverify import models
-from moeverify.checks import CHECKS
-from moeverify.layout import Layout
+from moeverify.spec.checks import CHECKS
+from moeverify.spec.layout import Layout
 from moeverify.oracles.results import Tally
 
 RTOL = 1e-4
-SUBCHECKS = CHECKS["hf_parity"].subchecks  # layers, logits (moeverify.checks)
+SUBCHECKS = CHECKS["hf_parity"].subchecks  # layers, logits (moeverify.spec.checks)
 SEQ_LEN, BATCH = 32, 2  # longer than the tiny families' sliding windows (8)
 _FP32 = dict(bf16=False, fp16=False)
 

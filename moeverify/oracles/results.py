@@ -7,7 +7,7 @@ unless the oracle found it not applicable to the model: then its entry also carr
 
 Every subcheck of a built-in check also carries ``"guards": CLASS``, the class of bug it exists for, and a record
 whose subchecks ran lists the declared subchecks that did not (an option off, ``replay_subchecks``) under
-``"not_run": {NAME: CLASS}``, so a reader sees what was and was not checked (``moeverify.bug_classes``). Options
+``"not_run": {NAME: CLASS}``, so a reader sees what was and was not checked (``moeverify.spec.bug_classes``). Options
 whose value a default rule decided (export's ``refresh``: on for a user's subject) are listed under
 ``"decisions": {KEY: {"on": bool, "why": str}}`` (``CheckOptions.decisions``).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moeverify import bug_classes
+from moeverify.spec import bug_classes
 
 MAX_FAILURES_KEPT = 50  # per subcheck; the count of the rest is reported in one line
 

@@ -8,12 +8,12 @@ one tensor at a time, reading the source lazily.
 
 from __future__ import annotations
 
-from moeverify.checks import CHECKS
+from moeverify.spec.checks import CHECKS
 from moeverify.oracles.bits import SHOW, compare_bits
 from moeverify.models.checkpoint import open_tensors
 from moeverify.oracles.results import Tally
 
-SUBCHECKS = CHECKS["roundtrip"].subchecks  # bitwise, key_set (moeverify.checks)
+SUBCHECKS = CHECKS["roundtrip"].subchecks  # bitwise, key_set (moeverify.spec.checks)
 
 
 def run(ctx) -> dict[str, Tally]:

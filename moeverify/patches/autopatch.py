@@ -32,7 +32,7 @@ replay directory without this rank's dump.
 ``MOEVERIFY_ROUTER_REPLAY=r2`` is in-job replay instead: each step's log-prob forwards (grad disabled) record
 and the step's training forwards replay their routes, found by token identity (``moeverify.patches.injob``).
 ``MOEVERIFY_ROUTER_REPLAY=r3:DIR`` replays a rollout engine's routes, written to DIR by
-``moeverify.rollout_writer.RolloutWriter``, in every forward of the bound model, found by token identity.
+``moeverify.routing.rollout_writer.RolloutWriter``, in every forward of the bound model, found by token identity.
 """
 
 from __future__ import annotations
@@ -56,16 +56,16 @@ from moeverify.errors import MoEVerifyError, RouteError, UsageError
 from moeverify.patches import agreement, batch_routes, identity, injob
 from moeverify.patches import replay_state as state
 from moeverify.patches.autopatch_dump import JobDump
-from moeverify.views import job_layout
+from moeverify.routing.views import job_layout
 from moeverify.patches import router_replay as rr
 from moeverify.patches.routers import global_layer
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
 MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
 MODES = ("record", "replay")
 INJOB = "r2"  # in-job replay: no directory (moeverify.patches.injob)
-ROLLOUT = "r3"  # in-job replay of a rollout engine's routes: r3:DIR (moeverify.rollout_writer files)
+ROLLOUT = "r3"  # in-job replay of a rollout engine's routes: r3:DIR (moeverify.routing.rollout_writer files)
 EXIT_UNUSED = 3  # exit status of a replayed job that left recorded routes unused
 
 

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeverify import timeouts
-from moeverify.views import job_layout
+from moeverify.spec import timeouts
+from moeverify.routing.views import job_layout
 
 if TYPE_CHECKING:  # annotations only
-    from moeverify.layout import Layout
-    from moeverify.views import RankCoords
+    from moeverify.spec.layout import Layout
+    from moeverify.routing.views import RankCoords
 
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeverify import rollout_writer as rw
-from moeverify.engine_routes import EngineRoutes
+from moeverify.routing import rollout_writer as rw
+from moeverify.routing.engine_routes import EngineRoutes
 from moeverify.errors import UsageError
 from moeverify.patches.rollout_source import KEEP, Step, TableSource, checked_part
 
@@ -150,7 +150,7 @@ def _request(tokens, routes, where: str) -> tuple[np.ndarray, np.ndarray, str | 
     if isinstance(routes, EngineRoutes):
         if routes.start:
             raise UsageError(f"{where}: the engine's rows start at position {routes.start}, not 0; join them to the "
-                             "earlier rows of the request first (moeverify.engine_routes.splice)")
+                             "earlier rows of the request first (moeverify.routing.engine_routes.splice)")
         numbering, physical, routes = routes.numbering, routes.physical, routes.routes
     routes_RWK = _array(routes, f"{where}: routes", dims=3)
     if not tokens_S.size or routes_RWK.shape[0] not in (tokens_S.size - 1, tokens_S.size):
@@ -168,7 +168,7 @@ def add_routes(*, version: int, routes, sequences=None, input_ids=None, attentio
     Args:
         version: the RL step or policy version the sequences were generated under (an integer >= 0).
         routes: per request (with ``sequences``) a list of ``[S_i - 1 or S_i, W, K]`` arrays or
-            ``moeverify.engine_routes.EngineRoutes``; or (with ``input_ids``) ``[B, S, W, K]`` aligned with them.
+            ``moeverify.routing.engine_routes.EngineRoutes``; or (with ``input_ids``) ``[B, S, W, K]`` aligned with them.
         sequences: per request, the token ids training feeds (prompt + response, every turn).
         input_ids, attention_mask: a padded ``[B, S]`` batch (padding on either side; mask 1 = real token).
         numbering: the layer axis, ``"routers"`` (MoE layers) or ``"decoder"`` (every decoder layer); None: taken

@@ -43,7 +43,7 @@ from moeverify.patches.rollout_source import RolloutSource
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
 from moeverify.patches import router_replay as rr
-from moeverify import timeouts
+from moeverify.spec import timeouts
 import torch.distributed as dist
 
 MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
@@ -357,7 +357,7 @@ class InJobState:
 
 class RolloutState(InJobState):
     """r3 (``MOEVERIFY_ROUTER_REPLAY=r3:DIR``): every forward of the bound model, log-prob and training passes alike,
-    replays the rollout engine's routes written by ``moeverify.rollout_writer``, found by token identity in the
+    replays the rollout engine's routes written by ``moeverify.routing.rollout_writer``, found by token identity in the
     newest complete steps of ``DIR`` (``rollout_source``). A token one prefix routed differently in two requests takes
     the first route (``MOEVERIFY_ROUTER_REPLAY_DUPLICATES=refuse`` refuses it)."""
 

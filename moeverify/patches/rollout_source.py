@@ -1,4 +1,4 @@
-"""In-job R3's route source: a rollout engine's routes (``moeverify.rollout_writer`` files) as route tables keyed by
+"""In-job R3's route source: a rollout engine's routes (``moeverify.routing.rollout_writer`` files) as route tables keyed by
 token identity, one per model chunk.
 
 Legend: N = tokens of a step (all requests, concatenated), R = requests, W = layer columns in the files, L = this
@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeverify import layer_numbering, npy_file
-from moeverify import rollout_arrays as ra
-from moeverify import rollout_writer as rw
+from moeverify.routing import layer_numbering, npy_file
+from moeverify.routing import rollout_arrays as ra
+from moeverify.routing import rollout_writer as rw
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement
 from moeverify.patches import token_keys as tk

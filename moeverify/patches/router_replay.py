@@ -35,7 +35,7 @@ from moeverify.patches import regions, replay_inputs
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.routers import find_routers, moe_stage_config
 from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
-from moeverify.routes import Routes, validate_topk_ids
+from moeverify.routing.routes import Routes, validate_topk_ids
 
 __all__ = ["apply", "revert", "is_applied", "ReplaySession", "RoutingMode"]
 
@@ -284,9 +284,9 @@ class ReplaySession:
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
         if getattr(routes, "order", None) == "sequence":
             raise RouteError(f"rank {rank}: these routes are in sequence order (row b * S + s: Routes.from_rollout, "
-                             f"Dump.routes, views.to_global), but a rank's routers see router "
+                             f"Dump.routes, Routes.to_global), but a rank's routers see router "
                              f"order (s * B + b) and only their own tokens; give this rank's view, "
-                             f"views.to_local(routes, layout, coords=, seq_len=, batch=, num_layers=) (on one rank "
+                             f"routes.to_local(layout, coords=, seq_len=, batch=, num_layers=) (on one rank "
                              f"too: there it reorders the rows)")
 
     @contextlib.contextmanager

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeverify import hash64
+from moeverify.runtime import hash64
 from moeverify.errors import RouteError
 
 _GOLDEN, _MUL1, _MUL2 = hash64.GOLDEN, hash64.MIX1, hash64.MIX2  # splitmix64's constants, also position salts

@@ -24,7 +24,7 @@ from moeverify.record.format import MANIFEST, SCHEMA, VERSION, ModelInfo, ids_dt
 from moeverify.record.reader import Dump, load
 from moeverify.record.saving import save
 from moeverify.record.writer import RankWriter
-from moeverify.views import RankCoords
+from moeverify.routing.views import RankCoords
 
 __all__ = ["Dump", "DiffReport", "MANIFEST", "ModelInfo", "RankCoords", "RankWriter", "SCHEMA", "VERSION", "diff",
            "diff_stream", "finalize", "ids_dtype_for", "load", "save"]

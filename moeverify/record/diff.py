@@ -34,7 +34,7 @@ from moeverify.errors import RouteError
 from moeverify.record.format import ids_dtype_for
 from moeverify.record.report import DiffReport, bucket_edges
 from moeverify.record.stream import LayerPairs
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 __all__ = ["DiffReport", "compare_rows", "diff", "diff_stream", "sequence_spans"]
 

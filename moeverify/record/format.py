@@ -25,7 +25,7 @@ them), never repeated. Version 1 (read only) holds one tensor per layer, and its
     step{S}/mb{M}/layer{L}/ids    [T, K]
     step{S}/mb{M}/layer{L}/probs  [T, K]
 
-``T`` is the rank's local token count in local router order (see ``moeverify.views``).
+``T`` is the rank's local token count in local router order (see ``moeverify.routing.views``).
 Legend: L = packed layers, T = tokens, K = top-k.
 """
 

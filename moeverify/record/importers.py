@@ -25,10 +25,10 @@ import torch
 
 from moeverify.errors import DumpError, RouteError, UsageError
 from moeverify.files import atomic_write
-from moeverify import npy_file
+from moeverify.routing import npy_file
 from moeverify.record.format import MAX_EXPERTS
 from moeverify.record.router_trace import read_router_trace, read_router_trace_ranks
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 __all__ = ["export_npz", "is_export", "read_arrays", "read_export", "read_router_trace", "read_router_trace_ranks",
            "routes_from_arrays"]

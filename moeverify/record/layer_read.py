@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from moeverify import views
+from moeverify.routing import views
 from moeverify.errors import DumpError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from moeverify.errors import UsageError
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 ORDERS = ("sequence", "router")
 

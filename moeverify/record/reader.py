@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moeverify import views
+from moeverify.routing import views
 from moeverify.errors import DumpError, LayoutError, RouteError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.record.layer_read import Entry, checked_offset, data_spans, read, sequence_order
-from moeverify.routes import Routes, validate_topk_ids
+from moeverify.routing.routes import Routes, validate_topk_ids
 
 _REQUIRED = ("schema", "version", "model", "layout", "world_size", "zigzag", "ids_dtype", "steps", "ranks")
 _LAYOUT_KEYS = {"tp", "pp", "cp", "ep", "etp", "vpp", "sp"}  # written by every version; pp_first/... optional
@@ -211,7 +211,7 @@ class Dump:
                 return merged
         local = {self.coords[r]: self._local(r, step, layers, checked=False) for r in sorted(self.coords)}
         try:
-            return views.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
+            return Routes.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
                                    batch=info.batch, num_layers=self.model.num_layers, moe_layers=layers,
                                    zigzag=self.zigzag), [None] * info.microbatches
         except (RouteError, LayoutError) as exc:

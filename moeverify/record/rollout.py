@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from moeverify import layer_numbering
+from moeverify.routing import layer_numbering
 from moeverify.errors import UsageError
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from moeverify.errors import DumpError, RouteError, UsageError
-from moeverify.routes import Routes
-from moeverify import views
+from moeverify.routing.routes import Routes
+from moeverify.routing import views
 
 TRACE_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 from moeverify.errors import DumpError, UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.record.commit import finalize
 from moeverify.record.format import MANIFEST, ModelInfo
 from moeverify.record.order import ORDERS, to_router_order
 from moeverify.record.reader import load
 from moeverify.record.writer import RankWriter
-from moeverify.routes import Routes
-from moeverify.views import RankCoords
+from moeverify.routing.routes import Routes
+from moeverify.routing.views import RankCoords
 
 
 def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: int | None = None,
@@ -35,7 +35,7 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
         seq_len, batch: micro-batch geometry; needed to merge more than one rank.
         order: the token order of ``routes``, required with ``seq_len`` and ``batch`` > 1 (the two orders differ
             then, and a wrong guess reads back as other tokens): ``"router"`` (Megatron's ``s * B + b``:
-            ``session.routes()``, a rank's ``RouteRecorder`` routes, ``views.to_local``) or ``"sequence"``
+            ``session.routes()``, a rank's ``RouteRecorder`` routes, ``Routes.to_local``) or ``"sequence"``
             (``b * S + s``: ``Dump.routes()``, rollout engines; one process's global routes only).
         probs: optional ``{layer: [probs_TK per micro-batch]}`` router probabilities.
 
@@ -83,7 +83,7 @@ def _router_order(routes: Routes, *, seq_len, batch: int | None, order: str | No
         if batch == 1:
             return routes  # one sequence per micro-batch: both orders list the same tokens
         raise UsageError(f"save: with seq_len and batch {batch} say which order the routes are in: order='router' "
-                         "(s * B + b: session.routes(), RouteRecorder, views.to_local) or order='sequence' (b * S + s: "
+                         "(s * B + b: session.routes(), RouteRecorder, Routes.to_local) or order='sequence' (b * S + s: "
                          "Dump.routes(), rollout engines); the dump stores router order")
     if world_size == 1:
         _check_tokens(routes, seq_len=seq_len, batch=batch)

@@ -17,10 +17,10 @@ import dataclasses
 
 import torch
 
-from moeverify.expert_map import ExpertMap
+from moeverify.routing.expert_map import ExpertMap
 from moeverify.record.layer_read import gather_rows
 from moeverify.record.reader import Dump
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,7 @@ class MappedSource(_Wrapped):
                 for mb, t in enumerate(self.inner.layer(layer))]
 
     def routes(self) -> Routes:
-        return self.expert_map.map_routes(self.inner.routes(), where=self.where, token_label=self.token_label)
+        return self.inner.routes().map_experts(self.expert_map, where=self.where, token_label=self.token_label)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,11 @@ from safetensors.torch import save as st_save
 
 from moeverify.errors import DumpError, MoEVerifyError
 from moeverify.files import atomic_write
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.record.commit import record_from_manifest, uncommitted_steps, write_json
-from moeverify.routes import Routes, validate_topk_ids
-from moeverify.views import RankCoords
+from moeverify.routing.routes import Routes, validate_topk_ids
+from moeverify.routing.views import RankCoords
 
 _FLUSH = object()
 _STOP = object()
@@ -42,9 +42,9 @@ class RankWriter:
     Args:
         path: the dump directory (created).
         model: the model shape (``format.ModelInfo``).
-        coords: this rank's coordinates (``moeverify.views.RankCoords``); default rank 0.
+        coords: this rank's coordinates (``moeverify.routing.views.RankCoords``); default rank 0.
         layout, world_size: the layout the routes were recorded under.
-        zigzag: the CP sequence split used (see ``moeverify.views``).
+        zigzag: the CP sequence split used (see ``moeverify.routing.views``).
         background: run the worker thread (False: do the work inline).
     """
 

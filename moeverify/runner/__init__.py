@@ -2,5 +2,5 @@
 
 ``launch`` is the parent side (torchrun per group, restarts after a crash or hang, deadlines),
 ``worker`` the per-rank side, ``plan`` the file that passes work between them, ``report`` and
-``junit`` the outputs. Check names resolve through ``moeverify.checks``.
+``junit`` the outputs. Check names resolve through ``moeverify.spec.checks``.
 """

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import moeverify
-from moeverify import timeouts
-from moeverify.scenario import Scenario
+from moeverify.spec import timeouts
+from moeverify.spec.scenario import Scenario
 from moeverify.oracles.results import CheckRecord
 from moeverify.runner import interrupts, nodes
 from moeverify.runner.diagnose import Crash, diagnose

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
-from moeverify import timeouts
+from moeverify.spec import timeouts
 from moeverify.errors import UsageError
 
 BEAT_S = 1.0

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from moeverify.scenario import Scenario
-from moeverify.scenario import scenario_from_dict, scenario_to_dict
+from moeverify.spec.scenario import Scenario
+from moeverify.spec.scenario import scenario_from_dict, scenario_to_dict
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import moeverify
-from moeverify import plugins, timeouts
+from moeverify.spec import plugins, timeouts
 from moeverify.errors import UsageError
 
 _MARK = "moeverify-probe: "  # the child's verdict line (the plugin may print too)

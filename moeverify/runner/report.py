@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from moeverify import expectations
-from moeverify.expectations import ExpectedFailure, Verdict
+from moeverify.spec import expectations
+from moeverify.spec.expectations import ExpectedFailure, Verdict
 from moeverify.oracles.results import CheckRecord
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

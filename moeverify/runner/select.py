@@ -10,13 +10,13 @@ import dataclasses
 import fnmatch
 from collections.abc import Callable, Sequence
 
-from moeverify import plugins
+from moeverify.spec import plugins
 from moeverify.errors import UsageError
-from moeverify.options import OPTIONS
-from moeverify.scenario import Scenario
+from moeverify.spec.options import OPTIONS
+from moeverify.spec.scenario import Scenario
 from moeverify.runner import probe
 from moeverify.runner.report import Result
-from moeverify.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
+from moeverify.spec.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
 
 
 

@@ -19,9 +19,9 @@ import time
 import traceback
 from pathlib import Path
 
-from moeverify import checks, timeouts
+from moeverify.spec import checks, timeouts
 from moeverify.oracles.context import CheckContext
-from moeverify.scenario import Scenario
+from moeverify.spec.scenario import Scenario
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, append_line, events_path, results_path, stacks_path

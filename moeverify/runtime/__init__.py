@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from moeverify import timeouts
+from moeverify.spec import timeouts
 from moeverify.errors import UsageError
 from moeverify.runtime import cpu
 from moeverify.runtime.bridge_import import import_bridge, real_te_available

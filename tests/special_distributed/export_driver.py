@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node N export_driver.py --out OUT.json --scenario qwen3_moe:ep2 ...
        [--subject sharded --subject bridge] [--mutants] [--refresh]
-Each scenario is ``family:layout-name`` (``moeverify.layout.parse_layout_name``), or ``path/config.json[+key=value
+Each scenario is ``family:layout-name`` (``moeverify.spec.layout.parse_layout_name``), or ``path/config.json[+key=value
 ...]:layout-name`` for a user model (plain subjects only, no mutants); rank 0 writes a JSON
 list of ``{"scenario", "subject", "passed", "subchecks"}``. ``--mutants`` adds every mutant of
 ``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario. ``--refresh`` adds the ``refresh``
@@ -54,7 +54,7 @@ def _subjects(args, family, layout, world_size):
 def main() -> int:
     args = _args()
     from moeverify import models, runtime
-    from moeverify.layout import parse_layout_name
+    from moeverify.spec.layout import parse_layout_name
     from moeverify.oracles import export
     from moeverify.oracles.export.refresh import run_twice
 
@@ -64,7 +64,7 @@ def main() -> int:
         family, _, layout_name = spec.rpartition(":")
         layout, _dp = parse_layout_name(layout_name)
         if family.endswith(".json") or "+" in family:  # a user model: PATH[+key=value...] (plain subjects only)
-            from moeverify.models import user
+            from moeverify.spec.models import user
 
             path, *sets = family.split("+")
             model = user.read(path, user.parse_sets(sets)).ref

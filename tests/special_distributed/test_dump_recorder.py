@@ -20,7 +20,7 @@ SEQ_LEN, BATCH, MICROBATCHES = 8, 2, 2
 
 def _probe_routes(result, layers, microbatches):
     """Local Routes from the probe's routing maps (nonzero columns, ascending expert id)."""
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
 
     num_experts = next(iter(result.routing.values()))[0].shape[1] if result.routing else 1
     topk = int(next(iter(result.routing.values()))[0][0].sum()) if result.routing else 1
@@ -33,8 +33,10 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> d
     import torch
     from megatron.core import parallel_state as ps
 
-    from moeverify import models, record, runtime, views
-    from moeverify.layout import Layout
+    from moeverify import models, record, runtime
+    from moeverify.routing import views
+    from moeverify.routing.routes import Routes
+    from moeverify.spec.layout import Layout
     from moeverify.oracles.replay import drive as rd
     from moeverify.patches.recorder import RouteRecorder, model_info
     from moeverify.record.writer import RankWriter
@@ -75,7 +77,7 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> d
         if rt.rank == 0:
             for step in local:
                 by_rank = {c: _unplain(r[step]) for c, r in gathered}
-                reference = views.to_global(by_rank, layout, world_size=rt.world_size, seq_len=SEQ_LEN, batch=BATCH,
+                reference = Routes.to_global(by_rank, layout, world_size=rt.world_size, seq_len=SEQ_LEN, batch=BATCH,
                                             num_layers=info.num_layers, moe_layers=info.moe_layers)
                 merged = dump.routes(step=step)
                 result[f"step{step}_global_equal"] = merged == reference
@@ -90,7 +92,7 @@ def _plain(routes):
 
 
 def _unplain(obj):
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
 
     return Routes(obj["data"], num_experts=obj["experts"], topk=obj["topk"])
 

@@ -29,8 +29,9 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> N
     import torch
     from megatron.core.transformer.moe import router_trace
 
-    from moeverify import models, record, runtime, views
-    from moeverify.layout import Layout
+    from moeverify import models, record, runtime
+    from moeverify.routing import views
+    from moeverify.spec.layout import Layout
     from moeverify.oracles.replay import drive as rd
     from moeverify.patches.recorder import RouteRecorder, model_info
     from moeverify.record.writer import RankWriter

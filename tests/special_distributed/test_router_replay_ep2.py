@@ -105,7 +105,7 @@ def _run(out_dir: Path, rank: int, family: str) -> dict:
     import torch
 
     from moeverify import models, runtime
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
     from moeverify.patches import router_replay as rr
 
     runtime.init("cpu")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moeverify.scenario import load
+from moeverify.spec.scenario import load
 
 TIMEOUT_S = 170
 

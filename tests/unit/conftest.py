@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from seeded_router import seeded_router
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement
 from moeverify.patches import router_replay as rr
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 H, E, K, S, B = 16, 8, 2, 6, 2
 T = S * B

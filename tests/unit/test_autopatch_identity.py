@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.patches import autopatch, identity
 from moeverify.patches import router_replay as rr
 from moeverify.patches import token_keys as tk

@@ -1,4 +1,4 @@
-"""bench/memory.py's layouts: names read by moeverify.layout's parser, world sizes, per-rank peaks and fits."""
+"""bench/memory.py's layouts: names read by moeverify.spec.layout's parser, world sizes, per-rank peaks and fits."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ import pytest
 
 from moeverify import cli
 from moeverify.errors import UsageError
-from moeverify.models import builder, families, user
+from moeverify.models import builder, families
+from moeverify.spec.models import user
 
 SMALL = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,

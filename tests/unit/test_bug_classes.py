@@ -1,4 +1,4 @@
-"""The one declaration of what each subcheck exists for (``moeverify.bug_classes``) against what the oracles emit,
+"""The one declaration of what each subcheck exists for (``moeverify.spec.bug_classes``) against what the oracles emit,
 the mutant catalogues, the findings, the tests it names, the docs tables and the result records."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moeverify import bug_classes, expectations
+from moeverify.spec import bug_classes, expectations
 from moeverify.oracles.results import CheckRecord, Tally
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ def _emitted() -> dict[str, tuple[str, ...]]:
     """Every subcheck name each built-in check's oracle can emit, from the oracles' own declarations."""
     from moeverify.oracles import hf_parity, roundtrip
     from moeverify.oracles.export import collect
-    from moeverify.checks import REPLAY_SUBCHECKS
+    from moeverify.spec.checks import REPLAY_SUBCHECKS
 
     return {"export": collect.SUBCHECKS + collect.OPTIONAL_SUBCHECKS, "replay": tuple(REPLAY_SUBCHECKS),
             "roundtrip": roundtrip.SUBCHECKS, "hf_parity": hf_parity.SUBCHECKS}
@@ -31,7 +31,7 @@ def _catalogues() -> dict[str, dict[str, tuple[str, ...]]]:
     """KIND -> NAME -> the subchecks that item is known to fail (empty: existence only)."""
     from moeverify.oracles.export import mutants, receiver_mutants
     from moeverify.oracles.replay import faulty
-    from moeverify.checks import REPLAY_IMPLS
+    from moeverify.spec.checks import REPLAY_IMPLS
 
     export = {m.name: m.fails for m in mutants.MUTANTS}
     for name, subcheck in receiver_mutants.SUBJECT_MUTANTS.items():
@@ -43,7 +43,7 @@ def _catalogues() -> dict[str, dict[str, tuple[str, ...]]]:
 
 
 def test_bug_classes_every_emitted_subcheck_of_every_check_is_declared():
-    from moeverify.checks import CHECKS
+    from moeverify.spec.checks import CHECKS
 
     emitted = _emitted()
     assert set(emitted) == set(CHECKS) == {c.check for c in bug_classes.CLASSES}
@@ -92,7 +92,7 @@ def test_bug_classes_findings_and_tests_named_exist():
 def test_bug_classes_docs_table_is_the_declaration(check):
     text = (ROOT / DOCS[check]).read_text()
     assert bug_classes.with_table(text, check) == text, (
-        f"{DOCS[check]}: the bug-class table of {check} differs from moeverify/bug_classes.py; regenerate with "
+        f"{DOCS[check]}: the bug-class table of {check} differs from moeverify/spec/bug_classes.py; regenerate with "
         f"bug_classes.with_table")
 
 

@@ -1,4 +1,4 @@
-"""Checks declared once (moeverify.checks): each CheckSpec's options dataclass is what the flat option table, the
+"""Checks declared once (moeverify.spec.checks): each CheckSpec's options dataclass is what the flat option table, the
 flags, the scenario rule and the checks' own defaults read."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from moeverify import checks, cli, options
+from moeverify.spec import checks, options
+from moeverify import cli
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
-from moeverify.router_variants import VARIANTS
+from moeverify.spec.layout import Layout
+from moeverify.spec.router_variants import VARIANTS
 from waiting import CHILD_S
 
 
@@ -186,8 +187,8 @@ def test_checks_declarations_import_no_torch(repo_root):
                     raise ImportError(f"blocked import of {name}")
 
         sys.meta_path.insert(0, _Refuse())
-        from moeverify import checks, options
-        from moeverify.layout import Layout
+        from moeverify.spec import checks, options
+        from moeverify.spec.layout import Layout
         opts = checks.ReplayOptions.from_options({"router_variants": "full", "replay_seq_len": 8})
         print(len(opts.variants), len(options.OPTIONS), checks.CHECKS["replay"].refusal({}, Layout(cp=3), world_size=3)[:40])
     """)
@@ -217,7 +218,7 @@ def test_checks_selected_subchecks_follow_the_declared_option():
 def test_replay_subchecks_in_layout_leaves_out_every_whole_model_build():
     """``replay_subchecks: in_layout`` runs exactly the declared subchecks that never build the whole model on one
     rank; each left out says why; a misspelling names the shorthand too."""
-    from moeverify.checks import REPLAY_IN_LAYOUT, REPLAY_SUBCHECKS, REPLAY_WHOLE_MODEL, ReplayOptions
+    from moeverify.spec.checks import REPLAY_IN_LAYOUT, REPLAY_SUBCHECKS, REPLAY_WHOLE_MODEL, ReplayOptions
 
     assert set(REPLAY_WHOLE_MODEL) <= set(REPLAY_SUBCHECKS) and all(REPLAY_WHOLE_MODEL.values())
     got = ReplayOptions.from_options({"replay_subchecks": "in_layout"}).subchecks
@@ -228,7 +229,7 @@ def test_replay_subchecks_in_layout_leaves_out_every_whole_model_build():
 
 
 def test_replay_dtype_is_fp32_or_bf16():
-    from moeverify.checks import ReplayOptions
+    from moeverify.spec.checks import ReplayOptions
 
     assert ReplayOptions.from_options({}).dtype == "fp32"
     assert ReplayOptions.from_options({"replay_dtype": "bf16"}).dtype == "bf16"

@@ -66,7 +66,7 @@ def test_scenario_validation_of_every_shipped_file_without_torch(repo_root, tmp_
         files.append(str(tmp_path / path.name))
     assert len(files) >= 5
     proc = _run(repo_root, f"""
-        from moeverify import scenario
+        from moeverify.spec import scenario
         for f in {files!r}:
             print(f, len(scenario.load([f])))
     """)

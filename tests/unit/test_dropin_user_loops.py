@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.patches import router_replay as rr
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 B, S, MB = 2, 8, 3
@@ -193,7 +193,7 @@ def engine_arrays(chunk, tokens_BS, lengths, layers):
 
 
 def replay_rollout(chunk, tokens_BS, arrays, *, lengths, num_layers, columns_all_layers=False):
-    from moeverify.views import job_layout
+    from moeverify.routing.views import job_layout
 
     session = rr.ReplaySession(chunk)
     routes = Routes.from_rollout(arrays, layers=list(session.layers), num_experts=session.num_experts,
@@ -335,7 +335,7 @@ def test_loop_misuse_is_refused(qwen):
 
 
 def test_loop_one_sequence_rollout_split_in_microbatches_goes_through_to_local(qwen):
-    from moeverify.views import job_layout
+    from moeverify.routing.views import job_layout
 
     chunk, vocab = qwen
     mbs = data(vocab, 2, seed=120, batch=1)

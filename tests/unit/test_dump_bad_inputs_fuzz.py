@@ -61,7 +61,7 @@ def _save_dump(path: Path, mbs: list[np.ndarray]) -> None:
     import torch
 
     from moeverify import record
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
     routes = Routes({layer: [torch.from_numpy(mb[:, i].copy()) for mb in mbs] for i, layer in enumerate(LAYERS)},
                     num_experts=E, topk=K)
     record.save(path, routes, order="sequence", seq_len=S, batch=B)

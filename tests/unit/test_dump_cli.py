@@ -10,7 +10,7 @@ from moeverify import record
 from moeverify.cli import main
 from moeverify.errors import DumpError
 from moeverify.record import importers
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 def _routes(seed=0, *, tokens=24, layers=(0, 1, 2), experts=8, topk=2, microbatches=1):
@@ -260,7 +260,7 @@ def test_rollout_npy_keeps_an_interior_capture_gap_in_place(tmp_path, capsys):
     import numpy as np
 
     from moeverify import record
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
 
     seq_TK = [[0, 1], [1, 2], [2, 3], [3, 0]]
     record.save(tmp_path / "train", Routes({0: [torch.tensor(seq_TK)]}, num_experts=4, topk=2), seq_len=4, batch=1)

@@ -16,7 +16,7 @@ from moeverify.record import reader
 from moeverify.record.layer_read import data_spans
 from moeverify.record.stream import DumpSource
 from moeverify.record.writer import RankWriter
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 def _ids(*, experts, topk, layers=(1, 3), tokens=12, microbatches=2, seed=0):

@@ -13,7 +13,7 @@ import torch
 from moeverify import record
 from moeverify.errors import DumpError
 from moeverify.record import format as fmt
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 def _routes(seed: int = 0) -> Routes:

@@ -9,7 +9,7 @@ import torch
 
 from moeverify import record
 from moeverify.cli import main
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 S, B = 6, 2
 

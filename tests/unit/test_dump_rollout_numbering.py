@@ -12,7 +12,7 @@ import torch
 
 from moeverify import record
 from moeverify.cli import main
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 S, B, K, E, MOE, NUM_LAYERS = 5, 2, 2, 8, (1, 2), 3
 

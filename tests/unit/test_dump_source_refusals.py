@@ -11,7 +11,7 @@ import torch
 
 from moeverify import record
 from moeverify.cli import main
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 S, B, K, E, LAYERS = 6, 2, 2, 8, (0, 1, 2)
 

@@ -9,7 +9,7 @@ import torch
 
 from moeverify import record
 from moeverify.cli import main
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 B, S, MICROBATCHES = 2, 8, 2

@@ -12,11 +12,12 @@ import torch
 
 from moeverify import record
 from moeverify.errors import DumpError, RouteError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.record.layer_read import gather_rows, sequence_order
 from moeverify.record.stream import DumpSource, LayerPairs
-from moeverify.routes import Routes, _duplicate_rows, validate_topk_ids
-from moeverify.views import RankCoords, token_index
+from moeverify.routing.route_ids import _duplicate_rows, validate_topk_ids
+from moeverify.routing.routes import Routes
+from moeverify.routing.views import RankCoords, token_index
 
 
 def _distinct(tokens, *, experts, topk, seed=0):

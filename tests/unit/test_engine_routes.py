@@ -1,4 +1,4 @@
-"""``moeverify.engine_routes``: payloads built exactly as each engine builds them, decoded back element for element
+"""``moeverify.routing.engine_routes``: payloads built exactly as each engine builds them, decoded back element for element
 against the test's own arrays, and a table of malformed payloads, each refused naming the request (and the position
 and layer where one is at fault). Formats: docs/engine_routes.md."""
 
@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from moeverify import engine_routes as er
+from moeverify.routing import engine_routes as er
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
 from waiting import CHILD_S
 
@@ -203,7 +203,7 @@ def test_import_needs_no_torch(repo_root):
                     raise ImportError("blocked import of " + name)
         sys.meta_path.insert(0, _Refuse())
         import numpy as np
-        from moeverify import engine_routes as er
+        from moeverify.routing import engine_routes as er
         print(er.from_trtllm(np.zeros((3, 2, 2), np.int16), num_tokens=4).routes.shape)
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from moeverify import files, plugins, timeouts
+from moeverify import files
+from moeverify.spec import plugins, timeouts
 from moeverify.errors import MoEVerifyError, UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,7 +165,7 @@ def _plugin_files(tmp: Path) -> None:
                                             ("--receiver", "receiver")])
 def test_garbage_plugin_specs_are_used_or_refused_naming_them(flag, what, tmp_path, capsys):
     from moeverify import cli
-    from moeverify.options import OPTIONS
+    from moeverify.spec.options import OPTIONS
 
     _plugin_files(tmp_path)
     option = next(o for o in OPTIONS.values() if o.flag == flag)

@@ -135,7 +135,7 @@ def test_megatron_loop_with_full_recompute_equals_native_routing(built, monkeypa
 
 def test_verl_step_actor_and_reference_equals_native_routing(built, monkeypatch):
     from moeverify import models
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
 
     ex = example("verl_step")
     actor = built.model_chunks[0]

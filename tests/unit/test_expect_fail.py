@@ -10,14 +10,14 @@ import xml.etree.ElementTree as ET
 import pytest
 from rich.console import Console
 
-from moeverify import expectations
+from moeverify.spec import expectations
 from moeverify.errors import UsageError
-from moeverify.expectations import ExpectedFailure
+from moeverify.spec.expectations import ExpectedFailure
 from moeverify.models import families as model_families
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner import junit, report
 from moeverify.runner.report import Result
-from moeverify.scenario import load, scenario_from_dict, scenario_to_dict
+from moeverify.spec.scenario import load, scenario_from_dict, scenario_to_dict
 
 CHECKS = ("roundtrip", "export", "replay", "hf_parity")
 FAMILIES = {name: model_families.family_shape(name) for name in model_families.FAMILIES}
@@ -94,7 +94,7 @@ def test_expect_fail_not_a_default_and_not_applied_under_model(tmp_path):
 
 
 def test_declared_subchecks_are_the_checks_own(repo_root):
-    from moeverify import checks
+    from moeverify.spec import checks
     from moeverify.oracles import hf_parity
 
     declared = {name: expectations.subcheck_names(name) for name in checks.CHECKS}
@@ -261,8 +261,9 @@ def test_run_progress_prints_user_model_names_verbatim(tmp_path, capsys, fake_gr
     import transformers
 
     from moeverify import cli
+    from moeverify.commands import run as run_cmd
 
-    monkeypatch.setattr(cli, "_preflight_models", lambda groups: None)  # no bridge here: the output is tested
+    monkeypatch.setattr(run_cmd, "_preflight_models", lambda groups: None)  # no bridge here: the output is tested
     config = transformers.Qwen3MoeConfig(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)
     config.architectures = ["Qwen3MoeForCausalLM"]
     config.save_pretrained(tmp_path / "m")

@@ -140,7 +140,7 @@ def test_transformers_receiver_catches_a_cast(tmp_path):
 
 
 def test_receiver_option_validates():
-    from moeverify import options
+    from moeverify.spec import options
 
     assert options.validate("s.yaml", "receiver", "transformers") == "transformers"
     with pytest.raises(UsageError, match="option receiver: receiver 'vllm' is not fused, transformers, "):
@@ -148,9 +148,9 @@ def test_receiver_option_validates():
 
 
 def test_a_receiver_that_cannot_load_is_refused_before_launch():
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
     from moeverify.runner.select import check_plugins
-    from moeverify.scenario import Scenario
+    from moeverify.spec.scenario import Scenario
 
     s = Scenario(family="qwen3_moe", layout=Layout(ep=2), world_size=2, checks=("export",))
     check_plugins([s], {"receiver": "fused"})

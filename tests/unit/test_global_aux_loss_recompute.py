@@ -8,7 +8,7 @@ the aux loss off as the control: then recompute changes nothing, bit for bit."""
 import pytest
 import torch
 
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 
 def _grads_reverse_loop(chunk, batches, *, recompute: bool) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ import shlex
 
 import pytest
 
-from moeverify.checks import CHECKS
-from moeverify.scenario import load
+from moeverify.spec.checks import CHECKS
+from moeverify.spec.scenario import load
 
 GPU_SUITE = "scenarios/gpu.yaml"
 

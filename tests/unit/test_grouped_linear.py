@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.models.grouped_linear import CpuColumnParallelGroupedLinear, CpuRowParallelGroupedLinear
 
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from moeverify.layout import Layout
-from moeverify.models.ref import as_ref
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import as_ref
 from moeverify.oracles import hf_parity
 
 
@@ -61,7 +61,8 @@ def test_hf_parity_finds_gpt_oss_gate_up_loaded_transposed_when_square(patched_m
     and export still pass bit for bit: it is transposed back on export)."""
     import json
 
-    from moeverify.models import families, user
+    from moeverify.models import families
+    from moeverify.spec.models import user
 
     config = families.hf_config_dict("gpt_oss") | {"intermediate_size": 32}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -19,7 +19,7 @@ from test_injob_replay import (Spy, assert_grads_as_session_api, batch_of, forwa
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement, autopatch, injob
-from moeverify.rollout_writer import RolloutWriter, complete_steps, mark_complete
+from moeverify.routing.rollout_writer import RolloutWriter, complete_steps, mark_complete
 
 SEED = 23
 
@@ -407,7 +407,7 @@ def test_r3_writer_takes_engine_payloads_as_returned(world, tmp_path):
     # last in this file: its steps are the newest of the world's directory from here on
     import base64
 
-    from moeverify import engine_routes as er
+    from moeverify.routing import engine_routes as er
 
     actor, engine, vocab, directory = world
     seq = random_sequences(vocab, [7], SEED + 12)[0]

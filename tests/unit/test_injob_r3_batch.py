@@ -1,6 +1,6 @@
 """In-job R3 with the engine's routes handed over with the batch (``MOEVERIFY_ROUTER_REPLAY=r3``, no directory; 1 CPU
 rank): a verl-style padded batch carrying ``routed_experts`` aligned with ``input_ids``, and per-request engine
-payloads (SGLang's base64 int32, vLLM 0.21's split prompt/completion arrays) decoded by ``moeverify.engine_routes``.
+payloads (SGLang's base64 int32, vLLM 0.21's split prompt/completion arrays) decoded by ``moeverify.routing.engine_routes``.
 
 The engine is a second model of other weights run one request at a time; a spy on the actor's routers reads what
 Megatron used, checked token by token against what the engine routed (found by the test from the sequence and
@@ -19,7 +19,7 @@ import torch
 from test_injob_r3 import engine_routes
 from test_injob_replay import Spy, installed_world, random_sequences
 
-from moeverify import engine_routes as er
+from moeverify.routing import engine_routes as er
 from moeverify.errors import UsageError
 from moeverify.patches import agreement, autopatch, injob
 

@@ -2,7 +2,7 @@
 
 The engine is ``transformers``' Qwen3-MoE loaded from the very checkpoint the Megatron actor was built from, run the
 way ``generate`` runs a batch: padded on the left, positions from the first real token, router logits returned
-(``output_router_logits=True``) and decoded per request with ``moeverify.engine_routes.from_transformers``. The
+(``output_router_logits=True``) and decoded per request with ``moeverify.routing.engine_routes.from_transformers``. The
 trainer hands them over with its batch (``injob.add_routes``), padded on the other side, and runs its log-prob and
 training passes with the agreement guard as in-job R3 installs it (the chance floor on). Every real token must use
 exactly the engine's route, and the guard must pass and report what it counted.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_injob_replay import Spy, installed_world, random_sequences
 
-from moeverify import engine_routes as er
+from moeverify.routing import engine_routes as er
 from moeverify.patches import agreement, injob
 
 SEED = 71

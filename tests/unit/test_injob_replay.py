@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.patches import autopatch, injob
 from moeverify.patches import router_replay as rr
 

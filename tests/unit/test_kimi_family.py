@@ -7,7 +7,8 @@ import pytest
 from safetensors import safe_open
 
 from moeverify.errors import UsageError
-from moeverify.models import FAMILIES, family_shape, hf_checkpoint, kimi
+from moeverify.models import FAMILIES, family_shape, hf_checkpoint
+from moeverify.spec.models import kimi
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ import re
 import pytest
 
 from moeverify.errors import LayoutError
-from moeverify.layout import Layout, ModelShape, parse_layout_name
+from moeverify.spec.layout import Layout, ModelShape, parse_layout_name
 
 MOE = ModelShape(num_layers=4, num_heads=4, num_query_groups=2, num_experts=8, moe_layers=(0, 1, 2, 3))
 DENSE = ModelShape(num_layers=4, num_heads=4, num_query_groups=2)
@@ -111,7 +111,7 @@ def _megatron_offset(layout: Layout, num_layers: int, pp_rank: int, vp_stage: in
     (Layout(pp=16, pp_first=4, pp_last=1), 61),   # a 61-layer model at PP16
 ])
 def test_chunks_start_where_megatron_places_them_and_cover_every_layer_once(layout, layers):
-    from moeverify.views import chunk_layers
+    from moeverify.routing.views import chunk_layers
 
     seen = []
     for p in range(layout.pp):
@@ -135,7 +135,7 @@ def test_pp_layout_chunks_are_megatrons_and_cover_every_layer_once(monkeypatch, 
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-    from moeverify.views import chunk_layers
+    from moeverify.routing.views import chunk_layers
 
     layout = Layout(pp=pp, vpp=vpp, pp_layout=text)
     theirs = PipelineParallelLayerLayout(text, pp)

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
-from moeverify.models import ModelRef, family_shape, family_traits, hf_config_dict, kimi, model_spec, user
-from moeverify.scenario import Scenario, scenario_from_dict, scenario_to_dict
+from moeverify.spec.layout import Layout
+from moeverify.models import ModelRef, family_shape, family_traits, hf_config_dict, model_spec
+from moeverify.spec.models import kimi, user
+from moeverify.spec.scenario import Scenario, scenario_from_dict, scenario_to_dict
 
 SMALL = {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64,
          "intermediate_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -64,7 +65,7 @@ def test_plan_form_reads_the_same_model_in_a_fresh_process(config_file):
     ref = user.read(config_file, {"num_hidden_layers": 2}).ref
     scenario = Scenario(family=ref.key, model=ref, layout=Layout(ep=2), world_size=2, checks=("export",))
     plan = json.dumps(scenario_to_dict(scenario))
-    code = ("import json, sys\nfrom moeverify.scenario import scenario_from_dict\nfrom moeverify.models import "
+    code = ("import json, sys\nfrom moeverify.spec.scenario import scenario_from_dict\nfrom moeverify.models import "
             "family_shape\ns = scenario_from_dict(json.loads(sys.argv[1]))\n"
             "print(s.name, family_shape(s.model).num_layers, s.model.overrides)")
     out = subprocess.run([sys.executable, "-c", code, plan], capture_output=True, text=True, check=True).stdout

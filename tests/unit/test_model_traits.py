@@ -8,10 +8,11 @@ import json
 import pytest
 
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
-from moeverify.models import FAMILIES, ModelRef, family_shape, family_traits, hf_config_dict, user
-from moeverify.models.traits import traits_of
-from moeverify.router_variants import VARIANTS
+from moeverify.spec.layout import Layout
+from moeverify.models import FAMILIES, ModelRef, family_shape, family_traits, hf_config_dict
+from moeverify.spec.models import user
+from moeverify.spec.models.traits import traits_of
+from moeverify.spec.router_variants import VARIANTS
 
 BIAS_VARIANTS = ("sigmoid_bias", "sqrtsoftplus_bias")
 
@@ -30,7 +31,7 @@ def _hf_holds_expert_bias(family: str) -> bool:
     import torch
     import transformers
 
-    from moeverify.models import kimi
+    from moeverify.spec.models import kimi
 
     cfg = hf_config_dict(family)
     if cfg.get("model_type") == kimi.MODEL_TYPE:
@@ -107,7 +108,7 @@ def _applying(model: str, layout: Layout) -> set[str]:
 
 @pytest.mark.parametrize("family, layout_name", sorted(CATALOGUE))
 def test_mutants_apply_by_traits_to_families_and_their_user_copies(tmp_path, family, layout_name):
-    from moeverify.layout import parse_layout_name
+    from moeverify.spec.layout import parse_layout_name
 
     layout, _ = parse_layout_name(layout_name)
     assert _applying(family, layout) == CATALOGUE[family, layout_name]

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.models import hf_checkpoint, hf_config_dict
 from moeverify.models import mtp_weights as mw
 

@@ -1,10 +1,11 @@
-"""Check options, declared once: docs, flags and scenario validation agree with moeverify.options."""
+"""Check options, declared once: docs, flags and scenario validation agree with moeverify.spec.options."""
 
 from pathlib import Path
 
 import pytest
 
-from moeverify import cli, options
+from moeverify import cli
+from moeverify.spec import options
 from moeverify.errors import UsageError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "scenarios.md"

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from moeverify import record
 from moeverify.errors import DumpError
-from moeverify.layout import Layout
-from moeverify.routes import Routes
+from moeverify.spec.layout import Layout
+from moeverify.routing.routes import Routes
 
 from dump_v1 import convert_to_v1
 from test_record_merge import write_rank_dumps
@@ -285,7 +285,7 @@ def test_manifest_of_wrong_json_types_is_refused_by_name(tmp_path, key, value):
 def _routes_for_corrupt_tests():
     import torch
 
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
 
     gen = torch.Generator().manual_seed(0)
     return Routes({layer: [torch.rand(8, 4, generator=gen).topk(2, dim=1).indices] for layer in (0, 1)},

@@ -8,7 +8,7 @@ import torch
 from moeverify.errors import RouteError
 from moeverify.record import diff
 from moeverify.record.diff import compare_rows
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 def _random(tokens, layers, *, experts=16, topk=4, microbatches=1, seed=0):

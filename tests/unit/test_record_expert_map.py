@@ -10,9 +10,9 @@ import torch
 
 from moeverify import record
 from moeverify.cli import main
-from moeverify import expert_map
+from moeverify.routing import expert_map
 from moeverify.record.stream import MappedSource, RoutesSource, widen
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 E, K, P, LAYERS, NUM_LAYERS = 8, 2, 11, (0, 2), 3  # layer 1 is dense
 SEQ, BATCH = 6, 4

@@ -5,11 +5,12 @@ import torch
 
 from moeverify import record
 from moeverify.errors import DumpError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.record.writer import RankWriter
-from moeverify.routes import Routes
-from moeverify.views import all_rank_coords, to_local, token_index
+from moeverify.routing.routes import Routes
+from moeverify.routing.views import all_rank_coords, token_index
+from moeverify.routing.views import to_local  # the public face keeps the function form
 
 NUM_LAYERS, MOE_LAYERS, SEQ_LEN, BATCH = 8, (1, 2, 3, 5, 7), 8, 2
 

@@ -10,8 +10,8 @@ from moeverify import record
 from moeverify.errors import DumpError
 from moeverify.record import format as fmt
 from moeverify.record.writer import RankWriter
-from moeverify.routes import Routes
-from moeverify.views import RankCoords
+from moeverify.routing.routes import Routes
+from moeverify.routing.views import RankCoords
 
 
 def _routes(*, experts, topk=2, layers=(1, 3), tokens=12, microbatches=2, seed=0):
@@ -150,7 +150,7 @@ def test_parse_tensor_name_rejects_foreign_names():
 
 @pytest.mark.parametrize("read", ["routes", "layer_routes"])
 def test_reader_validates_each_tensor_once(tmp_path, monkeypatch, read):
-    import moeverify.routes as routes_mod
+    import moeverify.routing.routes as routes_mod
 
     routes = _routes(experts=8, microbatches=2)
     record.save(tmp_path / "d", routes, seq_len=6, batch=2, order="router")

@@ -11,7 +11,7 @@ from moeverify.cli import main
 from moeverify.errors import RouteError
 from moeverify.record.diff import sequence_spans
 from moeverify.record.stream import DumpSource, RoutesSource
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 def _random(tokens, layers, *, experts=16, topk=4, microbatches=1, seed=0):
@@ -234,7 +234,7 @@ RELEASE = [("tp2-sp", dict(tp=2, sp=True), 2), ("pp2-vpp2", dict(pp=2, vpp=2), 2
 def test_layer_routes_merge_one_layer_as_routes_merges_all(tmp_path, name, layout, world):
     from test_record_merge import BATCH, SEQ_LEN, _global_routes, write_rank_dumps
 
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
 
     layout = Layout(**layout)
     global_routes = _global_routes(layout.dp(world) * BATCH * SEQ_LEN)
@@ -256,7 +256,7 @@ def test_rollout_against_a_dp2_dump_counts_every_data_parallel_sequence(tmp_path
     import numpy as np
     from test_record_merge import BATCH, SEQ_LEN, _global_routes, write_rank_dumps
 
-    from moeverify.layout import Layout
+    from moeverify.spec.layout import Layout
 
     global_routes = _global_routes(2 * BATCH * SEQ_LEN)
     write_rank_dumps(tmp_path / "d", global_routes, Layout(), 2)

@@ -1,7 +1,7 @@
 """MTP routes in the replay oracle's cross_layout views (``oracles.replay.mtp_views``).
 
-The reference is ``moeverify.views`` itself: an MTP router sees the tokens of the last decoder layer's stage in
-that layer's order, so its local rows must be exactly what ``views.to_local`` gives for the last decoder layer.
+The reference is ``moeverify.routing.views`` itself: an MTP router sees the tokens of the last decoder layer's stage in
+that layer's order, so its local rows must be exactly what ``Routes.to_local`` gives for the last decoder layer.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import types
 import pytest
 import torch
 
-from moeverify import views
+from moeverify.routing import views
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.oracles.replay import mtp_views
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 N, SEQ, BATCH, MBS = 4, 8, 2, 2  # decoder layers, sequence, batch, micro-batches
 
@@ -36,9 +36,9 @@ def test_mtp_views_to_local_gives_mtp_rows_of_the_last_decoder_layer(layout, wor
     for rank in range(world):
         coords = views.rank_coords(layout, rank=rank, world_size=world)
         local = mtp_views.to_local(routes, layout, coords=coords, seq_len=SEQ, batch=BATCH, num_layers=N)
-        decoder = views.to_local(routes.select([1, 2, 3]), layout, coords=coords, seq_len=SEQ, batch=BATCH,
+        decoder = routes.select([1, 2, 3]).to_local(layout, coords=coords, seq_len=SEQ, batch=BATCH,
                                  num_layers=N)
-        expect_mtp = views.to_local(as_last, layout, coords=coords, seq_len=SEQ, batch=BATCH, num_layers=N)
+        expect_mtp = as_last.to_local(layout, coords=coords, seq_len=SEQ, batch=BATCH, num_layers=N)
         holds_last = bool(expect_mtp.layers)
         assert local.layers == decoder.layers + ((4,) if holds_last else ())
         assert holds_last == (coords.pp == layout.pp - 1)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.oracles.replay import checks as rc
+from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import compare as cmp
 from moeverify.oracles.replay.drive import Batches, PassResult, local_microbatches
-from moeverify.router_variants import DEFAULT_VARIANTS, VARIANTS, select
+from moeverify.spec.router_variants import DEFAULT_VARIANTS, VARIANTS, select
 from moeverify.oracles.results import Tally
-from moeverify.layout import Layout
-from moeverify.routes import Routes
+from moeverify.spec.layout import Layout
+from moeverify.routing.routes import Routes
 
 
 def _pass(routing=None, recompute=None, logits=None, seq_loss=None, grads=None) -> PassResult:
@@ -202,14 +202,14 @@ def test_select_variants_default_full_and_unknown():
 
 
 def test_replay_options_reject_unknown_subcheck():
-    from moeverify.checks import ReplayOptions
+    from moeverify.spec.checks import ReplayOptions
 
     with pytest.raises(UsageError, match=r"ReplayOptions: option replay_subchecks: unknown replay subchecks \['bogus'\]"):
         ReplayOptions.from_options({"replay_subchecks": ["equivalence", "bogus"]})
 
 
 def test_replay_options_microbatches_follow_interleaving():
-    from moeverify.checks import ReplayOptions
+    from moeverify.spec.checks import ReplayOptions
 
     opts = ReplayOptions.from_options({})
     assert opts.num_microbatches(Layout()) == 3

@@ -13,7 +13,7 @@ from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_func
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
 
 from moeverify.errors import RouteError  # noqa: E402
-from moeverify.routes import validate_topk_ids  # noqa: E402
+from moeverify.routing.routes import validate_topk_ids  # noqa: E402
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from moeverify import models
-from moeverify.checks import RECOMPUTE_MODES
+from moeverify.spec.checks import RECOMPUTE_MODES
 from moeverify.errors import EnvironmentProblem
-from moeverify.layout import Layout
-from moeverify.models.ref import ModelRef
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import toggles
 from moeverify.patches.routers import find_routers

@@ -8,16 +8,16 @@ import types
 
 import pytest
 
-from moeverify.models.ref import ModelRef
-from moeverify import views
-from moeverify.checks import ReplayOptions
-from moeverify.layout import Layout
+from moeverify.spec.models.ref import ModelRef
+from moeverify.routing import views
+from moeverify.spec.checks import ReplayOptions
+from moeverify.spec.layout import Layout
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import subchecks as sc
 from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.faulty import MUTANTS
 from moeverify.oracles.replay.impls import make_impl
-from moeverify.router_variants import VARIANTS
+from moeverify.spec.router_variants import VARIANTS
 from moeverify.oracles.results import Tally
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
@@ -86,7 +86,7 @@ def test_a_reference_pass_that_left_nothing_to_compare_fails_by_name():
     applicability rule and Megatron disagree, a failure that says so (not a bare "checked 0 items")."""
     import torch
 
-    from moeverify.oracles.replay.checks import check_token_counts
+    from moeverify.oracles.replay.pass_checks import check_token_counts
 
     padding_T = torch.tensor([False, True])
     calls = {(0, 0): (torch.tensor([[True, False], [False, True]]), padding_T)}
@@ -114,7 +114,7 @@ def test_bf16_counts_above_256_are_held_rounded_and_a_wrong_count_still_fails():
     two rounded additions give; that passes (and is reported rounded), eight more fails."""
     import torch
 
-    from moeverify.oracles.replay.checks import check_token_counts, held_token_counts, reference_token_counts
+    from moeverify.oracles.replay.pass_checks import check_token_counts, held_token_counts, reference_token_counts
 
     map_TE = torch.zeros(302, 4, dtype=torch.bool)
     map_TE[:, :2] = True

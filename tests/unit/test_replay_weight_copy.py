@@ -9,14 +9,15 @@ import types
 import pytest
 import torch
 
-from moeverify import models, views
-from moeverify.checks import RECOMPUTE_MODES, ReplayOptions
-from moeverify.layout import Layout
-from moeverify.models.ref import ModelRef
+from moeverify import models
+from moeverify.routing import views
+from moeverify.spec.checks import RECOMPUTE_MODES, ReplayOptions
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 from moeverify.oracles.bits import bitwise_equal
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay.impls import make_impl
-from moeverify.router_variants import VARIANTS
+from moeverify.spec.router_variants import VARIANTS
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
@@ -109,7 +110,7 @@ def test_every_build_of_a_variant_starts_with_no_other_model_alive(monkeypatch):
         return sum(p.numel() * p.element_size() for o in gc.get_objects() if isinstance(o, torch.nn.Module)
                    for p in o.parameters(recurse=False))
 
-    from moeverify.checks import CHECKS
+    from moeverify.spec.checks import CHECKS
     from moeverify.oracles.replay import subchecks as sc
     from moeverify.oracles.results import Tally
 
@@ -212,7 +213,7 @@ def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy(impl, builds):
     (``native``: ``moe_enable_routing_replay``) gets native parity on a second build, copied from the first."""
     import dataclasses
 
-    from moeverify.checks import REPLAY_IN_LAYOUT
+    from moeverify.spec.checks import REPLAY_IN_LAYOUT
     from moeverify.oracles.replay import subchecks as sc
     from moeverify.oracles.results import Tally
 

@@ -12,7 +12,7 @@ import torch
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import router_replay as rr
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 H, E, K, S, B = 16, 8, 2, 6, 2  # hidden, experts, top-k, sequence, batch: T = S * B = 12
 T = S * B
@@ -516,8 +516,8 @@ def test_a_dense_stage_of_an_moe_pipeline_binds_no_layer_and_a_dense_model_is_re
 
 
 def test_replay_of_sequence_order_routes_is_refused_and_their_local_view_replays_right():
-    from moeverify import views
-    from moeverify.layout import Layout
+    from moeverify.routing import views
+    from moeverify.spec.layout import Layout
 
     router = make_router(1, seed=3)
     x = hidden(2)
@@ -530,10 +530,10 @@ def test_replay_of_sequence_order_routes_is_refused_and_their_local_view_replays
     requests = [local.get(0, 0).view(S, B, K)[:, b, :].unsqueeze(1).numpy() for b in range(B)]
     rollout = Routes.from_rollout(requests, layers=[0], num_experts=E, lengths=[S] * B)
     assert rollout.order == "sequence"
-    with pytest.raises(RouteError, match=r"rank 0: these routes are in sequence order .* views.to_local"):
+    with pytest.raises(RouteError, match=r"rank 0: these routes are in sequence order .* routes.to_local"):
         with session.replay(rollout):
             pass
-    mine = views.to_local(rollout, Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
+    mine = rollout.to_local(Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
                           batch=B, num_layers=4)
     assert mine.order == "router" and mine == local
     with torch.no_grad(), session.replay(mine):
@@ -560,8 +560,8 @@ def test_replay_of_a_route_written_into_after_validation_is_refused(write):
 def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_its_map():
     # An EPLB engine records physical slots (12 slots for 8 experts, 4 replicated); with expert_map= the replayed
     # experts are the logical ones native routing picked. Without the map the slot ids are refused, not replayed.
-    from moeverify import views
-    from moeverify.layout import Layout
+    from moeverify.routing import views
+    from moeverify.spec.layout import Layout
 
     slot_to_logical = [5, 0, 7, 3, 1, 6, 2, 4, 3, 0, 6, 5]
     last_slot = {e: max(s for s, x in enumerate(slot_to_logical) if x == e) for e in range(E)}
@@ -577,7 +577,7 @@ def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_it
     with pytest.raises(RouteError, match=r"expert id \d+ out of range \[0, 8\) .*pass expert_map="):
         Routes.from_rollout(physical, layers=[0], num_experts=E, lengths=[S] * B)
     rollout = Routes.from_rollout(physical, layers=[0], num_experts=E, lengths=[S] * B, expert_map=slot_to_logical)
-    mine = views.to_local(rollout, Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
+    mine = rollout.to_local(Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
                           batch=B, num_layers=4)
     with torch.no_grad(), session.replay(mine):
         _, routing_map = router(x)

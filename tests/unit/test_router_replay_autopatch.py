@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.patches import autopatch
 from moeverify.patches import router_replay as rr
 

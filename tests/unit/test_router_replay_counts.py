@@ -13,7 +13,7 @@ from seeded_router import seeded_router
 
 from moeverify.errors import UsageError
 from moeverify.patches import router_replay as rr
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 H, E, K = 16, 8, 2
 

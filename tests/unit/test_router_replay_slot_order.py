@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeverify.patches import router_replay as rr
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 H, E, K, S, B = 32, 64, 8, 16, 4  # T = S * B = 64 tokens
 T = S * B

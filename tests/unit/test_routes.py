@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.layout import Layout
-from moeverify.routes import Routes, safe_routes, validate_topk_ids
+from moeverify.spec.layout import Layout
+from moeverify.routing.routes import Routes, safe_routes, validate_topk_ids
 
 E, K = 8, 2
 
@@ -227,7 +227,7 @@ def test_from_rollout_split_not_partition_raises():
 
 
 def test_routes_to_local_to_global_roundtrip_pp2_sp():
-    from moeverify import views
+    from moeverify.routing import views
 
     layout, world = Layout(tp=2, pp=2, sp=True), 4
     seq_len, batch, num_layers = 4, 2, 4
@@ -294,7 +294,7 @@ def test_from_rollout_layer_axis_fitting_two_numberings_refused(num_layers):
 def test_from_rollout_layer_numbering_mutant_reading_routers_replays_the_dense_column(monkeypatch):
     # The broken inference this check exists for: take the router reading whenever its count fits. It replays
     # the dense layer's column as MoE layer 1, silently; the check (layer_numbering.ambiguous) refuses it.
-    from moeverify import layer_numbering
+    from moeverify.routing import layer_numbering
 
     ref, by_decoder_TLK, _ = _dense_plus_mtp()
     monkeypatch.setattr(layer_numbering, "ambiguous", lambda *a, **k: False)
@@ -358,7 +358,7 @@ def test_from_rollout_padded_batch_of_unequal_lengths_equals_request_list(fill, 
 def test_from_rollout_padded_batch_mutant_slicing_lengths_raises_the_false_alarm(monkeypatch):
     # The broken reading this fixes: each request cut at its training length, so a shorter request's padded last
     # row reads as a capture gap on a real token. The control (the reading above) accepts the same batch.
-    from moeverify import rollout_arrays
+    from moeverify.routing import rollout_arrays
 
     lengths = [6, 3]
     padded_BSLK = _padded(requests(lengths, short=True, seed=10))
@@ -448,7 +448,7 @@ def test_from_rollout_unmapped_physical_slots_refused_naming_the_map():
 
 
 def test_from_rollout_expert_map_checked_like_the_dump_commands():
-    from moeverify.expert_map import ExpertMapError
+    from moeverify.routing.expert_map import ExpertMapError
 
     physical = _physical(requests([4], short=True, seed=9)[0], seed=2)
     with pytest.raises(ExpertMapError, match=r"maps onto 8 logical experts, num_experts is 16"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moeverify.errors import RouteError
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 E, K = 8, 2
 
@@ -48,7 +48,7 @@ def test_from_rollout_route_cut_short_is_named_not_out_of_range():
     import torch
 
     from moeverify.errors import RouteError
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
 
     ids = torch.tensor([[[0, 1]], [[2, -1]], [[3, 4]]])
     with pytest.raises(RouteError, match=r"token 1 MoE column 0: route \[2, -1\] has -1 \(not captured\) in 1 of its "

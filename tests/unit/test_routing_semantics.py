@@ -12,7 +12,7 @@ from seeded_router import seeded_router
 from moeverify.errors import UsageError
 from moeverify.patches import router_replay as rr
 from moeverify.patches.semantics import RoutingMode, dense, reference_routing, refuse_unreplayable
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 H, E, K, S, B = 16, 8, 2, 8, 2
 T = S * B

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from moeverify.layout import Layout
-from moeverify.scenario import Scenario
+from moeverify.spec.layout import Layout
+from moeverify.spec.scenario import Scenario
 from moeverify.runner import launch
 from moeverify.runner.diagnose import diagnose, innermost_frame
 from moeverify.runner.plan import Plan, append_line, events_path, read_lines, results_path, stacks_path

@@ -44,8 +44,8 @@ def test_probe_a_plugin_that_imports_megatron_bridge_is_loaded_as_a_rank_loads_i
 
 
 def test_probe_plugins_names_each_user_plugin_once(tmp_path, monkeypatch):
-    from moeverify.layout import Layout
-    from moeverify.scenario import Scenario
+    from moeverify.spec.layout import Layout
+    from moeverify.spec.scenario import Scenario
 
     seen = []
     monkeypatch.setattr(probe, "probe", lambda spec, *, what, builtins: seen.append((spec, what)))

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 from rich.console import Console
 
-from moeverify import bug_classes
+from moeverify.spec import bug_classes
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner import junit, report
 from moeverify.runner.report import Result

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
-from moeverify.scenario import Scenario
+from moeverify.spec.layout import Layout
+from moeverify.spec.scenario import Scenario
 from moeverify.runner.select import check_option_use, plan_backends, select
 
 

@@ -12,7 +12,7 @@ _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SCRIPT = r"""
 from megatron.core import parallel_state as ps
 from moeverify import runtime
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.errors import LayoutError
 rt = runtime.init("cpu")
 assert rt.world_size == 1 and rt.dist_backend == "gloo"
@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from megatron.core import parallel_state as ps
 from moeverify import runtime
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.oracles.export.wire import control_group
 runtime.init("cpu")
 def threads():

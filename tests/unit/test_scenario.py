@@ -8,9 +8,9 @@ import textwrap
 import pytest
 
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.models import families as model_families
-from moeverify.scenario import group_by_world_size, load, scenario_from_dict, scenario_to_dict
+from moeverify.spec.scenario import group_by_world_size, load, scenario_from_dict, scenario_to_dict
 
 CHECKS = ("roundtrip", "export", "replay", "hf_parity")
 FAMILIES = {name: model_families.family_shape(name) for name in model_families.FAMILIES}

@@ -1,4 +1,4 @@
-"""Supported version ranges: declared once in moeverify/support.py, equal in pyproject.toml, and the lock inside."""
+"""Supported version ranges: declared once in moeverify/spec/support.py, equal in pyproject.toml, and the lock inside."""
 
 import re
 import tomllib
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moeverify import support
+from moeverify.spec import support
 from moeverify.cli import main
 from waiting import CHILD_S
 
@@ -90,7 +90,7 @@ def test_pip_install_no_deps_into_an_existing_environment_works_outside_the_chec
                           "--no-build-isolation", "--target", str(site), str(ROOT)], capture_output=True, text=True)
     assert pip.returncode == 0, pip.stderr[-2000:]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)}
-    probe = subprocess.run([sys.executable, "-c", "import moeverify.cli, moeverify.support; print(moeverify.__file__)"],
+    probe = subprocess.run([sys.executable, "-c", "import moeverify.cli, moeverify.spec.support; print(moeverify.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert probe.returncode == 0 and probe.stdout.strip().startswith(str(site)), probe.stderr[-2000:]
     listing = subprocess.run([sys.executable, "-m", "moeverify", "run", str(ROOT / "scenarios" / "smoke.yaml"),

@@ -1,4 +1,4 @@
-"""Every timeout is declared once, in ``moeverify.timeouts``: the docs table is rendered from it, no other module
+"""Every timeout is declared once, in ``moeverify.spec.timeouts``: the docs table is rendered from it, no other module
 declares a timeout literal, the public aliases read it, and a bad override is refused naming the variable."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moeverify import timeouts
+from moeverify.spec import timeouts
 from moeverify.errors import UsageError
 from waiting import CHILD_S
 
@@ -22,7 +22,7 @@ def test_docs_table_is_the_module_table():
     text = (ROOT / "docs/design.md").read_text()
     got = re.search(r"<!-- timeouts:begin -->\n(.*?)<!-- timeouts:end -->", text, re.S)
     assert got, "docs/design.md lost its timeouts markers"
-    assert got.group(1) == timeouts.markdown_table(), "regenerate: python -c 'from moeverify import timeouts; " \
+    assert got.group(1) == timeouts.markdown_table(), "regenerate: python -c 'from moeverify.spec import timeouts; " \
                                                       "print(timeouts.markdown_table())'"
 
 
@@ -54,7 +54,7 @@ def _timeout_literals(text: str, where: str) -> list[str]:
 def test_no_module_declares_a_timeout_of_its_own():
     found = [hit for path in sorted((ROOT / "moeverify").rglob("*.py")) if path.name != "timeouts.py"
              for hit in _timeout_literals(path.read_text(), str(path.relative_to(ROOT)))]
-    assert not found, f"declare these in moeverify/timeouts.py: {found}"
+    assert not found, f"declare these in moeverify/spec/timeouts.py: {found}"
 
 
 def test_the_literal_finder_finds_a_declaration():
@@ -64,7 +64,7 @@ def test_the_literal_finder_finds_a_declaration():
 
 @pytest.mark.timing
 def test_public_aliases_and_users_read_the_table():
-    code = ("from moeverify import cli, timeouts; from moeverify.runtime import agreement; import moeverify.runtime as r;"
+    code = ("from moeverify import cli; from moeverify.spec import timeouts; from moeverify.runtime import outcome as agreement; import moeverify.runtime as r;"
             "from moeverify.runner import launch;"
             "print(cli.DEFAULT_TIMEOUT_S, r.DEFAULT_TIMEOUT_S, agreement.AGREE_TIMEOUT_S, launch.STARTUP_SLACK_S)")
     env = {"MOEVERIFY_COLLECTIVE_TIMEOUT_S": "123", "MOEVERIFY_AGREE_TIMEOUT_S": "7.5",
@@ -86,7 +86,7 @@ def test_bad_override_is_refused_naming_the_variable(raw):
 
 ENVS = [t.env for t in timeouts.TABLE if t.env]
 # Every module that reads a timeout, and the public aliases: importing them reads none.
-IMPORTS = ("import moeverify.cli, moeverify.runtime, moeverify.runtime.agreement, moeverify.runner.launch, "
+IMPORTS = ("import moeverify.cli, moeverify.runtime, moeverify.runtime.outcome, moeverify.runner.launch, "
            "moeverify.runner.worker, moeverify.runner.nodes, moeverify.oracles.export.oracle, "
            "moeverify.oracles.context, moeverify.patches.autopatch_dump")
 
@@ -105,7 +105,7 @@ def test_bad_overrides_break_no_import_and_not_help():
 @pytest.mark.parametrize("env", ENVS)
 def test_a_bad_override_is_refused_where_it_is_read(env, monkeypatch):
     from moeverify.runner import launch
-    from moeverify.runtime import agreement
+    from moeverify.runtime import outcome
     import moeverify.runtime as rt
 
     monkeypatch.setenv(env, "-3")
@@ -116,7 +116,7 @@ def test_a_bad_override_is_refused_where_it_is_read(env, monkeypatch):
     with pytest.raises(UsageError, match=match):
         timeouts.check()
     aliases = {"MOEVERIFY_COLLECTIVE_TIMEOUT_S": (rt, "DEFAULT_TIMEOUT_S"),
-               "MOEVERIFY_AGREE_TIMEOUT_S": (agreement, "AGREE_TIMEOUT_S"),
+               "MOEVERIFY_AGREE_TIMEOUT_S": (outcome, "AGREE_TIMEOUT_S"),
                "MOEVERIFY_STARTUP_TIMEOUT_S": (launch, "STARTUP_SLACK_S")}
     if env in aliases:
         with pytest.raises(UsageError, match=match):

@@ -98,11 +98,11 @@ def test_replay_report_marks_a_subcheck_not_applicable_only_where_no_variant_che
     variant's reason; applicable to one variant -> that variant's items count and no reason is shown."""
     import json
 
-    from moeverify import views
-    from moeverify.layout import Layout
+    from moeverify.routing import views
+    from moeverify.spec.layout import Layout
     from moeverify.oracles.replay import oracle
-    from moeverify.checks import ReplayOptions
-    from moeverify.router_variants import VARIANTS
+    from moeverify.spec.checks import ReplayOptions
+    from moeverify.spec.router_variants import VARIANTS
 
     ctx = types.SimpleNamespace(rank=0, world_size=1, scenario=types.SimpleNamespace(name="s"))
     opts = ReplayOptions(impl="moeverify", variants=(VARIANTS["default"],), subchecks=("token_counts", "weights"),

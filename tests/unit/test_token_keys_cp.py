@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.patches import token_keys as tk
-from moeverify.views import sequence_positions
+from moeverify.routing.views import sequence_positions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "special_distributed" / "jobs"))
 from te_reference import te_thd_indices  # noqa: E402 (shared with the torchrun job)

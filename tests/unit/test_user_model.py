@@ -10,9 +10,10 @@ import torch
 
 from moeverify import cli
 from moeverify.errors import UsageError
-from moeverify.models import families, seeded, user
+from moeverify.models import families, seeded
+from moeverify.spec.models import user
 from moeverify.models.builder import _moe_pattern
-from moeverify.scenario import load, scenario_from_dict, scenario_to_dict
+from moeverify.spec.scenario import load, scenario_from_dict, scenario_to_dict
 
 CHECKS = ("roundtrip", "export", "replay")
 

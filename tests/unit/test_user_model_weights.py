@@ -11,7 +11,8 @@ import pytest
 
 from moeverify import cli
 from moeverify.errors import UsageError
-from moeverify.models import families, user
+from moeverify.models import families
+from moeverify.spec.models import user
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from moeverify.errors import LayoutError, RouteError
-from moeverify.layout import Layout
-from moeverify.routes import Routes
-from moeverify.views import (RankCoords, all_rank_coords, chunk_layers, layers_of, rank_coords, to_global,
-                             to_local, token_index)
+from moeverify.spec.layout import Layout
+from moeverify.routing.routes import Routes
+from moeverify.routing.views import RankCoords, all_rank_coords, chunk_layers, layers_of, rank_coords, token_index
+from moeverify.routing.views import to_global, to_local  # the public face keeps the function form
 
 
 def _reference_local_ids(layout, *, tp_rank, cp_rank, dp_rank, seq_len, batch, zigzag=True):
@@ -180,12 +180,12 @@ def test_to_global_wrong_layers_raises():
 
 @pytest.mark.parametrize("layout,world", [(Layout(), 1), (Layout(pp=2), 2), (Layout(pp=2, vpp=2), 2)])
 def test_views_mtp_layer_numbered_after_the_decoder_goes_with_the_last_stage(layout, world):
-    from moeverify import views
+    from moeverify.routing import views
 
     # the docs' R3 example on a DeepSeek-V3 with MTP: Routes.from_rollout(num_layers=N) numbers the MTP layer N, and
     # to_local(num_layers=N) must place it where Megatron builds it (the last stage's last chunk), rows in the same
     # token order as every layer of that rank
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
 
     n, seq, batch = 4, 6, 2
     engine = torch.stack([torch.stack([torch.tensor([(t + c) % 8, (t + c + 3) % 8]) for c in range(5)])

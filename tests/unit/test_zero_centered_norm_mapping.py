@@ -6,7 +6,7 @@ rounded. Run through the real mapping on a built tiny Qwen3-Next (1 rank)."""
 
 import torch
 
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 
 def _bf16_values() -> torch.Tensor:

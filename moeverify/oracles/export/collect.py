@@ -12,12 +12,12 @@ import collections
 
 import torch
 
-from moeverify.checks import CHECKS
+from moeverify.spec.checks import CHECKS
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.results import Tally
 
-SUBCHECKS = CHECKS["export"].subchecks  # lockstep, slot_tables, coverage, conflicts, replicas, ... (moeverify.checks)
+SUBCHECKS = CHECKS["export"].subchecks  # lockstep, slot_tables, coverage, conflicts, replicas, ... (moeverify.spec.checks)
 # emitted only with the check's options: ``refresh`` (refresh.py), ``receiver`` and, with both, ``receiver_reload``
 OPTIONAL_SUBCHECKS = CHECKS["export"].optional_subchecks
 ALL_SUBCHECKS = SUBCHECKS + OPTIONAL_SUBCHECKS  # every name the export check can emit

@@ -5,7 +5,7 @@ real weight-sync code has broken it. ``fails`` names the subchecks that must fai
 the ones that may fail as a consequence (a skipped row leaves its tensors unwritten, etc.); every
 other subcheck must pass. ``applies(traits=, shape=, layout=, world_size=)`` says where the bug is
 observable (expert renumbering needs EP, interleaving needs more than one query group per rank, ...), from the
-model's traits and shape read from its HF config (``moeverify.models.traits``), never from its name, so a user
+model's traits and shape read from its HF config (``moeverify.spec.models.traits``), never from its name, so a user
 model meets the same mutants as the family it resembles.
 
 The docstrings describe bug classes seen in RL weight-sync code (verl, NeMo-RL, slime and others);

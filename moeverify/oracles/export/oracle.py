@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeverify import plugins, timeouts
-from moeverify.checks import SUBJECTS, ExportOptions
+from moeverify.spec import plugins, timeouts
+from moeverify.spec.checks import SUBJECTS, ExportOptions
 from moeverify.models.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies

@@ -27,10 +27,10 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from moeverify import plugins
+from moeverify.spec import plugins
 from moeverify.errors import UsageError
 from moeverify.oracles.results import Tally
-from moeverify.checks import RECEIVERS
+from moeverify.spec.checks import RECEIVERS
 
 SHOW = 8  # names quoted per message
 

@@ -8,7 +8,7 @@ of every (layer, micro-batch) in the forward, and each call made during backward
 
 Data: token ids are drawn from a generator seeded by (seed, micro-batch), one *global* micro-batch
 of ``dp * B`` sequences of length ``S``; DP rank ``d`` takes sequences ``[d * B, (d + 1) * B)``
-(moeverify.views conventions), CP ranks take their zigzag positions. Labels are the next token
+(moeverify.routing.views conventions), CP ranks take their zigzag positions. Labels are the next token
 (the last position wraps to the first). Loss = mean token cross-entropy over the DP rank's
 ``B * S`` tokens of the micro-batch (vocab-parallel CE, fp32), which the schedule divides by ``M``.
 
@@ -24,12 +24,12 @@ import functools
 
 import torch
 
-from moeverify import views
-from moeverify.layout import Layout
+from moeverify.routing import views
+from moeverify.spec.layout import Layout
 from moeverify.oracles.replay import grad_print
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.patches.routers import find_routers
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 from moeverify.oracles.replay.compare import topk_ids_from_map
 
 

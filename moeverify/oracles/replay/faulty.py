@@ -21,7 +21,7 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
   ``tied_scores`` variant shows it).
 - ``one_rank_crash``: raises while replaying on rank 1 only, the other ranks going on into the
   collectives it left. Not a subcheck's catch: the check must end quickly, naming rank 1
-  (``runtime.agreement``), instead of waiting for the collective timeout.
+  (``runtime.outcome``), instead of waiting for the collective timeout.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moeverify import hash64
+from moeverify.runtime import hash64
 from moeverify.oracles.bits import bits
 
 KEEP = 1 << 16  # elements: kept as a tensor up to this size

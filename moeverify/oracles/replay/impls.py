@@ -35,14 +35,14 @@ import io
 
 import torch
 
-from moeverify import plugins
+from moeverify.spec import plugins
 from moeverify.errors import MoEVerifyError, UsageError
-from moeverify.checks import REPLAY_IMPLS
+from moeverify.spec.checks import REPLAY_IMPLS
 from moeverify.patches.routers import find_routers
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 from moeverify.patches import router_replay as rr
 
-IMPLS = REPLAY_IMPLS  # declared in moeverify.checks
+IMPLS = REPLAY_IMPLS  # declared in moeverify.spec.checks
 
 
 class ReplayImpl(abc.ABC):

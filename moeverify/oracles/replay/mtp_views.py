@@ -1,7 +1,7 @@
 """Global <-> local route views for models with multi-token-prediction (MTP) layers (cross_layout).
 
 A router of MTP depth ``i`` is global layer ``num_layers + i`` (``moeverify.patches.routers``), while
-``moeverify.views`` places decoder layers only. Megatron-Core 0.19.2 builds every MTP layer on the last
+``moeverify.routing.views`` places decoder layers only. Megatron-Core 0.19.2 builds every MTP layer on the last
 pipeline stage, in its last virtual chunk (``get_mtp_num_layers_to_build`` without a
 ``pipeline_model_parallel_layout``), after the decoder layers there, and its router sees that stage's tokens in
 the decoder's order: the MTP layer's input is the decoder's output hidden states (split as the decoder's over
@@ -13,9 +13,9 @@ whose MTP routers are not where this places them is refused (``check_placement``
 
 from __future__ import annotations
 
-from moeverify import views
+from moeverify.routing import views
 from moeverify.errors import UsageError
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 def router_layers(chunks: list) -> int:
@@ -26,10 +26,10 @@ def router_layers(chunks: list) -> int:
 
 
 def to_local(global_routes: Routes, layout, *, coords, seq_len, batch: int, num_layers: int) -> Routes:
-    """``views.to_local`` for decoder layers ``< num_layers`` and MTP layers ``>= num_layers`` alike."""
+    """``Routes.to_local`` for decoder layers ``< num_layers`` and MTP layers ``>= num_layers`` alike."""
     mtp = [layer for layer in global_routes.layers if layer >= num_layers]
     decoder = [layer for layer in global_routes.layers if layer < num_layers]
-    local = views.to_local(global_routes.select(decoder), layout, coords=coords, seq_len=seq_len, batch=batch,
+    local = global_routes.select(decoder).to_local(layout, coords=coords, seq_len=seq_len, batch=batch,
                            num_layers=num_layers)
     if not mtp:
         return local
@@ -37,7 +37,7 @@ def to_local(global_routes: Routes, layout, *, coords, seq_len, batch: int, num_
     for layer in mtp:  # as the last decoder layer, renumbered
         as_last = Routes({num_layers - 1: [global_routes.get(layer, mb) for mb in range(global_routes.microbatches)]},
                          num_experts=global_routes.num_experts, topk=global_routes.topk).in_order(global_routes.order)
-        viewed = views.to_local(as_last, layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers)
+        viewed = as_last.to_local(layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers)
         if viewed.layers:
             held[layer] = [viewed.get(num_layers - 1, mb) for mb in range(viewed.microbatches)]
     per_layer = {layer: [local.get(layer, mb) for mb in range(local.microbatches)] for layer in local.layers}

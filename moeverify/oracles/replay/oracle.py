@@ -23,7 +23,7 @@ backward, replay) second. Per router variant (``variants``):
   equal the no-recompute replay bit for bit, every micro-batch is recomputed once with its forward's
   routes, and the implementation reports every route consumed.
 - cross_layout: routes recorded by a 1-rank-layout reference (every rank runs it with dp = world,
-  on the global micro-batches) are converted to this rank's local view (``moeverify.views``) and
+  on the global micro-batches) are converted to this rank's local view (``moeverify.routing.views``) and
   replayed under the scenario layout: same per-token routing, per-sequence losses within
   ``checks.CROSS_LAYOUT_RTOL/ATOL`` of the reference (why not bitwise: see there).
 - native_parity: the implementation's replay vs Megatron-Core's native ``RouterReplay`` replaying the
@@ -52,8 +52,9 @@ import json
 
 import torch
 
-from moeverify import runtime, views
-from moeverify.checks import CHECKS, ReplayOptions
+from moeverify import runtime
+from moeverify.routing import views
+from moeverify.spec.checks import CHECKS, ReplayOptions
 from moeverify.errors import UsageError
 from moeverify.models import family_traits
 from moeverify.oracles.replay import setup as st

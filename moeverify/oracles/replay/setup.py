@@ -23,17 +23,18 @@ import time
 
 import torch
 
-from moeverify import models, views
-from moeverify.checks import ReplayOptions
+from moeverify import models
+from moeverify.routing import views
+from moeverify.spec.checks import ReplayOptions
 from moeverify.errors import RankDisagreement
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 from moeverify.models import family_shape, hf_config_dict
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.patches.routers import find_routers
 from moeverify.oracles.results import Tally
-from moeverify.router_variants import RouterVariant
-from moeverify.runtime.agreement import agree
+from moeverify.spec.router_variants import RouterVariant
+from moeverify.runtime.outcome import agree
 
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
 _EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,

@@ -12,17 +12,18 @@ import dataclasses
 
 import torch
 
-from moeverify import runtime, views
-from moeverify.checks import REPLAY_WHOLE_MODEL
-from moeverify.layout import Layout
-from moeverify.oracles.replay import checks as rc
+from moeverify import runtime
+from moeverify.routing import views
+from moeverify.spec.checks import REPLAY_WHOLE_MODEL
+from moeverify.spec.layout import Layout
+from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay import mtp_views, slot_order, toggles
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
 from moeverify.oracles.results import Tally
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 
 def reference(setup: st.Setup) -> tuple[object, dict]:
@@ -41,7 +42,7 @@ def reference(setup: st.Setup) -> tuple[object, dict]:
         logprob = rd.record_pass(chunks, items, seq_len=glob.seq_len, impl=setup.impl)
         plain = rd.run_pass(chunks, items, seq_len=glob.seq_len, forward_only=True)
         shape = mtp_views.router_layers(chunks)  # one stage holds every layer, MTP's too
-        global_routes = views.to_global({views.rank_coords(one, rank=0, world_size=1): logprob.routes}, one,
+        global_routes = Routes.to_global({views.rank_coords(one, rank=0, world_size=1): logprob.routes}, one,
                                         world_size=1, seq_len=glob.seq_len, batch=glob.batch, num_layers=shape,
                                         moe_layers=logprob.routes.layers)
     return global_routes, plain.seq_loss

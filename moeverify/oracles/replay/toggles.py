@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from moeverify.checks import RECOMPUTE_MODES
+from moeverify.spec.checks import RECOMPUTE_MODES
 from moeverify.errors import EnvironmentProblem
 from moeverify.patches.routers import find_routers
 

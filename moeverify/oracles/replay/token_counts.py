@@ -30,8 +30,8 @@ import functools
 import torch
 
 from moeverify import runtime
-from moeverify.layout import Layout
-from moeverify.oracles.replay import checks as rc
+from moeverify.spec.layout import Layout
+from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay.impls import pristine

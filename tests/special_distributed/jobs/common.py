@@ -161,7 +161,7 @@ def session_step(session, routers, *, logprob, train, wrong: bool = False) -> di
     ``session.check_consumed()`` after every replay.
     """
     from moeverify.patches import router_replay as rr
-    from moeverify.routes import Routes
+    from moeverify.routing.routes import Routes
 
     def native():
         rr.revert()

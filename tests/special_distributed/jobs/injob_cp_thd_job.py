@@ -22,7 +22,7 @@ from common import write_json
 from te_reference import te_thd_indices
 
 from moeverify import runtime
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 HIDDEN, EXPERTS = 16, 8
 

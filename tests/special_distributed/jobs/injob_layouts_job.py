@@ -30,7 +30,7 @@ import torch
 from common import RouteLog, grad_digest, perturb_routers, routers_of, set_full_recompute, write_json, zero_grads
 
 from moeverify import models, runtime
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 LAYOUTS = {"cp2": Layout(cp=2), "pp2": Layout(pp=2), "pp2-vpp2": Layout(pp=2, vpp=2),
            "tp2-sp-cp2": Layout(tp=2, sp=True, cp=2)}  # 4 ranks

@@ -8,7 +8,7 @@ rank 0 writing them.
 
 The rollout: an "engine" model (the second one built, other weights, routing natively: autopatch binds model 0)
 routes the eight sequences; its routes, pooled over the ranks that each saw a part, are written by rank 0 with
-``moeverify.rollout_writer.RolloutWriter`` as vLLM returns them (no row for each sequence's last token). Then the
+``moeverify.routing.rollout_writer.RolloutWriter`` as vLLM returns them (no row for each sequence's last token). Then the
 actor runs the step as a trainer writes it: old log-probs under ``torch.no_grad()`` in micro-batches of 4, router
 weights perturbed (native routing now picks other experts), 2 PPO epochs of 2 shuffled mini-batches (micro-batches
 of 2, then grouped by token count), forward + backward + ``optimizer.step()``.
@@ -25,8 +25,8 @@ from common import RouteLog, perturb_routers, routers_of, set_full_recompute, wr
 from injob_verl_job import LENGTHS, batch_of, plan_of
 
 from moeverify import models, runtime
-from moeverify.layout import Layout
-from moeverify.rollout_writer import RolloutWriter
+from moeverify.spec.layout import Layout
+from moeverify.routing.rollout_writer import RolloutWriter
 
 LAYOUTS = {"tp2sp": Layout(tp=2, sp=True), "ep2": Layout(ep=2)}
 

@@ -24,7 +24,7 @@ import torch
 from common import RouteLog, perturb_routers, routers_of, set_full_recompute, write_json
 
 from moeverify import models, runtime
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 LAYOUT = Layout(tp=2, sp=True)
 LENGTHS = [6, 3, 8, 5, 7, 2, 8, 4]

@@ -25,7 +25,7 @@ import torch
 from common import (RouteLog, grad_digest, perturb_step, perturb_routers, session_step, set_full_recompute,
                     write_json, zero_grads)
 from moeverify import models, runtime
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 B, S = 2, 8
 LAYOUT = Layout(pp=2, vpp=2)

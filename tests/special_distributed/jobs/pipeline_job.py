@@ -16,7 +16,7 @@ import sys
 import torch
 
 from moeverify import models, runtime
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 B, S = 2, 8
 

@@ -5,7 +5,7 @@ The runner's distributed tests put this directory (and ``tests/special_distribut
 every rank it starts know the same checks. Nothing in the product reads it.
 """
 
-from moeverify import checks
+from moeverify.spec import checks
 
 TINY_CHECKS = {"passing": "passing", "passing2": "passing", "failing": "failing", "raise1": "raise_on_rank1",
                "hang1": "hang_on_rank1", "echo": "echo_options", "kill1": "sigkill_on_rank1", "sleep": "sleep_long",

@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Callable
 
 from moeverify.errors import UsageError
-from moeverify.layout import ModelShape
-from moeverify.models import kimi, user
-from moeverify.models.ref import ModelRef, as_ref
-from moeverify.models.traits import ModelTraits, traits_of
+from moeverify.spec.layout import ModelShape
+from moeverify.spec.models import kimi, user
+from moeverify.spec.models.ref import ModelRef, as_ref
+from moeverify.spec.models.traits import ModelTraits, traits_of
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -1,4 +1,4 @@
-"""Check options as one flat table, derived from the checks' declarations (``moeverify.checks``).
+"""Check options as one flat table, derived from the checks' declarations (``moeverify.spec.checks``).
 
 Scenario files (``options:``), the ``moeverify run`` flags, ``--list``-time checks (an option no selected
 check reads is refused) and the docs' option table all read ``OPTIONS``; each entry is a field of a check's
@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from moeverify import checks
-from moeverify.checks import OptionMeta
+from moeverify.spec import checks
+from moeverify.spec.checks import OptionMeta
 from moeverify.errors import UsageError
 
 

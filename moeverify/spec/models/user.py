@@ -39,8 +39,8 @@ from typing import Any
 import yaml
 
 from moeverify.errors import UsageError
-from moeverify.layout import ModelShape
-from moeverify.models.ref import PREFIX, ModelRef
+from moeverify.spec.layout import ModelShape
+from moeverify.spec.models.ref import PREFIX, ModelRef
 
 CONFIG = "config.json"
 _PICKLED = ("pytorch_model.bin", "*.pt", "*.pth", "pytorch_model-*.bin")

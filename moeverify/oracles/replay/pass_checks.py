@@ -12,7 +12,7 @@ from moeverify.oracles.bits import bitwise_equal
 from moeverify.oracles.replay.compare import (agreement, close_within, compare_maps, describe_mismatch,
                                               map_from_topk_ids, same_experts, topk_ids_from_map)
 from moeverify.oracles.results import Tally
-from moeverify.routes import Routes
+from moeverify.routing.routes import Routes
 
 # Cross-layout losses are compared within this fp32 tolerance, not bitwise: TP splits the hidden
 # dimension of row-parallel matmuls and all-reduces the partial sums, EP sums expert outputs after an

@@ -28,17 +28,13 @@ import json
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.layer_numbering import ambiguous
-from moeverify import npy_file
-
-if TYPE_CHECKING:  # annotations only: routes.py imports the rollout readers, which import this module
-    from moeverify.routes import Routes
+from moeverify.routing.layer_numbering import ambiguous
+from moeverify.routing import npy_file
 
 KEY = "physical_to_logical_map"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -88,13 +84,6 @@ class ExpertMap:
                     f"this layer and micro-batch; later layers not checked). A router picks a logical expert "
                     f"once: this is a finding (a dispatch or map bug), not deduplicated")
         return logical_TK
-
-    def map_routes(self, routes: Routes, *, where: str, token_label=None) -> Routes:
-        """Every layer of ``routes`` (physical ids) as logical ids, as the class of ``routes``."""
-        per_layer = {layer: [self.apply(layer, routes.get(layer, mb), where=where, microbatch=mb,
-                                        token_label=token_label) for mb in range(routes.microbatches)]
-                     for layer in routes.layers}
-        return type(routes)(per_layer, num_experts=self.logical, topk=routes.topk)
 
 
 def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None = None,

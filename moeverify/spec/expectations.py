@@ -13,7 +13,7 @@ The check's outcome is then judged against that statement (``judge``):
 - any other subcheck fails, or the check crashes: a plain failure or crash, as without the mark.
 
 Entries are validated when the file is loaded: the finding id, a check the scenario runs, and subchecks that
-check declares (``CheckSpec.subchecks`` in ``moeverify.checks``).
+check declares (``CheckSpec.subchecks`` in ``moeverify.spec.checks``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import dataclasses
 import re
 from collections.abc import Collection, Mapping, Sequence
 
-from moeverify.checks import CHECKS
-from moeverify.yaml_file import Where, error
+from moeverify.spec.checks import CHECKS
+from moeverify.spec.yaml_file import Where, error
 
 _KEYS = frozenset({"finding", "check", "subchecks", "reason"})
 _FINDING = re.compile(r"[A-Z]+[0-9]+")  # the README's findings table ids: F3, M1

@@ -1,4 +1,4 @@
-"""``runtime.agreement.agree`` on two real gloo processes: a step every rank failed is a result, a step one rank
+"""``runtime.outcome.agree`` on two real gloo processes: a step every rank failed is a result, a step one rank
 failed is refused on both (naming the rank), and a failed rank whose peer waits in a collective it left ends
 after ``MOEVERIFY_AGREE_TIMEOUT_S``, not at the collective timeout."""
 
@@ -24,7 +24,7 @@ RANK = r"""
 import datetime, json, sys, time
 import torch, torch.distributed as dist
 from moeverify.errors import RankDisagreement
-from moeverify.runtime.agreement import agree
+from moeverify.runtime.outcome import agree
 rank, port, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=600))
@@ -94,6 +94,6 @@ def test_a_raising_rank_whose_peer_waits_in_a_collective_ends_quickly():
 
 
 def test_outside_a_process_group_agree_returns():
-    from moeverify.runtime.agreement import agree
+    from moeverify.runtime.outcome import agree
 
     agree(ValueError("x"), what="one process")  # nothing to agree with: the caller records the error itself

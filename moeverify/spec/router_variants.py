@@ -16,7 +16,7 @@ from typing import Protocol
 from moeverify.errors import UsageError
 
 
-class _Traits(Protocol):  # moeverify.models.traits.ModelTraits, as far as the variants read it
+class _Traits(Protocol):  # moeverify.spec.models.traits.ModelTraits, as far as the variants read it
     expert_bias: bool
 
 

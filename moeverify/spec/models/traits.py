@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from moeverify.errors import UsageError
-from moeverify.models.user import shape_of
+from moeverify.spec.models.user import shape_of
 
 # HF architectures whose modeling code (transformers 5.12.1) keeps an expert-bias tensor in every MoE layer,
 # and whose Megatron-Bridge 0.6.2 bridge maps it onto the router's expert_bias.

@@ -13,15 +13,16 @@ from pathlib import Path
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from moeverify import options
-from moeverify.checks import CHECKS, check_names
+from moeverify.spec import options
+from moeverify.spec.checks import CHECKS, check_names
 from moeverify.errors import LayoutError, UsageError
-from moeverify.expectations import ExpectedFailure
-from moeverify.expectations import parse as parse_expect_fail
-from moeverify.layout import Layout, ModelShape
-from moeverify.models import FAMILIES, family_shape, user
-from moeverify.models.ref import ModelRef, as_ref
-from moeverify.yaml_file import Where, error, read_yaml
+from moeverify.spec.expectations import ExpectedFailure
+from moeverify.spec.expectations import parse as parse_expect_fail
+from moeverify.spec.layout import Layout, ModelShape
+from moeverify.spec.models.configs import FAMILIES, family_shape
+from moeverify.spec.models import user
+from moeverify.spec.models.ref import ModelRef, as_ref
+from moeverify.spec.yaml_file import Where, error, read_yaml
 
 FORMAT_VERSION = 1
 CPU_MAX_WORLD_SIZE = 8  # CPU ranks are processes: allowed up to 8 whatever the core count
@@ -203,7 +204,7 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
     if not check_list:
         raise error(where, "checks is empty: a scenario must run at least one check")
     scenario_options = _options_field(where, spec.fields.get("options", {}))
-    for check in check_list:  # each check's own rule (moeverify.checks: CheckSpec.scenario_rule)
+    for check in check_list:  # each check's own rule (moeverify.spec.checks: CheckSpec.scenario_rule)
         refusal = CHECKS[check].refusal(scenario_options, layout, world_size=world_size) if check in CHECKS else None
         if refusal:
             raise error(where, refusal)

@@ -2,7 +2,7 @@
 
 Users read the values from here (``timeouts.COLLECTIVE_S``, ...); the modules that always exposed one keep
 their public name as an alias of this table's value (``runtime.DEFAULT_TIMEOUT_S``, ``cli.DEFAULT_TIMEOUT_S``,
-``runtime.agreement.AGREE_TIMEOUT_S``, ``runner.launch.STARTUP_SLACK_S``). An environment override is read when
+``runtime.outcome.AGREE_TIMEOUT_S``, ``runner.launch.STARTUP_SLACK_S``). An environment override is read when
 the value is: importing never raises, so ``moeverify --help`` works whatever the environment holds, and a value
 that is not a positive number of seconds is refused where it is used (``UsageError`` naming the variable, what it
 holds and what was expected). ``check()`` reads every override at once: ``moeverify run`` calls it before any

@@ -4,7 +4,7 @@ A ``CheckSpec`` is everything moeverify knows about a check before running it. E
 frozen, keyword-only dataclass (``ExportOptions``, ``ReplayOptions``) whose fields carry their typed default,
 their scenario-file key, help, validation and command-line flag (``option``). The rest is derived from these
 declarations: the flat option table, the scenario ``options:`` validation and the ``moeverify run`` flags
-(``moeverify.options``), a check's ``scenario_rule`` applied when a scenario file is loaded (``scenario.py``),
+(``moeverify.spec.options``), a check's ``scenario_rule`` applied when a scenario file is loaded (``scenario.py``),
 the check names that ``--check``, ``--list`` and scenario files accept, the subchecks a result record and
 ``expect_fail`` may name (``expectations.py``), and the docs' option table. A check's own code reads its options
 through its dataclass (``ReplayOptions.from_options(ctx.options)``), never by key with a default of its own.
@@ -20,10 +20,10 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
-from moeverify import plugins
-from moeverify import router_variants as rv
+from moeverify.spec import plugins
+from moeverify.spec import router_variants as rv
 from moeverify.errors import UsageError
-from moeverify.layout import Layout
+from moeverify.spec.layout import Layout
 
 # Built-in names the options accept; plugins (``module:factory``, ``file.py:factory``) are the way out.
 REPLAY_SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order",

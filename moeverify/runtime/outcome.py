@@ -27,7 +27,7 @@ import itertools
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from moeverify import timeouts
+from moeverify.spec import timeouts
 from moeverify.errors import EnvironmentProblem, RankDisagreement
 
 _steps = itertools.count()
@@ -45,7 +45,7 @@ def _store():
     get = getattr(distributed_c10d, "_get_default_store", None)
     if get is None:
         raise EnvironmentProblem("torch.distributed.distributed_c10d._get_default_store is gone (torch 2.11 to 2.14 "
-                                 "have it); moeverify.runtime.agreement needs the default group's store")
+                                 "have it); moeverify.runtime.outcome needs the default group's store")
     return get()
 
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from moeverify import expert_map as maps
-from moeverify import layer_numbering
+from moeverify.routing import expert_map as maps
+from moeverify.routing import layer_numbering
 from moeverify.errors import RouteError
-from moeverify.route_ids import INT_DTYPES, safe_routes
+from moeverify.routing.route_ids import INT_DTYPES, safe_routes
 
 PICK, COUNT = 'numbering="{}"', "num_layers="
 
@@ -227,7 +227,7 @@ def fill_pads(ids_TLK: torch.Tensor, pad_T: torch.Tensor, *, num_experts: int) -
 
 def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_experts: int):
     """``expert_map`` (a path, an ``ExpertMap``, or a parsed map: list, list of lists, layer-keyed dict,
-    array) read and checked by ``moeverify.expert_map``, the dump commands' one loader."""
+    array) read and checked by ``moeverify.routing.expert_map``, the dump commands' one loader."""
     if isinstance(expert_map, maps.ExpertMap):
         emap = expert_map
         missing = sorted(set(layers) - set(emap.per_layer))
