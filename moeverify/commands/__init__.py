@@ -1,9 +1,10 @@
-"""The ``moeverify`` commands other than ``run`` (which ``moeverify.cli`` holds with the dispatch).
+"""The ``moeverify`` commands, one module each; ``moeverify.cli`` holds the entry point and dispatch.
 
 ``moeverify.cli`` builds the parser and imports a command's module only where its imports are light or the
 command is the one about to run: ``dump``'s verbs load torch and safetensors through the dump format, so
 ``--help``, ``run --list`` and scenario validation never import them.
 
+- ``run``: ``moeverify run`` (arguments, selection, preflight, run directory; the launching is ``moeverify.runner``);
 - ``common``: what the commands share (exit codes, the repository root, ``--model``/``--model-set``).
 - ``doctor``: ``moeverify doctor`` (installed stack, backend, one tiny model built).
 - ``bench``: ``moeverify bench`` (the scripts of bench/).

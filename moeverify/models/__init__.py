@@ -1,4 +1,16 @@
-"""Tiny HF model families made in code and built into Megatron through Megatron-Bridge under a Layout."""
+"""Tiny HF model families built into Megatron through Megatron-Bridge under a Layout (torch side).
+
+What a model *is* (references, configs, traits) is torch-free in ``moeverify.spec.models``; this package makes
+and builds them:
+
+- ``builder``: ``build(model, layout)``: Megatron model chunks through the bridge; ``bridge_limits``: what the
+  installed bridge builds from a config, against what the config says;
+- ``families``: seeded safetensors checkpoints of the tiny families; ``seeded``, ``seeded_state``: weights made
+  per tensor on demand, read by the bridge's loader; ``checkpoint``: the one checkpoint-directory reader;
+  ``mtp_weights``: seeded MTP tensors;
+- without Transformer Engine (every CPU rank): ``local_spec`` (the block spec), ``family_specs`` (families the
+  CPU path rebuilds), ``grouped_linear``, ``linear_attention``, ``mtp_spec``, ``norms``.
+"""
 
 import importlib
 

@@ -6,7 +6,6 @@ TE's ``GroupedLinear``. Building those experts as ``SequentialMLP`` (megatron-co
 them unmapped, so these families could not be verified at all. This module rebuilds what the bridge converts:
 megatron-core 0.19.2's own ``TEGroupedMLP`` (its forward, activation, probs and bias handling unchanged) over
 two small grouped linears whose parameters are laid out as TE's are:
-
 - ``CpuColumnParallelGroupedLinear`` (fc1): ``weight{i}`` of shape ``[out / tp, in]``, split on dim 0;
 - ``CpuRowParallelGroupedLinear`` (fc2): ``weight{i}`` of shape ``[out, in / tp]``, split on dim 1;
 - ``bias{i}`` beside each weight when the config has linear biases (split with fc1's rows, whole for fc2).
@@ -28,6 +27,7 @@ import functools
 import torch
 
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
 
 class _CpuGroupedLinear(torch.nn.Module):
@@ -122,7 +122,6 @@ class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
 
 def grouped_experts_spec():
     """``TEGroupedMLP`` (megatron-core 0.19.2) over the CPU grouped linears, as the experts of a ``MoELayer``."""
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP  # lazy: megatron
 
     return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
         linear_fc1=CpuColumnParallelGroupedLinear, linear_fc2=CpuRowParallelGroupedLinear))

@@ -29,6 +29,11 @@ from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules, to
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.enums import LayerType
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 
 from moeverify.errors import UsageError
 from moeverify.models.norms import LocalNorm, local_norm_forward
@@ -129,9 +134,6 @@ def gdn_attention_spec() -> ModuleSpec:
 def local_layer_numbers(config, vp_stage: int | None) -> list[int]:
     """Global (0-based) numbers of the decoder layers this rank builds, as megatron-core 0.19.2's
     ``get_transformer_block_with_experimental_attention_variant_spec`` slices them."""
-    from megatron.core.transformer.enums import LayerType  # lazy: megatron
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build  # lazy: megatron
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # lazy: megatron
 
     if config.pipeline_model_parallel_layout is not None:
         return list(config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
@@ -142,8 +144,6 @@ def local_layer_numbers(config, vp_stage: int | None) -> list[int]:
 
 def use_linear_attention(config, layer_specs: list, vp_stage: int | None) -> None:
     """Give the layers megatron-core's ``get_linear_attention_pattern`` marks linear the GDN attention."""
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern  # lazy: megatron
-    from megatron.core.transformer.identity_op import IdentityOp  # lazy: megatron
 
     if config.experimental_attention_variant != "gated_delta_net":
         raise ValueError(f"the CPU linear attention is gated_delta_net; the config asks for "

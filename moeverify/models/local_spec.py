@@ -29,6 +29,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from moeverify import runtime
 from moeverify.models.grouped_linear import (CpuColumnParallelGroupedLinear, CpuRowParallelGroupedLinear,
@@ -81,7 +85,6 @@ class LocalCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
-        from megatron.core.transformer.utils import is_layer_window_attention  # lazy: megatron
 
         self.window_size = (tuple(config.window_size) if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, layer_number) else None)
@@ -132,8 +135,6 @@ class LocalCoreAttention(MegatronModule):
         scores = scores.masked_fill(self._mask(q_pos, k_pos).to(scores.device), float("-inf"))
         probs = self._softmax(scores).to(v_BHSD.dtype)
         if self.training and self.dropout_p > 0:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # lazy: megatron
-
             with get_cuda_rng_tracker().fork():
                 probs = torch.nn.functional.dropout(probs, p=self.dropout_p)
         out_BHSD = torch.matmul(probs, v_BHSD)
@@ -187,7 +188,6 @@ def _patch_layer_spec(layer_spec: ModuleSpec, *, grouped_experts: bool, family: 
 def _use_grouped_experts(sub) -> None:
     """MoE layers (megatron-core 0.19.2: ``mlp`` is ``partial(MoELayer, submodules=MoESubmodules(...))``) get
     ``TEGroupedMLP`` over the CPU grouped linears in place of ``SequentialMLP``."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer  # lazy: megatron
 
     mlp = sub.mlp
     if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
@@ -199,8 +199,6 @@ def _use_grouped_experts(sub) -> None:
 
 
 def _is_identity(module) -> bool:
-    from megatron.core.transformer.identity_op import IdentityOp  # lazy: megatron
-
     return module is IdentityOp or (isinstance(module, ModuleSpec) and module.module is IdentityOp)
 
 
@@ -241,7 +239,7 @@ def _register_with_bridge() -> None:
     ``softmax_offset``, one entry per head, a column split as under ``TEDotProductAttention``; the grouped
     linears as ``TEColumnParallelGroupedLinear``/``TERowParallelGroupedLinear``)."""
     runtime.import_bridge()
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping  # lazy: megatron
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping  # lazy: megatron.bridge
 
     for cls, kind in ((LocalCoreAttention, "column"), (CpuColumnParallelGroupedLinear, "column"),
                       (CpuRowParallelGroupedLinear, "row"), (CpuGatedDeltaNet, "column")):

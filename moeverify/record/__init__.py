@@ -14,6 +14,13 @@ Several ranks: each rank opens a ``RankWriter`` with its ``views.RankCoords`` (o
 ``coords=``, ``layout=``, ``world_size=``), and rank 0 calls ``finalize`` after all ranks closed
 (``save`` does the barrier itself when torch.distributed is initialised). ``RouteRecorder``
 (``moeverify.patches.recorder``) records any Megatron model's routing through forward hooks.
+
+Modules: ``format`` (names, dtype table, manifest), ``writer`` (atomic per-rank files), ``commit``
+(``finalize``), ``saving`` (``save``), ``reader`` (``load``, ``Dump``), ``layer_read`` (one indexed tensor),
+``order`` and ``tokens`` (token order and identity of two sources), ``stream`` (layer sources), ``diff`` and
+``report`` (comparing two routings), ``summary`` (``inspect``), ``rollout`` (a dump lined up with a rollout
+engine's routes), ``importers`` (routes from elsewhere, ``.npz`` out), ``router_trace`` (megatron-core's
+``RouterTracer`` JSONL).
 """
 
 from __future__ import annotations

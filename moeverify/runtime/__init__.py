@@ -1,8 +1,12 @@
 """How code runs: the device backend, process groups with timeouts, model-parallel state per Layout.
 
 ``init(backend="auto")`` picks cuda+nccl where GPUs are visible, else cpu+gloo with megatron-core's
-CUDA touch points redirected (``runtime.cpu``). ``parallel(layout)`` initialises Megatron's
-model-parallel state for one scenario and destroys it afterwards, so one torchrun can run many.
+CUDA touch points redirected (``cpu``). ``parallel(layout)`` initialises Megatron's model-parallel state for
+one scenario and destroys it afterwards, so one torchrun can run many. Also here:
+
+- ``bridge_import``: megatron.bridge imported where Transformer Engine's torch extension does not exist;
+- ``outcome``: ranks agreeing on how a step ended, without a collective a failed rank may never join;
+- ``hash64``: splitmix64 in torch int64 arithmetic, the one integer mixer the project uses.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def _eager_fusions() -> None:
     scenarios, two passes over the same tokens then differ in the last bits (seen: Qwen3-Next's CP2
     backward_order after the group's other layouts). Oracles compare passes bit for bit, so every compiled
     function runs eagerly, as the first pass and the last alike (the same math, unfused)."""
-    import torch._dynamo  # lazy: torch (torch._dynamo, not loaded by import torch)
+    import torch._dynamo  # lazy: torch._dynamo (not loaded by import torch)
 
     torch._dynamo.config.disable = True
 

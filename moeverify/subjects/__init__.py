@@ -2,9 +2,10 @@
 
 - ``bridge``: Megatron-Bridge's own ``export_hf_weights`` as a full-tensor subject (must always pass);
 - ``sharded``: a reference sharded exporter: each rank yields only its local shard with flat HF
-  positions (``moeverify.subjects.shard_rows``);
-- ``gather``: a naive full-tensor exporter that all-gathers every parameter (the peer for benchmarks);
-- ``verl``: verl 0.9.1's delta export as an adapter (``moeverify.subjects.verl``).
+  positions (``shard_rows``, placed by ``placement``'s index arithmetic, yielding ``slots``' records);
+- ``gather``: a naive full-tensor exporter that all-gathers every parameter (``gather_all``; the peer for
+  benchmarks);
+- ``verl``: verl 0.9.1's delta export as an adapter.
 
 Factories are called with a ``moeverify.oracles.export.SubjectContext``; Megatron is imported only
 when one runs.

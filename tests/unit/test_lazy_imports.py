@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 HEAVY = ("torch", "megatron", "transformers", "safetensors", "rich", "matplotlib", "huggingface_hub")
-LAZY = re.compile(r"#\s*lazy:\s*(\w+)")
+LAZY = re.compile(r"#\s*lazy:\s*([\w.]+)")  # a package, or a submodule its import does not load
 
 NOT_YET: frozenset[str] = frozenset()
 
@@ -29,9 +29,70 @@ def _unexplained(path: Path) -> list[str]:
         for node in ast.walk(fn):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 why = LAZY.search(lines[node.lineno - 1])
-                if why is None or why.group(1) not in HEAVY:
+                if why is None or why.group(1).split(".")[0] not in HEAVY:
                     out.append(f"{node.lineno}: {lines[node.lineno - 1].strip()}")
     return sorted(set(out))
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """Dotted names a module imports when it is loaded (module level, ``if TYPE_CHECKING`` blocks left out)."""
+    out: set[str] = set()
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(getattr(node, "body", []))
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return out
+
+
+def _loaded_with(repo_root: Path) -> dict[str, set[str]]:
+    """For each module (``a/b.py``), the heavy modules loading it imports (dotted), through moeverify's own modules."""
+    package = repo_root / "moeverify"
+    by_dotted = {}
+    for p in package.rglob("*.py"):
+        parts = p.relative_to(repo_root).with_suffix("").parts
+        by_dotted[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    direct = {d: _top_level_imports(p) for d, p in by_dotted.items()}
+
+    def own(name: str) -> list[str]:  # a dotted import loads every package above it too
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in by_dotted]
+
+    out: dict[str, set[str]] = {}
+    for dotted, path in by_dotted.items():
+        seen, todo, heavy = set(), [dotted], set()
+        while todo:
+            mod = todo.pop()
+            if mod in seen:
+                continue
+            seen.add(mod)
+            for name in direct[mod]:
+                if name.split(".")[0] in HEAVY:
+                    heavy.add(name)
+                todo.extend(own(name))
+        out[path.relative_to(package).as_posix()] = heavy
+    return out
+
+
+def _vacuous(path: Path, loaded: set[str]) -> list[str]:
+    """``line: source`` of each ``# lazy: X`` import whose X the module loads anyway at import (``X`` or a module
+    under it imported at module level; ``# lazy: torch._dynamo`` defers a submodule ``import torch`` leaves out)."""
+    lines = path.read_text().splitlines()
+    return [f"{n}: {line.strip()}" for n, line in enumerate(lines, 1)
+            if (why := LAZY.search(line)) and re.match(r"\s*(from|import)\s", line)
+            and any(name == why.group(1) or name.startswith(why.group(1) + ".") for name in loaded)]
 
 
 def _modules(repo_root: Path) -> dict[str, Path]:
@@ -44,6 +105,24 @@ def test_function_local_imports_say_which_heavy_import_they_put_off(repo_root):
     assert len(modules) > 100 and "cli.py" in modules and "commands/dump.py" in modules
     found = {name: bad for name, path in modules.items() if name not in NOT_YET and (bad := _unexplained(path))}
     assert found == {}, "function-local imports only for " + ", ".join(HEAVY) + ", each with '# lazy: <which>'"
+
+
+def test_a_lazy_import_puts_off_something(repo_root):
+    """``# lazy: X`` where loading the module loads X anyway (itself or through moeverify's modules) defers
+    nothing: it hides a real dependency behind a false comment."""
+    loaded = _loaded_with(repo_root)
+    assert "torch" in loaded["routing/routes.py"] and not loaded["cli.py"]  # the walk sees both kinds
+    found = {name: bad for name, path in _modules(repo_root).items() if (bad := _vacuous(path, loaded[name]))}
+    assert found == {}, "these lazy imports put off nothing (import them at module level): " + repr(found)
+
+
+def test_a_vacuous_lazy_tag_is_found(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import torch\n\n\ndef f():\n    import megatron  # lazy: megatron\n"
+                      "    import torch.nn  # lazy: torch\n")
+    module.write_text(module.read_text() + "    import torch._dynamo  # lazy: torch._dynamo\n")
+    loaded = {r for r in _top_level_imports(module) if r.split(".")[0] in HEAVY}
+    assert _vacuous(module, loaded) == ["6: import torch.nn  # lazy: torch"]
 
 
 def test_not_yet_lists_only_modules_that_still_need_it(repo_root):

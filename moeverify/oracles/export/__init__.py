@@ -8,6 +8,7 @@ import ShardRow``). Modules, one concept each:
 - ``rows``: what a subject yields (``ShardRow``, ``Slot``, ``RangeSlot``, ``RunSlot``, ``DeferredSlots``, declared in
   ``moeverify.subjects.slots``) validated where it enters;
 - ``wire``: the collectives (JSON gathers, chunked point-to-point pieces) on a dedicated gloo group;
+- ``intervals``: which element ranges of a tensor are covered, and by whom;
 - ``merge``: one HF tensor assembled from pieces and compared bit for bit (plain tensors);
 - ``collect``: rank 0's open merges, reference tensors in hand and the final subchecks;
 - ``feed``: the reference export in a background thread beside the collection, under a memory gate;

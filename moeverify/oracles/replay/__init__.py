@@ -3,9 +3,11 @@
 - ``oracle``: ``run``, the ``replay`` check on every rank, and rank 0's report;
 - ``setup``: the exact fp32 builds and what every subcheck of one router variant shares (the options are
   ``moeverify.spec.checks.ReplayOptions``, the router variants ``moeverify.spec.router_variants``);
-- ``subchecks``: the seven subchecks (equivalence, drift, recompute, cross_layout, native_parity,
-  backward_order, validation);
+- ``subchecks``: the subchecks (``moeverify.spec.checks`` names them); ``token_counts``: the expert-bias
+  token counts subcheck; ``mtp_views``: routes of MTP layers as a rank sees them; ``slot_order``: the canonical
+  order of a token's top-k slots; ``toggles``: replay switched on and off within one model;
+  ``grad_print``: gradient prints compared across passes;
 - ``drive``: passes through Megatron's pipeline schedule and hand-written loops, router probes;
-- ``checks``: pass-vs-pass comparisons that fill the tallies; ``compare``: bitwise helpers on plain tensors;
+- ``pass_checks``: pass-vs-pass comparisons that fill the tallies; ``compare``: bitwise helpers on plain tensors;
 - ``impls``: the implementations under test behind one adapter; ``faulty``: broken ones, each caught.
 """
