@@ -29,7 +29,6 @@ from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
 from moeverify.runner.report import Result
 
-GRACE_S = 60.0  # after --timeout, before the parent kills a group whose ranks' watchdogs did not fire
 POLL_S = 0.5
 
 
@@ -184,7 +183,7 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
         try:
             while proc.poll() is None:
                 collector.poll()
-                deadline = max(startup_deadline, collector.last_progress + spec.timeout_s + GRACE_S)
+                deadline = max(startup_deadline, collector.last_progress + spec.timeout_s + timeouts.LAUNCH_GRACE_S)
                 if time.monotonic() > deadline:
                     _kill_group(proc)
                     collector.poll()

@@ -10,7 +10,7 @@ node 0).
 Protocol, over the store (keys are plain strings, values JSON; nothing is unpickled):
 - ``join/R``: node R's host, pid and the digest of what it loaded; node 0 waits for every node and refuses
   a node whose scenarios, options, backend or timeout differ from its own.
-- ``beat/R``: each node's heartbeat (every second); a node silent for ``DEAD_AFTER_S`` is named dead.
+- ``beat/R``: each node's heartbeat (every second); a node silent for ``timeouts.NODE_DEAD_AFTER_S`` is named dead.
 - ``launch/A`` (node 0, for the A-th multi-node torchrun): world size, first scenario index, port; or
   ``done`` with node 0's exit code, which the other nodes then return.
 - ``report/A/R`` (node R after that torchrun): its ranks' event and stack files and its torchrun log, which
@@ -37,8 +37,6 @@ from pathlib import Path
 from moeverify.spec import timeouts
 from moeverify.errors import UsageError
 
-BEAT_S = 1.0
-DEAD_AFTER_S = 15.0
 MAX_FILE_BYTES = 1 << 20  # per rank file copied to node 0 (stacks, events)
 
 
@@ -152,7 +150,7 @@ class Control:
             if self.store.check([key]):
                 return json.loads(self.store.get(key))
             if watch is not None and self.dead(watch):
-                raise NodeLost(f"node {watch} stopped responding (no heartbeat for {DEAD_AFTER_S:.0f} s) "
+                raise NodeLost(f"node {watch} stopped responding (no heartbeat for {timeouts.NODE_DEAD_AFTER_S:.0f} s) "
                                f"while node {self.node.node_rank} waited for {key}")
             if time.monotonic() > deadline:
                 raise NodeLost(f"node {self.node.node_rank}: {key} did not come within {timeout_s:.0f} s")
@@ -166,7 +164,7 @@ class Control:
         self.store.set(f"beat/{self.node.node_rank}", repr(time.time()))
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        while not self._stop.wait(timeouts.NODE_BEAT_S):
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 (the store went away: node 0 ended)
@@ -176,7 +174,7 @@ class Control:
         key = f"beat/{node_rank}"
         if not self.store.check([key]):
             return False
-        return time.time() - float(self.store.get(key).decode()) > DEAD_AFTER_S
+        return time.time() - float(self.store.get(key).decode()) > timeouts.NODE_DEAD_AFTER_S
 
     def dead_nodes(self) -> list[int]:
         return [r for r in range(self.node.nnodes) if r != self.node.node_rank and self.dead(r)]

@@ -33,6 +33,7 @@ class Timeout:
     env: str | None = None
     flag: str | None = None
     derived: str | None = None  # how it follows from another entry (not overridable itself)
+    # none of env, flag or derived: fixed (a heartbeat, a grace period: part of a protocol, not a user's wait)
 
     def seconds(self, environ=os.environ) -> float:
         """The value: the environment override when set, else the default."""
@@ -66,6 +67,12 @@ TABLE: tuple[Timeout, ...] = (
             meaning="multi-node run: node 0 waits this long for a node's report once its launch ended"),
     Timeout(name="DUMP_COLLECTIVE_S", default_s=600.0, env="MOEVERIFY_DUMP_COLLECTIVE_TIMEOUT_S",
             meaning="autopatch recording: the dump's own gloo group (ranks settle each dump step on it)"),
+    Timeout(name="LAUNCH_GRACE_S", default_s=60.0,
+            meaning="after --timeout, before the launcher kills a group whose ranks' own watchdogs did not fire"),
+    Timeout(name="NODE_BEAT_S", default_s=1.0,
+            meaning="multi-node run: how often each node writes its heartbeat"),
+    Timeout(name="NODE_DEAD_AFTER_S", default_s=15.0,
+            meaning="multi-node run: a node whose heartbeat is older than this is named dead"),
 )
 _BY_NAME = {t.name: t for t in TABLE}
 
@@ -96,6 +103,7 @@ def markdown_table() -> str:
     """The table as docs/design.md shows it (between its ``timeouts`` markers)."""
     lines = ["| timeout | default (s) | override | meaning |", "|---|---|---|---|"]
     for t in TABLE:
-        override = f"`{t.env}`" if t.env else f"`{t.flag}`" if t.flag else f"= {t.derived}"
+        override = (f"`{t.env}`" if t.env else f"`{t.flag}`" if t.flag else f"= {t.derived}" if t.derived
+                    else "fixed")
         lines.append(f"| `timeouts.{t.name}` | {t.default_s:g} | {override} | {t.meaning} |")
     return "\n".join(lines) + "\n"

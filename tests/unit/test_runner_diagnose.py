@@ -184,8 +184,7 @@ def test_attempt_kills_whole_group_that_makes_no_progress(tmp_path, monkeypatch)
              f"open({str(pid_file)!r} + '.tmp', 'w').write(str(p.pid)); "
              f"os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")
     monkeypatch.setattr(launch, "torchrun_command", lambda **_: [sys.executable, "-c", child])
-    monkeypatch.setattr(launch, "timeouts", types.SimpleNamespace(STARTUP_SLACK_S=0.0))
-    monkeypatch.setattr(launch, "GRACE_S", 0.0)
+    monkeypatch.setattr(launch, "timeouts", types.SimpleNamespace(STARTUP_SLACK_S=0.0, LAUNCH_GRACE_S=0.0))
     spec = dataclasses.replace(_spec(tmp_path), timeout_s=2.0)
     t0 = time.monotonic()
 

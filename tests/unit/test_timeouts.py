@@ -26,13 +26,13 @@ def test_docs_table_is_the_module_table():
                                                       "print(timeouts.markdown_table())'"
 
 
-def test_every_entry_is_a_module_value_with_one_override():
+def test_every_entry_is_a_module_value_with_at_most_one_override():
     names = [t.name for t in timeouts.TABLE]
     assert len(set(names)) == len(names)
     envs = [t.env for t in timeouts.TABLE if t.env]
     assert len(set(envs)) == len(envs) and all(e.startswith("MOEVERIFY_") for e in envs)
     for t in timeouts.TABLE:
-        assert sum(x is not None for x in (t.env, t.flag, t.derived)) == 1, t
+        assert sum(x is not None for x in (t.env, t.flag, t.derived)) <= 1, t  # none: fixed (a protocol value)
         assert isinstance(getattr(timeouts, t.name), float) and t.meaning
     startup = next(t for t in timeouts.TABLE if t.name == "STARTUP_S")
     slack = next(t for t in timeouts.TABLE if t.name == "STARTUP_SLACK_S")
