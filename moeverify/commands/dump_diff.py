@@ -17,6 +17,7 @@ from moeverify.files import atomic_write
 from moeverify.record import importers, stream, tokens
 from moeverify.record.order import Ordered, require_same_tokens, shared_geometry, to_sequence_order
 from moeverify.record.rollout import align
+from moeverify.routing.rollout_arrays import RolloutSpec
 
 
 @guarded
@@ -227,9 +228,10 @@ def _diff_rollout(args) -> int:
         map_b = expert_map.load(args.expert_map_b, moe_layers=train.layers, num_layers=dump.model.num_layers,
                                 physical_experts=None, what=str(rollout_path))
         maps["b"] = map_b.as_json()
-    aligned = align(train, seq_len=info.seq_len, batch=batch, moe_layers=dump.model.moe_layers,
-                    num_layers=dump.model.num_layers, requests=_rollout_requests(rollout_path), where=str(rollout_path),
-                    expert_map=map_b, numbering=args.layer_numbering)
+    spec = RolloutSpec(layers=tuple(dump.model.moe_layers), num_experts=train.num_experts,
+                       num_layers=dump.model.num_layers, numbering=args.layer_numbering, expert_map=map_b)
+    aligned = align(train, spec, seq_len=info.seq_len, batch=batch, requests=_rollout_requests(rollout_path),
+                    where=str(rollout_path))
     print("token identity unknown: a rollout file carries no token ids; the requests are lined up by position")
     print(f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
           f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart")

@@ -21,6 +21,7 @@ import torch
 
 from moeverify.routing import layer_numbering
 from moeverify.errors import UsageError
+from moeverify.routing.rollout_arrays import RolloutSpec
 from moeverify.routing.routes import Routes
 
 
@@ -86,12 +87,13 @@ def _gap_rows(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> to
     return gap_NL.all(dim=1)
 
 
-def align(train: Routes, *, seq_len: Sequence[int], batch: int, moe_layers: Sequence[int], num_layers: int,
-          requests: Sequence[np.ndarray], where: str, expert_map=None, numbering: str | None = None) -> Aligned:
+def align(train: Routes, spec: RolloutSpec, *, seq_len: Sequence[int], batch: int, requests: Sequence[np.ndarray],
+          where: str) -> Aligned:
     """Both sides restricted to the positions the rollout routed (``train`` in sequence order; ``batch``:
-    sequences per merged micro-batch). ``expert_map`` (``expert_map.ExpertMap``): the rollout records physical
-    expert slots; its captured rows are mapped to logical ids before the comparison. ``numbering``: what the
-    rollout's layer axis holds (``layer_numbering``; None: inferred, refused when two readings fit)."""
+    sequences per merged micro-batch). ``spec``: the rollout's MoE layers and decoder layer count, what its layer
+    axis holds (``numbering``; None: inferred, refused when two readings fit) and its ``expert_map`` (the rollout
+    records physical expert slots: captured rows are mapped to logical ids before the comparison)."""
+    moe_layers, num_layers, numbering, expert_map = spec.layers, spec.num_layers, spec.numbering, spec.expert_map
     if expert_map is not None and expert_map.logical != train.num_experts:
         raise UsageError(f"{expert_map.path}: maps onto {expert_map.logical} logical experts, the training side has "
                          f"{train.num_experts} (both sides must be the same logical experts)")

@@ -8,6 +8,7 @@ refused. Legend: T = tokens, L = MoE layers (columns), K = top-k, B = requests, 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 from collections.abc import Sequence
@@ -20,6 +21,30 @@ from moeverify.errors import RouteError
 from moeverify.routing.route_ids import INT_DTYPES, safe_routes
 
 PICK, COUNT = 'numbering="{}"', "num_layers="
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutSpec:
+    """What a rollout engine's routes mean for the model training routes: which MoE layers, how many logical
+    experts, what the layer axis holds, and the expert placement. Checked once (``of``), then handed on whole
+    instead of five loose arguments."""
+
+    layers: tuple[int, ...]  # global MoE layer numbers, ascending, each once (MTP layers: num_layers + i)
+    num_experts: int  # logical experts per MoE layer
+    num_layers: int | None = None  # decoder layers of the model (MTP layers not counted)
+    numbering: str | None = None  # what the layer axis holds: "routers", "decoder", or None (inferred)
+    expert_map: maps.ExpertMap | None = None  # the engine records physical slots: slot -> logical id
+
+    @classmethod
+    def of(cls, *, layers, num_experts: int, num_layers: int | None = None, numbering: str | None = None,
+           expert_map=None) -> RolloutSpec:
+        """Checked: ``layers`` (``check_layers``) and ``expert_map`` (a path, a parsed map or an ``ExpertMap``,
+        ``load_map``)."""
+        layers = tuple(check_layers(layers))
+        emap = None if expert_map is None else load_map(expert_map, layers=layers, num_layers=num_layers,
+                                                        num_experts=num_experts)
+        return cls(layers=layers, num_experts=num_experts, num_layers=num_layers, numbering=numbering,
+                   expert_map=emap)
 
 
 def check_layers(layers) -> list[int]:
@@ -49,26 +74,25 @@ def ndim(array) -> int:
     return len(getattr(array, "shape", ()))
 
 
-def one_sequence(topk_ids, *, layers: Sequence[int], num_experts: int, tokens: int | None, pad_T, numbering,
-                 num_layers: int | None, emap) -> tuple[torch.Tensor, torch.Tensor | None]:
+def one_sequence(topk_ids, spec: RolloutSpec, *, tokens: int | None,
+                 pad_T) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One sequence ``[T or T - 1, W, K]`` -> ``([tokens, L, K], pad_T or None)``."""
     where = "rollout routes"
-    ids_TLK = pick_columns(as_int64(topk_ids), layers=layers, num_layers=num_layers, numbering=numbering,
-                           where=where)
+    ids_TLK = pick_columns(as_int64(topk_ids), spec, where=where)
     tokens = int(ids_TLK.shape[0]) if tokens is None else tokens
     pad = None if pad_T is None else _as_bool(pad_T, tokens)
-    ids_TLK = _one_request(ids_TLK, tokens=tokens, num_experts=num_experts, pad_T=pad, where=where,
-                           layers=layers, emap=emap)
+    ids_TLK = _one_request(ids_TLK, spec, tokens=tokens, pad_T=pad, where=where)
     return ids_TLK, pad
 
 
-def pick_columns(ids_TLK: torch.Tensor, *, layers: Sequence[int], num_layers: int | None, numbering,
-                 where: str) -> torch.Tensor:
-    """The columns of ``layers`` in ``[T, W, K]`` (``layer_numbering.columns``: refused when two readings fit)."""
+def pick_columns(ids_TLK: torch.Tensor, spec: RolloutSpec, *, where: str) -> torch.Tensor:
+    """The columns of ``spec.layers`` in ``[T, W, K]`` (``layer_numbering.columns``: refused when two readings
+    fit)."""
+    layers = spec.layers
     if ids_TLK.dim() != 3:
         raise RouteError(f"{where} shape {tuple(ids_TLK.shape)} != expected (T, L={len(layers)}, K)")
-    cols = layer_numbering.columns(ids_TLK.shape[1], layers=layers, num_layers=num_layers, numbering=numbering,
-                                   where=where, error=RouteError, pick=PICK, count=COUNT)
+    cols = layer_numbering.columns(ids_TLK.shape[1], layers=layers, num_layers=spec.num_layers,
+                                   numbering=spec.numbering, where=where, error=RouteError, pick=PICK, count=COUNT)
     return ids_TLK if cols == list(range(ids_TLK.shape[1])) else ids_TLK[:, cols, :]
 
 
@@ -106,10 +130,11 @@ def _check_range(ids_TLK: torch.Tensor, *, skip_TL: torch.Tensor, num_experts: i
                          f"pass expert_map= (slot -> logical id)")
 
 
-def _one_request(ids_TLK: torch.Tensor, *, tokens: int, num_experts: int, pad_T: torch.Tensor | None, where: str,
-                 layers: Sequence[int], emap) -> torch.Tensor:
+def _one_request(ids_TLK: torch.Tensor, spec: RolloutSpec, *, tokens: int, pad_T: torch.Tensor | None,
+                 where: str) -> torch.Tensor:
     """One request's ``[tokens, L, K]``: ids mapped, the missing last row filled, capture gaps on real tokens
     refused."""
+    num_experts, layers, emap = spec.num_experts, spec.layers, spec.expert_map
     T, L, K = ids_TLK.shape
     if not 1 <= K <= num_experts:
         raise RouteError(f"{where}: top-k {K} not in [1, num_experts={num_experts}]")
@@ -142,9 +167,8 @@ def _one_request(ids_TLK: torch.Tensor, *, tokens: int, num_experts: int, pad_T:
     return ids_TLK
 
 
-def batch_of_requests(topk_ids, *, lengths: Sequence[int], rows: Sequence[int] | None, seq_len: int | None,
-                      num_experts: int, layers: Sequence[int], num_layers: int | None, numbering,
-                      emap) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_of_requests(topk_ids, spec: RolloutSpec, *, lengths: Sequence[int], rows: Sequence[int] | None,
+                      seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Several requests -> sequence-major ``[B * seq_len, L, K]`` and its pad mask."""
     lengths = [int(n) for n in lengths]
     if isinstance(topk_ids, (list, tuple)):
@@ -159,9 +183,8 @@ def batch_of_requests(topk_ids, *, lengths: Sequence[int], rows: Sequence[int] |
     out = []
     for b, (ids_TLK, n) in enumerate(zip(requests, lengths)):
         where = f"rollout request {b}"
-        ids_TLK = pick_columns(ids_TLK, layers=layers, num_layers=num_layers, numbering=numbering, where=where)
-        ids_TLK = _one_request(ids_TLK, tokens=n, num_experts=num_experts, pad_T=None, where=where, layers=layers,
-                               emap=emap)
+        ids_TLK = pick_columns(ids_TLK, spec, where=where)
+        ids_TLK = _one_request(ids_TLK, spec, tokens=n, pad_T=None, where=where)
         if out and ids_TLK.shape[2] != out[0].shape[2]:
             raise RouteError(f"{where}: top-k {ids_TLK.shape[2]} != request 0's {out[0].shape[2]}")
         filler = torch.zeros(seq_len - n, *ids_TLK.shape[1:], dtype=torch.int64)

@@ -18,7 +18,6 @@ import torch
 from moeverify.routing import rollout_arrays as ra
 from moeverify.routing import views
 from moeverify.errors import RouteError
-from moeverify.routing.route_ids import INT_DTYPES
 from moeverify.routing.route_ids import validate_topk_ids as validate_topk_ids  # public here too
 from moeverify.routing.route_ids import safe_routes as safe_routes  # public here too (``moeverify.routing.routes.safe_routes``)
 
@@ -293,23 +292,18 @@ class Routes:
         spread over all experts. A capture gap (a row of -1, or with K > 1 a row of zeros, on a real
         token) raises ``RouteError`` naming request, token and layer: it is never replayed as expert 0.
         """
-        layers = ra.check_layers(layers)
+        spec = ra.RolloutSpec.of(layers=layers, num_experts=num_experts, num_layers=num_layers, numbering=numbering,
+                                 expert_map=expert_map)
         if lengths is None and (isinstance(topk_ids, (list, tuple)) or ra.ndim(topk_ids) == 4):
             raise RouteError("several rollout requests need lengths= (tokens training feeds per request)")
         if rows is not None and (lengths is None or isinstance(topk_ids, (list, tuple))):
             raise RouteError("rows= gives the rows of each request of a padded [B, S, L, K] batch (with lengths=); "
                              "drop it for other forms")
-        emap = None if expert_map is None else ra.load_map(expert_map, layers=layers, num_layers=num_layers,
-                                                          num_experts=num_experts)
         if lengths is not None:
-            ids_TLK, pad_T = ra.batch_of_requests(topk_ids, lengths=lengths, rows=rows, seq_len=seq_len,
-                                                  num_experts=num_experts, layers=layers, num_layers=num_layers,
-                                                  numbering=numbering, emap=emap)
-            tokens = int(ids_TLK.shape[0])
+            ids_TLK, pad_T = ra.batch_of_requests(topk_ids, spec, lengths=lengths, rows=rows, seq_len=seq_len)
         else:
-            ids_TLK, pad_T = ra.one_sequence(topk_ids, layers=layers, num_experts=num_experts, tokens=tokens,
-                                             pad_T=pad_T, numbering=numbering, num_layers=num_layers, emap=emap)
-            tokens = int(ids_TLK.shape[0])
+            ids_TLK, pad_T = ra.one_sequence(topk_ids, spec, tokens=tokens, pad_T=pad_T)
+        tokens = int(ids_TLK.shape[0])
         if pad_T is not None:
             ids_TLK = ra.fill_pads(ids_TLK, pad_T, num_experts=num_experts)
         sizes = [tokens] if split is None else [int(n) for n in split]
@@ -318,7 +312,7 @@ class Routes:
         chunks = torch.split(ids_TLK, sizes)
         # The engine's order: request by request, token by token (sequence-major), never what a rank's routers
         # see (``to_local`` gives that), even for one array whose ``tokens`` span several sequences.
-        return cls({layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(layers)},
+        return cls({layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(spec.layers)},
                    num_experts=num_experts, topk=int(ids_TLK.shape[2])).in_order("sequence")
 
     def __eq__(self, other: object) -> bool:

@@ -38,11 +38,11 @@ S = positions in a sequence, B = sequences.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from moeverify.errors import LayoutError, RouteError, UsageError
+from moeverify.errors import LayoutError, UsageError
 from moeverify.spec.layout import Layout
 
 

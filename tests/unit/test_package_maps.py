@@ -39,3 +39,42 @@ def test_an_unnamed_module_is_caught(tmp_path):
     (tmp_path / "a.py").write_text("")
     (tmp_path / "b.py").write_text("")
     assert [m for m in _members(tmp_path) if m not in _named(tmp_path)] == ["b"]
+
+
+FACES = ("routes", "views", "layout", "rollout_writer", "engine_routes")
+
+
+def _imports_of(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_the_code_imports_the_packages_not_the_public_faces():
+    """``moeverify.routing.routes`` and the other faces exist for users' scripts; the package imports the real modules,
+    so that the import contract sees every edge."""
+    faces = {f"moeverify.{f}" for f in FACES}
+    shims = {ROOT / f"{f}.py" for f in FACES}
+    found = {str(p.relative_to(ROOT)): sorted(_imports_of(p) & faces) for p in ROOT.rglob("*.py") if p not in shims}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_public_face_is_the_module_it_names(face):
+    import importlib
+
+    public = importlib.import_module(f"moeverify.{face}")
+    real = {"layout": "moeverify.spec.layout"}.get(face, f"moeverify.routing.{face}")
+    if face == "views":  # the views face adds the function form of Routes.to_local / to_global
+        from moeverify.routing import views
+
+        assert all(getattr(public, n) is getattr(views, n) for n in public.__all__ if hasattr(views, n))
+        assert set(public.__all__) >= {n for n in dir(views) if not n.startswith("_") and n[0].islower()
+                                       and callable(getattr(views, n)) and getattr(views, n).__module__ == views.__name__}
+    else:
+        assert public is importlib.import_module(real)

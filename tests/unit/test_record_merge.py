@@ -10,7 +10,7 @@ from moeverify.record import format as fmt
 from moeverify.record.writer import RankWriter
 from moeverify.routing.routes import Routes
 from moeverify.routing.views import all_rank_coords, token_index
-from moeverify.routing.views import to_local  # the public face keeps the function form
+from moeverify.views import to_local  # the public face keeps the function form
 
 NUM_LAYERS, MOE_LAYERS, SEQ_LEN, BATCH = 8, (1, 2, 3, 5, 7), 8, 2
 

@@ -7,7 +7,7 @@ from moeverify.errors import LayoutError, RouteError
 from moeverify.spec.layout import Layout
 from moeverify.routing.routes import Routes
 from moeverify.routing.views import RankCoords, all_rank_coords, chunk_layers, layers_of, rank_coords, token_index
-from moeverify.routing.views import to_global, to_local  # the public face keeps the function form
+from moeverify.views import to_global, to_local  # the public face keeps the function form
 
 
 def _reference_local_ids(layout, *, tp_rank, cp_rank, dp_rank, seq_len, batch, zigzag=True):
