@@ -13,6 +13,8 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -48,9 +50,9 @@ class EngineRoutes:
                              f"{self.routes.dtype}")
 
 
-def decode(payload, *, engine: str, **kwargs) -> EngineRoutes:
+def decode(payload, *, engine: str, **kwargs: Any) -> EngineRoutes:
     """``from_<engine>(payload, **kwargs)`` for engine ``sglang``, ``vllm``, ``trtllm`` or ``transformers``."""
-    decoders = {"sglang": from_sglang, "vllm": from_vllm, "trtllm": from_trtllm, "transformers": from_transformers}
+    decoders: dict[str, Callable[..., EngineRoutes]] = {"sglang": from_sglang, "vllm": from_vllm, "trtllm": from_trtllm, "transformers": from_transformers}
     if engine not in decoders:
         raise UsageError(f"engine {engine!r}: no decoder; one of {sorted(decoders)}")
     return decoders[engine](payload, **kwargs)

@@ -123,14 +123,12 @@ def from_object(obj, *, moe_layers: Sequence[int], num_layers: int | None = None
     moe = list(moe_layers)
     rows = _rows(obj, name=name, moe=moe, num_layers=num_layers)
     per_layer = {layer: _row(value, name=name, layer=layer) for layer, value in rows.items()}
-    physical = physical_experts
+    physical = physical_experts if physical_experts is not None else len(next(iter(per_layer.values())))
     for layer, map_P in per_layer.items():
-        want = physical if physical is not None else len(next(iter(per_layer.values())))
-        if map_P.numel() != want:
-            whose = f"{what}'s {physical} experts (its physical slots)" if physical is not None else \
-                f"layer {moe[0]}'s {want} slots"
+        if map_P.numel() != physical:
+            whose = f"{what}'s {physical} experts (its physical slots)" if physical_experts is not None else \
+                f"layer {moe[0]}'s {physical} slots"
             raise ExpertMapError(f"{name}: layer {layer}: {map_P.numel()} slot(s) != {whose}")
-        physical = want
     for layer, map_P in per_layer.items():
         bad = ((map_P < 0) | (map_P >= physical)).nonzero().flatten()
         if bad.numel():
@@ -216,7 +214,7 @@ def _row(value, *, name: str, layer: int) -> torch.Tensor:
     for slot, v in enumerate(value):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool):
             raise ExpertMapError(f"{name}: layer {layer} slot {slot}: {v!r} is not an integer logical id")
-        if not _INT64_MIN <= v <= _INT64_MAX:
+        if not _INT64_MIN <= int(v) <= _INT64_MAX:
             raise ExpertMapError(f"{name}: layer {layer} slot {slot}: logical id {v} out of range (expected a slot "
                                  f"number [0, slots))")
     return torch.tensor(value, dtype=torch.int64)

@@ -180,7 +180,7 @@ def batch_of_requests(topk_ids, spec: RolloutSpec, *, lengths: Sequence[int], ro
     seq_len = max(lengths) if seq_len is None else int(seq_len)
     if min(lengths) < 1 or max(lengths) > seq_len:
         raise RouteError(f"request lengths {lengths} must lie in [1, seq_len={seq_len}]")
-    out = []
+    out: list[torch.Tensor] = []
     for b, (ids_TLK, n) in enumerate(zip(requests, lengths)):
         where = f"rollout request {b}"
         ids_TLK = pick_columns(ids_TLK, spec, where=where)
@@ -258,7 +258,7 @@ def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_e
             raise maps.ExpertMapError(f"{emap.path}: no map for layer(s) {missing} (maps layers "
                                       f"{sorted(emap.per_layer)})")
     elif isinstance(expert_map, (str, os.PathLike)):
-        emap = maps.load(expert_map, moe_layers=layers, num_layers=num_layers, what="the rollout routes")
+        emap = maps.load(os.fspath(expert_map), moe_layers=layers, num_layers=num_layers, what="the rollout routes")
     else:
         emap = maps.from_object(expert_map, moe_layers=layers, num_layers=num_layers, what="the rollout routes",
                                 name="expert_map=")

@@ -163,7 +163,7 @@ class RolloutWriter:
             arrays["expert_map"] = np.atleast_2d(self.expert_map).astype(np.int64)
         self.dir.mkdir(parents=True, exist_ok=True)
         with atomic_writer(self.path) as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
         self._tokens.clear()
         self._routes.clear()
         if complete:
@@ -202,9 +202,9 @@ def complete_steps(directory: Path | str, *, newest: int | None = None) -> list[
             if entry.name.startswith("step-") and number.isdigit():
                 numbers.append(int(number))
     steps = []
-    for number in sorted(numbers, reverse=True):
-        if (step_dir(directory, number) / MARKER).is_file():
-            steps.append(number)
+    for step in sorted(numbers, reverse=True):
+        if (step_dir(directory, step) / MARKER).is_file():
+            steps.append(step)
             if newest is not None and len(steps) == newest:
                 break
     return sorted(steps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
+from typing import TypeGuard
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ def _versions(data: Mapping[int, Sequence]) -> dict:
     return {(layer, mb): getattr(t, "_version", None) for layer, mbs in data.items() for mb, t in enumerate(mbs)}
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:  # an Integral (numpy's too) that compares as an int
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
@@ -381,7 +382,7 @@ def _to_global(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, worl
         for layer in routes.layers:
             dtype = torch.promote_types(dtype, routes.get(layer, 0).dtype)
     dp = layout.dp(world_size)
-    per_layer = {layer: [] for layer in moe}
+    per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe}
     for mb, length in enumerate(lens):
         tokens = dp * batch * length
         for layer in moe:

@@ -150,7 +150,7 @@ def layers_of(layout: Layout, *, pp_rank: int, num_layers: int, moe_layers: Sequ
     if bad:
         raise LayoutError(f"moe_layers {bad} outside [0, num_layers={num_layers}), and not MTP layers numbered "
                           f"num_layers + i ({num_layers}, {num_layers + 1}, ...)")
-    held = set()
+    held: set[int] = set()
     for c in stages:
         held.update(chunk_layers(layout, pp_rank=pp_rank, vp_stage=c, num_layers=num_layers))
     if pp_rank == layout.pp - 1 and layout.vpp_chunks - 1 in stages:

@@ -363,11 +363,12 @@ class CheckSpec:
     def selected_subchecks(self, options: Mapping[str, object]) -> tuple[tuple[str, ...], str | None]:
         """The declared subchecks a scenario with these (validated) ``options`` runs, in declared order, and the
         option key that narrowed them (None when all run)."""
+        field = self.subchecks_field
         declared = {f.name: m for f, m in self.options.declared()}
-        key = declared[self.subchecks_field].key if self.subchecks_field else None
-        if key is None or options.get(key) is None:
+        key = declared[field].key if field else None
+        if field is None or key is None or options.get(key) is None:
             return self.declared_subchecks, None
-        chosen = getattr(self.options.from_options(options), self.subchecks_field)
+        chosen = getattr(self.options.from_options(options), field)
         return tuple(s for s in self.subchecks if s in chosen), key
 
     def refusal(self, options: Mapping[str, object], layout: Layout, *, world_size: int) -> str | None:

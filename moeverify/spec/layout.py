@@ -25,7 +25,7 @@ class ModelShape:
     num_query_groups: int
     num_experts: int = 0  # 0 for a dense model
     moe_layers: tuple[int, ...] = ()  # 0-based global layer numbers of MoE layers
-    linear_heads: tuple[int, int] = ()  # (key heads, value heads) of linear-attention layers; () without them
+    linear_heads: tuple[int, int] | tuple[()] = ()  # (key heads, value heads) of linear-attention layers; () without them
 
     @property
     def is_moe(self) -> bool:

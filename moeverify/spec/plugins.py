@@ -42,6 +42,8 @@ def _module(target: str, *, what: str, spec: str):
         if name in sys.modules:
             return sys.modules[name]
         mod_spec = importlib.util.spec_from_file_location(name, path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise UsageError(f"{target}: Python cannot load this file as a module")
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[name] = module
         try:
@@ -88,9 +90,10 @@ def _source_of(target: str) -> tuple[str, str] | None:
             top = target.split(".")[0]
             raise UsageError(f"no module named {target!r}" + (f" (package {top!r} not found)" if top != target and
                                                                importlib.util.find_spec(top) is None else ""))
-        path = found.origin
-        if not path or not path.endswith(".py"):
+        origin = found.origin
+        if not origin or not origin.endswith(".py"):
             return None  # a compiled or namespace module: only importing it can tell
+        path = origin
     try:
         with open(path, "rb") as f:
             return path, f.read().decode("utf-8")

@@ -49,9 +49,16 @@ class Scenario:
     gpu_only: str | None = None  # the reason, when this scenario cannot run on CPU ranks
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-scenario check options
     source: str = ""  # "file.yaml" where it was defined, for messages
-    model: ModelRef | None = None  # the model run (filled from ``family`` for a built-in family)
+    model: ModelRef | None = None  # the model run (filled from ``family`` for a built-in family: ``ref``)
     unfit: str | None = None  # why the user model given with --model cannot run this layout (skipped)
     expect_fail: tuple[ExpectedFailure, ...] = ()  # known findings that make a check fail (expectations.py)
+
+    @property
+    def ref(self) -> ModelRef:
+        """The model run (``model``, never None once built)."""
+        if self.model is None:
+            raise UsageError(f"scenario {self.family}: no model reference")
+        return self.model
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -121,10 +128,10 @@ def _gpu_only_field(where: Where, value: object) -> str | None:
 def _user_model(where: Where, value: object, sets: object = None) -> ModelRef:
     """Read and check the user model of ``model: PATH`` (or ``{path, set}``), relative to the file."""
     if isinstance(value, Mapping):
-        value = _check_keys(where, value, _MODEL_KEYS, "model")
+        entry = _check_keys(where, value, _MODEL_KEYS, "model")
         if sets is not None:
             raise error(where, "give the overrides once: model: {path, set} or model_set, not both")
-        value, sets = value.get("path"), value.get("set")
+        value, sets = entry.get("path"), entry.get("set")
     if not isinstance(value, str) or not value.strip():
         raise error(where, f"model must be a path (an HF model directory or a config.json), got {value!r}")
     if sets is not None and not isinstance(sets, Mapping):
@@ -210,7 +217,7 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
             raise error(where, refusal)
     expect_fail = () if fit_or_skip else parse_expect_fail(
         where, spec.fields.get("expect_fail"), checks=check_list, options=scenario_options)
-    return Scenario(family=family, layout=layout, world_size=world_size, checks=tuple(check_list),
+    return Scenario(family=str(family), layout=layout, world_size=world_size, checks=tuple(check_list),
                     seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
                     gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
                     options=scenario_options, unfit=unfit, expect_fail=expect_fail,
@@ -353,7 +360,7 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
     model = None if model is None else as_ref(model)
     seen: dict[str, Scenario] = {}
     refs: dict[str, ModelRef] = {} if model is None else {model.key: model}
-    out = []
+    out: list[Scenario] = []
     for path in paths:
         for scenario in load_file(path, checks=checks, families=families, max_world_size=max_world_size,
                                   model=model):
@@ -374,10 +381,10 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
 
 def _one_model_per_key(refs: dict[str, ModelRef], scenario: Scenario) -> None:
     """Two user models whose directories share a name would share a key (and their scenarios, a name)."""
-    previous = refs.setdefault(scenario.family, scenario.model)
-    if previous != scenario.model:
+    previous = refs.setdefault(scenario.family, scenario.ref)
+    if previous != scenario.ref:
         raise UsageError(f"{scenario.source}: two user models share the key {scenario.family!r}: {previous.path} "
-                         f"and {scenario.model.path}; rename one directory")
+                         f"and {scenario.ref.path}; rename one directory")
 
 
 def group_by_world_size(scenarios: Iterable[Scenario]) -> dict[int, list[Scenario]]:
@@ -392,7 +399,7 @@ def scenario_to_dict(scenario: Scenario) -> dict:
     """JSON form of a scenario (for the worker's plan file)."""
     return {"family": scenario.family, "layout": scenario.layout.as_dict(), "world_size": scenario.world_size,
             "checks": list(scenario.checks), "seed": scenario.seed, "gpu_only": scenario.gpu_only,
-            "options": dict(scenario.options), "source": scenario.source, "model": scenario.model.to_dict(),
+            "options": dict(scenario.options), "source": scenario.source, "model": scenario.ref.to_dict(),
             "unfit": scenario.unfit, "expect_fail": [e.as_dict() for e in scenario.expect_fail]}
 
 

@@ -136,7 +136,7 @@ def hf_config_dict(model: str | ModelRef) -> dict:
     ref = check_family(model)
     if ref.is_user:
         return dict(user.load(ref).config)
-    arch, kwargs = _FAMILIES[ref.family]
+    arch, kwargs = _FAMILIES[str(ref.family)]  # a known family: check_family
     return dict(kwargs, architectures=[arch], dtype="bfloat16")
 
 

@@ -20,6 +20,7 @@ version assumptions break: transformers knowing ``kimi_k2`` itself, or ``Deepsee
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from moeverify.errors import UsageError
 
@@ -29,7 +30,7 @@ ARCHITECTURE = "KimiK2ForCausalLM"
 # Fields of Kimi-K2's real config.json that transformers 5.12.1's DeepseekV3Config does not declare, with
 # Kimi-K2's values. Megatron-Bridge 0.6.2 reads ``scoring_func`` (-> moe_router_score_function: KimiK2Bridge,
 # unlike DeepSeekV3Bridge, does not set sigmoid itself); the others are carried as the real config has them.
-KIMI_FIELDS = dict(scoring_func="sigmoid", topk_method="noaux_tc", seq_aux=True, aux_loss_alpha=0.001,
+KIMI_FIELDS: dict[str, Any] = dict(scoring_func="sigmoid", topk_method="noaux_tc", seq_aux=True, aux_loss_alpha=0.001,
                    moe_layer_freq=1, num_nextn_predict_layers=0)
 
 
@@ -46,7 +47,7 @@ def classes() -> tuple[type, type]:
                          "DeepseekV3ForCausalLM, which moeverify's Kimi-K2 stands on (written for 5.12.1)")
 
     @strict
-    class KimiK2Config(base_config):
+    class KimiK2Config(base_config):  # type: ignore[valid-type,misc]  # transformers' class, found at run time
         """DeepSeek-V3's config under Kimi-K2's model type, with the Kimi-K2 fields DeepSeek-V3's lacks."""
 
         model_type = MODEL_TYPE
@@ -57,7 +58,7 @@ def classes() -> tuple[type, type]:
         moe_layer_freq: int = KIMI_FIELDS["moe_layer_freq"]
         num_nextn_predict_layers: int = KIMI_FIELDS["num_nextn_predict_layers"]
 
-    class KimiK2ForCausalLM(base_model):
+    class KimiK2ForCausalLM(base_model):  # type: ignore[valid-type,misc]
         """transformers' DeepSeek-V3 model, unchanged: Kimi-K2's modelling is DeepSeek-V3's."""
 
         config_class = KimiK2Config

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moeverify.errors import UsageError
+
 PREFIX = "model:"
 
 
@@ -51,11 +53,18 @@ class ModelRef:
         return self.path is not None
 
     @property
+    def user_path(self) -> Path:
+        """A user model's path (``UsageError`` for a family, which has none)."""
+        if self.path is None:
+            raise UsageError(f"{self.key}: a built-in family, not a user model: it has no path")
+        return Path(self.path)
+
+    @property
     def name(self) -> str:
         """The family, or the user model's directory name (the config file's directory for a file)."""
         if self.family is not None:
             return self.family
-        path = Path(self.path)
+        path = self.user_path
         return (path.parent if path.is_file() else path).name
 
     @property

@@ -19,6 +19,7 @@ gets the same checks as the built-in family it resembles. Pure Python: no torch,
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from moeverify.errors import UsageError
 from moeverify.spec.models.user import shape_of
@@ -54,7 +55,7 @@ def traits_of(config, *, where: str = "model") -> ModelTraits:
     """
     if not isinstance(config, dict):
         config = config.to_dict()
-    archs = config.get("architectures") or ()
+    archs: Any = config.get("architectures") or ()
     if len(archs) != 1:
         raise UsageError(f"{where}: config 'architectures' must name exactly one model class, got {archs!r}")
     arch = archs[0]

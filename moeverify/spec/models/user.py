@@ -55,7 +55,7 @@ class UserModel:
 
     @property
     def path(self) -> Path:  # the directory, or the config.json file given
-        return Path(self.ref.path)
+        return self.ref.user_path
 
     @property
     def overrides(self) -> tuple[tuple[str, Any], ...]:
@@ -102,7 +102,7 @@ def load(ref: ModelRef, *, where: str = "scenario model") -> UserModel:
     """The user model of ``ref`` (read once per process while its config file is unchanged)."""
     if not ref.is_user:
         raise UsageError(f"{where}: {ref.key} is a built-in family, not a user model")
-    path = Path(ref.path)
+    path = ref.user_path
     config_path = path if path.is_file() else path / CONFIG
     try:
         stat = config_path.stat()
@@ -116,7 +116,7 @@ def load(ref: ModelRef, *, where: str = "scenario model") -> UserModel:
 
 
 def _read(ref: ModelRef, *, where: str) -> UserModel:
-    path = Path(ref.path)
+    path = ref.user_path
     if not path.exists():
         raise UsageError(f"{where}: {path} does not exist (expected an HF model directory or a config.json)")
     config_path = path if path.is_file() else path / CONFIG
@@ -367,7 +367,7 @@ def shape_of(config: dict, *, where: str = "model") -> ModelShape:
     experts = next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0)
     if isinstance(experts, list):  # e.g. a per-modality list
         experts = experts[0]
-    linear = ()
+    linear: tuple[int, int] | tuple[()] = ()
     if "linear_attention" in (config.get("layer_types") or ()) or config.get("linear_num_key_heads"):
         linear = (int(config.get("linear_num_key_heads") or 0), int(config.get("linear_num_value_heads") or 0))
     return ModelShape(num_layers=layers, num_heads=heads, num_query_groups=int(groups), num_experts=int(experts),
@@ -375,7 +375,7 @@ def shape_of(config: dict, *, where: str = "model") -> ModelShape:
 
 
 # Keys that say which decoder layers are MoE, with the value under which each says nothing (every layer MoE).
-PATTERN_KEYS = {"mlp_layer_types": None, "first_k_dense_replace": 0, "moe_layer_freq": 1, "moe_layer_start_index": 0,
+PATTERN_KEYS: dict[str, object] = {"mlp_layer_types": None, "first_k_dense_replace": 0, "moe_layer_freq": 1, "moe_layer_start_index": 0,
                 "moe_layer_end_index": None, "moe_layer_interval": 1, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
