@@ -15,14 +15,14 @@ demo: setup
 
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/lint-imports
+	.venv/bin/mypy
 
 # Lint (ruff and the import layers contract, seconds), unit tests (the timing-sensitive ones with the CPUs busy, as on a
 # loaded CI host), then the release matrix bit for bit on CPU ranks (a subset of the families matrix), then the
 # torchrun scenario tests.
-test: setup
-	.venv/bin/ruff check .
-	.venv/bin/lint-imports
+test: setup lint
 	@mkdir -p runs
 	$(PY) -m pytest -q -n $(NPROC) -m "not timing" tests/unit
 	$(PY) tools/under_load.py --busy $(BUSY) -- $(PY) -m pytest -q -n $(NPROC) -m timing tests/unit

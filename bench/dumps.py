@@ -101,7 +101,9 @@ def measure_size(routes: Routes, rows: int, tmp: Path) -> dict:
     torch.save(tensors, tmp / "ids.pt")
     pt_b = (tmp / "ids.pt").stat().st_size
     jsonl_b, jsonl_how = _jsonl_bytes(routes, tmp / "trace")
-    per = lambda b: round(b / rows, 3)
+    def per(b):
+        return round(b / rows, 3)
+
     tensors_n = len(tensors)
     ours_fixed, peer_fixed = dump_b - rows * TOPK, pt_b - rows * TOPK * 8
     files = {p.name: p.stat().st_size for p in sorted((tmp / "dump").iterdir())}
@@ -150,7 +152,7 @@ def measure_write(routes: Routes, rows: int, tmp: Path, repeats: int) -> dict:
 
 def _step(weights, router_w, x, writer, step):
     h = x
-    for layer, (w, r) in enumerate(zip(weights, router_w)):
+    for layer, (w, r) in enumerate(zip(weights, router_w, strict=True)):
         h = torch.tanh(h @ w)
         ids = (h.detach() @ r).topk(TOPK, dim=1).indices
         if writer is not None:
@@ -273,7 +275,7 @@ def write_stream_dumps(tmp: Path, tokens: int) -> tuple[Path, Path]:
             writers[1].add(step=0, mb=mb, layer=layer, ids_TK=b, validated=True)
         for w in writers:
             w.flush()
-    for w, p in zip(writers, paths):
+    for w, p in zip(writers, paths, strict=True):
         w.close()
         record.finalize(p)
     return paths

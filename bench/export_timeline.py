@@ -71,7 +71,7 @@ class Timeline:
             return wrapper
 
         kinds = ["row", "setup", "setup", "setup", "wait", "wait", "finish", "finish"]
-        for (owner, attr, fn), kind in zip(saved, kinds):
+        for (owner, attr, fn), kind in zip(saved, kinds, strict=True):
             setattr(owner, attr, timed(kind, fn, cpu=kind != "wait"))
         try:
             yield self

@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     g = np.random.default_rng(0)
     n_seq = args.prompts * args.group
     sequences, routes = [], []
-    for p in range(args.prompts):
+    for _ in range(args.prompts):
         prompt = g.integers(0, 150000, args.prompt_len)
         for _ in range(args.group):
             seq = np.concatenate([prompt, g.integers(0, 150000, args.seq - args.prompt_len)])

@@ -107,6 +107,9 @@ if [ ! -f "$tools/.complete" ]; then
   flock -u 8
 fi
 ln -sfn "$tools/bin/ruff" "$venv/bin/ruff"
+# mypy checks against the stack's packages (torch, numpy): it runs in the tools venv, reading .venv's interpreter
+printf '#!/bin/sh\nexec "%s/bin/python" -m mypy --python-executable "%s/bin/python" "$@"\n' "$tools" "$venv" > "$venv/bin/mypy"
+chmod +x "$venv/bin/mypy"
 # import-linter's own script names the venv's temporary path: run its entry point through the venv's python
 # (the working directory, the repo root, is on its path, so the package is analysed without being installed).
 printf '#!/bin/sh\nexec "%s/bin/python" -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())" --no-cache "$@"\n' "$tools" > "$venv/bin/lint-imports"

@@ -105,7 +105,7 @@ def _kind(path_text: str) -> str:
 def _mapped(args, a, b):
     """Both sides' layer sources with their expert maps applied and one expert count; the maps' JSON record."""
     sides = {}
-    for name, side, flag, path in (("a", a, "--expert-map-a", args.expert_map_a),
+    for name, side, _flag, path in (("a", a, "--expert-map-a", args.expert_map_a),
                                    ("b", b, "--expert-map-b", args.expert_map_b)):
         src = side.routes
         if path is None:

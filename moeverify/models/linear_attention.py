@@ -152,7 +152,7 @@ def use_linear_attention(config, layer_specs: list, vp_stage: int | None) -> Non
     numbers = local_layer_numbers(config, vp_stage)
     if len(numbers) != len(layer_specs):
         raise ValueError(f"{len(layer_specs)} local layer specs for layers {numbers}: megatron-core's slicing changed")
-    for number, spec in zip(numbers, layer_specs):
+    for number, spec in zip(numbers, layer_specs, strict=True):
         if pattern[number] == 1:
             spec.submodules.self_attention = gdn_attention_spec()
             spec.submodules.input_layernorm = IdentityOp

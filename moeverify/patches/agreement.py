@@ -132,7 +132,7 @@ class Guard:
         device = entries[0][1][0].device
         read = torch.stack([torch.stack([c.to(device) for c in counts[:5]]) for _, counts in entries]).tolist()
         rows = [self._row(kind, layer, [*values, *counts[5:]], rank)  # one host read a step
-                for ((kind, layer), counts), values in zip(entries, read)]
+                for ((kind, layer), counts), values in zip(entries, read, strict=True)]
         self._counts.clear()
         self.history.extend(rows)
         self._write(rows, rank)

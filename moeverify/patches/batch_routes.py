@@ -191,7 +191,7 @@ def add_routes(*, version: int, routes, sequences=None, input_ids=None, attentio
     if len(sequences) != len(routes) or not sequences:
         raise UsageError(f"add_routes: {len(sequences)} sequences and {len(routes)} routes; one per request, >= 1")
     requests = [_request(s, r, f"add_routes version {version} request {i}")
-                for i, (s, r) in enumerate(zip(sequences, routes))]
+                for i, (s, r) in enumerate(zip(sequences, routes, strict=True))]
     said = {n for _, _, n, _ in requests if n is not None} | ({numbering} if numbering else set())
     if len(said) > 1:
         raise UsageError(f"add_routes version {version}: the routes say layer numberings {sorted(said)}; one engine's")

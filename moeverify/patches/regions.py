@@ -53,7 +53,7 @@ def _hook_cells() -> dict[str, Any]:
     code, closure = getattr(pack, "__code__", None), getattr(pack, "__closure__", None)
     if code is None or not closure:
         return {}
-    return dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
+    return dict(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
 
 
 def _reentrant_ctx() -> BackwardCFunction | None:
@@ -110,7 +110,7 @@ def probe() -> str | None:
     forwards, recomputes = seen["forward"], seen["recompute"]
     if len(forwards) != 2 or len(recomputes) != 2 or any(r is None for r in forwards):
         return f"checkpoint regions not found (forward {forwards}, recompute {recomputes})"
-    for kind, fwd, rec in zip(("reentrant", "non-reentrant"), forwards, recomputes):
+    for kind, fwd, rec in zip(("reentrant", "non-reentrant"), forwards, recomputes, strict=True):
         if not any(candidate is fwd for candidate in rec):
             return f"the {kind} checkpoint's recompute does not name its forward's region"
     return None

@@ -110,7 +110,7 @@ class Step:
         if stored.shape[0] not in (1, width):
             raise RouteError(f"{self.where}: expert_map holds {stored.shape[0]} rows, the routes {width} columns "
                              "(give one row for every layer, or one per column)")
-        per_layer = {layer: stored[0 if stored.shape[0] == 1 else col].tolist() for layer, col in zip(layers, cols)}
+        per_layer = {layer: stored[0 if stored.shape[0] == 1 else col].tolist() for layer, col in zip(layers, cols, strict=True)}
         return ra.load_map(per_layer, layers=layers, num_layers=num_layers, num_experts=num_experts)
 
     @staticmethod
@@ -225,7 +225,7 @@ class TableSource(abc.ABC):
         """What error messages call the routes of ``versions``."""
         return f"{self.origin} of step(s) {versions}"
 
-    def refresh(self) -> None:
+    def refresh(self) -> None:  # noqa: B027 (a source handed its routes has nothing to look for)
         """Look for newer versions; they replace the tables."""
 
     def invalidate(self) -> None:

@@ -143,7 +143,7 @@ class RouteTable:
                              "forward stopped before its last MoE layer")
         key1_N, key2_N = torch.cat(self._keys, dim=1)
         native_N = torch.cat([torch.zeros(k.shape[1], dtype=torch.bool, device=k.device) if n is None
-                              else n.to(device=k.device, dtype=torch.bool) for k, n in zip(self._keys, self._native)])
+                              else n.to(device=k.device, dtype=torch.bool) for k, n in zip(self._keys, self._native, strict=True)])
         if group is not None:
             key1_N, key2_N, native_N = self._pool(key1_N, key2_N, native_N, group)
         order_N = torch.argsort(native_N.to(torch.int8), stable=True)  # a real route before a native flag
@@ -176,7 +176,7 @@ class RouteTable:
         self.any_native = bool(self.native_G.any())
         if self.versions:
             version_N = torch.cat([torch.full((k.shape[1],), v, dtype=torch.int64, device=k.device)
-                                   for k, v in zip(self._keys, self._forward_version)])[order_N]
+                                   for k, v in zip(self._keys, self._forward_version, strict=True)])[order_N]
             self.xconflict_G = self._across_versions(version_N[heads_G])
         self._keys.clear()
         self._forward_version.clear()
@@ -217,7 +217,7 @@ class RouteTable:
         padded_NC[:rows_NC.shape[0]] = rows_NC
         gathered = [torch.empty_like(padded_NC) for _ in counts]
         dist.all_gather(gathered, padded_NC, group=group)
-        pooled_NC = torch.cat([g[:int(c.item())] for g, c in zip(gathered, counts)])
+        pooled_NC = torch.cat([g[:int(c.item())] for g, c in zip(gathered, counts, strict=True)])
         k = (pooled_NC.shape[1] - 3) // max(len(layers), 1)
         for i, layer in enumerate(layers):
             self._ids[layer] = [pooled_NC[:, 3 + i * k:3 + (i + 1) * k].to(self.dtype)]

@@ -173,7 +173,7 @@ def thd_zigzag_index(slots: torch.Tensor, *, rank: int, size: int) -> torch.Tens
     ``[slots[i], slots[i + 1])`` zigzag-split on its own, slot after slot."""
     bounds = [int(x) for x in slots.reshape(-1).tolist()]
     parts = []
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         if (end - start) % (2 * size):
             raise RouteError(f"context parallel, packed sequences: slot {i} holds {end - start} tokens, not a multiple "
                              f"of 2 * cp = {2 * size}; Megatron's per-document split (Transformer Engine's "
@@ -186,7 +186,7 @@ def unshard(parts: list[torch.Tensor], indices: list[torch.Tensor], *, length: i
     """The full ``[..., length]`` tensor whose positions ``indices[r]`` (last dim) CP rank ``r`` holds as ``parts[r]``."""
     full = parts[0].new_zeros(*parts[0].shape[:-1], length)
     seen = torch.zeros(length, dtype=torch.int64)
-    for part, index in zip(parts, indices):
+    for part, index in zip(parts, indices, strict=True):
         if part.shape[-1] != index.numel():
             raise RouteError(f"context parallel: a rank holds {part.shape[-1]} tokens, its split gives {index.numel()}")
         full[..., index.to(full.device)] = part

@@ -131,7 +131,7 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
         "steps": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
         "ranks": {str(r): {"coords": rec["coords"], "files": rec["files"]} for r, rec in sorted(records.items())},
         "versions": fmt.versions(),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     write_json(path / fmt.MANIFEST, manifest)
     # The manifest now holds all they said (an append rebuilds a rank's record from it): removing them

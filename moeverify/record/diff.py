@@ -64,7 +64,7 @@ def sequence_spans(microbatch_tokens: Sequence[int], *, seq_len: int | Sequence[
     if len(spans) != len(microbatch_tokens):
         raise RouteError(f"{where}: sequences given for {len(spans)} micro-batch(es), the routes hold "
                          f"{len(microbatch_tokens)}")
-    for mb, (seqs, count) in enumerate(zip(spans, microbatch_tokens)):
+    for mb, (seqs, count) in enumerate(zip(spans, microbatch_tokens, strict=True)):
         if any(n < 0 for n in seqs) or sum(seqs) != count:
             more = " ..." if len(seqs) > 8 else ""
             raise RouteError(f"{where}: micro-batch {mb}: sequences of {list(seqs)[:8]}{more} token(s) (sum "
@@ -100,7 +100,7 @@ def diff(a: Routes, b: Routes, *, seq_len: int | Sequence[int] | None = None, ba
     # Layer-major [L, N] so that each (layer, micro-batch) is a contiguous slice written in place.
     differ_LN = torch.zeros(width, tokens, dtype=torch.bool)
     load_a_LE = torch.zeros(width, experts, dtype=torch.int64)
-    for mb, (start, count) in enumerate(zip(starts, counts)):
+    for mb, (start, count) in enumerate(zip(starts, counts, strict=True)):
         for i, layer in enumerate(layers):
             ids_a_TK, ids_b_TK = _narrow(a.get(layer, mb), experts), _narrow(b.get(layer, mb), experts)
             load_a_LE[i] += torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
@@ -243,7 +243,7 @@ def _gather_rows(a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int,
     bounds = torch.tensor([i * tokens + s for i in range(len(a.layers)) for s in starts] + [len(a.layers) * tokens])
     edges = torch.searchsorted(cell_R, bounds).tolist()
     rows_a, rows_b = [], []
-    for pair, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+    for pair, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
         if lo == hi:
             continue
         i, mb = divmod(pair, len(starts))

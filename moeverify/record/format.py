@@ -90,7 +90,7 @@ def strict_int_list(value: object, *, where: str, key: str, lo: int | None = Non
     if not isinstance(value, list):
         raise DumpError(f"{where}: {key} must be a list of integers, got {type(value).__name__} {value!r:.80}")
     out = tuple(strict_int(x, where=where, key=f"{key}[{i}]", lo=lo, hi=hi) for i, x in enumerate(value))
-    if ascending and any(a >= b for a, b in zip(out, out[1:])):
+    if ascending and any(a >= b for a, b in zip(out, out[1:], strict=True)):
         raise DumpError(f"{where}: {key} {list(out)!r:.120} must be strictly ascending (as the writer writes it)")
     return out
 

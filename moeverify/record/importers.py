@@ -42,7 +42,7 @@ def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | N
     if not arrays_NLK:
         raise DumpError(f"{where}: no arrays")
     names = list(names) if names is not None else [f"array {i}" for i in range(len(arrays_NLK))]
-    for name, arr in zip(names, arrays_NLK):
+    for name, arr in zip(names, arrays_NLK, strict=True):
         if not isinstance(arr, np.ndarray) or arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
             got = (f"shape {arr.shape} dtype {arr.dtype}" if isinstance(arr, np.ndarray)
                    else f"{type(arr).__name__} (not a .npy member)")
@@ -51,7 +51,7 @@ def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | N
             raise DumpError(f"{where}: {name}: shape {arr.shape} != (tokens, {arrays_NLK[0].shape[1:]})")
     layers = list(moe_layers) if moe_layers is not None else list(range(arrays_NLK[0].shape[1]))
     limit = num_experts if num_experts is not None else MAX_EXPERTS
-    for name, arr in zip(names, arrays_NLK):
+    for name, arr in zip(names, arrays_NLK, strict=True):
         _refuse_huge(arr, limit=limit, where=f"{where}: {name}", layers=layers)
     tensors = [torch.from_numpy(np.ascontiguousarray(arr).astype(np.int64)) for arr in arrays_NLK]
     if len(layers) != tensors[0].shape[1]:
@@ -62,7 +62,7 @@ def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | N
                         + (f" (repeated: {dups})" if dups else ""))
     if not any(t.numel() for t in tensors):
         raise DumpError(f"{where}: the arrays hold no tokens (shapes {[tuple(t.shape) for t in tensors]})")
-    for name, t in zip(names, tensors):
+    for name, t in zip(names, tensors, strict=True):
         _refuse_negative(t, where=f"{where}: {name}", layers=layers)
     experts = num_experts if num_experts is not None else int(max(int(t.max()) for t in tensors if t.numel())) + 1
     try:
@@ -182,7 +182,7 @@ def read_export(path: str | os.PathLike, *, step: int | None):
     ``(seq_len per micro-batch, batch)`` for a step in sequence order, else None (order unknown)."""
     path = Path(path)
     _check_regular(path)
-    arrays = dict(zip(*_npz_items(path)))
+    arrays = dict(zip(*_npz_items(path), strict=True))
     bad = "not a valid export"
     for key, value in arrays.items():
         if not isinstance(value, np.ndarray):
@@ -226,7 +226,7 @@ def read_export(path: str | os.PathLike, *, step: int | None):
     seq_len = _export_ints(arrays, f"step{step}_seq_len", path=path, length=len(mbs), lo=1)
     (batch,) = _export_ints(arrays, f"step{step}_batch", path=path, length=1, lo=1)
     counts = [routes.get(routes.layers[0], mb).shape[0] for mb in range(routes.microbatches)]
-    if any(n != length * batch for n, length in zip(counts, seq_len)):
+    if any(n != length * batch for n, length in zip(counts, seq_len, strict=True)):
         raise DumpError(f"{path}: step {step}: micro-batch token counts {counts} != seq_len {list(seq_len)} x batch "
                         f"{batch}")
     return routes, (seq_len, batch)

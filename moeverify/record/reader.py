@@ -354,8 +354,10 @@ class Dump:
         unexpected = sorted({k for k in held if k[1] not in self.steps or k[2] >= self.steps[k[1]].microbatches
                              or (k[3] is not None and k[3] not in layers)}, key=str)
         if missing or unexpected:
-            names = lambda keys: [fmt.layer_label(step=k[1], mb=k[2], layer=k[3], kind=k[4], version=self.version)
-                                  for k in keys[:4]]
+            def names(keys):
+                return [fmt.layer_label(step=k[1], mb=k[2], layer=k[3], kind=k[4], version=self.version)
+                        for k in keys[:4]]
+
             raise DumpError(f"{self._rank_files(rank)}: rank {rank} (pp{self.coords[rank].pp}, layers {list(layers)}) "
                             f"missing {len(missing)} tensor(s) {names(missing)}, unexpected {len(unexpected)} "
                             f"{names(unexpected)}")

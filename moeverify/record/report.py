@@ -97,7 +97,7 @@ class DiffReport:
         layers_N = self.differing_N[idx]
         starts = torch.tensor([0, *self.microbatch_tokens]).cumsum(0)[:-1] if self.microbatch_tokens else None
         out = []
-        for t, v, c in zip(idx.tolist(), values.tolist(), layers_N.tolist()):
+        for t, v, c in zip(idx.tolist(), values.tolist(), layers_N.tolist(), strict=True):
             if v <= 0:
                 continue
             mb = int(torch.searchsorted(starts, t, right=True)) - 1 if starts is not None else 0
@@ -130,7 +130,7 @@ class DiffReport:
             0, seq_N, torch.where(first_N >= 0, first_N, width), "amin")
         out = []
         for s, ((mb, b), n, d, r, f) in enumerate(zip(where, counts_S.tolist(), diverging_S.tolist(),
-                                                     routers_S.tolist(), first_S.tolist())):
+                                                     routers_S.tolist(), first_S.tolist(), strict=True)):
             rec = {"sequence": s, "microbatch": mb, "sequence_in_microbatch": b, "tokens": n, "tokens_diverging": d,
                    "tokens_diverging_any_layer": d / n if n else None, "routers_differing": r,
                    "routers_differing_per_token": r / n if n else None,

@@ -110,7 +110,7 @@ class LayerPairs:
         routes_b, tokens_b = b.dump.layer_rows(step=b.step, layer=layer, like=routes_a)
         mbs_a = [routes_a.get(layer, mb) for mb in range(routes_a.microbatches)]
         mbs_b = [routes_b.get(layer, mb) for mb in range(routes_b.microbatches)]
-        if len(tokens_a) == len(tokens_b) and all(self._same_order(x, y) for x, y in zip(tokens_a, tokens_b)):
+        if len(tokens_a) == len(tokens_b) and all(self._same_order(x, y) for x, y in zip(tokens_a, tokens_b, strict=True)):
             return mbs_a, mbs_b, tokens_a
         return _in_token_order(mbs_a, tokens_a), _in_token_order(mbs_b, tokens_b), [None] * len(mbs_a)
 
@@ -126,7 +126,7 @@ class LayerPairs:
 def _in_token_order(mbs: list[torch.Tensor], tokens: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """Rows moved to global token order (row ``r`` to ``tokens[mb][r]``)."""
     return [t if tok is None else gather_rows(t, torch.empty_like(tok).index_copy_(0, tok, torch.arange(tok.numel())))
-            for t, tok in zip(mbs, tokens)]
+            for t, tok in zip(mbs, tokens, strict=True)]
 
 
 class _Wrapped:

@@ -194,7 +194,7 @@ def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int
                              f"layer ({num_layers} decoder layers; row r is layer r): refusing to guess; key the rows "
                              f"by layer ({{\"<global layer>\": [...], ...}}), which cannot be misread")
     if len(table) == len(moe):
-        return dict(zip(moe, table))
+        return dict(zip(moe, table, strict=True))
     if num_layers is not None and len(table) == num_layers:
         return {layer: table[layer] for layer in moe}  # one row per decoder layer: the MoE rows by global layer
     raise ExpertMapError(f"{name}: {len(table)} row(s) fit neither the {len(moe)} MoE layers {moe}"

@@ -181,7 +181,7 @@ def batch_of_requests(topk_ids, spec: RolloutSpec, *, lengths: Sequence[int], ro
     if min(lengths) < 1 or max(lengths) > seq_len:
         raise RouteError(f"request lengths {lengths} must lie in [1, seq_len={seq_len}]")
     out: list[torch.Tensor] = []
-    for b, (ids_TLK, n) in enumerate(zip(requests, lengths)):
+    for b, (ids_TLK, n) in enumerate(zip(requests, lengths, strict=True)):
         where = f"rollout request {b}"
         ids_TLK = pick_columns(ids_TLK, spec, where=where)
         ids_TLK = _one_request(ids_TLK, spec, tokens=n, pad_T=None, where=where)

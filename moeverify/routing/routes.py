@@ -323,7 +323,7 @@ class Routes:
                 other.layers, other.microbatches, other.num_experts, other.topk):
             return False
         return all(torch.equal(a.to(torch.int64), b.to(torch.int64))
-                   for layer in self.layers for a, b in zip(self._data[layer], other._data[layer]))
+                   for layer in self.layers for a, b in zip(self._data[layer], other._data[layer], strict=True))
 
     def __repr__(self) -> str:
         tokens = [int(t.shape[0]) for t in self._data[self.layers[0]]] if self._data else []

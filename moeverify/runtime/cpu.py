@@ -152,7 +152,7 @@ def _make_all_gather(original):
         padded_in[: tensor.shape[0]] = tensor
         padded_out = [torch.empty_like(padded_in) for _ in tensor_list]
         original(padded_out, padded_in, group=group)
-        for out, full in zip(tensor_list, padded_out):
+        for out, full in zip(tensor_list, padded_out, strict=True):
             out.copy_(full[: out.shape[0]])
         return None
 

@@ -245,7 +245,7 @@ def _place_gdn(w: torch.Tensor, *, kind: str, names: list[str], config, tp: int,
     row = placement.gdn_grouped_row if kind == "gdn_in_proj_grouped" else placement.gdn_flat_row
     tensors = _GDN_HF_TENSORS.get(kind, ("qkv",))
     out = {}
-    for name, tensor in zip(names, tensors):
+    for name, tensor in zip(names, tensors, strict=True):
         parts = [(local, row(dims, sec, j)) for sec, (local, j) in sections.items() if sec in tensor]
         local_rows = torch.cat([p[0] for p in parts])
         out[name] = placement.row_map(w, local_rows=local_rows, hf_rows=torch.cat([p[1] for p in parts]))
@@ -326,9 +326,9 @@ def _place(task, w: torch.Tensor, *, config, shapes, per_base, kind: str) -> dic
         heads = config.num_attention_heads
         head_dim = config.kv_channels or config.hidden_size // heads
         return dict(zip(mine, placement.qkv(w, heads=heads, groups=config.num_query_groups, head_dim=head_dim,
-                                            tp=tp, r=r, output_gate=bool(config.attention_output_gate))))
+                                            tp=tp, r=r, output_gate=bool(config.attention_output_gate)), strict=True))
     if kind == "gated":
-        return dict(zip(mine, placement.gated(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0])))
+        return dict(zip(mine, placement.gated(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0]), strict=True))
     if kind == "column":
         return {mine[0]: placement.column(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0])}
     if kind == "full_dim_norm":

@@ -93,7 +93,7 @@ def _rows(delta, rows):
             lidx = torch.arange(param.numel(), dtype=torch.int64, device=param.device)
             slots, _, counts, hf_idx, hf_val = delta.mcore_hf_delta_entry(rec, 0, lidx, param.reshape(-1), {})
         out, start = [], 0
-        for (name, shape), n in zip(slots, counts.tolist()):
+        for (name, shape), n in zip(slots, counts.tolist(), strict=True):
             out.append(Slot(name, tuple(shape), hf_idx[start:start + n].to(torch.int64).cpu(),
                             hf_val[start:start + n].cpu()))
             start += n

@@ -10,7 +10,7 @@ import shutil
 import struct
 import zipfile
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

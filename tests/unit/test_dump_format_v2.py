@@ -75,7 +75,7 @@ def test_v2_writer_packs_layers_of_a_microbatch_into_one_tensor(tmp_path):
     assert dump.version == 2 and dump.routes(step=0) == Routes(ids, num_experts=16, topk=2)
     local = dump.local_probs()
     assert ids and {layer: len(local[layer]) for layer in ids} == {layer: len(probs[layer]) for layer in ids}
-    assert [(layer, i) for layer in ids for i, (got, want) in enumerate(zip(local[layer], probs[layer]))
+    assert [(layer, i) for layer in ids for i, (got, want) in enumerate(zip(local[layer], probs[layer], strict=True))
             if not torch.equal(got, want)] == []
 
 

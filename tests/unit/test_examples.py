@@ -178,7 +178,7 @@ def test_r3_step_replays_the_engines_routes_on_every_token_it_returned(built):
     ex = example("nemo_rl_r3_step")
     model = built.model_chunks[0]
     lengths = [S, S - 2]
-    requests = [t.tolist()[:n] for t, n in zip(data(built.config.vocab_size, 1, seed=6)[0], lengths)]
+    requests = [t.tolist()[:n] for t, n in zip(data(built.config.vocab_size, 1, seed=6)[0], lengths, strict=True)]
     tokens_BS, _ = ex.padded_batch(requests, S)
     routed, _ = engine_routes(model, tokens_BS, lengths, rows_short=True)
     g = torch.Generator().manual_seed(9)

@@ -30,7 +30,7 @@ def _expected(ref: torch.Tensor, writes) -> torch.Tensor:
     flat = [float("nan") if ref.dtype.is_floating_point else 0] * ref.numel()
     for _rank, positions, values in writes:
         index = range(positions.start, positions.stop) if isinstance(positions, slice) else positions.tolist()
-        for i, v in zip(index, values.tolist()):
+        for i, v in zip(index, values.tolist(), strict=True):
             flat[i] = v
     return torch.tensor(flat, dtype=ref.dtype).reshape(ref.shape)
 

@@ -15,7 +15,7 @@ def test_print_equal_only_when_bitwise_equal():
     g = torch.randn(3 * BLOCK + 5, dtype=torch.float32)
     base = GradPrint.of(g)
     assert base.same(GradPrint.of(g.clone())) and len(base.blocks) == 4
-    for flat, value in [(0, None), (2 * BLOCK + 7, None), (3 * BLOCK + 4, None)]:
+    for flat in (0, 2 * BLOCK + 7, 3 * BLOCK + 4):
         other = g.clone()
         other[flat] = torch.nextafter(other[flat], torch.tensor(float("inf")))  # one ulp
         assert not base.same(GradPrint.of(other))

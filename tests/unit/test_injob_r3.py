@@ -67,7 +67,7 @@ def engine_routes(engine, sequences) -> list[torch.Tensor]:
 
 def write_step(directory, step, sequences, routes, *, last_row=False, **kwargs):
     with RolloutWriter(directory, step=step, **kwargs) as w:
-        for seq, r in zip(sequences, routes):
+        for seq, r in zip(sequences, routes, strict=True):
             w.add(seq, r if last_row else r[:-1])  # vLLM: no row for the last, sampled token
 
 
@@ -135,7 +135,7 @@ def test_r3_routes_differ_from_native_routing(world):
                                strict=False)
         native = engine_routes(engine, sequences)
         engine.load_state_dict(state, strict=False)
-    differ = sum(not torch.equal(a[:-1], b[:-1]) for a, b in zip(routes, native))
+    differ = sum(not torch.equal(a[:-1], b[:-1]) for a, b in zip(routes, native, strict=True))
     assert differ == 2
 
 
@@ -213,7 +213,7 @@ def test_r3_off_policy_samples_keep_their_own_steps_routes_on_shared_prompts(wor
     try:
         for step in (23, 24):
             with torch.no_grad():
-                for seq, want in zip(samples[step], routes[step]):
+                for seq, want in zip(samples[step], routes[step], strict=True):
                     forward(actor, seq[None], torch.zeros(1, len(seq), dtype=torch.bool))
                     for layer, ids_TK in spy.take():
                         for pos in range(len(seq) - 1):

@@ -48,7 +48,7 @@ def verl_batch(sequences, routes, *, width):
     ids = torch.zeros(b, width, dtype=torch.long)
     mask = torch.zeros(b, width, dtype=torch.long)
     routed = torch.zeros(b, width, len(LAYERS), routes[0].shape[-1], dtype=torch.int64)
-    for i, (seq, r) in enumerate(zip(sequences, routes)):
+    for i, (seq, r) in enumerate(zip(sequences, routes, strict=True)):
         first = width - len(seq)
         ids[i, first:], mask[i, first:] = seq, 1
         routed[i, first:first + len(seq) - 1] = r[:-1]
@@ -78,7 +78,7 @@ def assert_each_on_its_route(actor, sequences, routes) -> None:
     spy = Spy(actor)
     try:
         with torch.no_grad():
-            for seq, want in zip(sequences, routes):
+            for seq, want in zip(sequences, routes, strict=True):
                 run(actor, seq)
                 for layer, ids_TK in spy.take():
                     assert all(torch.equal(ids_TK[s], want[s, layer]) for s in range(len(seq) - 1)), layer

@@ -152,7 +152,7 @@ def test_guard_counts_only_replayed_tokens_where_the_old_share_passed():
                                              r"tokens routed natively 10 not counted\), expected at least 90.0000%"):
             guard.end_step()
         row = guard.history[-1]
-        hits = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(replayed_TK[:10], native_TK[:10]))
+        hits = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(replayed_TK[:10], native_TK[:10], strict=True))
         assert (row["agreement"], row["overlap"], row["tokens"]) == (0.5, hits / 20, 10)
     finally:
         guard.close()

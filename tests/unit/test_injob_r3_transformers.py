@@ -58,7 +58,7 @@ def test_r3_transformers_engine_left_padded_routes_replayed_with_an_honest_guard
     logits = [x.float().numpy() for x in out.router_logits]
     routes = [er.from_transformers(logits, top_k=TOPK, batch=len(sequences), index=b, attention_mask=mask,
                                    num_tokens=len(seq), request=b) for b, seq in enumerate(sequences)]
-    assert all(r.routes.shape[0] == len(s) for r, s in zip(routes, sequences))  # a row for every fed token
+    assert all(r.routes.shape[0] == len(s) for r, s in zip(routes, sequences, strict=True))  # a row for every fed token
     injob.add_routes(version=0, sequences=sequences, routes=routes)
 
     device = next(actor.parameters()).device

@@ -224,7 +224,7 @@ def assert_grads_as_session_api(actor, saved, sequences, plan, aligned, got, *, 
     want, _ = ppo_update(actor, sequences, plan, aligned=aligned, session=session)
     actor.load_state_dict(saved, strict=False)
     assert len(got) == len(want) == len(plan)
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.keys() == b.keys() and a
         diff = [n for n in a if not torch.equal(a[n], b[n])]
         assert not diff, f"mini-batch {i}: gradients differ from the session API with {what}: {diff[:3]}"

@@ -47,7 +47,7 @@ def _values(ref_N: torch.Tensor, positions, rng: random.Random) -> torch.Tensor:
 
 def _runs(n: int, rng: random.Random) -> list[list[int]]:
     cuts = sorted(rng.sample(range(n + 1), min(n + 1, 2 * rng.randrange(1, 4))))
-    return [[a, b - a] for a, b in zip(cuts[::2], cuts[1::2])]
+    return [[a, b - a] for a, b in zip(cuts[::2], cuts[1::2], strict=True)]
 
 
 def _ops(n: int, rng: random.Random) -> list:

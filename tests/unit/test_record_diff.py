@@ -23,7 +23,7 @@ def _reference(a, b):
     for layer in a.layers:
         same = overlap = n = 0
         for mb in range(a.microbatches):
-            for ra, rb in zip(a.get(layer, mb).tolist(), b.get(layer, mb).tolist()):
+            for ra, rb in zip(a.get(layer, mb).tolist(), b.get(layer, mb).tolist(), strict=True):
                 same += set(ra) == set(rb)
                 overlap += len(set(ra) & set(rb))
                 n += 1

@@ -134,7 +134,7 @@ BAD = [
     ("not-json", "[0, 1,", r"not valid JSON"),
     ("number", "5", r"expected a list, a list of lists, an object keyed by layer or an array; got int"),
     ("empty-row", json.dumps({"0": [], "2": MAP}), r"layer 0: expected a non-empty list of logical ids"),
-    ("repeated-key", '{"0": %s, "2": %s, "0": %s}' % (json.dumps(MAP), json.dumps(MAP), json.dumps(MAP)),
+    ("repeated-key", f'{{"0": {json.dumps(MAP)}, "2": {json.dumps(MAP)}, "0": {json.dumps(MAP)}}}',
      r"key\(s\) \['0'\] given twice"),
     ("padded-key", json.dumps({"0": MAP, "2": MAP, "00": MAP}), r"key '00' is not a global layer number written plainly"),
     ("underscore-key", json.dumps({"0": MAP, "2": MAP, "1_0": MAP}), r"key '1_0' is not a global layer number"),
@@ -322,7 +322,7 @@ def test_map_rows_fitting_two_layer_numberings_refused():
                                                         r"row per decoder layer \(3 decoder layers.*key the rows by "
                                                         r"layer"):
         expert_map.from_object(rows, moe_layers=[1, 2, 3], num_layers=3)
-    keyed = expert_map.from_object({str(layer): row for layer, row in zip([1, 2, 3], rows)}, moe_layers=[1, 2, 3],
+    keyed = expert_map.from_object({str(layer): row for layer, row in zip([1, 2, 3], rows, strict=True)}, moe_layers=[1, 2, 3],
                                    num_layers=3)
     assert keyed.per_layer[2].tolist() == rows[1]
     assert expert_map.from_object(rows, moe_layers=[1, 2, 3], num_layers=4).per_layer[1].tolist() == rows[0]

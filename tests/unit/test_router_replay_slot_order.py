@@ -61,7 +61,7 @@ def _pass(router, x_TBH, *, session=None, routes=None):
 
 
 def _assert_bitwise(got, want, what):
-    for name, a, b in zip(("probs", "routing map", "weight grad", "input grad"), got, want):
+    for name, a, b in zip(("probs", "routing map", "weight grad", "input grad"), got, want, strict=True):
         diff = int((a != b).sum())
         assert diff == 0, f"{what}: {name} differs in {diff} of {a.numel()} elements"
 

@@ -175,7 +175,7 @@ def test_from_rollout_requests_missing_last_rows_sequence_major():
                                  seq_len=seq_len)
     got_TK = routes.get(2, 0)
     assert got_TK.shape == (2 * seq_len, K)
-    for b, (a, n) in enumerate(zip(arrays, lengths)):
+    for b, (a, n) in enumerate(zip(arrays, lengths, strict=True)):
         assert torch.equal(got_TK[b * seq_len: b * seq_len + n - 1], a[:, 0])
         filler_TK = got_TK[b * seq_len + n - 1: (b + 1) * seq_len]  # the missing row and padding: safe routes
         assert (filler_TK.sort(dim=1).values[:, 1:] != filler_TK.sort(dim=1).values[:, :-1]).all()

@@ -143,5 +143,5 @@ def test_cpu_uneven_all_gather_and_reduce_scatter_on_gloo(tmp_path):
         procs.append(subprocess.Popen([sys.executable, "-c", UNEVEN_SCRIPT], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = [p.communicate(timeout=CHILD_S) for p in procs]
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"OK {rank}" in out, f"rank {rank}: {err[-2000:]}"

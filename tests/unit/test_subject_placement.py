@@ -46,7 +46,7 @@ def test_subject_qkv_interleaved_per_group():
     fused = torch.cat(blocks)
     got = {"q": [], "k": [], "v": []}
     for r, shard in enumerate(torch.chunk(fused, tp)):
-        for key, placer in zip("qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r)):
+        for key, placer in zip("qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r), strict=True):
             # in three ranges, as the exporter cuts large tensors into rows
             for part in range(3):
                 a, b = split_range(placer.n, 3, part)
@@ -73,7 +73,7 @@ def test_subject_gated_splits_gate_and_up_per_shard():
 
 def test_subject_split_range_covers_everything_once():
     spans = [split_range(10, 4, k) for k in range(4)]
-    assert spans[0][0] == 0 and spans[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[0][0] == 0 and spans[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=True))
 
 
 def test_subject_stacked_gate_up_interleaves_each_expert_into_its_slice():
@@ -199,7 +199,7 @@ def test_subject_qkv_with_output_gate_against_the_bridges_merge():
     for tp in (1, 2):
         def place(shard, r):
             return dict(zip("qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r,
-                                                 output_gate=True)))
+                                                 output_gate=True), strict=True))
 
         got = _reassemble(torch.chunk(fused, tp), place, {"q": q.shape, "k": k.shape, "v": v.shape})
         assert torch.equal(got["q"], q) and torch.equal(got["k"], k) and torch.equal(got["v"], v), tp
@@ -250,6 +250,6 @@ def test_subject_placers_runs_are_their_positions():
         for a, b in [(0, p.n), (1, p.n - 1), (7, 7), (p.n // 3, 2 * p.n // 3 + 1), (5, 6)]:
             starts, lengths = p.runs(a, b)
             assert a == b or int(lengths.min()) >= 1  # no empty runs
-            expanded = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist())]
+            expanded = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
                                  or [torch.zeros(0, dtype=torch.int64)])
             assert torch.equal(expanded, p.positions(a, b))

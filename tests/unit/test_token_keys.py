@@ -69,7 +69,7 @@ def test_token_keys_left_and_both_side_padding_key_the_unpadded_sequence():
     for offsets in ([7, 4, 9], [2, 1, 5]):  # left padding only; padding on both sides
         ids = torch.zeros(len(data), width, dtype=torch.long)
         pad = torch.ones(len(data), width, dtype=torch.bool)
-        for b, (s, first) in enumerate(zip(data, offsets)):
+        for b, (s, first) in enumerate(zip(data, offsets, strict=True)):
             ids[b, first:first + len(s)], pad[b, first:first + len(s)] = s, False
         keys = tk.row_keys(ids, padding_mask_BS=pad)
         assert by_token(keys, [0, 1, 2]) == reference

@@ -137,7 +137,7 @@ def verl_batch(prompts, answers, routes, *, prompt_width, response_width):
     mask = torch.zeros(b, width, dtype=torch.long)
     routed = torch.zeros(b, width, LAYERS, routes[0].shape[-1], dtype=torch.int64)
     response_mask = torch.zeros(b, response_width, dtype=torch.long)
-    for i, (p, a, r) in enumerate(zip(prompts, answers, routes)):
+    for i, (p, a, r) in enumerate(zip(prompts, answers, routes, strict=True)):
         first = prompt_width - len(p)
         ids[i, first:prompt_width], ids[i, prompt_width:prompt_width + len(a)] = p, a
         mask[i, first:prompt_width + len(a)] = 1
@@ -193,7 +193,7 @@ def main() -> dict:
         prompt_width, response_width = 5, 6
         prompts = random_sequences(vocab, [3, 2, 4, 3], 71)
         answers = random_sequences(vocab, [4, 2, 5, 3], 72)
-        sequences = [torch.cat([p, a]) for p, a in zip(prompts, answers)]
+        sequences = [torch.cat([p, a]) for p, a in zip(prompts, answers, strict=True)]
         routes = engine_routes(rollout_model, sequences)  # [S, L, K] per request, as the engine routed
         ids, mask, routed, response_mask = verl_batch(prompts, answers, routes, prompt_width=prompt_width,
                                                       response_width=response_width)
@@ -229,7 +229,7 @@ def main() -> dict:
                                                       micro_batch_size=micro_batch_size), loss_function=policy_loss)
             result["grad_norm"] = float(out["metrics"]["grad_norm"])
             result["train_checked"] = checked(spy.take())
-            result["params_moved"] = any(not torch.equal(a, p) for a, p in zip(before, actor.parameters()))
+            result["params_moved"] = any(not torch.equal(a, p) for a, p in zip(before, actor.parameters(), strict=True))
             result["want"] = LAYERS * sum(len(s) - 1 for s in sequences)
         except RouteError as e:
             result["route_error"] = str(e)

@@ -58,7 +58,7 @@ def gaps(runs_R3: torch.Tensor, numel: int) -> tuple[int, list[int]]:
     reach_R = torch.cummax(e_R, dim=0).values  # furthest end written by runs 0..i
     before_R = torch.cat([torch.zeros(1, dtype=torch.int64), reach_R[:-1]])  # furthest end before run i
     covered = int(torch.clamp(e_R - torch.maximum(s_R, before_R), min=0).sum())
-    holes = [(int(a), int(b)) for a, b in zip(before_R[s_R > before_R].tolist(), s_R[s_R > before_R].tolist())]
+    holes = [(int(a), int(b)) for a, b in zip(before_R[s_R > before_R].tolist(), s_R[s_R > before_R].tolist(), strict=True)]
     if int(reach_R[-1]) < numel:
         holes.append((int(reach_R[-1]), numel))
     shown: list[int] = []

@@ -161,7 +161,7 @@ def different_slot_table(ctx):
         if first and ctx.rank == ctx.world_size - 1:
             table = [(n, (s[0] + 1, *s[1:])) if i == 0 else (n, s) for i, (n, s) in enumerate(row.slots.table)]
             row = _rewrap(row, lambda slots, t=table: [Slot(n, s, x.positions, x.values)
-                                                        for (n, s), x in zip(t, slots)], table=table)
+                                                        for (n, s), x in zip(t, slots, strict=True)], table=table)
         first = False
         yield row
 
@@ -240,7 +240,7 @@ def gate_up_swapped(ctx):
         full = [i for i, s in enumerate(out) if s.positions.numel()]
         gates = [i for i in full if "gate_proj" in out[i].hf_name]
         ups = [i for i in full if "up_proj" in out[i].hf_name]
-        for g, u in zip(gates, ups):
+        for g, u in zip(gates, ups, strict=True):
             a, b = out[g], out[u]
             out[g], out[u] = Slot(a.hf_name, a.hf_shape, a.positions, b.values), Slot(b.hf_name, b.hf_shape, b.positions, a.values)
         return out
@@ -263,7 +263,7 @@ def key_renamed(ctx):
     for row in _rows(ctx):
         if any(n == "model.norm.weight" for n, _ in row.slots.table):
             table = [("model.final_norm.weight" if n == "model.norm.weight" else n, s) for n, s in row.slots.table]
-            row = _rewrap(row, lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots)],
+            row = _rewrap(row, lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots, strict=True)],
                           table=table)
         yield row
 
@@ -319,7 +319,7 @@ def gdn_in_proj_flat(ctx):
         perm, start = {}, 0
         for sec in sections:
             j = torch.arange(sizes[sec])
-            perm.update(zip(placement.gdn_grouped_row(dims, sec, j).tolist(), (start + j).tolist()))
+            perm.update(zip(placement.gdn_grouped_row(dims, sec, j).tolist(), (start + j).tolist(), strict=True))
             start += sizes[sec]
         return torch.tensor([perm[i] for i in range(start)])
 

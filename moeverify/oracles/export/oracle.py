@@ -150,7 +150,7 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
             prepared = ahead.take(index) if ahead is not None else None
             names = [n for n, _ in row.table]
             if store is not None:
-                feed.wait_until(lambda: not store.wants_reference(names), store)
+                feed.wait_until(lambda names=names: not store.wants_reference(names), store)
             _one_row(index, row, sctx=sctx, group=group, collector=collector, local=local, feed=feed,
                      prepared=prepared or _header(row, sctx.rank))
             rows[index] = prepared = None  # drop the row's tensors as soon as it is merged
@@ -270,7 +270,7 @@ def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector |
              local: LocalReferences | None, feed: ReferenceFeed, prepared) -> None:
     header, mine = prepared
     if local is not None and not header["err"]:
-        for slot, piece in zip(header["slots"], mine):
+        for slot, piece in zip(header["slots"], mine, strict=True):
             slot.append(verdict(piece, *local.reference(piece.hf_name)))
     headers = wire.gather_json(header, group=group, rank=sctx.rank, world_size=sctx.world_size)
     mask = None
@@ -286,7 +286,7 @@ def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector |
         mask = wire.broadcast_ints(mask if collector else [0] * (sctx.world_size * n_slots), group=group)
         sends = [mask[r * n_slots:(r + 1) * n_slots] for r in range(sctx.world_size)]
     if sctx.rank != 0:
-        for j, (piece, slot) in enumerate(zip(mine if go else (), header["slots"])):
+        for j, (piece, slot) in enumerate(zip(mine if go else (), header["slots"], strict=True)):
             if piece.numel and sends is not None and sends[sctx.rank][j]:
                 wire.send_piece(piece.positions(), piece.values_P, start=slot[4], dst=0, group=group)
         return
@@ -337,7 +337,7 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
     opening = {}
     for j, (name, shape, *_rest) in enumerate(headers[0]["slots"]):
         sizes = [(h["slots"][j][2], h["slots"][j][3]) for h in headers]
-        dtype = next((d for (n, d), h in zip(sizes, headers) if n and h["c"]), sizes[0][1])
+        dtype = next((d for (n, d), h in zip(sizes, headers, strict=True) if n and h["c"]), sizes[0][1])
         if name not in collector.merges and name not in opening:
             opening[name] = (tuple(shape), getattr(torch, dtype))
     feed.admit(sum(TensorMerge.nbytes_for(shape, dtype, collector.world_size, backed=collector.backs(name, shape, dtype))
@@ -348,7 +348,7 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
     collector.t["replicas"].ok()  # one per row examined: a layout without replicas still checks rows
     for r in order:
         contributes = headers[r]["c"]
-        for j, (name, shape, n, dtype, start, *found) in enumerate(headers[r]["slots"]):
+        for j, (name, _shape, n, dtype, start, *found) in enumerate(headers[r]["slots"]):
             if not n:
                 continue
             merge = collector.merges[name] if name in collector.merges else None

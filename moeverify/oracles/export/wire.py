@@ -47,7 +47,7 @@ def gather_json(obj, *, group, rank: int, world_size: int) -> list | None:
     dist.gather(padded, gather_list=bufs, dst=0, group=group)
     if rank != 0:
         return None
-    return [json.loads(bytes(b[: int(s)].numpy()).decode()) for b, s in zip(bufs, sizes)]
+    return [json.loads(bytes(b[: int(s)].numpy()).decode()) for b, s in zip(bufs, sizes, strict=True)]
 
 
 def broadcast_int(value: int, *, group) -> int:

@@ -223,7 +223,7 @@ def _finish(result: PassResult, probe: RouterProbe, model_chunks: list, *, grads
         result.grads = _grads(model_chunks)
     cp_group = parallel_state.get_context_parallel_group()
     if torch.distributed.get_world_size(cp_group) > 1 and result.seq_loss:
-        for mb, sums_B in result.seq_loss.items():
+        for sums_B in result.seq_loss.values():
             torch.distributed.all_reduce(sums_B, group=cp_group)
     result.seq_loss = {mb: sums_B.cpu() for mb, sums_B in result.seq_loss.items()}
     return result

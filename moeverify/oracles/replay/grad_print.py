@@ -72,7 +72,7 @@ class GradPrint:
             return f"shape {self.shape} != {other.shape}"
         if self.dtype != other.dtype:
             return f"dtype {self.dtype} != {other.dtype}"
-        differ = [i for i, (a, b) in enumerate(zip(self.blocks, other.blocks)) if a != b]
+        differ = [i for i, (a, b) in enumerate(zip(self.blocks, other.blocks, strict=True)) if a != b]
         if not differ:
             return "equal"
         n = 1
@@ -210,7 +210,7 @@ def keep_all(grads: dict) -> dict:
             batch.add(key, t)
     for items in small.values():
         flat = torch.cat([t.reshape(-1) for _, t in items]).to("cpu", copy=True)
-        for (key, t), host in zip(items, flat.split([t.numel() for _, t in items])):
+        for (key, t), host in zip(items, flat.split([t.numel() for _, t in items]), strict=True):
             out[key] = host.view(t.shape)
     out.update(batch.finish())
     return out

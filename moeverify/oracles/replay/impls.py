@@ -63,14 +63,14 @@ class ReplayImpl(abc.ABC):
         and no ``overrides``): they may run on it instead of a build of their own."""
         return self.constructs_natively and not self.overrides()
 
-    def apply(self) -> None:
-        pass
+    def apply(self) -> None:  # noqa: B027 (an optional hook: nothing to install by default)
+        """Install what the adapter patches, before the model is built (optional)."""
 
     @abc.abstractmethod
     def bind(self, model_chunks: list) -> None:
         """Implemented by every adapter."""
 
-    def unbind(self) -> None:
+    def unbind(self) -> None:  # noqa: B027 (an optional hook)
         """Drop every reference to the bound model, so that its memory is freed before the oracle builds the next
         one (optional: an adapter that keeps the model only costs memory)."""
 
@@ -86,11 +86,11 @@ class ReplayImpl(abc.ABC):
     def routes(self) -> Routes:
         """Implemented by every adapter."""
 
-    def before_forward(self, chunk: int, mb: int) -> None:
-        pass
+    def before_forward(self, chunk: int, mb: int) -> None:  # noqa: B027 (an optional hook)
+        """Called before each forward of a model chunk and micro-batch (optional)."""
 
-    def after_forward(self, chunk: int, mb: int) -> None:
-        pass
+    def after_forward(self, chunk: int, mb: int) -> None:  # noqa: B027 (an optional hook)
+        """Called after each forward of a model chunk and micro-batch (optional)."""
 
     def check_consumed(self, *, recompute: bool) -> list[str]:
         return []

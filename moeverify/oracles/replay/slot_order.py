@@ -64,5 +64,5 @@ def reference_pass(chunks: list, run) -> object:
             router.__dict__["router_replay"] = NoGradOrder()
         return run()
     finally:
-        for router, value in zip(routers, saved):
+        for router, value in zip(routers, saved, strict=True):
             router.__dict__["router_replay"] = value

@@ -60,7 +60,7 @@ def recompute(chunks: list, mode: str):
                                      and "moe" in (m.config.recompute_modules or ()))
         yield
     finally:
-        for config, values in zip(configs, saved):
+        for config, values in zip(configs, saved, strict=True):
             for key, value in values.items():
                 setattr(config, key, value)
         for m in moe:

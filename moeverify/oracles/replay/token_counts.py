@@ -75,7 +75,7 @@ def aux_loss_coeffs(config) -> dict[str, float]:
     elif not isinstance(coeffs, list | tuple):
         coeffs = (coeffs,) * len(kinds)  # TransformerConfig refuses this pairing; read it leniently
     out: dict[str, float] = {}
-    for kind, coeff in zip(kinds, coeffs):
+    for kind, coeff in zip(kinds, coeffs, strict=True):
         out.setdefault(kind, float(coeff or 0.0))
     return {kind: coeff for kind, coeff in out.items() if kind in AUX_LOSS_TYPES and coeff > 0}
 

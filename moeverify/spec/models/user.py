@@ -399,7 +399,7 @@ def pattern_read(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in PATTERN_KEYS or re.search(rf"\b{k}\b", source)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pattern_source(model_type: str) -> str | None:
     """The text of transformers' modeling and configuration modules of ``model_type`` (read, not imported);
     None where transformers has none (a model type registered in code): the keys are then read as written."""

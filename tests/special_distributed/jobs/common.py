@@ -122,7 +122,7 @@ def router_weights(routers) -> list[torch.Tensor]:
 
 def restore_router_weights(routers, saved) -> None:
     with torch.no_grad():
-        for r, w in zip(routers, saved):
+        for r, w in zip(routers, saved, strict=True):
             r.weight.copy_(w)
 
 

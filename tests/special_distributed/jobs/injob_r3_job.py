@@ -81,7 +81,7 @@ def main(layout_name: str, directory: str, out: str) -> None:
             injob.add_routes(version=0, sequences=sequences, routes=routes)
         elif rt.rank == 0:
             with RolloutWriter(directory, step=0) as w:
-                for seq, rows in zip(sequences, routes):
+                for seq, rows in zip(sequences, routes, strict=True):
                     w.add(seq, rows)
         torch.distributed.barrier()
 
