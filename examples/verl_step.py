@@ -29,7 +29,7 @@ def ppo_update(actor, reference, optimizer, micro_batches, positions_BS, *, kl_c
         with session.record():             # old log-probs: the routes the actor chose
             old_lp = [token_log_probs(actor, mb, positions_BS) for mb in micro_batches]
     with session.replay(session.routes()):
-        for mb, old, ref in zip(micro_batches, old_lp, ref_lp, strict=True):
+        for mb, old, ref in zip(micro_batches, old_lp, ref_lp):
             new = token_log_probs(actor, mb, positions_BS)
             ratio = torch.exp(new - old)
             policy = -torch.min(ratio, ratio.clamp(1 - clip, 1 + clip)).mean()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from moeverify.record.report import DiffReport
+from moeverify.record.diff_report import DiffReport
 
 
 def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64) -> Path:

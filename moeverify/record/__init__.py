@@ -18,7 +18,7 @@ Several ranks: each rank opens a ``RankWriter`` with its ``views.RankCoords`` (o
 Modules: ``format`` (names, dtype table, manifest), ``writer`` (atomic per-rank files), ``commit``
 (``finalize``), ``saving`` (``save``), ``reader`` (``load``, ``Dump``), ``layer_read`` (one indexed tensor),
 ``order`` and ``tokens`` (token order and identity of two sources), ``stream`` (layer sources), ``diff`` and
-``report`` (comparing two routings), ``summary`` (``inspect``), ``rollout`` (a dump lined up with a rollout
+``diff_report`` (comparing two routings), ``summary`` (``inspect``), ``rollout`` (a dump lined up with a rollout
 engine's routes), ``importers`` (routes from elsewhere, ``.npz`` out), ``router_trace`` (megatron-core's
 ``RouterTracer`` JSONL).
 """

@@ -32,7 +32,7 @@ import torch
 
 from moeverify.errors import RouteError
 from moeverify.record.format import ids_dtype_for
-from moeverify.record.report import DiffReport, bucket_edges
+from moeverify.record.diff_report import DiffReport, bucket_edges
 from moeverify.record.stream import LayerPairs
 from moeverify.routing.routes import Routes
 

@@ -32,6 +32,7 @@ Legend: L = packed layers, T = tokens, K = top-k.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import importlib.metadata
 import os
 import re
@@ -90,7 +91,7 @@ def strict_int_list(value: object, *, where: str, key: str, lo: int | None = Non
     if not isinstance(value, list):
         raise DumpError(f"{where}: {key} must be a list of integers, got {type(value).__name__} {value!r:.80}")
     out = tuple(strict_int(x, where=where, key=f"{key}[{i}]", lo=lo, hi=hi) for i, x in enumerate(value))
-    if ascending and any(a >= b for a, b in zip(out, out[1:], strict=True)):
+    if ascending and any(a >= b for a, b in itertools.pairwise(out)):
         raise DumpError(f"{where}: {key} {list(out)!r:.120} must be strictly ascending (as the writer writes it)")
     return out
 

@@ -131,12 +131,12 @@ def concat(*parts: Placer) -> Placer:
 
     def pieces(a: int, b: int, fn: str) -> torch.Tensor:
         out = [getattr(part, fn)(max(a, lo) - lo, min(b, hi) - lo)
-               for part, lo, hi in zip(parts, starts, starts[1:], strict=True) if max(a, lo) < min(b, hi)]
+               for part, lo, hi in zip(parts, starts[:-1], starts[1:], strict=True) if max(a, lo) < min(b, hi)]
         return torch.cat(out) if out else getattr(parts[0], fn)(0, 0)
 
     def runs(a: int, b: int):
         got = [part.runs(max(a, lo) - lo, min(b, hi) - lo)
-               for part, lo, hi in zip(parts, starts, starts[1:], strict=True) if max(a, lo) < min(b, hi)]
+               for part, lo, hi in zip(parts, starts[:-1], starts[1:], strict=True) if max(a, lo) < min(b, hi)]
         got = got or [parts[0].runs(0, 0)]
         return torch.cat([s for s, _ in got]), torch.cat([n for _, n in got])
 

@@ -1,5 +1,6 @@
 """The sharded exporter's placement rules against independent references built by plain slicing."""
 
+import itertools
 import torch
 
 from moeverify.subjects import placement
@@ -73,7 +74,7 @@ def test_subject_gated_splits_gate_and_up_per_shard():
 
 def test_subject_split_range_covers_everything_once():
     spans = [split_range(10, 4, k) for k in range(4)]
-    assert spans[0][0] == 0 and spans[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=True))
+    assert spans[0][0] == 0 and spans[-1][1] == 10 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_subject_stacked_gate_up_interleaves_each_expert_into_its_slice():

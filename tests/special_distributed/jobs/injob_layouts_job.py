@@ -122,7 +122,7 @@ def main(layout_name: str, out: str) -> None:
         with torch.no_grad():
             schedule(actor, logprob_micro, width=LOGPROB_WIDTH, forward_only=True)
         for layer, calls in log.forward.items():
-            for micro, ids_TK in zip(logprob_micro, calls, strict=True):
+            for micro, ids_TK in zip(logprob_micro, calls, strict=False):
                 where = batches.tokens(micro, LOGPROB_WIDTH)
                 logp.update({(layer, *w): sorted(ids_TK[t]) for t, w in enumerate(where) if w})
         if cp * sp_tp > 1:
@@ -137,7 +137,7 @@ def main(layout_name: str, out: str) -> None:
 
         def check(micro_list, *, perturbed: bool):
             for layer, calls in log.forward.items():
-                for micro, ids_TK in zip(micro_list, calls, strict=True):
+                for micro, ids_TK in zip(micro_list, calls, strict=False):
                     for t, w in enumerate(batches.tokens(micro, TRAIN_WIDTH)):
                         if w is None:
                             continue

@@ -232,7 +232,7 @@ RELEASE = [("tp2-sp", dict(tp=2, sp=True), 2), ("pp2-vpp2", dict(pp=2, vpp=2), 2
 
 @pytest.mark.parametrize("name,layout,world", RELEASE, ids=[r[0] for r in RELEASE])
 def test_layer_routes_merge_one_layer_as_routes_merges_all(tmp_path, name, layout, world):
-    from test_record_merge import BATCH, SEQ_LEN, _global_routes, write_rank_dumps
+    from test_dump_merge import BATCH, SEQ_LEN, _global_routes, write_rank_dumps
 
     from moeverify.spec.layout import Layout
 
@@ -254,7 +254,7 @@ def test_layer_routes_merge_one_layer_as_routes_merges_all(tmp_path, name, layou
 def test_rollout_against_a_dp2_dump_counts_every_data_parallel_sequence(tmp_path, capsys):
     """A merged DP micro-batch holds dp * batch sequences; the rollout has one request for each of them."""
     import numpy as np
-    from test_record_merge import BATCH, SEQ_LEN, _global_routes, write_rank_dumps
+    from test_dump_merge import BATCH, SEQ_LEN, _global_routes, write_rank_dumps
 
     from moeverify.spec.layout import Layout
 

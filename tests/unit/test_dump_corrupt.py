@@ -15,7 +15,7 @@ from moeverify.spec.layout import Layout
 from moeverify.routing.routes import Routes
 
 from dump_v1 import convert_to_v1
-from test_record_merge import write_rank_dumps
+from test_dump_merge import write_rank_dumps
 
 
 @pytest.fixture
