@@ -454,3 +454,50 @@ MUTANTS = MUTANTS + (
     Mutant(name="stale_pp_broadcast", fails=("refresh",), factory=stale_pp_broadcast,
            applies=lambda *, traits, shape, layout, world_size: layout.pp > 1),
 )
+
+
+# -- minimal mutants: the smallest unit a subcheck is shown to see (``moeverify.bug_classes``' ``minimal``) ----------
+def _first_written(ctx, change: Callable[[Slot, str], Slot]):
+    """The rows, with rank 0's first written slot (the first tensor piece it really sends) passed through ``change``."""
+    done = False
+    for row in _rows(ctx):
+        if not done and ctx.rank == 0 and row.contributes:
+            slots = _concrete(row)
+            full = [i for i, s in enumerate(slots) if s.positions.numel()]
+            if full:
+                done = True
+                slots[full[0]] = change(slots[full[0]], row.row)
+                row = ShardRow(row.row, slots, True)
+        yield row
+
+
+def stale_one_element(ctx):
+    """One element, one step stale: the first element rank 0 sends is kept from the first export and sent again on
+    every later one, every other element fresh. Bug class: a delta exporter whose change detection misses one
+    element (a per-block checksum that a small update does not move, an off-by-one in the dirty range)."""
+    cache = _cache(ctx, "one_element")
+
+    def keep_first(s: Slot, row: str) -> Slot:
+        values = s.values.reshape(-1).clone()
+        values[:1] = cache.setdefault(row, values[:1].clone())
+        return Slot(s.hf_name, s.hf_shape, s.positions, values)
+
+    yield from _first_written(ctx, keep_first)
+
+
+def one_shard_widened(ctx):
+    """One rank's piece of one tensor sent in a wider dtype (bf16 as fp32, fp32 as fp64), every value exact. Bug
+    class: a per-shard conversion path (a gather buffer allocated in fp32, an upcast before a copy) taken on one
+    rank only: the engine receives the tensor in two dtypes, or casts it on load."""
+
+    def widened(s: Slot, row: str) -> Slot:
+        wide = torch.float64 if s.values.dtype == torch.float32 else torch.float32
+        return Slot(s.hf_name, s.hf_shape, s.positions, s.values.to(wide))
+
+    yield from _first_written(ctx, widened)
+
+
+MUTANTS = MUTANTS + (
+    Mutant(name="stale_one_element", fails=("refresh",), factory=stale_one_element),
+    Mutant(name="one_shard_widened", fails=("shape_dtype",), factory=one_shard_widened),
+)

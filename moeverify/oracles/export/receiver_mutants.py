@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moeverify.oracles.bits import bits
 from moeverify.oracles.export.receiver import FusedReceiver
 from moeverify.oracles.export.receiver_transformers import transformers_receiver
 
@@ -50,10 +51,44 @@ class _ReloadKeepsOld(FusedReceiver):
         return held
 
 
+class _OneUlpInOneExpert(FusedReceiver):
+    """Loads every tensor, but the first element of the first expert-0 ``down_proj`` it loads is one ulp off (its
+    lowest bit flipped): one element of one expert of one layer, as a fused copy kernel's rounding would leave."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name.endswith(".experts.0.down_proj.weight") and not getattr(self, "_flipped", False):
+            self._flipped = True
+            tensor = tensor.clone()
+            bits(tensor.view(-1))[0] ^= 1
+        super().write(name, tensor)
+
+
+class _ReloadKeepsOneElement(FusedReceiver):
+    """A weight sync that updates every element but one: the first element of the first expert-0 ``down_proj``
+    keeps the previous weights' value (one element, one step stale)."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if getattr(self, "_loaded", False) and name.endswith(".experts.0.down_proj.weight") \
+                and not getattr(self, "_kept", False):
+            self._kept = True
+            engine, part = self._where[name]
+            old = part.view(self.tensors[engine]).reshape(-1)[0].clone()
+            tensor = tensor.clone()
+            tensor.view(-1)[0] = old
+        super().write(name, tensor)
+
+    def load(self, stream):
+        held = super().load(stream)
+        self._loaded = True
+        return held
+
+
 MUTANTS = {
     "gate_up_swapped": (lambda **_: _GateUpSwapped(), "receiver"),
     "load_dropped": (lambda **_: _LoadDropped(), "receiver"),
     "reload_keeps_old": (lambda **_: _ReloadKeepsOld(), "receiver_reload"),
+    "one_ulp_in_one_expert": (lambda **_: _OneUlpInOneExpert(), "receiver"),
+    "reload_keeps_one_element": (lambda **_: _ReloadKeepsOneElement(), "receiver_reload"),
 }
 SUBJECT_MUTANTS = {"gate_up_swapped": "receiver", "stale_conversion_cache": "receiver_reload"}
 CONTROLS = {"fused": lambda **_: FusedReceiver(),
