@@ -33,12 +33,12 @@ def _failed(tallies) -> dict[str, list[str]]:
 
 # (mutant, subchecks run, {subcheck: a reason its failures must include}); every other subcheck run must pass
 CASES = [
-    ("one_token_one_layer_route", ["equivalence", "drift", "cross_layout", "native_parity", "weights", "recompute"],
+    ("one_token_one_layer_route", ["equivalence", "drift", "cross_layout", "native_parity", "weights"],
      {"equivalence": "replay vs plain pass: routing map (layer, mb) (0, 0)",
       "drift": "layer 0 mb 0: 1 of 32 token(s) did not follow the recorded routes (first token 0)",
       "cross_layout": "did not follow the 1-rank reference routes",
       "native_parity": "vs native RouterReplay: routing map", "weights": "replay vs recorded pass: routing map"}),
-    ("one_ulp_one_prob", ["equivalence", "weights", "native_parity", "drift"],
+    ("one_ulp_one_prob", ["equivalence", "weights", "native_parity"],
      # one ulp of token 0's first weight; top-2 normalisation moves its other weight too: 2 of 32 x 8 probs differ
      {"equivalence": "replay vs plain pass: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ",
       "weights": "replay vs recorded pass: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ",
