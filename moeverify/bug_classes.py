@@ -130,6 +130,41 @@ _EXPORT = (
        "verl-project/verl#7224: a refit wrote into a stale tensor left bound by a copied loader method, so "
        "`weight_scale_inv` stayed all-zero after the sync while the load reported success",
        "receiver:reload_keeps_old", "export:stale_conversion_cache", "receiver:reload_keeps_one_element"),
+    # the weight-sync classes of 2026 (issue #37): the live post-step model, every engine rank, repeated loads,
+    # sleep/wake, tied heads and MTP drafts
+    _c("export", "refresh_delta",
+       "an export that is not the live post-step model: the frozen base shipped (LoRA), a copy read before the "
+       "optimizer step or before pending parameter all-gathers finished, or a buffer reused before every rank read "
+       "it; the second export must differ from the first exactly where the weights changed, to the new bits",
+       "verl-project/verl#7495: a LoRA sync pushed the bit-identical initial model on every update; "
+       "NVIDIA-NeMo/RL#4086: refit paths read Megatron parameters with deferred all-gathers still pending "
+       "(`overlap_param_gather`), so the engine got stale weights",
+       "export:lora_frozen_base", "export:read_before_gathers", "export:read_before_step", "export:bucket_reused_early"),
+    _c("export", "receiver_ranks",
+       "an engine rank other than the first loads the sync wrongly or not at all (only the driver worker updated, "
+       "a rank reading a buffer already overwritten), unseen when only one rank's receiver is checked",
+       "sgl-project/sglang#6626: TP workers other than TP 0 were not held while TP 0 updated, so TP 1 loaded "
+       "`lm_head` from a gather buffer already overwritten with the next tensor",
+       "receiver:sync_rank0_only"),
+    _c("export", "receiver_repeat",
+       "a loader that is not idempotent: loading the same export again (a repeated or retried update) changes what "
+       "the engine holds, e.g. a layout shuffle re-applied to weights already shuffled",
+       "sgl-project/sglang#28963: ROCm's aiter FP8 path pre-shuffled weights after every load, so each RL reload "
+       "shuffled already-shuffled weights again",
+       "receiver:shuffle_every_load"),
+    _c("export", "receiver_wake",
+       "a sleep/wake cycle of the engine that does not give back what it held: an old backup restored over freshly "
+       "synced weights",
+       "vllm-project/vllm#48310 (RFC): sleep/wake correctness for RL, collecting engine state lost or restored "
+       "stale across a sleep/wake cycle in downstream RL frameworks",
+       "receiver:wake_restores_old_backup"),
+    _c("export", "receiver_copies",
+       "engine-side copies of synced weights left stale: a tied `lm_head` copied from the embedding once, MTP / "
+       "draft layers the sync never reaches (and a receiver that holds neither, so nothing would show it)",
+       "PrimeIntellect-ai/prime-rl#2823 (review): a receiver cloned `embed_tokens` into its own `lm_head`, and "
+       "updates of the embedding left the head stale; sgl-project/sglang#27718: the NCCL update path never "
+       "updated the EAGLE/MTP draft model",
+       "receiver:tied_head_stale", "receiver:mtp_not_synced"),
 )
 
 _REPLAY = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moeverify.oracles.bits import bits
-from moeverify.oracles.export.receiver import FusedReceiver
+from moeverify.oracles.export.receiver import FusedReceiver, Held, copies_scope, fused
 from moeverify.oracles.export.receiver_transformers import transformers_receiver
 
 
@@ -95,3 +95,107 @@ CONTROLS = {"fused": lambda **_: FusedReceiver(),
             "transformers": lambda **kw: transformers_receiver(**kw)}
 
 __all__ = ["CONTROLS", "MUTANTS", "SUBJECT_MUTANTS"]
+
+
+# -- the weight-sync classes of 2026 (issue #37): every rank, repeated loads, sleep/wake, tied head, MTP draft -------
+def _fused_kw(kw: dict) -> dict:
+    """The ``fused`` receiver's own arguments from a factory's options (the tied head, as ``fused`` makes it)."""
+    return {"tied": copies_scope(kw.get("hf_path")).tied}
+
+
+class _SyncRankZeroOnly(FusedReceiver):
+    """Every rank loads the first export, but a weight sync reaches only the engine's rank 0 (its driver worker):
+    on every other rank the sync copies nothing and the buffers keep the first load."""
+
+    def __init__(self, *, rank: int, **kw) -> None:
+        super().__init__(**kw)
+        self._rank = rank
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._rank != 0 and getattr(self, "_loaded", False):
+            return
+        super().write(name, tensor)
+
+    def load(self, stream):
+        held = super().load(stream)
+        self._loaded = True
+        return held
+
+
+class _ShuffleEveryLoad(FusedReceiver):
+    """Permutes each received expert tensor in place into its kernel's row order (reusing the received buffer as
+    scratch, as with a buffer shared with the sender) and copies it into its slot through the inverse permutation:
+    right the first time; a bucket sent again (a retried or repeated update of the same tensors) arrives already
+    permuted and is permuted a second time."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if ".experts." in name and tensor.dim() >= 1:
+            tensor.copy_(tensor.flip(0))  # the layout shuffle, in place, on every load
+            tensor = tensor.flip(0)
+        super().write(name, tensor)
+
+
+class _WakeRestoresOldBackup(FusedReceiver):
+    """Sleep mode that backs the weights up once, at the first load: ``sleep`` frees the buffers, ``wake_up``
+    restores that first backup over whatever later syncs wrote."""
+
+    def load(self, stream):
+        held = super().load(stream)
+        if getattr(self, "_first", None) is None:
+            self._first = {e: t.clone() for e, t in self.tensors.items()}
+        return held
+
+    def sleep(self) -> None:
+        for t in self.tensors.values():
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def wake_up(self) -> Held:
+        for e, t in self.tensors.items():
+            t.copy_(self._first[e])
+        return Held(tensors=self.tensors, parts=self.parts)
+
+
+class _TiedHeadStale(FusedReceiver):
+    """Keeps its own ``lm_head.weight`` for a tied model, copied from the embedding at the first load only: a weight
+    sync updates the embedding, the head stays the first step's."""
+
+    def copy_head(self, embedding: torch.Tensor) -> None:
+        if not getattr(self, "_head_copied", False):
+            super().copy_head(embedding)
+            self._head_copied = True
+
+
+class _MtpNotSynced(FusedReceiver):
+    """Loads the MTP (draft) layers with the rest at start-up, but the weight sync updates the main model only: the
+    draft's tensors keep the first load."""
+
+    def __init__(self, *, scope, **kw) -> None:
+        super().__init__(**kw)
+        self._scope = scope
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if getattr(self, "_loaded", False) and self._scope.is_draft(name):
+            return
+        super().write(name, tensor)
+
+    def load(self, stream):
+        held = super().load(stream)
+        self._loaded = True
+        return held
+
+
+MUTANTS.update({
+    "sync_rank0_only": (lambda **kw: _SyncRankZeroOnly(rank=kw["rank"], **_fused_kw(kw)), "receiver_ranks"),
+    "shuffle_every_load": (lambda **kw: _ShuffleEveryLoad(**_fused_kw(kw)), "receiver_repeat"),
+    "wake_restores_old_backup": (lambda **kw: _WakeRestoresOldBackup(**_fused_kw(kw)), "receiver_wake"),
+    "tied_head_stale": (lambda **kw: _TiedHeadStale(**_fused_kw(kw)), "receiver_copies"),
+    "mtp_not_synced": (lambda **kw: _MtpNotSynced(scope=copies_scope(kw.get("hf_path")), **_fused_kw(kw)),
+                       "receiver_copies"),
+})
+CONTROLS["fused"] = fused  # with the tied head where the model ties it
+# where a receiver mutant's fault can show (model traits, ``moeverify.models.traits``); the others apply everywhere
+APPLIES = {"tied_head_stale": lambda traits: traits.tied_embeddings,
+           "mtp_not_synced": lambda traits: traits.mtp_layers > 0}
+# the receiver subchecks that need a weight sync (``refresh``) to run
+NEEDS_SYNC = ("receiver_reload", "receiver_wake", "receiver_ranks", "receiver_copies")
+__all__ += ["APPLIES", "NEEDS_SYNC"]
