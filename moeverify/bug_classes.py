@@ -139,7 +139,8 @@ _EXPORT = (
        "verl-project/verl#7495: a LoRA sync pushed the bit-identical initial model on every update; "
        "NVIDIA-NeMo/RL#4086: refit paths read Megatron parameters with deferred all-gathers still pending "
        "(`overlap_param_gather`), so the engine got stale weights",
-       "export:lora_frozen_base", "export:read_before_gathers", "export:read_before_step", "export:bucket_reused_early"),
+       "export:lora_frozen_base", "export:read_before_gathers", "export:read_before_step", "export:bucket_reused_early",
+       "export:stale_one_element"),
     _c("export", "receiver_ranks",
        "an engine rank other than the first loads the sync wrongly or not at all (only the driver worker updated, "
        "a rank reading a buffer already overwritten), unseen when only one rank's receiver is checked",
@@ -311,6 +312,28 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "receiver:reload_keeps_one_element: a weight sync that leaves one element of one expert's down_proj at the "
         "previous step's value",
         "a sync that goes wrong only from the second sync on: one sync after the first load is compared here"),
+    ("export", "refresh_delta"): (
+        "export:stale_one_element: one element (the first rank 0 sends) keeps the first export's bits where the "
+        "weights changed",
+        "elements the first export already sent wrong (left to its own subchecks) and, with the built-in update "
+        "(every float element moves), a change where the weights did not change: that half is seen only where an "
+        "update leaves elements equal (one update, two exports)"),
+    ("export", "receiver_ranks"): (
+        "receiver:sync_rank0_only: one rank (rank 1 of 2) keeps its first load after a sync, rank 0 right",
+        "a fault every rank shares with rank 0 (that is `receiver`'s and the others'), and engine ranks beyond the "
+        "trainer's: one receiver per trainer rank, each loading the whole stream"),
+    ("export", "receiver_repeat"): (
+        "receiver:shuffle_every_load: the expert tensors of one stream, loaded a second time, permuted again",
+        "a loader idempotent on the second load that breaks on a later one (a counter, a cache filled on the "
+        "second load): the last export is loaded twice, no more"),
+    ("export", "receiver_wake"): (
+        "receiver:wake_restores_old_backup: one sleep/wake cycle after one sync restores the first load's weights",
+        "a receiver without sleep()/wake_up() (not applicable, said so) and a cycle that goes wrong only from the "
+        "second cycle on: one cycle after one sync"),
+    ("export", "receiver_copies"): (
+        "receiver:tied_head_stale: one tensor (the receiver's own lm_head, a copy of the embedding) one step stale",
+        "a copy the receiver does not declare as a part (a tied model's head must be declared, another hidden copy "
+        "is invisible) and draft tensors the reference does not export (F8's MTP embedding and head copies)"),
     ("replay", "equivalence"): (
         f"replay:one_ulp_one_prob: {_ULP} in one routing weight (token 0's first slot, first MoE layer, "
         "micro-batch 0), the ids right",

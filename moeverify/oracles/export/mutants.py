@@ -498,7 +498,7 @@ def one_shard_widened(ctx):
 
 
 MUTANTS = MUTANTS + (
-    Mutant(name="stale_one_element", fails=("refresh",), factory=stale_one_element),
+    Mutant(name="stale_one_element", fails=("refresh", "refresh_delta"), factory=stale_one_element),
     Mutant(name="one_shard_widened", fails=("shape_dtype",), factory=one_shard_widened),
 )
 
