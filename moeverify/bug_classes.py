@@ -146,26 +146,26 @@ _EXPORT = (
        "a rank reading a buffer already overwritten), unseen when only one rank's receiver is checked",
        "sgl-project/sglang#6626: TP workers other than TP 0 were not held while TP 0 updated, so TP 1 loaded "
        "`lm_head` from a gather buffer already overwritten with the next tensor",
-       "receiver:sync_rank0_only"),
+       "receiver:sync_rank0_only", "receiver:one_rank_one_element_stale"),
     _c("export", "receiver_repeat",
        "a loader that is not idempotent: loading the same export again (a repeated or retried update) changes what "
        "the engine holds, e.g. a layout shuffle re-applied to weights already shuffled",
        "sgl-project/sglang#28963: ROCm's aiter FP8 path pre-shuffled weights after every load, so each RL reload "
        "shuffled already-shuffled weights again",
-       "receiver:shuffle_every_load"),
+       "receiver:shuffle_every_load", "receiver:repeat_nudges_one_element"),
     _c("export", "receiver_wake",
        "a sleep/wake cycle of the engine that does not give back what it held: an old backup restored over freshly "
        "synced weights",
        "vllm-project/vllm#48310 (RFC): sleep/wake correctness for RL, collecting engine state lost or restored "
        "stale across a sleep/wake cycle in downstream RL frameworks",
-       "receiver:wake_restores_old_backup"),
+       "receiver:wake_restores_old_backup", "receiver:wake_restores_one_element"),
     _c("export", "receiver_copies",
        "engine-side copies of synced weights left stale: a tied `lm_head` copied from the embedding once, MTP / "
        "draft layers the sync never reaches (and a receiver that holds neither, so nothing would show it)",
        "PrimeIntellect-ai/prime-rl#2823 (review): a receiver cloned `embed_tokens` into its own `lm_head`, and "
        "updates of the embedding left the head stale; sgl-project/sglang#27718: the NCCL update path never "
        "updated the EAGLE/MTP draft model",
-       "receiver:tied_head_stale", "receiver:mtp_not_synced"),
+       "receiver:tied_head_stale", "receiver:mtp_not_synced", "receiver:tied_head_one_element_stale"),
 )
 
 _REPLAY = (
@@ -319,19 +319,23 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "(every float element moves), a change where the weights did not change: that half is seen only where an "
         "update leaves elements equal (one update, two exports)"),
     ("export", "receiver_ranks"): (
-        "receiver:sync_rank0_only: one rank (rank 1 of 2) keeps its first load after a sync, rank 0 right",
+        "receiver:one_rank_one_element_stale: one rank (rank 1 of 2) keeps one element of one expert's down_proj at "
+        "the previous weights after a sync, rank 0 right",
         "a fault every rank shares with rank 0 (that is `receiver`'s and the others'), and engine ranks beyond the "
         "trainer's: one receiver per trainer rank, each loading the whole stream"),
     ("export", "receiver_repeat"): (
-        "receiver:shuffle_every_load: the expert tensors of one stream, loaded a second time, permuted again",
+        "receiver:repeat_nudges_one_element: loading bits it already holds moves one element of one expert's "
+        f"down_proj {_ULP}",
         "a loader idempotent on the second load that breaks on a later one (a counter, a cache filled on the "
         "second load): the last export is loaded twice, no more"),
     ("export", "receiver_wake"): (
-        "receiver:wake_restores_old_backup: one sleep/wake cycle after one sync restores the first load's weights",
+        "receiver:wake_restores_one_element: one sleep/wake cycle after one sync gives one element of one expert's "
+        "down_proj back from the first load",
         "a receiver without sleep()/wake_up() (not applicable, said so) and a cycle that goes wrong only from the "
         "second cycle on: one cycle after one sync"),
     ("export", "receiver_copies"): (
-        "receiver:tied_head_stale: one tensor (the receiver's own lm_head, a copy of the embedding) one step stale",
+        "receiver:tied_head_one_element_stale: one element of the receiver's own lm_head (a copy of the tied "
+        "embedding) one step stale",
         "a copy the receiver does not declare as a part (a tied model's head must be declared, another hidden copy "
         "is invisible) and draft tensors the reference does not export (F8's MTP embedding and head copies)"),
     ("replay", "equivalence"): (

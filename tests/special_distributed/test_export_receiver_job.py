@@ -38,7 +38,8 @@ def test_receiver_controls_pass_and_mutants_are_caught(tmp_path):
         control = by[family, "receiver:fused"]
         assert control["passed"], _failures([control])
         assert control["subchecks"]["receiver_copies"]["checked"] > 0 and _ran(control["subchecks"]) == [], control
-    where = {"tied_head_stale": "qwen2_tied", "mtp_not_synced": "deepseek_v3_mtp"}
+    where = {"tied_head_stale": "qwen2_tied", "tied_head_one_element_stale": "qwen2_tied",
+             "mtp_not_synced": "deepseek_v3_mtp"}
     for name, (_, subcheck) in MUTANTS.items():
         r = by[where.get(name, "qwen3_moe"), f"receiver-mutant:{name}"]
         assert r["error"] is None and not r["subchecks"][subcheck]["passed"], (name, r)

@@ -116,6 +116,12 @@ def test_bug_classes_minimal_mutant_is_one_the_subcheck_is_shown_to_fail():
                              minimal="export:a: one element")
 
 
+def test_bug_classes_every_subcheck_declares_its_sensitivity():
+    """Issue #37: every subcheck of every built-in check names the minimal mutant it is shown to catch and the
+    smallest difference it cannot see."""
+    assert [f"{c.check}.{c.subcheck}" for c in bug_classes.CLASSES if not (c.minimal and c.blind_to)] == []
+
+
 def test_bug_classes_refuse_a_malformed_entry():
     with pytest.raises(ValueError, match="caught_by entry 'flipped_bit' is not KIND:NAME"):
         bug_classes.BugClass(check="export", subcheck="x", guards="g", upstream="u", caught_by=("flipped_bit",))

@@ -199,3 +199,78 @@ APPLIES = {"tied_head_stale": lambda traits: traits.tied_embeddings,
 # the receiver subchecks that need a weight sync (``refresh``) to run
 NEEDS_SYNC = ("receiver_reload", "receiver_wake", "receiver_ranks", "receiver_copies")
 __all__ += ["APPLIES", "NEEDS_SYNC"]
+
+
+# -- minimal mutants of the subchecks above (``moeverify.bug_classes``' ``minimal``): one element each ---------------
+_ONE = ".experts.0.down_proj.weight"
+
+
+def _first(held: torch.Tensor) -> tuple[int, ...]:
+    return (0,) * held.dim()
+
+
+class _OneRankOneElementStale(_ReloadKeepsOneElement):
+    """``reload_keeps_one_element`` on every engine rank but 0: there a weight sync leaves one element (the first of
+    the first expert-0 ``down_proj``) at the previous weights' value; rank 0's engine is right."""
+
+    def __init__(self, *, rank: int, **kw) -> None:
+        super().__init__(**kw)
+        self._kept = rank == 0
+
+
+class _RepeatNudgesOneElement(FusedReceiver):
+    """A load of bits the buffer already holds moves one element one ulp: an in-place fix-up meant for a fresh copy
+    runs again on the first expert-0 ``down_proj`` loaded unchanged and flips its first element's lowest bit."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        same = None
+        if name.endswith(_ONE) and not getattr(self, "_nudged", False):
+            engine, part = self._where[name]
+            held = part.view(self.tensors[engine])
+            same = held if torch.equal(bits(held.contiguous()), bits(tensor.contiguous())) else None
+        super().write(name, tensor)
+        if same is not None:
+            self._nudged = True
+            bits(same)[_first(same)] ^= 1
+
+
+class _WakeRestoresOneElement(FusedReceiver):
+    """A sleep/wake cycle that gives every element back from the backup ``sleep`` took, except one (the first of the
+    first expert-0 ``down_proj``), restored from a copy taken at the first load."""
+
+    def load(self, stream):
+        held = super().load(stream)
+        if getattr(self, "_old", None) is None:
+            engine, part = next(where for name, where in self._where.items() if name.endswith(_ONE))
+            view = part.view(self.tensors[engine])
+            self._old = (engine, part, view[_first(view)].clone())
+        return held
+
+    def wake_up(self) -> Held:
+        held = super().wake_up()
+        engine, part, old = self._old
+        view = part.view(self.tensors[engine])
+        view[_first(view)] = old
+        return held
+
+
+class _TiedHeadOneElementStale(FusedReceiver):
+    """Copies the tied embedding into its own ``lm_head`` on every load, but from the second copy on leaves the
+    head's first element at the first copy's value."""
+
+    def copy_head(self, embedding: torch.Tensor) -> None:
+        old = self.tensors[self.HEAD].view(-1)[0].clone() if getattr(self, "_copied", False) else None
+        super().copy_head(embedding)
+        if old is not None:
+            self.tensors[self.HEAD].view(-1)[0] = old
+        self._copied = True
+
+
+MUTANTS.update({
+    "one_rank_one_element_stale": (lambda **kw: _OneRankOneElementStale(rank=kw["rank"], **_fused_kw(kw)),
+                                   "receiver_ranks"),
+    "repeat_nudges_one_element": (lambda **kw: _RepeatNudgesOneElement(**_fused_kw(kw)), "receiver_repeat"),
+    "wake_restores_one_element": (lambda **kw: _WakeRestoresOneElement(**_fused_kw(kw)), "receiver_wake"),
+    "tied_head_one_element_stale": (lambda **kw: _TiedHeadOneElementStale(**_fused_kw(kw)), "receiver_copies"),
+})
+APPLIES["tied_head_one_element_stale"] = lambda traits: traits.tied_embeddings
