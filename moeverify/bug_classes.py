@@ -275,7 +275,7 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "an element sent with wrong bits counts as covered: coverage sees whether an element is written, not its "
         "value (one ulp is bitwise's)"),
     ("export", "conflicts"): (
-        f"export:conflicting_write: one element written by two ranks, {_ULP} apart",
+        f"export:conflicting_write: one element written twice (by two ranks, or twice by one), {_ULP} apart",
         "two writes with identical bits (harmless), or one writer with wrong bits (bitwise's)"),
     ("export", "replicas"): (
         f"export:diverged_replica: one element of one rank's replica {_ULP} off, the sent copy right",
@@ -365,13 +365,14 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "queue order while backward runs in forward order (then it is right: `fifo_recompute` passes recompute); "
         "only reverse-order and summed-loss backward tell the two apart"),
     ("replay", "validation"): (
-        "impl:verl: routes a table one row short (one token without a route) and one token with an expert twice",
+        "impl:verl: routes a table one row short (one token without a route) and one token with an expert twice "
+        "in its row",
         "wrong routes of the right form (in range, no duplicates, right shape): validation checks form; drift, "
         "equivalence and cross_layout check which experts"),
     ("replay", "token_counts"): (
         "replay:one_count_extra: one token counted twice, for one expert of one layer",
-        "one count above 256 in a bf16 build: Megatron holds the counts in bf16 (F13) and they are compared as it "
-        "holds them, so a count off by one there rounds away (eight more fail)"),
+        "a count off by one above 256 in a bf16 build can round away: Megatron holds the counts in bf16 (F13) and "
+        "they are compared as it holds them (bf16's step there is 2, 4 above 512)"),
     ("replay", "weights"): (
         f"replay:one_ulp_one_prob: {_ULP} in one routing weight, the ids right",
         "another slot order whose sums come out the same bits: at top-2 a + b == b + a, so only top-k >= 3 can "
@@ -387,14 +388,14 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "a tensor the checkpoint does not hold either (F8's MTP copies, on a checkpoint without them): names of "
         "this checkpoint only"),
     ("hf_parity", "layers"): (
-        "test:tests/unit/test_hf_parity.py::test_hf_parity_names_the_layer_an_attention_fault_changes: one key "
-        "token left out of one sliding-window layer's window (layer 0)",
+        "test:tests/unit/test_hf_parity.py::test_hf_parity_names_the_layer_an_attention_fault_changes: the "
+        "sliding window one key token short in the attention of the sliding-window layers (layer 0 named)",
         "differences below 1e-4 x max|HF| of a layer's output: transformers and Megatron compute in another op "
-        "order (3e-7 .. 5e-7 relative apart when right), so nothing bitwise, and one ulp of a weight (about 1e-7 "
-        "relative in a layer's output) is not seen"),
+        "order (3e-7 .. 5e-7 relative apart when right), so nothing is compared bit for bit, and one ulp of a "
+        "weight, which moves a layer's output far less, is not seen"),
     ("hf_parity", "logits"): (
-        "test:tests/unit/test_hf_parity.py::test_hf_parity_names_the_layer_an_attention_fault_changes: one key "
-        "token left out of one sliding-window layer's window (layer 0)",
+        "test:tests/unit/test_hf_parity.py::test_hf_parity_names_the_layer_an_attention_fault_changes: the "
+        "sliding window one key token short in the attention of the sliding-window layers",
         "logit differences below 1e-4 x max|HF logit| (the op-order reason of `layers`): one ulp of a weight is "
         "not seen"),
 }
