@@ -498,7 +498,9 @@ def one_shard_widened(ctx):
 
 
 MUTANTS = MUTANTS + (
-    Mutant(name="stale_one_element", fails=("refresh", "refresh_delta"), factory=stale_one_element),
+    # one element is one element under any layout: run (two exports each) on the catalogue's EP scenarios only
+    Mutant(name="stale_one_element", fails=("refresh", "refresh_delta"), factory=stale_one_element,
+           applies=lambda *, traits, shape, layout, world_size: layout.ep > 1),
     Mutant(name="one_shard_widened", fails=("shape_dtype",), factory=one_shard_widened),
 )
 
