@@ -12,7 +12,11 @@ Variants, interleaved round by round in one process (the fastest round counts):
   forward: what each layer pays in a many-layer model);
 - ``r2.record_fwd`` vs ``unpatched_fwd``: a log-prob forward (no grad) recording into the table;
 - ``r3.replay``: a forward under ``MOEVERIFY_ROUTER_REPLAY=r3:DIR``: as ``r2.replay``, plus the listing of the
-  rollout directory each chunk forward makes (the table, read from ``RolloutWriter`` files, is built once).
+  rollout directory each chunk forward makes (the table, read from ``RolloutWriter`` files, is built once);
+- ``r2.replay_guard`` / ``r3.replay_guard``: the same with the live agreement guard on (in-job replay's default):
+  a native top-k and the overlap histogram per call, on the device; the step's one host read (``end_step``) after
+  each timed loop, as a trainer's optimizer step would. ``*.guard_vs_replay``: its cost against the same forward
+  without it.
 
 The table holds ``--recorded`` tokens (default 4x the micro-batch: a step's log-prob passes), the micro-batch's
 tokens among them. H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtype bf16``.
@@ -24,6 +28,7 @@ Legend of shape suffixes: T = tokens, H = hidden, E = experts, K = top-k.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -60,7 +65,7 @@ def main(argv=None) -> dict:
 
     from moeverify import runtime
     from moeverify.spec.layout import Layout
-    from moeverify.patches import injob
+    from moeverify.patches import agreement, injob
     from moeverify.patches import router_replay as rr
 
     args = parse_args(argv)
@@ -120,6 +125,15 @@ def main(argv=None) -> dict:
         rollout = _rollout_dir(router, rows, args)
         r3_state = injob.RolloutState(original=rr.original_routing(), num_experts=args.experts, directory=rollout)
 
+        @contextlib.contextmanager
+        def guarded():  # the agreement guard on (in-job modes' default), its step flushed after the timed loop
+            guard = agreement.guard()
+            try:
+                yield
+                guard.end_step()
+            finally:
+                agreement.stop()
+
         def held(step, owner=state):
             def run():
                 rr._ACTIVE[id(router)] = (owner, 0)
@@ -136,7 +150,8 @@ def main(argv=None) -> dict:
         variants = {"unpatched": lambda: bench._layer_step(router, x), "r2.replay": held(replay),
                     "r2.replay_unchecked": held(replay_unchecked),
                     "r2.replay_gather": held(replay_gather), "unpatched_fwd": unpatched_fwd,
-                    "r2.record_fwd": held(record_fwd, recorder), "r3.replay": held(replay, r3_state)}
+                    "r2.record_fwd": held(record_fwd, recorder), "r3.replay": held(replay, r3_state),
+                    "r2.replay_guard": (held(replay), guarded), "r3.replay_guard": (held(replay, r3_state), guarded)}
         timer = bench._timer(args)
         best = {name: float("inf") for name in variants}
         for _ in range(args.rounds):
@@ -145,13 +160,20 @@ def main(argv=None) -> dict:
         table = next(iter(state.tables.values()))
         rr.revert()
     base = {"r2.replay": "unpatched", "r2.replay_unchecked": "unpatched", "r2.replay_gather": "unpatched",
-            "r2.record_fwd": "unpatched_fwd", "r3.replay": "unpatched"}
+            "r2.record_fwd": "unpatched_fwd", "r3.replay": "unpatched", "r2.replay_guard": "unpatched",
+            "r3.replay_guard": "unpatched"}
     metrics = {name: {"value": round(ms, 4), "unit": "ms"} for name, ms in best.items()}
     for name, peer in base.items():
         metrics[name].update(peer=peer, ratio=round(best[name] / best[peer], 4))
-    metrics["r2.replay"]["goal"] = metrics["r3.replay"]["goal"] = "<=1.02"
+    for name in ("r2.replay", "r3.replay", "r2.replay_guard", "r3.replay_guard"):
+        metrics[name]["goal"] = "<=1.02"
+    for name in ("r2", "r3"):  # the guard's own cost: the same forward with and without it, same process
+        metrics[f"{name}.guard_vs_replay"] = {"value": metrics[f"{name}.replay_guard"]["value"], "unit": "ms",
+                                              "peer": metrics[f"{name}.replay"]["value"],
+                                              "ratio": round(best[f"{name}.replay_guard"] / best[f"{name}.replay"], 4)}
     result = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "metrics": metrics,
-              "table_bytes": table.nbytes(), "table_tokens": int(table.keys_2G.shape[1])}
+              "table_bytes": table.nbytes(), "table_tokens": int(table.keys_2G.shape[1]),
+              "gpu": bench.gpu_info() if args.device == "cuda" else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -19,9 +19,9 @@ group-limited top-k (DeepSeek-V3 style) instead of softmax.
 CPU (default): a small realistic shape that runs in well under two minutes.
 H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtype bf16``.
 
-``moeverify.slot_order`` times the slot order alone (the ids' sort, the scores' argsort at them and the native
-grad-mode top-k whose tie order rows routed as native take, on ``[T, K]``), as a share of the unpatched step: what
-bitwise replay at top-k >= 3 costs.
+``moeverify.slot_order`` times the slot order alone (``canonical_ids`` on ids kept ascending: on a GPU a top-k of
+the ``[T, K]`` keys at them; on the CPU their argsort and the native grad-mode top-k where a row ties), as a share of
+the unpatched step: what bitwise replay at top-k >= 3 costs. ``gpu`` in the results names the card and driver.
 
 Writes ``bench/results/router_replay.json``: ``{"metrics": {NAME: {"value", "unit", "peer", "ratio",
 "goal"}}}``.
@@ -204,21 +204,21 @@ def _variants_moeverify(args, x):
 
 
 def _slot_order_step(args, ids_TK):
-    """What the slot order adds to one replayed routing call: the per-replay sort of the ids and the hook's
-    ``canonical_replay`` (gather + argsort of the scores at them, and the native grad-mode top-k whose order rows
-    routed as native take; ``moeverify.patches.replay_state``), on ``[T, K]``."""
+    """What the slot order adds to one replayed routing call: the hook's ``canonical_ids`` on ``[T, K]`` ids kept
+    ascending once per ``Routes`` (``moeverify.patches.replay_state``: on a GPU one top-k of the ``[T, K]`` keys at
+    the ids and two gathers; on the CPU an argsort of those keys, and the native grad-mode top-k where a row ties)."""
     import torch
 
-    from moeverify.patches.replay_state import canonical_replay
+    from moeverify.patches.replay_state import canonical_ids
 
-    ids_TK = ids_TK.to(args.device, torch.int64)
+    sorted_ids_TK = ids_TK.to(args.device, torch.int64).sort(dim=1).values
     scores_TE = torch.randn(ids_TK.shape[0], args.experts, generator=torch.Generator().manual_seed(2)).to(args.device)
 
     def native_topk(scores, topk, num_groups=None, group_topk=None):  # Megatron's plain ``_compute_topk``
         return torch.topk(scores, k=topk, dim=1, sorted=torch.is_grad_enabled())
 
     def step():
-        canonical_replay(scores_TE, ids_TK.sort(dim=1).values, native_topk, topk=ids_TK.shape[1])
+        canonical_ids(scores_TE, sorted_ids_TK, native_topk, topk=ids_TK.shape[1])
 
     return step
 
@@ -285,6 +285,23 @@ def run_child(args) -> dict:
     return {name: min(ms) for name, ms in rounds.items()}
 
 
+def gpu_info() -> dict | None:
+    """The GPU the run used: model, driver, memory (``nvidia-smi``), and torch's view of it; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    info = {"name": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader",
+                              f"--id={torch.cuda.current_device()}"], capture_output=True, text=True, timeout=30)
+        name, driver, memory = (part.strip() for part in out.stdout.strip().splitlines()[0].split(","))
+        info.update(nvidia_smi_name=name, driver=driver, memory=memory)
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError) as exc:
+        info["nvidia_smi_error"] = str(exc)
+    return info
+
+
 def _metric(value, peer, goal):
     return {"value": round(value, 4), "unit": "ms", "peer": round(peer, 4), "ratio": round(value / peer, 4),
             "goal": goal}
@@ -327,7 +344,8 @@ def run_parent(args) -> dict:
                                            "rounds", "scope", "scoring")}
     host = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 1),
             "threads_per_process": 1 if args.device == "cpu" else None}
-    return {"metrics": metrics, "shape": shape, "host": host, "errors": errors}
+    return {"metrics": metrics, "shape": shape, "host": host, "gpu": gpu_info() if args.device == "cuda" else None,
+            "errors": errors}
 
 
 def main(argv=None) -> int:

@@ -79,9 +79,9 @@ class Guard:
         self.step = 0  # steps flushed with counted calls
         self.fresh = False  # new routes arrived since the last flush (``routes_changed``)
         self.history: list[dict] = []  # every row written, for code users and tests
-        # (pass, layer) -> [agreeing, overlapping slots, counted, padding, native (device tensors), calls' tokens,
-        #                   top-k, experts]
+        # (pass, layer) -> [overlap histogram (device tensor, ``count``), calls' tokens, top-k, experts]
         self._counts: dict[tuple[str, int], list] = {}
+        self._bins: dict[tuple, torch.Tensor] = {}  # (device, top-k) -> the histogram's bin numbers
         self._file = None
         self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
 
@@ -89,33 +89,36 @@ class Guard:
               num_experts: int | None = None, pad_T: torch.Tensor | None = None,
               routed_natively_T: torch.Tensor | None = None) -> None:
         """Count one routing call. Tokens of ``pad_T`` (padding the model was told of) and ``routed_natively_T``
-        (tokens the replay routed natively: padding, tokens with no route) are left out and counted apart."""
+        (tokens the replay routed natively: padding, tokens with no route) are left out and counted apart.
+
+        A handful of kernels and no host sync: each token's overlap (0..K replayed ids native also picks) goes
+        into one histogram per call, ``K + 1`` bins for each of counted, padding and routed-natively tokens,
+        added on the device to the step's; ``end_step`` reads every histogram of the step at once."""
         t, k = replayed_TK.shape
+        device = replayed_TK.device
         with torch.no_grad():
-            counted_T = torch.ones(t, dtype=torch.bool, device=replayed_TK.device)
-            pad_n = native_n = torch.zeros((), dtype=torch.int64, device=replayed_TK.device)
-            if pad_T is not None:
-                pad_T = pad_T.reshape(-1).to(device=replayed_TK.device, dtype=torch.bool)
-                if pad_T.numel() != t:
-                    raise RouteError(f"agreement guard: layer {layer}: the router's padding mask holds "
-                                     f"{pad_T.numel()} tokens, the call routes {t}")
-                counted_T &= ~pad_T
-                pad_n = pad_T.sum()
-            if routed_natively_T is not None:
-                native_T = routed_natively_T.to(device=replayed_TK.device, dtype=torch.bool) & counted_T
-                counted_T &= ~native_T
-                native_n = native_T.sum()
-            same_T = (replayed_TK.sort(dim=1).values == native_TK.sort(dim=1).values).all(dim=1)
             hits_T = (replayed_TK[:, :, None] == native_TK[:, None, :]).any(dim=2).sum(dim=1)
-            sums = [(same_T & counted_T).sum(), hits_T.masked_fill(~counted_T, 0).sum(), counted_T.sum(), pad_n,
-                    native_n]
+            if pad_T is not None or routed_natively_T is not None:
+                other_T = torch.zeros(t, dtype=torch.int64, device=device)  # 0 counted, 1 padding, 2 native
+                if routed_natively_T is not None:
+                    other_T = other_T.masked_fill(routed_natively_T.to(device=device, dtype=torch.bool), 2)
+                if pad_T is not None:
+                    pad_T = pad_T.reshape(-1).to(device=device, dtype=torch.bool)
+                    if pad_T.numel() != t:
+                        raise RouteError(f"agreement guard: layer {layer}: the router's padding mask holds "
+                                         f"{pad_T.numel()} tokens, the call routes {t}")
+                    other_T = other_T.masked_fill(pad_T, 1)
+                hits_T = hits_T + (k + 1) * other_T
+            bins_B = self._bins.get((device, k))
+            if bins_B is None:
+                bins_B = self._bins[(device, k)] = torch.arange(3 * (k + 1), device=device)
+            hist_B = (hits_T[:, None] == bins_B).sum(dim=0)
         counts = self._counts.get((kind, layer))
         if counts is None:
-            self._counts[(kind, layer)] = [*sums, t, k, num_experts]
+            self._counts[(kind, layer)] = [hist_B, t, k, num_experts]
         else:
-            for i in range(5):
-                counts[i] = counts[i] + sums[i]
-            counts[5] += t
+            counts[0] += hist_B
+            counts[1] += t
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._counts:
@@ -130,9 +133,14 @@ class Guard:
         rank = _rank()
         entries = sorted(self._counts.items(), key=lambda item: (PASSES.index(item[0][0]), item[0][1]))
         device = entries[0][1][0].device
-        read = torch.stack([torch.stack([c.to(device) for c in counts[:5]]) for _, counts in entries]).tolist()
-        rows = [self._row(kind, layer, [*values, *counts[5:]], rank)  # one host read a step
-                for ((kind, layer), counts), values in zip(entries, read, strict=True)]
+        read = torch.cat([counts[0].to(device) for _, counts in entries]).tolist()  # one host read a step
+        rows, at = [], 0
+        for (kind, layer), (_, tokens, k, experts) in entries:
+            hist, at = read[at:at + 3 * (k + 1)], at + 3 * (k + 1)
+            counted = hist[:k + 1]
+            values = [counted[k], sum(i * n for i, n in enumerate(counted)), sum(counted), sum(hist[k + 1:2 * (k + 1)]),
+                      sum(hist[2 * (k + 1):])]
+            rows.append(self._row(kind, layer, [*values, tokens, k, experts], rank))
         self._counts.clear()
         self.history.extend(rows)
         self._write(rows, rank)

@@ -261,17 +261,19 @@ class _ReplayIds:
         self.last_native_TK = None
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        ids_TK, native_TK = self.topk_ids_TK, None
+        native_TK = None
         if self.native_T is not None or agreement.ACTIVE is not None:
-            # one native top-k: the flagged tokens' ids, every row's slot order and the guard's comparison
+            # one native top-k: the flagged tokens' ids (in native's own order) and the guard's comparison
             with torch.no_grad():
                 _, native_TK = replay_state.grad_mode_topk(default_compute_topk, scores.detach(), topk, num_groups,
                                                            group_topk)
             self.last_native_TK = native_TK
-            if self.native_T is not None:
-                ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
-        return replay_state.canonical_replay(scores, ids_TK.sort(dim=1).values, default_compute_topk, topk=topk,
-                                             num_groups=num_groups, group_topk=group_topk, native_TK=native_TK)
+        # the table keeps each route's ids ascending (a set): ordered here by the module's rule
+        ids_TK = replay_state.canonical_ids(scores, self.topk_ids_TK, default_compute_topk, topk=topk,
+                                            num_groups=num_groups, group_topk=group_topk, native_TK=native_TK)
+        if self.native_T is not None:
+            ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
+        return scores.gather(1, ids_TK), ids_TK
 
 
 class InJobState:

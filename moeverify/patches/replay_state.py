@@ -22,8 +22,12 @@ bitwise and the gradients of every layer below the router off by bf16 ulps). So 
 of Megatron's own top-k *in grad mode* (``grad_mode_topk``), ties broken as ``torch.topk`` breaks them on this
 device: the recording hook takes its top-k with grad enabled; the replay hook takes each row's native grad-mode
 order when the replayed ids are the ids native routing picks (the same weights: the training pass of a log-prob
-pass), and otherwise (routes that differ from native) the descending selection key, ties by ascending expert id
-(``canonical_slots``). The selection key is the tensor the hook is handed: scores, or scores + expert bias. So
+pass). Routes that differ from native are ordered by descending selection key, ties broken per device: on a CUDA
+device as ``torch.topk`` orders that set (``topk_order``: one top-k of the ``[T, K]`` keys at the ascending ids,
+which *is* native's order wherever native picked that set, so no native top-k is taken and nothing syncs; checked
+once per shape against Megatron's own top-k of tie-heavy scores, ``_topk_order_holds``, else the CPU rule below
+with a native top-k per call); on the CPU by ascending expert id (``canonical_slots``; native's top-k only where a
+row's replayed keys tie). The selection key is the tensor the hook is handed: scores, or scores + expert bias. So
 the log-prob pass, the replayed training pass and a native grad-mode pass give bitwise the same probabilities and
 gradients; routes of any source (a session, rollout arrays, a dump) are summed alike.
 """
@@ -130,8 +134,45 @@ def grad_mode_topk(default_compute_topk, scores, topk, num_groups=None, group_to
     """Megatron's native top-k ``(values, ids)`` of ``scores`` as a grad-mode (training) pass takes it, slot order and
     ties included, whatever the grad mode of the pass calling it (``scores`` of a no-grad pass need no grad, so no
     graph is made)."""
+    if torch.is_grad_enabled():  # a training pass: no context to enter on the hot path
+        return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
     with torch.enable_grad():
         return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+
+
+def topk_order(key_TE: torch.Tensor, sorted_ids_TK: torch.Tensor) -> torch.Tensor:
+    """The ids of each row (ascending) in the slot order ``torch.topk(..., sorted=True)`` gives them when they are
+    the top-k of ``key_TE``: one top-k of the ``[T, K]`` keys gathered at them, no ``[T, E]`` work.
+
+    On a CUDA device ``torch.topk`` selects a row's top-k as the elements above its k-th value, then those equal to
+    it, each group in ascending position, and sorts those k (key, id) pairs by key alone, so the order of a selected
+    set depends on its keys in ascending-id order only: a top-k of all K keys laid out in ascending id order gives
+    the same order as the top-k of the whole row (or of a group-masked row) that selected that set. Checked on the
+    device before it is relied on (``_topk_order_holds``)."""
+    _, pos_TK = torch.topk(key_TE.gather(1, sorted_ids_TK), sorted_ids_TK.shape[1], dim=1, sorted=True)
+    return sorted_ids_TK.gather(1, pos_TK)
+
+
+# (device, dtype, experts, topk, groups, group top-k) -> whether ``topk_order`` gives native's grad-mode order there
+_TOPK_ORDER: dict[tuple, bool] = {}
+
+
+def _topk_order_holds(default_compute_topk, scores: torch.Tensor, topk: int, num_groups, group_topk) -> bool:
+    """Once per device, dtype and routing shape: native grad-mode top-k of tie-heavy scores (a few distinct values a
+    row: every tie case) against ``topk_order`` of the set it picked. One host read per shape and process."""
+    key = (scores.device, scores.dtype, scores.shape[1], topk, num_groups, group_topk)
+    holds = _TOPK_ORDER.get(key)
+    if holds is None:
+        g = torch.Generator(device=scores.device).manual_seed(12)
+        rows = scores.shape[0]  # the call's token count: Megatron's group-limited top-k is bound to it
+        probe_TE = torch.randint(0, 6, (rows, scores.shape[1]), generator=g, device=scores.device)
+        probe_TE = (probe_TE.to(scores.dtype) * 0.25 - 0.5).where(probe_TE < 5, torch.rand(
+            rows, scores.shape[1], generator=g, device=scores.device).to(scores.dtype))
+        with torch.no_grad():
+            _, native_TK = grad_mode_topk(default_compute_topk, probe_TE, topk, num_groups, group_topk)
+            ours_TK = topk_order(probe_TE, native_TK.sort(dim=1).values)
+        holds = _TOPK_ORDER[key] = bool(torch.equal(ours_TK, native_TK))
+    return holds
 
 
 def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_compute_topk=None, *, topk: int,
@@ -139,20 +180,34 @@ def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
     scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them."""
-    key_TK = scores.detach().gather(1, sorted_ids_TK)
+    ids_TK = canonical_ids(scores, sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups,
+                           group_topk=group_topk, native_TK=native_TK)
+    return scores.gather(1, ids_TK), ids_TK
+
+
+def canonical_ids(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_compute_topk=None, *, topk: int,
+                  num_groups=None, group_topk=None, native_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """``canonical_replay``'s ids alone."""
+    key_TE = scores.detach()
+    if key_TE.is_cuda and (default_compute_topk is None or _topk_order_holds(default_compute_topk, key_TE, topk,
+                                                                             num_groups, group_topk)):
+        # torch.topk's own order of the replayed set: native's where native picked that set (no native top-k, no
+        # [T, E] work, no host sync: two [T, K] kernels and a small top-k)
+        return topk_order(key_TE, sorted_ids_TK)
+    key_TK = key_TE.gather(1, sorted_ids_TK)
     order_TK = canonical_slots(key_TK)
     ids_TK = sorted_ids_TK.gather(1, order_TK)
     # a row without ties has one descending order, whichever top-k gives it: the native top-k is needed only where
-    # the replayed scores tie (on a GPU always taken: checking would cost a device sync, the top-k costs less)
-    ranked_TK = key_TK.gather(1, order_TK)
-    if native_TK is None and default_compute_topk is not None and (
-            scores.is_cuda or bool((ranked_TK[:, 1:] == ranked_TK[:, :-1]).any())):
-        with torch.no_grad():
-            _, native_TK = grad_mode_topk(default_compute_topk, scores.detach(), topk, num_groups, group_topk)
+    # the replayed scores tie (on a GPU whose top-k order fails the check, always taken: checking would sync)
+    if native_TK is None and default_compute_topk is not None:
+        ranked_TK = key_TK.gather(1, order_TK)
+        if scores.is_cuda or bool((ranked_TK[:, 1:] == ranked_TK[:, :-1]).any()):
+            with torch.no_grad():
+                _, native_TK = grad_mode_topk(default_compute_topk, key_TE, topk, num_groups, group_topk)
     if native_TK is not None:
         same_T = (native_TK.sort(dim=1).values == sorted_ids_TK).all(dim=1)
         ids_TK = torch.where(same_T[:, None], native_TK, ids_TK)
-    return scores.gather(1, ids_TK), ids_TK
+    return ids_TK
 
 
 class _RecordHook:
@@ -209,14 +264,15 @@ class Replaying:
     """State of ``session.replay(routes)``: per layer, the next forward micro-batch and recompute counts."""
 
     def __init__(self, per_layer: dict[int, tuple[torch.Tensor, ...]], *, recompute: bool | str, rank: int,
-                 original, fidelity: bool = False):
+                 original, fidelity: bool = False, ascending: bool = False):
         self.original = original  # the unpatched TopKRouter.routing
         # layer -> [tokens whose replayed top-k equals native top-k (device tensor), tokens] over forwards
         self.fidelity: dict[int, list] | None = {} if fidelity else None
         self.per_layer = per_layer
-        # ids ascending per row, once per replay: the hooks order the slots by score from there (canonical_slots)
-        self.sorted_ids = {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs)
-                           for layer, mbs in per_layer.items()}
+        # ids ascending per row (``ascending``: given so, e.g. made once per Routes): the hooks order the slots
+        # from there (canonical_replay)
+        self.sorted_ids = per_layer if ascending else {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs)
+                                                       for layer, mbs in per_layer.items()}
         self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
         self.recompute_mode = recompute
         self.rank = rank

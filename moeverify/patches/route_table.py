@@ -167,7 +167,7 @@ class RouteTable:
             differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1) & ~native_N
             conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
             self.layer_index[layer] = len(ids_GK)
-            ids_GK.append(ids_NK[heads_G])
+            ids_GK.append(canon_NK[heads_G])  # kept ascending: replay orders a set's slots itself
         self.ids_GLK = torch.stack(ids_GK, dim=1) if ids_GK else torch.zeros(heads_G.shape[0], 0, 0,
                                                                              dtype=self.dtype, device=key1_N.device)
         self.keys_2G = torch.stack([key1_N[heads_G], key2_N[heads_G]])

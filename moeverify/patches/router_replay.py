@@ -319,10 +319,10 @@ class ReplaySession:
                 for mb in range(routes.microbatches):
                     validate_topk_ids(routes.get(layer, mb), layer=layer, microbatch=mb, num_experts=self.num_experts,
                                       topk=self.topk, rank=rank)
-        per_layer = {layer: tuple(routes.replay_ids(layer, mb, device) for mb in range(routes.microbatches))
-                     for layer in routes.layers}
+        per_layer = {layer: tuple(routes.replay_ids(layer, mb, device, ascending=True)
+                                  for mb in range(routes.microbatches)) for layer in routes.layers}
         replaying = Replaying(per_layer, recompute=recompute, rank=rank, original=_ORIGINAL_ROUTING,
-                              fidelity=fidelity)
+                              fidelity=fidelity, ascending=True)
         origin = replay_inputs.origin_of(routes)
         if origin is not None:
             replay_inputs.check_model(origin, routers, rank=rank)

@@ -116,7 +116,7 @@ class Routes:
         self.num_experts = int(num_experts)
         self.topk = int(topk)
         self.validated = True  # every tensor checked when built (``unchecked`` leaves it False)
-        self._replay_ids: dict = {}  # (device, layer, mb) -> private int64 copy replay routes with (``replay_ids``)
+        self._replay_ids: dict = {}  # (device, layer, mb, ascending) -> private int64 copy replay routes with (``replay_ids``)
         self._versions = _versions(data)  # torch's in-place write counters when validated
         # Token order of the rows, where a producer knows it: "router" (s * B + b, what a rank's routers see:
         # session.routes(), Routes.to_local) or "sequence" (b * S + s: Dump.routes, Routes.to_global,
@@ -172,13 +172,16 @@ class Routes:
             raise RouteError(f"layer {layer} mb {microbatch}: only {len(mbs)} micro-batch(es) held")
         return mbs[microbatch]
 
-    def replay_ids(self, layer: int, microbatch: int, device) -> torch.Tensor:
+    def replay_ids(self, layer: int, microbatch: int, device, *, ascending: bool = False) -> torch.Tensor:
         """A private int64 copy of one route on ``device``, made once per device and never handed out elsewhere.
 
         Replay routes with this copy: a caller that writes into the tensor ``get`` returned changes nothing
-        that replay uses once the copy exists, and repeated replays of one ``Routes`` cost no copy."""
-        key = (torch.device(device), layer, microbatch)
+        that replay uses once the copy exists, and repeated replays of one ``Routes`` cost no copy.
+        ``ascending``: each row's ids sorted ascending (the route as a set; also made once)."""
+        key = (torch.device(device), layer, microbatch, ascending)
         ids_TK = self._replay_ids.get(key)
+        if ids_TK is None and ascending:
+            ids_TK = self._replay_ids[key] = self.replay_ids(layer, microbatch, device).sort(dim=1).values
         if ids_TK is None:
             source = self.get(layer, microbatch)
             if self.validated:

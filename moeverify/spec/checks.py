@@ -248,12 +248,12 @@ class ExportOptions(CheckOptions):
     refresh: bool | None = option(
         None, key="refresh", validate=_bool_or_auto, convert=_auto_as_none, flag="--refresh", switch=True,
         default_text="auto: on for a user's subject or with a receiver, off for the built-in subjects alone",
-        help="export again after an optimizer-like update of every weight (subcheck refresh, and receiver_reload "
-             "with a receiver): true, false or auto")
+        help="export again after an optimizer-like update of every weight (subchecks refresh and refresh_delta, and "
+             "receiver_reload and receiver_wake with a receiver): true, false or auto")
     receiver: str | None = plugin_option(
         None, key="receiver", what="receiver", builtins=RECEIVERS, flag="--receiver", metavar="R",
-        help="load the export into a receiver and compare what it holds (subcheck receiver, and receiver_reload "
-             "with refresh)")
+        help="load the export into a receiver on every rank and compare what it holds (subchecks receiver, "
+             "receiver_repeat, receiver_copies, receiver_ranks, and receiver_reload and receiver_wake with refresh)")
 
     @property
     def refresh_on(self) -> bool:
@@ -386,7 +386,8 @@ CHECKS: dict[str, CheckSpec] = {c.name: c for c in (
     CheckSpec(name="export", entry="moeverify.oracles.export:run", options=ExportOptions,
               subchecks=("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise",
                          "key_set", "reference_keys"),
-              optional_subchecks=("refresh", "receiver", "receiver_reload")),
+              optional_subchecks=("refresh", "receiver", "receiver_reload", "refresh_delta", "receiver_ranks",
+                                  "receiver_repeat", "receiver_wake", "receiver_copies")),
     # routes recorded in one pass replayed in the next, bit for bit, per router variant (docs/replay_matrix.md)
     CheckSpec(name="replay", entry="moeverify.oracles.replay.oracle:run", options=ReplayOptions,
               subchecks=REPLAY_SUBCHECKS, subchecks_field="subchecks", scenario_rule=_replay_rule),

@@ -6,7 +6,8 @@ Each scenario is ``family:layout-name`` (``moeverify.spec.layout.parse_layout_na
 ...]:layout-name`` for a user model (plain subjects only, no mutants); rank 0 writes a JSON
 list of ``{"scenario", "subject", "passed", "subchecks"}``. ``--mutants`` adds every mutant of
 ``moeverify.oracles.export.mutants.MUTANTS`` that applies to the scenario. ``--refresh`` adds the ``refresh``
-subcheck (a second export after a weight update) to the named subjects; mutants that must fail ``refresh``
+subcheck (a second export after a weight update) to the named subjects; mutants that must fail ``refresh`` or
+``refresh_delta``
 always get it, the others never (their subchecks are those of one export).
 """
 
@@ -47,7 +48,7 @@ def _subjects(args, family, layout, world_size):
             if args.only_mutant and m.name not in args.only_mutant:
                 continue
             if m.applies(traits=traits, shape=shape, layout=layout, world_size=world_size):
-                out.append((f"mutant:{m.name}", m.factory, "refresh" in m.fails))
+                out.append((f"mutant:{m.name}", m.factory, bool({"refresh", "refresh_delta"} & set(m.fails))))
     return out
 
 
@@ -94,7 +95,8 @@ def main() -> int:
                                 "subchecks": subchecks, "error": error})
                 _report(records, rt.rank)
             if args.receivers:
-                _receivers(records, sctx, family=family, layout=layout, world_size=rt.world_size)
+                _receivers(records, sctx, family=family, layout=layout, world_size=rt.world_size,
+                           first=spec == args.scenario[0])
     if rt.rank == 0:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
@@ -109,20 +111,28 @@ def _report(records, rank):
               flush=True)
 
 
-def _receivers(records, sctx, *, family, layout, world_size):
+def _receivers(records, sctx, *, family, layout, world_size, first=True):
     """The receiver controls and mutants (``receiver_mutants``) on this scenario, each loading the ``sharded``
-    subject's stream (the controls and reload mutants with a reload: ``refresh``), and the subject mutants the
-    receiver must show (``SUBJECT_MUTANTS``) streamed into the ``fused`` receiver."""
+    subject's stream (the controls and the mutants of subchecks that need a weight sync with one: ``refresh``), and
+    the subject mutants the receiver must show (``SUBJECT_MUTANTS``) streamed into the ``fused`` receiver. On the
+    first scenario every one that applies; on later ones (a tied model, an MTP model) only the ``fused`` control
+    and the mutants that apply there alone (``APPLIES``)."""
+    from moeverify.models import family_traits
     from moeverify.oracles.export import load_subject, mutants, run_export
-    from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS, SUBJECT_MUTANTS
+    from moeverify.oracles.export.receiver_mutants import APPLIES, CONTROLS, MUTANTS, NEEDS_SYNC, SUBJECT_MUTANTS
 
     sharded = load_subject("sharded")
+    traits = family_traits(family)
     by_name = {m.name: m.factory for m in mutants.MUTANTS}
-    # the weight update (refresh) only where receiver_reload must pass or fail
-    named = [(f"receiver:{n}", sharded, f, True) for n, f in CONTROLS.items()]
-    named += [(f"receiver-mutant:{n}", sharded, f, s == "receiver_reload") for n, (f, s) in MUTANTS.items()]
+
+    def applies(n):
+        return APPLIES[n](traits) if n in APPLIES else first
+
+    # the weight update (refresh) only where a subcheck that needs a sync must pass or fail
+    named = [(f"receiver:{n}", sharded, f, True) for n, f in CONTROLS.items() if first or n == "fused"]
+    named += [(f"receiver-mutant:{n}", sharded, f, s in NEEDS_SYNC) for n, (f, s) in MUTANTS.items() if applies(n)]
     named += [(f"subject-mutant:{n}", by_name[n], CONTROLS["fused"], s == "receiver_reload")
-              for n, s in SUBJECT_MUTANTS.items()]
+              for n, s in SUBJECT_MUTANTS.items() if first]
     for name, subject, receiver, refresh in named:
         t0 = time.time()
         tallies = run_export(subject, sctx, refresh=refresh, receiver=receiver)

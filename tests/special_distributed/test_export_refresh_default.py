@@ -35,7 +35,9 @@ def test_documented_command_catches_a_stale_second_export(tmp_path):
     proc, record = _run(tmp_path, "stale")
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     failed = {name for name, sub in record["subchecks"].items() if not sub["passed"]}
-    assert failed == {"refresh"}, record["subchecks"]
+    assert failed == {"refresh", "refresh_delta"}, record["subchecks"]
+    assert "kept the previous export's bits where the weights changed" in \
+        " ".join(record["subchecks"]["refresh_delta"]["failures"])
     assert "after the weight update" in " ".join(record["subchecks"]["refresh"]["failures"])
     assert record["decisions"]["refresh"]["on"] is True
     assert record["decisions"]["refresh"]["why"].startswith("default for a user's subject")
@@ -48,5 +50,8 @@ def test_documented_command_passes_a_fresh_subject(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert record["passed"] and record["subchecks"]["refresh"]["checked"] > 0, record
     assert record["decisions"]["refresh"]["on"] is True
-    assert set(record["not_run"]) == {"receiver", "receiver_reload"}  # no receiver given
-    assert "not run: receiver, receiver_reload" in proc.stdout
+    assert record["subchecks"]["refresh_delta"]["checked"] > 0
+    receiver = {"receiver", "receiver_reload", "receiver_ranks", "receiver_repeat", "receiver_wake", "receiver_copies"}
+    assert set(record["not_run"]) == receiver  # no receiver given
+    assert "not run: receiver, receiver_reload, receiver_ranks, receiver_repeat, receiver_wake, receiver_copies" in \
+        proc.stdout

@@ -86,6 +86,10 @@ def test_replay_check_passes_for_impl(tmp_path, family, world_size, layout, impl
             assert not sub["passed"] and any(findings[name] in f for f in sub["failures"]), _summary(record)
         else:
             assert sub["passed"], _summary(record)
+    if impl != "moeverify":  # validation's smallest bad inputs, one token without a route or with an expert twice
+        for case in ("short table", "expert twice in a row"):  # (bug_classes' minimal): both peers route them
+            assert any(f"accepted routes with {case}" in f for f in record["subchecks"]["validation"]["failures"]), \
+                _summary(record)
 
 
 @pytest.mark.parametrize("mutant,subcheck,reason", [

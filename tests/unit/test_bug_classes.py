@@ -38,7 +38,7 @@ def _catalogues() -> dict[str, dict[str, tuple[str, ...]]]:
         export[name] = (*export[name], subcheck)
     return {"export": export,
             "receiver": {n: (s,) for n, (_, s) in receiver_mutants.MUTANTS.items()},
-            "replay": {n: (s,) for n, s in faulty.MUTANTS.items()},
+            "replay": {n: (s, *faulty.ALSO_FAILS.get(n, ())) for n, s in faulty.MUTANTS.items()},
             "impl": dict.fromkeys(REPLAY_IMPLS, ())}
 
 
@@ -99,6 +99,27 @@ def test_bug_classes_docs_table_is_the_declaration(check):
 def test_bug_classes_upstream_examples_cite_a_thread_or_a_finding():
     for c in bug_classes.CLASSES:
         assert re.search(r"[\w.-]+/[\w.-]+#\d+|\bF\d+\b|this project", c.upstream) or c.subcheck == "lockstep", c
+
+
+def test_bug_classes_minimal_mutant_is_one_the_subcheck_is_shown_to_fail():
+    """A row's minimal mutant is one of its ``caught_by`` (so the catalogue and faulty-impl tests that prove those
+    prove it), says what it changes, and comes with the smallest difference the subcheck cannot see."""
+    for c in bug_classes.CLASSES:
+        if c.minimal:
+            assert c.minimal_item in c.caught_by and len(c.minimal_change) > 20, c
+            assert len(c.blind_to) > 40, c
+    with pytest.raises(ValueError, match="does not start with one of caught_by"):
+        bug_classes.BugClass(check="export", subcheck="x", guards="g", upstream="u", caught_by=("export:a",),
+                             minimal="export:b: one element", blind_to="nothing")
+    with pytest.raises(ValueError, match="given together"):
+        bug_classes.BugClass(check="export", subcheck="x", guards="g", upstream="u", caught_by=("export:a",),
+                             minimal="export:a: one element")
+
+
+def test_bug_classes_every_subcheck_declares_its_sensitivity():
+    """Issue #37: every subcheck of every built-in check names the minimal mutant it is shown to catch and the
+    smallest difference it cannot see."""
+    assert [f"{c.check}.{c.subcheck}" for c in bug_classes.CLASSES if not (c.minimal and c.blind_to)] == []
 
 
 def test_bug_classes_refuse_a_malformed_entry():

@@ -212,7 +212,9 @@ def test_checks_selected_subchecks_follow_the_declared_option():
     assert replay.selected_subchecks({"replay_subchecks": ("weights", "drift")}) == (("drift", "weights"),
                                                                                      "replay_subchecks")
     assert export.selected_subchecks({"replay_subchecks": ("drift",)}) == (export.declared_subchecks, None)
-    assert export.declared_subchecks == export.subchecks + ("refresh", "receiver", "receiver_reload")
+    assert export.declared_subchecks == export.subchecks + ("refresh", "receiver", "receiver_reload", "refresh_delta",
+                                                            "receiver_ranks", "receiver_repeat", "receiver_wake",
+                                                            "receiver_copies")
 
 
 def test_replay_subchecks_in_layout_leaves_out_every_whole_model_build():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.oracles.export.receiver import FusedReceiver, Held, Part, compare, fused_layout, load_receiver
+from moeverify.oracles.export.receiver import (CopiesScope, FusedReceiver, Held, Part, compare, fused_layout,
+                                              load_receiver, same_held)
 from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS
 from moeverify.oracles.results import Tally
 
@@ -53,7 +54,7 @@ def test_control_passes_and_reloads_into_same_buffers():
     assert again.passed and receiver.tensors["model.layers.0.mlp.experts.w13_weight"] is before
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
+@pytest.mark.parametrize("name", sorted(n for n, (_, s) in MUTANTS.items() if s in ("receiver", "receiver_reload")))
 def test_each_mutant_caught_by_its_subcheck(name):
     factory, subcheck = MUTANTS[name]
     first, second = _export(0), _export(1)
@@ -156,3 +157,82 @@ def test_a_receiver_that_cannot_load_is_refused_before_launch():
     check_plugins([s], {"receiver": "fused"})
     with pytest.raises(UsageError, match="receiver 'no_such_pkg.mod:factory': no module named 'no_such_pkg.mod'"):
         check_plugins([s], {"receiver": "no_such_pkg.mod:factory"})
+
+
+# -- the life cycle on one rank: load, sync, sleep/wake, the same export again, tied head and MTP draft ------------
+def _life_cycle(receiver, first, second, *, scope: CopiesScope) -> dict[str, Tally]:
+    """The receiver subchecks of one rank, as ``ReceiverRun`` runs them with a weight sync (synthetic tensors)."""
+    t = {name: Tally() for name in ("receiver", "receiver_reload", "receiver_wake", "receiver_repeat",
+                                    "receiver_copies")}
+    compare(receiver.load((n, x.clone()) for n, x in first.items()), first, t["receiver"], copies=t["receiver_copies"],
+            scope=scope)
+    sent = [(n, x.clone()) for n, x in second.items()]  # what was streamed: the receiver may write into it
+    held = receiver.load(iter(sent))
+    compare(held, second, t["receiver_reload"], copies=t["receiver_copies"], scope=scope)
+    before = {n: x.clone() for n, x in held.tensors.items()}
+    receiver.sleep()
+    same_held(receiver.wake_up(), before, t["receiver_wake"], when="")
+    before = {n: x.clone() for n, x in held.tensors.items()}
+    same_held(receiver.load(iter(sent)), before, t["receiver_repeat"], when="")
+    return t
+
+
+def _tied_mtp_export(seed: int) -> dict[str, torch.Tensor]:
+    out = _export(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    out |= {"model.layers.1.enorm.weight": torch.randn(H, generator=g), "model.layers.1.eh_proj.weight":
+            torch.randn(H, 2 * H, generator=g)}  # an MTP layer past the one decoder layer
+    return out
+
+
+SCOPE = CopiesScope(tied="model.embed_tokens.weight", mtp_layers=1, num_layers=1)
+NEW = {n: s for n, (_, s) in MUTANTS.items() if s not in ("receiver", "receiver_reload")}
+
+
+def _made(factory_or_name, **kw):
+    factory = MUTANTS[factory_or_name][0] if isinstance(factory_or_name, str) else factory_or_name
+    return factory(**{"hf_path": None, "rank": 0, "world_size": 1, **kw})
+
+
+def test_life_cycle_control_passes_every_subcheck_with_a_tied_head_and_a_draft():
+    t = _life_cycle(FusedReceiver(tied=SCOPE.tied), _tied_mtp_export(0), _tied_mtp_export(1), scope=SCOPE)
+    assert all(x.passed for x in t.values()), {k: x.failures for k, x in t.items()}
+    assert t["receiver_copies"].checked == 2 * 4  # embedding and head, two MTP tensors, after each load
+
+
+def test_copies_refuses_a_receiver_that_declares_no_tied_head_or_no_draft():
+    first = _tied_mtp_export(0)
+    copies = Tally()
+    held = FusedReceiver().load(first.items())  # no head of its own
+    mtp = {k: v for k, v in first.items() if k.startswith("model.layers.1.")}
+    held = Held(tensors={k: v for k, v in held.tensors.items() if k not in mtp},
+                parts={k: v for k, v in held.parts.items() if k not in mtp})
+    compare(held, first, Tally(), copies=copies, scope=SCOPE)
+    assert any("no output head" in f for f in copies.failures), copies.failures
+    assert any("2 MTP (draft) tensor(s) the receiver does not hold" in f for f in copies.failures), copies.failures
+
+
+@pytest.mark.parametrize("name", sorted(NEW))
+def test_each_life_cycle_mutant_caught_by_its_subcheck(name, monkeypatch):
+    subcheck = NEW[name]
+    first, second = _tied_mtp_export(0), _tied_mtp_export(1)
+    if subcheck == "receiver_ranks":  # on a rank other than 0: its receiver_reload is that rank's, in receiver_ranks
+        t = _life_cycle(_made(name, rank=1), first, second, scope=SCOPE)
+        assert not t["receiver_reload"].passed and t["receiver"].passed
+        assert _life_cycle(_made(name, rank=0), first, second, scope=SCOPE)["receiver_reload"].passed
+        return
+    import moeverify.oracles.export.receiver_mutants as rm
+
+    monkeypatch.setattr(rm, "copies_scope", lambda _path: SCOPE)
+    t = _life_cycle(_made(name), first, second, scope=SCOPE)
+    assert not t[subcheck].passed, (name, t[subcheck].failures)
+    assert t["receiver"].passed, t["receiver"].failures  # right after the first load
+
+
+def test_same_held_names_the_tensor_and_element():
+    held = FusedReceiver().load(_export(0).items())
+    before = {n: x.clone() for n, x in held.tensors.items()}
+    held.tensors["model.norm.weight"][2] += 1
+    failures = same_held(held, before, Tally(), when="again: ").failures
+    assert len(failures) == 1 and failures[0].startswith("again: model.norm.weight: 1 of 6 element(s) differ, first "
+                                                         "at [2]"), failures

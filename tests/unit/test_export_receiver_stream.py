@@ -85,7 +85,7 @@ def test_compare_streams_the_reference_one_tensor_at_a_time():
 def _sctx(reference: dict[str, torch.Tensor], rank: int = 0):
     """A subject context whose ``bridge.export_hf_weights`` streams ``reference``: the receiver's reference."""
     bridge = types.SimpleNamespace(export_hf_weights=lambda chunks, cpu, show_progress: iter(list(reference.items())))
-    return types.SimpleNamespace(bridge=bridge, model_chunks=[], rank=rank, options={}, hf_path="unused")
+    return types.SimpleNamespace(bridge=bridge, model_chunks=[], rank=rank, world_size=1, options={}, hf_path="unused")
 
 
 def _stream(run: ReceiverRun, tensors: dict[str, torch.Tensor]) -> None:
@@ -100,13 +100,15 @@ def test_receiver_run_loads_the_subjects_stream_not_the_reference():
     lockstep.ok(2)
     run = ReceiverRun(lambda **_: FusedReceiver(), _sctx(ref))
     _stream(run, ref)
-    assert run.check("receiver", {"lockstep": lockstep}).passed
+    run.check("receiver", {"lockstep": lockstep})
+    assert run.finish()["receiver"].passed
     wrong = dict(ref)  # the subject sent gate and up of expert 1 exchanged: the engine holds them so
     up, gate = "model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.0.mlp.experts.1.gate_proj.weight"
     wrong[up], wrong[gate] = ref[gate], ref[up]
     run = ReceiverRun(lambda **_: FusedReceiver(), _sctx(ref))
     _stream(run, wrong)
-    failures = run.check("receiver", {"lockstep": lockstep}).failures
+    run.check("receiver", {"lockstep": lockstep})
+    failures = run.finish()["receiver"].failures
     assert [f.split(":")[0] for f in failures] == [
         "model.layers.0.mlp.experts.w13_weight[1].narrow(dim=0, 0, 4) = " + gate,
         "model.layers.0.mlp.experts.w13_weight[1].narrow(dim=0, 4, 4) = " + up]
@@ -119,12 +121,14 @@ def test_receiver_run_reports_a_refused_load_and_a_failed_lockstep():
     bad.fail("rank 1: subject raised")
     run = ReceiverRun(lambda **_: FusedReceiver(), _sctx(ref))
     _stream(run, ref)
-    assert run.check("receiver", {"lockstep": bad}).failures == [
-        "skipped: lockstep failed, the subject's export was not merged"]
+    run.check("receiver", {"lockstep": bad})
+    assert run.finish()["receiver"].failures == ["skipped: lockstep failed, the subject's export was not merged"]
     mixed = dict(ref, **{"model.layers.0.self_attn.k_proj.weight": ref["model.layers.0.self_attn.k_proj.weight"].float()})
     run = ReceiverRun(lambda **_: FusedReceiver(), _sctx(ref))
     _stream(run, mixed)
-    (failure,) = run.check("receiver", {"lockstep": ok}).failures
+    run.check("receiver", {"lockstep": ok})
+    (failure,) = run.finish()["receiver"].failures
     assert failure.startswith("the receiver could not load the subject's export") and "fuses tensors of dtypes" in failure
-    other_rank = ReceiverRun(lambda **_: pytest.fail("made on rank 1"), _sctx(ref, rank=1))
-    assert other_rank.sink() is None and other_rank.check("receiver", {"lockstep": ok}).checked == 0
+    made = []  # a receiver on every rank (an engine's workers), told which
+    other_rank = ReceiverRun(lambda **kw: made.append(kw) or FusedReceiver(), _sctx(ref, rank=1))
+    assert other_rank.sink() is None and (made[0]["rank"], made[0]["world_size"]) == (1, 1)

@@ -124,16 +124,60 @@ def test_refresh_fresh_subject_passes(world, tmp_path):
 
 def test_refresh_stale_cache_fails_only_refresh(world, tmp_path):
     tallies = refresh.run_twice(export.run_subject, _caching(), _sctx(tmp_path))
-    assert _failed(tallies) == {"refresh"}
+    assert _failed(tallies) == {"refresh", "refresh_delta"}  # the first export's bits where every weight changed
     assert any(f.startswith("after the weight update (passed before it): bitwise: w:")
                for f in tallies["refresh"].failures), tallies["refresh"].failures
 
 
 def test_refresh_one_stale_tensor_names_it(world, tmp_path):
     tallies = refresh.run_twice(export.run_subject, _caching_one("expert_bias"), _sctx(tmp_path))
-    assert _failed(tallies) == {"refresh"}
+    assert _failed(tallies) == {"refresh", "refresh_delta"}
+    assert [f.split(":")[0] for f in tallies["refresh_delta"].failures] == ["expert_bias"]
     failures = tallies["refresh"].failures
     assert failures and all(": bitwise: expert_bias:" in f for f in failures), failures
+
+
+def _second_export(change):
+    """A subject right on its first export and ``change(name, tensor)`` on every later one."""
+    calls = []
+
+    def subject(ctx):
+        calls.append(1)
+        for name, t in _fresh(ctx):
+            yield name, (t if len(calls) == 1 else change(name, t.clone()))
+    return subject
+
+
+def test_refresh_delta_names_what_each_wrong_element_holds(world, tmp_path):
+    assert refresh.run_twice(export.run_subject, _fresh, _sctx(tmp_path))["refresh_delta"].checked == 12 + 4 + 4 + 2
+    # frozen: every element the update changed kept the first export's bits
+    frozen = refresh.run_twice(export.run_subject, _caching(), _sctx(tmp_path))["refresh_delta"].failures
+    assert any(f.startswith("w: 12 of 12 element(s) kept the previous export's bits where the weights changed")
+               for f in frozen), frozen
+
+    def torn(name, t):  # bits of neither version (a reused buffer) in one element of w
+        if name == "w":
+            t.view(-1)[5] = 123.0
+        return t
+    failures = refresh.run_twice(export.run_subject, _second_export(torn), _sctx(tmp_path))["refresh_delta"].failures
+    assert [f for f in failures if f.startswith("w:")] == [
+        "w: 1 of 12 element(s) hold bits of neither the previous nor the new weights (a buffer reused or overwritten "
+        "before it was read); first at [1, 1]"], failures
+
+
+def test_refresh_delta_sees_a_change_where_the_weights_did_not_change():
+    before, after = refresh.Fingerprints(lambda: iter(()), record=True, keep=True), \
+        refresh.Fingerprints(lambda: iter(()), record=True, keep=True)
+    old, new = torch.arange(6, dtype=torch.float32), torch.arange(6, dtype=torch.float32)
+    new[0] += 1  # the weights changed in element 0 only
+    before.kept["t"], after.kept["t"] = old.clone(), new.clone()
+    delta = refresh.Delta(before, after)
+    delta.first("t", old.clone())
+    sent = new.clone()
+    sent[3] = -1.0  # the second export changed element 3 too
+    delta.second("t", sent)
+    assert delta.finish().failures == ["t: 1 of 6 element(s) changed where the weights did not; first at [3]"]
+    assert delta.tally.checked == 6
 
 
 def test_refresh_unchanged_reference_fails(world, tmp_path):
@@ -198,7 +242,7 @@ def test_receiver_loads_the_subjects_stream_fresh_passes_stale_fails_the_reload(
     assert _failed(tallies) == set()
     assert (tallies["receiver"].checked, tallies["receiver_reload"].checked) == (4, 4)
     stale = export.run_export(_caching(), _sctx(tmp_path), refresh=True, receiver=_fused)
-    assert _failed(stale) == {"refresh", "receiver_reload"}  # the engine got the first step's weights again
+    assert _failed(stale) == {"refresh", "refresh_delta", "receiver_reload"}  # the first step's weights again
     assert stale["receiver_reload"].failures and all(
         f.startswith("after the weight sync: ") for f in stale["receiver_reload"].failures)
 

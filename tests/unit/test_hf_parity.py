@@ -57,18 +57,48 @@ def test_hf_parity_finds_ernie45_routing_with_another_score_function(patched_meg
 
 
 def test_hf_parity_finds_gpt_oss_gate_up_loaded_transposed_when_square(patched_megatron_world, tmp_path):
-    """Finding: with hidden == 2 x intermediate the GPT-OSS bridge loads gate_up_proj transposed (roundtrip
-    and export still pass bit for bit: it is transposed back on export)."""
+    """Finding F4: with hidden == 2 x intermediate the GPT-OSS bridge loads each expert's square gate_up_proj
+    transposed and exports it as it holds it: the export is the checkpoint's tensor transposed, so ``roundtrip``
+    ``bitwise`` fails on every layer's gate_up_proj, while ``export`` passes (its reference is the bridge's own
+    export, transposed the same way) and ``hf_parity`` names layer 0. At the family's own width (48) all pass."""
     import json
+
+    import torch
 
     from moeverify.models import families
     from moeverify.spec.models import user
+    from moeverify.models.checkpoint import open_tensors
+    from moeverify.oracles import export, roundtrip
+    from moeverify.oracles.context import CheckContext
 
-    config = families.hf_config_dict("gpt_oss") | {"intermediate_size": 32}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ref = user.read(tmp_path).ref
-    failures = _failures(hf_parity.run(_ctx(ref)))
-    assert failures["layers"][0] == "first divergent layer: 0 (global layer number, 0-based)"
+    for width in (32, 48):
+        config = families.hf_config_dict("gpt_oss") | {"intermediate_size": width}
+        (tmp_path / str(width)).mkdir()
+        (tmp_path / str(width) / "config.json").write_text(json.dumps(config))
+        ref = user.read(tmp_path / str(width)).ref
+        ctx = CheckContext(scenario=NS(model=ref, layout=Layout(), seed=0), rank=0, world_size=1, backend="cpu",
+                           options={})
+        trip = _failures(roundtrip.run(ctx))
+        built = ctx.model()
+        sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=Layout(), rank=0,
+                                     world_size=1, hf_path=built.hf_path, built=built, timeout_s=120)
+        assert _failures(export.run_subject(export.load_subject("sharded"), sctx)) == {}, width
+        if width == 48:
+            assert trip == {} and _failures(hf_parity.run(_ctx(ref))) == {}
+            continue
+        assert set(trip) == {"bitwise"}, trip
+        assert [f.split(":")[0] for f in trip["bitwise"]] == [f"model.layers.{i}.mlp.experts.gate_up_proj"
+                                                              for i in range(4)], trip
+        source = open_tensors(built.hf_path)  # what the bridge gives back: each expert's block transposed
+        try:
+            for name, tensor in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):
+                if name.endswith("gate_up_proj"):
+                    assert torch.equal(tensor, source.get_tensor(name).transpose(-1, -2)), name
+        finally:
+            source.close()
+        failures = _failures(hf_parity.run(_ctx(ref)))
+        assert failures["layers"][0] == "first divergent layer: 0 (global layer number, 0-based)"
+        assert failures["logits"][0].endswith("(6.89e-01 relative)"), failures["logits"]  # the README's 0.69
 
 
 def test_hf_parity_refuses_other_layouts_rather_than_passing_on_nothing():

@@ -61,6 +61,16 @@ def test_token_counts_mutant_counts_padding_fails_only_token_counts():
     assert tallies["equivalence"].passed, tallies["equivalence"].failures
 
 
+def test_token_counts_minimal_mutant_one_count_extra_fails_by_one_count_per_case():
+    """Sensitivity (``bug_classes`` minimal): one token counted twice, for one expert of one layer, per replayed pass."""
+    assert MUTANTS["one_count_extra"] == "token_counts"
+    t, _ = run_token_counts(make_setup("moeverify.oracles.replay.faulty:one_count_extra"))
+    counts = [f for f in t.failures if "local_tokens_per_expert" in f]
+    assert len(counts) == 2 == len(t.failures), t.failures  # one layer per case, nothing else wrong
+    assert all("1 count(s) too many, 0 too few" in f for f in counts), counts
+    assert any("T==E" in f for f in counts) and any("T!=E" in f for f in counts), counts
+
+
 def test_token_counts_not_applicable_on_deepseek_v2_with_reason():
     """DeepSeek-V2's tiny model: no expert bias, no aux loss, no z-loss: reported not applicable, not failed."""
     t, notes = run_token_counts(make_setup("moeverify", family="deepseek_v2"))

@@ -145,14 +145,16 @@ def test_table_says_which_declared_subchecks_did_not_run_and_why_without_changin
     once = Result(record=CheckRecord.from_tallies(scenario="qwen3_moe/tp1", check="export", seconds=1.0, tallies=ran,
                                                   decisions=off))
     twice = Result(record=CheckRecord.from_tallies(
-        scenario="qwen2/tp2", check="export", seconds=1.0, tallies=ran | {"refresh": t, "receiver": t,
-                                                                           "receiver_reload": t},
+        scenario="qwen2/tp2", check="export", seconds=1.0, tallies=ran | dict.fromkeys(
+            ("refresh", "refresh_delta", "receiver", "receiver_reload", "receiver_repeat", "receiver_wake",
+             "receiver_copies", "receiver_ranks"), t),
         decisions={"refresh": {"on": True, "why": "default with a receiver (fused); ..."}}))
-    assert report.not_run_line(once) == ("not run: refresh, receiver, receiver_reload (refresh off: "
+    assert report.not_run_line(once) == ("not run: refresh, receiver, receiver_reload, refresh_delta, receiver_ranks, "
+                                         "receiver_repeat, receiver_wake, receiver_copies (refresh off: "
                                          f"{off['refresh']['why']})")
     assert report.not_run_line(twice) is None and report.not_run_line(_skipped()) is None
     assert once.as_dict()["decisions"] == off and CheckRecord.from_dict(once.as_dict()).decisions == off
     assert report.exit_code([once, twice]) == 0  # not-run subchecks do not change the exit code
     out = io.StringIO()
     report.print_report([once, twice], console=Console(file=out, width=300, color_system=None))
-    assert "not run: refresh, receiver, receiver_reload (refresh off: default for the built-in" in out.getvalue()
+    assert "receiver_wake, receiver_copies (refresh off: default for the built-in" in out.getvalue()

@@ -454,3 +454,162 @@ MUTANTS = MUTANTS + (
     Mutant(name="stale_pp_broadcast", fails=("refresh",), factory=stale_pp_broadcast,
            applies=lambda *, traits, shape, layout, world_size: layout.pp > 1),
 )
+
+
+# -- minimal mutants: the smallest unit a subcheck is shown to see (``moeverify.spec.bug_classes``' ``minimal``) ----------
+def _first_written(ctx, change: Callable[[Slot, str], Slot]):
+    """The rows, with rank 0's first written slot (the first tensor piece it really sends) passed through ``change``."""
+    done = False
+    for row in _rows(ctx):
+        if not done and ctx.rank == 0 and row.contributes:
+            slots = _concrete(row)
+            full = [i for i, s in enumerate(slots) if s.positions.numel()]
+            if full:
+                done = True
+                slots[full[0]] = change(slots[full[0]], row.row)
+                row = ShardRow(row.row, slots, True)
+        yield row
+
+
+def stale_one_element(ctx):
+    """One element, one step stale: the first element rank 0 sends is kept from the first export and sent again on
+    every later one, every other element fresh. Bug class: a delta exporter whose change detection misses one
+    element (a per-block checksum that a small update does not move, an off-by-one in the dirty range)."""
+    cache = _cache(ctx, "one_element")
+
+    def keep_first(s: Slot, row: str) -> Slot:
+        values = s.values.reshape(-1).clone()
+        values[:1] = cache.setdefault(row, values[:1].clone())
+        return Slot(s.hf_name, s.hf_shape, s.positions, values)
+
+    yield from _first_written(ctx, keep_first)
+
+
+def one_shard_widened(ctx):
+    """One rank's piece of one tensor sent in a wider dtype (bf16 as fp32, fp32 as fp64), every value exact. Bug
+    class: a per-shard conversion path (a gather buffer allocated in fp32, an upcast before a copy) taken on one
+    rank only: the engine receives the tensor in two dtypes, or casts it on load."""
+
+    def widened(s: Slot, row: str) -> Slot:
+        wide = torch.float64 if s.values.dtype == torch.float32 else torch.float32
+        return Slot(s.hf_name, s.hf_shape, s.positions, s.values.to(wide))
+
+    yield from _first_written(ctx, widened)
+
+
+MUTANTS = MUTANTS + (
+    # one element is one element under any layout: run (two exports each) on the catalogue's EP scenarios only
+    Mutant(name="stale_one_element", fails=("refresh", "refresh_delta"), factory=stale_one_element,
+           applies=lambda *, traits, shape, layout, world_size: layout.ep > 1),
+    Mutant(name="one_shard_widened", fails=("shape_dtype",), factory=one_shard_widened),
+)
+
+
+# -- the live post-step model (issue #37): caught by ``refresh_delta`` (the second export differs from the first
+# exactly where the weights changed), each also failing ``refresh`` -----------------------------------------------
+def _calls(ctx, kind: str) -> int:
+    """How many times this mutant's subject was called on this model, this call included."""
+    cache = _cache(ctx, kind)
+    cache["calls"] = cache.get("calls", 0) + 1
+    return cache["calls"]
+
+
+def _lora_target(row: ShardRow) -> bool:
+    return any(k in n for n, _ in row.slots.table for k in ("self_attn", "mlp", "linear_attn"))
+
+
+def lora_frozen_base(ctx):
+    """A LoRA sync that ships the frozen base: the adapted modules (attention and MLP projections) are sent as the
+    base weights held since start-up, not base + the trained adapters merged; every other tensor is live. Bug
+    class: a refit that reads the wrapped module's ``base_layer.weight`` (or merges the adapters into a copy it
+    then drops) and sends the step-0 weights with every later update."""
+    cache = _cache(ctx, "lora_base")
+    for row in _rows(ctx):
+        yield _rewrap(row, lambda slots, r=row.row: cache.setdefault(r, _kept(slots))) if _lora_target(row) else row
+
+
+def _halves_from(previous: list[Slot], slots: list[Slot]) -> list[Slot]:
+    """``slots`` with the second half of each piece's values taken from ``previous`` (the same piece, earlier)."""
+    out = []
+    for old, new in zip(previous, slots):
+        values = new.values.reshape(-1).clone()
+        half = values.numel() // 2
+        values[half:] = old.values.reshape(-1)[half:]
+        out.append(Slot(new.hf_name, new.hf_shape, new.positions, values))
+    return out
+
+
+def read_before_gathers(ctx):
+    """Each piece read before the distributed optimizer's parameter all-gather finished: the first half of its
+    elements (this rank's own updated shard) is the new step's, the second half (gathered from the other data-
+    parallel ranks) still the previous step's. Bug class: an export started on a parameter buffer while an
+    overlapped, deferred all-gather is still in flight (no wait on its handle before the read)."""
+    cache = _cache(ctx, "before_gathers")
+
+    def fn(slots, r):
+        fresh = _kept(slots)
+        previous = cache.get(r)
+        cache[r] = fresh
+        return fresh if previous is None else _halves_from(previous, fresh)
+
+    for row in _rows(ctx):
+        yield _rewrap(row, lambda slots, r=row.row: fn(slots, r))
+
+
+def read_before_step(ctx):
+    """The refit copy not ordered after the optimizer step: every export reads the weights as they were before the
+    step it is meant to ship, one step behind (the first export, before any step, is right). Bug class: a weight
+    sync launched on another stream or thread without waiting for the optimizer step's event, so it reads the
+    previous step's weights."""
+    cache = _cache(ctx, "before_step")
+
+    def fn(slots, r):
+        previous, cache[r] = cache.get(r), _kept(slots)
+        return cache[r] if previous is None else previous
+
+    for row in _rows(ctx):
+        yield _rewrap(row, lambda slots, r=row.row: fn(slots, r))
+
+
+def bucket_reused_early(ctx):
+    """A bucket buffer reused before every rank read it: from the second export on, the last rank's first piece is
+    read after its buffer was refilled with the next piece's values (the bucket pool is allocated on the first
+    export and reused after). Bug class: a bucketed broadcast that recycles a staging buffer on the sender's
+    schedule, not after every receiver signalled it had copied the bucket out."""
+    second = _calls(ctx, "bucket") > 1
+    rows = list(_rows(ctx))
+    if not second or ctx.rank != ctx.world_size - 1:
+        yield from rows
+        return
+    pieces = [(i, j) for i, r in enumerate(rows) if r.contributes for j, (_n, _s) in enumerate(r.slots.table)]
+    first = pieces[0][0] if pieces else None
+
+    def refill(slots):
+        out = list(slots)
+        written = [k for k, s in enumerate(out) if s.positions.numel()]
+        if written:
+            k = written[0]
+            s = out[k]
+            values = s.values.reshape(-1)
+            nxt = torch.roll(values, 1)  # the next bucket's bytes, as far as this rank can tell: not this piece's
+            out[k] = Slot(s.hf_name, s.hf_shape, s.positions, nxt)
+        return out
+
+    for i, row in enumerate(rows):
+        yield _rewrap(row, refill) if i == first else row
+
+
+def _delta_scenario(*, traits, shape, layout, world_size) -> bool:
+    return layout.ep > 1 and traits.expert_bias  # one scenario of the catalogue's (DeepSeek-V3 EP 2): each runs twice
+
+
+MUTANTS = MUTANTS + (
+    Mutant(name="lora_frozen_base", fails=("refresh_delta",), collateral=("refresh",), factory=lora_frozen_base,
+           applies=_delta_scenario),
+    Mutant(name="read_before_gathers", fails=("refresh_delta",), collateral=("refresh",), factory=read_before_gathers,
+           applies=_delta_scenario),
+    Mutant(name="read_before_step", fails=("refresh_delta",), collateral=("refresh",), factory=read_before_step,
+           applies=_delta_scenario),
+    Mutant(name="bucket_reused_early", fails=("refresh_delta",), collateral=("refresh",), factory=bucket_reused_early,
+           applies=_delta_scenario),
+)

@@ -106,8 +106,8 @@ def run_export(factory, sctx: SubjectContext, *, refresh: bool = False, receiver
     else:
         tallies = run_subject(factory, sctx, sink=run and run.sink())
         if run is not None:
-            run.check("receiver", tallies)
-    return tallies | (run.tallies if run is not None else {})
+            run.check("receiver", tallies, repeat=True)
+    return tallies | (run.finish() if run is not None else {})
 
 
 def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> dict[str, Tally]:

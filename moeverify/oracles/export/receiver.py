@@ -22,13 +22,16 @@ and what it holds is compared with a fresh reference export.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 
 from moeverify.spec import plugins
 from moeverify.errors import UsageError
+from moeverify.oracles.export import wire
 from moeverify.oracles.results import Tally
 from moeverify.spec.checks import RECEIVERS
 
@@ -116,20 +119,30 @@ def _compare_part(tensor: torch.Tensor, part: Part, want: torch.Tensor, tally: T
 
 
 def compare(held: Held, reference: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], tally: Tally,
-            *, when: str = "") -> Tally:
+            *, when: str = "", copies: Tally | None = None, scope: CopiesScope | None = None) -> Tally:
     """Check ``held`` against the reference HF tensors, bit for bit; ``when`` prefixes each message.
 
     ``reference`` is a mapping or a stream of ``(name, tensor)`` (an ``export_hf_weights`` pass): each tensor is
-    compared with the parts that hold it as it comes, so only one reference tensor is in hand at a time."""
+    compared with the parts that hold it as it comes, so only one reference tensor is in hand at a time. With
+    ``copies`` and ``scope``, the parts holding the tied embedding and the MTP tensors are also counted there, and
+    ``copies`` fails where the receiver holds no tied head or none of the MTP tensors (``receiver_copies``)."""
     wanted = _wanted(held)
     seen: set[str] = set()
     dropped: list[str] = []
+    drafts: set[str] = set()
     for name, want in (reference.items() if isinstance(reference, Mapping) else reference):
         seen.add(name)
+        in_scope = copies is not None and scope is not None and (name == scope.tied or scope.is_draft(name))
+        if in_scope and scope.is_draft(name):
+            drafts.add(name)
         for engine_name, part in wanted.get(name, ()):
             _compare_part(held.tensors[engine_name], part, want, tally, f"{when}{engine_name}{part.describe()}")
+            if in_scope:
+                _compare_part(held.tensors[engine_name], part, want, copies, f"{when}{engine_name}{part.describe()}")
         if name not in wanted:
             dropped.append(name)
+    if copies is not None and scope is not None:
+        _copies_held(wanted, seen, drafts, scope, copies, when)
     for name in sorted(set(wanted) - seen):
         for engine_name, part in wanted[name]:
             tally.fail(f"{when}{engine_name}{part.describe()}: the reference has no tensor {part.hf_name!r}")
@@ -141,6 +154,27 @@ def compare(held: Held, reference: Mapping[str, torch.Tensor] | Iterable[tuple[s
     if tally.checked == 0:
         tally.fail(f"{when}the receiver held no tensor: nothing compared")
     return tally
+
+
+def _copies_held(wanted, seen: set[str], drafts: set[str], scope: CopiesScope, copies: Tally, when: str) -> None:
+    """``receiver_copies``' own requirements: a tied head held beside the embedding, every MTP tensor held."""
+    if scope.tied is not None:
+        holders = {engine for engine, _ in wanted.get(scope.tied, ())}
+        if scope.tied not in seen:
+            copies.fail(f"{when}the model ties its output head to {scope.tied!r}, which the reference does not export")
+        elif len(holders) < 2:
+            copies.fail(f"{when}the model ties its output head to {scope.tied!r}, but the receiver holds it only as "
+                        f"{sorted(holders)}: no output head (a copy or a shared tensor) is declared, so a head left "
+                        f"stale after a sync would go unseen")
+    if scope.mtp_layers:
+        missing = sorted(n for n in drafts if n not in wanted)
+        if not drafts:
+            copies.fail(f"{when}the model has {scope.mtp_layers} MTP layer(s), but the reference exports none of "
+                        f"their tensors: the draft weights cannot be checked")
+        elif missing:
+            more = f" (+{len(missing) - SHOW} more)" if len(missing) > SHOW else ""
+            copies.fail(f"{when}{len(missing)} MTP (draft) tensor(s) the receiver does not hold: "
+                        f"{missing[:SHOW]}{more}", n=len(missing))
 
 
 # --- the fused-layout receiver (vLLM's names and layouts) -----------------------------------------------------
@@ -200,18 +234,29 @@ def fused_layout(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
 
 class FusedReceiver:
     """Loads an export into preallocated fused buffers, as vLLM lays them out; a later ``load`` (a weight sync)
-    writes into the same buffers. Buffers start as NaN (floating) or -1, so a tensor never loaded shows."""
+    writes into the same buffers. Buffers start as NaN (floating) or -1, so a tensor never loaded shows.
 
-    def __init__(self) -> None:
+    ``tied``: the embedding's HF name where the model ties its output head to it and the export sends no head: the
+    engine keeps its own ``lm_head.weight`` buffer, copied from the embedding on every load. ``sleep()`` backs every
+    buffer up and clears it (vLLM's sleep mode, level 1); ``wake_up()`` restores that backup."""
+
+    HEAD = "lm_head.weight"
+
+    def __init__(self, *, tied: str | None = None) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.parts: dict[str, tuple[Part, ...]] = {}
         self._where: dict[str, tuple[str, Part]] = {}
+        self._tied = tied
+        self._backup: dict[str, torch.Tensor] | None = None
 
     def allocate(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         buffers, self.parts = fused_layout(shapes)
+        if self._tied in shapes and self.HEAD not in shapes:
+            buffers[self.HEAD], self.parts[self.HEAD] = shapes[self._tied], (Part(hf_name=self._tied),)
         self.tensors = {e: torch.full(s, float("nan") if d.is_floating_point else -1, dtype=d)
                         for e, (s, d) in buffers.items()}
-        self._where = {p.hf_name: (e, p) for e, ps in self.parts.items() for p in ps}
+        self._where = {p.hf_name: (e, p) for e, ps in self.parts.items() for p in ps if e != self.HEAD or
+                       p.hf_name == self.HEAD}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one HF tensor into its place (``copy_``: cast to the buffer's dtype, as an engine's loader does)."""
@@ -219,6 +264,27 @@ class FusedReceiver:
             raise UsageError(f"receiver fused: weight sync sent {name!r}, which the first load did not")
         engine, part = self._where[name]
         part.view(self.tensors[engine]).copy_(tensor)
+        if name == self._tied and self.HEAD in self.tensors and self.HEAD not in self._where:
+            self.copy_head(tensor)
+
+    def copy_head(self, embedding: torch.Tensor) -> None:
+        """The engine's own output head, copied from the tied embedding."""
+        self.tensors[self.HEAD].copy_(embedding)
+
+    def sleep(self) -> None:
+        """Back every buffer up and clear it (NaN, or -1), as an engine frees its weights' memory."""
+        self._backup = {e: t.clone() for e, t in self.tensors.items()}
+        for t in self.tensors.values():
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def wake_up(self) -> Held:
+        """Restore the buffers from the backup ``sleep`` took."""
+        if self._backup is None:
+            raise UsageError("receiver fused: wake_up() without sleep()")
+        for e, t in self.tensors.items():
+            t.copy_(self._backup[e])
+        self._backup = None
+        return Held(tensors=self.tensors, parts=self.parts)
 
     def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Held:
         if self.tensors:  # a weight sync: written as it streams in
@@ -233,9 +299,9 @@ class FusedReceiver:
         return Held(tensors=self.tensors, parts=self.parts)
 
 
-def fused(**_options) -> FusedReceiver:
-    """The built-in ``fused`` receiver."""
-    return FusedReceiver()
+def fused(*, hf_path=None, **_options) -> FusedReceiver:
+    """The built-in ``fused`` receiver (with an output head copied from the embedding where the model ties them)."""
+    return FusedReceiver(tied=copies_scope(hf_path).tied)
 
 
 class SubjectExport:
@@ -258,17 +324,37 @@ class SubjectExport:
 
 
 class ReceiverRun:
-    """The ``receiver`` subcheck (and ``receiver_reload``) of one export check: the receiver loads what the SUBJECT
-    streamed (its pieces as the oracle merged them on rank 0: ``sink`` before each ``run_subject``), and what it
-    holds is compared with a fresh reference export, streamed tensor by tensor (``check`` after each
-    ``run_subject``, with the weights as they were exported). The receiver is made and loaded on rank 0; every
-    rank takes part in each reference export (a collective)."""
+    """The receiver subchecks of one export check: the receiver loads what the SUBJECT streamed (its pieces as the
+    oracle merged them on rank 0: ``sink`` before each ``run_subject``), and what it holds is compared with a fresh
+    reference export, streamed tensor by tensor (``check`` after each ``run_subject``, with the weights as they
+    were exported).
+
+    A receiver is made on EVERY rank (the factory gets ``rank`` and ``world_size``, as an engine's TP/EP workers
+    would), and rank 0 broadcasts the merged stream to every rank: each rank's receiver loads it and is compared
+    with that rank's own reference export. Rank 0's verdicts are ``receiver``, ``receiver_repeat``,
+    ``receiver_reload``, ``receiver_wake`` and ``receiver_copies``; every other rank's are gathered into
+    ``receiver_ranks`` (``finish``), so an engine worker other than the first that keeps old weights is seen.
+
+    - ``receiver_repeat``: the same export loaded a second time (a sync of unchanged weights, a retried update)
+      must leave every held tensor bit-identical: a loader that re-applies a layout shuffle on every load passes
+      the first load and fails here;
+    - ``receiver_wake``: after the weight sync, where the receiver has ``sleep()`` and ``wake_up()`` (vLLM's sleep
+      mode), a sleep/wake cycle must give back the bits held before it (not a backup of older weights);
+    - ``receiver_copies``: where the model ties its output head to the embedding or has MTP (draft) layers, the
+      engine must hold them (a tied head as a part naming the embedding beside the embedding's own, every MTP tensor
+      as a part), and they are compared bit for bit after every load: a tied ``lm_head`` copied once and left stale,
+      or a draft model the sync never reaches, fails here.
+    """
 
     def __init__(self, factory, sctx) -> None:
         self._sctx = sctx
-        self._receiver = factory(**{**sctx.options, "hf_path": sctx.hf_path}) if sctx.rank == 0 else None
+        self._receiver = factory(**{**sctx.options, "hf_path": sctx.hf_path, "rank": sctx.rank,
+                                    "world_size": sctx.world_size})
         self._subject: SubjectExport | None = None
-        self.tallies: dict[str, Tally] = {}
+        self._held: Held | None = None
+        self._scope = copies_scope(sctx.hf_path)
+        self._mine: dict[str, Tally] = {}  # this rank's verdicts, by subcheck
+        self.tallies: dict[str, Tally] = {}  # rank 0's result, after ``finish``
 
     def sink(self) -> SubjectExport | None:
         """A fresh sink for the next ``run_subject`` (None on ranks other than 0)."""
@@ -276,32 +362,181 @@ class ReceiverRun:
         return self._subject
 
     def skip(self, name: str, why: str) -> None:
-        self.tallies[name] = Tally()
-        self.tallies[name].fail(f"skipped: {why}")
+        self._mine[name] = Tally()
+        self._mine[name].fail(f"skipped: {why}")
 
-    def check(self, name: str, export: dict[str, Tally], *, when: str = "") -> Tally:
-        """Load the subject's export just merged into the receiver and compare what it holds; every rank calls it."""
-        tally = self.tallies[name] = Tally()
+    def check(self, name: str, export: dict[str, Tally], *, when: str = "", repeat: bool = False,
+              wake: bool = False) -> None:
+        """Load the subject's export just merged into every rank's receiver and compare what it holds (every rank
+        calls it); ``wake``: then a sleep/wake cycle (``receiver_wake``); ``repeat``: then load the same export
+        again (``receiver_repeat``; the last load of the check, so a receiver's one-off state cannot hide a later
+        sync's fault)."""
         sctx = self._sctx
+        tally = self._mine[name] = Tally()
+        copies = self._mine.setdefault("receiver_copies", Tally()) if self._scope.applies else None
+        items, why = self._stream(export)
         reference = sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)
-        if self._receiver is None:  # other ranks: their part of the export's collectives
-            for _ in reference:
-                pass
-            return tally
         held = None
-        if not export["lockstep"].passed:
-            tally.fail(f"{when}skipped: lockstep failed, the subject's export was not merged")
+        if items is None:
+            tally.fail(f"{when}skipped: {why}")
         else:
             try:
-                held = self._receiver.load(self._subject)
+                held = self._held = self._receiver.load(iter(items))
             except Exception as exc:  # noqa: BLE001 - the engine refusing the subject's export is a finding
                 tally.fail(f"{when}the receiver could not load the subject's export: {type(exc).__name__}: {exc}")
-        self._subject = None
         if held is None:
             for _ in reference:
                 pass
-            return tally
-        return compare(held, reference, tally, when=when)
+            if repeat:
+                self.skip("receiver_repeat", "the first load did not complete")
+            return
+        compare(held, reference, tally, when=when, copies=copies, scope=self._scope)
+        if wake:
+            self._wake()
+        if repeat:
+            self._repeat(items)
+
+    def _stream(self, export: dict[str, Tally]) -> tuple[list | None, str]:
+        """Every rank's copy of what the subject streamed (rank 0's merged tensors, broadcast), or None and why."""
+        sctx = self._sctx
+        ok = bool(export["lockstep"].passed)
+        if sctx.world_size == 1:
+            items = list(self._subject) if ok else None
+            self._subject = None
+            return items, "lockstep failed, the subject's export was not merged"
+        group = wire.control_group(float(sctx.timeout_s))
+        header = None
+        if sctx.rank == 0:
+            merged = list(self._subject) if ok and self._subject is not None else []
+            header = {"ok": ok, "tensors": [[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                                            for n, t in merged]}
+        header = wire.broadcast_json(header, group=group, rank=sctx.rank)
+        self._subject = None
+        if not header["ok"]:
+            return None, "lockstep failed on rank 0, the subject's export was not merged"
+        items = []
+        for i, (name, shape, dtype) in enumerate(header["tensors"]):
+            mine = merged[i][1] if sctx.rank == 0 else None
+            items.append((name, wire.broadcast_tensor(mine, shape=tuple(shape), dtype=getattr(torch, dtype),
+                                                      group=group, rank=sctx.rank)))
+        return items, ""
+
+    def _repeat(self, items: list) -> None:
+        tally = self._mine["receiver_repeat"] = Tally()
+        before = _snapshot(self._held)
+        try:
+            held = self._held = self._receiver.load(iter(items))
+        except Exception as exc:  # noqa: BLE001 - a receiver that refuses a second load of the same export
+            tally.fail(f"loading the same export again: the receiver raised {type(exc).__name__}: {exc}")
+            return
+        same_held(held, before, tally, when="after loading the same export a second time: ")
+
+    def _wake(self) -> None:
+        tally = self._mine["receiver_wake"] = Tally()
+        sleep, wake_up = getattr(self._receiver, "sleep", None), getattr(self._receiver, "wake_up", None)
+        if not (callable(sleep) and callable(wake_up)):
+            tally.skip("the receiver has no sleep() and wake_up(): no reload cycle to check")
+            return
+        before = _snapshot(self._held)
+        try:
+            sleep()
+            held = wake_up() or self._held
+        except Exception as exc:  # noqa: BLE001 - a failing cycle is a finding
+            tally.fail(f"sleep/wake after the weight sync: the receiver raised {type(exc).__name__}: {exc}")
+            return
+        same_held(held, before, tally, when="after sleep/wake following the weight sync: ")
+
+    def finish(self) -> dict[str, Tally]:
+        """Rank 0's verdicts under their names and every other rank's gathered into ``receiver_ranks`` (every rank
+        calls it); the result (rank 0's) is also ``tallies``."""
+        sctx = self._sctx
+        mine = self._mine
+        if "receiver_copies" not in mine and not self._scope.applies:
+            mine["receiver_copies"] = Tally()
+            mine["receiver_copies"].skip("the model ties no output head to its embedding and has no MTP layers")
+        if sctx.world_size == 1:
+            ranks = Tally()
+            ranks.skip("one rank: rank 0's receiver is every rank's")
+            self.tallies = {**mine, "receiver_ranks": ranks}
+            return self.tallies
+        group = wire.control_group(float(sctx.timeout_s))
+        gathered = wire.gather_json({k: t.as_dict() for k, t in mine.items()}, group=group, rank=sctx.rank,
+                                    world_size=sctx.world_size)
+        if sctx.rank != 0:
+            self.tallies = {}
+            return self.tallies
+        ranks = Tally()
+        for r, theirs in enumerate(gathered[1:], start=1):
+            for name, sub in theirs.items():
+                if sub.get("not_applicable"):
+                    continue
+                if sub["passed"]:
+                    ranks.ok(max(sub["checked"], 1))
+                for message in sub["failures"]:
+                    ranks.fail(f"rank {r}: {name}: {message}")
+        self.tallies = {**mine, "receiver_ranks": ranks}
+        return self.tallies
+
+
+def _snapshot(held: Held) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in held.tensors.items()}
+
+
+def same_held(held: Held, before: Mapping[str, torch.Tensor], tally: Tally, *, when: str) -> Tally:
+    """Every tensor in ``before`` still held with the same shape, dtype and bits; ``when`` prefixes each message."""
+    for name in sorted(before):
+        got = held.tensors.get(name)
+        if got is None:
+            tally.fail(f"{when}{name}: no longer held")
+        elif tuple(got.shape) != tuple(before[name].shape) or got.dtype != before[name].dtype:
+            tally.fail(f"{when}{name}: held {tuple(got.shape)} {got.dtype}, before {tuple(before[name].shape)} "
+                       f"{before[name].dtype}")
+        elif not _same_bits(got, before[name]):
+            tally.fail(f"{when}{name}: {_first_difference(got, before[name]).replace('reference', 'before')}")
+        else:
+            tally.ok()
+    if tally.checked == 0:
+        tally.fail(f"{when}the receiver held no tensor: nothing compared")
+    return tally
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiesScope:
+    """What ``receiver_copies`` covers for a model: its tied embedding, and its MTP layers' HF names."""
+
+    tied: str | None  # the embedding's HF name where the output head is tied to it
+    mtp_layers: int
+    num_layers: int
+
+    @property
+    def applies(self) -> bool:
+        return self.tied is not None or self.mtp_layers > 0
+
+    def is_draft(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` belongs to an MTP layer (``mtp.*``, or ``model.layers.N.*`` past the decoder)."""
+        if not self.mtp_layers:
+            return False
+        if hf_name.startswith("mtp."):
+            return True
+        m = _LAYER.match(hf_name)
+        return m is not None and int(m[1]) >= self.num_layers
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EMBEDDING = "model.embed_tokens.weight"
+
+
+def copies_scope(hf_path) -> CopiesScope:
+    """``CopiesScope`` from the HF config at ``hf_path`` (none without one)."""
+    path = Path(hf_path) / "config.json" if hf_path is not None else None
+    if path is None or not path.is_file():
+        return CopiesScope(tied=None, mtp_layers=0, num_layers=0)
+    cfg = json.loads(path.read_text())
+    text = cfg.get("text_config") or {}
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    mtp = max(int(cfg.get(k) or text.get(k) or 0) for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+    layers = int(cfg.get("num_hidden_layers") or text.get("num_hidden_layers") or 0)
+    return CopiesScope(tied=_EMBEDDING if tied else None, mtp_layers=mtp, num_layers=layers)
 
 
 __all__ = ["Held", "Part", "RECEIVERS", "FusedReceiver", "ReceiverRun", "SubjectExport", "compare", "fused",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from moeverify.oracles.export.receiver import FusedReceiver
+from moeverify.oracles.bits import bits
+from moeverify.oracles.export.receiver import FusedReceiver, Held, copies_scope, fused
 from moeverify.oracles.export.receiver_transformers import transformers_receiver
 
 
@@ -50,13 +51,226 @@ class _ReloadKeepsOld(FusedReceiver):
         return held
 
 
+class _OneUlpInOneExpert(FusedReceiver):
+    """Loads every tensor, but the first element of the first expert-0 ``down_proj`` it loads is one ulp off (its
+    lowest bit flipped): one element of one expert of one layer, as a fused copy kernel's rounding would leave."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name.endswith(".experts.0.down_proj.weight") and not getattr(self, "_flipped", False):
+            self._flipped = True
+            tensor = tensor.clone()
+            bits(tensor.view(-1))[0] ^= 1
+        super().write(name, tensor)
+
+
+class _ReloadKeepsOneElement(FusedReceiver):
+    """A weight sync that updates every element but one: the first element of the first expert-0 ``down_proj``
+    keeps the previous weights' value (one element, one step stale)."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if getattr(self, "_loaded", False) and name.endswith(".experts.0.down_proj.weight") \
+                and not getattr(self, "_kept", False):
+            self._kept = True
+            engine, part = self._where[name]
+            old = part.view(self.tensors[engine]).reshape(-1)[0].clone()
+            tensor = tensor.clone()
+            tensor.view(-1)[0] = old
+        super().write(name, tensor)
+
+    def load(self, stream):
+        held = super().load(stream)
+        self._loaded = True
+        return held
+
+
 MUTANTS = {
     "gate_up_swapped": (lambda **_: _GateUpSwapped(), "receiver"),
     "load_dropped": (lambda **_: _LoadDropped(), "receiver"),
     "reload_keeps_old": (lambda **_: _ReloadKeepsOld(), "receiver_reload"),
+    "one_ulp_in_one_expert": (lambda **_: _OneUlpInOneExpert(), "receiver"),
+    "reload_keeps_one_element": (lambda **_: _ReloadKeepsOneElement(), "receiver_reload"),
 }
 SUBJECT_MUTANTS = {"gate_up_swapped": "receiver", "stale_conversion_cache": "receiver_reload"}
 CONTROLS = {"fused": lambda **_: FusedReceiver(),
             "transformers": lambda **kw: transformers_receiver(**kw)}
 
 __all__ = ["CONTROLS", "MUTANTS", "SUBJECT_MUTANTS"]
+
+
+# -- the weight-sync classes of 2026 (issue #37): every rank, repeated loads, sleep/wake, tied head, MTP draft -------
+def _fused_kw(kw: dict) -> dict:
+    """The ``fused`` receiver's own arguments from a factory's options (the tied head, as ``fused`` makes it)."""
+    return {"tied": copies_scope(kw.get("hf_path")).tied}
+
+
+class _SyncRankZeroOnly(FusedReceiver):
+    """Every rank loads the first export, but a weight sync reaches only the engine's rank 0 (its driver worker):
+    on every other rank the sync copies nothing and the buffers keep the first load."""
+
+    def __init__(self, *, rank: int, **kw) -> None:
+        super().__init__(**kw)
+        self._rank = rank
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._rank != 0 and getattr(self, "_loaded", False):
+            return
+        super().write(name, tensor)
+
+    def load(self, stream):
+        held = super().load(stream)
+        self._loaded = True
+        return held
+
+
+class _ShuffleEveryLoad(FusedReceiver):
+    """Permutes each received expert tensor in place into its kernel's row order (reusing the received buffer as
+    scratch, as with a buffer shared with the sender) and copies it into its slot through the inverse permutation:
+    right the first time; a bucket sent again (a retried or repeated update of the same tensors) arrives already
+    permuted and is permuted a second time."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if ".experts." in name and tensor.dim() >= 1:
+            tensor.copy_(tensor.flip(0))  # the layout shuffle, in place, on every load
+            tensor = tensor.flip(0)
+        super().write(name, tensor)
+
+
+class _WakeRestoresOldBackup(FusedReceiver):
+    """Sleep mode that backs the weights up once, at the first load: ``sleep`` frees the buffers, ``wake_up``
+    restores that first backup over whatever later syncs wrote."""
+
+    def load(self, stream):
+        held = super().load(stream)
+        if getattr(self, "_first", None) is None:
+            self._first = {e: t.clone() for e, t in self.tensors.items()}
+        return held
+
+    def sleep(self) -> None:
+        for t in self.tensors.values():
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def wake_up(self) -> Held:
+        for e, t in self.tensors.items():
+            t.copy_(self._first[e])
+        return Held(tensors=self.tensors, parts=self.parts)
+
+
+class _TiedHeadStale(FusedReceiver):
+    """Keeps its own ``lm_head.weight`` for a tied model, copied from the embedding at the first load only: a weight
+    sync updates the embedding, the head stays the first step's."""
+
+    def copy_head(self, embedding: torch.Tensor) -> None:
+        if not getattr(self, "_head_copied", False):
+            super().copy_head(embedding)
+            self._head_copied = True
+
+
+class _MtpNotSynced(FusedReceiver):
+    """Loads the MTP (draft) layers with the rest at start-up, but the weight sync updates the main model only: the
+    draft's tensors keep the first load."""
+
+    def __init__(self, *, scope, **kw) -> None:
+        super().__init__(**kw)
+        self._scope = scope
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if getattr(self, "_loaded", False) and self._scope.is_draft(name):
+            return
+        super().write(name, tensor)
+
+    def load(self, stream):
+        held = super().load(stream)
+        self._loaded = True
+        return held
+
+
+MUTANTS.update({
+    "sync_rank0_only": (lambda **kw: _SyncRankZeroOnly(rank=kw["rank"], **_fused_kw(kw)), "receiver_ranks"),
+    "shuffle_every_load": (lambda **kw: _ShuffleEveryLoad(**_fused_kw(kw)), "receiver_repeat"),
+    "wake_restores_old_backup": (lambda **kw: _WakeRestoresOldBackup(**_fused_kw(kw)), "receiver_wake"),
+    "tied_head_stale": (lambda **kw: _TiedHeadStale(**_fused_kw(kw)), "receiver_copies"),
+    "mtp_not_synced": (lambda **kw: _MtpNotSynced(scope=copies_scope(kw.get("hf_path")), **_fused_kw(kw)),
+                       "receiver_copies"),
+})
+CONTROLS["fused"] = fused  # with the tied head where the model ties it
+# where a receiver mutant's fault can show (model traits, ``moeverify.spec.models.traits``); the others apply everywhere
+APPLIES = {"tied_head_stale": lambda traits: traits.tied_embeddings,
+           "mtp_not_synced": lambda traits: traits.mtp_layers > 0}
+# the receiver subchecks that need a weight sync (``refresh``) to run
+NEEDS_SYNC = ("receiver_reload", "receiver_wake", "receiver_ranks", "receiver_copies")
+__all__ += ["APPLIES", "NEEDS_SYNC"]
+
+
+# -- minimal mutants of the subchecks above (``moeverify.spec.bug_classes``' ``minimal``): one element each ---------------
+_ONE = ".experts.0.down_proj.weight"
+
+
+def _first(held: torch.Tensor) -> tuple[int, ...]:
+    return (0,) * held.dim()
+
+
+class _OneRankOneElementStale(_ReloadKeepsOneElement):
+    """``reload_keeps_one_element`` on every engine rank but 0: there a weight sync leaves one element (the first of
+    the first expert-0 ``down_proj``) at the previous weights' value; rank 0's engine is right."""
+
+    def __init__(self, *, rank: int, **kw) -> None:
+        super().__init__(**kw)
+        self._kept = rank == 0
+
+
+class _RepeatNudgesOneElement(FusedReceiver):
+    """A load of bits the buffer already holds moves one element one ulp: an in-place fix-up meant for a fresh copy
+    runs again on the first expert-0 ``down_proj`` loaded unchanged and flips its first element's lowest bit."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        same = None
+        if name.endswith(_ONE) and not getattr(self, "_nudged", False):
+            engine, part = self._where[name]
+            held = part.view(self.tensors[engine])
+            same = held if torch.equal(bits(held.contiguous()), bits(tensor.contiguous())) else None
+        super().write(name, tensor)
+        if same is not None:
+            self._nudged = True
+            bits(same)[_first(same)] ^= 1
+
+
+class _WakeRestoresOneElement(FusedReceiver):
+    """A sleep/wake cycle that gives every element back from the backup ``sleep`` took, except one (the first of the
+    first expert-0 ``down_proj``), restored from a copy taken at the first load."""
+
+    def load(self, stream):
+        held = super().load(stream)
+        if getattr(self, "_old", None) is None:
+            engine, part = next(where for name, where in self._where.items() if name.endswith(_ONE))
+            view = part.view(self.tensors[engine])
+            self._old = (engine, part, view[_first(view)].clone())
+        return held
+
+    def wake_up(self) -> Held:
+        held = super().wake_up()
+        engine, part, old = self._old
+        view = part.view(self.tensors[engine])
+        view[_first(view)] = old
+        return held
+
+
+class _TiedHeadOneElementStale(FusedReceiver):
+    """Copies the tied embedding into its own ``lm_head`` on every load, but from the second copy on leaves the
+    head's first element at the first copy's value."""
+
+    def copy_head(self, embedding: torch.Tensor) -> None:
+        old = self.tensors[self.HEAD].view(-1)[0].clone() if getattr(self, "_copied", False) else None
+        super().copy_head(embedding)
+        if old is not None:
+            self.tensors[self.HEAD].view(-1)[0] = old
+        self._copied = True
+
+
+MUTANTS.update({
+    "one_rank_one_element_stale": (lambda **kw: _OneRankOneElementStale(rank=kw["rank"], **_fused_kw(kw)),
+                                   "receiver_ranks"),
+    "repeat_nudges_one_element": (lambda **kw: _RepeatNudgesOneElement(**_fused_kw(kw)), "receiver_repeat"),
+    "wake_restores_one_element": (lambda **kw: _WakeRestoresOneElement(**_fused_kw(kw)), "receiver_wake"),
+    "tied_head_one_element_stale": (lambda **kw: _TiedHeadOneElementStale(**_fused_kw(kw)), "receiver_copies"),
+})
+APPLIES["tied_head_one_element_stale"] = lambda traits: traits.tied_embeddings

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from moeverify.oracles.bits import bits
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.results import Tally
 
@@ -76,17 +77,91 @@ def updated_weights(model_chunks: list, *, seed: int = SEED):
 
 
 class Fingerprints:
-    """A reference export, started on first iteration, recording a digest per tensor name (where ``record``)."""
+    """A reference export, started on first iteration, recording a digest per tensor name (where ``record``), and
+    with ``keep`` a copy of each tensor by name (``kept``: the ``refresh_delta`` subcheck takes them)."""
 
-    def __init__(self, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, record: bool) -> None:
-        self._export, self._record = export, record
+    def __init__(self, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, record: bool,
+                 keep: bool = False) -> None:
+        self._export, self._record, self._keep = export, record, keep
         self.digests: dict[str, str] = {}
+        self.kept: dict[str, torch.Tensor] = {}
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._export():
             if self._record:
                 self.digests[name] = digest(tensor)
+            if self._keep:
+                self.kept[name] = tensor.detach().clone()  # the export may hand out views of the live weights
             yield name, tensor
+
+
+class Delta:
+    """The ``refresh_delta`` subcheck, on rank 0: the subject's second export must differ from its first EXACTLY
+    where the reference changed between them, element by element, and to the new bits.
+
+    ``first`` (a sink of the first export) keeps what the subject streamed; ``second(sink)`` compares each tensor of
+    the second with it and with the two references (``Fingerprints`` with ``keep``). Only elements the first export
+    sent right are judged (the first export's own failures are its subchecks'); each wrong element is named by what
+    it holds: the previous export's bits where the weights changed (a frozen base shipped, a copy read before the
+    optimizer step or before pending gathers finished), bits of neither version (a buffer reused or overwritten
+    before it was read), or a change where the weights did not change."""
+
+    def __init__(self, before: Fingerprints, after: Fingerprints) -> None:
+        self._before, self._after = before, after
+        self._sent: dict[str, torch.Tensor] = {}
+        self.tally = Tally()
+
+    def first(self, name: str, tensor: torch.Tensor) -> None:
+        self._sent[name] = tensor.detach().clone()
+
+    def second(self, name: str, tensor: torch.Tensor) -> None:
+        s1, r1 = self._sent.pop(name, None), self._before.kept.pop(name, None)
+        r2 = self._after.kept.pop(name, None)
+        if s1 is None or r1 is None or r2 is None:
+            return  # a name one export lacks: key_set's (and refresh's) to report
+        shapes = {(tuple(t.shape), t.dtype) for t in (s1, r1, r2, tensor)}
+        if len(shapes) != 1:
+            return  # a shape or dtype change: shape_dtype's
+        s1b, r1b, r2b, s2b = (bits(t.detach().contiguous()).reshape(-1) for t in (s1, r1, r2, tensor))
+        judged = s1b == r1b
+        changed, moved, wrong = r1b != r2b, s1b != s2b, s2b != r2b
+        n = int(judged.sum())
+        if not n:
+            return
+        bad = False
+        for mask, what in ((judged & changed & ~moved, "kept the previous export's bits where the weights changed "
+                                                       "(a frozen base shipped, or a copy read before the optimizer "
+                                                       "step or before pending gathers finished)"),
+                           (judged & changed & moved & wrong, "hold bits of neither the previous nor the new weights "
+                                                              "(a buffer reused or overwritten before it was read)"),
+                           (judged & ~changed & moved, "changed where the weights did not")):
+            k = int(mask.sum())
+            if k:
+                bad = True
+                first = int(mask.nonzero()[0])
+                index = [int(i) for i in torch.unravel_index(torch.tensor(first), tuple(tensor.shape))]
+                self.tally.fail(f"{name}: {k} of {n} element(s) {what}; first at {index}", n=0)
+        if bad:
+            self.tally.checked += n
+        else:
+            self.tally.ok(n)
+
+    def finish(self) -> Tally:
+        if self.tally.checked == 0 and not self.tally.failures:
+            self.tally.fail("no element compared between the two exports (no tensor sent right by the first export "
+                            "was sent again)")
+        return self.tally
+
+
+def _tee(*sinks):
+    sinks = [s for s in sinks if s is not None]
+    if not sinks:
+        return None
+
+    def sink(name: str, tensor: torch.Tensor) -> None:
+        for s in sinks:
+            s(name, tensor)
+    return sink
 
 
 def fold(*, first: dict[str, Tally], second: dict[str, Tally], before: dict[str, str], after: dict[str, str],
@@ -118,22 +193,27 @@ def run_twice(run_subject, factory, sctx, *, seed: int = SEED, receiver=None) ->
     (the same receiver, a weight sync) after the second, while the updated weights are in place."""
     def reference():
         return Fingerprints(lambda: sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False),
-                            record=sctx.rank == 0)
+                            record=sctx.rank == 0, keep=sctx.rank == 0)
 
-    first_reference = reference()
-    first = run_subject(factory, sctx, reference=first_reference, sink=receiver and receiver.sink())
+    first_reference, second_reference = reference(), reference()
+    delta = Delta(first_reference, second_reference) if sctx.rank == 0 else None
+    first = run_subject(factory, sctx, reference=first_reference,
+                        sink=_tee(receiver and receiver.sink(), delta and delta.first))
     if receiver is not None:
         receiver.check("receiver", first)
-    refresh = Tally()
+    refresh, delta_tally = Tally(), Tally()
     if not first["lockstep"].passed:
         refresh.fail("skipped: lockstep failed on the first export, no weight update was made")
+        delta_tally.fail("skipped: lockstep failed on the first export, no weight update was made")
         if receiver is not None:
             receiver.skip("receiver_reload", "lockstep failed on the first export, no weight update was made")
-        return {**first, "refresh": refresh}
+        return {**first, "refresh": refresh, "refresh_delta": delta_tally}
     with updated_weights(sctx.model_chunks, seed=seed):
-        second_reference = reference()
-        second = run_subject(factory, sctx, reference=second_reference, sink=receiver and receiver.sink())
+        second = run_subject(factory, sctx, reference=second_reference,
+                             sink=_tee(receiver and receiver.sink(), delta and delta.second))
         if receiver is not None:
-            receiver.check("receiver_reload", second, when="after the weight sync: ")
+            receiver.check("receiver_reload", second, when="after the weight sync: ", wake=True, repeat=True)
     fold(first=first, second=second, before=first_reference.digests, after=second_reference.digests, tally=refresh)
-    return {**first, "refresh": refresh}
+    if delta is not None:
+        delta_tally = delta.finish()
+    return {**first, "refresh": refresh, "refresh_delta": delta_tally}

@@ -106,3 +106,31 @@ def local_piece_chunks(positions_P: torch.Tensor | None, values_P: torch.Tensor,
         b = min(a + CHUNK, n)
         pos = slice(start + a, start + b) if start is not None else positions_P[a:b]
         yield pos, values_P[a:b]
+
+
+def broadcast_json(obj, *, group, rank: int):
+    """Rank 0's JSON-able ``obj`` on every rank (the others pass anything)."""
+    payload = json.dumps(obj).encode() if rank == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0 else \
+        torch.empty(int(size), dtype=torch.uint8)
+    if int(size):
+        dist.broadcast(buf, src=0, group=group)
+    return json.loads(bytes(buf.numpy()).decode())
+
+
+def broadcast_tensor(tensor: torch.Tensor | None, *, shape: tuple[int, ...], dtype: torch.dtype, group,
+                     rank: int) -> torch.Tensor:
+    """Rank 0's ``tensor`` (of ``shape`` and ``dtype``, which every rank passes) on every rank, as raw bytes."""
+    width = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    if rank == 0:
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    else:
+        raw = torch.empty(n * width, dtype=torch.uint8)
+    if raw.numel():
+        dist.broadcast(raw, src=0, group=group)
+    return tensor if rank == 0 else raw.view(dtype).reshape(shape)

@@ -19,6 +19,12 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
   the order Megatron's own grad-mode top-k gives tied scores: every forward is bitwise, but the tied slots'
   gradients are summed in another order (found on an H200 in bf16 at Qwen3-30B-A3B's width; on CPU the
   ``tied_scores`` variant shows it).
+- Minimal mutants, the smallest unit each subcheck is shown to see (``moeverify.spec.bug_classes``' ``minimal``):
+  ``one_token_one_layer_route`` hands one token (the first of micro-batch 0) of one layer (the first MoE layer)
+  another expert in its last slot; ``one_ulp_one_prob`` replays the right ids but the first replayed call's first
+  token weighs its first expert one ulp higher; ``one_layer_no_recompute_replay`` lets one layer's recompute route
+  natively; ``one_layer_fifo_recompute`` serves one layer's recomputes in queue order; ``one_count_extra`` counts
+  one token twice, for one expert of one layer, in the expert-bias token counts of each replayed pass.
 - ``one_rank_crash``: raises while replaying on rank 1 only, the other ranks going on into the
   collectives it left. Not a subcheck's catch: the check must end quickly, naming rank 1
   (``runtime.outcome``), instead of waiting for the collective timeout.
@@ -146,6 +152,115 @@ class _TiesById(MoeverifyReplay):
             hook.get_replay_topk = original
 
 
+# -- minimal mutants: the smallest unit a replay subcheck is shown to see (``moeverify.spec.bug_classes``' ``minimal``) ----
+class _OneTokenOneLayerRoute(NativeReplay):
+    name = "one_token_one_layer_route"
+
+    def target(self, layer: int, mb: int) -> torch.Tensor:
+        routes_TK = super().target(layer, mb)
+        if layer != self._replaying.layers[0] or mb != 0:
+            return routes_TK
+        routes_TK = routes_TK.clone()
+        row = set(routes_TK[0].tolist())
+        routes_TK[0, -1] = next(e for e in range(self._num_experts) if e not in row)
+        return routes_TK
+
+
+class _OneUlpOneProb(NativeReplay):
+    name = "one_ulp_one_prob"
+
+    def bind(self, model_chunks: list) -> None:
+        super().bind(model_chunks)
+        _, router = self._routers[min(self._routers)]
+        rr = router.router_replay
+        original = type(rr).get_replay_topk.__get__(rr)
+        pending = [True]  # the first replayed forward call of this build only
+
+        def one_ulp(*args, **kwargs):
+            probs, ids = original(*args, **kwargs)
+            if rr.router_replay_action == self.action_enum.REPLAY_FORWARD and pending:
+                pending.clear()
+                first = probs[0, 0].detach()
+                bump = torch.zeros_like(probs)
+                bump[0, 0] = torch.nextafter(first, torch.full_like(first, float("inf"))) - first
+                probs = probs + bump  # exact: the sum is the next representable value
+            return probs, ids
+
+        rr.get_replay_topk = one_ulp
+
+
+class _OneLayerNoRecomputeReplay(NativeReplay):
+    name = "one_layer_no_recompute_replay"
+
+    def after_forward(self, chunk: int, mb: int) -> None:
+        super().after_forward(chunk, mb)
+        if self._mode == "replay":
+            for layer, rr in self._chunk_routers(chunk):
+                if layer == min(self._routers):
+                    rr.clear_router_replay_action()
+
+
+class _OneLayerFifoRecompute(MoeverifyReplay):
+    name = "one_layer_fifo_recompute"
+
+    @contextlib.contextmanager
+    def replay(self, routes):
+        with super().replay(routes):
+            state = self._session._replayed
+            first, served = min(state.per_layer), [0]
+            by_identity = state.recompute
+
+            def first_layer_in_queue_order(router, layer, mb, *args):
+                if layer == first:
+                    mb, served[0] = served[0] % len(state.per_layer[layer]), served[0] + 1
+                return by_identity(router, layer, mb, *args)
+
+            state.recompute = first_layer_in_queue_order
+            yield self
+
+
+class _OneCountExtra(MoeverifyReplay):
+    name = "one_count_extra"
+
+    @contextlib.contextmanager
+    def replay(self, routes):
+        routers = self._session._live_routers()
+        pending = [True]  # once per replayed pass: one token counted twice, for one expert of one layer
+
+        def once(router, args, kwargs, output):
+            if pending and router.enable_expert_bias and torch.is_grad_enabled():
+                pending.clear()
+                with torch.no_grad():
+                    router.local_tokens_per_expert[int(output[1][0].nonzero()[0])] += 1
+
+        handle = routers[min(routers)].register_forward_hook(once, with_kwargs=True)
+        try:
+            with super().replay(routes):
+                yield self
+        finally:
+            handle.remove()
+
+
+def one_token_one_layer_route() -> NativeReplay:
+    return _OneTokenOneLayerRoute()
+
+
+def one_ulp_one_prob() -> NativeReplay:
+    return _OneUlpOneProb()
+
+
+def one_layer_no_recompute_replay() -> NativeReplay:
+    return _OneLayerNoRecomputeReplay()
+
+
+def one_layer_fifo_recompute() -> MoeverifyReplay:
+    return _OneLayerFifoRecompute()
+
+
+def one_count_extra() -> MoeverifyReplay:
+    return _OneCountExtra()
+
+
 def _count_padding_too(router, args, kwargs, output) -> None:
     padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
     if padding is None or not router.enable_expert_bias or not torch.is_grad_enabled():
@@ -192,4 +307,10 @@ def one_rank_crash() -> NativeReplay:
 
 MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",
            "no_recompute_replay": "recompute", "fifo_recompute": "backward_order",
-           "counts_padding": "token_counts", "reversed_slots": "weights", "ties_by_id": "equivalence"}
+           "counts_padding": "token_counts", "reversed_slots": "weights", "ties_by_id": "equivalence",
+           "one_token_one_layer_route": "drift", "one_ulp_one_prob": "weights",
+           "one_layer_no_recompute_replay": "recompute", "one_layer_fifo_recompute": "backward_order",
+           "one_count_extra": "token_counts"}
+# the other subchecks a mutant is shown failing (``tests/unit/test_replay_minimal_mutants.py``)
+ALSO_FAILS = {"one_token_one_layer_route": ("equivalence", "cross_layout", "native_parity", "weights"),
+              "one_ulp_one_prob": ("equivalence", "native_parity")}
