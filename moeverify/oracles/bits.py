@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-SHOW = 5  # items quoted per failure message: differing elements, flat indices, names (the one limit)
+# How much a failure message quotes, declared once: every oracle's messages read these two.
+SHOW = 5  # items quoted per failure message: differing elements, flat indices
+SHOW_NAMES = 8  # tensor or engine names quoted per failure message (lists of names read better a little longer)
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -236,3 +236,23 @@ def test_same_held_names_the_tensor_and_element():
     failures = same_held(held, before, Tally(), when="again: ").failures
     assert len(failures) == 1 and failures[0].startswith("again: model.norm.weight: 1 of 6 element(s) differ, first "
                                                          "at [2]"), failures
+
+
+def test_a_factory_written_before_ranks_is_called_as_before():
+    """Receivers are made on every rank with ``rank`` and ``world_size``; a factory that takes neither (nor
+    ``**kwargs``) is still called, with the options and ``hf_path`` alone, and one that takes them gets them."""
+    from moeverify.oracles.export.receiver import _make
+
+    def old(*, hf_path, refresh=None):
+        return ("old", hf_path)
+
+    def new(*, hf_path, rank, world_size, **options):
+        return ("new", rank, world_size)
+
+    def only_rank(*, hf_path, rank):
+        return ("rank", rank)
+
+    kwargs = {"hf_path": "/m"}
+    assert _make(old, kwargs, rank=3, world_size=4) == ("old", "/m")
+    assert _make(new, kwargs, rank=3, world_size=4) == ("new", 3, 4)
+    assert _make(only_rank, kwargs, rank=3, world_size=4) == ("rank", 3)

@@ -13,9 +13,16 @@ WAIT_CALLS = {"sleep", "monotonic", "perf_counter", "alarm", "setitimer", "commu
 WAIT_KEYWORDS = {"timeout"}
 
 
+# Objects whose ``sleep`` is not the clock: an inference engine's sleep mode (``receiver.sleep()``, vLLM's API).
+NOT_CLOCKS = {"receiver", "engine", "llm"}
+
+
 def _waits(fn: ast.AST) -> bool:
     for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
         name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        owner = getattr(call.func.value, "id", "") if isinstance(call.func, ast.Attribute) else ""
+        if owner in NOT_CLOCKS:
+            continue
         if name in WAIT_CALLS or any(k.arg in WAIT_KEYWORDS for k in call.keywords):
             return True
     return False
@@ -54,3 +61,8 @@ def test_the_finder_sees_a_wait_in_a_helper_and_accepts_a_marker():
             "@pytest.mark.timing\ndef test_b():\n    time.sleep(1)\ndef test_c():\n    pass\n")
     assert unmarked_waits(text) == ["test_a"]
     assert unmarked_waits("pytestmark = pytest.mark.timing\n" + text) == []
+
+
+def test_an_engine_sleep_mode_is_not_the_clock():
+    assert unmarked_waits("def test_a():\n    receiver.sleep()\n    receiver.wake_up()\n") == []
+    assert unmarked_waits("def test_a():\n    time.sleep(0.1)\n") == ["test_a"]

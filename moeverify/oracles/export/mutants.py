@@ -531,7 +531,7 @@ def lora_frozen_base(ctx):
 def _halves_from(previous: list[Slot], slots: list[Slot]) -> list[Slot]:
     """``slots`` with the second half of each piece's values taken from ``previous`` (the same piece, earlier)."""
     out = []
-    for old, new in zip(previous, slots):
+    for old, new in zip(previous, slots, strict=True):
         values = new.values.reshape(-1).clone()
         half = values.numel() // 2
         values[half:] = old.values.reshape(-1)[half:]

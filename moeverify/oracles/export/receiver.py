@@ -22,6 +22,7 @@ and what it holds is compared with a fresh reference export.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -31,11 +32,11 @@ import torch
 
 from moeverify.spec import plugins
 from moeverify.errors import UsageError
+from moeverify.oracles.bits import SHOW_NAMES
 from moeverify.oracles.export import wire
 from moeverify.oracles.results import Tally
 from moeverify.spec.checks import RECEIVERS
 
-SHOW = 8  # names quoted per message
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +71,7 @@ class Held:
     def __post_init__(self) -> None:
         missing = sorted(set(self.parts) - set(self.tensors))
         if missing:
-            raise UsageError(f"receiver: parts name engine tensors it does not hold: {missing[:SHOW]}")
+            raise UsageError(f"receiver: parts name engine tensors it does not hold: {missing[:SHOW_NAMES]}")
 
 
 def load_receiver(name: str):
@@ -148,9 +149,9 @@ def compare(held: Held, reference: Mapping[str, torch.Tensor] | Iterable[tuple[s
             tally.fail(f"{when}{engine_name}{part.describe()}: the reference has no tensor {part.hf_name!r}")
     dropped = sorted(set(dropped))
     if dropped:
-        more = f" (+{len(dropped) - SHOW} more)" if len(dropped) > SHOW else ""
+        more = f" (+{len(dropped) - SHOW_NAMES} more)" if len(dropped) > SHOW_NAMES else ""
         tally.fail(f"{when}dropped: {len(dropped)} reference tensor(s) the receiver never loaded: "
-                   f"{dropped[:SHOW]}{more}", n=len(dropped))
+                   f"{dropped[:SHOW_NAMES]}{more}", n=len(dropped))
     if tally.checked == 0:
         tally.fail(f"{when}the receiver held no tensor: nothing compared")
     return tally
@@ -172,9 +173,9 @@ def _copies_held(wanted, seen: set[str], drafts: set[str], scope: CopiesScope, c
             copies.fail(f"{when}the model has {scope.mtp_layers} MTP layer(s), but the reference exports none of "
                         f"their tensors: the draft weights cannot be checked")
         elif missing:
-            more = f" (+{len(missing) - SHOW} more)" if len(missing) > SHOW else ""
+            more = f" (+{len(missing) - SHOW_NAMES} more)" if len(missing) > SHOW_NAMES else ""
             copies.fail(f"{when}{len(missing)} MTP (draft) tensor(s) the receiver does not hold: "
-                        f"{missing[:SHOW]}{more}", n=len(missing))
+                        f"{missing[:SHOW_NAMES]}{more}", n=len(missing))
 
 
 # --- the fused-layout receiver (vLLM's names and layouts) -----------------------------------------------------
@@ -323,6 +324,19 @@ class SubjectExport:
             yield name, self._tensors.pop(name)
 
 
+def _make(factory, kwargs: dict, *, rank: int, world_size: int):
+    """``factory(**kwargs, rank=, world_size=)``; a factory written before receivers ran on every rank (without
+    ``rank`` / ``world_size`` parameters or ``**kwargs``) is called as before, without them."""
+    extra = {"rank": rank, "world_size": world_size}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read: call it the documented way
+        return factory(**kwargs, **extra)
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        extra = {k: v for k, v in extra.items() if k in params}
+    return factory(**kwargs, **extra)
+
+
 class ReceiverRun:
     """The receiver subchecks of one export check: the receiver loads what the SUBJECT streamed (its pieces as the
     oracle merged them on rank 0: ``sink`` before each ``run_subject``), and what it holds is compared with a fresh
@@ -348,8 +362,8 @@ class ReceiverRun:
 
     def __init__(self, factory, sctx) -> None:
         self._sctx = sctx
-        self._receiver = factory(**{**sctx.options, "hf_path": sctx.hf_path, "rank": sctx.rank,
-                                    "world_size": sctx.world_size})
+        self._receiver = _make(factory, {**sctx.options, "hf_path": sctx.hf_path}, rank=sctx.rank,
+                               world_size=sctx.world_size)
         self._subject: SubjectExport | None = None
         self._held: Held | None = None
         self._scope = copies_scope(sctx.hf_path)

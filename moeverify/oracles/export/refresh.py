@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from moeverify.oracles.bits import bits
+from moeverify.oracles.bits import SHOW_NAMES, bits
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.results import Tally
 
-SHOW = 8  # names quoted per message
 SEED = 20251  # fixed: every run of the check applies the same update
 
 
@@ -171,9 +170,9 @@ def fold(*, first: dict[str, Tally], second: dict[str, Tally], before: dict[str,
         tally.fail("no reference tensor was exported after the weight update: nothing compared")
     unchanged = sorted(n for n, d in after.items() if before.get(n) == d)
     if unchanged:
-        more = f" (+{len(unchanged) - SHOW} more)" if len(unchanged) > SHOW else ""
+        more = f" (+{len(unchanged) - SHOW_NAMES} more)" if len(unchanged) > SHOW_NAMES else ""
         tally.fail(f"the weight update left {len(unchanged)} reference tensor(s) bit-identical, so a stale copy "
-                   f"of them cannot be told from a fresh one: {unchanged[:SHOW]}{more}")
+                   f"of them cannot be told from a fresh one: {unchanged[:SHOW_NAMES]}{more}")
     for name, t in second.items():
         if t.passed or not first[name].passed:
             continue
