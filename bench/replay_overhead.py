@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             with around():
                 results[name] = {"host_us": _host_us(step, args.iters), "syncs": _syncs(step)}
                 print(f"== {name}\n" + _top_ops(step))
-                if name in ("replay", "native.replay"):
+                if name in ("unpatched", "record", "replay", "native.replay"):
                     print(f"== cProfile {name} ({args.iters} steps)\n" + _cprofile(step, args.iters))
     for name, r in results.items():
         print(f"{name:24s} host {r['host_us']:9.1f} us/step  sync: {r['syncs'] or 'none'}")

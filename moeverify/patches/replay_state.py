@@ -180,6 +180,9 @@ def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
     scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them."""
+    # the order is found on detached keys and the scores gathered once at the ordered ids, native replay's own op:
+    # no autograd node beyond that gather (a top-k with grad would add a scatter to the backward, and under
+    # deterministic algorithms a scatter is a sort-based index_put on the GPU)
     ids_TK = canonical_ids(scores, sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups,
                            group_topk=group_topk, native_TK=native_TK)
     return scores.gather(1, ids_TK), ids_TK
