@@ -157,6 +157,7 @@ def main(argv=None) -> dict:
         for _ in range(args.rounds):
             for name, step in variants.items():
                 best[name] = min(best[name], timer(step))
+        syncs = {name: _syncs(step) for name, step in variants.items()} if args.device == "cuda" else {}
         table = next(iter(state.tables.values()))
         rr.revert()
     base = {"r2.replay": "unpatched", "r2.replay_unchecked": "unpatched", "r2.replay_gather": "unpatched",
@@ -173,11 +174,30 @@ def main(argv=None) -> dict:
                                               "ratio": round(best[f"{name}.replay_guard"] / best[f"{name}.replay"], 4)}
     result = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "metrics": metrics,
               "table_bytes": table.nbytes(), "table_tokens": int(table.keys_2G.shape[1]),
-              "gpu": bench.gpu_info() if args.device == "cuda" else None}
+              "gpu": bench.gpu_info() if args.device == "cuda" else None,
+              "syncs": syncs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
+
+
+def _syncs(variant) -> str | None:
+    """None if one step of ``variant`` makes no synchronizing CUDA call (``torch.cuda.set_sync_debug_mode``), else
+    the first one's message. The found check's event wait (``r2.replay``) is a wait on an event, not a stream sync."""
+    import torch
+
+    step, around = variant if isinstance(variant, tuple) else (variant, contextlib.nullcontext)
+    with around():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            return None
+        except RuntimeError as exc:
+            return str(exc).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def _rollout_dir(router, rows, args) -> str:

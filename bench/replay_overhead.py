@@ -81,6 +81,11 @@ def _cprofile(step, iters: int, rows: int = 25) -> str:
 def main(argv=None) -> int:
     import contextlib
 
+    import torch as _torch
+
+    if not _torch.cuda.is_available():  # ``make bench`` runs every script: this one measures a GPU
+        print(f"{Path(__file__).name}: no CUDA device here; skipped (a GPU benchmark)")
+        return 0
     from moeverify import runtime
     from moeverify.spec.layout import Layout
 
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
             with around():
                 results[name] = {"host_us": _host_us(step, args.iters), "syncs": _syncs(step)}
                 print(f"== {name}\n" + _top_ops(step))
-                if name in ("replay", "native.replay"):
+                if name in ("unpatched", "record", "replay", "native.replay"):
                     print(f"== cProfile {name} ({args.iters} steps)\n" + _cprofile(step, args.iters))
     for name, r in results.items():
         print(f"{name:24s} host {r['host_us']:9.1f} us/step  sync: {r['syncs'] or 'none'}")

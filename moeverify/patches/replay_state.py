@@ -180,6 +180,9 @@ def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
     scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them."""
+    # the order is found on detached keys and the scores gathered once at the ordered ids, native replay's own op:
+    # no autograd node beyond that gather (a top-k with grad would add a scatter to the backward, and under
+    # deterministic algorithms a scatter is a sort-based index_put on the GPU)
     ids_TK = canonical_ids(scores, sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups,
                            group_topk=group_topk, native_TK=native_TK)
     return scores.gather(1, ids_TK), ids_TK
@@ -189,8 +192,9 @@ def canonical_ids(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_com
                   num_groups=None, group_topk=None, native_TK: torch.Tensor | None = None) -> torch.Tensor:
     """``canonical_replay``'s ids alone."""
     key_TE = scores.detach()
-    if key_TE.is_cuda and (default_compute_topk is None or _topk_order_holds(default_compute_topk, key_TE, topk,
-                                                                             num_groups, group_topk)):
+    # without Megatron's top-k (``default_compute_topk`` None: the ``ties_by_id`` mutant) the rule below, ties by id
+    if key_TE.is_cuda and default_compute_topk is not None and _topk_order_holds(default_compute_topk, key_TE, topk,
+                                                                                 num_groups, group_topk):
         # torch.topk's own order of the replayed set: native's where native picked that set (no native top-k, no
         # [T, E] work, no host sync: two [T, K] kernels and a small top-k)
         return topk_order(key_TE, sorted_ids_TK)

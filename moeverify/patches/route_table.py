@@ -97,6 +97,7 @@ class RouteTable:
         self.versions: list[int] = []  # rollout versions held (newest first); empty: one unversioned recording
         self._forward_version: list[int] = []  # per recorded forward, its index in ``versions``
         self.xconflict_G: torch.Tensor | None = None  # versioned: the token's route differs in another version
+        self._salts: dict = {}  # frozen, versioned: device -> version_salt(self.versions) (``_versioned``)
 
     @property
     def frozen(self) -> bool:
@@ -241,7 +242,9 @@ class RouteTable:
         """Each token's version: the one named, else the version that holds its whole sequence (its last real
         token), the newest where several do (flagged ambiguous). Returns the keys salted with it."""
         device = keys.keys_2T.device
-        salt_2V = version_salt(self.versions, device=device)
+        salt_2V = self._salts.get(device)
+        if salt_2V is None:  # made once a device: a tensor built from host ints per lookup would sync the stream
+            salt_2V = self._salts[device] = version_salt(self.versions, device=device)
         if keys.last_2T is None:
             raise RouteError("versioned route tables need each token's sequence key (TokenKeys.last_2T)")
         if version is not None:

@@ -31,10 +31,10 @@ import torch
 
 from moeverify.errors import EnvironmentProblem, RouteError, UsageError
 from moeverify.patches import compat
-from moeverify.patches import regions, replay_inputs
+from moeverify.patches import regions, replay_inputs, semantics
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.routers import find_routers, moe_stage_config
-from moeverify.patches.semantics import RoutingMode, refuse_unreplayable
+from moeverify.patches.semantics import RoutingMode
 from moeverify.routing.routes import Routes, validate_topk_ids
 
 __all__ = ["apply", "revert", "is_applied", "ReplaySession", "RoutingMode"]
@@ -128,10 +128,12 @@ def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
     """Refuse a router replay cannot serve: its routing mode read from what Megatron routes by (the router's
     own copies of its settings, ``RoutingMode.from_router``), then the config-wide settings."""
     config = router.config
-    mode = RoutingMode.from_router(router)
-    if disable_fusion:
-        mode = RoutingMode(**{**{f: getattr(mode, f) for f in mode.__dataclass_fields__}, "fused": False})
-    refuse_unreplayable(mode, where=f"layer {layer}")
+    # the fields refuse_unreplayable reads, taken as RoutingMode.from_router takes them (no dataclass per step)
+    problem = semantics._problem(score_function=router.score_function,
+                                 load_balancing=semantics._balancing_types(router.routing_type),
+                                 fused=not disable_fusion and bool(config.moe_router_fusion))
+    if problem is not None:
+        raise UsageError(f"layer {layer}: {problem}")
     impl = getattr(config, "cuda_graph_impl", "none")
     if (impl not in (None, "none")) or getattr(config, "enable_cuda_graph", False):
         raise UsageError(f"layer {layer}: CUDA-graph capture (cuda_graph_impl={impl!r}) would replay a captured "

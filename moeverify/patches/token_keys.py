@@ -36,6 +36,14 @@ _SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # one per key half
 _mix = hash64.mix
 # the key of every padding token of a BSHD row: a real token's key equals it with chance 2**-128
 PAD_KEY = torch.tensor([-0x5A5A5A5A5A5A5A5B, 0x3C3C3C3C3C3C3C3C], dtype=torch.int64)
+_PAD_KEYS: dict = {}  # device -> PAD_KEY there: a blocking host-to-device copy per forward would sync the stream
+
+
+def _pad_key(device) -> torch.Tensor:
+    key = _PAD_KEYS.get(device)
+    if key is None:
+        key = _PAD_KEYS[device] = PAD_KEY.to(device)
+    return key
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,7 +102,7 @@ def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None
     keys_2BS = torch.cumsum(values_2BS, dim=2)  # wrap-around sums of each row's (real) prefix
     keys_2T = keys_2BS.transpose(1, 2).reshape(2, s * b)
     if pad is not None:
-        keys_2T = torch.where(pad, PAD_KEY.to(device)[:, None], keys_2T)
+        keys_2T = torch.where(pad, _pad_key(device)[:, None], keys_2T)
     last_2B = keys_2BS[:, :, -1]  # the row's prefix sum at its end: its last real token's key (padding adds 0)
     last_2T = last_2B[:, None, :].expand(2, s, b).reshape(2, s * b)
     return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, int(pos_BS[t % b, t // b])),

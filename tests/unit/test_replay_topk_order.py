@@ -1,0 +1,93 @@
+"""The replay slot order's fast path and the pieces it rests on (issue 36, "replay at native speed").
+
+- ``topk_order`` (CUDA): one top-k of a set's ``[T, K]`` keys at its ascending ids gives native's grad-mode order
+  wherever native picked that set, ties included (run with ``MOEVERIFY_TEST_BACKEND=cuda``; skipped on CPU ranks,
+  where the argsort rule of ``canonical_slots`` serves);
+- a shape whose check fails is served by the old path (a native top-k per call), never by ``topk_order``;
+- ids kept ascending once per ``Routes`` (``replay_ids(..., ascending=True)``) and in the in-job route table;
+- the agreement guard's per-call histogram gives the counts of a brute-force count, padding and natively routed
+  tokens apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeverify.patches import agreement, replay_state
+from moeverify.routing.routes import Routes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="topk_order's rule is the CUDA top-k's")
+
+
+def _native(scores, topk, num_groups=None, group_topk=None):  # Megatron's plain _compute_topk
+    return torch.topk(scores, k=topk, dim=1, sorted=torch.is_grad_enabled())
+
+
+@cuda
+@pytest.mark.parametrize("experts,topk", [(8, 2), (64, 6), (128, 8), (512, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_order_is_native_grad_mode_order_on_tie_heavy_scores(experts, topk, dtype):
+    g = torch.Generator(device="cuda").manual_seed(experts + topk)
+    scores = (torch.randint(0, 4, (4096, experts), generator=g, device="cuda").to(torch.float32) * 0.5).to(dtype)
+    with torch.no_grad():
+        _, native_TK = replay_state.grad_mode_topk(_native, scores, topk)
+        ours_TK = replay_state.topk_order(scores, native_TK.sort(dim=1).values)
+    assert torch.equal(ours_TK, native_TK)
+    ids_TK = replay_state.canonical_ids(scores, native_TK.sort(dim=1).values, _native, topk=topk)
+    assert torch.equal(ids_TK, native_TK)
+
+
+@cuda
+def test_a_shape_failing_the_check_takes_the_old_path(monkeypatch):
+    scores = torch.rand(64, 16, device="cuda")
+    ids_TK = torch.rand(64, 16, device="cuda").argsort(dim=1)[:, :4].sort(dim=1).values
+    called = []
+
+    def native(s, k, num_groups=None, group_topk=None):
+        called.append(1)
+        return _native(s, k)
+
+    key = (scores.device, scores.dtype, 16, 4, None, None)
+    monkeypatch.setitem(replay_state._TOPK_ORDER, key, False)
+    replay_state.canonical_ids(scores, ids_TK, native, topk=4)
+    assert called  # the native top-k of the old rule ran
+
+
+def test_replay_ids_ascending_is_one_sorted_private_copy():
+    ids = torch.tensor([[3, 1, 2], [0, 5, 4]])
+    routes = Routes({0: [ids]}, num_experts=6, topk=3)
+    first = routes.replay_ids(0, 0, "cpu", ascending=True)
+    assert first.tolist() == [[1, 2, 3], [0, 4, 5]]
+    assert routes.replay_ids(0, 0, "cpu", ascending=True) is first
+    assert routes.replay_ids(0, 0, "cpu").tolist() == ids.tolist()  # the unsorted copy is another tensor
+
+
+def test_guard_histogram_counts_as_by_hand():
+    torch.manual_seed(0)
+    t, e, k = 200, 16, 4
+    native_TK = torch.rand(t, e).argsort(dim=1)[:, :k]
+    replayed_TK = native_TK.clone()
+    replayed_TK[::3] = torch.stack([torch.randperm(e)[:k] for _ in range(replayed_TK[::3].shape[0])])  # off native
+    pad_T = torch.zeros(t, dtype=torch.bool)
+    pad_T[-10:] = True
+    native_T = torch.zeros(t, dtype=torch.bool)
+    native_T[5:15] = True
+    native_T[-3:] = True  # padding too: counted as padding
+    guard = agreement.Guard()
+    try:
+        guard.count(3, replayed_TK, native_TK, num_experts=e, pad_T=pad_T, routed_natively_T=native_T)
+        guard.count(3, replayed_TK, native_TK, num_experts=e)
+        guard.end_step()
+        rows = {row["layer"]: row for row in guard.history}
+    finally:
+        guard.close()
+    row = rows[3]
+    hits = torch.tensor([len(set(a.tolist()) & set(b.tolist())) for a, b in zip(replayed_TK, native_TK)])
+    counted = ~pad_T & ~native_T
+    agree = int((hits[counted] == k).sum()) + int((hits == k).sum())
+    tokens = int(counted.sum()) + t
+    assert row["tokens"] == tokens and row["routed"] == 2 * t
+    assert row["padding"] == int(pad_T.sum()) and row["routed_natively"] == int((native_T & ~pad_T).sum())
+    assert row["agreement"] == agree / tokens
+    assert row["overlap"] == (int(hits[counted].sum()) + int(hits.sum())) / (tokens * k)
