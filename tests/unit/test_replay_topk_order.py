@@ -83,7 +83,7 @@ def test_guard_histogram_counts_as_by_hand():
     finally:
         guard.close()
     row = rows[3]
-    hits = torch.tensor([len(set(a.tolist()) & set(b.tolist())) for a, b in zip(replayed_TK, native_TK)])
+    hits = torch.tensor([len(set(a.tolist()) & set(b.tolist())) for a, b in zip(replayed_TK, native_TK, strict=True)])
     counted = ~pad_T & ~native_T
     agree = int((hits[counted] == k).sum()) + int((hits == k).sum())
     tokens = int(counted.sum()) + t
