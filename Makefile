@@ -27,7 +27,7 @@ test: setup lint
 	$(PY) -m pytest -q -n $(NPROC) -m "not timing" tests/unit
 	$(PY) tools/under_load.py --busy $(BUSY) -- $(PY) -m pytest -q -n $(NPROC) -m timing tests/unit
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_ci.yaml --json runs/release.json --junit runs/release.xml
-	$(PY) -m pytest -q -p no:xdist -m "not release" tests/special_distributed
+	$(PY) -m pytest -q -p no:xdist --durations=15 -m "not release" tests/special_distributed
 
 test-unit: setup
 	$(PY) -m pytest -q -n $(NPROC) tests/unit
@@ -38,7 +38,7 @@ test-load: setup
 	$(PY) tools/under_load.py --busy $(BUSY) -- $(PY) -m pytest -q -n $(NPROC) -m timing tests/unit
 
 test-distributed: setup
-	$(PY) -m pytest -q -p no:xdist -m "not release" tests/special_distributed
+	$(PY) -m pytest -q -p no:xdist --durations=15 -m "not release" tests/special_distributed
 
 release: setup
 	@mkdir -p runs

@@ -89,14 +89,22 @@ def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.q_proj.bias": (heads * d,),
-            p + "self_attn.k_proj.weight": (groups * d, h), p + "self_attn.k_proj.bias": (groups * d,),
-            p + "self_attn.v_proj.weight": (groups * d, h), p + "self_attn.v_proj.bias": (groups * d,),
-            p + "self_attn.o_proj.weight": (h, heads * d),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (heads * d, h),
+                p + "self_attn.q_proj.bias": (heads * d,),
+                p + "self_attn.k_proj.weight": (groups * d, h),
+                p + "self_attn.k_proj.bias": (groups * d,),
+                p + "self_attn.v_proj.weight": (groups * d, h),
+                p + "self_attn.v_proj.bias": (groups * d,),
+                p + "self_attn.o_proj.weight": (h, heads * d),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
+        )
     return shapes
 
 
@@ -107,8 +115,13 @@ def _suffix() -> str:
 def _scaled_config() -> dict:
     from moeverify.models import hf_config_dict
 
-    return dict(hf_config_dict("qwen2"), hidden_size=SCALE["hidden_size"], intermediate_size=SCALE["ffn_hidden_size"],
-                head_dim=SCALE["kv_channels"], vocab_size=SCALE["vocab_size"])
+    return dict(
+        hf_config_dict("qwen2"),
+        hidden_size=SCALE["hidden_size"],
+        intermediate_size=SCALE["ffn_hidden_size"],
+        head_dim=SCALE["kv_channels"],
+        vocab_size=SCALE["vocab_size"],
+    )
 
 
 def _write_checkpoint(dst: Path, cfg: dict, tensors) -> None:
@@ -156,8 +169,9 @@ def gather_everything(sctx) -> None:
     from moeverify.subjects import sharded
 
     rows = drain(sharded(sctx), rank=sctx.rank)
-    mine = [[(p.hf_name, p.hf_shape, p.positions_P, p.values_P.clone()) for p in pieces(r, rank=sctx.rank)]
-            for r in rows]
+    mine = [
+        [(p.hf_name, p.hf_shape, p.positions_P, p.values_P.clone()) for p in pieces(r, rank=sctx.rank)] for r in rows
+    ]
     everything = [None] * sctx.world_size if sctx.rank == 0 else None
     dist.gather_object(mine, everything, dst=0)
     if sctx.rank == 0:
@@ -205,6 +219,7 @@ def _timeline(sctx, built, bare_s: float) -> None:
     """Run the oracle once more with every rank's phases timed; rank 0 writes them (bench/export_timeline.py)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import export_timeline
+
     from moeverify.oracles import export
     from moeverify.subjects import sharded
 
@@ -216,8 +231,13 @@ def _timeline(sctx, built, bare_s: float) -> None:
     dist.barrier()
     with timeline.patched():
         t0 = time.perf_counter()
-        export.run_subject(sharded, sctx, reference=timeline.reference(
-            built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False)))
+        export.run_subject(
+            sharded,
+            sctx,
+            reference=timeline.reference(
+                built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False)
+            ),
+        )
         total = time.perf_counter() - t0
     everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(timeline.events, everything, dst=0)
@@ -263,9 +283,17 @@ def measure(weights: str, layout, rt) -> dict | None:
         dtype = next(built.model_chunks[0].parameters()).dtype
         params = sum(math.prod(s) for s in shapes.values())
         largest = max(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size() / 2**20
-        sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
-                                     rank=rt.rank, world_size=rt.world_size, hf_path=hf_path, built=built,
-                                     timeout_s=1200, stats={})
+        sctx = export.SubjectContext(
+            bridge=built.bridge,
+            model_chunks=built.model_chunks,
+            layout=layout,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            hf_path=hf_path,
+            built=built,
+            timeout_s=1200,
+            stats={},
+        )
 
         def bare():
             for _name, _t in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):
@@ -291,43 +319,82 @@ def measure(weights: str, layout, rt) -> dict | None:
     failed = {k: t.failures[:2] for k, t in tallies.items() if not t.passed}
     return {
         "metrics": {
-            "oracle_time_vs_bare_export": {"value": round(oracle_s, 2), "unit": "s", "peer": round(bare_s, 2),
-                                           "ratio": round(oracle_s / bare_s, 3), "goal": "<=1.2"},
-            "oracle_peak_rss_vs_bare_export_peak": {"value": round(oracle_mib, 1), "unit": "MiB",
-                                                    "peer": round(bare_mib, 1),
-                                                    "ratio": round(oracle_mib / bare_mib, 3), "goal": "<=1.1"},
-            "oracle_peak_rss_vs_largest_tensor": {"value": round(oracle_mib, 1), "unit": "MiB",
-                                                  "peer": round(largest, 1), "ratio": round(oracle_mib / largest, 3)},
-            "gather_everything_vs_oracle_peak_rss": {"value": round(oracle_mib, 1), "unit": "MiB",
-                                                     "peer": round(naive_mib, 1),
-                                                     "ratio": round(naive_mib / oracle_mib, 3)},
+            "oracle_time_vs_bare_export": {
+                "value": round(oracle_s, 2),
+                "unit": "s",
+                "peer": round(bare_s, 2),
+                "ratio": round(oracle_s / bare_s, 3),
+                "goal": "<=1.2",
+            },
+            "oracle_peak_rss_vs_bare_export_peak": {
+                "value": round(oracle_mib, 1),
+                "unit": "MiB",
+                "peer": round(bare_mib, 1),
+                "ratio": round(oracle_mib / bare_mib, 3),
+                "goal": "<=1.1",
+            },
+            "oracle_peak_rss_vs_largest_tensor": {
+                "value": round(oracle_mib, 1),
+                "unit": "MiB",
+                "peer": round(largest, 1),
+                "ratio": round(oracle_mib / largest, 3),
+            },
+            "gather_everything_vs_oracle_peak_rss": {
+                "value": round(oracle_mib, 1),
+                "unit": "MiB",
+                "peer": round(naive_mib, 1),
+                "ratio": round(naive_mib / oracle_mib, 3),
+            },
         },
-        "context": {"model": "qwen2 scaled", "weights": weights, "parameters": params, "dtype": str(dtype),
-                    "layout": "tp2-pp2", "ranks": rt.world_size,
-                    "bare_export_peak_vs_largest_tensor": round(bare_mib / largest, 3),
-                    "gather_everything_seconds": round(naive_s, 2), "oracle_passed": not failed,
-                    "first_calls": first, "later_calls": _later(again),
-                    "oracle_failures": failed,
-                    "checked": {k: t.checked for k, t in tallies.items()},
-                    "other_ranks_elements": stats},
+        "context": {
+            "model": "qwen2 scaled",
+            "weights": weights,
+            "parameters": params,
+            "dtype": str(dtype),
+            "layout": "tp2-pp2",
+            "ranks": rt.world_size,
+            "bare_export_peak_vs_largest_tensor": round(bare_mib / largest, 3),
+            "gather_everything_seconds": round(naive_s, 2),
+            "oracle_passed": not failed,
+            "first_calls": first,
+            "later_calls": _later(again),
+            "oracle_failures": failed,
+            "checked": {k: t.checked for k, t in tallies.items()},
+            "other_ranks_elements": stats,
+        },
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/export_oracle.json")
-    ap.add_argument("--weights", choices=("both", "real", "init"), default="both",
-                    help="real: a safetensors checkpoint with real values loaded through Megatron-Bridge; "
-                         "init: Megatron's own init; both: each, real first (default)")
-    ap.add_argument("--scale", choices=("full", "small"), default="full",
-                    help="full: hidden 1024, vocab 81920 (about 231M parameters; the benchmark); small: hidden 512, "
-                         "vocab 40960, for quick before/after ratios on a loaded machine")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="call the bare export and the oracle this many times each, alternating; the first pair is the "
-                         "benchmark's figure, later ones are reported as later_calls (medians)")
-    ap.add_argument("--timeline", metavar="PATH",
-                    help="also run the oracle once instrumented and write every rank's phases to PATH (JSON) and "
-                         "PATH's .png (bench/export_timeline.py)")
+    ap.add_argument(
+        "--weights",
+        choices=("both", "real", "init"),
+        default="both",
+        help="real: a safetensors checkpoint with real values loaded through Megatron-Bridge; "
+        "init: Megatron's own init; both: each, real first (default)",
+    )
+    ap.add_argument(
+        "--scale",
+        choices=("full", "small"),
+        default="full",
+        help="full: hidden 1024, vocab 81920 (about 231M parameters; the benchmark); small: hidden 512, "
+        "vocab 40960, for quick before/after ratios on a loaded machine",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="call the bare export and the oracle this many times each, alternating; the first pair is the "
+        "benchmark's figure, later ones are reported as later_calls (medians)",
+    )
+    ap.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="also run the oracle once instrumented and write every rank's phases to PATH (JSON) and "
+        "PATH's .png (bench/export_timeline.py)",
+    )
     args = ap.parse_args()
     global TIMELINE, REPEATS
     TIMELINE, REPEATS = args.timeline, args.repeats

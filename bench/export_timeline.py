@@ -51,12 +51,16 @@ class Timeline:
         """Time the oracle's rows, waits and final phase (module attributes restored on exit)."""
         from moeverify.oracles.export import collect, feed, oracle
 
-        saved = [(oracle, "_one_row", oracle._one_row), (oracle, "_drain", oracle._drain),
-                 (oracle, "_lockstep", oracle._lockstep), (oracle, "checkpoint_shapes", oracle.checkpoint_shapes),
-                 (feed.ReferenceFeed, "wait_until", feed.ReferenceFeed.wait_until),
-                 (feed.ReferenceFeed, "admit", feed.ReferenceFeed.admit),
-                 (feed.ReferenceFeed, "finish", feed.ReferenceFeed.finish),
-                 (collect.Collector, "finish_all", collect.Collector.finish_all)]
+        saved = [
+            (oracle, "_one_row", oracle._one_row),
+            (oracle, "_drain", oracle._drain),
+            (oracle, "_lockstep", oracle._lockstep),
+            (oracle, "checkpoint_shapes", oracle.checkpoint_shapes),
+            (feed.ReferenceFeed, "wait_until", feed.ReferenceFeed.wait_until),
+            (feed.ReferenceFeed, "admit", feed.ReferenceFeed.admit),
+            (feed.ReferenceFeed, "finish", feed.ReferenceFeed.finish),
+            (collect.Collector, "finish_all", collect.Collector.finish_all),
+        ]
 
         def timed(kind, fn, cpu=False):
             def wrapper(*args, **kwargs):
@@ -68,6 +72,7 @@ class Timeline:
                     if kind == "row":
                         extra["index"], extra["row"] = args[0], args[1].row
                     self.add(kind, start, time.perf_counter(), **extra)
+
             return wrapper
 
         kinds = ["row", "setup", "setup", "setup", "wait", "wait", "finish", "finish"]
@@ -100,18 +105,36 @@ def slowest_exports(per_rank: list[list[dict]], bare_events: list[list[dict]], n
     """Rank 0's slowest tensors to export inside the oracle, against the same tensor in a bare export."""
     bare = {e["name"]: e["end"] - e["start"] for e in bare_events[0]}
     mine = sorted((e for e in per_rank[0] if e["kind"] == "export"), key=lambda e: e["start"] - e["end"])[:n]
-    return [{"name": e["name"], "numel": e["numel"], "oracle_s": round(e["end"] - e["start"], 3),
-             "bare_s": round(bare.get(e["name"], float("nan")), 3)} for e in mine]
+    return [
+        {
+            "name": e["name"],
+            "numel": e["numel"],
+            "oracle_s": round(e["end"] - e["start"], 3),
+            "bare_s": round(bare.get(e["name"], float("nan")), 3),
+        }
+        for e in mine
+    ]
 
 
-def write(path: str, per_rank: list[list[dict]], total_s: float, bare_s: float, *,
-          bare_events: list[list[dict]]) -> None:
+def write(
+    path: str, per_rank: list[list[dict]], total_s: float, bare_s: float, *, bare_events: list[list[dict]]
+) -> None:
     table = summarize(per_rank, total_s)
     slow = slowest_exports(per_rank, bare_events)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bare_export_s": round(bare_s, 3), "summary": table, "slowest_exports_rank0": slow,
-                               "events": per_rank, "bare_events": bare_events}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "bare_export_s": round(bare_s, 3),
+                "summary": table,
+                "slowest_exports_rank0": slow,
+                "events": per_rank,
+                "bare_events": bare_events,
+            },
+            indent=1,
+        )
+    )
     for rows in (table, slow):
         keys = list(rows[0])
         print(" | ".join(keys))
@@ -125,23 +148,32 @@ def _plot(path: Path, per_rank: list[list[dict]], total_s: float, bare_s: float)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.patches import Patch
 
-    colors = {"setup": "tab:purple", "export": "tab:blue", "row": "tab:orange", "wait": "tab:gray",
-              "finish": "tab:green"}
+    colors = {
+        "setup": "tab:purple",
+        "export": "tab:blue",
+        "row": "tab:orange",
+        "wait": "tab:gray",
+        "finish": "tab:green",
+    }
     lanes = {"export": 0, "setup": 1, "row": 1, "wait": 1, "finish": 1}
     fig, ax = plt.subplots(figsize=(12, 1 + 0.9 * len(per_rank)))
     for rank, events in enumerate(per_rank):
         for e in events:
             y = rank * 2 + lanes[e["kind"]]
             ax.barh(y, e["end"] - e["start"], left=e["start"], height=0.8, color=colors[e["kind"]], linewidth=0)
-    ax.set_yticks([r * 2 + i for r in range(len(per_rank)) for i in (0, 1)],
-                  [f"rank {r} {lane}" for r in range(len(per_rank)) for lane in ("export thread", "main thread")])
+    ax.set_yticks(
+        [r * 2 + i for r in range(len(per_rank)) for i in (0, 1)],
+        [f"rank {r} {lane}" for r in range(len(per_rank)) for lane in ("export thread", "main thread")],
+    )
     ax.axvline(bare_s, color="black", linestyle="--", linewidth=1)
     ax.axvline(total_s, color="red", linestyle="--", linewidth=1)
     handles = [Patch(color=c, label=k) for k, c in colors.items()]
-    handles += [Patch(color="black", label=f"bare export {bare_s:.2f} s"), Patch(color="red", label=f"oracle {total_s:.2f} s")]
+    handles += [
+        Patch(color="black", label=f"bare export {bare_s:.2f} s"),
+        Patch(color="red", label=f"oracle {total_s:.2f} s"),
+    ]
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the oracle's start (export events: from the request for a tensor to its arrival)")
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from moeverify.runtime import hash64
 from moeverify.oracles.bits import bits
 from moeverify.oracles.replay import grad_print
+from moeverify.runtime import hash64
 
 _LANES = (hash64.signed(0x6A09E667F3BCC908), hash64.signed(0xBB67AE8584CAA73B))
 
@@ -41,8 +41,10 @@ def splitmix_per_tensor(t: torch.Tensor) -> tuple:
 
 def lin64_per_tensor(grads: dict) -> dict:
     """The nearer peer: ``lin64`` digest, sums and extrema queued one tensor at a time, read back with one copy."""
-    queued = [(key, grad_print._lin64(bits(g).reshape(1, -1)), grad_print._stats(g.reshape(1, -1)))
-              for key, g in grads.items()]
+    queued = [
+        (key, grad_print._lin64(bits(g).reshape(1, -1)), grad_print._stats(g.reshape(1, -1)))
+        for key, g in grads.items()
+    ]
     sums = torch.cat([s.reshape(-1, len(grad_print._LANES)) for _, s, _ in queued]).cpu().numpy()
     stats = torch.cat([st for *_, st in queued]).cpu()
     return {key: (sums, stats) for key, _, _ in queued}
@@ -73,8 +75,9 @@ def main() -> None:
     args = p.parse_args()
     gen = torch.Generator(device=args.device).manual_seed(0)
     shapes = layer_shapes(args.layers) if args.layers else [(args.elements,)] * args.tensors
-    grads = {i: torch.randn(shape, device=args.device, generator=gen).to(torch.bfloat16)
-             for i, shape in enumerate(shapes)}
+    grads = {
+        i: torch.randn(shape, device=args.device, generator=gen).to(torch.bfloat16) for i, shape in enumerate(shapes)
+    }
     n = sum(g.numel() for g in grads.values())
 
     def timed(fn) -> float:
@@ -85,14 +88,18 @@ def main() -> None:
         return time.perf_counter() - start
 
     print(f"{len(grads)} bf16 tensors, {n / 1e9:.2f} G elements, on {args.device}")
-    print(f"{'round':>5} | {'splitmix64 per tensor':>24} | {'lin64 per tensor':>24} | {'lin64 grouped':>24} | "
-          "vs splitmix | vs lin64 per tensor")
+    print(
+        f"{'round':>5} | {'splitmix64 per tensor':>24} | {'lin64 per tensor':>24} | {'lin64 grouped':>24} | "
+        "vs splitmix | vs lin64 per tensor"
+    )
     for rnd in range(args.rounds):
         old = timed(lambda: [splitmix_per_tensor(g) for g in grads.values()])
         near = timed(lambda: lin64_per_tensor(grads))
         new = timed(lambda: lin64_batch(grads))
-        print(f"{rnd:>5} | {old:7.2f} s ({old / n * 1e9:.3f} ns/el) | {near:7.2f} s ({near / n * 1e9:.3f} ns/el) | "
-              f"{new:7.2f} s ({new / n * 1e9:.3f} ns/el) | {old / new:10.1f}x | {near / new:.2f}x")
+        print(
+            f"{rnd:>5} | {old:7.2f} s ({old / n * 1e9:.3f} ns/el) | {near:7.2f} s ({near / n * 1e9:.3f} ns/el) | "
+            f"{new:7.2f} s ({new / n * 1e9:.3f} ns/el) | {old / new:10.1f}x | {near / new:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -64,9 +64,9 @@ def main(argv=None) -> dict:
     import torch
 
     from moeverify import runtime
-    from moeverify.spec.layout import Layout
     from moeverify.patches import agreement, injob
     from moeverify.patches import router_replay as rr
+    from moeverify.spec.layout import Layout
 
     args = parse_args(argv)
     bench.SCOPE[:] = ["layer"]
@@ -76,8 +76,10 @@ def main(argv=None) -> dict:
         chunk = torch.nn.ModuleList([router])  # the model chunk whose forward carries the token ids
         x = bench._input(args)
         g = torch.Generator().manual_seed(2)
-        rows = [torch.randint(0, 150000, (1, args.tokens), generator=g).to(args.device)
-                for _ in range(args.recorded // args.tokens)]
+        rows = [
+            torch.randint(0, 150000, (1, args.tokens), generator=g).to(args.device)
+            for _ in range(args.recorded // args.tokens)
+        ]
         rr.apply()
         state = injob.InJobState(original=rr.original_routing(), num_experts=args.experts)
         rr._ACTIVE[id(router)] = (state, 0)
@@ -141,17 +143,24 @@ def main(argv=None) -> dict:
                     step()
                 finally:
                     del rr._ACTIVE[id(router)]
+
             return run
 
         def unpatched_fwd():
             with torch.no_grad():
                 router(x)
 
-        variants = {"unpatched": lambda: bench._layer_step(router, x), "r2.replay": held(replay),
-                    "r2.replay_unchecked": held(replay_unchecked),
-                    "r2.replay_gather": held(replay_gather), "unpatched_fwd": unpatched_fwd,
-                    "r2.record_fwd": held(record_fwd, recorder), "r3.replay": held(replay, r3_state),
-                    "r2.replay_guard": (held(replay), guarded), "r3.replay_guard": (held(replay, r3_state), guarded)}
+        variants = {
+            "unpatched": lambda: bench._layer_step(router, x),
+            "r2.replay": held(replay),
+            "r2.replay_unchecked": held(replay_unchecked),
+            "r2.replay_gather": held(replay_gather),
+            "unpatched_fwd": unpatched_fwd,
+            "r2.record_fwd": held(record_fwd, recorder),
+            "r3.replay": held(replay, r3_state),
+            "r2.replay_guard": (held(replay), guarded),
+            "r3.replay_guard": (held(replay, r3_state), guarded),
+        }
         timer = bench._timer(args)
         best = {name: float("inf") for name in variants}
         for _ in range(args.rounds):
@@ -160,22 +169,35 @@ def main(argv=None) -> dict:
         syncs = {name: _syncs(step) for name, step in variants.items()} if args.device == "cuda" else {}
         table = next(iter(state.tables.values()))
         rr.revert()
-    base = {"r2.replay": "unpatched", "r2.replay_unchecked": "unpatched", "r2.replay_gather": "unpatched",
-            "r2.record_fwd": "unpatched_fwd", "r3.replay": "unpatched", "r2.replay_guard": "unpatched",
-            "r3.replay_guard": "unpatched"}
+    base = {
+        "r2.replay": "unpatched",
+        "r2.replay_unchecked": "unpatched",
+        "r2.replay_gather": "unpatched",
+        "r2.record_fwd": "unpatched_fwd",
+        "r3.replay": "unpatched",
+        "r2.replay_guard": "unpatched",
+        "r3.replay_guard": "unpatched",
+    }
     metrics = {name: {"value": round(ms, 4), "unit": "ms"} for name, ms in best.items()}
     for name, peer in base.items():
         metrics[name].update(peer=peer, ratio=round(best[name] / best[peer], 4))
     for name in ("r2.replay", "r3.replay", "r2.replay_guard", "r3.replay_guard"):
         metrics[name]["goal"] = "<=1.02"
     for name in ("r2", "r3"):  # the guard's own cost: the same forward with and without it, same process
-        metrics[f"{name}.guard_vs_replay"] = {"value": metrics[f"{name}.replay_guard"]["value"], "unit": "ms",
-                                              "peer": metrics[f"{name}.replay"]["value"],
-                                              "ratio": round(best[f"{name}.replay_guard"] / best[f"{name}.replay"], 4)}
-    result = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "metrics": metrics,
-              "table_bytes": table.nbytes(), "table_tokens": int(table.keys_2G.shape[1]),
-              "gpu": bench.gpu_info() if args.device == "cuda" else None,
-              "syncs": syncs}
+        metrics[f"{name}.guard_vs_replay"] = {
+            "value": metrics[f"{name}.replay_guard"]["value"],
+            "unit": "ms",
+            "peer": metrics[f"{name}.replay"]["value"],
+            "ratio": round(best[f"{name}.replay_guard"] / best[f"{name}.replay"], 4),
+        }
+    result = {
+        "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
+        "metrics": metrics,
+        "table_bytes": table.nbytes(),
+        "table_tokens": int(table.keys_2G.shape[1]),
+        "gpu": bench.gpu_info() if args.device == "cuda" else None,
+        "syncs": syncs,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
@@ -215,7 +237,7 @@ def _rollout_dir(router, rows, args) -> str:
     g = torch.Generator().manual_seed(3)
     with RolloutWriter(directory, step=0) as w:
         for ids in rows:
-            routes_TWK = torch.rand(args.tokens, width, args.experts, generator=g).argsort(-1)[..., :args.topk]
+            routes_TWK = torch.rand(args.tokens, width, args.experts, generator=g).argsort(-1)[..., : args.topk]
             w.add(ids[0].cpu(), routes_TWK)
     return directory
 

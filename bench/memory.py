@@ -44,29 +44,35 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "bench" / "qwen3_30b_a3b_narrow.json"
 CHECKS = ("roundtrip", "export", "replay")
 
-_WRAP = ("import json, resource, subprocess, sys, time\n"
-         "t = time.perf_counter(); rc = subprocess.run(sys.argv[1:]).returncode\n"
-         "print(json.dumps(dict(rc=rc, wall=time.perf_counter() - t,\n"
-         "      peak=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)))\n")
+_WRAP = (
+    "import json, resource, subprocess, sys, time\n"
+    "t = time.perf_counter(); rc = subprocess.run(sys.argv[1:]).returncode\n"
+    "print(json.dumps(dict(rc=rc, wall=time.perf_counter() - t,\n"
+    "      peak=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)))\n"
+)
 
 _IMPORT = "import torch, transformers, moeverify.models.families  # noqa\n"
 
 # The peer: build (bridge load) and one export pass, nothing kept or compared.
-_BARE = ("import sys, time\nfrom moeverify import models, runtime\nfrom moeverify.spec.layout import Layout\n"
-         "from moeverify.spec.models import user\n"
-         "import json\nkey = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
-         "runtime.init(sys.argv[3])\n"
-         "with runtime.parallel(Layout(), seed=0):\n"
-         "    built = models.build(key, Layout())\n"
-         "    n = sum(t.numel() for _, t in built.bridge.export_hf_weights(built.model_chunks, cpu=True,\n"
-         "                                                                    show_progress=False))\n"
-         "print(n)\n")
+_BARE = (
+    "import sys, time\nfrom moeverify import models, runtime\nfrom moeverify.spec.layout import Layout\n"
+    "from moeverify.spec.models import user\n"
+    "import json\nkey = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
+    "runtime.init(sys.argv[3])\n"
+    "with runtime.parallel(Layout(), seed=0):\n"
+    "    built = models.build(key, Layout())\n"
+    "    n = sum(t.numel() for _, t in built.bridge.export_hf_weights(built.model_chunks, cpu=True,\n"
+    "                                                                    show_progress=False))\n"
+    "print(n)\n"
+)
 
 # The seeded checkpoint as a check's rank makes it (``hf_checkpoint``, into MOEVERIFY_CACHE_DIR): the checks
 # that follow find it cached, so their peaks are the bridge load, build and check alone.
-_CHECKPOINT = ("import json, sys\nfrom moeverify.models import families, user\n"
-               "key = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
-               "print(families.hf_checkpoint(key, 0))\n")
+_CHECKPOINT = (
+    "import json, sys\nfrom moeverify.models import families, user\n"
+    "key = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
+    "print(families.hf_checkpoint(key, 0))\n"
+)
 
 
 def _peak(cmd: list[str], *, env: dict | None = None, log: Path | None = None) -> dict:
@@ -108,17 +114,39 @@ def depth_overrides(model: Path, layers: int) -> dict:
         return {"num_hidden_layers": layers}
     own = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     if layers != own:
-        raise SystemExit(f"bench/memory.py: {model} holds weights of {own} layers; --layers {layers} cannot change "
-                         f"them (give --layers {own})")
+        raise SystemExit(
+            f"bench/memory.py: {model} holds weights of {own} layers; --layers {layers} cannot change "
+            f"them (give --layers {own})"
+        )
     return {}
 
 
-def _scenario(path: Path, model: Path, layers: int, check: str, layout: dict | None = None,
-              world_size: int = 1, options: dict | None = None) -> None:
+def _scenario(
+    path: Path,
+    model: Path,
+    layers: int,
+    check: str,
+    layout: dict | None = None,
+    world_size: int = 1,
+    options: dict | None = None,
+) -> None:
     overrides = depth_overrides(model, layers)
-    path.write_text(json.dumps({"scenarios": [{
-        "model": str(model), **({"model_set": overrides} if overrides else {}), "world_size": world_size,
-        "layout": layout or {}, "checks": [check], **({"options": options} if options else {})}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "scenarios": [
+                    {
+                        "model": str(model),
+                        **({"model_set": overrides} if overrides else {}),
+                        "world_size": world_size,
+                        "layout": layout or {},
+                        "checks": [check],
+                        **({"options": options} if options else {}),
+                    }
+                ]
+            }
+        )
+    )
 
 
 def _rank_peaks(report: Path) -> list[int]:
@@ -142,13 +170,23 @@ def _model_bytes(ckpt: Path) -> int:
 
     if seeded.is_seeded(ckpt):
         weights = seeded.SeededWeights(ckpt)
-        return sum(math.prod(shape) * dtype.itemsize
-                   for shape, dtype in zip(weights.shapes().values(), weights.dtypes().values(), strict=True))
+        return sum(
+            math.prod(shape) * dtype.itemsize
+            for shape, dtype in zip(weights.shapes().values(), weights.dtypes().values(), strict=True)
+        )
     return sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
 
-def measure(model: Path, layers: list[int], checks: list[str], work: Path, backend: str = "cpu",
-            save=lambda rows: None, layouts: tuple[str, ...] = ("tp1",), options: dict | None = None) -> dict:
+def measure(
+    model: Path,
+    layers: list[int],
+    checks: list[str],
+    work: Path,
+    backend: str = "cpu",
+    save=lambda rows: None,
+    layouts: tuple[str, ...] = ("tp1",),
+    options: dict | None = None,
+) -> dict:
     """Every phase at every depth; ``save(rows)`` after each row (a cut-off run keeps what it measured)."""
     env = dict(os.environ, MOEVERIFY_CACHE_DIR=str(work / "cache"))
     rows = _Rows(save)
@@ -165,32 +203,65 @@ def measure(model: Path, layers: list[int], checks: list[str], work: Path, backe
             (ckpt,) = set((work / "cache").glob("models/*")) - before
             model_bytes = _model_bytes(ckpt)
             rows.append(dict(phase="checkpoint", layers=n, model_bytes=model_bytes, **row))
-            print(f"{n} layers: model {model_bytes / 1e9:.3f} GB; checkpoint peak {row['peak'] / 1e9:.2f} GB "
-                  f"({row['peak'] / model_bytes:.2f}x)", flush=True)
-        bare = _peak([sys.executable, "-c", _BARE, str(model), overrides, backend], env=env,
-                     log=work / f"{n}-bare.log")
+            print(
+                f"{n} layers: model {model_bytes / 1e9:.3f} GB; checkpoint peak {row['peak'] / 1e9:.2f} GB "
+                f"({row['peak'] / model_bytes:.2f}x)",
+                flush=True,
+            )
+        bare = _peak([sys.executable, "-c", _BARE, str(model), overrides, backend], env=env, log=work / f"{n}-bare.log")
         rows.append(dict(phase="bare_export", layers=n, model_bytes=model_bytes, **bare))
-        print(f"{n} layers: bare export peak {bare['peak'] / 1e9:.2f} GB ({bare['peak'] / model_bytes:.2f}x), "
-              f"{bare['wall']:.0f} s", flush=True)
+        print(
+            f"{n} layers: bare export peak {bare['peak'] / 1e9:.2f} GB ({bare['peak'] / model_bytes:.2f}x), "
+            f"{bare['wall']:.0f} s",
+            flush=True,
+        )
         for check in checks:
             for name in layouts:
                 name, mapping, world = parse_layout(name)
                 tag = f"{n}-{check}-{name}"
                 scen = work / f"scen-{tag}.json"
                 _scenario(scen, model, n, check, mapping, world, options)
-                row = _peak([sys.executable, "-m", "moeverify", "run", str(scen), "--backend", backend,
-                             "--json", str(work / f"{tag}.json"), "--run-dir", str(work / f"run-{tag}")],
-                            env=env, log=work / f"{tag}.log")
+                row = _peak(
+                    [
+                        sys.executable,
+                        "-m",
+                        "moeverify",
+                        "run",
+                        str(scen),
+                        "--backend",
+                        backend,
+                        "--json",
+                        str(work / f"{tag}.json"),
+                        "--run-dir",
+                        str(work / f"run-{tag}"),
+                    ],
+                    env=env,
+                    log=work / f"{tag}.log",
+                )
                 ranks = _rank_peaks(work / f"{tag}.json")
                 gpu = _gpu_peaks(work / f"{tag}.json")
-                rows.append(dict(phase=f"check:{check}", layers=n, model_bytes=model_bytes, layout=name,
-                                 world_size=world, rank_peaks=ranks, rank_share=round(max(ranks) / model_bytes, 3),
-                                 time_vs_bare_export=round(row["wall"] / bare["wall"], 3), gpu_peaks=gpu, **row))
+                rows.append(
+                    dict(
+                        phase=f"check:{check}",
+                        layers=n,
+                        model_bytes=model_bytes,
+                        layout=name,
+                        world_size=world,
+                        rank_peaks=ranks,
+                        rank_share=round(max(ranks) / model_bytes, 3),
+                        time_vs_bare_export=round(row["wall"] / bare["wall"], 3),
+                        gpu_peaks=gpu,
+                        **row,
+                    )
+                )
                 on_gpu = f", GPU peak {max(gpu) / 1e9:.1f} GB ({max(gpu) / model_bytes:.2f}x)" if gpu else ""
-                print(f"{n} layers, {name} ({world} rank(s)): {check} peak {row['peak'] / 1e9:.2f} GB "
-                      f"({row['peak'] / model_bytes:.2f}x), ranks {[round(r / 1e9, 2) for r in ranks]} GB "
-                      f"(largest {max(ranks) / model_bytes:.2f}x){on_gpu}, {row['wall']:.0f} s "
-                      f"({row['wall'] / bare['wall']:.2f}x the bare export)", flush=True)
+                print(
+                    f"{n} layers, {name} ({world} rank(s)): {check} peak {row['peak'] / 1e9:.2f} GB "
+                    f"({row['peak'] / model_bytes:.2f}x), ranks {[round(r / 1e9, 2) for r in ranks]} GB "
+                    f"(largest {max(ranks) / model_bytes:.2f}x){on_gpu}, {row['wall']:.0f} s "
+                    f"({row['wall'] / bare['wall']:.2f}x the bare export)",
+                    flush=True,
+                )
     return dict(model=str(model), rows=list(rows), fits=_fits(rows))
 
 
@@ -239,11 +310,17 @@ def _plot(result: dict, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in sorted({_key(r) for r in result["rows"] if r["layers"]}):
         pts = [r for r in result["rows"] if _key(r) == key]
-        ax.plot([r["layers"] for r in pts], [max(r.get("rank_peaks") or [r["peak"]]) / r["model_bytes"] for r in pts],
-                marker="o", label=key)
+        ax.plot(
+            [r["layers"] for r in pts],
+            [max(r.get("rank_peaks") or [r["peak"]]) / r["model_bytes"] for r in pts],
+            marker="o",
+            label=key,
+        )
     ax.set_xlabel("layers")
     ax.set_ylabel("peak RSS (largest rank) / model bytes")
-    ax.set_title(f"host memory per phase (and layout), largest {result.get('backend', 'cpu')} rank ({result.get('label', '')})")
+    ax.set_title(
+        f"host memory per phase (and layout), largest {result.get('backend', 'cpu')} rank ({result.get('label', '')})"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -251,16 +328,28 @@ def _plot(result: dict, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                   help="a config.json, or a directory of safetensors at its own depth (default %(default)s)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="a config.json, or a directory of safetensors at its own depth (default %(default)s)",
+    )
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
     p.add_argument("--label", default="memory", help="results file stem under bench/results/")
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--layout", nargs="+", default=["tp1"],
-                   help="scenario layout names, each check runs under each (e.g. tp1 ep2 pp2; default tp1)")
-    p.add_argument("--options", type=json.loads, default=None,
-                   help='scenario options as JSON, e.g. \'{"replay_subchecks": "in_layout"}\'')
+    p.add_argument(
+        "--layout",
+        nargs="+",
+        default=["tp1"],
+        help="scenario layout names, each check runs under each (e.g. tp1 ep2 pp2; default tp1)",
+    )
+    p.add_argument(
+        "--options",
+        type=json.loads,
+        default=None,
+        help='scenario options as JSON, e.g. \'{"replay_subchecks": "in_layout"}\'',
+    )
     args = p.parse_args(argv)
     for name in args.layout:
         try:
@@ -271,14 +360,22 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(result: dict) -> None:
         tmp_out = out.with_suffix(".json.tmp")
-        tmp_out.write_text(json.dumps(dict(result, label=args.label, backend=args.backend, options=args.options),
-                                      indent=1))
+        tmp_out.write_text(
+            json.dumps(dict(result, label=args.label, backend=args.backend, options=args.options), indent=1)
+        )
         os.replace(tmp_out, out)
 
     with tempfile.TemporaryDirectory(prefix="moeverify-membench-") as tmp:
-        result = measure(args.model.resolve(), args.layers, args.checks, Path(tmp), args.backend,
-                         save=lambda rows: save(dict(model=str(args.model), rows=rows, fits=_fits(rows))),
-                         layouts=tuple(args.layout), options=args.options)
+        result = measure(
+            args.model.resolve(),
+            args.layers,
+            args.checks,
+            Path(tmp),
+            args.backend,
+            save=lambda rows: save(dict(model=str(args.model), rows=rows, fits=_fits(rows))),
+            layouts=tuple(args.layout),
+            options=args.options,
+        )
     result.update(label=args.label, backend=args.backend, options=args.options)
     save(result)
     print(json.dumps(result["fits"], indent=1))

@@ -18,12 +18,11 @@ import router_replay as bench  # noqa: E402  (the variants and shapes of bench/r
 
 def main(argv=None) -> int:
     import torch
+    import torch as _torch
     from torch.profiler import ProfilerActivity, profile
 
     from moeverify import runtime
     from moeverify.spec.layout import Layout
-
-    import torch as _torch
 
     if not _torch.cuda.is_available():  # ``make bench`` runs every script: this one measures a GPU
         print(f"{Path(__file__).name}: no CUDA device here; skipped (a GPU benchmark)")
@@ -32,7 +31,7 @@ def main(argv=None) -> int:
     names = ["unpatched", "record", "replay", "native.replay"]
     if "--variants" in argv:
         at = argv.index("--variants")
-        names, argv = argv[at + 1:], argv[:at]
+        names, argv = argv[at + 1 :], argv[:at]
     args = bench.parse_args(argv + ["--device", "cuda"])
     bench.SCOPE[0] = args.scope
     runtime.init("cuda")
@@ -41,8 +40,9 @@ def main(argv=None) -> int:
         x = bench._input(args)
         variants = bench._variants_moeverify(args, x)
         for name in names:
-            step, around = variants[name] if isinstance(variants[name], tuple) else (variants[name],
-                                                                                      contextlib.nullcontext)
+            step, around = (
+                variants[name] if isinstance(variants[name], tuple) else (variants[name], contextlib.nullcontext)
+            )
             with around():
                 for _ in range(3):
                     step()

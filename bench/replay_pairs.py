@@ -33,16 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from moeverify import runtime
-    from moeverify.routing import views
-    from moeverify.spec.checks import ReplayOptions
-    from moeverify.spec.layout import Layout
-    from moeverify.spec.models import user
-    from moeverify.oracles.replay import pass_checks as rc
     from moeverify.oracles.replay import drive as rd
+    from moeverify.oracles.replay import pass_checks as rc
     from moeverify.oracles.replay import setup as st
     from moeverify.oracles.replay import slot_order
     from moeverify.oracles.replay.impls import make_impl
     from moeverify.oracles.results import Tally
+    from moeverify.routing import views
+    from moeverify.spec.checks import ReplayOptions
+    from moeverify.spec.layout import Layout
+    from moeverify.spec.models import user
     from moeverify.spec.router_variants import VARIANTS
 
     ref = user.read(args.model, {"num_hidden_layers": args.layers}).ref
@@ -67,14 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         replay2 = rd.replay_pass(chunks, items, seq_len=seq, impl=impl, routes=routes)
         plain3 = plain()
         nograd_order = slot_order.reference_pass(chunks, plain)
-        pairs = [("plain 1 vs plain 2", plain1, plain2), ("plain 1 vs plain 3", plain1, plain3),
-                 ("replay 1 vs replay 2", replay1, replay2), ("plain 1 vs replay 1", plain1, replay1),
-                 ("plain 3 vs replay 2", plain3, replay2), ("plain 1 vs no-grad slot order", plain1, nograd_order)]
+        pairs = [
+            ("plain 1 vs plain 2", plain1, plain2),
+            ("plain 1 vs plain 3", plain1, plain3),
+            ("replay 1 vs replay 2", replay1, replay2),
+            ("plain 1 vs replay 1", plain1, replay1),
+            ("plain 3 vs replay 2", plain3, replay2),
+            ("plain 1 vs no-grad slot order", plain1, nograd_order),
+        ]
         for name, a, b in pairs:
             t = Tally()
             rc.compare_passes(t, a, b, prefix="")
             print(f"{name}: {t.checked} item(s) checked, {len(t.failures) + t.dropped} failure(s)", flush=True)
-            for msg in t.failures[:args.show]:
+            for msg in t.failures[: args.show]:
                 print(f"    {msg[:300]}")
     return 0
 

@@ -43,8 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--group", type=int, default=16, help="responses per prompt (GRPO group)")
     p.add_argument("--seq", type=int, default=2048, help="tokens per response, prompt included")
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--dp", type=int, default=64, help="data-parallel ranks the step is spread over (for the "
-                                                     "whole-step figure)")
+    p.add_argument(
+        "--dp", type=int, default=64, help="data-parallel ranks the step is spread over (for the whole-step figure)"
+    )
     p.add_argument("--micro", type=int, default=8, help="responses per training forward")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -82,12 +83,18 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         injob.add_routes(version=0, sequences=sequences, routes=routes, numbering="routers")
         handover_s = time.perf_counter() - start
-        host_bytes = sum(int(a.nbytes) for parts in source._parts.values() for p in parts for a in p.values()
-                         if isinstance(a, np.ndarray))
+        host_bytes = sum(
+            int(a.nbytes)
+            for parts in source._parts.values()
+            for p in parts
+            for a in p.values()
+            if isinstance(a, np.ndarray)
+        )
         del routes
         chunk = torch.nn.Linear(1, 1).to(device)
-        config = types.SimpleNamespace(num_layers=args.layers, moe_layer_freq=1, num_moe_experts=args.experts,
-                                       moe_router_topk=args.topk)
+        config = types.SimpleNamespace(
+            num_layers=args.layers, moe_layer_freq=1, num_moe_experts=args.experts, moe_router_topk=args.topk
+        )
         start = time.perf_counter()
         table = source.table(chunk, layers=list(range(args.layers)), config=config, rank=0)
         if args.device == "cuda":
@@ -99,7 +106,7 @@ def main(argv=None) -> dict:
     distinct = int(table.keys_2G.shape[1])
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    micro = torch.from_numpy(np.stack(sequences[:args.micro])).to(device)
+    micro = torch.from_numpy(np.stack(sequences[: args.micro])).to(device)
     t = micro.numel()
     x_TH = torch.randn(t, args.hidden, device=device, dtype=dtype)
     w_LHE = torch.randn(args.layers, args.hidden, args.experts, device=device, dtype=dtype) * 0.02
@@ -122,20 +129,35 @@ def main(argv=None) -> dict:
     whole_step = tokens * args.dp
     per_token = table_bytes / distinct
     metrics = {
-        "table_bytes_per_rank": {"value": table_bytes, "unit": "bytes", "peer": "whole_step_every_rank",
-                                 "ratio": round(table_bytes / (per_token * whole_step), 5),
-                                 "goal": f"<={1 / args.dp:.5f}"},  # this rank's share at most
+        "table_bytes_per_rank": {
+            "value": table_bytes,
+            "unit": "bytes",
+            "peer": "whole_step_every_rank",
+            "ratio": round(table_bytes / (per_token * whole_step), 5),
+            "goal": f"<={1 / args.dp:.5f}",
+        },  # this rank's share at most
         "whole_step_every_rank": {"value": int(per_token * whole_step), "unit": "bytes"},
         "table_bytes_per_token": {"value": round(per_token, 1), "unit": "bytes"},
         "host_bytes_handed_over": {"value": host_bytes, "unit": "bytes"},
         "handover": {"value": round(handover_s, 3), "unit": "s"},
         "table_build": {"value": round(build_s, 3), "unit": "s"},
         "native_routing_forward": {"value": round(best["native"], 3), "unit": "ms"},
-        "lookup_forward": {"value": round(best["lookup"], 3), "unit": "ms", "peer": "native_routing_forward",
-                           "ratio": round(best["lookup"] / best["native"], 4), "goal": "<=0.05"},
+        "lookup_forward": {
+            "value": round(best["lookup"], 3),
+            "unit": "ms",
+            "peer": "native_routing_forward",
+            "ratio": round(best["lookup"] / best["native"], 4),
+            "goal": "<=0.05",
+        },
     }
-    result = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "device": _device(),
-              "rank_tokens": tokens, "distinct_tokens": distinct, "micro_tokens": t, "metrics": metrics}
+    result = {
+        "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
+        "device": _device(),
+        "rank_tokens": tokens,
+        "distinct_tokens": distinct,
+        "micro_tokens": t,
+        "metrics": metrics,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
@@ -149,8 +171,16 @@ def _device() -> str:
         return "cpu"
     import subprocess
 
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True, check=False).stdout.strip().splitlines()
+    driver = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     return f"{torch.cuda.get_device_name(0)}, driver {driver[0] if driver else '(unknown)'}, CUDA {torch.version.cuda}"
 
 

@@ -55,13 +55,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="activation and parameter dtype")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per round (default by device)")
     p.add_argument("--rounds", type=int, default=11, help="interleaved rounds; the fastest round counts")
-    p.add_argument("--scope", choices=("layer", "router"), default="layer",
-                   help="layer: router + local dispatch; router: TopKRouter alone")
-    p.add_argument("--scoring", choices=("softmax", "sigmoid"), default="softmax",
-                   help="sigmoid: sigmoid scores + expert bias + group-limited top-k")
+    p.add_argument(
+        "--scope",
+        choices=("layer", "router"),
+        default="layer",
+        help="layer: router + local dispatch; router: TopKRouter alone",
+    )
+    p.add_argument(
+        "--scoring",
+        choices=("softmax", "sigmoid"),
+        default="softmax",
+        help="sigmoid: sigmoid scores + expert bias + group-limited top-k",
+    )
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # child process: one implementation
-    p.add_argument("--out", type=Path, default=None, help="results JSON path (default bench/results/router_replay"
-                   "[_router][_sigmoid].json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results JSON path (default bench/results/router_replay[_router][_sigmoid].json)",
+    )
     args = p.parse_args(argv)
     if args.topk > args.experts:
         p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
@@ -79,15 +91,32 @@ def _config(args, *, native: bool):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    scoring = {} if args.scoring == "softmax" else dict(
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=8,
-        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5)
-    return TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=8,
-                             num_moe_experts=args.experts, moe_router_topk=args.topk, **scoring,
-                             use_cpu_initialization=True, moe_aux_loss_coeff=0.0, add_bias_linear=False,
-                             moe_router_dtype="fp32", bf16=args.dtype == "bf16",
-                             params_dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-                             moe_enable_routing_replay=native)
+    scoring = (
+        {}
+        if args.scoring == "softmax"
+        else dict(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=8,
+            moe_router_group_topk=4,
+            moe_router_topk_scaling_factor=2.5,
+        )
+    )
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        num_moe_experts=args.experts,
+        moe_router_topk=args.topk,
+        **scoring,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        moe_router_dtype="fp32",
+        bf16=args.dtype == "bf16",
+        params_dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+        moe_enable_routing_replay=native,
+    )
 
 
 def _router(args, *, native: bool = False):
@@ -197,10 +226,16 @@ def _variants_moeverify(args, x):
     native = _router(args, native=True)  # Megatron-Core's own RouterReplay, timed with moeverify's patch reverted
     x_holder[:] = [x]
     native_steps = _native_steps(native, RouterReplayAction, routes.get(0, 0).to(torch.int64))
-    return {"unpatched": (lambda: _layer_step(router, x), reverted), "record": record, "replay": replay,
-            "replay_fidelity": replay_fidelity, "replay_agreement": replay_agreement, "slot_order": slot_order,
-            "native.record": (native_steps["record"], reverted),
-            "native.replay": (native_steps["replay"], reverted)}
+    return {
+        "unpatched": (lambda: _layer_step(router, x), reverted),
+        "record": record,
+        "replay": replay,
+        "replay_fidelity": replay_fidelity,
+        "replay_agreement": replay_agreement,
+        "slot_order": slot_order,
+        "native.record": (native_steps["record"], reverted),
+        "native.replay": (native_steps["replay"], reverted),
+    }
 
 
 def _slot_order_step(args, ids_TK):
@@ -279,7 +314,7 @@ def run_child(args) -> dict:
         rounds = {name: [] for name in variants}
         names = list(variants)
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no variant always first
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no variant always first
                 rounds[name].append(timer(variants[name]))
     # The fastest round is the one least disturbed by other work on the machine (timeit's rule).
     return {name: min(ms) for name, ms in rounds.items()}
@@ -293,8 +328,17 @@ def gpu_info() -> dict | None:
         return None
     info = {"name": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader",
-                              f"--id={torch.cuda.current_device()}"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total",
+                "--format=csv,noheader",
+                f"--id={torch.cuda.current_device()}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         name, driver, memory = (part.strip() for part in out.stdout.strip().splitlines()[0].split(","))
         info.update(nvidia_smi_name=name, driver=driver, memory=memory)
     except (OSError, subprocess.SubprocessError, IndexError, ValueError) as exc:
@@ -303,8 +347,13 @@ def gpu_info() -> dict | None:
 
 
 def _metric(value, peer, goal):
-    return {"value": round(value, 4), "unit": "ms", "peer": round(peer, 4), "ratio": round(value / peer, 4),
-            "goal": goal}
+    return {
+        "value": round(value, 4),
+        "unit": "ms",
+        "peer": round(peer, 4),
+        "ratio": round(value / peer, 4),
+        "goal": goal,
+    }
 
 
 def run_parent(args) -> dict:
@@ -337,15 +386,29 @@ def run_parent(args) -> dict:
     if "moeverify" in medians:
         ours = medians["moeverify"]["replay"] / medians["moeverify"]["unpatched"]
         theirs = medians["moeverify"]["native.replay"] / medians["moeverify"]["unpatched"]
-        metrics["moeverify.replay_vs_native"] = {"value": round(ours, 4), "unit": "ratio to unpatched",
-                                                 "peer": round(theirs, 4), "ratio": round(ours / theirs, 4),
-                                                 "goal": "<=1.02" if args.scope == "router" else "<=1.00"}
-    shape = {k: getattr(args, k) for k in ("device", "hidden", "experts", "topk", "tokens", "dtype", "iters",
-                                           "rounds", "scope", "scoring")}
-    host = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 1),
-            "threads_per_process": 1 if args.device == "cpu" else None}
-    return {"metrics": metrics, "shape": shape, "host": host, "gpu": gpu_info() if args.device == "cuda" else None,
-            "errors": errors}
+        metrics["moeverify.replay_vs_native"] = {
+            "value": round(ours, 4),
+            "unit": "ratio to unpatched",
+            "peer": round(theirs, 4),
+            "ratio": round(ours / theirs, 4),
+            "goal": "<=1.02" if args.scope == "router" else "<=1.00",
+        }
+    shape = {
+        k: getattr(args, k)
+        for k in ("device", "hidden", "experts", "topk", "tokens", "dtype", "iters", "rounds", "scope", "scoring")
+    }
+    host = {
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 1),
+        "threads_per_process": 1 if args.device == "cpu" else None,
+    }
+    return {
+        "metrics": metrics,
+        "shape": shape,
+        "host": host,
+        "gpu": gpu_info() if args.device == "cuda" else None,
+        "errors": errors,
+    }
 
 
 def main(argv=None) -> int:
@@ -357,8 +420,10 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, m in result["metrics"].items():
-        print(f"{name:28s} {m['value']:10.4f} {m['unit']:20s} peer {m['peer']:10.4f} ratio {m['ratio']:.4f} "
-              f"goal {m['goal'] or '-'}")
+        print(
+            f"{name:28s} {m['value']:10.4f} {m['unit']:20s} peer {m['peer']:10.4f} ratio {m['ratio']:.4f} "
+            f"goal {m['goal'] or '-'}"
+        )
     for impl, err in result["errors"].items():
         print(f"{impl}: not measured: {err}")
     return 0

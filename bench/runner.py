@@ -24,8 +24,19 @@ GOAL = ">=2"
 
 def _run(filters: list[str], *, check: str, scenario_file: str, out: Path) -> tuple[float, int, int]:
     """Wall seconds, exit code and number of passed records of one ``moeverify run``."""
-    cmd = [sys.executable, "-m", "moeverify", "run", scenario_file, "--check", check, "--json", str(out),
-           "--run-dir", str(out.with_suffix(""))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeverify",
+        "run",
+        scenario_file,
+        "--check",
+        check,
+        "--json",
+        str(out),
+        "--run-dir",
+        str(out.with_suffix("")),
+    ]
     for name in filters:
         cmd += ["--filter", name]
     t0 = time.perf_counter()
@@ -39,22 +50,37 @@ def _run(filters: list[str], *, check: str, scenario_file: str, out: Path) -> tu
 
 def measure(names: list[str], *, check: str, scenario_file: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        grouped_s, grouped_rc, grouped_ok = _run(names, check=check, scenario_file=scenario_file,
-                                                 out=Path(tmp) / "grouped.json")
-        separate = [_run([n], check=check, scenario_file=scenario_file, out=Path(tmp) / f"one{i}.json")
-                    for i, n in enumerate(names)]
+        grouped_s, grouped_rc, grouped_ok = _run(
+            names, check=check, scenario_file=scenario_file, out=Path(tmp) / "grouped.json"
+        )
+        separate = [
+            _run([n], check=check, scenario_file=scenario_file, out=Path(tmp) / f"one{i}.json")
+            for i, n in enumerate(names)
+        ]
     separate_s = sum(s for s, _, _ in separate)
     n = len(names)
     all_ok = grouped_rc == 0 and all(rc == 0 for _, rc, _ in separate)
     grouped_per, separate_per = grouped_s / n, separate_s / n
-    return {"metrics": {
-        "runner_wall_per_scenario": {"value": round(grouped_per, 2), "unit": "s/scenario",
-                                     "peer": round(separate_per, 2), "ratio": round(separate_per / grouped_per, 2),
-                                     "goal": GOAL}},
-        "scenarios": names, "check": check, "all_passed": all_ok,
+    return {
+        "metrics": {
+            "runner_wall_per_scenario": {
+                "value": round(grouped_per, 2),
+                "unit": "s/scenario",
+                "peer": round(separate_per, 2),
+                "ratio": round(separate_per / grouped_per, 2),
+                "goal": GOAL,
+            }
+        },
+        "scenarios": names,
+        "check": check,
+        "all_passed": all_ok,
         "grouped": {"wall_s": round(grouped_s, 2), "exit_code": grouped_rc, "passed": grouped_ok},
-        "one_torchrun_each": {"wall_s": [round(s, 2) for s, _, _ in separate], "exit_codes": [rc for _, rc, _ in separate],
-                              "passed": sum(ok for _, _, ok in separate)}}
+        "one_torchrun_each": {
+            "wall_s": [round(s, 2) for s, _, _ in separate],
+            "exit_codes": [rc for _, rc, _ in separate],
+            "passed": sum(ok for _, _, ok in separate),
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

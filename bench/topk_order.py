@@ -29,8 +29,14 @@ def _native(scores, topk, num_groups, group_topk):
 
     with torch.enable_grad():
         if group_topk:
-            return group_limited_topk(scores=scores, topk=topk, num_tokens=scores.shape[0],
-                                      num_experts=scores.shape[1], num_groups=num_groups, group_topk=group_topk)
+            return group_limited_topk(
+                scores=scores,
+                topk=topk,
+                num_tokens=scores.shape[0],
+                num_experts=scores.shape[1],
+                num_groups=num_groups,
+                group_topk=group_topk,
+            )
         return torch.topk(scores, k=topk, dim=1, sorted=torch.is_grad_enabled())
 
 
@@ -79,10 +85,23 @@ def check() -> dict:
                             tied_rows += int(tied.sum())
                             differs_from_id_order += int((by_id_TK != native_TK).any(dim=1).sum())
                             if wrong:
-                                bad.append({"experts": experts, "topk": topk, "groups": groups, "tokens": tokens,
-                                            "dtype": str(dtype), "kind": kind, "rows_wrong": wrong})
-    return {"cases": cases, "cases_wrong": bad, "tied_rows": tied_rows,
-            "rows_where_native_is_not_ties_by_id": differs_from_id_order}
+                                bad.append(
+                                    {
+                                        "experts": experts,
+                                        "topk": topk,
+                                        "groups": groups,
+                                        "tokens": tokens,
+                                        "dtype": str(dtype),
+                                        "kind": kind,
+                                        "rows_wrong": wrong,
+                                    }
+                                )
+    return {
+        "cases": cases,
+        "cases_wrong": bad,
+        "tied_rows": tied_rows,
+        "rows_where_native_is_not_ties_by_id": differs_from_id_order,
+    }
 
 
 def timing(tokens: int, experts: int, topk: int, iters: int = 200) -> dict:
@@ -106,9 +125,12 @@ def timing(tokens: int, experts: int, topk: int, iters: int = 200) -> dict:
         same_T = (native_TK.sort(dim=1).values == sorted_TK).all(dim=1)
         return torch.where(same_T[:, None], native_TK, ids)
 
-    variants = {"old_order": old, "topk_order": lambda: replay_state.topk_order(scores, sorted_TK),
-                "native_replay_gather": lambda: scores.gather(1, ids_TK),
-                "native_topk": lambda: torch.topk(scores, k=topk, dim=1, sorted=True)}
+    variants = {
+        "old_order": old,
+        "topk_order": lambda: replay_state.topk_order(scores, sorted_TK),
+        "native_replay_gather": lambda: scores.gather(1, ids_TK),
+        "native_topk": lambda: torch.topk(scores, k=topk, dim=1, sorted=True),
+    }
     out = {}
     for name, fn in variants.items():
         for _ in range(10):
@@ -144,9 +166,11 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    result = {"gpu": bench.gpu_info(), "check": check(),
-              "timing": {"shape": [args.tokens, args.experts, args.topk],
-                         **timing(args.tokens, args.experts, args.topk)}}
+    result = {
+        "gpu": bench.gpu_info(),
+        "check": check(),
+        "timing": {"shape": [args.tokens, args.experts, args.topk], **timing(args.tokens, args.experts, args.topk)},
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -18,18 +18,25 @@ def train(model, optimizer, iterations, forward_step, *, seq_len: int, micro_bat
     from moeverify.patches import router_replay as rr
 
     rr.apply()
-    session = rr.ReplaySession(model)              # every TopKRouter of this model, keyed by global layer
+    session = rr.ReplaySession(model)  # every TopKRouter of this model, keyed by global layer
     fwd_bwd = get_forward_backward_func()
     for batches in iterations:
-        common = dict(forward_step_func=forward_step, model=model, num_microbatches=len(batches),
-                      seq_length=seq_len, micro_batch_size=micro_batch_size)
-        with torch.no_grad(), session.record():    # old log-probs: forward only, every micro-batch
+        common = dict(
+            forward_step_func=forward_step,
+            model=model,
+            num_microbatches=len(batches),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
+        )
+        with torch.no_grad(), session.record():  # old log-probs: forward only, every micro-batch
             fwd_bwd(data_iterator=iter(batches), forward_only=True, **common)
-        with session.replay(session.routes()):     # training: same micro-batches, same order
+        with session.replay(session.routes()):  # training: same micro-batches, same order
             fwd_bwd(data_iterator=iter(batches), forward_only=False, **common)
-        session.check_consumed()                   # every forward used, every recompute found its forward
+        session.check_consumed()  # every forward used, every recompute found its forward
         optimizer.step()
         optimizer.zero_grad()
+
+
 # [/doc:megatron-loop]
 
 
@@ -59,11 +66,22 @@ def main() -> None:
         config = built.model_chunks[0].config
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         B, S = 2, 8
-        iterations = [[torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(
-            10 * it + mb)) for mb in range(3)] for it in range(2)]
+        iterations = [
+            [
+                torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(10 * it + mb))
+                for mb in range(3)
+            ]
+            for it in range(2)
+        ]
         optimizer = torch.optim.SGD([p for c in built.model_chunks for p in c.parameters()], lr=1e-2)
-        train(built.model_chunks, optimizer, iterations, lm_forward_step(torch.arange(S).expand(B, S)),
-              seq_len=S, micro_batch_size=B)
+        train(
+            built.model_chunks,
+            optimizer,
+            iterations,
+            lm_forward_step(torch.arange(S).expand(B, S)),
+            seq_len=S,
+            micro_batch_size=B,
+        )
         print("2 iterations of 3 micro-batches trained with replayed routes")
 
 

@@ -18,8 +18,8 @@ def padded_batch(requests, seq_len: int):
     tokens_BS = torch.zeros(len(requests), seq_len, dtype=torch.int64)
     predicts_BS = torch.zeros(len(requests), seq_len, dtype=torch.bool)
     for b, request in enumerate(requests):
-        tokens_BS[b, :len(request)] = torch.as_tensor(request)
-        predicts_BS[b, :len(request) - 1] = True
+        tokens_BS[b, : len(request)] = torch.as_tensor(request)
+        predicts_BS[b, : len(request) - 1] = True
     return tokens_BS, predicts_BS
 
 
@@ -33,23 +33,32 @@ def r3_update(model, optimizer, requests, routed_experts, *, moe_layers, seq_len
     rr.apply()
     session = rr.ReplaySession(model)
     tokens_BS, predicts_BS = padded_batch(requests, seq_len)
-    routes = Routes.from_rollout(routed_experts, layers=moe_layers, num_experts=session.num_experts,
-                                 lengths=[len(r) for r in requests], seq_len=seq_len,
-                                 num_layers=model.config.num_layers)  # capture gaps refused
+    routes = Routes.from_rollout(
+        routed_experts,
+        layers=moe_layers,
+        num_experts=session.num_experts,
+        lengths=[len(r) for r in requests],
+        seq_len=seq_len,
+        num_layers=model.config.num_layers,
+    )  # capture gaps refused
     layout, coords, _ = job_layout(sp=model.config.sequence_parallel)
-    local = routes.to_local(layout, coords=coords, seq_len=seq_len, batch=len(requests),
-                            num_layers=model.config.num_layers)               # this rank's layers and tokens
+    local = routes.to_local(
+        layout, coords=coords, seq_len=seq_len, batch=len(requests), num_layers=model.config.num_layers
+    )  # this rank's layers and tokens
     with session.replay(local):
         positions_BS = torch.arange(seq_len).expand_as(tokens_BS)
         logits_BSV = model(tokens_BS, positions_BS, None).float()
-        nll_BS = torch.nn.functional.cross_entropy(logits_BSV.transpose(1, 2), tokens_BS.roll(-1, dims=1),
-                                                   reduction="none")
+        nll_BS = torch.nn.functional.cross_entropy(
+            logits_BSV.transpose(1, 2), tokens_BS.roll(-1, dims=1), reduction="none"
+        )
         loss = nll_BS[predicts_BS].mean()
         loss.backward()
     session.check_consumed()
     optimizer.step()
     optimizer.zero_grad()
     return loss.detach()
+
+
 # [/doc:r3-step]
 
 
@@ -66,8 +75,9 @@ def main() -> None:
         requests = [torch.randint(0, built.config.vocab_size, (n,), generator=g).tolist() for n in (8, 6)]
         # stand-in for the engine's output: one [len - 1, L, K] array of expert ids per request
         routed = [torch.rand(len(r) - 1, layers, E, generator=g).argsort(-1)[..., :K].numpy() for r in requests]
-        loss = r3_update(model, torch.optim.SGD(model.parameters(), lr=1e-2), requests, routed,
-                         moe_layers=range(layers), seq_len=S)
+        loss = r3_update(
+            model, torch.optim.SGD(model.parameters(), lr=1e-2), requests, routed, moe_layers=range(layers), seq_len=S
+        )
         print(f"one step on 2 requests with the engine's routes replayed; loss {float(loss):.4f}")
 
 

@@ -23,10 +23,10 @@ def ppo_update(actor, reference, optimizer, micro_batches, positions_BS, *, kl_c
     from moeverify.patches import router_replay as rr
 
     rr.apply()
-    session = rr.ReplaySession(actor)      # the reference model is not bound: it routes natively
+    session = rr.ReplaySession(actor)  # the reference model is not bound: it routes natively
     with torch.no_grad():
         ref_lp = [token_log_probs(reference, mb, positions_BS) for mb in micro_batches]
-        with session.record():             # old log-probs: the routes the actor chose
+        with session.record():  # old log-probs: the routes the actor chose
             old_lp = [token_log_probs(actor, mb, positions_BS) for mb in micro_batches]
     with session.replay(session.routes()):
         for mb, old, ref in zip(micro_batches, old_lp, ref_lp):
@@ -34,10 +34,12 @@ def ppo_update(actor, reference, optimizer, micro_batches, positions_BS, *, kl_c
             ratio = torch.exp(new - old)
             policy = -torch.min(ratio, ratio.clamp(1 - clip, 1 + clip)).mean()
             loss = (policy + kl_coef * (new - ref).mean()) / len(micro_batches)
-            loss.backward()                # gradient accumulation over micro-batches
+            loss.backward()  # gradient accumulation over micro-batches
     session.check_consumed()
     optimizer.step()
     optimizer.zero_grad()
+
+
 # [/doc:verl-step]
 
 
@@ -50,10 +52,13 @@ def main() -> None:
         built = models.build("qwen3_moe", Layout(), seed=0)
         actor, reference = built.model_chunks[0], models.build("qwen3_moe", Layout(), seed=1).model_chunks[0]
         B, S = 2, 8
-        micro_batches = [torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(mb))
-                         for mb in range(3)]
-        ppo_update(actor, reference, torch.optim.SGD(actor.parameters(), lr=1e-2), micro_batches,
-                   torch.arange(S).expand(B, S))
+        micro_batches = [
+            torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(mb))
+            for mb in range(3)
+        ]
+        ppo_update(
+            actor, reference, torch.optim.SGD(actor.parameters(), lr=1e-2), micro_batches, torch.arange(S).expand(B, S)
+        )
         print("one PPO update of 3 micro-batches with replayed actor routes; the reference routed natively")
 
 

@@ -15,8 +15,15 @@ from moeverify.commands.common import EXIT_INTERRUPTED, EXIT_USAGE
 from moeverify.commands.run import DEFAULT_SCENARIOS, DEFAULT_TIMEOUT_S, RELEASE_SCENARIOS
 from moeverify.errors import UsageError
 
-__all__ = ["DEFAULT_SCENARIOS", "DEFAULT_TIMEOUT_S", "EXIT_INTERRUPTED", "EXIT_USAGE", "RELEASE_SCENARIOS", "build_parser",
-           "main"]
+__all__ = [
+    "DEFAULT_SCENARIOS",
+    "DEFAULT_TIMEOUT_S",
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "RELEASE_SCENARIOS",
+    "build_parser",
+    "main",
+]
 
 
 class _Parser(argparse.ArgumentParser):

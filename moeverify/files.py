@@ -71,8 +71,9 @@ CACHE_ENV = "MOEVERIFY_CACHE_DIR"
 def _cache_refusal(path: Path, why: str, environ) -> UsageError:
     raw = environ.get(CACHE_ENV)
     named = f"{CACHE_ENV}={raw!r}" if raw else f"the cache directory {path} (set {CACHE_ENV} to use another)"
-    return UsageError(f"{named}: {why}; expected a directory moeverify can create files in (seeded checkpoints "
-                      "are written there)")
+    return UsageError(
+        f"{named}: {why}; expected a directory moeverify can create files in (seeded checkpoints are written there)"
+    )
 
 
 def cache_root(environ=os.environ) -> Path:
@@ -94,8 +95,9 @@ def check_cache_root(environ=os.environ) -> Path:
         if probe != root.absolute() and not os.access(probe, os.W_OK | os.X_OK):
             raise _cache_refusal(root, f"{root} does not exist and {probe} is not writable", environ)
     except (OSError, ValueError) as exc:
-        raise _cache_refusal(root, f"cannot look at {root} ({getattr(exc, 'strerror', None) or exc})", environ) \
-            from None
+        raise _cache_refusal(
+            root, f"cannot look at {root} ({getattr(exc, 'strerror', None) or exc})", environ
+        ) from None
     return root
 
 
@@ -106,8 +108,7 @@ def cache_dir(name: str, environ=os.environ) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as exc:
-        raise _cache_refusal(path, f"cannot create {path} ({getattr(exc, 'strerror', None) or exc})", environ) \
-            from None
+        raise _cache_refusal(path, f"cannot create {path} ({getattr(exc, 'strerror', None) or exc})", environ) from None
     return path
 
 

@@ -3,11 +3,31 @@ form of ``Routes.to_local`` / ``Routes.to_global`` that scripts call as ``views.
 The code lives in the ``routing`` package: ``views`` does the layout math and never sees a ``Routes``."""
 
 from moeverify.routing.routes import Routes
-from moeverify.routing.views import (RankCoords, all_rank_coords, chunk_layers, job_layout, layers_of, rank_coords,
-                                     sequence_positions, token_index, word_rows)
+from moeverify.routing.views import (
+    RankCoords,
+    all_rank_coords,
+    chunk_layers,
+    job_layout,
+    layers_of,
+    rank_coords,
+    sequence_positions,
+    token_index,
+    word_rows,
+)
 
-__all__ = ["RankCoords", "all_rank_coords", "chunk_layers", "job_layout", "layers_of", "rank_coords",
-           "sequence_positions", "to_global", "to_local", "token_index", "word_rows"]
+__all__ = [
+    "RankCoords",
+    "all_rank_coords",
+    "chunk_layers",
+    "job_layout",
+    "layers_of",
+    "rank_coords",
+    "sequence_positions",
+    "to_global",
+    "to_local",
+    "token_index",
+    "word_rows",
+]
 
 
 def to_local(global_routes: Routes, layout, **where) -> Routes:

@@ -11,8 +11,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "distributed: runs real torchrun groups (tests/special_distributed)")
-    config.addinivalue_line("markers", "timing: waits on a child process, a thread, a signal or the clock; `make "
-                                       "test-load` runs these with the CPUs busy (tests/unit/waiting.py)")
+    config.addinivalue_line(
+        "markers",
+        "timing: waits on a child process, a thread, a signal or the clock; `make "
+        "test-load` runs these with the CPUs busy (tests/unit/waiting.py)",
+    )
 
 
 @pytest.fixture

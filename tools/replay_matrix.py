@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeverify.spec.bug_classes import with_table  # noqa: E402
-from moeverify.spec.layout import Layout, parse_layout_name  # noqa: E402
 from moeverify.oracles.replay.oracle import SUBCHECKS  # noqa: E402
+from moeverify.spec.bug_classes import with_table  # noqa: E402
 from moeverify.spec.checks import REPLAY_IMPLS  # noqa: E402
+from moeverify.spec.layout import Layout, parse_layout_name  # noqa: E402
 from moeverify.spec.router_variants import VARIANTS  # noqa: E402
 
 IMPLS = tuple(REPLAY_IMPLS)
@@ -50,13 +50,27 @@ def _run(work: Path, *, impl: str, family: str, layout: str, nproc: int, variant
     notes, record, log = work / f"{tag}.notes.json", work / f"{tag}.json", work / f"{tag}.log"
     parsed, _ = parse_layout_name(layout)
     fields = {k: v for k, v in dataclasses.asdict(parsed).items() if v != getattr(Layout(), k)}
-    options = {"replay_impl": impl, "replay_notes_path": str(notes),
-               "router_variants": "full" if variants == "full" else variants.split(",")}
+    options = {
+        "replay_impl": impl,
+        "replay_notes_path": str(notes),
+        "router_variants": "full" if variants == "full" else variants.split(","),
+    }
     scenario = {"family": family, "world_size": nproc, "layout": fields, "checks": ["replay"], "options": options}
     scenario_file = work / f"{tag}.yaml"
     scenario_file.write_text(json.dumps({"version": 1, "scenarios": [scenario]}))  # JSON is YAML
-    cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(record),
-           "--run-dir", str(work / f"{tag}.run"), "--timeout", str(timeout)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeverify",
+        "run",
+        str(scenario_file),
+        "--json",
+        str(record),
+        "--run-dir",
+        str(work / f"{tag}.run"),
+        "--timeout",
+        str(timeout),
+    ]
     start = time.monotonic()
     with open(log, "w") as f:
         try:
@@ -90,8 +104,12 @@ def _load(work: Path, *, impl: str, family: str, layout: str, variants: str) -> 
 
 
 def _variant_rows(work: Path, family: str, layout: str) -> list[str]:
-    rows = [f"### {family}, layout {layout}: every router variant", "",
-            "| variant | impl | " + " | ".join(SUBCHECKS) + " |", "|---|---|" + "---|" * len(SUBCHECKS)]
+    rows = [
+        f"### {family}, layout {layout}: every router variant",
+        "",
+        "| variant | impl | " + " | ".join(SUBCHECKS) + " |",
+        "|---|---|" + "---|" * len(SUBCHECKS),
+    ]
     for variant in VARIANTS:
         for impl in IMPLS:
             data = _load(work, impl=impl, family=family, layout=layout, variants="full")
@@ -109,18 +127,29 @@ def _variant_rows(work: Path, family: str, layout: str) -> list[str]:
 
 
 def _layout_rows(work: Path, family: str) -> list[str]:
-    rows = [f"### {family}, default router: every layout", "",
-            "| layout | impl | " + " | ".join(SUBCHECKS) + " |", "|---|---|" + "---|" * len(SUBCHECKS)]
+    rows = [
+        f"### {family}, default router: every layout",
+        "",
+        "| layout | impl | " + " | ".join(SUBCHECKS) + " |",
+        "|---|---|" + "---|" * len(SUBCHECKS),
+    ]
     for layout, nproc in LAYOUTS:
         for impl in IMPLS:
             data = _load(work, impl=impl, family=family, layout=layout, variants="default")
             if data is None or "crashed" in data:
                 why = "not run" if data is None else f"**CRASH**: {data['crashed'][:200]}"
-                rows.append(f"| {layout} ({nproc} rank{"s" if nproc > 1 else ""}) | {impl} | " + " | ".join([why] * len(SUBCHECKS)) + " |")
+                rows.append(
+                    f"| {layout} ({nproc} rank{'s' if nproc > 1 else ''}) | {impl} | "
+                    + " | ".join([why] * len(SUBCHECKS))
+                    + " |"
+                )
                 continue
             subs = data["variants"].get("default", {}).get("subchecks", {})
-            rows.append(f"| {layout} ({nproc} rank{"s" if nproc > 1 else ""}) | {impl} | "
-                        + " | ".join(_cell(subs.get(s)) for s in SUBCHECKS) + " |")
+            rows.append(
+                f"| {layout} ({nproc} rank{'s' if nproc > 1 else ''}) | {impl} | "
+                + " | ".join(_cell(subs.get(s)) for s in SUBCHECKS)
+                + " |"
+            )
     return rows + [""]
 
 
@@ -128,9 +157,13 @@ def _drift_rows(work: Path, family: str, layout: str) -> list[str]:
     data = _load(work, impl="moeverify", family=family, layout=layout, variants="full")
     if not data or "crashed" in data:
         return []
-    rows = [f"Drift (R3 metric), {family} {layout}, rank 0: fraction of tokens whose native top-k set after the "
-            "router-weight perturbation equals the replayed one, per MoE layer:", "",
-            "| variant | per-layer agreement |", "|---|---|"]
+    rows = [
+        f"Drift (R3 metric), {family} {layout}, rank 0: fraction of tokens whose native top-k set after the "
+        "router-weight perturbation equals the replayed one, per MoE layer:",
+        "",
+        "| variant | per-layer agreement |",
+        "|---|---|",
+    ]
     for variant, entry in data["variants"].items():
         counts = entry.get("notes", {}).get("drift_agreement", {})
         text = ", ".join(f"L{layer}: {s / n:.3f}" for layer, (s, n) in sorted(counts.items(), key=lambda x: int(x[0])))
@@ -139,13 +172,17 @@ def _drift_rows(work: Path, family: str, layout: str) -> list[str]:
 
 
 def render(work: Path, out: Path, *, variant_layout: str, preamble: str) -> None:
-    lines = ["# Router replay: oracle x implementation x family x router variant", "",
-             f"Generated by `tools/replay_matrix.py` from real runs ({datetime.date.today()}; CPU ranks, gloo, fp32;",
-             "megatron-core 0.19.2, verl 0.9.1). Each cell: `pass (items checked)` or the first failure reason;",
-             "every rank's failures are in the JSON records. Do not edit the tables by hand: re-run the tool (it keeps",
-             "the sections above them as written and renders their bug-class table from `moeverify/spec/bug_classes.py`).",
-             "",
-             preamble, ""]
+    lines = [
+        "# Router replay: oracle x implementation x family x router variant",
+        "",
+        f"Generated by `tools/replay_matrix.py` from real runs ({datetime.date.today()}; CPU ranks, gloo, fp32;",
+        "megatron-core 0.19.2, verl 0.9.1). Each cell: `pass (items checked)` or the first failure reason;",
+        "every rank's failures are in the JSON records. Do not edit the tables by hand: re-run the tool (it keeps",
+        "the sections above them as written and renders their bug-class table from `moeverify/spec/bug_classes.py`).",
+        "",
+        preamble,
+        "",
+    ]
     for family in FAMILIES:
         lines += _variant_rows(work, family, variant_layout)
         lines += _drift_rows(work, family, variant_layout)
@@ -174,14 +211,28 @@ def main() -> int:
         if not args.skip_variants:
             for family in families:
                 for impl in impls:
-                    _run(work, impl=impl, family=family, layout=args.variant_layout, nproc=2, variants="full",
-                         timeout=args.timeout)
+                    _run(
+                        work,
+                        impl=impl,
+                        family=family,
+                        layout=args.variant_layout,
+                        nproc=2,
+                        variants="full",
+                        timeout=args.timeout,
+                    )
         if not args.skip_layouts:
             for family in families:
                 for layout, nproc in LAYOUTS:
                     for impl in impls:
-                        _run(work, impl=impl, family=family, layout=layout, nproc=nproc, variants="default",
-                             timeout=args.timeout)
+                        _run(
+                            work,
+                            impl=impl,
+                            family=family,
+                            layout=layout,
+                            nproc=nproc,
+                            variants="default",
+                            timeout=args.timeout,
+                        )
     render(work, Path(args.out), variant_layout=args.variant_layout, preamble=preamble(Path(args.out)))
     return 0
 

@@ -29,10 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.busy < 0:
         parser.error("give --busy N (N >= 0) and -- COMMAND")
-    spinners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"], preexec_fn=lambda: die_with_parent(signal.SIGKILL))
-                for _ in range(args.busy)]
-    print(f"under_load: {args.busy} busy process(es) on {os.cpu_count()} CPU(s): pids "
-          f"{' '.join(str(s.pid) for s in spinners)}", flush=True)
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while 1: pass"], preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+        for _ in range(args.busy)
+    ]
+    print(
+        f"under_load: {args.busy} busy process(es) on {os.cpu_count()} CPU(s): pids "
+        f"{' '.join(str(s.pid) for s in spinners)}",
+        flush=True,
+    )
     t0 = time.monotonic()
     try:
         code = subprocess.call(command)

@@ -34,7 +34,10 @@ def _cmd_bench(args) -> int:
     worst = 0
     for name in args.names or list(scripts):
         print(f"== bench/{name}.py", flush=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
+        }
         rc = subprocess.call([sys.executable, str(scripts[name])], cwd=REPO_ROOT, env=env)
         worst = max(worst, 1 if rc else 0)
     return worst

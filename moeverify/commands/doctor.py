@@ -14,9 +14,9 @@ import warnings
 from importlib import metadata
 
 from moeverify import models
-from moeverify.spec import support
 from moeverify.commands.common import user_model_ref
 from moeverify.errors import MoEVerifyError
+from moeverify.spec import support
 from moeverify.spec.layout import Layout
 from moeverify.spec.models.ref import ModelRef
 
@@ -26,8 +26,13 @@ def register(subparsers) -> None:
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--family", default="qwen3_moe", help="family to build on 1 rank (default qwen3_moe)")
     p.add_argument("--model", metavar="PATH", help="build this HF model directory or config.json instead")
-    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config.json key of --model (repeatable)")
+    p.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config.json key of --model (repeatable)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show megatron's warnings while building")
     p.set_defaults(func=_cmd_doctor)
 
@@ -50,8 +55,13 @@ def _cmd_doctor(args) -> int:
     ranges = {item.dist: item for item in support.SUPPORTED}
     for dist, version in versions.items():
         item = ranges[dist]
-        verdict = ("" if version == "not installed" and not item.required
-                   else "ok" if version != "not installed" and item.admits(version) else "UNSUPPORTED")
+        verdict = (
+            ""
+            if version == "not installed" and not item.required
+            else "ok"
+            if version != "not installed" and item.admits(version)
+            else "UNSUPPORTED"
+        )
         print(f"{dist:16} {version:24} supported {item.spec():16} {verdict}".rstrip())
     problems = support.check(versions)
     if problems:

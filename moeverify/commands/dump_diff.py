@@ -8,7 +8,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from moeverify.routing import expert_map
 from moeverify import record
 from moeverify.commands.dump_errors import EXIT_DIFF, guarded, out_path, refuse_options
 from moeverify.commands.dump_plot import plot_diff
@@ -17,6 +16,7 @@ from moeverify.files import atomic_write
 from moeverify.record import importers, stream, tokens
 from moeverify.record.order import Ordered, require_same_tokens, shared_geometry, to_sequence_order
 from moeverify.record.rollout import align
+from moeverify.routing import expert_map
 from moeverify.routing.rollout_arrays import RolloutSpec
 
 
@@ -33,19 +33,30 @@ def cmd_diff(args) -> int:
     refuse_options(args, ["--layer-numbering"], because="it says what a rollout's layer axis holds (with --rollout)")
     kind_a, kind_b = _kind(args.a), _kind(args.b)
     if kind_a == "array":
-        refuse_options(args, ["--step"], because=f"--step is A's step, and A ({args.a}) is an array of one step "
-                                                 "(B's step is --step-b)")
+        refuse_options(
+            args,
+            ["--step"],
+            because=f"--step is A's step, and A ({args.a}) is an array of one step (B's step is --step-b)",
+        )
     if kind_b == "array":
         refuse_options(args, ["--step-b"], because=f"B ({args.b}) is an array of one step")
     if not any(kind == "array" and order for kind, order in ((kind_a, args.order_a), (kind_b, args.order_b))):
-        refuse_options(args, ["--seq-len", "--batch"], because="they give the geometry of an array side given with "
-                       "--order-a/--order-b, and there is none (a dump or an export records its own)")
+        refuse_options(
+            args,
+            ["--seq-len", "--batch"],
+            because="they give the geometry of an array side given with "
+            "--order-a/--order-b, and there is none (a dump or an export records its own)",
+        )
     a = _routes_of(args.a, args.step, order=args.order_a, args=args, flag="--order-a")
-    b = _routes_of(args.b, args.step if args.step_b is None else args.step_b, order=args.order_b, args=args,
-                   flag="--order-b")
+    b = _routes_of(
+        args.b, args.step if args.step_b is None else args.step_b, order=args.order_b, args=args, flag="--order-b"
+    )
     if a.order is not None and b.order is not None:
-        refuse_options(args, ["--assume-same-order"], because="both sides' token orders are known, so they are "
-                       "lined up token for token without it")
+        refuse_options(
+            args,
+            ["--assume-same-order"],
+            because="both sides' token orders are known, so they are lined up token for token without it",
+        )
     tokens = _check_tokens(args, a, b)
     require_same_tokens(a, b, assume_same_order=args.assume_same_order)
     geometry = shared_geometry(a, b)
@@ -60,8 +71,11 @@ def cmd_diff(args) -> int:
         if not str(exc).startswith("cannot diff:"):
             raise
         raise UsageError(f"{exc} (A: {args.a}, B: {args.b})") from None
-    return _report(args, report, {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps,
-                                  "token_identity": tokens})
+    return _report(
+        args,
+        report,
+        {"engine": "in-memory" if args.in_memory else "stream", "expert_maps": maps, "token_identity": tokens},
+    )
 
 
 def _check_tokens(args, a, b) -> dict:
@@ -69,10 +83,15 @@ def _check_tokens(args, a, b) -> dict:
     unknown. Returns the JSON record (``tokens``)."""
     sides = [side.routes for side in (a, b)]
     if not all(isinstance(s, stream.DumpSource) for s in sides):
-        which = " and ".join(f"{name} ({side.source})" for name, side in (("A", a), ("B", b))
-                             if not isinstance(side.routes, stream.DumpSource))
-        print(f"token identity unknown: {which} carr{'y' if ' and ' in which else 'ies'} no token fingerprints "
-              f"(only a dump does)")
+        which = " and ".join(
+            f"{name} ({side.source})"
+            for name, side in (("A", a), ("B", b))
+            if not isinstance(side.routes, stream.DumpSource)
+        )
+        print(
+            f"token identity unknown: {which} carr{'y' if ' and ' in which else 'ies'} no token fingerprints "
+            f"(only a dump does)"
+        )
         return {"identity": "unknown"}
     check = tokens.compare(sides[0].dump, sides[0].step, sides[1].dump, sides[1].step)
     if isinstance(check, str):
@@ -80,11 +99,15 @@ def _check_tokens(args, a, b) -> dict:
         return {"identity": "unknown"}
     if check.differ:
         if not getattr(args, "tokens_differ_ok", False):
-            raise UsageError(f"{check.line()}: A ({a.source}) and B ({b.source}) did not route the same tokens, so "
-                             f"their routing cannot be compared as divergence; --tokens-differ-ok compares them "
-                             f"anyway (reported as routing on differing tokens)")
-        print(f"{check.line()}: the routing divergence below is on DIFFERING tokens (--tokens-differ-ok), not "
-              f"divergence of one routing")
+            raise UsageError(
+                f"{check.line()}: A ({a.source}) and B ({b.source}) did not route the same tokens, so "
+                f"their routing cannot be compared as divergence; --tokens-differ-ok compares them "
+                f"anyway (reported as routing on differing tokens)"
+            )
+        print(
+            f"{check.line()}: the routing divergence below is on DIFFERING tokens (--tokens-differ-ok), not "
+            f"divergence of one routing"
+        )
     else:
         print(f"tokens: the same in all {check.sequences} sequences (fingerprints)")
     return {"identity": "differ" if check.differ else "same", **check.as_json()}
@@ -105,23 +128,30 @@ def _kind(path_text: str) -> str:
 def _mapped(args, a, b):
     """Both sides' layer sources with their expert maps applied and one expert count; the maps' JSON record."""
     sides = {}
-    for name, side, _flag, path in (("a", a, "--expert-map-a", args.expert_map_a),
-                                   ("b", b, "--expert-map-b", args.expert_map_b)):
+    for name, side, _flag, path in (
+        ("a", a, "--expert-map-a", args.expert_map_a),
+        ("b", b, "--expert-map-b", args.expert_map_b),
+    ):
         src = side.routes
         if path is None:
             sides[name] = (src, None, side)
             continue
         dump = src.dump if isinstance(src, stream.DumpSource) else None
         layers = src.layers
-        emap = expert_map.load(path, moe_layers=layers,
-                               num_layers=dump.model.num_layers if dump is not None else None,
-                               physical_experts=src.num_experts if dump is not None else None,
-                               what=f"{side.source}")
+        emap = expert_map.load(
+            path,
+            moe_layers=layers,
+            num_layers=dump.model.num_layers if dump is not None else None,
+            physical_experts=src.num_experts if dump is not None else None,
+            what=f"{side.source}",
+        )
         if dump is None and src.num_experts > emap.physical:  # an array: its largest id must be a slot of the map
-            raise expert_map.ExpertMapError(f"{path}: {emap.physical} slot(s), but {side.source} holds expert id "
-                                            f"{src.num_experts - 1}")
-        src = stream.MappedSource(stream.widen(src, emap.physical), emap, where=side.source,
-                                  token_label=_token_label(side))
+            raise expert_map.ExpertMapError(
+                f"{path}: {emap.physical} slot(s), but {side.source} holds expert id {src.num_experts - 1}"
+            )
+        src = stream.MappedSource(
+            stream.widen(src, emap.physical), emap, where=side.source, token_label=_token_label(side)
+        )
         sides[name] = (src, emap, side)
     (src_a, map_a, side_a), (src_b, map_b, side_b) = sides["a"], sides["b"]
     for mapped, other, other_side, other_map in ((map_a, src_b, side_b, map_b), (map_b, src_a, side_a, map_a)):
@@ -130,17 +160,23 @@ def _mapped(args, a, b):
         known = other_map is not None or isinstance(other_side.routes, stream.DumpSource)  # arrays infer theirs
         if known and other.num_experts != mapped.logical:
             whose = f"{other_map.path}'s" if other_map is not None else f"{other_side.source}'s"
-            raise expert_map.ExpertMapError(f"{mapped.path}: maps onto {mapped.logical} logical experts, {whose} side "
-                                            f"has {other.num_experts} (both sides must be the same logical experts)")
+            raise expert_map.ExpertMapError(
+                f"{mapped.path}: maps onto {mapped.logical} logical experts, {whose} side "
+                f"has {other.num_experts} (both sides must be the same logical experts)"
+            )
     # A dump or an export states its expert count (a mapped side: the map's logical count); only an array
     # infers one from its largest id and may be widened. Two stated counts that differ are two models.
-    stated = {name: (src.num_experts if emap is not None or _kind(path) != "array" else None, side.source)
-              for name, (src, emap, side), path in (("A", sides["a"], args.a), ("B", sides["b"], args.b))}
+    stated = {
+        name: (src.num_experts if emap is not None or _kind(path) != "array" else None, side.source)
+        for name, (src, emap, side), path in (("A", sides["a"], args.a), ("B", sides["b"], args.b))
+    }
     (experts_a, where_a), (experts_b, where_b) = stated["A"], stated["B"]
     if experts_a is not None and experts_b is not None and experts_a != experts_b:
-        raise UsageError(f"cannot diff: A ({where_a}) has {experts_a} experts, B ({where_b}) has {experts_b}: "
-                         f"routes of different models (an expert map, --expert-map-a/-b, maps physical slots to "
-                         f"logical experts)")
+        raise UsageError(
+            f"cannot diff: A ({where_a}) has {experts_a} experts, B ({where_b}) has {experts_b}: "
+            f"routes of different models (an expert map, --expert-map-a/-b, maps physical slots to "
+            f"logical experts)"
+        )
     experts = max(src_a.num_experts, src_b.num_experts)
     maps = {k: m.as_json() for k, m in (("a", map_a), ("b", map_b)) if m is not None} or None
     return stream.widen(src_a, experts), stream.widen(src_b, experts), maps
@@ -201,42 +237,73 @@ def _diff_rollout(args) -> int:
     train_path, rollout_path = Path(args.a), Path(args.b)
     if not train_path.is_dir():
         raise UsageError(f"--rollout: A must be the training dump (a directory), got {train_path}")
-    refuse_options(args, ["--order-a", "--order-b", "--seq-len", "--batch", "--assume-same-order"],
-                   because="--rollout lines requests up by themselves")
+    refuse_options(
+        args,
+        ["--order-a", "--order-b", "--seq-len", "--batch", "--assume-same-order"],
+        because="--rollout lines requests up by themselves",
+    )
     refuse_options(args, ["--step-b"], because="a rollout holds one step's requests (A's step is --step)")
     refuse_options(args, ["--tokens-differ-ok"], because="a rollout file carries no token ids to compare")
     if _kind(args.b) == "export":
-        raise UsageError(f"--rollout: {rollout_path} is an export of a dump (dump convert DIR OUT.npz), not a rollout "
-                         "engine's routed experts; compare it without --rollout")
+        raise UsageError(
+            f"--rollout: {rollout_path} is an export of a dump (dump convert DIR OUT.npz), not a rollout "
+            "engine's routed experts; compare it without --rollout"
+        )
     dump = record.load(train_path)
     step = 0 if args.step is None else args.step
     if dump.token_order(step) is None:
-        raise UsageError(f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
-                         "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=, order=)")
+        raise UsageError(
+            f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
+            "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=, order=)"
+        )
     info = dump.steps[step]
     batch = dump.layout.dp(dump.world_size) * info.batch  # sequences per merged micro-batch
     train = dump.routes(step=step)
     maps = {}
     if args.expert_map_a:
-        map_a = expert_map.load(args.expert_map_a, moe_layers=train.layers, num_layers=dump.model.num_layers,
-                                physical_experts=dump.model.num_experts, what=str(train_path))
+        map_a = expert_map.load(
+            args.expert_map_a,
+            moe_layers=train.layers,
+            num_layers=dump.model.num_layers,
+            physical_experts=dump.model.num_experts,
+            what=str(train_path),
+        )
         side = Ordered(routes=None, source=str(train_path), order="sequence", seq_len=info.seq_len, batch=batch)
         train = train.map_experts(map_a, where=str(train_path), token_label=_token_label(side))
         maps["a"] = map_a.as_json()
     map_b = None
     if args.expert_map_b:
-        map_b = expert_map.load(args.expert_map_b, moe_layers=train.layers, num_layers=dump.model.num_layers,
-                                physical_experts=None, what=str(rollout_path))
+        map_b = expert_map.load(
+            args.expert_map_b,
+            moe_layers=train.layers,
+            num_layers=dump.model.num_layers,
+            physical_experts=None,
+            what=str(rollout_path),
+        )
         maps["b"] = map_b.as_json()
-    spec = RolloutSpec(layers=tuple(dump.model.moe_layers), num_experts=train.num_experts,
-                       num_layers=dump.model.num_layers, numbering=args.layer_numbering, expert_map=map_b)
-    aligned = align(train, spec, seq_len=info.seq_len, batch=batch, requests=_rollout_requests(rollout_path),
-                    where=str(rollout_path))
+    spec = RolloutSpec(
+        layers=tuple(dump.model.moe_layers),
+        num_experts=train.num_experts,
+        num_layers=dump.model.num_layers,
+        numbering=args.layer_numbering,
+        expert_map=map_b,
+    )
+    aligned = align(
+        train,
+        spec,
+        seq_len=info.seq_len,
+        batch=batch,
+        requests=_rollout_requests(rollout_path),
+        where=str(rollout_path),
+    )
     print("token identity unknown: a rollout file carries no token ids; the requests are lined up by position")
-    print(f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
-          f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart")
-    report = record.diff(aligned.train, aligned.rollout, sequence_tokens=aligned.sequence_tokens,
-                         sequence_extra=aligned.per_request)
+    print(
+        f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
+        f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart"
+    )
+    report = record.diff(
+        aligned.train, aligned.rollout, sequence_tokens=aligned.sequence_tokens, sequence_extra=aligned.per_request
+    )
     return _report(args, report, {"rollout": aligned.as_json(), "engine": "in-memory", "expert_maps": maps or None})
 
 
@@ -253,30 +320,56 @@ def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str)
         source = stream.DumpSource(dump, step)
         source.microbatch_tokens()  # the step exists and its ranks can be merged: checked before any data is read
         if dump.token_order(step) is None:
-            return Ordered(routes=source, source=str(path), order=None,
-                           why_unknown=f"step {step} was saved without seq_len/batch, so its token order is unknown "
-                                       f"(record.save(..., seq_len=, batch=, order=), or convert with --seq-len "
-                                       f"--batch)")
+            return Ordered(
+                routes=source,
+                source=str(path),
+                order=None,
+                why_unknown=f"step {step} was saved without seq_len/batch, so its token order is unknown "
+                f"(record.save(..., seq_len=, batch=, order=), or convert with --seq-len "
+                f"--batch)",
+            )
         info = dump.steps[step]
-        return Ordered(routes=source, source=str(path), order="sequence", seq_len=info.seq_len,
-                       batch=dump.layout.dp(dump.world_size) * info.batch)
+        return Ordered(
+            routes=source,
+            source=str(path),
+            order="sequence",
+            seq_len=info.seq_len,
+            batch=dump.layout.dp(dump.world_size) * info.batch,
+        )
     if kind == "export":
         if order is not None:
             raise UsageError(f"{flag}: {path} is an export of a dump, which records its own token order; drop {flag}")
         routes, geometry = importers.read_export(path, step=step)
         if geometry is None:
-            return Ordered(routes=stream.RoutesSource(routes), source=str(path), order=None,
-                           why_unknown="its dump's step was saved without seq_len/batch, so its token order is "
-                                       "unknown")
-        return Ordered(routes=stream.RoutesSource(routes), source=str(path), order="sequence", seq_len=geometry[0],
-                       batch=geometry[1])
+            return Ordered(
+                routes=stream.RoutesSource(routes),
+                source=str(path),
+                order=None,
+                why_unknown="its dump's step was saved without seq_len/batch, so its token order is unknown",
+            )
+        return Ordered(
+            routes=stream.RoutesSource(routes),
+            source=str(path),
+            order="sequence",
+            seq_len=geometry[0],
+            batch=geometry[1],
+        )
     routes = importers.routes_from_arrays(importers.read_arrays(path), where=str(path))
     if order is None:
-        return Ordered(routes=stream.RoutesSource(routes), source=str(path), order=None,
-                       why_unknown=f"an array carries no token order ({flag} sequence|router)")
+        return Ordered(
+            routes=stream.RoutesSource(routes),
+            source=str(path),
+            order=None,
+            why_unknown=f"an array carries no token order ({flag} sequence|router)",
+        )
     geometry = {}
     if args.seq_len is not None:
         geometry = {"seq_len": (args.seq_len,) * routes.microbatches, "batch": args.batch}
-    return Ordered(routes=stream.RoutesSource(to_sequence_order(routes, order=order, seq_len=args.seq_len,
-                                                                batch=args.batch, where=str(path))),
-                   source=str(path), order="sequence", **geometry)
+    return Ordered(
+        routes=stream.RoutesSource(
+            to_sequence_order(routes, order=order, seq_len=args.seq_len, batch=args.batch, where=str(path))
+        ),
+        source=str(path),
+        order="sequence",
+        **geometry,
+    )

@@ -14,6 +14,7 @@ EXIT_DIFF = 1
 
 def guarded(fn):
     """Bad input becomes one message on stderr and exit 2."""
+
     def run(args) -> int:
         try:
             return fn(args)
@@ -23,6 +24,7 @@ def guarded(fn):
         except OSError as exc:  # a path given by the user that cannot be read or written
             print(f"moeverify dump: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE
+
     run.__name__ = fn.__name__
     run.__doc__ = fn.__doc__
     return run
@@ -39,8 +41,10 @@ def refuse_options(args, flags, *, because: str) -> None:
     ignored is refused, naming it and why it does not apply."""
     given = [flag for flag in flags if _given(args, flag)]
     if given:
-        raise UsageError(f"{', '.join(given)}: {'does' if len(given) == 1 else 'do'} not apply: {because}; "
-                         f"drop {'it' if len(given) == 1 else 'them'}")
+        raise UsageError(
+            f"{', '.join(given)}: {'does' if len(given) == 1 else 'do'} not apply: {because}; "
+            f"drop {'it' if len(given) == 1 else 'them'}"
+        )
 
 
 def _given(args, flag: str) -> bool:

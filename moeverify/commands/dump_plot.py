@@ -20,22 +20,32 @@ def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64)
 
     fig, (ax_heat, ax_load) = plt.subplots(2, 1, figsize=(10, 8), constrained_layout=True)
     heat_LB = report.bucket_disagreement(buckets)
-    image = ax_heat.imshow(heat_LB.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=max(1e-9, float(heat_LB.max())),
-                           interpolation="nearest")
+    image = ax_heat.imshow(
+        heat_LB.numpy(),
+        aspect="auto",
+        cmap="magma",
+        vmin=0.0,
+        vmax=max(1e-9, float(heat_LB.max())),
+        interpolation="nearest",
+    )
     agreement = report.agreement_L.tolist()
-    ax_heat.set_yticks(range(len(report.layers)),
-                       [f"{layer}  ({agreement[i]:.1%} agree)" for i, layer in enumerate(report.layers)])
+    ax_heat.set_yticks(
+        range(len(report.layers)), [f"{layer}  ({agreement[i]:.1%} agree)" for i, layer in enumerate(report.layers)]
+    )
     first = report.first_divergent_layer()
     if first:  # the earliest layer where any token diverges: where to start looking
         row = report.layers.index(min(first))
         ax_heat.axhline(row, color="cyan", linewidth=1.5, linestyle="--")
-        ax_heat.annotate(f"first divergence: layer {min(first)}", xy=(0, row), xytext=(2, row - 0.35),
-                         color="cyan", fontsize=9)
+        ax_heat.annotate(
+            f"first divergence: layer {min(first)}", xy=(0, row), xytext=(2, row - 0.35), color="cyan", fontsize=9
+        )
     ax_heat.set_xlabel(f"token bucket ({report.tokens} tokens in {heat_LB.shape[1]} buckets)")
     ax_heat.set_ylabel("MoE layer")
-    ax_heat.set_title(f"fraction of tokens whose top-{report.topk} set differs "
-                      f"({report.tokens_diverging_any_layer:.2%} diverge in >= 1 layer; "
-                      f"{report.routers_differing_per_token:.3f} of {len(report.layers)} routers differ per token)")
+    ax_heat.set_title(
+        f"fraction of tokens whose top-{report.topk} set differs "
+        f"({report.tokens_diverging_any_layer:.2%} diverge in >= 1 layer; "
+        f"{report.routers_differing_per_token:.3f} of {len(report.layers)} routers differ per token)"
+    )
     fig.colorbar(image, ax=ax_heat)
     _load_bars(ax_load, report)
     path = Path(path)
@@ -59,11 +69,20 @@ def _load_bars(ax, report: DiffReport) -> None:
         ax.set_xlabel("expert id, layer by layer")
     else:
         step = max(1, experts // 8)
-        ax.set_xticks([i * experts + e for i in range(len(report.layers)) for e in range(0, experts, step)],
-                      [str(e) for _ in report.layers for e in range(0, experts, step)], fontsize=6)
+        ax.set_xticks(
+            [i * experts + e for i in range(len(report.layers)) for e in range(0, experts, step)],
+            [str(e) for _ in report.layers for e in range(0, experts, step)],
+            fontsize=6,
+        )
     for i, layer in enumerate(report.layers):
-        ax.annotate(f"layer {layer}", xy=(i * experts + experts / 2 - 0.5, 1.0), xycoords=("data", "axes fraction"),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"layer {layer}",
+            xy=(i * experts + experts / 2 - 0.5, 1.0),
+            xycoords=("data", "axes fraction"),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("tokens routed")
     ax.set_title("expert load per layer (A vs B)", pad=16)
     ax.legend()

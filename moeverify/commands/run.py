@@ -43,40 +43,71 @@ def _positive_float(text: str) -> float:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("run", help="run scenario files (torchrun per world size)",
-                              description="Run the checks of scenario files; exit 0 all passed, 1 any failed, "
-                                          "2 usage error.")
+    p = subparsers.add_parser(
+        "run",
+        help="run scenario files (torchrun per world size)",
+        description="Run the checks of scenario files; exit 0 all passed, 1 any failed, 2 usage error.",
+    )
     p.add_argument("files", nargs="*", metavar="FILE", help=f"scenario files (default {DEFAULT_SCENARIOS})")
     p.add_argument("--list", action="store_true", help="print the selected scenarios (name, world size, checks)")
-    p.add_argument("--filter", action="append", default=[], metavar="GLOB",
-                   help="select scenarios by name (fnmatch; repeatable, any match selects)")
+    p.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="select scenarios by name (fnmatch; repeatable, any match selects)",
+    )
     p.add_argument("--check", metavar="NAME", help="run only this check")
-    p.add_argument("--model", metavar="PATH",
-                   help="verify this model instead of the files' families: an HF model directory (config.json, "
-                        "optional safetensors weights) or a config.json; layouts it does not admit are skipped "
-                        f"with the reason (files default to {RELEASE_SCENARIOS})")
-    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config.json key of --model (repeatable), e.g. num_hidden_layers=4 to shrink "
-                        "a production config to a CPU-sized model of the same architecture")
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="verify this model instead of the files' families: an HF model directory (config.json, "
+        "optional safetensors weights) or a config.json; layouts it does not admit are skipped "
+        f"with the reason (files default to {RELEASE_SCENARIOS})",
+    )
+    p.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config.json key of --model (repeatable), e.g. num_hidden_layers=4 to shrink "
+        "a production config to a CPU-sized model of the same architecture",
+    )
     for option in OPTIONS.values():
         if option.flag and option.meta.switch:  # --NAME / --no-NAME; neither given: the option's default rule
-            p.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=option.help)
+            p.add_argument(
+                option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None, help=option.help
+            )
         elif option.flag:
             p.add_argument(option.flag, dest=option.name, metavar=option.metavar, help=option.help)
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto", help="device backend (default auto)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--junit", metavar="PATH", help="write JUnit XML (one testcase per scenario and check)")
-    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                   help=f"per-scenario deadline on every rank, seconds (default {DEFAULT_TIMEOUT_S:.0f})")
-    p.add_argument("--run-dir", metavar="DIR",
-                   help="where ranks write plans, logs and stacks (default ./runs/DATE-TIME)")
-    p.add_argument("--nnodes", metavar="N", help="nodes sharing each world-size group (default: NNODES or "
-                                                  "SLURM_NNODES, else 1); every node runs the same command")
-    p.add_argument("--node-rank", type=int, metavar="R", help="this node (default NODE_RANK or SLURM_NODEID); node 0 "
-                                                             "reports")
-    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port; the 200 ports "
-                   "above it are used too (default MASTER_ADDR:MASTER_PORT, or Slurm's first host)")
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"per-scenario deadline on every rank, seconds (default {DEFAULT_TIMEOUT_S:.0f})",
+    )
+    p.add_argument(
+        "--run-dir", metavar="DIR", help="where ranks write plans, logs and stacks (default ./runs/DATE-TIME)"
+    )
+    p.add_argument(
+        "--nnodes",
+        metavar="N",
+        help="nodes sharing each world-size group (default: NNODES or "
+        "SLURM_NNODES, else 1); every node runs the same command",
+    )
+    p.add_argument(
+        "--node-rank", type=int, metavar="R", help="this node (default NODE_RANK or SLURM_NODEID); node 0 reports"
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="node 0's address and a free port; the 200 ports "
+        "above it are used too (default MASTER_ADDR:MASTER_PORT, or Slurm's first host)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show torchrun and rank output")
     p.set_defaults(func=_cmd_run)
 
@@ -106,8 +137,9 @@ def _load(args, node=None):
     fallback = RELEASE_SCENARIOS if model else DEFAULT_SCENARIOS
     default = fallback if Path(fallback).is_file() else str(REPO_ROOT / fallback)
     files = args.files or [default]
-    scenarios = scenario_mod.load(files, checks=known, model=model,
-                                  max_world_size=scenario_mod.CPU_MAX_WORLD_SIZE * (node.nnodes if node else 1))
+    scenarios = scenario_mod.load(
+        files, checks=known, model=model, max_world_size=scenario_mod.CPU_MAX_WORLD_SIZE * (node.nnodes if node else 1)
+    )
     chosen = select.select(scenarios, filters=args.filter, check=args.check)
     select.check_option_use(chosen, options)
     select.check_plugins(chosen, options)
@@ -139,15 +171,20 @@ def _cmd_run(args) -> int:
         for s in chosen:
             extra = f"  (gpu only: {s.gpu_only})" if s.gpu_only else ""
             extra += f"  (not run: {s.unfit})" if s.unfit else ""
-            extra += "".join(f"  (expected failure: {e.finding} {e.check} {','.join(e.subchecks)})"
-                             for e in s.expect_fail)
+            extra += "".join(
+                f"  (expected failure: {e.finding} {e.check} {','.join(e.subchecks)})" for e in s.expect_fail
+            )
             print(f"{s.name}  {s.world_size}  {','.join(s.checks)}{extra}")
         return 0
     timeouts.check()  # every MOEVERIFY_*_TIMEOUT_S the launcher and the ranks read: refused here, before any rank
     files.check_cache_root()  # MOEVERIFY_CACHE_DIR: where the ranks write seeded checkpoints
     select.probe_plugins(chosen, options)  # a user's subject, receiver or replay implementation, loaded for real
-    groups, skipped, notices = select.plan_backends(chosen, backend=args.backend, gpu_count=_gpu_count(args.backend),
-                                                    per_node=node.per_node if node else (lambda world: world))
+    groups, skipped, notices = select.plan_backends(
+        chosen,
+        backend=args.backend,
+        gpu_count=_gpu_count(args.backend),
+        per_node=node.per_node if node else (lambda world: world),
+    )
     _preflight_models(groups)
     previous = signal.signal(signal.SIGTERM, _terminate_cleanly)
     try:
@@ -192,10 +229,18 @@ def _preflight_models(groups) -> None:
 
 def _control(args, node, *, chosen, groups, options):
     """Several nodes: join the control store, with a digest of what this node loaded (all must agree)."""
-    scenarios = [{k: v for k, v in scenario_mod.scenario_to_dict(s).items() if k != "source"} for s in chosen]  # not where
-    loaded = nodes.digest({"scenarios": scenarios, "options": options,
-                           "timeout": args.timeout, "groups": [(g.world_size, g.backend) for g in groups],
-                           "nnodes": node.nnodes})
+    scenarios = [
+        {k: v for k, v in scenario_mod.scenario_to_dict(s).items() if k != "source"} for s in chosen
+    ]  # not where
+    loaded = nodes.digest(
+        {
+            "scenarios": scenarios,
+            "options": options,
+            "timeout": args.timeout,
+            "groups": [(g.world_size, g.backend) for g in groups],
+            "nnodes": node.nnodes,
+        }
+    )
     return nodes.Control(node, loaded=loaded)
 
 
@@ -204,10 +249,23 @@ def _follow(args, node, control, *, groups, options) -> int:
     from moeverify.runner import launch  # lazy: rich (its results table)
 
     run_dir = _make_run_dir(args, sub=f"node{node.node_rank}")
-    specs = [launch.GroupSpec(world_size=g.world_size, scenarios=g.scenarios, backend=g.backend, options=options,
-                              timeout_s=args.timeout, run_dir=run_dir, verbose=False) for g in groups]
-    print(f"node {node.node_rank} of {node.nnodes}: running its share of every group node 0 starts; results are "
-          f"reported on node 0 (its --json/--junit); files in {run_dir}", flush=True)
+    specs = [
+        launch.GroupSpec(
+            world_size=g.world_size,
+            scenarios=g.scenarios,
+            backend=g.backend,
+            options=options,
+            timeout_s=args.timeout,
+            run_dir=run_dir,
+            verbose=False,
+        )
+        for g in groups
+    ]
+    print(
+        f"node {node.node_rank} of {node.nnodes}: running its share of every group node 0 starts; results are "
+        f"reported on node 0 (its --json/--junit); files in {run_dir}",
+        flush=True,
+    )
     try:
         code = launch.follow(node, control, specs)
     except nodes.NodeLost as exc:
@@ -221,9 +279,15 @@ def _make_run_dir(args, *, sub: str | None = None) -> Path:
     """The directory of this run's rank files (``sub``: a follower node's own). It must hold no group
     directory (``world*``) of an earlier run: their result files would be read as this run's."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(args.run_dir) if args.run_dir else next(
-        p for p in (Path("runs") / (stamp if n == 0 else f"{stamp}-{n}") for n in range(1000))
-        if not (p / (sub or "")).exists())  # two runs started in the same second get two directories
+    base = (
+        Path(args.run_dir)
+        if args.run_dir
+        else next(
+            p
+            for p in (Path("runs") / (stamp if n == 0 else f"{stamp}-{n}") for n in range(1000))
+            if not (p / (sub or "")).exists()
+        )
+    )  # two runs started in the same second get two directories
     run_dir = (base / sub if sub else base).resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -234,8 +298,10 @@ def _make_run_dir(args, *, sub: str | None = None) -> Path:
         raise UsageError(f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc})") from None
     stale = sorted(p.name for p in run_dir.glob("world*"))
     if stale:
-        raise UsageError(f"--run-dir {run_dir}: holds {', '.join(stale)} of an earlier run, whose result files "
-                         "would be read as this run's: give a new or empty directory")
+        raise UsageError(
+            f"--run-dir {run_dir}: holds {', '.join(stale)} of an earlier run, whose result files "
+            "would be read as this run's: give a new or empty directory"
+        )
     return run_dir
 
 
@@ -262,36 +328,54 @@ def _execute(args, *, groups, skipped, notices, options, cluster=None) -> int:
         result = report.expect(result, marks)
         streamed.append(result)
         style = {"passed": "green", "failed": "red", "crashed": "bold red"}.get(result.status, "yellow")
-        console.print(Text.assemble(f"[{len(streamed)}/{len(planned)}] ", (f"{result.label:7}", style),
-                                    f" {result.record.scenario} {result.record.check} "
-                                    f"({result.record.seconds:.1f}s)"))
-        outputs.write(results + streamed[len(results) - len(skipped):])
+        console.print(
+            Text.assemble(
+                f"[{len(streamed)}/{len(planned)}] ",
+                (f"{result.label:7}", style),
+                f" {result.record.scenario} {result.record.check} ({result.record.seconds:.1f}s)",
+            )
+        )
+        outputs.write(results + streamed[len(results) - len(skipped) :])
 
     t0 = time.perf_counter()
     interrupted = False
     try:
         with interrupts.deferred(), console.status("starting") as status:
+
             def started(scenario, check) -> None:
                 status.update(Text(f"running {scenario.name} {check} (world size {scenario.world_size})"))
 
             for group in groups:
-                console.print(Text(f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} "
-                                   f"scenario(s); files in {run_dir}"))
+                console.print(
+                    Text(
+                        f"world size {group.world_size} on {group.backend}: {len(group.scenarios)} "
+                        f"scenario(s); files in {run_dir}"
+                    )
+                )
                 status.update(Text(f"starting torchrun with {group.world_size} rank(s)"))
-                spec = launch.GroupSpec(world_size=group.world_size, scenarios=group.scenarios,
-                                        backend=group.backend, options=options, timeout_s=args.timeout,
-                                        run_dir=run_dir, verbose=args.verbose, cluster=cluster)
-                results += [report.expect(r, marks) for r in launch.run_group(spec, on_result=progress,
-                                                                               on_start=started)]
+                spec = launch.GroupSpec(
+                    world_size=group.world_size,
+                    scenarios=group.scenarios,
+                    backend=group.backend,
+                    options=options,
+                    timeout_s=args.timeout,
+                    run_dir=run_dir,
+                    verbose=args.verbose,
+                    cluster=cluster,
+                )
+                results += [
+                    report.expect(r, marks) for r in launch.run_group(spec, on_result=progress, on_start=started)
+                ]
     except KeyboardInterrupt:
         interrupted = True
-        results += streamed[len(results) - len(skipped):]
+        results += streamed[len(results) - len(skipped) :]
         results += report.interrupted(planned, done={(r.record.scenario, r.record.check) for r in results})
     outputs.write(results)  # files first: a report that cannot be printed must not lose the results
     report.print_report(results, console=console)
     console.print(f"wall time {time.perf_counter() - t0:.1f}s")
     if interrupted:
-        console.print(Text.assemble(("interrupted", "bold red"), ": the results so far are in the table and the "
-                                    "result files"))
+        console.print(
+            Text.assemble(("interrupted", "bold red"), ": the results so far are in the table and the result files")
+        )
         return EXIT_INTERRUPTED
     return report.exit_code(results)

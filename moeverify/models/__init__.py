@@ -18,8 +18,20 @@ from moeverify.spec.layout import Layout, ModelShape
 from moeverify.spec.models.configs import FAMILIES, ModelSpec, family_shape, family_traits, hf_config_dict, model_spec
 from moeverify.spec.models.ref import ModelRef
 
-__all__ = ["FAMILIES", "Layout", "ModelRef", "ModelShape", "ModelSpec", "Built", "build", "family_shape",
-           "family_traits", "hf_checkpoint", "hf_config_dict", "model_spec"]
+__all__ = [
+    "FAMILIES",
+    "Layout",
+    "ModelRef",
+    "ModelShape",
+    "ModelSpec",
+    "Built",
+    "build",
+    "family_shape",
+    "family_traits",
+    "hf_checkpoint",
+    "hf_config_dict",
+    "model_spec",
+]
 
 _LAZY = {"build": "builder", "Built": "builder", "hf_checkpoint": "families"}
 

@@ -31,13 +31,34 @@ FINDING = "F11"  # the README's findings table: the bridge builds another model 
 # Provider attributes that change the weights or the forward (not dropout, init, aux-loss or MTP settings), and
 # how to read the value the provider will build with (a q/k/v bias is there with add_bias_linear too).
 _ARCHITECTURE: dict[str, Callable[[Any], Any]] = {
-    name: (lambda provider, name=name: getattr(provider, name, None)) for name in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-        "vocab_size", "layernorm_epsilon", "share_embeddings_and_output_weights", "add_bias_linear",
-        "qk_layernorm", "rotary_base", "rotary_percent", "num_moe_experts", "moe_router_topk",
-        "moe_ffn_hidden_size", "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
-        "moe_router_topk_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-        "v_head_dim")
+    name: (lambda provider, name=name: getattr(provider, name, None))
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "vocab_size",
+        "layernorm_epsilon",
+        "share_embeddings_and_output_weights",
+        "add_bias_linear",
+        "qk_layernorm",
+        "rotary_base",
+        "rotary_percent",
+        "num_moe_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "moe_router_score_function",
+        "moe_router_num_groups",
+        "moe_router_group_topk",
+        "moe_router_topk_scaling_factor",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+    )
 }
 _ARCHITECTURE["add_qkv_bias"] = lambda provider: bool(provider.add_qkv_bias or provider.add_bias_linear)
 
@@ -57,8 +78,10 @@ def refuse_unconvertible(*, family: str, config: dict, bridge, provider, built_m
     problems = _pattern_problems(config, tuple(built_moe_layers), bridge_name=name)
     problems += _override_problems(config, bridge.hf_pretrained.config, model_bridge, provider, bridge_name=name)
     if problems:
-        raise UsageError(f"{family}: the installed Megatron-Bridge's {name} cannot convert this config as it is "
-                         f"(finding {FINDING}, README): " + "; ".join(problems))
+        raise UsageError(
+            f"{family}: the installed Megatron-Bridge's {name} cannot convert this config as it is "
+            f"(finding {FINDING}, README): " + "; ".join(problems)
+        )
 
 
 # ----------------------------------------------------------------------------------------------- MoE pattern
@@ -68,21 +91,30 @@ def _pattern_problems(config: dict, built: tuple[int, ...], *, bridge_name: str)
         return []
     layers = int(config["num_hidden_layers"])
     read = user.pattern_read(config)
-    present = [k for k in user.PATTERN_KEYS if k in read and read[k] != user.neutral(k, layers)
-               and not (k == "moe_layer_end_index" and read[k] == -1)]
+    present = [
+        k
+        for k in user.PATTERN_KEYS
+        if k in read and read[k] != user.neutral(k, layers) and not (k == "moe_layer_end_index" and read[k] == -1)
+    ]
     ignored = _explaining(config, present, built, layers=layers)
-    what = (f"transformers builds MoE layers {_span(wanted, layers)}, {bridge_name} builds MoE layers "
-            f"{_span(built, layers)}")
+    what = (
+        f"transformers builds MoE layers {_span(wanted, layers)}, {bridge_name} builds MoE layers "
+        f"{_span(built, layers)}"
+    )
     if ignored is None:
         keys = ", ".join(f"{k}={json.dumps(config[k])}" for k in present) or "no layer-pattern key"
-        return [f"{what} (from {keys}): the checkpoint's dense and MoE layers would not fit the model it builds. "
-                "Way out: a config whose layer pattern the bridge builds, or a Megatron-Bridge that reads it"]
+        return [
+            f"{what} (from {keys}): the checkpoint's dense and MoE layers would not fit the model it builds. "
+            "Way out: a config whose layer pattern the bridge builds, or a Megatron-Bridge that reads it"
+        ]
     keys = ", ".join(f"{k}={json.dumps(config[k])}" for k in ignored)
     sets = " ".join(f"--model-set {k}={json.dumps(user.neutral(k, layers))}" for k in ignored)
-    return [f"{keys}: {bridge_name} ignores {', '.join(ignored)}: {what}, so the checkpoint's dense layers would not "
-            f"fit the experts it builds there. Way out: verify the variant the bridge builds (the config.json alone "
-            f"with {sets}, random weights; model_set in a scenario file), or a Megatron-Bridge that reads "
-            f"{', '.join(ignored)}"]
+    return [
+        f"{keys}: {bridge_name} ignores {', '.join(ignored)}: {what}, so the checkpoint's dense layers would not "
+        f"fit the experts it builds there. Way out: verify the variant the bridge builds (the config.json alone "
+        f"with {sets}, random weights; model_set in a scenario file), or a Megatron-Bridge that reads "
+        f"{', '.join(ignored)}"
+    ]
 
 
 def _explaining(config: dict, present: list[str], built: tuple[int, ...], *, layers: int) -> tuple[str, ...] | None:
@@ -115,10 +147,12 @@ def _override_problems(config: dict, hf_config, model_bridge, provider, *, bridg
         if _same(want, got):
             continue
         value = json.dumps(got) if isinstance(got, (bool, int, float, str)) else "..."
-        out.append(f"{hf_key}={json.dumps(config[hf_key])}: {bridge_name} maps it to {megatron_key}={want!r}, then "
-                   f"builds {megatron_key}={got!r}: another model than the checkpoint's. Way out: verify the variant "
-                   f"the bridge builds (the config.json alone with --model-set {hf_key}={value}, random weights), "
-                   f"or a Megatron-Bridge that keeps {hf_key}")
+        out.append(
+            f"{hf_key}={json.dumps(config[hf_key])}: {bridge_name} maps it to {megatron_key}={want!r}, then "
+            f"builds {megatron_key}={got!r}: another model than the checkpoint's. Way out: verify the variant "
+            f"the bridge builds (the config.json alone with --model-set {hf_key}={value}, random weights), "
+            f"or a Megatron-Bridge that keeps {hf_key}"
+        )
     return out
 
 

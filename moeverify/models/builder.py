@@ -18,23 +18,29 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from moeverify.routing import layer_numbering
 from moeverify import runtime
 from moeverify.errors import UsageError
-from moeverify.spec.layout import Layout, ModelShape
 from moeverify.models import bridge_limits, family_specs, seeded
+from moeverify.models.families import family_shape, hf_checkpoint, hf_config_dict
+from moeverify.models.mtp_spec import cpu_mtp_block_spec, cpu_mtp_gaps
+from moeverify.routing import layer_numbering
+from moeverify.spec.layout import Layout, ModelShape
 from moeverify.spec.models import user
 from moeverify.spec.models.configs import check_family, model_spec
-from moeverify.models.families import family_shape, hf_checkpoint, hf_config_dict
 from moeverify.spec.models.ref import ModelRef, as_ref
-from moeverify.models.mtp_spec import cpu_mtp_block_spec, cpu_mtp_gaps
 
 # Settings that select TE-only (or apex-only) kernels; switched off wherever real TE is absent
 # (every CPU rank, and GPU nodes without TE), where the local block spec is used instead.
 _NO_TE_PROVIDER_SETTINGS = dict(
-    moe_grouped_gemm=False, gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
-    masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, moe_router_fusion=False,
-    moe_permute_fusion=False, bias_dropout_fusion=False,
+    moe_grouped_gemm=False,
+    gradient_accumulation_fusion=False,
+    cross_entropy_loss_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+    moe_router_fusion=False,
+    moe_permute_fusion=False,
+    bias_dropout_fusion=False,
 )
 
 
@@ -79,8 +85,11 @@ def _unmapped_experts(provider, registry, *, grouped: bool) -> list[str]:
     if not pattern:
         return []
     prefix = f"decoder.layers.{pattern[0]}.mlp.experts."
-    names = ([f"{prefix}{fc}.weight0" for fc in ("linear_fc1", "linear_fc2")] if grouped else
-             [f"{prefix}local_experts.0.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")])
+    names = (
+        [f"{prefix}{fc}.weight0" for fc in ("linear_fc1", "linear_fc2")]
+        if grouped
+        else [f"{prefix}local_experts.0.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")]
+    )
     return [name for name in names if registry.megatron_to_hf_lookup(name) is None]
 
 
@@ -96,9 +105,11 @@ def cpu_grouped_experts(provider, family: str, registry) -> bool:
         return False
     unmapped_grouped = _unmapped_experts(provider, registry, grouped=True)
     if unmapped_grouped and unmapped_local:
-        raise UsageError(f"{family}: Megatron-Bridge maps its routed experts neither as SequentialMLP (no mapping for "
-                         f"{', '.join(unmapped_local)}) nor as grouped GEMM (no mapping for "
-                         f"{', '.join(unmapped_grouped)}): its weights could not be converted")
+        raise UsageError(
+            f"{family}: Megatron-Bridge maps its routed experts neither as SequentialMLP (no mapping for "
+            f"{', '.join(unmapped_local)}) nor as grouped GEMM (no mapping for "
+            f"{', '.join(unmapped_grouped)}): its weights could not be converted"
+        )
     return not unmapped_grouped
 
 
@@ -118,13 +129,16 @@ def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None)
     if variant and not (variant == "gated_delta_net" and linear):
         gaps.append(f"experimental_attention_variant={variant!r}")
     if linear and variant != "gated_delta_net":
-        gaps.append(f"its layer spec with experimental_attention_variant={variant!r} (the CPU path builds "
-                    "gated_delta_net)")
+        gaps.append(
+            f"its layer spec with experimental_attention_variant={variant!r} (the CPU path builds gated_delta_net)"
+        )
     gaps += cpu_mtp_gaps(provider)  # MTP blocks are mtp_spec.py's local_mtp_block_spec
     if gaps:
-        raise UsageError(f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
-                         f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
-                         "Transformer Engine is installed (a GPU node), or mark the scenario gpu_only with this reason")
+        raise UsageError(
+            f"{family}: without Transformer Engine moeverify builds layers from its own CPU spec, which "
+            f"does not reproduce {'; '.join(gaps)}: it would verify another model. Run it where "
+            "Transformer Engine is installed (a GPU node), or mark the scenario gpu_only with this reason"
+        )
     return family_spec
 
 
@@ -157,15 +171,24 @@ def _linear_heads(provider) -> tuple[int, int] | tuple[()]:
 
 def _check_shape(provider, shape: ModelShape, family: str) -> None:
     """The shape the layout was validated against must be the model Megatron-Bridge built."""
-    built = ModelShape(num_layers=provider.num_layers, num_heads=provider.num_attention_heads,
-                       num_query_groups=provider.num_query_groups or provider.num_attention_heads,
-                       num_experts=provider.num_moe_experts or 0, moe_layers=_moe_pattern(provider),
-                       linear_heads=_linear_heads(provider))
+    built = ModelShape(
+        num_layers=provider.num_layers,
+        num_heads=provider.num_attention_heads,
+        num_query_groups=provider.num_query_groups or provider.num_attention_heads,
+        num_experts=provider.num_moe_experts or 0,
+        moe_layers=_moe_pattern(provider),
+        linear_heads=_linear_heads(provider),
+    )
     if built != shape:
-        diffs = [f"{f.name} {getattr(shape, f.name)!r} (from the HF config) != {getattr(built, f.name)!r} (built)"
-                 for f in dataclasses.fields(ModelShape) if getattr(shape, f.name) != getattr(built, f.name)]
-        raise UsageError(f"{family}: the model Megatron-Bridge built differs from the shape read from its HF "
-                         f"config: {'; '.join(diffs)}")
+        diffs = [
+            f"{f.name} {getattr(shape, f.name)!r} (from the HF config) != {getattr(built, f.name)!r} (built)"
+            for f in dataclasses.fields(ModelShape)
+            if getattr(shape, f.name) != getattr(built, f.name)
+        ]
+        raise UsageError(
+            f"{family}: the model Megatron-Bridge built differs from the shape read from its HF "
+            f"config: {'; '.join(diffs)}"
+        )
 
 
 def _bridge_for(model: str | ModelRef, hf_path: Path):
@@ -196,16 +219,23 @@ def _provider(bridge, family: str, *, load_weights: bool):
     try:  # (loading weights, other errors are the weights', and keep their own messages)
         return bridge.to_megatron_provider(load_weights=load_weights)
     except config_errors as exc:
-        raise UsageError(f"{family}: {type(bridge._model_bridge).__name__} could not make a Megatron config from "
-                         f"its config.json: {type(exc).__name__}: {exc}") from None
+        raise UsageError(
+            f"{family}: {type(bridge._model_bridge).__name__} could not make a Megatron config from "
+            f"its config.json: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _refuse_unconvertible(ref: ModelRef, bridge, provider) -> None:
     """A config the bridge would build as another model is refused with the key that it ignores
     (``bridge_limits``); the built-in families are converted as they are."""
     if ref.is_user:
-        bridge_limits.refuse_unconvertible(family=ref.key, config=hf_config_dict(ref), bridge=bridge,
-                                           provider=provider, built_moe_layers=_moe_pattern(provider))
+        bridge_limits.refuse_unconvertible(
+            family=ref.key,
+            config=hf_config_dict(ref),
+            bridge=bridge,
+            provider=provider,
+            built_moe_layers=_moe_pattern(provider),
+        )
 
 
 def preflight(model: str | ModelRef, *, te_real: bool) -> None:
@@ -243,8 +273,9 @@ def _fresh_moe_metrics() -> None:
     destroy_moe_metrics_tracker()
 
 
-def build(model: str | ModelRef, layout: Layout, *, seed: int = 0, overrides: dict | None = None,
-          load_weights: bool = True) -> Built:
+def build(
+    model: str | ModelRef, layout: Layout, *, seed: int = 0, overrides: dict | None = None, load_weights: bool = True
+) -> Built:
     """Build ``family`` under ``layout`` (call inside ``moeverify.runtime.parallel(layout)``).
 
     Args:
@@ -283,7 +314,13 @@ def build(model: str | ModelRef, layout: Layout, *, seed: int = 0, overrides: di
         warnings.simplefilter("ignore", DeprecationWarning)
         if not rt.te_real:
             scoped.enter_context(cpu_mtp_block_spec(bridge._model_bridge.mapping_registry()))
-        chunks = provider.provide_distributed_model(wrap_with_ddp=False,
-                                                    use_cpu_initialization=rt.backend == "cpu")
-    return Built(family=family, layout=layout, bridge=bridge, model_chunks=list(chunks), hf_path=hf_path,
-                 config=provider, shape=shape)
+        chunks = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=rt.backend == "cpu")
+    return Built(
+        family=family,
+        layout=layout,
+        bridge=bridge,
+        model_chunks=list(chunks),
+        hf_path=hf_path,
+        config=provider,
+        shape=shape,
+    )

@@ -84,8 +84,18 @@ def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 class TensorReader:
@@ -108,8 +118,9 @@ class TensorReader:
         begin, end = entry["data_offsets"]
         dtype = _DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise MoEVerifyError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']!r}; "
-                                 f"expected one of {sorted(_DTYPES)}")
+            raise MoEVerifyError(
+                f"{self.path}: tensor {name!r} has dtype {entry['dtype']!r}; expected one of {sorted(_DTYPES)}"
+            )
         buf = bytearray(end - begin)
         view, got = memoryview(buf), 0
         while got < len(buf):

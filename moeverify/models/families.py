@@ -17,14 +17,20 @@ from pathlib import Path
 import torch
 
 from moeverify import files
-from moeverify.spec.models import kimi, user
 from moeverify.models import mtp_weights, seeded
-from moeverify.spec.models.ref import PREFIX, ModelRef
 from moeverify.models.seeded import seeded_value
-from moeverify.spec.models.configs import FAMILIES, check_family, prepare_hook, family_shape, family_traits, hf_config_dict
+from moeverify.spec.models import kimi, user
+from moeverify.spec.models.configs import (
+    FAMILIES,
+    check_family,
+    family_shape,
+    family_traits,
+    hf_config_dict,
+    prepare_hook,
+)
+from moeverify.spec.models.ref import PREFIX, ModelRef
 
-__all__ = ["FAMILIES", "cache_dir", "family_shape", "family_traits", "hf_checkpoint", "hf_config_dict",
-           "seeded_value"]
+__all__ = ["FAMILIES", "cache_dir", "family_shape", "family_traits", "hf_checkpoint", "hf_config_dict", "seeded_value"]
 
 
 def cache_dir() -> Path:
@@ -61,8 +67,9 @@ def _fp32_expert_bias(model: torch.nn.Module) -> None:
     for module in model.modules():
         bias = getattr(module, "e_score_correction_bias", None)
         if isinstance(bias, torch.nn.Parameter):
-            module.e_score_correction_bias = torch.nn.Parameter(bias.detach().to(torch.float32),
-                                                                requires_grad=bias.requires_grad)
+            module.e_score_correction_bias = torch.nn.Parameter(
+                bias.detach().to(torch.float32), requires_grad=bias.requires_grad
+            )
         elif isinstance(bias, torch.Tensor):
             module.e_score_correction_bias = bias.to(torch.float32)
 
@@ -144,8 +151,9 @@ def hf_checkpoint(model: str | ModelRef, seed: int = 0) -> Path:
     label = ref.key.removeprefix(PREFIX).replace("+", "-")
     dst = cache_dir() / f"{label}-seed{seed}-{_fingerprint(cfg, seed)}"
     if ref.is_user:  # a config alone: its weights are made per tensor when read (no file)
-        return seeded.make(dst.with_name(dst.name + "-" + seeded.RECIPE), seed,
-                           describe=lambda to: saved_specs(cfg, config_to=to))
+        return seeded.make(
+            dst.with_name(dst.name + "-" + seeded.RECIPE), seed, describe=lambda to: saved_specs(cfg, config_to=to)
+        )
     if (dst / "config.json").exists():
         return dst
     tmp = files.cache_tempdir(dst.parent, prefix=f".{dst.name}.")

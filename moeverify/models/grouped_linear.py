@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
@@ -35,18 +34,35 @@ class _CpuGroupedLinear(torch.nn.Module):
 
     partition_dim: int  # 0 for column-parallel, 1 for row-parallel
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, /, *, config, init_method, bias: bool,
-                 skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name=None, pg_collection=None, name=None):
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        /,
+        *,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name=None,
+        pg_collection=None,
+        name=None,
+    ):
         super().__init__()
         if pg_collection is None:
-            raise ValueError(f"{type(self).__name__}: pg_collection is required (megatron-core 0.19's "
-                             "TEGroupedMLP passes it)")
+            raise ValueError(
+                f"{type(self).__name__}: pg_collection is required (megatron-core 0.19's TEGroupedMLP passes it)"
+            )
         group = pg_collection.expt_tp if is_expert else pg_collection.tp
         tp_size = group.size() if group is not None else 1
         split = output_size if self.partition_dim == 0 else input_size
         if split % tp_size:
-            raise ValueError(f"{type(self).__name__} {name or ''}: size {split} is not divisible by the "
-                             f"{'expert ' if is_expert else ''}tensor-parallel size {tp_size}")
+            raise ValueError(
+                f"{type(self).__name__} {name or ''}: size {split} is not divisible by the "
+                f"{'expert ' if is_expert else ''}tensor-parallel size {tp_size}"
+            )
         self.num_gemms = num_gemms
         self.in_features = input_size // tp_size if self.partition_dim == 1 else input_size
         self.out_features = output_size // tp_size if self.partition_dim == 0 else output_size
@@ -58,8 +74,10 @@ class _CpuGroupedLinear(torch.nn.Module):
         self.delay_wgrad_compute = self.fuse_wgrad_accumulation = False
         # megatron-core 0.19.2 TEGroupedLinear: experts use the expert groups (EDP grads) under EP, or where
         # the expert TP size differs from TP.
-        expert_pgs = is_expert and (config.expert_model_parallel_size > 1
-                                    or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
+        expert_pgs = is_expert and (
+            config.expert_model_parallel_size > 1
+            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=config.params_dtype))
             self._init(weight, init_method, config, is_expert)
@@ -91,8 +109,10 @@ class _CpuGroupedLinear(torch.nn.Module):
 
     def forward(self, x_TI: torch.Tensor, m_splits: list[int], /):
         if len(m_splits) != self.num_gemms or sum(m_splits) != x_TI.shape[0]:
-            raise ValueError(f"{type(self).__name__}: m_splits {list(m_splits)} do not fit {self.num_gemms} experts "
-                             f"and {x_TI.shape[0]} tokens")
+            raise ValueError(
+                f"{type(self).__name__}: m_splits {list(m_splits)} do not fit {self.num_gemms} experts "
+                f"and {x_TI.shape[0]} tokens"
+            )
         outs, biases = [], []
         for i, x_i in enumerate(torch.split(x_TI, list(m_splits))):
             out_i = torch.matmul(x_i, getattr(self, f"weight{i}").t())
@@ -123,6 +143,9 @@ class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
 def grouped_experts_spec():
     """``TEGroupedMLP`` (megatron-core 0.19.2) over the CPU grouped linears, as the experts of a ``MoELayer``."""
 
-    return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-        linear_fc1=CpuColumnParallelGroupedLinear, linear_fc2=CpuRowParallelGroupedLinear))
-
+    return functools.partial(
+        TEGroupedMLP,
+        submodules=GroupedMLPSubmodules(
+            linear_fc1=CpuColumnParallelGroupedLinear, linear_fc2=CpuRowParallelGroupedLinear
+        ),
+    )

@@ -23,17 +23,17 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.ssm.gated_delta_net import common as gdn_common
 from megatron.core.ssm.gated_delta_net import gdn as gdn_module
 from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules, torch_chunk_gated_delta_rule
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.enums import LayerType
-from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from moeverify.errors import UsageError
 from moeverify.models.norms import LocalNorm, local_norm_forward
@@ -45,13 +45,14 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).sum(dim=dim, keepdim=True) + eps)).to(x.dtype)
 
 
-def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None):
+def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """FLA's ``causal_conv1d`` on ``x [b, s, d]`` with a depthwise ``weight [d, w]``: the output at ``t`` sees
     ``x[t-w+1 .. t]`` (zeros before the start), then SiLU; ``(y, None)`` as FLA returns without a final state."""
     if cu_seqlens is not None or initial_state is not None or output_final_state:
-        raise UsageError("the CPU gated delta net takes no packed sequences (cu_seqlens) and no "
-                                  "recurrent state: run THD packing where flash-linear-attention is installed")
+        raise UsageError(
+            "the CPU gated delta net takes no packed sequences (cu_seqlens) and no "
+            "recurrent state: run THD packing where flash-linear-attention is installed"
+        )
     if activation not in ("silu", "swish"):
         raise ValueError(f"causal_conv1d: activation {activation!r}; megatron-core's GDN asserts silu/swish")
     seq_len, width = x.shape[1], weight.shape[-1]
@@ -59,26 +60,41 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     return F.silu(out[..., :seq_len]).transpose(1, 2), None
 
 
-def _torch_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                cu_seqlens=None):
+def _torch_rule(
+    q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None
+):
     if cu_seqlens is not None:
-        raise UsageError("the CPU gated delta net takes no packed sequences (cu_seqlens): run THD "
-                                  "packing where flash-linear-attention is installed")
-    return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
-                                        output_final_state=output_final_state,
-                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        raise UsageError(
+            "the CPU gated delta net takes no packed sequences (cu_seqlens): run THD "
+            "packing where flash-linear-attention is installed"
+        )
+    return torch_chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
 
 
 @contextlib.contextmanager
 def _torch_kernels():
     """megatron-core 0.19.2 looks the FLA functions up as module globals of ``common`` (``HAVE_FLA``, ``l2norm``)
     and ``gdn`` (``causal_conv1d``); they hold the torch versions while a ``CpuGatedDeltaNet`` builds or runs."""
-    replaced = [(gdn_common, "HAVE_FLA", True), (gdn_common, "l2norm", l2norm), (gdn_module, "causal_conv1d",
-                                                                               causal_conv1d)]
+    replaced = [
+        (gdn_common, "HAVE_FLA", True),
+        (gdn_common, "l2norm", l2norm),
+        (gdn_module, "causal_conv1d", causal_conv1d),
+    ]
     for module, name, _ in replaced:
         if not hasattr(module, name):
-            raise RuntimeError(f"megatron-core's gated delta net has no {module.__name__}.{name}: the CPU path "
-                               "was written against megatron-core 0.19.2; read the new module before using it")
+            raise RuntimeError(
+                f"megatron-core's gated delta net has no {module.__name__}.{name}: the CPU path "
+                "was written against megatron-core 0.19.2; read the new module before using it"
+            )
     saved = [(module, name, getattr(module, name)) for module, name, _ in replaced]
     for module, name, value in replaced:
         setattr(module, name, value)
@@ -125,10 +141,13 @@ class CpuLayerNormColumnParallelLinear(ColumnParallelLinear):
 def gdn_attention_spec() -> ModuleSpec:
     """The GDN attention of megatron-core's ``get_gated_delta_net_module_spec`` with the CPU modules; the layer's
     ``input_layernorm`` is fused into ``in_proj`` (``metainfo['fuse_input_layernorm']``, as the TE spec sets)."""
-    return ModuleSpec(module=CpuGatedDeltaNet,
-                      submodules=GatedDeltaNetSubmodules(in_proj=CpuLayerNormColumnParallelLinear,
-                                                         out_norm=LocalNorm, out_proj=RowParallelLinear),
-                      metainfo={"fuse_input_layernorm": True})
+    return ModuleSpec(
+        module=CpuGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=CpuLayerNormColumnParallelLinear, out_norm=LocalNorm, out_proj=RowParallelLinear
+        ),
+        metainfo={"fuse_input_layernorm": True},
+    )
 
 
 def local_layer_numbers(config, vp_stage: int | None) -> list[int]:
@@ -136,8 +155,9 @@ def local_layer_numbers(config, vp_stage: int | None) -> list[int]:
     ``get_transformer_block_with_experimental_attention_variant_spec`` slices them."""
 
     if config.pipeline_model_parallel_layout is not None:
-        return list(config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
-                                                                            vp_stage=vp_stage))
+        return list(
+            config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)
+        )
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     return list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)))
 
@@ -146,8 +166,10 @@ def use_linear_attention(config, layer_specs: list, vp_stage: int | None) -> Non
     """Give the layers megatron-core's ``get_linear_attention_pattern`` marks linear the GDN attention."""
 
     if config.experimental_attention_variant != "gated_delta_net":
-        raise ValueError(f"the CPU linear attention is gated_delta_net; the config asks for "
-                         f"{config.experimental_attention_variant!r}")
+        raise ValueError(
+            f"the CPU linear attention is gated_delta_net; the config asks for "
+            f"{config.experimental_attention_variant!r}"
+        )
     pattern = get_linear_attention_pattern(config)
     numbers = local_layer_numbers(config, vp_stage)
     if len(numbers) != len(layer_specs):

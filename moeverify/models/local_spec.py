@@ -27,16 +27,19 @@ import math
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import is_layer_window_attention
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from moeverify import runtime
-from moeverify.models.grouped_linear import (CpuColumnParallelGroupedLinear, CpuRowParallelGroupedLinear,
-                                             grouped_experts_spec)
+from moeverify.models.grouped_linear import (
+    CpuColumnParallelGroupedLinear,
+    CpuRowParallelGroupedLinear,
+    grouped_experts_spec,
+)
 from moeverify.models.linear_attention import CpuGatedDeltaNet, use_linear_attention
 from moeverify.models.norms import LocalNorm
 
@@ -58,7 +61,7 @@ class _GatherFromCP(torch.autograd.Function):
         torch.distributed.all_reduce(grad, group=ctx.group)
         rank = torch.distributed.get_rank(ctx.group)
         size = grad.shape[0] // torch.distributed.get_world_size(ctx.group)
-        return grad[rank * size:(rank + 1) * size], None
+        return grad[rank * size : (rank + 1) * size], None
 
 
 def cp_positions(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -67,17 +70,28 @@ def cp_positions(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
         return torch.arange(local_len)
     chunk = local_len // 2
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                      torch.arange(second * chunk, (second + 1) * chunk)])
+    return torch.cat(
+        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
+    )
 
 
 class LocalCoreAttention(MegatronModule):
     """Causal scaled-dot-product core attention for CPU ranks (GQA, MLA channel sizes, CP)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type=None,
-                 pg_collection=None, **_unused):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **_unused,
+    ):
         super().__init__(config=config)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
@@ -86,17 +100,26 @@ class LocalCoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
 
-        self.window_size = (tuple(config.window_size) if is_layer_window_attention(
-            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        self.window_size = (
+            tuple(config.window_size)
+            if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+            else None
+        )
         self.softmax_type = config.softmax_type
         if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
-            raise ValueError(f"LocalCoreAttention: softmax_type {self.softmax_type!r} is not one of megatron-core "
-                             "0.19's vanilla, off-by-one, learnable")
+            raise ValueError(
+                f"LocalCoreAttention: softmax_type {self.softmax_type!r} is not one of megatron-core "
+                "0.19's vanilla, off-by-one, learnable"
+            )
         if self.softmax_type == "learnable":
-            tp_size = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") \
+            tp_size = (
+                pg_collection.tp.size()
+                if pg_collection is not None and hasattr(pg_collection, "tp")
                 else parallel_state.get_tensor_model_parallel_world_size()
+            )
             self.softmax_offset = torch.nn.Parameter(
-                torch.zeros(config.num_attention_heads // tp_size, dtype=config.params_dtype))
+                torch.zeros(config.num_attention_heads // tp_size, dtype=config.params_dtype)
+            )
             if config.perform_initialization:
                 config.init_method(self.softmax_offset)
 
@@ -105,8 +128,9 @@ class LocalCoreAttention(MegatronModule):
             return self.cp_group
         return parallel_state.get_context_parallel_group()
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None:
             raise ValueError("LocalCoreAttention does not support packed sequences")
         q_SBHD, k_SBGD, v_SBGD = query, key, value
@@ -130,8 +154,9 @@ class LocalCoreAttention(MegatronModule):
         if attention_mask is not None and cp_size == 1 and attention_mask.shape[-2:] == scores.shape[-2:]:
             # Megatron's [B or 1, 1, Sq, Sk] mask (True = masked), e.g. a padded batch's padding keys: the lowest
             # finite logit, so a query whose every key is padding (left padding) stays finite
-            scores = scores.masked_fill(attention_mask.to(device=scores.device, dtype=torch.bool),
-                                        torch.finfo(scores.dtype).min)
+            scores = scores.masked_fill(
+                attention_mask.to(device=scores.device, dtype=torch.bool), torch.finfo(scores.dtype).min
+            )
         scores = scores.masked_fill(self._mask(q_pos, k_pos).to(scores.device), float("-inf"))
         probs = self._softmax(scores).to(v_BHSD.dtype)
         if self.training and self.dropout_p > 0:
@@ -158,8 +183,9 @@ class LocalCoreAttention(MegatronModule):
         if self.softmax_type == "vanilla":
             return torch.softmax(scores_BHQK, dim=-1)
         b, h, q, _ = scores_BHQK.shape
-        sink = (self.softmax_offset.float() if self.softmax_type == "learnable"
-                else scores_BHQK.new_zeros(h))  # off-by-one: a zero logit, i.e. +1 in the denominator
+        sink = (
+            self.softmax_offset.float() if self.softmax_type == "learnable" else scores_BHQK.new_zeros(h)
+        )  # off-by-one: a zero logit, i.e. +1 in the denominator
         sink_BHQ1 = sink.reshape(1, h, 1, 1).expand(b, h, q, 1)
         return torch.softmax(torch.cat([scores_BHQK, sink_BHQ1], dim=-1), dim=-1)[..., :-1]
 
@@ -221,8 +247,9 @@ def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec 
     if family.linear_attention:  # megatron-core's GPT specs assert no variant: GPT layers first, GDN swapped in below
         gpt_config = copy.copy(config)
         gpt_config.experimental_attention_variant = None
-    block = get_gpt_decoder_block_spec(gpt_config, use_transformer_engine=False,
-                                       normalization=config.normalization, vp_stage=vp_stage)
+    block = get_gpt_decoder_block_spec(
+        gpt_config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
+    )
     _register_with_bridge()
     grouped = bool(config.moe_grouped_gemm)
     block.layer_specs = [_patch_layer_spec(s, grouped_experts=grouped, family=family) for s in block.layer_specs]
@@ -241,6 +268,10 @@ def _register_with_bridge() -> None:
     runtime.import_bridge()
     from megatron.bridge.models.conversion.param_mapping import AutoMapping  # lazy: megatron.bridge
 
-    for cls, kind in ((LocalCoreAttention, "column"), (CpuColumnParallelGroupedLinear, "column"),
-                      (CpuRowParallelGroupedLinear, "row"), (CpuGatedDeltaNet, "column")):
+    for cls, kind in (
+        (LocalCoreAttention, "column"),
+        (CpuColumnParallelGroupedLinear, "column"),
+        (CpuRowParallelGroupedLinear, "row"),
+        (CpuGatedDeltaNet, "column"),
+    ):
         AutoMapping.register_module_type(cls.__name__, kind)

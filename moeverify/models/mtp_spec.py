@@ -36,9 +36,11 @@ def local_mtp_block_spec(config, vp_stage: int | None = None, *, registry=None):
     spec = layer_spec(config, vp_stage=vp_stage) if callable(layer_spec) else layer_spec
     if hasattr(spec, "layer_specs") and not spec.layer_specs:
         # The bridge re-derives the whole decoder's layer specs with TE here; the CPU spec has no such path.
-        raise UsageError("MTP on a pipeline stage that holds no decoder layer: Megatron-Bridge 0.6.2 takes the MTP "
-                         "layer's spec from Transformer Engine's decoder specs there, which the CPU spec cannot "
-                         "rebuild. Give the last stage at least one decoder layer (pp_last / pp_layout)")
+        raise UsageError(
+            "MTP on a pipeline stage that holds no decoder layer: Megatron-Bridge 0.6.2 takes the MTP "
+            "layer's spec from Transformer Engine's decoder specs there, which the CPU spec cannot "
+            "rebuild. Give the last stage at least one decoder layer (pp_last / pp_layout)"
+        )
     block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
     if block is None:
         return None
@@ -58,11 +60,15 @@ def _local_norms(layer_spec):
     sub = layer_spec.submodules
     for name in ("enorm", "hnorm", "layer_norm", "eh_proj", "mtp_model_layer"):
         if not hasattr(sub, name):
-            raise ValueError(f"MTP layer spec without {name!r} ({type(sub).__name__}): megatron-core 0.19.2's "
-                             "MultiTokenPredictionLayerSubmodules changed")
+            raise ValueError(
+                f"MTP layer spec without {name!r} ({type(sub).__name__}): megatron-core 0.19.2's "
+                "MultiTokenPredictionLayerSubmodules changed"
+            )
     if sub.eh_proj is not ColumnParallelLinear:
-        raise ValueError(f"MTP eh_proj of the local backend is {sub.eh_proj!r}, not ColumnParallelLinear: "
-                         "megatron-core's LocalSpecProvider changed")
+        raise ValueError(
+            f"MTP eh_proj of the local backend is {sub.eh_proj!r}, not ColumnParallelLinear: "
+            "megatron-core's LocalSpecProvider changed"
+        )
     sub.enorm = sub.hnorm = sub.layer_norm = LocalNorm
     return layer_spec
 
@@ -76,8 +82,10 @@ def _fuse_input_norm(layer_spec) -> None:
     sub = layer_spec.submodules
     attn = getattr(sub.self_attention, "submodules", None)
     if getattr(attn, "linear_qkv", None) is not ColumnParallelLinear:
-        raise ValueError(f"MTP inner layer without a ColumnParallelLinear linear_qkv ({attn!r}): cannot hold its "
-                         "input norm as Transformer Engine's LayerNormColumnParallelLinear does")
+        raise ValueError(
+            f"MTP inner layer without a ColumnParallelLinear linear_qkv ({attn!r}): cannot hold its "
+            "input norm as Transformer Engine's LayerNormColumnParallelLinear does"
+        )
     attn.linear_qkv = CpuLayerNormColumnParallelLinear
     sub.input_layernorm = IdentityOp
 
@@ -94,8 +102,9 @@ def mtp_input_norm_fused(registry) -> bool:
         return False
     if registry.megatron_to_hf_lookup(_FUSED_NORM) is not None:
         return True
-    raise UsageError(f"the bridge maps neither {_SEPARATE_NORM} nor {_FUSED_NORM}: the MTP layer's input norm "
-                     "could not be loaded")
+    raise UsageError(
+        f"the bridge maps neither {_SEPARATE_NORM} nor {_FUSED_NORM}: the MTP layer's input norm could not be loaded"
+    )
 
 
 @contextlib.contextmanager
@@ -106,9 +115,11 @@ def cpu_mtp_block_spec(registry):
 
     original = getattr(gpt_provider, "mtp_block_spec", None)
     if original is None:
-        raise RuntimeError("megatron.bridge.models.gpt_provider.mtp_block_spec is gone: GPTModelProvider.provide "
-                           "no longer builds MTP blocks as megatron-bridge 0.6.2 did; moeverify's CPU MTP spec needs "
-                           "a new hook")
+        raise RuntimeError(
+            "megatron.bridge.models.gpt_provider.mtp_block_spec is gone: GPTModelProvider.provide "
+            "no longer builds MTP blocks as megatron-bridge 0.6.2 did; moeverify's CPU MTP spec needs "
+            "a new hook"
+        )
     gpt_provider.mtp_block_spec = functools.partial(local_mtp_block_spec, registry=registry)
     try:
         yield
@@ -123,6 +134,8 @@ def cpu_mtp_gaps(provider) -> list[str]:
     from megatron.bridge.models.gpt_provider import GPTModelProvider  # lazy: megatron
 
     if type(provider).provide is not GPTModelProvider.provide:
-        return [f"MTP layers under {type(provider).__name__}'s own provide() (the CPU MTP spec replaces "
-                "GPTModelProvider.provide's mtp_block_spec only)"]
+        return [
+            f"MTP layers under {type(provider).__name__}'s own provide() (the CPU MTP spec replaces "
+            "GPTModelProvider.provide's mtp_block_spec only)"
+        ]
     return []

@@ -39,12 +39,26 @@ class MtpNames:
     extras_prefix: str  # formatted as layer_prefix
 
 
-_DEEPSEEK = MtpNames(layer_prefix="model.layers.{n_plus_i}.", extras_prefix="model.layers.{n_plus_i}.",
-                     extras=(("enorm.weight", "norm"), ("hnorm.weight", "norm"), ("eh_proj.weight", "proj"),
-                             ("shared_head.norm.weight", "norm")))
-_QWEN3_NEXT = MtpNames(layer_prefix="mtp.layers.{i}.", extras_prefix="mtp.",
-                       extras=(("pre_fc_norm_embedding.weight", "norm"), ("pre_fc_norm_hidden.weight", "norm"),
-                               ("fc.weight", "proj"), ("norm.weight", "norm")))
+_DEEPSEEK = MtpNames(
+    layer_prefix="model.layers.{n_plus_i}.",
+    extras_prefix="model.layers.{n_plus_i}.",
+    extras=(
+        ("enorm.weight", "norm"),
+        ("hnorm.weight", "norm"),
+        ("eh_proj.weight", "proj"),
+        ("shared_head.norm.weight", "norm"),
+    ),
+)
+_QWEN3_NEXT = MtpNames(
+    layer_prefix="mtp.layers.{i}.",
+    extras_prefix="mtp.",
+    extras=(
+        ("pre_fc_norm_embedding.weight", "norm"),
+        ("pre_fc_norm_hidden.weight", "norm"),
+        ("fc.weight", "proj"),
+        ("norm.weight", "norm"),
+    ),
+)
 
 # HF architecture -> (config key of the MTP depth count, names)
 _ARCHITECTURES = {
@@ -76,10 +90,12 @@ def mtp_specs(cfg: dict, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) 
     names = _ARCHITECTURES[cfg["architectures"][0]][1]
     n, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     template = f"model.layers.{n - 1}."
-    layer = {name[len(template):]: spec for name, spec in saved.items() if name.startswith(template)}
+    layer = {name[len(template) :]: spec for name, spec in saved.items() if name.startswith(template)}
     if not any(k.startswith("self_attn.") for k in layer) or not any(".gate.weight" in k for k in layer):
-        raise UsageError(f"MTP weights are written from the last decoder layer ({template}*), which must be a "
-                         f"full-attention MoE layer; got {sorted(layer)[:6]}")
+        raise UsageError(
+            f"MTP weights are written from the last decoder layer ({template}*), which must be a "
+            f"full-attention MoE layer; got {sorted(layer)[:6]}"
+        )
     dtype = saved[f"{template}input_layernorm.weight"][1]
     specs: dict[str, tuple] = {}
     for i in range(depth):
@@ -105,8 +121,9 @@ def add_mtp_tensors(cfg: dict, seed: int, dst: Path, *, value: Callable[[str, to
         return 0
     path = dst / "model.safetensors"
     if not path.exists() or any(dst.glob("*.safetensors.index.json")):
-        raise UsageError(f"{dst}: MTP tensors are added to a single model.safetensors; transformers wrote another "
-                         "layout")
+        raise UsageError(
+            f"{dst}: MTP tensors are added to a single model.safetensors; transformers wrote another layout"
+        )
     with safe_open(str(path), "pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
         metadata = f.metadata()

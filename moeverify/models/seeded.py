@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from moeverify import files
-from moeverify.runtime import hash64
 from moeverify.errors import MoEVerifyError
+from moeverify.runtime import hash64
 
 MARKER = "moeverify-seeded.json"
 RECIPE = "per-tensor-2"  # bump when the values or the names below change (part of the cache fingerprint)
@@ -49,7 +49,7 @@ def tensor_seed(seed: int, name: str) -> int:
 
 
 _BLOCK = 1 << 24  # elements per step: bounds the int64 temporaries (8 bytes each, a few alive)
-_SQRT12 = 12 ** 0.5
+_SQRT12 = 12**0.5
 
 
 def noise(key: int, numel: int, *, device=None) -> torch.Tensor:
@@ -70,7 +70,7 @@ def _noise_torch(key: int, numel: int, device: torch.device) -> torch.Tensor:
         x = torch.arange(start + 1, min(start + _BLOCK, numel) + 1, dtype=torch.int64, device=device)
         x = hash64.mix(x * hash64.GOLDEN + key)
         u = hash64.shr(x, 40).to(torch.float32) * (1.0 / (1 << 24))  # exact: 24 bits, a power-of-two scale
-        out[start:start + len(u)] = (u - 0.5) * _SQRT12
+        out[start : start + len(u)] = (u - 0.5) * _SQRT12
     return out
 
 
@@ -91,7 +91,7 @@ def _noise_numpy(key: int, numel: int):
         u *= np.float32(1.0 / (1 << 24))
         u -= np.float32(0.5)
         u *= np.float32(_SQRT12)
-        out[start:start + len(u)] = u
+        out[start : start + len(u)] = u
 
     starts = range(0, numel, _CPU_BLOCK)
     if len(starts) == 1:
@@ -111,7 +111,9 @@ def _pool() -> ThreadPoolExecutor:
     """This process's pool (per pid: a forked child inherits the parent's pool object but none of its threads)."""
     pid = os.getpid()
     if pid not in _POOLS:
-        _POOLS[pid] = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="moeverify-seeded")
+        _POOLS[pid] = ThreadPoolExecutor(
+            max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="moeverify-seeded"
+        )
     return _POOLS[pid]
 
 
@@ -151,12 +153,15 @@ class SeededWeights:
         try:
             marker = json.loads(where.read_text())
         except (OSError, ValueError) as exc:
-            raise MoEVerifyError(f"{where}: unreadable seeded-weights marker ({exc}); delete the directory to "
-                                 "have it made again") from None
+            raise MoEVerifyError(
+                f"{where}: unreadable seeded-weights marker ({exc}); delete the directory to have it made again"
+            ) from None
         if not isinstance(marker, dict) or marker.get("recipe") != RECIPE:
             got = marker.get("recipe") if isinstance(marker, dict) else type(marker).__name__
-            raise MoEVerifyError(f"{where}: seeded-weights recipe {got!r}, expected {RECIPE!r}; delete the directory "
-                                 "to have it made again")
+            raise MoEVerifyError(
+                f"{where}: seeded-weights recipe {got!r}, expected {RECIPE!r}; delete the directory "
+                "to have it made again"
+            )
         self.seed = int(marker["seed"])
         self._specs = {name: (tuple(shape), _DTYPES[dtype]) for name, (shape, dtype) in marker["tensors"].items()}
 

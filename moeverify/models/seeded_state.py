@@ -35,11 +35,15 @@ def install(bridge, path: Path) -> None:
     """Make ``bridge`` read the seeded weights of ``path`` (a directory ``seeded.is_seeded``)."""
     pretrained = bridge.hf_pretrained
     if not hasattr(pretrained, "_state_dict_accessor"):
-        raise MoEVerifyError(f"{type(pretrained).__name__} has no _state_dict_accessor: this Megatron-Bridge reads "
-                             "weights another way (moeverify assumes 0.6.2's PreTrainedCausalLM.state); seeded weights "
-                             "made on demand cannot be given to it")
+        raise MoEVerifyError(
+            f"{type(pretrained).__name__} has no _state_dict_accessor: this Megatron-Bridge reads "
+            "weights another way (moeverify assumes 0.6.2's PreTrainedCausalLM.state); seeded weights "
+            "made on demand cannot be given to it"
+        )
     source = SeededStateSource(SeededWeights(path))
     pretrained._state_dict_accessor = StateDict(source)
     if getattr(pretrained.state, "source", None) is not source:
-        raise MoEVerifyError(f"{type(pretrained).__name__}.state does not return the accessor moeverify set: this "
-                             "Megatron-Bridge reads weights another way (moeverify assumes 0.6.2)")
+        raise MoEVerifyError(
+            f"{type(pretrained).__name__}.state does not return the accessor moeverify set: this "
+            "Megatron-Bridge reads weights another way (moeverify assumes 0.6.2)"
+        )

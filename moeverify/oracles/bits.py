@@ -46,12 +46,15 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def compare_bits(name: str, expected: torch.Tensor, got: torch.Tensor) -> str | None:
     """``None`` if ``got`` equals ``expected`` bit for bit in dtype and shape, else a message naming ``name``."""
     if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
-        return (f"{name}: dtype/shape {got.dtype} {tuple(got.shape)} != expected "
-                f"{expected.dtype} {tuple(expected.shape)}")
+        return (
+            f"{name}: dtype/shape {got.dtype} {tuple(got.shape)} != expected {expected.dtype} {tuple(expected.shape)}"
+        )
     a, b = bits(expected.contiguous()).flatten(), bits(got.detach().cpu().contiguous()).flatten()
     diff = (a != b).nonzero().flatten()
     if not diff.numel():
         return None
-    shown = ", ".join(f"[{int(i)}] expected {hex_bits(int(a[i]), expected.dtype)} got {hex_bits(int(b[i]), expected.dtype)}"
-                      for i in diff[:SHOW])
+    shown = ", ".join(
+        f"[{int(i)}] expected {hex_bits(int(a[i]), expected.dtype)} got {hex_bits(int(b[i]), expected.dtype)}"
+        for i in diff[:SHOW]
+    )
     return f"{name}: {diff.numel()} of {a.numel()} elements differ: {shown}"

@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 
 from moeverify import models
+from moeverify.oracles.results import Tally
 from moeverify.spec.checks import CHECKS
 from moeverify.spec.layout import Layout
-from moeverify.oracles.results import Tally
 
 RTOL = 1e-4
 SUBCHECKS = CHECKS["hf_parity"].subchecks  # layers, logits (moeverify.spec.checks)
@@ -41,18 +41,24 @@ def run(ctx) -> dict[str, Tally]:
 
     tallies = {name: Tally() for name in SUBCHECKS}
     if ctx.world_size != 1 or ctx.scenario.layout != Layout():
-        message = (f"hf_parity runs on one rank with the default layout; scenario {ctx.scenario.name} has "
-                   f"world size {ctx.world_size}: put hf_parity in a world_size 1 scenario")
+        message = (
+            f"hf_parity runs on one rank with the default layout; scenario {ctx.scenario.name} has "
+            f"world size {ctx.world_size}: put hf_parity in a world_size 1 scenario"
+        )
         for t in tallies.values():
             t.fail(message)
         return tallies
-    built = models.build(ctx.scenario.model, ctx.scenario.layout, seed=ctx.scenario.seed,
-                         overrides=dict(_FP32, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-                                        autocast_dtype=torch.float32))
+    built = models.build(
+        ctx.scenario.model,
+        ctx.scenario.layout,
+        seed=ctx.scenario.seed,
+        overrides=dict(_FP32, params_dtype=torch.float32, pipeline_dtype=torch.float32, autocast_dtype=torch.float32),
+    )
     (model,) = built.model_chunks
     hf = _hf_model(built.hf_path)
-    tokens_BS = torch.randint(3, built.config.vocab_size, (BATCH, SEQ_LEN),
-                              generator=torch.Generator().manual_seed(ctx.scenario.seed))
+    tokens_BS = torch.randint(
+        3, built.config.vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(ctx.scenario.seed)
+    )
     ours, theirs = _layer_outputs(model, hf, tokens_BS)
     _compare_layers(tallies["layers"], ours, theirs)
     _compare(tallies["logits"], "logits", ours["logits"], theirs["logits"])
@@ -69,12 +75,16 @@ def _hf_model(path):
     with tempfile.TemporaryDirectory(prefix="moeverify-hf-parity-") as tmp:
         if seeded.is_seeded(path):  # weights made on demand: written out for transformers (hf_parity's tiny models)
             weights = seeded.SeededWeights(path)
-            save_file({name: weights.get_tensor(name) for name in weights.names()}, f"{tmp}/model.safetensors",
-                      metadata={"format": "pt"})
+            save_file(
+                {name: weights.get_tensor(name) for name in weights.names()},
+                f"{tmp}/model.safetensors",
+                metadata={"format": "pt"},
+            )
             (Path(tmp) / "config.json").write_text((Path(path) / "config.json").read_text())
             path = tmp
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                                  attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation="eager"
+        )
     return model.eval()
 
 
@@ -89,6 +99,7 @@ def _layer_outputs(model, hf, tokens_BS):
         def hook(_module, _args, out):
             out = out[0] if isinstance(out, tuple) else out
             store[key] = (out.transpose(0, 1) if sbh else out).detach().float().cpu()
+
         return hook
 
     inner = model.module if hasattr(model, "module") and not hasattr(model, "decoder") else model
@@ -125,5 +136,8 @@ def _compare(t: Tally, what: str, ours, theirs) -> bool:
         return t.check(False, f"{what}: shape {tuple(ours.shape)} (Megatron) != {tuple(theirs.shape)} (HF)")
     scale = theirs.abs().max().item()
     err = (ours - theirs).abs().max().item()
-    return t.check(err <= RTOL * scale, f"{what}: max|Megatron - HF| {err:.3e} > {RTOL:g} x max|HF| "
-                                        f"{scale:.3e} ({err / scale if scale else float('inf'):.2e} relative)")
+    return t.check(
+        err <= RTOL * scale,
+        f"{what}: max|Megatron - HF| {err:.3e} > {RTOL:g} x max|HF| "
+        f"{scale:.3e} ({err / scale if scale else float('inf'):.2e} relative)",
+    )

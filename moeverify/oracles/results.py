@@ -89,25 +89,46 @@ class CheckRecord:
         return self.error is None and bool(ran) and all(s["passed"] for s in self.subchecks.values())
 
     @classmethod
-    def from_tallies(cls, *, scenario: str, check: str, seconds: float, tallies: dict[str, Tally],
-                     decisions: dict[str, dict] | None = None) -> CheckRecord:
+    def from_tallies(
+        cls,
+        *,
+        scenario: str,
+        check: str,
+        seconds: float,
+        tallies: dict[str, Tally],
+        decisions: dict[str, dict] | None = None,
+    ) -> CheckRecord:
         subchecks = {}
         for name, t in tallies.items():
             subchecks[name] = t.as_dict()
             if (what := bug_classes.guards(check, name)) is not None:
                 subchecks[name]["guards"] = what
-        not_run = {name: bug_classes.guards(check, name) for name in bug_classes.subchecks(check)
-                   if name not in tallies} if tallies else {}
-        return cls(scenario=scenario, check=check, seconds=seconds, subchecks=subchecks, not_run=not_run,
-                   decisions=dict(decisions or {}))
+        not_run = (
+            {name: bug_classes.guards(check, name) for name in bug_classes.subchecks(check) if name not in tallies}
+            if tallies
+            else {}
+        )
+        return cls(
+            scenario=scenario,
+            check=check,
+            seconds=seconds,
+            subchecks=subchecks,
+            not_run=not_run,
+            decisions=dict(decisions or {}),
+        )
 
     @classmethod
     def crashed(cls, *, scenario: str, check: str, seconds: float, error: str) -> CheckRecord:
         return cls(scenario=scenario, check=check, seconds=seconds, subchecks={}, error=error)
 
     def as_dict(self) -> dict:
-        out = {"scenario": self.scenario, "check": self.check, "passed": self.passed,
-               "seconds": round(self.seconds, 3), "subchecks": self.subchecks}
+        out = {
+            "scenario": self.scenario,
+            "check": self.check,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+            "subchecks": self.subchecks,
+        }
         if self.error is not None:
             out["error"] = self.error
         if self.not_run:
@@ -118,9 +139,15 @@ class CheckRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> CheckRecord:
-        return cls(scenario=data["scenario"], check=data["check"], seconds=float(data["seconds"]),
-                   subchecks=dict(data["subchecks"]), error=data.get("error"), not_run=dict(data.get("not_run", {})),
-                   decisions=dict(data.get("decisions", {})))
+        return cls(
+            scenario=data["scenario"],
+            check=data["check"],
+            seconds=float(data["seconds"]),
+            subchecks=dict(data["subchecks"]),
+            error=data.get("error"),
+            not_run=dict(data.get("not_run", {})),
+            decisions=dict(data.get("decisions", {})),
+        )
 
     def failure_lines(self) -> list[str]:
         lines = [] if self.error is None else [self.error]

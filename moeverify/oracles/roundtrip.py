@@ -8,10 +8,10 @@ one tensor at a time, reading the source lazily.
 
 from __future__ import annotations
 
-from moeverify.spec.checks import CHECKS
-from moeverify.oracles.bits import SHOW, compare_bits
 from moeverify.models.checkpoint import open_tensors
+from moeverify.oracles.bits import SHOW, compare_bits
 from moeverify.oracles.results import Tally
+from moeverify.spec.checks import CHECKS
 
 SUBCHECKS = CHECKS["roundtrip"].subchecks  # bitwise, key_set (moeverify.spec.checks)
 

@@ -67,8 +67,14 @@ class Guard:
         writer: a TensorBoard-like ``add_scalar`` logger.
     """
 
-    def __init__(self, *, path: str | os.PathLike | None = None, minimum: float | None = None, writer=None,
-                 floor: str | float | None = None):
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike | None = None,
+        minimum: float | None = None,
+        writer=None,
+        floor: str | float | None = None,
+    ):
         for name, value in (("minimum", minimum), ("floor", None if floor == CHANCE else floor)):
             if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
                 raise UsageError(f"agreement {name} {value!r}: expected a share in [0, 1]")
@@ -85,9 +91,17 @@ class Guard:
         self._file = None
         self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
 
-    def count(self, layer: int, replayed_TK: torch.Tensor, native_TK: torch.Tensor, *, kind: str = "replay",
-              num_experts: int | None = None, pad_T: torch.Tensor | None = None,
-              routed_natively_T: torch.Tensor | None = None) -> None:
+    def count(
+        self,
+        layer: int,
+        replayed_TK: torch.Tensor,
+        native_TK: torch.Tensor,
+        *,
+        kind: str = "replay",
+        num_experts: int | None = None,
+        pad_T: torch.Tensor | None = None,
+        routed_natively_T: torch.Tensor | None = None,
+    ) -> None:
         """Count one routing call. Tokens of ``pad_T`` (padding the model was told of) and ``routed_natively_T``
         (tokens the replay routed natively: padding, tokens with no route) are left out and counted apart.
 
@@ -105,8 +119,10 @@ class Guard:
                 if pad_T is not None:
                     pad_T = pad_T.reshape(-1).to(device=device, dtype=torch.bool)
                     if pad_T.numel() != t:
-                        raise RouteError(f"agreement guard: layer {layer}: the router's padding mask holds "
-                                         f"{pad_T.numel()} tokens, the call routes {t}")
+                        raise RouteError(
+                            f"agreement guard: layer {layer}: the router's padding mask holds "
+                            f"{pad_T.numel()} tokens, the call routes {t}"
+                        )
                     other_T = other_T.masked_fill(pad_T, 1)
                 hits_T = hits_T + (k + 1) * other_T
             bins_B = self._bins.get((device, k))
@@ -136,10 +152,15 @@ class Guard:
         read = torch.cat([counts[0].to(device) for _, counts in entries]).tolist()  # one host read a step
         rows, at = [], 0
         for (kind, layer), (_, tokens, k, experts) in entries:
-            hist, at = read[at:at + 3 * (k + 1)], at + 3 * (k + 1)
-            counted = hist[:k + 1]
-            values = [counted[k], sum(i * n for i, n in enumerate(counted)), sum(counted), sum(hist[k + 1:2 * (k + 1)]),
-                      sum(hist[2 * (k + 1):])]
+            hist, at = read[at : at + 3 * (k + 1)], at + 3 * (k + 1)
+            counted = hist[: k + 1]
+            values = [
+                counted[k],
+                sum(i * n for i, n in enumerate(counted)),
+                sum(counted),
+                sum(hist[k + 1 : 2 * (k + 1)]),
+                sum(hist[2 * (k + 1) :]),
+            ]
             rows.append(self._row(kind, layer, [*values, tokens, k, experts], rank))
         self._counts.clear()
         self.history.extend(rows)
@@ -151,20 +172,30 @@ class Guard:
     def _row(self, kind: str, layer: int, counts: list, rank: int) -> dict:
         agree, hits, counted, pad, native, calls_tokens, k, experts = counts
         counted = int(counted)
-        row = {"step": self.step, "pass": kind, "layer": layer, "rank": rank,
-               "agreement": int(agree) / counted if counted else None,
-               "overlap": int(hits) / (counted * k) if counted else None,
-               "tokens": counted, "padding": int(pad), "routed_natively": int(native), "routed": calls_tokens}
+        row = {
+            "step": self.step,
+            "pass": kind,
+            "layer": layer,
+            "rank": rank,
+            "agreement": int(agree) / counted if counted else None,
+            "overlap": int(hits) / (counted * k) if counted else None,
+            "tokens": counted,
+            "padding": int(pad),
+            "routed_natively": int(native),
+            "routed": calls_tokens,
+        }
         if experts:
             row["chance"], row["floor"] = chance_floor(topk=k, num_experts=experts, slots=counted * k)
         return row
 
     def _judge(self, rows: list[dict], rank: int) -> None:
         def fail(row: dict, what: str, got: float, want: float, setting: str, count: int) -> None:
-            raise RouteError(f"agreement guard: step {self.step} {row['pass']} pass layer {row['layer']} rank {rank}: "
-                             f"{what} {got:.4%} over {row['tokens']} replayed tokens (padding {row['padding']} and "
-                             f"tokens routed natively {row['routed_natively']} not counted), expected at least "
-                             f"{want:.4%} ({setting}); {count} pass-layer(s) below")
+            raise RouteError(
+                f"agreement guard: step {self.step} {row['pass']} pass layer {row['layer']} rank {rank}: "
+                f"{what} {got:.4%} over {row['tokens']} replayed tokens (padding {row['padding']} and "
+                f"tokens routed natively {row['routed_natively']} not counted), expected at least "
+                f"{want:.4%} ({setting}); {count} pass-layer(s) below"
+            )
 
         judged = [r for r in rows if r["tokens"]]
         fresh, self.fresh = self.fresh, False
@@ -172,8 +203,14 @@ class Guard:
             below = [r for r in judged if r["agreement"] < self.minimum]
             if below:
                 worst = min(below, key=lambda r: r["agreement"])
-                fail(worst, "agreement (top-k set equal to native routing's)", worst["agreement"], self.minimum,
-                     MIN_ENV, len(below))
+                fail(
+                    worst,
+                    "agreement (top-k set equal to native routing's)",
+                    worst["agreement"],
+                    self.minimum,
+                    MIN_ENV,
+                    len(below),
+                )
         if self.floor is not None:
             if self.floor == CHANCE:  # judged where the weights are those the routes were made for (docstring)
                 judged = [r for r in judged if r["pass"] != "training" or fresh]
@@ -181,13 +218,25 @@ class Guard:
             below = [r for r in judged if floors[id(r)] is not None and r["overlap"] < floors[id(r)]]
             if below:
                 worst = min(below, key=lambda r: r["overlap"] - floors[id(r)])
-                what = ("overlap (replayed experts native routing also picks; random ids give "
+                what = (
+                    (
+                        "overlap (replayed experts native routing also picks; random ids give "
                         f"{worst.get('chance', 0):.4%}), no better than random ids: another expert numbering (EPLB "
-                        "physical slots without their map), another model's or step's routes?") \
-                    if self.floor == CHANCE else "overlap (replayed experts native routing also picks)"
-                fail(worst, what, worst["overlap"], floors[id(worst)],
-                     f"{FLOOR_ENV}={self.floor}" if self.floor != CHANCE else f"{FLOOR_ENV}={CHANCE}, the default "
-                     f"of in-job replay; {FLOOR_ENV}={OFF} turns it off", len(below))
+                        "physical slots without their map), another model's or step's routes?"
+                    )
+                    if self.floor == CHANCE
+                    else "overlap (replayed experts native routing also picks)"
+                )
+                fail(
+                    worst,
+                    what,
+                    worst["overlap"],
+                    floors[id(worst)],
+                    f"{FLOOR_ENV}={self.floor}"
+                    if self.floor != CHANCE
+                    else f"{FLOOR_ENV}={CHANCE}, the default of in-job replay; {FLOOR_ENV}={OFF} turns it off",
+                    len(below),
+                )
 
     def _write(self, rows: list[dict], rank: int) -> None:
         if self.path is None:
@@ -202,9 +251,15 @@ class Guard:
         self._file.flush()
 
     def _log(self, rows: list[dict]) -> None:
-        scalars = {(TAG.format(layer=r["layer"]) if r["pass"] != "log_prob" else
-                    PASS_TAG.format(kind=r["pass"], layer=r["layer"])): r["agreement"]
-                   for r in rows if r["agreement"] is not None}
+        scalars = {
+            (
+                TAG.format(layer=r["layer"])
+                if r["pass"] != "log_prob"
+                else PASS_TAG.format(kind=r["pass"], layer=r["layer"])
+            ): r["agreement"]
+            for r in rows
+            if r["agreement"] is not None
+        }
         for writer in self._writers():
             for tag, share in scalars.items():
                 writer.add_scalar(tag, share, self.step)
@@ -243,11 +298,16 @@ class Watched:
         native_TK = getattr(self.inner, "last_native_TK", None)
         if native_TK is None:
             with torch.no_grad():
-                _, native_TK = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
-                                                    group_topk=group_topk)
-        self.guard.count(self.layer, ids_TK, native_TK, kind=getattr(self.inner, "kind", "replay"),
-                         num_experts=self.num_experts, pad_T=self.pad_T,
-                         routed_natively_T=getattr(self.inner, "native_T", None))
+                _, native_TK = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+        self.guard.count(
+            self.layer,
+            ids_TK,
+            native_TK,
+            kind=getattr(self.inner, "kind", "replay"),
+            num_experts=self.num_experts,
+            pad_T=self.pad_T,
+            routed_natively_T=getattr(self.inner, "native_T", None),
+        )
         return values_TK, ids_TK
 
 
@@ -261,8 +321,13 @@ def watch(hook, router, pad_T=None):
     return Watched(hook, guard, layer, pad_T, router.num_experts)
 
 
-def guard(*, path: str | os.PathLike | None = None, minimum: float | None = None, writer=None,
-          floor: str | float | None = None) -> Guard:
+def guard(
+    *,
+    path: str | os.PathLike | None = None,
+    minimum: float | None = None,
+    writer=None,
+    floor: str | float | None = None,
+) -> Guard:
     """Start the process's agreement guard (one at a time); ``stop()`` ends it. Arguments as ``Guard``'s."""
     global ACTIVE
     if ACTIVE is not None:
@@ -300,8 +365,11 @@ def _check_writable(path: str) -> None:
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        writable = not target.is_dir() and os.access(target.parent, os.W_OK) and (
-            not target.exists() or os.access(target, os.W_OK))
+        writable = (
+            not target.is_dir()
+            and os.access(target.parent, os.W_OK)
+            and (not target.exists() or os.access(target, os.W_OK))
+        )
     except OSError as exc:
         raise UsageError(f"{ENV}={path[:80]!r}: not a file path this job can write ({exc.strerror})") from exc
     if not writable:
@@ -322,8 +390,10 @@ def from_env(*, in_job: bool = False, floor_default: str | None = None) -> Guard
         return None  # the job started its own guard (agreement.guard()): it counts in-job replay too
     if path == OFF:
         if minimum is not None or floor not in (None, OFF):
-            raise UsageError(f"{ENV}={OFF} turns the agreement guard off, but {MIN_ENV} or {FLOOR_ENV} asks it to "
-                             "judge the job: unset one of them")
+            raise UsageError(
+                f"{ENV}={OFF} turns the agreement guard off, but {MIN_ENV} or {FLOOR_ENV} asks it to "
+                "judge the job: unset one of them"
+            )
         return None
     if not in_job:
         if path is None and minimum is None and floor is None:

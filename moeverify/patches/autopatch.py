@@ -22,7 +22,8 @@ Steps: every ``optimizer.step()`` (any ``torch.optim.Optimizer``) closes a step.
 the step's routes then into ONE routing dump at ``DIR`` for the whole job (every rank with its real
 layout coordinates and micro-batch geometry, committed by rank 0 after every rank wrote:
 ``autopatch_dump``), one dump step per training step, so a crash loses at most the step in flight
-and ``moeverify dump inspect/diff DIR`` read the merged view. Replay checks at each step that every layer ran exactly the
+and ``moeverify dump inspect/diff DIR`` read the merged view. Replay checks at each step that every layer ran exactly
+the
 recorded step's forwards and that no checkpointed forward is left without its recompute, and raises
 ``RouteError`` in the training process if not; at exit, routes left unused fail the job (exit 3).
 
@@ -55,11 +56,11 @@ from moeverify import record
 from moeverify.errors import MoEVerifyError, RouteError, UsageError
 from moeverify.patches import agreement, batch_routes, identity, injob
 from moeverify.patches import replay_state as state
-from moeverify.patches.autopatch_dump import JobDump
-from moeverify.routing.views import job_layout
 from moeverify.patches import router_replay as rr
+from moeverify.patches.autopatch_dump import JobDump
 from moeverify.patches.routers import global_layer
 from moeverify.routing.routes import Routes
+from moeverify.routing.views import job_layout
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
 MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
@@ -83,9 +84,11 @@ def parse(value: str, model: str | None = None) -> Setting:
     ``UsageError`` otherwise."""
     mode, sep, directory = value.partition(":")
     if value not in (INJOB, ROLLOUT) and (not sep or mode not in (*MODES, ROLLOUT) or not directory):
-        raise UsageError(f"{ENV}={value!r}: expected record:DIR or replay:DIR, {INJOB} (in-job replay of the "
-                         f"log-prob pass), {ROLLOUT}:DIR (in-job replay of a rollout's routes written to DIR) or "
-                         f"{ROLLOUT} (the rollout's routes handed over with the batch: injob.add_routes)")
+        raise UsageError(
+            f"{ENV}={value!r}: expected record:DIR or replay:DIR, {INJOB} (in-job replay of the "
+            f"log-prob pass), {ROLLOUT}:DIR (in-job replay of a rollout's routes written to DIR) or "
+            f"{ROLLOUT} (the rollout's routes handed over with the batch: injob.add_routes)"
+        )
     index = None
     if model not in (None, ""):
         if not (model.isascii() and model.isdigit()) or len(model) > 9:
@@ -107,11 +110,15 @@ def _check_directory(setting: Setting, rank: int) -> None:
         return
     if setting.mode == "record":
         if setting.directory.exists() and (not setting.directory.is_dir() or any(setting.directory.iterdir())):
-            raise UsageError(f"{ENV}: record directory {setting.directory} already holds files (a previous "
-                             "recording?); record into a new or empty directory")
+            raise UsageError(
+                f"{ENV}: record directory {setting.directory} already holds files (a previous "
+                "recording?); record into a new or empty directory"
+            )
     elif not (setting.directory / "manifest.json").is_file():
-        raise UsageError(f"{ENV}: {setting.directory} holds no routing dump (expected "
-                         f"{setting.directory / 'manifest.json'} from a record:{setting.directory} run)")
+        raise UsageError(
+            f"{ENV}: {setting.directory} holds no routing dump (expected "
+            f"{setting.directory / 'manifest.json'} from a record:{setting.directory} run)"
+        )
 
 
 class BuildOrder:
@@ -164,9 +171,11 @@ class BuildOrder:
 
     def model_of(self, router) -> tuple[int, list[list]]:
         if "_moeverify_built" not in router.__dict__:
-            raise UsageError(f"{ENV}: a TopKRouter (layer {global_layer(router)}) was built before "
-                             "moeverify.patches.autopatch was installed; start the job through "
-                             "`python -m moeverify.patches.autopatch SCRIPT` or import it before building models")
+            raise UsageError(
+                f"{ENV}: a TopKRouter (layer {global_layer(router)}) was built before "
+                "moeverify.patches.autopatch was installed; start the job through "
+                "`python -m moeverify.patches.autopatch SCRIPT` or import it before building models"
+            )
         models = self.models()
         for index, routers in enumerate(models):
             if any(r is router for r in routers):
@@ -178,9 +187,11 @@ def selected(order: BuildOrder, setting: Setting, router) -> bool:
     """Whether ``router`` belongs to the model ``setting`` names; ``UsageError`` when several are built and none is."""
     index, models = order.model_of(router)
     if setting.model is None and len(models) > 1:
-        raise UsageError(f"{ENV}: {len(models)} MoE models are built in this process ({_describe(models)}); "
-                         f"set {MODEL_ENV}=N to name the model to {setting.mode} by build order "
-                         "(0 = built first); the others then route natively")
+        raise UsageError(
+            f"{ENV}: {len(models)} MoE models are built in this process ({_describe(models)}); "
+            f"set {MODEL_ENV}=N to name the model to {setting.mode} by build order "
+            "(0 = built first); the others then route natively"
+        )
     return index == (setting.model or 0)
 
 
@@ -226,14 +237,22 @@ class ProcessSession:
             # (the merged, sequence-order view is for comparing, not replaying).
             routes = dump.local_routes(step=step, rank=self.rank)
             if (routes.num_experts, routes.topk) != self._shape:
-                raise RouteError(f"rank {self.rank}: {self.setting.directory} holds routes for (num_experts, "
-                                 f"topk) = ({routes.num_experts}, {routes.topk}) != this model's {self._shape}")
+                raise RouteError(
+                    f"rank {self.rank}: {self.setting.directory} holds routes for (num_experts, "
+                    f"topk) = ({routes.num_experts}, {routes.topk}) != this model's {self._shape}"
+                )
             for layer in routes.layers:
                 per_layer.setdefault(layer, []).extend(
-                    routes.get(layer, mb).to(router.weight.device, dtype=torch.int64) for mb in range(routes.microbatches))
+                    routes.get(layer, mb).to(router.weight.device, dtype=torch.int64)
+                    for mb in range(routes.microbatches)
+                )
             self._step_ends[step] = (max(self._step_ends.values(), default=0)) + routes.microbatches
-        self._state = state.Replaying({k: tuple(v) for k, v in per_layer.items()}, recompute="auto", rank=self.rank,
-                                      original=rr.original_routing())
+        self._state = state.Replaying(
+            {k: tuple(v) for k, v in per_layer.items()},
+            recompute="auto",
+            rank=self.rank,
+            original=rr.original_routing(),
+        )
 
     def note_forward(self, chunk, fingerprints_B) -> None:
         """A ``GPTModel`` forward (``identity.ChunkTokens``): the bound model's first chunk on this rank records
@@ -273,8 +292,10 @@ class ProcessSession:
             if isinstance(self._state, state.Recording):
                 self._state.per_layer.setdefault(layer, [])
             elif layer not in self._state.per_layer:
-                raise RouteError(f"layer {layer} rank {self.rank}: {self.setting.directory} holds no routes for this "
-                                 f"layer; it holds {sorted(self._state.per_layer)}")
+                raise RouteError(
+                    f"layer {layer} rank {self.rank}: {self.setting.directory} holds no routes for this "
+                    f"layer; it holds {sorted(self._state.per_layer)}"
+                )
             self._bound[layer] = weakref.ref(router)
         return self._state, layer
 
@@ -292,9 +313,14 @@ class ProcessSession:
             recorded = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
             routes = self.routes() if recorded else None
             fingerprints = self._tokens.take_step(routes.microbatches if recorded else 0)
-            self._dump.write_step(step=self.step, routes=routes, config=self._config,
-                                  shapes=self._state.shapes if recorded else {}, shape=self._shape,
-                                  fingerprints=fingerprints if recorded else None)
+            self._dump.write_step(
+                step=self.step,
+                routes=routes,
+                config=self._config,
+                shapes=self._state.shapes if recorded else {},
+                shape=self._shape,
+                fingerprints=fingerprints if recorded else None,
+            )
             if recorded:
                 for mbs in self._state.per_layer.values():
                     mbs.clear()
@@ -312,21 +338,27 @@ class ProcessSession:
         got = {layer: replaying.next_mb[layer] for layer in self._bound}
         wrong = {layer: n for layer, n in got.items() if n != want}
         if wrong:
-            raise RouteError(f"rank {self.rank} optimizer step {self.step}: forwards replayed so far per layer {wrong} "
-                             f"!= the recording's {want} by the end of this step (the job's micro-batching or its "
-                             f"optimizer steps differ from the recorded run's)")
+            raise RouteError(
+                f"rank {self.rank} optimizer step {self.step}: forwards replayed so far per layer {wrong} "
+                f"!= the recording's {want} by the end of this step (the job's micro-batching or its "
+                f"optimizer steps differ from the recorded run's)"
+            )
         stale = [p for p in replaying.problems() if "never recomputed" in p]
         if stale:
-            raise RouteError(f"step {self.step}: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""))
+            raise RouteError(
+                f"step {self.step}: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1 else "")
+            )
 
     def finish(self) -> list[str]:
         """At the end of the job: write the last step (record); return replay problems (routes left unused)."""
         if self.setting.mode == "record":
             pending = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
             if pending and self._dump.world > 1 and not torch.distributed.is_initialized():
-                return [f"{ENV}: rank {self.rank}: forwards after the last optimizer.step() were not written: the job "
-                        f"destroyed torch.distributed before exit, and committing a step needs every rank; end the "
-                        f"job with an optimizer step, or keep the process group until exit"]
+                return [
+                    f"{ENV}: rank {self.rank}: forwards after the last optimizer.step() were not written: the job "
+                    f"destroyed torch.distributed before exit, and committing a step needs every rank; end the "
+                    f"job with an optimizer step, or keep the process group until exit"
+                ]
             if pending or self._dump.world == 1:
                 self.end_step()
             return []
@@ -349,19 +381,22 @@ class _ShapedRecording(state.Recording):
 
 def _note_input_shape(router, args) -> None:
     hidden = args[0] if args else None
-    router.__dict__["_moeverify_input_sb"] = (tuple(int(n) for n in hidden.shape[:2])
-                                              if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None)
+    router.__dict__["_moeverify_input_sb"] = (
+        tuple(int(n) for n in hidden.shape[:2]) if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
+    )
 
 
 def _check_same_job(dump, config, *, rank: int, directory: Path) -> None:
     """Replay only into the job that was recorded: same world size and layout (and so the same ranks' rows)."""
     layout, coords, world = job_layout(sp=bool(getattr(config, "sequence_parallel", False)))
     if dump.world_size != world or (world > 1 and (dump.layout != layout or dump.coords.get(rank) != coords)):
-        raise UsageError(f"{ENV}: {directory} was recorded on {dump.world_size} rank(s) with layout "
-                         f"{dump.layout.name(dump.world_size)}; this job runs {world} rank(s) with layout "
-                         f"{layout.name(world)} ({coords.label()}"
-                         + (f", recorded there: {dump.coords[rank].label()}" if rank in dump.coords else "")
-                         + "); replay in the recorded layout")
+        raise UsageError(
+            f"{ENV}: {directory} was recorded on {dump.world_size} rank(s) with layout "
+            f"{dump.layout.name(dump.world_size)}; this job runs {world} rank(s) with layout "
+            f"{layout.name(world)} ({coords.label()}"
+            + (f", recorded there: {dump.coords[rank].label()}" if rank in dump.coords else "")
+            + "); replay in the recorded layout"
+        )
 
 
 _SESSION = None  # ProcessSession, or injob.InJobSession in r2 mode
@@ -390,17 +425,21 @@ def install(setting: Setting):
     if _SESSION is not None:
         raise UsageError(f"{ENV}: autopatch is already installed in this process")
     _check_directory(setting, state.current_rank())
-    guard = agreement.from_env(in_job=setting.mode in (INJOB, ROLLOUT),  # a bad setting refused before installing
-                               floor_default=agreement.CHANCE if setting.mode == ROLLOUT else None)
+    guard = agreement.from_env(
+        in_job=setting.mode in (INJOB, ROLLOUT),  # a bad setting refused before installing
+        floor_default=agreement.CHANCE if setting.mode == ROLLOUT else None,
+    )
     rr.apply()
     _ORDER.install()
     if setting.mode in (INJOB, ROLLOUT):
         _CHUNKS = injob.ChunkHooks()
         _CHUNKS.install()
-        session_ = injob.InJobSession(selected=lambda router: selected(_ORDER, setting, router),
-                                      original=rr.original_routing(),
-                                      directory=setting.directory if setting.mode == ROLLOUT else None,
-                                      rollout=setting.mode == ROLLOUT)
+        session_ = injob.InJobSession(
+            selected=lambda router: selected(_ORDER, setting, router),
+            original=rr.original_routing(),
+            directory=setting.directory if setting.mode == ROLLOUT else None,
+            rollout=setting.mode == ROLLOUT,
+        )
     else:
         session_ = ProcessSession(setting, order=_ORDER)
         _CHUNKS = identity.ChunkTokens(session_.note_forward)  # token identity of each forward
@@ -447,11 +486,15 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     try:
         if not argv or argv[0].startswith("-"):
-            raise UsageError("usage: python -m moeverify.patches.autopatch SCRIPT [ARGS...] (with "
-                             f"{ENV}=record:DIR, replay:DIR, {INJOB} or {ROLLOUT}:DIR set)")
+            raise UsageError(
+                "usage: python -m moeverify.patches.autopatch SCRIPT [ARGS...] (with "
+                f"{ENV}=record:DIR, replay:DIR, {INJOB} or {ROLLOUT}:DIR set)"
+            )
         if not os.environ.get(ENV):
-            raise UsageError(f"{ENV} is not set: expected record:DIR, replay:DIR, {INJOB} or {ROLLOUT}:DIR (nothing "
-                             "would be recorded or replayed)")
+            raise UsageError(
+                f"{ENV} is not set: expected record:DIR, replay:DIR, {INJOB} or {ROLLOUT}:DIR (nothing "
+                "would be recorded or replayed)"
+            )
         if not Path(argv[0]).is_file():
             raise UsageError(f"script {argv[0]!r} not found")
         # This file runs as __main__; the job may import moeverify.patches.autopatch too: one instance only,

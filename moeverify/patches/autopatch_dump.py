@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeverify.spec import timeouts
 from moeverify.routing.views import job_layout
+from moeverify.spec import timeouts
 
 if TYPE_CHECKING:  # annotations only
-    from moeverify.spec.layout import Layout
     from moeverify.routing.views import RankCoords
-
+    from moeverify.spec.layout import Layout
 
 
 class JobDump:
@@ -68,31 +67,55 @@ class JobDump:
 
         decoder = int(getattr(config, "num_layers", 0) or 0) + int(getattr(config, "mtp_num_layers", 0) or 0)
         sp = int(bool(getattr(config, "sequence_parallel", False)))
-        num_layers, experts, k, sp = self._all_max([max([decoder, *(x + 1 for x in layers)], default=0),
-                                                    num_experts, topk, sp])
+        num_layers, experts, k, sp = self._all_max(
+            [max([decoder, *(x + 1 for x in layers)], default=0), num_experts, topk, sp]
+        )
         self.layout, self.coords, self.world = job_layout(sp=bool(sp))
         present = [0] * num_layers
         for layer in layers:
             present[layer] = 1
         present = self._all_max(present) if num_layers else present
-        self.model = ModelInfo(num_layers=num_layers, moe_layers=tuple(i for i, p in enumerate(present) if p),
-                               num_experts=experts, topk=k)
+        self.model = ModelInfo(
+            num_layers=num_layers, moe_layers=tuple(i for i, p in enumerate(present) if p), num_experts=experts, topk=k
+        )
 
-    def write_step(self, *, step: int, routes, config, shapes: dict[int, list], shape: tuple[int, int] | None,
-                   fingerprints: list | None = None) -> None:
+    def write_step(
+        self,
+        *,
+        step: int,
+        routes,
+        config,
+        shapes: dict[int, list],
+        shape: tuple[int, int] | None,
+        fingerprints: list | None = None,
+    ) -> None:
         """Write this rank's ``routes`` (None: nothing recorded here) as ``step`` and commit it (collective);
         ``fingerprints``: the ``[B]`` token fingerprints of each micro-batch's input sequences, or None (unknown)."""
         from moeverify.record import RankWriter, finalize  # lazy: safetensors
 
-        rows = sum(routes.get(layer, mb).shape[0] for layer in routes.layers for mb in range(routes.microbatches)) \
-            if routes else 0
+        rows = (
+            sum(routes.get(layer, mb).shape[0] for layer in routes.layers for mb in range(routes.microbatches))
+            if routes
+            else 0
+        )
         if self._all_max([rows])[0] == 0:
             return  # an optimizer step with no MoE forward anywhere (a critic's, say): nothing to commit
         if self.model is None:
-            self._start(config=config, layers=list(routes.layers) if routes else [],
-                        num_experts=shape[0] if shape else 0, topk=shape[1] if shape else 0)
-        with RankWriter(self.directory, model=self.model, coords=self.coords, layout=self.layout,
-                        world_size=self.world, background=False, append=True) as writer:
+            self._start(
+                config=config,
+                layers=list(routes.layers) if routes else [],
+                num_experts=shape[0] if shape else 0,
+                topk=shape[1] if shape else 0,
+            )
+        with RankWriter(
+            self.directory,
+            model=self.model,
+            coords=self.coords,
+            layout=self.layout,
+            world_size=self.world,
+            background=False,
+            append=True,
+        ) as writer:
             if routes:
                 seq_len, batch = self._geometry(shapes, routes)
                 writer.add_routes(routes, step=step, seq_len=seq_len, batch=batch)

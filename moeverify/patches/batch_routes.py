@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeverify.routing import rollout_writer as rw
-from moeverify.routing.engine_routes import EngineRoutes
 from moeverify.errors import UsageError
 from moeverify.patches.rollout_source import KEEP, Step, TableSource, checked_part
+from moeverify.routing import rollout_writer as rw
+from moeverify.routing.engine_routes import EngineRoutes
 
 _SOURCE: list = []  # the installed BatchSource (autopatch r3 with no directory), at most one
 
@@ -35,8 +35,10 @@ class BatchSource(TableSource):
     """The routes handed over with the batch, per version (module docstring)."""
 
     origin = "the routes handed over with the batch"
-    remedy = ("hand every sequence this rank trains on to injob.add_routes() (prompt + response, every turn), under "
-              "the version it was generated with")
+    remedy = (
+        "hand every sequence this rank trains on to injob.add_routes() (prompt + response, every turn), under "
+        "the version it was generated with"
+    )
 
     def __init__(self, *, max_tokens: int, duplicates: str = "first"):
         super().__init__(max_tokens=max_tokens, duplicates=duplicates)
@@ -50,10 +52,12 @@ class BatchSource(TableSource):
         held = sum(int(p["tokens"].shape[0]) for parts in self._parts.values() for p in parts)
         if held > self.max_tokens:
             self._parts[version].pop()
-            raise UsageError(f"in-job replay r3: this rank now holds {held} tokens of routes (versions "
-                             f"{sorted(self._parts, reverse=True)}), over the cap of {self.max_tokens} "
-                             "(MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS); hand over only the sequences this rank trains on, "
-                             "or drop_routes() the versions it is done with")
+            raise UsageError(
+                f"in-job replay r3: this rank now holds {held} tokens of routes (versions "
+                f"{sorted(self._parts, reverse=True)}), over the cap of {self.max_tokens} "
+                "(MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS); hand over only the sequences this rank trains on, "
+                "or drop_routes() the versions it is done with"
+            )
         self._steps = {}
         self.invalidate()
 
@@ -72,13 +76,16 @@ class BatchSource(TableSource):
     def _serving(self) -> list[Step]:
         for version in sorted(self._parts, reverse=True):
             if version not in self._steps:
-                self._steps[version] = Step(self._parts[version], where=f"the batch routes of version {version}",
-                                            step=version)
+                self._steps[version] = Step(
+                    self._parts[version], where=f"the batch routes of version {version}", step=version
+                )
         return [self._steps[v] for v in sorted(self._parts, reverse=True)]
 
     def _empty(self, rank: int) -> str:
-        return (f"rank {rank}: in-job replay r3 (routes with the batch): no routes handed over yet; call "
-                "injob.add_routes(version=..., ...) where the batch is built, before its first forward")
+        return (
+            f"rank {rank}: in-job replay r3 (routes with the batch): no routes handed over yet; call "
+            "injob.add_routes(version=..., ...) where the batch is built, before its first forward"
+        )
 
 
 def attach(source: BatchSource) -> None:
@@ -91,8 +98,10 @@ def detach() -> None:
 
 def _source() -> BatchSource:
     if not _SOURCE:
-        raise UsageError("injob.add_routes(): in-job replay of routes handed over with the batch is not installed; run "
-                         "the job with MOEVERIFY_ROUTER_REPLAY=r3 (no directory) under moeverify.patches.autopatch")
+        raise UsageError(
+            "injob.add_routes(): in-job replay of routes handed over with the batch is not installed; run "
+            "the job with MOEVERIFY_ROUTER_REPLAY=r3 (no directory) under moeverify.patches.autopatch"
+        )
     return _SOURCE[0]
 
 
@@ -124,17 +133,21 @@ def _requests_of_padded(input_ids, attention_mask, routes) -> tuple[list, list]:
     mask_BS = _array(attention_mask, "attention_mask", dims=2).astype(bool)
     routes_BSWK = _array(routes, "routes", dims=4)
     if mask_BS.shape != ids_BS.shape or routes_BSWK.shape[:2] != ids_BS.shape:
-        raise UsageError(f"add_routes: input_ids {ids_BS.shape}, attention_mask {mask_BS.shape} and routes "
-                         f"{routes_BSWK.shape[:2]} (+ [W, K]) must agree on [B, S]")
+        raise UsageError(
+            f"add_routes: input_ids {ids_BS.shape}, attention_mask {mask_BS.shape} and routes "
+            f"{routes_BSWK.shape[:2]} (+ [W, K]) must agree on [B, S]"
+        )
     sequences, per_request = [], []
     for b in range(ids_BS.shape[0]):
         real = np.flatnonzero(mask_BS[b])
         if not real.size:
             raise UsageError(f"add_routes: batch row {b} has no real token (attention_mask all 0)")
         if real[-1] - real[0] + 1 != real.size:
-            raise UsageError(f"add_routes: batch row {b}: its real tokens are not contiguous (attention_mask has a hole "
-                             f"at position {int(np.setdiff1d(np.arange(real[0], real[-1] + 1), real)[0])}); padding "
-                             "sits on either side of a sequence")
+            raise UsageError(
+                f"add_routes: batch row {b}: its real tokens are not contiguous (attention_mask has a hole "
+                f"at position {int(np.setdiff1d(np.arange(real[0], real[-1] + 1), real)[0])}); padding "
+                "sits on either side of a sequence"
+            )
         rows = routes_BSWK[b, real]
         if _gap_rows(rows[-1:])[0]:
             rows = rows[:-1]  # the engine's missing last row: that token was sampled, never fed back
@@ -149,26 +162,39 @@ def _request(tokens, routes, where: str) -> tuple[np.ndarray, np.ndarray, str | 
     numbering, physical = None, False
     if isinstance(routes, EngineRoutes):
         if routes.start:
-            raise UsageError(f"{where}: the engine's rows start at position {routes.start}, not 0; join them to the "
-                             "earlier rows of the request first (moeverify.routing.engine_routes.splice)")
+            raise UsageError(
+                f"{where}: the engine's rows start at position {routes.start}, not 0; join them to the "
+                "earlier rows of the request first (moeverify.routing.engine_routes.splice)"
+            )
         numbering, physical, routes = routes.numbering, routes.physical, routes.routes
     routes_RWK = _array(routes, f"{where}: routes", dims=3)
     if not tokens_S.size or routes_RWK.shape[0] not in (tokens_S.size - 1, tokens_S.size):
-        raise UsageError(f"{where}: {routes_RWK.shape[0]} route rows for {tokens_S.size} tokens; expected "
-                         f"{tokens_S.size - 1} (the engine's missing last row) or {tokens_S.size}")
+        raise UsageError(
+            f"{where}: {routes_RWK.shape[0]} route rows for {tokens_S.size} tokens; expected "
+            f"{tokens_S.size - 1} (the engine's missing last row) or {tokens_S.size}"
+        )
     if tokens_S.min() < 0:
         raise UsageError(f"{where}: the sequence holds a negative token id {int(tokens_S.min())}")
     return tokens_S.astype(np.int64), routes_RWK, numbering, physical
 
 
-def add_routes(*, version: int, routes, sequences=None, input_ids=None, attention_mask=None,
-               numbering: str | None = None, expert_map=None) -> int:
+def add_routes(
+    *,
+    version: int,
+    routes,
+    sequences=None,
+    input_ids=None,
+    attention_mask=None,
+    numbering: str | None = None,
+    expert_map=None,
+) -> int:
     """Hand this rank's share of a batch's rollout routes to in-job R3 (module docstring); returns the tokens held.
 
     Args:
         version: the RL step or policy version the sequences were generated under (an integer >= 0).
         routes: per request (with ``sequences``) a list of ``[S_i - 1 or S_i, W, K]`` arrays or
-            ``moeverify.routing.engine_routes.EngineRoutes``; or (with ``input_ids``) ``[B, S, W, K]`` aligned with them.
+            ``moeverify.routing.engine_routes.EngineRoutes``; or (with ``input_ids``) ``[B, S, W, K]`` aligned with
+            them.
         sequences: per request, the token ids training feeds (prompt + response, every turn).
         input_ids, attention_mask: a padded ``[B, S]`` batch (padding on either side; mask 1 = real token).
         numbering: the layer axis, ``"routers"`` (MoE layers) or ``"decoder"`` (every decoder layer); None: taken
@@ -178,8 +204,10 @@ def add_routes(*, version: int, routes, sequences=None, input_ids=None, attentio
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise UsageError(f"add_routes(version={version!r}): expected the step or policy version, an integer >= 0")
     if (sequences is None) == (input_ids is None):
-        raise UsageError("add_routes: give either sequences= (per request) or input_ids= with attention_mask= (a "
-                         "padded batch), with routes=")
+        raise UsageError(
+            "add_routes: give either sequences= (per request) or input_ids= with attention_mask= (a "
+            "padded batch), with routes="
+        )
     if numbering not in rw.NUMBERINGS:
         raise UsageError(f"add_routes(numbering={numbering!r}): expected 'routers', 'decoder' or None")
     source = _source()
@@ -190,14 +218,18 @@ def add_routes(*, version: int, routes, sequences=None, input_ids=None, attentio
     sequences, routes = list(sequences), list(routes)
     if len(sequences) != len(routes) or not sequences:
         raise UsageError(f"add_routes: {len(sequences)} sequences and {len(routes)} routes; one per request, >= 1")
-    requests = [_request(s, r, f"add_routes version {version} request {i}")
-                for i, (s, r) in enumerate(zip(sequences, routes, strict=True))]
+    requests = [
+        _request(s, r, f"add_routes version {version} request {i}")
+        for i, (s, r) in enumerate(zip(sequences, routes, strict=True))
+    ]
     said = {n for _, _, n, _ in requests if n is not None} | ({numbering} if numbering else set())
     if len(said) > 1:
         raise UsageError(f"add_routes version {version}: the routes say layer numberings {sorted(said)}; one engine's")
     if any(p for _, _, _, p in requests) and expert_map is None:
-        raise UsageError(f"add_routes version {version}: the engine recorded physical expert slots (EPLB); give "
-                         "expert_map= (slot -> logical expert, docs/engine_routes.md says where each engine keeps it)")
+        raise UsageError(
+            f"add_routes version {version}: the engine recorded physical expert slots (EPLB); give "
+            "expert_map= (slot -> logical expert, docs/engine_routes.md says where each engine keeps it)"
+        )
     widths = {r.shape[1:] for _, r, _, _ in requests}
     if len(widths) != 1:
         raise UsageError(f"add_routes version {version}: routes of shapes [*, W, K] {sorted(widths)}; one engine's")

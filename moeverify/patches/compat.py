@@ -21,8 +21,18 @@ from typing import Any
 from moeverify.errors import EnvironmentProblem
 
 # Names Megatron passes to ``router_replay.get_replay_topk`` and the topk function's keywords.
-_TOPK_PARAMS = ("logits", "topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor",
-                "score_function", "expert_bias", "fused", "router_replay")
+_TOPK_PARAMS = (
+    "logits",
+    "topk",
+    "use_pre_softmax",
+    "num_groups",
+    "group_topk",
+    "scaling_factor",
+    "score_function",
+    "expert_bias",
+    "fused",
+    "router_replay",
+)
 _REPLAY_CALL = "router_replay=self.router_replay"
 
 
@@ -49,7 +59,8 @@ def _check_routing_signature(routing: Any, version: str) -> None:
     if params[:2] != ["self", "logits"]:
         raise EnvironmentProblem(
             f"megatron-core {version}: TopKRouter.routing parameters {params} != expected "
-            "(self, logits, padding_mask=None); this code layout is not supported by the router-replay patch")
+            "(self, logits, padding_mask=None); this code layout is not supported by the router-replay patch"
+        )
 
 
 def _check_topk_function(moe_utils: Any, version: str) -> None:
@@ -57,12 +68,14 @@ def _check_topk_function(moe_utils: Any, version: str) -> None:
     if fn is None:
         raise EnvironmentProblem(
             f"megatron-core {version}: moe_utils.topk_routing_with_score_function not found; expected the "
-            "routing function of megatron-core 0.16-0.19")
+            "routing function of megatron-core 0.16-0.19"
+        )
     missing = [p for p in _TOPK_PARAMS if p not in inspect.signature(fn).parameters]
     if missing:
         raise EnvironmentProblem(
             f"megatron-core {version}: topk_routing_with_score_function lacks parameter(s) {missing}; "
-            "the router-replay hook needs megatron-core >= 0.16 (its router_replay= argument)")
+            "the router-replay hook needs megatron-core >= 0.16 (its router_replay= argument)"
+        )
 
 
 def _check_router_source(routing: Any, version: str) -> None:
@@ -73,7 +86,8 @@ def _check_router_source(routing: Any, version: str) -> None:
     if _REPLAY_CALL not in source:
         raise EnvironmentProblem(
             f"megatron-core {version}: TopKRouter.routing does not pass `{_REPLAY_CALL}` to its top-k "
-            "function; the replay hook would never be consulted (expected megatron-core 0.16-0.19 layout)")
+            "function; the replay hook would never be consulted (expected megatron-core 0.16-0.19 layout)"
+        )
 
 
 def detect(*, allow_replaced: bool = False) -> RouterApi:
@@ -86,14 +100,18 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
     import torch  # lazy: torch
 
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
-        raise EnvironmentProblem(f"torch {torch.__version__}: torch._C._current_graph_task_id is missing; router "
-                                 "replay needs it to tell a recompute (inside backward) from a forward")
+        raise EnvironmentProblem(
+            f"torch {torch.__version__}: torch._C._current_graph_task_id is missing; router "
+            "replay needs it to tell a recompute (inside backward) from a forward"
+        )
     from moeverify.patches import regions  # lazy: torch (deferred: pulls in torch's autograd/multiprocessing machinery)
 
     problem = regions.probe()
     if problem is not None:
-        raise EnvironmentProblem(f"torch {torch.__version__}: {problem}; router replay matches a recompute to its "
-                                 "forward through torch's checkpoint regions (torch 2.14 layout expected)")
+        raise EnvironmentProblem(
+            f"torch {torch.__version__}: {problem}; router replay matches a recompute to its "
+            "forward through torch's checkpoint regions (torch 2.14 layout expected)"
+        )
     try:
         from megatron.core.transformer.moe import moe_utils  # lazy: megatron
         from megatron.core.transformer.moe import router as router_mod  # lazy: megatron
@@ -101,8 +119,9 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
         raise EnvironmentProblem(f"megatron-core {version}: cannot import transformer.moe.router: {exc}") from exc
     router_cls = getattr(router_mod, "TopKRouter", None)
     if router_cls is None or not callable(getattr(router_cls, "routing", None)):
-        raise EnvironmentProblem(f"megatron-core {version}: megatron.core.transformer.moe.router.TopKRouter.routing "
-                                 "not found")
+        raise EnvironmentProblem(
+            f"megatron-core {version}: megatron.core.transformer.moe.router.TopKRouter.routing not found"
+        )
     routing = router_cls.__dict__.get("routing")
     original = getattr(routing, "__moeverify_original__", None)
     if original is not None and allow_replaced:
@@ -111,7 +130,8 @@ def detect(*, allow_replaced: bool = False) -> RouterApi:
         raise EnvironmentProblem(
             f"megatron-core {version}: TopKRouter.routing was replaced by {getattr(routing, '__module__', '?')}."
             f"{getattr(routing, '__qualname__', '?')} (expected megatron's own); another router-replay patch "
-            "(e.g. verl's router_replay_patch) is active in this process: run it in a separate process")
+            "(e.g. verl's router_replay_patch) is active in this process: run it in a separate process"
+        )
     _check_routing_signature(routing, version)
     _check_topk_function(moe_utils, version)
     _check_router_source(routing, version)

@@ -32,8 +32,9 @@ def fingerprints_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
         return None
     packed = args[6] if len(args) > 6 else kwargs.get("packed_seq_params")
     if packed is not None and getattr(packed, "qkv_format", "thd") == "thd":
-        return tk.packed_fingerprints(ids, cu_seqlens=packed.cu_seqlens_q,
-                                      cu_seqlens_padded=getattr(packed, "cu_seqlens_q_padded", None))
+        return tk.packed_fingerprints(
+            ids, cu_seqlens=packed.cu_seqlens_q, cu_seqlens_padded=getattr(packed, "cu_seqlens_q_padded", None)
+        )
     return tk.row_fingerprints(ids, padding_mask_BS=kwargs.get("padding_mask"))
 
 
@@ -81,8 +82,11 @@ class JobTokens:
         """Replay: the recorded fingerprints of this rank, forward by forward across steps."""
         rank = self._rank()
         self.directory = directory
-        self._expected = [(step, mb, dump.fingerprints(step=step, rank=rank, mb=mb)) for step in sorted(dump.steps)
-                          for mb in range(dump.steps[step].microbatches)]
+        self._expected = [
+            (step, mb, dump.fingerprints(step=step, rank=rank, mb=mb))
+            for step in sorted(dump.steps)
+            for mb in range(dump.steps[step].microbatches)
+        ]
 
     @property
     def loaded(self) -> bool:
@@ -108,18 +112,22 @@ class JobTokens:
         step, mb, want_B = self._expected[index]
         if want_B is None:
             return
-        where = (f"rank {self._rank()} forward {index} (recorded step {step}, micro-batch {mb})")
+        where = f"rank {self._rank()} forward {index} (recorded step {step}, micro-batch {mb})"
         if got_B.shape != want_B.shape:
-            raise RouteError(f"{where}: the input holds {got_B.numel()} sequence(s), the recording "
-                             f"{self.directory} holds {want_B.numel()} for this micro-batch: replay would train on "
-                             f"routes chosen for other tokens (the job's data or batching differ from the recorded "
-                             f"run's)")
+            raise RouteError(
+                f"{where}: the input holds {got_B.numel()} sequence(s), the recording "
+                f"{self.directory} holds {want_B.numel()} for this micro-batch: replay would train on "
+                f"routes chosen for other tokens (the job's data or batching differ from the recorded "
+                f"run's)"
+            )
         differ = (got_B != want_B).nonzero().flatten().tolist()
         if differ:
             first = differ[0]
-            raise RouteError(f"{where}: tokens differ in {len(differ)} of {want_B.numel()} sequence(s); first: "
-                             f"sequence {first} has fingerprint {tk.fingerprint_hex(int(got_B[first]))}, the "
-                             f"recording {self.directory} holds {tk.fingerprint_hex(int(want_B[first]))} (content "
-                             f"or length differ; the recording keeps fingerprints, not tokens, so the position is "
-                             f"not known): replay would train on routes chosen for other tokens (the job's data, "
-                             f"seed or sampler differ from the recorded run's)")
+            raise RouteError(
+                f"{where}: tokens differ in {len(differ)} of {want_B.numel()} sequence(s); first: "
+                f"sequence {first} has fingerprint {tk.fingerprint_hex(int(got_B[first]))}, the "
+                f"recording {self.directory} holds {tk.fingerprint_hex(int(want_B[first]))} (content "
+                f"or length differ; the recording keeps fingerprints, not tokens, so the position is "
+                f"not known): replay would train on routes chosen for other tokens (the job's data, "
+                f"seed or sampler differ from the recorded run's)"
+            )

@@ -34,17 +34,17 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement, batch_routes, regions, replay_state
+from moeverify.patches import router_replay as rr
 from moeverify.patches import token_keys as tk
 from moeverify.patches.model_hooks import ModelInitHooks
 from moeverify.patches.rollout_source import RolloutSource
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
-from moeverify.patches import router_replay as rr
 from moeverify.spec import timeouts
-import torch.distributed as dist
 
 MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
 DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
@@ -109,12 +109,17 @@ class ChunkForward:
         if keys.tokens != tokens and getattr(config, "sequence_parallel", False):
             from megatron.core import parallel_state  # lazy: megatron
 
-            keys = tk.sequence_slice(keys, rank=parallel_state.get_tensor_model_parallel_rank(),
-                                     size=parallel_state.get_tensor_model_parallel_world_size())
+            keys = tk.sequence_slice(
+                keys,
+                rank=parallel_state.get_tensor_model_parallel_rank(),
+                size=parallel_state.get_tensor_model_parallel_world_size(),
+            )
         if keys.tokens != tokens:
-            raise RouteError(f"layer {layer} rank {rank}: the router sees {tokens} tokens but the chunk's input_ids "
-                             f"give {self._keys.tokens}; in-job replay keys tokens from the GPTModel's input_ids "
-                             "(BSHD [B, S], or THD [1, N] with packed_seq_params)")
+            raise RouteError(
+                f"layer {layer} rank {rank}: the router sees {tokens} tokens but the chunk's input_ids "
+                f"give {self._keys.tokens}; in-job replay keys tokens from the GPTModel's input_ids "
+                "(BSHD [B, S], or THD [1, N] with packed_seq_params)"
+            )
         return keys
 
     def _full_keys(self, layer: int, *, rank: int) -> tk.TokenKeys:
@@ -123,17 +128,22 @@ class ChunkForward:
 
         ids = self.input_ids
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
-            raise RouteError(f"layer {layer} rank {rank}: this model chunk's forward got no input_ids "
-                             f"({_stage_of(self.chunk)}); in-job replay finds routes by token identity and a stage "
-                             "past the first gets only hidden states from the pipeline (Megatron-LM's get_batch "
-                             "gives tokens to the first and last stages only): pass input_ids to every stage's "
-                             "GPTModel forward, as verl does (a stage past the first ignores them for compute)")
+            raise RouteError(
+                f"layer {layer} rank {rank}: this model chunk's forward got no input_ids "
+                f"({_stage_of(self.chunk)}); in-job replay finds routes by token identity and a stage "
+                "past the first gets only hidden states from the pipeline (Megatron-LM's get_batch "
+                "gives tokens to the first and last stages only): pass input_ids to every stage's "
+                "GPTModel forward, as verl does (a stage past the first ignores them for compute)"
+            )
         thd = self.packed is not None and getattr(self.packed, "qkv_format", "thd") == "thd"
         if parallel_state.get_context_parallel_world_size() > 1:
             return self._cp_keys(ids, thd=thd, layer=layer, rank=rank)
         if thd:
-            return tk.packed_keys(ids, cu_seqlens=self.packed.cu_seqlens_q,
-                                  cu_seqlens_padded=getattr(self.packed, "cu_seqlens_q_padded", None))
+            return tk.packed_keys(
+                ids,
+                cu_seqlens=self.packed.cu_seqlens_q,
+                cu_seqlens_padded=getattr(self.packed, "cu_seqlens_q_padded", None),
+            )
         return tk.row_keys(ids, padding_mask_BS=self.padding_mask)
 
     def _cp_keys(self, ids: torch.Tensor, *, thd: bool, layer: int, rank: int) -> tk.TokenKeys:
@@ -146,25 +156,34 @@ class ChunkForward:
         if thd:
             parts = _gather_cp(ids, group, cp=cp, layer=layer, rank=rank)
             if ids.dim() != 2 or ids.shape[0] != 1:
-                raise RouteError(f"layer {layer} rank {rank}: packed (THD) input_ids must be [1, N], got "
-                                 f"{tuple(ids.shape)}")
+                raise RouteError(
+                    f"layer {layer} rank {rank}: packed (THD) input_ids must be [1, N], got {tuple(ids.shape)}"
+                )
             padded = getattr(self.packed, "cu_seqlens_q_padded", None)
             slots = padded if padded is not None else self.packed.cu_seqlens_q
             length = int(slots[-1])
             if length != ids.shape[1] * cp:
-                raise UsageError(f"layer {layer} rank {rank}: context parallel with packed sequences: {cp} CP ranks "
-                                 f"hold {ids.shape[1]} tokens each but the slots (cu_seqlens_padded, else "
-                                 f"cu_seqlens) end at {length}; in-job replay (r2) supports Megatron's per-document "
-                                 "split (every slot a multiple of 2 * cp, no tokens past the last slot)")
+                raise UsageError(
+                    f"layer {layer} rank {rank}: context parallel with packed sequences: {cp} CP ranks "
+                    f"hold {ids.shape[1]} tokens each but the slots (cu_seqlens_padded, else "
+                    f"cu_seqlens) end at {length}; in-job replay (r2) supports Megatron's per-document "
+                    "split (every slot a multiple of 2 * cp, no tokens past the last slot)"
+                )
             indices = [tk.thd_zigzag_index(slots, rank=r, size=cp) for r in range(cp)]
-            full = tk.packed_keys(tk.unshard(parts, indices, length=length), cu_seqlens=self.packed.cu_seqlens_q,
-                                  cu_seqlens_padded=padded)
+            full = tk.packed_keys(
+                tk.unshard(parts, indices, length=length), cu_seqlens=self.packed.cu_seqlens_q, cu_seqlens_padded=padded
+            )
             return tk.take(full, indices[cp_rank])
         if ids.dim() != 2:
             raise RouteError(f"layer {layer} rank {rank}: token keys need input_ids [B, S], got {tuple(ids.shape)}")
         # the padding mask (this rank's halves, like input_ids) travels with the ids: a key needs the whole row's
-        parts = _gather_cp(ids if self.padding_mask is None else torch.stack([ids.long(), self.padding_mask.long()]),
-                           group, cp=cp, layer=layer, rank=rank)
+        parts = _gather_cp(
+            ids if self.padding_mask is None else torch.stack([ids.long(), self.padding_mask.long()]),
+            group,
+            cp=cp,
+            layer=layer,
+            rank=rank,
+        )
         if self.padding_mask is None:
             parts = [p[None] for p in parts]
         length = ids.shape[1] * cp
@@ -186,23 +205,28 @@ def _stage_of(chunk) -> str:
 
 def _gather_cp(ids: torch.Tensor, group, *, cp: int, layer: int, rank: int) -> list[torch.Tensor]:
     """Every CP rank's input ids (equal shapes checked first), each wait bounded by the collective timeout."""
+
     def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(cp)]
         work = dist.all_gather(out, t, group=group, async_op=True)
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_S))
         except RuntimeError as e:
-            raise RouteError(f"layer {layer} rank {rank}: gathering the CP group's {what} for token keys did not "
-                             f"finish within {timeouts.COLLECTIVE_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a CP rank "
-                             f"did not run this forward? ({e})") from e
+            raise RouteError(
+                f"layer {layer} rank {rank}: gathering the CP group's {what} for token keys did not "
+                f"finish within {timeouts.COLLECTIVE_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a CP rank "
+                f"did not run this forward? ({e})"
+            ) from e
         return out
 
     ids = ids.contiguous()
     shape = torch.tensor(list(ids.shape), dtype=torch.int64, device=ids.device)
     shapes = [tuple(s.tolist()) for s in gather(shape, "input_ids shapes")]
     if len(set(shapes)) != 1:
-        raise RouteError(f"layer {layer} rank {rank}: the CP ranks' input_ids have shapes {shapes}; under context "
-                         "parallel every CP rank holds its zigzag halves of the same batch (equal shapes)")
+        raise RouteError(
+            f"layer {layer} rank {rank}: the CP ranks' input_ids have shapes {shapes}; under context "
+            "parallel every CP rank holds its zigzag halves of the same batch (equal shapes)"
+        )
     return gather(ids.long(), "input_ids")
 
 
@@ -230,7 +254,8 @@ def _routers_of(chunk) -> frozenset:
     held = chunk.__dict__.get("_moeverify_router_ids")
     if held is None:
         held = chunk.__dict__["_moeverify_router_ids"] = frozenset(
-            id(m) for m in chunk.modules() if isinstance(m, TopKRouter))
+            id(m) for m in chunk.modules() if isinstance(m, TopKRouter)
+        )
     return held
 
 
@@ -265,12 +290,20 @@ class _ReplayIds:
         if self.native_T is not None or agreement.ACTIVE is not None:
             # one native top-k: the flagged tokens' ids (in native's own order) and the guard's comparison
             with torch.no_grad():
-                _, native_TK = replay_state.grad_mode_topk(default_compute_topk, scores.detach(), topk, num_groups,
-                                                           group_topk)
+                _, native_TK = replay_state.grad_mode_topk(
+                    default_compute_topk, scores.detach(), topk, num_groups, group_topk
+                )
             self.last_native_TK = native_TK
         # the table keeps each route's ids ascending (a set): ordered here by the module's rule
-        ids_TK = replay_state.canonical_ids(scores, self.topk_ids_TK, default_compute_topk, topk=topk,
-                                            num_groups=num_groups, group_topk=group_topk, native_TK=native_TK)
+        ids_TK = replay_state.canonical_ids(
+            scores,
+            self.topk_ids_TK,
+            default_compute_topk,
+            topk=topk,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            native_TK=native_TK,
+        )
         if self.native_T is not None:
             ids_TK = torch.where(self.native_T[:, None], native_TK, ids_TK)
         return scores.gather(1, ids_TK), ids_TK
@@ -294,9 +327,11 @@ class InJobState:
     def _forward(self, router, layer: int, rank: int) -> ChunkForward:
         fwd = _CURRENT[-1] if _CURRENT else None
         if fwd is None or id(router) not in _routers_of(fwd.chunk):
-            raise RouteError(f"layer {layer} rank {rank}: a routing call outside any GPTModel forward built under "
-                             "in-job replay: its tokens cannot be identified (build the model after installing "
-                             "moeverify.patches.autopatch, and call the GPTModel itself)")
+            raise RouteError(
+                f"layer {layer} rank {rank}: a routing call outside any GPTModel forward built under "
+                "in-job replay: its tokens cannot be identified (build the model after installing "
+                "moeverify.patches.autopatch, and call the GPTModel itself)"
+            )
         return fwd
 
     def route(self, router, layer, logits, args, kwargs):
@@ -319,8 +354,9 @@ class InJobState:
             self.phase = "log_prob"
         table = self.tables.get(fwd.chunk)
         if table is None:
-            table = self.tables[fwd.chunk] = RouteTable(max_tokens=self.max_tokens, num_experts=self.num_experts,
-                                                        duplicates=self.duplicates)
+            table = self.tables[fwd.chunk] = RouteTable(
+                max_tokens=self.max_tokens, num_experts=self.num_experts, duplicates=self.duplicates
+            )
         if fwd.recorded_as is None:
             fwd.recorded_as = table.add_forward(keys, rank=rank)
         return _RecordIds(table, layer, fwd.recorded_as, rank)
@@ -328,9 +364,11 @@ class InJobState:
     def _replay(self, fwd: ChunkForward, keys, router, layer: int, rank: int) -> _ReplayIds:
         table = self.tables.get(fwd.chunk)
         if table is None:
-            raise RouteError(f"layer {layer} rank {rank}: a training forward with no routes recorded for this model "
-                             "chunk: in-job replay (r2) replays the routes of the step's log-prob pass (a forward "
-                             "under torch.no_grad()); run it first, or mark it with injob.pass_kind('log_prob')")
+            raise RouteError(
+                f"layer {layer} rank {rank}: a training forward with no routes recorded for this model "
+                "chunk: in-job replay (r2) replays the routes of the step's log-prob pass (a forward "
+                "under torch.no_grad()); run it first, or mark it with injob.pass_kind('log_prob')"
+            )
         if not table.frozen:
             group = _pool_group(router.config)
             for held in self.tables.values():
@@ -338,8 +376,10 @@ class InJobState:
             self.table_bytes = sum(held.nbytes() for held in self.tables.values())
         self.phase = "training"
         if layer not in table.layer_index:
-            raise RouteError(f"layer {layer} rank {rank}: the log-prob pass recorded layers {sorted(table.layer_index)} "
-                             "for this model chunk, not this one")
+            raise RouteError(
+                f"layer {layer} rank {rank}: the log-prob pass recorded layers {sorted(table.layer_index)} "
+                "for this model chunk, not this one"
+            )
         return self._replay_from(table, fwd, keys, router, layer, rank)
 
     def _replay_from(self, table: RouteTable, fwd: ChunkForward, keys, router, layer: int, rank: int) -> _ReplayIds:
@@ -365,8 +405,11 @@ class RolloutState(InJobState):
 
     def __init__(self, *, original, num_experts: int, directory=None, source=None):
         super().__init__(original=original, num_experts=num_experts, duplicates="first")
-        self.source = source if source is not None else RolloutSource(directory, max_tokens=self.max_tokens,
-                                                                      duplicates=self.duplicates)
+        self.source = (
+            source
+            if source is not None
+            else RolloutSource(directory, max_tokens=self.max_tokens, duplicates=self.duplicates)
+        )
 
     def route(self, router, layer, logits, args, kwargs):
         replay_state.guard_call(router, layer)
@@ -417,8 +460,10 @@ def _env_int(name: str, default: int) -> int:
 def refuse_router(router, layer: int) -> None:
     """Routers in-job replay cannot key by token (checked when a router is bound)."""
     if getattr(router, "is_mtp_layer", False):
-        raise UsageError(f"layer {layer}: in-job replay (r2, r3) keys a token by its prefix, but an MTP layer's "
-                         "router also sees the next tokens; MTP layers are not supported in in-job replay")
+        raise UsageError(
+            f"layer {layer}: in-job replay (r2, r3) keys a token by its prefix, but an MTP layer's "
+            "router also sees the next tokens; MTP layers are not supported in in-job replay"
+        )
 
 
 class InJobSession:
@@ -435,8 +480,10 @@ class InJobSession:
         self._rollout = rollout or directory is not None  # r3 (from files, or with the batch when no directory)
         self.batch = None  # r3 with the batch: the routes handed over by injob.add_routes()
         if self._rollout and directory is None:
-            self.batch = batch_routes.BatchSource(max_tokens=_env_int(MAX_TOKENS_ENV, DEFAULT_MAX_TOKENS),
-                                                  duplicates=os.environ.get(DUPLICATES_ENV) or "first")
+            self.batch = batch_routes.BatchSource(
+                max_tokens=_env_int(MAX_TOKENS_ENV, DEFAULT_MAX_TOKENS),
+                duplicates=os.environ.get(DUPLICATES_ENV) or "first",
+            )
             batch_routes.attach(self.batch)
         self._bound: dict[int, weakref.ref] = {}
         self._native: weakref.WeakSet = weakref.WeakSet()
@@ -457,8 +504,12 @@ class InJobSession:
             rr.refuse_config(router, layer, disable_fusion=False)
             refuse_router(router, layer)
             if self.state is None and self._rollout:
-                self.state = RolloutState(original=self._original, num_experts=router.num_experts,
-                                          directory=self._directory, source=self.batch)
+                self.state = RolloutState(
+                    original=self._original,
+                    num_experts=router.num_experts,
+                    directory=self._directory,
+                    source=self.batch,
+                )
             elif self.state is None:
                 self.state = InJobState(original=self._original, num_experts=router.num_experts)
             self._bound[layer] = weakref.ref(router)

@@ -37,8 +37,9 @@ def model_info(config) -> ModelInfo:
     else:
         pattern = list(freq)
     moe = tuple(i for i, p in enumerate(pattern) if p == 1)
-    return ModelInfo(num_layers=config.num_layers, moe_layers=moe, num_experts=config.num_moe_experts,
-                     topk=config.moe_router_topk)
+    return ModelInfo(
+        num_layers=config.num_layers, moe_layers=moe, num_experts=config.num_moe_experts, topk=config.moe_router_topk
+    )
 
 
 def _routers(model_chunks: Sequence[torch.nn.Module]) -> list:
@@ -115,6 +116,8 @@ def _topk_ids(routing_map_TE: torch.Tensor, *, topk: int, layer: int, mb: int) -
     per_row_T = routing_map_TE.sum(dim=1)
     if bool((per_row_T != topk).any()):
         row = int((per_row_T != topk).nonzero()[0])
-        raise RouteError(f"layer {layer} mb {mb}: token {row} routed to {int(per_row_T[row])} experts != topk "
-                         f"{topk} (token dropping or padding masks are not recordable)")
+        raise RouteError(
+            f"layer {layer} mb {mb}: token {row} routed to {int(per_row_T[row])} experts != topk "
+            f"{topk} (token dropping or padding masks are not recordable)"
+        )
     return routing_map_TE.nonzero()[:, 1].view(-1, topk)

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
-
 from torch.utils.checkpoint import checkpoint
 
 _FORWARD_CELL = "frame"  # _checkpoint_hook.__init__.<locals>.pack_hook closes over the _CheckpointFrame

@@ -50,6 +50,7 @@ class InputLog:
             ids = args[0] if args else kwargs.get("input_ids")
             keep = isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
             self.per_chunk[index].append(ids.detach().clone() if keep else None)
+
         return pre_hook
 
     def close(self) -> None:
@@ -91,23 +92,34 @@ def check_model(origin: Origin, routers: dict[int, object], *, rank: int) -> Non
         ref = origin.routers.get(layer)
         recorded_on = ref() if ref is not None else None
         if recorded_on is not None and recorded_on is not router:
-            raise RouteError(f"layer {layer} rank {rank}: these routes were recorded by the session of another model "
-                             "(another set of routers, e.g. the actor's routes given to the reference model's "
-                             "session); replay a model's own session.routes(), or rebuild them deliberately with "
-                             "Routes({layer: [...]}, num_experts=, topk=)")
+            raise RouteError(
+                f"layer {layer} rank {rank}: these routes were recorded by the session of another model "
+                "(another set of routers, e.g. the actor's routes given to the reference model's "
+                "session); replay a model's own session.routes(), or rebuild them deliberately with "
+                "Routes({layer: [...]}, num_experts=, topk=)"
+            )
 
 
 def check_inputs(recorded: InputLog, replayed: InputLog, *, rank: int) -> None:
     """Forward ``i`` of every chunk must have had the token ids recorded for micro-batch ``i``."""
-    for chunk, (rec, rep) in enumerate(zip(recorded.per_chunk, replayed.per_chunk, strict=False)):  # counts: the consumption check
+    for chunk, (rec, rep) in enumerate(
+        zip(recorded.per_chunk, replayed.per_chunk, strict=False)
+    ):  # counts: the consumption check
         for mb, (a, b) in enumerate(zip(rec, rep, strict=False)):
             if a is None or b is None:
                 continue
             if a.shape != b.shape or not torch.equal(a, b.to(a.device)):
-                moved = [i for i, r in enumerate(rec) if r is not None and r.shape == b.shape
-                         and torch.equal(r, b.to(r.device))]
-                which = f"it equals recorded micro-batch {moved[0]}'s" if moved else "they match no recorded micro-batch"
-                raise RouteError(f"chunk {chunk} rank {rank} mb {mb}: the token ids of replayed forward {mb} are not "
-                                 f"those micro-batch {mb}'s routes were recorded on ({which}); forward i replays "
-                                 "micro-batch i: feed the micro-batches in the recorded order, and record again for "
-                                 "new data (session.routes() returns the last record()'s routes)")
+                moved = [
+                    i
+                    for i, r in enumerate(rec)
+                    if r is not None and r.shape == b.shape and torch.equal(r, b.to(r.device))
+                ]
+                which = (
+                    f"it equals recorded micro-batch {moved[0]}'s" if moved else "they match no recorded micro-batch"
+                )
+                raise RouteError(
+                    f"chunk {chunk} rank {rank} mb {mb}: the token ids of replayed forward {mb} are not "
+                    f"those micro-batch {mb}'s routes were recorded on ({which}); forward i replays "
+                    "micro-batch i: feed the micro-batches in the recorded order, and record again for "
+                    "new data (session.routes() returns the last record()'s routes)"
+                )

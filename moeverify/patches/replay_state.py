@@ -71,8 +71,10 @@ def route_recompute(router, held, logits, args, kwargs, *, original):
             matches.append(binding)
     if len(matches) > 1:
         where = ", ".join(f"layer {layer} mb {mb}" for _, layer, mb in matches)
-        raise RouteError(f"rank {current_rank()}: a recompute matches {len(matches)} replayed forwards ({where}); "
-                         "nested checkpoints around one router are not supported by router replay")
+        raise RouteError(
+            f"rank {current_rank()}: a recompute matches {len(matches)} replayed forwards ({where}); "
+            "nested checkpoints around one router are not supported by router replay"
+        )
     if matches:
         state, layer, mb = matches[0]
         return state.recompute(router, layer, mb, logits, args, kwargs)
@@ -81,11 +83,13 @@ def route_recompute(router, held, logits, args, kwargs, *, original):
         layer = held[1] if held is not None else router.layer_number - 1
         state = held[0] if replaying else None
         used = f" ({state.describe(layer)})" if state is not None else ""
-        raise RouteError(f"layer {layer} rank {current_rank()}: a routing call inside backward is not the recompute "
-                         f"of any replayed forward{used}; router replay matches recomputes to their forwards through "
-                         "Megatron's tensor_parallel.checkpoint, torch.utils.checkpoint (either mode) and other "
-                         "autograd-Function checkpoints: this recompute mechanism is unknown, so its routes cannot be "
-                         "identified (routing it natively would silently differ from its forward)")
+        raise RouteError(
+            f"layer {layer} rank {current_rank()}: a routing call inside backward is not the recompute "
+            f"of any replayed forward{used}; router replay matches recomputes to their forwards through "
+            "Megatron's tensor_parallel.checkpoint, torch.utils.checkpoint (either mode) and other "
+            "autograd-Function checkpoints: this recompute mechanism is unknown, so its routes cannot be "
+            "identified (routing it natively would silently differ from its forward)"
+        )
     return original(router, logits, *args, **kwargs)
 
 
@@ -107,7 +111,9 @@ def route_unheld(router, logits, args, kwargs, *, original):
 
 
 def current_rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    return (
+        torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    )
 
 
 def _call_with_hook(original, router, hook, logits, args, kwargs):
@@ -166,8 +172,9 @@ def _topk_order_holds(default_compute_topk, scores: torch.Tensor, topk: int, num
         g = torch.Generator(device=scores.device).manual_seed(12)
         rows = scores.shape[0]  # the call's token count: Megatron's group-limited top-k is bound to it
         probe_TE = torch.randint(0, 6, (rows, scores.shape[1]), generator=g, device=scores.device)
-        probe_TE = (probe_TE.to(scores.dtype) * 0.25 - 0.5).where(probe_TE < 5, torch.rand(
-            rows, scores.shape[1], generator=g, device=scores.device).to(scores.dtype))
+        probe_TE = (probe_TE.to(scores.dtype) * 0.25 - 0.5).where(
+            probe_TE < 5, torch.rand(rows, scores.shape[1], generator=g, device=scores.device).to(scores.dtype)
+        )
         with torch.no_grad():
             _, native_TK = grad_mode_topk(default_compute_topk, probe_TE, topk, num_groups, group_topk)
             ours_TK = topk_order(probe_TE, native_TK.sort(dim=1).values)
@@ -175,26 +182,51 @@ def _topk_order_holds(default_compute_topk, scores: torch.Tensor, topk: int, num
     return holds
 
 
-def canonical_replay(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_compute_topk=None, *, topk: int,
-                     num_groups=None, group_topk=None, native_TK: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def canonical_replay(
+    scores: torch.Tensor,
+    sorted_ids_TK: torch.Tensor,
+    default_compute_topk=None,
+    *,
+    topk: int,
+    num_groups=None,
+    group_topk=None,
+    native_TK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
     scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them."""
     # the order is found on detached keys and the scores gathered once at the ordered ids, native replay's own op:
     # no autograd node beyond that gather (a top-k with grad would add a scatter to the backward, and under
     # deterministic algorithms a scatter is a sort-based index_put on the GPU)
-    ids_TK = canonical_ids(scores, sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups,
-                           group_topk=group_topk, native_TK=native_TK)
+    ids_TK = canonical_ids(
+        scores,
+        sorted_ids_TK,
+        default_compute_topk,
+        topk=topk,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        native_TK=native_TK,
+    )
     return scores.gather(1, ids_TK), ids_TK
 
 
-def canonical_ids(scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_compute_topk=None, *, topk: int,
-                  num_groups=None, group_topk=None, native_TK: torch.Tensor | None = None) -> torch.Tensor:
+def canonical_ids(
+    scores: torch.Tensor,
+    sorted_ids_TK: torch.Tensor,
+    default_compute_topk=None,
+    *,
+    topk: int,
+    num_groups=None,
+    group_topk=None,
+    native_TK: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``canonical_replay``'s ids alone."""
     key_TE = scores.detach()
     # without Megatron's top-k (``default_compute_topk`` None: the ``ties_by_id`` mutant) the rule below, ties by id
-    if key_TE.is_cuda and default_compute_topk is not None and _topk_order_holds(default_compute_topk, key_TE, topk,
-                                                                                 num_groups, group_topk):
+    if (
+        key_TE.is_cuda
+        and default_compute_topk is not None
+        and _topk_order_holds(default_compute_topk, key_TE, topk, num_groups, group_topk)
+    ):
         # torch.topk's own order of the replayed set: native's where native picked that set (no native top-k, no
         # [T, E] work, no host sync: two [T, K] kernels and a small top-k)
         return topk_order(key_TE, sorted_ids_TK)
@@ -239,8 +271,9 @@ class _ReplayHook:
         self.sorted_ids_TK = sorted_ids_TK
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        return canonical_replay(scores, self.sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups,
-                                group_topk=group_topk)
+        return canonical_replay(
+            scores, self.sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups, group_topk=group_topk
+        )
 
 
 class Recording:
@@ -267,16 +300,27 @@ class Recording:
 class Replaying:
     """State of ``session.replay(routes)``: per layer, the next forward micro-batch and recompute counts."""
 
-    def __init__(self, per_layer: dict[int, tuple[torch.Tensor, ...]], *, recompute: bool | str, rank: int,
-                 original, fidelity: bool = False, ascending: bool = False):
+    def __init__(
+        self,
+        per_layer: dict[int, tuple[torch.Tensor, ...]],
+        *,
+        recompute: bool | str,
+        rank: int,
+        original,
+        fidelity: bool = False,
+        ascending: bool = False,
+    ):
         self.original = original  # the unpatched TopKRouter.routing
         # layer -> [tokens whose replayed top-k equals native top-k (device tensor), tokens] over forwards
         self.fidelity: dict[int, list] | None = {} if fidelity else None
         self.per_layer = per_layer
         # ids ascending per row (``ascending``: given so, e.g. made once per Routes): the hooks order the slots
         # from there (canonical_replay)
-        self.sorted_ids = per_layer if ascending else {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs)
-                                                       for layer, mbs in per_layer.items()}
+        self.sorted_ids = (
+            per_layer
+            if ascending
+            else {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs) for layer, mbs in per_layer.items()}
+        )
         self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
         self.recompute_mode = recompute
         self.rank = rank
@@ -291,23 +335,29 @@ class Replaying:
         tokens = logits.numel() // router.num_experts
         if self.tokens[layer][mb] != tokens:
             shape = tuple(self.per_layer[layer][mb].shape)
-            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: replay ids shape {shape}"
-                             f" != expected (T={tokens}, K={router.topk}) for this router call")
+            raise RouteError(
+                f"layer {layer} rank {self.rank} mb {mb}: replay ids shape {shape}"
+                f" != expected (T={tokens}, K={router.topk}) for this router call"
+            )
         return self.sorted_ids[layer][mb]
 
     def describe(self, layer) -> str:
         if layer not in self.next_mb:
             return "no routes for this layer"
-        return (f"{self.next_mb[layer]} of {len(self.per_layer[layer])} forward micro-batch(es) used, "
-                f"{sum(self.recomputed[layer])} recompute(s) served")
+        return (
+            f"{self.next_mb[layer]} of {len(self.per_layer[layer])} forward micro-batch(es) used, "
+            f"{sum(self.recomputed[layer])} recompute(s) served"
+        )
 
     def route(self, router, layer, logits, args, kwargs):
         guard_call(router, layer)
         total = len(self.per_layer[layer])
         mb = self.next_mb[layer]
         if mb >= total:
-            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: forward asked for micro-batch {mb} but "
-                             f"only {total} were given to replay (expected {total} forward(s), got more)")
+            raise RouteError(
+                f"layer {layer} rank {self.rank} mb {mb}: forward asked for micro-batch {mb} but "
+                f"only {total} were given to replay (expected {total} forward(s), got more)"
+            )
         self.next_mb[layer] = mb + 1
         region = regions.forward_region()
         if region is not None:
@@ -331,10 +381,16 @@ class Replaying:
         config = router.config
         with torch.no_grad():
             _, native_TE = topk_routing_with_score_function(
-                logits.detach().reshape(-1, router.num_experts), router.topk,
-                use_pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
-                group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor,
-                score_function=router.score_function, expert_bias=router.expert_bias, fused=False)
+                logits.detach().reshape(-1, router.num_experts),
+                router.topk,
+                use_pre_softmax=config.moe_router_pre_softmax,
+                num_groups=config.moe_router_num_groups,
+                group_topk=config.moe_router_group_topk,
+                scaling_factor=config.moe_router_topk_scaling_factor,
+                score_function=router.score_function,
+                expert_bias=router.expert_bias,
+                fused=False,
+            )
             agree = native_TE.gather(1, ids_TK).all(dim=1).sum()
         counts = self.fidelity.setdefault(layer, [torch.zeros((), dtype=torch.int64, device=agree.device), 0])
         counts[0] += agree
@@ -344,12 +400,16 @@ class Replaying:
         """``{layer: share of replayed tokens whose top-k equals native's}`` over the forwards so far."""
         if self.fidelity is None:
             raise UsageError("fidelity was not asked for: use session.replay(routes, fidelity=True)")
-        return {layer: (int(agree) / tokens if tokens else 1.0) for layer, (agree, tokens) in sorted(self.fidelity.items())}
+        return {
+            layer: (int(agree) / tokens if tokens else 1.0) for layer, (agree, tokens) in sorted(self.fidelity.items())
+        }
 
     def recompute(self, router, layer, mb, logits, args, kwargs):
         if self.recompute_mode is False:
-            raise RouteError(f"layer {layer} rank {self.rank} mb {mb}: recompute of a replayed forward, but the "
-                             "replay was started with recompute=False (no recompute expected)")
+            raise RouteError(
+                f"layer {layer} rank {self.rank} mb {mb}: recompute of a replayed forward, but the "
+                "replay was started with recompute=False (no recompute expected)"
+            )
         self.recomputed[layer][mb] += 1
         hook = _ReplayHook(self._ids(router, layer, mb, logits))
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
@@ -360,9 +420,11 @@ class Replaying:
         for layer, mbs in self.per_layer.items():
             unused = list(range(self.next_mb[layer], len(mbs)))
             if unused:
-                found.append(f"layer {layer} rank {self.rank} mb {unused[0]}: {len(unused)} of {len(mbs)} replayed "
-                             f"micro-batch(es) never used in a forward (expected {len(mbs)} forwards, "
-                             f"got {self.next_mb[layer]})")
+                found.append(
+                    f"layer {layer} rank {self.rank} mb {unused[0]}: {len(unused)} of {len(mbs)} replayed "
+                    f"micro-batch(es) never used in a forward (expected {len(mbs)} forwards, "
+                    f"got {self.next_mb[layer]})"
+                )
         return found
 
     def problems(self) -> list[str]:
@@ -375,11 +437,15 @@ class Replaying:
                 if got:
                     continue
                 if self.recompute_mode is True:
-                    found.append(f"layer {layer} rank {self.rank} mb {mb}: recomputed 0 time(s), expected at least 1 "
-                                 "(recompute=True; the backward pass did not run)")
+                    found.append(
+                        f"layer {layer} rank {self.rank} mb {mb}: recomputed 0 time(s), expected at least 1 "
+                        "(recompute=True; the backward pass did not run)"
+                    )
                 elif ref is not None and ref() is not None:
-                    found.append(f"layer {layer} rank {self.rank} mb {mb}: its checkpointed forward's graph is alive "
-                                 "but was never recomputed (its backward has not run yet)")
+                    found.append(
+                        f"layer {layer} rank {self.rank} mb {mb}: its checkpointed forward's graph is alive "
+                        "but was never recomputed (its backward has not run yet)"
+                    )
         return found
 
 
@@ -390,13 +456,17 @@ def guard_call(router, layer: int) -> None:
     ``topk``, ...) are read, not its config: Megatron copies them at build time and routes by the copies.
     """
     if router.config.moe_router_fusion:
-        raise UsageError(f"layer {layer}: moe_router_fusion was switched on while a replay session is active; "
-                         "the fused path would skip replay: set config.moe_router_fusion = False")
+        raise UsageError(
+            f"layer {layer}: moe_router_fusion was switched on while a replay session is active; "
+            "the fused path would skip replay: set config.moe_router_fusion = False"
+        )
     problem = semantics.router_problem(router, fusion=False)
     if problem is not None:
         raise UsageError(f"layer {layer} rank {current_rank()}: {problem}")
     native = router.router_replay
     if native is not None and getattr(native, "router_replay_action", None) is not None:
-        raise UsageError(f"layer {layer}: megatron-core's native RouterReplay action "
-                         f"{native.router_replay_action} is set on a router held by a moeverify session; use one "
-                         "replay implementation at a time (clear_global_router_replay_action())")
+        raise UsageError(
+            f"layer {layer}: megatron-core's native RouterReplay action "
+            f"{native.router_replay_action} is set on a router held by a moeverify session; use one "
+            "replay implementation at a time (clear_global_router_replay_action())"
+        )

@@ -1,4 +1,5 @@
-"""In-job R3's route source: a rollout engine's routes (``moeverify.routing.rollout_writer`` files) as route tables keyed by
+"""In-job R3's route source: a rollout engine's routes (``moeverify.routing.rollout_writer`` files) as route tables
+keyed by
 token identity, one per model chunk.
 
 Legend: N = tokens of a step (all requests, concatenated), R = requests, W = layer columns in the files, L = this
@@ -24,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeverify.routing import layer_numbering, npy_file
-from moeverify.routing import rollout_arrays as ra
-from moeverify.routing import rollout_writer as rw
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement
 from moeverify.patches import token_keys as tk
 from moeverify.patches.route_table import RouteTable
+from moeverify.routing import layer_numbering, npy_file
+from moeverify.routing import rollout_arrays as ra
+from moeverify.routing import rollout_writer as rw
 
 KEEP = 2  # newest complete steps that serve
 EXPERT_MAP_ENV = "MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP"
@@ -72,24 +73,42 @@ class Step:
     def read(cls, directory: Path, step: int) -> Step:
         """A complete step of a ``RolloutWriter`` directory."""
         where = rw.step_dir(directory, step)
-        parts = [checked_part(npy_file.load_npz(where / name, error=RouteError), where / name)
-                 for name in rw.read_marker(directory, step)]
+        parts = [
+            checked_part(npy_file.load_npz(where / name, error=RouteError), where / name)
+            for name in rw.read_marker(directory, step)
+        ]
         return cls(parts, where=where, step=step)
 
     @property
     def tokens(self) -> int:
         return sum(int(p["tokens"].shape[0]) for p in self.parts)
 
-    def ids(self, *, layers: list[int], model_layers: list[int], num_layers: int, num_experts: int,
-            expert_map=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def ids(
+        self, *, layers: list[int], model_layers: list[int], num_layers: int, num_experts: int, expert_map=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(tokens [N], starts [R + 1], ids [N, L, K], native [N])`` of ``layers`` (a subset of ``model_layers``,
         the model's MoE layers in router order): missing last rows filled and flagged native."""
         width = int(self.parts[0]["routes"].shape[1])
-        cols = layer_numbering.columns(width, layers=model_layers, num_layers=num_layers, numbering=self.numbering,
-                                       where=f"{self.where} routes", error=RouteError, pick=ra.PICK, count=ra.COUNT)
+        cols = layer_numbering.columns(
+            width,
+            layers=model_layers,
+            num_layers=num_layers,
+            numbering=self.numbering,
+            where=f"{self.where} routes",
+            error=RouteError,
+            pick=ra.PICK,
+            count=ra.COUNT,
+        )
         pick = [cols[model_layers.index(layer)] for layer in layers]
-        emap = self._map(expert_map, layers=layers, cols=pick, width=width, num_layers=num_layers,
-                         num_experts=num_experts, model_layers=model_layers)
+        emap = self._map(
+            expert_map,
+            layers=layers,
+            cols=pick,
+            width=width,
+            num_layers=num_layers,
+            num_experts=num_experts,
+            model_layers=model_layers,
+        )
         tokens, starts, ids, native = [], [0], [], []
         for part in self.parts:
             i, n = self._request_rows(part, pick=pick, layers=layers, num_experts=num_experts, emap=emap)
@@ -102,15 +121,23 @@ class Step:
     def _map(self, expert_map, *, layers, cols, width, num_layers, num_experts, model_layers):
         stored = self.expert_map
         if stored is not None and expert_map is not None:
-            raise UsageError(f"{self.where}: the step's files carry an expert_map and {EXPERT_MAP_ENV} names "
-                             "another; give one")
+            raise UsageError(
+                f"{self.where}: the step's files carry an expert_map and {EXPERT_MAP_ENV} names another; give one"
+            )
         if stored is None:
-            return None if expert_map is None else ra.load_map(expert_map, layers=layers, num_layers=num_layers,
-                                                               num_experts=num_experts)
+            return (
+                None
+                if expert_map is None
+                else ra.load_map(expert_map, layers=layers, num_layers=num_layers, num_experts=num_experts)
+            )
         if stored.shape[0] not in (1, width):
-            raise RouteError(f"{self.where}: expert_map holds {stored.shape[0]} rows, the routes {width} columns "
-                             "(give one row for every layer, or one per column)")
-        per_layer = {layer: stored[0 if stored.shape[0] == 1 else col].tolist() for layer, col in zip(layers, cols, strict=True)}
+            raise RouteError(
+                f"{self.where}: expert_map holds {stored.shape[0]} rows, the routes {width} columns "
+                "(give one row for every layer, or one per column)"
+            )
+        per_layer = {
+            layer: stored[0 if stored.shape[0] == 1 else col].tolist() for layer, col in zip(layers, cols, strict=True)
+        }
         return ra.load_map(per_layer, layers=layers, num_layers=num_layers, num_experts=num_experts)
 
     @staticmethod
@@ -128,30 +155,37 @@ class Step:
         if bool(gaps_RL.any()):
             row, col = (int(i) for i in gaps_RL.nonzero()[0])
             r, s = _request_of(row, rows)
-            raise RouteError(f"{where}: request {r} position {s} layer {layers[col]}: capture gap (a row of -1 or of "
-                             f"zeros: {routes_RLK[row, col].tolist()}), {int(gaps_RL.sum())} such row(s); the engine "
-                             "did not record this route (a real token): fix the capture, or leave the token out of "
-                             "token_ids")
+            raise RouteError(
+                f"{where}: request {r} position {s} layer {layers[col]}: capture gap (a row of -1 or of "
+                f"zeros: {routes_RLK[row, col].tolist()}), {int(gaps_RL.sum())} such row(s); the engine "
+                "did not record this route (a real token): fix the capture, or leave the token out of "
+                "token_ids"
+            )
         partial_RL = (routes_RLK == -1).any(dim=-1)
         if bool(partial_RL.any()):  # not a gap (every slot -1), not an id out of range: a row cut short
             row, col = (int(i) for i in partial_RL.nonzero()[0])
             r, s = _request_of(row, rows)
-            raise RouteError(f"{where}: request {r} position {s} layer {layers[col]}: route "
-                             f"{routes_RLK[row, col].tolist()} has -1 (not captured) in "
-                             f"{int((routes_RLK[row, col] == -1).sum())} of its {routes_RLK.shape[2]} slots "
-                             f"({int(partial_RL.sum())} such row(s)): a variable top-k, or a capture cut mid-row; "
-                             "replay needs every one of the router's top-k experts of a real token")
+            raise RouteError(
+                f"{where}: request {r} position {s} layer {layers[col]}: route "
+                f"{routes_RLK[row, col].tolist()} has -1 (not captured) in "
+                f"{int((routes_RLK[row, col] == -1).sum())} of its {routes_RLK.shape[2]} slots "
+                f"({int(partial_RL.sum())} such row(s)): a variable top-k, or a capture cut mid-row; "
+                "replay needs every one of the router's top-k experts of a real token"
+            )
         if emap is not None:
-            routes_RLK = ra._to_logical(routes_RLK, emap=emap, skip_TL=torch.zeros_like(gaps_RL), layers=layers,
-                                        where=str(where))
+            routes_RLK = ra._to_logical(
+                routes_RLK, emap=emap, skip_TL=torch.zeros_like(gaps_RL), layers=layers, where=str(where)
+            )
         high_RL = (routes_RLK >= num_experts).any(dim=-1) | (routes_RLK < 0).any(dim=-1)
         if bool(high_RL.any()):
             row, col = (int(i) for i in high_RL.nonzero()[0])
             r, s = _request_of(row, rows)
-            raise RouteError(f"{where}: request {r} position {s} layer {layers[col]}: expert ids "
-                             f"{routes_RLK[row, col].tolist()} outside [0, {num_experts}) ({int(high_RL.sum())} such "
-                             f"row(s)); an engine that records physical expert slots (EPLB with redundant experts) "
-                             f"needs its map: RolloutWriter(expert_map=) or {EXPERT_MAP_ENV}=PATH")
+            raise RouteError(
+                f"{where}: request {r} position {s} layer {layers[col]}: expert ids "
+                f"{routes_RLK[row, col].tolist()} outside [0, {num_experts}) ({int(high_RL.sum())} such "
+                f"row(s)); an engine that records physical expert slots (EPLB with redundant experts) "
+                f"needs its map: RolloutWriter(expert_map=) or {EXPERT_MAP_ENV}=PATH"
+            )
         k = routes_RLK.shape[2]
         ids_NLK = torch.arange(k).expand(n, len(layers), k).clone()  # native rows: any valid distinct ids
         ids_NLK[has_row_N] = routes_RLK
@@ -170,13 +204,17 @@ def checked_part(arrays: dict, path) -> dict:
     if lengths.shape != rows.shape or not lengths.size or lengths.min() < 1:
         raise RouteError(f"{path}: lengths {lengths.shape} and rows {rows.shape} must give >= 1 token per request")
     if int(lengths.sum()) != arrays["tokens"].shape[0] or int(rows.sum()) != arrays["routes"].shape[0]:
-        raise RouteError(f"{path}: {arrays['tokens'].shape[0]} tokens and {arrays['routes'].shape[0]} route rows, "
-                         f"the requests' lengths and rows sum to {int(lengths.sum())} and {int(rows.sum())}")
+        raise RouteError(
+            f"{path}: {arrays['tokens'].shape[0]} tokens and {arrays['routes'].shape[0]} route rows, "
+            f"the requests' lengths and rows sum to {int(lengths.sum())} and {int(rows.sum())}"
+        )
     short = (rows != lengths) & (rows != lengths - 1)
     if short.any():
         r = int(short.nonzero()[0][0])
-        raise RouteError(f"{path}: request {r} holds {int(rows[r])} route rows for {int(lengths[r])} tokens; "
-                         f"expected {int(lengths[r]) - 1} or {int(lengths[r])}")
+        raise RouteError(
+            f"{path}: request {r} holds {int(rows[r])} route rows for {int(lengths[r])} tokens; "
+            f"expected {int(lengths[r]) - 1} or {int(lengths[r])}"
+        )
     if "expert_map" in arrays and arrays["expert_map"].ndim != 2:
         raise RouteError(f"{path}: expert_map must be [W or 1, P], got {arrays['expert_map'].shape}")
     arrays["lengths"], arrays["rows"], arrays["path"] = lengths, rows, path
@@ -239,21 +277,32 @@ class TableSource(abc.ABC):
         serving = self._serving()
         if not serving:
             raise RouteError(self._empty(rank))
-        model_layers = list(layer_numbering.moe_layers(num_layers=config.num_layers,
-                                                       moe_layer_freq=config.moe_layer_freq))
+        model_layers = list(
+            layer_numbering.moe_layers(num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq)
+        )
         for step in serving:
             topk = int(step.parts[0]["routes"].shape[2])
             if topk != config.moe_router_topk:
-                raise RouteError(f"rank {rank}: {step.where}: the rollout routes hold top-{topk} ids, the model routes "
-                                 f"top-{config.moe_router_topk} (moe_router_topk): another model's routes?")
+                raise RouteError(
+                    f"rank {rank}: {step.where}: the rollout routes hold top-{topk} ids, the model routes "
+                    f"top-{config.moe_router_topk} (moe_router_topk): another model's routes?"
+                )
         device = next(chunk.parameters()).device
         versions = ", ".join(str(step.step) for step in serving)
-        table = RouteTable(max_tokens=self.max_tokens, num_experts=config.num_moe_experts, duplicates=self.duplicates,
-                           origin=(self.describe(versions), self.remedy))
+        table = RouteTable(
+            max_tokens=self.max_tokens,
+            num_experts=config.num_moe_experts,
+            duplicates=self.duplicates,
+            origin=(self.describe(versions), self.remedy),
+        )
         for step in serving:  # newest first
             tokens_N, starts, ids_NLK, native_N = step.ids(
-                layers=layers, model_layers=model_layers, num_layers=config.num_layers,
-                num_experts=config.num_moe_experts, expert_map=self.expert_map)
+                layers=layers,
+                model_layers=model_layers,
+                num_layers=config.num_layers,
+                num_experts=config.num_moe_experts,
+                expert_map=self.expert_map,
+            )
             keys = tk.packed_keys(tokens_N.to(device), cu_seqlens=starts.to(device))
             forward = table.add_forward(keys, rank=rank, native_T=native_N.to(device), version=step.step)
             for i, layer in enumerate(layers):
@@ -291,8 +340,10 @@ class RolloutSource(TableSource):
         return [self._loaded[step] for step in self._newest]
 
     def _empty(self, rank: int) -> str:
-        return (f"rank {rank}: in-job replay r3:{self.directory}: no complete rollout step yet (a step's routes are "
-                f"read once its {rw.MARKER} marker exists: RolloutWriter.close() or rollout_writer.mark_complete())")
+        return (
+            f"rank {rank}: in-job replay r3:{self.directory}: no complete rollout step yet (a step's routes are "
+            f"read once its {rw.MARKER} marker exists: RolloutWriter.close() or rollout_writer.mark_complete())"
+        )
 
     def refresh(self) -> None:
         """Look at the directory again; newer complete steps replace the tables."""

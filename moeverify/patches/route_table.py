@@ -78,8 +78,14 @@ class RouteTable:
         origin: what recorded the routes, and how to record a missing token, for error messages.
     """
 
-    def __init__(self, *, max_tokens: int, num_experts: int, duplicates: str = "refuse",
-                 origin: tuple[str, str] = (_R2_ORIGIN, _R2_REMEDY)):
+    def __init__(
+        self,
+        *,
+        max_tokens: int,
+        num_experts: int,
+        duplicates: str = "refuse",
+        origin: tuple[str, str] = (_R2_ORIGIN, _R2_REMEDY),
+    ):
         self.max_tokens = max_tokens
         self.duplicates = duplicates
         self.origin, self.remedy = origin
@@ -103,14 +109,17 @@ class RouteTable:
     def frozen(self) -> bool:
         return self.keys_2G is not None
 
-    def add_forward(self, keys: TokenKeys, *, rank: int, native_T: torch.Tensor | None = None,
-                    version: int | None = None) -> int:
+    def add_forward(
+        self, keys: TokenKeys, *, rank: int, native_T: torch.Tensor | None = None, version: int | None = None
+    ) -> int:
         """Register a recorded forward's tokens (``native_T``: those to route natively; ``version``: the rollout
         version they were generated under, kept apart from other versions' routes); returns its forward index."""
         if self.tokens + keys.tokens > self.max_tokens:
-            raise RouteError(f"rank {rank}: {self.tokens + keys.tokens} tokens of {self.origin} for one model chunk, "
-                             f"over the cap of {self.max_tokens} (memory bound of in-job replay); raise "
-                             "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if they really are that many")
+            raise RouteError(
+                f"rank {rank}: {self.tokens + keys.tokens} tokens of {self.origin} for one model chunk, "
+                f"over the cap of {self.max_tokens} (memory bound of in-job replay); raise "
+                "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if they really are that many"
+            )
         if (version is None) != (not self.versions) and self.tokens:
             raise RouteError(f"rank {rank}: a route table holds versioned and unversioned routes at once")
         if version is not None:
@@ -126,8 +135,10 @@ class RouteTable:
     def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int) -> None:
         held = self._ids.setdefault(layer, [])
         if len(held) != forward:
-            raise RouteError(f"layer {layer} rank {rank}: log-prob forward {forward} routed this layer after "
-                             f"{len(held)} forward(s); each forward must route every layer once")
+            raise RouteError(
+                f"layer {layer} rank {rank}: log-prob forward {forward} routed this layer after "
+                f"{len(held)} forward(s); each forward must route every layer once"
+            )
         held.append(ids_TK.to(self.dtype))
 
     def freeze(self, *, rank: int, group=None) -> None:
@@ -140,11 +151,19 @@ class RouteTable:
         forwards = len(self._keys)
         short = {layer: len(ids) for layer, ids in self._ids.items() if len(ids) != forwards}
         if short:
-            raise RouteError(f"rank {rank}: per layer, log-prob forwards routed {short} of {forwards}: a log-prob "
-                             "forward stopped before its last MoE layer")
+            raise RouteError(
+                f"rank {rank}: per layer, log-prob forwards routed {short} of {forwards}: a log-prob "
+                "forward stopped before its last MoE layer"
+            )
         key1_N, key2_N = torch.cat(self._keys, dim=1)
-        native_N = torch.cat([torch.zeros(k.shape[1], dtype=torch.bool, device=k.device) if n is None
-                              else n.to(device=k.device, dtype=torch.bool) for k, n in zip(self._keys, self._native, strict=True)])
+        native_N = torch.cat(
+            [
+                torch.zeros(k.shape[1], dtype=torch.bool, device=k.device)
+                if n is None
+                else n.to(device=k.device, dtype=torch.bool)
+                for k, n in zip(self._keys, self._native, strict=True)
+            ]
+        )
         if group is not None:
             key1_N, key2_N, native_N = self._pool(key1_N, key2_N, native_N, group)
         order_N = torch.argsort(native_N.to(torch.int8), stable=True)  # a real route before a native flag
@@ -154,8 +173,10 @@ class RouteTable:
         same1 = key1_N[1:] == key1_N[:-1]
         same = same1 & (key2_N[1:] == key2_N[:-1])
         if bool((same1 & ~same).any()):
-            raise RouteError(f"rank {rank}: two different recorded token prefixes share one 64-bit key half (chance "
-                             "about N^2 / 2^65); rerun the step")
+            raise RouteError(
+                f"rank {rank}: two different recorded token prefixes share one 64-bit key half (chance "
+                "about N^2 / 2^65); rerun the step"
+            )
         first_N = torch.ones_like(key1_N, dtype=torch.bool)
         first_N[1:] = ~same
         group_N = torch.cumsum(first_N, dim=0) - 1
@@ -169,15 +190,22 @@ class RouteTable:
             conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
             self.layer_index[layer] = len(ids_GK)
             ids_GK.append(canon_NK[heads_G])  # kept ascending: replay orders a set's slots itself
-        self.ids_GLK = torch.stack(ids_GK, dim=1) if ids_GK else torch.zeros(heads_G.shape[0], 0, 0,
-                                                                             dtype=self.dtype, device=key1_N.device)
+        self.ids_GLK = (
+            torch.stack(ids_GK, dim=1)
+            if ids_GK
+            else torch.zeros(heads_G.shape[0], 0, 0, dtype=self.dtype, device=key1_N.device)
+        )
         self.keys_2G = torch.stack([key1_N[heads_G], key2_N[heads_G]])
         self.conflict_G = conflict_G > 0
         self.native_G = native_N[heads_G]
         self.any_native = bool(self.native_G.any())
         if self.versions:
-            version_N = torch.cat([torch.full((k.shape[1],), v, dtype=torch.int64, device=k.device)
-                                   for k, v in zip(self._keys, self._forward_version, strict=True)])[order_N]
+            version_N = torch.cat(
+                [
+                    torch.full((k.shape[1],), v, dtype=torch.int64, device=k.device)
+                    for k, v in zip(self._keys, self._forward_version, strict=True)
+                ]
+            )[order_N]
             self.xconflict_G = self._across_versions(version_N[heads_G])
         self._keys.clear()
         self._forward_version.clear()
@@ -208,20 +236,23 @@ class RouteTable:
     def _pool(self, key1_N, key2_N, native_N, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """All-gather the recorded rows of ``group`` (sizes differ per rank); flags and every layer's ids come along."""
         layers = sorted(self._ids)
-        rows_NC = torch.cat([key1_N[:, None], key2_N[:, None], native_N[:, None].long()]
-                            + [torch.cat(self._ids[layer]).long() for layer in layers], dim=1)
+        rows_NC = torch.cat(
+            [key1_N[:, None], key2_N[:, None], native_N[:, None].long()]
+            + [torch.cat(self._ids[layer]).long() for layer in layers],
+            dim=1,
+        )
         count = torch.tensor([rows_NC.shape[0]], device=rows_NC.device)
         counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
         dist.all_gather(counts, count, group=group)
         most = int(max(c.item() for c in counts))
         padded_NC = torch.zeros(most, rows_NC.shape[1], dtype=rows_NC.dtype, device=rows_NC.device)
-        padded_NC[:rows_NC.shape[0]] = rows_NC
+        padded_NC[: rows_NC.shape[0]] = rows_NC
         gathered = [torch.empty_like(padded_NC) for _ in counts]
         dist.all_gather(gathered, padded_NC, group=group)
-        pooled_NC = torch.cat([g[:int(c.item())] for g, c in zip(gathered, counts, strict=True)])
+        pooled_NC = torch.cat([g[: int(c.item())] for g, c in zip(gathered, counts, strict=True)])
         k = (pooled_NC.shape[1] - 3) // max(len(layers), 1)
         for i, layer in enumerate(layers):
-            self._ids[layer] = [pooled_NC[:, 3 + i * k:3 + (i + 1) * k].to(self.dtype)]
+            self._ids[layer] = [pooled_NC[:, 3 + i * k : 3 + (i + 1) * k].to(self.dtype)]
         return pooled_NC[:, 0].contiguous(), pooled_NC[:, 1].contiguous(), pooled_NC[:, 2].bool()
 
     def nbytes(self) -> int:
@@ -289,9 +320,17 @@ class RouteTable:
         if self.any_native:
             flagged_T = found_T & self.native_G[index_T]
             native_T = flagged_T if native_T is None else native_T | flagged_T
-        return Lookup(index_T=index_T, native_T=native_T, bad_T=bad_T, found_T=found_T, keys=keys,
-                      any_bad=_DeviceFlag(bad_T.any()), version_T=version_T, ambiguous_T=ambiguous_T,
-                      version=version)
+        return Lookup(
+            index_T=index_T,
+            native_T=native_T,
+            bad_T=bad_T,
+            found_T=found_T,
+            keys=keys,
+            any_bad=_DeviceFlag(bad_T.any()),
+            version_T=version_T,
+            ambiguous_T=ambiguous_T,
+            version=version,
+        )
 
     def check(self, found: Lookup, *, layer: int, rank: int) -> None:
         """``RouteError`` for a looked-up token (not padding) with no route or a conflicting one."""
@@ -307,29 +346,41 @@ class RouteTable:
         more = f" ({bad.numel()} of {keys.tokens} tokens of this forward)"
         versions = ", ".join(str(v) for v in self.versions)
         if found.version is not None and found.version not in self.versions:
-            return (f"{where}: the forward names rollout version {found.version}, but {self.origin} hold versions "
-                    f"{versions}{more}: train on a version that is served, or write that version's routes")
+            return (
+                f"{where}: the forward names rollout version {found.version}, but {self.origin} hold versions "
+                f"{versions}{more}: train on a version that is served, or write that version's routes"
+            )
         if found.ambiguous_T is not None and bool(found.ambiguous_T[t]):
-            return (f"{where}: its whole sequence was rolled out under several versions ({versions}), routed "
-                    f"differently in them{more}; which version's routes it trains on cannot be told from its tokens: "
-                    "name the version the batch was generated under with `with injob.rollout_version(N):` around the "
-                    "forward")
+            return (
+                f"{where}: its whole sequence was rolled out under several versions ({versions}), routed "
+                f"differently in them{more}; which version's routes it trains on cannot be told from its tokens: "
+                "name the version the batch was generated under with `with injob.rollout_version(N):` around the "
+                "forward"
+            )
         if not bool(found_T[t]) and found.version is not None:
-            return (f"{where} has no route recorded by {self.origin}{more}: version {found.version}, which the "
-                    "forward names (injob.rollout_version), did not roll out this token's sequence; train it under "
-                    "the version that generated it")
+            return (
+                f"{where} has no route recorded by {self.origin}{more}: version {found.version}, which the "
+                "forward names (injob.rollout_version), did not roll out this token's sequence; train it under "
+                "the version that generated it"
+            )
         if not bool(found_T[t]) and self.versions:
-            return (f"{where} has no route recorded by {self.origin}{more}: no served version holds its whole sequence "
-                    f"(versions {versions}; a sequence takes every route from the one version that rolled it out, "
-                    f"never a shared prefix's route from another); {self.remedy}, or mark padding with padding_mask / "
-                    "cu_seqlens_padded")
+            return (
+                f"{where} has no route recorded by {self.origin}{more}: no served version holds its whole sequence "
+                f"(versions {versions}; a sequence takes every route from the one version that rolled it out, "
+                f"never a shared prefix's route from another); {self.remedy}, or mark padding with padding_mask / "
+                "cu_seqlens_padded"
+            )
         if not bool(found_T[t]):
-            return (f"{where} has no route recorded by {self.origin}{more}; in-job replay replays routes only on "
-                    f"the tokens (same content and position from the sequence start) it recorded: {self.remedy}, "
-                    "or mark padding with padding_mask / cu_seqlens_padded")
-        return (f"{where} was recorded more than once with different expert sets{more}: identical prefixes "
-                f"routed differently by {self.origin} (batch-dependent numerics); set "
-                "MOEVERIFY_ROUTER_REPLAY_DUPLICATES=first to replay the first recorded route")
+            return (
+                f"{where} has no route recorded by {self.origin}{more}; in-job replay replays routes only on "
+                f"the tokens (same content and position from the sequence start) it recorded: {self.remedy}, "
+                "or mark padding with padding_mask / cu_seqlens_padded"
+            )
+        return (
+            f"{where} was recorded more than once with different expert sets{more}: identical prefixes "
+            f"routed differently by {self.origin} (batch-dependent numerics); set "
+            "MOEVERIFY_ROUTER_REPLAY_DUPLICATES=first to replay the first recorded route"
+        )
 
     def ids(self, layer: int, found: Lookup) -> torch.Tensor:
         """This layer's recorded ids ``[T, K]`` (int64) for a looked-up forward: the forward's first call gathers

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from moeverify.errors import EnvironmentProblem, RouteError, UsageError
-from moeverify.patches import compat
-from moeverify.patches import regions, replay_inputs, semantics
+from moeverify.patches import compat, regions, replay_inputs, semantics
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.routers import find_routers, moe_stage_config
 from moeverify.patches.semantics import RoutingMode
@@ -57,9 +56,11 @@ def _refuse_unchecked(routers: dict[int, Any]) -> None:
         unused = state.unused()
         if unused:
             more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-            raise RouteError(f"the previous replay on these routers was never checked and left routes unused: "
-                             f"{unused[0]}{more}; call session.check_consumed() after each replay (a forward "
-                             "skipped or fed twice shifts every later micro-batch onto other routes)")
+            raise RouteError(
+                f"the previous replay on these routers was never checked and left routes unused: "
+                f"{unused[0]}{more}; call session.check_consumed() after each replay (a forward "
+                "skipped or fed twice shifts every later micro-batch onto other routes)"
+            )
 
 
 def _patched_routing(self, logits, *args, **kwargs):
@@ -91,8 +92,10 @@ def revert() -> None:
     if _ORIGINAL_ROUTING is None:
         return
     if len(_ACTIVE):
-        raise UsageError(f"cannot revert the router-replay patch while {len(_ACTIVE)} router(s) are held by an "
-                         "active record()/replay(); leave those contexts first")
+        raise UsageError(
+            f"cannot revert the router-replay patch while {len(_ACTIVE)} router(s) are held by an "
+            "active record()/replay(); leave those contexts first"
+        )
     from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
 
     if _current_routing() is _patched_routing:
@@ -129,25 +132,33 @@ def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
     own copies of its settings, ``RoutingMode.from_router``), then the config-wide settings."""
     config = router.config
     # the fields refuse_unreplayable reads, taken as RoutingMode.from_router takes them (no dataclass per step)
-    problem = semantics._problem(score_function=router.score_function,
-                                 load_balancing=semantics._balancing_types(router.routing_type),
-                                 fused=not disable_fusion and bool(config.moe_router_fusion))
+    problem = semantics._problem(
+        score_function=router.score_function,
+        load_balancing=semantics._balancing_types(router.routing_type),
+        fused=not disable_fusion and bool(config.moe_router_fusion),
+    )
     if problem is not None:
         raise UsageError(f"layer {layer}: {problem}")
     impl = getattr(config, "cuda_graph_impl", "none")
     if (impl not in (None, "none")) or getattr(config, "enable_cuda_graph", False):
-        raise UsageError(f"layer {layer}: CUDA-graph capture (cuda_graph_impl={impl!r}) would replay a captured "
-                         "top-k and skip the routing hook; turn CUDA graphs off for replayed passes")
+        raise UsageError(
+            f"layer {layer}: CUDA-graph capture (cuda_graph_impl={impl!r}) would replay a captured "
+            "top-k and skip the routing hook; turn CUDA graphs off for replayed passes"
+        )
     if getattr(config, "mtp_use_repeated_layer", False) and getattr(config, "mtp_num_layers", None):
-        raise UsageError(f"layer {layer}: mtp_use_repeated_layer calls one MTP router several times per "
-                         "micro-batch; router replay keys one call per layer and micro-batch")
+        raise UsageError(
+            f"layer {layer}: mtp_use_repeated_layer calls one MTP router several times per "
+            "micro-batch; router replay keys one call per layer and micro-batch"
+        )
 
 
 def _layers_fix(given: tuple[int, ...], expected: tuple[int, ...]) -> str:
     if len(given) == len(expected) and not set(expected) <= set(given):
         # As many layers as expected, numbered otherwise: MoE-only indices where dense layers come first.
-        return ("routes are keyed by 0-based global layer number, dense layers counted (an MoE-only index is "
-                f"not a layer number): key them by session.layers = {list(expected)}")
+        return (
+            "routes are keyed by 0-based global layer number, dense layers counted (an MoE-only index is "
+            f"not a layer number): key them by session.layers = {list(expected)}"
+        )
     return "select this rank's layers with routes.select(session.layers)"
 
 
@@ -169,13 +180,16 @@ class ReplaySession:
         found = find_routers(model_chunks)
         stage = None if found else moe_stage_config(model_chunks)
         if not found and stage is None:
-            raise UsageError("ReplaySession found no TopKRouter in the model chunks (a dense model has nothing "
-                             "to replay)")
+            raise UsageError(
+                "ReplaySession found no TopKRouter in the model chunks (a dense model has nothing to replay)"
+            )
         routers = [router for _, router in found.values()]
         for router in routers:
             if "router_replay" not in router.__dict__:
-                raise EnvironmentProblem(f"a {type(router).__name__} has no router_replay attribute; expected "
-                                         "megatron-core >= 0.16's TopKRouter.__init__ (it sets one)")
+                raise EnvironmentProblem(
+                    f"a {type(router).__name__} has no router_replay attribute; expected "
+                    "megatron-core >= 0.16's TopKRouter.__init__ (it sets one)"
+                )
         self._routers: dict[int, weakref.ref] = {layer: weakref.ref(router) for layer, (_, router) in found.items()}
         chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else model_chunks
         self._chunks = [weakref.ref(chunk) for chunk in chunks if isinstance(chunk, torch.nn.Module)]
@@ -184,7 +198,7 @@ class ReplaySession:
         shapes = {(r.num_experts, r.topk) for r in routers} or {(stage.num_moe_experts, stage.moe_router_topk)}
         if len(shapes) > 1:
             raise UsageError(f"routers of one session disagree on (num_experts, topk): {sorted(shapes)}")
-        (self.num_experts, self.topk), = shapes
+        ((self.num_experts, self.topk),) = shapes
         self.disable_fusion = disable_fusion
         self._state: Recording | Replaying | None = None
         self._recording: Recording | None = None
@@ -201,8 +215,10 @@ class ReplaySession:
         for layer, ref in self._routers.items():
             router = ref()
             if router is None:
-                raise UsageError(f"the router of layer {layer} no longer exists (the model was rebuilt or freed); "
-                                 "create a new ReplaySession for the new model")
+                raise UsageError(
+                    f"the router of layer {layer} no longer exists (the model was rebuilt or freed); "
+                    "create a new ReplaySession for the new model"
+                )
             live[layer] = router
         return live
 
@@ -210,8 +226,10 @@ class ReplaySession:
         if not is_applied():
             raise UsageError("the router-replay patch is not applied; call router_replay.apply() first")
         if self._state is not None:
-            raise UsageError(f"this session is already {type(self._state).__name__.strip('_').lower()}; "
-                             "record() and replay() cannot nest")
+            raise UsageError(
+                f"this session is already {type(self._state).__name__.strip('_').lower()}; "
+                "record() and replay() cannot nest"
+            )
 
     @contextlib.contextmanager
     def _active(self, state, routers: dict[int, Any] | None = None) -> Iterator[None]:
@@ -257,16 +275,20 @@ class ReplaySession:
     def routes(self) -> Routes:
         """The routes of the last ``record()``: per layer, one ``[T, K]`` tensor per micro-batch."""
         if isinstance(self._state, Recording):
-            raise UsageError("routes() inside record(): the recording is complete when the record() block exits; "
-                             "call routes() after it")
+            raise UsageError(
+                "routes() inside record(): the recording is complete when the record() block exits; "
+                "call routes() after it"
+            )
         if self._recording is None:
             raise UsageError("nothing recorded yet: run the forward passes inside `with session.record():`")
         counts = {layer: len(mbs) for layer, mbs in self._recording.per_layer.items()}
         if not self._routers:  # a dense stage: no layer, nothing recorded
             return Routes({}, num_experts=self.num_experts, topk=self.topk)
         if len(set(counts.values())) != 1 or not next(iter(counts.values())):
-            raise RouteError(f"rank {current_rank()}: recorded micro-batch counts per layer are {counts}; every layer "
-                             "must record the same number (> 0) of forwards")
+            raise RouteError(
+                f"rank {current_rank()}: recorded micro-batch counts per layer are {counts}; every layer "
+                "must record the same number (> 0) of forwards"
+            )
         routes = Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk).in_order("router")
         replay_inputs.register(routes, self._origin)  # replay checks the model and the token ids against these
         return routes
@@ -275,21 +297,27 @@ class ReplaySession:
         if not isinstance(routes, Routes):
             raise RouteError(f"rank {rank}: replay needs a Routes object, got {type(routes).__name__}")
         if (routes.num_experts, routes.topk) != (self.num_experts, self.topk):
-            raise RouteError(f"rank {rank}: routes of another model: (num_experts, topk) = "
-                             f"({routes.num_experts}, {routes.topk}) != expected ({self.num_experts}, {self.topk})")
+            raise RouteError(
+                f"rank {rank}: routes of another model: (num_experts, topk) = "
+                f"({routes.num_experts}, {routes.topk}) != expected ({self.num_experts}, {self.topk})"
+            )
         if routes.layers != self.layers:
             missing = sorted(set(self.layers) - set(routes.layers))
             extra = sorted(set(routes.layers) - set(self.layers))
-            raise RouteError(f"rank {rank}: routes layers {list(routes.layers)} != expected {list(self.layers)} "
-                             f"(missing {missing}, extra {extra}); {_layers_fix(routes.layers, self.layers)}")
+            raise RouteError(
+                f"rank {rank}: routes layers {list(routes.layers)} != expected {list(self.layers)} "
+                f"(missing {missing}, extra {extra}); {_layers_fix(routes.layers, self.layers)}"
+            )
         if self.layers and routes.microbatches < 1:  # a dense stage replays no layer, and so no micro-batch
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
         if getattr(routes, "order", None) == "sequence":
-            raise RouteError(f"rank {rank}: these routes are in sequence order (row b * S + s: Routes.from_rollout, "
-                             f"Dump.routes, Routes.to_global), but a rank's routers see router "
-                             f"order (s * B + b) and only their own tokens; give this rank's view, "
-                             f"routes.to_local(layout, coords=, seq_len=, batch=, num_layers=) (on one rank "
-                             f"too: there it reorders the rows)")
+            raise RouteError(
+                f"rank {rank}: these routes are in sequence order (row b * S + s: Routes.from_rollout, "
+                f"Dump.routes, Routes.to_global), but a rank's routers see router "
+                f"order (s * B + b) and only their own tokens; give this rank's view, "
+                f"routes.to_local(layout, coords=, seq_len=, batch=, num_layers=) (on one rank "
+                f"too: there it reorders the rows)"
+            )
 
     @contextlib.contextmanager
     def replay(self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False) -> Iterator[None]:
@@ -319,12 +347,21 @@ class ReplaySession:
         if not routes.validated:
             for layer in routes.layers:
                 for mb in range(routes.microbatches):
-                    validate_topk_ids(routes.get(layer, mb), layer=layer, microbatch=mb, num_experts=self.num_experts,
-                                      topk=self.topk, rank=rank)
-        per_layer = {layer: tuple(routes.replay_ids(layer, mb, device, ascending=True)
-                                  for mb in range(routes.microbatches)) for layer in routes.layers}
-        replaying = Replaying(per_layer, recompute=recompute, rank=rank, original=_ORIGINAL_ROUTING,
-                              fidelity=fidelity, ascending=True)
+                    validate_topk_ids(
+                        routes.get(layer, mb),
+                        layer=layer,
+                        microbatch=mb,
+                        num_experts=self.num_experts,
+                        topk=self.topk,
+                        rank=rank,
+                    )
+        per_layer = {
+            layer: tuple(routes.replay_ids(layer, mb, device, ascending=True) for mb in range(routes.microbatches))
+            for layer in routes.layers
+        }
+        replaying = Replaying(
+            per_layer, recompute=recompute, rank=rank, original=_ORIGINAL_ROUTING, fidelity=fidelity, ascending=True
+        )
         origin = replay_inputs.origin_of(routes)
         if origin is not None:
             replay_inputs.check_model(origin, routers, rank=rank)
@@ -350,7 +387,8 @@ class ReplaySession:
         return self._replayed.fidelity_report()
 
     def check_consumed(self) -> None:
-        """Raise ``RouteError`` for a replayed micro-batch never used forward, or a checkpointed one never recomputed."""
+        """Raise ``RouteError`` for a replayed micro-batch never used forward, or a checkpointed one never
+        recomputed."""
         if self._replayed is None:
             raise UsageError("check_consumed() needs a replay first (`with session.replay(routes): ...`)")
         if self._state is self._replayed:

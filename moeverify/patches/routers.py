@@ -24,8 +24,10 @@ def global_layer(router) -> int:
     """0-based global layer number of a router; an MTP router of depth ``i`` is ``num_layers + i``."""
     number = router.layer_number
     if number is None:
-        raise UsageError("a TopKRouter has no layer_number (built outside a TransformerLayer); call "
-                         "router.set_layer_number(n) with its 1-based global layer number")
+        raise UsageError(
+            "a TopKRouter has no layer_number (built outside a TransformerLayer); call "
+            "router.set_layer_number(n) with its 1-based global layer number"
+        )
     if getattr(router, "is_mtp_layer", False):
         return router.config.num_layers + number - 1
     return number - 1

@@ -38,9 +38,13 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 _HOOKED_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 # Settings megatron-core 0.19.2's TopKRouter copies from its config at build time and routes by afterwards:
 # the router's attribute -> the config field it was copied from.
-ROUTER_COPIES = {"num_experts": "num_moe_experts", "topk": "moe_router_topk",
-                 "routing_type": "moe_router_load_balancing_type", "score_function": "moe_router_score_function",
-                 "enable_expert_bias": "moe_router_enable_expert_bias"}
+ROUTER_COPIES = {
+    "num_experts": "num_moe_experts",
+    "topk": "moe_router_topk",
+    "routing_type": "moe_router_load_balancing_type",
+    "score_function": "moe_router_score_function",
+    "enable_expert_bias": "moe_router_enable_expert_bias",
+}
 # Copies whose disagreement with the config mixes two settings within one routing call or MoE layer (the
 # router views logits by config.num_moe_experts and selects router.topk; the dispatcher sizes by the config).
 _MUST_AGREE = ("num_experts", "topk")
@@ -69,33 +73,46 @@ class RoutingMode:
         if not 1 <= self.topk <= self.num_experts:
             raise UsageError(f"need 1 <= topk <= num_experts, got topk {self.topk}, num_experts {self.num_experts}")
         if self.group_topk and (not self.num_groups or self.num_experts % self.num_groups):
-            raise UsageError(f"group-limited routing needs num_groups dividing num_experts {self.num_experts}, "
-                             f"got num_groups {self.num_groups}")
+            raise UsageError(
+                f"group-limited routing needs num_groups dividing num_experts {self.num_experts}, "
+                f"got num_groups {self.num_groups}"
+            )
 
     @classmethod
     def from_config(cls, config) -> RoutingMode:
         """Read the routing settings of a Megatron ``TransformerConfig``."""
         balancing = config.moe_router_load_balancing_type
-        return cls(num_experts=config.num_moe_experts, topk=config.moe_router_topk,
-                   score_function=config.moe_router_score_function,
-                   pre_softmax=bool(config.moe_router_pre_softmax),
-                   num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
-                   scaling_factor=config.moe_router_topk_scaling_factor,
-                   expert_bias=bool(config.moe_router_enable_expert_bias),
-                   load_balancing=tuple(balancing) if isinstance(balancing, list) else (balancing,),
-                   fused=bool(config.moe_router_fusion), capacity_factor=config.moe_expert_capacity_factor)
+        return cls(
+            num_experts=config.num_moe_experts,
+            topk=config.moe_router_topk,
+            score_function=config.moe_router_score_function,
+            pre_softmax=bool(config.moe_router_pre_softmax),
+            num_groups=config.moe_router_num_groups,
+            group_topk=config.moe_router_group_topk,
+            scaling_factor=config.moe_router_topk_scaling_factor,
+            expert_bias=bool(config.moe_router_enable_expert_bias),
+            load_balancing=tuple(balancing) if isinstance(balancing, list) else (balancing,),
+            fused=bool(config.moe_router_fusion),
+            capacity_factor=config.moe_expert_capacity_factor,
+        )
 
     @classmethod
     def from_router(cls, router) -> RoutingMode:
         """The settings a built ``TopKRouter`` routes by: its own copies (``ROUTER_COPIES``), else its config."""
         config = router.config
-        return cls(num_experts=router.num_experts, topk=router.topk, score_function=router.score_function,
-                   pre_softmax=bool(config.moe_router_pre_softmax),
-                   num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
-                   scaling_factor=config.moe_router_topk_scaling_factor,
-                   expert_bias=getattr(router, "expert_bias", None) is not None,
-                   load_balancing=_balancing_types(router.routing_type),
-                   fused=bool(config.moe_router_fusion), capacity_factor=config.moe_expert_capacity_factor)
+        return cls(
+            num_experts=router.num_experts,
+            topk=router.topk,
+            score_function=router.score_function,
+            pre_softmax=bool(config.moe_router_pre_softmax),
+            num_groups=config.moe_router_num_groups,
+            group_topk=config.moe_router_group_topk,
+            scaling_factor=config.moe_router_topk_scaling_factor,
+            expert_bias=getattr(router, "expert_bias", None) is not None,
+            load_balancing=_balancing_types(router.routing_type),
+            fused=bool(config.moe_router_fusion),
+            capacity_factor=config.moe_expert_capacity_factor,
+        )
 
 
 def _balancing_types(balancing) -> tuple:
@@ -107,11 +124,15 @@ def _problem(*, score_function: str, load_balancing: tuple, fused: bool) -> str 
         return f"score function {score_function!r} is unknown to router replay; supported: {list(SCORE_FUNCTIONS)}"
     unhooked = [t for t in load_balancing if t not in _HOOKED_TYPES]
     if unhooked:
-        return (f"load-balancing type(s) {unhooked} select experts outside the replay hook "
-                f"(sinkhorn / quantile_balancing); replay supports {list(_HOOKED_TYPES)}")
+        return (
+            f"load-balancing type(s) {unhooked} select experts outside the replay hook "
+            f"(sinkhorn / quantile_balancing); replay supports {list(_HOOKED_TYPES)}"
+        )
     if fused:
-        return ("moe_router_fusion=True takes a fused top-k path that returns before replay is consulted; set "
-                "config.moe_router_fusion = False, or build the session with ReplaySession(..., disable_fusion=True)")
+        return (
+            "moe_router_fusion=True takes a fused top-k path that returns before replay is consulted; set "
+            "config.moe_router_fusion = False, or build the session with ReplaySession(..., disable_fusion=True)"
+        )
     return None
 
 
@@ -130,17 +151,22 @@ def router_problem(router, *, fusion: bool = True) -> str | None:
     ``fusion=False`` leaves the (config-read) fused path to the caller's own check.
     """
     config = router.config
-    problem = _problem(score_function=router.score_function, load_balancing=_balancing_types(router.routing_type),
-                       fused=fusion and bool(config.moe_router_fusion))
+    problem = _problem(
+        score_function=router.score_function,
+        load_balancing=_balancing_types(router.routing_type),
+        fused=fusion and bool(config.moe_router_fusion),
+    )
     if problem is not None:
         return f"{problem} (read from the router's own attributes, which Megatron routes by)"
     for name in _MUST_AGREE:
         field = ROUTER_COPIES[name]
         if getattr(router, name) != getattr(config, field):
-            return (f"the router's {name} = {getattr(router, name)!r} disagrees with its config.{field} = "
-                    f"{getattr(config, field)!r} (changed after the model was built); Megatron reads both in one "
-                    f"MoE layer: rebuild the model with the setting you want, or set router.{name} and "
-                    f"config.{field} alike")
+            return (
+                f"the router's {name} = {getattr(router, name)!r} disagrees with its config.{field} = "
+                f"{getattr(config, field)!r} (changed after the model was built); Megatron reads both in one "
+                f"MoE layer: rebuild the model with the setting you want, or set router.{name} and "
+                f"config.{field} alike"
+            )
     return None
 
 
@@ -148,7 +174,8 @@ def _scores(logits_TE: torch.Tensor, mode: RoutingMode) -> torch.Tensor:
     x = logits_TE.double()
     if mode.score_function == "softmax":
         return torch.exp(x - x.max(dim=-1, keepdim=True).values).div_(
-            torch.exp(x - x.max(dim=-1, keepdim=True).values).sum(-1, keepdim=True))
+            torch.exp(x - x.max(dim=-1, keepdim=True).values).sum(-1, keepdim=True)
+        )
     if mode.score_function == "sigmoid":
         return 1.0 / (1.0 + torch.exp(-x))
     return torch.log1p(torch.exp(x)).sqrt()
@@ -169,8 +196,13 @@ def _select(select_TE: torch.Tensor, mode: RoutingMode) -> torch.Tensor:
     return select_TE.argsort(dim=-1, descending=True, stable=True)[:, : mode.topk]
 
 
-def reference_routing(logits_TE: torch.Tensor, mode: RoutingMode, *, expert_bias_E: torch.Tensor | None = None,
-                      topk_ids_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_routing(
+    logits_TE: torch.Tensor,
+    mode: RoutingMode,
+    *,
+    expert_bias_E: torch.Tensor | None = None,
+    topk_ids_TK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference ``(probs_TK, ids_TK)`` in float64: native selection, or the given ids replayed.
 
     Ties are broken towards the lower expert id; tests use continuous random logits, where ties

@@ -38,8 +38,10 @@ def route(original, router, logits, args: tuple, kwargs: dict):
     attrs = router.__dict__
     if padding is None or not attrs.get(_GATE, False):
         if padding is not None and _GATE not in attrs and getattr(router, "local_tokens_per_expert", None) is not None:
-            raise EnvironmentProblem(f"a {type(router).__name__} counts tokens per expert but has no {_GATE} "
-                                     "attribute; router replay expects megatron-core 0.16-0.19's TopKRouter")
+            raise EnvironmentProblem(
+                f"a {type(router).__name__} counts tokens per expert but has no {_GATE} "
+                "attribute; router replay expects megatron-core 0.16-0.19's TopKRouter"
+            )
         return original(router, logits, *args, **kwargs)
     counting = torch.is_grad_enabled()  # Megatron counts only calls made with grad (not log-prob passes)
     attrs[_GATE] = False
@@ -52,4 +54,3 @@ def route(original, router, logits, args: tuple, kwargs: dict):
             valid_T1 = ~padding.reshape(-1, 1).to(map_TE.device)
             router.local_tokens_per_expert += (map_TE & valid_T1).sum(dim=0)
     return probs_TE, map_TE
-

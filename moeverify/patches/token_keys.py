@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from moeverify.runtime import hash64
 from moeverify.errors import RouteError
+from moeverify.runtime import hash64
 
 _GOLDEN, _MUL1, _MUL2 = hash64.GOLDEN, hash64.MIX1, hash64.MIX2  # splitmix64's constants, also position salts
 _SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # one per key half
@@ -90,8 +90,9 @@ def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None
         pad = None
     else:
         if tuple(padding_mask_BS.shape) != (b, s):
-            raise RouteError(f"token keys: padding_mask {tuple(padding_mask_BS.shape)} does not match input_ids "
-                             f"{(b, s)}")
+            raise RouteError(
+                f"token keys: padding_mask {tuple(padding_mask_BS.shape)} does not match input_ids {(b, s)}"
+            )
         pad_BS = padding_mask_BS.to(device=device, dtype=torch.bool)
         pos_BS = torch.cumsum(~pad_BS, dim=1) - 1  # real tokens numbered from the row's first real token
         pad = pad_BS.t().reshape(-1)
@@ -105,12 +106,12 @@ def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None
         keys_2T = torch.where(pad, _pad_key(device)[:, None], keys_2T)
     last_2B = keys_2BS[:, :, -1]  # the row's prefix sum at its end: its last real token's key (padding adds 0)
     last_2T = last_2B[:, None, :].expand(2, s, b).reshape(2, s * b)
-    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, int(pos_BS[t % b, t // b])),
-                     last_2T=last_2T)
+    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, int(pos_BS[t % b, t // b])), last_2T=last_2T)
 
 
-def packed_keys(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
-                cu_seqlens_padded: torch.Tensor | None = None) -> TokenKeys:
+def packed_keys(
+    input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None
+) -> TokenKeys:
     """Keys of packed (THD) tokens ``[N]``: sequence ``i`` starts at ``cu_seqlens_padded[i]`` (or ``cu_seqlens[i]``)
     and holds ``cu_seqlens[i + 1] - cu_seqlens[i]`` real tokens; the rest of its slot, and anything past the last
     slot, is padding."""
@@ -119,8 +120,10 @@ def packed_keys(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
     real = cu_seqlens.to(device=device, dtype=torch.int64)
     slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=device, dtype=torch.int64)
     if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
-        raise RouteError(f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
-                         f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]")
+        raise RouteError(
+            f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
+            f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]"
+        )
     index_N = torch.arange(n, device=device)
     seq_N = (torch.searchsorted(slots[1:], index_N, right=True)).clamp(max=real.numel() - 2)
     start_N = slots[seq_N]
@@ -131,8 +134,12 @@ def packed_keys(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
     before_2N = torch.where(start_N > 0, total_2N[:, (start_N - 1).clamp(min=0)], 0)
     keys_2N = total_2N - before_2N
     last_N = (slots[:-1] + (real[1:] - real[:-1]) - 1).clamp(min=0, max=max(n - 1, 0))[seq_N]  # last real token
-    return TokenKeys(keys_2T=keys_2N, pad_T=pad_N, locate=lambda t: (int(seq_N[t]), int(pos_N[t])),
-                     last_2T=keys_2N[:, last_N] if n else keys_2N)
+    return TokenKeys(
+        keys_2T=keys_2N,
+        pad_T=pad_N,
+        locate=lambda t: (int(seq_N[t]), int(pos_N[t])),
+        last_2T=keys_2N[:, last_N] if n else keys_2N,
+    )
 
 
 _VERSION_SEEDS = (0x7C5A3B1E9D2F4068, 0x1F83D9ABFB41BD6B)  # one per key half
@@ -148,8 +155,9 @@ def version_salt(versions: list[int], *, device) -> torch.Tensor:
 def salted(keys: TokenKeys, salt_2: torch.Tensor) -> TokenKeys:
     """``keys`` shifted by one version's salt ``[2]`` (or per token, ``[2, T]``)."""
     salt = salt_2 if salt_2.dim() == 2 else salt_2[:, None]
-    return dataclasses.replace(keys, keys_2T=keys.keys_2T + salt,
-                               last_2T=None if keys.last_2T is None else keys.last_2T + salt)
+    return dataclasses.replace(
+        keys, keys_2T=keys.keys_2T + salt, last_2T=None if keys.last_2T is None else keys.last_2T + salt
+    )
 
 
 def sequence_slice(keys: TokenKeys, *, rank: int, size: int) -> TokenKeys:
@@ -161,10 +169,12 @@ def sequence_slice(keys: TokenKeys, *, rank: int, size: int) -> TokenKeys:
         raise RouteError(f"sequence parallel: {n} tokens are not divisible by tp {size}")
     part = n // size
     first = rank * part
-    return TokenKeys(keys_2T=keys.keys_2T[:, first:first + part],
-                     pad_T=None if keys.pad_T is None else keys.pad_T[first:first + part],
-                     locate=lambda t: keys.locate(first + t),
-                     last_2T=None if keys.last_2T is None else keys.last_2T[:, first:first + part])
+    return TokenKeys(
+        keys_2T=keys.keys_2T[:, first : first + part],
+        pad_T=None if keys.pad_T is None else keys.pad_T[first : first + part],
+        locate=lambda t: keys.locate(first + t),
+        last_2T=None if keys.last_2T is None else keys.last_2T[:, first : first + part],
+    )
 
 
 def zigzag_index(length: int, *, rank: int, size: int) -> torch.Tensor:
@@ -183,15 +193,18 @@ def thd_zigzag_index(slots: torch.Tensor, *, rank: int, size: int) -> torch.Tens
     parts = []
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         if (end - start) % (2 * size):
-            raise RouteError(f"context parallel, packed sequences: slot {i} holds {end - start} tokens, not a multiple "
-                             f"of 2 * cp = {2 * size}; Megatron's per-document split (Transformer Engine's "
-                             "thd_get_partitioned_indices) pads every slot to one (cu_seqlens_padded)")
+            raise RouteError(
+                f"context parallel, packed sequences: slot {i} holds {end - start} tokens, not a multiple "
+                f"of 2 * cp = {2 * size}; Megatron's per-document split (Transformer Engine's "
+                "thd_get_partitioned_indices) pads every slot to one (cu_seqlens_padded)"
+            )
         parts.append(start + zigzag_index(end - start, rank=rank, size=size))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def unshard(parts: list[torch.Tensor], indices: list[torch.Tensor], *, length: int) -> torch.Tensor:
-    """The full ``[..., length]`` tensor whose positions ``indices[r]`` (last dim) CP rank ``r`` holds as ``parts[r]``."""
+    """The full ``[..., length]`` tensor whose positions ``indices[r]`` (last dim) CP rank ``r`` holds as
+    ``parts[r]``."""
     full = parts[0].new_zeros(*parts[0].shape[:-1], length)
     seen = torch.zeros(length, dtype=torch.int64)
     for part, index in zip(parts, indices, strict=True):
@@ -212,8 +225,12 @@ def take(keys: TokenKeys, full_T: torch.Tensor, *, pad_T: torch.Tensor | None = 
     full_T = full_T.to(keys.keys_2T.device)
     if pad_T is None and keys.pad_T is not None:
         pad_T = keys.pad_T[full_T]
-    return TokenKeys(keys_2T=keys.keys_2T[:, full_T], pad_T=pad_T, locate=lambda t: keys.locate(int(full_T[t])),
-                     last_2T=None if keys.last_2T is None else keys.last_2T[:, full_T])
+    return TokenKeys(
+        keys_2T=keys.keys_2T[:, full_T],
+        pad_T=pad_T,
+        locate=lambda t: keys.locate(int(full_T[t])),
+        last_2T=None if keys.last_2T is None else keys.last_2T[:, full_T],
+    )
 
 
 def row_zigzag_tokens(index_S: torch.Tensor, *, batch: int) -> torch.Tensor:
@@ -242,16 +259,19 @@ def row_fingerprints(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tenso
     return _mix(total_B ^ _mix(length_B * _GOLDEN + _LENGTH_SEED)).cpu()
 
 
-def packed_fingerprints(input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor,
-                        cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+def packed_fingerprints(
+    input_ids_N: torch.Tensor, *, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[sequences]`` int64: the fingerprint of each packed (THD) sequence: its content, length and slot index
     in the pack (see ``packed_keys`` for the slots)."""
     ids_N = input_ids_N.reshape(-1).long()
     real = cu_seqlens.to(device=ids_N.device, dtype=torch.int64)
     slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=ids_N.device, dtype=torch.int64)
     if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
-        raise RouteError(f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
-                         f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]")
+        raise RouteError(
+            f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
+            f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]"
+        )
     count = real.numel() - 1
     index_N = torch.arange(ids_N.shape[0], device=ids_N.device)
     seq_N = torch.searchsorted(slots[1:], index_N, right=True).clamp(max=count - 1)

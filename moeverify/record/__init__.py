@@ -33,5 +33,19 @@ from moeverify.record.saving import save
 from moeverify.record.writer import RankWriter
 from moeverify.routing.views import RankCoords
 
-__all__ = ["Dump", "DiffReport", "MANIFEST", "ModelInfo", "RankCoords", "RankWriter", "SCHEMA", "VERSION", "diff",
-           "diff_stream", "finalize", "ids_dtype_for", "load", "save"]
+__all__ = [
+    "Dump",
+    "DiffReport",
+    "MANIFEST",
+    "ModelInfo",
+    "RankCoords",
+    "RankWriter",
+    "SCHEMA",
+    "VERSION",
+    "diff",
+    "diff_stream",
+    "finalize",
+    "ids_dtype_for",
+    "load",
+    "save",
+]

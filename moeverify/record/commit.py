@@ -66,10 +66,17 @@ def drop_uncommitted(path: str | os.PathLike) -> dict[int, list[int]]:
     records = sorted(path.glob("rank*.json"))
     if manifest is None and not records:
         orphans = sorted(p.name for p in path.glob("rank*.safetensors"))
-        raise DumpError(f"{path}: no manifest and no rank record: nothing was committed, and nothing says which "
-                        f"files a run wrote" + (f" ({len(orphans)} rank file(s) without a record: "
-                                                f"{', '.join(orphans[:4])}{', ...' if len(orphans) > 4 else ''}; "
-                                                f"delete the directory to start over)" if orphans else ""))
+        raise DumpError(
+            f"{path}: no manifest and no rank record: nothing was committed, and nothing says which "
+            f"files a run wrote"
+            + (
+                f" ({len(orphans)} rank file(s) without a record: "
+                f"{', '.join(orphans[:4])}{', ...' if len(orphans) > 4 else ''}; "
+                f"delete the directory to start over)"
+                if orphans
+                else ""
+            )
+        )
     for rec_path in records:
         rank, rec = _read_record(rec_path)
         steps = uncommitted_steps(path, rec)
@@ -104,8 +111,10 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
         manifest = read_manifest(path)
         if manifest is not None:  # finalized before: its records were folded in and removed
             if world_size is not None and manifest.get("world_size") != world_size:
-                raise DumpError(f"{path / fmt.MANIFEST}: world_size {manifest.get('world_size')!r} != --world-size "
-                                f"{world_size} (the dump is committed; nothing is left to fold in)")
+                raise DumpError(
+                    f"{path / fmt.MANIFEST}: world_size {manifest.get('world_size')!r} != --world-size "
+                    f"{world_size} (the dump is committed; nothing is left to fold in)"
+                )
             return manifest
         raise DumpError(f"{path}: no rank records (rank*.json); did every rank close() its writer?")
     first = records[min(records)]
@@ -122,11 +131,18 @@ def finalize(path: str | os.PathLike, *, world_size: int | None = None) -> dict:
             merged = steps.setdefault(step, {"microbatches": 0, "batch": None, "seq_len": None})
             _merge_step(merged, info, where=f"{path}: rank {rank} step {step}")
     if first.get("version") not in fmt.VERSIONS:
-        raise DumpError(f"{path}: rank {min(records)} record is format version {first.get('version')!r}; "
-                        f"this moeverify knows versions {list(fmt.VERSIONS)}")
+        raise DumpError(
+            f"{path}: rank {min(records)} record is format version {first.get('version')!r}; "
+            f"this moeverify knows versions {list(fmt.VERSIONS)}"
+        )
     manifest = {  # the records' version: finalising an old dump's uncommitted step keeps its format
-        "schema": fmt.SCHEMA, "version": first["version"], "model": first["model"], "layout": first["layout"],
-        "world_size": world, "zigzag": first["zigzag"], "ids_dtype": first["ids_dtype"],
+        "schema": fmt.SCHEMA,
+        "version": first["version"],
+        "model": first["model"],
+        "layout": first["layout"],
+        "world_size": world,
+        "zigzag": first["zigzag"],
+        "ids_dtype": first["ids_dtype"],
         "probs_dtype": next((r["probs_dtype"] for r in records.values() if r["probs_dtype"]), None),
         "steps": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
         "ranks": {str(r): {"coords": rec["coords"], "files": rec["files"]} for r, rec in sorted(records.items())},
@@ -150,11 +166,19 @@ def record_from_manifest(path: Path, rank: int) -> dict | None:
     try:
         mine = manifest["ranks"].get(str(rank))
         if mine is None:
-            raise DumpError(f"{where}: cannot append: rank {rank} is not in the dump's ranks "
-                            f"{sorted(manifest['ranks'], key=int)} (world_size {manifest.get('world_size')!r})")
-        return {"version": manifest["version"], "model": manifest["model"], "layout": manifest["layout"],
-                "world_size": manifest["world_size"], "files": list(mine["files"]),
-                "probs_dtype": manifest.get("probs_dtype"), "steps": manifest["steps"]}
+            raise DumpError(
+                f"{where}: cannot append: rank {rank} is not in the dump's ranks "
+                f"{sorted(manifest['ranks'], key=int)} (world_size {manifest.get('world_size')!r})"
+            )
+        return {
+            "version": manifest["version"],
+            "model": manifest["model"],
+            "layout": manifest["layout"],
+            "world_size": manifest["world_size"],
+            "files": list(mine["files"]),
+            "probs_dtype": manifest.get("probs_dtype"),
+            "steps": manifest["steps"],
+        }
     except (KeyError, TypeError, AttributeError) as exc:
         raise DumpError(f"{where}: cannot append: not a complete dump manifest ({exc!r} missing)") from None
 

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.record.format import ids_dtype_for
 from moeverify.record.diff_report import DiffReport, bucket_edges
+from moeverify.record.format import ids_dtype_for
 from moeverify.record.stream import LayerPairs
 from moeverify.routing.routes import Routes
 
@@ -41,9 +41,14 @@ __all__ = ["DiffReport", "compare_rows", "diff", "diff_stream", "sequence_spans"
 _CHUNK_CELLS = 1 << 21  # K*K*rows booleans per set-compare chunk
 
 
-def sequence_spans(microbatch_tokens: Sequence[int], *, seq_len: int | Sequence[int] | None = None,
-                   batch: int | None = None, sequence_tokens: Sequence[Sequence[int]] | None = None,
-                   where: str = "diff") -> tuple[tuple[int, ...], ...] | None:
+def sequence_spans(
+    microbatch_tokens: Sequence[int],
+    *,
+    seq_len: int | Sequence[int] | None = None,
+    batch: int | None = None,
+    sequence_tokens: Sequence[Sequence[int]] | None = None,
+    where: str = "diff",
+) -> tuple[tuple[int, ...], ...] | None:
     """Per micro-batch, the token count of each sequence, checked against the micro-batches' token counts.
 
     ``seq_len``/``batch``: sequence-order micro-batches of ``batch`` sequences of ``seq_len`` tokens
@@ -62,31 +67,44 @@ def sequence_spans(microbatch_tokens: Sequence[int], *, seq_len: int | Sequence[
         return None
     spans = tuple(tuple(int(n) for n in seqs) for seqs in sequence_tokens)
     if len(spans) != len(microbatch_tokens):
-        raise RouteError(f"{where}: sequences given for {len(spans)} micro-batch(es), the routes hold "
-                         f"{len(microbatch_tokens)}")
+        raise RouteError(
+            f"{where}: sequences given for {len(spans)} micro-batch(es), the routes hold {len(microbatch_tokens)}"
+        )
     for mb, (seqs, count) in enumerate(zip(spans, microbatch_tokens, strict=True)):
         if any(n < 0 for n in seqs) or sum(seqs) != count:
             more = " ..." if len(seqs) > 8 else ""
-            raise RouteError(f"{where}: micro-batch {mb}: sequences of {list(seqs)[:8]}{more} token(s) (sum "
-                             f"{sum(seqs)}) != the {count} tokens it holds")
+            raise RouteError(
+                f"{where}: micro-batch {mb}: sequences of {list(seqs)[:8]}{more} token(s) (sum "
+                f"{sum(seqs)}) != the {count} tokens it holds"
+            )
     return spans
 
 
-def _cell_stats(layer_C: torch.Tensor, token_C: torch.Tensor, missed_C: torch.Tensor, *, width: int,
-                tokens: int, topk: int) -> dict:
+def _cell_stats(
+    layer_C: torch.Tensor, token_C: torch.Tensor, missed_C: torch.Tensor, *, width: int, tokens: int, topk: int
+) -> dict:
     """Per-layer and per-token totals from the differing routers (cells) alone."""
     exact_L = tokens - torch.bincount(layer_C, minlength=width)
     missed_L = torch.zeros(width, dtype=torch.int64).index_add_(0, layer_C, missed_C.to(torch.int64))
     first = torch.full((tokens,), width, dtype=torch.int64).scatter_reduce_(0, token_C, layer_C, "amin")
-    return {"exact_L": exact_L, "overlap_L": tokens * topk - missed_L,
-            "differing_N": torch.bincount(token_C, minlength=tokens).to(torch.int16),
-            "first_N": torch.where(first < width, first, -1).to(torch.int16),
-            "missed_N": torch.zeros(tokens, dtype=torch.int32).index_add_(0, token_C, missed_C.to(torch.int32))}
+    return {
+        "exact_L": exact_L,
+        "overlap_L": tokens * topk - missed_L,
+        "differing_N": torch.bincount(token_C, minlength=tokens).to(torch.int16),
+        "first_N": torch.where(first < width, first, -1).to(torch.int16),
+        "missed_N": torch.zeros(tokens, dtype=torch.int32).index_add_(0, token_C, missed_C.to(torch.int32)),
+    }
 
 
-def diff(a: Routes, b: Routes, *, seq_len: int | Sequence[int] | None = None, batch: int | None = None,
-         sequence_tokens: Sequence[Sequence[int]] | None = None,
-         sequence_extra: Sequence[dict] | None = None) -> DiffReport:
+def diff(
+    a: Routes,
+    b: Routes,
+    *,
+    seq_len: int | Sequence[int] | None = None,
+    batch: int | None = None,
+    sequence_tokens: Sequence[Sequence[int]] | None = None,
+    sequence_extra: Sequence[dict] | None = None,
+) -> DiffReport:
     """Compare two routings of the same tokens (same layers, micro-batches and token counts), in memory.
 
     ``seq_len``/``batch`` (sequence-order routes) or ``sequence_tokens`` (per micro-batch, the tokens of each
@@ -104,7 +122,7 @@ def diff(a: Routes, b: Routes, *, seq_len: int | Sequence[int] | None = None, ba
         for i, layer in enumerate(layers):
             ids_a_TK, ids_b_TK = _narrow(a.get(layer, mb), experts), _narrow(b.get(layer, mb), experts)
             load_a_LE[i] += torch.bincount(ids_a_TK.reshape(-1), minlength=experts)
-            _rows_differ(ids_a_TK, ids_b_TK, out=differ_LN[i, start:start + count])
+            _rows_differ(ids_a_TK, ids_b_TK, out=differ_LN[i, start : start + count])
     overlap_LN = torch.full((width, tokens), a.topk, dtype=torch.uint8)
     load_b_LE = load_a_LE.clone()
     cell_R = differ_LN.view(-1).nonzero().squeeze(1)  # one pass over all layers; sorted, so grouped by (layer, mb)
@@ -118,15 +136,27 @@ def diff(a: Routes, b: Routes, *, seq_len: int | Sequence[int] | None = None, ba
         cells, missed = cell_R[moved], a.topk - overlap_R[moved].to(torch.int64)
         shift_R = ((cells // tokens) * experts)[:, None]
         size = width * experts
-        load_b_LE += (torch.bincount((rows_b[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
-                      - torch.bincount((rows_a[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
-                      ).view(width, experts)
-    stats = _cell_stats(cells // max(tokens, 1), cells % max(tokens, 1), missed, width=width, tokens=tokens,
-                        topk=a.topk)
-    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=a.topk, load_a_LE=load_a_LE,
-                      load_b_LE=load_b_LE, microbatch_tokens=tuple(counts), sequence_tokens=spans,
-                      sequence_extra=_extra(sequence_extra, spans), exact_NL=(~differ_LN).t(),
-                      overlap_NL=overlap_LN.t(), **stats)
+        load_b_LE += (
+            torch.bincount((rows_b[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
+            - torch.bincount((rows_a[moved].to(torch.int64) + shift_R).reshape(-1), minlength=size)
+        ).view(width, experts)
+    stats = _cell_stats(
+        cells // max(tokens, 1), cells % max(tokens, 1), missed, width=width, tokens=tokens, topk=a.topk
+    )
+    return DiffReport(
+        layers=layers,
+        tokens=tokens,
+        num_experts=experts,
+        topk=a.topk,
+        load_a_LE=load_a_LE,
+        load_b_LE=load_b_LE,
+        microbatch_tokens=tuple(counts),
+        sequence_tokens=spans,
+        sequence_extra=_extra(sequence_extra, spans),
+        exact_NL=(~differ_LN).t(),
+        overlap_NL=overlap_LN.t(),
+        **stats,
+    )
 
 
 def _extra(sequence_extra: Sequence[dict] | None, spans) -> tuple[dict, ...] | None:
@@ -138,9 +168,16 @@ def _extra(sequence_extra: Sequence[dict] | None, spans) -> tuple[dict, ...] | N
     return tuple(dict(e) for e in sequence_extra)
 
 
-def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int | None = None,
-                sequence_tokens: Sequence[Sequence[int]] | None = None, sequence_extra: Sequence[dict] | None = None,
-                buckets: int = 64) -> DiffReport:
+def diff_stream(
+    a,
+    b,
+    *,
+    seq_len: int | Sequence[int] | None = None,
+    batch: int | None = None,
+    sequence_tokens: Sequence[Sequence[int]] | None = None,
+    sequence_extra: Sequence[dict] | None = None,
+    buckets: int = 64,
+) -> DiffReport:
     """``diff`` of two ``LayerSource``s (``moeverify.record.stream``), one layer at a time.
 
     Each layer is read from both sides, compared, folded into per-layer and per-token totals and dropped:
@@ -179,17 +216,30 @@ def diff_stream(a, b, *, seq_len: int | Sequence[int] | None = None, batch: int 
             moved = ~exact_R
             if not bool(moved.any()):
                 continue
-            load_b_LE[i] += (torch.bincount(rows_b[moved].reshape(-1).to(torch.int64), minlength=experts)
-                             - torch.bincount(rows_a[moved].reshape(-1).to(torch.int64), minlength=experts))
+            load_b_LE[i] += torch.bincount(
+                rows_b[moved].reshape(-1).to(torch.int64), minlength=experts
+            ) - torch.bincount(rows_a[moved].reshape(-1).to(torch.int64), minlength=experts)
             rows_C = rest[moved] if tokens_of[mb] is None else tokens_of[mb][rest[moved]]
             cells.add(i, start + rows_C, topk - overlap_R[moved].to(torch.int32))  # distinct tokens
         del mbs_a, mbs_b
     cells.fold()
-    return DiffReport(layers=layers, tokens=tokens, num_experts=experts, topk=topk, exact_L=cells.exact_L,
-                      overlap_L=tokens * topk - cells.missed_L, load_a_LE=load_a_LE, load_b_LE=load_a_LE + load_b_LE,
-                      differing_N=cells.differing_N, first_N=cells.first_N, missed_N=cells.missed_N,
-                      microbatch_tokens=tuple(counts), sequence_tokens=spans,
-                      sequence_extra=_extra(sequence_extra, spans), bucket_differ_LB=cells.bucket_LB)
+    return DiffReport(
+        layers=layers,
+        tokens=tokens,
+        num_experts=experts,
+        topk=topk,
+        exact_L=cells.exact_L,
+        overlap_L=tokens * topk - cells.missed_L,
+        load_a_LE=load_a_LE,
+        load_b_LE=load_a_LE + load_b_LE,
+        differing_N=cells.differing_N,
+        first_N=cells.first_N,
+        missed_N=cells.missed_N,
+        microbatch_tokens=tuple(counts),
+        sequence_tokens=spans,
+        sequence_extra=_extra(sequence_extra, spans),
+        bucket_differ_LB=cells.bucket_LB,
+    )
 
 
 class _Cells:
@@ -236,8 +286,9 @@ class _Cells:
         self.missed_N.index_add_(0, token_C, missed_C)
 
 
-def _gather_rows(a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int,
-                 starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_rows(
+    a: Routes, b: Routes, cell_R: torch.Tensor, *, tokens: int, starts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``[R, K]`` rows of both sides at sorted layer-major cells ``layer_index * tokens + token``."""
     experts = a.num_experts
     bounds = torch.tensor([i * tokens + s for i in range(len(a.layers)) for s in starts] + [len(a.layers) * tokens])
@@ -259,8 +310,11 @@ def _same_shape(a, b) -> None:
     differs, A's and B's."""
     fields = ("layers", "microbatches", "topk", "num_experts")
     got = {name: (getattr(a, name), getattr(b, name)) for name in fields}
-    differ = [f"{name}: A {list(x) if name == 'layers' else x}, B {list(y) if name == 'layers' else y}"
-              for name, (x, y) in got.items() if x != y]
+    differ = [
+        f"{name}: A {list(x) if name == 'layers' else x}, B {list(y) if name == 'layers' else y}"
+        for name, (x, y) in got.items()
+        if x != y
+    ]
     if differ:
         raise RouteError(f"cannot diff: {'; '.join(differ)}")
 
@@ -274,13 +328,16 @@ def _token_counts(a: Routes, b: Routes) -> list[int]:
         for layer in layers:
             ta, tb = a.get(layer, mb).shape[0], b.get(layer, mb).shape[0]
             if ta != tb or ta != counts[mb]:
-                raise RouteError(f"cannot diff: layer {layer} mb {mb}: {ta} tokens vs {tb} tokens "
-                                 f"(layer {layers[0]} has {counts[mb]})")
+                raise RouteError(
+                    f"cannot diff: layer {layer} mb {mb}: {ta} tokens vs {tb} tokens "
+                    f"(layer {layers[0]} has {counts[mb]})"
+                )
     return counts
 
 
-def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *,
-                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compare_rows(
+    ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exact_T bool, overlap_T uint8)`` of two ``[T, K]`` id tensors.
 
     Rows that are byte-identical (the common case: same experts in the same order) are settled by
@@ -292,8 +349,9 @@ def compare_rows(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, *,
     overlap_T = torch.full(differ_T.shape, ids_a_TK.shape[1], dtype=torch.uint8)
     rest = differ_T.nonzero().squeeze(1)
     if rest.numel():
-        exact_T[rest], overlap_T[rest] = _set_compare_chunked(ids_a_TK.index_select(0, rest),
-                                                              ids_b_TK.index_select(0, rest))
+        exact_T[rest], overlap_T[rest] = _set_compare_chunked(
+            ids_a_TK.index_select(0, rest), ids_b_TK.index_select(0, rest)
+        )
     return exact_T, overlap_T
 
 
@@ -302,7 +360,7 @@ def _set_compare_chunked(a_RK: torch.Tensor, b_RK: torch.Tensor) -> tuple[torch.
     step = max(256, _CHUNK_CELLS // (k * k))
     exact, overlap = [], []
     for start in range(0, a_RK.shape[0], step):
-        e, o = _set_compare(a_RK[start:start + step], b_RK[start:start + step])
+        e, o = _set_compare(a_RK[start : start + step], b_RK[start : start + step])
         exact.append(e)
         overlap.append(o)
     return torch.cat(exact), torch.cat(overlap)

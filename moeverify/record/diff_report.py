@@ -102,8 +102,9 @@ class DiffReport:
                 continue
             mb = int(torch.searchsorted(starts, t, right=True)) - 1 if starts is not None else 0
             offset = int(starts[mb]) if starts is not None else 0
-            out.append({"token": t, "microbatch": mb, "token_in_microbatch": t - offset, "missed": v,
-                        "layers_diverging": c})
+            out.append(
+                {"token": t, "microbatch": mb, "token_in_microbatch": t - offset, "missed": v, "layers_diverging": c}
+            )
         return out
 
     # -- per sequence ------------------------------------------------------------------------------
@@ -122,19 +123,30 @@ class DiffReport:
         seq_N = torch.repeat_interleave(torch.arange(counts_S.numel()), counts_S)
         width = len(self.layers)
         diverging_S = torch.zeros(counts_S.numel(), dtype=torch.int64).index_add_(
-            0, seq_N, self.diverging_N.to(torch.int64))
+            0, seq_N, self.diverging_N.to(torch.int64)
+        )
         routers_S = torch.zeros(counts_S.numel(), dtype=torch.int64).index_add_(
-            0, seq_N, self.differing_N.to(torch.int64))
+            0, seq_N, self.differing_N.to(torch.int64)
+        )
         first_N = self.first_N.to(torch.int64)
         first_S = torch.full((counts_S.numel(),), width, dtype=torch.int64).scatter_reduce_(
-            0, seq_N, torch.where(first_N >= 0, first_N, width), "amin")
+            0, seq_N, torch.where(first_N >= 0, first_N, width), "amin"
+        )
         out = []
-        for s, ((mb, b), n, d, r, f) in enumerate(zip(where, counts_S.tolist(), diverging_S.tolist(),
-                                                     routers_S.tolist(), first_S.tolist(), strict=True)):
-            rec = {"sequence": s, "microbatch": mb, "sequence_in_microbatch": b, "tokens": n, "tokens_diverging": d,
-                   "tokens_diverging_any_layer": d / n if n else None, "routers_differing": r,
-                   "routers_differing_per_token": r / n if n else None,
-                   "first_divergent_layer": self.layers[f] if f < width else None}
+        for s, ((mb, b), n, d, r, f) in enumerate(
+            zip(where, counts_S.tolist(), diverging_S.tolist(), routers_S.tolist(), first_S.tolist(), strict=True)
+        ):
+            rec = {
+                "sequence": s,
+                "microbatch": mb,
+                "sequence_in_microbatch": b,
+                "tokens": n,
+                "tokens_diverging": d,
+                "tokens_diverging_any_layer": d / n if n else None,
+                "routers_differing": r,
+                "routers_differing_per_token": r / n if n else None,
+                "first_divergent_layer": self.layers[f] if f < width else None,
+            }
             if self.sequence_extra is not None:
                 rec.update(self.sequence_extra[s])
             out.append(rec)
@@ -152,8 +164,10 @@ class DiffReport:
         if self.exact_NL is None:
             if self.bucket_differ_LB is None or self.bucket_differ_LB.shape[1] != buckets:
                 held = None if self.bucket_differ_LB is None else self.bucket_differ_LB.shape[1]
-                raise ValueError(f"this streamed report holds {held} token buckets per layer, not {buckets}: "
-                                 f"pass buckets={held} or stream with diff_stream(buckets={buckets})")
+                raise ValueError(
+                    f"this streamed report holds {held} token buckets per layer, not {buckets}: "
+                    f"pass buckets={held} or stream with diff_stream(buckets={buckets})"
+                )
             sums = self.bucket_differ_LB.t().double()
         else:
             cum_NL = torch.cat([torch.zeros(1, len(self.layers)), (~self.exact_NL).float().cumsum(dim=0)])
@@ -163,36 +177,49 @@ class DiffReport:
     # -- output ------------------------------------------------------------------------------------
     def to_json(self, *, worst: int = 10) -> dict:
         agreement, overlap = self.agreement_L.tolist(), self.overlap_at_k_L.tolist()
-        load_delta = (self.load_b_LE - self.load_a_LE)
-        layers = {str(layer): {"agreement": agreement[i], "overlap_at_k": overlap[i], "tokens": self.tokens,
-                               "load_a": self.load_a_LE[i].tolist(), "load_b": self.load_b_LE[i].tolist(),
-                               "load_max_abs_delta": int(load_delta[i].abs().max()) if self.num_experts else 0}
-                  for i, layer in enumerate(self.layers)}
+        load_delta = self.load_b_LE - self.load_a_LE
+        layers = {
+            str(layer): {
+                "agreement": agreement[i],
+                "overlap_at_k": overlap[i],
+                "tokens": self.tokens,
+                "load_a": self.load_a_LE[i].tolist(),
+                "load_b": self.load_b_LE[i].tolist(),
+                "load_max_abs_delta": int(load_delta[i].abs().max()) if self.num_experts else 0,
+            }
+            for i, layer in enumerate(self.layers)
+        }
         diverging = int(self.diverging_N.sum())
         sequences = self.sequences()
-        return {"layers": layers, "tokens": self.tokens, "num_experts": self.num_experts, "topk": self.topk,
-                "tokens_diverging_any_layer": self.tokens_diverging_any_layer,
-                "agreement_all_layers": 1.0 - self.routers_differing_share,
-                "first_divergent_layer": {str(k): v for k, v in self.first_divergent_layer().items()},
-                "worst_tokens": self.worst_tokens(worst),
-                "routers_per_token": len(self.layers),
-                "routers_differing": self.routers_differing,
-                "routers_differing_per_token": self.routers_differing_per_token,
-                "routers_differing_share": self.routers_differing_share,
-                "routers_differing_per_diverging_token": self.routers_differing / diverging if diverging else 0.0,
-                "tokens_by_routers_differing": {str(k): v for k, v in self.tokens_by_routers_differing().items()},
-                "sequences": sequences,
-                "sequences_diverging": None if sequences is None else
-                sum(1 for s in sequences if s["tokens_diverging"])}
+        return {
+            "layers": layers,
+            "tokens": self.tokens,
+            "num_experts": self.num_experts,
+            "topk": self.topk,
+            "tokens_diverging_any_layer": self.tokens_diverging_any_layer,
+            "agreement_all_layers": 1.0 - self.routers_differing_share,
+            "first_divergent_layer": {str(k): v for k, v in self.first_divergent_layer().items()},
+            "worst_tokens": self.worst_tokens(worst),
+            "routers_per_token": len(self.layers),
+            "routers_differing": self.routers_differing,
+            "routers_differing_per_token": self.routers_differing_per_token,
+            "routers_differing_share": self.routers_differing_share,
+            "routers_differing_per_diverging_token": self.routers_differing / diverging if diverging else 0.0,
+            "tokens_by_routers_differing": {str(k): v for k, v in self.tokens_by_routers_differing().items()},
+            "sequences": sequences,
+            "sequences_diverging": None if sequences is None else sum(1 for s in sequences if s["tokens_diverging"]),
+        }
 
     def table(self):
         """A ``rich`` table: one row per layer."""
         from rich.table import Table  # lazy: rich
 
-        table = Table(title=f"routing diff: {self.tokens} tokens, top-{self.topk} of {self.num_experts}, "
-                            f"{self.tokens_diverging_any_layer:.2%} diverge in >= 1 layer; "
-                            f"{self.routers_differing_per_token:.4f} of {len(self.layers)} routers differ per token "
-                            f"({self.routers_differing_share:.4%} of routers)")
+        table = Table(
+            title=f"routing diff: {self.tokens} tokens, top-{self.topk} of {self.num_experts}, "
+            f"{self.tokens_diverging_any_layer:.2%} diverge in >= 1 layer; "
+            f"{self.routers_differing_per_token:.4f} of {len(self.layers)} routers differ per token "
+            f"({self.routers_differing_share:.4%} of routers)"
+        )
         for col in ("layer", "agreement", "overlap@k", "tokens first diverging here", "max |load delta|"):
             table.add_column(col, justify="right")
         first = self.first_divergent_layer()
@@ -200,8 +227,14 @@ class DiffReport:
         delta = (self.load_b_LE - self.load_a_LE).abs()
         for i, layer in enumerate(self.layers):
             style = None if agreement[i] == 1.0 else "red"
-            table.add_row(str(layer), f"{agreement[i]:.4%}", f"{overlap[i]:.4f}", str(first.get(layer, 0)),
-                          str(int(delta[i].max())) if self.num_experts else "0", style=style)
+            table.add_row(
+                str(layer),
+                f"{agreement[i]:.4%}",
+                f"{overlap[i]:.4f}",
+                str(first.get(layer, 0)),
+                str(int(delta[i].max())) if self.num_experts else "0",
+                style=style,
+            )
         return table
 
     def sequence_table(self, n: int = 10):
@@ -213,18 +246,35 @@ class DiffReport:
         if sequences is None:
             return None
         diverging = [s for s in sequences if s["tokens_diverging"]]
-        diverging.sort(key=lambda s: (-s["tokens_diverging_any_layer"], -s["routers_differing_per_token"],
-                                      s["sequence"]))
+        diverging.sort(
+            key=lambda s: (-s["tokens_diverging_any_layer"], -s["routers_differing_per_token"], s["sequence"])
+        )
         extra = [k for k in (self.sequence_extra[0] if self.sequence_extra else {}) if k != "request"]
-        table = Table(title=f"per sequence: {len(diverging)} of {len(sequences)} diverge"
-                            + (f"; the {min(n, len(diverging))} that diverge most" if diverging else ""))
-        for col in ("sequence", "mb", "tokens", "diverging >= 1 layer", "routers differing / token",
-                    "first divergent layer", *[k.replace("_", " ") for k in extra]):
+        table = Table(
+            title=f"per sequence: {len(diverging)} of {len(sequences)} diverge"
+            + (f"; the {min(n, len(diverging))} that diverge most" if diverging else "")
+        )
+        for col in (
+            "sequence",
+            "mb",
+            "tokens",
+            "diverging >= 1 layer",
+            "routers differing / token",
+            "first divergent layer",
+            *[k.replace("_", " ") for k in extra],
+        ):
             table.add_column(col, justify="right")
         for s in diverging[:n]:
-            table.add_row(Text(str(s["sequence"])), str(s["microbatch"]), str(s["tokens"]),
-                          f"{s['tokens_diverging_any_layer']:.2%}", f"{s['routers_differing_per_token']:.4f}",
-                          str(s["first_divergent_layer"]), *[Text(str(s[k])) for k in extra], style="red")
+            table.add_row(
+                Text(str(s["sequence"])),
+                str(s["microbatch"]),
+                str(s["tokens"]),
+                f"{s['tokens_diverging_any_layer']:.2%}",
+                f"{s['routers_differing_per_token']:.4f}",
+                str(s["first_divergent_layer"]),
+                *[Text(str(s[k])) for k in extra],
+                style="red",
+            )
         return table
 
 

@@ -32,8 +32,8 @@ Legend: L = packed layers, T = tokens, K = top-k.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import importlib.metadata
+import itertools
 import os
 import re
 import stat
@@ -85,8 +85,9 @@ def strict_bool(value: object, *, where: str, key: str) -> bool:
     return value
 
 
-def strict_int_list(value: object, *, where: str, key: str, lo: int | None = None, hi: int | None = None,
-                    ascending: bool = False) -> tuple[int, ...]:
+def strict_int_list(
+    value: object, *, where: str, key: str, lo: int | None = None, hi: int | None = None, ascending: bool = False
+) -> tuple[int, ...]:
     """``value`` as a tuple if it is a JSON list of integers in ``[lo, hi)`` (strictly ascending if asked)."""
     if not isinstance(value, list):
         raise DumpError(f"{where}: {key} must be a list of integers, got {type(value).__name__} {value!r:.80}")
@@ -142,8 +143,10 @@ def parse_tensor_name(name: str) -> tuple[int, int, int | None, str]:
     ``DumpError`` if it is not one of ours."""
     m = _NAME_RE.match(name)
     if not m:
-        raise DumpError(f"tensor name {name!r} is not step{{S}}/mb{{M}}/(ids|probs) (v2), "
-                        f"step{{S}}/mb{{M}}/layer{{L}}/(ids|probs) (v1) or step{{S}}/mb{{M}}/(positions|seq_ids|fingerprints)")
+        raise DumpError(
+            f"tensor name {name!r} is not step{{S}}/mb{{M}}/(ids|probs) (v2), "
+            f"step{{S}}/mb{{M}}/layer{{L}}/(ids|probs) (v1) or step{{S}}/mb{{M}}/(positions|seq_ids|fingerprints)"
+        )
     step, mb, layer, kind, token_kind = m.groups()
     return int(step), int(mb), None if layer is None else int(layer), kind or token_kind
 
@@ -160,8 +163,10 @@ def checked_file_name(name: object, *, rank: int, where: str) -> str:
     a bare name inside the dump directory, never a path that could lead out of it."""
     m = _RANK_FILE_RE.match(name) if isinstance(name, str) else None
     if m is None or int(m.group(1)) != rank:
-        raise DumpError(f"{where}: rank {rank} file name {name!r} is not rank{rank:05d}[.pNNN].safetensors "
-                        f"(a file of this rank, in the dump directory)")
+        raise DumpError(
+            f"{where}: rank {rank} file name {name!r} is not rank{rank:05d}[.pNNN].safetensors "
+            f"(a file of this rank, in the dump directory)"
+        )
     return name
 
 
@@ -196,31 +201,42 @@ class ModelInfo:
 
     def _validate(self) -> None:
         if self.num_experts < 1 or not 1 <= self.topk <= self.num_experts:
-            raise DumpError(f"model: need 1 <= topk <= num_experts, got topk {self.topk}, "
-                            f"num_experts {self.num_experts}")
+            raise DumpError(
+                f"model: need 1 <= topk <= num_experts, got topk {self.topk}, num_experts {self.num_experts}"
+            )
         bad = [layer for layer in self.moe_layers if not 0 <= layer < self.num_layers]
         if bad or list(self.moe_layers) != sorted(set(self.moe_layers)):
-            raise DumpError(f"model: moe_layers {list(self.moe_layers)} must be sorted, unique and in "
-                            f"[0, num_layers={self.num_layers})")
+            raise DumpError(
+                f"model: moe_layers {list(self.moe_layers)} must be sorted, unique and in "
+                f"[0, num_layers={self.num_layers})"
+            )
 
     def as_dict(self) -> dict:
-        return {"num_layers": self.num_layers, "moe_layers": list(self.moe_layers),
-                "num_experts": self.num_experts, "topk": self.topk}
+        return {
+            "num_layers": self.num_layers,
+            "moe_layers": list(self.moe_layers),
+            "num_experts": self.num_experts,
+            "topk": self.topk,
+        }
 
     @classmethod
     def from_dict(cls, obj: Mapping, *, where: str) -> ModelInfo:
         keys = ("num_layers", "moe_layers", "num_experts", "topk")
         if not isinstance(obj, Mapping) or any(k not in obj for k in keys):
-            raise DumpError(f"{where}: model must hold num_layers, moe_layers, num_experts, topk; "
-                            f"got {dict(obj) if isinstance(obj, Mapping) else obj!r:.200}")
+            raise DumpError(
+                f"{where}: model must hold num_layers, moe_layers, num_experts, topk; "
+                f"got {dict(obj) if isinstance(obj, Mapping) else obj!r:.200}"
+            )
         num_layers = strict_int(obj["num_layers"], where=where, key="model.num_layers", lo=1, hi=MAX_LAYERS)
         try:
-            return cls(num_layers=num_layers,
-                       moe_layers=strict_int_list(obj["moe_layers"], where=where, key="model.moe_layers", lo=0,
-                                                  hi=num_layers),
-                       num_experts=strict_int(obj["num_experts"], where=where, key="model.num_experts", lo=1,
-                                              hi=MAX_EXPERTS + 1),
-                       topk=strict_int(obj["topk"], where=where, key="model.topk", lo=1))
+            return cls(
+                num_layers=num_layers,
+                moe_layers=strict_int_list(obj["moe_layers"], where=where, key="model.moe_layers", lo=0, hi=num_layers),
+                num_experts=strict_int(
+                    obj["num_experts"], where=where, key="model.num_experts", lo=1, hi=MAX_EXPERTS + 1
+                ),
+                topk=strict_int(obj["topk"], where=where, key="model.topk", lo=1),
+            )
         except DumpError as exc:
             if str(exc).startswith(where):
                 raise
@@ -251,13 +267,17 @@ def step_info(info: Mapping, *, where: str) -> StepInfo:
     batch, seq_len = info.get("batch"), info.get("seq_len")
     batch = None if batch is None else strict_int(batch, where=where, key="batch", lo=1, hi=MAX_TOKENS)
     if (batch is None) != (seq_len is None):
-        raise DumpError(f"{where}: batch {batch!r} and seq_len {seq_len!r:.80} must be recorded together (a step's "
-                        f"geometry) or both null")
+        raise DumpError(
+            f"{where}: batch {batch!r} and seq_len {seq_len!r:.80} must be recorded together (a step's "
+            f"geometry) or both null"
+        )
     if seq_len is not None:
         seq_len = strict_int_list(seq_len, where=where, key="seq_len", lo=1, hi=MAX_TOKENS)
         if len(seq_len) != microbatches:
-            raise DumpError(f"{where}: seq_len {list(seq_len)!r:.80} holds {len(seq_len)} length(s) != microbatches "
-                            f"{microbatches} (one per micro-batch)")
+            raise DumpError(
+                f"{where}: seq_len {list(seq_len)!r:.80} holds {len(seq_len)} length(s) != microbatches "
+                f"{microbatches} (one per micro-batch)"
+            )
     return StepInfo(microbatches=microbatches, batch=batch, seq_len=seq_len)
 
 
@@ -271,8 +291,10 @@ def check_regular_file(path: Path, *, rank: int, directory: Path) -> None:
     except OSError as exc:
         raise DumpError(f"{path}: rank {rank} file unreadable: {exc}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise DumpError(f"{path}: rank {rank} file is a symbolic link (to {os.readlink(path)!r:.120}); a dump "
-                        f"never reads outside its directory: copy the file in instead")
+        raise DumpError(
+            f"{path}: rank {rank} file is a symbolic link (to {os.readlink(path)!r:.120}); a dump "
+            f"never reads outside its directory: copy the file in instead"
+        )
     if not stat.S_ISREG(st.st_mode):
         raise DumpError(f"{path}: rank {rank} file is not a regular file (a FIFO, device or directory)")
     if path.resolve().parent != directory.resolve():
@@ -283,14 +305,20 @@ def packed_layers(file: Mapping, *, path: Path, rank: int, manifest: Path) -> tu
     """A v2 file entry's ``layers``: the global layers of its packed tensors, in order; integers, unique."""
     layers = file.get("layers")
     if not isinstance(layers, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in layers):
-        raise DumpError(f"{manifest}: rank {rank} file {path.name}: 'layers' must be the list "
-                        f"of global layers its packed tensors hold (format v2), got {layers!r:.80}")
+        raise DumpError(
+            f"{manifest}: rank {rank} file {path.name}: 'layers' must be the list "
+            f"of global layers its packed tensors hold (format v2), got {layers!r:.80}"
+        )
     twice = sorted({x for x in layers if layers.count(x) > 1})
     if twice:
-        raise DumpError(f"{path}: rank {rank}: the file's layer list {layers} holds layer(s) {twice} more than "
-                        f"once; expected each packed layer once")
+        raise DumpError(
+            f"{path}: rank {rank}: the file's layer list {layers} holds layer(s) {twice} more than "
+            f"once; expected each packed layer once"
+        )
     if layers != sorted(layers):
-        raise DumpError(f"{manifest}: rank {rank} file {path.name}: 'layers' {layers!r:.80} is "
-                        f"not ascending (the writer packs layers in ascending order); a reordered list would "
-                        f"relabel layers")
+        raise DumpError(
+            f"{manifest}: rank {rank} file {path.name}: 'layers' {layers!r:.80} is "
+            f"not ascending (the writer packs layers in ascending order); a reordered list would "
+            f"relabel layers"
+        )
     return tuple(layers)

@@ -25,18 +25,30 @@ import torch
 
 from moeverify.errors import DumpError, RouteError, UsageError
 from moeverify.files import atomic_write
-from moeverify.routing import npy_file
 from moeverify.record.format import MAX_EXPERTS
 from moeverify.record.router_trace import read_router_trace, read_router_trace_ranks
+from moeverify.routing import npy_file
 from moeverify.routing.routes import Routes
 
-__all__ = ["export_npz", "is_export", "read_arrays", "read_export", "read_router_trace", "read_router_trace_ranks",
-           "routes_from_arrays"]
+__all__ = [
+    "export_npz",
+    "is_export",
+    "read_arrays",
+    "read_export",
+    "read_router_trace",
+    "read_router_trace_ranks",
+    "routes_from_arrays",
+]
 
 
-def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | None = None,
-                       moe_layers: Sequence[int] | None = None, where: str = "input",
-                       names: Sequence[str] | None = None) -> Routes:
+def routes_from_arrays(
+    arrays_NLK: Sequence[np.ndarray],
+    *,
+    num_experts: int | None = None,
+    moe_layers: Sequence[int] | None = None,
+    where: str = "input",
+    names: Sequence[str] | None = None,
+) -> Routes:
     """``Routes`` from ``[tokens, layers, topk]`` arrays, one per micro-batch (``names``: how messages name
     them, e.g. their npz keys; default ``array {i}``)."""
     if not arrays_NLK:
@@ -44,8 +56,11 @@ def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | N
     names = list(names) if names is not None else [f"array {i}" for i in range(len(arrays_NLK))]
     for name, arr in zip(names, arrays_NLK, strict=True):
         if not isinstance(arr, np.ndarray) or arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
-            got = (f"shape {arr.shape} dtype {arr.dtype}" if isinstance(arr, np.ndarray)
-                   else f"{type(arr).__name__} (not a .npy member)")
+            got = (
+                f"shape {arr.shape} dtype {arr.dtype}"
+                if isinstance(arr, np.ndarray)
+                else f"{type(arr).__name__} (not a .npy member)"
+            )
             raise DumpError(f"{where}: {name}: {got} != expected integer [tokens, layers, topk]")
         if arr.shape[1:] != arrays_NLK[0].shape[1:]:
             raise DumpError(f"{where}: {name}: shape {arr.shape} != (tokens, {arrays_NLK[0].shape[1:]})")
@@ -58,8 +73,9 @@ def routes_from_arrays(arrays_NLK: Sequence[np.ndarray], *, num_experts: int | N
         raise DumpError(f"{where}: {len(layers)} moe layer number(s) given for {tensors[0].shape[1]} layer(s)")
     if len(set(layers)) != len(layers) or any(layer < 0 for layer in layers):
         dups = sorted({layer for layer in layers if layers.count(layer) > 1})
-        raise DumpError(f"{where}: moe layer numbers {layers} must be distinct and >= 0"
-                        + (f" (repeated: {dups})" if dups else ""))
+        raise DumpError(
+            f"{where}: moe layer numbers {layers} must be distinct and >= 0" + (f" (repeated: {dups})" if dups else "")
+        )
     if not any(t.numel() for t in tensors):
         raise DumpError(f"{where}: the arrays hold no tokens (shapes {[tuple(t.shape) for t in tensors]})")
     for name, t in zip(names, tensors, strict=True):
@@ -77,8 +93,10 @@ def _refuse_huge(arr_NLK: np.ndarray, *, limit: int, where: str, layers: Sequenc
     if arr_NLK.size == 0 or int(arr_NLK.max()) < limit:
         return
     token, column, _ = (int(x[0]) for x in np.nonzero(arr_NLK >= limit))
-    raise DumpError(f"{where}: token {token} layer {layers[column]}: expert id {int(arr_NLK[token, column].max())} "
-                    f"out of range [0, {limit}) ({int((arr_NLK >= limit).sum())} such id(s))")
+    raise DumpError(
+        f"{where}: token {token} layer {layers[column]}: expert id {int(arr_NLK[token, column].max())} "
+        f"out of range [0, {limit}) ({int((arr_NLK >= limit).sum())} such id(s))"
+    )
 
 
 def _refuse_negative(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> None:
@@ -86,9 +104,11 @@ def _refuse_negative(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]
     bad = (ids_NLK < 0).nonzero()
     if bad.numel():
         token, column = int(bad[0, 0]), int(bad[0, 1])
-        raise DumpError(f"{where}: token {token} layer {layers[column]}: expert id {int(ids_NLK[token, column].min())}"
-                        f" < 0 ({int((ids_NLK < 0).any(dim=2).sum())} token-layer row(s) with negative ids: capture "
-                        f"gaps are not routes; Routes.from_rollout handles them for replay)")
+        raise DumpError(
+            f"{where}: token {token} layer {layers[column]}: expert id {int(ids_NLK[token, column].min())}"
+            f" < 0 ({int((ids_NLK < 0).any(dim=2).sum())} token-layer row(s) with negative ids: capture "
+            f"gaps are not routes; Routes.from_rollout handles them for replay)"
+        )
 
 
 def read_arrays(path: str | os.PathLike, *, fmt: str | None = None) -> list[np.ndarray]:
@@ -109,8 +129,10 @@ def read_named_arrays(path: str | os.PathLike, *, fmt: str | None = None) -> dic
     out = npy_file.load_npz(path, error=DumpError, order=lambda keys: sorted(keys, key=_natural_key))
     for key, value in out.items():
         if not isinstance(value, np.ndarray):
-            raise DumpError(f"{path}: npz member {key!r} is not a .npy array ({type(value).__name__}); an .npz of "
-                            f"routes holds .npy members only")
+            raise DumpError(
+                f"{path}: npz member {key!r} is not a .npy array ({type(value).__name__}); an .npz of "
+                f"routes holds .npy members only"
+            )
     return {f"npz key {key!r}": value for key, value in out.items()}
 
 
@@ -140,15 +162,15 @@ def export_npz(dump, path: str | os.PathLike, *, routes_of=None) -> Path:
     path = Path(path)
     if path.suffix != ".npz":
         raise UsageError(f"{path}: an export is a .npz file; give a name ending in .npz")
-    arrays = {EXPORT_MARK: np.asarray([1], dtype=np.int64),
-              "layers": np.asarray(dump.model.moe_layers, dtype=np.int64)}
+    arrays = {EXPORT_MARK: np.asarray([1], dtype=np.int64), "layers": np.asarray(dump.model.moe_layers, dtype=np.int64)}
     experts = dump.model.num_experts
     for step in sorted(dump.steps):
         routes = dump.routes(step=step) if routes_of is None else routes_of(step)
         experts = routes.num_experts
         for mb in range(routes.microbatches):
-            arrays[f"step{step}_mb{mb}"] = routes.stacked(mb).to(dump.ids_dtype if routes_of is None
-                                                                 else torch.int64).numpy()
+            arrays[f"step{step}_mb{mb}"] = (
+                routes.stacked(mb).to(dump.ids_dtype if routes_of is None else torch.int64).numpy()
+            )
         if dump.token_order(step) == "sequence":
             info = dump.steps[step]
             arrays[f"step{step}_seq_len"] = np.asarray(info.seq_len, dtype=np.int64)
@@ -187,22 +209,32 @@ def read_export(path: str | os.PathLike, *, step: int | None):
     for key, value in arrays.items():
         if not isinstance(value, np.ndarray):
             raise DumpError(f"{path}: {bad}: npz member {key!r} is not a .npy array")
-    unexpected = sorted(k for k in arrays if k not in (EXPORT_MARK, "layers", "num_experts")
-                        and not _EXPORT_KEY.match(k))
+    unexpected = sorted(
+        k for k in arrays if k not in (EXPORT_MARK, "layers", "num_experts") and not _EXPORT_KEY.match(k)
+    )
     if unexpected or "layers" not in arrays:
-        raise DumpError(f"{path}: {bad}: " + (f"key(s) {unexpected} unexpected" if unexpected else "'layers' missing")
-                        + "; an export holds moeverify_export, layers, num_experts and step{S}_mb{M}/_seq_len/_batch")
+        raise DumpError(
+            f"{path}: {bad}: "
+            + (f"key(s) {unexpected} unexpected" if unexpected else "'layers' missing")
+            + "; an export holds moeverify_export, layers, num_experts and step{S}_mb{M}/_seq_len/_batch"
+        )
     if EXPORT_MARK in arrays:
         (version,) = _export_ints(arrays, EXPORT_MARK, path=path, length=1)
         if version not in _EXPORT_VERSIONS:
-            raise DumpError(f"{path}: {bad}: {EXPORT_MARK} version {version} unknown; this moeverify reads "
-                            f"{list(_EXPORT_VERSIONS)}")
+            raise DumpError(
+                f"{path}: {bad}: {EXPORT_MARK} version {version} unknown; this moeverify reads {list(_EXPORT_VERSIONS)}"
+            )
     layers = _export_ints(arrays, "layers", path=path, lo=0)
     if list(layers) != sorted(set(layers)) or not layers:
-        raise DumpError(f"{path}: {bad}: 'layers' {list(layers)!r:.80} must be non-empty and strictly ascending "
-                        f"(as export_npz writes it)")
-    experts = (_export_ints(arrays, "num_experts", path=path, length=1, lo=1, hi=MAX_EXPERTS + 1)[0]
-               if "num_experts" in arrays else None)
+        raise DumpError(
+            f"{path}: {bad}: 'layers' {list(layers)!r:.80} must be non-empty and strictly ascending "
+            f"(as export_npz writes it)"
+        )
+    experts = (
+        _export_ints(arrays, "num_experts", path=path, length=1, lo=1, hi=MAX_EXPERTS + 1)[0]
+        if "num_experts" in arrays
+        else None
+    )
     keys = [m for k in arrays if (m := _EXPORT_KEY.match(k))]
     steps = sorted({int(m.group(1)) for m in keys})
     if step is None:
@@ -215,36 +247,47 @@ def read_export(path: str | os.PathLike, *, step: int | None):
     if mbs != list(range(len(mbs))) or not mbs:
         raise DumpError(f"{path}: step {step}: micro-batch arrays {mbs} are not 0..{len(mbs) - 1}")
     names = [f"step{step}_mb{mb}" for mb in mbs]
-    routes = routes_from_arrays([arrays[n] for n in names], num_experts=experts, moe_layers=list(layers),
-                                where=f"{path}: step {step}", names=[f"npz key {n!r}" for n in names])
+    routes = routes_from_arrays(
+        [arrays[n] for n in names],
+        num_experts=experts,
+        moe_layers=list(layers),
+        where=f"{path}: step {step}",
+        names=[f"npz key {n!r}" for n in names],
+    )
     has = [f"step{step}_{k}" in arrays for k in ("seq_len", "batch")]
     if not any(has):
         return routes, None
     if not all(has):
-        raise DumpError(f"{path}: {bad}: step {step}: step{step}_seq_len and step{step}_batch must be both present "
-                        f"or both absent")
+        raise DumpError(
+            f"{path}: {bad}: step {step}: step{step}_seq_len and step{step}_batch must be both present or both absent"
+        )
     seq_len = _export_ints(arrays, f"step{step}_seq_len", path=path, length=len(mbs), lo=1)
     (batch,) = _export_ints(arrays, f"step{step}_batch", path=path, length=1, lo=1)
     counts = [routes.get(routes.layers[0], mb).shape[0] for mb in range(routes.microbatches)]
     if any(n != length * batch for n, length in zip(counts, seq_len, strict=True)):
-        raise DumpError(f"{path}: step {step}: micro-batch token counts {counts} != seq_len {list(seq_len)} x batch "
-                        f"{batch}")
+        raise DumpError(
+            f"{path}: step {step}: micro-batch token counts {counts} != seq_len {list(seq_len)} x batch {batch}"
+        )
     return routes, (seq_len, batch)
 
 
-def _export_ints(arrays: dict, key: str, *, path: Path, length: int | None = None, lo: int | None = None,
-                 hi: int | None = None) -> tuple[int, ...]:
+def _export_ints(
+    arrays: dict, key: str, *, path: Path, length: int | None = None, lo: int | None = None, hi: int | None = None
+) -> tuple[int, ...]:
     """An export's metadata array ``key``: 1-D, an integer dtype, ``length`` values (if given) in ``[lo, hi)``."""
     arr = arrays[key]
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or (length is not None and arr.shape[0] != length):
         want = f"({length},)" if length is not None else "(n,)"
-        raise DumpError(f"{path}: not a valid export: {key!r} shape {arr.shape} dtype {arr.dtype} != expected "
-                        f"integer {want}")
+        raise DumpError(
+            f"{path}: not a valid export: {key!r} shape {arr.shape} dtype {arr.dtype} != expected integer {want}"
+        )
     values = tuple(int(x) for x in arr.tolist())
     out = [v for v in values if (lo is not None and v < lo) or (hi is not None and v >= hi)]
     if out:
-        raise DumpError(f"{path}: not a valid export: {key!r} value {out[0]} outside "
-                        f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'})")
+        raise DumpError(
+            f"{path}: not a valid export: {key!r} value {out[0]} outside "
+            f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'})"
+        )
     return values
 
 

@@ -57,8 +57,10 @@ def _permute(routes: Routes, *, seq_len, batch: int, where: str, to: str) -> Rou
         for mb, length in enumerate(lens):
             ids_TK = routes.get(layer, mb)
             if ids_TK.shape[0] != length * batch:
-                raise UsageError(f"{where}: layer {layer} micro-batch {mb}: {ids_TK.shape[0]} tokens != seq_len "
-                                 f"{length} x batch {batch} = {length * batch}")
+                raise UsageError(
+                    f"{where}: layer {layer} micro-batch {mb}: {ids_TK.shape[0]} tokens != seq_len "
+                    f"{length} x batch {batch} = {length * batch}"
+                )
             if to == "sequence":  # [S, B, K] -> [B, S, K]
                 out.append(ids_TK.view(length, batch, -1).transpose(0, 1).reshape(length * batch, -1))
             else:
@@ -67,16 +69,18 @@ def _permute(routes: Routes, *, seq_len, batch: int, where: str, to: str) -> Rou
     return Routes(per_layer, num_experts=routes.num_experts, topk=routes.topk)
 
 
-def to_sequence_order(routes: Routes, *, order: str, seq_len=None, batch: int | None = None,
-                      where: str = "routes") -> Routes:
+def to_sequence_order(
+    routes: Routes, *, order: str, seq_len=None, batch: int | None = None, where: str = "routes"
+) -> Routes:
     """``routes`` (in ``order``) in sequence order; router order needs ``seq_len`` and ``batch``."""
     if order not in ORDERS:
         raise UsageError(f"{where}: token order {order!r} is not one of {', '.join(ORDERS)}")
     if order == "sequence" or batch == 1:
         return routes
     if seq_len is None or batch is None:
-        raise UsageError(f"{where}: routes in router order (s * B + b) need --seq-len and --batch to be put in "
-                         f"sequence order")
+        raise UsageError(
+            f"{where}: routes in router order (s * B + b) need --seq-len and --batch to be put in sequence order"
+        )
     return _permute(routes, seq_len=seq_len, batch=batch, where=where, to="sequence")
 
 
@@ -90,8 +94,10 @@ def shared_geometry(a: Ordered, b: Ordered) -> tuple[tuple[int, ...], int] | Non
     them; None when neither does. Two sides that know different cuts are refused."""
     if a.geometry is not None and b.geometry is not None and a.geometry != b.geometry:
         (sa, ba), (sb, bb) = a.geometry, b.geometry
-        raise UsageError(f"{a.source} cuts its tokens into sequences of seq_len {list(sa)} x batch {ba}, {b.source} "
-                         f"into seq_len {list(sb)} x batch {bb}: token g is not the same token on both sides")
+        raise UsageError(
+            f"{a.source} cuts its tokens into sequences of seq_len {list(sa)} x batch {ba}, {b.source} "
+            f"into seq_len {list(sb)} x batch {bb}: token g is not the same token on both sides"
+        )
     return a.geometry or b.geometry
 
 
@@ -103,7 +109,9 @@ def require_same_tokens(a: Ordered, b: Ordered, *, assume_same_order: bool) -> N
     unknown = [s for s in (a, b) if s.order is None]
     if unknown:
         lines = "; ".join(f"{s.source}: {s.why_unknown}" for s in unknown)
-        raise UsageError(f"cannot line the two sources up token for token: {lines}. Give the token order "
-                         f"(dump convert --order sequence|router --seq-len S --batch B, or the same flags of "
-                         f"dump diff for an array), or pass --assume-same-order if you know both list the same "
-                         f"tokens in the same order")
+        raise UsageError(
+            f"cannot line the two sources up token for token: {lines}. Give the token order "
+            f"(dump convert --order sequence|router --seq-len S --batch B, or the same flags of "
+            f"dump diff for an array), or pass --assume-same-order if you know both list the same "
+            f"tokens in the same order"
+        )

@@ -19,17 +19,24 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moeverify.routing import views
 from moeverify.errors import DumpError, LayoutError, RouteError
-from moeverify.spec.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.record.layer_read import Entry, checked_offset, data_spans, read, sequence_order
+from moeverify.routing import views
 from moeverify.routing.routes import Routes, validate_topk_ids
+from moeverify.spec.layout import Layout
 
 _REQUIRED = ("schema", "version", "model", "layout", "world_size", "zigzag", "ids_dtype", "steps", "ranks")
 _LAYOUT_KEYS = {"tp", "pp", "cp", "ep", "etp", "vpp", "sp"}  # written by every version; pp_first/... optional
-_DT_NAMES = {"U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-             "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_DT_NAMES = {
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+}
 
 
 class Dump:
@@ -47,9 +54,11 @@ class Dump:
             # bounded by the ranks listed: world_size alone never sizes anything
             missing = [r for r in range(min(self.world_size, len(rank_keys) + 8)) if r not in rank_keys]
             extra = sorted(r for r in rank_keys if r >= self.world_size)
-            raise DumpError(f"{where}: rank(s) {missing}{' ...' if self.world_size > len(rank_keys) + 8 else ''} of "
-                            f"world_size {self.world_size} missing from the manifest"
-                            + (f"; rank(s) {extra[:8]} listed outside it" if extra else ""))
+            raise DumpError(
+                f"{where}: rank(s) {missing}{' ...' if self.world_size > len(rank_keys) + 8 else ''} of "
+                f"world_size {self.world_size} missing from the manifest"
+                + (f"; rank(s) {extra[:8]} listed outside it" if extra else "")
+            )
         layout = manifest["layout"]
         absent = sorted(_LAYOUT_KEYS - set(layout))
         if absent:
@@ -62,18 +71,26 @@ class Dump:
         self.zigzag = fmt.strict_bool(manifest["zigzag"], where=where, key="zigzag")
         self.ids_dtype = self._dtype_of(manifest, "ids_dtype", where=where)
         if self.ids_dtype != fmt.ids_dtype_for(self.model.num_experts):
-            raise DumpError(f"{where}: ids_dtype {manifest['ids_dtype']} != expected "
-                            f"{fmt.ID_DTYPE_NAMES[fmt.ids_dtype_for(self.model.num_experts)]} for "
-                            f"{self.model.num_experts} experts")
+            raise DumpError(
+                f"{where}: ids_dtype {manifest['ids_dtype']} != expected "
+                f"{fmt.ID_DTYPE_NAMES[fmt.ids_dtype_for(self.model.num_experts)]} for "
+                f"{self.model.num_experts} experts"
+            )
         # probs_dtype: absent in older dumps (any float dtype then); null: the dump holds no probs
-        self.probs_dtype = (self._dtype_of(manifest, "probs_dtype", where=where)
-                            if manifest.get("probs_dtype") is not None else None)
+        self.probs_dtype = (
+            self._dtype_of(manifest, "probs_dtype", where=where) if manifest.get("probs_dtype") is not None else None
+        )
         self._probs_declared = "probs_dtype" not in manifest or self.probs_dtype is not None
-        self.steps = {fmt.int_key(s, where=where, what="steps"): fmt.step_info(i, where=f"{where}: steps[{s!r}]")
-                      for s, i in manifest["steps"].items()}
-        self.coords = {rank: self._rank_coords(manifest["ranks"][key]["coords"], rank=rank,
-                                               where=f"{where}: ranks[{key!r}].coords")
-                       for rank, key in sorted(rank_keys.items())}
+        self.steps = {
+            fmt.int_key(s, where=where, what="steps"): fmt.step_info(i, where=f"{where}: steps[{s!r}]")
+            for s, i in manifest["steps"].items()
+        }
+        self.coords = {
+            rank: self._rank_coords(
+                manifest["ranks"][key]["coords"], rank=rank, where=f"{where}: ranks[{key!r}].coords"
+            )
+            for rank, key in sorted(rank_keys.items())
+        }
         self._held: dict[int, tuple[int, ...]] = {}  # rank -> its MoE layers (``_layers``)
         self._index: dict[tuple[int, int, int, int | None, str], Entry] = {}
         self._tensor_counts: list[tuple[Path, int, int, int]] = []  # (file, rank, held, listed in the manifest)
@@ -86,12 +103,16 @@ class Dump:
             self._check_rank_complete(rank)
         probs = next((e for k, e in self._index.items() if k[4] == "probs"), None)
         if probs is not None and not self._probs_declared:
-            raise DumpError(f"{probs.file}: tensor {probs.label}: probs in the file, but {self.path / fmt.MANIFEST} "
-                            f"has probs_dtype null (a dump without router probabilities)")
+            raise DumpError(
+                f"{probs.file}: tensor {probs.label}: probs in the file, but {self.path / fmt.MANIFEST} "
+                f"has probs_dtype null (a dump without router probabilities)"
+            )
         for file, rank, held, listed in self._tensor_counts:  # after the checks that name the tensor
             if held != listed:
-                raise DumpError(f"{file}: holds {held} tensor(s) != {listed} listed in {self.path / fmt.MANIFEST} "
-                                f"(rank {rank} file {file.name} 'tensors')")
+                raise DumpError(
+                    f"{file}: holds {held} tensor(s) != {listed} listed in {self.path / fmt.MANIFEST} "
+                    f"(rank {rank} file {file.name} 'tensors')"
+                )
 
     # -- public -----------------------------------------------------------------------------------
     @property
@@ -115,8 +136,11 @@ class Dump:
     def local_probs(self, *, step: int = 0, rank: int = 0) -> dict[int, list[torch.Tensor]]:
         """Router probabilities ``{layer: [probs_TK per micro-batch]}`` of one rank (empty if not recorded)."""
         info = self._step(step)
-        return {layer: [self._read(rank, step, mb, layer, "probs") for mb in range(info.microbatches)]
-                for layer in self._layers(rank) if (rank, step, 0, layer, "probs") in self._index}
+        return {
+            layer: [self._read(rank, step, mb, layer, "probs") for mb in range(info.microbatches)]
+            for layer in self._layers(rank)
+            if (rank, step, 0, layer, "probs") in self._index
+        }
 
     def token_order(self, step: int = 0) -> str | None:
         """``"sequence"`` when ``routes(step)`` is in sequence order (``g = b * S + s``; the step recorded its
@@ -130,8 +154,10 @@ class Dump:
         if self.world_size == 1 and info.seq_len is None:
             return self.local_routes(step=step, rank=0)
         if info.seq_len is None or info.batch is None:
-            raise DumpError(f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
-                            f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)")
+            raise DumpError(
+                f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
+                f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)"
+            )
         for rank in sorted(self.coords):
             self._check_token_ids(rank, step, info)
         return self._merged(step, info, layers=self.model.moe_layers, where=f"{self.path}: step {step}")[0]
@@ -141,8 +167,10 @@ class Dump:
         info = self._step(step)
         if self.world_size == 1 and info.seq_len is None:
             layers = self._layers(0)
-            return [self._index[(0, step, mb, layers[0], "ids")].shape[0] if layers else 0
-                    for mb in range(info.microbatches)]
+            return [
+                self._index[(0, step, mb, layers[0], "ids")].shape[0] if layers else 0
+                for mb in range(info.microbatches)
+            ]
         self._require_geometry(step, info)
         return [self.layout.dp(self.world_size) * info.batch * length for length in info.seq_len]
 
@@ -151,16 +179,18 @@ class Dump:
         ``like``: validated routes whose identical rows need no check of their own (``Routes.adopt``)."""
         return self._layer(step, layer, like=like, gather=True)[0]
 
-    def layer_rows(self, *, step: int = 0, layer: int,
-                   like: Routes | None = None) -> tuple[Routes, list[torch.Tensor | None]]:
+    def layer_rows(
+        self, *, step: int = 0, layer: int, like: Routes | None = None
+    ) -> tuple[Routes, list[torch.Tensor | None]]:
         """``layer_routes``, except that a layer one rank alone holds keeps that rank's row order: its routes
         (same checks) and, per micro-batch, the global token of each row (None: row ``t`` is token ``t``, as
         after any merge). For a caller that needs the global token of a few rows only (``diff_stream``: the
         differing ones), which then saves moving every row."""
         return self._layer(step, layer, like=like, gather=False)
 
-    def _layer(self, step: int, layer: int, *, like: Routes | None,
-               gather: bool) -> tuple[Routes, list[torch.Tensor | None]]:
+    def _layer(
+        self, step: int, layer: int, *, like: Routes | None, gather: bool
+    ) -> tuple[Routes, list[torch.Tensor | None]]:
         info = self._step(step)
         if layer not in self.model.moe_layers:
             raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the dump {list(self.model.moe_layers)}")
@@ -172,15 +202,20 @@ class Dump:
             for rank in sorted(self.coords):
                 self._check_token_ids(rank, step, info)
             self._token_ids_checked.add(step)
-        return self._merged(step, info, layers=(layer,), where=f"{self.path}: step {step}: layer {layer}", like=like,
-                            gather=gather)
+        return self._merged(
+            step, info, layers=(layer,), where=f"{self.path}: step {step}: layer {layer}", like=like, gather=gather
+        )
 
-    def _local(self, rank: int, step: int, layers: tuple[int, ...], *, checked: bool,
-               like: Routes | None = None) -> Routes:
+    def _local(
+        self, rank: int, step: int, layers: tuple[int, ...], *, checked: bool, like: Routes | None = None
+    ) -> Routes:
         """Rank ``rank``'s ids of ``layers`` in ``step``; ``checked=False`` leaves the ids to the merge's check."""
         info = self._step(step)
-        held = {layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]
-                for layer in layers if layer in self._layers(rank)}
+        held = {
+            layer: [self._read(rank, step, mb, layer, "ids") for mb in range(info.microbatches)]
+            for layer in layers
+            if layer in self._layers(rank)
+        }
         if not checked:
             return Routes.unchecked(held, num_experts=self.model.num_experts, topk=self.model.topk)
         try:
@@ -190,14 +225,28 @@ class Dump:
         try:  # the error path only: check again, naming the rank (Routes does not know it)
             for layer, mbs in held.items():
                 for mb, ids_TK in enumerate(mbs):
-                    validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.model.num_experts,
-                                      topk=self.model.topk, rank=rank)
+                    validate_topk_ids(
+                        ids_TK,
+                        layer=layer,
+                        microbatch=mb,
+                        num_experts=self.model.num_experts,
+                        topk=self.model.topk,
+                        rank=rank,
+                    )
         except RouteError as exc:
             error = exc
         raise DumpError(f"{self._rank_files(rank)}: step {step}: {error}") from None
 
-    def _merged(self, step: int, info: fmt.StepInfo, *, layers: tuple[int, ...], where: str,
-                like: Routes | None = None, gather: bool = True) -> tuple[Routes, list[torch.Tensor | None]]:
+    def _merged(
+        self,
+        step: int,
+        info: fmt.StepInfo,
+        *,
+        layers: tuple[int, ...],
+        where: str,
+        like: Routes | None = None,
+        gather: bool = True,
+    ) -> tuple[Routes, list[torch.Tensor | None]]:
         """The ranks' ``layers`` merged to the global view, and tokens as ``layer_rows`` gives them. The ids are
         validated once, as merged: every rank's row is in the merged view (replicas are compared equal first).
         On a failure each rank's tensors are checked on their own, so that the message names the file. Layers
@@ -205,30 +254,43 @@ class Dump:
         (``layer_read.sequence_order``), or, with ``gather=False`` (one layer), left in that rank's order."""
         holders = {layer: [r for r in sorted(self.coords) if layer in self._layers(r)] for layer in layers}
         if all(len(ranks) == 1 for ranks in holders.values()):
-            merged = self._gathered(step, info, {layer: ranks[0] for layer, ranks in holders.items()}, where=where,
-                                    like=like, gather=gather)
+            merged = self._gathered(
+                step, info, {layer: ranks[0] for layer, ranks in holders.items()}, where=where, like=like, gather=gather
+            )
             if merged is not None:
                 return merged
         local = {self.coords[r]: self._local(r, step, layers, checked=False) for r in sorted(self.coords)}
         try:
-            return Routes.to_global(local, self.layout, world_size=self.world_size, seq_len=info.seq_len,
-                                   batch=info.batch, num_layers=self.model.num_layers, moe_layers=layers,
-                                   zigzag=self.zigzag), [None] * info.microbatches
+            return Routes.to_global(
+                local,
+                self.layout,
+                world_size=self.world_size,
+                seq_len=info.seq_len,
+                batch=info.batch,
+                num_layers=self.model.num_layers,
+                moe_layers=layers,
+                zigzag=self.zigzag,
+            ), [None] * info.microbatches
         except (RouteError, LayoutError) as exc:
             for rank in sorted(self.coords):
                 self._local(rank, step, layers, checked=True)  # raises naming the rank's file, if the ids are bad
             raise DumpError(f"{where}: cannot merge ranks: {exc}") from None
 
-    def _gathered(self, step: int, info: fmt.StepInfo, owner: dict[int, int], *, where: str,
-                  like: Routes | None, gather: bool) -> tuple[Routes, list[torch.Tensor | None]] | None:
+    def _gathered(
+        self, step: int, info: fmt.StepInfo, owner: dict[int, int], *, where: str, like: Routes | None, gather: bool
+    ) -> tuple[Routes, list[torch.Tensor | None]] | None:
         """``_merged`` of layers each held by the one rank ``owner[layer]``; None where a rank's token order is
         not a permutation of the micro-batch's tokens (the general merge then says what is wrong)."""
         orders = {(rank, mb): self._order(rank, info, mb) for rank in owner.values() for mb in range(info.microbatches)}
         if any(order is None for order in orders.values()):
             return None
-        held = {layer: [read(self._index[(rank, step, mb, layer, "ids")],
-                             order_T=orders[(rank, mb)][0] if gather else None) for mb in range(info.microbatches)]
-                for layer, rank in owner.items()}
+        held = {
+            layer: [
+                read(self._index[(rank, step, mb, layer, "ids")], order_T=orders[(rank, mb)][0] if gather else None)
+                for mb in range(info.microbatches)
+            ]
+            for layer, rank in owner.items()
+        }
         try:
             routes = Routes.adopt(held, num_experts=self.model.num_experts, topk=self.model.topk, like=like)
         except RouteError as exc:
@@ -244,15 +306,22 @@ class Dump:
     def _order(self, rank: int, info: fmt.StepInfo, mb: int) -> tuple[torch.Tensor | None, ...] | None:
         key = (rank, info.seq_len[mb], info.batch)  # cached: the same for every layer and micro-batch
         if key not in self._orders:
-            self._orders[key] = sequence_order(self.layout, self.coords[rank], seq_len=info.seq_len[mb],
-                                               batch=info.batch, zigzag=self.zigzag,
-                                               tokens=self.layout.dp(self.world_size) * info.batch * info.seq_len[mb])
+            self._orders[key] = sequence_order(
+                self.layout,
+                self.coords[rank],
+                seq_len=info.seq_len[mb],
+                batch=info.batch,
+                zigzag=self.zigzag,
+                tokens=self.layout.dp(self.world_size) * info.batch * info.seq_len[mb],
+            )
         return self._orders[key]
 
     def _require_geometry(self, step: int, info: fmt.StepInfo) -> None:
         if info.seq_len is None or info.batch is None:
-            raise DumpError(f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
-                            f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)")
+            raise DumpError(
+                f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
+                f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)"
+            )
 
     # -- validation -------------------------------------------------------------------------------
     def _index_file(self, rank: int, file: Mapping) -> None:
@@ -261,8 +330,11 @@ class Dump:
         where = f"{self.path / fmt.MANIFEST}: rank {rank}"
         path = self.path / fmt.checked_file_name(file.get("name"), rank=rank, where=str(self.path / fmt.MANIFEST))
         fmt.check_regular_file(path, rank=rank, directory=self.path)
-        packed = fmt.packed_layers(file, path=path, rank=rank, manifest=self.path / fmt.MANIFEST) \
-            if self.version >= 2 else None
+        packed = (
+            fmt.packed_layers(file, path=path, rank=rank, manifest=self.path / fmt.MANIFEST)
+            if self.version >= 2
+            else None
+        )
         expected_bytes = fmt.strict_int(file.get("bytes"), where=where, key=f"file {path.name} bytes", lo=0)
         expected_tensors = fmt.strict_int(file.get("tensors"), where=where, key=f"file {path.name} tensors", lo=1)
         size = path.stat().st_size
@@ -273,39 +345,73 @@ class Dump:
                 meta = handle.metadata() or {}
                 entries = {name: handle.get_slice(name) for name in handle.keys()}
                 # a dtype outside the table keeps the file's own name (``I8``), so that messages say what it holds
-                entries = {n: (_DT_NAMES.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape()))
-                           for n, s in entries.items()}
+                entries = {
+                    n: (_DT_NAMES.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape())) for n, s in entries.items()
+                }
             spans = data_spans(path)  # where each tensor's bytes lie: the reads take them from there
         except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             raise DumpError(f"{path}: not a readable safetensors file: {exc}") from None
         got = (meta.get("schema"), meta.get("version"), meta.get("rank"))
         if got != (fmt.SCHEMA, str(self.version), str(rank)):
-            raise DumpError(f"{path}: metadata schema/version/rank {'/'.join(repr(g) for g in got)} != expected "
-                            f"{fmt.SCHEMA!r}/'{self.version}'/'{rank}' (the manifest's format version)")
+            raise DumpError(
+                f"{path}: metadata schema/version/rank {'/'.join(repr(g) for g in got)} != expected "
+                f"{fmt.SCHEMA!r}/'{self.version}'/'{rank}' (the manifest's format version)"
+            )
         for name, (dtype, shape) in entries.items():
             try:
                 step, mb, layer, kind = fmt.parse_tensor_name(name)
             except DumpError as exc:
                 raise DumpError(f"{path}: {exc}") from None
             if kind in fmt.KINDS and (layer is None) != (packed is not None):
-                want = "step{S}/mb{M}/" + (f"{kind} (v2, layers packed)" if packed is not None
-                                           else f"layer{{L}}/{kind} (v1, one tensor per layer)")
+                want = "step{S}/mb{M}/" + (
+                    f"{kind} (v2, layers packed)"
+                    if packed is not None
+                    else f"layer{{L}}/{kind} (v1, one tensor per layer)"
+                )
                 raise DumpError(f"{path}: tensor {name}: not a format v{self.version} name; expected {want}")
             if kind in fmt.KINDS and packed is not None:
-                self._index_packed(path, name, rank=rank, step=step, mb=mb, kind=kind, dtype=dtype, shape=shape,
-                                   layers=packed, span=spans[name])
+                self._index_packed(
+                    path,
+                    name,
+                    rank=rank,
+                    step=step,
+                    mb=mb,
+                    kind=kind,
+                    dtype=dtype,
+                    shape=shape,
+                    layers=packed,
+                    span=spans[name],
+                )
                 continue
             key = (rank, step, mb, layer, kind)
             if key in self._index:
                 raise DumpError(f"{path}: tensor {name} also in {self._index[key].file.name}")
             self._check_tensor(path, name, kind, dtype, shape)
-            offset = checked_offset(path, name, spans[name], index=None, layers=1,
-                                    layer_bytes=dtype.itemsize * int(torch.Size(shape).numel()))
+            offset = checked_offset(
+                path,
+                name,
+                spans[name],
+                index=None,
+                layers=1,
+                layer_bytes=dtype.itemsize * int(torch.Size(shape).numel()),
+            )
             self._index[key] = Entry(file=path, name=name, dtype=dtype, shape=shape, offset=offset, label=name)
         self._tensor_counts.append((path, rank, len(entries), expected_tensors))
 
-    def _index_packed(self, path: Path, name: str, *, rank: int, step: int, mb: int, kind: str,
-                      dtype: torch.dtype | None, shape: tuple, layers: tuple[int, ...], span: tuple[int, int]) -> None:
+    def _index_packed(
+        self,
+        path: Path,
+        name: str,
+        *,
+        rank: int,
+        step: int,
+        mb: int,
+        kind: str,
+        dtype: torch.dtype | None,
+        shape: tuple,
+        layers: tuple[int, ...],
+        span: tuple[int, int],
+    ) -> None:
         """One index entry per layer of a v2 ``[L, T, K]`` tensor, after checking its dtype and shape."""
         where = f"{path}: tensor {name} (step {step}, mb {mb}, layers {list(layers)})"
         want = fmt.ID_DTYPE_NAMES[self.ids_dtype] if kind == "ids" else "a float dtype"
@@ -314,18 +420,27 @@ class Dump:
         if len(shape) != 3 or shape[2] != self.model.topk:
             raise DumpError(f"{where}: shape {shape} != expected (L={len(layers)}, T, K={self.model.topk})")
         if shape[0] != len(layers):
-            raise DumpError(f"{where}: shape {shape} packs {shape[0]} layer(s), but the file's layer list names "
-                            f"{len(layers)}: expected (L={len(layers)}, T, K={self.model.topk})")
+            raise DumpError(
+                f"{where}: shape {shape} packs {shape[0]} layer(s), but the file's layer list names "
+                f"{len(layers)}: expected (L={len(layers)}, T, K={self.model.topk})"
+            )
         layer_bytes = dtype.itemsize * shape[1] * shape[2]
         for index, layer in enumerate(layers):
             key = (rank, step, mb, layer, kind)
             label = fmt.layer_label(step=step, mb=mb, kind=kind, layer=layer, version=self.version)
             if key in self._index:
-                raise DumpError(f"{path}: tensor {label} (step {step}, mb {mb}, layer {layer}) also in "
-                                f"{self._index[key].file.name}")
-            self._index[key] = Entry(file=path, name=name, dtype=dtype, shape=tuple(shape[1:]), index=index,
-                                     offset=checked_offset(path, name, span, index=index, layers=len(layers),
-                                                           layer_bytes=layer_bytes), label=label)
+                raise DumpError(
+                    f"{path}: tensor {label} (step {step}, mb {mb}, layer {layer}) also in {self._index[key].file.name}"
+                )
+            self._index[key] = Entry(
+                file=path,
+                name=name,
+                dtype=dtype,
+                shape=tuple(shape[1:]),
+                index=index,
+                offset=checked_offset(path, name, span, index=index, layers=len(layers), layer_bytes=layer_bytes),
+                label=label,
+            )
 
     def _check_tensor(self, path: Path, name: str, kind: str, dtype: torch.dtype | None, shape: tuple) -> None:
         if kind == "ids":
@@ -351,24 +466,37 @@ class Dump:
             expected.update((rank, step, mb, layer, "ids") for mb in range(info.microbatches) for layer in layers)
         held = {k for k in self._index if k[0] == rank}
         missing = sorted(expected - {k for k in held if k[4] == "ids"}, key=str)
-        unexpected = sorted({k for k in held if k[1] not in self.steps or k[2] >= self.steps[k[1]].microbatches
-                             or (k[3] is not None and k[3] not in layers)}, key=str)
+        unexpected = sorted(
+            {
+                k
+                for k in held
+                if k[1] not in self.steps
+                or k[2] >= self.steps[k[1]].microbatches
+                or (k[3] is not None and k[3] not in layers)
+            },
+            key=str,
+        )
         if missing or unexpected:
-            def names(keys):
-                return [fmt.layer_label(step=k[1], mb=k[2], layer=k[3], kind=k[4], version=self.version)
-                        for k in keys[:4]]
 
-            raise DumpError(f"{self._rank_files(rank)}: rank {rank} (pp{self.coords[rank].pp}, layers {list(layers)}) "
-                            f"missing {len(missing)} tensor(s) {names(missing)}, unexpected {len(unexpected)} "
-                            f"{names(unexpected)}")
+            def names(keys):
+                return [
+                    fmt.layer_label(step=k[1], mb=k[2], layer=k[3], kind=k[4], version=self.version) for k in keys[:4]
+                ]
+
+            raise DumpError(
+                f"{self._rank_files(rank)}: rank {rank} (pp{self.coords[rank].pp}, layers {list(layers)}) "
+                f"missing {len(missing)} tensor(s) {names(missing)}, unexpected {len(unexpected)} "
+                f"{names(unexpected)}"
+            )
         self._check_token_counts(rank, layers)
         for (r, step, mb, layer, kind), entry in self._index.items():
             if r != rank or kind in ("ids", fmt.FINGERPRINTS):  # fingerprints: one per sequence, not per token
                 continue
             ref = self._index.get((rank, step, mb, layer if kind == "probs" else layers[0] if layers else None, "ids"))
             if ref is not None and entry.shape[0] != ref.shape[0]:
-                raise DumpError(f"{entry.file}: tensor {entry.label}: {entry.shape[0]} tokens != {ref.shape[0]} in "
-                                f"{ref.label}")
+                raise DumpError(
+                    f"{entry.file}: tensor {entry.label}: {entry.shape[0]} tokens != {ref.shape[0]} in {ref.label}"
+                )
 
     def _check_token_counts(self, rank: int, layers: tuple[int, ...]) -> None:
         c = self.coords[rank]
@@ -377,21 +505,36 @@ class Dump:
                 counts = {layer: self._index[(rank, step, mb, layer, "ids")].shape[0] for layer in layers}
                 want = None
                 if info.seq_len is not None and info.batch is not None:
-                    want = views.token_index(self.layout, tp_rank=c.tp, cp_rank=c.cp, seq_len=info.seq_len[mb],
-                                             batch=info.batch, zigzag=self.zigzag).numel()
+                    want = views.token_index(
+                        self.layout,
+                        tp_rank=c.tp,
+                        cp_rank=c.cp,
+                        seq_len=info.seq_len[mb],
+                        batch=info.batch,
+                        zigzag=self.zigzag,
+                    ).numel()
                 for layer, got in counts.items():
                     want = got if want is None else want
                     if got != want:
                         entry = self._index[(rank, step, mb, layer, "ids")]
-                        raise DumpError(f"{entry.file}: tensor {entry.label}: shape ({got}, {self.model.topk}) != "
-                                        f"expected (T={want}, K={self.model.topk}) (inconsistent token count)")
+                        raise DumpError(
+                            f"{entry.file}: tensor {entry.label}: shape ({got}, {self.model.topk}) != "
+                            f"expected (T={want}, K={self.model.topk}) (inconsistent token count)"
+                        )
 
     def _check_token_ids(self, rank: int, step: int, info: fmt.StepInfo) -> None:
         """Recorded positions/seq_ids, where present, must be where the layout says the tokens are."""
         c = self.coords[rank]
         for mb in range(info.microbatches):
-            idx_T = views.token_index(self.layout, tp_rank=c.tp, cp_rank=c.cp, dp_rank=c.dp, seq_len=info.seq_len[mb],
-                                      batch=info.batch, zigzag=self.zigzag)
+            idx_T = views.token_index(
+                self.layout,
+                tp_rank=c.tp,
+                cp_rank=c.cp,
+                dp_rank=c.dp,
+                seq_len=info.seq_len[mb],
+                batch=info.batch,
+                zigzag=self.zigzag,
+            )
             for kind, want_T in (("positions", idx_T % info.seq_len[mb]), ("seq_ids", idx_T // info.seq_len[mb])):
                 if (rank, step, mb, None, kind) not in self._index:
                     continue
@@ -399,10 +542,12 @@ class Dump:
                 if not torch.equal(got_T, want_T):
                     entry = self._index[(rank, step, mb, None, kind)]
                     bad = int((got_T != want_T).nonzero()[0]) if got_T.shape == want_T.shape else -1
-                    raise DumpError(f"{entry.file}: tensor {entry.name}: token {bad} is {kind} "
-                                    f"{got_T[bad].item() if bad >= 0 else tuple(got_T.shape)}, the layout "
-                                    f"{self.layout.name(self.world_size)} puts it at "
-                                    f"{want_T[bad].item() if bad >= 0 else tuple(want_T.shape)}")
+                    raise DumpError(
+                        f"{entry.file}: tensor {entry.name}: token {bad} is {kind} "
+                        f"{got_T[bad].item() if bad >= 0 else tuple(got_T.shape)}, the layout "
+                        f"{self.layout.name(self.world_size)} puts it at "
+                        f"{want_T[bad].item() if bad >= 0 else tuple(want_T.shape)}"
+                    )
 
     # -- helpers ----------------------------------------------------------------------------------
     @staticmethod
@@ -423,18 +568,29 @@ class Dump:
         values = {f: fmt.strict_int(coords[f], where=where, key=f"rank {rank} coords.{f}", lo=0) for f in fields}
         if values["rank"] != rank:
             raise DumpError(f"{where}: coords.rank {values['rank']} != its key {rank}")
-        sizes = {"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp,
-                 "dp": self.layout.dp(self.world_size), "ep": self.layout.ep}
+        sizes = {
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "cp": self.layout.cp,
+            "dp": self.layout.dp(self.world_size),
+            "ep": self.layout.ep,
+        }
         for name, size in sizes.items():
             if values[name] >= size:
-                raise DumpError(f"{where}: rank {rank}: {name} rank {values[name]} outside [0, {size}) of layout "
-                                f"{self.layout.name(self.world_size)}")
+                raise DumpError(
+                    f"{where}: rank {rank}: {name} rank {values[name]} outside [0, {size}) of layout "
+                    f"{self.layout.name(self.world_size)}"
+                )
         return views.RankCoords(**values)
 
     def _layers(self, rank: int) -> tuple[int, ...]:
         if rank not in self._held:  # asked for every layer read: computed once
-            self._held[rank] = views.layers_of(self.layout, pp_rank=self.coords[rank].pp,
-                                               num_layers=self.model.num_layers, moe_layers=self.model.moe_layers)
+            self._held[rank] = views.layers_of(
+                self.layout,
+                pp_rank=self.coords[rank].pp,
+                num_layers=self.model.num_layers,
+                moe_layers=self.model.moe_layers,
+            )
         return self._held[rank]
 
     def _step(self, step: int) -> fmt.StepInfo:
@@ -459,8 +615,14 @@ def load(path: str | os.PathLike) -> Dump:
     if manifest_path.exists() and not manifest_path.is_file():  # a FIFO would block, a directory is no manifest
         raise DumpError(f"{manifest_path}: not a regular file (a FIFO, device or directory)")
     if not manifest_path.is_file():
-        hint = (f"; rank records are there: `moeverify dump finalize {path}` commits them "
-                f"(`--drop-uncommitted` discards them)") if any(path.glob("rank*.json")) else ""
+        hint = (
+            (
+                f"; rank records are there: `moeverify dump finalize {path}` commits them "
+                f"(`--drop-uncommitted` discards them)"
+            )
+            if any(path.glob("rank*.json"))
+            else ""
+        )
         raise DumpError(f"{manifest_path}: missing manifest: the dump is incomplete (written last by finalize()){hint}")
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -472,20 +634,28 @@ def load(path: str | os.PathLike) -> Dump:
         got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
         raise DumpError(f"{manifest_path}: schema {got!r} != expected {fmt.SCHEMA!r}")
     if type(manifest.get("version")) is not int or manifest.get("version") not in fmt.VERSIONS:
-        raise DumpError(f"{manifest_path}: schema version {manifest.get('version')!r} not supported; this moeverify "
-                        f"reads versions {', '.join(map(str, fmt.VERSIONS))}")
+        raise DumpError(
+            f"{manifest_path}: schema version {manifest.get('version')!r} not supported; this moeverify "
+            f"reads versions {', '.join(map(str, fmt.VERSIONS))}"
+        )
     absent = [key for key in _REQUIRED if key not in manifest]
     if absent:
         raise DumpError(f"{manifest_path}: missing key(s) {absent}")
     for key, kind in (("steps", dict), ("ranks", dict), ("model", dict), ("layout", dict), ("world_size", int)):
         if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
-            raise DumpError(f"{manifest_path}: {key} must be a JSON {'object' if kind is dict else 'integer'}, "
-                            f"got {type(manifest[key]).__name__} {manifest[key]!r:.80}")
+            raise DumpError(
+                f"{manifest_path}: {key} must be a JSON {'object' if kind is dict else 'integer'}, "
+                f"got {type(manifest[key]).__name__} {manifest[key]!r:.80}"
+            )
     for rank, entry in manifest["ranks"].items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("files"), list) or \
-                not isinstance(entry.get("coords"), dict):
-            raise DumpError(f"{manifest_path}: ranks[{rank!r}] must be an object with 'coords' (object) and "
-                            f"'files' (list)")
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("files"), list)
+            or not isinstance(entry.get("coords"), dict)
+        ):
+            raise DumpError(
+                f"{manifest_path}: ranks[{rank!r}] must be an object with 'coords' (object) and 'files' (list)"
+            )
     fmt.check_provenance(manifest, where=str(manifest_path))
     for step, info in manifest["steps"].items():
         if not isinstance(info, dict):

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from moeverify.routing import layer_numbering
 from moeverify.errors import UsageError
+from moeverify.routing import layer_numbering
 from moeverify.routing.rollout_arrays import RolloutSpec
 from moeverify.routing.routes import Routes
 
@@ -37,16 +37,28 @@ class Aligned:
     per_request: tuple[dict, ...] = ()  # per request: {request, uncaptured_tokens, capture_gap_rows}
 
     def as_json(self) -> dict:
-        return {"requests": self.requests, "compared_tokens": self.compared, "uncaptured_tokens": self.uncaptured,
-                "capture_gap_rows": self.gaps}
+        return {
+            "requests": self.requests,
+            "compared_tokens": self.compared,
+            "uncaptured_tokens": self.uncaptured,
+            "capture_gap_rows": self.gaps,
+        }
 
 
-def _columns(arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, numbering: str | None,
-             where: str) -> np.ndarray:
+def _columns(
+    arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, numbering: str | None, where: str
+) -> np.ndarray:
     """The MoE columns (``layer_numbering``: one per MoE layer, or one per decoder layer; both fitting refused)."""
-    cols = layer_numbering.columns(arr.shape[1], layers=moe_layers, num_layers=num_layers, numbering=numbering,
-                                   where=where, error=UsageError, pick="--layer-numbering {}",
-                                   count="the training dump's num_layers")
+    cols = layer_numbering.columns(
+        arr.shape[1],
+        layers=moe_layers,
+        num_layers=num_layers,
+        numbering=numbering,
+        where=where,
+        error=UsageError,
+        pick="--layer-numbering {}",
+        count="the training dump's num_layers",
+    )
     return arr if cols == list(range(arr.shape[1])) else arr[:, cols, :]
 
 
@@ -59,11 +71,18 @@ def _check_raw_ids(arr: np.ndarray, *, limit: int, where: str, layers: Sequence[
     if bad.any():
         n, col, k = (int(i[0]) for i in np.nonzero(bad))
         value = arr[n, col, k].item()
-        hint = "" if mapped or value < limit else (
-            "; a rollout that records physical expert slots (an expert placement with redundant experts, EPLB) "
-            "needs their map to logical ids: --expert-map-b FILE")
-        raise UsageError(f"{where}: position {n} layer {layers[col]} slot {k}: id {value} is "
-                         f"outside [0, {limit}) (and not -1, a capture gap){hint}")
+        hint = (
+            ""
+            if mapped or value < limit
+            else (
+                "; a rollout that records physical expert slots (an expert placement with redundant experts, EPLB) "
+                "needs their map to logical ids: --expert-map-b FILE"
+            )
+        )
+        raise UsageError(
+            f"{where}: position {n} layer {layers[col]} slot {k}: id {value} is "
+            f"outside [0, {limit}) (and not -1, a capture gap){hint}"
+        )
 
 
 def _gap_rows(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> torch.Tensor:
@@ -77,30 +96,39 @@ def _gap_rows(ids_NLK: torch.Tensor, *, where: str, layers: Sequence[int]) -> to
         gap_NL |= (ids_NLK == 0).all(dim=2)
     partial_NL = neg_NLK.any(dim=2) & ~neg_NLK.all(dim=2)
     mixed_N = gap_NL.any(dim=1) & ~gap_NL.all(dim=1)
-    for what, bad_N, layers_NL in (("is partly -1 (a capture gap is a whole row of -1)", partial_NL.any(dim=1),
-                                    partial_NL), ("is a capture gap in some layers only", mixed_N, gap_NL)):
+    for what, bad_N, layers_NL in (
+        ("is partly -1 (a capture gap is a whole row of -1)", partial_NL.any(dim=1), partial_NL),
+        ("is a capture gap in some layers only", mixed_N, gap_NL),
+    ):
         if bool(bad_N.any()):
             n = int(bad_N.nonzero()[0])
             cols = layers_NL[n].nonzero().flatten().tolist()
-            raise UsageError(f"{where}: position {n} {what}: layer(s) {[layers[c] for c in cols]} of "
-                             f"{list(layers)}; rows {ids_NLK[n].tolist()}")
+            raise UsageError(
+                f"{where}: position {n} {what}: layer(s) {[layers[c] for c in cols]} of "
+                f"{list(layers)}; rows {ids_NLK[n].tolist()}"
+            )
     return gap_NL.all(dim=1)
 
 
-def align(train: Routes, spec: RolloutSpec, *, seq_len: Sequence[int], batch: int, requests: Sequence[np.ndarray],
-          where: str) -> Aligned:
+def align(
+    train: Routes, spec: RolloutSpec, *, seq_len: Sequence[int], batch: int, requests: Sequence[np.ndarray], where: str
+) -> Aligned:
     """Both sides restricted to the positions the rollout routed (``train`` in sequence order; ``batch``:
     sequences per merged micro-batch). ``spec``: the rollout's MoE layers and decoder layer count, what its layer
     axis holds (``numbering``; None: inferred, refused when two readings fit) and its ``expert_map`` (the rollout
     records physical expert slots: captured rows are mapped to logical ids before the comparison)."""
     moe_layers, num_layers, numbering, expert_map = spec.layers, spec.num_layers, spec.numbering, spec.expert_map
     if expert_map is not None and expert_map.logical != train.num_experts:
-        raise UsageError(f"{expert_map.path}: maps onto {expert_map.logical} logical experts, the training side has "
-                         f"{train.num_experts} (both sides must be the same logical experts)")
+        raise UsageError(
+            f"{expert_map.path}: maps onto {expert_map.logical} logical experts, the training side has "
+            f"{train.num_experts} (both sides must be the same logical experts)"
+        )
     sequences = batch * len(seq_len)
     if len(requests) != sequences:
-        raise UsageError(f"{where}: {len(requests)} rollout request(s) != the training step's {sequences} sequences "
-                         f"({len(seq_len)} micro-batch(es) x batch {batch})")
+        raise UsageError(
+            f"{where}: {len(requests)} rollout request(s) != the training step's {sequences} sequences "
+            f"({len(seq_len)} micro-batch(es) x batch {batch})"
+        )
     train_mbs: dict[int, list] = {layer: [] for layer in train.layers}
     roll_mbs: dict[int, list] = {layer: [] for layer in train.layers}
     compared = uncaptured = gaps = 0
@@ -111,16 +139,22 @@ def align(train: Routes, spec: RolloutSpec, *, seq_len: Sequence[int], batch: in
             r = mb * batch + b
             arr = requests[r]
             if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer) or arr.shape[2] != train.topk:
-                raise UsageError(f"{where}: request {r}: shape {arr.shape} dtype {arr.dtype} != integer "
-                                 f"[positions, layers, {train.topk}]")
+                raise UsageError(
+                    f"{where}: request {r}: shape {arr.shape} dtype {arr.dtype} != integer "
+                    f"[positions, layers, {train.topk}]"
+                )
             if arr.shape[0] > length:
-                raise UsageError(f"{where}: request {r}: {arr.shape[0]} rows > the training sequence's {length} "
-                                 "positions (is it the same request?)")
-            cols = _columns(arr, moe_layers=moe_layers, num_layers=num_layers, numbering=numbering,
-                            where=f"{where}: request {r}")
+                raise UsageError(
+                    f"{where}: request {r}: {arr.shape[0]} rows > the training sequence's {length} "
+                    "positions (is it the same request?)"
+                )
+            cols = _columns(
+                arr, moe_layers=moe_layers, num_layers=num_layers, numbering=numbering, where=f"{where}: request {r}"
+            )
             limit = expert_map.physical if expert_map is not None else train.num_experts
-            _check_raw_ids(cols, limit=limit, where=f"{where}: request {r}", layers=train.layers,
-                           mapped=expert_map is not None)
+            _check_raw_ids(
+                cols, limit=limit, where=f"{where}: request {r}", layers=train.layers, mapped=expert_map is not None
+            )
             ids = torch.from_numpy(np.ascontiguousarray(cols).astype(np.int64))
             gap_N = _gap_rows(ids, where=f"{where}: request {r}", layers=train.layers)
             keep = (~gap_N).nonzero().flatten()
@@ -128,8 +162,9 @@ def align(train: Routes, spec: RolloutSpec, *, seq_len: Sequence[int], batch: in
             uncaptured += length - int(arr.shape[0])
             rows_idx.append(b * length + keep)
             rows.append(ids[keep])
-            per_request.append({"request": r, "uncaptured_tokens": length - int(arr.shape[0]),
-                                "capture_gap_rows": int(gap_N.sum())})
+            per_request.append(
+                {"request": r, "uncaptured_tokens": length - int(arr.shape[0]), "capture_gap_rows": int(gap_N.sum())}
+            )
         spans.append(tuple(int(i.numel()) for i in rows_idx))
         index = torch.cat(rows_idx)
         stacked = torch.cat(rows)
@@ -149,7 +184,13 @@ def align(train: Routes, spec: RolloutSpec, *, seq_len: Sequence[int], batch: in
     high = max((int(t.max()) for mbs in roll_mbs.values() for t in mbs if t.numel()), default=0)
     if high >= experts:
         raise UsageError(f"{where}: expert id {high} >= the training dump's {experts} experts")
-    return Aligned(train=Routes(train_mbs, num_experts=experts, topk=train.topk),
-                   rollout=Routes(roll_mbs, num_experts=experts, topk=train.topk), requests=len(requests),
-                   compared=compared, uncaptured=uncaptured, gaps=gaps, sequence_tokens=tuple(spans),
-                   per_request=tuple(per_request))
+    return Aligned(
+        train=Routes(train_mbs, num_experts=experts, topk=train.topk),
+        rollout=Routes(roll_mbs, num_experts=experts, topk=train.topk),
+        requests=len(requests),
+        compared=compared,
+        uncaptured=uncaptured,
+        gaps=gaps,
+        sequence_tokens=tuple(spans),
+        per_request=tuple(per_request),
+    )

@@ -12,7 +12,8 @@ writes an empty file. A record carries no micro-batch number and no sign of *why
   micro-batch (forward, then recompute). Imported as they stand, the micro-batches would double.
 
 So without the micro-batch count (``microbatches``) a step is taken only when it is one whole forward pass;
-several passes are refused (a recompute that routed otherwise would read as another micro-batch). With it, each layer must hold that
+several passes are refused (a recompute that routed otherwise would read as another micro-batch). With it, each layer
+must hold that
 many records, or twice that many; in the second case the records are paired by equal ids (the recompute
 of a micro-batch repeats its forward's ids) and the later record of each pair is dropped. That is proven
 only when every distinct ids tensor of the layer occurs exactly twice: a recompute that routed otherwise, or
@@ -30,8 +31,8 @@ from pathlib import Path
 import torch
 
 from moeverify.errors import DumpError, RouteError, UsageError
-from moeverify.routing.routes import Routes
 from moeverify.routing import views
+from moeverify.routing.routes import Routes
 
 TRACE_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
 
@@ -43,9 +44,16 @@ class _Call:
     ids_TK: torch.Tensor
 
 
-def read_router_trace(path: str | os.PathLike, *, num_experts: int | None = None, step: int | None = None,
-                      layer_offset: int = 0, rank: int | None = None, microbatches: int | None = None,
-                      allow_empty: bool = False) -> dict[int, Routes]:
+def read_router_trace(
+    path: str | os.PathLike,
+    *,
+    num_experts: int | None = None,
+    step: int | None = None,
+    layer_offset: int = 0,
+    rank: int | None = None,
+    microbatches: int | None = None,
+    allow_empty: bool = False,
+) -> dict[int, Routes]:
     """``{step: Routes}`` from one ``router_trace_rank{R}.jsonl`` (decoder records; MTP skipped).
 
     Args:
@@ -96,7 +104,7 @@ def _parse(path: Path, *, step: int | None, layer_offset: int, rank: int | None)
     except OSError as exc:
         raise DumpError(f"{path}: unreadable: {exc}") from None
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
         raise DumpError(f"{path}:{line}: not UTF-8 text (byte {exc.start}): not a router_trace JSONL file") from None
     calls: dict[int, list[_Call]] = {}
     topk = None
@@ -118,8 +126,9 @@ def _parse(path: Path, *, step: int | None, layer_offset: int, rank: int | None)
                 raise TypeError(f"top_indices hold {odd!r}, not integer expert ids")
             num_tokens, topk_of = _int_field(rec, "num_tokens"), _int_field(rec, "topk")
             if num_tokens != len(rows) or topk_of < 1:
-                raise ValueError(f"num_tokens {num_tokens} / topk {topk_of} do not describe the {len(rows)} row(s) of "
-                                 f"top_indices")
+                raise ValueError(
+                    f"num_tokens {num_tokens} / topk {topk_of} do not describe the {len(rows)} row(s) of top_indices"
+                )
             ids_TK = torch.tensor(rows, dtype=torch.int64).view(num_tokens, topk_of)
             rec_step, layer = _int_field(rec, "step"), _int_field(rec, "layer") + layer_offset
             if "rank" in rec:  # one file's records name their rank; a damaged one is not ignored
@@ -154,9 +163,11 @@ def _microbatches(calls: list[_Call], *, microbatches: int | None, where: str) -
         elif len(held) == 2 * microbatches:
             out[layer] = [c.ids_TK for c in _drop_recompute(held, where=f"{where}: layer {layer}")]
         else:
-            raise DumpError(f"{where}: layer {layer} has {len(held)} record(s) (lines {held[0].line}..{held[-1].line}) "
-                            f"!= expected --microbatches {microbatches} (or {2 * microbatches} under activation "
-                            f"recompute, forward and recompute)")
+            raise DumpError(
+                f"{where}: layer {layer} has {len(held)} record(s) (lines {held[0].line}..{held[-1].line}) "
+                f"!= expected --microbatches {microbatches} (or {2 * microbatches} under activation "
+                f"recompute, forward and recompute)"
+            )
     return out
 
 
@@ -171,20 +182,26 @@ def _require_plain_forwards(calls: list[_Call], *, layers: list[int], where: str
         if not passes or call.layer <= passes[-1][-1].layer:
             passes.append([])
         passes[-1].append(call)
-    fix = ("Activation recompute runs the router again in backward, so a micro-batch is recorded twice; give "
-           "--microbatches N (the job's micro-batches per step on this rank) to have recompute records identified "
-           "and dropped, or trace without recompute")
+    fix = (
+        "Activation recompute runs the router again in backward, so a micro-batch is recorded twice; give "
+        "--microbatches N (the job's micro-batches per step on this rank) to have recompute records identified "
+        "and dropped, or trace without recompute"
+    )
     for one in passes:
         got = [c.layer for c in one]
         if got != layers:
-            raise DumpError(f"{where}: the records from line {one[0].line} pass layer(s) {got}, not a whole forward "
-                            f"over the traced layers {layers}. {fix}")
+            raise DumpError(
+                f"{where}: the records from line {one[0].line} pass layer(s) {got}, not a whole forward "
+                f"over the traced layers {layers}. {fix}"
+            )
     if len(passes) > 1:
-        raise DumpError(f"{where}: {len(passes)} passes over the traced layers (lines {passes[0][0].line}, "
-                        f"{', '.join(str(one[0].line) for one in passes[1:])}): micro-batches, or forwards and their "
-                        f"recomputes (a recompute that routed otherwise than its forward reads as another micro-batch), "
-                        f"which the trace does not tell apart. Give --microbatches N (the job's micro-batches per step "
-                        f"on this rank): each layer must then hold N records, or 2N under recompute")
+        raise DumpError(
+            f"{where}: {len(passes)} passes over the traced layers (lines {passes[0][0].line}, "
+            f"{', '.join(str(one[0].line) for one in passes[1:])}): micro-batches, or forwards and their "
+            f"recomputes (a recompute that routed otherwise than its forward reads as another micro-batch), "
+            f"which the trace does not tell apart. Give --microbatches N (the job's micro-batches per step "
+            f"on this rank): each layer must then hold N records, or 2N under recompute"
+        )
 
 
 def _drop_recompute(held: list[_Call], *, where: str) -> list[_Call]:
@@ -195,10 +212,15 @@ def _drop_recompute(held: list[_Call], *, where: str) -> list[_Call]:
     for group in groups.values():
         if len(group) != 2 or not torch.equal(group[0].ids_TK, group[1].ids_TK):
             lines = [c.line for c in group]
-            what = "no other record with the same ids (a recompute that routed differently from its forward?)" \
-                if len(group) == 1 else f"{len(group)} records with the same ids, so the pairs are ambiguous"
-            raise DumpError(f"{where}: {len(held)} records (twice --microbatches: forward and recompute), but the "
-                            f"record(s) at line(s) {lines} have {what}; refusing to guess which are recomputes")
+            what = (
+                "no other record with the same ids (a recompute that routed differently from its forward?)"
+                if len(group) == 1
+                else f"{len(group)} records with the same ids, so the pairs are ambiguous"
+            )
+            raise DumpError(
+                f"{where}: {len(held)} records (twice --microbatches: forward and recompute), but the "
+                f"record(s) at line(s) {lines} have {what}; refusing to guess which are recomputes"
+            )
     firsts = {id(group[0]) for group in groups.values()}
     return [c for c in held if id(c) in firsts]
 
@@ -207,9 +229,16 @@ def _fingerprint(ids_TK: torch.Tensor) -> tuple:
     return tuple(ids_TK.shape), ids_TK.numpy().tobytes()  # exact: equal keys are equal ids
 
 
-def read_router_trace_ranks(directory: str | os.PathLike, *, layout, world_size: int, num_layers: int,
-                            num_experts: int | None = None, moe_layers=None,
-                            microbatches: int | None = None) -> dict[int, dict[int, Routes]]:
+def read_router_trace_ranks(
+    directory: str | os.PathLike,
+    *,
+    layout,
+    world_size: int,
+    num_layers: int,
+    num_experts: int | None = None,
+    moe_layers=None,
+    microbatches: int | None = None,
+) -> dict[int, dict[int, Routes]]:
     """Every rank's ``router_trace_rank{R}.jsonl`` of one job of ``world_size`` ranks: ``{rank: {step: local Routes}}``.
 
     The tracer numbers layers as the chunk's module names do (``decoder.layers.<n>``, local to the pipeline
@@ -225,29 +254,43 @@ def read_router_trace_ranks(directory: str | os.PathLike, *, layout, world_size:
     directory = Path(directory)
     files = _rank_files(directory, world_size=world_size)
     if layout.vpp_chunks > 1:
-        raise UsageError("router_trace numbers a rank's layers per model chunk (decoder.layers.<n> in each chunk), so "
-                         "under VPP a rank's chunks share layer numbers and cannot be placed; record VPP jobs with "
-                         "RouteRecorder or the autopatch instead")
+        raise UsageError(
+            "router_trace numbers a rank's layers per model chunk (decoder.layers.<n> in each chunk), so "
+            "under VPP a rank's chunks share layer numbers and cannot be placed; record VPP jobs with "
+            "RouteRecorder or the autopatch instead"
+        )
     out = {}
     for rank in range(world_size):
         coords = views.rank_coords(layout, rank=rank, world_size=world_size)
         stage = views.chunk_layers(layout, pp_rank=coords.pp, vp_stage=0, num_layers=num_layers)
         own = None if moe_layers is None else [layer for layer in moe_layers if layer in stage]
-        steps = read_router_trace(files[rank], num_experts=num_experts, layer_offset=stage.start, rank=rank,
-                                  microbatches=microbatches, allow_empty=not own)
+        steps = read_router_trace(
+            files[rank],
+            num_experts=num_experts,
+            layer_offset=stage.start,
+            rank=rank,
+            microbatches=microbatches,
+            allow_empty=not own,
+        )
         if not steps and own is None:
-            raise DumpError(f"{files[rank]}: no decoder router_trace records. If pipeline stage {coords.pp} (layers "
-                            f"[{stage.start}, {stage.stop})) holds no MoE layer, give --moe-layers (the model's MoE "
-                            f"layers) so that this can be checked")
+            raise DumpError(
+                f"{files[rank]}: no decoder router_trace records. If pipeline stage {coords.pp} (layers "
+                f"[{stage.start}, {stage.stop})) holds no MoE layer, give --moe-layers (the model's MoE "
+                f"layers) so that this can be checked"
+            )
         for step, routes in steps.items():
             outside = [layer for layer in routes.layers if layer not in stage]
             if outside:
-                raise DumpError(f"{files[rank]}: step {step}: layer(s) {[x - stage.start for x in outside]} (global "
-                                f"{outside}) outside pipeline stage {coords.pp}'s {len(stage)} layers "
-                                f"[{stage.start}, {stage.stop}) of --num-layers {num_layers}")
+                raise DumpError(
+                    f"{files[rank]}: step {step}: layer(s) {[x - stage.start for x in outside]} (global "
+                    f"{outside}) outside pipeline stage {coords.pp}'s {len(stage)} layers "
+                    f"[{stage.start}, {stage.stop}) of --num-layers {num_layers}"
+                )
             if own is not None and list(routes.layers) != own:
-                raise DumpError(f"{files[rank]}: step {step}: traced MoE layer(s) {list(routes.layers)} != pipeline "
-                                f"stage {coords.pp}'s MoE layers {own} of --moe-layers")
+                raise DumpError(
+                    f"{files[rank]}: step {step}: traced MoE layer(s) {list(routes.layers)} != pipeline "
+                    f"stage {coords.pp}'s MoE layers {own} of --moe-layers"
+                )
         out[rank] = steps
     traced = [rank for rank in out if out[rank]]
     if not traced:
@@ -268,19 +311,26 @@ def _rank_files(directory: Path, *, world_size: int) -> dict[int, Path]:
         if found:
             rank = int(found.group(1))
             if path.name != f"router_trace_rank{rank}.jsonl" or rank >= world_size:
-                raise DumpError(f"{path}: not a trace of this job (ranks 0..{world_size - 1}, named "
-                                f"router_trace_rank<R>.jsonl); move it out of {directory}")
+                raise DumpError(
+                    f"{path}: not a trace of this job (ranks 0..{world_size - 1}, named "
+                    f"router_trace_rank<R>.jsonl); move it out of {directory}"
+                )
             files[rank] = path
     missing = sorted(set(range(world_size)) - set(files))
     if missing:
-        raise DumpError(f"{directory}: router_trace file(s) of rank(s) {missing} missing (found ranks "
-                        f"{sorted(files)}); "
-                        f"merging needs every rank's trace of the {world_size}-rank job")
+        raise DumpError(
+            f"{directory}: router_trace file(s) of rank(s) {missing} missing (found ranks "
+            f"{sorted(files)}); "
+            f"merging needs every rank's trace of the {world_size}-rank job"
+        )
     return files
 
 
 def _widened(routes: Routes, num_experts: int) -> Routes:
     if routes.num_experts == num_experts:
         return routes
-    return Routes({layer: [routes.get(layer, mb) for mb in range(routes.microbatches)] for layer in routes.layers},
-                  num_experts=num_experts, topk=routes.topk)
+    return Routes(
+        {layer: [routes.get(layer, mb) for mb in range(routes.microbatches)] for layer in routes.layers},
+        num_experts=num_experts,
+        topk=routes.topk,
+    )

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from moeverify.errors import DumpError, UsageError
-from moeverify.spec.layout import Layout
 from moeverify.record.commit import finalize
 from moeverify.record.format import MANIFEST, ModelInfo
 from moeverify.record.order import ORDERS, to_router_order
@@ -20,13 +19,25 @@ from moeverify.record.reader import load
 from moeverify.record.writer import RankWriter
 from moeverify.routing.routes import Routes
 from moeverify.routing.views import RankCoords
+from moeverify.spec.layout import Layout
 
 
-def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: int | None = None,
-         moe_layers: Sequence[int] | None = None, seq_len: int | Sequence[int] | None = None,
-         batch: int | None = None, order: str | None = None,
-         probs: Mapping[int, Sequence[torch.Tensor]] | None = None, coords: RankCoords | None = None,
-         layout: Layout | None = None, world_size: int = 1, zigzag: bool = True) -> Path:
+def save(
+    path: str | os.PathLike,
+    routes: Routes,
+    *,
+    step: int = 0,
+    num_layers: int | None = None,
+    moe_layers: Sequence[int] | None = None,
+    seq_len: int | Sequence[int] | None = None,
+    batch: int | None = None,
+    order: str | None = None,
+    probs: Mapping[int, Sequence[torch.Tensor]] | None = None,
+    coords: RankCoords | None = None,
+    layout: Layout | None = None,
+    world_size: int = 1,
+    zigzag: bool = True,
+) -> Path:
     """Write ``routes`` as step ``step`` of the dump at ``path`` (created, or appended to) and finalise it.
 
     Args:
@@ -47,13 +58,24 @@ def save(path: str | os.PathLike, routes: Routes, *, step: int = 0, num_layers: 
     path = Path(path)
     routes = _router_order(routes, seq_len=seq_len, batch=batch, order=order, world_size=world_size)
     default_layers = max(routes.layers) + 1 if routes.layers else 1
-    model = ModelInfo(num_layers=num_layers if num_layers is not None else default_layers,
-                      moe_layers=tuple(moe_layers if moe_layers is not None else routes.layers),
-                      num_experts=routes.num_experts, topk=routes.topk)
+    model = ModelInfo(
+        num_layers=num_layers if num_layers is not None else default_layers,
+        moe_layers=tuple(moe_layers if moe_layers is not None else routes.layers),
+        num_experts=routes.num_experts,
+        topk=routes.topk,
+    )
     if (path / MANIFEST).exists() and step in load(path).steps:
         raise DumpError(f"{path}: step {step} is already in the dump; pick another step or another path")
-    with RankWriter(path, model=model, coords=coords, layout=layout, world_size=world_size, zigzag=zigzag,
-                    background=False, append=True) as writer:
+    with RankWriter(
+        path,
+        model=model,
+        coords=coords,
+        layout=layout,
+        world_size=world_size,
+        zigzag=zigzag,
+        background=False,
+        append=True,
+    ) as writer:
         writer.add_routes(routes, step=step, seq_len=seq_len, batch=batch, probs=probs)
     if world_size > 1 and _group_is_the_dump(world_size):
         torch.distributed.barrier()
@@ -82,16 +104,20 @@ def _router_order(routes: Routes, *, seq_len, batch: int | None, order: str | No
     if order is None:
         if batch == 1:
             return routes  # one sequence per micro-batch: both orders list the same tokens
-        raise UsageError(f"save: with seq_len and batch {batch} say which order the routes are in: order='router' "
-                         "(s * B + b: session.routes(), RouteRecorder, Routes.to_local) or order='sequence' (b * S + s: "
-                         "Dump.routes(), rollout engines); the dump stores router order")
+        raise UsageError(
+            f"save: with seq_len and batch {batch} say which order the routes are in: order='router' "
+            "(s * B + b: session.routes(), RouteRecorder, Routes.to_local) or order='sequence' (b * S + s: "
+            "Dump.routes(), rollout engines); the dump stores router order"
+        )
     if world_size == 1:
         _check_tokens(routes, seq_len=seq_len, batch=batch)
     if order == "router":
         return routes
     if world_size > 1:
-        raise UsageError("save: order='sequence' is for one process's global routes; a rank of a multi-rank job saves "
-                         "its local routes, which are in router order (order='router')")
+        raise UsageError(
+            "save: order='sequence' is for one process's global routes; a rank of a multi-rank job saves "
+            "its local routes, which are in router order (order='router')"
+        )
     return to_router_order(routes, seq_len=seq_len, batch=batch, where="save")
 
 
@@ -102,5 +128,7 @@ def _check_tokens(routes: Routes, *, seq_len, batch: int) -> None:
     for layer in routes.layers:
         for mb, length in enumerate(lens):
             if routes.get(layer, mb).shape[0] != length * batch:
-                raise UsageError(f"save: layer {layer} micro-batch {mb}: {routes.get(layer, mb).shape[0]} tokens != "
-                                 f"seq_len {length} x batch {batch} = {length * batch}")
+                raise UsageError(
+                    f"save: layer {layer} micro-batch {mb}: {routes.get(layer, mb).shape[0]} tokens != "
+                    f"seq_len {length} x batch {batch} = {length * batch}"
+                )

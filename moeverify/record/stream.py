@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
-from moeverify.routing.expert_map import ExpertMap
 from moeverify.record.layer_read import gather_rows
 from moeverify.record.reader import Dump
+from moeverify.routing.expert_map import ExpertMap
 from moeverify.routing.routes import Routes
 
 
@@ -110,7 +110,9 @@ class LayerPairs:
         routes_b, tokens_b = b.dump.layer_rows(step=b.step, layer=layer, like=routes_a)
         mbs_a = [routes_a.get(layer, mb) for mb in range(routes_a.microbatches)]
         mbs_b = [routes_b.get(layer, mb) for mb in range(routes_b.microbatches)]
-        if len(tokens_a) == len(tokens_b) and all(self._same_order(x, y) for x, y in zip(tokens_a, tokens_b, strict=True)):
+        if len(tokens_a) == len(tokens_b) and all(
+            self._same_order(x, y) for x, y in zip(tokens_a, tokens_b, strict=True)
+        ):
             return mbs_a, mbs_b, tokens_a
         return _in_token_order(mbs_a, tokens_a), _in_token_order(mbs_b, tokens_b), [None] * len(mbs_a)
 
@@ -125,8 +127,10 @@ class LayerPairs:
 
 def _in_token_order(mbs: list[torch.Tensor], tokens: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """Rows moved to global token order (row ``r`` to ``tokens[mb][r]``)."""
-    return [t if tok is None else gather_rows(t, torch.empty_like(tok).index_copy_(0, tok, torch.arange(tok.numel())))
-            for t, tok in zip(mbs, tokens, strict=True)]
+    return [
+        t if tok is None else gather_rows(t, torch.empty_like(tok).index_copy_(0, tok, torch.arange(tok.numel())))
+        for t, tok in zip(mbs, tokens, strict=True)
+    ]
 
 
 class _Wrapped:
@@ -160,8 +164,10 @@ class MappedSource(_Wrapped):
         return self.expert_map.logical
 
     def layer(self, layer: int) -> list[torch.Tensor]:
-        return [self.expert_map.apply(layer, t, where=self.where, microbatch=mb, token_label=self.token_label)
-                for mb, t in enumerate(self.inner.layer(layer))]
+        return [
+            self.expert_map.apply(layer, t, where=self.where, microbatch=mb, token_label=self.token_label)
+            for mb, t in enumerate(self.inner.layer(layer))
+        ]
 
     def routes(self) -> Routes:
         return self.inner.routes().map_experts(self.expert_map, where=self.where, token_label=self.token_label)
@@ -179,8 +185,11 @@ class WidenedSource(_Wrapped):
         r = self.inner.routes()
         if r.num_experts == self.num_experts:
             return r
-        return Routes({layer: [r.get(layer, mb) for mb in range(r.microbatches)] for layer in r.layers},
-                      num_experts=self.num_experts, topk=r.topk)
+        return Routes(
+            {layer: [r.get(layer, mb) for mb in range(r.microbatches)] for layer in r.layers},
+            num_experts=self.num_experts,
+            topk=r.topk,
+        )
 
 
 def widen(source, num_experts: int):

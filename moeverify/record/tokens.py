@@ -24,8 +24,9 @@ class TokenCheck:
     first: str | None
 
     def line(self) -> str:
-        return f"tokens differ in {self.differ} of {self.sequences} sequences" + \
-            (f" (first: {self.first})" if self.first else "")
+        return f"tokens differ in {self.differ} of {self.sequences} sequences" + (
+            f" (first: {self.first})" if self.first else ""
+        )
 
     def as_json(self) -> dict:
         return {"sequences": self.sequences, "differ": self.differ, "first": self.first}
@@ -50,15 +51,22 @@ def compare(a: Dump, step_a: int, b: Dump, step_b: int) -> TokenCheck | str:
     """The two sides' token identity compared, or why it is unknown (one line)."""
     layouts = [dump.layout.name(dump.world_size) for dump in (a, b)]
     if layouts[0] != layouts[1]:
-        return (f"token identity unknown: A ran layout {layouts[0]}, B {layouts[1]}; fingerprints are taken of each "
-                f"rank's own input sequences, so they are compared between dumps of one layout only")
+        return (
+            f"token identity unknown: A ran layout {layouts[0]}, B {layouts[1]}; fingerprints are taken of each "
+            f"rank's own input sequences, so they are compared between dumps of one layout only"
+        )
     fa, fb = fingerprints(a, step_a), fingerprints(b, step_b)
-    unknown = [f"{side} ({dump.path}, step {step})" for side, dump, step, fps in
-               (("A", a, step_a, fa), ("B", b, step_b, fb)) if not fps]
+    unknown = [
+        f"{side} ({dump.path}, step {step})"
+        for side, dump, step, fps in (("A", a, step_a, fa), ("B", b, step_b, fb))
+        if not fps
+    ]
     if unknown:
-        return (f"token identity unknown: {' and '.join(unknown)} carr{'y' if len(unknown) > 1 else 'ies'} no token "
-                f"fingerprints (recorded before they were written, or the job's forwards had no input_ids); routing "
-                f"divergence below may be on other tokens")
+        return (
+            f"token identity unknown: {' and '.join(unknown)} carr{'y' if len(unknown) > 1 else 'ies'} no token "
+            f"fingerprints (recorded before they were written, or the job's forwards had no input_ids); routing "
+            f"divergence below may be on other tokens"
+        )
     sequences = differ = 0
     first = None
     for key in sorted(set(fa) | set(fb)):
@@ -70,6 +78,7 @@ def compare(a: Dump, step_a: int, b: Dump, step_b: int) -> TokenCheck | str:
         sequences += count
         differ += len(bad)
         if bad and first is None:
-            first = f"micro-batch {key[0]}, dp rank {key[1]}, sequence {bad[0]}" + \
-                ("" if x.shape == y.shape else f" ({x.numel()} vs {y.numel()} sequences)")
+            first = f"micro-batch {key[0]}, dp rank {key[1]}, sequence {bad[0]}" + (
+                "" if x.shape == y.shape else f" ({x.numel()} vs {y.numel()} sequences)"
+            )
     return TokenCheck(sequences=sequences, differ=differ, first=first)

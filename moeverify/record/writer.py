@@ -20,11 +20,11 @@ from safetensors.torch import save as st_save
 
 from moeverify.errors import DumpError, MoEVerifyError
 from moeverify.files import atomic_write
-from moeverify.spec.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.record.commit import record_from_manifest, uncommitted_steps, write_json
 from moeverify.routing.routes import Routes, validate_topk_ids
 from moeverify.routing.views import RankCoords
+from moeverify.spec.layout import Layout
 
 _FLUSH = object()
 _STOP = object()
@@ -48,9 +48,19 @@ class RankWriter:
         background: run the worker thread (False: do the work inline).
     """
 
-    def __init__(self, path: str | os.PathLike, *, model: fmt.ModelInfo, coords: RankCoords | None = None,
-                 layout: Layout | None = None, world_size: int = 1, zigzag: bool = True,
-                 background: bool = True, queue_size: int = 256, append: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        model: fmt.ModelInfo,
+        coords: RankCoords | None = None,
+        layout: Layout | None = None,
+        world_size: int = 1,
+        zigzag: bool = True,
+        background: bool = True,
+        queue_size: int = 256,
+        append: bool = False,
+    ):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.model, self.layout, self.world_size, self.zigzag = model, layout or Layout(), world_size, zigzag
@@ -72,8 +82,9 @@ class RankWriter:
         self._thread: threading.Thread | None = None
         if background:
             self._queue = queue.Queue(maxsize=queue_size)
-            self._thread = threading.Thread(target=self._work, name=f"moeverify-dump-rank{self.coords.rank}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._work, name=f"moeverify-dump-rank{self.coords.rank}", daemon=True
+            )
             self._thread.start()
 
     def _resume(self) -> None:
@@ -94,45 +105,86 @@ class RankWriter:
             if rec.get(key) != value:
                 raise DumpError(f"{rec_path}: cannot append: {key} {rec.get(key)!r} != {value!r}")
         if rec.get("version") != fmt.VERSION:
-            raise DumpError(f"{rec_path}: cannot append: the dump is format version {rec.get('version')!r}, this "
-                            f"writer writes version {fmt.VERSION} (one dump holds one version); write the new "
-                            f"steps to a new dump directory")
+            raise DumpError(
+                f"{rec_path}: cannot append: the dump is format version {rec.get('version')!r}, this "
+                f"writer writes version {fmt.VERSION} (one dump holds one version); write the new "
+                f"steps to a new dump directory"
+            )
         uncommitted = uncommitted_steps(self.path, rec)
         if uncommitted:
-            raise DumpError(f"{rec_path}: step(s) {uncommitted} were written but never committed to "
-                            f"{fmt.MANIFEST} (a run ended between the rank files and the manifest). "
-                            f"`moeverify dump finalize {self.path}` commits them, "
-                            f"`moeverify dump finalize {self.path} --drop-uncommitted` discards them")
+            raise DumpError(
+                f"{rec_path}: step(s) {uncommitted} were written but never committed to "
+                f"{fmt.MANIFEST} (a run ended between the rank files and the manifest). "
+                f"`moeverify dump finalize {self.path}` commits them, "
+                f"`moeverify dump finalize {self.path} --drop-uncommitted` discards them"
+            )
         self._files = list(rec["files"])
         self._probs_dtype = rec.get("probs_dtype")
-        self._steps = {int(s): {"microbatches": i["microbatches"], "batch": i["batch"],
-                                "seq_len": dict(enumerate(i["seq_len"] or []))} for s, i in rec["steps"].items()}
+        self._steps = {
+            int(s): {
+                "microbatches": i["microbatches"],
+                "batch": i["batch"],
+                "seq_len": dict(enumerate(i["seq_len"] or [])),
+            }
+            for s, i in rec["steps"].items()
+        }
         self._old_steps = frozenset(self._steps)
 
     # -- caller side ------------------------------------------------------------------------------
-    def add(self, *, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None = None,
-            validated: bool = False) -> None:
+    def add(
+        self,
+        *,
+        step: int,
+        mb: int,
+        layer: int,
+        ids_TK: torch.Tensor,
+        probs_TK: torch.Tensor | None = None,
+        validated: bool = False,
+    ) -> None:
         """Queue one layer's routes of one micro-batch (``validated``: range and duplicates already checked)."""
         item = ("layer", step, mb, layer, _to_cpu(ids_TK), None if probs_TK is None else _to_cpu(probs_TK), validated)
         self._submit(item)
 
-    def add_tokens(self, *, step: int, mb: int, seq_len: int | None = None, batch: int | None = None,
-                   positions_T: torch.Tensor | None = None, seq_ids_T: torch.Tensor | None = None,
-                   fingerprints_B: torch.Tensor | None = None) -> None:
+    def add_tokens(
+        self,
+        *,
+        step: int,
+        mb: int,
+        seq_len: int | None = None,
+        batch: int | None = None,
+        positions_T: torch.Tensor | None = None,
+        seq_ids_T: torch.Tensor | None = None,
+        fingerprints_B: torch.Tensor | None = None,
+    ) -> None:
         """Record a micro-batch's geometry (global ``seq_len``, per-DP-rank ``batch``), token ids and the token
         identity of its input sequences (``fingerprints_B``, see ``format``)."""
-        item = ("tokens", step, mb, seq_len, batch,
-                None if positions_T is None else _to_cpu(positions_T),
-                None if seq_ids_T is None else _to_cpu(seq_ids_T),
-                None if fingerprints_B is None else _to_cpu(fingerprints_B))
+        item = (
+            "tokens",
+            step,
+            mb,
+            seq_len,
+            batch,
+            None if positions_T is None else _to_cpu(positions_T),
+            None if seq_ids_T is None else _to_cpu(seq_ids_T),
+            None if fingerprints_B is None else _to_cpu(fingerprints_B),
+        )
         self._submit(item)
 
-    def add_routes(self, routes: Routes, *, step: int = 0, seq_len: int | Sequence[int] | None = None,
-                   batch: int | None = None, probs: Mapping[int, Sequence[torch.Tensor]] | None = None) -> None:
+    def add_routes(
+        self,
+        routes: Routes,
+        *,
+        step: int = 0,
+        seq_len: int | Sequence[int] | None = None,
+        batch: int | None = None,
+        probs: Mapping[int, Sequence[torch.Tensor]] | None = None,
+    ) -> None:
         """Queue every layer and micro-batch of ``routes`` (local to this rank) for ``step``."""
         if (routes.num_experts, routes.topk) != (self.model.num_experts, self.model.topk):
-            raise DumpError(f"{self.path}: routes have num_experts {routes.num_experts}, topk {routes.topk}; the "
-                            f"dump's model has {self.model.num_experts}, {self.model.topk}")
+            raise DumpError(
+                f"{self.path}: routes have num_experts {routes.num_experts}, topk {routes.topk}; the "
+                f"dump's model has {self.model.num_experts}, {self.model.topk}"
+            )
         lens = [seq_len] * routes.microbatches if seq_len is None or isinstance(seq_len, int) else list(seq_len)
         if len(lens) != routes.microbatches:
             raise DumpError(f"{self.path}: {len(lens)} seq_len(s) for {routes.microbatches} micro-batch(es)")
@@ -208,21 +260,33 @@ class RankWriter:
         else:
             self._store_tokens(*item[1:])
 
-    def _store_layer(self, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None,
-                     validated: bool) -> None:
+    def _store_layer(
+        self, step: int, mb: int, layer: int, ids_TK: torch.Tensor, probs_TK: torch.Tensor | None, validated: bool
+    ) -> None:
         if layer not in self.model.moe_layers:
-            raise DumpError(f"{self.path}: layer {layer} is not an MoE layer of the model "
-                            f"{list(self.model.moe_layers)}")
+            raise DumpError(
+                f"{self.path}: layer {layer} is not an MoE layer of the model {list(self.model.moe_layers)}"
+            )
         if not validated:
-            validate_topk_ids(ids_TK, layer=layer, microbatch=mb, num_experts=self.model.num_experts,
-                              topk=self.model.topk, rank=self.coords.rank)
+            validate_topk_ids(
+                ids_TK,
+                layer=layer,
+                microbatch=mb,
+                num_experts=self.model.num_experts,
+                topk=self.model.topk,
+                rank=self.coords.rank,
+            )
         elif ids_TK.dim() != 2 or ids_TK.shape[1] != self.model.topk:
-            raise DumpError(f"layer {layer} rank {self.coords.rank} mb {mb}: route shape {tuple(ids_TK.shape)} != "
-                            f"expected (T, K={self.model.topk})")
+            raise DumpError(
+                f"layer {layer} rank {self.coords.rank} mb {mb}: route shape {tuple(ids_TK.shape)} != "
+                f"expected (T, K={self.model.topk})"
+            )
         if probs_TK is not None:
             if probs_TK.dtype not in fmt.PROB_DTYPES or tuple(probs_TK.shape) != tuple(ids_TK.shape):
-                raise DumpError(f"layer {layer} rank {self.coords.rank} mb {mb}: probs {probs_TK.dtype} "
-                                f"{tuple(probs_TK.shape)} != expected float {tuple(ids_TK.shape)}")
+                raise DumpError(
+                    f"layer {layer} rank {self.coords.rank} mb {mb}: probs {probs_TK.dtype} "
+                    f"{tuple(probs_TK.shape)} != expected float {tuple(ids_TK.shape)}"
+                )
             self._probs_dtype = fmt.PROB_DTYPES[probs_TK.dtype]
             probs_TK = probs_TK.contiguous()
         self._claim(step, fmt.tensor_name(step=step, mb=mb, layer=layer, kind="ids"))
@@ -250,8 +314,10 @@ class RankWriter:
         if step in self._old_steps:
             raise DumpError(f"{self.path}: step {step} is already in the dump")
         if name in self._names:
-            raise DumpError(f"{self.path}: rank {self.coords.rank} recorded {name} twice (a recompute forward "
-                            f"recorded again, or a step/micro-batch number reused)")
+            raise DumpError(
+                f"{self.path}: rank {self.coords.rank} recorded {name} twice (a recompute forward "
+                f"recorded again, or a step/micro-batch number reused)"
+            )
         self._names.add(name)
 
     def _write_part(self) -> None:
@@ -271,21 +337,26 @@ class RankWriter:
             self._files.append({"name": name, "bytes": len(data), "tensors": len(tensors), "layers": list(layers)})
         self._packs, self._pending_tokens = {}, {}
 
-    def _pack(self, step: int, mb: int, layers: tuple[int, ...],
-              held: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
+    def _pack(
+        self, step: int, mb: int, layers: tuple[int, ...], held: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> dict[str, torch.Tensor]:
         """``{step{S}/mb{M}/ids: [L, T, K]}`` (and ``probs``) of one micro-batch's buffered layers."""
         where = f"{self.path}: rank {self.coords.rank} step {step} mb {mb}"
         tokens = {layer: held[layer][0].shape[0] for layer in layers}
         if len(set(tokens.values())) > 1:
-            raise DumpError(f"{where}: layers hold different token counts {tokens}; the layers of one micro-batch "
-                            f"are packed into one [L, T, K] tensor and must hold the same T")
+            raise DumpError(
+                f"{where}: layers hold different token counts {tokens}; the layers of one micro-batch "
+                f"are packed into one [L, T, K] tensor and must hold the same T"
+            )
         out = {fmt.packed_name(step=step, mb=mb, kind="ids"): torch.stack([held[layer][0] for layer in layers])}
         with_probs = [layer for layer in layers if held[layer][1] is not None]
         if with_probs:
             if len(with_probs) != len(layers):
-                raise DumpError(f"{where}: probs given for layer(s) {with_probs} but not for "
-                                f"{sorted(set(layers) - set(with_probs))}; a packed micro-batch holds probs for "
-                                f"all of its layers or none")
+                raise DumpError(
+                    f"{where}: probs given for layer(s) {with_probs} but not for "
+                    f"{sorted(set(layers) - set(with_probs))}; a packed micro-batch holds probs for "
+                    f"all of its layers or none"
+                )
             dtypes = {layer: fmt.PROB_DTYPES[held[layer][1].dtype] for layer in layers}
             if len(set(dtypes.values())) > 1:
                 raise DumpError(f"{where}: probs dtypes differ between layers {dtypes}; give one float dtype")
@@ -297,12 +368,25 @@ class RankWriter:
         for step, info in sorted(self._steps.items()):
             lens = info["seq_len"]
             full = len(lens) == info["microbatches"]
-            steps[str(step)] = {"microbatches": info["microbatches"], "batch": info["batch"],
-                                "seq_len": [lens[m] for m in range(info["microbatches"])] if full else None}
-        return {"schema": fmt.SCHEMA, "version": fmt.VERSION, "rank": self.coords.rank,
-                "coords": self.coords.as_dict(), "model": self.model.as_dict(), "layout": self.layout.as_dict(),
-                "world_size": self.world_size, "zigzag": self.zigzag, "files": self._files, "steps": steps,
-                "ids_dtype": fmt.ID_DTYPE_NAMES[self._ids_dtype], "probs_dtype": self._probs_dtype}
+            steps[str(step)] = {
+                "microbatches": info["microbatches"],
+                "batch": info["batch"],
+                "seq_len": [lens[m] for m in range(info["microbatches"])] if full else None,
+            }
+        return {
+            "schema": fmt.SCHEMA,
+            "version": fmt.VERSION,
+            "rank": self.coords.rank,
+            "coords": self.coords.as_dict(),
+            "model": self.model.as_dict(),
+            "layout": self.layout.as_dict(),
+            "world_size": self.world_size,
+            "zigzag": self.zigzag,
+            "files": self._files,
+            "steps": steps,
+            "ids_dtype": fmt.ID_DTYPE_NAMES[self._ids_dtype],
+            "probs_dtype": self._probs_dtype,
+        }
 
 
 def _to_cpu(t: torch.Tensor) -> torch.Tensor:

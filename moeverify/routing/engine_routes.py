@@ -46,20 +46,35 @@ class EngineRoutes:
         if self.numbering not in NUMBERINGS:
             raise UsageError(f"EngineRoutes numbering {self.numbering!r}: one of {list(NUMBERINGS)}")
         if self.routes.ndim != 3 or self.routes.dtype not in (np.int16, np.int32):
-            raise UsageError(f"EngineRoutes routes: expected [R, W, K] int16/int32, got {self.routes.shape} "
-                             f"{self.routes.dtype}")
+            raise UsageError(
+                f"EngineRoutes routes: expected [R, W, K] int16/int32, got {self.routes.shape} {self.routes.dtype}"
+            )
 
 
 def decode(payload, *, engine: str, **kwargs: Any) -> EngineRoutes:
     """``from_<engine>(payload, **kwargs)`` for engine ``sglang``, ``vllm``, ``trtllm`` or ``transformers``."""
-    decoders: dict[str, Callable[..., EngineRoutes]] = {"sglang": from_sglang, "vllm": from_vllm, "trtllm": from_trtllm, "transformers": from_transformers}
+    decoders: dict[str, Callable[..., EngineRoutes]] = {
+        "sglang": from_sglang,
+        "vllm": from_vllm,
+        "trtllm": from_trtllm,
+        "transformers": from_transformers,
+    }
     if engine not in decoders:
         raise UsageError(f"engine {engine!r}: no decoder; one of {sorted(decoders)}")
     return decoders[engine](payload, **kwargs)
 
 
-def from_sglang(payload, *, num_layers: int, top_k: int, num_tokens: int, physical: bool, start: int | None = None,
-                dtype: str | None = None, request=None) -> EngineRoutes:
+def from_sglang(
+    payload,
+    *,
+    num_layers: int,
+    top_k: int,
+    num_tokens: int,
+    physical: bool,
+    start: int | None = None,
+    dtype: str | None = None,
+    request=None,
+) -> EngineRoutes:
     """SGLang ``return_routed_experts``: the response (or its ``meta_info``) or ``meta_info["routed_experts"]``.
 
     Format (sglang ``python/sglang/srt/layers/topk_capturer_base.py`` ``get_topk``, later
@@ -82,30 +97,53 @@ def from_sglang(payload, *, num_layers: int, top_k: int, num_tokens: int, physic
     if isinstance(payload, dict):
         meta = payload.get("meta_info", payload)
         if meta.get("routed_experts") is None:
-            raise RouteError(f"{where}: meta_info has no routed_experts (keys {sorted(meta)[:12]}): send the request "
-                             f"with return_routed_experts=True to a server started with --enable-return-routed-experts")
+            raise RouteError(
+                f"{where}: meta_info has no routed_experts (keys {sorted(meta)[:12]}): send the request "
+                f"with return_routed_experts=True to a server started with --enable-return-routed-experts"
+            )
         data = meta["routed_experts"]
         start = _agree(start, meta.get("routed_experts_start_len"), "start", "routed_experts_start_len", where)
         dtype = _agree(dtype, meta.get("routed_experts_dtype"), "dtype", "routed_experts_dtype", where)
     wire = _wire_dtype(dtype or "int32", where)
     raw = _b64(data, where)
     if len(raw) % wire.itemsize:
-        raise RouteError(f"{where}: {len(raw)} bytes is not a whole number of {wire} ids ({wire.itemsize} bytes "
-                         f"each): the buffer is truncated or was not written as {wire}")
+        raise RouteError(
+            f"{where}: {len(raw)} bytes is not a whole number of {wire} ids ({wire.itemsize} bytes "
+            f"each): the buffer is truncated or was not written as {wire}"
+        )
     flat = np.frombuffer(raw, dtype=wire.newbyteorder("<"))
     per_row = _positive(num_layers, "num_layers") * _positive(top_k, "top_k")
     if flat.size % per_row:
-        raise RouteError(f"{where}: {flat.size} ids is not a multiple of num_layers * top_k = {num_layers} * {top_k} "
-                         f"= {per_row}: the buffer is truncated, or num_layers/top_k are not the model's "
-                         f"num_hidden_layers/num_experts_per_tok")
+        raise RouteError(
+            f"{where}: {flat.size} ids is not a multiple of num_layers * top_k = {num_layers} * {top_k} "
+            f"= {per_row}: the buffer is truncated, or num_layers/top_k are not the model's "
+            f"num_hidden_layers/num_experts_per_tok"
+        )
     routes_RWK = flat.reshape(-1, num_layers, top_k)
-    return _finish(routes_RWK, engine="sglang", request=request, numbering="decoder", physical=physical,
-                   num_tokens=num_tokens, start=0 if start is None else start, extra_rows=0)
+    return _finish(
+        routes_RWK,
+        engine="sglang",
+        request=request,
+        numbering="decoder",
+        physical=physical,
+        num_tokens=num_tokens,
+        start=0 if start is None else start,
+        extra_rows=0,
+    )
 
 
-def from_vllm(routed_experts, *, num_tokens: int, physical: bool, prompt_routed_experts=None,
-              numbering: str | None = None, num_layers: int | None = None, num_moe_layers: int | None = None,
-              start: int = 0, request=None) -> EngineRoutes:
+def from_vllm(
+    routed_experts,
+    *,
+    num_tokens: int,
+    physical: bool,
+    prompt_routed_experts=None,
+    numbering: str | None = None,
+    num_layers: int | None = None,
+    num_moe_layers: int | None = None,
+    start: int = 0,
+    request=None,
+) -> EngineRoutes:
     """vLLM ``enable_return_routed_experts``: ``CompletionOutput.routed_experts`` (an array, or the OpenAI
     response's ``choices[i].routed_experts``: nested lists in 0.21, a base64 ``.npy`` string in 0.34).
 
@@ -123,23 +161,41 @@ def from_vllm(routed_experts, *, num_tokens: int, physical: bool, prompt_routed_
     0.21's two arrays can give it): dropped.
     """
     where = _where("vllm", request)
-    arrays = [_int_array(x, where, what) for x, what in ((prompt_routed_experts, "prompt_routed_experts"),
-                                                          (routed_experts, "routed_experts")) if x is not None]
+    arrays = [
+        _int_array(x, where, what)
+        for x, what in ((prompt_routed_experts, "prompt_routed_experts"), (routed_experts, "routed_experts"))
+        if x is not None
+    ]
     if not arrays:
-        raise RouteError(f"{where}: routed_experts is None: the engine returns it only with "
-                         f"enable_return_routed_experts on (and not for an aborted request)")
+        raise RouteError(
+            f"{where}: routed_experts is None: the engine returns it only with "
+            f"enable_return_routed_experts on (and not for an aborted request)"
+        )
     if len(arrays) == 2:
         if arrays[0].shape[1:] != arrays[1].shape[1:]:
-            raise RouteError(f"{where}: prompt_routed_experts {arrays[0].shape} and routed_experts "
-                             f"{arrays[1].shape} differ in layers/top-k: they are not one request's arrays")
+            raise RouteError(
+                f"{where}: prompt_routed_experts {arrays[0].shape} and routed_experts "
+                f"{arrays[1].shape} differ in layers/top-k: they are not one request's arrays"
+            )
         if start:
-            raise RouteError(f"{where}: start={start} with split prompt/completion arrays: vLLM 0.21 returns every "
-                             f"prompt row (it has no routed_experts_prompt_start); pass start=0")
+            raise RouteError(
+                f"{where}: start={start} with split prompt/completion arrays: vLLM 0.21 returns every "
+                f"prompt row (it has no routed_experts_prompt_start); pass start=0"
+            )
     routes_RWK = np.concatenate(arrays) if len(arrays) == 2 else arrays[0]
-    routes_RWK, numbering = _vllm_columns(routes_RWK, numbering=numbering, num_layers=num_layers,
-                                          num_moe_layers=num_moe_layers, where=where)
-    return _finish(routes_RWK, engine="vllm", request=request, numbering=numbering, physical=physical,
-                   num_tokens=num_tokens, start=start, extra_rows=1)
+    routes_RWK, numbering = _vllm_columns(
+        routes_RWK, numbering=numbering, num_layers=num_layers, num_moe_layers=num_moe_layers, where=where
+    )
+    return _finish(
+        routes_RWK,
+        engine="vllm",
+        request=request,
+        numbering=numbering,
+        physical=physical,
+        num_tokens=num_tokens,
+        start=start,
+        extra_rows=1,
+    )
 
 
 def from_trtllm(routed_experts, *, num_tokens: int, num_moe_layers: int | None = None, request=None) -> EngineRoutes:
@@ -152,18 +208,38 @@ def from_trtllm(routed_experts, *, num_tokens: int, num_moe_layers: int | None =
     """
     where = _where("trtllm", request)
     if routed_experts is None:
-        raise RouteError(f"{where}: routed_experts is None: set LlmArgs.enable_return_routed_experts and "
-                         f"SamplingParams.return_routed_experts")
+        raise RouteError(
+            f"{where}: routed_experts is None: set LlmArgs.enable_return_routed_experts and "
+            f"SamplingParams.return_routed_experts"
+        )
     routes_RWK = _int_array(routed_experts, where, "routed_experts")
     if num_moe_layers is not None and routes_RWK.shape[1] != num_moe_layers:
-        raise RouteError(f"{where}: {routes_RWK.shape[1]} layer columns, expected one per MoE layer "
-                         f"({num_moe_layers}): TensorRT-LLM numbers MoE layers only")
-    return _finish(routes_RWK, engine="trtllm", request=request, numbering="routers", physical=False,
-                   num_tokens=num_tokens, start=0, extra_rows=0)
+        raise RouteError(
+            f"{where}: {routes_RWK.shape[1]} layer columns, expected one per MoE layer "
+            f"({num_moe_layers}): TensorRT-LLM numbers MoE layers only"
+        )
+    return _finish(
+        routes_RWK,
+        engine="trtllm",
+        request=request,
+        numbering="routers",
+        physical=False,
+        num_tokens=num_tokens,
+        start=0,
+        extra_rows=0,
+    )
 
 
-def from_transformers(router_logits, *, top_k: int, num_tokens: int | None = None, batch: int | None = None,
-                      index: int = 0, attention_mask=None, request=None) -> EngineRoutes:
+def from_transformers(
+    router_logits,
+    *,
+    top_k: int,
+    num_tokens: int | None = None,
+    batch: int | None = None,
+    index: int = 0,
+    attention_mask=None,
+    request=None,
+) -> EngineRoutes:
     """Hugging Face transformers ``output_router_logits=True``: ``outputs.router_logits``, one ``[T, E]`` float
     array per MoE layer (``[B * T, E]`` with ``batch=B``: request ``index`` is taken), numbering ``"routers"``.
     A padded batch (``generate`` pads on the left) gives ``attention_mask`` ``[B, T]`` (1 = real token): the
@@ -178,41 +254,61 @@ def from_transformers(router_logits, *, top_k: int, num_tokens: int | None = Non
     try:
         layers = [np.asarray(x) for x in router_logits]
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise RouteError(f"{where}: router logits do not convert to numpy ({str(exc)[:120]}): pass float32 arrays, "
-                         f"e.g. [x.float().numpy() for x in outputs.router_logits]") from None
+        raise RouteError(
+            f"{where}: router logits do not convert to numpy ({str(exc)[:120]}): pass float32 arrays, "
+            f"e.g. [x.float().numpy() for x in outputs.router_logits]"
+        ) from None
     if not layers:
         raise RouteError(f"{where}: no router logits: run the model with output_router_logits=True")
     for layer, x in enumerate(layers):
         if x.dtype.kind != "f" or x.ndim != 2 or x.shape != layers[0].shape:
-            raise RouteError(f"{where}: router logits of MoE layer {layer}: {x.dtype} {x.shape}, expected float "
-                             f"[tokens, experts] like layer 0's {layers[0].shape}")
+            raise RouteError(
+                f"{where}: router logits of MoE layer {layer}: {x.dtype} {x.shape}, expected float "
+                f"[tokens, experts] like layer 0's {layers[0].shape}"
+            )
     logits_TLE = np.stack(layers, axis=1).astype(np.float32)
     if batch is not None:
         if logits_TLE.shape[0] % _positive(batch, "batch") or not 0 <= index < batch:
-            raise RouteError(f"{where}: {logits_TLE.shape[0]} logit rows do not split into batch={batch} requests, "
-                             f"or index {index} is outside it")
+            raise RouteError(
+                f"{where}: {logits_TLE.shape[0]} logit rows do not split into batch={batch} requests, "
+                f"or index {index} is outside it"
+            )
         rows = logits_TLE.shape[0] // batch
-        logits_TLE = logits_TLE[index * rows:(index + 1) * rows]
+        logits_TLE = logits_TLE[index * rows : (index + 1) * rows]
     if attention_mask is not None:
         mask_BT = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
         if mask_BT.ndim != 2 or mask_BT.shape[1] != logits_TLE.shape[0] or not 0 <= index < mask_BT.shape[0]:
-            raise RouteError(f"{where}: attention_mask {mask_BT.shape} does not match {logits_TLE.shape[0]} "
-                             f"positions a request (batch={batch}, index={index})")
+            raise RouteError(
+                f"{where}: attention_mask {mask_BT.shape} does not match {logits_TLE.shape[0]} "
+                f"positions a request (batch={batch}, index={index})"
+            )
         real = np.flatnonzero(mask_BT[index].astype(bool))
         if not real.size or real[-1] - real[0] + 1 != real.size:
-            raise RouteError(f"{where}: attention_mask row {index} holds no real token, or a hole: padding sits on "
-                             "either side of a request")
+            raise RouteError(
+                f"{where}: attention_mask row {index} holds no real token, or a hole: padding sits on "
+                "either side of a request"
+            )
         logits_TLE = logits_TLE[real]
     bad = np.argwhere(~np.isfinite(logits_TLE).all(axis=-1))
     if bad.size:
-        raise RouteError(f"{where}: router logits at position {bad[0][0]} MoE layer {bad[0][1]} are not finite: "
-                         f"no top-k can be taken")
+        raise RouteError(
+            f"{where}: router logits at position {bad[0][0]} MoE layer {bad[0][1]} are not finite: "
+            f"no top-k can be taken"
+        )
     if not 0 < top_k <= logits_TLE.shape[2]:
         raise UsageError(f"{where}: top_k={top_k}: expected 1 .. {logits_TLE.shape[2]} (the experts)")
     routes_TLK = np.argsort(-logits_TLE, axis=-1, kind="stable")[..., :top_k]
     tokens = routes_TLK.shape[0] if num_tokens is None else num_tokens
-    return _finish(routes_TLK, engine="transformers", request=request, numbering="routers", physical=False,
-                   num_tokens=tokens, start=0, extra_rows=None)
+    return _finish(
+        routes_TLK,
+        engine="transformers",
+        request=request,
+        numbering="routers",
+        physical=False,
+        num_tokens=tokens,
+        start=0,
+        extra_rows=None,
+    )
 
 
 def splice(earlier: EngineRoutes, later: EngineRoutes) -> EngineRoutes:
@@ -220,53 +316,80 @@ def splice(earlier: EngineRoutes, later: EngineRoutes) -> EngineRoutes:
     ``routed_experts_start_len``, vLLM ``routed_experts_prompt_start``); ``earlier`` supplies the rows before it."""
     where = _where(later.engine, later.request)
     same = ("engine", "numbering", "physical")
-    if any(getattr(earlier, k) != getattr(later, k) for k in same) or earlier.routes.shape[1:] != later.routes.shape[1:]:
-        raise RouteError(f"{where}: cannot splice {[getattr(earlier, k) for k in same]} {earlier.routes.shape} "
-                         f"before {[getattr(later, k) for k in same]} {later.routes.shape}: not one model's routes")
+    if (
+        any(getattr(earlier, k) != getattr(later, k) for k in same)
+        or earlier.routes.shape[1:] != later.routes.shape[1:]
+    ):
+        raise RouteError(
+            f"{where}: cannot splice {[getattr(earlier, k) for k in same]} {earlier.routes.shape} "
+            f"before {[getattr(later, k) for k in same]} {later.routes.shape}: not one model's routes"
+        )
     if not earlier.start <= later.start <= earlier.start + earlier.routes.shape[0]:
-        raise RouteError(f"{where}: rows from position {later.start} do not continue the earlier rows "
-                         f"{earlier.start} .. {earlier.start + earlier.routes.shape[0] - 1}: a gap")
-    head = earlier.routes[:later.start - earlier.start]
+        raise RouteError(
+            f"{where}: rows from position {later.start} do not continue the earlier rows "
+            f"{earlier.start} .. {earlier.start + earlier.routes.shape[0] - 1}: a gap"
+        )
+    head = earlier.routes[: later.start - earlier.start]
     routes = np.concatenate([head, later.routes]).astype(np.result_type(head.dtype, later.routes.dtype))
     return dataclasses.replace(later, routes=_readonly(routes), start=earlier.start)
 
 
-def _finish(routes_RWK: np.ndarray, *, engine: str, request, numbering: str, physical: bool, num_tokens: int,
-            start: int, extra_rows: int | None) -> EngineRoutes:
+def _finish(
+    routes_RWK: np.ndarray,
+    *,
+    engine: str,
+    request,
+    numbering: str,
+    physical: bool,
+    num_tokens: int,
+    start: int,
+    extra_rows: int | None,
+) -> EngineRoutes:
     """Row count, id range and dtype checked; an owned read-only int16/int32 copy in an ``EngineRoutes``.
 
     ``extra_rows``: 1 where one row past ``num_tokens - 1`` is the engine's never-filled final row (dropped);
     None where a row for the final token is a real route (kept)."""
     where = _where(engine, request)
     if num_tokens < 1 or not 0 <= start < num_tokens:
-        raise UsageError(f"{where}: num_tokens={num_tokens} start={start}: expected num_tokens >= 1 and "
-                         f"0 <= start < num_tokens (start: the first position the engine returned rows for)")
+        raise UsageError(
+            f"{where}: num_tokens={num_tokens} start={start}: expected num_tokens >= 1 and "
+            f"0 <= start < num_tokens (start: the first position the engine returned rows for)"
+        )
     rows, expected = routes_RWK.shape[0], num_tokens - 1 - start
     if rows == 0 and expected > 0:
-        raise RouteError(f"{where}: zero route rows for a request of {num_tokens} tokens (expected {expected} from "
-                         f"position {start}): the engine captured nothing; nothing is replayed from it")
+        raise RouteError(
+            f"{where}: zero route rows for a request of {num_tokens} tokens (expected {expected} from "
+            f"position {start}): the engine captured nothing; nothing is replayed from it"
+        )
     if extra_rows is None and rows == expected + 1:
         expected = rows
     elif extra_rows and rows == expected + extra_rows:
         routes_RWK = routes_RWK[:expected]
     if routes_RWK.shape[0] != expected:
-        raise RouteError(f"{where}: {rows} route rows, expected {expected} (num_tokens {num_tokens} - 1 - start "
-                         f"{start}): pass the request's own token count (prompt + completion) and the start it "
-                         f"was sent with; a different count is another request's or a truncated payload")
+        raise RouteError(
+            f"{where}: {rows} route rows, expected {expected} (num_tokens {num_tokens} - 1 - start "
+            f"{start}): pass the request's own token count (prompt + completion) and the start it "
+            f"was sent with; a different count is another request's or a truncated payload"
+        )
     low = routes_RWK < FILL
     if low.any():
         t, c, _ = np.argwhere(low)[0]
-        raise RouteError(f"{where}: expert id {routes_RWK[t, c].min()} at position {start + t} layer column {c}: "
-                         f"ids are >= 0, or {FILL} where no route was captured (a wrong dtype or byte order reads "
-                         f"like this)")
+        raise RouteError(
+            f"{where}: expert id {routes_RWK[t, c].min()} at position {start + t} layer column {c}: "
+            f"ids are >= 0, or {FILL} where no route was captured (a wrong dtype or byte order reads "
+            f"like this)"
+        )
     if routes_RWK.size and routes_RWK.max() > np.iinfo(np.int32).max:
         t, c, _ = np.argwhere(routes_RWK > np.iinfo(np.int32).max)[0]
-        raise RouteError(f"{where}: expert id {routes_RWK[t, c].max()} at position {start + t} layer column {c} "
-                         f"exceeds int32: not an expert id")
+        raise RouteError(
+            f"{where}: expert id {routes_RWK[t, c].max()} at position {start + t} layer column {c} "
+            f"exceeds int32: not an expert id"
+        )
     fits16 = not routes_RWK.size or routes_RWK.max() <= np.iinfo(np.int16).max
     out = np.array(routes_RWK, dtype=np.int16 if fits16 else np.int32, copy=True)
-    return EngineRoutes(routes=_readonly(out), numbering=numbering, physical=bool(physical), engine=engine,
-                        request=request, start=start)
+    return EngineRoutes(
+        routes=_readonly(out), numbering=numbering, physical=bool(physical), engine=engine, request=request, start=start
+    )
 
 
 def _int_array(x, where: str, what: str) -> np.ndarray:
@@ -279,15 +402,18 @@ def _int_array(x, where: str, what: str) -> np.ndarray:
         except (ValueError, TypeError) as exc:
             raise RouteError(f"{where}: {what} is not a rectangular array ({exc})"[:300]) from None
     if array.dtype.kind not in "iu":
-        raise RouteError(f"{where}: {what} has dtype {array.dtype}, expected integer expert ids (int16/int32/uint8/"
-                         f"uint16): a float or bool array is not a route payload")
+        raise RouteError(
+            f"{where}: {what} has dtype {array.dtype}, expected integer expert ids (int16/int32/uint8/"
+            f"uint16): a float or bool array is not a route payload"
+        )
     if array.ndim != 3:
         raise RouteError(f"{where}: {what} shape {array.shape}, expected [tokens, layers, top_k]")
     return array
 
 
-def _vllm_columns(routes_RWK: np.ndarray, *, numbering: str | None, num_layers: int | None,
-                  num_moe_layers: int | None, where: str) -> tuple[np.ndarray, str]:
+def _vllm_columns(
+    routes_RWK: np.ndarray, *, numbering: str | None, num_layers: int | None, num_moe_layers: int | None, where: str
+) -> tuple[np.ndarray, str]:
     """The numbering of vLLM's columns (given, or the one reading the counts leave), 0.21's never-written
     columns after the MoE layers trimmed."""
     width = routes_RWK.shape[1]
@@ -297,13 +423,17 @@ def _vllm_columns(routes_RWK: np.ndarray, *, numbering: str | None, num_layers: 
         elif width == num_moe_layers or (num_layers is not None and width < num_layers):
             numbering = "routers"  # 0.34 always gives one column per decoder layer
         elif num_layers is None or width == num_layers:
-            raise RouteError(f"{where}: {width} layer columns read two ways: one per decoder layer (vLLM 0.34, "
-                             f"numbering='decoder') or one per MoE layer, in MoE-layer order, then never-written "
-                             f"columns (vLLM 0.21, numbering='routers'). Refusing to guess: pass numbering=, or "
-                             f"num_layers= and num_moe_layers= where one reading fits")
+            raise RouteError(
+                f"{where}: {width} layer columns read two ways: one per decoder layer (vLLM 0.34, "
+                f"numbering='decoder') or one per MoE layer, in MoE-layer order, then never-written "
+                f"columns (vLLM 0.21, numbering='routers'). Refusing to guess: pass numbering=, or "
+                f"num_layers= and num_moe_layers= where one reading fits"
+            )
         else:
-            raise RouteError(f"{where}: {width} layer columns, more than the model's {num_layers} decoder layers: "
-                             f"neither one per decoder layer nor one per MoE layer")
+            raise RouteError(
+                f"{where}: {width} layer columns, more than the model's {num_layers} decoder layers: "
+                f"neither one per decoder layer nor one per MoE layer"
+            )
     if numbering not in NUMBERINGS:
         raise UsageError(f"{where}: numbering={numbering!r}: one of {list(NUMBERINGS)}")
     if numbering == "decoder" and num_layers is not None and width != num_layers:
@@ -311,8 +441,10 @@ def _vllm_columns(routes_RWK: np.ndarray, *, numbering: str | None, num_layers: 
     if numbering == "routers" and num_moe_layers is not None and width != num_moe_layers:
         tail = routes_RWK[:, num_moe_layers:]
         if width < num_moe_layers or tail.any():
-            raise RouteError(f"{where}: {width} layer columns for {num_moe_layers} MoE layers (numbering='routers')"
-                             f"{'' if width < num_moe_layers else ', and the columns after them hold ids'}")
+            raise RouteError(
+                f"{where}: {width} layer columns for {num_moe_layers} MoE layers (numbering='routers')"
+                f"{'' if width < num_moe_layers else ', and the columns after them hold ids'}"
+            )
         routes_RWK = routes_RWK[:, :num_moe_layers]
     if num_layers is not None and routes_RWK.shape[1] > num_layers:
         raise RouteError(f"{where}: {width} layer columns, more than the model's {num_layers} decoder layers")
@@ -325,8 +457,10 @@ def _b64(data, where: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise RouteError(f"{where}: routed experts payload is not valid base64 ({str(exc)[:120]}): truncated "
-                         f"or not the engine's string") from None
+        raise RouteError(
+            f"{where}: routed experts payload is not valid base64 ({str(exc)[:120]}): truncated "
+            f"or not the engine's string"
+        ) from None
 
 
 def _wire_dtype(name, where: str) -> np.dtype:
@@ -337,8 +471,10 @@ def _wire_dtype(name, where: str) -> np.dtype:
 
 def _agree(given, from_payload, name: str, key: str, where: str):
     if given is not None and from_payload is not None and str(given) != str(from_payload):
-        raise RouteError(f"{where}: {name}={given!r} but meta_info[{key!r}] = {from_payload!r}: which one the "
-                         f"request was served with is unknown; pass the payload's or none")
+        raise RouteError(
+            f"{where}: {name}={given!r} but meta_info[{key!r}] = {from_payload!r}: which one the "
+            f"request was served with is unknown; pass the payload's or none"
+        )
     return from_payload if given is None else given
 
 
@@ -357,5 +493,14 @@ def _where(engine: str, request) -> str:
     return f"{engine} request {request!r}" if request is not None else f"{engine} request (unnamed)"
 
 
-__all__ = ("EngineRoutes", "decode", "from_sglang", "from_vllm", "from_trtllm", "from_transformers",
-                          "splice", "NUMBERINGS", "FILL")
+__all__ = (
+    "EngineRoutes",
+    "decode",
+    "from_sglang",
+    "from_vllm",
+    "from_trtllm",
+    "from_transformers",
+    "splice",
+    "NUMBERINGS",
+    "FILL",
+)

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.routing.layer_numbering import ambiguous
 from moeverify.routing import npy_file
+from moeverify.routing.layer_numbering import ambiguous
 
 KEY = "physical_to_logical_map"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -54,11 +54,17 @@ class ExpertMap:
     per_layer: dict[int, torch.Tensor]  # global MoE layer -> int64 [P]
 
     def as_json(self) -> dict:
-        return {"file": self.path, "physical_slots": self.physical, "logical_experts": self.logical,
-                "layers": sorted(self.per_layer), "redundant_slots_per_layer": self.physical - self.logical}
+        return {
+            "file": self.path,
+            "physical_slots": self.physical,
+            "logical_experts": self.logical,
+            "layers": sorted(self.per_layer),
+            "redundant_slots_per_layer": self.physical - self.logical,
+        }
 
-    def apply(self, layer: int, ids_TK: torch.Tensor, *, where: str, microbatch: int = 0,
-              token_label=None) -> torch.Tensor:
+    def apply(
+        self, layer: int, ids_TK: torch.Tensor, *, where: str, microbatch: int = 0, token_label=None
+    ) -> torch.Tensor:
         """Logical ids ``[T, K]`` (int64) of one layer's physical ids; refuses replicas of one expert in a row."""
         map_P = self.per_layer.get(layer)
         if map_P is None:
@@ -67,9 +73,11 @@ class ExpertMap:
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.physical:
-                raise ExpertMapError(f"{where}: layer {layer} micro-batch {microbatch}: expert id "
-                                     f"{lo if lo < 0 else hi} is no slot of {self.path} (expected [0, "
-                                     f"{self.physical}))")
+                raise ExpertMapError(
+                    f"{where}: layer {layer} micro-batch {microbatch}: expert id "
+                    f"{lo if lo < 0 else hi} is no slot of {self.path} (expected [0, "
+                    f"{self.physical}))"
+                )
         logical_TK = map_P[ids]
         if self.physical > self.logical and ids.shape[1] > 1:
             ordered = logical_TK.sort(dim=1).values
@@ -82,19 +90,27 @@ class ExpertMap:
                     f"{ids[row].tolist()} map through {self.path} to logical experts {logical_TK[row].tolist()}: "
                     f"two replicas of one logical expert in one token's top-k ({dup_R.numel()} such token(s) in "
                     f"this layer and micro-batch; later layers not checked). A router picks a logical expert "
-                    f"once: this is a finding (a dispatch or map bug), not deduplicated")
+                    f"once: this is a finding (a dispatch or map bug), not deduplicated"
+                )
         return logical_TK
 
 
-def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None = None,
-         physical_experts: int | None = None, what: str = "the dump") -> ExpertMap:
+def load(
+    path: str | Path,
+    *,
+    moe_layers: Sequence[int],
+    num_layers: int | None = None,
+    physical_experts: int | None = None,
+    what: str = "the dump",
+) -> ExpertMap:
     """Read and check the map at ``path`` for ``moe_layers``; ``physical_experts``: the mapped side's expert
     count (every row must have that many slots); None (an array side) takes the map's own length."""
     path = Path(path)
     name = str(path)
     if path.exists() and not path.is_file():
-        raise ExpertMapError(f"{name}: not a regular file (a FIFO, device or directory); an expert map is a .json or "
-                             f".npy file")
+        raise ExpertMapError(
+            f"{name}: not a regular file (a FIFO, device or directory); an expert map is a .json or .npy file"
+        )
     if not path.is_file():
         raise ExpertMapError(f"{name}: expert map not found (a .json or .npy file)")
     if path.suffix == ".json":
@@ -109,12 +125,20 @@ def load(path: str | Path, *, moe_layers: Sequence[int], num_layers: int | None 
             raise ExpertMapError(f"{name}: dtype {obj.dtype} is not an integer dtype (logical expert ids)")
     else:
         raise ExpertMapError(f"{name}: an expert map is a .json or .npy file, got suffix {path.suffix!r}")
-    return from_object(obj, moe_layers=moe_layers, num_layers=num_layers, physical_experts=physical_experts,
-                       what=what, name=name)
+    return from_object(
+        obj, moe_layers=moe_layers, num_layers=num_layers, physical_experts=physical_experts, what=what, name=name
+    )
 
 
-def from_object(obj, *, moe_layers: Sequence[int], num_layers: int | None = None, physical_experts: int | None = None,
-                what: str = "the dump", name: str = "expert map") -> ExpertMap:
+def from_object(
+    obj,
+    *,
+    moe_layers: Sequence[int],
+    num_layers: int | None = None,
+    physical_experts: int | None = None,
+    what: str = "the dump",
+    name: str = "expert map",
+) -> ExpertMap:
     """``load`` of a map already parsed (a list, list of lists, layer-keyed dict or integer array)."""
     if isinstance(obj, dict) and KEY in obj:
         if set(obj) != {KEY}:
@@ -126,22 +150,29 @@ def from_object(obj, *, moe_layers: Sequence[int], num_layers: int | None = None
     physical = physical_experts if physical_experts is not None else len(next(iter(per_layer.values())))
     for layer, map_P in per_layer.items():
         if map_P.numel() != physical:
-            whose = f"{what}'s {physical} experts (its physical slots)" if physical_experts is not None else \
-                f"layer {moe[0]}'s {physical} slots"
+            whose = (
+                f"{what}'s {physical} experts (its physical slots)"
+                if physical_experts is not None
+                else f"layer {moe[0]}'s {physical} slots"
+            )
             raise ExpertMapError(f"{name}: layer {layer}: {map_P.numel()} slot(s) != {whose}")
     for layer, map_P in per_layer.items():
         bad = ((map_P < 0) | (map_P >= physical)).nonzero().flatten()
         if bad.numel():
             slot = int(bad[0])
-            raise ExpertMapError(f"{name}: layer {layer} slot {slot}: logical id {int(map_P[slot])} out of range "
-                                 f"[0, {physical}) (a logical id is below the {physical} physical slots)")
+            raise ExpertMapError(
+                f"{name}: layer {layer} slot {slot}: logical id {int(map_P[slot])} out of range "
+                f"[0, {physical}) (a logical id is below the {physical} physical slots)"
+            )
     logical = 1 + max(int(m.max()) for m in per_layer.values())
     for layer, map_P in per_layer.items():
         unplaced = (torch.bincount(map_P, minlength=logical) == 0).nonzero().flatten().tolist()
         if unplaced:
-            raise ExpertMapError(f"{name}: layer {layer}: logical expert(s) {unplaced[:8]}"
-                                 f"{' ...' if len(unplaced) > 8 else ''} have no physical slot (the map's logical "
-                                 f"experts are 0..{logical - 1}; every one needs at least one slot in every layer)")
+            raise ExpertMapError(
+                f"{name}: layer {layer}: logical expert(s) {unplaced[:8]}"
+                f"{' ...' if len(unplaced) > 8 else ''} have no physical slot (the map's logical "
+                f"experts are 0..{logical - 1}; every one needs at least one slot in every layer)"
+            )
     return ExpertMap(path=name, physical=physical, logical=logical, per_layer=per_layer)
 
 
@@ -161,15 +192,17 @@ def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int
             plain_int = isinstance(key, int) and not isinstance(key, bool) and key >= 0
             plain_text = isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key
             if not (plain_int or plain_text):
-                raise ExpertMapError(f"{name}: key {key!r} is not a global layer number written plainly (0, 1, ...; "
-                                     f"or {KEY!r})")
+                raise ExpertMapError(
+                    f"{name}: key {key!r} is not a global layer number written plainly (0, 1, ...; or {KEY!r})"
+                )
             if int(key) in per:
                 raise ExpertMapError(f"{name}: layer {int(key)} is given twice")
             per[int(key)] = value
         missing, extra = sorted(set(moe) - set(per)), sorted(set(per) - set(moe))
         if missing:
-            raise ExpertMapError(f"{name}: MoE layer(s) {missing} missing (the map names layers {sorted(per)}; "
-                                 f"the MoE layers are {moe})")
+            raise ExpertMapError(
+                f"{name}: MoE layer(s) {missing} missing (the map names layers {sorted(per)}; the MoE layers are {moe})"
+            )
         if extra:
             raise ExpertMapError(f"{name}: layer(s) {extra} are not MoE layers of {moe}")
         return {layer: per[layer] for layer in moe}
@@ -186,35 +219,44 @@ def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int
             return {layer: obj for layer in moe}
         table = obj
     else:
-        raise ExpertMapError(f"{name}: expected a list, a list of lists, an object keyed by layer or an array; "
-                             f"got {type(obj).__name__}")
+        raise ExpertMapError(
+            f"{name}: expected a list, a list of lists, an object keyed by layer or an array; got {type(obj).__name__}"
+        )
     if num_layers is not None and ambiguous(len(table), layers=moe, num_layers=num_layers):  # without the count,
         # rows are one per MoE layer: no other reading is offered
-        raise ExpertMapError(f"{name}: {len(table)} rows fit both one row per MoE layer {moe} and one row per decoder "
-                             f"layer ({num_layers} decoder layers; row r is layer r): refusing to guess; key the rows "
-                             f"by layer ({{\"<global layer>\": [...], ...}}), which cannot be misread")
+        raise ExpertMapError(
+            f"{name}: {len(table)} rows fit both one row per MoE layer {moe} and one row per decoder "
+            f"layer ({num_layers} decoder layers; row r is layer r): refusing to guess; key the rows "
+            f'by layer ({{"<global layer>": [...], ...}}), which cannot be misread'
+        )
     if len(table) == len(moe):
         return dict(zip(moe, table, strict=True))
     if num_layers is not None and len(table) == num_layers:
         return {layer: table[layer] for layer in moe}  # one row per decoder layer: the MoE rows by global layer
-    raise ExpertMapError(f"{name}: {len(table)} row(s) fit neither the {len(moe)} MoE layers {moe}"
-                         + ("" if num_layers is None else f" nor all {num_layers} decoder layers"))
+    raise ExpertMapError(
+        f"{name}: {len(table)} row(s) fit neither the {len(moe)} MoE layers {moe}"
+        + ("" if num_layers is None else f" nor all {num_layers} decoder layers")
+    )
 
 
 def _row(value, *, name: str, layer: int) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         if value.size == 0:
-            raise ExpertMapError(f"{name}: layer {layer}: the map row is empty (shape {value.shape}); expected one "
-                                 f"logical id per physical slot")
+            raise ExpertMapError(
+                f"{name}: layer {layer}: the map row is empty (shape {value.shape}); expected one "
+                f"logical id per physical slot"
+            )
         wide = value.astype(object)  # exact: an unsigned or 64-bit id beyond int64 is never wrapped
         value = [int(v) for v in wide]
     elif not isinstance(value, list) or not value:
-        raise ExpertMapError(f"{name}: layer {layer}: expected a non-empty list of logical ids, got "
-                             f"{type(value).__name__} {value!r:.60}")
+        raise ExpertMapError(
+            f"{name}: layer {layer}: expected a non-empty list of logical ids, got {type(value).__name__} {value!r:.60}"
+        )
     for slot, v in enumerate(value):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool):
             raise ExpertMapError(f"{name}: layer {layer} slot {slot}: {v!r} is not an integer logical id")
         if not _INT64_MIN <= int(v) <= _INT64_MAX:
-            raise ExpertMapError(f"{name}: layer {layer} slot {slot}: logical id {v} out of range (expected a slot "
-                                 f"number [0, slots))")
+            raise ExpertMapError(
+                f"{name}: layer {layer} slot {slot}: logical id {v} out of range (expected a slot number [0, slots))"
+            )
     return torch.tensor(value, dtype=torch.int64)

@@ -31,12 +31,23 @@ def moe_layers(*, num_layers: int, moe_layer_freq) -> tuple[int, ...]:
         return tuple(i for i in range(num_layers) if i % moe_layer_freq == 0)
     if isinstance(moe_layer_freq, (list, tuple)) and len(moe_layer_freq) == num_layers:
         return tuple(i for i, is_moe in enumerate(moe_layer_freq) if is_moe)
-    raise ValueError(f"moe_layer_freq {moe_layer_freq!r}: expected an int or a list of {num_layers} 0/1 entries "
-                     "(megatron-core 0.19's forms)")
+    raise ValueError(
+        f"moe_layer_freq {moe_layer_freq!r}: expected an int or a list of {num_layers} 0/1 entries "
+        "(megatron-core 0.19's forms)"
+    )
 
 
-def columns(width: int, *, layers: Sequence[int], num_layers: int | None, numbering: str | None, where: str,
-            error: type[MoEVerifyError], pick: str, count: str) -> list[int]:
+def columns(
+    width: int,
+    *,
+    layers: Sequence[int],
+    num_layers: int | None,
+    numbering: str | None,
+    where: str,
+    error: type[MoEVerifyError],
+    pick: str,
+    count: str,
+) -> list[int]:
     """The array column of each of ``layers`` (in ``layers`` order), or ``error`` naming why not.
 
     Args:
@@ -55,29 +66,36 @@ def columns(width: int, *, layers: Sequence[int], num_layers: int | None, number
     fits_decoder = num_layers is not None and width == num_layers
     if numbering == "routers":
         if not fits_routers:
-            raise error(f"{where} hold {width} layer column(s), not one per router: "
-                        f"{pick.format('routers')} needs {len(layers)} ({_named(layers)})")
+            raise error(
+                f"{where} hold {width} layer column(s), not one per router: "
+                f"{pick.format('routers')} needs {len(layers)} ({_named(layers)})"
+            )
         return as_routers
     if numbering == "decoder":
         if num_layers is not None and width != num_layers:
-            raise error(f"{where} hold {width} layer column(s), not one per decoder layer: "
-                        f"{pick.format('decoder')} needs {num_layers} (the model's decoder layers)")
+            raise error(
+                f"{where} hold {width} layer column(s), not one per decoder layer: "
+                f"{pick.format('decoder')} needs {num_layers} (the model's decoder layers)"
+            )
         return _decoder_columns(width, layers=layers, where=where, error=error)
     if fits_routers and not ambiguous(width, layers=layers, num_layers=num_layers):
         return as_routers
     if fits_routers:  # both readings fit, and they take different columns
         decoders = num_layers if fits_decoder else width
         known = "" if fits_decoder else f" if {[layer for layer in layers if layer >= width]} are MTP layers"
-        raise error(f"{where}: {width} layer columns fit two numberings: one column per router ({len(layers)} "
-                    f"routers {_named(layers)}, column i is the i-th of them) and one column per decoder layer "
-                    f"({decoders} decoder layers{known}, column c is layer c, so layer {layers[0]} would read column "
-                    f"{layers[0]}, not 0). Refusing to guess: say which, {pick.format('routers')} or "
-                    f"{pick.format('decoder')}"
-                    + ("" if fits_decoder else f" (or give the model's decoder layer count, {count})"))
+        raise error(
+            f"{where}: {width} layer columns fit two numberings: one column per router ({len(layers)} "
+            f"routers {_named(layers)}, column i is the i-th of them) and one column per decoder layer "
+            f"({decoders} decoder layers{known}, column c is layer c, so layer {layers[0]} would read column "
+            f"{layers[0]}, not 0). Refusing to guess: say which, {pick.format('routers')} or "
+            f"{pick.format('decoder')}"
+            + ("" if fits_decoder else f" (or give the model's decoder layer count, {count})")
+        )
     if fits_decoder:
         return _decoder_columns(width, layers=layers, where=where, error=error)
-    fits = f"{len(layers)} MoE layers" + (f" or {num_layers} decoder layers" if num_layers is not None
-                                          else f" (pass {count} for an all-layer array)")
+    fits = f"{len(layers)} MoE layers" + (
+        f" or {num_layers} decoder layers" if num_layers is not None else f" (pass {count} for an all-layer array)"
+    )
     raise error(f"{where} hold {width} layer columns, which fits neither numbering: expected {fits}")
 
 
@@ -101,9 +119,11 @@ def _mtp_tail(width: int, layers: list[int]) -> bool:
 def _decoder_columns(width: int, *, layers: list[int], where: str, error) -> list[int]:
     beyond = [layer for layer in layers if not 0 <= layer < width]
     if beyond:
-        raise error(f"{where}: layer(s) {beyond} lie outside the {width} decoder layer columns (an MTP layer, "
-                    f"numbered after the decoder layers, has no column there; engines do not capture it): drop "
-                    f"them from the layers asked for")
+        raise error(
+            f"{where}: layer(s) {beyond} lie outside the {width} decoder layer columns (an MTP layer, "
+            f"numbered after the decoder layers, has no column there; engines do not capture it): drop "
+            f"them from the layers asked for"
+        )
     return list(layers)
 
 

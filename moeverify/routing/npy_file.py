@@ -16,8 +16,18 @@ from pathlib import Path
 import numpy as np
 
 NUMERIC_KINDS = "biuf"  # bool, int, uint, float: the kinds a routes or map reader can name in its own refusal
-_PARSE_ERRORS = (ValueError, SyntaxError, tokenize.TokenError, OverflowError, EOFError, TypeError, MemoryError,
-                 KeyError, zipfile.BadZipFile, OSError)
+_PARSE_ERRORS = (
+    ValueError,
+    SyntaxError,
+    tokenize.TokenError,
+    OverflowError,
+    EOFError,
+    TypeError,
+    MemoryError,
+    KeyError,
+    zipfile.BadZipFile,
+    OSError,
+)
 
 
 def _check_header(fp, size: int, *, where: str, error) -> None:
@@ -29,12 +39,16 @@ def _check_header(fp, size: int, *, where: str, error) -> None:
     except _PARSE_ERRORS as exc:
         raise error(f"{where}: cannot read as .npy: header: {type(exc).__name__}: {exc}"[:300]) from None
     if dtype.hasobject or dtype.kind not in NUMERIC_KINDS or dtype.fields is not None:
-        raise error(f"{where}: cannot read as .npy: dtype {dtype} is not a numeric dtype; expected integer ids "
-                    f"(object arrays are never unpickled)")
+        raise error(
+            f"{where}: cannot read as .npy: dtype {dtype} is not a numeric dtype; expected integer ids "
+            f"(object arrays are never unpickled)"
+        )
     need = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if need != size - header_end:
-        raise error(f"{where}: cannot read as .npy: header shape {shape} of {dtype} needs {need} bytes, the file "
-                    f"holds {size - header_end} after the header (truncated or corrupt)")
+        raise error(
+            f"{where}: cannot read as .npy: header shape {shape} of {dtype} needs {need} bytes, the file "
+            f"holds {size - header_end} after the header (truncated or corrupt)"
+        )
 
 
 def load_npy(path: Path, *, error, where: str | None = None) -> np.ndarray:
@@ -66,8 +80,9 @@ def load_npz(path: Path, *, error, order=sorted) -> dict[str, np.ndarray]:
             infos = {info.filename: info for info in zf.infolist()}
             for name, info in infos.items():
                 if not name.endswith(".npy"):
-                    raise error(f"{path}: npz member {name!r} is not a .npy array; an .npz of routes holds .npy "
-                                f"members only")
+                    raise error(
+                        f"{path}: npz member {name!r} is not a .npy array; an .npz of routes holds .npy members only"
+                    )
                 with zf.open(info) as fp:
                     _check_header(fp, info.file_size, where=f"{path}: npz member {name!r}", error=error)
         with np.load(path, allow_pickle=False) as npz:

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from moeverify.errors import RouteError
 from moeverify.routing import expert_map as maps
 from moeverify.routing import layer_numbering
-from moeverify.errors import RouteError
 from moeverify.routing.route_ids import INT_DTYPES, safe_routes
 
 PICK, COUNT = 'numbering="{}"', "num_layers="
@@ -36,15 +36,18 @@ class RolloutSpec:
     expert_map: maps.ExpertMap | None = None  # the engine records physical slots: slot -> logical id
 
     @classmethod
-    def of(cls, *, layers, num_experts: int, num_layers: int | None = None, numbering: str | None = None,
-           expert_map=None) -> RolloutSpec:
+    def of(
+        cls, *, layers, num_experts: int, num_layers: int | None = None, numbering: str | None = None, expert_map=None
+    ) -> RolloutSpec:
         """Checked: ``layers`` (``check_layers``) and ``expert_map`` (a path, a parsed map or an ``ExpertMap``,
         ``load_map``)."""
         layers = tuple(check_layers(layers))
-        emap = None if expert_map is None else load_map(expert_map, layers=layers, num_layers=num_layers,
-                                                        num_experts=num_experts)
-        return cls(layers=layers, num_experts=num_experts, num_layers=num_layers, numbering=numbering,
-                   expert_map=emap)
+        emap = (
+            None
+            if expert_map is None
+            else load_map(expert_map, layers=layers, num_layers=num_layers, num_experts=num_experts)
+        )
+        return cls(layers=layers, num_experts=num_experts, num_layers=num_layers, numbering=numbering, expert_map=emap)
 
 
 def check_layers(layers) -> list[int]:
@@ -62,11 +65,15 @@ def check_layers(layers) -> list[int]:
     given = [int(layer) for layer in given]
     for i in range(1, len(given)):
         if given[i] in given[:i]:
-            raise RouteError(f"layers={given}: layer {given[i]} is given twice (entries {given.index(given[i])} and "
-                             f"{i}); expected each MoE layer once")
+            raise RouteError(
+                f"layers={given}: layer {given[i]} is given twice (entries {given.index(given[i])} and "
+                f"{i}); expected each MoE layer once"
+            )
         if given[i] < given[i - 1]:
-            raise RouteError(f"layers={given}: entry {i} ({given[i]}) comes after {given[i - 1]}; expected the layers "
-                             f"ascending, in router column order (MoE layers, then MTP layers): {sorted(given)}")
+            raise RouteError(
+                f"layers={given}: entry {i} ({given[i]}) comes after {given[i - 1]}; expected the layers "
+                f"ascending, in router column order (MoE layers, then MTP layers): {sorted(given)}"
+            )
     return given
 
 
@@ -74,8 +81,7 @@ def ndim(array) -> int:
     return len(getattr(array, "shape", ()))
 
 
-def one_sequence(topk_ids, spec: RolloutSpec, *, tokens: int | None,
-                 pad_T) -> tuple[torch.Tensor, torch.Tensor | None]:
+def one_sequence(topk_ids, spec: RolloutSpec, *, tokens: int | None, pad_T) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One sequence ``[T or T - 1, W, K]`` -> ``([tokens, L, K], pad_T or None)``."""
     where = "rollout routes"
     ids_TLK = pick_columns(as_int64(topk_ids), spec, where=where)
@@ -91,8 +97,16 @@ def pick_columns(ids_TLK: torch.Tensor, spec: RolloutSpec, *, where: str) -> tor
     layers = spec.layers
     if ids_TLK.dim() != 3:
         raise RouteError(f"{where} shape {tuple(ids_TLK.shape)} != expected (T, L={len(layers)}, K)")
-    cols = layer_numbering.columns(ids_TLK.shape[1], layers=layers, num_layers=spec.num_layers,
-                                   numbering=spec.numbering, where=where, error=RouteError, pick=PICK, count=COUNT)
+    cols = layer_numbering.columns(
+        ids_TLK.shape[1],
+        layers=layers,
+        num_layers=spec.num_layers,
+        numbering=spec.numbering,
+        where=where,
+        error=RouteError,
+        pick=PICK,
+        count=COUNT,
+    )
     return ids_TLK if cols == list(range(ids_TLK.shape[1])) else ids_TLK[:, cols, :]
 
 
@@ -104,34 +118,40 @@ def gap_rows(ids_TLK: torch.Tensor) -> torch.Tensor:
     return gaps
 
 
-def _to_logical(ids_TLK: torch.Tensor, *, emap, skip_TL: torch.Tensor, layers: Sequence[int],
-                where: str) -> torch.Tensor:
+def _to_logical(
+    ids_TLK: torch.Tensor, *, emap, skip_TL: torch.Tensor, layers: Sequence[int], where: str
+) -> torch.Tensor:
     """Physical expert slots as logical ids through ``emap`` (``ExpertMap.apply``: a slot outside the map, or two
     replicas of one expert in a row, refused); rows in ``skip_TL`` (padding) stay as they are."""
     out_TLK = ids_TLK.clone()
     keep_TL = ~skip_TL
     for i, layer in enumerate(layers):
         rows = keep_TL[:, i].nonzero().flatten()
-        out_TLK[rows, i] = emap.apply(layer, ids_TLK[rows, i], where=where,
-                                      token_label=lambda _mb, row, rows=rows: f"token {int(rows[row])}")
+        out_TLK[rows, i] = emap.apply(
+            layer, ids_TLK[rows, i], where=where, token_label=lambda _mb, row, rows=rows: f"token {int(rows[row])}"
+        )
     return out_TLK
 
 
-def _check_range(ids_TLK: torch.Tensor, *, skip_TL: torch.Tensor, num_experts: int, layers: Sequence[int],
-                 where: str) -> None:
+def _check_range(
+    ids_TLK: torch.Tensor, *, skip_TL: torch.Tensor, num_experts: int, layers: Sequence[int], where: str
+) -> None:
     """An id at or above the experts on a captured row: a physical slot of an expert placement read unmapped
     (EPLB with redundant experts) or another model's route; refused, naming the map argument."""
     high_TL = (ids_TLK >= num_experts).any(dim=-1) & ~skip_TL
     if bool(high_TL.any()):
         t, col = (int(i) for i in high_TL.nonzero()[0])
-        raise RouteError(f"{where}: token {t} layer {layers[col]}: expert id {int(ids_TLK[t, col].max())} out of "
-                         f"range [0, {num_experts}) ({int(high_TL.sum())} such row(s)); an engine that records "
-                         f"physical expert slots (an expert placement with redundant experts, EPLB) needs its map: "
-                         f"pass expert_map= (slot -> logical id)")
+        raise RouteError(
+            f"{where}: token {t} layer {layers[col]}: expert id {int(ids_TLK[t, col].max())} out of "
+            f"range [0, {num_experts}) ({int(high_TL.sum())} such row(s)); an engine that records "
+            f"physical expert slots (an expert placement with redundant experts, EPLB) needs its map: "
+            f"pass expert_map= (slot -> logical id)"
+        )
 
 
-def _one_request(ids_TLK: torch.Tensor, spec: RolloutSpec, *, tokens: int, pad_T: torch.Tensor | None,
-                 where: str) -> torch.Tensor:
+def _one_request(
+    ids_TLK: torch.Tensor, spec: RolloutSpec, *, tokens: int, pad_T: torch.Tensor | None, where: str
+) -> torch.Tensor:
     """One request's ``[tokens, L, K]``: ids mapped, the missing last row filled, capture gaps on real tokens
     refused."""
     num_experts, layers, emap = spec.num_experts, spec.layers, spec.expert_map
@@ -139,36 +159,43 @@ def _one_request(ids_TLK: torch.Tensor, spec: RolloutSpec, *, tokens: int, pad_T
     if not 1 <= K <= num_experts:
         raise RouteError(f"{where}: top-k {K} not in [1, num_experts={num_experts}]")
     if T not in (tokens, tokens - 1):
-        raise RouteError(f"{where} hold {T} tokens != expected {tokens} (or {tokens - 1}, the engine's "
-                         "missing last row)")
+        raise RouteError(
+            f"{where} hold {T} tokens != expected {tokens} (or {tokens - 1}, the engine's missing last row)"
+        )
     gaps_TL = gap_rows(ids_TLK)
     if pad_T is not None:
         gaps_TL &= ~pad_T[:T, None]
     if gaps_TL.any():
         t, col = (int(i) for i in gaps_TL.nonzero()[0])
-        raise RouteError(f"{where}: token {t} MoE column {col}: capture gap (a row of -1 or of zeros: "
-                         f"{ids_TLK[t, col].tolist()}), {int(gaps_TL.sum())} such row(s); the engine did not "
-                         "record this route: mark those tokens as padding (pad_T) or fix the capture")
+        raise RouteError(
+            f"{where}: token {t} MoE column {col}: capture gap (a row of -1 or of zeros: "
+            f"{ids_TLK[t, col].tolist()}), {int(gaps_TL.sum())} such row(s); the engine did not "
+            "record this route: mark those tokens as padding (pad_T) or fix the capture"
+        )
     pads_TL = (pad_T[:T, None] if pad_T is not None else torch.zeros(T, 1, dtype=torch.bool)).expand(T, L)
     partial_TL = (ids_TLK == -1).any(dim=-1) & ~pads_TL  # not a gap (every slot -1): a route cut short
     if partial_TL.any():
         t, col = (int(i) for i in partial_TL.nonzero()[0])
-        raise RouteError(f"{where}: token {t} MoE column {col}: route {ids_TLK[t, col].tolist()} has -1 (not "
-                         f"captured) in {int((ids_TLK[t, col] == -1).sum())} of its {K} slots "
-                         f"({int(partial_TL.sum())} such row(s)): a variable top-k, or a capture cut mid-row; replay "
-                         "needs every one of the router's top-k experts of a real token")
+        raise RouteError(
+            f"{where}: token {t} MoE column {col}: route {ids_TLK[t, col].tolist()} has -1 (not "
+            f"captured) in {int((ids_TLK[t, col] == -1).sum())} of its {K} slots "
+            f"({int(partial_TL.sum())} such row(s)): a variable top-k, or a capture cut mid-row; replay "
+            "needs every one of the router's top-k experts of a real token"
+        )
     if emap is not None:  # padding keeps what it holds: it gets a safe route later
         ids_TLK = _to_logical(ids_TLK, emap=emap, skip_TL=pads_TL, layers=layers, where=where)
     else:
         _check_range(ids_TLK, skip_TL=pads_TL, num_experts=num_experts, layers=layers, where=where)
     if T == tokens - 1:
-        ids_TLK = torch.cat([ids_TLK, safe_routes(1, topk=K, num_experts=num_experts, start=T)
-                             .unsqueeze(1).expand(1, L, K)])
+        ids_TLK = torch.cat(
+            [ids_TLK, safe_routes(1, topk=K, num_experts=num_experts, start=T).unsqueeze(1).expand(1, L, K)]
+        )
     return ids_TLK
 
 
-def batch_of_requests(topk_ids, spec: RolloutSpec, *, lengths: Sequence[int], rows: Sequence[int] | None,
-                      seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_of_requests(
+    topk_ids, spec: RolloutSpec, *, lengths: Sequence[int], rows: Sequence[int] | None, seq_len: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Several requests -> sequence-major ``[B * seq_len, L, K]`` and its pad mask."""
     lengths = [int(n) for n in lengths]
     if isinstance(topk_ids, (list, tuple)):
@@ -255,14 +282,18 @@ def load_map(expert_map, *, layers: Sequence[int], num_layers: int | None, num_e
         emap = expert_map
         missing = sorted(set(layers) - set(emap.per_layer))
         if missing:
-            raise maps.ExpertMapError(f"{emap.path}: no map for layer(s) {missing} (maps layers "
-                                      f"{sorted(emap.per_layer)})")
+            raise maps.ExpertMapError(
+                f"{emap.path}: no map for layer(s) {missing} (maps layers {sorted(emap.per_layer)})"
+            )
     elif isinstance(expert_map, (str, os.PathLike)):
         emap = maps.load(os.fspath(expert_map), moe_layers=layers, num_layers=num_layers, what="the rollout routes")
     else:
-        emap = maps.from_object(expert_map, moe_layers=layers, num_layers=num_layers, what="the rollout routes",
-                                name="expert_map=")
+        emap = maps.from_object(
+            expert_map, moe_layers=layers, num_layers=num_layers, what="the rollout routes", name="expert_map="
+        )
     if emap.logical != num_experts:
-        raise maps.ExpertMapError(f"{emap.path}: maps onto {emap.logical} logical experts, num_experts is "
-                                  f"{num_experts} (the map's logical ids are the experts training routes to)")
+        raise maps.ExpertMapError(
+            f"{emap.path}: maps onto {emap.logical} logical experts, num_experts is "
+            f"{num_experts} (the map's logical ids are the experts training routes to)"
+        )
     return emap

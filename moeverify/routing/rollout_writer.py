@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moeverify.routing.engine_routes import EngineRoutes
 from moeverify.errors import UsageError
 from moeverify.files import atomic_write_json, atomic_writer
+from moeverify.routing.engine_routes import EngineRoutes
 
 FORMAT = "moeverify-rollout-routes"
 VERSION = 1
@@ -73,8 +73,9 @@ class RolloutWriter:
             ``slot -> logical expert`` map, ``[P]`` for every layer or ``[W, P]`` per layer column.
     """
 
-    def __init__(self, directory: Path | str, *, step: int, part: str = "0", numbering: str | None = None,
-                 expert_map=None):
+    def __init__(
+        self, directory: Path | str, *, step: int, part: str = "0", numbering: str | None = None, expert_map=None
+    ):
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise UsageError(f"RolloutWriter step={step!r}: expected an integer >= 0")
         if not isinstance(part, str) or not _PART.fullmatch(part):
@@ -85,15 +86,16 @@ class RolloutWriter:
         self.step, self.part, self.numbering = int(step), part, numbering
         self.path = self.dir / f"part-{part}.npz"
         if (self.dir / MARKER).exists():
-            raise UsageError(f"{self.dir}: step {step} is already complete ({MARKER} written); a step's routes are "
-                             "written once")
+            raise UsageError(
+                f"{self.dir}: step {step} is already complete ({MARKER} written); a step's routes are written once"
+            )
         if self.path.exists():
             raise UsageError(f"{self.path} already exists: each writer of a step needs its own part= name")
-        self.expert_map = None if expert_map is None else _integers(expert_map, "expert_map",
-                                                                     dims=np.ndim(expert_map))
+        self.expert_map = None if expert_map is None else _integers(expert_map, "expert_map", dims=np.ndim(expert_map))
         if self.expert_map is not None and self.expert_map.ndim not in (1, 2):
-            raise UsageError(f"expert_map: expected [P] or [W, P] slot -> logical expert, got shape "
-                             f"{self.expert_map.shape}")
+            raise UsageError(
+                f"expert_map: expected [P] or [W, P] slot -> logical expert, got shape {self.expert_map.shape}"
+            )
         self._tokens: list[np.ndarray] = []
         self._routes: list[np.ndarray] = []
         self._closed = False
@@ -101,7 +103,8 @@ class RolloutWriter:
     def add(self, token_ids, routes) -> None:
         """One request: ``token_ids`` ``[S]`` (every token training feeds for it) and the engine's routes
         ``[S - 1 or S, W, K]`` (numpy or torch, any integer dtype; a row of -1 is a capture gap the training job
-        refuses on a real token), or a decoded payload (``moeverify.routing.engine_routes.EngineRoutes``: its layer numbering
+        refuses on a real token), or a decoded payload (``moeverify.routing.engine_routes.EngineRoutes``: its layer
+        numbering
         is taken, and physical slots need the writer's ``expert_map``)."""
         if self._closed:
             raise UsageError(f"{self.path}: add() after close()")
@@ -113,11 +116,14 @@ class RolloutWriter:
         if s < 1:
             raise UsageError(f"{where}: token_ids is empty")
         if routes_SWK.shape[0] not in (s - 1, s):
-            raise UsageError(f"{where}: routes hold {routes_SWK.shape[0]} rows for {s} tokens; expected {s - 1} (the "
-                             f"engine's missing last row) or {s}")
+            raise UsageError(
+                f"{where}: routes hold {routes_SWK.shape[0]} rows for {s} tokens; expected {s - 1} (the "
+                f"engine's missing last row) or {s}"
+            )
         if self._routes and routes_SWK.shape[1:] != self._routes[0].shape[1:]:
-            raise UsageError(f"{where}: routes [*, W, K] = {routes_SWK.shape[1:]} != request 0's "
-                             f"{self._routes[0].shape[1:]}")
+            raise UsageError(
+                f"{where}: routes [*, W, K] = {routes_SWK.shape[1:]} != request 0's {self._routes[0].shape[1:]}"
+            )
         if tokens_S.min() < 0:
             raise UsageError(f"{where}: token_ids hold a negative id {int(tokens_S.min())}")
         if routes_SWK.size and routes_SWK.min() < -1:
@@ -130,17 +136,23 @@ class RolloutWriter:
         if not isinstance(routes, EngineRoutes):
             return routes
         if routes.start:
-            raise UsageError(f"{where}: the engine's rows start at position {routes.start}, not 0; join them to the "
-                             "request's earlier rows first (moeverify.routing.engine_routes.splice)")
+            raise UsageError(
+                f"{where}: the engine's rows start at position {routes.start}, not 0; join them to the "
+                "request's earlier rows first (moeverify.routing.engine_routes.splice)"
+            )
         if self.numbering is None and not self._routes:
             self.numbering = routes.numbering
         if routes.numbering != self.numbering:
-            raise UsageError(f"{where}: the payload numbers layers {routes.numbering!r}, this part "
-                             f"{self.numbering!r}; one engine's routes per part")
+            raise UsageError(
+                f"{where}: the payload numbers layers {routes.numbering!r}, this part "
+                f"{self.numbering!r}; one engine's routes per part"
+            )
         if routes.physical and self.expert_map is None:
-            raise UsageError(f"{where}: the engine recorded physical expert slots (EPLB): give RolloutWriter("
-                             "expert_map=) (slot -> logical expert; docs/engine_routes.md says where each engine "
-                             "keeps it)")
+            raise UsageError(
+                f"{where}: the engine recorded physical expert slots (EPLB): give RolloutWriter("
+                "expert_map=) (slot -> logical expert; docs/engine_routes.md says where each engine "
+                "keeps it)"
+            )
         return routes.routes
 
     def close(self, *, complete: bool = True) -> Path:
@@ -198,7 +210,7 @@ def complete_steps(directory: Path | str, *, newest: int | None = None) -> list[
     numbers = []
     with os.scandir(directory) as entries:
         for entry in entries:
-            number = entry.name[len("step-"):]
+            number = entry.name[len("step-") :]
             if entry.name.startswith("step-") and number.isdigit():
                 numbers.append(int(number))
     steps = []
@@ -220,7 +232,10 @@ def read_marker(directory: Path | str, step: int) -> list[str]:
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise UsageError(f"{marker}: not a {FORMAT} version {VERSION} marker")
     parts = data.get("parts")
-    if (not isinstance(parts, list) or not parts
-            or not all(isinstance(p, str) and re.fullmatch(r"part-[A-Za-z0-9_.-]{1,64}\.npz", p) for p in parts)):
+    if (
+        not isinstance(parts, list)
+        or not parts
+        or not all(isinstance(p, str) and re.fullmatch(r"part-[A-Za-z0-9_.-]{1,64}\.npz", p) for p in parts)
+    ):
         raise UsageError(f"{marker}: 'parts' must list the step's part-<name>.npz files, got {parts!r}")
     return parts

@@ -23,8 +23,16 @@ def safe_routes(tokens: int, *, topk: int, num_experts: int, start: int = 0) -> 
     return (rows_T[:, None] * topk + torch.arange(topk, dtype=torch.int64)[None, :]) % num_experts
 
 
-def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_experts: int, topk: int,
-                      tokens: int | None = None, rank: int | None = None) -> torch.Tensor:
+def validate_topk_ids(
+    topk_ids_TK: object,
+    *,
+    layer: int,
+    microbatch: int,
+    num_experts: int,
+    topk: int,
+    tokens: int | None = None,
+    rank: int | None = None,
+) -> torch.Tensor:
     """Check one route tensor before it is used; raise ``RouteError`` naming where and expected vs got."""
     where = f"layer {layer} mb {microbatch}" if rank is None else f"layer {layer} rank {rank} mb {microbatch}"
     if not isinstance(topk_ids_TK, torch.Tensor):
@@ -32,7 +40,11 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
     if topk_ids_TK.dtype not in INT_DTYPES:
         raise RouteError(f"{where}: route dtype {topk_ids_TK.dtype} is not an integer dtype")
     expected = f"(T={tokens if tokens is not None else 'any'}, K={topk})"
-    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[1] != topk or (tokens is not None and topk_ids_TK.shape[0] != tokens):
+    if (
+        topk_ids_TK.dim() != 2
+        or topk_ids_TK.shape[1] != topk
+        or (tokens is not None and topk_ids_TK.shape[0] != tokens)
+    ):
         raise RouteError(f"{where}: route shape {tuple(topk_ids_TK.shape)} != expected {expected}")
     if topk_ids_TK.numel():
         if topk_ids_TK.dtype == torch.uint8:  # unsigned: one max is the whole range check
@@ -47,8 +59,10 @@ def validate_topk_ids(topk_ids_TK: object, *, layer: int, microbatch: int, num_e
         if dup_T is not None and bool(dup_T.any()):  # nonzero (a tenth of the check at 128k rows) only on failure
             dup_rows = dup_T.nonzero().flatten()
             row = int(dup_rows[0])
-            raise RouteError(f"{where}: token {row} routes to expert(s) twice: {topk_ids_TK[row].tolist()}"
-                             f" ({dup_rows.numel()} such row(s))")
+            raise RouteError(
+                f"{where}: token {row} routes to expert(s) twice: {topk_ids_TK[row].tolist()}"
+                f" ({dup_rows.numel()} such row(s))"
+            )
     return topk_ids_TK
 
 

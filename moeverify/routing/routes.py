@@ -16,11 +16,13 @@ from typing import TypeGuard
 import numpy as np
 import torch
 
+from moeverify.errors import RouteError
 from moeverify.routing import rollout_arrays as ra
 from moeverify.routing import views
-from moeverify.errors import RouteError
+from moeverify.routing.route_ids import (
+    safe_routes as safe_routes,  # public here too (``moeverify.routing.routes.safe_routes``)
+)
 from moeverify.routing.route_ids import validate_topk_ids as validate_topk_ids  # public here too
-from moeverify.routing.route_ids import safe_routes as safe_routes  # public here too (``moeverify.routing.routes.safe_routes``)
 
 
 def _validate_unlike(ids_TK: torch.Tensor, valid_TK: torch.Tensor, **where) -> None:
@@ -55,14 +57,16 @@ def _check_shape_args(*, num_experts: object, topk: object) -> None:
 def _check_per_layer(per_layer: object) -> None:
     """The container itself: ``{int layer >= 0: list or tuple of tensors}``, nothing else."""
     if not isinstance(per_layer, Mapping):
-        raise RouteError(f"routes must be a mapping {{layer: [topk_ids_TK per micro-batch]}}, got "
-                         f"{type(per_layer).__name__}")
+        raise RouteError(
+            f"routes must be a mapping {{layer: [topk_ids_TK per micro-batch]}}, got {type(per_layer).__name__}"
+        )
     for layer, mbs in per_layer.items():
         if not _is_int(layer) or layer < 0:
             raise RouteError(f"layer key {layer!r} must be a global layer number (an integer >= 0)")
         if not isinstance(mbs, list | tuple):
-            raise RouteError(f"layer {layer}: expected a list of [T, K] tensors (one per micro-batch), got "
-                             f"{type(mbs).__name__}")
+            raise RouteError(
+                f"layer {layer}: expected a list of [T, K] tensors (one per micro-batch), got {type(mbs).__name__}"
+            )
 
 
 class Routes:
@@ -82,8 +86,9 @@ class Routes:
         self._build(per_layer, num_experts=num_experts, topk=topk, copy=True)
 
     @classmethod
-    def adopt(cls, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int,
-              like: Routes | None = None) -> Routes:
+    def adopt(
+        cls, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int, like: Routes | None = None
+    ) -> Routes:
         """``Routes(per_layer, ...)`` of tensors the caller has just made and hands over, keeping no other
         reference to them (a dump reader's fresh reads): validated the same way, not copied again.
 
@@ -95,8 +100,15 @@ class Routes:
         routes._build(per_layer, num_experts=num_experts, topk=topk, copy=False, like=like)
         return routes
 
-    def _build(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int,
-               copy: bool, like: Routes | None = None) -> None:
+    def _build(
+        self,
+        per_layer: Mapping[int, Sequence[torch.Tensor]],
+        *,
+        num_experts: int,
+        topk: int,
+        copy: bool,
+        like: Routes | None = None,
+    ) -> None:
         _check_shape_args(num_experts=num_experts, topk=topk)
         _check_per_layer(per_layer)
         counts = {layer: len(mbs) for layer, mbs in per_layer.items()}
@@ -116,15 +128,17 @@ class Routes:
         self.num_experts = int(num_experts)
         self.topk = int(topk)
         self.validated = True  # every tensor checked when built (``unchecked`` leaves it False)
-        self._replay_ids: dict = {}  # (device, layer, mb, ascending) -> private int64 copy replay routes with (``replay_ids``)
+        # (device, layer, mb, ascending) -> the private int64 copy replay routes with (``replay_ids``)
+        self._replay_ids: dict = {}
         self._versions = _versions(data)  # torch's in-place write counters when validated
         # Token order of the rows, where a producer knows it: "router" (s * B + b, what a rank's routers see:
         # session.routes(), Routes.to_local) or "sequence" (b * S + s: Dump.routes, Routes.to_global,
         # from_rollout). None: unknown, or one sequence (both orders agree).
         self.order: str | None = None
 
-    def _voucher(self, layer: int, microbatch: int, ids_TK: object, *, num_experts: int,
-                 topk: int) -> torch.Tensor | None:
+    def _voucher(
+        self, layer: int, microbatch: int, ids_TK: object, *, num_experts: int, topk: int
+    ) -> torch.Tensor | None:
         """This route of (layer, micro-batch) where it vouches for the rows of ``ids_TK`` equal to its own:
         validated under the same experts and top-k, not written into since (torch's counter), same dtype and
         shape, both on the CPU. None otherwise."""
@@ -133,8 +147,12 @@ class Routes:
             return None
         ref = mbs[microbatch]
         written = getattr(ref, "_version", None) != self._versions.get((layer, microbatch))
-        if (written or not isinstance(ids_TK, torch.Tensor) or ids_TK.device.type != "cpu"
-                or (ref.dtype, ref.shape, ref.device.type) != (ids_TK.dtype, ids_TK.shape, "cpu")):
+        if (
+            written
+            or not isinstance(ids_TK, torch.Tensor)
+            or ids_TK.device.type != "cpu"
+            or (ref.dtype, ref.shape, ref.device.type) != (ids_TK.dtype, ids_TK.shape, "cpu")
+        ):
             return None
         return ref
 
@@ -194,12 +212,13 @@ class Routes:
         in-place counter (``Tensor._version``, torch 2.x) shows it; a CPU route is also checked again, which
         catches writes through a NumPy view as well (no host sync: the check runs on the host)."""
         if getattr(source, "_version", None) != self._versions.get((layer, microbatch)):
-            raise RouteError(f"layer {layer} mb {microbatch}: the route was written into after it was validated "
-                             f"(through the tensor Routes.get returned); build a new Routes (or use replace()) "
-                             f"so the new ids are checked")
+            raise RouteError(
+                f"layer {layer} mb {microbatch}: the route was written into after it was validated "
+                f"(through the tensor Routes.get returned); build a new Routes (or use replace()) "
+                f"so the new ids are checked"
+            )
         if source.device.type == "cpu":
-            validate_topk_ids(source, layer=layer, microbatch=microbatch, num_experts=self.num_experts,
-                              topk=self.topk)
+            validate_topk_ids(source, layer=layer, microbatch=microbatch, num_experts=self.num_experts, topk=self.topk)
 
     def replace(self, layer: int, microbatch: int, topk_ids_TK: torch.Tensor) -> Routes:
         """A new ``Routes`` with one tensor replaced (validated like every other)."""
@@ -228,15 +247,20 @@ class Routes:
         missing = sorted(set(layers) - set(self.layers))
         if missing:
             raise RouteError(f"select: layer(s) {missing} not held; layers held: {list(self.layers)}")
-        return Routes({layer: self._data[layer] for layer in layers}, num_experts=self.num_experts,
-                      topk=self.topk).in_order(self.order)
+        return Routes(
+            {layer: self._data[layer] for layer in layers}, num_experts=self.num_experts, topk=self.topk
+        ).in_order(self.order)
 
     def map_experts(self, emap, *, where: str, token_label=None) -> Routes:
         """Every layer's physical expert slots as logical ids through ``emap`` (an ``expert_map.ExpertMap``),
         as this class; a token whose slots map to one expert twice raises naming ``where``."""
-        per_layer = {layer: [emap.apply(layer, self.get(layer, mb), where=where, microbatch=mb,
-                                        token_label=token_label) for mb in range(self.microbatches)]
-                     for layer in self.layers}
+        per_layer = {
+            layer: [
+                emap.apply(layer, self.get(layer, mb), where=where, microbatch=mb, token_label=token_label)
+                for mb in range(self.microbatches)
+            ]
+            for layer in self.layers
+        }
         return type(self)(per_layer, num_experts=emap.logical, topk=self.topk)
 
     def to_local(self, layout, *, coords, seq_len, batch: int, num_layers: int, zigzag: bool = True) -> Routes:
@@ -244,32 +268,63 @@ class Routes:
 
         ``seq_len`` may be one length or one per micro-batch.
         """
-        return _to_local(self, layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers,
-                              zigzag=zigzag)
+        return _to_local(
+            self, layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers, zigzag=zigzag
+        )
 
     @staticmethod
-    def to_global(local_by_rank, layout, *, world_size: int, seq_len, batch: int, num_layers: int,
-                  moe_layers: Sequence[int], zigzag: bool = True) -> Routes:
+    def to_global(
+        local_by_rank,
+        layout,
+        *,
+        world_size: int,
+        seq_len,
+        batch: int,
+        num_layers: int,
+        moe_layers: Sequence[int],
+        zigzag: bool = True,
+    ) -> Routes:
         """Merge ranks' local routes into the global view; replicas must agree.
 
         Every (pp, dp, cp) group, and under SP every TP rank of it, must be present. TP ranks without SP
         see the same tokens and are checked equal; a disagreement raises ``RouteError`` naming both ranks.
         """
-        return _to_global(local_by_rank, layout, world_size=world_size, seq_len=seq_len, batch=batch,
-                               num_layers=num_layers, moe_layers=moe_layers, zigzag=zigzag)
+        return _to_global(
+            local_by_rank,
+            layout,
+            world_size=world_size,
+            seq_len=seq_len,
+            batch=batch,
+            num_layers=num_layers,
+            moe_layers=moe_layers,
+            zigzag=zigzag,
+        )
 
     @classmethod
-    def from_rollout(cls, topk_ids, *, layers: Sequence[int], num_experts: int, tokens: int | None = None,
-                     pad_T=None, split: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
-                     seq_len: int | None = None, num_layers: int | None = None, numbering: str | None = None,
-                     rows: Sequence[int] | None = None, expert_map=None) -> Routes:
+    def from_rollout(
+        cls,
+        topk_ids,
+        *,
+        layers: Sequence[int],
+        num_experts: int,
+        tokens: int | None = None,
+        pad_T=None,
+        split: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        seq_len: int | None = None,
+        num_layers: int | None = None,
+        numbering: str | None = None,
+        rows: Sequence[int] | None = None,
+        expert_map=None,
+    ) -> Routes:
         """Routes from a rollout engine's per-token routes (numpy or torch), global view.
 
         Args:
             topk_ids: one sequence ``[T, L, K]``; or one array per request ``[S_i - 1 or S_i, L, K]`` (what
                 vLLM's ``routed_experts`` and SGLang's ``return_routed_experts`` give); or a padded
                 ``[B, S, L, K]`` batch. With several requests ``lengths`` is required.
-            layers: global layer numbers of the MoE layers, ascending, each once (MTP layers numbered ``num_layers + i``).
+            layers: global layer numbers of the MoE layers, ascending, each once (MTP layers numbered ``num_layers +
+            i``).
             num_experts: experts per MoE layer (logical experts).
             tokens: (one sequence) the token count training will route; default ``T``.
             pad_T: (one sequence) bool ``[tokens]``, True where the token is padding.
@@ -288,7 +343,8 @@ class Routes:
                 list form. Default: request ``i``'s ``lengths[i]`` rows, less the last when it is uncaptured in
                 every column (the missing last row, padded).
             expert_map: the engine records physical expert slots (an expert placement, EPLB): ``slot -> logical
-                id`` map, a ``.json``/``.npy`` path or its parsed form (or ``moeverify.routing.expert_map.ExpertMap``), the
+                id`` map, a ``.json``/``.npy`` path or its parsed form (or
+                ``moeverify.routing.expert_map.ExpertMap``), the
                 same format and checks as ``dump diff --expert-map-b``; ids are mapped before use.
 
         Engines return routes for prompt + response minus the final token (it is sampled, never fed
@@ -296,13 +352,16 @@ class Routes:
         spread over all experts. A capture gap (a row of -1, or with K > 1 a row of zeros, on a real
         token) raises ``RouteError`` naming request, token and layer: it is never replayed as expert 0.
         """
-        spec = ra.RolloutSpec.of(layers=layers, num_experts=num_experts, num_layers=num_layers, numbering=numbering,
-                                 expert_map=expert_map)
+        spec = ra.RolloutSpec.of(
+            layers=layers, num_experts=num_experts, num_layers=num_layers, numbering=numbering, expert_map=expert_map
+        )
         if lengths is None and (isinstance(topk_ids, (list, tuple)) or ra.ndim(topk_ids) == 4):
             raise RouteError("several rollout requests need lengths= (tokens training feeds per request)")
         if rows is not None and (lengths is None or isinstance(topk_ids, (list, tuple))):
-            raise RouteError("rows= gives the rows of each request of a padded [B, S, L, K] batch (with lengths=); "
-                             "drop it for other forms")
+            raise RouteError(
+                "rows= gives the rows of each request of a padded [B, S, L, K] batch (with lengths=); "
+                "drop it for other forms"
+            )
         if lengths is not None:
             ids_TLK, pad_T = ra.batch_of_requests(topk_ids, spec, lengths=lengths, rows=rows, seq_len=seq_len)
         else:
@@ -316,28 +375,49 @@ class Routes:
         chunks = torch.split(ids_TLK, sizes)
         # The engine's order: request by request, token by token (sequence-major), never what a rank's routers
         # see (``to_local`` gives that), even for one array whose ``tokens`` span several sequences.
-        return cls({layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(spec.layers)},
-                   num_experts=num_experts, topk=int(ids_TLK.shape[2])).in_order("sequence")
+        return cls(
+            {layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(spec.layers)},
+            num_experts=num_experts,
+            topk=int(ids_TLK.shape[2]),
+        ).in_order("sequence")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Routes):
             return NotImplemented
         if (self.layers, self.microbatches, self.num_experts, self.topk) != (
-                other.layers, other.microbatches, other.num_experts, other.topk):
+            other.layers,
+            other.microbatches,
+            other.num_experts,
+            other.topk,
+        ):
             return False
-        return all(torch.equal(a.to(torch.int64), b.to(torch.int64))
-                   for layer in self.layers for a, b in zip(self._data[layer], other._data[layer], strict=True))
+        return all(
+            torch.equal(a.to(torch.int64), b.to(torch.int64))
+            for layer in self.layers
+            for a, b in zip(self._data[layer], other._data[layer], strict=True)
+        )
 
     def __repr__(self) -> str:
         tokens = [int(t.shape[0]) for t in self._data[self.layers[0]]] if self._data else []
-        return (f"Routes(layers={list(self.layers)}, microbatches={self.microbatches}, tokens={tokens}, "
-                f"num_experts={self.num_experts}, topk={self.topk})")
+        return (
+            f"Routes(layers={list(self.layers)}, microbatches={self.microbatches}, tokens={tokens}, "
+            f"num_experts={self.num_experts}, topk={self.topk})"
+        )
 
 
 # Between views: the global view (engine order) and what one rank's routers see (``views`` has the math).
 
-def _to_local(global_routes: Routes, layout, *, coords: views.RankCoords, seq_len: int | Sequence[int],
-             batch: int, num_layers: int, zigzag: bool = True) -> Routes:
+
+def _to_local(
+    global_routes: Routes,
+    layout,
+    *,
+    coords: views.RankCoords,
+    seq_len: int | Sequence[int],
+    batch: int,
+    num_layers: int,
+    zigzag: bool = True,
+) -> Routes:
     """The routes a rank's routers see: its MoE layers, its tokens in local router order.
 
     ``seq_len`` may be one length or one per micro-batch.
@@ -346,21 +426,33 @@ def _to_local(global_routes: Routes, layout, *, coords: views.RankCoords, seq_le
     layers = views.layers_of(layout, pp_rank=coords.pp, num_layers=num_layers, moe_layers=global_routes.layers)
     per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     for mb, length in enumerate(lens):
-        idx_T = views.token_index(layout, tp_rank=coords.tp, cp_rank=coords.cp, seq_len=length, batch=batch,
-                            dp_rank=coords.dp, zigzag=zigzag)
+        idx_T = views.token_index(
+            layout, tp_rank=coords.tp, cp_rank=coords.cp, seq_len=length, batch=batch, dp_rank=coords.dp, zigzag=zigzag
+        )
         for layer in layers:
             global_TK = global_routes.get(layer, mb)
             if idx_T.numel() and int(idx_T.max()) >= global_TK.shape[0]:
-                raise RouteError(f"layer {layer} mb {mb}: global routes hold {global_TK.shape[0]} tokens, "
-                                 f"{coords.label()} needs token {int(idx_T.max())} (seq_len {length}, batch {batch})")
+                raise RouteError(
+                    f"layer {layer} mb {mb}: global routes hold {global_TK.shape[0]} tokens, "
+                    f"{coords.label()} needs token {int(idx_T.max())} (seq_len {length}, batch {batch})"
+                )
             per_layer[layer].append(global_TK[idx_T])
-    return type(global_routes)(per_layer, num_experts=global_routes.num_experts,
-                               topk=global_routes.topk).in_order("router")
+    return type(global_routes)(per_layer, num_experts=global_routes.num_experts, topk=global_routes.topk).in_order(
+        "router"
+    )
 
 
-def _to_global(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, world_size: int,
-              seq_len: int | Sequence[int], batch: int, num_layers: int, moe_layers: Sequence[int],
-              zigzag: bool = True) -> Routes:
+def _to_global(
+    local_by_rank: Mapping[views.RankCoords, Routes],
+    layout,
+    *,
+    world_size: int,
+    seq_len: int | Sequence[int],
+    batch: int,
+    num_layers: int,
+    moe_layers: Sequence[int],
+    zigzag: bool = True,
+) -> Routes:
     """Merge ranks' local routes into the global view; replicas must agree.
 
     Every (pp, dp, cp) group, and under SP every TP rank of it, must be present. TP ranks without SP
@@ -380,8 +472,10 @@ def _to_global(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, worl
         expect = views.layers_of(layout, pp_rank=coords.pp, num_layers=num_layers, moe_layers=moe)
         got = (routes.num_experts, routes.topk, routes.layers, routes.microbatches if routes.layers else mbs)
         if got != (experts, topk, expect, mbs):
-            raise RouteError(f"{coords.label()}: (num_experts, topk, layers, microbatches) {got} != expected "
-                             f"{(experts, topk, expect, mbs)}")
+            raise RouteError(
+                f"{coords.label()}: (num_experts, topk, layers, microbatches) {got} != expected "
+                f"{(experts, topk, expect, mbs)}"
+            )
         for layer in routes.layers:
             dtype = torch.promote_types(dtype, routes.get(layer, 0).dtype)
     dp = layout.dp(world_size)
@@ -389,28 +483,54 @@ def _to_global(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, worl
     for mb, length in enumerate(lens):
         tokens = dp * batch * length
         for layer in moe:
-            per_layer[layer].append(_merge_one(local_by_rank, layout, layer=layer, mb=mb, seq_len=length,
-                                               batch=batch, tokens=tokens, topk=topk, dtype=dtype, zigzag=zigzag))
+            per_layer[layer].append(
+                _merge_one(
+                    local_by_rank,
+                    layout,
+                    layer=layer,
+                    mb=mb,
+                    seq_len=length,
+                    batch=batch,
+                    tokens=tokens,
+                    topk=topk,
+                    dtype=dtype,
+                    zigzag=zigzag,
+                )
+            )
     return type(first)(per_layer, num_experts=experts, topk=topk).in_order("sequence" if dp * batch > 1 else None)
 
 
-def _merge_one(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, layer: int, mb: int, seq_len: int,
-               batch: int, tokens: int, topk: int, dtype: torch.dtype, zigzag: bool) -> torch.Tensor:
+def _merge_one(
+    local_by_rank: Mapping[views.RankCoords, Routes],
+    layout,
+    *,
+    layer: int,
+    mb: int,
+    seq_len: int,
+    batch: int,
+    tokens: int,
+    topk: int,
+    dtype: torch.dtype,
+    zigzag: bool,
+) -> torch.Tensor:
     holders = []
     for coords in sorted(local_by_rank, key=lambda c: c.rank):
         routes = local_by_rank[coords]
         if layer not in routes.layers:
             continue
-        idx_T = views.token_index(layout, tp_rank=coords.tp, cp_rank=coords.cp, seq_len=seq_len, batch=batch,
-                            dp_rank=coords.dp, zigzag=zigzag)
+        idx_T = views.token_index(
+            layout, tp_rank=coords.tp, cp_rank=coords.cp, seq_len=seq_len, batch=batch, dp_rank=coords.dp, zigzag=zigzag
+        )
         local_TK = routes.get(layer, mb)
         if local_TK.shape[0] != idx_T.numel():
-            raise RouteError(f"layer {layer} {coords.label()} mb {mb}: local routes hold {local_TK.shape[0]} tokens"
-                             f" != expected T={idx_T.numel()} (seq_len {seq_len}, batch {batch})")
+            raise RouteError(
+                f"layer {layer} {coords.label()} mb {mb}: local routes hold {local_TK.shape[0]} tokens"
+                f" != expected T={idx_T.numel()} (seq_len {seq_len}, batch {batch})"
+            )
         holders.append((coords, idx_T, local_TK.to(dtype)))
     out_TK = torch.empty(tokens, topk, dtype=dtype)  # every row is written or named missing below
     if len(holders) == 1 and holders[0][1].numel() == tokens:  # one rank holds every token (token_index
-        _, idx_T, local_TK = holders[0]                          # never repeats one): nothing to compare
+        _, idx_T, local_TK = holders[0]  # never repeats one): nothing to compare
         views.word_rows(out_TK).index_copy_(0, idx_T, views.word_rows(local_TK))
         return out_TK
     owner_T = torch.full((tokens,), -1, dtype=torch.int64)
@@ -425,7 +545,8 @@ def _merge_one(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, laye
                 raise RouteError(
                     f"layer {layer} mb {mb}: replicas disagree on {int(differ_T.sum())} token(s); first global token"
                     f" {token}: {coords.label()} has {local_TK[seen_T][i].tolist()}, {other.label()} has "
-                    f"{out_TK[token].tolist()}")
+                    f"{out_TK[token].tolist()}"
+                )
             fresh_T = ~seen_T
             out_TK[idx_T[fresh_T]] = local_TK[fresh_T]
             owner_T[idx_T[fresh_T]] = coords.rank
@@ -434,8 +555,10 @@ def _merge_one(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, laye
             owner_T[idx_T] = coords.rank
     if bool((owner_T < 0).any()):
         missing = int((owner_T < 0).sum())
-        raise RouteError(f"layer {layer} mb {mb}: {missing} of {tokens} global tokens held by no rank "
-                         f"(first: token {int((owner_T < 0).nonzero()[0])})")
+        raise RouteError(
+            f"layer {layer} mb {mb}: {missing} of {tokens} global tokens held by no rank "
+            f"(first: token {int((owner_T < 0).nonzero()[0])})"
+        )
     return out_TK
 
 
@@ -445,19 +568,26 @@ def _check_holders(local_by_rank: Mapping[views.RankCoords, Routes], layout, *, 
     tps = range(layout.tp) if layout.sp else (None,)
     present = {(c.pp, c.dp, c.cp, c.tp if layout.sp else None) for c in local_by_rank}
     for c in local_by_rank:
-        for name, value, size in (("tp", c.tp, layout.tp), ("pp", c.pp, layout.pp), ("cp", c.cp, layout.cp),
-                                  ("dp", c.dp, dp)):
+        for name, value, size in (
+            ("tp", c.tp, layout.tp),
+            ("pp", c.pp, layout.pp),
+            ("cp", c.cp, layout.cp),
+            ("dp", c.dp, dp),
+        ):
             if not 0 <= value < size:
-                raise RouteError(f"{c.label()}: {name} rank {value} outside [0, {size}) for layout "
-                                 f"{layout.name(world_size)}")
+                raise RouteError(
+                    f"{c.label()}: {name} rank {value} outside [0, {size}) for layout {layout.name(world_size)}"
+                )
     for pp in range(layout.pp):
         for d in range(dp):
             for cp in range(layout.cp):
                 for tp in tps:
                     if (pp, d, cp, tp) not in present:
                         who = f"pp{pp} dp{d} cp{cp}" + ("" if tp is None else f" tp{tp}")
-                        raise RouteError(f"no routes from any rank with {who}: the global view would have a hole "
-                                         f"(layout {layout.name(world_size)}, {len(local_by_rank)} rank(s) given)")
+                        raise RouteError(
+                            f"no routes from any rank with {who}: the global view would have a hole "
+                            f"(layout {layout.name(world_size)}, {len(local_by_rank)} rank(s) given)"
+                        )
 
 
 def _find(local_by_rank: Mapping[views.RankCoords, Routes], rank: int) -> views.RankCoords:
@@ -471,5 +601,3 @@ def _per_microbatch(seq_len: int | Sequence[int], microbatches: int) -> tuple[in
     if len(lens) != microbatches:
         raise RouteError(f"seq_len gives {len(lens)} length(s) but routes hold {microbatches} micro-batch(es)")
     return lens
-
-

@@ -83,8 +83,9 @@ def all_rank_coords(layout: Layout, *, world_size: int) -> tuple[RankCoords, ...
     return tuple(rank_coords(layout, rank=r, world_size=world_size) for r in range(world_size))
 
 
-def sequence_positions(layout: Layout, *, tp_rank: int, cp_rank: int, seq_len: int,
-                       zigzag: bool = True) -> torch.Tensor:
+def sequence_positions(
+    layout: Layout, *, tp_rank: int, cp_rank: int, seq_len: int, zigzag: bool = True
+) -> torch.Tensor:
     """Positions ``[S_local]`` within a sequence that a rank's router sees, in local order."""
     _check_rank("tp", tp_rank, layout.tp)
     _check_rank("cp", cp_rank, layout.cp)
@@ -102,15 +103,18 @@ def sequence_positions(layout: Layout, *, tp_rank: int, cp_rank: int, seq_len: i
     if layout.sp:
         local = positions_S.numel()
         if local % layout.tp:
-            raise LayoutError(f"CP-local sequence length {local} (seq_len {seq_len}) is not divisible by tp "
-                              f"{layout.tp} under sequence parallel")
+            raise LayoutError(
+                f"CP-local sequence length {local} (seq_len {seq_len}) is not divisible by tp "
+                f"{layout.tp} under sequence parallel"
+            )
         size = local // layout.tp
-        positions_S = positions_S[tp_rank * size:(tp_rank + 1) * size]
+        positions_S = positions_S[tp_rank * size : (tp_rank + 1) * size]
     return positions_S
 
 
-def token_index(layout: Layout, *, tp_rank: int, cp_rank: int, seq_len: int, batch: int,
-                dp_rank: int = 0, zigzag: bool = True) -> torch.Tensor:
+def token_index(
+    layout: Layout, *, tp_rank: int, cp_rank: int, seq_len: int, batch: int, dp_rank: int = 0, zigzag: bool = True
+) -> torch.Tensor:
     """Global token ids ``[T_local]`` in a rank's local router order ``(s_local, b)``.
 
     Args:
@@ -136,8 +140,9 @@ def chunk_layers(layout: Layout, *, pp_rank: int, vp_stage: int, num_layers: int
     return range(first, first + counts[vp_stage][pp_rank])
 
 
-def layers_of(layout: Layout, *, pp_rank: int, num_layers: int, moe_layers: Sequence[int],
-              vp_stage: int | None = None) -> tuple[int, ...]:
+def layers_of(
+    layout: Layout, *, pp_rank: int, num_layers: int, moe_layers: Sequence[int], vp_stage: int | None = None
+) -> tuple[int, ...]:
     """Sorted MoE layers held by pipeline stage ``pp_rank`` (all its chunks, or only ``vp_stage``).
 
     ``num_layers`` counts decoder layers; a MoE layer numbered ``num_layers + i`` is MTP layer ``i``, which
@@ -145,11 +150,14 @@ def layers_of(layout: Layout, *, pp_rank: int, num_layers: int, moe_layers: Sequ
     stages = range(layout.vpp_chunks) if vp_stage is None else (vp_stage,)
     moe = set(moe_layers)
     mtp = sorted(layer for layer in moe if layer >= num_layers)
-    bad = sorted(layer for layer in moe if layer < 0) + ([] if mtp == list(range(num_layers, num_layers + len(mtp)))
-                                                           else mtp)
+    bad = sorted(layer for layer in moe if layer < 0) + (
+        [] if mtp == list(range(num_layers, num_layers + len(mtp))) else mtp
+    )
     if bad:
-        raise LayoutError(f"moe_layers {bad} outside [0, num_layers={num_layers}), and not MTP layers numbered "
-                          f"num_layers + i ({num_layers}, {num_layers + 1}, ...)")
+        raise LayoutError(
+            f"moe_layers {bad} outside [0, num_layers={num_layers}), and not MTP layers numbered "
+            f"num_layers + i ({num_layers}, {num_layers + 1}, ...)"
+        )
     held: set[int] = set()
     for c in stages:
         held.update(chunk_layers(layout, pp_rank=pp_rank, vp_stage=c, num_layers=num_layers))
@@ -187,21 +195,36 @@ def job_layout(*, sp: bool) -> tuple[Layout, RankCoords, int]:
     if world == 1:
         return Layout(), RankCoords(rank=0), 1
     if not ps.model_parallel_is_initialized():
-        raise UsageError(f"rank {rank}: {world} ranks but Megatron's model-parallel state is not initialised; the "
-                         "recording needs it to place each rank in the layout")
+        raise UsageError(
+            f"rank {rank}: {world} ranks but Megatron's model-parallel state is not initialised; the "
+            "recording needs it to place each rank in the layout"
+        )
     tp, vpp = ps.get_tensor_model_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size()
     etp = ps.get_expert_tensor_parallel_world_size()
     try:
-        layout = Layout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=vpp if vpp and vpp > 1 else None,
-                        ep=ps.get_expert_model_parallel_world_size(), etp=None if etp == tp else etp,
-                        cp=ps.get_context_parallel_world_size(), sp=sp)
+        layout = Layout(
+            tp=tp,
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            vpp=vpp if vpp and vpp > 1 else None,
+            ep=ps.get_expert_model_parallel_world_size(),
+            etp=None if etp == tp else etp,
+            cp=ps.get_context_parallel_world_size(),
+            sp=sp,
+        )
         expected = rank_coords(layout, rank=rank, world_size=world)
     except LayoutError as exc:
         raise UsageError(f"rank {rank}: the job's layout cannot be recorded: {exc}") from None
-    actual = RankCoords(rank=rank, tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                        cp=ps.get_context_parallel_rank(), dp=ps.get_data_parallel_rank(),
-                        ep=ps.get_expert_model_parallel_rank())
+    actual = RankCoords(
+        rank=rank,
+        tp=ps.get_tensor_model_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+    )
     if actual != expected:
-        raise UsageError(f"rank {rank}: Megatron placed this rank at {actual.label()}, but the dump format assumes "
-                         f"the default rank order tp-cp-ep-dp-pp ({expected.label()}); record with the default order")
+        raise UsageError(
+            f"rank {rank}: Megatron placed this rank at {actual.label()}, but the dump format assumes "
+            f"the default rank order tp-cp-ep-dp-pp ({expected.label()}); record with the default order"
+        )
     return layout, actual, world

@@ -59,15 +59,23 @@ def _rank_state(directory: Path, rank: int, plan: Plan) -> _RankState:
     path = stacks_path(directory, rank)
     text = path.read_text(errors="replace") if path.exists() else ""
     mtime = path.stat().st_mtime if text.strip() else math.inf
-    return _RankState(rank=rank, ready=ready, index=index, check=check, started_t=started_t,
-                      peak_rss_mb=rss, stacks=text.strip(), stacks_mtime=mtime)
+    return _RankState(
+        rank=rank,
+        ready=ready,
+        index=index,
+        check=check,
+        started_t=started_t,
+        peak_rss_mb=rss,
+        stacks=text.strip(),
+        stacks_mtime=mtime,
+    )
 
 
 def _tail(text: str) -> str:
     """The end of a Python traceback (most recent call last)."""
     lines = text.splitlines()
     cut = len(lines) - TAIL_LINES
-    return "\n".join((["..."] if cut > 0 else []) + lines[max(cut, 0):])
+    return "\n".join((["..."] if cut > 0 else []) + lines[max(cut, 0) :])
 
 
 def _head(text: str) -> str:
@@ -116,7 +124,7 @@ def _exception_line(trace: str) -> str:
     """``Type: first line of the message`` of a traceback (a message may run over several lines)."""
     lines = trace.splitlines()
     last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=None)
-    for line in lines[last_frame + 1:] if last_frame is not None else ():
+    for line in lines[last_frame + 1 :] if last_frame is not None else ():
         if line.strip() and not line[0].isspace():
             return line.strip()
     rest = [line for line in lines if line.strip()]
@@ -134,8 +142,10 @@ def _describe(state: _RankState, plan: Plan) -> str:
         _, _, trace = text.partition("\n")
         return f"rank {rank} raised {_exception_line(trace)}{where}\n{_tail(trace)}"
     if kind == "timed out":
-        return (f"rank {rank} timed out{where}: still running after --timeout {plan.timeout_s:.0f} s; "
-                f"its threads' stacks (most recent call first):\n{_head(text)}")
+        return (
+            f"rank {rank} timed out{where}: still running after --timeout {plan.timeout_s:.0f} s; "
+            f"its threads' stacks (most recent call first):\n{_head(text)}"
+        )
     if kind == "died":
         return f"rank {rank} died{where}: {text.splitlines()[0]}\n{_head(text)}"
     if kind == "was killed":
@@ -163,18 +173,24 @@ def _silent_root_cause(directory: Path, states: list[_RankState]) -> _RankState 
     saw it die of a signal it did not send itself (torchrun ends the survivors with SIGTERM)."""
     log = directory / "torchrun.log"
     failures = torchrun_failures(log.read_text(errors="replace")) if log.exists() else {}
-    silent = sorted(rank for rank, code in failures.items()
-                    if code < 0 and code != -signal.SIGTERM and 0 <= rank < len(states) and not states[rank].stacks)
+    silent = sorted(
+        rank
+        for rank, code in failures.items()
+        if code < 0 and code != -signal.SIGTERM and 0 <= rank < len(states) and not states[rank].stacks
+    )
     if not silent:
         return None
     state = states[silent[0]]
-    text = (f"Killed: rank {state.rank} ended by {_signal_name(failures[state.rank])} without a traceback or "
-            f"stacks of its own (a signal Python cannot catch: kill -9, or the kernel's out-of-memory killer)")
+    text = (
+        f"Killed: rank {state.rank} ended by {_signal_name(failures[state.rank])} without a traceback or "
+        f"stacks of its own (a signal Python cannot catch: kill -9, or the kernel's out-of-memory killer)"
+    )
     return dataclasses.replace(state, stacks=text, stacks_mtime=-math.inf)
 
 
-def diagnose(directory: Path, *, world_size: int, plan: Plan, returncode: int | None, killed: bool,
-             done: set[tuple[int, str]]) -> Crash:
+def diagnose(
+    directory: Path, *, world_size: int, plan: Plan, returncode: int | None, killed: bool, done: set[tuple[int, str]]
+) -> Crash:
     """Explain a failed attempt from the ranks' files and torchrun's summary."""
     states = [_rank_state(directory, rank, plan) for rank in range(world_size)]
     rss = tuple(s.peak_rss_mb for s in states)
@@ -186,22 +202,36 @@ def diagnose(directory: Path, *, world_size: int, plan: Plan, returncode: int | 
     primary = culprits[0] if culprits else None
     if not placed:
         why = _describe(primary, plan) if primary else f"torchrun exited with code {returncode}"
-        return Crash(index=plan.start, check=None, fatal=True, peak_rss_mb=rss,
-                     message=f"no rank got past start-up (runtime init): {why}\nfiles: {directory}")
+        return Crash(
+            index=plan.start,
+            check=None,
+            fatal=True,
+            peak_rss_mb=rss,
+            message=f"no rank got past start-up (runtime init): {why}\nfiles: {directory}",
+        )
     where = primary if primary is not None and primary.index is not None else min(placed, key=lambda s: s.index)
     index = min(where.index, len(plan.scenarios) - 1)
     parts = []
     if killed:
-        parts.append(f"the group was killed at the parent's overall deadline (no rank's watchdog fired); "
-                     f"torchrun exit code {returncode}")
+        parts.append(
+            f"the group was killed at the parent's overall deadline (no rank's watchdog fired); "
+            f"torchrun exit code {returncode}"
+        )
     if primary is not None:
         parts.append(_describe(primary, plan))
     elif not killed:
-        parts.append(f"torchrun exited with code {returncode} and no rank wrote an error "
-                     f"(killed by a signal, or out of memory?); see {directory / 'torchrun.log'}")
+        parts.append(
+            f"torchrun exited with code {returncode} and no rank wrote an error "
+            f"(killed by a signal, or out of memory?); see {directory / 'torchrun.log'}"
+        )
     if culprits[1:]:
-        parts.append("then: " + "; ".join(f"rank {s.rank} {_kind(s.stacks)} at {innermost_frame(s.stacks) or '?'}"
-                                          f" (rank{s.rank}.stacks.txt)" for s in culprits[1:]))
+        parts.append(
+            "then: "
+            + "; ".join(
+                f"rank {s.rank} {_kind(s.stacks)} at {innermost_frame(s.stacks) or '?'} (rank{s.rank}.stacks.txt)"
+                for s in culprits[1:]
+            )
+        )
     parts.append(f"files: {directory}")
     seconds = 0.0
     if where.started_t is not None and where.check is not None:

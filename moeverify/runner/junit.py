@@ -1,7 +1,8 @@
 """JUnit XML for CI dashboards: one testcase per scenario x check.
 
 A failed check is a ``<failure>`` (its failing subchecks in the message, every failure line in the
-text, then the class of bug each failing subcheck guards against); a crashed one (a rank raised, hung or died) an ``<error>`` with the rank's traceback, an
+text, then the class of bug each failing subcheck guards against); a crashed one (a rank raised, hung or died) an
+``<error>`` with the rank's traceback, an
 interrupted one (Ctrl-C, SIGTERM) an ``<error>`` as well; a skipped
 scenario a ``<skipped>`` with the reason. A check failing as its ``expect_fail`` mark says is a ``<skipped>``
 naming the finding; one that now passes is a ``<failure>`` saying so.
@@ -40,16 +41,33 @@ def _testcase(result: Result) -> ET.Element:
 
 
 def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.ElementTree:
-    counts = {s: sum(r.status == s for r in results)
-              for s in ("failed", "crashed", "skipped", "interrupted", "xfailed", "xpassed")}
+    counts = {
+        s: sum(r.status == s for r in results)
+        for s in ("failed", "crashed", "skipped", "interrupted", "xfailed", "xpassed")
+    }
     counts["skipped"] += counts.pop("xfailed")  # JUnit has no expected failure: a skip that names the finding
     counts["failed"] += counts.pop("xpassed")
     counts["crashed"] += counts.pop("interrupted")  # JUnit knows errors, failures and skips
     total_s = sum(r.record.seconds for r in results)
-    root = ET.Element("testsuites", name=suite, tests=str(len(results)), failures=str(counts["failed"]),
-                      errors=str(counts["crashed"]), skipped=str(counts["skipped"]), time=f"{total_s:.3f}")
-    node = ET.SubElement(root, "testsuite", name=suite, tests=str(len(results)), failures=str(counts["failed"]),
-                         errors=str(counts["crashed"]), skipped=str(counts["skipped"]), time=f"{total_s:.3f}")
+    root = ET.Element(
+        "testsuites",
+        name=suite,
+        tests=str(len(results)),
+        failures=str(counts["failed"]),
+        errors=str(counts["crashed"]),
+        skipped=str(counts["skipped"]),
+        time=f"{total_s:.3f}",
+    )
+    node = ET.SubElement(
+        root,
+        "testsuite",
+        name=suite,
+        tests=str(len(results)),
+        failures=str(counts["failed"]),
+        errors=str(counts["crashed"]),
+        skipped=str(counts["skipped"]),
+        time=f"{total_s:.3f}",
+    )
     for result in results:
         node.append(_testcase(result))
     tree = ET.ElementTree(root)

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import moeverify
-from moeverify.spec import timeouts
-from moeverify.spec.scenario import Scenario
 from moeverify.oracles.results import CheckRecord
 from moeverify.runner import interrupts, nodes
 from moeverify.runner.diagnose import Crash, diagnose
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, events_path, read_lines, results_path
 from moeverify.runner.report import Result
+from moeverify.spec import timeouts
+from moeverify.spec.scenario import Scenario
 
 POLL_S = 0.5
 
@@ -72,18 +72,41 @@ class Cluster:
         self.control.close()
 
 
-def torchrun_command(*, world_size: int, plan_file: Path, node: nodes.NodeSpec | None = None,
-                     launch: int = 0) -> list[str]:
+def torchrun_command(
+    *, world_size: int, plan_file: Path, node: nodes.NodeSpec | None = None, launch: int = 0
+) -> list[str]:
     """torchrun for one attempt, no elastic restarts: a local c10d rendezvous on a free port; or, spread over
     several nodes, a static rendezvous (node R holds global ranks R*k..) at node 0's launch port."""
     if node is not None and node.runs_everywhere(world_size):
-        where = ["--nnodes", str(node.nnodes), "--node-rank", str(node.node_rank), "--nproc-per-node",
-                 str(node.per_node(world_size)), "--rdzv-backend", "static", "--master-addr", node.host,
-                 "--master-port", str(node.launch_port(launch))]
+        where = [
+            "--nnodes",
+            str(node.nnodes),
+            "--node-rank",
+            str(node.node_rank),
+            "--nproc-per-node",
+            str(node.per_node(world_size)),
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            node.host,
+            "--master-port",
+            str(node.launch_port(launch)),
+        ]
     else:
         where = ["--nproc-per-node", str(world_size), "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
-    return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts", "0",
-            "--monitor-interval", "0.2", "-m", "moeverify.runner.worker", str(plan_file)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "moeverify.runner.worker",
+        str(plan_file),
+    ]
 
 
 def _child_env(world_size: int) -> dict[str, str]:
@@ -111,8 +134,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 class _Collector:
     """Follows an attempt's files: rank 0's records as they appear, and the check rank 0 is in."""
 
-    def __init__(self, directory: Path, world_size: int, *, on_result: Callable[[Result], None],
-                 on_start: Callable[[int, str], None] | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        world_size: int,
+        *,
+        on_result: Callable[[Result], None],
+        on_start: Callable[[int, str], None] | None = None,
+    ):
         self.directory, self.world_size = directory, world_size
         self.on_result, self.on_start = on_result, on_start
         self.records: dict[tuple[int, str], CheckRecord] = {}
@@ -148,10 +177,16 @@ class _Collector:
                     if e.get("peak_gpu_mb") is not None:
                         gpu[e["index"], e["check"], rank] = e["peak_gpu_mb"]
         ranks = range(self.world_size)
-        return [Result(record=record, peak_rss_mb=tuple(ends.get((*key, r), float("nan")) for r in ranks),
-                       peak_gpu_mb=tuple(gpu.get((*key, r), float("nan")) for r in ranks)
-                       if any((*key, r) in gpu for r in ranks) else ())
-                for key, record in self.records.items()]
+        return [
+            Result(
+                record=record,
+                peak_rss_mb=tuple(ends.get((*key, r), float("nan")) for r in ranks),
+                peak_gpu_mb=tuple(gpu.get((*key, r), float("nan")) for r in ranks)
+                if any((*key, r) in gpu for r in ranks)
+                else (),
+            )
+            for key, record in self.records.items()
+        ]
 
 
 def _spread(spec: GroupSpec) -> bool:
@@ -170,16 +205,21 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
         cluster = spec.cluster
         node, launch = cluster.node, cluster.launches
         cluster.launches += 1
-        cluster.control.put(f"launch/{launch}", {"world_size": spec.world_size, "start": plan.start,
-                                                 "backend": plan.backend, "attempt": directory.name})
+        cluster.control.put(
+            f"launch/{launch}",
+            {"world_size": spec.world_size, "start": plan.start, "backend": plan.backend, "attempt": directory.name},
+        )
     startup_deadline = time.monotonic() + timeouts.STARTUP_SLACK_S
     log = None if spec.verbose else open(directory / "torchrun.log", "w")  # noqa: SIM115
     try:
-        proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file, node=node,
-                                                 launch=launch),
-                                env=_child_env(node.per_node(spec.world_size) if node else spec.world_size),
-                                stdout=log, stderr=subprocess.STDOUT if log else None,
-                                start_new_session=True, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(
+            torchrun_command(world_size=spec.world_size, plan_file=plan_file, node=node, launch=launch),
+            env=_child_env(node.per_node(spec.world_size) if node else spec.world_size),
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         try:
             while proc.poll() is None:
                 collector.poll()
@@ -220,17 +260,23 @@ def _crashed_results(spec: GroupSpec, crash: Crash, done: set[tuple[int, str]]) 
     out = []
     for check in pending or [culprit]:
         if check == culprit:
-            record = CheckRecord.crashed(scenario=scenario.name, check=check, seconds=crash.seconds,
-                                         error=crash.message)
+            record = CheckRecord.crashed(
+                scenario=scenario.name, check=check, seconds=crash.seconds, error=crash.message
+            )
         else:
-            record = CheckRecord.crashed(scenario=scenario.name, check=check, seconds=0.0,
-                                         error=f"not run: the scenario crashed in check {culprit}")
+            record = CheckRecord.crashed(
+                scenario=scenario.name,
+                check=check,
+                seconds=0.0,
+                error=f"not run: the scenario crashed in check {culprit}",
+            )
         out.append(Result(record=record, peak_rss_mb=crash.peak_rss_mb))
     return out
 
 
-def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None],
-              on_start: Callable[[Scenario, str], None] | None = None) -> list[Result]:
+def run_group(
+    spec: GroupSpec, *, on_result: Callable[[Result], None], on_start: Callable[[Scenario, str], None] | None = None
+) -> list[Result]:
     """Run every scenario of one world size; a crash or hang costs one scenario, not the group.
 
     ``on_result`` sees each result as it arrives (for progress; peak RSS is filled in the returned
@@ -247,21 +293,23 @@ def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None],
         attempt += 1
         directory = spec.run_dir / f"world{spec.world_size}" / f"attempt{attempt}"
         directory.mkdir(parents=True, exist_ok=True)
-        plan = Plan(scenarios=spec.scenarios, options=spec.options, backend=spec.backend,
-                    timeout_s=spec.timeout_s, start=start)
+        plan = Plan(
+            scenarios=spec.scenarios, options=spec.options, backend=spec.backend, timeout_s=spec.timeout_s, start=start
+        )
         started = None if on_start is None else (lambda index, check: on_start(spec.scenarios[index], check))
         collector = _Collector(directory, spec.world_size, on_result=on_result, on_start=started)
         rc, killed = _attempt(spec, plan, directory, collector)
         results += collector.results()
         if rc == 0 and not killed and _all_done(spec, collector.seen, start):
             break
-        crash = diagnose(directory, world_size=spec.world_size, plan=plan, returncode=rc, killed=killed,
-                         done=collector.seen)
+        crash = diagnose(
+            directory, world_size=spec.world_size, plan=plan, returncode=rc, killed=killed, done=collector.seen
+        )
         if _spread(spec) and spec.cluster.lost:  # the group cannot run again without that node
             crash = dataclasses.replace(crash, fatal=True, message=f"{spec.cluster.lost}\n{crash.message}")
         lost = _crashed_results(spec, crash, collector.seen)
         if crash.fatal:  # nothing ran: the next attempt would fail the same way
-            lost += _not_run(spec.scenarios[crash.index + 1:], why=crash.message.splitlines()[0])
+            lost += _not_run(spec.scenarios[crash.index + 1 :], why=crash.message.splitlines()[0])
         for result in lost:
             on_result(result)
         results += lost
@@ -272,14 +320,15 @@ def run_group(spec: GroupSpec, *, on_result: Callable[[Result], None],
 
 
 def _not_run(scenarios: Sequence[Scenario], *, why: str) -> list[Result]:
-    return [Result(record=CheckRecord.crashed(scenario=s.name, check=c, seconds=0.0, error=f"not run: {why}"))
-            for s in scenarios for c in s.checks]
+    return [
+        Result(record=CheckRecord.crashed(scenario=s.name, check=c, seconds=0.0, error=f"not run: {why}"))
+        for s in scenarios
+        for c in s.checks
+    ]
 
 
 def _all_done(spec: GroupSpec, seen: set[tuple[int, str]], start: int) -> bool:
     return all((i, c) in seen for i in range(start, len(spec.scenarios)) for c in spec.scenarios[i].checks)
-
-
 
 
 def follow(node: nodes.NodeSpec, control: nodes.Control, groups: Sequence[GroupSpec]) -> int:
@@ -294,22 +343,33 @@ def follow(node: nodes.NodeSpec, control: nodes.Control, groups: Sequence[GroupS
             spec = by_world[msg["world_size"]]
             directory = spec.run_dir / f"world{spec.world_size}" / msg["attempt"]
             directory.mkdir(parents=True, exist_ok=True)
-            plan = Plan(scenarios=spec.scenarios, options=spec.options, backend=msg["backend"],
-                        timeout_s=spec.timeout_s, start=int(msg["start"]))
+            plan = Plan(
+                scenarios=spec.scenarios,
+                options=spec.options,
+                backend=msg["backend"],
+                timeout_s=spec.timeout_s,
+                start=int(msg["start"]),
+            )
             plan_file = plan.write(directory)
             with open(directory / "torchrun.log", "w") as log:
-                proc = subprocess.Popen(torchrun_command(world_size=spec.world_size, plan_file=plan_file, node=node,
-                                                         launch=launch),
-                                        env=_child_env(node.per_node(spec.world_size)), stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+                proc = subprocess.Popen(
+                    torchrun_command(world_size=spec.world_size, plan_file=plan_file, node=node, launch=launch),
+                    env=_child_env(node.per_node(spec.world_size)),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
                 try:
                     proc.wait()
                 except BaseException:
                     _kill_group(proc)
                     raise
             k = node.per_node(spec.world_size)
-            control.put(f"report/{launch}/{node.node_rank}",
-                        nodes.report_files(directory, range(node.node_rank * k, node.node_rank * k + k)))
+            control.put(
+                f"report/{launch}/{node.node_rank}",
+                nodes.report_files(directory, range(node.node_rank * k, node.node_rank * k + k)),
+            )
             launch += 1
     finally:
         try:

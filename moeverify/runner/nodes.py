@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
-from moeverify.spec import timeouts
 from moeverify.errors import UsageError
+from moeverify.spec import timeouts
 
 MAX_FILE_BYTES = 1 << 20  # per rank file copied to node 0 (stacks, events)
 
@@ -127,12 +127,18 @@ class Control:
         timeout_s = timeouts.NODE_JOIN_S if timeout_s is None else timeout_s
         self.node = node
         try:
-            self.store = TCPStore(node.host, node.port, is_master=node.node_rank == 0,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+            self.store = TCPStore(
+                node.host,
+                node.port,
+                is_master=node.node_rank == 0,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
         except (RuntimeError, OSError) as exc:
             role = "host" if node.node_rank == 0 else "reach node 0's"
-            raise UsageError(f"node {node.node_rank}: cannot {role} control store at {node.host}:{node.port}: "
-                             f"{exc}") from None
+            raise UsageError(
+                f"node {node.node_rank}: cannot {role} control store at {node.host}:{node.port}: {exc}"
+            ) from None
         self.loaded = loaded
         self._stop = threading.Event()
         self._beat()
@@ -150,8 +156,10 @@ class Control:
             if self.store.check([key]):
                 return json.loads(self.store.get(key))
             if watch is not None and self.dead(watch):
-                raise NodeLost(f"node {watch} stopped responding (no heartbeat for {timeouts.NODE_DEAD_AFTER_S:.0f} s) "
-                               f"while node {self.node.node_rank} waited for {key}")
+                raise NodeLost(
+                    f"node {watch} stopped responding (no heartbeat for {timeouts.NODE_DEAD_AFTER_S:.0f} s) "
+                    f"while node {self.node.node_rank} waited for {key}"
+                )
             if time.monotonic() > deadline:
                 raise NodeLost(f"node {self.node.node_rank}: {key} did not come within {timeout_s:.0f} s")
             time.sleep(0.2)
@@ -186,14 +194,18 @@ class Control:
             try:
                 joined = self.get(f"join/{rank}", timeout_s=timeouts.NODE_JOIN_S)
             except NodeLost:
-                raise UsageError(f"node {rank} did not join within {timeouts.NODE_JOIN_S:.0f} s (is `moeverify run "
-                                 f"--nnodes {self.node.nnodes} --node-rank {rank}` running, with "
-                                 f"--rdzv-endpoint {self.node.host}:{self.node.port}?)") from None
+                raise UsageError(
+                    f"node {rank} did not join within {timeouts.NODE_JOIN_S:.0f} s (is `moeverify run "
+                    f"--nnodes {self.node.nnodes} --node-rank {rank}` running, with "
+                    f"--rdzv-endpoint {self.node.host}:{self.node.port}?)"
+                ) from None
             if joined["loaded"] != loaded:
                 self.put("launch/0", {"done": True, "exit": 2})
-                raise UsageError(f"node {rank} ({joined['host']}) loaded other scenarios, options, backend or "
-                                 f"timeout than node 0 (digest {joined['loaded']} != {loaded}): every node must run "
-                                 "`moeverify run` with the same files and flags")
+                raise UsageError(
+                    f"node {rank} ({joined['host']}) loaded other scenarios, options, backend or "
+                    f"timeout than node 0 (digest {joined['loaded']} != {loaded}): every node must run "
+                    "`moeverify run` with the same files and flags"
+                )
 
     def collect_reports(self, launch: int, directory: Path) -> list[tuple[int, str]]:
         """Write the other nodes' rank files into ``directory``; returns (node, why) of each node that did not

@@ -15,8 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from moeverify.spec.scenario import Scenario
-from moeverify.spec.scenario import scenario_from_dict, scenario_to_dict
+from moeverify.spec.scenario import Scenario, scenario_from_dict, scenario_to_dict
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,16 +30,26 @@ class Plan:
 
     def write(self, directory: Path) -> Path:
         path = Path(directory) / "plan.json"
-        data = {"scenarios": [scenario_to_dict(s) for s in self.scenarios], "options": dict(self.options),
-                "backend": self.backend, "timeout_s": self.timeout_s, "start": self.start}
+        data = {
+            "scenarios": [scenario_to_dict(s) for s in self.scenarios],
+            "options": dict(self.options),
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+            "start": self.start,
+        }
         path.write_text(json.dumps(data, indent=1))
         return path
 
     @classmethod
     def read(cls, path: str | Path) -> Plan:
         data = json.loads(Path(path).read_text())
-        return cls(scenarios=tuple(scenario_from_dict(s) for s in data["scenarios"]), options=data["options"],
-                   backend=data["backend"], timeout_s=float(data["timeout_s"]), start=int(data["start"]))
+        return cls(
+            scenarios=tuple(scenario_from_dict(s) for s in data["scenarios"]),
+            options=data["options"],
+            backend=data["backend"],
+            timeout_s=float(data["timeout_s"]),
+            start=int(data["start"]),
+        )
 
 
 def results_path(directory: Path) -> Path:

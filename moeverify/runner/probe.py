@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import moeverify
-from moeverify.spec import plugins, timeouts
 from moeverify.errors import UsageError
+from moeverify.spec import plugins, timeouts
 
 _MARK = "moeverify-probe: "  # the child's verdict line (the plugin may print too)
 _BRIDGED = "moeverify-probe: megatron.bridge imported\n"  # on stderr: what the plugin printed comes after it
@@ -49,21 +49,26 @@ def _child(spec: str, *, what: str, bridge: bool) -> dict | None:
     limit = timeouts.STARTUP_S
     cmd = [sys.executable, "-m", "moeverify.runner.probe", what, spec, *(["--bridge"] if bridge else [])]
     try:
-        proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              errors="replace", timeout=limit)
+        proc = subprocess.run(
+            cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace", timeout=limit
+        )
     except subprocess.TimeoutExpired:
-        return {"error": f"{what} {spec!r}: loading it did not finish within {limit:.0f} s "
-                         "(MOEVERIFY_STARTUP_TIMEOUT_S, a rank's start-up): an import that waits for something?"}
-    verdicts = [line[len(_MARK):] for line in proc.stdout.splitlines() if line.startswith(_MARK)]
+        return {
+            "error": f"{what} {spec!r}: loading it did not finish within {limit:.0f} s "
+            "(MOEVERIFY_STARTUP_TIMEOUT_S, a rank's start-up): an import that waits for something?"
+        }
+    verdicts = [line[len(_MARK) :] for line in proc.stdout.splitlines() if line.startswith(_MARK)]
     if proc.returncode == 0 and verdicts:
         return None
     if verdicts:
         return json.loads(verdicts[-1])
     output = proc.stderr or proc.stdout
-    tail = output[output.rfind(_BRIDGED) + len(_BRIDGED):] if _BRIDGED in output else output  # not the bridge's
+    tail = output[output.rfind(_BRIDGED) + len(_BRIDGED) :] if _BRIDGED in output else output  # not the bridge's
     tail = tail.strip()[-_TAIL:]
-    return {"error": f"{what} {spec!r}: loading it ended the process (exit code {proc.returncode}) before it "
-                     "could report" + (f"; its output ends with:\n{tail}" if tail else "")}
+    return {
+        "error": f"{what} {spec!r}: loading it ended the process (exit code {proc.returncode}) before it "
+        "could report" + (f"; its output ends with:\n{tail}" if tail else "")
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             print(_BRIDGED, end="", file=sys.stderr, flush=True)
         plugins.load(spec, what=what)
     except UsageError as exc:
-        print(_MARK + json.dumps({"error": str(exc), "import_error": isinstance(exc.__cause__, ImportError)}),
-              flush=True)
+        print(
+            _MARK + json.dumps({"error": str(exc), "import_error": isinstance(exc.__cause__, ImportError)}), flush=True
+        )
         return 2
     print(_MARK + json.dumps({"ok": True}), flush=True)
     return 0

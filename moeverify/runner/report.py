@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from moeverify.oracles.results import CheckRecord
 from moeverify.spec import expectations
 from moeverify.spec.expectations import ExpectedFailure, Verdict
-from moeverify.oracles.results import CheckRecord
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _MAX_SHOWN = 3  # failure lines per row in the table; the JSON file holds them all
@@ -80,10 +80,20 @@ class Result:
 
 def interrupted(planned: Sequence[tuple[str, str]], *, done: set[tuple[str, str]]) -> list[Result]:
     """Entries for the planned (scenario, check) pairs an interrupted run did not finish."""
-    return [Result(record=CheckRecord(scenario=scenario, check=check, seconds=0.0, subchecks={},
-                                      error="interrupted (Ctrl-C or SIGTERM) before this check finished"),
-                   interrupted=True)
-            for scenario, check in planned if (scenario, check) not in done]
+    return [
+        Result(
+            record=CheckRecord(
+                scenario=scenario,
+                check=check,
+                seconds=0.0,
+                subchecks={},
+                error="interrupted (Ctrl-C or SIGTERM) before this check finished",
+            ),
+            interrupted=True,
+        )
+        for scenario, check in planned
+        if (scenario, check) not in done
+    ]
 
 
 def expect(result: Result, marks: dict[tuple[str, str], ExpectedFailure]) -> Result:
@@ -135,12 +145,22 @@ def _record_lines(result: Result) -> list[str]:
     record = result.record
     if record.error is not None:
         return [record.error.splitlines()[0]]
-    return [f"{name}: {sub['failures'][0] if sub['failures'] else 'failed'}"
-            for name, sub in record.subchecks.items() if not sub["passed"]]
+    return [
+        f"{name}: {sub['failures'][0] if sub['failures'] else 'failed'}"
+        for name, sub in record.subchecks.items()
+        if not sub["passed"]
+    ]
 
 
-_STYLE = {"passed": "green", "xfailed": "cyan", "failed": "red", "xpassed": "bold red", "crashed": "bold red",
-          "skipped": "yellow", "interrupted": "magenta"}
+_STYLE = {
+    "passed": "green",
+    "xfailed": "cyan",
+    "failed": "red",
+    "xpassed": "bold red",
+    "crashed": "bold red",
+    "skipped": "yellow",
+    "interrupted": "magenta",
+}
 _SUMMARY_NAME = {"xfailed": "expected failure(s)", "xpassed": "expected failure(s) now passing"}
 
 
@@ -156,9 +176,13 @@ def table(results: Sequence[Result]) -> Table:
         if (line := not_run_line(result)) is not None:
             lines.append(line)
         # Failure text is data (gloo errors look like markup: "[/__w/pytorch/...]"), never markup.
-        out.add_row(Text(result.record.scenario), Text(result.record.check),
-                    Text(result.label, style=_STYLE[result.status]), f"{result.record.seconds:.1f}",
-                    Text("\n".join(lines)))
+        out.add_row(
+            Text(result.record.scenario),
+            Text(result.record.check),
+            Text(result.label, style=_STYLE[result.status]),
+            f"{result.record.seconds:.1f}",
+            Text("\n".join(lines)),
+        )
     return out
 
 

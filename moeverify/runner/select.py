@@ -10,28 +10,30 @@ import dataclasses
 import fnmatch
 from collections.abc import Callable, Sequence
 
-from moeverify.spec import plugins
 from moeverify.errors import UsageError
-from moeverify.spec.options import OPTIONS
-from moeverify.spec.scenario import Scenario
 from moeverify.runner import probe
 from moeverify.runner.report import Result
-from moeverify.spec.scenario import CPU_MAX_WORLD_SIZE, group_by_world_size
-
+from moeverify.spec import plugins
+from moeverify.spec.options import OPTIONS
+from moeverify.spec.scenario import CPU_MAX_WORLD_SIZE, Scenario, group_by_world_size
 
 
 def select(scenarios: Sequence[Scenario], *, filters: Sequence[str] = (), check: str | None = None) -> list[Scenario]:
     """Scenarios whose name matches any ``filters`` glob, narrowed to ``check`` when given."""
     chosen = [s for s in scenarios if not filters or any(fnmatch.fnmatchcase(s.name, g) for g in filters)]
     if not chosen:
-        raise UsageError(f"--filter {' '.join(filters)} matches none of the {len(scenarios)} scenarios; "
-                         "`moeverify run --list` shows their names")
+        raise UsageError(
+            f"--filter {' '.join(filters)} matches none of the {len(scenarios)} scenarios; "
+            "`moeverify run --list` shows their names"
+        )
     if check is None:
         return chosen
     narrowed = [dataclasses.replace(s, checks=(check,)) for s in chosen if check in s.checks]
     if not narrowed:
-        raise UsageError(f"--check {check}: none of the {len(chosen)} selected scenarios runs {check!r}; "
-                         "`moeverify run --list` shows each scenario's checks")
+        raise UsageError(
+            f"--check {check}: none of the {len(chosen)} selected scenarios runs {check!r}; "
+            "`moeverify run --list` shows each scenario's checks"
+        )
     return narrowed
 
 
@@ -42,8 +44,10 @@ def check_option_use(scenarios: Sequence[Scenario], options: dict) -> None:
         option = OPTIONS[key]
         flag = option.flag_for(value)
         if value is not None and option.check not in checks:
-            raise UsageError(f"{flag} applies to the {option.check} check, which none of the selected scenarios "
-                             f"runs; drop {flag} or select {option.check} (e.g. --check {option.check})")
+            raise UsageError(
+                f"{flag} applies to the {option.check} check, which none of the selected scenarios "
+                f"runs; drop {flag} or select {option.check} (e.g. --check {option.check})"
+            )
 
 
 def _plugin_uses(scenarios: Sequence[Scenario], options: dict):
@@ -87,9 +91,9 @@ class GroupPlan:
     scenarios: tuple[Scenario, ...]
 
 
-def plan_backends(scenarios: Sequence[Scenario], *, backend: str, gpu_count: int,
-                  per_node: Callable[[int], int] = lambda world: world
-                  ) -> tuple[list[GroupPlan], list[Result], list[str]]:
+def plan_backends(
+    scenarios: Sequence[Scenario], *, backend: str, gpu_count: int, per_node: Callable[[int], int] = lambda world: world
+) -> tuple[list[GroupPlan], list[Result], list[str]]:
     """Groups to run, skipped results (GPU-only scenarios on CPU ranks), and notices to print.
 
     ``backend`` is the request (cpu, cuda or auto). auto runs a group on GPUs when there is one per
@@ -102,15 +106,20 @@ def plan_backends(scenarios: Sequence[Scenario], *, backend: str, gpu_count: int
     for world, members in group_by_world_size(scenarios).items():
         chosen = _group_backend(per_node(world), backend=backend, gpu_count=gpu_count)
         if chosen == "cpu" and backend == "auto" and gpu_count:
-            notices.append(f"world size {world}: {gpu_count} GPU(s) visible, fewer than {world} ranks: "
-                           "running on CPU ranks (gloo)")
+            notices.append(
+                f"world size {world}: {gpu_count} GPU(s) visible, fewer than {world} ranks: running on CPU ranks (gloo)"
+            )
         runnable = []
         for scenario in members:
             if scenario.unfit:
-                skipped += [Result.skip(scenario=scenario.name, check=c, reason=scenario.unfit) for c in scenario.checks]
+                skipped += [
+                    Result.skip(scenario=scenario.name, check=c, reason=scenario.unfit) for c in scenario.checks
+                ]
             elif chosen == "cpu" and scenario.gpu_only:
-                skipped += [Result.skip(scenario=scenario.name, check=c, reason=f"gpu only: {scenario.gpu_only}")
-                            for c in scenario.checks]
+                skipped += [
+                    Result.skip(scenario=scenario.name, check=c, reason=f"gpu only: {scenario.gpu_only}")
+                    for c in scenario.checks
+                ]
             else:
                 runnable.append(scenario)
         if runnable:
@@ -121,8 +130,10 @@ def plan_backends(scenarios: Sequence[Scenario], *, backend: str, gpu_count: int
 def _group_backend(world: int, *, backend: str, gpu_count: int) -> str:
     if backend == "cuda":
         if world > gpu_count:
-            raise UsageError(f"--backend cuda: scenarios of world size {world} need {world} GPUs, this machine has "
-                             f"{gpu_count}; use --backend auto to run them on CPU ranks, or --filter to drop them")
+            raise UsageError(
+                f"--backend cuda: scenarios of world size {world} need {world} GPUs, this machine has "
+                f"{gpu_count}; use --backend auto to run them on CPU ranks, or --filter to drop them"
+            )
         return "cuda"
     if backend == "auto" and 0 < world <= gpu_count:
         return "cuda"

@@ -19,12 +19,12 @@ import time
 import traceback
 from pathlib import Path
 
-from moeverify.spec import checks, timeouts
 from moeverify.oracles.context import CheckContext
-from moeverify.spec.scenario import Scenario
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner.lifetime import die_with_parent
 from moeverify.runner.plan import Plan, append_line, events_path, results_path, stacks_path
+from moeverify.spec import checks, timeouts
+from moeverify.spec.scenario import Scenario
 
 EXIT_RAISED = 3  # a check raised on this rank (a faulthandler timeout exits 1)
 
@@ -73,9 +73,10 @@ class _Rank:
         faulthandler.cancel_dump_traceback_later()
 
     def event(self, kind: str, **data) -> None:
-        append_line(events_path(self.directory, self.rank),
-                    {"event": kind, "t": time.time(), "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(),
-                     **data})
+        append_line(
+            events_path(self.directory, self.rank),
+            {"event": kind, "t": time.time(), "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(), **data},
+        )
 
     def die(self, where: str) -> None:
         """Write the active exception's traceback and end the process without cleanup."""
@@ -106,8 +107,9 @@ def _run_check(me: _Rank, ctx: CheckContext, *, index: int, check: str, total: i
     if me.rank == 0:
         spec = checks.CHECKS.get(check)  # tests add checks of their own, with no options declared
         decisions = spec.options.from_options(ctx.options).decisions() if spec is not None else {}
-        record = CheckRecord.from_tallies(scenario=scenario.name, check=check, seconds=seconds, tallies=tallies,
-                                          decisions=decisions)
+        record = CheckRecord.from_tallies(
+            scenario=scenario.name, check=check, seconds=seconds, tallies=tallies, decisions=decisions
+        )
         append_line(results_path(me.directory), {"index": index, "record": record.as_dict()})
         verdict = "PASS" if record.passed else "FAIL"
         print(f"[moeverify] {index + 1}/{total} {scenario.name} {check}: {verdict} ({seconds:.1f}s)", flush=True)
@@ -117,8 +119,14 @@ def _run_scenario(me: _Rank, runtime, scenario: Scenario, *, index: int, plan: P
     options = {**scenario.options, **plan.options}
     me.event("scenario", index=index)
     with runtime.parallel(scenario.layout, seed=scenario.seed):
-        ctx = CheckContext(scenario=scenario, rank=me.rank, world_size=scenario.world_size,
-                           backend=plan.backend, options=options, timeout_s=plan.timeout_s)
+        ctx = CheckContext(
+            scenario=scenario,
+            rank=me.rank,
+            world_size=scenario.world_size,
+            backend=plan.backend,
+            options=options,
+            timeout_s=plan.timeout_s,
+        )
         for check in scenario.checks:
             _run_check(me, ctx, index=index, check=check, total=len(plan.scenarios))
         del ctx

@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from moeverify.spec import timeouts
 from moeverify.errors import UsageError
 from moeverify.runtime import cpu
 from moeverify.runtime.bridge_import import import_bridge, real_te_available
+from moeverify.spec import timeouts
 
 __all__ = ["Runtime", "init", "parallel", "import_bridge", "current", "DEFAULT_TIMEOUT_S"]
-
 
 
 def __getattr__(name: str) -> float:
@@ -82,8 +81,9 @@ def init(backend: str = "auto", *, timeout_s: float | None = None) -> Runtime:
             raise UsageError(f"runtime already initialised with backend {_runtime.backend}, asked for {resolved}")
         return _runtime
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     _eager_fusions()
     if resolved == "cuda":
@@ -95,9 +95,14 @@ def init(backend: str = "auto", *, timeout_s: float | None = None) -> Runtime:
         device, dist_backend = torch.device("cpu"), "gloo"
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
-    _runtime = Runtime(backend=resolved, device=device, dist_backend=dist_backend,
-                       rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
-                       te_real=real_te_available())
+    _runtime = Runtime(
+        backend=resolved,
+        device=device,
+        dist_backend=dist_backend,
+        rank=torch.distributed.get_rank(),
+        world_size=torch.distributed.get_world_size(),
+        te_real=real_te_available(),
+    )
     return _runtime
 
 

@@ -22,10 +22,14 @@ _TE_NAMES = ("transformer_engine", "transformer_engine.pytorch")
 
 def real_te_available() -> bool:
     """True when Transformer Engine and its compiled torch extension are importable."""
-    if "transformer_engine" in sys.modules and getattr(sys.modules["transformer_engine"], "_moeverify_placeholder", False):
+    if "transformer_engine" in sys.modules and getattr(
+        sys.modules["transformer_engine"], "_moeverify_placeholder", False
+    ):
         return False
-    return (importlib.util.find_spec("transformer_engine") is not None
-            and importlib.util.find_spec("transformer_engine_torch") is not None)
+    return (
+        importlib.util.find_spec("transformer_engine") is not None
+        and importlib.util.find_spec("transformer_engine_torch") is not None
+    )
 
 
 class _PlaceholderMeta(type):

@@ -239,7 +239,8 @@ def install() -> None:
         if not hasattr(module, attr):
             raise EnvironmentProblem(
                 f"{module_name}.{attr} not found: the CPU backend was written against megatron-core 0.19.2, "
-                "where it exists; this megatron-core changed where CUDA is touched")
+                "where it exists; this megatron-core changed where CUDA is touched"
+            )
         targets.append((module, attr, value))
     for owner, name, value in _torch_cuda_redirections():
         _replace(owner, name, value)

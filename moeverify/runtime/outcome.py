@@ -27,8 +27,8 @@ import itertools
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from moeverify.spec import timeouts
 from moeverify.errors import EnvironmentProblem, RankDisagreement
+from moeverify.spec import timeouts
 
 _steps = itertools.count()
 _OK = "ok"
@@ -44,8 +44,10 @@ def __getattr__(name: str) -> float:
 def _store():
     get = getattr(distributed_c10d, "_get_default_store", None)
     if get is None:
-        raise EnvironmentProblem("torch.distributed.distributed_c10d._get_default_store is gone (torch 2.11 to 2.14 "
-                                 "have it); moeverify.runtime.outcome needs the default group's store")
+        raise EnvironmentProblem(
+            "torch.distributed.distributed_c10d._get_default_store is gone (torch 2.11 to 2.14 "
+            "have it); moeverify.runtime.outcome needs the default group's store"
+        )
     return get()
 
 
@@ -69,7 +71,8 @@ def agree(error: BaseException | None, *, what: str, wait_s: float | None = None
         raise RankDisagreement(
             f"{what}: rank {rank} raised {mine}; rank(s) {silent} did not end this step within {wait:g} s "
             f"(waiting in a collective rank {rank} left, or still running): a one-rank error, not a result "
-            f"shared by every rank") from error
+            f"shared by every rank"
+        ) from error
     outcomes = {r: store.get(keys[r]).decode() for r in range(world)}
     failed = {r: v for r, v in outcomes.items() if v != _OK}
     if failed and len(failed) < world:

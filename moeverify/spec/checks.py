@@ -20,14 +20,23 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
+from moeverify.errors import UsageError
 from moeverify.spec import plugins
 from moeverify.spec import router_variants as rv
-from moeverify.errors import UsageError
 from moeverify.spec.layout import Layout
 
 # Built-in names the options accept; plugins (``module:factory``, ``file.py:factory``) are the way out.
-REPLAY_SUBCHECKS = ("equivalence", "drift", "recompute", "cross_layout", "native_parity", "backward_order",
-                    "validation", "token_counts", "weights")
+REPLAY_SUBCHECKS = (
+    "equivalence",
+    "drift",
+    "recompute",
+    "cross_layout",
+    "native_parity",
+    "backward_order",
+    "validation",
+    "token_counts",
+    "weights",
+)
 # Replay subchecks that build the whole model on one rank (on every rank of the scenario), whatever the layout: a
 # model that needs its layout to fit leaves them out (``replay_subchecks: in_layout``).
 REPLAY_WHOLE_MODEL = {
@@ -52,8 +61,10 @@ REPLAY_IMPLS = {
     "native": "moeverify.oracles.replay.impls:NativeReplay",
     "verl": "moeverify.oracles.replay.impls:VerlReplay",
 }
-RECEIVERS = {"fused": "moeverify.oracles.export.receiver:fused",
-             "transformers": "moeverify.oracles.export.receiver_transformers:transformers_receiver"}
+RECEIVERS = {
+    "fused": "moeverify.oracles.export.receiver:fused",
+    "transformers": "moeverify.oracles.export.receiver_transformers:transformers_receiver",
+}
 
 
 # ------------------------------------------------------------------------------------ validators
@@ -71,11 +82,13 @@ def _names(allowed: tuple[str, ...], what: str) -> Callable[[object], tuple[str,
         if unknown:
             raise ValueError(f"unknown {what} {unknown}; known: {', '.join(allowed)}")
         return names
+
     return check
 
 
 def _replay_subchecks(value: object) -> tuple[str, ...]:
-    """A list of replay subchecks, or ``"in_layout"``: those that build only this rank's shard (``REPLAY_IN_LAYOUT``)."""
+    """A list of replay subchecks, or ``"in_layout"``: those that build only this rank's shard
+    (``REPLAY_IN_LAYOUT``)."""
     if value == "in_layout":
         return REPLAY_IN_LAYOUT
     try:
@@ -92,6 +105,7 @@ def _plugin(builtins: Mapping[str, str], what: str) -> Callable[[object], str]:
             return value
         plugins.parse(value, what=what, builtins=tuple(builtins))  # grammar only; loaded before launch
         return value
+
     return check
 
 
@@ -106,6 +120,7 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[object], str]:
         if value not in allowed:
             raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
         return str(value)
+
     return check
 
 
@@ -168,15 +183,24 @@ class OptionMeta:
 
 def option(default: Any, *, key: str, help: str, validate: Callable[[object], object], **meta: Any) -> Any:
     """A check-options dataclass field: its typed ``default`` and its ``OptionMeta`` (``key``, ``help``, ...)."""
-    return dataclasses.field(default=default, metadata={"option": OptionMeta(key=key, help=help, validate=validate,
-                                                                             **meta)})
+    return dataclasses.field(
+        default=default, metadata={"option": OptionMeta(key=key, help=help, validate=validate, **meta)}
+    )
 
 
-def plugin_option(default: str | None, *, key: str, what: str, builtins: Mapping[str, str], help: str,
-                  **meta: Any) -> Any:
+def plugin_option(
+    default: str | None, *, key: str, what: str, builtins: Mapping[str, str], help: str, **meta: Any
+) -> Any:
     """An option naming a plugin: a built-in name, ``package.module:factory`` or ``path/file.py:factory``."""
-    return option(default, key=key, validate=_plugin(builtins, what), plugin=what, builtins=builtins,
-                  help=f"{help}: {', '.join(builtins)}, package.module:factory or path/file.py:factory", **meta)
+    return option(
+        default,
+        key=key,
+        validate=_plugin(builtins, what),
+        plugin=what,
+        builtins=builtins,
+        help=f"{help}: {', '.join(builtins)}, package.module:factory or path/file.py:factory",
+        **meta,
+    )
 
 
 def validate_option(where: object, meta: OptionMeta, value: object) -> object:
@@ -239,21 +263,43 @@ class NoOptions(CheckOptions):
 class ExportOptions(CheckOptions):
     """The ``export`` check's options (docs/export.md)."""
 
-    subject: str = plugin_option("sharded", key="subject", what="subject", builtins=SUBJECTS, flag="--subject",
-                                 metavar="S", help="export subject")
+    subject: str = plugin_option(
+        "sharded",
+        key="subject",
+        what="subject",
+        builtins=SUBJECTS,
+        flag="--subject",
+        metavar="S",
+        help="export subject",
+    )
     lockstep_timeout: float | None = option(
-        None, key="lockstep_timeout", validate=_positive_seconds,
+        None,
+        key="lockstep_timeout",
+        validate=_positive_seconds,
         default_text="the export's collective timeout: --timeout under moeverify run",
-        help="seconds a rank waits for the others at each exported row")
+        help="seconds a rank waits for the others at each exported row",
+    )
     refresh: bool | None = option(
-        None, key="refresh", validate=_bool_or_auto, convert=_auto_as_none, flag="--refresh", switch=True,
+        None,
+        key="refresh",
+        validate=_bool_or_auto,
+        convert=_auto_as_none,
+        flag="--refresh",
+        switch=True,
         default_text="auto: on for a user's subject or with a receiver, off for the built-in subjects alone",
         help="export again after an optimizer-like update of every weight (subchecks refresh and refresh_delta, and "
-             "receiver_reload and receiver_wake with a receiver): true, false or auto")
+        "receiver_reload and receiver_wake with a receiver): true, false or auto",
+    )
     receiver: str | None = plugin_option(
-        None, key="receiver", what="receiver", builtins=RECEIVERS, flag="--receiver", metavar="R",
+        None,
+        key="receiver",
+        what="receiver",
+        builtins=RECEIVERS,
+        flag="--receiver",
+        metavar="R",
         help="load the export into a receiver on every rank and compare what it holds (subchecks receiver, "
-             "receiver_repeat, receiver_copies, receiver_ranks, and receiver_reload and receiver_wake with refresh)")
+        "receiver_repeat, receiver_copies, receiver_ranks, and receiver_reload and receiver_wake with refresh)",
+    )
 
     @property
     def refresh_on(self) -> bool:
@@ -275,8 +321,10 @@ class ExportOptions(CheckOptions):
             return True, f"default for a user's subject ({self.subject}){off}"
         if self.receiver is not None:
             return True, f"default with a receiver ({self.receiver}){off}"
-        return False, (f"default for the built-in subject {self.subject} without a receiver; --refresh or "
-                       "refresh: true turns it on")
+        return False, (
+            f"default for the built-in subject {self.subject} without a receiver; --refresh or "
+            "refresh: true turns it on"
+        )
 
     def decisions(self) -> dict[str, dict]:
         on, why = self._refresh()
@@ -287,29 +335,59 @@ class ExportOptions(CheckOptions):
 class ReplayOptions(CheckOptions):
     """The ``replay`` check's options (docs/replay_matrix.md)."""
 
-    impl: str = plugin_option("moeverify", key="replay_impl", what="replay implementation", builtins=REPLAY_IMPLS,
-                              flag="--replay-impl", metavar="IMPL", help="replay implementation under test")
+    impl: str = plugin_option(
+        "moeverify",
+        key="replay_impl",
+        what="replay implementation",
+        builtins=REPLAY_IMPLS,
+        flag="--replay-impl",
+        metavar="IMPL",
+        help="replay implementation under test",
+    )
     variants: tuple[rv.RouterVariant, ...] = option(
-        rv.select(None), key="router_variants", validate=_router_variants, convert=rv.select,
+        rv.select(None),
+        key="router_variants",
+        validate=_router_variants,
+        convert=rv.select,
         default_text=", ".join(rv.DEFAULT_VARIANTS),
-        help="router configurations to replay: a name, a list of names, or 'full'")
-    subchecks: tuple[str, ...] = option(REPLAY_SUBCHECKS, key="replay_subchecks", validate=_replay_subchecks,
-                                        help="replay subchecks to run: a list, or 'in_layout' (those that build only "
-                                             "each rank's shard: " + ", ".join(REPLAY_IN_LAYOUT) + ")")
-    recompute: tuple[str, ...] = option(tuple(RECOMPUTE_MODES), key="replay_recompute",
-                                        validate=_names(tuple(RECOMPUTE_MODES), "recompute modes"),
-                                        help="recompute modes the recompute subcheck drives")
-    dtype: str = option("fp32", key="replay_dtype", validate=_one_of(("fp32", "bf16")),
-                        help="the dtype the check builds the model in: fp32, or bf16 (half the memory, for a model "
-                             "that needs it; every comparison stays bitwise, cross_layout's loss tolerance is fp32's)")
+        help="router configurations to replay: a name, a list of names, or 'full'",
+    )
+    subchecks: tuple[str, ...] = option(
+        REPLAY_SUBCHECKS,
+        key="replay_subchecks",
+        validate=_replay_subchecks,
+        help="replay subchecks to run: a list, or 'in_layout' (those that build only "
+        "each rank's shard: " + ", ".join(REPLAY_IN_LAYOUT) + ")",
+    )
+    recompute: tuple[str, ...] = option(
+        tuple(RECOMPUTE_MODES),
+        key="replay_recompute",
+        validate=_names(tuple(RECOMPUTE_MODES), "recompute modes"),
+        help="recompute modes the recompute subcheck drives",
+    )
+    dtype: str = option(
+        "fp32",
+        key="replay_dtype",
+        validate=_one_of(("fp32", "bf16")),
+        help="the dtype the check builds the model in: fp32, or bf16 (half the memory, for a model "
+        "that needs it; every comparison stays bitwise, cross_layout's loss tolerance is fp32's)",
+    )
     seq_len: int = option(16, key="replay_seq_len", validate=_positive_int, help="tokens per sequence")
     batch: int = option(2, key="replay_batch", validate=_positive_int, help="sequences per micro-batch")
-    microbatches: int | None = option(None, key="replay_microbatches", validate=_positive_int,
-                                      default_text="3, or 2 x pp under interleaving",
-                                      help="micro-batches per step")
-    notes_path: str | None = option(None, key="replay_notes_path", validate=_path,
-                                    help="rank 0 writes per-variant notes (drift agreement, findings, builds loaded and copied, "
-                                         "seconds per step) to this JSON file")
+    microbatches: int | None = option(
+        None,
+        key="replay_microbatches",
+        validate=_positive_int,
+        default_text="3, or 2 x pp under interleaving",
+        help="micro-batches per step",
+    )
+    notes_path: str | None = option(
+        None,
+        key="replay_notes_path",
+        validate=_path,
+        help="rank 0 writes per-variant notes (drift agreement, findings, builds loaded and copied, "
+        "seconds per step) to this JSON file",
+    )
 
     def num_microbatches(self, layout: Layout) -> int:
         """``microbatches``, else 3, or 2 * pp under interleaving (the schedule needs M % pp == 0)."""
@@ -320,17 +398,21 @@ class ReplayOptions(CheckOptions):
 
 def _replay_rule(opts: ReplayOptions, layout: Layout, world_size: int) -> str | None:
     if opts.seq_len % (2 * layout.cp):
-        return (f"the replay check's sequence of {opts.seq_len} tokens is not divisible by 2 * cp = {2 * layout.cp} "
-                "(context parallelism splits each sequence in 2 * cp chunks); set options: {replay_seq_len: N} with "
-                "N a multiple of it")
+        return (
+            f"the replay check's sequence of {opts.seq_len} tokens is not divisible by 2 * cp = {2 * layout.cp} "
+            "(context parallelism splits each sequence in 2 * cp chunks); set options: {replay_seq_len: N} with "
+            "N a multiple of it"
+        )
     return None
 
 
 def _hf_parity_rule(opts: NoOptions, layout: Layout, world_size: int) -> str | None:
     if world_size != 1 or layout != Layout():
         where = f"world_size {world_size}" + ("" if layout == Layout() else f", layout {layout.name(world_size)}")
-        return (f"hf_parity runs on one rank with the default layout (transformers' model is the reference), not at "
-                f"{where}: put hf_parity in a world_size 1 scenario without a layout")
+        return (
+            f"hf_parity runs on one rank with the default layout (transformers' model is the reference), not at "
+            f"{where}: put hf_parity in a world_size 1 scenario without a layout"
+        )
     return None
 
 
@@ -379,22 +461,56 @@ class CheckSpec:
         return self.scenario_rule(self.options.from_options(options), layout, world_size)
 
 
-CHECKS: dict[str, CheckSpec] = {c.name: c for c in (
-    # HF -> Megatron -> HF through the bridge, bitwise equal to the source checkpoint
-    CheckSpec(name="roundtrip", entry="moeverify.oracles.roundtrip:run", subchecks=("bitwise", "key_set")),
-    # a subject's per-tensor export vs Megatron-Bridge's, bit for bit (docs/export.md)
-    CheckSpec(name="export", entry="moeverify.oracles.export:run", options=ExportOptions,
-              subchecks=("lockstep", "slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise",
-                         "key_set", "reference_keys"),
-              optional_subchecks=("refresh", "receiver", "receiver_reload", "refresh_delta", "receiver_ranks",
-                                  "receiver_repeat", "receiver_wake", "receiver_copies")),
-    # routes recorded in one pass replayed in the next, bit for bit, per router variant (docs/replay_matrix.md)
-    CheckSpec(name="replay", entry="moeverify.oracles.replay.oracle:run", options=ReplayOptions,
-              subchecks=REPLAY_SUBCHECKS, subchecks_field="subchecks", scenario_rule=_replay_rule),
-    # Megatron's forward vs transformers' on the same weights, layer by layer and the logits
-    CheckSpec(name="hf_parity", entry="moeverify.oracles.hf_parity:run", subchecks=("layers", "logits"),
-              scenario_rule=_hf_parity_rule),
-)}
+CHECKS: dict[str, CheckSpec] = {
+    c.name: c
+    for c in (
+        # HF -> Megatron -> HF through the bridge, bitwise equal to the source checkpoint
+        CheckSpec(name="roundtrip", entry="moeverify.oracles.roundtrip:run", subchecks=("bitwise", "key_set")),
+        # a subject's per-tensor export vs Megatron-Bridge's, bit for bit (docs/export.md)
+        CheckSpec(
+            name="export",
+            entry="moeverify.oracles.export:run",
+            options=ExportOptions,
+            subchecks=(
+                "lockstep",
+                "slot_tables",
+                "coverage",
+                "conflicts",
+                "replicas",
+                "shape_dtype",
+                "bitwise",
+                "key_set",
+                "reference_keys",
+            ),
+            optional_subchecks=(
+                "refresh",
+                "receiver",
+                "receiver_reload",
+                "refresh_delta",
+                "receiver_ranks",
+                "receiver_repeat",
+                "receiver_wake",
+                "receiver_copies",
+            ),
+        ),
+        # routes recorded in one pass replayed in the next, bit for bit, per router variant (docs/replay_matrix.md)
+        CheckSpec(
+            name="replay",
+            entry="moeverify.oracles.replay.oracle:run",
+            options=ReplayOptions,
+            subchecks=REPLAY_SUBCHECKS,
+            subchecks_field="subchecks",
+            scenario_rule=_replay_rule,
+        ),
+        # Megatron's forward vs transformers' on the same weights, layer by layer and the logits
+        CheckSpec(
+            name="hf_parity",
+            entry="moeverify.oracles.hf_parity:run",
+            subchecks=("layers", "logits"),
+            scenario_rule=_hf_parity_rule,
+        ),
+    )
+}
 
 
 def check_names() -> tuple[str, ...]:

@@ -25,7 +25,9 @@ class ModelShape:
     num_query_groups: int
     num_experts: int = 0  # 0 for a dense model
     moe_layers: tuple[int, ...] = ()  # 0-based global layer numbers of MoE layers
-    linear_heads: tuple[int, int] | tuple[()] = ()  # (key heads, value heads) of linear-attention layers; () without them
+    linear_heads: (
+        tuple[int, int] | tuple[()]
+    ) = ()  # (key heads, value heads) of linear-attention layers; () without them
 
     @property
     def is_moe(self) -> bool:
@@ -78,17 +80,21 @@ class Layout:
 
     def _validate_pp_layout(self, uneven: list[str]) -> None:
         if not isinstance(self.pp_layout, str) or not self.pp_layout.strip():
-            raise LayoutError(f"pp_layout must be a non-empty string (Megatron's pipeline_model_parallel_layout), "
-                              f"got {self.pp_layout!r}")
+            raise LayoutError(
+                f"pp_layout must be a non-empty string (Megatron's pipeline_model_parallel_layout), "
+                f"got {self.pp_layout!r}"
+            )
         if self.pp < 2:
             raise LayoutError(f"pp_layout needs pp > 1 (got pp {self.pp}): it places layers on pipeline stages")
         if uneven:
             raise LayoutError(f"pp_layout places every layer itself; drop {' and '.join(uneven)}")
         chunks = len(_pp_layout_counts(self.pp_layout, self.pp))
         if chunks != self.vpp_chunks:
-            raise LayoutError(f"pp_layout {self.pp_layout!r} holds {chunks} model chunk(s) per pipeline stage "
-                              f"({chunks * self.pp} stages for pp {self.pp}), vpp says {self.vpp_chunks}; "
-                              f"set vpp: {chunks if chunks > 1 else 'null'}")
+            raise LayoutError(
+                f"pp_layout {self.pp_layout!r} holds {chunks} model chunk(s) per pipeline stage "
+                f"({chunks * self.pp} stages for pp {self.pp}), vpp says {self.vpp_chunks}; "
+                f"set vpp: {chunks if chunks > 1 else 'null'}"
+            )
 
     @property
     def expert_tp(self) -> int:
@@ -122,7 +128,9 @@ class Layout:
                 f"world_size {world_size} is not divisible by etp*ep*pp = {self.expert_tp}*{self.ep}*{self.pp} = {emp}"
             )
         if self.ep * self.expert_tp > world_size // self.pp:
-            raise LayoutError(f"ep*etp = {self.ep * self.expert_tp} exceeds ranks per pipeline stage {world_size // self.pp}")
+            raise LayoutError(
+                f"ep*etp = {self.ep * self.expert_tp} exceeds ranks per pipeline stage {world_size // self.pp}"
+            )
         if shape is None:
             return
         self._validate_against(shape)
@@ -134,8 +142,10 @@ class Layout:
             raise LayoutError(f"num_query_groups {shape.num_query_groups} is not divisible by tp {self.tp}")
         for kind, heads in zip(("key", "value"), shape.linear_heads, strict=False):  # () without linear attention
             if heads % (self.tp * self.cp):
-                raise LayoutError(f"linear attention's {heads} {kind} heads are not divisible by tp*cp = "
-                                  f"{self.tp}*{self.cp} (megatron-core's gated delta net splits them over both)")
+                raise LayoutError(
+                    f"linear attention's {heads} {kind} heads are not divisible by tp*cp = "
+                    f"{self.tp}*{self.cp} (megatron-core's gated delta net splits them over both)"
+                )
         self.stage_layers(shape.num_layers)
         if shape.is_moe:
             if shape.num_experts % self.ep:
@@ -167,25 +177,38 @@ class Layout:
         if self.pp_first is None and self.pp_last is None:
             stages = self.pp * v
             if num_layers % stages:
-                raise LayoutError(f"num_layers {num_layers} is not divisible by pp*vpp = {self.pp}*{v} = {stages}; "
-                                  "pp_first/pp_last set an uneven split")
+                raise LayoutError(
+                    f"num_layers {num_layers} is not divisible by pp*vpp = {self.pp}*{v} = {stages}; "
+                    "pp_first/pp_last set an uneven split"
+                )
             return (num_layers // self.pp,) * self.pp
         ends = {name: getattr(self, name) for name in ("pp_first", "pp_last") if getattr(self, name) is not None}
         for name, layers in ends.items():
             if layers % v:
-                raise LayoutError(f"{name} {layers} is not divisible by vpp {v}: each model chunk of a stage holds "
-                                  "an equal share of its layers")
+                raise LayoutError(
+                    f"{name} {layers} is not divisible by vpp {v}: each model chunk of a stage holds "
+                    "an equal share of its layers"
+                )
         middle_layers, middle_stages = num_layers - sum(ends.values()), self.pp - len(ends)
         if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
-            raise LayoutError(f"num_layers {num_layers} minus {' + '.join(f'{k} {n}' for k, n in ends.items())} "
-                              f"leaves {middle_layers} layer(s) for {middle_stages} middle stage(s) of pp {self.pp}")
+            raise LayoutError(
+                f"num_layers {num_layers} minus {' + '.join(f'{k} {n}' for k, n in ends.items())} "
+                f"leaves {middle_layers} layer(s) for {middle_stages} middle stage(s) of pp {self.pp}"
+            )
         if middle_stages and middle_layers % (middle_stages * v):
-            raise LayoutError(f"the {middle_layers} layer(s) between {' and '.join(ends)} are not divisible by the "
-                              f"{middle_stages} middle stage(s) x vpp {v}")
+            raise LayoutError(
+                f"the {middle_layers} layer(s) between {' and '.join(ends)} are not divisible by the "
+                f"{middle_stages} middle stage(s) x vpp {v}"
+            )
         middle = middle_layers // middle_stages if middle_stages else 0
-        return tuple(self.pp_first if p == 0 and self.pp_first is not None
-                     else self.pp_last if p == self.pp - 1 and self.pp_last is not None else middle
-                     for p in range(self.pp))
+        return tuple(
+            self.pp_first
+            if p == 0 and self.pp_first is not None
+            else self.pp_last
+            if p == self.pp - 1 and self.pp_last is not None
+            else middle
+            for p in range(self.pp)
+        )
 
     def name(self, world_size: int) -> str:
         """Scenario layout name: non-default dims in the order tp, pp, vpp, ep, etp, cp, sp, then dpN."""
@@ -197,8 +220,11 @@ class Layout:
                 continue
             parts.append(f"{dim}{value}")
             if dim == "pp":
-                parts += [f"{n.replace('_', '')}{getattr(self, n)}" for n in ("pp_first", "pp_last")
-                          if getattr(self, n) is not None]
+                parts += [
+                    f"{n.replace('_', '')}{getattr(self, n)}"
+                    for n in ("pp_first", "pp_last")
+                    if getattr(self, n) is not None
+                ]
                 if self.pp_layout is not None:  # the string holds | ( ) *: named by a digest of it
                     parts.append(f"pplayout{_digest(self.pp_layout)}")
         if self.sp:
@@ -218,7 +244,8 @@ class Layout:
         return cls(**mapping)
 
     def as_dict(self) -> dict:
-        """The fields, without ``pp_first``/``pp_last``/``pp_layout`` when unset: a dump or result file of an even layout keeps
+        """The fields, without ``pp_first``/``pp_last``/``pp_layout`` when unset: a dump or result file of an even
+        layout keeps
         the key set it had before uneven pipelines existed (and compares equal with one written then)."""
         out = dataclasses.asdict(self)
         for name in ("pp_first", "pp_last", "pp_layout"):
@@ -236,7 +263,9 @@ def _pp_layout_counts(text: str, pp: int, *, num_layers: int | None = None) -> l
     by Megatron-Core's own ``PipelineParallelLayerLayout`` (0.19: ``transformer/pipeline_parallel_layer_layout``);
     with ``num_layers``, also its rules (one embedding first, one loss last, that many decoder layers)."""
     try:
-        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout  # lazy: megatron
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout,  # lazy: megatron
+        )
     except ImportError as exc:  # pragma: no cover (megatron-core 0.19 has it)
         raise LayoutError(f"pp_layout needs megatron-core's PipelineParallelLayerLayout: {exc}") from None
     try:
@@ -245,17 +274,20 @@ def _pp_layout_counts(text: str, pp: int, *, num_layers: int | None = None) -> l
 
         if num_layers is not None:
             if LayerType.mtp in parsed.flatten_layout:
-                raise LayoutError(f"pp_layout {text!r}: MTP layers ('m') are not modelled by moeverify's layer "
-                                  f"placement; lay out the decoder layers only")
+                raise LayoutError(
+                    f"pp_layout {text!r}: MTP layers ('m') are not modelled by moeverify's layer "
+                    f"placement; lay out the decoder layers only"
+                )
             parsed.validate_layer_layout(num_layers, None)
     except LayoutError:
         raise
     # Megatron's parser asserts its rules, and raises NotImplementedError for encoder layers ('e'): all refusals.
     except (AssertionError, KeyError, ValueError, TypeError, NotImplementedError) as exc:
-        raise LayoutError(f"pp_layout {text!r} for pp {pp}"
-                          f"{'' if num_layers is None else f' and {num_layers} decoder layers'}: "
-                          f"{str(exc).strip() or type(exc).__name__} (Megatron-Core's PipelineParallelLayerLayout)"
-                          ) from None
+        raise LayoutError(
+            f"pp_layout {text!r} for pp {pp}"
+            f"{'' if num_layers is None else f' and {num_layers} decoder layers'}: "
+            f"{str(exc).strip() or type(exc).__name__} (Megatron-Core's PipelineParallelLayerLayout)"
+        ) from None
     v = parsed.virtual_pipeline_model_parallel_size
     return [[parsed.layout[p][c].count(LayerType.decoder) for p in range(pp)] for c in range(v)]
 
@@ -270,8 +302,10 @@ def parse_layout_name(name: str) -> tuple[Layout, int]:
     dp = 1
     for part in name.split("-"):
         if part.startswith("pplayout"):
-            raise LayoutError(f"layout name {name!r}: a pp_layout cannot be read back from its name (a digest of "
-                              f"the string); give the layout itself (pp_layout in a scenario file)")
+            raise LayoutError(
+                f"layout name {name!r}: a pp_layout cannot be read back from its name (a digest of "
+                f"the string); give the layout itself (pp_layout in a scenario file)"
+            )
         m = _NAME_PART.match(part)
         if not m:
             raise LayoutError(f"layout name {name!r}: cannot parse part {part!r}")

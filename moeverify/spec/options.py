@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from moeverify.errors import UsageError
 from moeverify.spec import checks
 from moeverify.spec.checks import OptionMeta
-from moeverify.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +65,9 @@ def _table(specs: Mapping[str, checks.CheckSpec]) -> dict[str, Option]:
         for field, meta in spec.options.declared():
             if meta.key in table:
                 raise AssertionError(f"option {meta.key} is declared by {table[meta.key].check} and {spec.name}")
-            table[meta.key] = Option(name=meta.key, check=spec.name, meta=meta,
-                                     default=spec.options.default_text(field, meta))
+            table[meta.key] = Option(
+                name=meta.key, check=spec.name, meta=meta, default=spec.options.default_text(field, meta)
+            )
     return table
 
 
@@ -84,6 +85,8 @@ def validate(where: object, key: object, value: object) -> object:
 def markdown_table() -> str:
     """The options as a Markdown table (docs/scenarios.md is checked against it)."""
     rows = ["| option | check | flag | default | meaning |", "|---|---|---|---|---|"]
-    rows += [f"| `{o.name}` | {o.check} | {', '.join(f'`{f}`' for f in o.flags)} | {o.default} | {o.meta.help} |"
-             for o in OPTIONS.values()]
+    rows += [
+        f"| `{o.name}` | {o.check} | {', '.join(f'`{f}`' for f in o.flags)} | {o.default} | {o.meta.help} |"
+        for o in OPTIONS.values()
+    ]
     return "\n".join(rows)

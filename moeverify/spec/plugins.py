@@ -37,8 +37,10 @@ def parse(spec: str, *, what: str, builtins: Sequence[str] = ()) -> tuple[str, s
 def _module(target: str, *, what: str, spec: str):
     if target.endswith(".py"):
         path = os.path.abspath(target)
-        name = f"moeverify_plugin_{os.path.splitext(os.path.basename(path))[0]}_" \
-               f"{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+        name = (
+            f"moeverify_plugin_{os.path.splitext(os.path.basename(path))[0]}_"
+            f"{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+        )
         if name in sys.modules:
             return sys.modules[name]
         mod_spec = importlib.util.spec_from_file_location(name, path)
@@ -88,8 +90,10 @@ def _source_of(target: str) -> tuple[str, str] | None:
             found = None
         if found is None:
             top = target.split(".")[0]
-            raise UsageError(f"no module named {target!r}" + (f" (package {top!r} not found)" if top != target and
-                                                               importlib.util.find_spec(top) is None else ""))
+            raise UsageError(
+                f"no module named {target!r}"
+                + (f" (package {top!r} not found)" if top != target and importlib.util.find_spec(top) is None else "")
+            )
         origin = found.origin
         if not origin or not origin.endswith(".py"):
             return None  # a compiled or namespace module: only importing it can tell
@@ -108,8 +112,7 @@ def _top_level(body):
         if isinstance(node, ast.If | ast.For | ast.While | ast.With):
             yield from _top_level(node.body + getattr(node, "orelse", []))
         elif isinstance(node, ast.Try):
-            yield from _top_level(node.body + node.orelse + node.finalbody +
-                                  [s for h in node.handlers for s in h.body])
+            yield from _top_level(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
 
 
 def check(spec: str, *, what: str, builtins: Mapping[str, str] | None = None) -> None:

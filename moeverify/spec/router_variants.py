@@ -2,7 +2,8 @@
 
 Every score function megatron-core 0.19.2's ``topk_routing_with_score_function`` offers (softmax
 with top-k before or after the softmax, sigmoid, sqrtsoftplus), with and without the aux-loss-free
-expert bias, group-limited top-k, padding masks handed to the router, and router scores that tie in every row. ``default`` is the
+expert bias, group-limited top-k, padding masks handed to the router, and router scores that tie in every row.
+``default`` is the
 family's own router as its HF config describes it. A scenario runs ``DEFAULT_VARIANTS`` unless its
 options say ``router_variants: [...]`` or ``router_variants: full``. Pure Python (no torch): scenario files and
 the ``router_variants`` option are checked against this table before torchrun starts.
@@ -33,31 +34,52 @@ class RouterVariant:
     def not_applicable(self, family: str, *, traits: _Traits) -> str | None:
         """Why this variant cannot be built for ``family``, a model with ``traits`` (None when it can)."""
         if self.overrides.get("moe_router_enable_expert_bias") and not traits.expert_bias:
-            return (f"{family}'s HF checkpoint has no expert-bias tensor (e_score_correction_bias) for the bridge "
-                    "to load")
+            return (
+                f"{family}'s HF checkpoint has no expert-bias tensor (e_score_correction_bias) for the bridge to load"
+            )
         return None
 
 
-_PLAIN = dict(moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_group_topk=None,
-              moe_router_pre_softmax=False, moe_router_topk_scaling_factor=None)
+_PLAIN = dict(
+    moe_router_enable_expert_bias=False,
+    moe_router_num_groups=None,
+    moe_router_group_topk=None,
+    moe_router_pre_softmax=False,
+    moe_router_topk_scaling_factor=None,
+)
 
-VARIANTS: dict[str, RouterVariant] = {v.name: v for v in (
-    RouterVariant(name="default", random_expert_bias=True),
-    RouterVariant(name="softmax", overrides=dict(_PLAIN, moe_router_score_function="softmax")),
-    RouterVariant(name="softmax_pre", overrides=dict(_PLAIN, moe_router_score_function="softmax",
-                                                     moe_router_pre_softmax=True)),
-    RouterVariant(name="sigmoid", overrides=dict(_PLAIN, moe_router_score_function="sigmoid")),
-    RouterVariant(name="sigmoid_bias", random_expert_bias=True,
-                  overrides=dict(_PLAIN, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)),
-    RouterVariant(name="sqrtsoftplus", overrides=dict(_PLAIN, moe_router_score_function="sqrtsoftplus")),
-    RouterVariant(name="sqrtsoftplus_bias", random_expert_bias=True,
-                  overrides=dict(_PLAIN, moe_router_score_function="sqrtsoftplus",
-                                 moe_router_enable_expert_bias=True)),
-    RouterVariant(name="group_topk", overrides=dict(_PLAIN, moe_router_score_function="sigmoid",
-                                                    moe_router_num_groups=2, moe_router_group_topk=1)),
-    RouterVariant(name="padding", padding=True, random_expert_bias=True),
-    RouterVariant(name="tied_scores", tied_scores=True, overrides=dict(_PLAIN, moe_router_score_function="softmax")),
-)}
+VARIANTS: dict[str, RouterVariant] = {
+    v.name: v
+    for v in (
+        RouterVariant(name="default", random_expert_bias=True),
+        RouterVariant(name="softmax", overrides=dict(_PLAIN, moe_router_score_function="softmax")),
+        RouterVariant(
+            name="softmax_pre", overrides=dict(_PLAIN, moe_router_score_function="softmax", moe_router_pre_softmax=True)
+        ),
+        RouterVariant(name="sigmoid", overrides=dict(_PLAIN, moe_router_score_function="sigmoid")),
+        RouterVariant(
+            name="sigmoid_bias",
+            random_expert_bias=True,
+            overrides=dict(_PLAIN, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+        ),
+        RouterVariant(name="sqrtsoftplus", overrides=dict(_PLAIN, moe_router_score_function="sqrtsoftplus")),
+        RouterVariant(
+            name="sqrtsoftplus_bias",
+            random_expert_bias=True,
+            overrides=dict(_PLAIN, moe_router_score_function="sqrtsoftplus", moe_router_enable_expert_bias=True),
+        ),
+        RouterVariant(
+            name="group_topk",
+            overrides=dict(
+                _PLAIN, moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_router_group_topk=1
+            ),
+        ),
+        RouterVariant(name="padding", padding=True, random_expert_bias=True),
+        RouterVariant(
+            name="tied_scores", tied_scores=True, overrides=dict(_PLAIN, moe_router_score_function="softmax")
+        ),
+    )
+}
 
 DEFAULT_VARIANTS: tuple[str, ...] = ("default",)
 

@@ -9,18 +9,18 @@ into a run. Every error is a ``UsageError``.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from moeverify.errors import LayoutError, UsageError
 from moeverify.spec import options
 from moeverify.spec.checks import CHECKS, check_names
-from moeverify.errors import LayoutError, UsageError
 from moeverify.spec.expectations import ExpectedFailure
 from moeverify.spec.expectations import parse as parse_expect_fail
 from moeverify.spec.layout import Layout, ModelShape
-from moeverify.spec.models.configs import FAMILIES, family_shape
 from moeverify.spec.models import user
+from moeverify.spec.models.configs import FAMILIES, family_shape
 from moeverify.spec.models.ref import ModelRef, as_ref
 from moeverify.spec.yaml_file import Where, error, read_yaml
 
@@ -71,7 +71,6 @@ class Scenario:
         return f"{self.family}/{self.layout.name(self.world_size)}"
 
 
-
 # ------------------------------------------------------------------------------------- families
 def _families() -> dict[str, ModelShape]:
     """Family name -> its ModelShape, from ``moeverify.models``."""
@@ -89,8 +88,12 @@ def _check_keys(where: Where, mapping: object, allowed: Collection[str], what: s
 
 
 def _int_field(where: Where, value: object, name: str, *, minimum: int, maximum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (maximum is not None and
-                                                                                    value > maximum):
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise error(where, f"{name} must be an integer {bound}, got {value!r}")
     return value
@@ -177,8 +180,14 @@ def _layout_of(where: Where, mapping: object) -> Layout:
         raise error(where, f"invalid layout: {exc}") from None
 
 
-def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collection[str],
-           moe_checks: Sequence[str] = (), fit_or_skip: bool = False) -> Scenario:
+def _build(
+    spec: _Spec,
+    *,
+    families: Mapping[str, ModelShape],
+    checks: Collection[str],
+    moe_checks: Sequence[str] = (),
+    fit_or_skip: bool = False,
+) -> Scenario:
     """A validated scenario; with ``fit_or_skip`` (``--model``) a layout its model does not admit is marked
     ``unfit``, and ``expect_fail`` is not applied: the file's findings are about the file's own families."""
     where = spec.where
@@ -215,22 +224,35 @@ def _build(spec: _Spec, *, families: Mapping[str, ModelShape], checks: Collectio
         refusal = CHECKS[check].refusal(scenario_options, layout, world_size=world_size) if check in CHECKS else None
         if refusal:
             raise error(where, refusal)
-    expect_fail = () if fit_or_skip else parse_expect_fail(
-        where, spec.fields.get("expect_fail"), checks=check_list, options=scenario_options)
-    return Scenario(family=str(family), layout=layout, world_size=world_size, checks=tuple(check_list),
-                    seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
-                    gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
-                    options=scenario_options, unfit=unfit, expect_fail=expect_fail,
-                    source=f"{where.path}:{where.line}" if where.line else where.path,
-                    model=spec.family if isinstance(spec.family, ModelRef) else None)
+    expect_fail = (
+        ()
+        if fit_or_skip
+        else parse_expect_fail(where, spec.fields.get("expect_fail"), checks=check_list, options=scenario_options)
+    )
+    return Scenario(
+        family=str(family),
+        layout=layout,
+        world_size=world_size,
+        checks=tuple(check_list),
+        seed=_int_field(where, spec.fields.get("seed", 0), "seed", minimum=0, maximum=MAX_SEED),
+        gpu_only=_gpu_only_field(where, spec.fields.get("gpu_only")),
+        options=scenario_options,
+        unfit=unfit,
+        expect_fail=expect_fail,
+        source=f"{where.path}:{where.line}" if where.line else where.path,
+        model=spec.family if isinstance(spec.family, ModelRef) else None,
+    )
 
 
 def _merge_fields(defaults: Mapping, entry: Mapping) -> dict:
     merged = {k: v for k, v in defaults.items() if k in _FIELD_KEYS}
     for key in _FIELD_KEYS:
         if key in entry:
-            merged[key] = ({**merged.get("options", {}), **entry[key]}
-                           if key == "options" and isinstance(entry[key], Mapping) else entry[key])
+            merged[key] = (
+                {**merged.get("options", {}), **entry[key]}
+                if key == "options" and isinstance(entry[key], Mapping)
+                else entry[key]
+            )
     return merged
 
 
@@ -262,9 +284,15 @@ def _explicit_specs(where: Where, entries: object, defaults: Mapping) -> list[_S
             family = _user_model(here, entry["model"], entry.get("model_set"))
         elif "model_set" in entry:
             raise error(here, "model_set needs model: PATH")
-        specs.append(_Spec(where=here, family=family,
-                           world_size=entry.get("world_size", defaults.get("world_size")),
-                           layout=entry.get("layout"), fields=_merge_fields(defaults, entry)))
+        specs.append(
+            _Spec(
+                where=here,
+                family=family,
+                world_size=entry.get("world_size", defaults.get("world_size")),
+                layout=entry.get("layout"),
+                fields=_merge_fields(defaults, entry),
+            )
+        )
     return specs
 
 
@@ -272,8 +300,14 @@ def _is_expert_layout(layout: Mapping) -> bool:
     return layout.get("ep", 1) != 1 or layout.get("etp") is not None
 
 
-def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Mapping[str, ModelShape],
-                  checks: Collection[str], model: ModelRef | None = None) -> list[tuple[_Spec, tuple]]:
+def _matrix_specs(
+    where: Where,
+    blocks: object,
+    defaults: Mapping,
+    families: Mapping[str, ModelShape],
+    checks: Collection[str],
+    model: ModelRef | None = None,
+) -> list[tuple[_Spec, tuple]]:
     """Expand ``matrix`` blocks: families x layouts; dense families skip expert layouts.
 
     ``model`` (a user model) stands for every block's families and models.
@@ -292,8 +326,9 @@ def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Map
             raise error(here, f"matrix block needs families (or models): a non-empty list, got {fams!r}")
         if not isinstance(layouts, list) or not layouts:
             raise error(here, f"matrix block needs layouts: a non-empty list, got {layouts!r}")
-        moe_checks = _checks_field(here, block.get("moe_checks", defaults.get("moe_checks", [])), checks,
-                                   name="moe_checks")
+        moe_checks = _checks_field(
+            here, block.get("moe_checks", defaults.get("moe_checks", [])), checks, name="moe_checks"
+        )
         fields = _merge_fields(defaults, block)
         for raw in layouts:
             at = here.at(raw)
@@ -307,13 +342,20 @@ def _matrix_specs(where: Where, blocks: object, defaults: Mapping, families: Map
                     continue
                 spec_fields = {**fields, **({"gpu_only": raw["gpu_only"]} if "gpu_only" in raw else {})}
                 world = raw.get("world_size", block.get("world_size", defaults.get("world_size")))
-                out.append((_Spec(where=at, family=family, world_size=world, layout=layout,
-                                  fields=spec_fields), moe_checks))
+                out.append(
+                    (_Spec(where=at, family=family, world_size=world, layout=layout, fields=spec_fields), moe_checks)
+                )
     return out
 
 
-def load_file(path: str, *, checks: Collection[str], families: Mapping[str, ModelShape] | None = None,
-              max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | str | None = None) -> list[Scenario]:
+def load_file(
+    path: str,
+    *,
+    checks: Collection[str],
+    families: Mapping[str, ModelShape] | None = None,
+    max_world_size: int = CPU_MAX_WORLD_SIZE,
+    model: ModelRef | str | None = None,
+) -> list[Scenario]:
     """Load and validate one scenario file. Raises ``UsageError`` naming file:line, scenario and rule.
 
     ``model`` (a user model from ``--model``, or a family) replaces every scenario's family or
@@ -327,28 +369,39 @@ def load_file(path: str, *, checks: Collection[str], families: Mapping[str, Mode
         raise error(where, "file is empty; expected a mapping with 'scenarios' and/or 'matrix'")
     doc = _check_keys(where, doc, _TOP_KEYS, "top-level")
     if doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-        raise error(where, f"version {doc['version']!r} is not supported; this moeverify reads version {FORMAT_VERSION}")
+        raise error(
+            where, f"version {doc['version']!r} is not supported; this moeverify reads version {FORMAT_VERSION}"
+        )
     if "scenarios" not in doc and "matrix" not in doc:
         raise error(where, "no 'scenarios' or 'matrix' section: the file defines no scenario")
     defaults = _validated_defaults(where, doc.get("defaults"), checks)
-    specs = [(s if model is None else dataclasses.replace(s, family=model), ())
-             for s in _explicit_specs(where, doc.get("scenarios", []), defaults)]
+    specs = [
+        (s if model is None else dataclasses.replace(s, family=model), ())
+        for s in _explicit_specs(where, doc.get("scenarios", []), defaults)
+    ]
     specs += _matrix_specs(where, doc.get("matrix", []), defaults, families, checks, model=model)
     scenarios = []
     for spec, moe_checks in specs:
         scenario = _build(spec, families=families, checks=checks, moe_checks=moe_checks, fit_or_skip=bool(model))
         if scenario.world_size > max_world_size:
-            raise error(spec.where.at(None, scenario=scenario.name),
-                         f"world_size {scenario.world_size} exceeds the {max_world_size} ranks this machine can run")
+            raise error(
+                spec.where.at(None, scenario=scenario.name),
+                f"world_size {scenario.world_size} exceeds the {max_world_size} ranks this machine can run",
+            )
         scenarios.append(scenario)
     if not scenarios:
         raise error(where, "the file defines no scenario")
     return scenarios
 
 
-def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
-         families: Mapping[str, ModelShape] | None = None,
-         max_world_size: int = CPU_MAX_WORLD_SIZE, model: ModelRef | str | None = None) -> list[Scenario]:
+def load(
+    paths: Iterable[str],
+    *,
+    checks: Collection[str] | None = None,
+    families: Mapping[str, ModelShape] | None = None,
+    max_world_size: int = CPU_MAX_WORLD_SIZE,
+    model: ModelRef | str | None = None,
+) -> list[Scenario]:
     """Load several scenario files, in order; scenario names must be unique across all of them.
 
     With ``model`` (see ``load_file``) the files' families collapse onto one model, so scenarios of one
@@ -362,8 +415,7 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
     refs: dict[str, ModelRef] = {} if model is None else {model.key: model}
     out: list[Scenario] = []
     for path in paths:
-        for scenario in load_file(path, checks=checks, families=families, max_world_size=max_world_size,
-                                  model=model):
+        for scenario in load_file(path, checks=checks, families=families, max_world_size=max_world_size, model=model):
             _one_model_per_key(refs, scenario)
             first = seen.get(scenario.name)
             if first is not None and model is not None:
@@ -372,8 +424,9 @@ def load(paths: Iterable[str], *, checks: Collection[str] | None = None,
                 out[out.index(first)] = seen[scenario.name]
                 continue
             if first is not None:
-                raise UsageError(f"{scenario.source}: scenario {scenario.name}: duplicate name; "
-                                 f"first defined at {first.source}")
+                raise UsageError(
+                    f"{scenario.source}: scenario {scenario.name}: duplicate name; first defined at {first.source}"
+                )
             seen[scenario.name] = scenario
             out.append(scenario)
     return out
@@ -383,8 +436,10 @@ def _one_model_per_key(refs: dict[str, ModelRef], scenario: Scenario) -> None:
     """Two user models whose directories share a name would share a key (and their scenarios, a name)."""
     previous = refs.setdefault(scenario.family, scenario.ref)
     if previous != scenario.ref:
-        raise UsageError(f"{scenario.source}: two user models share the key {scenario.family!r}: {previous.path} "
-                         f"and {scenario.ref.path}; rename one directory")
+        raise UsageError(
+            f"{scenario.source}: two user models share the key {scenario.family!r}: {previous.path} "
+            f"and {scenario.ref.path}; rename one directory"
+        )
 
 
 def group_by_world_size(scenarios: Iterable[Scenario]) -> dict[int, list[Scenario]]:
@@ -397,10 +452,19 @@ def group_by_world_size(scenarios: Iterable[Scenario]) -> dict[int, list[Scenari
 
 def scenario_to_dict(scenario: Scenario) -> dict:
     """JSON form of a scenario (for the worker's plan file)."""
-    return {"family": scenario.family, "layout": scenario.layout.as_dict(), "world_size": scenario.world_size,
-            "checks": list(scenario.checks), "seed": scenario.seed, "gpu_only": scenario.gpu_only,
-            "options": dict(scenario.options), "source": scenario.source, "model": scenario.ref.to_dict(),
-            "unfit": scenario.unfit, "expect_fail": [e.as_dict() for e in scenario.expect_fail]}
+    return {
+        "family": scenario.family,
+        "layout": scenario.layout.as_dict(),
+        "world_size": scenario.world_size,
+        "checks": list(scenario.checks),
+        "seed": scenario.seed,
+        "gpu_only": scenario.gpu_only,
+        "options": dict(scenario.options),
+        "source": scenario.source,
+        "model": scenario.ref.to_dict(),
+        "unfit": scenario.unfit,
+        "expect_fail": [e.as_dict() for e in scenario.expect_fail],
+    }
 
 
 def scenario_from_dict(data: Mapping) -> Scenario:
@@ -408,7 +472,16 @@ def scenario_from_dict(data: Mapping) -> Scenario:
     model = ModelRef.from_dict(data["family"], data.get("model"))
     if model.is_user:
         user.load(model)
-    return Scenario(family=data["family"], layout=Layout(**data["layout"]), world_size=data["world_size"],
-                    checks=tuple(data["checks"]), seed=data["seed"], gpu_only=data["gpu_only"],
-                    options=dict(data["options"]), source=data["source"], model=model, unfit=data.get("unfit"),
-                    expect_fail=tuple(ExpectedFailure.from_dict(e) for e in data.get("expect_fail", ())))
+    return Scenario(
+        family=data["family"],
+        layout=Layout(**data["layout"]),
+        world_size=data["world_size"],
+        checks=tuple(data["checks"]),
+        seed=data["seed"],
+        gpu_only=data["gpu_only"],
+        options=dict(data["options"]),
+        source=data["source"],
+        model=model,
+        unfit=data.get("unfit"),
+        expect_fail=tuple(ExpectedFailure.from_dict(e) for e in data.get("expect_fail", ())),
+    )

@@ -31,13 +31,14 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported("torch", "2.11", "2.15"),
     Supported("megatron-core", "0.19", "0.20"),
     Supported("transformers", "5.12", "6"),
-    Supported("megatron-bridge", "0.6.2", "0.7"),          # an extra: installed with --no-deps (README)
+    Supported("megatron-bridge", "0.6.2", "0.7"),  # an extra: installed with --no-deps (README)
     Supported("verl", "0.9.1", "0.10", required=False),  # an optional peer: the `verl` subject and replay impl
 )
 
 
 def release(version: str) -> tuple[int, ...]:
-    """The numeric release of a version string: ``"2.11.0+cu130"`` -> ``(2, 11, 0)``, ``"0.19.2rc1"`` -> ``(0, 19, 2)``."""
+    """The numeric release of a version string: ``"2.11.0+cu130"`` -> ``(2, 11, 0)``, ``"0.19.2rc1"`` ->
+    ``(0, 19, 2)``."""
     found = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
     if not found:
         raise ValueError(f"not a version: {version!r}")

@@ -45,34 +45,72 @@ class Timeout:
         except ValueError:
             value = float("nan")
         if not 0 < value <= MAX_S:
-            raise UsageError(f"{self.env}={raw!r}: expected a positive number of seconds, at most {MAX_S:.0f} "
-                             f"({self.meaning})")
+            raise UsageError(
+                f"{self.env}={raw!r}: expected a positive number of seconds, at most {MAX_S:.0f} ({self.meaning})"
+            )
         return value
 
 
 TABLE: tuple[Timeout, ...] = (
-    Timeout(name="SCENARIO_S", default_s=600.0, flag="--timeout",
-            meaning="per-scenario deadline on every rank: a rank past it writes every thread's stack and ends hard"),
-    Timeout(name="STARTUP_S", default_s=300.0, env="MOEVERIFY_STARTUP_TIMEOUT_S",
-            meaning="a rank's imports and rendezvous, before its first scenario (whatever --timeout says)"),
-    Timeout(name="STARTUP_SLACK_S", default_s=360.0, derived="STARTUP_S + 60",
-            meaning="the launcher's wait for ranks to start: past the ranks' own start-up watchdog, so theirs fires first"),
-    Timeout(name="COLLECTIVE_S", default_s=300.0, env="MOEVERIFY_COLLECTIVE_TIMEOUT_S",
-            meaning="process-group timeout of every collective a check runs (also export's lockstep_timeout default)"),
-    Timeout(name="AGREE_S", default_s=60.0, env="MOEVERIFY_AGREE_TIMEOUT_S",
-            meaning="a rank that raised waits this long for the others to report before ending the group"),
-    Timeout(name="NODE_JOIN_S", default_s=300.0, env="MOEVERIFY_NODE_JOIN_TIMEOUT_S",
-            meaning="multi-node run: node 0 waits this long for every node to join"),
-    Timeout(name="NODE_REPORT_S", default_s=60.0, env="MOEVERIFY_NODE_REPORT_TIMEOUT_S",
-            meaning="multi-node run: node 0 waits this long for a node's report once its launch ended"),
-    Timeout(name="DUMP_COLLECTIVE_S", default_s=600.0, env="MOEVERIFY_DUMP_COLLECTIVE_TIMEOUT_S",
-            meaning="autopatch recording: the dump's own gloo group (ranks settle each dump step on it)"),
-    Timeout(name="LAUNCH_GRACE_S", default_s=60.0,
-            meaning="after --timeout, before the launcher kills a group whose ranks' own watchdogs did not fire"),
-    Timeout(name="NODE_BEAT_S", default_s=1.0,
-            meaning="multi-node run: how often each node writes its heartbeat"),
-    Timeout(name="NODE_DEAD_AFTER_S", default_s=15.0,
-            meaning="multi-node run: a node whose heartbeat is older than this is named dead"),
+    Timeout(
+        name="SCENARIO_S",
+        default_s=600.0,
+        flag="--timeout",
+        meaning="per-scenario deadline on every rank: a rank past it writes every thread's stack and ends hard",
+    ),
+    Timeout(
+        name="STARTUP_S",
+        default_s=300.0,
+        env="MOEVERIFY_STARTUP_TIMEOUT_S",
+        meaning="a rank's imports and rendezvous, before its first scenario (whatever --timeout says)",
+    ),
+    Timeout(
+        name="STARTUP_SLACK_S",
+        default_s=360.0,
+        derived="STARTUP_S + 60",
+        meaning="the launcher's wait for ranks to start: past the ranks' own start-up watchdog, so theirs fires first",
+    ),
+    Timeout(
+        name="COLLECTIVE_S",
+        default_s=300.0,
+        env="MOEVERIFY_COLLECTIVE_TIMEOUT_S",
+        meaning="process-group timeout of every collective a check runs (also export's lockstep_timeout default)",
+    ),
+    Timeout(
+        name="AGREE_S",
+        default_s=60.0,
+        env="MOEVERIFY_AGREE_TIMEOUT_S",
+        meaning="a rank that raised waits this long for the others to report before ending the group",
+    ),
+    Timeout(
+        name="NODE_JOIN_S",
+        default_s=300.0,
+        env="MOEVERIFY_NODE_JOIN_TIMEOUT_S",
+        meaning="multi-node run: node 0 waits this long for every node to join",
+    ),
+    Timeout(
+        name="NODE_REPORT_S",
+        default_s=60.0,
+        env="MOEVERIFY_NODE_REPORT_TIMEOUT_S",
+        meaning="multi-node run: node 0 waits this long for a node's report once its launch ended",
+    ),
+    Timeout(
+        name="DUMP_COLLECTIVE_S",
+        default_s=600.0,
+        env="MOEVERIFY_DUMP_COLLECTIVE_TIMEOUT_S",
+        meaning="autopatch recording: the dump's own gloo group (ranks settle each dump step on it)",
+    ),
+    Timeout(
+        name="LAUNCH_GRACE_S",
+        default_s=60.0,
+        meaning="after --timeout, before the launcher kills a group whose ranks' own watchdogs did not fire",
+    ),
+    Timeout(name="NODE_BEAT_S", default_s=1.0, meaning="multi-node run: how often each node writes its heartbeat"),
+    Timeout(
+        name="NODE_DEAD_AFTER_S",
+        default_s=15.0,
+        meaning="multi-node run: a node whose heartbeat is older than this is named dead",
+    ),
 )
 _BY_NAME = {t.name: t for t in TABLE}
 
@@ -103,7 +141,6 @@ def markdown_table() -> str:
     """The table as docs/design.md shows it (between its ``timeouts`` markers)."""
     lines = ["| timeout | default (s) | override | meaning |", "|---|---|---|---|"]
     for t in TABLE:
-        override = (f"`{t.env}`" if t.env else f"`{t.flag}`" if t.flag else f"= {t.derived}" if t.derived
-                    else "fixed")
+        override = f"`{t.env}`" if t.env else f"`{t.flag}`" if t.flag else f"= {t.derived}" if t.derived else "fixed"
         lines.append(f"| `timeouts.{t.name}` | {t.default_s:g} | {override} | {t.meaning} |")
     return "\n".join(lines) + "\n"

@@ -72,8 +72,10 @@ def read_yaml(path: str) -> object:
         raise UsageError(f"{path}: cannot read scenario file ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         at = text_line(exc.object, exc.start)
-        raise UsageError(f"{path}:{at}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
-                         "scenario files are UTF-8 YAML") from None
+        raise UsageError(
+            f"{path}:{at}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "scenario files are UTF-8 YAML"
+        ) from None
     loader = _Loader(text)
     loader.name = path
     try:

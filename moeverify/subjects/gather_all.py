@@ -30,6 +30,10 @@ def gather_tensors(ctx) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in converted.items():
             tensor = tensor.detach().cpu()
             yield name, tensor
-            if tied and task.global_param_name.endswith("embedding.word_embeddings.weight") \
-                    and name.startswith("model.") and "lm_head.weight" in names:
+            if (
+                tied
+                and task.global_param_name.endswith("embedding.word_embeddings.weight")
+                and name.startswith("model.")
+                and "lm_head.weight" in names
+            ):
                 yield "lm_head.weight", tensor.clone()

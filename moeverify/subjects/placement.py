@@ -45,7 +45,7 @@ def _by_units(a: int, b: int, unit: int, base_of: Callable[[torch.Tensor], torch
         return torch.zeros(0, dtype=torch.int64)
     u0, u1 = a // unit, -(-b // unit)
     base_U = base_of(torch.arange(u0, u1, dtype=torch.int64))
-    return (base_U[:, None] + torch.arange(unit, dtype=torch.int64)[None, :]).reshape(-1)[a - u0 * unit:b - u0 * unit]
+    return (base_U[:, None] + torch.arange(unit, dtype=torch.int64)[None, :]).reshape(-1)[a - u0 * unit : b - u0 * unit]
 
 
 def _unit_runs(a: int, b: int, unit: int, base_of: Callable[[torch.Tensor], torch.Tensor]):
@@ -66,8 +66,12 @@ def _unit_runs(a: int, b: int, unit: int, base_of: Callable[[torch.Tensor], torc
 
 def _blocks(n: int, unit: int, base_of, values) -> Placer:
     """A placer of ``n`` elements in ``unit``-long blocks, block ``u`` at HF ``base_of(u)``."""
-    return Placer(n=n, positions=lambda a, b: _by_units(a, b, unit, base_of), values=values,
-                  runs=lambda a, b: _unit_runs(a, b, unit, base_of))
+    return Placer(
+        n=n,
+        positions=lambda a, b: _by_units(a, b, unit, base_of),
+        values=values,
+        runs=lambda a, b: _unit_runs(a, b, unit, base_of),
+    )
 
 
 def replicated(w: torch.Tensor) -> Placer:
@@ -83,8 +87,9 @@ def column(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> Placer:
     keep = max(0, min(rows, hf_rows - r * rows))
     flat = w[:keep].reshape(-1)
     offset = r * rows * inner
-    return Placer(n=flat.numel(), positions=lambda a, b: _j(a + offset, b + offset), values=lambda a, b: flat[a:b],
-                  offset=offset)
+    return Placer(
+        n=flat.numel(), positions=lambda a, b: _j(a + offset, b + offset), values=lambda a, b: flat[a:b], offset=offset
+    )
 
 
 def row(w: torch.Tensor, *, tp: int, r: int) -> Placer:
@@ -96,8 +101,9 @@ def row(w: torch.Tensor, *, tp: int, r: int) -> Placer:
     return _blocks(flat.numel(), cols, lambda o_U: o_U * (cols * tp) + r * cols, lambda a, b: flat[a:b])
 
 
-def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: int,
-        output_gate: bool = False) -> tuple[Placer, Placer, Placer]:
+def qkv(
+    w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: int, output_gate: bool = False
+) -> tuple[Placer, Placer, Placer]:
     """Megatron's fused QKV shard ``[G, H + 2, D, I]`` (interleaved per query group) -> q, k, v. With an attention
     output gate (Qwen3-Next) the shard is ``[G, 2H + 2, D, I]`` (q heads, their gates, k, v) and HF's q_proj holds
     each head's query and gate one after the other (``[heads, 2D, I]``): q's slot gets both."""
@@ -111,11 +117,14 @@ def qkv(w: torch.Tensor, *, heads: int, groups: int, head_dim: int, tp: int, r: 
         # of D * I (one head); block u = g * count + h. In HF, head ``h``'s rows start at ``(h * stride + shift) * D``
         # (stride 2 and shift 0/1 for q/gate), the global head being r * G * count + u
         def values(a: int, b: int) -> torch.Tensor:
-            local = _by_units(a, b, D * inner, lambda u_U: ((u_U // count) * per_group + first + u_U % count) * D * inner)
+            local = _by_units(
+                a, b, D * inner, lambda u_U: ((u_U // count) * per_group + first + u_U % count) * D * inner
+            )
             return flat[local]
 
-        return _blocks(G * count * D * inner, D * inner,
-                       lambda u_U: ((r * G * count + u_U) * stride + shift) * D * inner, values)
+        return _blocks(
+            G * count * D * inner, D * inner, lambda u_U: ((r * G * count + u_U) * stride + shift) * D * inner, values
+        )
 
     k, v = placer(per_group - 2, 1), placer(per_group - 1, 1)
     if not output_gate:
@@ -130,19 +139,28 @@ def concat(*parts: Placer) -> Placer:
         starts.append(starts[-1] + part.n)
 
     def pieces(a: int, b: int, fn: str) -> torch.Tensor:
-        out = [getattr(part, fn)(max(a, lo) - lo, min(b, hi) - lo)
-               for part, lo, hi in zip(parts, starts[:-1], starts[1:], strict=True) if max(a, lo) < min(b, hi)]
+        out = [
+            getattr(part, fn)(max(a, lo) - lo, min(b, hi) - lo)
+            for part, lo, hi in zip(parts, starts[:-1], starts[1:], strict=True)
+            if max(a, lo) < min(b, hi)
+        ]
         return torch.cat(out) if out else getattr(parts[0], fn)(0, 0)
 
     def runs(a: int, b: int):
-        got = [part.runs(max(a, lo) - lo, min(b, hi) - lo)
-               for part, lo, hi in zip(parts, starts[:-1], starts[1:], strict=True) if max(a, lo) < min(b, hi)]
+        got = [
+            part.runs(max(a, lo) - lo, min(b, hi) - lo)
+            for part, lo, hi in zip(parts, starts[:-1], starts[1:], strict=True)
+            if max(a, lo) < min(b, hi)
+        ]
         got = got or [parts[0].runs(0, 0)]
         return torch.cat([s for s, _ in got]), torch.cat([n for _, n in got])
 
-    return Placer(n=starts[-1], positions=lambda a, b: pieces(a, b, "positions"),
-                  values=lambda a, b: pieces(a, b, "values"),
-                  runs=runs if all(part.runs is not None for part in parts) else None)
+    return Placer(
+        n=starts[-1],
+        positions=lambda a, b: pieces(a, b, "positions"),
+        values=lambda a, b: pieces(a, b, "values"),
+        runs=runs if all(part.runs is not None for part in parts) else None,
+    )
 
 
 def gated(w: torch.Tensor, *, tp: int, r: int, hf_rows: int) -> tuple[Placer, Placer]:
@@ -175,8 +193,9 @@ def stacked_down(w: torch.Tensor, *, expert: int, tp: int, r: int, hf_shape: tup
     flat = w.reshape(-1)
     if w.dim() == 1:
         out = w.shape[0]
-        return Placer(n=out, positions=lambda a, b: expert * out + _j(a, b), values=lambda a, b: flat[a:b],
-                      offset=expert * out)
+        return Placer(
+            n=out, positions=lambda a, b: expert * out + _j(a, b), values=lambda a, b: flat[a:b], offset=expert * out
+        )
     out, cols = w.shape
     inner = hf_shape[-2]
 

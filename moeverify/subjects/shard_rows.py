@@ -34,9 +34,9 @@ import torch
 
 from moeverify.errors import SubjectError
 from moeverify.models.checkpoint import checkpoint_shapes
-from moeverify.subjects.slots import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
 from moeverify.subjects import placement
 from moeverify.subjects.placement import split_range
+from moeverify.subjects.slots import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
 
 ROW_ELEMENTS = 1 << 24  # a larger HF tensor is cut into several rows (bounded positions per row)
 
@@ -55,8 +55,9 @@ def sharded_rows(ctx) -> Iterator[ShardRow]:
 
     shapes = checkpoint_shapes(ctx.hf_path)
     config = _unwrap(ctx.model_chunks[0]).config
-    owner = _Owners(dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
-                    edp_rank=ps.get_expert_data_parallel_rank())
+    owner = _Owners(
+        dp_rank=ps.get_data_parallel_rank(with_context_parallel=True), edp_rank=ps.get_expert_data_parallel_rank()
+    )
     tied = bool(getattr(config, "share_embeddings_and_output_weights", False))
     tied_copy = _tied_output_copy(ctx.model_chunks) if tied else None
     for task in ctx.bridge.get_conversion_tasks(ctx.model_chunks):
@@ -96,8 +97,10 @@ def _hf_names(task, config) -> tuple[list[str], list[list[str]]]:
     elif isinstance(hf, str):
         base = [hf]
     else:
-        raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} with several HF names "
-                           f"is not supported by the sharded exporter")
+        raise SubjectError(
+            f"row {task.global_param_name!r}: mapping {type(m).__name__} with several HF names "
+            f"is not supported by the sharded exporter"
+        )
     if not (m.is_expert and m.ep_size > 1) or getattr(m, "is_grouped_export", False):
         return base, [[b] for b in base]  # (stacked experts: every EP rank writes the one HF tensor)
     per_rank = _experts_per_rank(task, config)
@@ -125,7 +128,11 @@ def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardR
     base, per_base = _hf_names(task, config)
     names = [n for group in per_base for n in group]
     embedding = task.global_param_name.endswith("embedding.word_embeddings.weight")
-    tied_name = _tied_lm_head(task, shapes) if (embedding and getattr(config, "share_embeddings_and_output_weights", False)) else None
+    tied_name = (
+        _tied_lm_head(task, shapes)
+        if (embedding and getattr(config, "share_embeddings_and_output_weights", False))
+        else None
+    )
     if tied_name:
         names.append(tied_name)
     missing = [n for n in names if n not in shapes]
@@ -143,8 +150,9 @@ def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardR
 
     def build(k: int, parts: int) -> list[Slot]:
         if weight is not None and not placers:
-            placers.update(_place(task, weight.detach(), config=config, shapes=shapes, per_base=per_base,
-                                  kind=kind or _kind(task)))
+            placers.update(
+                _place(task, weight.detach(), config=config, shapes=shapes, per_base=per_base, kind=kind or _kind(task))
+            )
             if tied_name and base[0] in placers:
                 placers[tied_name] = placers[base[0]]
         slots = []
@@ -184,9 +192,11 @@ def _kind(task) -> str:
     if getattr(m, "is_grouped_export", False):  # megatron-bridge 0.6.2: experts stacked as one [E, ...] HF tensor
         kind = _stacked_kind(m)
         if kind is None:
-            raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} exports experts stacked "
-                               f"into one HF tensor ({m.hf_param}) in a layout the sharded exporter does not "
-                               "place (it places GPT-OSS's); test this family's export with --subject bridge")
+            raise SubjectError(
+                f"row {task.global_param_name!r}: mapping {type(m).__name__} exports experts stacked "
+                f"into one HF tensor ({m.hf_param}) in a layout the sharded exporter does not "
+                "place (it places GPT-OSS's); test this family's export with --subject bridge"
+            )
         return kind
     if isinstance(m, pm.QKVMapping):
         return "qkv"
@@ -208,13 +218,19 @@ def _kind(task) -> str:
     full_dim_norm = _full_dim_norm_mapping()
     if full_dim_norm is not None and isinstance(m, full_dim_norm):
         return "full_dim_norm"
-    for cls, kind in ((pm.ColumnParallelMapping, "column"), (pm.RowParallelMapping, "row"),
-                      (pm.ReplicatedMapping, "replicated"), (pm.DirectMapping, "replicated")):
+    for cls, kind in (
+        (pm.ColumnParallelMapping, "column"),
+        (pm.RowParallelMapping, "row"),
+        (pm.ReplicatedMapping, "replicated"),
+        (pm.DirectMapping, "replicated"),
+    ):
         if isinstance(m, cls):
             return kind
-    raise SubjectError(f"row {task.global_param_name!r}: mapping {type(m).__name__} is not supported by the "
-                       f"sharded exporter (supported: QKV, GatedMLP, Auto, Column, Row, Replicated, Direct, "
-                       f"MiniMax-M2's full-dimension q/k norm, gated delta net in_proj/conv1d, zero-centered norm)")
+    raise SubjectError(
+        f"row {task.global_param_name!r}: mapping {type(m).__name__} is not supported by the "
+        f"sharded exporter (supported: QKV, GatedMLP, Auto, Column, Row, Replicated, Direct, "
+        f"MiniMax-M2's full-dimension q/k norm, gated delta net in_proj/conv1d, zero-centered norm)"
+    )
 
 
 # The HF tensors of a gated delta net's in_proj (megatron-bridge 0.6.2): Qwen3-Next's two head-grouped ones
@@ -234,8 +250,12 @@ def _gdn_in_proj_kind(m) -> str | None:
 
 
 def _gdn_dims(config) -> placement.GdnDims:
-    return placement.GdnDims(dk=config.linear_key_head_dim, dv=config.linear_value_head_dim,
-                             nk=config.linear_num_key_heads, nv=config.linear_num_value_heads)
+    return placement.GdnDims(
+        dk=config.linear_key_head_dim,
+        dv=config.linear_value_head_dim,
+        nk=config.linear_num_key_heads,
+        nv=config.linear_num_value_heads,
+    )
 
 
 def _place_gdn(w: torch.Tensor, *, kind: str, names: list[str], config, tp: int, r: int) -> dict:
@@ -290,8 +310,9 @@ def _norm_shards(task) -> tuple[int, int]:
     """(unique shards, TP ranks per shard) of a full-dimension norm (its module's ``shard_world_size``)."""
     shards = task.megatron_module.shard_world_size
     if task.mapping.tp_size % shards:
-        raise SubjectError(f"row {task.global_param_name!r}: {shards} norm shards do not divide TP "
-                           f"{task.mapping.tp_size}")
+        raise SubjectError(
+            f"row {task.global_param_name!r}: {shards} norm shards do not divide TP {task.mapping.tp_size}"
+        )
     return shards, task.mapping.tp_size // shards
 
 
@@ -325,8 +346,21 @@ def _place(task, w: torch.Tensor, *, config, shapes, per_base, kind: str) -> dic
     if kind == "qkv":
         heads = config.num_attention_heads
         head_dim = config.kv_channels or config.hidden_size // heads
-        return dict(zip(mine, placement.qkv(w, heads=heads, groups=config.num_query_groups, head_dim=head_dim,
-                                            tp=tp, r=r, output_gate=bool(config.attention_output_gate)), strict=True))
+        return dict(
+            zip(
+                mine,
+                placement.qkv(
+                    w,
+                    heads=heads,
+                    groups=config.num_query_groups,
+                    head_dim=head_dim,
+                    tp=tp,
+                    r=r,
+                    output_gate=bool(config.attention_output_gate),
+                ),
+                strict=True,
+            )
+        )
     if kind == "gated":
         return dict(zip(mine, placement.gated(w, tp=tp, r=r, hf_rows=shapes[mine[0]][0]), strict=True))
     if kind == "column":

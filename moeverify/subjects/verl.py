@@ -94,8 +94,11 @@ def _rows(delta, rows):
             slots, _, counts, hf_idx, hf_val = delta.mcore_hf_delta_entry(rec, 0, lidx, param.reshape(-1), {})
         out, start = [], 0
         for (name, shape), n in zip(slots, counts.tolist(), strict=True):
-            out.append(Slot(name, tuple(shape), hf_idx[start:start + n].to(torch.int64).cpu(),
-                            hf_val[start:start + n].cpu()))
+            out.append(
+                Slot(
+                    name, tuple(shape), hf_idx[start : start + n].to(torch.int64).cpu(), hf_val[start : start + n].cpu()
+                )
+            )
             start += n
         if [(s.hf_name, s.hf_shape) for s in out] != [(n, tuple(s)) for n, s in table]:
             raise SubjectError(f"verl row {rec.megatron_name!r}: probe slots differ from its global table")

@@ -15,7 +15,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 import tiny_checks
 
 HERE = Path(__file__).resolve().parent
@@ -53,10 +52,23 @@ def run_moeverify(tmp_path):
         scenario_file.write_text(textwrap.dedent(yaml_text))
         out_json, out_xml = tmp_path / "out.json", tmp_path / "out.xml"
         env = tiny_checks.env()
-        cmd = [sys.executable, "-m", "moeverify", "run", str(scenario_file), "--json", str(out_json),
-               "--junit", str(out_xml), "--run-dir", str(tmp_path / "run"), *flags]
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "moeverify",
+            "run",
+            str(scenario_file),
+            "--json",
+            str(out_json),
+            "--junit",
+            str(out_xml),
+            "--run-dir",
+            str(tmp_path / "run"),
+            *flags,
+        ]
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         if background:  # the caller signals it; ``finish(proc)`` collects the run
             return proc
         return finish(proc, timeout_s=timeout_s)

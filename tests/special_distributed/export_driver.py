@@ -29,9 +29,12 @@ def _args():
     p.add_argument("--only-mutant", action="append", default=[])
     p.add_argument("--lockstep-timeout", type=float, default=None)
     p.add_argument("--refresh", action="store_true")
-    p.add_argument("--receivers", action="store_true",
-                   help="the receiver controls and mutants on the sharded subject's stream, with a reload, and the "
-                        "subject mutants the receiver must show")
+    p.add_argument(
+        "--receivers",
+        action="store_true",
+        help="the receiver controls and mutants on the sharded subject's stream, with a reload, and the "
+        "subject mutants the receiver must show",
+    )
     return p.parse_args()
 
 
@@ -55,9 +58,9 @@ def _subjects(args, family, layout, world_size):
 def main() -> int:
     args = _args()
     from moeverify import models, runtime
-    from moeverify.spec.layout import parse_layout_name
     from moeverify.oracles import export
     from moeverify.oracles.export.refresh import run_twice
+    from moeverify.spec.layout import parse_layout_name
 
     rt = runtime.init("cpu")
     records = []
@@ -74,29 +77,50 @@ def main() -> int:
             model = models.ModelRef.builtin(family)
         with runtime.parallel(layout):
             built = models.build(model, layout)
-            sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=layout,
-                                         rank=rt.rank, world_size=rt.world_size, hf_path=built.hf_path,
-                                         built=built, timeout_s=120)
+            sctx = export.SubjectContext(
+                bridge=built.bridge,
+                model_chunks=built.model_chunks,
+                layout=layout,
+                rank=rt.rank,
+                world_size=rt.world_size,
+                hf_path=built.hf_path,
+                built=built,
+                timeout_s=120,
+            )
             if args.lockstep_timeout:
                 sctx.options["lockstep_timeout"] = args.lockstep_timeout
             for name, factory, refresh in _subjects(args, family, layout, rt.world_size):
                 t0 = time.time()
                 try:
-                    tallies = (run_twice(export.run_subject, factory, sctx) if refresh
-                               else export.run_subject(factory, sctx))
+                    tallies = (
+                        run_twice(export.run_subject, factory, sctx) if refresh else export.run_subject(factory, sctx)
+                    )
                     subchecks = {k: t.as_dict() for k, t in tallies.items()}
                     error = None
                 except Exception as exc:  # noqa: BLE001 - reported per scenario
                     subchecks, error = {}, f"rank {rt.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
                     print(error, file=sys.stderr, flush=True)
                 passed = error is None and all(s["passed"] for s in subchecks.values())
-                records.append({"scenario": f"{family}/{layout.name(rt.world_size)}", "subject": name,
-                                "passed": passed, "seconds": round(time.time() - t0, 2),
-                                "subchecks": subchecks, "error": error})
+                records.append(
+                    {
+                        "scenario": f"{family}/{layout.name(rt.world_size)}",
+                        "subject": name,
+                        "passed": passed,
+                        "seconds": round(time.time() - t0, 2),
+                        "subchecks": subchecks,
+                        "error": error,
+                    }
+                )
                 _report(records, rt.rank)
             if args.receivers:
-                _receivers(records, sctx, family=family, layout=layout, world_size=rt.world_size,
-                           first=spec == args.scenario[0])
+                _receivers(
+                    records,
+                    sctx,
+                    family=family,
+                    layout=layout,
+                    world_size=rt.world_size,
+                    first=spec == args.scenario[0],
+                )
     if rt.rank == 0:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
@@ -107,8 +131,10 @@ def _report(records, rank):
     if rank == 0:
         r = records[-1]
         bad = [k for k, s in r["subchecks"].items() if not s["passed"]]
-        print(f"{r['scenario']} {r['subject']}: {'PASS' if r['passed'] else 'FAIL ' + ','.join(bad)} ({r['seconds']}s)",
-              flush=True)
+        print(
+            f"{r['scenario']} {r['subject']}: {'PASS' if r['passed'] else 'FAIL ' + ','.join(bad)} ({r['seconds']}s)",
+            flush=True,
+        )
 
 
 def _receivers(records, sctx, *, family, layout, world_size, first=True):
@@ -131,16 +157,27 @@ def _receivers(records, sctx, *, family, layout, world_size, first=True):
     # the weight update (refresh) only where a subcheck that needs a sync must pass or fail
     named = [(f"receiver:{n}", sharded, f, True) for n, f in CONTROLS.items() if first or n == "fused"]
     named += [(f"receiver-mutant:{n}", sharded, f, s in NEEDS_SYNC) for n, (f, s) in MUTANTS.items() if applies(n)]
-    named += [(f"subject-mutant:{n}", by_name[n], CONTROLS["fused"], s == "receiver_reload")
-              for n, s in SUBJECT_MUTANTS.items() if first]
+    named += [
+        (f"subject-mutant:{n}", by_name[n], CONTROLS["fused"], s == "receiver_reload")
+        for n, s in SUBJECT_MUTANTS.items()
+        if first
+    ]
     for name, subject, receiver, refresh in named:
         t0 = time.time()
         tallies = run_export(subject, sctx, refresh=refresh, receiver=receiver)
         subchecks = {k: t.as_dict() for k, t in tallies.items()}
-        records.append({"scenario": f"{family}/{layout.name(world_size)}", "subject": name,
-                        "passed": all(s["passed"] for s in subchecks.values()), "seconds": round(time.time() - t0, 2),
-                        "subchecks": subchecks, "error": None})
+        records.append(
+            {
+                "scenario": f"{family}/{layout.name(world_size)}",
+                "subject": name,
+                "passed": all(s["passed"] for s in subchecks.values()),
+                "seconds": round(time.time() - t0, 2),
+                "subchecks": subchecks,
+                "error": None,
+            }
+        )
         _report(records, sctx.rank)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,14 +20,37 @@ JOB = Path(__file__).resolve().parent / "jobs" / "autopatch_job.py"
 TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "600"))
 
 
-def run_job(mode: str, directory: Path, out: Path, *, steps=2, microbatches=2, perturb=False, torchrun=False,
-            model="1", args=None, ranks=1, ep=1):
-    env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": f"{mode}:{directory}", "MOEVERIFY_ROUTER_REPLAY_MODEL": model,
-           "PERTURB": "1" if perturb else "0", "EP": str(ep)}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"] \
-        if torchrun or ranks > 1 else [sys.executable, "-m"]
-    cmd = launcher + ["moeverify.patches.autopatch"] + (args if args is not None else
-                                                        [str(JOB), str(out), str(steps), str(microbatches)])
+def run_job(
+    mode: str,
+    directory: Path,
+    out: Path,
+    *,
+    steps=2,
+    microbatches=2,
+    perturb=False,
+    torchrun=False,
+    model="1",
+    args=None,
+    ranks=1,
+    ep=1,
+):
+    env = {
+        **os.environ,
+        "MOEVERIFY_ROUTER_REPLAY": f"{mode}:{directory}",
+        "MOEVERIFY_ROUTER_REPLAY_MODEL": model,
+        "PERTURB": "1" if perturb else "0",
+        "EP": str(ep),
+    }
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
+        if torchrun or ranks > 1
+        else [sys.executable, "-m"]
+    )
+    cmd = (
+        launcher
+        + ["moeverify.patches.autopatch"]
+        + (args if args is not None else [str(JOB), str(out), str(steps), str(microbatches)])
+    )
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
@@ -41,8 +64,9 @@ def test_autopatch_job_record_then_replay_perturbed_follows_recording(tmp_path):
     assert native.returncode == 0, native.stderr[-3000:]
     rep = run_job("replay", dump, tmp_path / "replay.json", perturb=True, torchrun=True)
     assert rep.returncode == 0, rep.stderr[-3000:]
-    recorded, replayed, perturbed = (json.loads((tmp_path / f"{n}.json").read_text())
-                                     for n in ("record", "replay", "native"))
+    recorded, replayed, perturbed = (
+        json.loads((tmp_path / f"{n}.json").read_text()) for n in ("record", "replay", "native")
+    )
     assert replayed["routes"] == recorded["routes"]
     assert perturbed["routes"] != recorded["routes"]  # the perturbation changes native routes: replay did the work
 
@@ -54,8 +78,9 @@ def test_autopatch_job_other_micro_batching_fails(tmp_path):
     assert rep.returncode != 0
     # the third micro-batch of a 3-way split holds other sequences than the recording's (2 per step): refused by
     # token identity at that forward, before any route is replayed onto it
-    assert "forward 2 (recorded step 0, micro-batch 2): tokens differ in 2 of 2 sequence(s)" in rep.stderr, \
-        rep.stderr[-2000:]
+    assert "forward 2 (recorded step 0, micro-batch 2): tokens differ in 2 of 2 sequence(s)" in rep.stderr, rep.stderr[
+        -2000:
+    ]
     fewer = run_job("replay", dump, tmp_path / "q.json", steps=1, microbatches=1)
     assert fewer.returncode == 3 and "never used in a forward" in fewer.stderr, fewer.stderr[-2000:]
 
@@ -79,8 +104,9 @@ def test_autopatch_on_two_ranks_records_one_dump_with_the_real_layout_and_replay
     assert [(c.ep, c.dp) for _, c in sorted(loaded.coords.items())] == [(0, 0), (1, 1)]
     assert loaded.token_order(0) == "sequence"  # each micro-batch's geometry was recorded
     # token identity: every rank's micro-batches carry one fingerprint per input sequence (B = 2)
-    assert {(r, m): tuple(loaded.fingerprints(step=0, rank=r, mb=m).shape) for r in (0, 1) for m in range(4)} == \
-        {(r, m): (2,) for r in (0, 1) for m in range(4)}
+    assert {(r, m): tuple(loaded.fingerprints(step=0, rank=r, mb=m).shape) for r in (0, 1) for m in range(4)} == {
+        (r, m): (2,) for r in (0, 1) for m in range(4)
+    }
     merged = loaded.routes(step=0)
     # 2 log-prob and 2 training forwards per step, each dp2 x B2 x S8 tokens
     assert merged.microbatches == 4 and merged.get(merged.layers[0], 0).shape[0] == 2 * 2 * 8
@@ -91,8 +117,9 @@ def test_autopatch_on_two_ranks_records_one_dump_with_the_real_layout_and_replay
         recorded, replayed = (json.loads((tmp_path / f"{n}.json.rank{rank}").read_text()) for n in ("record", "replay"))
         assert replayed["routes"] == recorded["routes"], f"rank {rank}"
     other = run_job("replay", dump, tmp_path / "one.json")
-    assert other.returncode != 0 and "was recorded on 2 rank(s) with layout ep2-dp2" in other.stderr, \
-        other.stderr[-2000:]
+    assert other.returncode != 0 and "was recorded on 2 rank(s) with layout ep2-dp2" in other.stderr, other.stderr[
+        -2000:
+    ]
 
 
 PIPELINE_JOB = Path(__file__).resolve().parent / "jobs" / "pipeline_job.py"
@@ -109,15 +136,24 @@ def test_autopatch_under_megatrons_pipeline_schedule_pp2_records_and_replays(tmp
     assert (loaded.world_size, loaded.layout.name(2), sorted(loaded.steps)) == (2, "pp2", [0, 1])
     assert sorted(c.pp for c in loaded.coords.values()) == [0, 1]
     assert loaded.routes(step=1).microbatches == 6  # 3 log-prob + 3 training forwards, merged over both stages
-    rep = run_job("replay", dump, tmp_path / "p.json", ranks=2, model="", perturb=True,
-                  args=args(tmp_path / "replay.json"))
+    rep = run_job(
+        "replay", dump, tmp_path / "p.json", ranks=2, model="", perturb=True, args=args(tmp_path / "replay.json")
+    )
     assert rep.returncode == 0, rep.stderr[-3000:]
-    nat = run_job("record", tmp_path / "native", tmp_path / "n.json", ranks=2, model="", perturb=True,
-                  args=args(tmp_path / "native.json"))
+    nat = run_job(
+        "record",
+        tmp_path / "native",
+        tmp_path / "n.json",
+        ranks=2,
+        model="",
+        perturb=True,
+        args=args(tmp_path / "native.json"),
+    )
     assert nat.returncode == 0, nat.stderr[-3000:]
     for rank in (0, 1):
-        recorded, replayed, native = (json.loads((tmp_path / f"{n}.json.rank{rank}").read_text())
-                                      for n in ("record", "replay", "native"))
+        recorded, replayed, native = (
+            json.loads((tmp_path / f"{n}.json.rank{rank}").read_text()) for n in ("record", "replay", "native")
+        )
         assert replayed["routes"] == recorded["routes"], f"rank {rank}: replay did not follow the recording"
         assert native["routes"] != recorded["routes"], f"rank {rank}: the perturbation changed nothing"
         assert len(recorded["routes"]) == 2 and recorded["routes"][0], f"rank {rank}: no training routes seen"

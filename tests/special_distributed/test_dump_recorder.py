@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "900"))
 CASES = (("deepseek_v3", "pp2", {"pp": 2}), ("qwen3_moe", "ep2", {"ep": 2}))
@@ -24,8 +23,10 @@ def _probe_routes(result, layers, microbatches):
 
     num_experts = next(iter(result.routing.values()))[0].shape[1] if result.routing else 1
     topk = int(next(iter(result.routing.values()))[0][0].sum()) if result.routing else 1
-    per_layer = {layer: [result.routing[(layer, mb)][0].nonzero()[:, 1].view(-1, topk) for mb in range(microbatches)]
-                 for layer in layers}
+    per_layer = {
+        layer: [result.routing[(layer, mb)][0].nonzero()[:, 1].view(-1, topk) for mb in range(microbatches)]
+        for layer in layers
+    }
     return Routes(per_layer, num_experts=num_experts, topk=topk)
 
 
@@ -34,12 +35,12 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> d
     from megatron.core import parallel_state as ps
 
     from moeverify import models, record, runtime
-    from moeverify.routing import views
-    from moeverify.routing.routes import Routes
-    from moeverify.spec.layout import Layout
     from moeverify.oracles.replay import drive as rd
     from moeverify.patches.recorder import RouteRecorder, model_info
     from moeverify.record.writer import RankWriter
+    from moeverify.routing import views
+    from moeverify.routing.routes import Routes
+    from moeverify.spec.layout import Layout
 
     layout = Layout(**layout_dict)
     path = out_dir / f"{family}-{name}"
@@ -47,12 +48,21 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> d
     with runtime.parallel(layout):
         built = models.build(family, layout, overrides=overrides)
         coords = views.rank_coords(layout, rank=rt.rank, world_size=rt.world_size)
-        megatron_coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                           ps.get_context_parallel_rank(), ps.get_data_parallel_rank(),
-                           ps.get_expert_model_parallel_rank())
+        megatron_coords = (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_context_parallel_rank(),
+            ps.get_data_parallel_rank(),
+            ps.get_expert_model_parallel_rank(),
+        )
         info = model_info(built.config)
-        batches = rd.Batches(seq_len=SEQ_LEN, batch=BATCH, microbatches=MICROBATCHES, dp=layout.dp(rt.world_size),
-                             vocab_size=int(models.hf_config_dict(family)["vocab_size"]))
+        batches = rd.Batches(
+            seq_len=SEQ_LEN,
+            batch=BATCH,
+            microbatches=MICROBATCHES,
+            dp=layout.dp(rt.world_size),
+            vocab_size=int(models.hf_config_dict(family)["vocab_size"]),
+        )
         items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
         writer = RankWriter(path, model=info, coords=coords, layout=layout, world_size=rt.world_size)
         probes = {}
@@ -70,15 +80,26 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> d
         if rt.rank == 0:
             record.finalize(path, world_size=rt.world_size)
         torch.distributed.barrier()
-        result = {"case": f"{family}/{name}", "rank": rt.rank, "coords_match": megatron_coords == (
-            coords.tp, coords.pp, coords.cp, coords.dp, coords.ep), "recompute_calls": recompute_calls}
+        result = {
+            "case": f"{family}/{name}",
+            "rank": rt.rank,
+            "coords_match": megatron_coords == (coords.tp, coords.pp, coords.cp, coords.dp, coords.ep),
+            "recompute_calls": recompute_calls,
+        }
         dump = record.load(path)
         result["local_equal"] = all(dump.local_routes(step=s, rank=rt.rank) == local[s] for s in local)
         if rt.rank == 0:
             for step in local:
                 by_rank = {c: _unplain(r[step]) for c, r in gathered}
-                reference = Routes.to_global(by_rank, layout, world_size=rt.world_size, seq_len=SEQ_LEN, batch=BATCH,
-                                            num_layers=info.num_layers, moe_layers=info.moe_layers)
+                reference = Routes.to_global(
+                    by_rank,
+                    layout,
+                    world_size=rt.world_size,
+                    seq_len=SEQ_LEN,
+                    batch=BATCH,
+                    num_layers=info.num_layers,
+                    moe_layers=info.moe_layers,
+                )
                 merged = dump.routes(step=step)
                 result[f"step{step}_global_equal"] = merged == reference
                 result[f"step{step}_tokens"] = int(merged.get(merged.layers[0], 0).shape[0])
@@ -87,8 +108,11 @@ def _run_case(out_dir: Path, family: str, name: str, layout_dict: dict, rt) -> d
 
 
 def _plain(routes):
-    return {"experts": routes.num_experts, "topk": routes.topk,
-            "data": {layer: [routes.get(layer, mb) for mb in range(routes.microbatches)] for layer in routes.layers}}
+    return {
+        "experts": routes.num_experts,
+        "topk": routes.topk,
+        "data": {layer: [routes.get(layer, mb) for mb in range(routes.microbatches)] for layer in routes.layers},
+    }
 
 
 def _unplain(obj):
@@ -115,13 +139,23 @@ def main() -> None:
 
 
 def test_dump_recorder_real_model_two_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     outputs = {r: tmp_path / f"result-rank{r}.json" for r in range(2)}
     assert proc.returncode == 0 and all(p.exists() for p in outputs.values()), (
-        f"torchrun exit {proc.returncode}:\n{proc.stderr[-6000:]}")
+        f"torchrun exit {proc.returncode}:\n{proc.stderr[-6000:]}"
+    )
     per_rank = {r: json.loads(p.read_text()) for r, p in outputs.items()}
     for rank, results in per_rank.items():
         assert [r["case"] for r in results] == [f"{f}/{n}" for f, n, _ in CASES], f"rank {rank}: {results}"

@@ -21,8 +21,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_driver(tmp_path: Path, *, nproc: int, scenarios: list[str], subjects=(), extra=(), timeout=1500) -> list[dict]:
     out = tmp_path / "records.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(DRIVER),
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        str(DRIVER),
+        "--out",
+        str(out),
+    ]
     for s in scenarios:
         cmd += ["--scenario", s]
     for s in subjects:
@@ -35,13 +43,20 @@ def run_driver(tmp_path: Path, *, nproc: int, scenarios: list[str], subjects=(),
 
 
 def _failures(records):
-    return [f"{r['scenario']} {r['subject']}: " + "; ".join(
-        f"{k}: {v['failures'][:2]}" for k, v in r["subchecks"].items() if not v["passed"]) + (r["error"] or "")
-        for r in records if not r["passed"]]
+    return [
+        f"{r['scenario']} {r['subject']}: "
+        + "; ".join(f"{k}: {v['failures'][:2]}" for k, v in r["subchecks"].items() if not v["passed"])
+        + (r["error"] or "")
+        for r in records
+        if not r["passed"]
+    ]
 
 
-TWO_RANKS = [f"{f}:{l}" for f in ("qwen2", "qwen2_tied", "qwen3_moe", "deepseek_v3")
-             for l in (("tp2-sp", "pp2", "pp2-vpp2") if f in ("qwen3_moe", "deepseek_v3") else ("tp2", "pp2", "pp2-vpp2"))]
+TWO_RANKS = [
+    f"{f}:{l}"
+    for f in ("qwen2", "qwen2_tied", "qwen3_moe", "deepseek_v3")
+    for l in (("tp2-sp", "pp2", "pp2-vpp2") if f in ("qwen3_moe", "deepseek_v3") else ("tp2", "pp2", "pp2-vpp2"))
+]
 TWO_RANKS += [f"{f}:{l}" for f in ("qwen3_moe", "deepseek_v3") for l in ("ep2", "etp2")]
 FOUR_RANKS = [f"{f}:{l}" for f in ("qwen3_moe", "deepseek_v3") for l in ("ep2", "pp2-ep2", "tp2-pp2-sp")]
 FOUR_RANKS += ["qwen2:tp2-pp2", "qwen2_tied:tp2-pp2"]

@@ -24,13 +24,24 @@ def test_receiver_controls_pass_and_mutants_are_caught(tmp_path):
     records = run_driver(tmp_path, nproc=2, scenarios=[FIRST, TIED, MTP], extra=["--receivers"], timeout=400)
     by = {(r["scenario"].split("/")[0], r["subject"]): r for r in records}
     first = {s for (f, s) in by if f == "qwen3_moe"}
-    assert first == ({f"receiver:{n}" for n in CONTROLS} | {f"receiver-mutant:{n}" for n in MUTANTS if n not in APPLIES}
-                     | {f"subject-mutant:{n}" for n in SUBJECT_MUTANTS})
+    assert first == (
+        {f"receiver:{n}" for n in CONTROLS}
+        | {f"receiver-mutant:{n}" for n in MUTANTS if n not in APPLIES}
+        | {f"subject-mutant:{n}" for n in SUBJECT_MUTANTS}
+    )
     for name in CONTROLS:
         control = by["qwen3_moe", f"receiver:{name}"]
         assert control["passed"], _failures([control])
-        assert {"receiver", "receiver_reload", "refresh", "refresh_delta", "receiver_repeat", "receiver_ranks",
-                "receiver_wake", "receiver_copies"} <= set(control["subchecks"]), control["subchecks"].keys()
+        assert {
+            "receiver",
+            "receiver_reload",
+            "refresh",
+            "refresh_delta",
+            "receiver_repeat",
+            "receiver_ranks",
+            "receiver_wake",
+            "receiver_copies",
+        } <= set(control["subchecks"]), control["subchecks"].keys()
         assert _ran(control["subchecks"]) == [], control
         assert control["subchecks"]["receiver_ranks"]["checked"] > 0  # rank 1's receiver, every load of it
     assert by["qwen3_moe", "receiver:fused"]["subchecks"]["receiver_wake"]["checked"] > 0
@@ -38,8 +49,11 @@ def test_receiver_controls_pass_and_mutants_are_caught(tmp_path):
         control = by[family, "receiver:fused"]
         assert control["passed"], _failures([control])
         assert control["subchecks"]["receiver_copies"]["checked"] > 0 and _ran(control["subchecks"]) == [], control
-    where = {"tied_head_stale": "qwen2_tied", "tied_head_one_element_stale": "qwen2_tied",
-             "mtp_not_synced": "deepseek_v3_mtp"}
+    where = {
+        "tied_head_stale": "qwen2_tied",
+        "tied_head_one_element_stale": "qwen2_tied",
+        "mtp_not_synced": "deepseek_v3_mtp",
+    }
     for name, (_, subcheck) in MUTANTS.items():
         r = by[where.get(name, "qwen3_moe"), f"receiver-mutant:{name}"]
         assert r["error"] is None and not r["subchecks"][subcheck]["passed"], (name, r)
@@ -48,8 +62,9 @@ def test_receiver_controls_pass_and_mutants_are_caught(tmp_path):
     ranks = by["qwen3_moe", "receiver-mutant:sync_rank0_only"]["subchecks"]
     assert ranks["receiver_reload"]["passed"], ranks["receiver_reload"]  # rank 0's engine worker got the sync
     shown = [f for f in ranks["receiver_ranks"]["failures"] if not f.startswith("... and ")]
-    assert shown and {tuple(f.split(": ")[:3]) for f in shown} == {("rank 1", "receiver_reload", "after the weight sync")}, \
-        ranks["receiver_ranks"]
+    assert shown and {tuple(f.split(": ")[:3]) for f in shown} == {
+        ("rank 1", "receiver_reload", "after the weight sync")
+    }, ranks["receiver_ranks"]
     for name, subcheck in SUBJECT_MUTANTS.items():
         r = by["qwen3_moe", f"subject-mutant:{name}"]
         failures = r["subchecks"][subcheck]["failures"]

@@ -21,10 +21,27 @@ SCENARIO = "qwen3_moe/tp1"
 
 def _run(tmp_path: Path, factory: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / f"{factory}.json"
-    cmd = [sys.executable, "-m", "moeverify", "run", "--check", "export", "--subject", f"{PLUGIN}:{factory}",
-           *extra, "--filter", SCENARIO, "--json", str(out), "--run-dir", str(tmp_path / f"run-{factory}")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeverify",
+        "run",
+        "--check",
+        "export",
+        "--subject",
+        f"{PLUGIN}:{factory}",
+        *extra,
+        "--filter",
+        SCENARIO,
+        "--json",
+        str(out),
+        "--run-dir",
+        str(tmp_path / f"run-{factory}"),
+    ]
     try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**tiny_checks.env(), "COLUMNS": "300"}, capture_output=True, text=True, timeout=400)
+        proc = subprocess.run(
+            cmd, cwd=REPO_ROOT, env={**tiny_checks.env(), "COLUMNS": "300"}, capture_output=True, text=True, timeout=400
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"moeverify run took more than 400 s:\n{(exc.stdout or '')[-4000:]}")
     (record,) = json.loads(out.read_text())
@@ -36,8 +53,9 @@ def test_documented_command_catches_a_stale_second_export(tmp_path):
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     failed = {name for name, sub in record["subchecks"].items() if not sub["passed"]}
     assert failed == {"refresh", "refresh_delta"}, record["subchecks"]
-    assert "kept the previous export's bits where the weights changed" in \
-        " ".join(record["subchecks"]["refresh_delta"]["failures"])
+    assert "kept the previous export's bits where the weights changed" in " ".join(
+        record["subchecks"]["refresh_delta"]["failures"]
+    )
     assert "after the weight update" in " ".join(record["subchecks"]["refresh"]["failures"])
     assert record["decisions"]["refresh"]["on"] is True
     assert record["decisions"]["refresh"]["why"].startswith("default for a user's subject")
@@ -53,5 +71,7 @@ def test_documented_command_passes_a_fresh_subject(tmp_path):
     assert record["subchecks"]["refresh_delta"]["checked"] > 0
     receiver = {"receiver", "receiver_reload", "receiver_ranks", "receiver_repeat", "receiver_wake", "receiver_copies"}
     assert set(record["not_run"]) == receiver  # no receiver given
-    assert "not run: receiver, receiver_reload, receiver_ranks, receiver_repeat, receiver_wake, receiver_copies" in \
-        proc.stdout
+    assert (
+        "not run: receiver, receiver_reload, receiver_ranks, receiver_repeat, receiver_wake, receiver_copies"
+        in proc.stdout
+    )

@@ -15,8 +15,9 @@ SUBJECT = f"{Path(__file__).with_name('stall_subject.py')}:stalls"
 
 def test_export_stalled_rank_fails_lockstep_without_hanging(tmp_path):
     t0 = time.time()
-    records = run_driver(tmp_path, nproc=2, scenarios=["qwen2:tp2"], subjects=(SUBJECT,),
-                         extra=["--lockstep-timeout", "5"], timeout=600)
+    records = run_driver(
+        tmp_path, nproc=2, scenarios=["qwen2:tp2"], subjects=(SUBJECT,), extra=["--lockstep-timeout", "5"], timeout=600
+    )
     (record,) = records
     lockstep = record["subchecks"]["lockstep"]
     assert not record["passed"] and not lockstep["passed"]

@@ -25,8 +25,18 @@ LAYERS, EPOCHS = 4, 2
 def test_injob_r2_verl_step_tp2_sp_replays_each_tokens_log_prob_route(tmp_path):
     env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": "r2"}
     env.pop("MOEVERIFY_ROUTER_REPLAY_MODEL", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "moeverify.patches.autopatch", str(JOB), str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "moeverify.patches.autopatch",
+        str(JOB),
+        str(tmp_path / "out"),
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in range(2)]

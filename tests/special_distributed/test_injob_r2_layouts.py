@@ -29,8 +29,19 @@ LAYERS = 4  # qwen3_moe: every decoder layer is MoE
 
 def run_job(tmp_path, layout: str, *, ranks: int = 2) -> list[dict]:
     env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": "r2", "MOEVERIFY_ROUTER_REPLAY_MODEL": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
-           "moeverify.patches.autopatch", str(JOB), layout, str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "moeverify.patches.autopatch",
+        str(JOB),
+        layout,
+        str(tmp_path / "out"),
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-4000:]
     return [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in range(ranks)]
@@ -61,8 +72,9 @@ def test_injob_r2_layout_replays_each_tokens_log_prob_route(tmp_path, layout):
         assert [got["layers"] for got in ranks] == ([[0, 2], [1, 3]] if vpp else [[0, 1], [2, 3]])
         assert [got["checked"] for got in ranks] == [2 * 2 * got["real_tokens"] for got in ranks]  # both ranks, above
         stage = "(pipeline stage 1 of 2, virtual chunk 0)" if vpp else "(pipeline stage 1 of 2)"
-        assert ranks[1]["no_input_ids"].startswith(f"layer {1 if vpp else 2} rank 1: this model chunk's forward got "
-                                                   f"no input_ids {stage}")
+        assert ranks[1]["no_input_ids"].startswith(
+            f"layer {1 if vpp else 2} rank 1: this model chunk's forward got no input_ids {stage}"
+        )
         assert "pass input_ids to every stage's GPTModel forward, as verl does" in ranks[1]["no_input_ids"]
 
 
@@ -79,8 +91,16 @@ def test_injob_r2_tp2_sp_cp2_pools_over_tp_and_cp(tmp_path):
 def test_injob_r2_cp2_packed_thd_at_the_router_replays_across_cp_ranks(tmp_path):
     # packed sequences under CP2 (per-slot zigzag halves), at the router: CPU attention cannot run THD
     job = JOB.parent / "injob_cp_thd_job.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(job),
-           str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(job),
+        str(tmp_path / "out"),
+    ]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in range(2)]
@@ -90,9 +110,12 @@ def test_injob_r2_cp2_packed_thd_at_the_router_replays_across_cp_ranks(tmp_path)
     assert sum(got["checked"] for got in ranks) == 8  # A (5) and B (3): each real token on one CP rank
     assert sum(got["native_differs"] for got in ranks) > 0
     refused = [got["refused"] for got in ranks if got["refused"]]
-    assert refused and all("(sequence 1 of this forward, position" in e and "has no route recorded" in e
-                           for e in refused), refused
+    assert refused and all(
+        "(sequence 1 of this forward, position" in e and "has no route recorded" in e for e in refused
+    ), refused
     for r, got in enumerate(ranks):
-        assert got["tail_refused"].startswith(f"layer 0 rank {r}: context parallel with packed sequences: 2 CP ranks "
-                                              "hold 6 tokens each but the slots (cu_seqlens_padded, else cu_seqlens) "
-                                              "end at 8"), got["tail_refused"]
+        assert got["tail_refused"].startswith(
+            f"layer 0 rank {r}: context parallel with packed sequences: 2 CP ranks "
+            "hold 6 tokens each but the slots (cu_seqlens_padded, else cu_seqlens) "
+            "end at 8"
+        ), got["tail_refused"]

@@ -1,5 +1,6 @@
 """In-job R3 on 2 ranks: a rollout engine's routes, written by ``RolloutWriter`` (``MOEVERIFY_ROUTER_REPLAY=r3:DIR``)
-or handed over with the batch (``r3``, ``injob.add_routes``), replayed in an unmodified verl-like step under TP2 + SP (each router sees half of every sequence)
+or handed over with the batch (``r3``, ``injob.add_routes``), replayed in an unmodified verl-like step under TP2 + SP
+(each router sees half of every sequence)
 and under EP2 (``jobs/injob_r3_job.py``). Every training token but each sequence's last uses exactly the engine's
 route for its (sequence, position), in every micro-batching of the step; the last token (no rollout row) routes
 natively; native routing with the actor's perturbed weights would have picked other experts for many tokens.
@@ -22,17 +23,39 @@ EPOCHS = 2
 
 
 # EP2 runs in make release: TP2 + SP covers both sources in make test (each rank sees half of every sequence)
-@pytest.mark.parametrize(("layout", "source"), [("tp2sp", "files"), pytest.param("ep2", "files", marks=pytest.mark.release),
-                                                ("tp2sp", "batch"), pytest.param("ep2", "batch", marks=pytest.mark.release)])
+@pytest.mark.parametrize(
+    ("layout", "source"),
+    [
+        ("tp2sp", "files"),
+        pytest.param("ep2", "files", marks=pytest.mark.release),
+        ("tp2sp", "batch"),
+        pytest.param("ep2", "batch", marks=pytest.mark.release),
+    ],
+)
 def test_injob_r3_verl_step_replays_the_rollouts_routes(tmp_path, layout, source):
     rollout = tmp_path / "rollout"
     # the engine has other weights than the actor: its routes are no better than random ids for the actor, which the
     # agreement guard's default floor refuses; here replay itself is under test
-    env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": "r3" if source == "batch" else f"r3:{rollout}",
-           "MOEVERIFY_ROUTER_REPLAY_MODEL": "0", "MOEVERIFY_AGREEMENT_FLOOR": "off"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "moeverify.patches.autopatch", str(JOB), layout, "batch" if source == "batch" else str(rollout),
-           str(tmp_path / "out")]
+    env = {
+        **os.environ,
+        "MOEVERIFY_ROUTER_REPLAY": "r3" if source == "batch" else f"r3:{rollout}",
+        "MOEVERIFY_ROUTER_REPLAY_MODEL": "0",
+        "MOEVERIFY_AGREEMENT_FLOOR": "off",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "moeverify.patches.autopatch",
+        str(JOB),
+        layout,
+        "batch" if source == "batch" else str(rollout),
+        str(tmp_path / "out"),
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-4000:]
     if source == "files":
@@ -46,4 +69,6 @@ def test_injob_r3_verl_step_replays_the_rollouts_routes(tmp_path, layout, source
     per_rank = 2 if layout == "ep2" else 1  # EP2: both ranks route every token; TP2 + SP: each rank half
     assert sum(got["checked"] for got in ranks) == per_rank * EPOCHS * layers * (real - seqs)
     assert sum(got["last"] for got in ranks) == per_rank * EPOCHS * layers * seqs
-    assert len(ranks) == 2 and [r for r, got in enumerate(ranks) if got["native_differs"] == 0] == []  # replay did the work
+    assert (
+        len(ranks) == 2 and [r for r, got in enumerate(ranks) if got["native_differs"] == 0] == []
+    )  # replay did the work

@@ -18,8 +18,13 @@ BRIDGE_FINDING = "scenarios/findings/gpt_oss_ffn1/config.json+intermediate_size=
 
 
 def test_mutant_catalogue_each_fails_with_named_subchecks(tmp_path):
-    records = run_driver(tmp_path, nproc=2, scenarios=[*SCENARIOS, BRIDGE_FINDING], subjects=("sharded",),
-                         extra=["--mutants", "--refresh"])
+    records = run_driver(
+        tmp_path,
+        nproc=2,
+        scenarios=[*SCENARIOS, BRIDGE_FINDING],
+        subjects=("sharded",),
+        extra=["--mutants", "--refresh"],
+    )
     finding = [r for r in records if r["scenario"].startswith("model:")]
     records = [r for r in records if not r["scenario"].startswith("model:")]
     _assert_bridge_finding_named(finding)
@@ -30,8 +35,9 @@ def test_mutant_catalogue_each_fails_with_named_subchecks(tmp_path):
         failed = {k for k, v in r["subchecks"].items() if not v["passed"]}
         if r["subject"] == "sharded":
             if failed or not {"refresh", "refresh_delta"} <= set(r["subchecks"]):
-                problems.append(f"{r['scenario']}: unmutated sharded failed {failed} (refresh run: "
-                                f"{'refresh' in r['subchecks']})")
+                problems.append(
+                    f"{r['scenario']}: unmutated sharded failed {failed} (refresh run: {'refresh' in r['subchecks']})"
+                )
             continue
         m = by_name[r["subject"].removeprefix("mutant:")]
         seen.add(m.name)
@@ -54,6 +60,8 @@ def _assert_bridge_finding_named(records):
     assert {k for k, v in sub.items() if not v["passed"]} == {"key_set", "reference_keys"}, sub
     assert sub["refresh"]["passed"], sub["refresh"]  # the subject is right, before and after a weight update
     (msg,) = sub["reference_keys"]["failures"]
-    assert msg.startswith("the reference (Megatron-Bridge's export_hf_weights) dropped 4 tensor(s) of the source "
-                      "checkpoint: ['model.layers.0.mlp.experts.down_proj (8, 1, 64)'"), msg
+    assert msg.startswith(
+        "the reference (Megatron-Bridge's export_hf_weights) dropped 4 tensor(s) of the source "
+        "checkpoint: ['model.layers.0.mlp.experts.down_proj (8, 1, 64)'"
+    ), msg
     assert "the subject exported 4 of them (2048 element(s)), unverified" in msg, msg

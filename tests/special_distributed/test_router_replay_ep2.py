@@ -31,8 +31,17 @@ B, S = 2, 8
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_router_replay_ep2_real_model(tmp_path, family):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           str(tmp_path), family]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        str(tmp_path),
+        family,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     results = {}
     for rank in range(2):
@@ -58,6 +67,7 @@ def test_router_replay_ep2_real_model(tmp_path, family):
 
 # -- worker (runs on every rank under torchrun) ----------------------------------------------------
 
+
 def _grads(chunks):
     return {n: p.grad.detach().clone() for c in chunks for n, p in c.named_parameters() if p.grad is not None}
 
@@ -76,8 +86,10 @@ def _maps(chunks):
     for c in chunks:
         for m in c.modules():
             if type(m).__name__ == "TopKRouter":
+
                 def hook(mod, args, out, layer=global_layer(m)):
                     seen[layer] = out[1].nonzero()[:, 1].view(out[1].shape[0], -1)
+
                 handles.append(m.register_forward_hook(hook))
     return seen, handles
 
@@ -105,8 +117,8 @@ def _run(out_dir: Path, rank: int, family: str) -> dict:
     import torch
 
     from moeverify import models, runtime
-    from moeverify.spec.layout import Layout
     from moeverify.patches import router_replay as rr
+    from moeverify.spec.layout import Layout
 
     runtime.init("cpu")
     layout = Layout(ep=2)
@@ -148,7 +160,8 @@ def _run(out_dir: Path, rank: int, family: str) -> dict:
             _step(actor, tokens_BS, backward=False)
             perturbed = dict(seen)
         result["perturbed_changes_native"] = any(
-            not torch.equal(perturbed[layer], routes.get(layer, 0).sort(dim=1).values) for layer in routes.layers)
+            not torch.equal(perturbed[layer], routes.get(layer, 0).sort(dim=1).values) for layer in routes.layers
+        )
         with session.replay(routes):
             _step(actor, tokens_BS, backward=False)
             actor_maps = dict(seen)
@@ -189,9 +202,11 @@ def _recompute_case(actor, session, tokens_BS, vocab: int, rank: int) -> dict:
     for c in actor:
         for m in c.modules():
             if type(m).__name__ == "TopKRouter":
+
                 def hook(mod, args, out, layer=global_layer(m)):
                     if torch._C._current_graph_task_id() != -1:  # inside backward: a recompute
                         recomputed[layer].append(out[1].nonzero()[:, 1].view(out[1].shape[0], -1))
+
                 handles.append(m.register_forward_hook(hook))
     grads = {}
     for on in (False, True):
@@ -225,8 +240,10 @@ def _recompute_case(actor, session, tokens_BS, vocab: int, rank: int) -> dict:
     return {
         "recomputed": recomputed_calls,
         "recompute_routes_match": all(
-            len(recomputed[layer]) == 2 and all(torch.equal(recomputed[layer][mb], two.get(layer, mb).sort(dim=1).values)
-                                                for mb in range(2)) for layer in two.layers),
+            len(recomputed[layer]) == 2
+            and all(torch.equal(recomputed[layer][mb], two.get(layer, mb).sort(dim=1).values) for mb in range(2))
+            for layer in two.layers
+        ),
         "plain_equals_native": same(grads[False], native_grads[False]),
         "recompute_equals_native": same(grads[True], native_grads[True]),
     }

@@ -32,11 +32,15 @@ def test_runner_passing_group_on_2_ranks_passes_scenario_options(run_moeverify):
         defaults: {world_size: 2, checks: [passing]}
         scenarios:
           - {family: qwen3_moe, layout: {ep: 2}}
-          - {family: qwen3_moe, layout: {pp: 2}, options: {subject: sharded, replay_impl: native}, checks: [passing, echo]}
+          - {family: qwen3_moe, layout: {pp: 2}, options: {subject: sharded, replay_impl: native},
+             checks: [passing, echo]}
     """)
     assert run.code == 0, run.output
     assert [(r["scenario"], r["check"], r["passed"]) for r in run.records] == [
-        ("qwen3_moe/ep2-dp2", "passing", True), ("qwen3_moe/pp2", "passing", True), ("qwen3_moe/pp2", "echo", True)]
+        ("qwen3_moe/ep2-dp2", "passing", True),
+        ("qwen3_moe/pp2", "passing", True),
+        ("qwen3_moe/pp2", "echo", True),
+    ]
     assert [len(r["peak_rss_mb"]) for r in run.records] == [2, 2, 2]
     assert "world size 2 on cpu: 2 scenario(s)" in run.output
 
@@ -64,8 +68,9 @@ def test_runner_raise_on_rank_1_is_reported_and_rest_runs(run_moeverify):
     assert run.code == 1, run.output
     crashed = run.record("qwen3_moe/pp2", "raise1")
     first = crashed["error"].splitlines()[0]
-    assert first.startswith("rank 1 raised ValueError: planted error on rank 1 in check raise1 at "
-                            "test_runner_checks.py:"), crashed["error"]
+    assert first.startswith(
+        "rank 1 raised ValueError: planted error on rank 1 in check raise1 at test_runner_checks.py:"
+    ), crashed["error"]
     assert "Traceback (most recent call last)" in crashed["error"] and crashed["passed"] is False
     assert run.record("qwen3_moe/pp2", "passing2")["error"] == "not run: the scenario crashed in check raise1"
     assert run.record("qwen2/tp2", "passing")["passed"] is True  # the group restarted after the crash
@@ -77,12 +82,16 @@ def test_runner_raise_on_rank_1_is_reported_and_rest_runs(run_moeverify):
 
 
 def test_runner_hang_is_killed_past_timeout_and_rest_runs(run_moeverify):
-    run = run_moeverify("""
+    run = run_moeverify(
+        """
         defaults: {world_size: 2}
         scenarios:
           - {family: qwen3_moe, layout: {ep: 2}, checks: [hang1]}
           - {family: qwen2, layout: {tp: 2}, checks: [passing]}
-    """, "--timeout", "10")
+    """,
+        "--timeout",
+        "10",
+    )
     assert run.code == 1, run.output
     hung = run.record("qwen3_moe/ep2-dp2", "hang1")
     assert " timed out in check hang1 at test_runner_checks.py:" in hung["error"].splitlines()[0], hung["error"]
@@ -182,6 +191,9 @@ def test_runner_killed_parent_takes_torchrun_and_its_ranks_with_it(run_moeverify
     assert len(_processes_mentioning(str(run_dir))) >= 3  # torchrun and two ranks
     proc.kill()
     proc.communicate(timeout=30)
-    leftover = _wait_for(lambda: not _processes_mentioning(str(run_dir)) or None, timeout_s=60,
-                         what=f"the ranks to end: {_processes_mentioning(str(run_dir))}")
+    leftover = _wait_for(
+        lambda: not _processes_mentioning(str(run_dir)) or None,
+        timeout_s=60,
+        what=f"the ranks to end: {_processes_mentioning(str(run_dir))}",
+    )
     assert leftover

@@ -1,7 +1,8 @@
 """Tiny checks the runner's distributed tests add to the check registry (``tiny_checks_site/sitecustomize.py``).
 
 They exercise the runner, not the oracles: a check that passes after a real collective, one that
-fails a subcheck, one that raises on rank 1 (or on the last rank), one that hangs on rank 1, one that SIGKILLs rank 1, one that sleeps on every rank, and one that reports the
+fails a subcheck, one that raises on rank 1 (or on the last rank), one that hangs on rank 1, one that SIGKILLs rank 1,
+one that sleeps on every rank, and one that reports the
 options it received. No model is built. (No test functions here: pytest collects nothing.)
 """
 

@@ -16,9 +16,9 @@ import subprocess
 import sys
 import textwrap
 import time
-import pytest
 from pathlib import Path
 
+import pytest
 import tiny_checks
 
 HERE = Path(__file__).resolve().parent
@@ -60,13 +60,27 @@ class TwoNodes:
         self.procs = [self._start(1), self._start(0)]  # node 1 first: it waits for node 0's store
 
     def _start(self, node: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "moeverify", "run", str(self.files[node]), "--nnodes", "2", "--node-rank",
-               str(node), "--rdzv-endpoint", f"localhost:{self.port}", "--run-dir", str(self.tmp_path / f"run{node}"),
-               *self.flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moeverify",
+            "run",
+            str(self.files[node]),
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--rdzv-endpoint",
+            f"localhost:{self.port}",
+            "--run-dir",
+            str(self.tmp_path / f"run{node}"),
+            *self.flags,
+        ]
         if node == 0:
             cmd += ["--json", str(self.tmp_path / "out.json")]
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        return subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
 
     def finish(self, timeout_s: float = 400):
         node1, node0 = self.procs
@@ -89,32 +103,43 @@ def _record(records, scenario, check):
 
 @pytest.mark.release  # 12 ranks on one host
 def test_groups_of_4_and_8_ranks_spread_over_two_nodes(tmp_path):
-    nodes = TwoNodes(tmp_path, """
+    nodes = TwoNodes(
+        tmp_path,
+        """
         scenarios:
           - {family: qwen2, world_size: 1, checks: [passing]}
           - {family: qwen2, world_size: 4, checks: [passing, passing2]}
           - {family: qwen2, world_size: 8, layout: {tp: 2}, checks: [passing]}
-    """)
+    """,
+    )
     rc0, out0, rc1, out1, records = nodes.finish()
     assert rc0 == 0 and rc1 == 0, (out0[-3000:], out1[-3000:])
     assert {(r["scenario"], r["check"], r["passed"]) for r in records} == {
-        ("qwen2/tp1", "passing", True), ("qwen2/dp4", "passing", True), ("qwen2/dp4", "passing2", True),
-        ("qwen2/tp2-dp4", "passing", True)}
+        ("qwen2/tp1", "passing", True),
+        ("qwen2/dp4", "passing", True),
+        ("qwen2/dp4", "passing2", True),
+        ("qwen2/tp2-dp4", "passing", True),
+    }
     # node 1 ran the upper half of each spread group's ranks, and nothing of the 1-rank group
     run1 = tmp_path / "run1" / "node1"
     assert sorted(p.name for p in (run1 / "world4" / "attempt1").glob("rank*.events.jsonl")) == [
-        "rank2.events.jsonl", "rank3.events.jsonl"]
+        "rank2.events.jsonl",
+        "rank3.events.jsonl",
+    ]
     assert len(list((run1 / "world8" / "attempt1").glob("rank*.events.jsonl"))) == 4
     assert not (run1 / "world1").exists()
     assert "node 0 finished with exit code 0" in out1
 
 
 def test_a_rank_of_node_1_that_raises_is_named_and_the_next_scenario_runs(tmp_path):
-    nodes = TwoNodes(tmp_path, """
+    nodes = TwoNodes(
+        tmp_path,
+        """
         scenarios:
           - {family: qwen3_moe, world_size: 4, layout: {ep: 2}, checks: [raise_last]}
           - {family: qwen2, world_size: 4, checks: [passing]}
-    """)
+    """,
+    )
     rc0, out0, rc1, out1, records = nodes.finish()
     assert rc0 == 1 and rc1 == 1, (out0[-3000:], out1[-3000:])
     error = _record(records, "qwen3_moe/ep2-dp4", "raise_last")["error"]
@@ -123,12 +148,16 @@ def test_a_rank_of_node_1_that_raises_is_named_and_the_next_scenario_runs(tmp_pa
 
 
 def test_node_1_killed_is_named_lost_and_nothing_hangs(tmp_path):
-    nodes = TwoNodes(tmp_path, """
+    nodes = TwoNodes(
+        tmp_path,
+        """
         scenarios:
           - {family: qwen2, world_size: 4, checks: [sleep]}
           - {family: qwen2, world_size: 4, layout: {tp: 2}, checks: [passing]}
           - {family: qwen2, world_size: 1, checks: [passing]}
-    """, flags=("--timeout", "40"))
+    """,
+        flags=("--timeout", "40"),
+    )
     events = tmp_path / "run1" / "node1" / "world4" / "attempt1" / "rank3.events.jsonl"
     deadline = time.monotonic() + 200
     while not (events.exists() and '"start"' in events.read_text()):
@@ -147,8 +176,11 @@ def test_node_1_killed_is_named_lost_and_nothing_hangs(tmp_path):
 
 
 def test_nodes_that_loaded_different_scenarios_are_refused(tmp_path):
-    nodes = TwoNodes(tmp_path, "scenarios: [{family: qwen2, world_size: 2, checks: [passing]}]",
-                     yaml_node1="scenarios: [{family: qwen2, world_size: 2, checks: [passing2]}]")
+    nodes = TwoNodes(
+        tmp_path,
+        "scenarios: [{family: qwen2, world_size: 2, checks: [passing]}]",
+        yaml_node1="scenarios: [{family: qwen2, world_size: 2, checks: [passing2]}]",
+    )
     rc0, out0, rc1, out1, records = nodes.finish(timeout_s=120)
     assert rc0 == 2 and "node 1" in out0 and "loaded other scenarios" in out0, out0
     assert rc1 == 2 and records == [], out1
@@ -156,10 +188,13 @@ def test_nodes_that_loaded_different_scenarios_are_refused(tmp_path):
 
 @pytest.mark.release  # 16 ranks on one host
 def test_sixteen_ranks_tp2_pp2_ep2_dp2_of_a_real_model_on_two_nodes(tmp_path):
-    nodes = TwoNodes(tmp_path, """
+    nodes = TwoNodes(
+        tmp_path,
+        """
         scenarios:
           - {family: qwen3_moe, world_size: 16, layout: {tp: 2, pp: 2, ep: 2, sp: true}, checks: [roundtrip, export]}
-    """)
+    """,
+    )
     rc0, out0, rc1, out1, records = nodes.finish(timeout_s=900)
     assert rc0 == 0 and rc1 == 0, (out0[-3000:], out1[-3000:])
     for check in ("roundtrip", "export"):

@@ -15,8 +15,21 @@ TIMEOUT_S = 170
 
 def _run(repo_root, tmp_path, name: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "moeverify", "run", "scenarios/smoke.yaml", "--filter", name, "--check", "roundtrip",
-           "--json", str(out), "--run-dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeverify",
+        "run",
+        "scenarios/smoke.yaml",
+        "--filter",
+        name,
+        "--check",
+        "roundtrip",
+        "--json",
+        str(out),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -40,8 +53,13 @@ def test_runner_roundtrip_real_scenario_passes(repo_root, tmp_path, name, world_
 
 
 def test_runner_doctor_reports_stack_and_builds_a_model(repo_root):
-    proc = subprocess.run([sys.executable, "-m", "moeverify", "doctor", "--backend", "cpu"], cwd=repo_root,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moeverify", "doctor", "--backend", "cpu"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     assert lines[1].split() == ["torch", "2.14.1", "supported", ">=2.11,<2.15", "ok"]

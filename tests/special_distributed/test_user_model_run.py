@@ -10,9 +10,19 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-SHRINK = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-              max_position_embeddings=256)
+SHRINK = dict(
+    num_hidden_layers=4,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=256,
+)
 
 
 def _prod_config():
@@ -62,11 +72,15 @@ def test_real_weights_directory_through_the_model_flag(run_moeverify, tmp_path, 
     model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "mine", safe_serialization=True)
     assert list((tmp_path / "mine").glob("*.safetensors"))
-    run = run_moeverify("""
+    run = run_moeverify(
+        """
         scenarios:
           - {family: qwen3_moe, world_size: 2, layout: {pp: 2}, checks: [roundtrip, export]}
           - {family: qwen2, world_size: 2, layout: {tp: 2}, checks: [roundtrip]}
-    """, "--model", str(tmp_path / "mine"))
+    """,
+        "--model",
+        str(tmp_path / "mine"),
+    )
     # both entries became the user's model; tp2 without sp does not admit an MoE model: skipped, with the reason
     skipped = run.record("model:mine/tp2", "roundtrip")
     assert not skipped["passed"] and "does not admit" in skipped["skipped"], skipped
@@ -76,8 +90,14 @@ def test_real_weights_directory_through_the_model_flag(run_moeverify, tmp_path, 
 @pytest.mark.parametrize("override, message", [("num_expert=8", "no such key"), ("num_hidden_layers=x", "an int")])
 def test_bad_override_is_refused_before_torchrun(run_moeverify, tmp_path, override, message):
     _prod_config().save_pretrained(tmp_path / "Qwen3-Prod")
-    run = run_moeverify("scenarios: [{family: qwen3_moe, world_size: 2, checks: [export]}]",
-                        "--model", str(tmp_path / "Qwen3-Prod"), "--model-set", override, timeout_s=60)
+    run = run_moeverify(
+        "scenarios: [{family: qwen3_moe, world_size: 2, checks: [export]}]",
+        "--model",
+        str(tmp_path / "Qwen3-Prod"),
+        "--model-set",
+        override,
+        timeout_s=60,
+    )
     assert run.code == 2 and message in run.output and "torchrun" not in run.output, run.output
 
 
@@ -98,11 +118,14 @@ def test_production_width_directory_written_by_transformers(run_moeverify, tmp_p
     del model
     shards = sorted((tmp_path / "Qwen3-30B-A3B-1layer").glob("*.safetensors"))
     assert len(shards) >= 2 and (tmp_path / "Qwen3-30B-A3B-1layer" / "model.safetensors.index.json").is_file()
-    run = run_moeverify("""
+    run = run_moeverify(
+        """
         scenarios:
           - {model: Qwen3-30B-A3B-1layer, world_size: 1, checks: [roundtrip, export]}
           - {model: Qwen3-30B-A3B-1layer, world_size: 2, layout: {ep: 2}, checks: [roundtrip, export]}
-    """, timeout_s=900)
+    """,
+        timeout_s=900,
+    )
     _assert_all_passed(run, "model:Qwen3-30B-A3B-1layer/tp1", ("roundtrip", "export"))
     _assert_all_passed(run, "model:Qwen3-30B-A3B-1layer/ep2-dp2", ("roundtrip", "export"))
     assert run.record("model:Qwen3-30B-A3B-1layer/tp1", "export")["subchecks"]["bitwise"]["checked"] > 1.2e9

@@ -51,19 +51,38 @@ B, S = 2, 8  # the jobs' micro-batch: B sequences of S tokens
 # job -> layout name, layers per rank, sequence split over TP ranks (sp), micro-batches and steps of every run, the
 # step from which the autopatch replay's routers are perturbed, the backward order of each step
 JOB_SPECS = {
-    "interleaved": dict(script="interleaved_job.py", layout="pp2-vpp2", layers={0: [0, 2], 1: [1, 3]}, sp=False,
-                        microbatches=4, steps=3, perturb_from=2, orders=None),
-    "tp_sp_accum": dict(script="tp_sp_accum_job.py", layout="tp2-sp", layers={0: [0, 1, 2, 3], 1: [0, 1, 2, 3]},
-                        sp=True, microbatches=3, steps=6, perturb_from=4,
-                        orders=("interleaved", "forward", "reverse", "sum")),
+    "interleaved": dict(
+        script="interleaved_job.py",
+        layout="pp2-vpp2",
+        layers={0: [0, 2], 1: [1, 3]},
+        sp=False,
+        microbatches=4,
+        steps=3,
+        perturb_from=2,
+        orders=None,
+    ),
+    "tp_sp_accum": dict(
+        script="tp_sp_accum_job.py",
+        layout="tp2-sp",
+        layers={0: [0, 1, 2, 3], 1: [0, 1, 2, 3]},
+        sp=True,
+        microbatches=3,
+        steps=6,
+        perturb_from=4,
+        orders=("interleaved", "forward", "reverse", "sum"),
+    ),
 }
 
 
-def _run(spec: dict, mode: str, out: Path, steps: int, *, autopatch: str | None = None,
-         extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(
+    spec: dict, mode: str, out: Path, steps: int, *, autopatch: str | None = None, extra_env: dict | None = None
+) -> subprocess.CompletedProcess:
     """torchrun (2 ranks) of a job; ``autopatch="record:DIR"`` / ``"replay:DIR"`` runs it as autopatch's script."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MOEVERIFY_ROUTER_REPLAY", "MOEVERIFY_ROUTER_REPLAY_MODEL", "PERTURB", "PERTURB_FROM")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MOEVERIFY_ROUTER_REPLAY", "MOEVERIFY_ROUTER_REPLAY_MODEL", "PERTURB", "PERTURB_FROM")
+    }
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)]
     if autopatch is not None:
@@ -71,8 +90,9 @@ def _run(spec: dict, mode: str, out: Path, steps: int, *, autopatch: str | None 
         cmd += ["-m", "moeverify.patches.autopatch"]
     cmd += [str(JOBS / spec["script"]), mode, str(out), str(steps), str(spec["microbatches"])]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"{spec['script']} {mode} {autopatch or ''}: exit {proc.returncode}\n" \
-                                 f"{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{spec['script']} {mode} {autopatch or ''}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
@@ -134,8 +154,9 @@ def test_session_api_replay_is_bitwise_native_and_follows_the_recording(job, ses
             if spec["orders"]:
                 assert native["order"] == replay["order"] == spec["orders"][step % len(spec["orders"])], what
             assert_full_recompute(native["routes"], layers, mbs, f"{what} native")
-            assert native["routes"]["native"] == native["routes"]["forward"], \
+            assert native["routes"]["native"] == native["routes"]["forward"], (
                 f"{what}: the hook's native top-k does not reproduce Megatron's routing"
+            )
             assert passes["recorded"] == native["routes"]["forward"], f"{what}: the recording is not native routing"
             assert_same_grads(replay["grads"], native["grads"], f"{what} replay vs native")
             assert replay["routes"] == native["routes"], f"{what}: replay routed otherwise than native"
@@ -144,16 +165,23 @@ def test_session_api_replay_is_bitwise_native_and_follows_the_recording(job, ses
             p_native, p_replay = passes["perturbed_native"], passes["perturbed_replay"]
             assert_full_recompute(p_replay["routes"], layers, mbs, f"{what} perturbed replay")
             assert p_replay["routes"]["forward"] == passes["recorded"], f"{what}: perturbed replay left the recording"
-            assert p_replay["routes"]["recompute"] == native["routes"]["recompute"], \
+            assert p_replay["routes"]["recompute"] == native["routes"]["recompute"], (
                 f"{what}: a recompute under perturbed replay left the recording"
-            assert_differs_per_layer(p_native["routes"]["forward"], passes["recorded"],
-                                     f"{what}: the perturbation changed no native route")
-            assert_differs_per_layer(p_replay["routes"]["native"], p_replay["routes"]["forward"],
-                                     f"{what}: native top-k at the replay's inputs")
+            )
+            assert_differs_per_layer(
+                p_native["routes"]["forward"], passes["recorded"], f"{what}: the perturbation changed no native route"
+            )
+            assert_differs_per_layer(
+                p_replay["routes"]["native"],
+                p_replay["routes"]["forward"],
+                f"{what}: native top-k at the replay's inputs",
+            )
             if step == 0:  # negative control: the comparison sees a wrong replay
                 wrong = passes["wrong_replay"]
-                shifted = {layer: [[sorted((e + 1) % NUM_EXPERTS for e in row) for row in ids] for ids in mbs_]
-                           for layer, mbs_ in passes["recorded"].items()}
+                shifted = {
+                    layer: [[sorted((e + 1) % NUM_EXPERTS for e in row) for row in ids] for ids in mbs_]
+                    for layer, mbs_ in passes["recorded"].items()
+                }
                 assert wrong["routes"]["forward"] == shifted, f"{what}: the wrong routes were not replayed"
                 same = sorted(n for n in native["grads"] if wrong["grads"][n] == native["grads"][n])
                 assert not same, f"{what}: wrong routes left grads bitwise unchanged: {same[:5]}"
@@ -191,16 +219,27 @@ def test_autopatch_unmodified_job_replays_bitwise_then_follows_recording_when_pe
     steps, perturb_from, mbs = spec["steps"], spec["perturb_from"], spec["microbatches"]
     dump = tmp_path / "dump"
     session = session_run(job)
-    native = {rank: {"layers": r["layers"], "steps": [passes["native"] for passes in r["steps"]]}
-              for rank, r in session.items()}
+    native = {
+        rank: {"layers": r["layers"], "steps": [passes["native"] for passes in r["steps"]]}
+        for rank, r in session.items()
+    }
     _run(spec, "plain", tmp_path / "record.json", steps, autopatch=f"record:{dump}")
-    _run(spec, "plain", tmp_path / "replay.json", steps, autopatch=f"replay:{dump}",
-         extra_env={"PERTURB_FROM": str(perturb_from)})
+    _run(
+        spec,
+        "plain",
+        tmp_path / "replay.json",
+        steps,
+        autopatch=f"replay:{dump}",
+        extra_env={"PERTURB_FROM": str(perturb_from)},
+    )
     recorded, replayed = (_load(tmp_path / f"{n}.json") for n in ("record", "replay"))
 
     loaded = record.load(dump)
-    assert (loaded.world_size, loaded.layout.name(RANKS), sorted(loaded.steps)) == \
-           (RANKS, spec["layout"], list(range(steps)))
+    assert (loaded.world_size, loaded.layout.name(RANKS), sorted(loaded.steps)) == (
+        RANKS,
+        spec["layout"],
+        list(range(steps)),
+    )
     assert moeverify_main(["dump", "inspect", str(dump)]) == 0
     for rank in range(RANKS):
         layers = spec["layers"][rank]
@@ -216,12 +255,15 @@ def test_autopatch_unmodified_job_replays_bitwise_then_follows_recording_when_pe
                 assert rep["routes"] == nat["routes"], f"{what}: replay routed otherwise than native"
                 assert rep["losses"] == nat["losses"], what
             else:
-                assert rep["routes"]["forward"] == rec["routes"]["forward"], \
+                assert rep["routes"]["forward"] == rec["routes"]["forward"], (
                     f"{what}: perturbed replay left the recording"
-                assert rep["routes"]["recompute"] == rec["routes"]["recompute"], \
+                )
+                assert rep["routes"]["recompute"] == rec["routes"]["recompute"], (
                     f"{what}: a recompute under perturbed replay left the recording"
-                assert_differs_per_layer(rep["routes"]["native"], rep["routes"]["forward"],
-                                         f"{what}: native top-k at the replay's inputs")
+                )
+                assert_differs_per_layer(
+                    rep["routes"]["native"], rep["routes"]["forward"], f"{what}: native top-k at the replay's inputs"
+                )
                 assert rep["grads"] != rec["grads"], f"{what}: the perturbation changed no grad"
     # the dump: one merged view per step, log-prob forwards then training forwards, rows as the routers chose
     for step in range(steps):
@@ -230,8 +272,11 @@ def test_autopatch_unmodified_job_replays_bitwise_then_follows_recording_when_pe
         assert merged.layers == (0, 1, 2, 3)
         for layer in merged.layers:
             for mb in range(mbs):
-                held = {rank: recorded[rank]["steps"][step]["routes"]["forward"][str(layer)][mb]
-                        for rank in range(RANKS) if layer in spec["layers"][rank]}
+                held = {
+                    rank: recorded[rank]["steps"][step]["routes"]["forward"][str(layer)][mb]
+                    for rank in range(RANKS)
+                    if layer in spec["layers"][rank]
+                }
                 want = _global_rows(held, sp=spec["sp"])
                 for rows in (merged.get(layer, mbs + mb), merged.get(layer, mb)):  # training, log-prob
                     assert rows.sort(dim=1).values.tolist() == want, f"dump step {step} layer {layer} mb {mb}"

@@ -1,7 +1,7 @@
 """Shared unit-test fixtures."""
 
-import sys
 import os
+import sys
 
 import pytest
 import torch

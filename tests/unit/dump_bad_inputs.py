@@ -9,8 +9,8 @@ import random
 import shutil
 import struct
 import zipfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +37,7 @@ def _m_file(fn: Callable[[bytes], bytes]):
     def mutate(path: Path) -> str:
         path.write_bytes(fn(path.read_bytes()))
         return path.name
+
     return mutate
 
 
@@ -48,6 +49,7 @@ def _flip(seed: int, n: int):
             i = rng.randrange(min(len(out), 256))
             out[i] ^= 0xFF
         return bytes(out)
+
     return fn
 
 
@@ -89,11 +91,12 @@ def _st_header(mutate_header):
     def mutate(path: Path) -> str:
         data = path.read_bytes()
         (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8: 8 + n])
+        header = json.loads(data[8 : 8 + n])
         mutate_header(header)
         raw = json.dumps(header).encode()
-        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
         return path.name
+
     return mutate
 
 
@@ -117,16 +120,18 @@ SAFETENSORS_MUTATORS = {
     "st shape huge": _st_header(lambda h: _st_first(h).__setitem__("shape", [2**40] + _st_first(h)["shape"][1:])),
     "st shape str": _st_set("shape", "abc"),
     "st shape 1d": _st_header(lambda h: _st_first(h).__setitem__("shape", [int(np.prod(_st_first(h)["shape"]))])),
-    "st offsets swapped": _st_header(lambda h: _st_first(h).__setitem__("data_offsets",
-                                                                        _st_first(h)["data_offsets"][::-1])),
+    "st offsets swapped": _st_header(
+        lambda h: _st_first(h).__setitem__("data_offsets", _st_first(h)["data_offsets"][::-1])
+    ),
     "st offsets huge": _st_header(lambda h: _st_first(h).__setitem__("data_offsets", [0, 2**40])),
     "st offsets neg": _st_header(lambda h: _st_first(h).__setitem__("data_offsets", [-8, 8])),
     "st offsets float": _st_header(lambda h: _st_first(h).__setitem__("data_offsets", [0.0, 8.0])),
     "st no metadata": _st_header(lambda h: h.pop("__metadata__", None)),
     "st metadata list": _st_header(lambda h: h.__setitem__("__metadata__", [1, 2])),
     "st metadata empty": _st_header(lambda h: h.__setitem__("__metadata__", {})),
-    "st tensor renamed": _st_header(lambda h: h.__setitem__("zzz", h.pop(next(k for k in sorted(h)
-                                                                              if k != "__metadata__")))),
+    "st tensor renamed": _st_header(
+        lambda h: h.__setitem__("zzz", h.pop(next(k for k in sorted(h) if k != "__metadata__")))
+    ),
     "st tensor dropped": _st_header(lambda h: h.pop(next(k for k in sorted(h) if k != "__metadata__"))),
     "st header list": _st_header(lambda h: (h.clear(), h.__setitem__("x", []))),
 }
@@ -137,45 +142,52 @@ def _st_metadata_set(key, value):
         meta = header.setdefault("__metadata__", {})
         keys = sorted(meta) or [key]
         meta[keys[0] if key == "*" else key] = value
+
     return _st_header(mutate_header)
 
 
 def _st_ids(edit):
     """``edit(ids_bytes)`` in place on the first ids tensor's data (the header and byte counts unchanged)."""
+
     def mutate(path: Path) -> str:
         data = bytearray(path.read_bytes())
         (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8: 8 + n])
+        header = json.loads(data[8 : 8 + n])
         name = next(k for k in sorted(header) if k.endswith("/ids"))
         lo, hi = header[name]["data_offsets"]
-        view = memoryview(data)[8 + n + lo: 8 + n + hi]
+        view = memoryview(data)[8 + n + lo : 8 + n + hi]
         edit(view)
         path.write_bytes(bytes(data))
         return path.name
+
     return mutate
 
 
 def _st_copy(dst: int, src: int):
     def edit(view):
         view[dst] = view[src]
+
     return edit
 
 
 def _st_put(index: int, value: int):
     def edit(view):
         view[index] = value
+
     return edit
 
 
-SAFETENSORS_MUTATORS.update({
-    "st data id 255": _st_ids(_st_put(5, 255)),
-    "st data id = E": _st_ids(_st_put(0, E)),
-    "st data duplicate expert": _st_ids(_st_copy(1, 0)),
-    "st data duplicate expert last row": _st_ids(lambda v: _st_copy(len(v) - 1, len(v) - 2)(v)),
-    "st meta first=junk": _st_metadata_set("*", "junk"),
-    "st meta first=json list": _st_metadata_set("*", "[1, 2]"),
-    "st meta first=-1": _st_metadata_set("*", "-1"),
-})
+SAFETENSORS_MUTATORS.update(
+    {
+        "st data id 255": _st_ids(_st_put(5, 255)),
+        "st data id = E": _st_ids(_st_put(0, E)),
+        "st data duplicate expert": _st_ids(_st_copy(1, 0)),
+        "st data duplicate expert last row": _st_ids(lambda v: _st_copy(len(v) - 1, len(v) - 2)(v)),
+        "st meta first=junk": _st_metadata_set("*", "junk"),
+        "st meta first=json list": _st_metadata_set("*", "[1, 2]"),
+        "st meta first=-1": _st_metadata_set("*", "-1"),
+    }
+)
 
 
 # Manifest: walk every value, and damage it one way at a time.
@@ -202,11 +214,21 @@ def _manifest_mutator(path_keys, how):
             parent[last] = how
         path.write_text(json.dumps(doc))
         return path.name
+
     return mutate
 
 
-MANIFEST_VALUES = {"None": None, "str": "x", "neg": -1, "huge": 10**30, "nan": float("nan"), "float": 1.5,
-                   "list": [], "dict": {}, "bool": True}
+MANIFEST_VALUES = {
+    "None": None,
+    "str": "x",
+    "neg": -1,
+    "huge": 10**30,
+    "nan": float("nan"),
+    "float": 1.5,
+    "list": [],
+    "dict": {},
+    "bool": True,
+}
 
 
 OPTIONAL_MANIFEST_KEYS = ("created", "versions", "probs_dtype")  # absent in older dumps: deleting them is legit
@@ -235,6 +257,7 @@ def _np_replace(make):
         with open(path, "wb") as f:
             np.save(f, new, allow_pickle=isinstance(new, np.ndarray) and new.dtype == object)
         return path.name
+
     return mutate
 
 
@@ -243,6 +266,7 @@ def _set(index, value, dtype=None):
         a = a.astype(dtype or a.dtype, copy=True)
         a[index] = value
         return a
+
     return make
 
 
@@ -277,15 +301,17 @@ NPY_MUTATORS = {
     "npy empty layers": _np_replace(lambda a: a[:, :0] if a.ndim == 3 else a[:, :, :0]),
     "npy empty topk": _np_replace(lambda a: a[..., :0]),
     "npy one token short": _np_replace(lambda a: a[:-1] if a.ndim == 3 else a[:, :-1]),
-    "npy one token extra": _np_replace(lambda a: np.concatenate([a, a[:1]]) if a.ndim == 3 else
-                                       np.concatenate([a, a[:, :1]], axis=1)),
+    "npy one token extra": _np_replace(
+        lambda a: np.concatenate([a, a[:1]]) if a.ndim == 3 else np.concatenate([a, a[:, :1]], axis=1)
+    ),
     "npy one layer short": _np_replace(lambda a: a[:, :-1] if a.ndim == 3 else a[:, :, :-1]),
     "npy topk 1 more": _np_replace(lambda a: np.concatenate([a, (a[..., :1] + 1) % E], axis=-1)),
     "npy fortran int32 neg": _np_replace(lambda a: np.asfortranarray(_set((0, 0, 1), -7, np.int32)(a))),
     "npy not npy text": _m_file(lambda d: b"[[1, 2], [3, 4]]\n"),
     "npy header bad": _m_file(lambda d: d[:10] + b"{'descr': 'zz', 'fortran_order': False, 'shape': (3,), }" + d[70:]),
-    "npy header shape huge": _m_file(lambda d: d.replace(d[d.index(b"(") : d.index(b")") + 1],
-                                                         b"(99999999999, 3, 2)", 1)),
+    "npy header shape huge": _m_file(
+        lambda d: d.replace(d[d.index(b"(") : d.index(b")") + 1], b"(99999999999, 3, 2)", 1)
+    ),
     "npy header shape neg": _m_file(lambda d: d.replace(d[d.index(b"(") : d.index(b")") + 1], b"(-8, 3, 2)", 1)),
 }
 
@@ -312,6 +338,7 @@ def _npz_rewrite(make):
             with open(path, "wb") as f:
                 np.savez(f, **members)
         return path.name
+
     return mutate
 
 
@@ -321,6 +348,7 @@ def _each_member(make):
         out = dict(members)
         out[k] = make(members[k])
         return out
+
     return whole
 
 
@@ -344,6 +372,7 @@ def _npz_raw_member(name: str, data: bytes):
         with zipfile.ZipFile(path, "a") as z:
             z.writestr(name, data)
         return path.name
+
     return mutate
 
 
@@ -358,14 +387,24 @@ NPZ_MUTATORS = {
     "npz mixed topk": _npz_rewrite(lambda m: {**m, _big(m): m[_big(m)][..., :1]}),
     "npz mixed dtype float": _npz_rewrite(lambda m: {**m, _big(m): m[_big(m)].astype(np.float32)}),
 }
-for _name, _make in [("float32", lambda a: a.astype(np.float32)), ("bool", lambda a: a.astype(bool)),
-                     ("id -3", lambda a: _set((0,) * (a.ndim - 1), -3)(a)), ("id E", _set((0, 0, 0), E)),
-                     ("id 2**40", _set((0, 0, 0), 2**40)), ("id 2**62", _set((0, 0, 0), 2**62)),
-                     ("dup", _dup), ("empty", lambda a: a[:0]),
-                     ("2d", lambda a: a.reshape(len(a), -1)), ("4d", lambda a: a[None]),
-                     ("partial -1", _set((0, 0, 0), -1)), ("one layer -1", _set((0, 1), -1)),
-                     ("uint64 2**63", _set((0, 0, 0), 2**63, np.uint64)), ("str", lambda a: a.astype(str)),
-                     ("longer", lambda a: np.concatenate([a, a, a])), ("topk 0", lambda a: a[..., :0])]:
+for _name, _make in [
+    ("float32", lambda a: a.astype(np.float32)),
+    ("bool", lambda a: a.astype(bool)),
+    ("id -3", lambda a: _set((0,) * (a.ndim - 1), -3)(a)),
+    ("id E", _set((0, 0, 0), E)),
+    ("id 2**40", _set((0, 0, 0), 2**40)),
+    ("id 2**62", _set((0, 0, 0), 2**62)),
+    ("dup", _dup),
+    ("empty", lambda a: a[:0]),
+    ("2d", lambda a: a.reshape(len(a), -1)),
+    ("4d", lambda a: a[None]),
+    ("partial -1", _set((0, 0, 0), -1)),
+    ("one layer -1", _set((0, 1), -1)),
+    ("uint64 2**63", _set((0, 0, 0), 2**63, np.uint64)),
+    ("str", lambda a: a.astype(str)),
+    ("longer", lambda a: np.concatenate([a, a, a])),
+    ("topk 0", lambda a: a[..., :0]),
+]:
     NPZ_MUTATORS[f"npz member {_name}"] = _npz_rewrite(_each_member(_make))
 NPZ_MUTATORS["npz one request dropped"] = _npz_rewrite(lambda m: {k: m[k] for k in sorted(m)[:-1]})
 NPZ_MUTATORS["npz one request extra"] = _npz_rewrite(lambda m: {**m, "zzz": m[sorted(m)[0]]})
@@ -385,12 +424,14 @@ def _dir_emptied(path: Path) -> str:
 
 def _resized(mutator):
     """``mutator`` on the rank file, with the manifest's byte count made to agree: the header itself is checked."""
+
     def mutate(path: Path) -> str:
         name = mutator(path / "rank00000.safetensors")
         doc = json.loads((path / "manifest.json").read_text())
         doc["ranks"]["0"]["files"][0]["bytes"] = (path / "rank00000.safetensors").stat().st_size
         (path / "manifest.json").write_text(json.dumps(doc))
         return name
+
     return mutate
 
 
@@ -399,12 +440,14 @@ def _dump_dir_mutators():
         def mutate(path: Path) -> str:
             (path / name).unlink()
             return name
+
         return mutate
 
     def extra_file(name, data=b"x"):
         def mutate(path: Path) -> str:
             (path / name).write_bytes(data)
             return name
+
         return mutate
 
     def link_out(path: Path) -> str:
@@ -429,12 +472,20 @@ def _dump_dir_mutators():
         (path / "rank00001.json").write_text("{garbage")
         return "rank00001.json"
 
-    return {"dump no manifest": rm("manifest.json"), "dump no rank file": rm("rank00000.safetensors"),
-            "dump rank file symlinked outside": link_out, "dump file name outside": manifest_file_outside,
-            "dump file name not utf8": manifest_file_nonutf8, "dump garbage rank record": stale_rank_record,
-            "dump is a file": _dir_to_file, "dump empty dir": _dir_emptied,
-            "dump manifest non-utf8 bytes": lambda p: (FILE_MUTATORS["garbage appended"](p / "manifest.json"),
-                                                      "manifest.json")[1],
-            "dump manifest nan bytes": extra_file("manifest.json", b'{"version": NaN}'),
-            "dump manifest deep": extra_file("manifest.json", b"[" * 100000 + b"]" * 100000),
-            "dump manifest array": extra_file("manifest.json", b"[1, 2]")}
+    return {
+        "dump no manifest": rm("manifest.json"),
+        "dump no rank file": rm("rank00000.safetensors"),
+        "dump rank file symlinked outside": link_out,
+        "dump file name outside": manifest_file_outside,
+        "dump file name not utf8": manifest_file_nonutf8,
+        "dump garbage rank record": stale_rank_record,
+        "dump is a file": _dir_to_file,
+        "dump empty dir": _dir_emptied,
+        "dump manifest non-utf8 bytes": lambda p: (
+            FILE_MUTATORS["garbage appended"](p / "manifest.json"),
+            "manifest.json",
+        )[1],
+        "dump manifest nan bytes": extra_file("manifest.json", b'{"version": NaN}'),
+        "dump manifest deep": extra_file("manifest.json", b"[" * 100000 + b"]" * 100000),
+        "dump manifest array": extra_file("manifest.json", b"[1, 2]"),
+    }

@@ -28,17 +28,33 @@ def write_v1_dump(path, ids, *, num_layers, num_experts, topk, probs=None, step=
                 tensors[f"step{step}/mb{mb}/layer{layer}/probs"] = probs[layer][mb].contiguous()
     save_file(tensors, path / "rank00000.safetensors", metadata={"schema": SCHEMA, "version": "1", "rank": "0"})
     microbatches = len(next(iter(ids.values())))
-    files = [{"name": "rank00000.safetensors", "bytes": (path / "rank00000.safetensors").stat().st_size,
-              "tensors": len(tensors)}]
+    files = [
+        {
+            "name": "rank00000.safetensors",
+            "bytes": (path / "rank00000.safetensors").stat().st_size,
+            "tensors": len(tensors),
+        }
+    ]
     coords = {"rank": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0}
-    shared = {"schema": SCHEMA, "version": 1, "world_size": 1, "zigzag": True, "ids_dtype": dtype_name,
-              "layout": {"tp": 1, "pp": 1, "vpp": None, "ep": 1, "etp": None, "cp": 1, "sp": False},
-              "model": {"num_layers": num_layers, "moe_layers": sorted(ids), "num_experts": num_experts, "topk": topk},
-              "probs_dtype": None if probs is None else str(next(iter(probs.values()))[0].dtype).split(".")[1]}
+    shared = {
+        "schema": SCHEMA,
+        "version": 1,
+        "world_size": 1,
+        "zigzag": True,
+        "ids_dtype": dtype_name,
+        "layout": {"tp": 1, "pp": 1, "vpp": None, "ep": 1, "etp": None, "cp": 1, "sp": False},
+        "model": {"num_layers": num_layers, "moe_layers": sorted(ids), "num_experts": num_experts, "topk": topk},
+        "probs_dtype": None if probs is None else str(next(iter(probs.values()))[0].dtype).split(".")[1],
+    }
     steps = {str(step): {"microbatches": microbatches, "batch": None, "seq_len": None}}
     record = {**shared, "rank": 0, "coords": coords, "files": files, "steps": steps}
-    manifest = {**shared, "steps": steps, "ranks": {"0": {"coords": coords, "files": files}},
-                "versions": {"moeverify": "0.1.0"}, "created": "2026-01-01T00:00:00+00:00"}
+    manifest = {
+        **shared,
+        "steps": steps,
+        "ranks": {"0": {"coords": coords, "files": files}},
+        "versions": {"moeverify": "0.1.0"},
+        "created": "2026-01-01T00:00:00+00:00",
+    }
     (path / "rank00000.json").write_text(json.dumps(record))
     (path / "manifest.json").write_text(json.dumps(manifest))
     return path
@@ -55,8 +71,9 @@ def convert_to_v1(path):
             for name, t in load_file(path / file["name"]).items():
                 head, kind = name.rsplit("/", 1)
                 if kind in ("ids", "probs"):
-                    tensors.update({f"{head}/layer{layer}/{kind}": t[i].clone() for i, layer in
-                                    enumerate(file["layers"])})
+                    tensors.update(
+                        {f"{head}/layer{layer}/{kind}": t[i].clone() for i, layer in enumerate(file["layers"])}
+                    )
                 else:
                     tensors[name] = t
             save_file(tensors, path / file["name"], metadata={"schema": SCHEMA, "version": "1", "rank": rank})

@@ -49,8 +49,11 @@ def guard_path(tmp_path):
 
 @pytest.fixture(params=["softmax", "sigmoid_bias"])
 def routers(request):
-    extra = {} if request.param == "softmax" else dict(moe_router_score_function="sigmoid",
-                                                       moe_router_enable_expert_bias=True)
+    extra = (
+        {}
+        if request.param == "softmax"
+        else dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    )
     return [make_router(layer, seed=layer, **extra) for layer in (1, 3)]
 
 
@@ -93,8 +96,10 @@ def test_perturbed_routes_give_the_share_counted_by_hand_and_the_minimum_fails_t
     with pytest.raises(RouteError) as err:
         _replay_step(routers, per_layer, x, optimizer)
     worst = min(expected, key=expected.get)
-    assert (f"agreement guard: step 1 replay pass layer {worst} rank 0: agreement (top-k set equal to native "
-            f"routing's) {expected[worst]:.4%} over {T} replayed tokens") in str(err.value)
+    assert (
+        f"agreement guard: step 1 replay pass layer {worst} rank 0: agreement (top-k set equal to native "
+        f"routing's) {expected[worst]:.4%} over {T} replayed tokens"
+    ) in str(err.value)
     assert "expected at least 99.9000% (MOEVERIFY_AGREEMENT_MIN)" in str(err.value)
     rows = {r["layer"]: r["agreement"] for r in map(json.loads, guard_path.read_text().splitlines())}
     assert rows == pytest.approx(expected, abs=0), rows  # written before the step fails

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.spec.layout import Layout
 from moeverify.patches import autopatch, identity
 from moeverify.patches import router_replay as rr
 from moeverify.patches import token_keys as tk
+from moeverify.spec.layout import Layout
 
 B, S, MB, STEPS = 2, 8, 3, 2
 
@@ -95,9 +95,12 @@ def test_recording_carries_one_fingerprint_per_sequence_and_micro_batch(recorded
 def test_replay_on_other_tokens_is_refused_at_the_first_forward(recorded, tmp_path):
     """Issue 22, observed 1: a recording replayed into a run whose data seed differs trained silently."""
     directory, _ = recorded
-    with pytest.raises(RouteError, match=r"rank 0 forward 0 \(recorded step 0, micro-batch 0\): tokens differ in 2 "
-                                         r"of 2 sequence\(s\); first: sequence 0 has fingerprint [0-9a-f]{16}, the "
-                                         r"recording .* holds [0-9a-f]{16}"):
+    with pytest.raises(
+        RouteError,
+        match=r"rank 0 forward 0 \(recorded step 0, micro-batch 0\): tokens differ in 2 "
+        r"of 2 sequence\(s\); first: sequence 0 has fingerprint [0-9a-f]{16}, the "
+        r"recording .* holds [0-9a-f]{16}",
+    ):
         job(directory, "replay", seed=99)
 
 
@@ -109,8 +112,11 @@ def test_replay_one_token_changed_in_a_later_micro_batch_is_refused_there(record
         batches[1][2][1, 5] = (batches[1][2][1, 5] + 1) % 100
         return batches
 
-    with pytest.raises(RouteError, match=r"rank 0 forward 5 \(recorded step 1, micro-batch 2\): tokens differ in 1 of "
-                                         r"2 sequence\(s\); first: sequence 1 "):
+    with pytest.raises(
+        RouteError,
+        match=r"rank 0 forward 5 \(recorded step 1, micro-batch 2\): tokens differ in 1 of "
+        r"2 sequence\(s\); first: sequence 1 ",
+    ):
         job(directory, "replay", seed=1234, tokens=one_token_changed)
 
 
@@ -134,8 +140,11 @@ def test_fingerprints_see_content_length_padding_and_packed_slot():
     assert swapped[0] != plain[0]  # position counts
     packed = tk.packed_fingerprints(torch.tensor([[5, 6, 7, 5, 6, 7]]), cu_seqlens=torch.tensor([0, 3, 6]))
     assert packed[0] != packed[1]  # same content, other slot in the pack
-    slotted = tk.packed_fingerprints(torch.tensor([[5, 6, 7, 0, 5, 6, 7, 0]]), cu_seqlens=torch.tensor([0, 3, 6]),
-                                     cu_seqlens_padded=torch.tensor([0, 4, 8]))
+    slotted = tk.packed_fingerprints(
+        torch.tensor([[5, 6, 7, 0, 5, 6, 7, 0]]),
+        cu_seqlens=torch.tensor([0, 3, 6]),
+        cu_seqlens_padded=torch.tensor([0, 4, 8]),
+    )
     assert torch.equal(slotted, packed)  # slot padding is not content
     assert identity.fingerprints_of((torch.zeros(2, 3),), {}) is None  # no integer input_ids: identity unknown
 
@@ -167,8 +176,12 @@ def test_dump_diff_of_runs_on_other_tokens_says_so_and_refuses(recorded, tmp_pat
     assert code == 0
     import json
 
-    assert json.loads(out.read_text())["token_identity"] == {"identity": "differ", "sequences": 6, "differ": 6,
-                                                             "first": "micro-batch 0, dp rank 0, sequence 0"}
+    assert json.loads(out.read_text())["token_identity"] == {
+        "identity": "differ",
+        "sequences": 6,
+        "differ": 6,
+        "first": "micro-batch 0, dp rank 0, sequence 0",
+    }
     assert text.index("tokens differ in 6 of 6 sequences") < text.index("DIFFERING tokens") < text.index("layer")
     code, text = run_diff(capsys, str(directory), str(directory), "--step", "1")
     assert code == 0 and "tokens: the same in all 6 sequences" in text
@@ -180,13 +193,22 @@ def test_dump_diff_with_a_dump_without_fingerprints_says_identity_unknown(record
 
     directory, _ = recorded
     dump = record.load(directory)
-    old = record.save(tmp_path / "old", dump.routes(step=0), num_layers=dump.model.num_layers,
-                      moe_layers=dump.model.moe_layers, seq_len=S, batch=B, order="sequence")
+    old = record.save(
+        tmp_path / "old",
+        dump.routes(step=0),
+        num_layers=dump.model.num_layers,
+        moe_layers=dump.model.moe_layers,
+        seq_len=S,
+        batch=B,
+        order="sequence",
+    )
     assert not record.load(old).has_fingerprints
     from moeverify.record.summary import summarize
 
-    assert (summarize(record.load(old))["token_identity"], summarize(dump)["token_identity"]) == \
-        ("unknown", "fingerprints")
+    assert (summarize(record.load(old))["token_identity"], summarize(dump)["token_identity"]) == (
+        "unknown",
+        "fingerprints",
+    )
     code, text = run_diff(capsys, str(directory), str(old))
     assert code == 0
     assert f"token identity unknown: B ({old}, step 0) carries no token fingerprints" in text

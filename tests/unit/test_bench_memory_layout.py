@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-
 from pathlib import Path
 
 import pytest
@@ -21,23 +20,29 @@ def memory():
     return module
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("tp1", ("tp1", {}, 1)),
-    ("ep2", ("ep2-dp2", {"ep": 2}, 2)),        # the least world size EP2 admits: the canonical name says dp2
-    ("ep2-dp2", ("ep2-dp2", {"ep": 2}, 2)),
-    ("pp2", ("pp2", {"pp": 2}, 2)),
-    ("pp2-dp2", ("pp2-dp2", {"pp": 2}, 4)),    # dpN given: world = tp*pp*cp*dp
-    ("tp2-sp", ("tp2-sp", {"tp": 2, "sp": True}, 2)),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("tp1", ("tp1", {}, 1)),
+        ("ep2", ("ep2-dp2", {"ep": 2}, 2)),  # the least world size EP2 admits: the canonical name says dp2
+        ("ep2-dp2", ("ep2-dp2", {"ep": 2}, 2)),
+        ("pp2", ("pp2", {"pp": 2}, 2)),
+        ("pp2-dp2", ("pp2-dp2", {"pp": 2}, 4)),  # dpN given: world = tp*pp*cp*dp
+        ("tp2-sp", ("tp2-sp", {"tp": 2, "sp": True}, 2)),
+    ],
+)
 def test_parse_layout_names_world_sizes(memory, name, expected):
     assert memory.parse_layout(name) == expected
 
 
-@pytest.mark.parametrize("name, message", [
-    ("zz2", r"cannot parse part 'zz2'"),
-    ("sp", r"sp \(sequence parallel\) needs tp > 1"),
-    ("ep2-dp1", r"not divisible"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("zz2", r"cannot parse part 'zz2'"),
+        ("sp", r"sp \(sequence parallel\) needs tp > 1"),
+        ("ep2-dp1", r"not divisible"),
+    ],
+)
 def test_parse_layout_refuses_bad_names(memory, name, message):
     with pytest.raises(LayoutError, match=message):
         memory.parse_layout(name)
@@ -59,8 +64,11 @@ def test_rank_peaks_read_from_run_json(memory, tmp_path):
 
 
 def test_fits_per_layout_use_largest_rank(memory):
-    rows = [dict(phase="check:export", layers=n, model_bytes=100 * n, peak=999, layout=layout,
-                 rank_peaks=[a * n + 10, 1]) for n in (2, 4) for layout, a in (("tp1", 3), ("ep2-dp2", 2))]
+    rows = [
+        dict(phase="check:export", layers=n, model_bytes=100 * n, peak=999, layout=layout, rank_peaks=[a * n + 10, 1])
+        for n in (2, 4)
+        for layout, a in (("tp1", 3), ("ep2-dp2", 2))
+    ]
     rows.append(dict(phase="check:export", layers=1, model_bytes=100, peak=50))  # no layout: a 1-rank row
     fits = memory._fits(rows)
     assert fits["check:export@ep2-dp2"] == dict(slope=0.02, fixed_gb=0.0)

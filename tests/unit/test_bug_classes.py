@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from moeverify.spec import bug_classes, expectations
 from moeverify.oracles.results import CheckRecord, Tally
+from moeverify.spec import bug_classes, expectations
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = {"export": "docs/export.md", "replay": "docs/replay_matrix.md", "roundtrip": "docs/design.md",
-        "hf_parity": "docs/design.md"}
+DOCS = {
+    "export": "docs/export.md",
+    "replay": "docs/replay_matrix.md",
+    "roundtrip": "docs/design.md",
+    "hf_parity": "docs/design.md",
+}
 
 
 def _emitted() -> dict[str, tuple[str, ...]]:
@@ -23,8 +27,12 @@ def _emitted() -> dict[str, tuple[str, ...]]:
     from moeverify.oracles.export import collect
     from moeverify.spec.checks import REPLAY_SUBCHECKS
 
-    return {"export": collect.SUBCHECKS + collect.OPTIONAL_SUBCHECKS, "replay": tuple(REPLAY_SUBCHECKS),
-            "roundtrip": roundtrip.SUBCHECKS, "hf_parity": hf_parity.SUBCHECKS}
+    return {
+        "export": collect.SUBCHECKS + collect.OPTIONAL_SUBCHECKS,
+        "replay": tuple(REPLAY_SUBCHECKS),
+        "roundtrip": roundtrip.SUBCHECKS,
+        "hf_parity": hf_parity.SUBCHECKS,
+    }
 
 
 def _catalogues() -> dict[str, dict[str, tuple[str, ...]]]:
@@ -36,10 +44,12 @@ def _catalogues() -> dict[str, dict[str, tuple[str, ...]]]:
     export = {m.name: m.fails for m in mutants.MUTANTS}
     for name, subcheck in receiver_mutants.SUBJECT_MUTANTS.items():
         export[name] = (*export[name], subcheck)
-    return {"export": export,
-            "receiver": {n: (s,) for n, (_, s) in receiver_mutants.MUTANTS.items()},
-            "replay": {n: (s, *faulty.ALSO_FAILS.get(n, ())) for n, s in faulty.MUTANTS.items()},
-            "impl": dict.fromkeys(REPLAY_IMPLS, ())}
+    return {
+        "export": export,
+        "receiver": {n: (s,) for n, (_, s) in receiver_mutants.MUTANTS.items()},
+        "replay": {n: (s, *faulty.ALSO_FAILS.get(n, ())) for n, s in faulty.MUTANTS.items()},
+        "impl": dict.fromkeys(REPLAY_IMPLS, ()),
+    }
 
 
 def test_bug_classes_every_emitted_subcheck_of_every_check_is_declared():
@@ -93,7 +103,8 @@ def test_bug_classes_docs_table_is_the_declaration(check):
     text = (ROOT / DOCS[check]).read_text()
     assert bug_classes.with_table(text, check) == text, (
         f"{DOCS[check]}: the bug-class table of {check} differs from moeverify/spec/bug_classes.py; regenerate with "
-        f"bug_classes.with_table")
+        f"bug_classes.with_table"
+    )
 
 
 def test_bug_classes_upstream_examples_cite_a_thread_or_a_finding():
@@ -109,11 +120,24 @@ def test_bug_classes_minimal_mutant_is_one_the_subcheck_is_shown_to_fail():
             assert c.minimal_item in c.caught_by and len(c.minimal_change) > 20, c
             assert len(c.blind_to) > 40, c
     with pytest.raises(ValueError, match="does not start with one of caught_by"):
-        bug_classes.BugClass(check="export", subcheck="x", guards="g", upstream="u", caught_by=("export:a",),
-                             minimal="export:b: one element", blind_to="nothing")
+        bug_classes.BugClass(
+            check="export",
+            subcheck="x",
+            guards="g",
+            upstream="u",
+            caught_by=("export:a",),
+            minimal="export:b: one element",
+            blind_to="nothing",
+        )
     with pytest.raises(ValueError, match="given together"):
-        bug_classes.BugClass(check="export", subcheck="x", guards="g", upstream="u", caught_by=("export:a",),
-                             minimal="export:a: one element")
+        bug_classes.BugClass(
+            check="export",
+            subcheck="x",
+            guards="g",
+            upstream="u",
+            caught_by=("export:a",),
+            minimal="export:a: one element",
+        )
 
 
 def test_bug_classes_every_subcheck_declares_its_sensitivity():
@@ -134,8 +158,9 @@ def test_bug_classes_refuse_a_malformed_entry():
 def test_records_name_the_class_of_every_subcheck_and_what_did_not_run():
     ok = Tally()
     ok.ok(3)
-    record = CheckRecord.from_tallies(scenario="s", check="export", seconds=1.0,
-                                      tallies={"bitwise": ok, "lockstep": ok})
+    record = CheckRecord.from_tallies(
+        scenario="s", check="export", seconds=1.0, tallies={"bitwise": ok, "lockstep": ok}
+    )
     data = record.as_dict()
     assert data["subchecks"]["bitwise"]["guards"] == bug_classes.guards("export", "bitwise")
     assert set(data["not_run"]) == set(bug_classes.subchecks("export")) - {"bitwise", "lockstep"}

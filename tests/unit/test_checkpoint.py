@@ -36,8 +36,12 @@ def test_tensor_reader_reads_every_tensor_bitwise_as_safe_open_does(tmp_path):
     from moeverify.models.checkpoint import TensorReader
 
     gen = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(3, 5, generator=gen).to(torch.bfloat16), "b": torch.randn(7, generator=gen),
-               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "empty": torch.zeros(0, 4, dtype=torch.float16)}
+    tensors = {
+        "a": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(7, generator=gen),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+    }
     path = tmp_path / "model.safetensors"
     save_file(tensors, str(path))
     reader = TensorReader(path)

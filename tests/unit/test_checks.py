@@ -10,26 +10,28 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from waiting import CHILD_S
 
-from moeverify.spec import checks, options
 from moeverify import cli
 from moeverify.errors import UsageError
+from moeverify.spec import checks, options
 from moeverify.spec.layout import Layout
 from moeverify.spec.router_variants import VARIANTS
-from waiting import CHILD_S
 
 
 def _run_parser():
-    return next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.values()
-                if a.prog.endswith("run"))
+    return next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("run"))
 
 
 def test_checks_every_entry_point_loads_a_function():
     loaded = {name: spec.load() for name, spec in checks.CHECKS.items()}
     assert sorted(loaded) == ["export", "hf_parity", "replay", "roundtrip"]
     assert {name: (fn.__module__, fn.__name__) for name, fn in loaded.items()} == {
-        "roundtrip": ("moeverify.oracles.roundtrip", "run"), "export": ("moeverify.oracles.export.oracle", "run"),
-        "replay": ("moeverify.oracles.replay.oracle", "run"), "hf_parity": ("moeverify.oracles.hf_parity", "run")}
+        "roundtrip": ("moeverify.oracles.roundtrip", "run"),
+        "export": ("moeverify.oracles.export.oracle", "run"),
+        "replay": ("moeverify.oracles.replay.oracle", "run"),
+        "hf_parity": ("moeverify.oracles.hf_parity", "run"),
+    }
 
 
 def test_checks_resolve_unknown_names_the_known_checks():
@@ -38,8 +40,11 @@ def test_checks_resolve_unknown_names_the_known_checks():
 
 
 def test_checks_option_table_is_every_declared_field():
-    declared = {meta.key: (name, field.default) for name, spec in checks.CHECKS.items()
-                for field, meta in spec.options.declared()}
+    declared = {
+        meta.key: (name, field.default)
+        for name, spec in checks.CHECKS.items()
+        for field, meta in spec.options.declared()
+    }
     assert {k: o.check for k, o in options.OPTIONS.items()} == {k: check for k, (check, _) in declared.items()}
     assert len(declared) == 13
 
@@ -55,28 +60,40 @@ def test_checks_option_declared_by_two_checks_refused():
 
 
 def test_checks_typed_defaults_are_what_the_checks_use():
-    assert checks.ExportOptions.from_options({}) == checks.ExportOptions(subject="sharded", lockstep_timeout=None,
-                                                                         refresh=None, receiver=None)
+    assert checks.ExportOptions.from_options({}) == checks.ExportOptions(
+        subject="sharded", lockstep_timeout=None, refresh=None, receiver=None
+    )
     replay = checks.ReplayOptions.from_options({})
     assert (replay.impl, replay.variants, replay.seq_len, replay.batch) == ("moeverify", (VARIANTS["default"],), 16, 2)
     assert replay.subchecks == checks.CHECKS["replay"].subchecks and replay.recompute == ("full", "moe")
 
 
 def test_checks_from_options_reads_its_own_keys_converted_and_none_as_unset():
-    merged = {"subject": "bridge", "replay_seq_len": 8, "router_variants": "full", "replay_impl": None,
-              "replay_subchecks": "drift, recompute"}
+    merged = {
+        "subject": "bridge",
+        "replay_seq_len": 8,
+        "router_variants": "full",
+        "replay_impl": None,
+        "replay_subchecks": "drift, recompute",
+    }
     assert checks.ExportOptions.from_options(merged).subject == "bridge"
     replay = checks.ReplayOptions.from_options(merged)
     assert (replay.seq_len, replay.impl, replay.subchecks) == (8, "moeverify", ("drift", "recompute"))
     assert replay.variants == tuple(VARIANTS.values())
 
 
-@pytest.mark.parametrize(("raw", "match"), [
-    ({"refresh": "yes"}, r"^export check options: option refresh: expected true, false or auto, got 'yes'$"),
-    ({"lockstep_timeout": 0}, r"^export check options: option lockstep_timeout: expected a finite number of "
-                              r"seconds > 0, got 0$"),
-    ({"subject": "nocolon"}, r"^export check options: option subject: subject 'nocolon' is not bridge, sharded"),
-])
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"refresh": "yes"}, r"^export check options: option refresh: expected true, false or auto, got 'yes'$"),
+        (
+            {"lockstep_timeout": 0},
+            r"^export check options: option lockstep_timeout: expected a finite number of "
+            r"seconds > 0, got 0$",
+        ),
+        ({"subject": "nocolon"}, r"^export check options: option subject: subject 'nocolon' is not bridge, sharded"),
+    ],
+)
 def test_checks_from_options_validates_again_naming_where(raw, match):
     with pytest.raises(UsageError, match=match):
         checks.ExportOptions.from_options(raw, where="export check options")
@@ -86,19 +103,22 @@ USER = "my_pkg.export:factory"
 USER_FILE = f"{Path(__file__).resolve().parents[1] / 'special_distributed' / 'stale_subject.py'}:stale"
 
 
-@pytest.mark.parametrize(("options_", "on", "why"), [
-    ({"subject": USER}, True, "default for a user's subject (my_pkg.export:factory); --no-refresh"),
-    ({"subject": USER_FILE}, True, f"default for a user's subject ({USER_FILE})"),
-    ({"subject": "sharded", "receiver": "fused"}, True, "default with a receiver (fused)"),
-    ({"receiver": "my_pkg.engine:receiver"}, True, "default with a receiver (my_pkg.engine:receiver)"),
-    ({}, False, "default for the built-in subject sharded without a receiver; --refresh"),
-    ({"subject": "gather"}, False, "default for the built-in subject gather"),
-    ({"subject": "verl", "refresh": "auto"}, False, "default for the built-in subject verl"),
-    ({"subject": USER, "refresh": "auto"}, True, "default for a user's subject"),
-    ({"subject": USER, "refresh": False}, False, "turned off (--no-refresh or refresh: false)"),
-    ({"subject": USER, "receiver": "fused", "refresh": False}, False, "turned off"),
-    ({"subject": "bridge", "refresh": True}, True, "asked (--refresh or refresh: true)"),
-])
+@pytest.mark.parametrize(
+    ("options_", "on", "why"),
+    [
+        ({"subject": USER}, True, "default for a user's subject (my_pkg.export:factory); --no-refresh"),
+        ({"subject": USER_FILE}, True, f"default for a user's subject ({USER_FILE})"),
+        ({"subject": "sharded", "receiver": "fused"}, True, "default with a receiver (fused)"),
+        ({"receiver": "my_pkg.engine:receiver"}, True, "default with a receiver (my_pkg.engine:receiver)"),
+        ({}, False, "default for the built-in subject sharded without a receiver; --refresh"),
+        ({"subject": "gather"}, False, "default for the built-in subject gather"),
+        ({"subject": "verl", "refresh": "auto"}, False, "default for the built-in subject verl"),
+        ({"subject": USER, "refresh": "auto"}, True, "default for a user's subject"),
+        ({"subject": USER, "refresh": False}, False, "turned off (--no-refresh or refresh: false)"),
+        ({"subject": USER, "receiver": "fused", "refresh": False}, False, "turned off"),
+        ({"subject": "bridge", "refresh": True}, True, "asked (--refresh or refresh: true)"),
+    ],
+)
 def test_checks_export_refresh_resolves_by_subject_receiver_and_request(options_, on, why):
     opts = checks.ExportOptions.from_options(options_)
     assert opts.refresh_on is on
@@ -106,17 +126,20 @@ def test_checks_export_refresh_resolves_by_subject_receiver_and_request(options_
     assert opts.decisions() == {"refresh": {"on": on, "why": opts.refresh_why}}
 
 
-@pytest.mark.parametrize(("scenario", "argv", "on"), [
-    ({}, [], False),  # built-in subject alone
-    ({}, ["--subject", USER], True),  # a user's subject: on with no option
-    ({}, ["--subject", USER, "--no-refresh"], False),  # the flag turns it off
-    ({}, ["--refresh"], True),  # and on for a built-in
-    ({"refresh": True}, ["--no-refresh"], False),  # a flag overrides the scenario's key, both ways
-    ({"subject": USER, "refresh": False}, ["--refresh"], True),
-    ({"subject": USER, "refresh": False}, [], False),  # the scenario key alone
-    ({"refresh": True}, [], True),
-    ({"receiver": "fused"}, [], True),
-])
+@pytest.mark.parametrize(
+    ("scenario", "argv", "on"),
+    [
+        ({}, [], False),  # built-in subject alone
+        ({}, ["--subject", USER], True),  # a user's subject: on with no option
+        ({}, ["--subject", USER, "--no-refresh"], False),  # the flag turns it off
+        ({}, ["--refresh"], True),  # and on for a built-in
+        ({"refresh": True}, ["--no-refresh"], False),  # a flag overrides the scenario's key, both ways
+        ({"subject": USER, "refresh": False}, ["--refresh"], True),
+        ({"subject": USER, "refresh": False}, [], False),  # the scenario key alone
+        ({"refresh": True}, [], True),
+        ({"receiver": "fused"}, [], True),
+    ],
+)
 def test_checks_export_refresh_flags_and_scenario_keys(scenario, argv, on):
     args = _run_parser().parse_args(argv)
     flags = {o.name: getattr(args, o.name) for o in options.OPTIONS.values() if o.flag}
@@ -129,8 +152,10 @@ def test_checks_export_refresh_flag_names_itself_in_messages():
     assert (refresh.flag_for(True), refresh.flag_for(False)) == ("--refresh", "--no-refresh")
     assert options.OPTIONS["subject"].flag_for("x") == "--subject"
     assert options.OPTIONS["replay_seq_len"].flag_for(3) == "replay_seq_len"
-    assert options.validate("x", "refresh", "auto") == "auto" and checks.ExportOptions.from_options(
-        {"refresh": "auto"}).refresh is None
+    assert (
+        options.validate("x", "refresh", "auto") == "auto"
+        and checks.ExportOptions.from_options({"refresh": "auto"}).refresh is None
+    )
 
 
 def test_checks_replay_scenario_rule_reads_the_declared_seq_len():
@@ -139,7 +164,8 @@ def test_checks_replay_scenario_rule_reads_the_declared_seq_len():
     assert replay.refusal({"replay_seq_len": 12}, Layout(cp=3), world_size=3) is None
     assert replay.refusal({}, Layout(cp=3), world_size=3) == (
         "the replay check's sequence of 16 tokens is not divisible by 2 * cp = 6 (context parallelism splits each "
-        "sequence in 2 * cp chunks); set options: {replay_seq_len: N} with N a multiple of it")
+        "sequence in 2 * cp chunks); set options: {replay_seq_len: N} with N a multiple of it"
+    )
     assert checks.CHECKS["export"].refusal({}, Layout(cp=3), world_size=3) is None
 
 
@@ -149,12 +175,19 @@ def test_checks_without_options_read_none():
     assert spec.refusal({"replay_seq_len": 3}, Layout(cp=2), world_size=2) is None
 
 
-@pytest.mark.parametrize(("layout", "world_size", "match"), [
-    (Layout(), 2, r"^hf_parity runs on one rank with the default layout .*not at world_size 2: put hf_parity in a "
-                  r"world_size 1 scenario"),
-    (Layout(ep=2), 2, r"not at world_size 2, layout ep2-dp2: put hf_parity"),
-    (Layout(tp=2), 4, r"not at world_size 4, layout tp2-dp2"),
-])
+@pytest.mark.parametrize(
+    ("layout", "world_size", "match"),
+    [
+        (
+            Layout(),
+            2,
+            r"^hf_parity runs on one rank with the default layout .*not at world_size 2: put hf_parity in a "
+            r"world_size 1 scenario",
+        ),
+        (Layout(ep=2), 2, r"not at world_size 2, layout ep2-dp2: put hf_parity"),
+        (Layout(tp=2), 4, r"not at world_size 4, layout tp2-dp2"),
+    ],
+)
 def test_checks_hf_parity_is_refused_at_load_off_one_rank(layout, world_size, match):
     import re
 
@@ -190,7 +223,8 @@ def test_checks_declarations_import_no_torch(repo_root):
         from moeverify.spec import checks, options
         from moeverify.spec.layout import Layout
         opts = checks.ReplayOptions.from_options({"router_variants": "full", "replay_seq_len": 8})
-        print(len(opts.variants), len(options.OPTIONS), checks.CHECKS["replay"].refusal({}, Layout(cp=3), world_size=3)[:40])
+        refusal = checks.CHECKS["replay"].refusal({}, Layout(cp=3), world_size=3)
+        print(len(opts.variants), len(options.OPTIONS), refusal[:40])
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stderr
@@ -200,7 +234,7 @@ def test_checks_declarations_import_no_torch(repo_root):
 
 def test_checks_export_docs_table_lists_the_declared_subchecks(repo_root):
     text = (repo_root / "docs" / "export.md").read_text()
-    table = text[text.index("| subcheck | checks | counts |"):text.index("\n\n", text.index("| subcheck | checks |"))]
+    table = text[text.index("| subcheck | checks | counts |") : text.index("\n\n", text.index("| subcheck | checks |"))]
     rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
     always = tuple(r.strip("`") for r in rows if "(option)" not in r)
     assert always == checks.CHECKS["export"].subchecks
@@ -209,12 +243,21 @@ def test_checks_export_docs_table_lists_the_declared_subchecks(repo_root):
 def test_checks_selected_subchecks_follow_the_declared_option():
     replay, export = checks.CHECKS["replay"], checks.CHECKS["export"]
     assert replay.selected_subchecks({}) == (replay.subchecks, None)
-    assert replay.selected_subchecks({"replay_subchecks": ("weights", "drift")}) == (("drift", "weights"),
-                                                                                     "replay_subchecks")
+    assert replay.selected_subchecks({"replay_subchecks": ("weights", "drift")}) == (
+        ("drift", "weights"),
+        "replay_subchecks",
+    )
     assert export.selected_subchecks({"replay_subchecks": ("drift",)}) == (export.declared_subchecks, None)
-    assert export.declared_subchecks == export.subchecks + ("refresh", "receiver", "receiver_reload", "refresh_delta",
-                                                            "receiver_ranks", "receiver_repeat", "receiver_wake",
-                                                            "receiver_copies")
+    assert export.declared_subchecks == export.subchecks + (
+        "refresh",
+        "receiver",
+        "receiver_reload",
+        "refresh_delta",
+        "receiver_ranks",
+        "receiver_repeat",
+        "receiver_wake",
+        "receiver_copies",
+    )
 
 
 def test_replay_subchecks_in_layout_leaves_out_every_whole_model_build():

@@ -31,8 +31,13 @@ PRELUDE = textwrap.dedent(f"""
 
 
 def _run(repo_root, code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=repo_root,
-                          capture_output=True, text=True, timeout=CHILD_S)
+    return subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_S,
+    )
 
 
 def _main(argv: list[str]) -> str:
@@ -65,11 +70,14 @@ def test_scenario_validation_of_every_shipped_file_without_torch(repo_root, tmp_
         (tmp_path / path.name).write_text(text)
         files.append(str(tmp_path / path.name))
     assert len(files) >= 5
-    proc = _run(repo_root, f"""
+    proc = _run(
+        repo_root,
+        f"""
         from moeverify.spec import scenario
         for f in {files!r}:
             print(f, len(scenario.load([f])))
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr
     counts = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines()}
     assert sorted(counts) == files and min(counts.values()) > 0, counts

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import re
 
-
 from moeverify import cli
 
 # Qwen3-235B-A22B's shape (its published config.json): what the layout rules check against.
-SHAPE = dict(num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
-             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, intermediate_size=12288,
-             vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[])
+SHAPE = dict(
+    num_hidden_layers=94,
+    hidden_size=4096,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=1536,
+    intermediate_size=12288,
+    vocab_size=151936,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 
 
 def _blocks(text: str, lang: str) -> list[str]:
@@ -47,7 +57,23 @@ def test_cluster_doc_layout_without_the_uneven_split_is_not_run_with_the_rule(tm
     config = transformers.Qwen3MoeConfig(**SHAPE)
     config.architectures = ["Qwen3MoeForCausalLM"]
     config.save_pretrained(tmp_path / "m")
-    assert cli.main(["run", str(tmp_path / "even.yaml"), "--model", str(tmp_path / "m"), "--nnodes", "4",
-                     "--node-rank", "0", "--rdzv-endpoint", "localhost:29500", "--list"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                str(tmp_path / "even.yaml"),
+                "--model",
+                str(tmp_path / "m"),
+                "--nnodes",
+                "4",
+                "--node-rank",
+                "0",
+                "--rdzv-endpoint",
+                "localhost:29500",
+                "--list",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "(not run: model:m does not admit this layout: num_layers 94 is not divisible by pp*vpp = 8*1 = 8" in out

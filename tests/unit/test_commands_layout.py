@@ -17,10 +17,19 @@ def _argparse_users(package: Path) -> list[str]:
     out = []
     for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text())
-        imports = any(isinstance(n, ast.Import) and any(a.name == "argparse" for a in n.names)
-                      or isinstance(n, ast.ImportFrom) and n.module == "argparse" for n in ast.walk(tree))
-        declares = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                       and n.func.attr in ("add_argument", "add_parser") for n in ast.walk(tree))
+        imports = any(
+            isinstance(n, ast.Import)
+            and any(a.name == "argparse" for a in n.names)
+            or isinstance(n, ast.ImportFrom)
+            and n.module == "argparse"
+            for n in ast.walk(tree)
+        )
+        declares = any(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("add_argument", "add_parser")
+            for n in ast.walk(tree)
+        )
         if imports or declares:
             out.append(path.relative_to(package).as_posix())
     return out
@@ -34,8 +43,10 @@ def test_argparse_code_only_in_cli_and_commands(repo_root):
 
 @pytest.mark.timing
 def test_importing_the_dump_format_loads_no_command(repo_root):
-    code = ("import sys, moeverify.record, moeverify.record.reader, moeverify.record.importers\n"
-            "print(sorted(m for m in sys.modules if m == 'moeverify.cli' or m.startswith('moeverify.commands')))")
+    code = (
+        "import sys, moeverify.record, moeverify.record.reader, moeverify.record.importers\n"
+        "print(sorted(m for m in sys.modules if m == 'moeverify.cli' or m.startswith('moeverify.commands')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

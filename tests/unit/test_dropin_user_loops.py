@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.spec.layout import Layout
 from moeverify.patches import router_replay as rr
 from moeverify.routing.routes import Routes
+from moeverify.spec.layout import Layout
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 B, S, MB = 2, 8, 3
@@ -27,8 +27,9 @@ class RouterSpy:
 
     def __init__(self, chunks):
         self.forward: dict[int, list[torch.Tensor]] = {}
-        self.handles = [m.register_forward_hook(self._hook) for c in chunks for m in c.modules()
-                        if type(m).__name__ == "TopKRouter"]
+        self.handles = [
+            m.register_forward_hook(self._hook) for c in chunks for m in c.modules() if type(m).__name__ == "TopKRouter"
+        ]
 
     def _hook(self, router, _inputs, outputs):
         if torch._C._current_graph_task_id() != -1:
@@ -143,8 +144,11 @@ def test_loop_actor_and_reference_sessions_keep_their_own_routes(qwen):
                 reference(t, pos(), None)
                 actor(t, pos(), None)
     actor_routes, ref_routes = on_actor.routes(), on_ref.routes()
-    assert any(not torch.equal(actor_routes.get(layer, mb), ref_routes.get(layer, mb))
-               for layer in on_actor.layers for mb in range(MB))
+    assert any(
+        not torch.equal(actor_routes.get(layer, mb), ref_routes.get(layer, mb))
+        for layer in on_actor.layers
+        for mb in range(MB)
+    )
     for layer in on_actor.layers:
         for mb in range(MB):
             assert torch.equal(srt(actor_routes.get(layer, mb)), spy_a.forward[layer][mb])
@@ -196,9 +200,15 @@ def replay_rollout(chunk, tokens_BS, arrays, *, lengths, num_layers, columns_all
     from moeverify.routing.views import job_layout
 
     session = rr.ReplaySession(chunk)
-    routes = Routes.from_rollout(arrays, layers=list(session.layers), num_experts=session.num_experts,
-                                 lengths=lengths, seq_len=S, num_layers=num_layers,
-                                 numbering="decoder" if columns_all_layers else "routers")
+    routes = Routes.from_rollout(
+        arrays,
+        layers=list(session.layers),
+        num_experts=session.num_experts,
+        lengths=lengths,
+        seq_len=S,
+        num_layers=num_layers,
+        numbering="decoder" if columns_all_layers else "routers",
+    )
     layout, coords, _ = job_layout(sp=False)
     local = routes.to_local(layout, coords=coords, seq_len=S, batch=len(lengths), num_layers=num_layers)
     with RouterSpy([chunk]) as spy, session.replay(local):
@@ -240,8 +250,14 @@ def test_loop_dense_prefix_keys_routes_by_global_layer(deepseek):
         full[:, list(layers)] = torch.as_tensor(a)
         all_layer.append(full.numpy())
     for given, columns_all_layers in ((arrays, False), (all_layer, True)):
-        _, _, spy = replay_rollout(chunk, tokens_BS, given, lengths=lengths, num_layers=config.num_layers,
-                                   columns_all_layers=columns_all_layers)
+        _, _, spy = replay_rollout(
+            chunk,
+            tokens_BS,
+            given,
+            lengths=lengths,
+            num_layers=config.num_layers,
+            columns_all_layers=columns_all_layers,
+        )
         assert_engine_routes_followed(spy, stacked_SBLK, layers, lengths)
     moe_index = Routes.from_rollout(arrays, layers=[0, 1, 2], num_experts=8, lengths=lengths, seq_len=S)
     with pytest.raises(RouteError, match=r"routes layers \[0, 1, 2\] != expected \[1, 2, 3\] .*global layer"):
@@ -269,11 +285,18 @@ def test_loop_second_step_replays_its_own_recording_and_refuses_stale_routes(qwe
         summed_step(chunk, second)
     session.check_consumed()
     assert session.layers
-    assert [(layer, mb) for layer in session.layers for mb in range(MB)
-            if not torch.equal(spy.forward[layer][mb], srt(step2.get(layer, mb)))] == []
+    assert [
+        (layer, mb)
+        for layer in session.layers
+        for mb in range(MB)
+        if not torch.equal(spy.forward[layer][mb], srt(step2.get(layer, mb)))
+    ] == []
     for stale in (step1, session.routes()):  # a third step that forgot record(): last step's routes, new data
-        with pytest.raises(RouteError, match=r"chunk 0 rank 0 mb 0: the token ids of replayed forward 0 are not "
-                                             r"those micro-batch 0's routes were recorded on \(they match no"):
+        with pytest.raises(
+            RouteError,
+            match=r"chunk 0 rank 0 mb 0: the token ids of replayed forward 0 are not "
+            r"those micro-batch 0's routes were recorded on \(they match no",
+        ):
             with session.replay(stale):
                 summed_step(chunk, data(vocab, seed=90))
         session.check_consumed()
@@ -292,8 +315,11 @@ def test_loop_microbatch_order_changed_is_refused(qwen):
             summed_step(chunk, list(reversed(mbs)))
     session.check_consumed()
     # Deliberately other inputs: rebuild the routes (no recorded inputs travel with them).
-    rebuilt = Routes({layer: [routes.get(layer, mb) for mb in (2, 1, 0)] for layer in routes.layers},
-                     num_experts=routes.num_experts, topk=routes.topk)
+    rebuilt = Routes(
+        {layer: [routes.get(layer, mb) for mb in (2, 1, 0)] for layer in routes.layers},
+        num_experts=routes.num_experts,
+        topk=routes.topk,
+    )
     native = summed_step(chunk, list(reversed(mbs)))
     with session.replay(rebuilt):
         replayed = summed_step(chunk, list(reversed(mbs)))
@@ -312,14 +338,18 @@ def test_loop_misuse_is_refused(qwen):
         with pytest.raises(UsageError, match=r"routes\(\) inside record\(\)"):
             session.routes()
         with pytest.raises(UsageError, match=r"this session is already recording"):
-            with session.replay(Routes({layer: [torch.tensor([[0, 1]] * B * S)] for layer in session.layers},
-                                       num_experts=8, topk=2)):
+            with session.replay(
+                Routes({layer: [torch.tensor([[0, 1]] * B * S)] for layer in session.layers}, num_experts=8, topk=2)
+            ):
                 pass
     routes = log_prob_pass(session, chunk, mbs)
     with session.replay(routes):  # one of three micro-batches trained; check_consumed() forgotten
         summed_step(chunk, mbs[:1])
-    with pytest.raises(RouteError, match=r"previous replay on these routers was never checked .* layer 0 rank 0 mb 1: "
-                                         r"2 of 3 replayed micro-batch\(es\) never used"):
+    with pytest.raises(
+        RouteError,
+        match=r"previous replay on these routers was never checked .* layer 0 rank 0 mb 1: "
+        r"2 of 3 replayed micro-batch\(es\) never used",
+    ):
         log_prob_pass(rr.ReplaySession(chunk), chunk, mbs)  # the next step, even through a new session
     set_full_recompute(chunk, True)
     try:
@@ -341,10 +371,12 @@ def test_loop_one_sequence_rollout_split_in_microbatches_goes_through_to_local(q
     mbs = data(vocab, 2, seed=120, batch=1)
     session = rr.ReplaySession(chunk)
     recorded = log_prob_pass(session, chunk, mbs)
-    engine_TLK = torch.cat([torch.stack([recorded.get(layer, mb) for layer in session.layers], dim=1)
-                            for mb in range(2)])[:-1]  # one sequence per micro-batch, the last row missing
-    routes = Routes.from_rollout(engine_TLK.numpy(), layers=list(session.layers), num_experts=session.num_experts,
-                                 tokens=2 * S, split=[S, S])
+    engine_TLK = torch.cat(
+        [torch.stack([recorded.get(layer, mb) for layer in session.layers], dim=1) for mb in range(2)]
+    )[:-1]  # one sequence per micro-batch, the last row missing
+    routes = Routes.from_rollout(
+        engine_TLK.numpy(), layers=list(session.layers), num_experts=session.num_experts, tokens=2 * S, split=[S, S]
+    )
     assert routes.order == "sequence"  # also for one sequence (docs/router_replay.md said None before)
     with pytest.raises(RouteError, match=r"rank 0: these routes are in sequence order"):
         with session.replay(routes):

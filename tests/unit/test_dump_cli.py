@@ -15,8 +15,14 @@ from moeverify.routing.routes import Routes
 
 def _routes(seed=0, *, tokens=24, layers=(0, 1, 2), experts=8, topk=2, microbatches=1):
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                           for _ in range(microbatches)] for layer in layers}, num_experts=experts, topk=topk)
+    return Routes(
+        {
+            layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+            for layer in layers
+        },
+        num_experts=experts,
+        topk=topk,
+    )
 
 
 @pytest.fixture
@@ -67,8 +73,23 @@ def test_cli_convert_npy_to_dump_and_back_to_npz(tmp_path):
     routes = _routes(1)
     stacked = torch.stack([routes.get(layer, 0) for layer in routes.layers], dim=1).numpy().astype(np.int32)
     np.save(tmp_path / "r.npy", stacked)
-    assert main(["dump", "convert", str(tmp_path / "r.npy"), str(tmp_path / "d"), "--num-experts", "8",
-                 "--moe-layers", "1,3,5", "--num-layers", "6"]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "convert",
+                str(tmp_path / "r.npy"),
+                str(tmp_path / "d"),
+                "--num-experts",
+                "8",
+                "--moe-layers",
+                "1,3,5",
+                "--num-layers",
+                "6",
+            ]
+        )
+        == 0
+    )
     dump = record.load(tmp_path / "d")
     assert dump.model.moe_layers == (1, 3, 5) and dump.model.num_layers == 6
     assert torch.equal(dump.routes().get(3, 0), routes.get(1, 0))
@@ -78,8 +99,9 @@ def test_cli_convert_npy_to_dump_and_back_to_npz(tmp_path):
 
 
 def test_cli_convert_npz_arrays_become_microbatches(tmp_path):
-    arrays = {f"seq{i}": np.stack([np.array([[0, 1]] * (3 + i)), np.array([[2, 3]] * (3 + i))], axis=1)
-              for i in range(3)}
+    arrays = {
+        f"seq{i}": np.stack([np.array([[0, 1]] * (3 + i)), np.array([[2, 3]] * (3 + i))], axis=1) for i in range(3)
+    }
     np.savez(tmp_path / "r.npz", **arrays)
     assert main(["dump", "convert", str(tmp_path / "r.npz"), str(tmp_path / "d")]) == 0
     routes = record.load(tmp_path / "d").routes()
@@ -93,13 +115,49 @@ def test_cli_convert_router_trace_jsonl(tmp_path):
         for mb in range(2):
             for layer in (0, 1):
                 ids = [[(step + mb + layer + t) % 4, (step + mb + layer + t + 1) % 4] for t in range(3)]
-                lines.append({"step": step, "stage": "pre_dispatch", "block": "decoder", "layer": layer, "rank": 0,
-                              "num_tokens": 3, "topk": 2, "top_indices": ids})
-        lines.append({"step": step, "stage": "pre_dispatch", "block": "mtp", "mtp_idx": 0, "layer": 0, "rank": 0,
-                      "num_tokens": 3, "topk": 2, "top_indices": [[0, 1]] * 3})
+                lines.append(
+                    {
+                        "step": step,
+                        "stage": "pre_dispatch",
+                        "block": "decoder",
+                        "layer": layer,
+                        "rank": 0,
+                        "num_tokens": 3,
+                        "topk": 2,
+                        "top_indices": ids,
+                    }
+                )
+        lines.append(
+            {
+                "step": step,
+                "stage": "pre_dispatch",
+                "block": "mtp",
+                "mtp_idx": 0,
+                "layer": 0,
+                "rank": 0,
+                "num_tokens": 3,
+                "topk": 2,
+                "top_indices": [[0, 1]] * 3,
+            }
+        )
     (tmp_path / "router_trace_rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["dump", "convert", str(tmp_path / "router_trace_rank0.jsonl"), str(tmp_path / "d"),
-                 "--num-experts", "4", "--layer-offset", "2", "--microbatches", "2"]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "convert",
+                str(tmp_path / "router_trace_rank0.jsonl"),
+                str(tmp_path / "d"),
+                "--num-experts",
+                "4",
+                "--layer-offset",
+                "2",
+                "--microbatches",
+                "2",
+            ]
+        )
+        == 0
+    )
     dump = record.load(tmp_path / "d")
     assert sorted(dump.steps) == [0, 1] and dump.model.moe_layers == (2, 3)
     routes = dump.routes(step=1)
@@ -146,8 +204,10 @@ def test_cli_diff_refuses_sources_whose_token_order_is_unknown(tmp_path, capsys)
     r = _routes(2, tokens=32)
     record.save(tmp_path / "nogeo", r)
     np.save(tmp_path / "r.npy", _stacked(r))
-    for argv in (["dump", "diff", str(tmp_path / "nogeo"), str(tmp_path / "nogeo")],
-                 ["dump", "diff", str(tmp_path / "r.npy"), str(tmp_path / "r.npy")]):
+    for argv in (
+        ["dump", "diff", str(tmp_path / "nogeo"), str(tmp_path / "nogeo")],
+        ["dump", "diff", str(tmp_path / "r.npy"), str(tmp_path / "r.npy")],
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "cannot line the two sources up token for token" in err and "--assume-same-order" in err, err
@@ -168,11 +228,43 @@ def test_cli_diff_lines_up_router_order_and_sequence_order_token_for_token(tmp_p
     train, rollout = str(tmp_path / "train"), str(tmp_path / "rollout.npy")
     assert main(["dump", "diff", train, rollout, "--order-b", "sequence", "--fail-on-diff"]) == 0
     np.save(tmp_path / "as_router.npy", _stacked(router_order))
-    assert main(["dump", "diff", train, str(tmp_path / "as_router.npy"), "--order-b", "router", "--seq-len",
-                 str(seq_len), "--batch", str(batch), "--fail-on-diff"]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "diff",
+                train,
+                str(tmp_path / "as_router.npy"),
+                "--order-b",
+                "router",
+                "--seq-len",
+                str(seq_len),
+                "--batch",
+                str(batch),
+                "--fail-on-diff",
+            ]
+        )
+        == 0
+    )
     # The wrong claim is caught as a difference, not passed: the rollout array read as router order.
-    assert main(["dump", "diff", train, rollout, "--order-b", "router", "--seq-len", str(seq_len), "--batch",
-                 str(batch), "--fail-on-diff"]) == 1
+    assert (
+        main(
+            [
+                "dump",
+                "diff",
+                train,
+                rollout,
+                "--order-b",
+                "router",
+                "--seq-len",
+                str(seq_len),
+                "--batch",
+                str(batch),
+                "--fail-on-diff",
+            ]
+        )
+        == 1
+    )
     assert main(["dump", "diff", train, rollout, "--order-b", "router"]) == 2
     assert "need --seq-len and --batch" in capsys.readouterr().err
 
@@ -183,23 +275,43 @@ def test_cli_convert_records_the_token_order_it_is_given(tmp_path, capsys):
     seq_len, batch = 8, 3
     router_order = _routes(4, tokens=seq_len * batch)
     record.save(tmp_path / "train", router_order, order="router", seq_len=seq_len, batch=batch)
-    np.save(tmp_path / "seq.npy", _stacked(to_sequence_order(router_order, order="router", seq_len=seq_len,
-                                                             batch=batch)))
+    np.save(
+        tmp_path / "seq.npy", _stacked(to_sequence_order(router_order, order="router", seq_len=seq_len, batch=batch))
+    )
     assert main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8"]) == 2
     assert "--seq-len and --batch go together" in capsys.readouterr().err
-    assert main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8",
-                 "--batch", "3"]) == 2
+    assert (
+        main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8", "--batch", "3"])
+        == 2
+    )
     assert "give --order sequence" in capsys.readouterr().err
     assert not (tmp_path / "conv").exists()
-    assert main(["dump", "convert", str(tmp_path / "seq.npy"), str(tmp_path / "conv"), "--seq-len", "8",
-                 "--batch", "3", "--order", "sequence", "--num-experts", "8"]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "convert",
+                str(tmp_path / "seq.npy"),
+                str(tmp_path / "conv"),
+                "--seq-len",
+                "8",
+                "--batch",
+                "3",
+                "--order",
+                "sequence",
+                "--num-experts",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert record.load(tmp_path / "conv").token_order(0) == "sequence"
     assert main(["dump", "diff", str(tmp_path / "train"), str(tmp_path / "conv"), "--fail-on-diff"]) == 0
 
 
-@pytest.mark.parametrize(("make", "match"), [
-    (lambda d: np.save(d / "src.npy", np.zeros((0, 2, 2), dtype=np.int64)), "hold no tokens"),
-])
+@pytest.mark.parametrize(
+    ("make", "match"), [(lambda d: np.save(d / "src.npy", np.zeros((0, 2, 2), dtype=np.int64)), "hold no tokens")]
+)
 def test_cli_convert_bad_arrays_exit_2_and_leave_nothing(tmp_path, capsys, make, match):
     make(tmp_path)
     assert main(["dump", "convert", str(tmp_path / "src.npy"), str(tmp_path / "out")]) == 2
@@ -244,8 +356,15 @@ def test_cli_outputs_that_cannot_be_written_are_refused_before_work(two_dumps, t
 
 
 def test_cli_convert_router_trace_refuses_non_integer_ids(tmp_path, capsys):
-    rec = {"step": 0, "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2, "topk": 2,
-           "top_indices": [[0.9, 2.5], [1, 3]]}
+    rec = {
+        "step": 0,
+        "block": "decoder",
+        "layer": 0,
+        "rank": 0,
+        "num_tokens": 2,
+        "topk": 2,
+        "top_indices": [[0.9, 2.5], [1, 3]],
+    }
     trace = tmp_path / "router_trace_rank0.jsonl"
     for bad in ([[0.9, 2.5], [1, 3]], [[True, 2], [1, 3]]):
         trace.write_text(json.dumps({**rec, "top_indices": bad}) + "\n")
@@ -267,12 +386,19 @@ def test_rollout_npy_keeps_an_interior_capture_gap_in_place(tmp_path, capsys):
     rollout_PLK = np.array(seq_TK)[:, None, :].copy()
     rollout_PLK[1] = -1  # a capture gap inside the request: later positions must not move up
     results = {}
-    for kind, write in (("npz", lambda p: np.savez(p, req0=rollout_PLK)), ("npy", lambda p: np.save(p, rollout_PLK[None]))):
+    for kind, write in (
+        ("npz", lambda p: np.savez(p, req0=rollout_PLK)),
+        ("npy", lambda p: np.save(p, rollout_PLK[None])),
+    ):
         path = tmp_path / f"rollout.{kind}"
         write(path)
         out = tmp_path / f"{kind}.json"
-        assert main(["dump", "diff", str(tmp_path / "train"), str(path), "--rollout", "--json", str(out),
-                     "--fail-on-diff"]) == 0, capsys.readouterr().err
+        assert (
+            main(
+                ["dump", "diff", str(tmp_path / "train"), str(path), "--rollout", "--json", str(out), "--fail-on-diff"]
+            )
+            == 0
+        ), capsys.readouterr().err
         results[kind] = json.loads(out.read_text())["rollout"]
     assert results["npy"] == results["npz"]
     assert results["npy"]["capture_gap_rows"] == 1 and results["npy"]["compared_tokens"] == 3

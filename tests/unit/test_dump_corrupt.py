@@ -7,28 +7,32 @@ import json
 
 import pytest
 import torch
+from dump_v1 import convert_to_v1
 from safetensors.torch import load_file, save_file
+from test_dump_merge import write_rank_dumps
 
 from moeverify import record
 from moeverify.errors import DumpError
-from moeverify.spec.layout import Layout
 from moeverify.routing.routes import Routes
-
-from dump_v1 import convert_to_v1
-from test_dump_merge import write_rank_dumps
+from moeverify.spec.layout import Layout
 
 
 @pytest.fixture
 def dump_dir(tmp_path):
-    routes = Routes({layer: [torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])] * 2 for layer in (1, 2, 3, 5, 7)},
-                    num_experts=16, topk=2)
+    routes = Routes(
+        {layer: [torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])] * 2 for layer in (1, 2, 3, 5, 7)},
+        num_experts=16,
+        topk=2,
+    )
     write_rank_dumps(tmp_path / "d", _tile(routes, 2), Layout(pp=2), 2)
     return convert_to_v1(tmp_path / "d")
 
 
 def _tile(routes, times):
-    data = {layer: [routes.get(layer, mb).repeat(times * 2, 1) for mb in range(routes.microbatches)]
-            for layer in routes.layers}
+    data = {
+        layer: [routes.get(layer, mb).repeat(times * 2, 1) for mb in range(routes.microbatches)]
+        for layer in routes.layers
+    }
     return Routes(data, num_experts=routes.num_experts, topk=routes.topk)
 
 
@@ -88,8 +92,11 @@ def test_load_rank_missing_from_manifest_raises(dump_dir):
 
 
 def test_finalize_missing_rank_record_raises(tmp_path):
-    routes = Routes({layer: [torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])] * 2 for layer in (1, 2, 3, 5, 7)},
-                    num_experts=16, topk=2)
+    routes = Routes(
+        {layer: [torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])] * 2 for layer in (1, 2, 3, 5, 7)},
+        num_experts=16,
+        topk=2,
+    )
     write_rank_dumps(tmp_path / "d", _tile(routes, 2), Layout(pp=2), 2, finalize=False)
     (tmp_path / "d" / "rank00001.json").unlink()
     with pytest.raises(DumpError, match=r"rank record\(s\) missing for rank\(s\) \[1\] of world_size 2"):
@@ -100,8 +107,11 @@ def test_load_bad_schema_version_raises(dump_dir):
     manifest = _manifest(dump_dir)
     manifest["version"] = 3
     (dump_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DumpError, match=r"manifest.json: schema version 3 not supported; this moeverify reads "
-                                        r"versions 1, 2"):
+    with pytest.raises(
+        DumpError,
+        match=r"manifest.json: schema version 3 not supported; this moeverify reads "
+        r"versions 1, 2",
+    ):
         record.load(dump_dir)
 
 
@@ -117,8 +127,11 @@ def test_load_wrong_dtype_raises(dump_dir):
     tensors = load_file(dump_dir / "rank00000.safetensors")
     tensors["step0/mb1/layer2/ids"] = tensors["step0/mb1/layer2/ids"].to(torch.int64)
     _rewrite(dump_dir, "rank00000.safetensors", tensors)
-    with pytest.raises(DumpError, match=r"rank00000.safetensors: tensor step0/mb1/layer2/ids: dtype torch.int64 "
-                                        r"!= expected uint8"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.safetensors: tensor step0/mb1/layer2/ids: dtype torch.int64 "
+        r"!= expected uint8",
+    ):
         record.load(dump_dir)
 
 
@@ -126,8 +139,11 @@ def test_load_inconsistent_shapes_raises(dump_dir):
     tensors = load_file(dump_dir / "rank00001.safetensors")
     tensors["step0/mb0/layer5/ids"] = tensors["step0/mb0/layer5/ids"][:-1].clone()
     _rewrite(dump_dir, "rank00001.safetensors", tensors)
-    with pytest.raises(DumpError, match=r"rank00001.safetensors: tensor step0/mb0/layer5/ids: shape \(15, 2\) != "
-                                        r"expected \(T=16, K=2\)"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00001.safetensors: tensor step0/mb0/layer5/ids: shape \(15, 2\) != "
+        r"expected \(T=16, K=2\)",
+    ):
         record.load(dump_dir)
 
 
@@ -143,8 +159,11 @@ def test_load_missing_tensor_raises(dump_dir):
     tensors = load_file(dump_dir / "rank00001.safetensors")
     del tensors["step0/mb1/layer7/ids"]
     _rewrite(dump_dir, "rank00001.safetensors", tensors)
-    with pytest.raises(DumpError, match=r"rank 1 \(pp1, layers \[5, 7\]\) missing 1 tensor\(s\) "
-                                        r"\['step0/mb1/layer7/ids'\]"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank 1 \(pp1, layers \[5, 7\]\) missing 1 tensor\(s\) "
+        r"\['step0/mb1/layer7/ids'\]",
+    ):
         record.load(dump_dir)
 
 
@@ -170,8 +189,11 @@ def test_load_duplicate_expert_in_a_row_raises_naming_the_file(dump_dir):
     tensors = load_file(dump_dir / "rank00000.safetensors")
     tensors["step0/mb1/layer2/ids"][5] = 3
     _rewrite(dump_dir, "rank00000.safetensors", tensors)
-    with pytest.raises(DumpError, match=r"rank00000.safetensors: step 0: layer 2 rank 0 mb 1: token 5 routes to "
-                                        r"expert\(s\) twice"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.safetensors: step 0: layer 2 rank 0 mb 1: token 5 routes to "
+        r"expert\(s\) twice",
+    ):
         record.load(dump_dir).routes(step=0)
 
 
@@ -199,13 +221,19 @@ def test_load_manifest_not_json_raises(dump_dir):
 
 def test_load_foreign_rank_metadata_raises(dump_dir):
     tensors = load_file(dump_dir / "rank00001.safetensors")
-    save_file(tensors, dump_dir / "rank00001.safetensors",
-              metadata={"schema": "moeverify.routing_dump", "version": "1", "rank": "0"})
+    save_file(
+        tensors,
+        dump_dir / "rank00001.safetensors",
+        metadata={"schema": "moeverify.routing_dump", "version": "1", "rank": "0"},
+    )
     manifest = _manifest(dump_dir)
     manifest["ranks"]["1"]["files"][0]["bytes"] = (dump_dir / "rank00001.safetensors").stat().st_size
     (dump_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DumpError, match=r"rank00001.safetensors: metadata schema/version/rank "
-                                        r"'moeverify.routing_dump'/'1'/'0' != expected 'moeverify.routing_dump'/'1'/'1'"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00001.safetensors: metadata schema/version/rank "
+        r"'moeverify.routing_dump'/'1'/'0' != expected 'moeverify.routing_dump'/'1'/'1'",
+    ):
         record.load(dump_dir)
 
 
@@ -213,8 +241,9 @@ def _crash_before_manifest(path, routes, *, step):
     """What a run that dies after closing its writer but before finalize leaves: rank record, no manifest entry."""
     from moeverify.record import ModelInfo, RankWriter
 
-    model = ModelInfo(num_layers=max(routes.layers) + 1, moe_layers=routes.layers, num_experts=routes.num_experts,
-                      topk=routes.topk)
+    model = ModelInfo(
+        num_layers=max(routes.layers) + 1, moe_layers=routes.layers, num_experts=routes.num_experts, topk=routes.topk
+    )
     with RankWriter(path, model=model, background=False, append=True) as writer:
         writer.add_routes(routes, step=step)
 
@@ -252,8 +281,9 @@ def test_new_dump_without_manifest_says_how_to_recover(tmp_path, capsys):
     assert list((tmp_path / "d").iterdir()) == []
 
 
-@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "rank00001.safetensors", 7,
-                                  "rank00000.safetensors/../../x"])
+@pytest.mark.parametrize(
+    "name", ["../outside.safetensors", "/etc/passwd", "rank00001.safetensors", 7, "rank00000.safetensors/../../x"]
+)
 def test_manifest_file_names_never_leave_the_dump(tmp_path, name):
     import json
 
@@ -267,8 +297,10 @@ def test_manifest_file_names_never_leave_the_dump(tmp_path, name):
         load(tmp_path / "d")
 
 
-@pytest.mark.parametrize(("key", "value"), [("steps", []), ("ranks", "x"), ("steps", {"0": 3}),
-                                            ("ranks", {"0": []}), ("world_size", "2"), ("model", None)])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("steps", []), ("ranks", "x"), ("steps", {"0": 3}), ("ranks", {"0": []}), ("world_size", "2"), ("model", None)],
+)
 def test_manifest_of_wrong_json_types_is_refused_by_name(tmp_path, key, value):
     import json
 
@@ -288,5 +320,6 @@ def _routes_for_corrupt_tests():
     from moeverify.routing.routes import Routes
 
     gen = torch.Generator().manual_seed(0)
-    return Routes({layer: [torch.rand(8, 4, generator=gen).topk(2, dim=1).indices] for layer in (0, 1)},
-                  num_experts=4, topk=2)
+    return Routes(
+        {layer: [torch.rand(8, 4, generator=gen).topk(2, dim=1).indices] for layer in (0, 1)}, num_experts=4, topk=2
+    )

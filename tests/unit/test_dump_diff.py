@@ -13,8 +13,14 @@ from moeverify.routing.routes import Routes
 
 def _random(tokens, layers, *, experts=16, topk=4, microbatches=1, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                           for _ in range(microbatches)] for layer in layers}, num_experts=experts, topk=topk)
+    return Routes(
+        {
+            layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+            for layer in layers
+        },
+        num_experts=experts,
+        topk=topk,
+    )
 
 
 def _reference(a, b):
@@ -75,7 +81,8 @@ def test_diff_injected_disagreement_rate_recovered_exactly():
     worst = report.worst_tokens(200)
     assert {w["token"] for w in worst} == set(range(70)) | set(range(1000, 1030))
     assert {(w["microbatch"], w["token_in_microbatch"]) for w in worst if w["token"] >= 1000} == {
-        (1, t) for t in range(30)}
+        (1, t) for t in range(30)
+    }
     delta = report.load_b_LE[1] - report.load_a_LE[1]
     assert int(delta.sum()) == 0 and int(delta.abs().sum()) > 0
 

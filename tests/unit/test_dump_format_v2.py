@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from dump_v1 import convert_to_v1, write_v1_dump
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dump_v1 import convert_to_v1, write_v1_dump
 from moeverify import record
 from moeverify.errors import DumpError
 from moeverify.record import format as fmt
@@ -21,8 +21,10 @@ from moeverify.routing.routes import Routes
 
 def _ids(*, experts, topk, layers=(1, 3), tokens=12, microbatches=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return {layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                    for _ in range(microbatches)] for layer in layers}
+    return {
+        layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+        for layer in layers
+    }
 
 
 def _routes(**kw):
@@ -75,8 +77,12 @@ def test_v2_writer_packs_layers_of_a_microbatch_into_one_tensor(tmp_path):
     assert dump.version == 2 and dump.routes(step=0) == Routes(ids, num_experts=16, topk=2)
     local = dump.local_probs()
     assert ids and {layer: len(local[layer]) for layer in ids} == {layer: len(probs[layer]) for layer in ids}
-    assert [(layer, i) for layer in ids for i, (got, want) in enumerate(zip(local[layer], probs[layer], strict=True))
-            if not torch.equal(got, want)] == []
+    assert [
+        (layer, i)
+        for layer in ids
+        for i, (got, want) in enumerate(zip(local[layer], probs[layer], strict=True))
+        if not torch.equal(got, want)
+    ] == []
 
 
 def test_v2_layers_of_one_microbatch_flushed_apart_read_back(tmp_path):
@@ -158,8 +164,11 @@ def test_v1_dump_top22_of_512_still_reads(tmp_path):
 
 def test_v1_dump_append_refused_naming_the_version(tmp_path):
     write_v1_dump(tmp_path / "v1", _ids(experts=16, topk=2), num_layers=4, num_experts=16, topk=2)
-    with pytest.raises(DumpError, match=r"rank00000.json: cannot append: the dump is format version 1, this writer "
-                                        r"writes version 2 .*new dump directory"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.json: cannot append: the dump is format version 1, this writer "
+        r"writes version 2 .*new dump directory",
+    ):
         record.save(tmp_path / "v1", _routes(experts=16, topk=2), step=1, num_layers=4)
 
 
@@ -174,8 +183,11 @@ def test_v2_wrong_packed_shape_refused(v2_dir):
     tensors = load_file(v2_dir / "rank00000.safetensors")
     tensors["step0/mb1/ids"] = tensors["step0/mb1/ids"][:, :, :1].contiguous()
     _rewrite(v2_dir, tensors)
-    with pytest.raises(DumpError, match=r"rank00000.safetensors: tensor step0/mb1/ids \(step 0, mb 1, layers "
-                                        r"\[1, 3\]\): shape \(2, 12, 1\) != expected \(L=2, T, K=2\)"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.safetensors: tensor step0/mb1/ids \(step 0, mb 1, layers "
+        r"\[1, 3\]\): shape \(2, 12, 1\) != expected \(L=2, T, K=2\)",
+    ):
         record.load(v2_dir)
 
 
@@ -183,23 +195,32 @@ def test_v2_packed_tensor_not_3d_refused(v2_dir):
     tensors = load_file(v2_dir / "rank00000.safetensors")
     tensors["step0/mb0/ids"] = tensors["step0/mb0/ids"][0].contiguous()
     _rewrite(v2_dir, tensors)
-    with pytest.raises(DumpError, match=r"tensor step0/mb0/ids \(step 0, mb 0, layers \[1, 3\]\): shape \(12, 2\) "
-                                        r"!= expected \(L=2, T, K=2\)"):
+    with pytest.raises(
+        DumpError,
+        match=r"tensor step0/mb0/ids \(step 0, mb 0, layers \[1, 3\]\): shape \(12, 2\) "
+        r"!= expected \(L=2, T, K=2\)",
+    ):
         record.load(v2_dir)
 
 
 def test_v2_layer_list_length_mismatch_refused(v2_dir):
     _rewrite(v2_dir, load_file(v2_dir / "rank00000.safetensors"), layers=[1])
-    with pytest.raises(DumpError, match=r"tensor step0/mb0/ids \(step 0, mb 0, layers \[1\]\): shape \(2, 12, 2\) "
-                                        r"packs 2 layer\(s\), but the file's layer list names 1: expected "
-                                        r"\(L=1, T, K=2\)"):
+    with pytest.raises(
+        DumpError,
+        match=r"tensor step0/mb0/ids \(step 0, mb 0, layers \[1\]\): shape \(2, 12, 2\) "
+        r"packs 2 layer\(s\), but the file's layer list names 1: expected "
+        r"\(L=1, T, K=2\)",
+    ):
         record.load(v2_dir)
 
 
 def test_v2_duplicate_layers_refused(v2_dir):
     _rewrite(v2_dir, load_file(v2_dir / "rank00000.safetensors"), layers=[3, 3])
-    with pytest.raises(DumpError, match=r"rank00000.safetensors: rank 0: the file's layer list \[3, 3\] holds "
-                                        r"layer\(s\) \[3\] more than once"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.safetensors: rank 0: the file's layer list \[3, 3\] holds "
+        r"layer\(s\) \[3\] more than once",
+    ):
         record.load(v2_dir)
 
 
@@ -207,8 +228,11 @@ def test_v2_layer_list_absent_refused(v2_dir):
     manifest = _manifest(v2_dir)
     del manifest["ranks"]["0"]["files"][0]["layers"]
     (v2_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DumpError, match=r"manifest.json: rank 0 file rank00000.safetensors: 'layers' must be the "
-                                        r"list of global layers its packed tensors hold \(format v2\), got None"):
+    with pytest.raises(
+        DumpError,
+        match=r"manifest.json: rank 0 file rank00000.safetensors: 'layers' must be the "
+        r"list of global layers its packed tensors hold \(format v2\), got None",
+    ):
         record.load(v2_dir)
 
 
@@ -218,8 +242,11 @@ def test_v2_layer_in_two_files_refused(v2_dir):
     files = manifest["ranks"]["0"]["files"]
     files.append({**files[0], "name": "rank00000.p001.safetensors"})
     (v2_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DumpError, match=r"rank00000.p001.safetensors: tensor step0/mb0/ids\[layer 1\] \(step 0, mb 0, "
-                                        r"layer 1\) also in rank00000.safetensors"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.p001.safetensors: tensor step0/mb0/ids\[layer 1\] \(step 0, mb 0, "
+        r"layer 1\) also in rank00000.safetensors",
+    ):
         record.load(v2_dir)
 
 
@@ -227,8 +254,11 @@ def test_v2_dtype_mismatch_refused(v2_dir):
     tensors = load_file(v2_dir / "rank00000.safetensors")
     tensors["step0/mb0/ids"] = tensors["step0/mb0/ids"].to(torch.int64)
     _rewrite(v2_dir, tensors)
-    with pytest.raises(DumpError, match=r"rank00000.safetensors: tensor step0/mb0/ids \(step 0, mb 0, layers "
-                                        r"\[1, 3\]\): dtype torch.int64 != expected uint8"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.safetensors: tensor step0/mb0/ids \(step 0, mb 0, layers "
+        r"\[1, 3\]\): dtype torch.int64 != expected uint8",
+    ):
         record.load(v2_dir)
 
 
@@ -236,8 +266,11 @@ def test_v2_probs_dtype_mismatch_refused(v2_dir):
     tensors = load_file(v2_dir / "rank00000.safetensors")
     tensors["step0/mb1/probs"] = torch.zeros(2, 12, 2, dtype=torch.int32)
     _rewrite(v2_dir, tensors)
-    with pytest.raises(DumpError, match=r"tensor step0/mb1/probs \(step 0, mb 1, layers \[1, 3\]\): dtype "
-                                        r"torch.int32 != expected a float dtype"):
+    with pytest.raises(
+        DumpError,
+        match=r"tensor step0/mb1/probs \(step 0, mb 1, layers \[1, 3\]\): dtype "
+        r"torch.int32 != expected a float dtype",
+    ):
         record.load(v2_dir)
 
 
@@ -245,8 +278,11 @@ def test_v2_probs_token_count_mismatch_refused(v2_dir):
     tensors = load_file(v2_dir / "rank00000.safetensors")
     tensors["step0/mb0/probs"] = torch.rand(2, 11, 2)
     _rewrite(v2_dir, tensors)
-    with pytest.raises(DumpError, match=r"tensor step0/mb0/probs\[layer 1\]: 11 tokens != 12 in "
-                                        r"step0/mb0/ids\[layer 1\]"):
+    with pytest.raises(
+        DumpError,
+        match=r"tensor step0/mb0/probs\[layer 1\]: 11 tokens != 12 in "
+        r"step0/mb0/ids\[layer 1\]",
+    ):
         record.load(v2_dir)
 
 
@@ -254,8 +290,11 @@ def test_v2_missing_tensor_refused(v2_dir):
     tensors = load_file(v2_dir / "rank00000.safetensors")
     del tensors["step0/mb1/ids"]
     _rewrite(v2_dir, tensors)
-    with pytest.raises(DumpError, match=r"rank00000.safetensors: rank 0 \(pp0, layers \[1, 3\]\) missing 2 "
-                                        r"tensor\(s\) \['step0/mb1/ids\[layer 1\]', 'step0/mb1/ids\[layer 3\]'\]"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.safetensors: rank 0 \(pp0, layers \[1, 3\]\) missing 2 "
+        r"tensor\(s\) \['step0/mb1/ids\[layer 1\]', 'step0/mb1/ids\[layer 3\]'\]",
+    ):
         record.load(v2_dir)
 
 
@@ -263,15 +302,21 @@ def test_v2_file_with_v1_names_refused(v2_dir):
     tensors = load_file(v2_dir / "rank00000.safetensors")
     tensors["step0/mb0/layer1/ids"] = tensors.pop("step0/mb0/ids")[0].contiguous()
     _rewrite(v2_dir, tensors)
-    with pytest.raises(DumpError, match=r"tensor step0/mb0/layer1/ids: not a format v2 name; expected "
-                                        r"step\{S\}/mb\{M\}/ids \(v2, layers packed\)"):
+    with pytest.raises(
+        DumpError,
+        match=r"tensor step0/mb0/layer1/ids: not a format v2 name; expected "
+        r"step\{S\}/mb\{M\}/ids \(v2, layers packed\)",
+    ):
         record.load(v2_dir)
 
 
 def test_v2_file_with_v1_metadata_refused(v2_dir):
     _rewrite(v2_dir, load_file(v2_dir / "rank00000.safetensors"), version="1")
-    with pytest.raises(DumpError, match=r"metadata schema/version/rank 'moeverify.routing_dump'/'1'/'0' != "
-                                        r"expected 'moeverify.routing_dump'/'2'/'0'"):
+    with pytest.raises(
+        DumpError,
+        match=r"metadata schema/version/rank 'moeverify.routing_dump'/'1'/'0' != "
+        r"expected 'moeverify.routing_dump'/'2'/'0'",
+    ):
         record.load(v2_dir)
 
 
@@ -282,6 +327,7 @@ def _spy_reads(calls, real):
     def spy(entry, **kwargs):
         calls.append(("span", entry.name, entry.index, entry.offset, entry.nbytes))
         return real(entry, **kwargs)
+
     return spy
 
 
@@ -294,11 +340,14 @@ def test_v2_streaming_one_layer_reads_only_that_layer(v2_dir, monkeypatch):
     dump = record.load(v2_dir)  # validation reads headers only
     calls = []
     monkeypatch.setattr(reader, "read", _spy_reads(calls, reader.read))
-    assert dump.layer_routes(step=0, layer=3) == Routes({3: [routes.get(3, 0), routes.get(3, 1)]}, num_experts=16,
-                                                        topk=2)
+    assert dump.layer_routes(step=0, layer=3) == Routes(
+        {3: [routes.get(3, 0), routes.get(3, 1)]}, num_experts=16, topk=2
+    )
     spans = data_spans(v2_dir / "rank00000.safetensors")
     layer_bytes = [(spans[f"step0/mb{mb}/ids"][1] - spans[f"step0/mb{mb}/ids"][0]) // 2 for mb in (0, 1)]
-    assert calls == [("span", f"step0/mb{mb}/ids", 1, spans[f"step0/mb{mb}/ids"][0] + layer_bytes[mb],
-                      layer_bytes[mb]) for mb in (0, 1)]  # layer 3 is the second of the packed [1, 3]
+    assert calls == [
+        ("span", f"step0/mb{mb}/ids", 1, spans[f"step0/mb{mb}/ids"][0] + layer_bytes[mb], layer_bytes[mb])
+        for mb in (0, 1)
+    ]  # layer 3 is the second of the packed [1, 3]
     with pytest.raises(DumpError, match=r"rank00000.safetensors: step 0: layer 1 rank 0 mb 0: expert id 255 out of"):
         dump.layer_routes(step=0, layer=1)

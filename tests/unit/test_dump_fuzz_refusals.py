@@ -18,8 +18,9 @@ from moeverify.routing.routes import Routes
 
 def _routes(seed: int = 0) -> Routes:
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(24, 8, generator=gen).topk(2, dim=1).indices] for layer in (0, 1, 2)},
-                  num_experts=8, topk=2)
+    return Routes(
+        {layer: [torch.rand(24, 8, generator=gen).topk(2, dim=1).indices] for layer in (0, 1, 2)}, num_experts=8, topk=2
+    )
 
 
 @pytest.fixture
@@ -50,8 +51,10 @@ MUTATIONS = {
     "bytes float": (lambda m: _file(m).__setitem__("bytes", 304.0), r"bytes must be an integer, got float"),
     "tensors -1": (lambda m: _file(m).__setitem__("tensors", -1), r"tensors -1 outside \[1, inf\)"),
     "tensors 2": (lambda m: _file(m).__setitem__("tensors", 2), r"holds 1 tensor\(s\) != 2 listed in"),
-    "microbatches float": (lambda m: m["steps"]["0"].__setitem__("microbatches", 1.5),
-                           r"steps\['0'\]: microbatches must be an integer"),
+    "microbatches float": (
+        lambda m: m["steps"]["0"].__setitem__("microbatches", 1.5),
+        r"steps\['0'\]: microbatches must be an integer",
+    ),
     "microbatches str": (lambda m: m["steps"]["0"].__setitem__("microbatches", "1"), r"microbatches must be"),
     "step key 00": (lambda m: m["steps"].__setitem__("00", m["steps"].pop("0")), r"steps key '00' is not a canonical"),
     "step key space": (lambda m: m["steps"].__setitem__(" 0", m["steps"].pop("0")), r"steps key ' 0' is not"),
@@ -126,8 +129,8 @@ def _header(path):
 
 def test_load_unknown_safetensors_dtype_named(dump_dir):
     data, n = _header(dump_dir)
-    header = data[8:8 + n].replace(b'"U8"', b'"I8"')
-    (dump_dir / "rank00000.safetensors").write_bytes(data[:8] + header + data[8 + n:])
+    header = data[8 : 8 + n].replace(b'"U8"', b'"I8"')
+    (dump_dir / "rank00000.safetensors").write_bytes(data[:8] + header + data[8 + n :])
     with pytest.raises(DumpError, match=r"dtype I8 != expected uint8"):
         record.load(dump_dir)
 
@@ -172,8 +175,11 @@ def test_read_arrays_npz_member_not_npy_refused(tmp_path):
 def test_routes_from_arrays_huge_id_refused_before_widening(huge, dtype):
     arr = np.where(GOOD_NLK == 0, dtype(huge), GOOD_NLK.astype(dtype))
     token, column = (int(x[0]) for x in np.nonzero((arr == huge).any(axis=2)))
-    with pytest.raises(DumpError, match=rf"f\.npy: array 0: token {token} layer {column}: expert id {huge} out of "
-                                        rf"range \[0, 2147483648\)"):
+    with pytest.raises(
+        DumpError,
+        match=rf"f\.npy: array 0: token {token} layer {column}: expert id {huge} out of "
+        rf"range \[0, 2147483648\)",
+    ):
         importers.routes_from_arrays([arr], where="f.npy")
 
 
@@ -190,10 +196,16 @@ def _export(tmp_path, mutate):
 
 
 EXPORT_MUTATIONS = {
-    "layers float": (lambda a: a.__setitem__("layers", np.array([0.5, 1.0, 2.0])), r"'layers' shape \(3,\) dtype float"),
+    "layers float": (
+        lambda a: a.__setitem__("layers", np.array([0.5, 1.0, 2.0])),
+        r"'layers' shape \(3,\) dtype float",
+    ),
     "layers permuted": (lambda a: a.__setitem__("layers", np.array([2, 1, 0])), r"'layers' \[2, 1, 0\] must be"),
     "layers scalar": (lambda a: a.__setitem__("layers", np.array(0)), r"'layers' shape \(\)"),
-    "layers str": (lambda a: a.__setitem__("layers", np.array(["0", "1", "2"])), r"'layers\.npy': cannot read as \.npy: dtype <U1 is not a numeric"),
+    "layers str": (
+        lambda a: a.__setitem__("layers", np.array(["0", "1", "2"])),
+        r"'layers\.npy': cannot read as \.npy: dtype <U1 is not a numeric",
+    ),
     "layers missing": (lambda a: a.pop("layers"), r"not a valid export: 'layers' missing"),
     "batch float": (lambda a: a.__setitem__("step0_batch", np.array([2.7])), r"'step0_batch' shape \(1,\) dtype float"),
     "batch missing": (lambda a: a.pop("step0_batch"), r"step0_seq_len and step0_batch must be both present"),

@@ -5,11 +5,11 @@ import torch
 
 from moeverify import record
 from moeverify.errors import DumpError
-from moeverify.spec.layout import Layout
 from moeverify.record import format as fmt
 from moeverify.record.writer import RankWriter
 from moeverify.routing.routes import Routes
 from moeverify.routing.views import all_rank_coords, token_index
+from moeverify.spec.layout import Layout
 from moeverify.views import to_local  # the public face keeps the function form
 
 NUM_LAYERS, MOE_LAYERS, SEQ_LEN, BATCH = 8, (1, 2, 3, 5, 7), 8, 2
@@ -17,22 +17,32 @@ NUM_LAYERS, MOE_LAYERS, SEQ_LEN, BATCH = 8, (1, 2, 3, 5, 7), 8, 2
 
 def _global_routes(tokens, *, experts=16, topk=4, microbatches=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                           for _ in range(microbatches)] for layer in MOE_LAYERS}, num_experts=experts, topk=topk)
+    return Routes(
+        {
+            layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+            for layer in MOE_LAYERS
+        },
+        num_experts=experts,
+        topk=topk,
+    )
 
 
-def write_rank_dumps(path, global_routes, layout, world_size, *, positions=True, step=0, background=False,
-                     finalize=True):
+def write_rank_dumps(
+    path, global_routes, layout, world_size, *, positions=True, step=0, background=False, finalize=True
+):
     """Every rank writes its local view, as ranks of a real run would; rank 0 finalises."""
-    model = fmt.ModelInfo(num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, num_experts=global_routes.num_experts,
-                          topk=global_routes.topk)
+    model = fmt.ModelInfo(
+        num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, num_experts=global_routes.num_experts, topk=global_routes.topk
+    )
     for coords in all_rank_coords(layout, world_size=world_size):
         local = to_local(global_routes, layout, coords=coords, seq_len=SEQ_LEN, batch=BATCH, num_layers=NUM_LAYERS)
-        with RankWriter(path, model=model, coords=coords, layout=layout, world_size=world_size,
-                        background=background) as writer:
+        with RankWriter(
+            path, model=model, coords=coords, layout=layout, world_size=world_size, background=background
+        ) as writer:
             for mb in range(global_routes.microbatches):
-                idx = token_index(layout, tp_rank=coords.tp, cp_rank=coords.cp, dp_rank=coords.dp,
-                                  seq_len=SEQ_LEN, batch=BATCH)
+                idx = token_index(
+                    layout, tp_rank=coords.tp, cp_rank=coords.cp, dp_rank=coords.dp, seq_len=SEQ_LEN, batch=BATCH
+                )
                 extra = {"positions_T": idx % SEQ_LEN, "seq_ids_T": idx // SEQ_LEN} if positions else {}
                 writer.add_tokens(step=step, mb=mb, seq_len=SEQ_LEN, batch=BATCH, **extra)
                 for layer in local.layers:
@@ -85,8 +95,11 @@ def test_dump_merge_replica_mismatch_names_file_and_ranks(tmp_path):
         with RankWriter(tmp_path, model=model, coords=coords, layout=layout, world_size=2, background=False) as w:
             w.add_routes(local, step=0, seq_len=SEQ_LEN, batch=BATCH)
     record.finalize(tmp_path)
-    with pytest.raises(DumpError, match=r"step 0: cannot merge ranks: layer 2 mb 0: replicas disagree on 1 token\(s\);"
-                                        r" first global token 0: rank 1 \(tp1"):
+    with pytest.raises(
+        DumpError,
+        match=r"step 0: cannot merge ranks: layer 2 mb 0: replicas disagree on 1 token\(s\);"
+        r" first global token 0: rank 1 \(tp1",
+    ):
         record.load(tmp_path).routes(step=0)
 
 
@@ -105,8 +118,11 @@ def test_dump_merge_wrong_positions_raises(tmp_path):
         w.add_tokens(step=0, mb=0, seq_len=SEQ_LEN, batch=BATCH, positions_T=idx % SEQ_LEN, seq_ids_T=idx // SEQ_LEN)
         w.add_routes(local, step=0)
     record.finalize(tmp_path)
-    with pytest.raises(DumpError, match=r"rank00001.safetensors: tensor step0/mb0/positions: token 0 is positions 4, "
-                                        r"the layout cp2 puts it at 2"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00001.safetensors: tensor step0/mb0/positions: token 0 is positions 4, "
+        r"the layout cp2 puts it at 2",
+    ):
         record.load(tmp_path).routes(step=0)
 
 
@@ -126,8 +142,19 @@ def test_save_per_rank_without_process_group_then_finalize(tmp_path):
     global_routes = _global_routes(2 * BATCH * SEQ_LEN, microbatches=1)
     for coords in all_rank_coords(layout, world_size=2):
         local = to_local(global_routes, layout, coords=coords, seq_len=SEQ_LEN, batch=BATCH, num_layers=NUM_LAYERS)
-        record.save(tmp_path, local, step=4, coords=coords, layout=layout, world_size=2, order="router",
-                    seq_len=SEQ_LEN, batch=BATCH, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS)
+        record.save(
+            tmp_path,
+            local,
+            step=4,
+            coords=coords,
+            layout=layout,
+            world_size=2,
+            order="router",
+            seq_len=SEQ_LEN,
+            batch=BATCH,
+            num_layers=NUM_LAYERS,
+            moe_layers=MOE_LAYERS,
+        )
     assert not (tmp_path / "manifest.json").exists()  # no process group: the caller finalises after all ranks
     record.finalize(tmp_path)
     assert record.load(tmp_path).routes(step=4) == global_routes

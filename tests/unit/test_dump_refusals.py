@@ -16,8 +16,14 @@ S, B = 6, 2
 
 def _routes(seed=0, *, tokens=S * B, layers=(0, 1), experts=8, topk=2, microbatches=2):
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                           for _ in range(microbatches)] for layer in layers}, num_experts=experts, topk=topk)
+    return Routes(
+        {
+            layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+            for layer in layers
+        },
+        num_experts=experts,
+        topk=topk,
+    )
 
 
 @pytest.fixture
@@ -26,35 +32,68 @@ def paths(tmp_path):
     record.save(tmp_path / "a", routes, seq_len=S, batch=B, order="router")
     record.save(tmp_path / "b", routes, seq_len=S, batch=B, order="router")
     np.save(tmp_path / "r.npy", routes.stacked(0).numpy())
-    trace = [{"step": 0, "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2, "topk": 2,
-              "top_indices": [[0, 1], [2, 3]]}]
+    trace = [
+        {
+            "step": 0,
+            "block": "decoder",
+            "layer": 0,
+            "rank": 0,
+            "num_tokens": 2,
+            "topk": 2,
+            "top_indices": [[0, 1], [2, 3]],
+        }
+    ]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trace))
     return tmp_path
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["diff", "{a}", "{npy}", "--order-b", "sequence", "--step-b", "1"], "--step-b: does not apply: B ("),
-    (["diff", "{npy}", "{a}", "--order-a", "sequence", "--step", "1"], "--step: does not apply: --step is A's step"),
-    (["diff", "{a}", "{b}", "--seq-len", "6", "--batch", "2"], "--seq-len, --batch: do not apply"),
-    (["diff", "{a}", "{npy}", "--seq-len", "6", "--batch", "2"], "--seq-len, --batch: do not apply"),
-    (["diff", "{a}", "{b}", "--assume-same-order"], "--assume-same-order: does not apply: both sides' token orders"),
-    (["diff", "{a}", "{b}", "--rollout", "--step-b", "0"], "--step-b: does not apply: a rollout holds one step"),
-    (["convert", "{a}", "{out}", "--num-experts", "8"], "--num-experts: does not apply: {a} is a dump"),
-    (["convert", "{a}", "{out}", "--step", "0", "--seq-len", "6"], "--step, --seq-len: do not apply"),
-    (["convert", "{npy}", "{dst}", "--layer-offset", "2"],
-     "--layer-offset: does not apply: they apply to router_trace"),
-    (["convert", "{npy}", "{dst}", "--microbatches", "2"], "--microbatches: does not apply"),
-    (["convert", "{npy}", "{dst}", "--world-size", "2"],
-     "--world-size: does not apply: it gives the ranks of --layout"),
-    (["convert", "{jsonl}", "{dst}", "--step", "3"], "--step: does not apply: router_trace records its own steps"),
-    (["convert", "{jsonl}", "{dst}", "--order", "sequence", "--seq-len", "1", "--batch", "2"],
-     "--order sequence: router_trace holds Megatron's router order"),
-    (["convert", "{jsonl}", "{dst}", "--from", "npz", "--layout", "ep2"], "--layout reads every rank's router_trace"),
-    (["finalize", "{a}", "--drop-uncommitted", "--world-size", "1"], "--world-size: does not apply"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["diff", "{a}", "{npy}", "--order-b", "sequence", "--step-b", "1"], "--step-b: does not apply: B ("),
+        (
+            ["diff", "{npy}", "{a}", "--order-a", "sequence", "--step", "1"],
+            "--step: does not apply: --step is A's step",
+        ),
+        (["diff", "{a}", "{b}", "--seq-len", "6", "--batch", "2"], "--seq-len, --batch: do not apply"),
+        (["diff", "{a}", "{npy}", "--seq-len", "6", "--batch", "2"], "--seq-len, --batch: do not apply"),
+        (
+            ["diff", "{a}", "{b}", "--assume-same-order"],
+            "--assume-same-order: does not apply: both sides' token orders",
+        ),
+        (["diff", "{a}", "{b}", "--rollout", "--step-b", "0"], "--step-b: does not apply: a rollout holds one step"),
+        (["convert", "{a}", "{out}", "--num-experts", "8"], "--num-experts: does not apply: {a} is a dump"),
+        (["convert", "{a}", "{out}", "--step", "0", "--seq-len", "6"], "--step, --seq-len: do not apply"),
+        (
+            ["convert", "{npy}", "{dst}", "--layer-offset", "2"],
+            "--layer-offset: does not apply: they apply to router_trace",
+        ),
+        (["convert", "{npy}", "{dst}", "--microbatches", "2"], "--microbatches: does not apply"),
+        (
+            ["convert", "{npy}", "{dst}", "--world-size", "2"],
+            "--world-size: does not apply: it gives the ranks of --layout",
+        ),
+        (["convert", "{jsonl}", "{dst}", "--step", "3"], "--step: does not apply: router_trace records its own steps"),
+        (
+            ["convert", "{jsonl}", "{dst}", "--order", "sequence", "--seq-len", "1", "--batch", "2"],
+            "--order sequence: router_trace holds Megatron's router order",
+        ),
+        (
+            ["convert", "{jsonl}", "{dst}", "--from", "npz", "--layout", "ep2"],
+            "--layout reads every rank's router_trace",
+        ),
+        (["finalize", "{a}", "--drop-uncommitted", "--world-size", "1"], "--world-size: does not apply"),
+    ],
+)
 def test_options_that_would_be_ignored_are_refused(paths, capsys, argv, match):
-    names = {"a": paths / "a", "b": paths / "b", "npy": paths / "r.npy", "jsonl": paths / "t.jsonl",
-             "out": paths / "out.npz", "dst": paths / "dst"}
+    names = {
+        "a": paths / "a",
+        "b": paths / "b",
+        "npy": paths / "r.npy",
+        "jsonl": paths / "t.jsonl",
+        "out": paths / "out.npz",
+        "dst": paths / "dst",
+    }
     argv = [arg.format(**names) for arg in argv]
     assert main(["dump", *argv]) == 2
     assert match.format(**names) in capsys.readouterr().err

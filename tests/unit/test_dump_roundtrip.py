@@ -16,12 +16,20 @@ from moeverify.routing.views import RankCoords
 
 def _routes(*, experts, topk=2, layers=(1, 3), tokens=12, microbatches=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                           for _ in range(microbatches)] for layer in layers}, num_experts=experts, topk=topk)
+    return Routes(
+        {
+            layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+            for layer in layers
+        },
+        num_experts=experts,
+        topk=topk,
+    )
 
 
-@pytest.mark.parametrize("experts,dtype", [(1, torch.uint8), (256, torch.uint8), (257, torch.int16),
-                                           (2**15, torch.int16), (2**15 + 1, torch.int32)])
+@pytest.mark.parametrize(
+    "experts,dtype",
+    [(1, torch.uint8), (256, torch.uint8), (257, torch.int16), (2**15, torch.int16), (2**15 + 1, torch.int32)],
+)
 def test_ids_dtype_for_narrowest_fit(experts, dtype):
     assert fmt.ids_dtype_for(experts) == dtype
 
@@ -137,8 +145,13 @@ def test_append_to_a_finalized_dump_rebuilds_the_rank_record_from_the_manifest(t
 def test_append_as_a_rank_the_manifest_does_not_hold_is_refused(tmp_path):
     record.save(tmp_path / "d", _routes(experts=8))
     with pytest.raises(DumpError, match=r"manifest.json: cannot append: rank 3 is not in the dump's ranks \['0'\]"):
-        RankWriter(tmp_path / "d", model=record.load(tmp_path / "d").model, coords=RankCoords(rank=3), append=True,
-                   background=False)
+        RankWriter(
+            tmp_path / "d",
+            model=record.load(tmp_path / "d").model,
+            coords=RankCoords(rank=3),
+            append=True,
+            background=False,
+        )
 
 
 def test_parse_tensor_name_rejects_foreign_names():
@@ -170,8 +183,11 @@ def test_save_with_geometry_requires_the_token_order(tmp_path):
     from moeverify.errors import UsageError
 
     routes = _routes(experts=8, tokens=12, microbatches=1)
-    with pytest.raises(UsageError, match=r"with seq_len and batch 2 say which order the routes are in: "
-                                         r"order='router'.*order='sequence'"):
+    with pytest.raises(
+        UsageError,
+        match=r"with seq_len and batch 2 say which order the routes are in: "
+        r"order='router'.*order='sequence'",
+    ):
         record.save(tmp_path / "d", routes, seq_len=6, batch=2)
     with pytest.raises(UsageError, match=r"order='router' needs seq_len and batch"):
         record.save(tmp_path / "d", routes, order="router")

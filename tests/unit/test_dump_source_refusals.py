@@ -18,8 +18,11 @@ S, B, K, E, LAYERS = 6, 2, 2, 8, (0, 1, 2)
 
 def _routes(experts=E, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(S * B, E, generator=gen).topk(K, dim=1).indices] for layer in LAYERS},
-                  num_experts=experts, topk=K)
+    return Routes(
+        {layer: [torch.rand(S * B, E, generator=gen).topk(K, dim=1).indices] for layer in LAYERS},
+        num_experts=experts,
+        topk=K,
+    )
 
 
 def _dump(path, routes):
@@ -37,20 +40,26 @@ def test_two_dumps_of_different_expert_counts_are_refused_not_widened(tmp_path, 
 def _rollout(tmp_path, mutate, dtype=np.int64):
     routes = _routes()
     stacked = routes.stacked(0).numpy().astype(dtype)
-    requests = [stacked[b * S:(b + 1) * S - 1].copy() for b in range(B)]
+    requests = [stacked[b * S : (b + 1) * S - 1].copy() for b in range(B)]
     mutate(requests)
     np.savez(tmp_path / "ro.npz", **{f"r{i}": r for i, r in enumerate(requests)})
     return _dump(tmp_path / "train", routes), str(tmp_path / "ro.npz")
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda r: r[0].__setitem__((3, 1, 0), -5), r"request 0: position 3 layer 1 slot 0: id -5 is outside \[0, 8\)"),
-    (lambda r: r[1].__setitem__((2, 2, 1), 8), r"request 1: position 2 layer 2 slot 1: id 8 is outside \[0, 8\)"),
-    (lambda r: r[0].__setitem__((1, 0, 0), -1), r"request 0: position 1 is partly -1 .* layer\(s\) \[0\]"),
-    (lambda r: r[0].__setitem__((4, 2), -1), r"request 0: position 4 is a capture gap in some layers only: "
-                                              r"layer\(s\) \[2\]"),
-    (lambda r: r[1].__setitem__((0, 1), 0), r"request 1: position 0 is a capture gap in some layers only"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda r: r[0].__setitem__((3, 1, 0), -5), r"request 0: position 3 layer 1 slot 0: id -5 is outside \[0, 8\)"),
+        (lambda r: r[1].__setitem__((2, 2, 1), 8), r"request 1: position 2 layer 2 slot 1: id 8 is outside \[0, 8\)"),
+        (lambda r: r[0].__setitem__((1, 0, 0), -1), r"request 0: position 1 is partly -1 .* layer\(s\) \[0\]"),
+        (
+            lambda r: r[0].__setitem__((4, 2), -1),
+            r"request 0: position 4 is a capture gap in some layers only: "
+            r"layer\(s\) \[2\]",
+        ),
+        (lambda r: r[1].__setitem__((0, 1), 0), r"request 1: position 0 is a capture gap in some layers only"),
+    ],
+)
 def test_rollout_garbage_is_refused_not_counted_as_a_capture_gap(tmp_path, capsys, mutate, match):
     train, rollout = _rollout(tmp_path, mutate)
     assert main(["dump", "diff", train, rollout, "--rollout"]) == 2
@@ -59,7 +68,7 @@ def test_rollout_garbage_is_refused_not_counted_as_a_capture_gap(tmp_path, capsy
 
 def test_rollout_uint64_ids_beyond_int64_are_named_as_they_are(tmp_path, capsys):
     def mutate(requests):
-        requests[0][2, 0, 1] = np.uint64(2 ** 64 - 1)
+        requests[0][2, 0, 1] = np.uint64(2**64 - 1)
 
     train, rollout = _rollout(tmp_path, mutate, dtype=np.uint64)
     assert main(["dump", "diff", train, rollout, "--rollout"]) == 2
@@ -82,8 +91,18 @@ def _trace(tmp_path, edit=None):
     recs = []
     for layer in LAYERS:
         ids = _routes().get(layer, 0)
-        recs.append({"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": layer, "rank": 0,
-                     "num_tokens": ids.shape[0], "topk": K, "top_indices": ids.tolist()})
+        recs.append(
+            {
+                "step": 0,
+                "stage": "pre_dispatch",
+                "block": "decoder",
+                "layer": layer,
+                "rank": 0,
+                "num_tokens": ids.shape[0],
+                "topk": K,
+                "top_indices": ids.tolist(),
+            }
+        )
     if edit:
         edit(recs)
     path = tmp_path / "router_trace_rank0.jsonl"
@@ -91,15 +110,20 @@ def _trace(tmp_path, edit=None):
     return path
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("block", None, r":2: not a router_trace record: block None is none of the tracer's \['decoder', 'mtp'\]"),
-    ("block", "encoder", r":2: .*block 'encoder' is none of"),
-    ("num_tokens", -1, r":2: .*num_tokens -1 is not a non-negative integer"),
-    ("num_tokens", 11, r":2: .*num_tokens 11 / topk 2 do not describe the 12 row\(s\)"),
-    ("num_tokens", "12", r":2: .*num_tokens '12' is not a non-negative integer"),
-    ("layer", "1", r":2: .*layer '1' is not"), ("layer", True, r":2: .*layer True is not"),
-    ("step", "0", r":2: .*step '0' is not"), ("topk", 2.0, r":2: .*topk 2.0 is not"),
-])
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("block", None, r":2: not a router_trace record: block None is none of the tracer's \['decoder', 'mtp'\]"),
+        ("block", "encoder", r":2: .*block 'encoder' is none of"),
+        ("num_tokens", -1, r":2: .*num_tokens -1 is not a non-negative integer"),
+        ("num_tokens", 11, r":2: .*num_tokens 11 / topk 2 do not describe the 12 row\(s\)"),
+        ("num_tokens", "12", r":2: .*num_tokens '12' is not a non-negative integer"),
+        ("layer", "1", r":2: .*layer '1' is not"),
+        ("layer", True, r":2: .*layer True is not"),
+        ("step", "0", r":2: .*step '0' is not"),
+        ("topk", 2.0, r":2: .*topk 2.0 is not"),
+    ],
+)
 def test_router_trace_records_of_unknown_blocks_or_wrong_types_are_refused(tmp_path, capsys, key, value, match):
     trace = _trace(tmp_path, lambda recs: recs[1].__setitem__(key, value))
     assert main(["dump", "convert", str(trace), str(tmp_path / "d"), "--num-experts", str(E)]) == 2
@@ -182,7 +206,22 @@ def test_an_expert_map_nested_too_deeply_is_refused(tmp_path, capsys):
 def test_convert_of_an_npz_names_the_member_whose_token_count_is_wrong(tmp_path, capsys):
     stacked = _routes().stacked(0).numpy()
     np.savez(tmp_path / "r.npz", mb0=stacked, mb1=stacked[:-1])
-    assert main(["dump", "convert", str(tmp_path / "r.npz"), str(tmp_path / "d"), "--seq-len", str(S), "--batch",
-                 str(B), "--order", "sequence"]) == 2
+    assert (
+        main(
+            [
+                "dump",
+                "convert",
+                str(tmp_path / "r.npz"),
+                str(tmp_path / "d"),
+                "--seq-len",
+                str(S),
+                "--batch",
+                str(B),
+                "--order",
+                "sequence",
+            ]
+        )
+        == 2
+    )
     assert f"r.npz: npz key 'mb1': {S * B - 1} tokens != --seq-len {S} x --batch {B}" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()

@@ -47,8 +47,23 @@ def test_megatron_router_trace_and_a_moeverify_dump_agree_token_for_token(two_so
     trace = two_sources / "trace" / "router_trace_rank0.jsonl"
     assert trace.stat().st_size > 0
     conv = two_sources / "from_trace"
-    assert main(["dump", "convert", str(trace), str(conv), "--seq-len", str(S), "--batch", str(B),
-                 "--microbatches", str(MICROBATCHES)]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "convert",
+                str(trace),
+                str(conv),
+                "--seq-len",
+                str(S),
+                "--batch",
+                str(B),
+                "--microbatches",
+                str(MICROBATCHES),
+            ]
+        )
+        == 0
+    )
     assert record.load(conv).token_order(0) == "sequence"
     out = two_sources / "diff.json"
     assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--json", str(out), "--fail-on-diff"]) == 0
@@ -65,8 +80,7 @@ def test_router_trace_without_geometry_is_refused_not_compared_by_position(two_s
     assert "was saved without seq_len/batch, so its token order is unknown" in capsys.readouterr().err
     # By position, the router order (s * B + b) against sequence order disagrees on most tokens:
     # exactly the silent wrong answer the refusal prevents.
-    assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--assume-same-order",
-                 "--fail-on-diff"]) == 1
+    assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--assume-same-order", "--fail-on-diff"]) == 1
 
 
 def test_an_injected_disagreement_is_found_at_its_layer_and_token(two_sources):
@@ -75,13 +89,29 @@ def test_an_injected_disagreement_is_found_at_its_layer_and_token(two_sources):
     target = next(i for i, r in enumerate(recs) if r["layer"] == 1)  # layer 1, micro-batch 0
     row = recs[target]["top_indices"][3]  # router row 3 = s 1, b 1 = sequence-order token 1 * S + 1
     experts = 8
-    recs[target]["top_indices"][3] = [e for e in range(experts) if e not in row][:len(row)]
+    recs[target]["top_indices"][3] = [e for e in range(experts) if e not in row][: len(row)]
     bad = two_sources / "bad.jsonl"
     bad.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     conv = two_sources / "bad_dump"
-    assert main(["dump", "convert", str(bad), str(conv), "--seq-len", str(S), "--batch", str(B),
-                 "--microbatches", str(MICROBATCHES),
-                 "--num-experts", str(experts)]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "convert",
+                str(bad),
+                str(conv),
+                "--seq-len",
+                str(S),
+                "--batch",
+                str(B),
+                "--microbatches",
+                str(MICROBATCHES),
+                "--num-experts",
+                str(experts),
+            ]
+        )
+        == 0
+    )
     out = two_sources / "bad.json"
     assert main(["dump", "diff", str(two_sources / "dump"), str(conv), "--json", str(out), "--fail-on-diff"]) == 1
     report = json.loads(out.read_text())
@@ -98,7 +128,7 @@ def _rollout_arrays(dump, *, step=0, drop_last=True):
     for mb, length in enumerate(info.seq_len):
         stacked = routes.stacked(mb).numpy()
         for b in range(info.batch):
-            rows = stacked[b * length:(b + 1) * length]
+            rows = stacked[b * length : (b + 1) * length]
             out.append(rows[:-1] if drop_last else rows)
     return out
 
@@ -112,23 +142,48 @@ def test_train_vs_rollout_lines_up_requests_and_sets_apart_the_missing_last_row_
     requests[1][2] = -1  # a capture gap: never compared as an expert
     requests[2] = requests[2].copy()
     row = requests[2][4, 1].copy()  # request 2, position 4, layer column 1: one real disagreement
-    requests[2][4, 1] = [e for e in range(8) if e not in row][:len(row)]
+    requests[2][4, 1] = [e for e in range(8) if e not in row][: len(row)]
     np.savez(two_sources / "rollout.npz", **{f"req{r}": a for r, a in enumerate(requests)})
     out = two_sources / "rollout.json"
-    code = main(["dump", "diff", str(two_sources / "dump"), str(two_sources / "rollout.npz"), "--rollout", "--json",
-                 str(out), "--fail-on-diff"])
+    code = main(
+        [
+            "dump",
+            "diff",
+            str(two_sources / "dump"),
+            str(two_sources / "rollout.npz"),
+            "--rollout",
+            "--json",
+            str(out),
+            "--fail-on-diff",
+        ]
+    )
     assert code == 1
     report = json.loads(out.read_text())
     sequences = MICROBATCHES * B
-    assert report["rollout"] == {"requests": sequences, "compared_tokens": sequences * (S - 1) - 1,
-                                 "uncaptured_tokens": sequences, "capture_gap_rows": 1}
+    assert report["rollout"] == {
+        "requests": sequences,
+        "compared_tokens": sequences * (S - 1) - 1,
+        "uncaptured_tokens": sequences,
+        "capture_gap_rows": 1,
+    }
     assert report["first_divergent_layer"] == {str(dump.model.moe_layers[1]): 1}
     assert report["tokens"] == sequences * (S - 1) - 1
     # the same rollout without the injected disagreement agrees everywhere it was captured
     requests[2][4, 1] = row
     np.savez(two_sources / "rollout_ok.npz", **{f"req{r}": a for r, a in enumerate(requests)})
-    assert main(["dump", "diff", str(two_sources / "dump"), str(two_sources / "rollout_ok.npz"), "--rollout",
-                 "--fail-on-diff"]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "diff",
+                str(two_sources / "dump"),
+                str(two_sources / "rollout_ok.npz"),
+                "--rollout",
+                "--fail-on-diff",
+            ]
+        )
+        == 0
+    )
     # a request missing: refused, naming both counts
     np.savez(two_sources / "short.npz", **{f"req{r}": a for r, a in enumerate(requests[:-1])})
     capsys.readouterr()

@@ -16,8 +16,14 @@ from moeverify.routing.routes import Routes
 
 def _random(tokens, layers, *, experts=16, topk=4, microbatches=1, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                           for _ in range(microbatches)] for layer in layers}, num_experts=experts, topk=topk)
+    return Routes(
+        {
+            layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+            for layer in layers
+        },
+        num_experts=experts,
+        topk=topk,
+    )
 
 
 def _perturbed(a, *, fraction, seed=1):
@@ -80,7 +86,7 @@ def test_per_sequence_figures_match_a_sequence_by_sequence_count():
     sequences = report.sequences()
     assert len(sequences) == 3 * batch
     for s, rec in enumerate(sequences):
-        rows = ref[s * seq_len:(s + 1) * seq_len]
+        rows = ref[s * seq_len : (s + 1) * seq_len]
         diverging = [r for r in rows if r]
         assert (rec["sequence"], rec["microbatch"], rec["sequence_in_microbatch"]) == (s, s // batch, s % batch)
         assert rec["tokens"] == seq_len
@@ -107,14 +113,17 @@ def test_uneven_sequences_and_a_sequence_without_tokens():
     assert seqs[2]["tokens_diverging"] == differing > 0 and seqs[2]["first_divergent_layer"] == 1
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"seq_len": 5, "batch": 2}, r"micro-batch 0: sequences of \[5, 5\] token\(s\) \(sum 10\) != the 9 tokens"),
-    ({"sequence_tokens": [[4, 4]]}, r"sum 8\) != the 9 tokens"),
-    ({"sequence_tokens": [[9], [0]]}, r"sequences given for 2 micro-batch\(es\), the routes hold 1"),
-    ({"seq_len": 9}, r"seq_len and batch go together"),
-    ({"seq_len": 9, "batch": 1, "sequence_tokens": [[9]]}, r"not both"),
-    ({"sequence_tokens": [[10, -1]]}, r"sequences of \[10, -1\] token\(s\) \(sum 9\) != the 9 tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"seq_len": 5, "batch": 2}, r"micro-batch 0: sequences of \[5, 5\] token\(s\) \(sum 10\) != the 9 tokens"),
+        ({"sequence_tokens": [[4, 4]]}, r"sum 8\) != the 9 tokens"),
+        ({"sequence_tokens": [[9], [0]]}, r"sequences given for 2 micro-batch\(es\), the routes hold 1"),
+        ({"seq_len": 9}, r"seq_len and batch go together"),
+        ({"seq_len": 9, "batch": 1, "sequence_tokens": [[9]]}, r"not both"),
+        ({"sequence_tokens": [[10, -1]]}, r"sequences of \[10, -1\] token\(s\) \(sum 9\) != the 9 tokens"),
+    ],
+)
 def test_sequences_that_do_not_cover_the_tokens_are_refused(kwargs, match):
     a = _random(9, (0,), experts=8, topk=2)
     with pytest.raises(RouteError, match=match):
@@ -129,8 +138,9 @@ def test_sequence_extra_must_match_the_sequences():
         record.diff(a, a, seq_len=3, batch=3, sequence_extra=[{}])
 
 
-def _pair(tmp_path, *, tokens=24, seq_len=6, batch=4, layers=(0, 1, 3, 6), experts=16, topk=4, microbatches=3,
-          fraction=0.15):
+def _pair(
+    tmp_path, *, tokens=24, seq_len=6, batch=4, layers=(0, 1, 3, 6), experts=16, topk=4, microbatches=3, fraction=0.15
+):
     a = _random(tokens, layers, experts=experts, topk=topk, microbatches=microbatches, seed=4)
     b = _perturbed(a, fraction=fraction, seed=5)
     record.save(tmp_path / "a", a, order="router", seq_len=seq_len, batch=batch)
@@ -202,12 +212,26 @@ def test_512_experts_top22_round_trip_through_save_load_and_diff(tmp_path):
 def test_cli_diff_streams_by_default_and_in_memory_on_request_with_the_same_record(tmp_path, capsys):
     _pair(tmp_path)
     stream_json, memory_json = tmp_path / "s.json", tmp_path / "m.json"
-    assert main(["dump", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(stream_json),
-                 "--plot", str(tmp_path / "s.png")]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "diff",
+                str(tmp_path / "a"),
+                str(tmp_path / "b"),
+                "--json",
+                str(stream_json),
+                "--plot",
+                str(tmp_path / "s.png"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "routers differ per token" in out and "per sequence:" in out
-    assert main(["dump", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(memory_json),
-                 "--in-memory"]) == 0
+    assert (
+        main(["dump", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(memory_json), "--in-memory"]) == 0
+    )
     streamed, in_memory = json.loads(stream_json.read_text()), json.loads(memory_json.read_text())
     assert (streamed.pop("engine"), in_memory.pop("engine")) == ("stream", "in-memory")
     assert streamed == in_memory
@@ -226,8 +250,13 @@ def test_cli_diff_refuses_sides_cut_into_different_sequences(tmp_path, capsys):
     assert "into sequences of seq_len [12] x batch 2" in err and "seq_len [6] x batch 4" in err
 
 
-RELEASE = [("tp2-sp", dict(tp=2, sp=True), 2), ("pp2-vpp2", dict(pp=2, vpp=2), 2), ("cp2", dict(cp=2), 2),
-           ("tp2-pp2-ep2-sp", dict(tp=2, pp=2, ep=2, sp=True), 8), ("dp2", {}, 2)]
+RELEASE = [
+    ("tp2-sp", dict(tp=2, sp=True), 2),
+    ("pp2-vpp2", dict(pp=2, vpp=2), 2),
+    ("cp2", dict(cp=2), 2),
+    ("tp2-pp2-ep2-sp", dict(tp=2, pp=2, ep=2, sp=True), 8),
+    ("dp2", {}, 2),
+]
 
 
 @pytest.mark.parametrize("name,layout,world", RELEASE, ids=[r[0] for r in RELEASE])
@@ -263,9 +292,9 @@ def test_rollout_against_a_dp2_dump_counts_every_data_parallel_sequence(tmp_path
     requests = []
     for mb in range(2):
         stacked = global_routes.stacked(mb).numpy()
-        requests.extend(stacked[s * SEQ_LEN:(s + 1) * SEQ_LEN - 1] for s in range(2 * BATCH))
+        requests.extend(stacked[s * SEQ_LEN : (s + 1) * SEQ_LEN - 1] for s in range(2 * BATCH))
     row = requests[3][2, 1].copy()  # request 3 = DP rank 1's second sequence of micro-batch 0
-    requests[3][2, 1] = [e for e in range(16) if e not in row][:len(row)]
+    requests[3][2, 1] = [e for e in range(16) if e not in row][: len(row)]
     np.savez(tmp_path / "r.npz", **{f"r{i}": a for i, a in enumerate(requests)})
     out = tmp_path / "r.json"
     assert main(["dump", "diff", str(tmp_path / "d"), str(tmp_path / "r.npz"), "--rollout", "--json", str(out)]) == 0

@@ -12,12 +12,12 @@ import torch
 
 from moeverify import record
 from moeverify.errors import DumpError, RouteError
-from moeverify.spec.layout import Layout
 from moeverify.record.layer_read import gather_rows, sequence_order
 from moeverify.record.stream import DumpSource, LayerPairs
 from moeverify.routing.route_ids import _duplicate_rows, validate_topk_ids
 from moeverify.routing.routes import Routes
 from moeverify.routing.views import RankCoords, token_index
+from moeverify.spec.layout import Layout
 
 
 def _distinct(tokens, *, experts, topk, seed=0):
@@ -30,8 +30,17 @@ def _reference_dups(ids_TK):
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 7, 1023, 1024, 3000])
-@pytest.mark.parametrize("experts,topk,dtype", [(128, 8, torch.uint8), (256, 8, torch.uint8), (512, 22, torch.int16),
-                                                (16, 1, torch.uint8), (300, 6, torch.int16), (64, 3, torch.int64)])
+@pytest.mark.parametrize(
+    "experts,topk,dtype",
+    [
+        (128, 8, torch.uint8),
+        (256, 8, torch.uint8),
+        (512, 22, torch.int16),
+        (16, 1, torch.uint8),
+        (300, 6, torch.int16),
+        (64, 3, torch.int64),
+    ],
+)
 def test_duplicate_rows_matches_python_sets(tokens, experts, topk, dtype):
     ids = _distinct(tokens, experts=experts, topk=topk).to(dtype)
     if tokens and topk > 1:
@@ -43,8 +52,11 @@ def test_duplicate_rows_matches_python_sets(tokens, experts, topk, dtype):
 def test_validate_names_a_duplicate_in_the_last_row_of_a_column_compared_tensor():
     ids = _distinct(2048, experts=512, topk=22).to(torch.int16)
     ids[2047, 21] = ids[2047, 3]
-    with pytest.raises(RouteError, match=r"layer 4 mb 1: token 2047 routes to expert\(s\) twice: .* \(1 such "
-                                         r"row\(s\)\)"):
+    with pytest.raises(
+        RouteError,
+        match=r"layer 4 mb 1: token 2047 routes to expert\(s\) twice: .* \(1 such "
+        r"row\(s\)\)",
+    ):
         validate_topk_ids(ids, layer=4, microbatch=1, num_experts=512, topk=22)
 
 
@@ -110,10 +122,12 @@ def test_like_written_into_after_its_check_vouches_for_nothing():
 @pytest.mark.parametrize("change", ["dtype", "shape", "experts", "unchecked"])
 def test_like_that_does_not_match_is_not_used(change):
     ids = _distinct(40, experts=16, topk=4)
-    like = {"dtype": Routes({0: [ids.to(torch.int64)]}, num_experts=16, topk=4),
-            "shape": Routes({0: [ids[:39].to(torch.uint8)]}, num_experts=16, topk=4),
-            "experts": Routes({0: [ids.to(torch.uint8)]}, num_experts=17, topk=4),
-            "unchecked": Routes.unchecked({0: [ids.to(torch.uint8)]}, num_experts=16, topk=4)}[change]
+    like = {
+        "dtype": Routes({0: [ids.to(torch.int64)]}, num_experts=16, topk=4),
+        "shape": Routes({0: [ids[:39].to(torch.uint8)]}, num_experts=16, topk=4),
+        "experts": Routes({0: [ids.to(torch.uint8)]}, num_experts=17, topk=4),
+        "unchecked": Routes.unchecked({0: [ids.to(torch.uint8)]}, num_experts=16, topk=4),
+    }[change]
     bad = ids.to(torch.uint8)
     bad[0, 1] = bad[0, 0]
     if change != "dtype":
@@ -122,8 +136,9 @@ def test_like_that_does_not_match_is_not_used(change):
         Routes.adopt({0: [bad]}, num_experts=16, topk=4, like=like)
 
 
-@pytest.mark.parametrize("topk,dtype", [(8, torch.uint8), (3, torch.uint8), (22, torch.int16), (1, torch.uint8),
-                                        (2, torch.int32)])
+@pytest.mark.parametrize(
+    "topk,dtype", [(8, torch.uint8), (3, torch.uint8), (22, torch.int16), (1, torch.uint8), (2, torch.int32)]
+)
 def test_gather_rows_moves_whole_rows(topk, dtype):
     ids = _distinct(33, experts=64, topk=topk).to(dtype)
     order = torch.randperm(33, generator=torch.Generator().manual_seed(2))
@@ -142,15 +157,23 @@ def test_sequence_order_is_token_index_and_its_inverse(seq_len, batch):
         return
     gather_T, tokens_T = order
     assert torch.equal(tokens_T, token_T) and torch.equal(tokens_T[gather_T], torch.arange(seq_len * batch))
-    assert sequence_order(layout, coords, seq_len=seq_len, batch=batch, tokens=seq_len * batch + 1,
-                          zigzag=True) is None  # not a permutation of the tokens: the general merge decides
+    assert (
+        sequence_order(layout, coords, seq_len=seq_len, batch=batch, tokens=seq_len * batch + 1, zigzag=True) is None
+    )  # not a permutation of the tokens: the general merge decides
 
 
-def _save_pair(tmp_path, *, tokens=24, seq_len=6, batch=4, layers=(0, 2, 3), experts=16, topk=4, microbatches=2,
-               seed=0):
+def _save_pair(
+    tmp_path, *, tokens=24, seq_len=6, batch=4, layers=(0, 2, 3), experts=16, topk=4, microbatches=2, seed=0
+):
     gen = torch.Generator().manual_seed(seed)
-    a = Routes({layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                        for _ in range(microbatches)] for layer in layers}, num_experts=experts, topk=topk)
+    a = Routes(
+        {
+            layer: [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)]
+            for layer in layers
+        },
+        num_experts=experts,
+        topk=topk,
+    )
     data = {}
     for layer in layers:
         data[layer] = []
@@ -212,9 +235,10 @@ def _rewrite_row(path, *, layer_index, row, values):
         f.write(bytes(values))
 
 
-@pytest.mark.parametrize("what,values,match", [
-    ("duplicate", None, r"routes to expert\(s\) twice"),
-    ("range", None, r"expert id 16 out of range \[0, 16\)")])
+@pytest.mark.parametrize(
+    "what,values,match",
+    [("duplicate", None, r"routes to expert\(s\) twice"), ("range", None, r"expert id 16 out of range \[0, 16\)")],
+)
 def test_a_bad_row_of_b_is_refused_as_reading_b_alone_refuses_it(tmp_path, what, values, match):
     _save_pair(tmp_path)
     row = 23  # the last row of the rank's own order
@@ -236,8 +260,11 @@ def test_a_file_truncated_after_load_is_refused_naming_file_and_tensor(tmp_path)
     dump = record.load(tmp_path / "a")
     file = tmp_path / "a" / "rank00000.safetensors"
     file.write_bytes(file.read_bytes()[:-200])
-    with pytest.raises(DumpError, match=r"rank00000.safetensors: tensor step0/mb1/ids\[layer 3\]: unreadable: the "
-                                        r"file ends \d+ byte\(s\) short of the tensor \(truncated since it was loaded\)"):
+    with pytest.raises(
+        DumpError,
+        match=r"rank00000.safetensors: tensor step0/mb1/ids\[layer 3\]: unreadable: the "
+        r"file ends \d+ byte\(s\) short of the tensor \(truncated since it was loaded\)",
+    ):
         dump.layer_routes(step=0, layer=3)
 
 

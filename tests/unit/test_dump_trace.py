@@ -20,8 +20,16 @@ def _ids(seed, tokens=S * B):
 
 
 def _rec(layer, ids, *, step=0, rank=0):
-    return {"step": step, "stage": "pre_dispatch", "block": "decoder", "layer": layer, "rank": rank,
-            "num_tokens": ids.shape[0], "topk": ids.shape[1], "top_indices": ids.tolist()}
+    return {
+        "step": step,
+        "stage": "pre_dispatch",
+        "block": "decoder",
+        "layer": layer,
+        "rank": rank,
+        "num_tokens": ids.shape[0],
+        "topk": ids.shape[1],
+        "top_indices": ids.tolist(),
+    }
 
 
 def _write(path, recs):
@@ -66,8 +74,11 @@ def test_router_trace_recompute_records_are_dropped_with_microbatches(tmp_path):
 
 def test_router_trace_whole_stage_recompute_is_refused_without_microbatches(tmp_path):
     trace = _recompute_trace(tmp_path, order="ascending")  # passes look whole: only their equal ids give them away
-    with pytest.raises(DumpError, match=r"step 0: 4 passes over the traced layers \(lines 1, 4, 7, 10\): "
-                                        r"micro-batches, or forwards and their recomputes .* Give --microbatches N"):
+    with pytest.raises(
+        DumpError,
+        match=r"step 0: 4 passes over the traced layers \(lines 1, 4, 7, 10\): "
+        r"micro-batches, or forwards and their recomputes .* Give --microbatches N",
+    ):
         importers.read_router_trace(trace, num_experts=E)
 
 
@@ -104,8 +115,29 @@ def _pp2_traces(tmp_path):
 
 
 def _convert_pp2(tdir, dst, *extra):
-    return main(["dump", "convert", str(tdir), str(dst), "--layout", "pp2", "--world-size", "2", "--num-layers", "4",
-                 "--seq-len", str(S), "--batch", str(B), "--num-experts", str(E), "--microbatches", "2", *extra])
+    return main(
+        [
+            "dump",
+            "convert",
+            str(tdir),
+            str(dst),
+            "--layout",
+            "pp2",
+            "--world-size",
+            "2",
+            "--num-layers",
+            "4",
+            "--seq-len",
+            str(S),
+            "--batch",
+            str(B),
+            "--num-experts",
+            str(E),
+            "--microbatches",
+            "2",
+            *extra,
+        ]
+    )
 
 
 def test_router_trace_dense_stage_empty_trace_is_accepted_when_the_moe_layers_say_so(tmp_path, capsys):
@@ -123,8 +155,10 @@ def test_router_trace_dense_stage_empty_trace_is_accepted_when_the_moe_layers_sa
 def test_router_trace_empty_trace_refused_where_the_stage_has_moe_layers(tmp_path, capsys):
     tdir = _pp2_traces(tmp_path)
     assert _convert_pp2(tdir, tmp_path / "d") == 2
-    assert "router_trace_rank0.jsonl: no decoder router_trace records. If pipeline stage 0 (layers [0, 2)) holds no " \
-           "MoE layer, give --moe-layers" in capsys.readouterr().err
+    assert (
+        "router_trace_rank0.jsonl: no decoder router_trace records. If pipeline stage 0 (layers [0, 2)) holds no "
+        "MoE layer, give --moe-layers" in capsys.readouterr().err
+    )
     assert _convert_pp2(tdir, tmp_path / "d", "--moe-layers", "1,2,3") == 2
     assert "router_trace_rank0.jsonl: no decoder router_trace records" in capsys.readouterr().err
     assert _convert_pp2(tdir, tmp_path / "d", "--moe-layers", "2") == 2

@@ -1,4 +1,5 @@
-"""``moeverify.routing.engine_routes``: payloads built exactly as each engine builds them, decoded back element for element
+"""``moeverify.routing.engine_routes``: payloads built exactly as each engine builds them, decoded back element for
+element
 against the test's own arrays, and a table of malformed payloads, each refused naming the request (and the position
 and layer where one is at fault). Formats: docs/engine_routes.md."""
 
@@ -13,10 +14,10 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from moeverify.routing import engine_routes as er
-from moeverify.errors import MoEVerifyError, RouteError, UsageError
 from waiting import CHILD_S
+
+from moeverify.errors import MoEVerifyError, RouteError, UsageError
+from moeverify.routing import engine_routes as er
 
 RNG = np.random.default_rng(7)
 S, K = 9, 2  # tokens of the request (prompt 5 + completion 4), top-k
@@ -64,8 +65,10 @@ def test_sglang_string_payload_physical_slots_and_start_offset():
 
 def test_sglang_narrow_wire_dtype_from_meta_info():
     ref = _ids(S - 1, 2)
-    meta = {"routed_experts": base64.b64encode(ref.astype(np.uint8).tobytes()).decode(),
-            "routed_experts_dtype": "uint8"}
+    meta = {
+        "routed_experts": base64.b64encode(ref.astype(np.uint8).tobytes()).decode(),
+        "routed_experts_dtype": "uint8",
+    }
     got = er.from_sglang({"meta_info": meta}, num_layers=2, top_k=K, num_tokens=S, physical=False)
     assert np.array_equal(got.routes, ref)
 
@@ -84,19 +87,28 @@ def _vllm_021(num_tokens: int, prompt: int, width: int, *, unfilled_last: bool):
 @pytest.mark.parametrize("unfilled_last", [False, True], ids=["S-1 rows", "S rows, last never filled"])
 def test_vllm_021_split_arrays_joined_and_missing_last_row_dropped(unfilled_last):
     ref, prompt_RWK, gen_RWK = _vllm_021(S, 5, 3, unfilled_last=unfilled_last)
-    got = er.from_vllm(gen_RWK, prompt_routed_experts=prompt_RWK, num_tokens=S, physical=True, num_layers=5,
-                       num_moe_layers=3, request="a")
+    got = er.from_vllm(
+        gen_RWK,
+        prompt_routed_experts=prompt_RWK,
+        num_tokens=S,
+        physical=True,
+        num_layers=5,
+        num_moe_layers=3,
+        request="a",
+    )
     assert np.array_equal(got.routes, ref) and got.numbering == "routers" and got.physical
-    lists = er.from_vllm(gen_RWK.tolist(), prompt_routed_experts=prompt_RWK.tolist(), num_tokens=S,
-                         physical=True, numbering="routers")  # the 0.21 OpenAI response: nested lists
+    lists = er.from_vllm(
+        gen_RWK.tolist(), prompt_routed_experts=prompt_RWK.tolist(), num_tokens=S, physical=True, numbering="routers"
+    )  # the 0.21 OpenAI response: nested lists
     assert np.array_equal(lists.routes, ref)
 
 
 @pytest.mark.parametrize("dtype, experts", [(np.uint8, 256), (np.uint16, 512), (np.int16, 64)])
 def test_vllm_npy_base64_uint8_uint16_int16(dtype, experts):
     ref = _ids(S - 1 - 2, 4, experts=experts, dtype=dtype)  # routed_experts_prompt_start=2
-    got = er.from_vllm(_npy_b64(ref), num_tokens=S, physical=False, numbering="decoder", num_layers=4, start=2,
-                       request="b")
+    got = er.from_vllm(
+        _npy_b64(ref), num_tokens=S, physical=False, numbering="decoder", num_layers=4, start=2, request="b"
+    )
     assert np.array_equal(got.routes, ref.astype(np.int64)) and got.numbering == "decoder" and got.start == 2
     assert got.routes.dtype == (np.int32 if ref.max() > np.iinfo(np.int16).max else np.int16)
 
@@ -126,9 +138,19 @@ def test_transformers_tiny_qwen3_moe_router_logits_match_its_own_topk():
     indices its own routers selected, captured by hooks."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                         num_experts=8, num_experts_per_tok=K, mlp_only_layers=[1])
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=K,
+        mlp_only_layers=[1],
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     picked = []
@@ -206,8 +228,7 @@ def test_import_needs_no_torch(repo_root):
         from moeverify.routing import engine_routes as er
         print(er.from_trtllm(np.zeros((3, 2, 2), np.int16), num_tokens=4).routes.shape)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True,
-                          timeout=CHILD_S)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0 and "(3, 2, 2)" in proc.stdout, proc.stderr
 
 
@@ -218,13 +239,16 @@ NPY = _npy_b64(GOOD.astype(np.uint8))
 
 
 def _sg(payload, **kw):
-    return lambda: er.from_sglang(payload, **{"num_layers": 4, "top_k": K, "num_tokens": S, "physical": False,
-                                              "request": "req-7", **kw})
+    return lambda: er.from_sglang(
+        payload, **{"num_layers": 4, "top_k": K, "num_tokens": S, "physical": False, "request": "req-7", **kw}
+    )
 
 
 def _vl(payload, **kw):
-    return lambda: er.from_vllm(payload, **{"num_tokens": S, "physical": False, "numbering": "decoder",
-                                            "num_layers": 4, "request": "req-7", **kw})
+    return lambda: er.from_vllm(
+        payload,
+        **{"num_tokens": S, "physical": False, "numbering": "decoder", "num_layers": 4, "request": "req-7", **kw},
+    )
 
 
 def _negative_at(position: int, column: int, value: int) -> np.ndarray:
@@ -254,17 +278,25 @@ SG = _sglang_response(GOOD)["meta_info"]["routed_experts"]
 MALFORMED = {
     "sglang bad base64": (_sg("@@not*base64@@"), r"sglang request 'req-7'.*not valid base64"),
     "sglang base64 cut mid-quantum": (_sg(SG[:-3]), r"req-7.*not valid base64"),
-    "sglang bytes not whole int32": (_sg(base64.b64encode(base64.b64decode(SG)[:-2]).decode()),
-                                     r"req-7.*not a whole number of int32 ids"),
-    "sglang ids not a multiple of W*K": (_sg(base64.b64encode(base64.b64decode(SG)[:-8]).decode()),
-                                         r"req-7.*not a multiple of num_layers \* top_k = 4 \* 2 = 8"),
+    "sglang bytes not whole int32": (
+        _sg(base64.b64encode(base64.b64decode(SG)[:-2]).decode()),
+        r"req-7.*not a whole number of int32 ids",
+    ),
+    "sglang ids not a multiple of W*K": (
+        _sg(base64.b64encode(base64.b64decode(SG)[:-8]).decode()),
+        r"req-7.*not a multiple of num_layers \* top_k = 4 \* 2 = 8",
+    ),
     "sglang rows short of num_tokens - 1": (_sg(SG, num_tokens=S + 3), r"req-7.*8 route rows, expected 11"),
     "sglang zero rows on real tokens": (_sg(""), r"req-7.*zero route rows for a request of 9 tokens"),
     "sglang meta_info without routes": (_sg({"meta_info": {"prompt_tokens": 5}}), r"req-7.*no routed_experts"),
-    "sglang start disagrees with meta_info": (_sg(_sglang_response(GOOD, routed_experts_start_len=2), start=0),
-                                              r"req-7.*start=0 but meta_info\['routed_experts_start_len'\] = 2"),
-    "sglang negative id": (_sg(_sglang_response(_negative_at(3, 2, -4))),
-                           r"req-7.*expert id -4 at position 3 layer column 2"),
+    "sglang start disagrees with meta_info": (
+        _sg(_sglang_response(GOOD, routed_experts_start_len=2), start=0),
+        r"req-7.*start=0 but meta_info\['routed_experts_start_len'\] = 2",
+    ),
+    "sglang negative id": (
+        _sg(_sglang_response(_negative_at(3, 2, -4))),
+        r"req-7.*expert id -4 at position 3 layer column 2",
+    ),
     "sglang payload not a string": (_sg([1, 2, 3]), r"req-7.*is a list, expected a base64 string"),
     "sglang unknown wire dtype": (_sg(SG, dtype="float32"), r"req-7.*wire dtype 'float32'"),
     "vllm float array": (_vl(GOOD.astype(np.float32)), r"vllm request 'req-7'.*dtype float32, expected integer"),
@@ -276,38 +308,68 @@ MALFORMED = {
     "vllm bad base64": (_vl("!!!!"), r"req-7.*not valid base64"),
     "vllm 2-d array": (_vl(GOOD[:, 0]), r"req-7.*shape \(8, 2\), expected \[tokens, layers, top_k\]"),
     "vllm ragged lists": (_vl([[[1, 2]], [[1]]]), r"req-7.*not a rectangular array"),
-    "vllm layer axis fits two readings": (_vl(GOOD, numbering=None), r"req-7.*4 layer columns read two ways: one per decoder "
-                                                    r"layer \(vLLM 0.34.*vLLM 0.21.*Refusing to guess"),
-    "vllm more columns than decoder layers": (_vl(GOOD, numbering=None, num_layers=3),
-                                              r"req-7.*more than the model's 3 decoder"),
-    "vllm decoder numbering of the wrong width": (_vl(GOOD, numbering="decoder", num_layers=6),
-                                                  r"req-7.*4 layer columns, numbering='decoder' needs 6"),
-    "vllm split arrays of different layers": (_vl(GOOD[5:], prompt_routed_experts=GOOD[:5, :3]),
-                                              r"req-7.*prompt_routed_experts \(5, 3, 2\) and routed_experts"),
-    "vllm split arrays with a start": (_vl(GOOD[5:], prompt_routed_experts=GOOD[:5], start=1),
-                                       r"req-7.*start=1 with split prompt/completion arrays"),
+    "vllm layer axis fits two readings": (
+        _vl(GOOD, numbering=None),
+        r"req-7.*4 layer columns read two ways: one per decoder "
+        r"layer \(vLLM 0.34.*vLLM 0.21.*Refusing to guess",
+    ),
+    "vllm more columns than decoder layers": (
+        _vl(GOOD, numbering=None, num_layers=3),
+        r"req-7.*more than the model's 3 decoder",
+    ),
+    "vllm decoder numbering of the wrong width": (
+        _vl(GOOD, numbering="decoder", num_layers=6),
+        r"req-7.*4 layer columns, numbering='decoder' needs 6",
+    ),
+    "vllm split arrays of different layers": (
+        _vl(GOOD[5:], prompt_routed_experts=GOOD[:5, :3]),
+        r"req-7.*prompt_routed_experts \(5, 3, 2\) and routed_experts",
+    ),
+    "vllm split arrays with a start": (
+        _vl(GOOD[5:], prompt_routed_experts=GOOD[:5], start=1),
+        r"req-7.*start=1 with split prompt/completion arrays",
+    ),
     "vllm two rows too many": (_vl(np.concatenate([GOOD, GOOD[:2]])), r"req-7.*10 route rows, expected 8"),
-    "vllm id past int32": (_vl(_negative_at(1, 0, 2**40)), r"req-7.*expert id 1099511627776 at position 1 layer "
-                                                           r"column 0 exceeds int32"),
-    "vllm negative id in .npy": (_vl(_npy_b64(_negative_at(6, 3, -2).astype(np.int16))),
-                                 r"req-7.*expert id -2 at position 6 layer column 3"),
+    "vllm id past int32": (
+        _vl(_negative_at(1, 0, 2**40)),
+        r"req-7.*expert id 1099511627776 at position 1 layer "
+        r"column 0 exceeds int32",
+    ),
+    "vllm negative id in .npy": (
+        _vl(_npy_b64(_negative_at(6, 3, -2).astype(np.int16))),
+        r"req-7.*expert id -2 at position 6 layer column 3",
+    ),
     "vllm no routes at all": (_vl(None), r"req-7.*routed_experts is None"),
-    "trtllm float": (lambda: er.from_trtllm(GOOD.astype(np.float64), num_tokens=S, request="req-7"),
-                     r"trtllm request 'req-7'.*dtype float64"),
-    "trtllm decoder-wide array": (lambda: er.from_trtllm(GOOD, num_tokens=S, num_moe_layers=3, request="req-7"),
-                                  r"req-7.*4 layer columns, expected one per MoE layer \(3\)"),
-    "trtllm rows of another request": (lambda: er.from_trtllm(GOOD, num_tokens=S + 1, request="req-7"),
-                                       r"req-7.*8 route rows, expected 9"),
-    "transformers integer logits": (lambda: er.from_transformers([np.zeros((S, 8), np.int64)], top_k=K,
-                                                                 request="req-7"),
-                                    r"transformers request 'req-7'.*MoE layer 0: int64"),
-    "transformers layers of different lengths": (lambda: er.from_transformers(
-        [np.zeros((S, 8), np.float32), np.zeros((S - 1, 8), np.float32)], top_k=K, request="req-7"),
-        r"req-7.*MoE layer 1: float32 \(8, 8\)"),
-    "transformers nan logits": (lambda: er.from_transformers([_nan_at(4, 3)], top_k=K, request="req-7"),
-                                r"req-7.*position 4 MoE layer 0 are not finite"),
-    "transformers no logits": (lambda: er.from_transformers([], top_k=K, request="req-7"),
-                               r"req-7.*output_router_logits=True"),
+    "trtllm float": (
+        lambda: er.from_trtllm(GOOD.astype(np.float64), num_tokens=S, request="req-7"),
+        r"trtllm request 'req-7'.*dtype float64",
+    ),
+    "trtllm decoder-wide array": (
+        lambda: er.from_trtllm(GOOD, num_tokens=S, num_moe_layers=3, request="req-7"),
+        r"req-7.*4 layer columns, expected one per MoE layer \(3\)",
+    ),
+    "trtllm rows of another request": (
+        lambda: er.from_trtllm(GOOD, num_tokens=S + 1, request="req-7"),
+        r"req-7.*8 route rows, expected 9",
+    ),
+    "transformers integer logits": (
+        lambda: er.from_transformers([np.zeros((S, 8), np.int64)], top_k=K, request="req-7"),
+        r"transformers request 'req-7'.*MoE layer 0: int64",
+    ),
+    "transformers layers of different lengths": (
+        lambda: er.from_transformers(
+            [np.zeros((S, 8), np.float32), np.zeros((S - 1, 8), np.float32)], top_k=K, request="req-7"
+        ),
+        r"req-7.*MoE layer 1: float32 \(8, 8\)",
+    ),
+    "transformers nan logits": (
+        lambda: er.from_transformers([_nan_at(4, 3)], top_k=K, request="req-7"),
+        r"req-7.*position 4 MoE layer 0 are not finite",
+    ),
+    "transformers no logits": (
+        lambda: er.from_transformers([], top_k=K, request="req-7"),
+        r"req-7.*output_router_logits=True",
+    ),
 }
 
 

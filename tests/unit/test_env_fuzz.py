@@ -21,16 +21,66 @@ from pathlib import Path
 import pytest
 
 from moeverify import files
-from moeverify.spec import plugins, timeouts
 from moeverify.errors import MoEVerifyError, UsageError
+from moeverify.spec import plugins, timeouts
 
 ROOT = Path(__file__).resolve().parents[2]
 
-FIXED = ["", " ", "\t", "abc", "-1", "0", "-0", "+3", "3", "007", "1.5", "1e-9", "1e300", "1e999", "inf", "-inf",
-         "nan", "0x10", "1_000", "5s", " 5 ", "\u00b2", "\u0661\u0662", "\u0663", "9" * 5000, "\udcff", "a\nb",
-         "\x01", "\u00e9", "\U0001f642", ":", "::", "record:", "replay:", "r2", "r3:", "r3:/nonexistent/dir",
-         "record:/proc/x", "off", "chance", "first", "refuse", "true", "None", "null", "/", "/dev/null",
-         "/etc/passwd/x", ".", "..", "-", "x" * 5000, "../../../../../../../../tmp"]
+FIXED = [
+    "",
+    " ",
+    "\t",
+    "abc",
+    "-1",
+    "0",
+    "-0",
+    "+3",
+    "3",
+    "007",
+    "1.5",
+    "1e-9",
+    "1e300",
+    "1e999",
+    "inf",
+    "-inf",
+    "nan",
+    "0x10",
+    "1_000",
+    "5s",
+    " 5 ",
+    "\u00b2",
+    "\u0661\u0662",
+    "\u0663",
+    "9" * 5000,
+    "\udcff",
+    "a\nb",
+    "\x01",
+    "\u00e9",
+    "\U0001f642",
+    ":",
+    "::",
+    "record:",
+    "replay:",
+    "r2",
+    "r3:",
+    "r3:/nonexistent/dir",
+    "record:/proc/x",
+    "off",
+    "chance",
+    "first",
+    "refuse",
+    "true",
+    "None",
+    "null",
+    "/",
+    "/dev/null",
+    "/etc/passwd/x",
+    ".",
+    "..",
+    "-",
+    "x" * 5000,
+    "../../../../../../../../tmp",
+]
 _ALPHABET = string.printable.replace("\x0b", "").replace("\x0c", "") + "\u00b2\u0661\u00e9\U0001f642\udcff"
 _RNG = random.Random(37)
 RANDOM = ["".join(_RNG.choice(_ALPHABET) for _ in range(_RNG.randint(1, 12))) for _ in range(60)]
@@ -45,6 +95,7 @@ def _timeout(name: str):
         faulthandler.dump_traceback_later(max(seconds, 60.0), exit=False)  # a rank's watchdog (not fired here)
         faulthandler.cancel_dump_traceback_later()
         assert time.monotonic() + seconds > 0
+
     return read
 
 
@@ -82,20 +133,24 @@ def _agreement(tmp: Path) -> None:
 
 
 READERS = {t.env: _timeout(t.name) for t in timeouts.TABLE if t.env}
-READERS.update({
-    files.CACHE_ENV: _cache,
-    "MOEVERIFY_ROUTER_REPLAY": _router_replay,
-    "MOEVERIFY_ROUTER_REPLAY_MODEL": _router_replay,
-    "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS": _injob,
-    "MOEVERIFY_ROUTER_REPLAY_DUPLICATES": _injob,
-    "MOEVERIFY_AGREEMENT": _agreement,
-    "MOEVERIFY_AGREEMENT_MIN": _agreement,
-    "MOEVERIFY_AGREEMENT_FLOOR": _agreement,
-})
+READERS.update(
+    {
+        files.CACHE_ENV: _cache,
+        "MOEVERIFY_ROUTER_REPLAY": _router_replay,
+        "MOEVERIFY_ROUTER_REPLAY_MODEL": _router_replay,
+        "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS": _injob,
+        "MOEVERIFY_ROUTER_REPLAY_DUPLICATES": _injob,
+        "MOEVERIFY_AGREEMENT": _agreement,
+        "MOEVERIFY_AGREEMENT_MIN": _agreement,
+        "MOEVERIFY_AGREEMENT_FLOOR": _agreement,
+    }
+)
 # What the variable needs beside it to be read at all.
-COMPANIONS = {"MOEVERIFY_ROUTER_REPLAY_MODEL": {"MOEVERIFY_ROUTER_REPLAY": "r2"},
-              "MOEVERIFY_AGREEMENT_MIN": {"MOEVERIFY_AGREEMENT": "{tmp}/agreement.jsonl"},
-              "MOEVERIFY_AGREEMENT_FLOOR": {"MOEVERIFY_AGREEMENT": "{tmp}/agreement.jsonl"}}
+COMPANIONS = {
+    "MOEVERIFY_ROUTER_REPLAY_MODEL": {"MOEVERIFY_ROUTER_REPLAY": "r2"},
+    "MOEVERIFY_AGREEMENT_MIN": {"MOEVERIFY_AGREEMENT": "{tmp}/agreement.jsonl"},
+    "MOEVERIFY_AGREEMENT_FLOOR": {"MOEVERIFY_AGREEMENT": "{tmp}/agreement.jsonl"},
+}
 # Read, but not fuzzed here: the variable is read deep inside a rollout step's loading (``patches/rollout_source.py``),
 # with no reader of its own to call.
 NOT_FUZZED = {"MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP"}
@@ -141,12 +196,52 @@ def test_garbage_in_a_variable_is_used_or_refused_naming_it(env, tmp_path, monke
 
 
 # ------------------------------------------------------------------------------------------ plugin specs
-SPECS = ["", ":", "::", "a:", ":f", "a:b:c", "a.:f", ".a:f", "a..b:f", "a b:f", "1a:f", "a:1f", "a:f-g", "json:",
-         "json:dumps", "json:nope", "os:sep", "os.path:join", "moeverify.errors:UsageError", "moeverify:__version__",
-         "no_such_pkg_xyz:f", "no_such_pkg_xyz.sub:f", "json.no_such:f", "/:f", "/etc/passwd:f", "/dev/null.py:f",
-         "{tmp}/missing.py:f", "{tmp}/ok.py:factory", "{tmp}/ok.py:value", "{tmp}/ok.py:nope", "{tmp}/raises.py:f",
-         "{tmp}/syntax.py:f", "{tmp}/binary.py:f", "{tmp}:f", "{tmp}/dir.py:f", "\udcff:f", "a\nb:f", "é:f",
-         "x" * 300 + ":f", "bridge", "sharded", "Bridge", "gather ", "verl:verl"]
+SPECS = [
+    "",
+    ":",
+    "::",
+    "a:",
+    ":f",
+    "a:b:c",
+    "a.:f",
+    ".a:f",
+    "a..b:f",
+    "a b:f",
+    "1a:f",
+    "a:1f",
+    "a:f-g",
+    "json:",
+    "json:dumps",
+    "json:nope",
+    "os:sep",
+    "os.path:join",
+    "moeverify.errors:UsageError",
+    "moeverify:__version__",
+    "no_such_pkg_xyz:f",
+    "no_such_pkg_xyz.sub:f",
+    "json.no_such:f",
+    "/:f",
+    "/etc/passwd:f",
+    "/dev/null.py:f",
+    "{tmp}/missing.py:f",
+    "{tmp}/ok.py:factory",
+    "{tmp}/ok.py:value",
+    "{tmp}/ok.py:nope",
+    "{tmp}/raises.py:f",
+    "{tmp}/syntax.py:f",
+    "{tmp}/binary.py:f",
+    "{tmp}:f",
+    "{tmp}/dir.py:f",
+    "\udcff:f",
+    "a\nb:f",
+    "é:f",
+    "x" * 300 + ":f",
+    "bridge",
+    "sharded",
+    "Bridge",
+    "gather ",
+    "verl:verl",
+]
 _SPEC_ALPHABET = string.ascii_letters + string.digits + "._:/- \u00e9"
 SPECS += ["".join(_RNG.choice(_SPEC_ALPHABET) for _ in range(_RNG.randint(1, 16))) for _ in range(40)]
 RUN_FILE = "scenarios:\n  - {family: qwen3_moe, world_size: 1, checks: [export, replay]}\n"
@@ -161,8 +256,9 @@ def _plugin_files(tmp: Path) -> None:
     (tmp / "s.yaml").write_text(RUN_FILE)
 
 
-@pytest.mark.parametrize(("flag", "what"), [("--subject", "subject"), ("--replay-impl", "replay implementation"),
-                                            ("--receiver", "receiver")])
+@pytest.mark.parametrize(
+    ("flag", "what"), [("--subject", "subject"), ("--replay-impl", "replay implementation"), ("--receiver", "receiver")]
+)
 def test_garbage_plugin_specs_are_used_or_refused_naming_them(flag, what, tmp_path, capsys):
     from moeverify import cli
     from moeverify.spec.options import OPTIONS
@@ -187,10 +283,18 @@ def test_garbage_plugin_specs_are_used_or_refused_naming_them(flag, what, tmp_pa
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize(("spec", "loads"), [
-    ("json:dumps", True), ("moeverify.errors:UsageError", True), ("{tmp}/ok.py:factory", True),
-    ("os:sep", False), ("{tmp}/ok.py:value", False), ("{tmp}/raises.py:f", False), ("moeverify:__version__", False),
-])
+@pytest.mark.parametrize(
+    ("spec", "loads"),
+    [
+        ("json:dumps", True),
+        ("moeverify.errors:UsageError", True),
+        ("{tmp}/ok.py:factory", True),
+        ("os:sep", False),
+        ("{tmp}/ok.py:value", False),
+        ("{tmp}/raises.py:f", False),
+        ("moeverify:__version__", False),
+    ],
+)
 def test_plugins_that_pass_the_source_check_are_loaded_or_refused_naming_them(spec, loads, tmp_path):
     from moeverify.runner import probe
 

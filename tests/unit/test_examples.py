@@ -37,8 +37,9 @@ def region(path: Path, tag: str) -> str:
     return found.group(1).strip("\n")
 
 
-@pytest.mark.parametrize("name,tag", [("megatron_loop", "megatron-loop"), ("verl_step", "verl-step"),
-                                      ("nemo_rl_r3_step", "r3-step")])
+@pytest.mark.parametrize(
+    "name,tag", [("megatron_loop", "megatron-loop"), ("verl_step", "verl-step"), ("nemo_rl_r3_step", "r3-step")]
+)
 def test_docs_show_the_example_verbatim(name, tag):
     blocks = re.findall(rf"<!-- example: examples/{name}.py {tag} -->\n```python\n(.*?)```", DOC.read_text(), re.S)
     assert len(blocks) == 1, f"docs/router_replay.md: expected one block marked examples/{name}.py {tag}"
@@ -83,8 +84,12 @@ def replayed_vs_native(chunks, run, monkeypatch) -> tuple[dict, dict, int]:
     """Parameters after ``run()`` with replay, and after it routed natively, from the same start; recomputes."""
     start = params(chunks)
     recomputes = []
-    hooks = [m.register_forward_hook(lambda *_: recomputes.append(torch._C._current_graph_task_id() != -1))
-             for c in chunks for m in c.modules() if type(m).__name__ == "TopKRouter"]
+    hooks = [
+        m.register_forward_hook(lambda *_: recomputes.append(torch._C._current_graph_task_id() != -1))
+        for c in chunks
+        for m in c.modules()
+        if type(m).__name__ == "TopKRouter"
+    ]
     try:
         run()
         replayed = params(chunks)
@@ -126,7 +131,8 @@ def test_megatron_loop_with_full_recompute_equals_native_routing(built, monkeypa
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-2)
     try:
         replayed, native, recomputes = replayed_vs_native(
-            chunks, lambda: ex.train(chunks, opt, iterations, step, seq_len=S, micro_batch_size=B), monkeypatch)
+            chunks, lambda: ex.train(chunks, opt, iterations, step, seq_len=S, micro_batch_size=B), monkeypatch
+        )
     finally:
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = saved
     assert recomputes >= 2 * MB, f"full recompute ran {recomputes} router recomputes"
@@ -145,8 +151,8 @@ def test_verl_step_actor_and_reference_equals_native_routing(built, monkeypatch)
     opt = torch.optim.SGD(actor.parameters(), lr=1e-2)
     ref_before = params([reference])
     replayed, native, _ = replayed_vs_native(
-        [actor], lambda: ex.ppo_update(actor, reference, opt, micro_batches, torch.arange(S).expand(B, S)),
-        monkeypatch)
+        [actor], lambda: ex.ppo_update(actor, reference, opt, micro_batches, torch.arange(S).expand(B, S)), monkeypatch
+    )
     assert_bitwise(replayed, native, "verl_step")
     assert_bitwise(params([reference]), ref_before, "verl_step reference (must not change)")
 
@@ -158,7 +164,7 @@ def engine_routes(model, tokens_BS, lengths, *, rows_short: bool):
         model(tokens_BS, torch.arange(S).expand_as(tokens_BS), None)
     routes = session.routes()  # router order: row s * B + b
     stacked_SBLK = torch.stack([routes.get(layer, 0).view(S, len(lengths), -1) for layer in routes.layers], dim=2)
-    return [stacked_SBLK[:n - rows_short, b].numpy() for b, n in enumerate(lengths)], routes
+    return [stacked_SBLK[: n - rows_short, b].numpy() for b, n in enumerate(lengths)], routes
 
 
 def test_r3_step_with_the_engines_routes_equals_native_routing(built, monkeypatch):
@@ -170,7 +176,8 @@ def test_r3_step_with_the_engines_routes_equals_native_routing(built, monkeypatc
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     layers = range(built.config.num_layers)
     replayed, native, _ = replayed_vs_native(
-        [model], lambda: ex.r3_update(model, opt, requests, routed, moe_layers=layers, seq_len=S), monkeypatch)
+        [model], lambda: ex.r3_update(model, opt, requests, routed, moe_layers=layers, seq_len=S), monkeypatch
+    )
     assert_bitwise(replayed, native, "nemo_rl_r3_step")
 
 
@@ -195,8 +202,14 @@ def test_r3_step_replays_the_engines_routes_on_every_token_it_returned(built):
     hooks = [m.register_forward_hook(keep_forward_map) for m in model.modules() if type(m).__name__ == "TopKRouter"]
     start = params([model])
     try:
-        ex.r3_update(model, torch.optim.SGD(model.parameters(), lr=0.0), requests, routed,
-                     moe_layers=range(built.config.num_layers), seq_len=S)
+        ex.r3_update(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            requests,
+            routed,
+            moe_layers=range(built.config.num_layers),
+            seq_len=S,
+        )
     finally:
         for h in hooks:
             h.remove()

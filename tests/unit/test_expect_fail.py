@@ -10,13 +10,13 @@ import xml.etree.ElementTree as ET
 import pytest
 from rich.console import Console
 
-from moeverify.spec import expectations
 from moeverify.errors import UsageError
-from moeverify.spec.expectations import ExpectedFailure
 from moeverify.models import families as model_families
 from moeverify.oracles.results import CheckRecord, Tally
 from moeverify.runner import junit, report
 from moeverify.runner.report import Result
+from moeverify.spec import expectations
+from moeverify.spec.expectations import ExpectedFailure
 from moeverify.spec.scenario import load, scenario_from_dict, scenario_to_dict
 
 CHECKS = ("roundtrip", "export", "replay", "hf_parity")
@@ -32,7 +32,9 @@ def _load(tmp_path, text: str, **kwargs):
 
 # ------------------------------------------------------------------------------------------------ parsing
 def test_expect_fail_scenario_and_matrix_entries_are_read(tmp_path):
-    scenarios = _load(tmp_path, """
+    scenarios = _load(
+        tmp_path,
+        """
         scenarios:
           - {family: ernie45_moe, world_size: 1, checks: [roundtrip, hf_parity],
              expect_fail: [{finding: F3, check: hf_parity, subchecks: [layers, logits], reason: sigmoid routing}]}
@@ -43,59 +45,83 @@ def test_expect_fail_scenario_and_matrix_entries_are_read(tmp_path):
             checks: [roundtrip]
             moe_checks: [replay]
             expect_fail: [{finding: F5, check: replay, subchecks: [equivalence]}]
-    """)
+    """,
+    )
     assert scenarios[0].expect_fail == (F3,)
     assert scenarios[1].expect_fail == (ExpectedFailure(finding="F5", check="replay", subchecks=("equivalence",)),)
     assert scenario_from_dict(scenario_to_dict(scenarios[0])) == scenarios[0]
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("{finding: F3, check: hf_parity, subchecks: [layer]}",
-     r"s.yaml:3: scenario ernie45_moe/tp1: expect_fail \(F3\): unknown hf_parity subcheck\(s\) \['layer'\]; "
-     r"known: layers, logits"),
-    ("{finding: F3, check: export, subchecks: [bitwise]}",
-     r"expect_fail \(F3\): check 'export' is not run by this scenario \(its checks: roundtrip, hf_parity\)"),
-    ("{finding: F3, check: hf_parity}", r"expect_fail entry: missing \['subchecks'\]"),
-    ("{finding: F3, check: hf_parity, subchecks: [layers], why: x}", r"unknown key\(s\) \['why'\]"),
-    ("{finding: three, check: hf_parity, subchecks: [layers]}", r"finding must be a findings-table id such as F3"),
-    ("{finding: F3, check: hf_parity, subchecks: []}", r"subchecks must be a non-empty list of hf_parity's"),
-    ("{finding: F3, check: hf_parity, subchecks: [layers, layers]}", r"listed twice"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            "{finding: F3, check: hf_parity, subchecks: [layer]}",
+            r"s.yaml:3: scenario ernie45_moe/tp1: expect_fail \(F3\): unknown hf_parity subcheck\(s\) \['layer'\]; "
+            r"known: layers, logits",
+        ),
+        (
+            "{finding: F3, check: export, subchecks: [bitwise]}",
+            r"expect_fail \(F3\): check 'export' is not run by this scenario \(its checks: roundtrip, hf_parity\)",
+        ),
+        ("{finding: F3, check: hf_parity}", r"expect_fail entry: missing \['subchecks'\]"),
+        ("{finding: F3, check: hf_parity, subchecks: [layers], why: x}", r"unknown key\(s\) \['why'\]"),
+        ("{finding: three, check: hf_parity, subchecks: [layers]}", r"finding must be a findings-table id such as F3"),
+        ("{finding: F3, check: hf_parity, subchecks: []}", r"subchecks must be a non-empty list of hf_parity's"),
+        ("{finding: F3, check: hf_parity, subchecks: [layers, layers]}", r"listed twice"),
+    ],
+)
 def test_expect_fail_bad_entries_are_refused_at_load(tmp_path, entry, message):
     with pytest.raises(UsageError, match=message):
-        _load(tmp_path, f"""
+        _load(
+            tmp_path,
+            f"""
             scenarios:
               - {{family: ernie45_moe, world_size: 1, checks: [roundtrip, hf_parity], expect_fail: [{entry}]}}
-        """)
+        """,
+        )
 
 
 def test_expect_fail_replay_subcheck_not_run_is_refused(tmp_path):
-    with pytest.raises(UsageError, match=r"unknown replay subcheck\(s\) \['drift'\] \(or not run: replay_subchecks\); "
-                                             r"known: equivalence$"):
-        _load(tmp_path, """
+    with pytest.raises(
+        UsageError,
+        match=r"unknown replay subcheck\(s\) \['drift'\] \(or not run: replay_subchecks\); "
+        r"known: equivalence$",
+    ):
+        _load(
+            tmp_path,
+            """
             scenarios:
               - {family: qwen3_moe, world_size: 1, checks: [replay], options: {replay_subchecks: [equivalence]},
                  expect_fail: [{finding: F9, check: replay, subchecks: [drift]}]}
-        """)
+        """,
+        )
 
 
 def test_expect_fail_not_a_default_and_not_applied_under_model(tmp_path):
     with pytest.raises(UsageError, match=r"unknown defaults key\(s\) \['expect_fail'\]"):
-        _load(tmp_path, """
+        _load(
+            tmp_path,
+            """
             defaults: {expect_fail: [{finding: F3, check: hf_parity, subchecks: [layers]}]}
             scenarios: [{family: qwen2, world_size: 1, checks: [hf_parity]}]
-        """)
-    (s,) = _load(tmp_path, """
+        """,
+        )
+    (s,) = _load(
+        tmp_path,
+        """
         scenarios:
           - {family: ernie45_moe, world_size: 1, checks: [hf_parity],
              expect_fail: [{finding: F3, check: hf_parity, subchecks: [layers]}]}
-    """, model="qwen3_moe")
+    """,
+        model="qwen3_moe",
+    )
     assert s.expect_fail == (), "a file's findings are about its own families, not the --model put in their place"
 
 
 def test_declared_subchecks_are_the_checks_own(repo_root):
-    from moeverify.spec import checks
     from moeverify.oracles import hf_parity
+    from moeverify.spec import checks
 
     declared = {name: expectations.subcheck_names(name) for name in checks.CHECKS}
     assert None not in declared.values(), f"every built-in check declares its subchecks: {declared}"
@@ -107,9 +133,16 @@ def test_declared_subchecks_are_the_checks_own(repo_root):
 def test_gpu_scenarios_mark_f3_on_ernie_only(repo_root):
     scenarios = load([str(repo_root / "scenarios" / "gpu.yaml")], checks=CHECKS)
     marked = {s.name: s.expect_fail for s in scenarios if s.expect_fail}
-    assert marked == {"ernie45_moe/tp1": (ExpectedFailure(finding="F3", check="hf_parity",
-                                                          subchecks=("layers", "logits"),
-                                                          reason=marked["ernie45_moe/tp1"][0].reason),)}
+    assert marked == {
+        "ernie45_moe/tp1": (
+            ExpectedFailure(
+                finding="F3",
+                check="hf_parity",
+                subchecks=("layers", "logits"),
+                reason=marked["ernie45_moe/tp1"][0].reason,
+            ),
+        )
+    }
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
@@ -153,9 +186,17 @@ def test_expected_failure_now_passing_is_flagged():
 
 def test_expected_failure_with_another_failure_or_a_crash_is_a_regression():
     other = _judged(_record(failing=("layers", "logits"), passing=()))
-    other = report.expect(Result(record=CheckRecord.from_tallies(
-        scenario="ernie45_moe/tp1", check="hf_parity", seconds=1.0,
-        tallies={**{n: _failed_tally() for n in ("layers", "logits", "extra")}})), MARKS)
+    other = report.expect(
+        Result(
+            record=CheckRecord.from_tallies(
+                scenario="ernie45_moe/tp1",
+                check="hf_parity",
+                seconds=1.0,
+                tallies={**{n: _failed_tally() for n in ("layers", "logits", "extra")}},
+            )
+        ),
+        MARKS,
+    )
     assert other.status == "failed" and report.exit_code([other]) == 1
     assert "extra failed too: not explained by F3" in report.failing_lines(other)[0]
     crashed = _judged(_record(error="rank 0 raised RuntimeError: boom"))
@@ -191,13 +232,19 @@ def test_table_json_and_junit_name_the_finding():
 
 
 def test_report_prints_user_text_verbatim_never_as_markup_or_emoji():
-    crashed = Result(record=CheckRecord.crashed(scenario="model:m:/tp1", check="roundtrip", seconds=0.1,
-                                                error="[bold]model:m: :smile: [/__w/x]"))
+    crashed = Result(
+        record=CheckRecord.crashed(
+            scenario="model:m:/tp1", check="roundtrip", seconds=0.1, error="[bold]model:m: :smile: [/__w/x]"
+        )
+    )
     out = io.StringIO()
     report.print_report([crashed], console=Console(file=out, width=250, color_system=None))
     text = out.getvalue()
     assert "model:m:/tp1" in text and "[bold]model:m: :smile: [/__w/x]" in text
-    assert "\N{CIRCLED LATIN CAPITAL LETTER M}" not in text and "\N{SMILING FACE WITH OPEN MOUTH AND SMILING EYES}" not in text
+    assert (
+        "\N{CIRCLED LATIN CAPITAL LETTER M}" not in text
+        and "\N{SMILING FACE WITH OPEN MOUTH AND SMILING EYES}" not in text
+    )
 
 
 # ------------------------------------------------------------------------------------------ moeverify run
@@ -216,8 +263,9 @@ def fake_group(monkeypatch):
                 tallies = {name: (_failed_tally() if name in failing else Tally()) for name in ("layers", "logits")}
                 for tally in tallies.values():
                     tally.checked = max(tally.checked, 1)
-                result = Result(record=CheckRecord.from_tallies(scenario=scenario.name, check=check, seconds=0.1,
-                                                                tallies=tallies))
+                result = Result(
+                    record=CheckRecord.from_tallies(scenario=scenario.name, check=check, seconds=0.1, tallies=tallies)
+                )
                 on_result(result)
                 out.append(result)
         return out
@@ -232,11 +280,13 @@ def test_run_exit_code_means_something_changed(tmp_path, capsys, fake_group, mon
     monkeypatch.setenv("COLUMNS", "250")  # the table's lines unwrapped
 
     path = tmp_path / "s.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         scenarios:
           - {family: ernie45_moe, world_size: 1, checks: [roundtrip, hf_parity],
              expect_fail: [{finding: F3, check: hf_parity, subchecks: [layers, logits]}]}
-    """))
+    """)
+    )
 
     def run(name: str) -> tuple[int, str, list]:
         out = tmp_path / f"{name}.json"
@@ -270,8 +320,18 @@ def test_run_progress_prints_user_model_names_verbatim(tmp_path, capsys, fake_gr
     scenarios = tmp_path / "s.yaml"
     scenarios.write_text("scenarios:\n  - {family: qwen3_moe, world_size: 1, checks: [roundtrip]}\n")
     monkeypatch.setenv("COLUMNS", "250")
-    code = cli.main(["run", str(scenarios), "--model", str(tmp_path / "m"), "--backend", "cpu",
-                     "--run-dir", str(tmp_path / "runs:m:[b]")])
+    code = cli.main(
+        [
+            "run",
+            str(scenarios),
+            "--model",
+            str(tmp_path / "m"),
+            "--backend",
+            "cpu",
+            "--run-dir",
+            str(tmp_path / "runs:m:[b]"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "model:m/tp1 roundtrip" in out and "runs:m:[b]" in out, out
     assert "\N{CIRCLED LATIN CAPITAL LETTER M}" not in out

@@ -53,8 +53,7 @@ def test_local_digest_tells_copies_apart_from_changed_tensors():
     assert local.digest(ref) == same
     swapped = ref.clone().reshape(-1)
     swapped[[0, 1]] = swapped[[1, 0]]
-    changed = [torch.zeros_like(ref), swapped.reshape(ref.shape), ref.float(), ref.reshape(-1),
-               ref.reshape(-1)[:47]]
+    changed = [torch.zeros_like(ref), swapped.reshape(ref.shape), ref.float(), ref.reshape(-1), ref.reshape(-1)[:47]]
     assert [local.digest(t) == same for t in changed] == [False] * 5
 
 
@@ -81,8 +80,15 @@ def test_local_verdict_clean_dirty_and_unknown():
 
 def _run(ops, ref, *, backed: bool, dtype=None):
     t = {k: Tally() for k in SUBCHECKS}
-    m = TensorMerge(name="w", shape=tuple(ref.shape), dtype=dtype or ref.dtype, world_size=4,
-                    conflicts=t["conflicts"], replicas=t["replicas"], reference=ref if backed else None)
+    m = TensorMerge(
+        name="w",
+        shape=tuple(ref.shape),
+        dtype=dtype or ref.dtype,
+        world_size=4,
+        conflicts=t["conflicts"],
+        replicas=t["replicas"],
+        reference=ref if backed else None,
+    )
     flat = ref.reshape(-1)
     for kind, rank, positions, values in ops:
         if kind == "replay":  # a clean piece of another rank, replayed from rank 0's reference
@@ -114,8 +120,9 @@ def test_local_replay_reports_like_the_bytes_travelling(name, backed):
     ref = _ref()
     flat = ref.reshape(-1)
     ops = REPLAYS[name](flat)
-    travelled = [("write", rank, pos, flat[pos]) if kind == "replay" else (kind, rank, pos, v)
-                 for kind, rank, pos, v in ops]
+    travelled = [
+        ("write", rank, pos, flat[pos]) if kind == "replay" else (kind, rank, pos, v) for kind, rank, pos, v in ops
+    ]
     assert _run(ops, ref, backed=backed) == _run(travelled, ref, backed=False)
 
 
@@ -135,8 +142,11 @@ def test_local_references_keep_until_last_row_then_drop():
 
 
 def test_local_feed_ungated_drops_unwanted_and_over_bound():
-    items = [("t0", torch.zeros(100, dtype=torch.bfloat16)), ("skip", torch.zeros(100, dtype=torch.bfloat16)),
-             ("t1", torch.zeros(100, dtype=torch.bfloat16))]
+    items = [
+        ("t0", torch.zeros(100, dtype=torch.bfloat16)),
+        ("skip", torch.zeros(100, dtype=torch.bfloat16)),
+        ("t1", torch.zeros(100, dtype=torch.bfloat16)),
+    ]
     feed = ReferenceFeed(items, keep=True, numels={n: t.numel() for n, t in items}, gate=False, wanted={"t0", "t1"})
     feed.report(10**6)  # holdings far past the bound: wanted tensors arrive as (name, None), none is waited on
     feed.start()
@@ -201,7 +211,11 @@ def test_verdict_of_a_run_slot_piece_uses_its_runs():
     assert torch.equal(piece.positions(), expand_runs(runs[:, 0], runs[:, 1]))
     dirty = values.clone()
     dirty[40] = -dirty[40] - 1
-    assert verdict(Piece(hf_name="w", hf_shape=(64, 32), positions_P=None, values_P=dirty, runs_R=runs), ref, "d") is None
+    assert (
+        verdict(Piece(hf_name="w", hf_shape=(64, 32), positions_P=None, values_P=dirty, runs_R=runs), ref, "d") is None
+    )
     many = torch.tensor([[2 * i, 1] for i in range(1024)])  # 1024 one-element runs of 1024 elements: too many
     sparse = ref.reshape(-1)[many[:, 0]]
-    assert verdict(Piece(hf_name="w", hf_shape=(64, 32), positions_P=None, values_P=sparse, runs_R=many), ref, "d") is None
+    assert (
+        verdict(Piece(hf_name="w", hf_shape=(64, 32), positions_P=None, values_P=sparse, runs_R=many), ref, "d") is None
+    )

@@ -1,4 +1,5 @@
-"""The minimal receiver mutants (``moeverify.spec.bug_classes``' ``minimal``) change what they say and no more: on synthetic
+"""The minimal receiver mutants (``moeverify.spec.bug_classes``' ``minimal``) change what they say and no more: on
+synthetic
 HF tensors, ``one_ulp_in_one_expert`` holds exactly one element one ulp off after the first load (``receiver``), and
 ``reload_keeps_one_element`` holds exactly one element of the previous weights after a sync (``receiver_reload``)."""
 
@@ -17,10 +18,20 @@ def _loads(name: str):
     factory, _ = MUTANTS[name]
     first, second = _export(0), _export(1)
     mutant, control = factory(), CONTROLS["fused"]()
-    held = [(compare(mutant.load(first.items()), first, Tally()), mutant.tensors[W2].clone(),
-             control.load(first.items()).tensors[W2].clone())]
-    held.append((compare(mutant.load(second.items()), second, Tally(), when="after the weight sync: "),
-                 mutant.tensors[W2].clone(), control.load(second.items()).tensors[W2].clone()))
+    held = [
+        (
+            compare(mutant.load(first.items()), first, Tally()),
+            mutant.tensors[W2].clone(),
+            control.load(first.items()).tensors[W2].clone(),
+        )
+    ]
+    held.append(
+        (
+            compare(mutant.load(second.items()), second, Tally(), when="after the weight sync: "),
+            mutant.tensors[W2].clone(),
+            control.load(second.items()).tensors[W2].clone(),
+        )
+    )
     return held
 
 

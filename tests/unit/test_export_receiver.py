@@ -4,8 +4,16 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.oracles.export.receiver import (CopiesScope, FusedReceiver, Held, Part, compare, fused_layout,
-                                              load_receiver, same_held)
+from moeverify.oracles.export.receiver import (
+    CopiesScope,
+    FusedReceiver,
+    Held,
+    Part,
+    compare,
+    fused_layout,
+    load_receiver,
+    same_held,
+)
 from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS
 from moeverify.oracles.results import Tally
 
@@ -20,11 +28,18 @@ def _export(seed: int = 0) -> dict[str, torch.Tensor]:
 
     out = {"model.embed_tokens.weight": r(10, H), "model.norm.weight": r(H, dtype=torch.float32)}
     pre = "model.layers.0"
-    out |= {f"{pre}.self_attn.q_proj.weight": r(8, H), f"{pre}.self_attn.k_proj.weight": r(4, H),
-            f"{pre}.self_attn.v_proj.weight": r(4, H), f"{pre}.mlp.gate.weight": r(E, H)}
+    out |= {
+        f"{pre}.self_attn.q_proj.weight": r(8, H),
+        f"{pre}.self_attn.k_proj.weight": r(4, H),
+        f"{pre}.self_attn.v_proj.weight": r(4, H),
+        f"{pre}.mlp.gate.weight": r(E, H),
+    }
     for e in range(E):
-        out |= {f"{pre}.mlp.experts.{e}.gate_proj.weight": r(I, H), f"{pre}.mlp.experts.{e}.up_proj.weight": r(I, H),
-                f"{pre}.mlp.experts.{e}.down_proj.weight": r(H, I)}
+        out |= {
+            f"{pre}.mlp.experts.{e}.gate_proj.weight": r(I, H),
+            f"{pre}.mlp.experts.{e}.up_proj.weight": r(I, H),
+            f"{pre}.mlp.experts.{e}.down_proj.weight": r(H, I),
+        }
     out |= {f"{pre}.mlp.shared_expert.gate_proj.weight": r(I, H), f"{pre}.mlp.shared_expert.up_proj.weight": r(I, H)}
     return out
 
@@ -38,9 +53,11 @@ def test_fused_layout_names_and_shapes():
     assert tuple(t["model.layers.0.mlp.experts.w2_weight"].shape) == (E, H, I)
     assert tuple(t["model.layers.0.mlp.shared_expert.gate_up_proj.weight"].shape) == (2 * I, H)
     assert held.parts["model.layers.0.mlp.experts.w13_weight"][3] == Part(
-        hf_name="model.layers.0.mlp.experts.1.up_proj.weight", index=1, start=I, length=I)
-    assert torch.equal(t["model.layers.0.mlp.experts.w13_weight"][2, :I],
-                       ref["model.layers.0.mlp.experts.2.gate_proj.weight"])
+        hf_name="model.layers.0.mlp.experts.1.up_proj.weight", index=1, start=I, length=I
+    )
+    assert torch.equal(
+        t["model.layers.0.mlp.experts.w13_weight"][2, :I], ref["model.layers.0.mlp.experts.2.gate_proj.weight"]
+    )
     assert t["model.norm.weight"].dtype == torch.float32
 
 
@@ -75,22 +92,28 @@ def test_failure_names_tensor_part_and_first_element():
         "model.layers.0.mlp.experts.w13_weight[1].narrow(dim=0, 4, 4) = model.layers.0.mlp.experts.1.up_proj.weight: "
         f"1 of {I * H} element(s) differ, first at [2, 3]: held "
         f"{held.tensors['model.layers.0.mlp.experts.w13_weight'][1, I + 2, 3].item()!r}, reference "
-        f"{ref['model.layers.0.mlp.experts.1.up_proj.weight'][2, 3].item()!r}"]
+        f"{ref['model.layers.0.mlp.experts.1.up_proj.weight'][2, 3].item()!r}"
+    ]
 
 
 def test_dropped_extra_dtype_and_empty():
     ref = _export()
     held = FusedReceiver().load(ref.items())
     fewer = Held(tensors=held.tensors, parts={k: v for k, v in held.parts.items() if k != "model.norm.weight"})
-    assert "dropped: 1 reference tensor(s) the receiver never loaded: ['model.norm.weight']" in \
-        compare(fewer, ref, Tally()).failures[0]
+    assert (
+        "dropped: 1 reference tensor(s) the receiver never loaded: ['model.norm.weight']"
+        in compare(fewer, ref, Tally()).failures[0]
+    )
     short = {k: v for k, v in ref.items() if k != "model.norm.weight"}
-    assert compare(held, short, Tally()).failures == ["model.norm.weight(whole) = model.norm.weight: the reference "
-                                                      "has no tensor 'model.norm.weight'"]
+    assert compare(held, short, Tally()).failures == [
+        "model.norm.weight(whole) = model.norm.weight: the reference has no tensor 'model.norm.weight'"
+    ]
     cast = Held(tensors={"n": ref["model.norm.weight"].bfloat16()}, parts={"n": (Part(hf_name="model.norm.weight"),)})
     failures = compare(cast, {"model.norm.weight": ref["model.norm.weight"]}, Tally()).failures
     assert failures == [f"n(whole) = model.norm.weight: held ({H},) torch.bfloat16 != reference ({H},) torch.float32"]
-    assert compare(Held(tensors={}, parts={}), {}, Tally()).failures == ["the receiver held no tensor: nothing compared"]
+    assert compare(Held(tensors={}, parts={}), {}, Tally()).failures == [
+        "the receiver held no tensor: nothing compared"
+    ]
 
 
 def test_bad_receiver_input_is_a_usage_error():
@@ -99,8 +122,12 @@ def test_bad_receiver_input_is_a_usage_error():
         r.load([("a.weight", torch.zeros(2))])
         r.load([("new.weight", torch.zeros(2))])
     with pytest.raises(UsageError, match="stacks unequal experts"):
-        fused_layout({"x.experts.0.down_proj.weight": ((2, 3), torch.float32),
-                      "x.experts.1.down_proj.weight": ((2, 4), torch.float32)})
+        fused_layout(
+            {
+                "x.experts.0.down_proj.weight": ((2, 3), torch.float32),
+                "x.experts.1.down_proj.weight": ((2, 4), torch.float32),
+            }
+        )
     with pytest.raises(UsageError, match="receiver 'nope'"):
         load_receiver("nope")
     assert isinstance(load_receiver("fused")(), FusedReceiver)
@@ -110,9 +137,19 @@ def _tiny_hf(tmp_path, *, tied: bool):
     import safetensors.torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
-                         num_experts_per_tok=2, tie_word_embeddings=tied)
+    cfg = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
     return safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
@@ -136,8 +173,9 @@ def test_transformers_receiver_catches_a_cast(tmp_path):
     export = _tiny_hf(tmp_path, tied=False)
     export["model.norm.weight"] = export["model.norm.weight"].float() + 2**-12  # bits bf16 cannot hold
     failures = compare(transformers_receiver(hf_path=tmp_path).load(export.items()), export, Tally()).failures
-    assert failures == ["model.norm.weight(whole) = model.norm.weight: held (16,) torch.bfloat16 != reference (16,) "
-                        "torch.float32"]
+    assert failures == [
+        "model.norm.weight(whole) = model.norm.weight: held (16,) torch.bfloat16 != reference (16,) torch.float32"
+    ]
 
 
 def test_receiver_option_validates():
@@ -149,8 +187,8 @@ def test_receiver_option_validates():
 
 
 def test_a_receiver_that_cannot_load_is_refused_before_launch():
-    from moeverify.spec.layout import Layout
     from moeverify.runner.select import check_plugins
+    from moeverify.spec.layout import Layout
     from moeverify.spec.scenario import Scenario
 
     s = Scenario(family="qwen3_moe", layout=Layout(ep=2), world_size=2, checks=("export",))
@@ -162,10 +200,16 @@ def test_a_receiver_that_cannot_load_is_refused_before_launch():
 # -- the life cycle on one rank: load, sync, sleep/wake, the same export again, tied head and MTP draft ------------
 def _life_cycle(receiver, first, second, *, scope: CopiesScope) -> dict[str, Tally]:
     """The receiver subchecks of one rank, as ``ReceiverRun`` runs them with a weight sync (synthetic tensors)."""
-    t = {name: Tally() for name in ("receiver", "receiver_reload", "receiver_wake", "receiver_repeat",
-                                    "receiver_copies")}
-    compare(receiver.load((n, x.clone()) for n, x in first.items()), first, t["receiver"], copies=t["receiver_copies"],
-            scope=scope)
+    t = {
+        name: Tally() for name in ("receiver", "receiver_reload", "receiver_wake", "receiver_repeat", "receiver_copies")
+    }
+    compare(
+        receiver.load((n, x.clone()) for n, x in first.items()),
+        first,
+        t["receiver"],
+        copies=t["receiver_copies"],
+        scope=scope,
+    )
     sent = [(n, x.clone()) for n, x in second.items()]  # what was streamed: the receiver may write into it
     held = receiver.load(iter(sent))
     compare(held, second, t["receiver_reload"], copies=t["receiver_copies"], scope=scope)
@@ -180,8 +224,10 @@ def _life_cycle(receiver, first, second, *, scope: CopiesScope) -> dict[str, Tal
 def _tied_mtp_export(seed: int) -> dict[str, torch.Tensor]:
     out = _export(seed)
     g = torch.Generator().manual_seed(seed + 100)
-    out |= {"model.layers.1.enorm.weight": torch.randn(H, generator=g), "model.layers.1.eh_proj.weight":
-            torch.randn(H, 2 * H, generator=g)}  # an MTP layer past the one decoder layer
+    out |= {
+        "model.layers.1.enorm.weight": torch.randn(H, generator=g),
+        "model.layers.1.eh_proj.weight": torch.randn(H, 2 * H, generator=g),
+    }  # an MTP layer past the one decoder layer
     return out
 
 
@@ -205,8 +251,10 @@ def test_copies_refuses_a_receiver_that_declares_no_tied_head_or_no_draft():
     copies = Tally()
     held = FusedReceiver().load(first.items())  # no head of its own
     mtp = {k: v for k, v in first.items() if k.startswith("model.layers.1.")}
-    held = Held(tensors={k: v for k, v in held.tensors.items() if k not in mtp},
-                parts={k: v for k, v in held.parts.items() if k not in mtp})
+    held = Held(
+        tensors={k: v for k, v in held.tensors.items() if k not in mtp},
+        parts={k: v for k, v in held.parts.items() if k not in mtp},
+    )
     compare(held, first, Tally(), copies=copies, scope=SCOPE)
     assert any("no output head" in f for f in copies.failures), copies.failures
     assert any("2 MTP (draft) tensor(s) the receiver does not hold" in f for f in copies.failures), copies.failures
@@ -234,8 +282,9 @@ def test_same_held_names_the_tensor_and_element():
     before = {n: x.clone() for n, x in held.tensors.items()}
     held.tensors["model.norm.weight"][2] += 1
     failures = same_held(held, before, Tally(), when="again: ").failures
-    assert len(failures) == 1 and failures[0].startswith("again: model.norm.weight: 1 of 6 element(s) differ, first "
-                                                         "at [2]"), failures
+    assert len(failures) == 1 and failures[0].startswith(
+        "again: model.norm.weight: 1 of 6 element(s) differ, first at [2]"
+    ), failures
 
 
 def test_a_factory_written_before_ranks_is_called_as_before():

@@ -7,17 +7,24 @@ import types
 
 import pytest
 import torch
+from test_export_receiver import _export
 
 from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.export.receiver import FusedReceiver, ReceiverRun, SubjectExport, compare
 from moeverify.oracles.results import Tally
-from test_export_receiver import _export
 
 
 def _merge(ref: torch.Tensor, writes, *, backed: bool, dtype=None) -> TensorMerge:
     t = {k: Tally() for k in ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")}
-    m = TensorMerge(name="w", shape=tuple(ref.shape), dtype=dtype or ref.dtype, world_size=2,
-                    conflicts=t["conflicts"], replicas=t["replicas"], reference=ref if backed else None)
+    m = TensorMerge(
+        name="w",
+        shape=tuple(ref.shape),
+        dtype=dtype or ref.dtype,
+        world_size=2,
+        conflicts=t["conflicts"],
+        replicas=t["replicas"],
+        reference=ref if backed else None,
+    )
     for rank, positions, values in writes:
         m.write(rank=rank, positions_P=positions, values_P=values)
     m.check_coverage(t["coverage"])
@@ -79,7 +86,8 @@ def test_compare_streams_the_reference_one_tensor_at_a_time():
     assert from_stream.passed and (from_stream.checked, from_stream.failures) == (from_mapping.checked, [])
     short = ((n, t) for n, t in ref.items() if n != "model.norm.weight")
     assert compare(held, short, Tally()).failures == [
-        "model.norm.weight(whole) = model.norm.weight: the reference has no tensor 'model.norm.weight'"]
+        "model.norm.weight(whole) = model.norm.weight: the reference has no tensor 'model.norm.weight'"
+    ]
 
 
 def _sctx(reference: dict[str, torch.Tensor], rank: int = 0):
@@ -111,7 +119,8 @@ def test_receiver_run_loads_the_subjects_stream_not_the_reference():
     failures = run.finish()["receiver"].failures
     assert [f.split(":")[0] for f in failures] == [
         "model.layers.0.mlp.experts.w13_weight[1].narrow(dim=0, 0, 4) = " + gate,
-        "model.layers.0.mlp.experts.w13_weight[1].narrow(dim=0, 4, 4) = " + up]
+        "model.layers.0.mlp.experts.w13_weight[1].narrow(dim=0, 4, 4) = " + up,
+    ]
 
 
 def test_receiver_run_reports_a_refused_load_and_a_failed_lockstep():
@@ -123,12 +132,16 @@ def test_receiver_run_reports_a_refused_load_and_a_failed_lockstep():
     _stream(run, ref)
     run.check("receiver", {"lockstep": bad})
     assert run.finish()["receiver"].failures == ["skipped: lockstep failed, the subject's export was not merged"]
-    mixed = dict(ref, **{"model.layers.0.self_attn.k_proj.weight": ref["model.layers.0.self_attn.k_proj.weight"].float()})
+    mixed = dict(
+        ref, **{"model.layers.0.self_attn.k_proj.weight": ref["model.layers.0.self_attn.k_proj.weight"].float()}
+    )
     run = ReceiverRun(lambda **_: FusedReceiver(), _sctx(ref))
     _stream(run, mixed)
     run.check("receiver", {"lockstep": ok})
     (failure,) = run.finish()["receiver"].failures
-    assert failure.startswith("the receiver could not load the subject's export") and "fuses tensors of dtypes" in failure
+    assert (
+        failure.startswith("the receiver could not load the subject's export") and "fuses tensors of dtypes" in failure
+    )
     made = []  # a receiver on every rank (an engine's workers), told which
     other_rank = ReceiverRun(lambda **kw: made.append(kw) or FusedReceiver(), _sctx(ref, rank=1))
     assert other_rank.sink() is None and (made[0]["rank"], made[0]["world_size"]) == (1, 1)

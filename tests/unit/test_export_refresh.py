@@ -55,8 +55,15 @@ def _sctx(tmp_path, bridge=None) -> SubjectContext:
     model = _Model()
     tensors = dict(_Bridge().export_hf_weights([model], cpu=True, show_progress=False))
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    return SubjectContext(bridge=bridge or _Bridge(), model_chunks=[model], layout=None, rank=0, world_size=1,
-                          hf_path=tmp_path, timeout_s=30)
+    return SubjectContext(
+        bridge=bridge or _Bridge(),
+        model_chunks=[model],
+        layout=None,
+        rank=0,
+        world_size=1,
+        hf_path=tmp_path,
+        timeout_s=30,
+    )
 
 
 def _failed(tallies) -> set[str]:
@@ -94,6 +101,7 @@ def _caching():
     def subject(ctx):
         for name, t in _fresh(ctx):
             yield name, cache.setdefault(name, t)
+
     return subject
 
 
@@ -103,6 +111,7 @@ def _caching_one(keep: str):
     def subject(ctx):
         for name, t in _fresh(ctx):
             yield name, cache.setdefault(name, t) if name == keep else t
+
     return subject
 
 
@@ -125,8 +134,9 @@ def test_refresh_fresh_subject_passes(world, tmp_path):
 def test_refresh_stale_cache_fails_only_refresh(world, tmp_path):
     tallies = refresh.run_twice(export.run_subject, _caching(), _sctx(tmp_path))
     assert _failed(tallies) == {"refresh", "refresh_delta"}  # the first export's bits where every weight changed
-    assert any(f.startswith("after the weight update (passed before it): bitwise: w:")
-               for f in tallies["refresh"].failures), tallies["refresh"].failures
+    assert any(
+        f.startswith("after the weight update (passed before it): bitwise: w:") for f in tallies["refresh"].failures
+    ), tallies["refresh"].failures
 
 
 def test_refresh_one_stale_tensor_names_it(world, tmp_path):
@@ -145,6 +155,7 @@ def _second_export(change):
         calls.append(1)
         for name, t in _fresh(ctx):
             yield name, (t if len(calls) == 1 else change(name, t.clone()))
+
     return subject
 
 
@@ -152,22 +163,27 @@ def test_refresh_delta_names_what_each_wrong_element_holds(world, tmp_path):
     assert refresh.run_twice(export.run_subject, _fresh, _sctx(tmp_path))["refresh_delta"].checked == 12 + 4 + 4 + 2
     # frozen: every element the update changed kept the first export's bits
     frozen = refresh.run_twice(export.run_subject, _caching(), _sctx(tmp_path))["refresh_delta"].failures
-    assert any(f.startswith("w: 12 of 12 element(s) kept the previous export's bits where the weights changed")
-               for f in frozen), frozen
+    assert any(
+        f.startswith("w: 12 of 12 element(s) kept the previous export's bits where the weights changed") for f in frozen
+    ), frozen
 
     def torn(name, t):  # bits of neither version (a reused buffer) in one element of w
         if name == "w":
             t.view(-1)[5] = 123.0
         return t
+
     failures = refresh.run_twice(export.run_subject, _second_export(torn), _sctx(tmp_path))["refresh_delta"].failures
     assert [f for f in failures if f.startswith("w:")] == [
         "w: 1 of 12 element(s) hold bits of neither the previous nor the new weights (a buffer reused or overwritten "
-        "before it was read); first at [1, 1]"], failures
+        "before it was read); first at [1, 1]"
+    ], failures
 
 
 def test_refresh_delta_sees_a_change_where_the_weights_did_not_change():
-    before, after = refresh.Fingerprints(lambda: iter(()), record=True, keep=True), \
-        refresh.Fingerprints(lambda: iter(()), record=True, keep=True)
+    before, after = (
+        refresh.Fingerprints(lambda: iter(()), record=True, keep=True),
+        refresh.Fingerprints(lambda: iter(()), record=True, keep=True),
+    )
     old, new = torch.arange(6, dtype=torch.float32), torch.arange(6, dtype=torch.float32)
     new[0] += 1  # the weights changed in element 0 only
     before.kept["t"], after.kept["t"] = old.clone(), new.clone()
@@ -185,8 +201,10 @@ def test_refresh_unchanged_reference_fails(world, tmp_path):
     same = {"a": "d1", "b": "d2"}
     passed = {k: Tally(checked=1) for k in ("bitwise", "coverage")}
     refresh.fold(first=passed, second=passed, before=same, after={"a": "d1", "b": "d3"}, tally=t)
-    assert t.failures == ["the weight update left 1 reference tensor(s) bit-identical, so a stale copy of them "
-                          "cannot be told from a fresh one: ['a']"]
+    assert t.failures == [
+        "the weight update left 1 reference tensor(s) bit-identical, so a stale copy of them "
+        "cannot be told from a fresh one: ['a']"
+    ]
 
 
 def test_refresh_fold_ignores_subchecks_failing_before_the_update():
@@ -211,19 +229,24 @@ def test_refresh_skipped_when_lockstep_fails(world, tmp_path):
 def test_reference_keys_dropped_tensor_names_the_reference(world, tmp_path):
     tallies = export.run_subject(_fresh, _sctx(tmp_path, _Bridge(drop="norm")))
     failures = tallies["reference_keys"].failures
-    assert failures == ["the reference (Megatron-Bridge's export_hf_weights) dropped 1 tensor(s) of the source "
-                        "checkpoint: ['norm (4,)'] (name and checkpoint shape); the subject exported 1 of them "
-                        "(4 element(s)), unverified bit for bit for want of a reference"]
+    assert failures == [
+        "the reference (Megatron-Bridge's export_hf_weights) dropped 1 tensor(s) of the source "
+        "checkpoint: ['norm (4,)'] (name and checkpoint shape); the subject exported 1 of them "
+        "(4 element(s)), unverified bit for bit for want of a reference"
+    ]
     assert "key_set" in _failed(tallies)  # still caught there too, pointing at reference_keys
-    assert "which the reference (Megatron-Bridge's export_hf_weights) lacks (see reference_keys)" in \
-        tallies["key_set"].failures[0]
+    assert (
+        "which the reference (Megatron-Bridge's export_hf_weights) lacks (see reference_keys)"
+        in tallies["key_set"].failures[0]
+    )
 
 
 def test_reference_keys_wrong_shape_names_the_reference(world, tmp_path):
     tallies = export.run_subject(_fresh, _sctx(tmp_path, _Bridge(reshape="w")))
     assert tallies["reference_keys"].failures == [
         "w: the reference (Megatron-Bridge's export_hf_weights) exported shape (12,), "
-        "the source checkpoint holds (3, 4)"]
+        "the source checkpoint holds (3, 4)"
+    ]
 
 
 def test_reference_keys_control_passes(world, tmp_path):
@@ -244,7 +267,8 @@ def test_receiver_loads_the_subjects_stream_fresh_passes_stale_fails_the_reload(
     stale = export.run_export(_caching(), _sctx(tmp_path), refresh=True, receiver=_fused)
     assert _failed(stale) == {"refresh", "refresh_delta", "receiver_reload"}  # the first step's weights again
     assert stale["receiver_reload"].failures and all(
-        f.startswith("after the weight sync: ") for f in stale["receiver_reload"].failures)
+        f.startswith("after the weight sync: ") for f in stale["receiver_reload"].failures
+    )
 
 
 def test_receiver_holds_the_subjects_bits_and_nan_where_it_sent_nothing(world, tmp_path):

@@ -29,8 +29,9 @@ def _grads_reverse_loop(chunk, batches, *, recompute: bool) -> dict[str, torch.T
 def test_global_aux_loss_router_grads_change_under_full_recompute(patched_megatron_world, aux_coeff):
     from moeverify import models
 
-    overrides = dict(bf16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0,
-                     attention_dropout=0.0)
+    overrides = dict(
+        bf16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0
+    )
     if aux_coeff is not None:
         overrides["moe_aux_loss_coeff"] = aux_coeff
     built = models.build("qwen3_next", Layout(), seed=0, overrides=overrides)

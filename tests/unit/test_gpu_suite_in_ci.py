@@ -24,13 +24,13 @@ def recipe_scenario_files(repo_root, target: str) -> list[str]:
     lines = (repo_root / "Makefile").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if re.match(rf"{re.escape(target)}\s*:", line))
     files = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("\t"):
             break
         words = shlex.split(line.strip())
-        if "moeverify" in words and "run" in words[words.index("moeverify"):]:
-            rest = words[words.index("moeverify") + 1:]
-            files += [w for w in rest[rest.index("run") + 1:] if w.endswith((".yaml", ".yml"))]
+        if "moeverify" in words and "run" in words[words.index("moeverify") :]:
+            rest = words[words.index("moeverify") + 1 :]
+            files += [w for w in rest[rest.index("run") + 1 :] if w.endswith((".yaml", ".yml"))]
     return files
 
 
@@ -65,16 +65,20 @@ def test_the_targets_scenario_files_are_read_from_the_makefile(repo_root):
 def test_every_family_the_gpu_suite_replays_has_a_one_rank_replay_in_make_test(repo_root, gpu_suite):
     ci = one_rank_replays(repo_root, recipe_scenario_files(repo_root, "test"))
     missing = sorted(set(gpu_suite) - set(ci))
-    assert not missing, (f"{GPU_SUITE} replays {missing} on one rank, `make test`'s scenario files "
-                         f"{recipe_scenario_files(repo_root, 'test')} do not: add a world_size 1 replay scenario "
-                         "(scenarios/families_ci.yaml)")
+    assert not missing, (
+        f"{GPU_SUITE} replays {missing} on one rank, `make test`'s scenario files "
+        f"{recipe_scenario_files(repo_root, 'test')} do not: add a world_size 1 replay scenario "
+        "(scenarios/families_ci.yaml)"
+    )
 
 
 def test_every_replay_subcheck_of_the_gpu_suite_runs_on_one_rank_in_make_test_or_make_release(repo_root, gpu_suite):
     ci = one_rank_replays(repo_root, recipe_scenario_files(repo_root, "test"))
     release = one_rank_replays(repo_root, recipe_scenario_files(repo_root, "release"))
-    unseen = {family: sorted(subchecks - ci.get(family, set()) - release.get(family, set()))
-              for family, subchecks in gpu_suite.items()}
+    unseen = {
+        family: sorted(subchecks - ci.get(family, set()) - release.get(family, set()))
+        for family, subchecks in gpu_suite.items()
+    }
     assert not {f: s for f, s in unseen.items() if s}, unseen
 
 
@@ -84,5 +88,6 @@ def test_the_rule_reads_a_scenario_file_as_the_runner_does(repo_root, tmp_path):
         "scenarios:\n"
         "  - {family: qwen3_moe, world_size: 2, layout: {ep: 2}, checks: [replay]}\n"
         "  - {family: olmoe, world_size: 1, checks: [replay], options: {replay_subchecks: [drift, weights]}}\n"
-        "  - {family: gpt_oss, world_size: 1, checks: [replay], gpu_only: on a GPU only}\n")
+        "  - {family: gpt_oss, world_size: 1, checks: [replay], gpu_only: on a GPU only}\n"
+    )
     assert one_rank_replays(tmp_path, ["s.yaml"]) == {"olmoe": {"drift", "weights"}}

@@ -34,12 +34,14 @@ def test_compare_maps_names_the_block_and_keeps_small_grads_exact():
     moved_big, moved_small = big.clone(), small.clone()
     moved_big[BLOCK + 3] += 1.0
     moved_small[4] += 1.0
-    checked, failures = compare_maps(expected, {"w": grad_print.keep(moved_big), "r": grad_print.keep(moved_small)},
-                                     what="grad")
+    checked, failures = compare_maps(
+        expected, {"w": grad_print.keep(moved_big), "r": grad_print.keep(moved_small)}, what="grad"
+    )
     assert checked == 2 and len(failures) == 2
     assert failures[0].startswith("grad r: 1 of 10 element(s) differ; first at flat index 4")
-    assert failures[1].startswith(f"grad w: 1 of 2 block(s) of {BLOCK} elements differ; first in flat "
-                                  f"[{BLOCK}, {2 * BLOCK}); sum ")
+    assert failures[1].startswith(
+        f"grad w: 1 of 2 block(s) of {BLOCK} elements differ; first in flat [{BLOCK}, {2 * BLOCK}); sum "
+    )
     checked, failures = compare_maps(expected, {"w": moved_big, "r": small}, what="grad")  # a tensor vs a print
     assert checked == 2 and len(failures) == 1 and failures[0].startswith("grad w: 1 of 2 block(s)")
     assert compare_maps(expected, {"w": grad_print.keep(big.clone()), "r": small.clone()}, what="grad") == (2, [])
@@ -64,7 +66,7 @@ def _lin64_reference(values: list[int], *, block: int, width: int) -> tuple[byte
 
     out = []
     for start in range(0, len(values), block):
-        chunk = values[start:start + block] + [0] * (block - len(values[start:start + block]))
+        chunk = values[start : start + block] + [0] * (block - len(values[start : start + block]))
         sums = []
         for lane in grad_print._LANES:
             total = 0
@@ -112,8 +114,9 @@ def test_lin64_prints_equal_only_when_bitwise_equal(monkeypatch):
     assert GradPrint.of(nan, digest="lin64").same(GradPrint.of(nan.clone(), digest="lin64"))
     blake = GradPrint.of(g.cpu(), digest="blake2b")
     assert not base.same(blake) and "cannot be compared" in base.describe(blake)
-    assert base.describe(changed[1]).startswith("1 of 4 block(s)") and "first in flat [8192, 12288)" in \
-        base.describe(changed[1])
+    assert base.describe(changed[1]).startswith("1 of 4 block(s)") and "first in flat [8192, 12288)" in base.describe(
+        changed[1]
+    )
 
 
 def test_compare_maps_prints_a_tensor_with_the_digest_it_meets():
@@ -136,7 +139,9 @@ def test_blake2b_blocks_hashed_on_threads_are_the_blocks_in_order():
 
     g = torch.randn(3 * gp.BLOCK + 5, generator=torch.Generator().manual_seed(3))
     raw = g.numpy().view("int32")
-    want = tuple(hashlib.blake2b(raw[i:i + gp.BLOCK], digest_size=16).digest() for i in range(0, raw.shape[0], gp.BLOCK))
+    want = tuple(
+        hashlib.blake2b(raw[i : i + gp.BLOCK], digest_size=16).digest() for i in range(0, raw.shape[0], gp.BLOCK)
+    )
     assert GradPrint.of(g, digest="blake2b").blocks == want and len(want) == 4
 
 
@@ -146,9 +151,12 @@ def test_keep_all_reads_a_pass_back_at_once_and_equals_one_print_each(monkeypatc
     monkeypatch.setattr(grad_print, "BLOCK", 1 << 12)
     monkeypatch.setattr(grad_print, "KEEP", 100)
     gen = torch.Generator().manual_seed(11)
-    grads = {f"g{i}": torch.randn(n, generator=gen).to(dtype).to(_device())
-             for i, (n, dtype) in enumerate([(50, torch.float32), (5000, torch.float32), (3 * (1 << 12), torch.bfloat16),
-                                            (101, torch.bfloat16)])}
+    grads = {
+        f"g{i}": torch.randn(n, generator=gen).to(dtype).to(_device())
+        for i, (n, dtype) in enumerate(
+            [(50, torch.float32), (5000, torch.float32), (3 * (1 << 12), torch.bfloat16), (101, torch.bfloat16)]
+        )
+    }
     together = grad_print.keep_all(grads)
     for key, g in grads.items():
         alone = grad_print.keep(g)
@@ -171,7 +179,9 @@ def test_gradients_of_one_size_digested_together_are_each_its_own_print(monkeypa
     monkeypatch.setattr(grad_print, "_ROWS", 7)  # 3 blocks a tensor: 2 tensors at once, groups split unevenly
     gen = torch.Generator().manual_seed(17)
     shapes = [(150,), (10, 15), (150,), (3, 50), (150,), (150,), (151,)]
-    grads = {f"g{i}": torch.randn(shape, generator=gen).to(torch.bfloat16).to(_device()) for i, shape in enumerate(shapes)}
+    grads = {
+        f"g{i}": torch.randn(shape, generator=gen).to(torch.bfloat16).to(_device()) for i, shape in enumerate(shapes)
+    }
 
     def batch(tensors: dict) -> dict:
         b = grad_print.Batch()
@@ -187,8 +197,9 @@ def test_gradients_of_one_size_digested_together_are_each_its_own_print(monkeypa
         assert together[key].blocks == _lin64_reference(raw, block=64, width=16), key
     moved = dict(grads)
     moved["g3"] = grads["g3"].clone()
-    moved["g3"][1, 7] = torch.nextafter(moved["g3"][1, 7].float(), torch.tensor(float("inf"),
-                                        device=moved["g3"].device)).to(torch.bfloat16)
+    moved["g3"][1, 7] = torch.nextafter(
+        moved["g3"][1, 7].float(), torch.tensor(float("inf"), device=moved["g3"].device)
+    ).to(torch.bfloat16)
     if torch.equal(moved["g3"], grads["g3"]):  # bf16 rounding ate the ulp: flip the lowest bit instead
         moved["g3"].view(torch.int16)[1, 7] ^= 1
     again = batch(moved)

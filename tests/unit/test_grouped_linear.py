@@ -7,18 +7,32 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.spec.layout import Layout
 from moeverify.models.grouped_linear import CpuColumnParallelGroupedLinear, CpuRowParallelGroupedLinear
+from moeverify.spec.layout import Layout
 
 
 def _config(*, ep=1, etp=1, tp=1):
-    return NS(params_dtype=torch.float32, perform_initialization=False, expert_model_parallel_size=ep,
-              expert_tensor_parallel_size=etp, tensor_model_parallel_size=tp)
+    return NS(
+        params_dtype=torch.float32,
+        perform_initialization=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        tensor_model_parallel_size=tp,
+    )
 
 
 def _linear(cls, *, bias=False, skip_bias_add=False, experts=3, ep=1):
-    layer = cls(experts, 8, 6, config=_config(ep=ep), init_method=None, bias=bias, skip_bias_add=skip_bias_add,
-                is_expert=True, pg_collection=NS(expt_tp=None, tp=None))
+    layer = cls(
+        experts,
+        8,
+        6,
+        config=_config(ep=ep),
+        init_method=None,
+        bias=bias,
+        skip_bias_add=skip_bias_add,
+        is_expert=True,
+        pg_collection=NS(expt_tp=None, tp=None),
+    )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in layer.parameters():
@@ -83,10 +97,13 @@ def test_builder_builds_grouped_experts_only_where_the_bridge_maps_them_for_grou
     biased = NS(**vars(provider) | {"add_bias_linear": True})  # SequentialMLP with biases fails in backward
     assert cpu_grouped_experts(biased, "f", _Registry(["local_experts.0", "weight0"])) is True
     assert cpu_grouped_experts(biased, "f", _Registry(["local_experts.0"])) is False
-    with pytest.raises(UsageError, match=r"f: Megatron-Bridge maps its routed experts neither as SequentialMLP "
-                                         r"\(no mapping for decoder\.layers\.1\.mlp\.experts\.local_experts\.0\."
-                                         r"linear_fc1\.weight.*nor as grouped GEMM \(no mapping for "
-                                         r"decoder\.layers\.1\.mlp\.experts\.linear_fc1\.weight0"):
+    with pytest.raises(
+        UsageError,
+        match=r"f: Megatron-Bridge maps its routed experts neither as SequentialMLP "
+        r"\(no mapping for decoder\.layers\.1\.mlp\.experts\.local_experts\.0\."
+        r"linear_fc1\.weight.*nor as grouped GEMM \(no mapping for "
+        r"decoder\.layers\.1\.mlp\.experts\.linear_fc1\.weight0",
+    ):
         cpu_grouped_experts(provider, "f", _Registry([]))
 
 

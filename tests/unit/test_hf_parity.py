@@ -5,15 +5,19 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from moeverify.oracles import hf_parity
 from moeverify.spec.layout import Layout
 from moeverify.spec.models.ref import as_ref
-from moeverify.oracles import hf_parity
 
 
 def _ctx(family, *, world_size=1, layout=Layout()):
     model = as_ref(family)
-    return NS(rank=0, world_size=world_size, options={},
-              scenario=NS(family=model.key, model=model, layout=layout, seed=0, name=f"{model.key}/x"))
+    return NS(
+        rank=0,
+        world_size=world_size,
+        options={},
+        scenario=NS(family=model.key, model=model, layout=layout, seed=0, name=f"{model.key}/x"),
+    )
 
 
 def _failures(tallies):
@@ -26,10 +30,13 @@ def test_hf_parity_passes_gpt_oss_with_sinks_and_sliding_windows(patched_megatro
     assert (tallies["layers"].checked, tallies["logits"].checked) == (4, 1)
 
 
-@pytest.mark.parametrize("fault, first", [
-    ("window_one_short", 0),  # layer 0 is a sliding-window layer (8 tokens), sequences are 32 long
-    ("sinks_ignored", 0),
-])
+@pytest.mark.parametrize(
+    "fault, first",
+    [
+        ("window_one_short", 0),  # layer 0 is a sliding-window layer (8 tokens), sequences are 32 long
+        ("sinks_ignored", 0),
+    ],
+)
 def test_hf_parity_names_the_layer_an_attention_fault_changes(patched_megatron_world, monkeypatch, fault, first):
     from moeverify.models.local_spec import LocalCoreAttention
 
@@ -66,29 +73,39 @@ def test_hf_parity_finds_gpt_oss_gate_up_loaded_transposed_when_square(patched_m
     import torch
 
     from moeverify.models import families
-    from moeverify.spec.models import user
     from moeverify.models.checkpoint import open_tensors
     from moeverify.oracles import export, roundtrip
     from moeverify.oracles.context import CheckContext
+    from moeverify.spec.models import user
 
     for width in (32, 48):
         config = families.hf_config_dict("gpt_oss") | {"intermediate_size": width}
         (tmp_path / str(width)).mkdir()
         (tmp_path / str(width) / "config.json").write_text(json.dumps(config))
         ref = user.read(tmp_path / str(width)).ref
-        ctx = CheckContext(scenario=NS(model=ref, layout=Layout(), seed=0), rank=0, world_size=1, backend="cpu",
-                           options={})
+        ctx = CheckContext(
+            scenario=NS(model=ref, layout=Layout(), seed=0), rank=0, world_size=1, backend="cpu", options={}
+        )
         trip = _failures(roundtrip.run(ctx))
         built = ctx.model()
-        sctx = export.SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=Layout(), rank=0,
-                                     world_size=1, hf_path=built.hf_path, built=built, timeout_s=120)
+        sctx = export.SubjectContext(
+            bridge=built.bridge,
+            model_chunks=built.model_chunks,
+            layout=Layout(),
+            rank=0,
+            world_size=1,
+            hf_path=built.hf_path,
+            built=built,
+            timeout_s=120,
+        )
         assert _failures(export.run_subject(export.load_subject("sharded"), sctx)) == {}, width
         if width == 48:
             assert trip == {} and _failures(hf_parity.run(_ctx(ref))) == {}
             continue
         assert set(trip) == {"bitwise"}, trip
-        assert [f.split(":")[0] for f in trip["bitwise"]] == [f"model.layers.{i}.mlp.experts.gate_up_proj"
-                                                              for i in range(4)], trip
+        assert [f.split(":")[0] for f in trip["bitwise"]] == [
+            f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(4)
+        ], trip
         source = open_tensors(built.hf_path)  # what the bridge gives back: each expert's block transposed
         try:
             for name, tensor in built.bridge.export_hf_weights(built.model_chunks, cpu=True, show_progress=False):

@@ -14,8 +14,16 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_injob_replay import (Spy, assert_grads_as_session_api, batch_of, forward, installed_world, ppo_update,
-                               random_sequences, verl_plan)
+from test_injob_replay import (
+    Spy,
+    assert_grads_as_session_api,
+    batch_of,
+    forward,
+    installed_world,
+    ppo_update,
+    random_sequences,
+    verl_plan,
+)
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement, autopatch, injob
@@ -109,14 +117,15 @@ def run_r3_step(actor, engine, directory, sequences, *, step, layers=(0, 1, 2, 3
         with torch.no_grad():  # the log-prob pass replays the rollout's routes too
             logp_used = []
             for i in range(0, len(uids), 4):
-                ids, pad, where = batch_of(sequences, uids[i:i + 4])
+                ids, pad, where = batch_of(sequences, uids[i : i + 4])
                 forward(actor, ids, pad)
                 logp_used.append((where, spy.take()))
         got, used = ppo_update(actor, sequences, plan, spy=spy)
     finally:
         spy.close()
-    logp_checked, _ = check_used(logp_used, sequences, routes, [uids[i:i + 4] for i in range(0, len(uids), 4)],
-                                 layers=layers)
+    logp_checked, _ = check_used(
+        logp_used, sequences, routes, [uids[i : i + 4] for i in range(0, len(uids), 4)], layers=layers
+    )
     micro_batches = [m for mb in plan for m in mb]
     checked, aligned = check_used(used, sequences, routes, micro_batches, layers=layers)
     real = sum(len(s) - 1 for s in sequences)
@@ -131,8 +140,9 @@ def test_r3_routes_differ_from_native_routing(world):
     routes = engine_routes(engine, sequences)
     with torch.no_grad():
         state = {k: v.clone() for k, v in engine.state_dict().items() if isinstance(v, torch.Tensor)}
-        engine.load_state_dict({k: v for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)},
-                               strict=False)
+        engine.load_state_dict(
+            {k: v for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}, strict=False
+        )
         native = engine_routes(engine, sequences)
         engine.load_state_dict(state, strict=False)
     differ = sum(not torch.equal(a[:-1], b[:-1]) for a, b in zip(routes, native, strict=True))
@@ -143,10 +153,13 @@ def test_r3_token_not_in_the_rollout_refused(world):
     actor, engine, vocab, directory = world
     sequences = random_sequences(vocab, [5, 5], SEED + 2)
     write_step(directory, 10, sequences[:1], engine_routes(engine, sequences[:1]))
-    with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0"
-                                         r"\) has no route recorded by the rollout routes of step\(s\) 10(, \d+)? in .*"
-                                         r"\(5 of 10 tokens of this forward\).*write every sequence the step trains "
-                                         r"on with RolloutWriter"):
+    with pytest.raises(
+        RouteError,
+        match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0"
+        r"\) has no route recorded by the rollout routes of step\(s\) 10(, \d+)? in .*"
+        r"\(5 of 10 tokens of this forward\).*write every sequence the step trains "
+        r"on with RolloutWriter",
+    ):
         forward(actor, torch.stack(sequences), torch.zeros(2, 5, dtype=torch.bool)).sum().backward()
 
 
@@ -165,28 +178,46 @@ def test_r3_newest_steps_serve_and_a_sequence_rolled_out_in_both_names_its_versi
             for layer, ids_TK in spy.take():  # only in step 20
                 assert all(torch.equal(ids_TK[s], routes_old[0][s, layer]) for s in range(5))
             # `new` was rolled out whole in both steps, routed differently: refused unless the batch names its version
-            with pytest.raises(RouteError, match=r"training token 0 \(sequence 0 of this forward, position 0\): its "
-                                                 r"whole sequence was rolled out under several versions \(21, 20\), "
-                                                 r"routed differently in them \(5 of 6 tokens of this forward\).*"
-                                                 r"injob.rollout_version\(N\)"):
+            with pytest.raises(
+                RouteError,
+                match=r"training token 0 \(sequence 0 of this forward, position 0\): its "
+                r"whole sequence was rolled out under several versions \(21, 20\), "
+                r"routed differently in them \(5 of 6 tokens of this forward\).*"
+                r"injob.rollout_version\(N\)",
+            ):
                 forward(actor, new[None], torch.zeros(1, 6, dtype=torch.bool))
             spy.take()
             for version, want in ((20, routes_old[1]), (21, flipped[1])):
                 with injob.rollout_version(version):
-                    forward(actor, torch.stack([old, new]) if version == 20 else new[None],
-                            torch.zeros(2 if version == 20 else 1, 6, dtype=torch.bool))
+                    forward(
+                        actor,
+                        torch.stack([old, new]) if version == 20 else new[None],
+                        torch.zeros(2 if version == 20 else 1, 6, dtype=torch.bool),
+                    )
                 b = 2 if version == 20 else 1
                 for layer, ids_TK in spy.take():  # router order s * B + b
                     assert all(torch.equal(ids_TK[s * b + b - 1], want[s, layer].sort().values) for s in range(5))
-            with injob.rollout_version(21), pytest.raises(RouteError, match=r"training token 0 \(sequence 0 of this "
-                                                                           r"forward, position 0\) has no route "
-                                                                           r"recorded by the rollout routes of step\(s\)"
-                                                                           r" 21, 20.*version 21, which the forward "
-                                                                           r"names .*did not roll out"):
+            with (
+                injob.rollout_version(21),
+                pytest.raises(
+                    RouteError,
+                    match=r"training token 0 \(sequence 0 of this "
+                    r"forward, position 0\) has no route "
+                    r"recorded by the rollout routes of step\(s\)"
+                    r" 21, 20.*version 21, which the forward "
+                    r"names .*did not roll out",
+                ),
+            ):
                 forward(actor, old[None], torch.zeros(1, 6, dtype=torch.bool))  # not rolled out under 21
-            with injob.rollout_version(7), pytest.raises(RouteError, match=r"names rollout version 7, but the rollout "
-                                                                          r"routes of step\(s\) 21, 20 .*hold versions "
-                                                                          r"21, 20"):
+            with (
+                injob.rollout_version(7),
+                pytest.raises(
+                    RouteError,
+                    match=r"names rollout version 7, but the rollout "
+                    r"routes of step\(s\) 21, 20 .*hold versions "
+                    r"21, 20",
+                ),
+            ):
                 forward(actor, old[None], torch.zeros(1, 6, dtype=torch.bool))
         write_step(directory, 22, [new], routes_old[1:])
         with pytest.raises(RouteError, match=r"has no route recorded by the rollout routes of step\(s\) 22, 21"):
@@ -203,8 +234,10 @@ def test_r3_off_policy_samples_keep_their_own_steps_routes_on_shared_prompts(wor
     actor, engine, vocab, directory = world
     prompts = random_sequences(vocab, [5, 4], SEED + 9)
     answers = random_sequences(vocab, [3, 4, 2, 5], SEED + 10)
-    samples = {23: [torch.cat([prompts[0], answers[0]]), torch.cat([prompts[1], answers[1]])],
-               24: [torch.cat([prompts[0], answers[2]]), torch.cat([prompts[1], answers[3]])]}
+    samples = {
+        23: [torch.cat([prompts[0], answers[0]]), torch.cat([prompts[1], answers[1]])],
+        24: [torch.cat([prompts[0], answers[2]]), torch.cat([prompts[1], answers[3]])],
+    }
     routes = {23: engine_routes(engine, samples[23])}
     routes[24] = [(r + 3) % 8 for r in engine_routes(engine, samples[24])]  # the next engine version's routes
     for step in (23, 24):
@@ -234,8 +267,11 @@ def test_r3_physical_slots_mapped_through_the_steps_expert_map(world):
     physical[::2] = physical[::2].clone().apply_(lambda p: replica.get(p, p))  # even positions use the replicas
     assert bool((physical >= 8).any()) and not torch.equal(physical, routes[0])
     write_step(directory, 30, seq, [physical])  # the map forgotten
-    with pytest.raises(RouteError, match=r"step-30/part-0.npz: request 0 position \d layer \d: expert ids .* outside "
-                                         r"\[0, 8\).*RolloutWriter\(expert_map=\) or MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP"):
+    with pytest.raises(
+        RouteError,
+        match=r"step-30/part-0.npz: request 0 position \d layer \d: expert ids .* outside "
+        r"\[0, 8\).*RolloutWriter\(expert_map=\) or MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP",
+    ):
         with torch.no_grad():
             forward(actor, seq[0][None], torch.zeros(1, 7, dtype=torch.bool))
     for step in (31, 32):  # the forgotten map's step no longer among the newest two
@@ -258,8 +294,11 @@ def test_r3_capture_gap_on_a_real_token_refused(world):
     routes = engine_routes(engine, seq)[0].clone()
     routes[2, 1] = -1  # position 2, layer 1 not captured
     write_step(directory, 40, seq, [routes])
-    with pytest.raises(RouteError, match=r"step-40/part-0.npz: request 0 position 2 layer 1: capture gap \(a row of "
-                                         r"-1 or of zeros: \[-1, -1\]\)"):
+    with pytest.raises(
+        RouteError,
+        match=r"step-40/part-0.npz: request 0 position 2 layer 1: capture gap \(a row of "
+        r"-1 or of zeros: \[-1, -1\]\)",
+    ):
         with torch.no_grad():
             forward(actor, seq[0][None], torch.zeros(1, 6, dtype=torch.bool))
     for step in (41, 42):  # later tests start from complete, well-formed steps
@@ -276,8 +315,10 @@ def test_r3_incomplete_step_is_not_read(world, tmp_path):
     w = RolloutWriter(directory, step=50, part="worker1")
     w.add(seq[0], routes[0][:-1])
     w.close(complete=False)
-    with pytest.raises(RouteError, match=r"has no route recorded by the rollout routes of step\(s\) "
-                                         + ", ".join(str(s) for s in before)):
+    with pytest.raises(
+        RouteError,
+        match=r"has no route recorded by the rollout routes of step\(s\) " + ", ".join(str(s) for s in before),
+    ):
         with torch.no_grad():
             forward(actor, seq[0][None], torch.zeros(1, 5, dtype=torch.bool))
     mark_complete(directory, step=50)
@@ -290,10 +331,16 @@ def test_rollout_writer_refusals(tmp_path):
     ok_tokens, ok_routes = np.arange(5), np.zeros((4, 2, 2), dtype=np.int64) + [0, 1]
     w = RolloutWriter(tmp_path, step=0)
     cases = [
-        ((np.arange(5.0), ok_routes), r"request 0 of part-0.npz: token_ids: expected a 1-d integer array, got 1-d "
-                                      r"float64"),
-        ((ok_tokens, ok_routes[:2]), r"routes hold 2 rows for 5 tokens; expected 4 \(the engine's missing last row\) "
-                                     r"or 5"),
+        (
+            (np.arange(5.0), ok_routes),
+            r"request 0 of part-0.npz: token_ids: expected a 1-d integer array, got 1-d "
+            r"float64",
+        ),
+        (
+            (ok_tokens, ok_routes[:2]),
+            r"routes hold 2 rows for 5 tokens; expected 4 \(the engine's missing last row\) "
+            r"or 5",
+        ),
         ((ok_tokens, ok_routes[0]), r"routes: expected a 3-d integer array, got 2-d int64"),
         ((ok_tokens, ok_routes - 3), r"routes hold -3; expert ids are >= 0 \(-1: not captured\)"),
         ((-ok_tokens - 1, ok_routes), r"token_ids hold a negative id -5"),
@@ -303,8 +350,11 @@ def test_rollout_writer_refusals(tmp_path):
         with pytest.raises(UsageError, match=message):
             w.add(*args)
     w.add(ok_tokens, ok_routes)
-    with pytest.raises(UsageError, match=r"request 1 of part-0.npz: routes \[\*, W, K\] = \(3, 2\) != request 0's "
-                                         r"\(2, 2\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"request 1 of part-0.npz: routes \[\*, W, K\] = \(3, 2\) != request 0's "
+        r"\(2, 2\)",
+    ):
         w.add(ok_tokens, np.zeros((5, 3, 2), dtype=np.int64))
     with pytest.raises(UsageError, match=r"already exists: each writer of a step needs its own part= name"):
         w.close(complete=False)
@@ -312,9 +362,11 @@ def test_rollout_writer_refusals(tmp_path):
     mark_complete(tmp_path, step=0)
     with pytest.raises(UsageError, match=r"step 0 is already complete"):
         RolloutWriter(tmp_path, step=0, part="late")
-    for kwargs, message in [({"step": -1}, r"step=-1: expected an integer >= 0"),
-                            ({"step": 1, "part": "../x"}, r"part='../x': expected 1-64 letters"),
-                            ({"step": 1, "numbering": "layers"}, r"numbering='layers': expected 'routers'")]:
+    for kwargs, message in [
+        ({"step": -1}, r"step=-1: expected an integer >= 0"),
+        ({"step": 1, "part": "../x"}, r"part='../x': expected 1-64 letters"),
+        ({"step": 1, "numbering": "layers"}, r"numbering='layers': expected 'routers'"),
+    ]:
         with pytest.raises(UsageError, match=message):
             RolloutWriter(tmp_path, **kwargs)
     with pytest.raises(UsageError, match=r"step-2: no part-\*.npz written; nothing to mark complete"):
@@ -325,13 +377,20 @@ def test_rollout_writer_refusals(tmp_path):
 def test_rollout_files_malformed_refused(tmp_path):
     from moeverify.patches.rollout_source import Step
 
-    good = {"tokens": np.arange(5), "lengths": np.array([5]), "rows": np.array([4]),
-            "routes": np.zeros((4, 2, 2), dtype=np.int16), "numbering": np.array([0], dtype=np.int8)}
+    good = {
+        "tokens": np.arange(5),
+        "lengths": np.array([5]),
+        "rows": np.array([4]),
+        "routes": np.zeros((4, 2, 2), dtype=np.int16),
+        "numbering": np.array([0], dtype=np.int8),
+    }
     cases = [
         ({"tokens": np.arange(6)}, r"6 tokens and 4 route rows, the requests' lengths and rows sum to 5 and 4"),
         ({"rows": np.array([2])}, r"5 tokens and 4 route rows, the requests' lengths and rows sum to 5 and 2"),
-        ({"rows": np.array([3]), "routes": np.zeros((3, 2, 2), dtype=np.int16)},
-         r"request 0 holds 3 route rows for 5 tokens; expected 4 or 5"),
+        (
+            {"rows": np.array([3]), "routes": np.zeros((3, 2, 2), dtype=np.int16)},
+            r"request 0 holds 3 route rows for 5 tokens; expected 4 or 5",
+        ),
         ({"routes": np.zeros((4, 2), dtype=np.int16)}, r"'routes' must be a 3-d integer array, got 2-d int16"),
         ({"lengths": np.array([5.0])}, r"'lengths' must be a 1-d integer array, got 1-d float64"),
         ({"numbering": np.array([7], dtype=np.int8)}, r"numbering code 7 is none of \[0, 1, 2\]"),
@@ -381,8 +440,11 @@ def test_r3_grpo_shared_prompt_routed_differently_takes_the_first_route(world):
     source = autopatch.session().state.source
     source.duplicates, source._tables = "refuse", type(source._tables)()
     try:
-        with pytest.raises(RouteError, match=r"position 0\) was recorded more than once with different expert sets "
-                                             r".*routed differently by the rollout routes of step\(s\) 61, 60"):
+        with pytest.raises(
+            RouteError,
+            match=r"position 0\) was recorded more than once with different expert sets "
+            r".*routed differently by the rollout routes of step\(s\) 61, 60",
+        ):
             with torch.no_grad():
                 forward(actor, ids, pad)
     finally:
@@ -395,8 +457,11 @@ def test_r3_other_top_k_refused(world):
     routes = engine_routes(engine, seq)[0]
     for step in (70, 71):
         write_step(directory, step, seq, [torch.cat([routes, (routes[..., :1] + 2) % 8], dim=2)])  # top-3 ids
-    with pytest.raises(RouteError, match=r"step-71: the rollout routes hold top-3 ids, the model routes top-2 "
-                                         r"\(moe_router_topk\): another model's routes\?"):
+    with pytest.raises(
+        RouteError,
+        match=r"step-71: the rollout routes hold top-3 ids, the model routes top-2 "
+        r"\(moe_router_topk\): another model's routes\?",
+    ):
         with torch.no_grad():
             forward(actor, seq[0][None], torch.zeros(1, 5, dtype=torch.bool))
     for step in (72, 73):  # later tests start from well-formed steps
@@ -412,8 +477,9 @@ def test_r3_writer_takes_engine_payloads_as_returned(world, tmp_path):
     actor, engine, vocab, directory = world
     seq = random_sequences(vocab, [7], SEED + 12)[0]
     routes = engine_routes(engine, [seq])[0]
-    payload = {"meta_info": {"routed_experts": base64.b64encode(routes[:-1].numpy().astype("<i4").tobytes())
-                             .decode()}}  # SGLang: base64 int32 [S - 1, num_hidden_layers, K]
+    payload = {
+        "meta_info": {"routed_experts": base64.b64encode(routes[:-1].numpy().astype("<i4").tobytes()).decode()}
+    }  # SGLang: base64 int32 [S - 1, num_hidden_layers, K]
     decoded = er.from_sglang(payload, num_layers=4, top_k=2, num_tokens=len(seq), physical=False, request="r0")
     with RolloutWriter(directory, step=200) as w:
         w.add(seq, decoded)
@@ -429,8 +495,14 @@ def test_r3_writer_takes_engine_payloads_as_returned(world, tmp_path):
     physical = er.from_sglang(payload, num_layers=4, top_k=2, num_tokens=len(seq), physical=True)
     with pytest.raises(UsageError, match=r"request 0 of part-0.npz: the engine recorded physical expert slots"):
         RolloutWriter(tmp_path, step=0).add(seq, physical)
-    later = er.EngineRoutes(routes=routes[3:-1].numpy().astype(np.int16), numbering="decoder", physical=False,
-                            engine="sglang", request=1, start=3)
+    later = er.EngineRoutes(
+        routes=routes[3:-1].numpy().astype(np.int16),
+        numbering="decoder",
+        physical=False,
+        engine="sglang",
+        request=1,
+        start=3,
+    )
     with pytest.raises(UsageError, match=r"rows start at position 3, not 0.*splice"):
         RolloutWriter(tmp_path, step=1).add(seq, later)
     with pytest.raises(UsageError, match=r"the payload numbers layers 'decoder', this part 'routers'"):

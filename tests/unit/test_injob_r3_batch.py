@@ -1,6 +1,7 @@
 """In-job R3 with the engine's routes handed over with the batch (``MOEVERIFY_ROUTER_REPLAY=r3``, no directory; 1 CPU
 rank): a verl-style padded batch carrying ``routed_experts`` aligned with ``input_ids``, and per-request engine
-payloads (SGLang's base64 int32, vLLM 0.21's split prompt/completion arrays) decoded by ``moeverify.routing.engine_routes``.
+payloads (SGLang's base64 int32, vLLM 0.21's split prompt/completion arrays) decoded by
+``moeverify.routing.engine_routes``.
 
 The engine is a second model of other weights run one request at a time; a spy on the actor's routers reads what
 Megatron used, checked token by token against what the engine routed (found by the test from the sequence and
@@ -19,9 +20,9 @@ import torch
 from test_injob_r3 import engine_routes
 from test_injob_replay import Spy, installed_world, random_sequences
 
-from moeverify.routing import engine_routes as er
 from moeverify.errors import UsageError
 from moeverify.patches import agreement, autopatch, injob
+from moeverify.routing import engine_routes as er
 
 SEED = 61
 LAYERS = (0, 1, 2, 3)
@@ -51,7 +52,7 @@ def verl_batch(sequences, routes, *, width):
     for i, (seq, r) in enumerate(zip(sequences, routes, strict=True)):
         first = width - len(seq)
         ids[i, first:], mask[i, first:] = seq, 1
-        routed[i, first:first + len(seq) - 1] = r[:-1]
+        routed[i, first : first + len(seq) - 1] = r[:-1]
     return ids, mask, routed
 
 
@@ -128,15 +129,26 @@ def test_r3_batch_engine_payloads_as_the_engines_return_them(world):
     routes = engine_routes(engine, sequences)
     k = routes[0].shape[-1]
     # SGLang: base64 of flat int32 [S - 1, num_hidden_layers, K] in meta_info
-    sglang = er.from_sglang({"meta_info": {"routed_experts": base64.b64encode(
-        routes[0][:-1].numpy().astype("<i4").tobytes()).decode()}}, num_layers=len(LAYERS), top_k=k,
-        num_tokens=len(sequences[0]), physical=False, request="req-0")
+    sglang = er.from_sglang(
+        {"meta_info": {"routed_experts": base64.b64encode(routes[0][:-1].numpy().astype("<i4").tobytes()).decode()}},
+        num_layers=len(LAYERS),
+        top_k=k,
+        num_tokens=len(sequences[0]),
+        physical=False,
+        request="req-0",
+    )
     # vLLM 0.21: the prompt's rows apart from the completion's, int16, the last token's row never filled
     prompt = 3
-    full = np.concatenate([routes[1].numpy(), np.zeros((1, len(LAYERS), k))]).astype(np.int16)[:len(sequences[1])]
+    full = np.concatenate([routes[1].numpy(), np.zeros((1, len(LAYERS), k))]).astype(np.int16)[: len(sequences[1])]
     full[-1] = 0
-    vllm = er.from_vllm(full[prompt:], prompt_routed_experts=full[:prompt], num_tokens=len(sequences[1]),
-                        physical=False, numbering="routers", request="req-1")
+    vllm = er.from_vllm(
+        full[prompt:],
+        prompt_routed_experts=full[:prompt],
+        num_tokens=len(sequences[1]),
+        physical=False,
+        numbering="routers",
+        request="req-1",
+    )
     injob.add_routes(version=4, sequences=sequences[:1], routes=[sglang])  # one engine's layer numbering a version
     injob.add_routes(version=5, sequences=sequences[1:], routes=[vllm])
     assert_each_on_its_route(actor, sequences, routes)
@@ -159,14 +171,48 @@ def test_r3_batch_off_policy_versions_and_refusals(world):
         (dict(version=1, routes=[routes_old]), r"give either sequences="),
         (dict(version=1, sequences=[old], routes=[routes_old[:-2]]), r"request 0: 6 route rows for 8 tokens"),
         (dict(version=1, input_ids=old[None], routes=routes_old[None]), r"attention_mask is needed"),
-        (dict(version=1, input_ids=old[None], attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]]),
-              routes=routes_old[None]), r"batch row 0: its real tokens are not contiguous .*position 2"),
-        (dict(version=1, sequences=[old], routes=[er.EngineRoutes(
-            routes=routes_old[:-1].numpy().astype(np.int16), numbering="routers", physical=True, engine="sglang",
-            request=0)]), r"physical expert slots \(EPLB\); give expert_map="),
-        (dict(version=1, sequences=[old], routes=[er.EngineRoutes(
-            routes=routes_old[2:-1].numpy().astype(np.int16), numbering="routers", physical=False, engine="sglang",
-            request=0, start=2)]), r"rows start at position 2, not 0.*splice"),
+        (
+            dict(
+                version=1,
+                input_ids=old[None],
+                attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]]),
+                routes=routes_old[None],
+            ),
+            r"batch row 0: its real tokens are not contiguous .*position 2",
+        ),
+        (
+            dict(
+                version=1,
+                sequences=[old],
+                routes=[
+                    er.EngineRoutes(
+                        routes=routes_old[:-1].numpy().astype(np.int16),
+                        numbering="routers",
+                        physical=True,
+                        engine="sglang",
+                        request=0,
+                    )
+                ],
+            ),
+            r"physical expert slots \(EPLB\); give expert_map=",
+        ),
+        (
+            dict(
+                version=1,
+                sequences=[old],
+                routes=[
+                    er.EngineRoutes(
+                        routes=routes_old[2:-1].numpy().astype(np.int16),
+                        numbering="routers",
+                        physical=False,
+                        engine="sglang",
+                        request=0,
+                        start=2,
+                    )
+                ],
+            ),
+            r"rows start at position 2, not 0.*splice",
+        ),
         (dict(version=1, sequences=[old], routes=[routes_old.float()]), r"expected a 3-d integer array"),
         (dict(version=1, sequences=[old], routes=[routes_old], numbering="layers"), r"numbering='layers'"),
     ]
@@ -199,9 +245,12 @@ def test_r3_batch_route_cut_short_named_as_such_not_as_out_of_range(world):
     routes[2, 1, 1] = -1
     injob.add_routes(version=0, sequences=[seq], routes=[routes])
     try:
-        with pytest.raises(Exception, match=r"the batch routes of version 0: request 0 position 2 layer 1: route "
-                                            r"\[\d+, -1\] has -1 \(not captured\) in 1 of its 2 slots \(1 such "
-                                            r"row\(s\)\): a variable top-k"):
+        with pytest.raises(
+            Exception,
+            match=r"the batch routes of version 0: request 0 position 2 layer 1: route "
+            r"\[\d+, -1\] has -1 \(not captured\) in 1 of its 2 slots \(1 such "
+            r"row\(s\)\): a variable top-k",
+        ):
             with torch.no_grad():
                 run(actor, seq)
     finally:

@@ -32,8 +32,9 @@ def actor_weights(engine, actor):
     """The engine model holding the actor's weights (restored after)."""
     saved = {k: v.clone() for k, v in engine.state_dict().items() if isinstance(v, torch.Tensor)}
     with torch.no_grad():
-        engine.load_state_dict({k: v for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)},
-                               strict=False)
+        engine.load_state_dict(
+            {k: v for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}, strict=False
+        )
     try:
         yield engine
     finally:
@@ -47,7 +48,7 @@ def padded(sequences, *, side: str, width: int):
     where = {}
     for b, seq in enumerate(sequences):
         first = width - len(seq) if side == "left" else 0
-        ids[b, first:first + len(seq)], pad[b, first:first + len(seq)] = seq, False
+        ids[b, first : first + len(seq)], pad[b, first : first + len(seq)] = seq, False
         for s in range(len(seq)):
             where[(first + s) * len(sequences) + b] = (b, s)
     return ids, pad, where
@@ -97,11 +98,16 @@ def test_r3_padded_batch_replays_every_real_token_and_the_guard_counts_only_them
     assert checked == 2 * len(LAYERS) * (real - len(sequences))
     guard.end_step()
     rows = [r for r in guard.history if r["step"] == guard.step]
-    assert sorted((r["pass"], r["layer"]) for r in rows) == sorted((p, layer) for p in ("log_prob", "training")
-                                                                   for layer in LAYERS)
+    assert sorted((r["pass"], r["layer"]) for r in rows) == sorted(
+        (p, layer) for p in ("log_prob", "training") for layer in LAYERS
+    )
     for row in rows:  # padding and last tokens counted apart; the engine is native routing of unpadded requests
         assert (row["tokens"], row["padding"], row["routed_natively"], row["routed"]) == (
-            real - len(sequences), ids.numel() - real, len(sequences), ids.numel()), row
+            real - len(sequences),
+            ids.numel() - real,
+            len(sequences),
+            ids.numel(),
+        ), row
         assert 0.9 <= row["agreement"] <= row["overlap"], row  # a batch's numerics may flip a near-tie
 
 
@@ -118,16 +124,19 @@ def test_r3_engine_in_another_expert_numbering_fails_the_default_floor(world):
     guard.end_step()
     ids, pad, _ = padded(sequences, side="left", width=10)
     run_forward(actor, ids, pad, grad=False)
-    with pytest.raises(RouteError, match=r"agreement guard: step \d+ log_prob pass layer \d rank 0: overlap .*no "
-                                         r"better than random ids: another expert numbering \(EPLB physical slots "
-                                         r"without their map\).* over 44 replayed tokens \(padding 10 and tokens "
-                                         r"routed natively 6 not counted\).*MOEVERIFY_AGREEMENT_FLOOR=chance, the "
-                                         r"default of in-job replay"):
+    with pytest.raises(
+        RouteError,
+        match=r"agreement guard: step \d+ log_prob pass layer \d rank 0: overlap .*no "
+        r"better than random ids: another expert numbering \(EPLB physical slots "
+        r"without their map\).* over 44 replayed tokens \(padding 10 and tokens "
+        r"routed natively 6 not counted\).*MOEVERIFY_AGREEMENT_FLOOR=chance, the "
+        r"default of in-job replay",
+    ):
         guard.end_step()
     write_step(directory, 111, sequences, routes)  # the engine's logical ids: the same batch passes
     with injob.rollout_version(111):  # rolled out whole in steps 110 and 111: the batch names its version
         run_forward(actor, ids, pad, grad=False)
-    assert guard.end_step() == {} and all(r["overlap"] >= 0.9 for r in guard.history[-len(LAYERS):])
+    assert guard.end_step() == {} and all(r["overlap"] >= 0.9 for r in guard.history[-len(LAYERS) :])
 
 
 def test_guard_counts_only_replayed_tokens_where_the_old_share_passed():
@@ -147,12 +156,17 @@ def test_guard_counts_only_replayed_tokens_where_the_old_share_passed():
     guard = agreement.Guard(minimum=0.9)
     try:
         guard.count(3, replayed_TK, native_TK, kind="training", num_experts=8, pad_T=pad_T, routed_natively_T=native_T)
-        with pytest.raises(RouteError, match=r"step 1 training pass layer 3 rank 0: agreement \(top-k set equal to "
-                                             r"native routing's\) 50.0000% over 10 replayed tokens \(padding 30 and "
-                                             r"tokens routed natively 10 not counted\), expected at least 90.0000%"):
+        with pytest.raises(
+            RouteError,
+            match=r"step 1 training pass layer 3 rank 0: agreement \(top-k set equal to "
+            r"native routing's\) 50.0000% over 10 replayed tokens \(padding 30 and "
+            r"tokens routed natively 10 not counted\), expected at least 90.0000%",
+        ):
             guard.end_step()
         row = guard.history[-1]
-        hits = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(replayed_TK[:10], native_TK[:10], strict=True))
+        hits = sum(
+            len(set(a.tolist()) & set(b.tolist())) for a, b in zip(replayed_TK[:10], native_TK[:10], strict=True)
+        )
         assert (row["agreement"], row["overlap"], row["tokens"]) == (0.5, hits / 20, 10)
     finally:
         guard.close()

@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_injob_replay import Spy, installed_world, random_sequences
 
-from moeverify.routing import engine_routes as er
 from moeverify.patches import agreement, injob
+from moeverify.routing import engine_routes as er
 
 SEED = 71
 TOPK = 2
@@ -51,13 +51,21 @@ def test_r3_transformers_engine_left_padded_routes_replayed_with_an_honest_guard
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for b, seq in enumerate(sequences):  # generate() pads on the left
-        ids[b, width - len(seq):], mask[b, width - len(seq):] = seq, 1
+        ids[b, width - len(seq) :], mask[b, width - len(seq) :] = seq, 1
     with torch.no_grad():
-        out = engine(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                     output_router_logits=True)
+        out = engine(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+            output_router_logits=True,
+        )
     logits = [x.float().numpy() for x in out.router_logits]
-    routes = [er.from_transformers(logits, top_k=TOPK, batch=len(sequences), index=b, attention_mask=mask,
-                                   num_tokens=len(seq), request=b) for b, seq in enumerate(sequences)]
+    routes = [
+        er.from_transformers(
+            logits, top_k=TOPK, batch=len(sequences), index=b, attention_mask=mask, num_tokens=len(seq), request=b
+        )
+        for b, seq in enumerate(sequences)
+    ]
     assert all(r.routes.shape[0] == len(s) for r, s in zip(routes, sequences, strict=True))  # a row for every fed token
     injob.add_routes(version=0, sequences=sequences, routes=routes)
 
@@ -65,7 +73,7 @@ def test_r3_transformers_engine_left_padded_routes_replayed_with_an_honest_guard
     right = torch.zeros(len(sequences), width + 2, dtype=torch.long)  # the trainer pads on the right, wider
     pad = torch.ones(len(sequences), width + 2, dtype=torch.bool)
     for b, seq in enumerate(sequences):
-        right[b, :len(seq)], pad[b, :len(seq)] = seq, False
+        right[b, : len(seq)], pad[b, : len(seq)] = seq, False
     guard = agreement.ACTIVE
     assert guard is not None and guard.floor == agreement.CHANCE
     guard.end_step()

@@ -25,9 +25,11 @@ def test_r3_top8_of_64_grouped_with_expert_bias_bitwise(wide):
     run_r3_step(actor, engine, directory, sequences, step=0, layers=(1,))
 
 
-@pytest.mark.skipif(os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu") != "cpu",
-                    reason="on one H200 the one-ulp probability differences of another slot order do not reach the "
-                           "bf16 gradients of this tiny model (docs/gpu/); the CPU run shows the check's sensitivity")
+@pytest.mark.skipif(
+    os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu") != "cpu",
+    reason="on one H200 the one-ulp probability differences of another slot order do not reach the "
+    "bf16 gradients of this tiny model (docs/gpu/); the CPU run shows the check's sensitivity",
+)
 def test_r3_without_canonical_slot_order_caught(wide, monkeypatch):
     # mutant: in-job replay gathers the scores in the rollout's slot order (ascending ids) instead of the canonical one
     import torch

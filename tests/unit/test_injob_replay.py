@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.spec.layout import Layout
 from moeverify.patches import autopatch, injob
 from moeverify.patches import router_replay as rr
+from moeverify.spec.layout import Layout
 
 VOCAB_SEED = 11
 
@@ -75,8 +75,9 @@ class Spy:
 
     def __init__(self, chunk):
         self.calls: list[tuple[int, torch.Tensor]] = []
-        self.handles = [m.register_forward_hook(self._hook) for m in chunk.modules()
-                        if type(m).__name__ == "TopKRouter"]
+        self.handles = [
+            m.register_forward_hook(self._hook) for m in chunk.modules() if type(m).__name__ == "TopKRouter"
+        ]
 
     def _hook(self, router, _inputs, outputs):
         if torch._C._current_graph_task_id() == -1:
@@ -98,7 +99,7 @@ def batch_of(sequences, uids):
     ids = torch.zeros(len(uids), width, dtype=torch.long)
     pad = torch.ones(len(uids), width, dtype=torch.bool)
     for b, u in enumerate(uids):
-        ids[b, :len(sequences[u])], pad[b, :len(sequences[u])] = sequences[u], False
+        ids[b, : len(sequences[u])], pad[b, : len(sequences[u])] = sequences[u], False
     where = [(uids[b], s) if not pad[b, s] else None for s in range(width) for b in range(len(uids))]
     return ids, pad, where
 
@@ -120,7 +121,7 @@ def log_prob_pass(chunk, sequences, uids, spy, *, micro=4) -> dict:
     routes = {}
     with torch.no_grad():
         for i in range(0, len(uids), micro):
-            ids, pad, where = batch_of(sequences, uids[i:i + micro])
+            ids, pad, where = batch_of(sequences, uids[i : i + micro])
             forward(chunk, ids, pad)
             for layer, ids_TK in spy.take():
                 routes.update({(layer, *w): ids_TK[t] for t, w in enumerate(where) if w is not None})
@@ -157,9 +158,14 @@ def ppo_update(chunk, sequences, plan, *, spy=None, aligned=None, session=None):
                 continue
             table = aligned[count] if isinstance(aligned, list) else aligned
             count += 1  # padding is keyed by micro-batch occurrence: one micro-batch may recur in another epoch
-            routes = rr.Routes({layer: [torch.stack([table[(layer, *(w or ("pad", count - 1, t)))]
-                                                     for t, w in enumerate(where)])] for layer in session.layers},
-                               num_experts=session.num_experts, topk=session.topk)
+            routes = rr.Routes(
+                {
+                    layer: [torch.stack([table[(layer, *(w or ("pad", count - 1, t)))] for t, w in enumerate(where)])]
+                    for layer in session.layers
+                },
+                num_experts=session.num_experts,
+                topk=session.topk,
+            )
             with session.replay(routes):
                 loss_of(forward(chunk, ids, pad), pad).backward()
             session.check_consumed()
@@ -177,9 +183,9 @@ def verl_plan(uids, *, epochs=2, minibatches=2, ppo_micro=2, max_tokens=None, se
         order = [uids[i] for i in torch.randperm(len(uids), generator=g).tolist()]
         size = len(order) // minibatches
         for m in range(minibatches):
-            part = order[m * size:(m + 1) * size]
+            part = order[m * size : (m + 1) * size]
             if max_tokens is None or epoch < epochs - 1:
-                plan.append([part[i:i + ppo_micro] for i in range(0, len(part), ppo_micro)])
+                plan.append([part[i : i + ppo_micro] for i in range(0, len(part), ppo_micro)])
             else:
                 plan.append(dynamic_micro_batches(sequences, part, max_tokens))
     return plan
@@ -196,7 +202,7 @@ def run_step(world, sequences, plan, *, reference=False):
         if reference:
             with torch.no_grad():
                 for i in range(0, len(uids), 4):
-                    ids, pad, _ = batch_of(sequences, uids[i:i + 4])
+                    ids, pad, _ = batch_of(sequences, uids[i : i + 4])
                     forward(ref_model, ids, pad)
         got, used = ppo_update(actor, sequences, plan, spy=spy)
     finally:
@@ -261,8 +267,11 @@ def test_injob_token_without_route_refused(world):
     with torch.no_grad():
         forward(actor, sequences[0][None], torch.zeros(1, 5, dtype=torch.bool))
     ids = torch.stack(sequences)
-    with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0"
-                                         r"\) has no route recorded by this step's log-prob pass \(5 of 10 tokens"):
+    with pytest.raises(
+        RouteError,
+        match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0"
+        r"\) has no route recorded by this step's log-prob pass \(5 of 10 tokens",
+    ):
         forward(actor, ids, torch.zeros(2, 5, dtype=torch.bool))
     with torch.no_grad():  # a new step: the previous step's routes are dropped
         forward(actor, ids[1:], torch.zeros(1, 5, dtype=torch.bool))
@@ -308,9 +317,12 @@ def test_injob_setting_parsed_from_the_environment_value():
     assert (autopatch.parse("r3:/tmp/x").mode, str(autopatch.parse("r3:/tmp/x").directory)) == ("r3", "/tmp/x")
     assert (autopatch.parse("r3").mode, autopatch.parse("r3").directory) == ("r3", None)  # routes with the batch
     for bad in ("r2:/tmp/x", "r3:", "r4:/tmp/x"):
-        with pytest.raises(Exception, match=r"expected record:DIR or replay:DIR, r2 \(in-job replay of the log-prob "
-                                            r"pass\), r3:DIR \(in-job replay of a rollout's routes written to DIR\) "
-                                            r"or r3 \(the rollout's routes handed over with the batch"):
+        with pytest.raises(
+            Exception,
+            match=r"expected record:DIR or replay:DIR, r2 \(in-job replay of the log-prob "
+            r"pass\), r3:DIR \(in-job replay of a rollout's routes written to DIR\) "
+            r"or r3 \(the rollout's routes handed over with the batch",
+        ):
             autopatch.parse(bad)
 
 
@@ -323,8 +335,15 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
-                               moe_router_topk=2, use_cpu_initialization=True, moe_aux_loss_coeff=0.0)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0,
+    )
     device = "cuda" if os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu") == "cuda" else "cpu"
     router = TopKRouter(config, pg_collection=get_default_pg_collection()).to(device)
     router.set_layer_number(1)
@@ -342,10 +361,11 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
         where = [None] * n
         for i, u in enumerate(order):
             at = int(cu_pad[i])
-            ids[0, at:at + len(seqs[u])], h[at:at + len(seqs[u]), 0] = seqs[u], hidden[u].to(device)
-            where[at:at + len(seqs[u])] = [(u, p) for p in range(len(seqs[u]))]
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
-                                 cu_seqlens_kv_padded=cu_pad)
+            ids[0, at : at + len(seqs[u])], h[at : at + len(seqs[u]), 0] = seqs[u], hidden[u].to(device)
+            where[at : at + len(seqs[u])] = [(u, p) for p in range(len(seqs[u]))]
+        packed = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad
+        )
         fwd = injob.ChunkForward(chunk, (ids.to(device), None, None), {"packed_seq_params": packed})
         injob._CURRENT.append(fwd)
         try:
@@ -365,8 +385,11 @@ def test_injob_packed_thd_step_other_packing_replays_and_padding_routes_natively
         with torch.no_grad():
             router.weight.add_(torch.randn(router.weight.shape, generator=g).to(device) * 3)
         replayed, where, h = packed_pass(["B", "A"], 6)  # other order, padded slots, trailing padding none
-        with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 6 \(sequence 1 of this forward, "
-                                             r"position 0\) has no route"):
+        with pytest.raises(
+            RouteError,
+            match=r"layer 0 rank 0: training token 6 \(sequence 1 of this forward, "
+            r"position 0\) has no route",
+        ):
             packed_pass(["B", "C"], 6)
     finally:
         del rr._ACTIVE[id(router)]

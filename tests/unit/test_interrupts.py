@@ -9,7 +9,6 @@ import pytest
 
 from moeverify.runner import interrupts
 
-
 pytestmark = pytest.mark.timing
 
 

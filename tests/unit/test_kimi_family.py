@@ -39,8 +39,13 @@ def test_registration_loads_the_config_without_remote_code(tmp_path):
 
     kimi.ensure_registered()
     kimi.ensure_registered()  # idempotent
-    cfg = {"model_type": "kimi_k2", "architectures": [kimi.ARCHITECTURE],
-           "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1}
+    cfg = {
+        "model_type": "kimi_k2",
+        "architectures": [kimi.ARCHITECTURE],
+        "scoring_func": "sigmoid",
+        "n_group": 1,
+        "topk_group": 1,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = transformers.AutoConfig.from_pretrained(str(tmp_path))  # trust_remote_code left at False
     assert type(loaded) is kimi.classes()[0] and loaded.scoring_func == "sigmoid"
@@ -85,8 +90,13 @@ def test_bridge_is_kimi_k2_with_its_own_router_settings(tmp_path):
     bridge = _bridge_for("kimi_k2", tmp_path)
     assert type(bridge._model_bridge).__name__ == "KimiK2Bridge"
     p = _provider(bridge, "kimi_k2", load_weights=False)
-    assert (p.moe_router_score_function, p.moe_router_pre_softmax, p.moe_router_enable_expert_bias,
-            p.moe_router_dtype, p.moe_router_load_balancing_type) == ("sigmoid", True, True, "fp32", "seq_aux_loss")
+    assert (
+        p.moe_router_score_function,
+        p.moe_router_pre_softmax,
+        p.moe_router_enable_expert_bias,
+        p.moe_router_dtype,
+        p.moe_router_load_balancing_type,
+    ) == ("sigmoid", True, True, "fp32", "seq_aux_loss")
     assert p.multi_latent_attention and p.moe_layer_freq == [0, 1, 1, 1] and p.moe_shared_expert_intermediate_size == 32
     assert p.moe_router_topk_scaling_factor == 2.827 and p.moe_shared_expert_overlap  # CPU path turns TE settings off
     preflight("kimi_k2", te_real=False)  # the CPU spec rebuilds it: not refused

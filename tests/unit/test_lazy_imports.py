@@ -18,20 +18,29 @@ LAZY = re.compile(r"#\s*lazy:\s*([\w.]+)")  # a package, or a submodule its impo
 NOT_YET: frozenset[str] = frozenset()
 
 
-def _unexplained(path: Path) -> list[str]:
-    """``line: source`` of each function-local import without a ``# lazy: <heavy dependency>`` comment."""
+def _local_imports(path: Path) -> list[tuple[int, str, re.Match | None]]:
+    """``(line, source, tag)`` of each function-local import; the tag may sit on any line of the statement (a long
+    import is wrapped by the formatter)."""
     text = path.read_text()
     lines = text.splitlines()
-    out = []
+    out = {}
     for fn in ast.walk(ast.parse(text)):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
         for node in ast.walk(fn):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                why = LAZY.search(lines[node.lineno - 1])
-                if why is None or why.group(1).split(".")[0] not in HEAVY:
-                    out.append(f"{node.lineno}: {lines[node.lineno - 1].strip()}")
-    return sorted(set(out))
+                source = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                out[node.lineno] = (node.lineno, lines[node.lineno - 1].strip(), LAZY.search(source))
+    return [out[n] for n in sorted(out)]
+
+
+def _unexplained(path: Path) -> list[str]:
+    """``line: source`` of each function-local import without a ``# lazy: <heavy dependency>`` comment."""
+    return [
+        f"{n}: {line}"
+        for n, line, why in _local_imports(path)
+        if why is None or why.group(1).split(".")[0] not in HEAVY
+    ]
 
 
 def _top_level_imports(path: Path) -> set[str]:
@@ -89,10 +98,11 @@ def _loaded_with(repo_root: Path) -> dict[str, set[str]]:
 def _vacuous(path: Path, loaded: set[str]) -> list[str]:
     """``line: source`` of each ``# lazy: X`` import whose X the module loads anyway at import (``X`` or a module
     under it imported at module level; ``# lazy: torch._dynamo`` defers a submodule ``import torch`` leaves out)."""
-    lines = path.read_text().splitlines()
-    return [f"{n}: {line.strip()}" for n, line in enumerate(lines, 1)
-            if (why := LAZY.search(line)) and re.match(r"\s*(from|import)\s", line)
-            and any(name == why.group(1) or name.startswith(why.group(1) + ".") for name in loaded)]
+    return [
+        f"{n}: {line}"
+        for n, line, why in _local_imports(path)
+        if why and any(name == why.group(1) or name.startswith(why.group(1) + ".") for name in loaded)
+    ]
 
 
 def _modules(repo_root: Path) -> dict[str, Path]:
@@ -118,8 +128,9 @@ def test_a_lazy_import_puts_off_something(repo_root):
 
 def test_a_vacuous_lazy_tag_is_found(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("import torch\n\n\ndef f():\n    import megatron  # lazy: megatron\n"
-                      "    import torch.nn  # lazy: torch\n")
+    module.write_text(
+        "import torch\n\n\ndef f():\n    import megatron  # lazy: megatron\n    import torch.nn  # lazy: torch\n"
+    )
     module.write_text(module.read_text() + "    import torch._dynamo  # lazy: torch._dynamo\n")
     loaded = {r for r in _top_level_imports(module) if r.split(".")[0] in HEAVY}
     assert _vacuous(module, loaded) == ["6: import torch.nn  # lazy: torch"]
@@ -134,7 +145,9 @@ def test_not_yet_lists_only_modules_that_still_need_it(repo_root):
 def test_an_uncommented_or_light_local_import_is_found(tmp_path):
     """Control: the walk sees imports in nested functions and methods, and a comment that names no heavy import."""
     module = tmp_path / "m.py"
-    module.write_text("import os\n\n\nclass C:\n    def f(self):\n        def g():\n"
-                      "            from moeverify import views\n        import torch  # lazy: torch\n"
-                      "        import json  # lazy: json\n")
+    module.write_text(
+        "import os\n\n\nclass C:\n    def f(self):\n        def g():\n"
+        "            from moeverify import views\n        import torch  # lazy: torch\n"
+        "        import json  # lazy: json\n"
+    )
     assert _unexplained(module) == ["7: from moeverify import views", "9: import json  # lazy: json"]

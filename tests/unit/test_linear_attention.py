@@ -39,8 +39,9 @@ def test_l2norm_unit_rows_in_input_dtype():
     y = la.l2norm(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float().norm(dim=-1), torch.ones(3, 4), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(la.l2norm(x.float()), torch.nn.functional.normalize(x.float(), dim=-1, eps=0),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        la.l2norm(x.float()), torch.nn.functional.normalize(x.float(), dim=-1, eps=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_torch_kernels_are_scoped_to_the_cpu_module():

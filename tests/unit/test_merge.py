@@ -10,8 +10,9 @@ from moeverify.oracles.results import Tally
 
 def _merge(shape=(2, 3), dtype=torch.float32, world_size=2):
     t = {k: Tally() for k in ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")}
-    m = TensorMerge(name="w", shape=shape, dtype=dtype, world_size=world_size,
-                    conflicts=t["conflicts"], replicas=t["replicas"])
+    m = TensorMerge(
+        name="w", shape=shape, dtype=dtype, world_size=world_size, conflicts=t["conflicts"], replicas=t["replicas"]
+    )
     return m, t
 
 
@@ -95,7 +96,9 @@ def test_merge_bf16_values_for_fp32_reference_fail_shape_dtype():
     m.write(rank=0, positions_P=torch.arange(2), values_P=ref.to(torch.bfloat16))
     _finish(m, t, ref)
     assert not t["shape_dtype"].passed
-    assert "expected shape (2,) dtype torch.float32, got shape (2,) dtype torch.bfloat16" in t["shape_dtype"].failures[0]
+    assert (
+        "expected shape (2,) dtype torch.float32, got shape (2,) dtype torch.bfloat16" in t["shape_dtype"].failures[0]
+    )
 
 
 def test_merge_integer_tensor_uses_mask_not_sentinel():
@@ -122,12 +125,15 @@ def test_merge_shape_mismatch_fails_shape_dtype_and_bitwise():
     assert not t["shape_dtype"].passed and "not compared" in t["bitwise"].failures[0]
 
 
-@pytest.mark.parametrize("positions, values, match", [
-    (torch.tensor([[0, 1]]), torch.zeros(2), "positions must be 1-D int64"),
-    (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2), "positions must be 1-D int64"),
-    (torch.tensor([0, 6]), torch.zeros(2), r"positions outside \[0, 6\): min 0 max 6"),
-    (torch.tensor([0, 1]), torch.zeros(3), "sent 3 values for 2 positions"),
-])
+@pytest.mark.parametrize(
+    "positions, values, match",
+    [
+        (torch.tensor([[0, 1]]), torch.zeros(2), "positions must be 1-D int64"),
+        (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2), "positions must be 1-D int64"),
+        (torch.tensor([0, 6]), torch.zeros(2), r"positions outside \[0, 6\): min 0 max 6"),
+        (torch.tensor([0, 1]), torch.zeros(3), "sent 3 values for 2 positions"),
+    ],
+)
 def test_merge_bad_piece_raises(positions, values, match):
     m, _ = _merge()
     with pytest.raises(SubjectError, match=match):

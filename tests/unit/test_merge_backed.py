@@ -11,8 +11,15 @@ SUBCHECKS = ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")
 
 def _run(ops, ref, *, backed: bool, dtype=None):
     t = {k: Tally() for k in SUBCHECKS}
-    m = TensorMerge(name="w", shape=tuple(ref.shape), dtype=dtype or ref.dtype, world_size=4,
-                    conflicts=t["conflicts"], replicas=t["replicas"], reference=ref if backed else None)
+    m = TensorMerge(
+        name="w",
+        shape=tuple(ref.shape),
+        dtype=dtype or ref.dtype,
+        world_size=4,
+        conflicts=t["conflicts"],
+        replicas=t["replicas"],
+        reference=ref if backed else None,
+    )
     for kind, rank, positions, values in ops:
         getattr(m, kind)(rank=rank, positions_P=positions, values_P=values)
     m.check_coverage(t["coverage"])
@@ -29,18 +36,32 @@ def _flip(v):
 
 
 SCENARIOS = {
-    "clean_ranges": lambda r: [("write", 0, slice(0, 12), r[:12]), ("write", 1, slice(12, 24), r[12:]),
-                               ("compare_replica", 2, slice(0, 24), r)],
-    "clean_index_with_overlap": lambda r: [("write", 0, torch.arange(0, 16), r[:16]),
-                                           ("write", 1, torch.arange(8, 24), r[8:])],
-    "duplicate_inside_piece": lambda r: [("write", 0, torch.tensor([0, 0, 1]), torch.stack([r[0], _flip(r[0]), r[1]])),
-                                         ("write", 1, slice(2, 24), r[2:])],
-    "conflicting_double_write": lambda r: [("write", 0, slice(0, 24), r),
-                                           ("write", 1, torch.tensor([3, 5]), _flip(r[[3, 5]]))],
-    "wrong_then_right": lambda r: [("write", 0, slice(0, 12), _flip(r[:12])), ("write", 1, slice(12, 24), r[12:]),
-                                   ("write", 2, slice(0, 12), r[:12])],
-    "diverged_replica": lambda r: [("write", 0, slice(0, 24), r),
-                                   ("compare_replica", 3, torch.tensor([1, 2]), _flip(r[[1, 2]]))],
+    "clean_ranges": lambda r: [
+        ("write", 0, slice(0, 12), r[:12]),
+        ("write", 1, slice(12, 24), r[12:]),
+        ("compare_replica", 2, slice(0, 24), r),
+    ],
+    "clean_index_with_overlap": lambda r: [
+        ("write", 0, torch.arange(0, 16), r[:16]),
+        ("write", 1, torch.arange(8, 24), r[8:]),
+    ],
+    "duplicate_inside_piece": lambda r: [
+        ("write", 0, torch.tensor([0, 0, 1]), torch.stack([r[0], _flip(r[0]), r[1]])),
+        ("write", 1, slice(2, 24), r[2:]),
+    ],
+    "conflicting_double_write": lambda r: [
+        ("write", 0, slice(0, 24), r),
+        ("write", 1, torch.tensor([3, 5]), _flip(r[[3, 5]])),
+    ],
+    "wrong_then_right": lambda r: [
+        ("write", 0, slice(0, 12), _flip(r[:12])),
+        ("write", 1, slice(12, 24), r[12:]),
+        ("write", 2, slice(0, 12), r[:12]),
+    ],
+    "diverged_replica": lambda r: [
+        ("write", 0, slice(0, 24), r),
+        ("compare_replica", 3, torch.tensor([1, 2]), _flip(r[[1, 2]])),
+    ],
     "uncovered": lambda r: [("write", 0, slice(0, 20), r[:20]), ("compare_replica", 1, slice(0, 24), r)],
     "wrong_bits_late": lambda r: [("write", 0, slice(0, 12), r[:12]), ("write", 1, slice(12, 24), _flip(r[12:]))],
     "other_dtype_piece": lambda r: [("write", 0, slice(0, 24), r.float())],
@@ -66,8 +87,15 @@ def test_merge_backed_other_reference_is_compared_as_usual():
     ref = _ref()
     flat = ref.reshape(-1)
     t = {k: Tally() for k in SUBCHECKS}
-    m = TensorMerge(name="w", shape=tuple(ref.shape), dtype=ref.dtype, world_size=2, conflicts=t["conflicts"],
-                    replicas=t["replicas"], reference=ref)
+    m = TensorMerge(
+        name="w",
+        shape=tuple(ref.shape),
+        dtype=ref.dtype,
+        world_size=2,
+        conflicts=t["conflicts"],
+        replicas=t["replicas"],
+        reference=ref,
+    )
     m.write(rank=0, positions_P=slice(0, 24), values_P=flat)
     m.check_coverage(t["coverage"])
     other = ref.clone()

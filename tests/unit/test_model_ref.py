@@ -10,14 +10,23 @@ import sys
 import pytest
 
 from moeverify.errors import UsageError
-from moeverify.spec.layout import Layout
 from moeverify.models import ModelRef, family_shape, family_traits, hf_config_dict, model_spec
+from moeverify.spec.layout import Layout
 from moeverify.spec.models import kimi, user
 from moeverify.spec.scenario import Scenario, scenario_from_dict, scenario_to_dict
 
-SMALL = {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64,
-         "intermediate_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 16, "vocab_size": 256}
+SMALL = {
+    "num_hidden_layers": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+}
 
 
 @pytest.fixture
@@ -42,7 +51,9 @@ def test_a_ref_is_a_hashable_value_even_with_list_overrides():
     b = ModelRef.user("/x/Mine", {"num_experts": 4, "mlp_only_layers": [1]})
     assert a == b and hash(a) == hash(b) and len({a, b, ModelRef.builtin("qwen2")}) == 2
     assert ModelRef.from_dict(a.key, json.loads(json.dumps(a.to_dict()))) == a
-    assert ModelRef.from_dict("qwen2", None) == ModelRef.builtin("qwen2") and ModelRef.builtin("qwen2").to_dict() is None
+    assert (
+        ModelRef.from_dict("qwen2", None) == ModelRef.builtin("qwen2") and ModelRef.builtin("qwen2").to_dict() is None
+    )
     with pytest.raises(ValueError, match="a family or a path"):
         ModelRef(family="qwen2", path="/x")
     with pytest.raises(ValueError, match="takes no overrides"):
@@ -52,8 +63,11 @@ def test_a_ref_is_a_hashable_value_even_with_list_overrides():
 def test_no_registry_a_key_alone_is_refused_and_the_ref_reads_the_model(config_file):
     ref = user.read(config_file, {"num_hidden_layers": 2}).ref
     assert family_shape(ref).num_layers == 2
-    with pytest.raises(UsageError, match=r"user model 'model:Mine\+[0-9a-f]{6}': a user model is read from its "
-                                         r"reference \(path and overrides\), not looked up by its key"):
+    with pytest.raises(
+        UsageError,
+        match=r"user model 'model:Mine\+[0-9a-f]{6}': a user model is read from its "
+        r"reference \(path and overrides\), not looked up by its key",
+    ):
         family_shape(ref.key)
     with pytest.raises(UsageError, match="unknown model family 'nope'; known families: qwen2, "):
         hf_config_dict("nope")
@@ -65,9 +79,11 @@ def test_plan_form_reads_the_same_model_in_a_fresh_process(config_file):
     ref = user.read(config_file, {"num_hidden_layers": 2}).ref
     scenario = Scenario(family=ref.key, model=ref, layout=Layout(ep=2), world_size=2, checks=("export",))
     plan = json.dumps(scenario_to_dict(scenario))
-    code = ("import json, sys\nfrom moeverify.spec.scenario import scenario_from_dict\nfrom moeverify.models import "
-            "family_shape\ns = scenario_from_dict(json.loads(sys.argv[1]))\n"
-            "print(s.name, family_shape(s.model).num_layers, s.model.overrides)")
+    code = (
+        "import json, sys\nfrom moeverify.spec.scenario import scenario_from_dict\nfrom moeverify.models import "
+        "family_shape\ns = scenario_from_dict(json.loads(sys.argv[1]))\n"
+        "print(s.name, family_shape(s.model).num_layers, s.model.overrides)"
+    )
     out = subprocess.run([sys.executable, "-c", code, plan], capture_output=True, text=True, check=True).stdout
     assert out.split() == [f"{ref.key}/ep2-dp2", "2", "(('num_hidden_layers',", "2),)"]
     assert scenario_from_dict(json.loads(plan)) == scenario
@@ -90,5 +106,7 @@ def test_an_edited_config_is_read_again(config_file):
 def test_model_spec_carries_shape_traits_and_the_prepare_hook(config_file):
     assert model_spec("kimi_k2").prepare is kimi.ensure_registered
     spec = model_spec(ModelRef.user(config_file))
-    assert spec.prepare is None and spec.shape == family_shape("qwen3_moe") and spec.traits == family_traits("qwen3_moe")
+    assert (
+        spec.prepare is None and spec.shape == family_shape("qwen3_moe") and spec.traits == family_traits("qwen3_moe")
+    )
     assert spec.config["model_type"] == "qwen3_moe" and spec.ref.key == "model:Mine"

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from moeverify.errors import UsageError
-from moeverify.spec.layout import Layout
 from moeverify.models import FAMILIES, ModelRef, family_shape, family_traits, hf_config_dict
+from moeverify.spec.layout import Layout
 from moeverify.spec.models import user
 from moeverify.spec.models.traits import traits_of
 from moeverify.spec.router_variants import VARIANTS
@@ -53,19 +53,20 @@ def test_traits_expert_bias_matches_transformers_models_for_every_family():
 @pytest.mark.parametrize("family", ["glm4_moe", "kimi_k2", "deepseek_v3", "glm4_moe_lite", "minimax_m2"])
 def test_bias_variants_apply_to_every_family_that_carries_an_expert_bias(family):
     traits = family_traits(family)
-    assert {v: VARIANTS[v].not_applicable(family, traits=traits) for v in BIAS_VARIANTS} == dict.fromkeys(
-        BIAS_VARIANTS)
+    assert {v: VARIANTS[v].not_applicable(family, traits=traits) for v in BIAS_VARIANTS} == dict.fromkeys(BIAS_VARIANTS)
 
 
 def test_bias_variants_skip_a_family_without_expert_bias_with_the_reason():
     reason = VARIANTS["sigmoid_bias"].not_applicable("qwen3_moe", traits=family_traits("qwen3_moe"))
-    assert reason == ("qwen3_moe's HF checkpoint has no expert-bias tensor (e_score_correction_bias) for the "
-                      "bridge to load")
+    assert reason == (
+        "qwen3_moe's HF checkpoint has no expert-bias tensor (e_score_correction_bias) for the bridge to load"
+    )
     assert VARIANTS["softmax"].not_applicable("qwen3_moe", traits=family_traits("qwen3_moe")) is None
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "qwen3_moe", "qwen2_tied", "qwen3_next",
-                                    "deepseek_v3_mtp"])
+@pytest.mark.parametrize(
+    "family", ["glm4_moe", "deepseek_v3", "qwen3_moe", "qwen2_tied", "qwen3_next", "deepseek_v3_mtp"]
+)
 def test_user_model_has_the_traits_of_the_family_it_copies(tmp_path, family):
     ref = _user_copy(tmp_path, family)
     assert family_traits(ref) == family_traits(family)
@@ -73,9 +74,16 @@ def test_user_model_has_the_traits_of_the_family_it_copies(tmp_path, family):
 
 def test_traits_of_each_kind():
     t = {f: family_traits(f) for f in ("deepseek_v3_mtp", "qwen3_next", "qwen3_5_moe", "qwen2_tied", "glm4_moe")}
-    assert (t["deepseek_v3_mtp"].mtp_layers, t["deepseek_v3_mtp"].mla, t["deepseek_v3_mtp"].dense_prefix) == (1, True, 1)
+    assert (t["deepseek_v3_mtp"].mtp_layers, t["deepseek_v3_mtp"].mla, t["deepseek_v3_mtp"].dense_prefix) == (
+        1,
+        True,
+        1,
+    )
     assert (t["qwen3_next"].gdn_in_proj, t["qwen3_5_moe"].gdn_in_proj, t["glm4_moe"].gdn_in_proj) == (
-        "grouped", "flat", None)
+        "grouped",
+        "flat",
+        None,
+    )
     assert (t["qwen2_tied"].tied_embeddings, t["qwen2_tied"].dense_prefix) == (True, 4)  # dense: no MoE layer
     assert (t["glm4_moe"].tied_embeddings, t["glm4_moe"].mla, t["glm4_moe"].mtp_layers) == (False, False, 0)
 
@@ -100,10 +108,22 @@ CATALOGUE = {
 def _applying(model: str, layout: Layout) -> set[str]:
     from moeverify.oracles.export.mutants import MUTANTS
 
-    conditional = {"expert_local_ids", "fp32_through_bf16", "bias_sent_as_bf16", "qkv_concatenated",
-                   "tied_embedding_dropped", "diverged_replica", "gdn_in_proj_flat", "zero_centered_norm_unshifted"}
-    return {m.name for m in MUTANTS if m.name in conditional and m.applies(
-        traits=family_traits(model), shape=family_shape(model), layout=layout, world_size=2)}
+    conditional = {
+        "expert_local_ids",
+        "fp32_through_bf16",
+        "bias_sent_as_bf16",
+        "qkv_concatenated",
+        "tied_embedding_dropped",
+        "diverged_replica",
+        "gdn_in_proj_flat",
+        "zero_centered_norm_unshifted",
+    }
+    return {
+        m.name
+        for m in MUTANTS
+        if m.name in conditional
+        and m.applies(traits=family_traits(model), shape=family_shape(model), layout=layout, world_size=2)
+    }
 
 
 @pytest.mark.parametrize("family, layout_name", sorted(CATALOGUE))

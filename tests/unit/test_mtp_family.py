@@ -1,4 +1,5 @@
-"""The ``deepseek_v3_mtp`` and ``qwen3_next_mtp`` families: seeded MTP tensors (``models.mtp_weights``) and the CPU MTP block
+"""The ``deepseek_v3_mtp`` and ``qwen3_next_mtp`` families: seeded MTP tensors (``models.mtp_weights``) and the CPU
+MTP block
 (``models.mtp_spec``).
 
 The reference for names and shapes is Megatron-Bridge's own mapping registry on the model it built: every MTP
@@ -15,9 +16,9 @@ import torch
 from safetensors import safe_open
 
 from moeverify.errors import UsageError
-from moeverify.spec.layout import Layout
 from moeverify.models import hf_checkpoint, hf_config_dict
 from moeverify.models import mtp_weights as mw
+from moeverify.spec.layout import Layout
 
 MTP_LAYER = "model.layers.4."  # num_hidden_layers 4: DeepSeek-V3's MTP depth 0 is HF layer 4
 VARIANTS = {"deepseek_v3_mtp": "deepseek_v3", "qwen3_next_mtp": "qwen3_next"}  # MTP variant -> its family
@@ -47,8 +48,11 @@ def test_mtp_weights_every_mtp_parameter_maps_to_written_tensors_of_its_shape(bu
     written = set(tensors) - set(base)
     assert base and [n for n, t in base.items() if not torch.equal(tensors[n], t)] == []  # the family's tensors
     chunk = built.model_chunks[0]
-    params = {n.removeprefix("module."): p for n, p in [*chunk.named_parameters(), *chunk.named_buffers()]
-              if ".mtp." in f".{n}" and (p.is_floating_point() and "expert_bias" in n or p.requires_grad)}
+    params = {
+        n.removeprefix("module."): p
+        for n, p in [*chunk.named_parameters(), *chunk.named_buffers()]
+        if ".mtp." in f".{n}" and (p.is_floating_point() and "expert_bias" in n or p.requires_grad)
+    }
     assert len(params) > 20 and any("mtp_model_layer.mlp.router.weight" in n for n in params)
     reached = set()
     for name, param in params.items():
@@ -87,8 +91,9 @@ def test_mtp_weights_leave_checkpoints_without_mtp_as_they_were(tmp_path, monkey
     assert not any(n.startswith(MTP_LAYER) for n in base)
     assert hf_config_dict("deepseek_v3")["num_nextn_predict_layers"] == 0
     variant = hf_config_dict("deepseek_v3_mtp")
-    assert {k: v for k, v in variant.items() if k != "num_nextn_predict_layers"} == \
-        {k: v for k, v in hf_config_dict("deepseek_v3").items() if k != "num_nextn_predict_layers"}
+    assert {k: v for k, v in variant.items() if k != "num_nextn_predict_layers"} == {
+        k: v for k, v in hf_config_dict("deepseek_v3").items() if k != "num_nextn_predict_layers"
+    }
     mtp = _checkpoint(hf_checkpoint("deepseek_v3_mtp"))
     assert base and [n for n, t in base.items() if not torch.equal(mtp[n], t)] == []  # deepseek_v3's tensors
 
@@ -104,8 +109,10 @@ def test_mtp_depth_reads_the_architecture_key_and_refuses_bad_counts():
 
 def test_mtp_specs_refuses_a_last_layer_without_attention_and_router():
     cfg = dict(json.loads(json.dumps(hf_config_dict("deepseek_v3_mtp"))))
-    saved = {"model.layers.3.input_layernorm.weight": ((64,), torch.bfloat16),
-             "model.layers.3.mlp.down_proj.weight": ((64, 128), torch.bfloat16)}
+    saved = {
+        "model.layers.3.input_layernorm.weight": ((64,), torch.bfloat16),
+        "model.layers.3.mlp.down_proj.weight": ((64, 128), torch.bfloat16),
+    }
     with pytest.raises(UsageError, match=r"must be a full-attention MoE layer"):
         mw.mtp_specs(cfg, saved)
 
@@ -117,8 +124,8 @@ def test_mtp_spec_builds_cpu_modules_and_restores_the_bridge_function(built):
 
     from moeverify.models.linear_attention import CpuLayerNormColumnParallelLinear
     from moeverify.models.local_spec import LocalCoreAttention
-    from moeverify.models.norms import ZeroCenteredRMSNorm
     from moeverify.models.mtp_spec import cpu_mtp_block_spec
+    from moeverify.models.norms import ZeroCenteredRMSNorm
 
     layer = built.model_chunks[0].module.mtp.layers[0]
     norm = ZeroCenteredRMSNorm if built.family == "qwen3_next_mtp" else torch.nn.RMSNorm

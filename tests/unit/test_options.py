@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from moeverify import cli
-from moeverify.spec import options
 from moeverify.errors import UsageError
+from moeverify.spec import options
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "scenarios.md"
 
@@ -24,16 +24,19 @@ def test_every_flagged_option_is_a_run_flag():
     assert {o.flag for o in options.OPTIONS.values() if o.flag} <= flags
 
 
-@pytest.mark.parametrize(("key", "value", "match"), [
-    ("replay_subchecks", [], "non-empty list"),
-    ("replay_subchecks", ["drift", 3], "as strings"),
-    ("replay_microbatches", True, "whole number"),
-    ("replay_seq_len", 2.5, "whole number"),
-    ("lockstep_timeout", float("inf"), "finite"),
-    ("subject", "", "non-empty string"),
-    ("subject", ["bridge"], "non-empty string"),
-    (3, 1, "unknown option 3"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("replay_subchecks", [], "non-empty list"),
+        ("replay_subchecks", ["drift", 3], "as strings"),
+        ("replay_microbatches", True, "whole number"),
+        ("replay_seq_len", 2.5, "whole number"),
+        ("lockstep_timeout", float("inf"), "finite"),
+        ("subject", "", "non-empty string"),
+        ("subject", ["bridge"], "non-empty string"),
+        (3, 1, "unknown option 3"),
+    ],
+)
 def test_bad_option_values_name_option_and_reason(key, value, match):
     with pytest.raises(UsageError, match=match):
         options.validate("s.yaml:3", key, value)

@@ -74,14 +74,24 @@ def test_a_public_face_is_the_module_it_names(face):
         from moeverify.routing import views
 
         assert all(getattr(public, n) is getattr(views, n) for n in public.__all__ if hasattr(views, n))
-        assert set(public.__all__) >= {n for n in dir(views) if not n.startswith("_") and n[0].islower()
-                                       and callable(getattr(views, n)) and getattr(views, n).__module__ == views.__name__}
+        assert set(public.__all__) >= {
+            n
+            for n in dir(views)
+            if not n.startswith("_")
+            and n[0].islower()
+            and callable(getattr(views, n))
+            and getattr(views, n).__module__ == views.__name__
+        }
     else:
         assert public is importlib.import_module(real)
 
 
 def test_message_limits_are_declared_once():
     """How much a failure message quotes is ``oracles/bits.py``'s ``SHOW`` and ``SHOW_NAMES``, nowhere else."""
-    found = sorted(f"{p.relative_to(ROOT)}:{n}" for p in ROOT.rglob("*.py")
-                   for n, line in enumerate(p.read_text().splitlines(), 1) if re.match(r"SHOW\w* *=", line))
+    found = sorted(
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in ROOT.rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.match(r"SHOW\w* *=", line)
+    )
     assert [f.split(":")[0] for f in found] == ["oracles/bits.py", "oracles/bits.py"], found

@@ -37,5 +37,7 @@ def test_qwen3_next_bridge_maps_the_mtp_input_norm_under_the_fused_te_name_only(
 
     (deepseek / "config.json").write_text(json.dumps(hf_config_dict("deepseek_v3_mtp")))
     ds = AutoBridge.from_hf_pretrained(str(deepseek))._model_bridge.mapping_registry()
-    assert ds.megatron_to_hf_lookup("mtp.layers.0.mtp_model_layer.input_layernorm.weight").hf_param == \
-        "model.layers.4.input_layernorm.weight"
+    assert (
+        ds.megatron_to_hf_lookup("mtp.layers.0.mtp_model_layer.input_layernorm.weight").hf_param
+        == "model.layers.4.input_layernorm.weight"
+    )

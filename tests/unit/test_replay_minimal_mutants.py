@@ -10,20 +10,25 @@ import types
 
 import pytest
 
-from moeverify.spec.layout import Layout
-from moeverify.spec.models.ref import ModelRef
 from moeverify.oracles.replay import oracle
 from moeverify.oracles.replay.faulty import ALSO_FAILS, MUTANTS
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def _run(mutant: str, subchecks: list[str], **options) -> dict:
-    scenario = types.SimpleNamespace(name="qwen3_moe-unit", family="qwen3_moe", model=ModelRef.builtin("qwen3_moe"),
-                                     seed=0, layout=Layout())
-    ctx = types.SimpleNamespace(scenario=scenario, world_size=1, rank=0, backend="cpu",
-                                options={"replay_impl": f"moeverify.oracles.replay.faulty:{mutant}",
-                                         "replay_subchecks": subchecks, **options})
+    scenario = types.SimpleNamespace(
+        name="qwen3_moe-unit", family="qwen3_moe", model=ModelRef.builtin("qwen3_moe"), seed=0, layout=Layout()
+    )
+    ctx = types.SimpleNamespace(
+        scenario=scenario,
+        world_size=1,
+        rank=0,
+        backend="cpu",
+        options={"replay_impl": f"moeverify.oracles.replay.faulty:{mutant}", "replay_subchecks": subchecks, **options},
+    )
     return oracle.run(ctx)
 
 
@@ -33,16 +38,27 @@ def _failed(tallies) -> dict[str, list[str]]:
 
 # (mutant, subchecks run, {subcheck: a reason its failures must include}); every other subcheck run must pass
 CASES = [
-    ("one_token_one_layer_route", ["equivalence", "drift", "cross_layout", "native_parity", "weights"],
-     {"equivalence": "replay vs plain pass: routing map (layer, mb) (0, 0)",
-      "drift": "layer 0 mb 0: 1 of 32 token(s) did not follow the recorded routes (first token 0)",
-      "cross_layout": "did not follow the 1-rank reference routes",
-      "native_parity": "vs native RouterReplay: routing map", "weights": "replay vs recorded pass: routing map"}),
-    ("one_ulp_one_prob", ["equivalence", "weights", "native_parity"],
-     # one ulp of token 0's first weight; top-2 normalisation moves its other weight too: 2 of 32 x 8 probs differ
-     {"equivalence": "replay vs plain pass: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ",
-      "weights": "replay vs recorded pass: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ",
-      "native_parity": "vs native RouterReplay: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ"}),
+    (
+        "one_token_one_layer_route",
+        ["equivalence", "drift", "cross_layout", "native_parity", "weights"],
+        {
+            "equivalence": "replay vs plain pass: routing map (layer, mb) (0, 0)",
+            "drift": "layer 0 mb 0: 1 of 32 token(s) did not follow the recorded routes (first token 0)",
+            "cross_layout": "did not follow the 1-rank reference routes",
+            "native_parity": "vs native RouterReplay: routing map",
+            "weights": "replay vs recorded pass: routing map",
+        },
+    ),
+    (
+        "one_ulp_one_prob",
+        ["equivalence", "weights", "native_parity"],
+        # one ulp of token 0's first weight; top-2 normalisation moves its other weight too: 2 of 32 x 8 probs differ
+        {
+            "equivalence": "replay vs plain pass: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ",
+            "weights": "replay vs recorded pass: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ",
+            "native_parity": "vs native RouterReplay: router probs (layer, mb) (0, 0): 2 of 256 element(s) differ",
+        },
+    ),
     ("one_layer_no_recompute_replay", ["recompute"], {"recompute": "recompute routed"}),
     ("one_layer_fifo_recompute", ["backward_order"], {"backward_order": "it replayed another micro-batch's routes"}),
 ]

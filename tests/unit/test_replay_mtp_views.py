@@ -11,33 +11,44 @@ import types
 import pytest
 import torch
 
-from moeverify.routing import views
 from moeverify.errors import UsageError
-from moeverify.spec.layout import Layout
 from moeverify.oracles.replay import mtp_views
+from moeverify.routing import views
 from moeverify.routing.routes import Routes
+from moeverify.spec.layout import Layout
 
 N, SEQ, BATCH, MBS = 4, 8, 2, 2  # decoder layers, sequence, batch, micro-batches
 
 
 def _global_routes(layers=(1, 2, 3, 4)) -> Routes:
     """Rows that differ per token, layer and micro-batch, so that a wrong token order or layer shows."""
-    per_layer = {layer: [torch.stack([torch.tensor([(t + layer + mb) % 8, (t + layer + mb + 1) % 8])
-                                      for t in range(SEQ * BATCH)]) for mb in range(MBS)] for layer in layers}
+    per_layer = {
+        layer: [
+            torch.stack([torch.tensor([(t + layer + mb) % 8, (t + layer + mb + 1) % 8]) for t in range(SEQ * BATCH)])
+            for mb in range(MBS)
+        ]
+        for layer in layers
+    }
     return Routes(per_layer, num_experts=8, topk=2).in_order("sequence")
 
 
-@pytest.mark.parametrize("layout,world", [(Layout(pp=2), 2), (Layout(pp=2, vpp=2), 2), (Layout(tp=2, sp=True), 2),
-                                          (Layout(cp=2), 2), (Layout(pp=2, pp_first=1), 2)])
+@pytest.mark.parametrize(
+    "layout,world",
+    [
+        (Layout(pp=2), 2),
+        (Layout(pp=2, vpp=2), 2),
+        (Layout(tp=2, sp=True), 2),
+        (Layout(cp=2), 2),
+        (Layout(pp=2, pp_first=1), 2),
+    ],
+)
 def test_mtp_views_to_local_gives_mtp_rows_of_the_last_decoder_layer(layout, world):
     routes = _global_routes()
-    as_last = Routes({N - 1: [routes.get(4, mb) for mb in range(MBS)]}, num_experts=8,
-                     topk=2).in_order("sequence")
+    as_last = Routes({N - 1: [routes.get(4, mb) for mb in range(MBS)]}, num_experts=8, topk=2).in_order("sequence")
     for rank in range(world):
         coords = views.rank_coords(layout, rank=rank, world_size=world)
         local = mtp_views.to_local(routes, layout, coords=coords, seq_len=SEQ, batch=BATCH, num_layers=N)
-        decoder = routes.select([1, 2, 3]).to_local(layout, coords=coords, seq_len=SEQ, batch=BATCH,
-                                 num_layers=N)
+        decoder = routes.select([1, 2, 3]).to_local(layout, coords=coords, seq_len=SEQ, batch=BATCH, num_layers=N)
         expect_mtp = as_last.to_local(layout, coords=coords, seq_len=SEQ, batch=BATCH, num_layers=N)
         holds_last = bool(expect_mtp.layers)
         assert local.layers == decoder.layers + ((4,) if holds_last else ())
@@ -62,8 +73,9 @@ def test_mtp_views_check_placement_refuses_mtp_routers_off_the_last_stage():
     with pytest.raises(UsageError, match=r"MTP routers at global layers \[4\], expected within \[\]"):
         mtp_views.check_placement(_chunks(), layout, coords=first, num_layers=N, routers={1: None, 4: None})
     with pytest.raises(UsageError, match=r"pp_layout 'Et\|tttL'"):
-        mtp_views.check_placement(_chunks(), Layout(pp=2, pp_layout="Et|tttL"), coords=last, num_layers=N,
-                                  routers={4: None})
+        mtp_views.check_placement(
+            _chunks(), Layout(pp=2, pp_layout="Et|tttL"), coords=last, num_layers=N, routers={4: None}
+        )
     mtp_views.check_placement(_chunks(None), layout, coords=first, num_layers=N, routers={1: None})
 
 

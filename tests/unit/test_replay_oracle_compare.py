@@ -6,18 +6,23 @@ import pytest
 import torch
 
 from moeverify.errors import UsageError
-from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import compare as cmp
+from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay.drive import Batches, PassResult, local_microbatches
-from moeverify.spec.router_variants import DEFAULT_VARIANTS, VARIANTS, select
 from moeverify.oracles.results import Tally
-from moeverify.spec.layout import Layout
 from moeverify.routing.routes import Routes
+from moeverify.spec.layout import Layout
+from moeverify.spec.router_variants import DEFAULT_VARIANTS, VARIANTS, select
 
 
 def _pass(routing=None, recompute=None, logits=None, seq_loss=None, grads=None) -> PassResult:
-    return PassResult(routing=routing or {}, recompute=recompute or {}, logits=logits or {},
-                      seq_loss=seq_loss or {}, grads=grads or {})
+    return PassResult(
+        routing=routing or {},
+        recompute=recompute or {},
+        logits=logits or {},
+        seq_loss=seq_loss or {},
+        grads=grads or {},
+    )
 
 
 def _ids(rows):
@@ -35,8 +40,9 @@ def test_describe_mismatch_shape():
 
 
 def test_compare_maps_missing_and_extra_keys():
-    checked, failures = cmp.compare_maps({"a": torch.ones(1), "b": torch.ones(1)},
-                                         {"a": torch.ones(1), "c": torch.ones(1)}, what="grad")
+    checked, failures = cmp.compare_maps(
+        {"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}, what="grad"
+    )
     assert checked == 3
     assert failures == ["grad b: missing in the run under test", "grad c: present only in the run under test"]
 
@@ -84,8 +90,11 @@ def _routing(routes: Routes, probs_scale=1.0):
     return out
 
 
-ROUTES = Routes({1: [_ids([[0, 1], [2, 3]]), _ids([[1, 2], [0, 3]])],
-                 3: [_ids([[3, 1], [0, 2]]), _ids([[0, 1], [1, 3]])]}, num_experts=4, topk=2)
+ROUTES = Routes(
+    {1: [_ids([[0, 1], [2, 3]]), _ids([[1, 2], [0, 3]])], 3: [_ids([[3, 1], [0, 2]]), _ids([[0, 1], [1, 3]])]},
+    num_experts=4,
+    topk=2,
+)
 
 
 def test_check_follows_passes_when_routes_taken():
@@ -95,10 +104,13 @@ def test_check_follows_passes_when_routes_taken():
 
 
 def test_check_follows_fails_on_swapped_microbatches():
-    swapped = Routes({layer: [ROUTES.get(layer, 1), ROUTES.get(layer, 0)] for layer in ROUTES.layers},
-                     num_experts=4, topk=2)
+    swapped = Routes(
+        {layer: [ROUTES.get(layer, 1), ROUTES.get(layer, 0)] for layer in ROUTES.layers}, num_experts=4, topk=2
+    )
     t = Tally()
-    rc.check_follows(t, ROUTES, _pass(routing=_routing(swapped)), prefix="", what="recorded", stage_layers=ROUTES.layers)
+    rc.check_follows(
+        t, ROUTES, _pass(routing=_routing(swapped)), prefix="", what="recorded", stage_layers=ROUTES.layers
+    )
     assert not t.passed
     assert "layer 1 mb 0: 2 of 2 token(s) did not follow the recorded routes" in t.failures[0]
 
@@ -111,8 +123,9 @@ def test_check_follows_fails_when_a_layer_never_ran():
 
 
 def test_check_recorded_fails_on_layer_shift():
-    shifted = Routes({1: [ROUTES.get(3, 0), ROUTES.get(3, 1)], 3: [ROUTES.get(1, 0), ROUTES.get(1, 1)]},
-                     num_experts=4, topk=2)
+    shifted = Routes(
+        {1: [ROUTES.get(3, 0), ROUTES.get(3, 1)], 3: [ROUTES.get(1, 0), ROUTES.get(1, 1)]}, num_experts=4, topk=2
+    )
     t = Tally()
     rc.check_recorded(t, shifted, _pass(routing=_routing(ROUTES)), prefix="p: ")
     assert not t.passed and t.failures[0].startswith("p: layer 1 mb 0: recorded routes differ")
@@ -120,8 +133,9 @@ def test_check_recorded_fails_on_layer_shift():
 
 def test_check_drift_moved_fails_when_nothing_changed():
     t = Tally()
-    rc.check_drift_moved(t, rc.drift_agreement(ROUTES, _pass(routing=_routing(ROUTES))), prefix="",
-                         stage_layers=ROUTES.layers)
+    rc.check_drift_moved(
+        t, rc.drift_agreement(ROUTES, _pass(routing=_routing(ROUTES))), prefix="", stage_layers=ROUTES.layers
+    )
     assert not t.passed and "changed no native route" in t.failures[0]
 
 
@@ -155,8 +169,9 @@ def test_check_recompute_calls_fails_when_recompute_routes_natively():
 def test_check_recompute_calls_fails_on_missing_recompute():
     routing = _routing(ROUTES)
     t = Tally()
-    rc.check_recompute_calls(t, _pass(routing=routing, recompute={1: [routing[(1, 0)]], 3: []}), microbatches=2,
-                             prefix="")
+    rc.check_recompute_calls(
+        t, _pass(routing=routing, recompute={1: [routing[(1, 0)]], 3: []}), microbatches=2, prefix=""
+    )
     assert "layer 1: 1 recompute routing call(s), expected 2" in t.failures[0]
 
 
@@ -204,7 +219,9 @@ def test_select_variants_default_full_and_unknown():
 def test_replay_options_reject_unknown_subcheck():
     from moeverify.spec.checks import ReplayOptions
 
-    with pytest.raises(UsageError, match=r"ReplayOptions: option replay_subchecks: unknown replay subchecks \['bogus'\]"):
+    with pytest.raises(
+        UsageError, match=r"ReplayOptions: option replay_subchecks: unknown replay subchecks \['bogus'\]"
+    ):
         ReplayOptions.from_options({"replay_subchecks": ["equivalence", "bogus"]})
 
 
@@ -219,7 +236,9 @@ def test_replay_options_microbatches_follow_interleaving():
 def test_make_impl_unknown_name_rejected():
     from moeverify.oracles.replay.impls import make_impl
 
-    with pytest.raises(UsageError, match="replay implementation 'bogus' is not moeverify, native, verl, package.module:attr"):
+    with pytest.raises(
+        UsageError, match="replay implementation 'bogus' is not moeverify, native, verl, package.module:attr"
+    ):
         make_impl("bogus")
 
 

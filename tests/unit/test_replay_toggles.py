@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from moeverify import models
-from moeverify.spec.checks import RECOMPUTE_MODES
 from moeverify.errors import EnvironmentProblem
-from moeverify.spec.layout import Layout
-from moeverify.spec.models.ref import ModelRef
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import toggles
 from moeverify.patches.routers import find_routers
+from moeverify.spec.checks import RECOMPUTE_MODES
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
@@ -22,8 +22,9 @@ FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next_mtp"]
 
 
 def _build(family: str, **extra) -> list:
-    return models.build(ModelRef.builtin(family), Layout(), seed=0, load_weights=False,
-                        overrides={**st._EXACT, **extra}).model_chunks
+    return models.build(
+        ModelRef.builtin(family), Layout(), seed=0, load_weights=False, overrides={**st._EXACT, **extra}
+    ).model_chunks
 
 
 def _recompute_state(chunks: list) -> dict:
@@ -36,8 +37,7 @@ def _recompute_state(chunks: list) -> dict:
                     out[(c, name, attr)] = value
             config = getattr(module, "config", None)
             if hasattr(config, "recompute_granularity"):
-                for attr in ("recompute_granularity", "recompute_method", "recompute_num_layers",
-                             "recompute_modules"):
+                for attr in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"):
                     out[(c, name, "config." + attr)] = getattr(config, attr)
     return out
 

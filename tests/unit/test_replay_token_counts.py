@@ -8,30 +8,32 @@ import types
 
 import pytest
 
-from moeverify.spec.models.ref import ModelRef
-from moeverify.routing import views
-from moeverify.spec.checks import ReplayOptions
-from moeverify.spec.layout import Layout
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import subchecks as sc
 from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.faulty import MUTANTS
 from moeverify.oracles.replay.impls import make_impl
-from moeverify.spec.router_variants import VARIANTS
 from moeverify.oracles.results import Tally
+from moeverify.routing import views
+from moeverify.spec.checks import ReplayOptions
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
+from moeverify.spec.router_variants import VARIANTS
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def make_setup(impl: str, *, family: str = "deepseek_v3", subchecks=("token_counts",), dtype="fp32") -> st.Setup:
-    scenario = types.SimpleNamespace(name=f"{family}-unit", family=family, model=ModelRef.builtin(family), seed=0,
-                                     layout=Layout())
+    scenario = types.SimpleNamespace(
+        name=f"{family}-unit", family=family, model=ModelRef.builtin(family), seed=0, layout=Layout()
+    )
     ctx = types.SimpleNamespace(scenario=scenario, world_size=1, rank=0, options={})
     opts = ReplayOptions(impl=impl, variants=(VARIANTS["default"],), subchecks=subchecks, microbatches=2, dtype=dtype)
     implementation = make_impl(impl)
     implementation.apply()
-    return st.make_setup(ctx, opts, implementation, VARIANTS["default"], views.rank_coords(Layout(), rank=0,
-                                                                                              world_size=1))
+    return st.make_setup(
+        ctx, opts, implementation, VARIANTS["default"], views.rank_coords(Layout(), rank=0, world_size=1)
+    )
 
 
 def run_token_counts(setup: st.Setup) -> tuple[Tally, dict]:
@@ -56,13 +58,15 @@ def test_token_counts_mutant_counts_padding_fails_only_token_counts():
     assert any("T!=E" in f and "local_tokens_per_expert" in f for f in t.failures)
     # the neighbour that sees outputs and gradients passes: nothing but the counts is wrong
     tallies = {"equivalence": Tally()}
-    sc.variant_on_layout(make_setup("moeverify.oracles.replay.faulty:counts_padding", subchecks=("equivalence",)),
-                         tallies, {})
+    sc.variant_on_layout(
+        make_setup("moeverify.oracles.replay.faulty:counts_padding", subchecks=("equivalence",)), tallies, {}
+    )
     assert tallies["equivalence"].passed, tallies["equivalence"].failures
 
 
 def test_token_counts_minimal_mutant_one_count_extra_fails_by_one_count_per_case():
-    """Sensitivity (``bug_classes`` minimal): one token counted twice, for one expert of one layer, per replayed pass."""
+    """Sensitivity (``bug_classes`` minimal): one token counted twice, for one expert of one layer, per replayed
+    pass."""
     assert MUTANTS["one_count_extra"] == "token_counts"
     t, _ = run_token_counts(make_setup("moeverify.oracles.replay.faulty:one_count_extra"))
     counts = [f for f in t.failures if "local_tokens_per_expert" in f]
@@ -136,11 +140,19 @@ def test_bf16_counts_above_256_are_held_rounded_and_a_wrong_count_still_fails():
     assert exact_E.tolist() == [602.0, 602.0, 0.0, 0.0] and held_E.float().tolist()[:2] != [602.0, 602.0]
     reference = token_counts.Observed(calls=calls, counts={0: exact_E}, aux={}, global_counts={})
     t = Tally()
-    evidence = check_token_counts(t, reference=reference, got=token_counts.Observed(
-        calls=calls, counts={0: held_E.clone()}, aux={}, global_counts={}), prefix="")
+    evidence = check_token_counts(
+        t,
+        reference=reference,
+        got=token_counts.Observed(calls=calls, counts={0: held_E.clone()}, aux={}, global_counts={}),
+        prefix="",
+    )
     assert t.passed and t.checked == 1, t.failures
     assert evidence == [{"layer": 0, "dtype": "torch.bfloat16", "max_exact": 602.0, "experts_rounded": 2}]
     t = Tally()
-    check_token_counts(t, reference=reference, got=token_counts.Observed(
-        calls=calls, counts={0: held_E + 8}, aux={}, global_counts={}), prefix="")
+    check_token_counts(
+        t,
+        reference=reference,
+        got=token_counts.Observed(calls=calls, counts={0: held_E + 8}, aux={}, global_counts={}),
+        prefix="",
+    )
     assert not t.passed and "local_tokens_per_expert" in t.failures[0], t.failures

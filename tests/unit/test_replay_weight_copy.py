@@ -10,25 +10,27 @@ import pytest
 import torch
 
 from moeverify import models
+from moeverify.oracles.bits import bitwise_equal
+from moeverify.oracles.replay import setup as st
+from moeverify.oracles.replay.impls import make_impl
 from moeverify.routing import views
 from moeverify.spec.checks import RECOMPUTE_MODES, ReplayOptions
 from moeverify.spec.layout import Layout
 from moeverify.spec.models.ref import ModelRef
-from moeverify.oracles.bits import bitwise_equal
-from moeverify.oracles.replay import setup as st
-from moeverify.oracles.replay.impls import make_impl
 from moeverify.spec.router_variants import VARIANTS
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def _setup(family: str) -> st.Setup:
-    scenario = types.SimpleNamespace(name=f"{family}-unit", family=family, model=ModelRef.builtin(family), seed=0,
-                                     layout=Layout())
+    scenario = types.SimpleNamespace(
+        name=f"{family}-unit", family=family, model=ModelRef.builtin(family), seed=0, layout=Layout()
+    )
     ctx = types.SimpleNamespace(scenario=scenario, world_size=1, rank=0, options={})
     opts = ReplayOptions(impl="moeverify", variants=(VARIANTS["default"],), microbatches=2)
-    return st.make_setup(ctx, opts, make_impl("moeverify"), VARIANTS["default"],
-                         views.rank_coords(Layout(), rank=0, world_size=1))
+    return st.make_setup(
+        ctx, opts, make_impl("moeverify"), VARIANTS["default"], views.rank_coords(Layout(), rank=0, world_size=1)
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next_mtp"])
@@ -40,11 +42,13 @@ def test_a_copied_build_is_the_loaded_build_bit_for_bit(family):
     want, got = st._tensors(first), st._tensors(copied)  # the variant's seeded expert biases included
     assert want.keys() == got.keys() and len(want) > 10
     assert [key for key in want if not bitwise_equal(want[key], got[key])] == []
-    loaded = st._tensors(models.build(ModelRef.builtin(family), Layout(), seed=0,
-                                      overrides=dict(st._EXACT)).model_chunks)  # a plain load: the checkpoint's
+    loaded = st._tensors(
+        models.build(ModelRef.builtin(family), Layout(), seed=0, overrides=dict(st._EXACT)).model_chunks
+    )  # a plain load: the checkpoint's
     assert loaded.keys() == want.keys()
-    assert [key for key in loaded if not key[1].endswith("expert_bias") and not bitwise_equal(loaded[key], got[key])] \
-        == []
+    assert [
+        key for key in loaded if not key[1].endswith("expert_bias") and not bitwise_equal(loaded[key], got[key])
+    ] == []
 
 
 def test_a_build_of_another_structure_loads_and_keeps_the_first_copy():
@@ -107,12 +111,16 @@ def test_every_build_of_a_variant_starts_with_no_other_model_alive(monkeypatch):
     import traceback
 
     def live_parameter_bytes() -> int:
-        return sum(p.numel() * p.element_size() for o in gc.get_objects() if isinstance(o, torch.nn.Module)
-                   for p in o.parameters(recurse=False))
+        return sum(
+            p.numel() * p.element_size()
+            for o in gc.get_objects()
+            if isinstance(o, torch.nn.Module)
+            for p in o.parameters(recurse=False)
+        )
 
-    from moeverify.spec.checks import CHECKS
     from moeverify.oracles.replay import subchecks as sc
     from moeverify.oracles.results import Tally
+    from moeverify.spec.checks import CHECKS
 
     monkeypatch.setattr(st, "COLLECT_ABOVE", 0)
     baseline, seen = live_parameter_bytes(), []
@@ -185,8 +193,9 @@ def test_a_copy_held_elsewhere_restores_into_the_model_bit_for_bit():
     assert moved.restore(fresh)
     got = st._tensors(fresh)
     assert [key for key in copy.tensors if not bitwise_equal(copy.tensors[key], got[key])] == []
-    wrong = st.WeightCopy({key: t.to(torch.bfloat16) if t.is_floating_point() else t
-                           for key, t in copy.tensors.items()})
+    wrong = st.WeightCopy(
+        {key: t.to(torch.bfloat16) if t.is_floating_point() else t for key, t in copy.tensors.items()}
+    )
     assert not wrong.restore(fresh)
 
 
@@ -204,8 +213,9 @@ def test_the_tied_scores_variant_ties_router_rows_in_pairs_in_every_build():
     assert setup.builds == {"loaded": 1, "copied": 1}
 
 
-@pytest.mark.parametrize(("impl", "builds"), [("moeverify", {"loaded": 1, "copied": 0}),
-                                               ("native", {"loaded": 1, "copied": 1})])
+@pytest.mark.parametrize(
+    ("impl", "builds"), [("moeverify", {"loaded": 1, "copied": 0}), ("native", {"loaded": 1, "copied": 1})]
+)
 def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy(impl, builds):
     """``replay_subchecks: in_layout`` (what a production-size model runs): native parity and both recompute modes
     run on the variant's one build, so no weight copy is made (at 48 Qwen3-30B-A3B layers it was 61 GB of host
@@ -213,9 +223,9 @@ def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy(impl, builds):
     (``native``: ``moe_enable_routing_replay``) gets native parity on a second build, copied from the first."""
     import dataclasses
 
-    from moeverify.spec.checks import REPLAY_IN_LAYOUT
     from moeverify.oracles.replay import subchecks as sc
     from moeverify.oracles.results import Tally
+    from moeverify.spec.checks import REPLAY_IN_LAYOUT
 
     setup = _setup("deepseek_v3")
     setup.impl = make_impl(impl)
@@ -223,6 +233,7 @@ def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy(impl, builds):
     setup.opts = dataclasses.replace(setup.opts, subchecks=REPLAY_IN_LAYOUT)
     tallies = {name: Tally() for name in REPLAY_IN_LAYOUT}
     sc.variant_on_layout(setup, tallies, {})
-    assert {name: (t.passed, t.checked > 0) for name, t in tallies.items()} == dict.fromkeys(REPLAY_IN_LAYOUT,
-                                                                                           (True, True))
+    assert {name: (t.passed, t.checked > 0) for name, t in tallies.items()} == dict.fromkeys(
+        REPLAY_IN_LAYOUT, (True, True)
+    )
     assert setup.builds == builds and (setup.weights == {}) == (builds["copied"] == 0)

@@ -8,18 +8,23 @@ import types
 
 import pytest
 
-from moeverify.spec.layout import Layout
-from moeverify.spec.models.ref import ModelRef
 from moeverify.oracles import roundtrip
 from moeverify.oracles.bits import bits
 from moeverify.oracles.context import CheckContext
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def _ctx(monkeypatch, change=None) -> CheckContext:
-    ctx = CheckContext(scenario=types.SimpleNamespace(model=ModelRef.builtin("qwen3_moe"), layout=Layout(), seed=0),
-                       rank=0, world_size=1, backend="cpu", options={})
+    ctx = CheckContext(
+        scenario=types.SimpleNamespace(model=ModelRef.builtin("qwen3_moe"), layout=Layout(), seed=0),
+        rank=0,
+        world_size=1,
+        backend="cpu",
+        options={},
+    )
     bridge = ctx.model().bridge
     if change is not None:
         real = bridge.export_hf_weights

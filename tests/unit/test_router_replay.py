@@ -27,8 +27,16 @@ def make_router(layer: int, *, seed: int = 0, mtp: bool = False, **overrides):
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    settings = dict(num_layers=4, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
-                    use_cpu_initialization=True, moe_aux_loss_coeff=0.0, add_bias_linear=False)
+    settings = dict(
+        num_layers=4,
+        hidden_size=H,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+    )
     settings.update(overrides)
     config = TransformerConfig(**settings)
     torch.manual_seed(seed)
@@ -50,8 +58,10 @@ def ids_of(routing_map_TE: torch.Tensor) -> torch.Tensor:
 
 def random_routes(layers, *, microbatches: int = 1, tokens: int = T, seed: int = 7) -> Routes:
     g = torch.Generator().manual_seed(seed)
-    per_layer = {layer: [torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K] for _ in range(microbatches)]
-                 for layer in layers}
+    per_layer = {
+        layer: [torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K] for _ in range(microbatches)]
+        for layer in layers
+    }
     return Routes(per_layer, num_experts=E, topk=K)
 
 
@@ -154,10 +164,23 @@ def test_replay_matches_megatron_native_router_replay_bitwise():
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     RouterReplay.global_router_replay_instances.clear()
-    native = make_router(1, seed=5, moe_enable_routing_replay=True, moe_router_score_function="sigmoid",
-                         moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2)
-    ours = make_router(1, seed=5, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                       moe_router_num_groups=4, moe_router_group_topk=2)
+    native = make_router(
+        1,
+        seed=5,
+        moe_enable_routing_replay=True,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+    )
+    ours = make_router(
+        1,
+        seed=5,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+    )
     routes = random_routes([0])
     try:
         native.router_replay.set_target_indices(routes.get(0, 0))
@@ -181,8 +204,10 @@ def checkpointed(router, x):
 
 
 def test_recompute_replays_same_microbatch_not_next():
-    plain, ckpt = make_router(1, seed=6), make_router(1, seed=6, recompute_granularity="full",
-                                                        recompute_method="uniform", recompute_num_layers=1)
+    plain, ckpt = (
+        make_router(1, seed=6),
+        make_router(1, seed=6, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    )
     routes = random_routes([0], microbatches=2)
     xs = [hidden(10).requires_grad_(), hidden(11).requires_grad_()]
     s_plain, s_ckpt = rr.ReplaySession(plain), rr.ReplaySession(ckpt)
@@ -205,8 +230,11 @@ def test_check_consumed_missing_recompute_raises():
         out0 = checkpointed(router, hidden(0).requires_grad_())
         out1 = checkpointed(router, hidden(1).requires_grad_())  # graph kept alive, backward never run
         out0.sum().backward()
-    with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 1: its checkpointed forward's graph is alive but was "
-                                         r"never recomputed"):
+    with pytest.raises(
+        RouteError,
+        match=r"layer 0 rank 0 mb 1: its checkpointed forward's graph is alive but was "
+        r"never recomputed",
+    ):
         session.check_consumed()
     del out1
 
@@ -227,8 +255,11 @@ def test_recompute_with_recompute_false_raises():
     x = hidden(0).requires_grad_()
     with session.replay(random_routes([0]), recompute=False):
         out = checkpointed(router, x)
-        with pytest.raises(RouteError, match="layer 0 rank 0 mb 0: recompute of a replayed forward, but the replay "
-                                             "was started with recompute=False"):
+        with pytest.raises(
+            RouteError,
+            match="layer 0 rank 0 mb 0: recompute of a replayed forward, but the replay "
+            "was started with recompute=False",
+        ):
             out.sum().backward()
 
 
@@ -268,7 +299,9 @@ def test_replay_layer_set_mismatch_raises():
 def test_replay_routes_of_other_model_raises():
     session = rr.ReplaySession(make_router(1))
     other = Routes({0: [torch.zeros(T, 1, dtype=torch.int64)]}, num_experts=4, topk=1)
-    with pytest.raises(RouteError, match=r"routes of another model: \(num_experts, topk\) = \(4, 1\) != expected \(8, 2\)"):
+    with pytest.raises(
+        RouteError, match=r"routes of another model: \(num_experts, topk\) = \(4, 1\) != expected \(8, 2\)"
+    ):
         with session.replay(other):
             pass
 
@@ -302,8 +335,7 @@ def test_vpp_chunks_keyed_by_global_layer():
     assert session.layers == (0, 1, 2, 3)
     routes = random_routes(session.layers)
     with session.replay(routes):
-        maps = {layer - 1: r(hidden(6))[1] for chunk in (chunk1, chunk0) for r in chunk
-                for layer in [r.layer_number]}
+        maps = {layer - 1: r(hidden(6))[1] for chunk in (chunk1, chunk0) for r in chunk for layer in [r.layer_number]}
     session.check_consumed()
     for layer, routing_map in maps.items():
         assert torch.equal(ids_of(routing_map), routes.get(layer, 0).sort(dim=1).values), layer
@@ -412,14 +444,25 @@ def test_apply_topk_function_without_replay_hook_refused(monkeypatch):
 
     from moeverify.errors import EnvironmentProblem
 
-    def old_topk(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=None,
-                 score_function="softmax", expert_bias=None, fused=False):
+    def old_topk(
+        logits,
+        topk,
+        use_pre_softmax=False,
+        num_groups=None,
+        group_topk=None,
+        scaling_factor=None,
+        score_function="softmax",
+        expert_bias=None,
+        fused=False,
+    ):
         raise AssertionError("never called")
 
     rr.revert()
     monkeypatch.setattr(moe_utils, "topk_routing_with_score_function", old_topk)
     try:
-        with pytest.raises(EnvironmentProblem, match=r"lacks parameter\(s\) \['router_replay'\].*megatron-core >= 0.16"):
+        with pytest.raises(
+            EnvironmentProblem, match=r"lacks parameter\(s\) \['router_replay'\].*megatron-core >= 0.16"
+        ):
             rr.apply()
     finally:
         monkeypatch.undo()
@@ -446,8 +489,18 @@ def test_replay_keeps_its_own_copy_of_the_routes():
     assert torch.equal(got, expected.sort(dim=1).values)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                                                moe_router_num_groups=2, moe_router_group_topk=1)])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+        ),
+    ],
+)
 def test_fidelity_is_the_share_of_tokens_native_routing_would_route_alike(overrides):
     routers = [make_router(1, seed=4, **overrides), make_router(2, seed=5, **overrides)]
     session = rr.ReplaySession(routers)
@@ -489,8 +542,16 @@ def _stage_without_routers(**overrides) -> torch.nn.Module:
     """A module carrying a megatron-core config but no router: a pipeline stage of dense layers only."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    settings = dict(num_layers=4, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
-                    pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, use_cpu_initialization=True)
+    settings = dict(
+        num_layers=4,
+        hidden_size=H,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+    )
     settings.update(overrides)
     stage = torch.nn.Linear(H, H)
     stage.config = TransformerConfig(**settings)
@@ -509,8 +570,10 @@ def test_a_dense_stage_of_an_moe_pipeline_binds_no_layer_and_a_dense_model_is_re
     with pytest.raises(RouteError, match=r"routes layers \[1\] != expected \[\]"):
         with session.replay(random_routes([1])):
             pass
-    for dense in (_stage_without_routers(num_moe_experts=None, moe_router_topk=2),  # no experts at all
-                  _stage_without_routers(pipeline_model_parallel_size=1)):      # the whole model, no router
+    for dense in (
+        _stage_without_routers(num_moe_experts=None, moe_router_topk=2),  # no experts at all
+        _stage_without_routers(pipeline_model_parallel_size=1),
+    ):  # the whole model, no router
         with pytest.raises(UsageError, match="found no TopKRouter .*dense model has nothing to replay"):
             rr.ReplaySession(dense)
 
@@ -533,8 +596,9 @@ def test_replay_of_sequence_order_routes_is_refused_and_their_local_view_replays
     with pytest.raises(RouteError, match=r"rank 0: these routes are in sequence order .* routes.to_local"):
         with session.replay(rollout):
             pass
-    mine = rollout.to_local(Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
-                          batch=B, num_layers=4)
+    mine = rollout.to_local(
+        Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S, batch=B, num_layers=4
+    )
     assert mine.order == "router" and mine == local
     with torch.no_grad(), session.replay(mine):
         _, routing_map = router(x)
@@ -551,8 +615,11 @@ def test_replay_of_a_route_written_into_after_validation_is_refused(write):
     else:
         ids.numpy()[-4:] = 0  # a write torch's in-place counter does not see
     session = rr.ReplaySession(router)
-    with pytest.raises(RouteError, match=r"layer 0 mb 0: (the route was written into after it was validated|token 8 "
-                                         r"routes to expert\(s\) twice)"):
+    with pytest.raises(
+        RouteError,
+        match=r"layer 0 mb 0: (the route was written into after it was validated|token 8 "
+        r"routes to expert\(s\) twice)",
+    ):
         with session.replay(routes):
             router(hidden(0))
 
@@ -577,8 +644,9 @@ def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_it
     with pytest.raises(RouteError, match=r"expert id \d+ out of range \[0, 8\) .*pass expert_map="):
         Routes.from_rollout(physical, layers=[0], num_experts=E, lengths=[S] * B)
     rollout = Routes.from_rollout(physical, layers=[0], num_experts=E, lengths=[S] * B, expert_map=slot_to_logical)
-    mine = rollout.to_local(Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S,
-                          batch=B, num_layers=4)
+    mine = rollout.to_local(
+        Layout(), coords=views.rank_coords(Layout(), rank=0, world_size=1), seq_len=S, batch=B, num_layers=4
+    )
     with torch.no_grad(), session.replay(mine):
         _, routing_map = router(x)
     session.check_consumed()

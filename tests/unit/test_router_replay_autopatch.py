@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError, UsageError
-from moeverify.spec.layout import Layout
 from moeverify.patches import autopatch
 from moeverify.patches import router_replay as rr
+from moeverify.spec.layout import Layout
 
 H, E, K, S, B = 16, 8, 2, 5, 2
 
@@ -41,8 +41,15 @@ def make_router(layer: int, seed: int):
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
-                               moe_router_topk=K, use_cpu_initialization=True, moe_aux_loss_coeff=0.0)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0,
+    )
     router = TopKRouter(config, pg_collection=get_default_pg_collection())
     with torch.no_grad():
         router.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
@@ -124,8 +131,11 @@ def test_autopatch_replay_other_micro_batching_fails_at_the_step(tmp_path):
         autopatch.uninstall()
     autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
     try:
-        with pytest.raises(RouteError, match=r"rank 0 optimizer step 0: forwards replayed so far per layer \{0: 1\} != the "
-                                             r"recording's 2 by the end of this step"):
+        with pytest.raises(
+            RouteError,
+            match=r"rank 0 optimizer step 0: forwards replayed so far per layer \{0: 1\} != the "
+            r"recording's 2 by the end of this step",
+        ):
             forward_steps(routers, 2, microbatches=1)
     finally:
         autopatch.uninstall()
@@ -149,8 +159,11 @@ def test_autopatch_second_model_without_selection_refused(tmp_path):
         _reference, actor = make_router(1, seed=4), make_router(1, seed=3)  # two models built
         x = torch.randn(S, B, H)
         with torch.no_grad():
-            with pytest.raises(UsageError, match=r"2 MoE models are built in this process \(model 0: layers \[0\]; "
-                                                 r"model 1: layers \[0\]\); set MOEVERIFY_ROUTER_REPLAY_MODEL=N"):
+            with pytest.raises(
+                UsageError,
+                match=r"2 MoE models are built in this process \(model 0: layers \[0\]; "
+                r"model 1: layers \[0\]\); set MOEVERIFY_ROUTER_REPLAY_MODEL=N",
+            ):
                 actor(x)
     finally:
         autopatch.uninstall()
@@ -202,12 +215,17 @@ def test_autopatch_a_dense_critics_optimizer_steps_record_nothing_and_replay_ali
         assert autopatch.session().finish() == []
     finally:
         autopatch.uninstall()
-    assert recorded and [i for i, (g, w) in enumerate(zip(replayed, recorded, strict=True))
-                         if not torch.equal(g[0], w[0])] == []
+    assert (
+        recorded
+        and [i for i, (g, w) in enumerate(zip(replayed, recorded, strict=True)) if not torch.equal(g[0], w[0])] == []
+    )
     autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path))
     try:  # without the critic the optimizer steps no longer line up: refused at the step, not later
-        with pytest.raises(RouteError, match=r"optimizer step 1: forwards replayed so far per layer \{0: 4\} != "
-                                             r"the recording's 2"):
+        with pytest.raises(
+            RouteError,
+            match=r"optimizer step 1: forwards replayed so far per layer \{0: 4\} != "
+            r"the recording's 2",
+        ):
             forward_steps(routers, 3, critic=False)
     finally:
         autopatch.uninstall()
@@ -231,8 +249,11 @@ def test_autopatch_agreement_guard_from_the_environment_fails_the_step_below_its
     autopatch.install(autopatch.Setting(mode="replay", directory=tmp_path / "dump"))
     try:
         assert agreement.ACTIVE is not None
-        with pytest.raises(RouteError, match=r"agreement guard: step 1 replay pass layer \d rank 0: .* expected at least "
-                                             r"99.9000%"):
+        with pytest.raises(
+            RouteError,
+            match=r"agreement guard: step 1 replay pass layer \d rank 0: .* expected at least "
+            r"99.9000%",
+        ):
             forward_steps(routers, 1)
     finally:
         autopatch.uninstall()

@@ -21,9 +21,13 @@ pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
 
 def make_router(seed: int = 0, **overrides):
-    return seeded_router(hidden=H, experts=E, topk=K, seed=seed, **{"moe_router_score_function": "sigmoid",
-                                                                     "moe_router_enable_expert_bias": True,
-                                                                     **overrides})
+    return seeded_router(
+        hidden=H,
+        experts=E,
+        topk=K,
+        seed=seed,
+        **{"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, **overrides},
+    )
 
 
 def hidden(seq: int, batch: int, seed: int = 0) -> torch.Tensor:
@@ -33,7 +37,7 @@ def hidden(seq: int, batch: int, seed: int = 0) -> torch.Tensor:
 def padding(seq: int, batch: int) -> torch.Tensor:
     """Megatron's ``[S, B]`` mask, True on padding: the last quarter of the last sequence, and position 1 of all."""
     pad_SB = torch.zeros(seq, batch, dtype=torch.bool)
-    pad_SB[seq - max(1, seq // 4):, -1] = True
+    pad_SB[seq - max(1, seq // 4) :, -1] = True
     pad_SB[1, :] = True
     return pad_SB
 
@@ -108,13 +112,17 @@ def test_replay_counts_equal_native_when_no_token_is_padding():
 
 # -- settings Megatron copies at build time: the guard reads the copies -------------------------------------
 
+
 def test_replay_refuses_routing_type_changed_to_sinkhorn_after_build():
     router = make_router(6, moe_router_enable_expert_bias=False, moe_router_score_function="softmax")
     router.routing_type = "sinkhorn"  # config still says aux_loss; megatron routes by the attribute
     assert router.config.moe_router_load_balancing_type == "aux_loss"
     session = rr.ReplaySession(router)
-    with pytest.raises(UsageError, match=r"layer 0: load-balancing type\(s\) \['sinkhorn'\] select experts outside "
-                                         r"the replay hook"):
+    with pytest.raises(
+        UsageError,
+        match=r"layer 0: load-balancing type\(s\) \['sinkhorn'\] select experts outside "
+        r"the replay hook",
+    ):
         with session.replay(Routes({0: [random_ids(8, 6)]}, num_experts=E, topk=K)):
             router(hidden(4, 2, 6))
 
@@ -122,8 +130,11 @@ def test_replay_refuses_routing_type_changed_to_sinkhorn_after_build():
 def test_replay_refuses_routing_type_changed_inside_the_block():
     router = make_router(7, moe_router_enable_expert_bias=False, moe_router_score_function="softmax")
     session = rr.ReplaySession(router)
-    with pytest.raises(UsageError, match=r"layer 0 rank 0: load-balancing type\(s\) \['quantile_balancing'\] .*"
-                                         r"read from the router's own attributes"):
+    with pytest.raises(
+        UsageError,
+        match=r"layer 0 rank 0: load-balancing type\(s\) \['quantile_balancing'\] .*"
+        r"read from the router's own attributes",
+    ):
         with session.replay(Routes({0: [random_ids(8, 7)]}, num_experts=E, topk=K)):
             router.routing_type = "quantile_balancing"
             router(hidden(4, 2, 7))
@@ -152,8 +163,11 @@ def test_replay_refuses_score_function_attribute_unknown():
 def test_replay_refuses_topk_attribute_disagreeing_with_config():
     router = make_router(10)
     session = rr.ReplaySession(router)
-    with pytest.raises(UsageError, match=r"layer 0 rank 0: the router's topk = 3 disagrees with its "
-                                         r"config.moe_router_topk = 2 .*rebuild the model"):
+    with pytest.raises(
+        UsageError,
+        match=r"layer 0 rank 0: the router's topk = 3 disagrees with its "
+        r"config.moe_router_topk = 2 .*rebuild the model",
+    ):
         with session.replay(Routes({0: [random_ids(8, 10)]}, num_experts=E, topk=K)):
             router.topk = 3
             router(hidden(4, 2, 10))

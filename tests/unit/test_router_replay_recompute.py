@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_router_replay import hidden, make_router, random_routes
 
 from moeverify.errors import RouteError
 from moeverify.patches import router_replay as rr
-
-from test_router_replay import hidden, make_router, random_routes
 
 pytestmark = pytest.mark.usefixtures("patched_megatron_world")
 
@@ -38,8 +37,11 @@ def torch_non_reentrant(router, x):
     return checkpoint(lambda inp: router(inp)[0], x, use_reentrant=False)
 
 
-CHECKPOINTS = {"megatron": megatron_checkpoint, "torch_reentrant": torch_reentrant,
-               "torch_non_reentrant": torch_non_reentrant}
+CHECKPOINTS = {
+    "megatron": megatron_checkpoint,
+    "torch_reentrant": torch_reentrant,
+    "torch_non_reentrant": torch_non_reentrant,
+}
 
 
 def backward(losses, order: str) -> None:
@@ -100,8 +102,9 @@ def test_forward_only_pass_under_no_grad_in_train_mode_expects_no_recompute():
     # A log-prob pass with the model in train mode still goes through Megatron's checkpoint: its graph is
     # never built, so it must neither wait for a recompute nor shift the training pass's routes.
     routes = random_routes([0], microbatches=2 * MB, seed=15)
-    train_routes = rr.Routes({0: [routes.get(0, MB + i) for i in range(MB)]}, num_experts=routes.num_experts,
-                             topk=routes.topk)
+    train_routes = rr.Routes(
+        {0: [routes.get(0, MB + i) for i in range(MB)]}, num_experts=routes.num_experts, topk=routes.topk
+    )
     expected = reference_grad(train_routes, inputs(50), seed=16, order="summed")
     router = make_router(1, seed=16, **RECOMPUTE)
     assert router.training
@@ -121,14 +124,17 @@ def test_gradient_accumulation_two_steps_reverse_order():
     plain = make_router(1, seed=18)
     with rr.ReplaySession(plain).replay(routes):
         for step in range(2):
-            backward([plain(hidden(60 + step * MB + i).requires_grad_())[0].square().sum() for i in range(MB)],
-                     "reverse")
+            backward(
+                [plain(hidden(60 + step * MB + i).requires_grad_())[0].square().sum() for i in range(MB)], "reverse"
+            )
     router = make_router(1, seed=18, **RECOMPUTE)
     session = rr.ReplaySession(router)
     with session.replay(routes):
         for step in range(2):
-            losses = [megatron_checkpoint(router, hidden(60 + step * MB + i).requires_grad_()).square().sum()
-                      for i in range(MB)]
+            losses = [
+                megatron_checkpoint(router, hidden(60 + step * MB + i).requires_grad_()).square().sum()
+                for i in range(MB)
+            ]
             backward(losses, "reverse")
     session.check_consumed()
     assert torch.equal(router.weight.grad, plain.weight.grad)
@@ -155,8 +161,11 @@ def test_recompute_by_unknown_mechanism_refused():
         x = hidden(70).requires_grad_()
         out = Foreign.apply(x)
         router(x)
-        with pytest.raises(RouteError, match=r"layer 0 rank 0: a routing call inside backward is not the recompute of "
-                                             r"any replayed forward \(1 of 1 forward micro-batch\(es\) used"):
+        with pytest.raises(
+            RouteError,
+            match=r"layer 0 rank 0: a routing call inside backward is not the recompute of "
+            r"any replayed forward \(1 of 1 forward micro-batch\(es\) used",
+        ):
             out.sum().backward()
 
 

@@ -24,8 +24,12 @@ ROUTERS = {
     "softmax": dict(moe_router_score_function="softmax"),
     "softmax_pre": dict(moe_router_score_function="softmax", moe_router_pre_softmax=True),
     "sigmoid": dict(moe_router_score_function="sigmoid"),
-    "sigmoid_bias_groups": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                                moe_router_num_groups=8, moe_router_group_topk=4),
+    "sigmoid_bias_groups": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=8,
+        moe_router_group_topk=4,
+    ),
     "sqrtsoftplus_bias": dict(moe_router_score_function="sqrtsoftplus", moe_router_enable_expert_bias=True),
 }
 
@@ -35,9 +39,17 @@ def make_router(seed: int, **overrides):
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
-                               moe_router_topk=K, use_cpu_initialization=True, moe_aux_loss_coeff=0.0,
-                               add_bias_linear=False, **overrides)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        **overrides,
+    )
     router = TopKRouter(config, pg_collection=get_default_pg_collection())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -122,7 +134,9 @@ def test_replay_of_tied_scores_has_native_gradients(name, dtype):
         x_TBH = x_TBH.mul(1.5).round()
         for router in (native, subject):
             with torch.no_grad():
-                router.weight.copy_(torch.randint(-2, 3, router.weight.shape, generator=torch.Generator().manual_seed(9)))
+                router.weight.copy_(
+                    torch.randint(-2, 3, router.weight.shape, generator=torch.Generator().manual_seed(9))
+                )
     want = _pass(native, x_TBH)
     with torch.no_grad():
         logits_TE = native.gating(x_TBH.view(-1, H))

@@ -44,8 +44,9 @@ class RecomputeCounter:
 
     def __init__(self, chunks):
         self.calls = 0
-        self.handles = [m.register_forward_hook(self._hook) for c in chunks for m in c.modules()
-                        if type(m).__name__ == "TopKRouter"]
+        self.handles = [
+            m.register_forward_hook(self._hook) for c in chunks for m in c.modules() if type(m).__name__ == "TopKRouter"
+        ]
 
     def _hook(self, *_):
         self.calls += torch._C._current_graph_task_id() != -1
@@ -64,8 +65,10 @@ def positions(chunks) -> torch.Tensor:
 
 
 def batches(chunks, vocab: int):
-    return [torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(40 + i)).to(device_of(chunks))
-            for i in range(MB)]
+    return [
+        torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(40 + i)).to(device_of(chunks))
+        for i in range(MB)
+    ]
 
 
 def training_pass(chunks, data, order: str) -> dict:
@@ -76,7 +79,7 @@ def training_pass(chunks, data, order: str) -> dict:
     if order == "summed":
         sum(losses).backward()
     else:
-        for loss in (reversed(losses) if order == "reverse" else losses):
+        for loss in reversed(losses) if order == "reverse" else losses:
             loss.backward()
     return {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
 
@@ -118,8 +121,11 @@ def test_replay_log_prob_then_train_in_one_replay_context(model):
             for tokens in data:
                 chunks[0](tokens, pos_BS, None)
         once = session.routes()
-        both = rr.Routes({layer: [once.get(layer, mb) for mb in list(range(MB)) * 2] for layer in once.layers},
-                         num_experts=once.num_experts, topk=once.topk)
+        both = rr.Routes(
+            {layer: [once.get(layer, mb) for mb in list(range(MB)) * 2] for layer in once.layers},
+            num_experts=once.num_experts,
+            topk=once.topk,
+        )
         with session.replay(both):
             with torch.no_grad():
                 for tokens in data:

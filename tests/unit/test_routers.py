@@ -25,13 +25,22 @@ def gpt_with_mtp(patched_megatron_world):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
-                               moe_router_topk=2, use_cpu_initialization=True, add_bias_linear=False,
-                               mtp_num_layers=1, moe_aux_loss_coeff=0.0)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        mtp_num_layers=1,
+        moe_aux_loss_coeff=0.0,
+    )
     spec = get_gpt_layer_local_spec(num_experts=4)
     mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=32, max_sequence_length=8,
-                    mtp_block_spec=mtp)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=32, max_sequence_length=8, mtp_block_spec=mtp
+    )
 
 
 def test_find_routers_mtp_router_after_decoder_layers(gpt_with_mtp):
@@ -40,8 +49,10 @@ def test_find_routers_mtp_router_after_decoder_layers(gpt_with_mtp):
     mtp_router = found[2][1]
     assert mtp_router.is_mtp_layer and mtp_router.layer_number == 1  # Megatron numbers it by MTP depth
     assert any(m is mtp_router for m in gpt_with_mtp.mtp.modules())
-    assert {layer: (found[layer][1].is_mtp_layer, found[layer][1].layer_number) for layer in (0, 1)} == \
-        {0: (False, 1), 1: (False, 2)}
+    assert {layer: (found[layer][1].is_mtp_layer, found[layer][1].layer_number) for layer in (0, 1)} == {
+        0: (False, 1),
+        1: (False, 2),
+    }
 
 
 def test_find_routers_patch_and_recorder_see_the_same_layers(gpt_with_mtp):

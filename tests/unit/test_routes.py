@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.spec.layout import Layout
 from moeverify.routing.routes import Routes, safe_routes, validate_topk_ids
+from moeverify.spec.layout import Layout
 
 E, K = 8, 2
 
@@ -24,8 +24,9 @@ def ids(rows) -> torch.Tensor:
 
 def test_validate_topk_ids_wrong_shape_raises():
     with pytest.raises(RouteError, match=r"layer 3 rank 1 mb 2: route shape \(4, 3\) != expected \(T=4, K=2\)"):
-        validate_topk_ids(torch.zeros(4, 3, dtype=torch.int64), layer=3, microbatch=2, num_experts=E, topk=K,
-                          tokens=4, rank=1)
+        validate_topk_ids(
+            torch.zeros(4, 3, dtype=torch.int64), layer=3, microbatch=2, num_experts=E, topk=K, tokens=4, rank=1
+        )
 
 
 def test_validate_topk_ids_float_dtype_raises():
@@ -115,8 +116,11 @@ def test_from_rollout_wrong_token_count_raises():
 
 
 def test_from_rollout_wrong_layer_count_raises():
-    with pytest.raises(RouteError, match=r"rollout routes hold 2 layer columns, which fits neither numbering: "
-                                         r"expected 1 MoE layers \(pass num_layers="):
+    with pytest.raises(
+        RouteError,
+        match=r"rollout routes hold 2 layer columns, which fits neither numbering: "
+        r"expected 1 MoE layers \(pass num_layers=",
+    ):
         Routes.from_rollout(np.zeros((3, 2, K), dtype=np.int64), layers=(0,), num_experts=E)
 
 
@@ -171,13 +175,14 @@ def requests(lengths, *, short: bool, layers: int = 1, seed: int = 0):
 def test_from_rollout_requests_missing_last_rows_sequence_major():
     lengths, seq_len = [3, 5], 6
     arrays = requests(lengths, short=True)
-    routes = Routes.from_rollout([a.numpy() for a in arrays], layers=(2,), num_experts=E, lengths=lengths,
-                                 seq_len=seq_len)
+    routes = Routes.from_rollout(
+        [a.numpy() for a in arrays], layers=(2,), num_experts=E, lengths=lengths, seq_len=seq_len
+    )
     got_TK = routes.get(2, 0)
     assert got_TK.shape == (2 * seq_len, K)
     for b, (a, n) in enumerate(zip(arrays, lengths, strict=True)):
-        assert torch.equal(got_TK[b * seq_len: b * seq_len + n - 1], a[:, 0])
-        filler_TK = got_TK[b * seq_len + n - 1: (b + 1) * seq_len]  # the missing row and padding: safe routes
+        assert torch.equal(got_TK[b * seq_len : b * seq_len + n - 1], a[:, 0])
+        filler_TK = got_TK[b * seq_len + n - 1 : (b + 1) * seq_len]  # the missing row and padding: safe routes
         assert (filler_TK.sort(dim=1).values[:, 1:] != filler_TK.sort(dim=1).values[:, :-1]).all()
 
 
@@ -210,8 +215,11 @@ def test_from_rollout_all_layer_numbering_takes_moe_columns():
 
 
 def test_from_rollout_layer_count_fitting_neither_refused():
-    with pytest.raises(RouteError, match=r"hold 4 layer columns, which fits neither numbering: expected 2 MoE "
-                                         r"layers or 3 decoder layers"):
+    with pytest.raises(
+        RouteError,
+        match=r"hold 4 layer columns, which fits neither numbering: expected 2 MoE "
+        r"layers or 3 decoder layers",
+    ):
         Routes.from_rollout(np.zeros((3, 4, K), dtype=np.int64), layers=(1, 2), num_experts=E, num_layers=3)
 
 
@@ -222,8 +230,9 @@ def test_from_rollout_string_refused():
 
 def test_from_rollout_split_not_partition_raises():
     with pytest.raises(RouteError, match=r"split \[2, 2\] does not partition 5 tokens"):
-        Routes.from_rollout(safe_routes(5, topk=K, num_experts=E).unsqueeze(1), layers=(0,), num_experts=E,
-                            split=(2, 2))
+        Routes.from_rollout(
+            safe_routes(5, topk=K, num_experts=E).unsqueeze(1), layers=(0,), num_experts=E, split=(2, 2)
+        )
 
 
 def test_routes_to_local_to_global_roundtrip_pp2_sp():
@@ -232,27 +241,35 @@ def test_routes_to_local_to_global_roundtrip_pp2_sp():
     layout, world = Layout(tp=2, pp=2, sp=True), 4
     seq_len, batch, num_layers = 4, 2, 4
     tokens = seq_len * batch
-    global_routes = Routes({layer: [safe_routes(tokens, topk=K, num_experts=E, start=layer)]
-                            for layer in (1, 3)}, num_experts=E, topk=K)
-    local = {c: global_routes.to_local(layout, coords=c, seq_len=seq_len, batch=batch, num_layers=num_layers)
-             for c in views.all_rank_coords(layout, world_size=world)}
+    global_routes = Routes(
+        {layer: [safe_routes(tokens, topk=K, num_experts=E, start=layer)] for layer in (1, 3)}, num_experts=E, topk=K
+    )
+    local = {
+        c: global_routes.to_local(layout, coords=c, seq_len=seq_len, batch=batch, num_layers=num_layers)
+        for c in views.all_rank_coords(layout, world_size=world)
+    }
     assert {c.rank: r.layers for c, r in local.items()} == {0: (1,), 1: (1,), 2: (3,), 3: (3,)}
-    assert {c.rank: tuple(r.get(r.layers[0], 0).shape) for c, r in local.items()} == \
-        {rank: (tokens // 2, K) for rank in range(4)}
-    merged = Routes.to_global(local, layout, world_size=world, seq_len=seq_len, batch=batch,
-                              num_layers=num_layers, moe_layers=(1, 3))
+    assert {c.rank: tuple(r.get(r.layers[0], 0).shape) for c, r in local.items()} == {
+        rank: (tokens // 2, K) for rank in range(4)
+    }
+    merged = Routes.to_global(
+        local, layout, world_size=world, seq_len=seq_len, batch=batch, num_layers=num_layers, moe_layers=(1, 3)
+    )
     assert merged == global_routes
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(per_layer={0: "ids"}, num_experts=4, topk=2), r"layer 0: expected a list of \[T, K\] tensors"),
-    (dict(per_layer="abc", num_experts=4, topk=2), r"routes must be a mapping"),
-    (dict(per_layer={-1: []}, num_experts=4, topk=2), r"layer key -1 must be a global layer number"),
-    (dict(per_layer={0: [], "1": []}, num_experts=4, topk=2), r"layer key '1' must be a global layer number"),
-    (dict(per_layer={0: [[[0, 1], [1]]]}, num_experts=4, topk=2), r"route must be a torch.Tensor, got list"),
-    (dict(per_layer={}, num_experts=4.0, topk=2), r"num_experts and topk must be integers"),
-    (dict(per_layer={}, num_experts=4, topk=True), r"num_experts and topk must be integers"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(per_layer={0: "ids"}, num_experts=4, topk=2), r"layer 0: expected a list of \[T, K\] tensors"),
+        (dict(per_layer="abc", num_experts=4, topk=2), r"routes must be a mapping"),
+        (dict(per_layer={-1: []}, num_experts=4, topk=2), r"layer key -1 must be a global layer number"),
+        (dict(per_layer={0: [], "1": []}, num_experts=4, topk=2), r"layer key '1' must be a global layer number"),
+        (dict(per_layer={0: [[[0, 1], [1]]]}, num_experts=4, topk=2), r"route must be a torch.Tensor, got list"),
+        (dict(per_layer={}, num_experts=4.0, topk=2), r"num_experts and topk must be integers"),
+        (dict(per_layer={}, num_experts=4, topk=True), r"num_experts and topk must be integers"),
+    ],
+)
 def test_routes_refuse_malformed_containers_by_name(kwargs, match):
     with pytest.raises(RouteError, match=match):
         Routes(**kwargs)
@@ -281,13 +298,19 @@ def _dense_plus_mtp(tokens: int = 4):
 @pytest.mark.parametrize("num_layers", [3, None])
 def test_from_rollout_layer_axis_fitting_two_numberings_refused(num_layers):
     _, by_decoder_TLK, _ = _dense_plus_mtp()
-    with pytest.raises(RouteError, match=r"rollout routes: 3 layer columns fit two numberings: one column per router "
-                                         r"\(3 routers \[1, 2, 3\].*one column per decoder layer \(3 decoder layers"
-                                         r'.*say which, numbering="routers" or numbering="decoder"'):
+    with pytest.raises(
+        RouteError,
+        match=r"rollout routes: 3 layer columns fit two numberings: one column per router "
+        r"\(3 routers \[1, 2, 3\].*one column per decoder layer \(3 decoder layers"
+        r'.*say which, numbering="routers" or numbering="decoder"',
+    ):
         Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E, num_layers=num_layers)
     if num_layers is None:  # the count is unknown: the message names it too
-        with pytest.raises(RouteError, match=r"3 decoder layers if \[3\] are MTP layers.*"
-                                             r"or give the model's decoder layer count, num_layers="):
+        with pytest.raises(
+            RouteError,
+            match=r"3 decoder layers if \[3\] are MTP layers.*"
+            r"or give the model's decoder layer count, num_layers=",
+        ):
             Routes.from_rollout(by_decoder_TLK, layers=(1, 2, 3), num_experts=E)
 
 
@@ -324,8 +347,9 @@ def test_from_rollout_requests_layer_axis_fitting_two_numberings_refused():
     _, by_decoder_TLK, by_router_TLK = _dense_plus_mtp()
     with pytest.raises(RouteError, match=r"rollout request 0: 3 layer columns fit two numberings"):
         Routes.from_rollout([by_decoder_TLK[:3]], layers=(1, 2, 3), num_experts=E, lengths=[4], num_layers=3)
-    padded = Routes.from_rollout(by_router_TLK[None], layers=(1, 2, 3), num_experts=E, lengths=[4], num_layers=3,
-                                 numbering="routers")
+    padded = Routes.from_rollout(
+        by_router_TLK[None], layers=(1, 2, 3), num_experts=E, lengths=[4], num_layers=3, numbering="routers"
+    )
     assert torch.equal(padded.get(3, 0), by_router_TLK[:, 2])
 
 
@@ -363,8 +387,11 @@ def test_from_rollout_padded_batch_mutant_slicing_lengths_raises_the_false_alarm
     lengths = [6, 3]
     padded_BSLK = _padded(requests(lengths, short=True, seed=10))
     Routes.from_rollout(padded_BSLK, layers=(0,), num_experts=E, lengths=lengths)
-    monkeypatch.setattr(rollout_arrays, "_unpad", lambda batch, *, lengths, rows: [
-        batch[b, : min(n, batch.shape[1])] for b, n in enumerate(lengths)])
+    monkeypatch.setattr(
+        rollout_arrays,
+        "_unpad",
+        lambda batch, *, lengths, rows: [batch[b, : min(n, batch.shape[1])] for b, n in enumerate(lengths)],
+    )
     with pytest.raises(RouteError, match=r"rollout request 1: token 2 MoE column 0: capture gap"):
         Routes.from_rollout(padded_BSLK, layers=(0,), num_experts=E, lengths=lengths)
 
@@ -410,8 +437,11 @@ def _physical(logical_TLK: torch.Tensor, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     slots = {e: [s for s, x in enumerate(SLOTS_TO_LOGICAL) if x == e] for e in range(E)}
     pick = torch.randint(0, 2, logical_TLK.shape, generator=g)
-    return logical_TLK.clone().apply_(lambda e: -1 if e < 0 else slots[e][0]).where(
-        pick == 0, logical_TLK.clone().apply_(lambda e: -1 if e < 0 else slots[e][-1]))
+    return (
+        logical_TLK.clone()
+        .apply_(lambda e: -1 if e < 0 else slots[e][0])
+        .where(pick == 0, logical_TLK.clone().apply_(lambda e: -1 if e < 0 else slots[e][-1]))
+    )
 
 
 @pytest.mark.parametrize("form", ["list", "json", "npy", "dict"])
@@ -423,8 +453,10 @@ def test_from_rollout_expert_map_replays_physical_slots_as_logical_ids(tmp_path,
     physical = [_physical(a, seed=b) for b, a in enumerate(logical)]
     assert any(int(a.max()) >= E for a in physical)
     expected = Routes.from_rollout(logical, layers=(1, 3), num_experts=E, lengths=lengths)
-    given = {"list": SLOTS_TO_LOGICAL, "dict": {"physical_to_logical_map": {"1": SLOTS_TO_LOGICAL,
-                                                                            "3": SLOTS_TO_LOGICAL}}}.get(form)
+    given = {
+        "list": SLOTS_TO_LOGICAL,
+        "dict": {"physical_to_logical_map": {"1": SLOTS_TO_LOGICAL, "3": SLOTS_TO_LOGICAL}},
+    }.get(form)
     if form == "json":
         given = tmp_path / "map.json"
         given.write_text(json.dumps([SLOTS_TO_LOGICAL, SLOTS_TO_LOGICAL]))
@@ -442,8 +474,11 @@ def test_from_rollout_expert_map_replays_physical_slots_as_logical_ids(tmp_path,
 def test_from_rollout_unmapped_physical_slots_refused_naming_the_map():
     physical = _physical(requests([5], short=True, seed=8)[0], seed=1)
     assert int(physical.max()) >= E
-    with pytest.raises(RouteError, match=r"rollout routes: token \d+ layer 0: expert id \d+ out of range \[0, 8\) "
-                                         r".*physical expert slots .*pass expert_map="):
+    with pytest.raises(
+        RouteError,
+        match=r"rollout routes: token \d+ layer 0: expert id \d+ out of range \[0, 8\) "
+        r".*physical expert slots .*pass expert_map=",
+    ):
         Routes.from_rollout(physical, layers=(0,), num_experts=E)
 
 
@@ -457,9 +492,13 @@ def test_from_rollout_expert_map_checked_like_the_dump_commands():
         Routes.from_rollout(physical, layers=(0,), num_experts=E, expert_map=[0, 1, 2, 3, 5, 6, 7, 7])
     with pytest.raises(ExpertMapError, match=r"expert id 12 is no slot of expert_map= \(expected \[0, 12\)\)"):
         Routes.from_rollout(np.array([[[12, 1]]]), layers=(0,), num_experts=E, expert_map=SLOTS_TO_LOGICAL)
-    with pytest.raises(ExpertMapError, match=r"physical slots \[3, 8\] map through expert_map= to logical experts "
-                                             r"\[3, 3\]: two replicas"):
+    with pytest.raises(
+        ExpertMapError,
+        match=r"physical slots \[3, 8\] map through expert_map= to logical experts "
+        r"\[3, 3\]: two replicas",
+    ):
         Routes.from_rollout(np.array([[[3, 8]]]), layers=(0,), num_experts=E, expert_map=SLOTS_TO_LOGICAL)
     with pytest.raises(ExpertMapError, match=r"MoE layer\(s\) \[3\] missing"):
-        Routes.from_rollout(physical.expand(-1, 2, -1), layers=(1, 3), num_experts=E,
-                            expert_map={"1": SLOTS_TO_LOGICAL})
+        Routes.from_rollout(
+            physical.expand(-1, 2, -1), layers=(1, 3), num_experts=E, expert_map={"1": SLOTS_TO_LOGICAL}
+        )

@@ -23,9 +23,13 @@ MODES = {
     "softmax_scaled": dict(moe_router_topk_scaling_factor=2.5),
     "sigmoid_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
     "sqrtsoftplus": dict(moe_router_score_function="sqrtsoftplus"),
-    "group_limited_dsv3": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                               moe_router_num_groups=4, moe_router_group_topk=2,
-                               moe_router_topk_scaling_factor=2.5),
+    "group_limited_dsv3": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+        moe_router_topk_scaling_factor=2.5,
+    ),
 }
 
 
@@ -45,7 +49,7 @@ def random_ids(seed: int) -> torch.Tensor:
 
 
 def logits_of(router, x) -> torch.Tensor:
-    return (x.view(T, H).double() @ router.weight.detach().double().t())
+    return x.view(T, H).double() @ router.weight.detach().double().t()
 
 
 @pytest.mark.parametrize("name", sorted(MODES))
@@ -71,8 +75,9 @@ def test_replay_probs_gathered_from_current_scores(name):
     with session.replay(Routes({0: [ids_TK]}, num_experts=E, topk=K)):
         probs_TE, map_TE = router(x)
     mode = RoutingMode.from_config(router.config)
-    ref_probs_TK, _ = reference_routing(logits_of(router, x), mode, expert_bias_E=router.expert_bias,
-                                        topk_ids_TK=ids_TK)
+    ref_probs_TK, _ = reference_routing(
+        logits_of(router, x), mode, expert_bias_E=router.expert_bias, topk_ids_TK=ids_TK
+    )
     ref_probs_TE, ref_map_TE = dense(ref_probs_TK, ids_TK, E)
     assert torch.equal(map_TE, ref_map_TE)
     torch.testing.assert_close(probs_TE.detach().double(), ref_probs_TE, rtol=1e-5, atol=1e-6)
@@ -166,5 +171,7 @@ def test_refuse_unreplayable_unknown_score_function_raises():
 
 
 def test_routing_mode_bad_groups_raises():
-    with pytest.raises(UsageError, match="group-limited routing needs num_groups dividing num_experts 8, got num_groups 3"):
+    with pytest.raises(
+        UsageError, match="group-limited routing needs num_groups dividing num_experts 8, got num_groups 3"
+    ):
         RoutingMode(num_experts=E, topk=K, num_groups=3, group_topk=1)

@@ -10,18 +10,20 @@ import time
 import types
 
 import pytest
+from waiting import SLOW_HOST_S, alive, wait_for
 
-from moeverify.spec.layout import Layout
-from moeverify.spec.scenario import Scenario
 from moeverify.runner import launch
 from moeverify.runner.diagnose import diagnose, innermost_frame
 from moeverify.runner.plan import Plan, append_line, events_path, read_lines, results_path, stacks_path
+from moeverify.spec.layout import Layout
+from moeverify.spec.scenario import Scenario
 
-from waiting import SLOW_HOST_S, alive, wait_for
-
-SCENARIOS = (Scenario(family="qwen2", layout=Layout(tp=2), world_size=2, checks=("roundtrip", "export")),
-             Scenario(family="qwen2", layout=Layout(pp=2), world_size=2, checks=("roundtrip", "export"),
-                      options={"subject": "bridge"}))
+SCENARIOS = (
+    Scenario(family="qwen2", layout=Layout(tp=2), world_size=2, checks=("roundtrip", "export")),
+    Scenario(
+        family="qwen2", layout=Layout(pp=2), world_size=2, checks=("roundtrip", "export"), options={"subject": "bridge"}
+    ),
+)
 PLAN = Plan(scenarios=SCENARIOS, options={"replay_impl": "native"}, backend="cpu", timeout_s=30.0)
 
 RAISED = """moeverify: rank 1 raised in scenario qwen2/pp2 check export
@@ -42,8 +44,7 @@ Thread 0x00007f (most recent call first):
 
 def _events(directory, rank, *events):
     for kind, data in events:
-        append_line(events_path(directory, rank), {"event": kind, "t": time.time(), "peak_rss_mb": 10.0 + rank,
-                                                   **data})
+        append_line(events_path(directory, rank), {"event": kind, "t": time.time(), "peak_rss_mb": 10.0 + rank, **data})
 
 
 def _stacks(directory, rank, text, *, age_s=0.0):
@@ -87,8 +88,9 @@ def test_diagnose_timeout_reports_stacks_most_recent_first(tmp_path):
     _in_check(tmp_path, 0, 0, "roundtrip")
     _stacks(tmp_path, 0, TIMEOUT)
     crash = diagnose(tmp_path, world_size=1, plan=PLAN, returncode=1, killed=False, done=set())
-    assert crash.message.startswith("rank 0 timed out in check roundtrip at export.py:40 in _merge: still running "
-                                    "after --timeout 30 s")
+    assert crash.message.startswith(
+        "rank 0 timed out in check roundtrip at export.py:40 in _merge: still running after --timeout 30 s"
+    )
     assert "line 6371 in barrier" in crash.message
 
 
@@ -106,9 +108,17 @@ def test_diagnose_parent_deadline_is_said(tmp_path):
 
 
 def test_diagnose_crash_in_setup_has_no_check(tmp_path):
-    _events(tmp_path, 0, ("ready", {}), ("scenario", {"index": 0}), ("start", {"index": 0, "check": "roundtrip"}),
-            ("end", {"index": 0, "check": "roundtrip"}), ("start", {"index": 0, "check": "export"}),
-            ("end", {"index": 0, "check": "export"}), ("scenario_end", {"index": 0}))
+    _events(
+        tmp_path,
+        0,
+        ("ready", {}),
+        ("scenario", {"index": 0}),
+        ("start", {"index": 0, "check": "roundtrip"}),
+        ("end", {"index": 0, "check": "roundtrip"}),
+        ("start", {"index": 0, "check": "export"}),
+        ("end", {"index": 0, "check": "export"}),
+        ("scenario_end", {"index": 0}),
+    )
     crash = diagnose(tmp_path, world_size=1, plan=PLAN, returncode=1, killed=False, done=set())
     assert (crash.index, crash.check) == (1, None)
 
@@ -127,15 +137,18 @@ def test_innermost_frame_prefers_own_code():
 
 
 def _spec(tmp_path):
-    return launch.GroupSpec(world_size=2, scenarios=SCENARIOS, backend="cpu", options={}, timeout_s=30.0,
-                            run_dir=tmp_path)
+    return launch.GroupSpec(
+        world_size=2, scenarios=SCENARIOS, backend="cpu", options={}, timeout_s=30.0, run_dir=tmp_path
+    )
 
 
 def test_crashed_results_mark_culprit_and_not_run(tmp_path):
     crash = launch.Crash(index=0, check="roundtrip", message="rank 1 raised X", seconds=1.5)
     got = launch._crashed_results(_spec(tmp_path), crash, done=set())
     assert [(r.record.check, r.record.error, r.record.seconds) for r in got] == [
-        ("roundtrip", "rank 1 raised X", 1.5), ("export", "not run: the scenario crashed in check roundtrip", 0.0)]
+        ("roundtrip", "rank 1 raised X", 1.5),
+        ("export", "not run: the scenario crashed in check roundtrip", 0.0),
+    ]
 
 
 def test_crashed_results_skip_checks_already_recorded(tmp_path):
@@ -161,8 +174,13 @@ def test_collector_reports_records_once_and_fills_rss_per_rank(tmp_path):
     seen, starts = [], []
     collector = launch._Collector(tmp_path, 2, on_result=seen.append, on_start=lambda i, c: starts.append((i, c)))
     _in_check(tmp_path, 0, 0, "roundtrip")
-    record = {"scenario": "qwen2/tp2-dp1", "check": "roundtrip", "passed": True, "seconds": 1.0,
-              "subchecks": {"bitwise": {"passed": True, "checked": 1, "failures": []}}}
+    record = {
+        "scenario": "qwen2/tp2-dp1",
+        "check": "roundtrip",
+        "passed": True,
+        "seconds": 1.0,
+        "subchecks": {"bitwise": {"passed": True, "checked": 1, "failures": []}},
+    }
     append_line(results_path(tmp_path), {"index": 0, "record": record})
     _events(tmp_path, 0, ("end", {"index": 0, "check": "roundtrip"}))
     collector.poll()
@@ -179,10 +197,12 @@ def test_attempt_kills_whole_group_that_makes_no_progress(tmp_path, monkeypatch)
     starts once it has started its grandchild and written the pid (however long a loaded host takes to get there:
     up to ``SLOW_HOST_S``), so the test does not bet on how fast a process starts."""
     pid_file = tmp_path / "grandchild.pid"
-    child = ("import os, subprocess, sys, time; "
-             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-             f"open({str(pid_file)!r} + '.tmp', 'w').write(str(p.pid)); "
-             f"os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")
+    child = (
+        "import os, subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(pid_file)!r} + '.tmp', 'w').write(str(p.pid)); "
+        f"os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)"
+    )
     monkeypatch.setattr(launch, "torchrun_command", lambda **_: [sys.executable, "-c", child])
     monkeypatch.setattr(launch, "timeouts", types.SimpleNamespace(STARTUP_SLACK_S=0.0, LAUNCH_GRACE_S=0.0))
     spec = dataclasses.replace(_spec(tmp_path), timeout_s=2.0)
@@ -212,7 +232,9 @@ def test_attempt_kills_whole_group_that_makes_no_progress(tmp_path, monkeypatch)
 def test_diagnose_rank_that_lost_its_peer_is_not_the_cause(tmp_path):
     for rank in (0, 1):
         _in_check(tmp_path, rank, 1, "export")
-    victim = RAISED.replace("ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021")
+    victim = RAISED.replace(
+        "ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021"
+    )
     _stacks(tmp_path, 0, victim, age_s=5.0)  # written first, yet only a consequence
     _stacks(tmp_path, 1, RAISED)
     crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
@@ -280,23 +302,28 @@ def test_diagnose_torchrun_first_seeing_the_victim_still_blames_the_killed_rank(
     for rank in (0, 1):
         _in_check(tmp_path, rank, 1, "export")
     victim = RAISED.replace("moeverify: rank 1", "moeverify: rank 0").replace(
-        "ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021")
+        "ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021"
+    )
     _stacks(tmp_path, 0, victim)
     (tmp_path / "torchrun.log").write_text(TORCHRUN_VICTIM_FIRST)
     crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
-    assert crash.message.startswith("rank 1 was killed in check export: rank 1 ended by signal 9 (SIGKILL)"), \
+    assert crash.message.startswith("rank 1 was killed in check export: rank 1 ended by signal 9 (SIGKILL)"), (
         crash.message
+    )
 
 
 def test_diagnose_a_raising_rank_seen_first_by_torchrun_is_not_called_killed(tmp_path):
     # CI: rank 0 (a victim) exited 3 first; rank 1 raised the planted error. Exit code 3 is not a signal.
     for rank in (0, 1):
         _in_check(tmp_path, rank, 1, "export")
-    victim = RAISED.replace("ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021")
+    victim = RAISED.replace(
+        "ValueError: bad row", "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5021"
+    )
     _stacks(tmp_path, 0, victim)
     _stacks(tmp_path, 1, RAISED)
-    (tmp_path / "torchrun.log").write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
-                                           "  exitcode  : 3 (pid: 1)\n")
+    (tmp_path / "torchrun.log").write_text(
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 3 (pid: 1)\n"
+    )
     crash = diagnose(tmp_path, world_size=2, plan=PLAN, returncode=1, killed=False, done=set())
     assert crash.message.startswith("rank 1 raised ValueError: bad row"), crash.message
 
@@ -304,9 +331,11 @@ def test_diagnose_a_raising_rank_seen_first_by_torchrun_is_not_called_killed(tmp
 def test_a_multi_line_exception_message_is_named_by_its_first_line():
     from moeverify.runner.diagnose import _exception_line
 
-    trace = ('Traceback (most recent call last):\n  File "/x/builder.py", line 105, in build\n'
-             '    bridge = AutoBridge.from_hf_pretrained(str(hf_path))\n             ^^^^^^^^^^\n'
-             "ValueError: Model architecture 'MixtralForCausalLM' is not yet supported.\n\nSupported:\n"
-             "  • src/megatron/bridge/models/qwen/qwen_2_causal_bridge.py\n")
+    trace = (
+        'Traceback (most recent call last):\n  File "/x/builder.py", line 105, in build\n'
+        "    bridge = AutoBridge.from_hf_pretrained(str(hf_path))\n             ^^^^^^^^^^\n"
+        "ValueError: Model architecture 'MixtralForCausalLM' is not yet supported.\n\nSupported:\n"
+        "  • src/megatron/bridge/models/qwen/qwen_2_causal_bridge.py\n"
+    )
     assert _exception_line(trace) == "ValueError: Model architecture 'MixtralForCausalLM' is not yet supported."
     assert _exception_line("Traceback (most recent call last):\nKeyError: 'x'\n") == "KeyError: 'x'"

@@ -20,31 +20,37 @@ def test_flags_win_over_environment():
 
 
 def test_torchrun_and_slurm_environments():
-    assert nodes.from_args(_args(), env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"}
-                           ) == nodes.NodeSpec(nnodes=2, node_rank=1, host="h", port=7)
+    assert nodes.from_args(
+        _args(), env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"}
+    ) == nodes.NodeSpec(nnodes=2, node_rank=1, host="h", port=7)
     slurm = {"SLURM_NNODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09],cpu1"}
     assert nodes.from_args(_args(), env=slurm) == nodes.NodeSpec(nnodes=3, node_rank=2, host="gpu07", port=29500)
     assert nodes.from_args(_args(), env={}) is None
     assert nodes.from_args(_args("1"), env={}) is None
 
 
-@pytest.mark.parametrize("nodelist, host", [("a", "a"), ("a,b", "a"), ("n[3-5]", "n3"), ("n[03,7-9]", "n03"),
-                                            ("rack1-n[10-11],x", "rack1-n10")])
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("a", "a"), ("a,b", "a"), ("n[3-5]", "n3"), ("n[03,7-9]", "n03"), ("rack1-n[10-11],x", "rack1-n10")],
+)
 def test_first_slurm_host(nodelist, host):
     assert nodes.first_slurm_host(nodelist) == host
 
 
-@pytest.mark.parametrize("args, env, message", [
-    (_args(node_rank=1), {}, "need --nnodes"),
-    (_args("2"), {}, "give --node-rank"),
-    (_args("2", 2, "h:1"), {}, "not below --nnodes 2"),
-    (_args("2", 1), {}, "give --rdzv-endpoint"),
-    (_args("2", 1, "h"), {}, "expected HOST:PORT"),
-    (_args("2", 1, "h:x"), {}, "expected an integer"),
-    (_args("2", 1, "h:65500"), {}, "200 ports above"),
-    (_args("two", 1, "h:1"), {}, "--nnodes: expected an integer"),
-    (_args("0", 0, "h:1"), {}, ">= 1"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (_args(node_rank=1), {}, "need --nnodes"),
+        (_args("2"), {}, "give --node-rank"),
+        (_args("2", 2, "h:1"), {}, "not below --nnodes 2"),
+        (_args("2", 1), {}, "give --rdzv-endpoint"),
+        (_args("2", 1, "h"), {}, "expected HOST:PORT"),
+        (_args("2", 1, "h:x"), {}, "expected an integer"),
+        (_args("2", 1, "h:65500"), {}, "200 ports above"),
+        (_args("two", 1, "h:1"), {}, "--nnodes: expected an integer"),
+        (_args("0", 0, "h:1"), {}, ">= 1"),
+    ],
+)
 def test_bad_node_settings_are_refused(args, env, message):
     with pytest.raises(UsageError, match=message):
         nodes.from_args(args, env=env)

@@ -49,11 +49,20 @@ def test_probe_plugins_names_each_user_plugin_once(tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setattr(probe, "probe", lambda spec, *, what, builtins: seen.append((spec, what)))
-    scenarios = [Scenario(family="qwen3_moe", layout=Layout(), world_size=1, checks=("export", "replay"),
-                          options={"subject": "mine.py:f"}),
-                 Scenario(family="qwen2", layout=Layout(), world_size=1, checks=("export",))]
+    scenarios = [
+        Scenario(
+            family="qwen3_moe",
+            layout=Layout(),
+            world_size=1,
+            checks=("export", "replay"),
+            options={"subject": "mine.py:f"},
+        ),
+        Scenario(family="qwen2", layout=Layout(), world_size=1, checks=("export",)),
+    ]
     said = []
     select.probe_plugins(scenarios, {"replay_impl": "impl.py:g"}, say=lambda *a, **k: said.append(a[0]))
     assert seen == [("mine.py:f", "subject"), ("impl.py:g", "replay implementation")]
-    assert said == ["loading subject mine.py:f as a rank would, before any rank starts ...",
-                    "loading replay implementation impl.py:g as a rank would, before any rank starts ..."]
+    assert said == [
+        "loading subject mine.py:f as a rank would, before any rank starts ...",
+        "loading replay implementation impl.py:g as a rank would, before any rank starts ...",
+    ]

@@ -5,18 +5,23 @@ from __future__ import annotations
 import pytest
 
 from moeverify.errors import UsageError
+from moeverify.runner.select import check_option_use, plan_backends, select
 from moeverify.spec.layout import Layout
 from moeverify.spec.scenario import Scenario
-from moeverify.runner.select import check_option_use, plan_backends, select
 
 
 def _scenario(family="qwen3_moe", world_size=2, checks=("roundtrip", "export"), gpu_only=None, **layout):
-    return Scenario(family=family, layout=Layout(**layout), world_size=world_size, checks=tuple(checks),
-                    gpu_only=gpu_only)
+    return Scenario(
+        family=family, layout=Layout(**layout), world_size=world_size, checks=tuple(checks), gpu_only=gpu_only
+    )
 
 
-SCENARIOS = [_scenario(ep=2), _scenario(pp=2, checks=("roundtrip", "replay")), _scenario("qwen2", 1),
-             _scenario("qwen2", 4, tp=2)]
+SCENARIOS = [
+    _scenario(ep=2),
+    _scenario(pp=2, checks=("roundtrip", "replay")),
+    _scenario("qwen2", 1),
+    _scenario("qwen2", 4, tp=2),
+]
 
 
 def test_select_filter_globs_any_match():
@@ -56,10 +61,15 @@ def test_check_option_use_accepts_used_options():
 def test_plan_backends_cpu_skips_gpu_only_with_reason():
     gpu = _scenario(cp=2, gpu_only="needs TE attention")
     groups, skipped, notices = plan_backends([*SCENARIOS, gpu], backend="cpu", gpu_count=0)
-    assert [(g.world_size, g.backend, len(g.scenarios)) for g in groups] == [(1, "cpu", 1), (2, "cpu", 2), (4, "cpu", 1)]
+    assert [(g.world_size, g.backend, len(g.scenarios)) for g in groups] == [
+        (1, "cpu", 1),
+        (2, "cpu", 2),
+        (4, "cpu", 1),
+    ]
     assert [(r.record.scenario, r.record.check, r.skipped) for r in skipped] == [
         ("qwen3_moe/cp2", "roundtrip", "gpu only: needs TE attention"),
-        ("qwen3_moe/cp2", "export", "gpu only: needs TE attention")]
+        ("qwen3_moe/cp2", "export", "gpu only: needs TE attention"),
+    ]
     assert notices == []
 
 

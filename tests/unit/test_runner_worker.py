@@ -7,10 +7,10 @@ import sys
 import textwrap
 
 import pytest
+from waiting import CHILD_S
 
 from moeverify.oracles.results import Tally
 from moeverify.runner.worker import _tallies
-from waiting import CHILD_S
 
 
 def test_tallies_accepts_dict_of_tally():

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from waiting import CHILD_S
 
 from moeverify.runtime import cpu
-from waiting import CHILD_S
 
 
 @pytest.fixture
@@ -90,14 +90,22 @@ def test_cpu_uninstall_restores_every_original():
     was = cpu.installed()
     if was:
         cpu.uninstall()
-    originals = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.get_rng_state,
-                 moe_utils.maybe_move_tensor_to_cpu)
+    originals = (
+        torch.cuda.current_device,
+        torch.cuda.Stream,
+        torch.cuda.get_rng_state,
+        moe_utils.maybe_move_tensor_to_cpu,
+    )
     cpu.install()
     cpu.install()  # idempotent
     assert torch.cuda.current_device is not originals[0]
     cpu.uninstall()
-    assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.get_rng_state,
-            moe_utils.maybe_move_tensor_to_cpu) == originals
+    assert (
+        torch.cuda.current_device,
+        torch.cuda.Stream,
+        torch.cuda.get_rng_state,
+        moe_utils.maybe_move_tensor_to_cpu,
+    ) == originals
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError):
             torch.zeros(1, device="cuda")
@@ -140,8 +148,15 @@ def test_cpu_uneven_all_gather_and_reduce_scatter_on_gloo(tmp_path):
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-c", UNEVEN_SCRIPT], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", UNEVEN_SCRIPT],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     outs = [p.communicate(timeout=CHILD_S) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"OK {rank}" in out, f"rank {rank}: {err[-2000:]}"

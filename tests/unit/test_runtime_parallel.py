@@ -77,8 +77,9 @@ def test_runtime_parallel_destroys_the_groups_it_made():
     # Megatron-Core's destroy_model_parallel only drops references; every gloo group left alive holds
     # its own threads, and a release run grew to 2,700 threads per rank until collectives timed out.
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    out = subprocess.run([sys.executable, "-c", GROUPS_SCRIPT], capture_output=True, text=True, timeout=CHILD_S,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", GROUPS_SCRIPT], capture_output=True, text=True, timeout=CHILD_S, env=env
+    )
     assert out.returncode == 0 and out.stdout.strip().startswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
 
 

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from waiting import CHILD_S
 
 from moeverify.errors import MoEVerifyError
 from moeverify.models import FAMILIES, seeded
-from moeverify.models.families import hf_checkpoint, hf_config_dict, saved_specs
 from moeverify.models.checkpoint import checkpoint_shapes, open_tensors
-from waiting import CHILD_S
+from moeverify.models.families import hf_checkpoint, hf_config_dict, saved_specs
 
 
 def _written(family: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -24,7 +24,10 @@ def _written(family: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
                 t = f.get_slice(name)
-                out[name] = (tuple(t.get_shape()), getattr(torch, {"BF16": "bfloat16", "F32": "float32"}[t.get_dtype()]))
+                out[name] = (
+                    tuple(t.get_shape()),
+                    getattr(torch, {"BF16": "bfloat16", "F32": "float32"}[t.get_dtype()]),
+                )
     return out
 
 
@@ -46,9 +49,13 @@ def test_a_tensor_depends_on_seed_and_name_only(seeded_dir, tmp_path):
     assert len(names) > 20
     first = {n: a.get_tensor(n) for n in names[:5]}
     for name in reversed(names[:5]):  # another reader, another order: the same bits
-        assert torch.equal(b.get_tensor(name).view(torch.int16 if first[name].dtype == torch.bfloat16 else torch.int32),
-                           first[name].view(torch.int16 if first[name].dtype == torch.bfloat16 else torch.int32))
-    other = seeded.make(tmp_path / "other", 4, describe=lambda to: saved_specs(hf_config_dict("qwen3_moe"), config_to=to))
+        assert torch.equal(
+            b.get_tensor(name).view(torch.int16 if first[name].dtype == torch.bfloat16 else torch.int32),
+            first[name].view(torch.int16 if first[name].dtype == torch.bfloat16 else torch.int32),
+        )
+    other = seeded.make(
+        tmp_path / "other", 4, describe=lambda to: saved_specs(hf_config_dict("qwen3_moe"), config_to=to)
+    )
     assert not torch.equal(seeded.SeededWeights(other).get_tensor(names[0]), first[names[0]])
     assert not torch.equal(a.get_tensor(names[1]).flatten()[:8].float(), first[names[0]].flatten()[:8].float())
 
@@ -70,8 +77,11 @@ def test_a_marker_of_another_recipe_is_refused_naming_the_file(seeded_dir):
     marker = seeded_dir / seeded.MARKER
     data = json.loads(marker.read_text())
     marker.write_text(json.dumps({**data, "recipe": "per-tensor-0"}))
-    with pytest.raises(MoEVerifyError, match=r"moeverify-seeded\.json: seeded-weights recipe 'per-tensor-0', "
-                                             r"expected 'per-tensor-2'"):
+    with pytest.raises(
+        MoEVerifyError,
+        match=r"moeverify-seeded\.json: seeded-weights recipe 'per-tensor-0', "
+        r"expected 'per-tensor-2'",
+    ):
         seeded.SeededWeights(seeded_dir)
     marker.write_text("{not json")
     with pytest.raises(MoEVerifyError, match="unreadable seeded-weights marker"):
@@ -121,7 +131,7 @@ def test_noise_cpu_and_gpu_paths_equal_the_reference_bit_for_bit(numel):
     assert [np.float32(cpu[i].item()) for i in picks] == [np.float32(noise_reference(key, i)) for i in picks]
     if numel > 1000:
         assert abs(cpu.mean().item()) < 0.01 and abs(cpu.std().item() - 1) < 0.01
-        assert cpu.abs().max().item() < 3 ** 0.5
+        assert cpu.abs().max().item() < 3**0.5
 
 
 @pytest.mark.timing

@@ -49,10 +49,22 @@ def _port() -> int:
 
 def _run(case: str) -> dict[int, dict]:
     port = _port()
-    env = {**os.environ, "MOEVERIFY_AGREE_TIMEOUT_S": "3", "MOEVERIFY_COLLECTIVE_TIMEOUT_S": "600",
-           "PYTHONPATH": str(ROOT)}
-    procs = {r: subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port), case], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)}
+    env = {
+        **os.environ,
+        "MOEVERIFY_AGREE_TIMEOUT_S": "3",
+        "MOEVERIFY_COLLECTIVE_TIMEOUT_S": "600",
+        "PYTHONPATH": str(ROOT),
+    }
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, "-c", RANK, str(r), str(port), case],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    }
     out = {}
     waits = {1: procs[1]} if case == "stuck" else procs
     try:
@@ -80,15 +92,18 @@ def test_one_rank_raising_is_refused_on_every_rank_naming_it():
     out = _run("one")
     for r in (0, 1):
         assert out[r]["outcome"] == "refused"
-        assert out[r]["message"].startswith("replay [sigmoid] drift: rank(s) [1] raised (rank 1: ValueError: no "
-                                            "sqrtsoftplus), rank(s) [0] did not: a one-rank error"), out[r]
+        assert out[r]["message"].startswith(
+            "replay [sigmoid] drift: rank(s) [1] raised (rank 1: ValueError: no "
+            "sqrtsoftplus), rank(s) [0] did not: a one-rank error"
+        ), out[r]
 
 
 def test_a_raising_rank_whose_peer_waits_in_a_collective_ends_quickly():
     out = _run("stuck")
     assert out[1]["outcome"] == "refused"
-    assert "rank 1 raised ValueError: no sqrtsoftplus; rank(s) [0] did not end this step within 3 s" in \
-        out[1]["message"], out[1]
+    assert (
+        "rank 1 raised ValueError: no sqrtsoftplus; rank(s) [0] did not end this step within 3 s" in out[1]["message"]
+    ), out[1]
     seconds = out[1]["seconds"]
     assert seconds < SLOW_HOST_S, f"{seconds:.0f} s: the failed rank waited for its peer past the agreement timeout"
 

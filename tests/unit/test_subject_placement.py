@@ -1,6 +1,7 @@
 """The sharded exporter's placement rules against independent references built by plain slicing."""
 
 import itertools
+
 import torch
 
 from moeverify.subjects import placement
@@ -42,12 +43,14 @@ def test_subject_qkv_interleaved_per_group():
     per_group = heads // groups
     blocks = []
     for g in range(groups):
-        blocks += [q[(g * per_group + i) * dim:(g * per_group + i + 1) * dim] for i in range(per_group)]
-        blocks += [k[g * dim:(g + 1) * dim], v[g * dim:(g + 1) * dim]]
+        blocks += [q[(g * per_group + i) * dim : (g * per_group + i + 1) * dim] for i in range(per_group)]
+        blocks += [k[g * dim : (g + 1) * dim], v[g * dim : (g + 1) * dim]]
     fused = torch.cat(blocks)
     got = {"q": [], "k": [], "v": []}
     for r, shard in enumerate(torch.chunk(fused, tp)):
-        for key, placer in zip("qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r), strict=True):
+        for key, placer in zip(
+            "qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r), strict=True
+        ):
             # in three ranges, as the exporter cuts large tensors into rows
             for part in range(3):
                 a, b = split_range(placer.n, 3, part)
@@ -66,7 +69,7 @@ def test_subject_qkv_bias_one_dimensional():
 
 def test_subject_gated_splits_gate_and_up_per_shard():
     gate, up = torch.randn(4, 3), torch.randn(4, 3)
-    shards = [torch.cat([gate[2 * r:2 * r + 2], up[2 * r:2 * r + 2]]) for r in range(2)]
+    shards = [torch.cat([gate[2 * r : 2 * r + 2], up[2 * r : 2 * r + 2]]) for r in range(2)]
     got = [placement.gated(s, tp=2, r=r, hf_rows=4) for r, s in enumerate(shards)]
     assert torch.equal(_scatter((4, 3), [g.full() for g, _ in got]), gate)
     assert torch.equal(_scatter((4, 3), [u.full() for _, u in got]), up)
@@ -103,8 +106,9 @@ def test_subject_stacked_down_transposes_each_expert_shard_into_its_slice():
             parts.append(placement.stacked_down(shard, expert=e, tp=2, r=r, hf_shape=hf.shape).full())
     assert torch.equal(_scatter(hf.shape, parts), hf)
     bias = torch.randn(experts, out)
-    bias_parts = [placement.stacked_down(bias[e], expert=e, tp=1, r=0, hf_shape=bias.shape).full()
-                  for e in range(experts)]
+    bias_parts = [
+        placement.stacked_down(bias[e], expert=e, tp=1, r=0, hf_shape=bias.shape).full() for e in range(experts)
+    ]
     assert torch.equal(_scatter(bias.shape, bias_parts), bias)
 
 
@@ -131,13 +135,22 @@ def _bridge_mappings():
 def _gdn_config(**extra):
     from types import SimpleNamespace as NS
 
-    return NS(hidden_size=6, linear_key_head_dim=3, linear_value_head_dim=2, linear_num_key_heads=2,
-              linear_num_value_heads=4, **extra)
+    return NS(
+        hidden_size=6,
+        linear_key_head_dim=3,
+        linear_value_head_dim=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        **extra,
+    )
 
 
 def test_subject_gdn_in_proj_grouped_and_flat_against_the_bridges_merge():
     pm = _bridge_mappings()
-    _fuse_gdn_separate_to_grouped, merge_gdn_linear_weights = pm._fuse_gdn_separate_to_grouped, pm.merge_gdn_linear_weights
+    _fuse_gdn_separate_to_grouped, merge_gdn_linear_weights = (
+        pm._fuse_gdn_separate_to_grouped,
+        pm.merge_gdn_linear_weights,
+    )
     cfg = _gdn_config()
     dims = placement.GdnDims(dk=3, dv=2, nk=2, nv=4)
     qk, v, hidden = 6, 8, 6
@@ -149,17 +162,25 @@ def test_subject_gdn_in_proj_grouped_and_flat_against_the_bridges_merge():
 
         def grouped(shard, r):
             sections = placement.gdn_sections(dims, tp=tp, r=r, gates=True)
-            return {name: placement.row_map(shard, local_rows=torch.cat([sections[s][0] for s in secs]),
-                                            hf_rows=torch.cat([placement.gdn_grouped_row(dims, s, sections[s][1])
-                                                               for s in secs]))
-                    for name, secs in (("qkvz", "qkvz"), ("ba", "ba"))}
+            return {
+                name: placement.row_map(
+                    shard,
+                    local_rows=torch.cat([sections[s][0] for s in secs]),
+                    hf_rows=torch.cat([placement.gdn_grouped_row(dims, s, sections[s][1]) for s in secs]),
+                )
+                for name, secs in (("qkvz", "qkvz"), ("ba", "ba"))
+            }
 
         def flat(shard, r):
             sections = placement.gdn_sections(dims, tp=tp, r=r, gates=True)
-            return {name: placement.row_map(shard, local_rows=torch.cat([sections[s][0] for s in secs]),
-                                            hf_rows=torch.cat([placement.gdn_flat_row(dims, s, sections[s][1])
-                                                               for s in secs]))
-                    for name, secs in (("qkv", "qkv"), ("z", "z"), ("b", "b"), ("a", "a"))}
+            return {
+                name: placement.row_map(
+                    shard,
+                    local_rows=torch.cat([sections[s][0] for s in secs]),
+                    hf_rows=torch.cat([placement.gdn_flat_row(dims, s, sections[s][1]) for s in secs]),
+                )
+                for name, secs in (("qkv", "qkv"), ("z", "z"), ("b", "b"), ("a", "a"))
+            }
 
         got = _reassemble(shards, grouped, {"qkvz": qkvz.shape, "ba": ba.shape})
         assert torch.equal(got["qkvz"], qkvz) and torch.equal(got["ba"], ba), tp
@@ -180,9 +201,13 @@ def test_subject_gdn_conv1d_sections_split_per_tp_rank():
 
     def place(shard, r):
         sections = placement.gdn_sections(dims, tp=tp, r=r, gates=False)
-        return {"conv": placement.row_map(shard, local_rows=torch.cat([sections[s][0] for s in "qkv"]),
-                                          hf_rows=torch.cat([placement.gdn_flat_row(dims, s, sections[s][1])
-                                                             for s in "qkv"]))}
+        return {
+            "conv": placement.row_map(
+                shard,
+                local_rows=torch.cat([sections[s][0] for s in "qkv"]),
+                hf_rows=torch.cat([placement.gdn_flat_row(dims, s, sections[s][1]) for s in "qkv"]),
+            )
+        }
 
     assert torch.equal(_reassemble(shards, place, {"conv": conv.shape})["conv"], conv)
 
@@ -192,15 +217,26 @@ def test_subject_qkv_with_output_gate_against_the_bridges_merge():
 
     merge_qkv_weights = _bridge_mappings().merge_qkv_weights
     heads, groups, dim, hidden = 4, 2, 3, 5
-    cfg = NS(num_attention_heads=heads, num_query_groups=groups, kv_channels=dim, hidden_size=hidden,
-             attention_output_gate=True)
+    cfg = NS(
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=dim,
+        hidden_size=hidden,
+        attention_output_gate=True,
+    )
     q = torch.randn(heads * 2 * dim, hidden)  # HF q_proj: each head's query then its gate
     k, v = torch.randn(groups * dim, hidden), torch.randn(groups * dim, hidden)
     fused = merge_qkv_weights(cfg, q, k, v)
     for tp in (1, 2):
+
         def place(shard, r):
-            return dict(zip("qkv", placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r,
-                                                 output_gate=True), strict=True))
+            return dict(
+                zip(
+                    "qkv",
+                    placement.qkv(shard, heads=heads, groups=groups, head_dim=dim, tp=tp, r=r, output_gate=True),
+                    strict=True,
+                )
+            )
 
         got = _reassemble(torch.chunk(fused, tp), place, {"q": q.shape, "k": k.shape, "v": v.shape})
         assert torch.equal(got["q"], q) and torch.equal(got["k"], k) and torch.equal(got["v"], v), tp
@@ -210,9 +246,12 @@ def test_subject_placers_with_an_offset_are_exactly_that_range():
     """A placer that declares ``offset`` is exported as a ``RangeSlot`` (no positions built): the range must be
     the positions it would have built, for every sub-range a row may ask for."""
     w2, bias = torch.randn(6, 4), torch.randn(5)
-    placers = [placement.replicated(w2), placement.column(w2, tp=2, r=1, hf_rows=12),
-               placement.column(w2, tp=2, r=1, hf_rows=9),  # vocab padding dropped
-               placement.stacked_down(bias, expert=3, tp=1, r=0, hf_shape=(4, 5))]
+    placers = [
+        placement.replicated(w2),
+        placement.column(w2, tp=2, r=1, hf_rows=12),
+        placement.column(w2, tp=2, r=1, hf_rows=9),  # vocab padding dropped
+        placement.stacked_down(bias, expert=3, tp=1, r=0, hf_shape=(4, 5)),
+    ]
     for p in placers:
         assert p.offset is not None
         for a, b in [(0, p.n), (1, p.n - 1), (2, 2)]:
@@ -224,12 +263,12 @@ def test_subject_placers_sub_ranges_are_slices_of_the_whole():
     """Rows cut a large shard into ranges: every placer's positions and values over ``[a, b)`` are exactly that
     slice of its whole-shard ones, ranges that start or end inside a head or a row included."""
     w_qkv = torch.randn(2 * (4 + 2) * 3, 5)  # G=2 local groups, H=2 q heads per group + k + v, D=3, I=5
-    placers = [placement.row(torch.randn(6, 4), tp=2, r=1),
-               *placement.qkv(w_qkv, heads=8, groups=4, head_dim=3, tp=2, r=1),
-               *placement.qkv(torch.randn(2 * (2 * 2 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=0,
-                              output_gate=True),
-               placement.row_map(torch.randn(4, 3, 2), local_rows=torch.tensor([2, 0, 3]),
-                                 hf_rows=torch.tensor([7, 1, 4]))]
+    placers = [
+        placement.row(torch.randn(6, 4), tp=2, r=1),
+        *placement.qkv(w_qkv, heads=8, groups=4, head_dim=3, tp=2, r=1),
+        *placement.qkv(torch.randn(2 * (2 * 2 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=0, output_gate=True),
+        placement.row_map(torch.randn(4, 3, 2), local_rows=torch.tensor([2, 0, 3]), hf_rows=torch.tensor([7, 1, 4])),
+    ]
     for p in placers:
         pos, val = p.full()
         assert pos.numel() == val.numel() == p.n
@@ -240,17 +279,19 @@ def test_subject_placers_sub_ranges_are_slices_of_the_whole():
 def test_subject_placers_runs_are_their_positions():
     """A placer that declares ``runs`` is exported as a ``RunSlot``: expanded, its runs must be exactly the
     positions it would have built, for every sub-range (cut inside a block at either end included)."""
-    placers = [placement.row(torch.randn(6, 4), tp=2, r=1),
-               *placement.qkv(torch.randn(2 * (4 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=1),
-               *placement.qkv(torch.randn(2 * (2 * 2 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=0,
-                              output_gate=True),
-               placement.row_map(torch.randn(4, 3, 2), local_rows=torch.tensor([2, 0, 3]),
-                                 hf_rows=torch.tensor([7, 1, 4]))]
+    placers = [
+        placement.row(torch.randn(6, 4), tp=2, r=1),
+        *placement.qkv(torch.randn(2 * (4 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=1),
+        *placement.qkv(torch.randn(2 * (2 * 2 + 2) * 3, 5), heads=8, groups=4, head_dim=3, tp=2, r=0, output_gate=True),
+        placement.row_map(torch.randn(4, 3, 2), local_rows=torch.tensor([2, 0, 3]), hf_rows=torch.tensor([7, 1, 4])),
+    ]
     for p in placers:
         assert p.runs is not None
         for a, b in [(0, p.n), (1, p.n - 1), (7, 7), (p.n // 3, 2 * p.n // 3 + 1), (5, 6)]:
             starts, lengths = p.runs(a, b)
             assert a == b or int(lengths.min()) >= 1  # no empty runs
-            expanded = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
-                                 or [torch.zeros(0, dtype=torch.int64)])
+            expanded = torch.cat(
+                [torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+                or [torch.zeros(0, dtype=torch.int64)]
+            )
             assert torch.equal(expanded, p.positions(a, b))

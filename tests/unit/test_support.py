@@ -1,14 +1,15 @@
-"""Supported version ranges: declared once in moeverify/spec/support.py, equal in pyproject.toml, and the lock inside."""
+"""Supported version ranges: declared once in moeverify/spec/support.py, equal in pyproject.toml, and the lock
+inside."""
 
 import re
 import tomllib
 from pathlib import Path
 
 import pytest
-
-from moeverify.spec import support
-from moeverify.cli import main
 from waiting import CHILD_S
+
+from moeverify.cli import main
+from moeverify.spec import support
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,8 +46,9 @@ def test_the_lock_ci_runs_lies_inside_every_supported_range():
         assert item.admits(lock[item.dist]), f"{item.dist}=={lock[item.dist]} outside {item.spec()}"
 
 
-@pytest.mark.parametrize("version,expected", [("2.11.0+cu130", (2, 11)), ("0.19.2rc1", (0, 19, 2)), ("6", (6,)),
-                                              ("2.14.1", (2, 14, 1))])
+@pytest.mark.parametrize(
+    "version,expected", [("2.11.0+cu130", (2, 11)), ("0.19.2rc1", (0, 19, 2)), ("6", (6,)), ("2.14.1", (2, 14, 1))]
+)
 def test_release_reads_local_and_pre_release_versions(version, expected):
     assert support.release(version) == expected
 
@@ -61,8 +63,10 @@ def test_check_names_what_is_unsupported_and_what_is_missing():
     ok = {item.dist: item.low for item in support.SUPPORTED}
     assert support.check(ok) == []
     problems = support.check({**ok, "torch": "2.9.1", "megatron-core": "not installed", "verl": "not installed"})
-    assert problems == ["torch 2.9.1 is outside the supported range >=2.11,<2.15",
-                        "megatron-core is not installed (supported >=0.19,<0.20)"]
+    assert problems == [
+        "torch 2.9.1 is outside the supported range >=2.11,<2.15",
+        "megatron-core is not installed (supported >=0.19,<0.20)",
+    ]
     with pytest.raises(ValueError, match="not a version"):
         support.release("unknown")
 
@@ -70,9 +74,17 @@ def test_check_names_what_is_unsupported_and_what_is_missing():
 def test_doctor_refuses_an_unsupported_stack(monkeypatch, capsys):
     from moeverify.commands import doctor
 
-    monkeypatch.setattr(doctor, "_versions", lambda: {"torch": "2.9.1", "megatron-core": "0.19.2",
-                                                    "megatron-bridge": "0.6.2", "transformers": "5.12.1",
-                                                    "verl": "not installed"})
+    monkeypatch.setattr(
+        doctor,
+        "_versions",
+        lambda: {
+            "torch": "2.9.1",
+            "megatron-core": "0.19.2",
+            "megatron-bridge": "0.6.2",
+            "transformers": "5.12.1",
+            "verl": "not installed",
+        },
+    )
     assert main(["doctor"]) == 1
     out = capsys.readouterr()
     assert "UNSUPPORTED" in out.out and "torch 2.9.1 is outside the supported range >=2.11,<2.15" in out.err
@@ -86,13 +98,39 @@ def test_pip_install_no_deps_into_an_existing_environment_works_outside_the_chec
     import sys
 
     site = tmp_path / "site"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-                          "--no-build-isolation", "--target", str(site), str(ROOT)], capture_output=True, text=True)
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert pip.returncode == 0, pip.stderr[-2000:]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)}
-    probe = subprocess.run([sys.executable, "-c", "import moeverify.cli, moeverify.spec.support; print(moeverify.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import moeverify.cli, moeverify.spec.support; print(moeverify.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert probe.returncode == 0 and probe.stdout.strip().startswith(str(site)), probe.stderr[-2000:]
-    listing = subprocess.run([sys.executable, "-m", "moeverify", "run", str(ROOT / "scenarios" / "smoke.yaml"),
-                              "--list"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=CHILD_S)
+    listing = subprocess.run(
+        [sys.executable, "-m", "moeverify", "run", str(ROOT / "scenarios" / "smoke.yaml"), "--list"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=CHILD_S,
+    )
     assert listing.returncode == 0 and "qwen3_moe" in listing.stdout, listing.stderr[-2000:]

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from moeverify.spec import timeouts
-from moeverify.errors import UsageError
 from waiting import CHILD_S
+
+from moeverify.errors import UsageError
+from moeverify.spec import timeouts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,8 +22,9 @@ def test_docs_table_is_the_module_table():
     text = (ROOT / "docs/design.md").read_text()
     got = re.search(r"<!-- timeouts:begin -->\n(.*?)<!-- timeouts:end -->", text, re.S)
     assert got, "docs/design.md lost its timeouts markers"
-    assert got.group(1) == timeouts.markdown_table(), "regenerate: python -c 'from moeverify.spec import timeouts; " \
-                                                      "print(timeouts.markdown_table())'"
+    assert got.group(1) == timeouts.markdown_table(), (
+        "regenerate: python -c 'from moeverify.spec import timeouts; print(timeouts.markdown_table())'"
+    )
 
 
 def test_every_entry_is_a_module_value_with_at_most_one_override():
@@ -43,8 +44,12 @@ def _timeout_literals(text: str, where: str) -> list[str]:
     """Module-level assignments of a number to a name that says timeout (``*TIMEOUT*``, ``*_SLACK_S``)."""
     found = []
     for node in ast.parse(text).body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
-                isinstance(node.value.value, (int, float)) and not isinstance(node.value.value, bool):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, (int, float))
+            and not isinstance(node.value.value, bool)
+        ):
             for target in node.targets:
                 if isinstance(target, ast.Name) and re.search(r"TIMEOUT|_SLACK_S$", target.id):
                     found.append(f"{where}:{node.lineno} {target.id}")
@@ -52,8 +57,12 @@ def _timeout_literals(text: str, where: str) -> list[str]:
 
 
 def test_no_module_declares_a_timeout_of_its_own():
-    found = [hit for path in sorted((ROOT / "moeverify").rglob("*.py")) if path.name != "timeouts.py"
-             for hit in _timeout_literals(path.read_text(), str(path.relative_to(ROOT)))]
+    found = [
+        hit
+        for path in sorted((ROOT / "moeverify").rglob("*.py"))
+        if path.name != "timeouts.py"
+        for hit in _timeout_literals(path.read_text(), str(path.relative_to(ROOT)))
+    ]
     assert not found, f"declare these in moeverify/spec/timeouts.py: {found}"
 
 
@@ -64,12 +73,21 @@ def test_the_literal_finder_finds_a_declaration():
 
 @pytest.mark.timing
 def test_public_aliases_and_users_read_the_table():
-    code = ("from moeverify import cli; from moeverify.spec import timeouts; from moeverify.runtime import outcome as agreement; import moeverify.runtime as r;"
-            "from moeverify.runner import launch;"
-            "print(cli.DEFAULT_TIMEOUT_S, r.DEFAULT_TIMEOUT_S, agreement.AGREE_TIMEOUT_S, launch.STARTUP_SLACK_S)")
-    env = {"MOEVERIFY_COLLECTIVE_TIMEOUT_S": "123", "MOEVERIFY_AGREE_TIMEOUT_S": "7.5",
-           "MOEVERIFY_STARTUP_TIMEOUT_S": "40", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHILD_S)
+    code = (
+        "from moeverify import cli; from moeverify.spec import timeouts; "
+        "from moeverify.runtime import outcome as agreement; import moeverify.runtime as r;"
+        "from moeverify.runner import launch;"
+        "print(cli.DEFAULT_TIMEOUT_S, r.DEFAULT_TIMEOUT_S, agreement.AGREE_TIMEOUT_S, launch.STARTUP_SLACK_S)"
+    )
+    env = {
+        "MOEVERIFY_COLLECTIVE_TIMEOUT_S": "123",
+        "MOEVERIFY_AGREE_TIMEOUT_S": "7.5",
+        "MOEVERIFY_STARTUP_TIMEOUT_S": "40",
+        "PATH": "/usr/bin:/bin",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHILD_S
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["600.0", "123.0", "7.5", "100.0"]
 
@@ -77,8 +95,11 @@ def test_public_aliases_and_users_read_the_table():
 @pytest.mark.parametrize("raw", ["abc", "0", "-5", "inf", "nan", "1e300", "10000001"])
 def test_bad_override_is_refused_naming_the_variable(raw):
     entry = next(t for t in timeouts.TABLE if t.name == "AGREE_S")
-    with pytest.raises(UsageError, match=rf"MOEVERIFY_AGREE_TIMEOUT_S={raw!r}: expected a positive number of seconds, "
-                                         r"at most 10000000"):
+    with pytest.raises(
+        UsageError,
+        match=rf"MOEVERIFY_AGREE_TIMEOUT_S={raw!r}: expected a positive number of seconds, "
+        r"at most 10000000",
+    ):
         entry.seconds({"MOEVERIFY_AGREE_TIMEOUT_S": raw})
     assert entry.seconds({}) == 60.0 and entry.seconds({"MOEVERIFY_AGREE_TIMEOUT_S": "2"}) == 2.0
     assert entry.seconds({"MOEVERIFY_AGREE_TIMEOUT_S": "10000000"}) == timeouts.MAX_S
@@ -86,27 +107,36 @@ def test_bad_override_is_refused_naming_the_variable(raw):
 
 ENVS = [t.env for t in timeouts.TABLE if t.env]
 # Every module that reads a timeout, and the public aliases: importing them reads none.
-IMPORTS = ("import moeverify.cli, moeverify.runtime, moeverify.runtime.outcome, moeverify.runner.launch, "
-           "moeverify.runner.worker, moeverify.runner.nodes, moeverify.oracles.export.oracle, "
-           "moeverify.oracles.context, moeverify.patches.autopatch_dump")
+IMPORTS = (
+    "import moeverify.cli, moeverify.runtime, moeverify.runtime.outcome, moeverify.runner.launch, "
+    "moeverify.runner.worker, moeverify.runner.nodes, moeverify.oracles.export.oracle, "
+    "moeverify.oracles.context, moeverify.patches.autopatch_dump"
+)
 
 
 @pytest.mark.timing
 def test_bad_overrides_break_no_import_and_not_help():
     bad = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **dict.fromkeys(ENVS, "soon")}
-    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, env=bad, capture_output=True, text=True,
-                         timeout=CHILD_S)
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS], cwd=ROOT, env=bad, capture_output=True, text=True, timeout=CHILD_S
+    )
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    out = subprocess.run([sys.executable, "-m", "moeverify", "--help"], cwd=ROOT, env=bad, capture_output=True,
-                         text=True, timeout=CHILD_S)
+    out = subprocess.run(
+        [sys.executable, "-m", "moeverify", "--help"],
+        cwd=ROOT,
+        env=bad,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_S,
+    )
     assert out.returncode == 0 and "run" in out.stdout and not out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("env", ENVS)
 def test_a_bad_override_is_refused_where_it_is_read(env, monkeypatch):
+    import moeverify.runtime as rt
     from moeverify.runner import launch
     from moeverify.runtime import outcome
-    import moeverify.runtime as rt
 
     monkeypatch.setenv(env, "-3")
     match = rf"^{env}='-3': expected a positive number of seconds"
@@ -115,9 +145,11 @@ def test_a_bad_override_is_refused_where_it_is_read(env, monkeypatch):
         getattr(timeouts, name)
     with pytest.raises(UsageError, match=match):
         timeouts.check()
-    aliases = {"MOEVERIFY_COLLECTIVE_TIMEOUT_S": (rt, "DEFAULT_TIMEOUT_S"),
-               "MOEVERIFY_AGREE_TIMEOUT_S": (outcome, "AGREE_TIMEOUT_S"),
-               "MOEVERIFY_STARTUP_TIMEOUT_S": (launch, "STARTUP_SLACK_S")}
+    aliases = {
+        "MOEVERIFY_COLLECTIVE_TIMEOUT_S": (rt, "DEFAULT_TIMEOUT_S"),
+        "MOEVERIFY_AGREE_TIMEOUT_S": (outcome, "AGREE_TIMEOUT_S"),
+        "MOEVERIFY_STARTUP_TIMEOUT_S": (launch, "STARTUP_SLACK_S"),
+    }
     if env in aliases:
         with pytest.raises(UsageError, match=match):
             getattr(*aliases[env])

@@ -35,8 +35,12 @@ def _marked(decorators) -> bool:
 def unmarked_waits(text: str) -> list[str]:
     """Names of the test functions of a module's source that wait without the ``timing`` marker."""
     tree = ast.parse(text)
-    if any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
-           and "timing" in ast.unparse(n.value) for n in tree.body):
+    if any(
+        isinstance(n, ast.Assign)
+        and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+        and "timing" in ast.unparse(n.value)
+        for n in tree.body
+    ):
         return []
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     waits = {name for name, fn in functions.items() if _waits(fn)}
@@ -57,8 +61,10 @@ def test_every_waiting_unit_test_is_marked_timing():
 
 
 def test_the_finder_sees_a_wait_in_a_helper_and_accepts_a_marker():
-    text = ("import time\ndef _helper():\n    time.sleep(1)\ndef test_a():\n    _helper()\n"
-            "@pytest.mark.timing\ndef test_b():\n    time.sleep(1)\ndef test_c():\n    pass\n")
+    text = (
+        "import time\ndef _helper():\n    time.sleep(1)\ndef test_a():\n    _helper()\n"
+        "@pytest.mark.timing\ndef test_b():\n    time.sleep(1)\ndef test_c():\n    pass\n"
+    )
     assert unmarked_waits(text) == ["test_a"]
     assert unmarked_waits("pytestmark = pytest.mark.timing\n" + text) == []
 

@@ -14,39 +14,57 @@ from moeverify.oracles.results import CheckRecord, Tally
 
 def config(*, bias=False, aux=0.0, z=None, balancing="aux_loss"):
     """The attributes of a megatron ``TransformerConfig`` the decision reads (``TransformerConfig``'s defaults)."""
-    return types.SimpleNamespace(moe_router_enable_expert_bias=bias, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z,
-                                 moe_router_load_balancing_type=balancing)
+    return types.SimpleNamespace(
+        moe_router_enable_expert_bias=bias,
+        moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=z,
+        moe_router_load_balancing_type=balancing,
+    )
 
 
-@pytest.mark.parametrize("traits_bias, cfg", [
-    (True, config(bias=True)),                  # expert bias alone (DeepSeek-V3's aux-loss-free routing)
-    (False, config(aux=0.001)),                 # aux loss alone
-    (False, config(aux=[0.0, 0.01], balancing=["aux_loss", "seq_aux_loss"])),   # one of several aux-loss types
-    (False, config(aux=0.01, balancing="global_aux_loss")),                       # Qwen3-Next's
-    (False, config(z=1e-3)),                    # z-loss alone
-])
+@pytest.mark.parametrize(
+    "traits_bias, cfg",
+    [
+        (True, config(bias=True)),  # expert bias alone (DeepSeek-V3's aux-loss-free routing)
+        (False, config(aux=0.001)),  # aux loss alone
+        (False, config(aux=[0.0, 0.01], balancing=["aux_loss", "seq_aux_loss"])),  # one of several aux-loss types
+        (False, config(aux=0.01, balancing="global_aux_loss")),  # Qwen3-Next's
+        (False, config(z=1e-3)),  # z-loss alone
+    ],
+)
 def test_token_counts_applies_with_any_of_bias_aux_z(traits_bias, cfg):
     assert not_applicable(expert_bias=traits_bias, config=cfg) is None
 
 
-@pytest.mark.parametrize("traits_bias, cfg", [
-    (False, config()),                          # DeepSeek-V2's tiny model
-    (False, config(aux=[0.0, 0.0], z=0.0, balancing=["aux_loss", "seq_aux_loss"])),
-    (False, config(aux=0.001, balancing="none")),   # GPT-OSS's bridge: a coefficient beside no aux-loss type
-    (False, config(aux=[0.01, 0.0], balancing=["none", "aux_loss"])),   # the coefficient > 0 is the "none" one's
-    (True, config(bias=False)),                 # a router variant that switched the model's bias off
-    (False, config(bias=True)),                 # the traits say the checkpoint has no bias to count with
-])
+@pytest.mark.parametrize(
+    "traits_bias, cfg",
+    [
+        (False, config()),  # DeepSeek-V2's tiny model
+        (False, config(aux=[0.0, 0.0], z=0.0, balancing=["aux_loss", "seq_aux_loss"])),
+        (False, config(aux=0.001, balancing="none")),  # GPT-OSS's bridge: a coefficient beside no aux-loss type
+        (False, config(aux=[0.01, 0.0], balancing=["none", "aux_loss"])),  # the coefficient > 0 is the "none" one's
+        (True, config(bias=False)),  # a router variant that switched the model's bias off
+        (False, config(bias=True)),  # the traits say the checkpoint has no bias to count with
+    ],
+)
 def test_token_counts_not_applicable_names_what_is_missing(traits_bias, cfg):
     why = not_applicable(expert_bias=traits_bias, config=cfg)
     assert "no expert bias" in why and "no aux loss (moe_aux_loss_coeff" in why and "no z-loss" in why
     assert f"moe_router_load_balancing_type {cfg.moe_router_load_balancing_type!r}" in why
 
 
-BALANCING = [("aux_loss", 0.001), ("seq_aux_loss", 0.01), ("global_aux_loss", 0.001), ("none", 0.001),
-             ("sinkhorn", 0.0), ("aux_loss", 0.0), (["aux_loss", "seq_aux_loss"], [0.0, 0.01]),
-             (["none", "aux_loss"], [0.01, 0.0]), (["seq_aux_loss", "global_aux_loss"], [0.0, 0.0]),
-             (["aux_loss", "aux_loss"], [0.0, 0.5])]
+BALANCING = [
+    ("aux_loss", 0.001),
+    ("seq_aux_loss", 0.01),
+    ("global_aux_loss", 0.001),
+    ("none", 0.001),
+    ("sinkhorn", 0.0),
+    ("aux_loss", 0.0),
+    (["aux_loss", "seq_aux_loss"], [0.0, 0.01]),
+    (["none", "aux_loss"], [0.01, 0.0]),
+    (["seq_aux_loss", "global_aux_loss"], [0.0, 0.0]),
+    (["aux_loss", "aux_loss"], [0.0, 0.5]),
+]
 
 
 @pytest.mark.parametrize("balancing, coeff", BALANCING)
@@ -82,8 +100,9 @@ def test_not_applicable_subcheck_reported_with_reason_and_not_counted_as_a_pass(
     assert both.passed
     bad = Tally()
     bad.fail("wrong")
-    assert not CheckRecord.from_tallies(scenario="s", check="replay", seconds=0.0,
-                                        tallies={"token_counts": na, "x": bad}).passed
+    assert not CheckRecord.from_tallies(
+        scenario="s", check="replay", seconds=0.0, tallies={"token_counts": na, "x": bad}
+    ).passed
 
 
 def test_a_subcheck_that_counted_items_cannot_be_marked_not_applicable():
@@ -98,15 +117,19 @@ def test_replay_report_marks_a_subcheck_not_applicable_only_where_no_variant_che
     variant's reason; applicable to one variant -> that variant's items count and no reason is shown."""
     import json
 
-    from moeverify.routing import views
-    from moeverify.spec.layout import Layout
     from moeverify.oracles.replay import oracle
+    from moeverify.routing import views
     from moeverify.spec.checks import ReplayOptions
+    from moeverify.spec.layout import Layout
     from moeverify.spec.router_variants import VARIANTS
 
     ctx = types.SimpleNamespace(rank=0, world_size=1, scenario=types.SimpleNamespace(name="s"))
-    opts = ReplayOptions(impl="moeverify", variants=(VARIANTS["default"],), subchecks=("token_counts", "weights"),
-                            notes_path=str(tmp_path / "notes.json"))
+    opts = ReplayOptions(
+        impl="moeverify",
+        variants=(VARIANTS["default"],),
+        subchecks=("token_counts", "weights"),
+        notes_path=str(tmp_path / "notes.json"),
+    )
     coords = views.rank_coords(Layout(), rank=0, world_size=1)
 
     def tallies(*, checked_in_padding: bool):
@@ -122,8 +145,12 @@ def test_replay_report_marks_a_subcheck_not_applicable_only_where_no_variant_che
         return out
 
     total = oracle._report(ctx, opts, coords, tallies(checked_in_padding=False), {"default": {}, "padding": {}}, {})
-    assert total["token_counts"].as_dict() == {"passed": True, "checked": 0, "failures": [], "not_applicable":
-                                               "[default] no bias in default; [padding] no bias in padding"}
+    assert total["token_counts"].as_dict() == {
+        "passed": True,
+        "checked": 0,
+        "failures": [],
+        "not_applicable": "[default] no bias in default; [padding] no bias in padding",
+    }
     notes = json.loads((tmp_path / "notes.json").read_text())
     assert notes["variants"]["default"]["subchecks"]["token_counts"]["not_applicable"] == "no bias in default"
     total = oracle._report(ctx, opts, coords, tallies(checked_in_padding=True), {"default": {}, "padding": {}}, {})

@@ -32,7 +32,7 @@ def padded(batch, width):
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     pad = torch.ones(len(batch), width, dtype=torch.bool)
     for b, s in enumerate(batch):
-        ids[b, :len(s)], pad[b, :len(s)] = s, False
+        ids[b, : len(s)], pad[b, : len(s)] = s, False
     return ids, pad
 
 
@@ -43,7 +43,7 @@ def packed(batch, *, slot=None):
     cu_pad = torch.tensor([0] + slots).cumsum(0)
     ids = torch.zeros(int(cu_pad[-1]) + 3, dtype=torch.long)  # 3 trailing pad tokens past the last slot
     for i, s in enumerate(batch):
-        ids[int(cu_pad[i]):int(cu_pad[i]) + len(s)] = s
+        ids[int(cu_pad[i]) : int(cu_pad[i]) + len(s)] = s
     return tk.packed_keys(ids[None], cu_seqlens=cu, cu_seqlens_padded=cu_pad)
 
 
@@ -53,8 +53,9 @@ def test_token_keys_invariant_to_batching_padding_and_packing():
     reference = by_token(tk.row_keys(whole_ids, padding_mask_BS=whole_pad), [0, 1, 2, 3])
     assert len(reference) == 24
     ids, pad = padded([data[3], data[0]], 11)  # other rows, order and right padding
-    assert by_token(tk.row_keys(ids, padding_mask_BS=pad), [3, 0]) == {k: v for k, v in reference.items()
-                                                                       if k[0] in (3, 0)}
+    assert by_token(tk.row_keys(ids, padding_mask_BS=pad), [3, 0]) == {
+        k: v for k, v in reference.items() if k[0] in (3, 0)
+    }
     thd = packed([data[2], data[1], data[0]], slot=9)  # packed, padded slots, trailing padding
     assert by_token(thd, [2, 1, 0]) == {k: v for k, v in reference.items() if k[0] in (2, 1, 0)}
     assert int(thd.pad_T.sum()) == thd.tokens - 16
@@ -70,7 +71,7 @@ def test_token_keys_left_and_both_side_padding_key_the_unpadded_sequence():
         ids = torch.zeros(len(data), width, dtype=torch.long)
         pad = torch.ones(len(data), width, dtype=torch.bool)
         for b, (s, first) in enumerate(zip(data, offsets, strict=True)):
-            ids[b, first:first + len(s)], pad[b, first:first + len(s)] = s, False
+            ids[b, first : first + len(s)], pad[b, first : first + len(s)] = s, False
         keys = tk.row_keys(ids, padding_mask_BS=pad)
         assert by_token(keys, [0, 1, 2]) == reference
         pad_T = pad.t().reshape(-1)
@@ -90,10 +91,12 @@ def test_token_keys_differ_for_other_prefixes_and_agree_on_shared_prompts():
     keys = by_token(tk.row_keys(torch.stack([a, b])), ["a", "b"])
     assert [keys[("a", s)] == keys[("b", s)] for s in range(5)] == [True, True, True, True, False]
     shifted = by_token(tk.row_keys(torch.cat([torch.tensor([0]), a])[None]), ["x"])
-    assert [shifted[("x", s + 1)] == keys[("a", s)] for s in range(5)] == [False] * 5  # position counts, not just content
+    assert [shifted[("x", s + 1)] == keys[("a", s)] for s in range(5)] == [
+        False
+    ] * 5  # position counts, not just content
     rows = torch.randint(0, 4, (64, 32), generator=torch.Generator().manual_seed(1))  # many shared prefixes
     many = tk.row_keys(rows)
-    prefixes = {tuple(row[:s + 1].tolist()) for row in rows for s in range(32)}
+    prefixes = {tuple(row[: s + 1].tolist()) for row in rows for s in range(32)}
     assert torch.unique(many.keys_2T[0]).numel() == torch.unique(many.keys_2T, dim=1).shape[1] == len(prefixes)
 
 
@@ -132,8 +135,11 @@ def test_route_table_finds_routes_across_batching_and_refuses_unknown_tokens():
     want = ids_TK.view(4, 3, 2)[:, [2, 0]].reshape(-1, 2)  # router order s * B + b
     assert torch.equal(found, want)
     other, _ = padded(seqs([4], seed=5), 4)
-    with pytest.raises(RouteError, match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0\)"
-                                         r" has no route recorded by this step's log-prob pass \(4 of 8 tokens"):
+    with pytest.raises(
+        RouteError,
+        match=r"layer 0 rank 0: training token 1 \(sequence 1 of this forward, position 0\)"
+        r" has no route recorded by this step's log-prob pass \(4 of 8 tokens",
+    ):
         look(table, tk.row_keys(torch.cat([ids[:1], other])))
 
 
@@ -150,8 +156,11 @@ def test_route_table_duplicate_keys_with_different_routes_refused_unless_first()
 def test_route_table_cap_on_recorded_tokens():
     table = RouteTable(max_tokens=10, num_experts=8)
     table.add_forward(tk.row_keys(torch.zeros(2, 4, dtype=torch.long)), rank=0)
-    with pytest.raises(RouteError, match=r"rank 0: 16 tokens of this step.s log-prob pass for one model chunk, "
-                                         r"over the cap of 10"):
+    with pytest.raises(
+        RouteError,
+        match=r"rank 0: 16 tokens of this step.s log-prob pass for one model chunk, "
+        r"over the cap of 10",
+    ):
         table.add_forward(tk.row_keys(torch.ones(2, 4, dtype=torch.long)), rank=0)
 
 
@@ -207,6 +216,6 @@ def test_token_keys_sequence_key_is_the_last_real_tokens_in_every_layout():
                 assert tuple(keys.last_2T[:, t].tolist()) == last[uids[seq]]
     keys = tk.row_keys(ids, padding_mask_BS=pad)
     half = tk.sequence_slice(keys, rank=1, size=2)
-    assert torch.equal(half.last_2T, keys.last_2T[:, keys.tokens // 2:])
+    assert torch.equal(half.last_2T, keys.last_2T[:, keys.tokens // 2 :])
     taken = tk.take(keys, torch.tensor([4, 0, 7]))
     assert torch.equal(taken.last_2T, keys.last_2T[:, [4, 0, 7]])

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from moeverify.errors import RouteError
-from moeverify.spec.layout import Layout
 from moeverify.patches import token_keys as tk
 from moeverify.routing.views import sequence_positions
+from moeverify.spec.layout import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "special_distributed" / "jobs"))
 from te_reference import te_thd_indices  # noqa: E402 (shared with the torchrun job)
@@ -34,8 +34,11 @@ def megatron_cp_split(val_BS: torch.Tensor, *, cp: int, rank: int) -> torch.Tens
 
 def by_position(keys: tk.TokenKeys) -> dict:
     """(row or packed sequence, position) -> key pair, padding left out."""
-    return {keys.locate(t): tuple(keys.keys_2T[:, t].tolist()) for t in range(keys.tokens)
-            if keys.pad_T is None or not bool(keys.pad_T[t])}
+    return {
+        keys.locate(t): tuple(keys.keys_2T[:, t].tolist())
+        for t in range(keys.tokens)
+        if keys.pad_T is None or not bool(keys.pad_T[t])
+    }
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -44,8 +47,9 @@ def test_token_keys_cp_zigzag_index_is_megatrons_split(cp):
     for rank in range(cp):
         expected = megatron_cp_split(positions, cp=cp, rank=rank)[0]
         assert torch.equal(tk.zigzag_index(positions.shape[1], rank=rank, size=cp), expected)
-        assert torch.equal(expected, sequence_positions(Layout(cp=cp), tp_rank=0, cp_rank=rank,
-                                                        seq_len=positions.shape[1]))
+        assert torch.equal(
+            expected, sequence_positions(Layout(cp=cp), tp_rank=0, cp_rank=rank, seq_len=positions.shape[1])
+        )
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -83,8 +87,9 @@ def test_token_keys_cp_then_sequence_parallel_slice_is_views_order():
         for tp_rank in range(tp):
             router = tk.sequence_slice(local, rank=tp_rank, size=tp)
             expected_S = sequence_positions(layout, tp_rank=tp_rank, cp_rank=cp_rank, seq_len=s)
-            assert [router.locate(t) for t in range(router.tokens)] == [(b, int(p)) for p in expected_S
-                                                                         for b in range(2)]
+            assert [router.locate(t) for t in range(router.tokens)] == [
+                (b, int(p)) for p in expected_S for b in range(2)
+            ]
             assert torch.equal(router.keys_2T, full.keys_2T[:, (expected_S[:, None] * 2 + torch.arange(2)).reshape(-1)])
 
 
@@ -97,7 +102,7 @@ def test_token_keys_cp_packed_slots_split_per_document_as_transformer_engine():
     ids = torch.zeros(int(cu_pad[-1]), dtype=torch.long)
     data = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
     for i, d in enumerate(data):
-        ids[int(cu_pad[i]):int(cu_pad[i]) + len(d)] = d
+        ids[int(cu_pad[i]) : int(cu_pad[i]) + len(d)] = d
     full = tk.packed_keys(ids[None], cu_seqlens=cu, cu_seqlens_padded=cu_pad)
     indices = [tk.thd_zigzag_index(cu_pad, rank=r, size=cp) for r in range(cp)]
     for r in range(cp):

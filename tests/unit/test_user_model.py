@@ -11,17 +11,27 @@ import torch
 from moeverify import cli
 from moeverify.errors import UsageError
 from moeverify.models import families, seeded
-from moeverify.spec.models import user
 from moeverify.models.builder import _moe_pattern
+from moeverify.spec.models import user
 from moeverify.spec.scenario import load, scenario_from_dict, scenario_to_dict
 
 CHECKS = ("roundtrip", "export", "replay")
 
 # A production-sized Qwen3-MoE config (transformers' defaults: 128 experts, 24 layers, hidden 2048) and the
 # overrides that make a CPU-sized model of the same architecture from it.
-SHRINK = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-              max_position_embeddings=256)
+SHRINK = dict(
+    num_hidden_layers=4,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=256,
+)
 
 
 @pytest.fixture
@@ -88,18 +98,33 @@ def test_real_weights_directory_is_used_as_it_is(tmp_path, monkeypatch):
     assert user.read(tmp_path / "mine" / "config.json", {"num_hidden_layers": 2}).weights_dir is None
 
 
-@pytest.mark.parametrize("setup, overrides, message", [
-    (lambda d: None, {}, "does not exist"),
-    (lambda d: d.mkdir(), {}, "has no config.json"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text("{nope")), {}, "not valid JSON"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text("[1]")), {}, "expected a JSON object, got list"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_bytes(b"\xff\xfe")), {}, "cannot read"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "qwen3_moe"}')), {}, "architectures"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text(
-        '{"model_type": "qwen3_moe", "architectures": ["NoSuchForCausalLM"]}')), {}, "has no class NoSuch"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text(
-        '{"model_type": "nonesuch", "architectures": ["Qwen3MoeForCausalLM"]}')), {}, "does not know model_type"),
-])
+@pytest.mark.parametrize(
+    "setup, overrides, message",
+    [
+        (lambda d: None, {}, "does not exist"),
+        (lambda d: d.mkdir(), {}, "has no config.json"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("{nope")), {}, "not valid JSON"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("[1]")), {}, "expected a JSON object, got list"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_bytes(b"\xff\xfe")), {}, "cannot read"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "qwen3_moe"}')), {}, "architectures"),
+        (
+            lambda d: (
+                d.mkdir(),
+                (d / "config.json").write_text('{"model_type": "qwen3_moe", "architectures": ["NoSuchForCausalLM"]}'),
+            ),
+            {},
+            "has no class NoSuch",
+        ),
+        (
+            lambda d: (
+                d.mkdir(),
+                (d / "config.json").write_text('{"model_type": "nonesuch", "architectures": ["Qwen3MoeForCausalLM"]}'),
+            ),
+            {},
+            "does not know model_type",
+        ),
+    ],
+)
 def test_bad_model_paths_are_refused_with_the_reason(tmp_path, setup, overrides, message):
     setup(tmp_path / "m")
     with pytest.raises(UsageError, match=message):
@@ -112,13 +137,16 @@ def test_pickled_weights_are_never_loaded(prod_dir):
         user.read(prod_dir)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"num_expert": 8}, r"num_expert: qwen3_moe's config has no such key \(did you mean num_experts"),
-    ({"num_hidden_layers": "four"}, "expected an int like the config's 24"),
-    ({"num_hidden_layers": 2.5}, "expected an int"),
-    ({"norm_topk_prob": 1}, "expected a bool"),
-    ({"num_experts": "8"}, "expected an int like the config's 128"),  # an alias is type-checked as its target
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_expert": 8}, r"num_expert: qwen3_moe's config has no such key \(did you mean num_experts"),
+        ({"num_hidden_layers": "four"}, "expected an int like the config's 24"),
+        ({"num_hidden_layers": 2.5}, "expected an int"),
+        ({"norm_topk_prob": 1}, "expected a bool"),
+        ({"num_experts": "8"}, "expected an int like the config's 128"),  # an alias is type-checked as its target
+    ],
+)
 def test_bad_overrides_are_refused(prod_dir, overrides, message):
     with pytest.raises(UsageError, match=message):
         user.read(prod_dir, overrides)
@@ -129,12 +157,15 @@ def test_override_read_by_the_modeling_code_only_is_accepted(prod_dir):
     assert user.read(prod_dir, {"head_dim": 16}).config["head_dim"] == 16
 
 
-@pytest.mark.parametrize("items, message", [
-    (["num_hidden_layers"], "expected key=value"),
-    (["=4"], "expected key=value"),
-    (["a=1", "a=2"], "a given twice"),
-    (["a=[1"], "not a plain value"),
-])
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        (["num_hidden_layers"], "expected key=value"),
+        (["=4"], "expected key=value"),
+        (["a=1", "a=2"], "a given twice"),
+        (["a=[1"], "not a plain value"),
+    ],
+)
 def test_parse_sets_refuses_malformed_items(items, message):
     with pytest.raises(UsageError, match=message):
         user.parse_sets(items)
@@ -142,19 +173,23 @@ def test_parse_sets_refuses_malformed_items(items, message):
 
 def test_parse_sets_reads_yaml_scalars():
     assert user.parse_sets(["a=4", "b=0.5", "c=true", "d=[1, 2]", "e=null", "f=silu"]) == dict(
-        a=4, b=0.5, c=True, d=[1, 2], e=None, f="silu")
+        a=4, b=0.5, c=True, d=[1, 2], e=None, f="silu"
+    )
 
 
-@pytest.mark.parametrize("config, layers", [
-    (dict(first_k_dense_replace=1), (1, 2, 3, 4, 5)),  # DeepSeek-V3, GLM-4.5, Kimi-K2
-    (dict(first_k_dense_replace=1, moe_layer_freq=2), (2, 4)),  # DeepSeek-V2 style
-    (dict(mlp_only_layers=[0, 3], decoder_sparse_step=1), (1, 2, 4, 5)),  # Qwen2/3-MoE
-    (dict(decoder_sparse_step=2), (1, 3, 5)),
-    (dict(moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=1), (1, 2, 3, 4)),  # Ernie-4.5
-    (dict(moe_layer_start_index=0, moe_layer_end_index=5, moe_layer_interval=2), (1, 3, 5)),  # (i + 1) % interval
-    (dict(mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse", "sparse"]), (1, 2, 4, 5)),
-    (dict(), (0, 1, 2, 3, 4, 5)),  # Mixtral, OLMoE, GPT-OSS: every layer
-])
+@pytest.mark.parametrize(
+    "config, layers",
+    [
+        (dict(first_k_dense_replace=1), (1, 2, 3, 4, 5)),  # DeepSeek-V3, GLM-4.5, Kimi-K2
+        (dict(first_k_dense_replace=1, moe_layer_freq=2), (2, 4)),  # DeepSeek-V2 style
+        (dict(mlp_only_layers=[0, 3], decoder_sparse_step=1), (1, 2, 4, 5)),  # Qwen2/3-MoE
+        (dict(decoder_sparse_step=2), (1, 3, 5)),
+        (dict(moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=1), (1, 2, 3, 4)),  # Ernie-4.5
+        (dict(moe_layer_start_index=0, moe_layer_end_index=5, moe_layer_interval=2), (1, 3, 5)),  # (i + 1) % interval
+        (dict(mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse", "sparse"]), (1, 2, 4, 5)),
+        (dict(), (0, 1, 2, 3, 4, 5)),  # Mixtral, OLMoE, GPT-OSS: every layer
+    ],
+)
 def test_moe_layer_rules(config, layers):
     shape = user.shape_of(dict(config, num_hidden_layers=6, num_attention_heads=4, num_local_experts=8))
     assert shape.moe_layers == layers
@@ -179,7 +214,9 @@ def _write(tmp_path, text: str) -> str:
 
 def test_scenario_file_model_relative_to_the_file_and_round_trip(tmp_path, prod_dir):
     sets = ", ".join(f"{k}: {json.dumps(v)}" for k, v in SHRINK.items())
-    path = _write(tmp_path, f"""
+    path = _write(
+        tmp_path,
+        f"""
         scenarios:
           - {{model: Qwen3-Prod, model_set: {{{sets}}}, world_size: 2, layout: {{ep: 2}}, checks: [export]}}
         matrix:
@@ -187,35 +224,46 @@ def test_scenario_file_model_relative_to_the_file_and_round_trip(tmp_path, prod_
             layouts: [{{pp: 2}}]
             world_size: 2
             checks: [roundtrip]
-    """)
+    """,
+    )
     first, second = load([path], checks=CHECKS)
     assert first.name.startswith("model:Qwen3-Prod+") and first.name.endswith("/ep2-dp2")
-    assert first.family == second.family and first.model == second.model and first.model.to_dict() == {"path": str(prod_dir.resolve()), "set": SHRINK}
+    assert (
+        first.family == second.family
+        and first.model == second.model
+        and first.model.to_dict() == {"path": str(prod_dir.resolve()), "set": SHRINK}
+    )
     back = scenario_from_dict(json.loads(json.dumps(scenario_to_dict(first))))
     assert back == first
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("{family: qwen3_moe, model: Qwen3-Prod, world_size: 1, checks: [export]}", "family or model, not both"),
-    ("{family: qwen3_moe, model_set: {a: 1}, world_size: 1, checks: [export]}", "model_set needs model"),
-    ("{model: 7, world_size: 1, checks: [export]}", "model must be a path"),
-    ("{model: Qwen3-Prod, model_set: [1], world_size: 1, checks: [export]}", "model_set must be a mapping"),
-    ("{model: {path: Qwen3-Prod, sett: {}}, world_size: 1, checks: [export]}", "unknown model key"),
-    ("{model: Qwen3-Prod, model_set: {num_expert: 8}, world_size: 1, checks: [export]}", "no such key"),
-    ("{model: Missing, world_size: 1, checks: [export]}", "s.yaml:2: .*Missing does not exist"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("{family: qwen3_moe, model: Qwen3-Prod, world_size: 1, checks: [export]}", "family or model, not both"),
+        ("{family: qwen3_moe, model_set: {a: 1}, world_size: 1, checks: [export]}", "model_set needs model"),
+        ("{model: 7, world_size: 1, checks: [export]}", "model must be a path"),
+        ("{model: Qwen3-Prod, model_set: [1], world_size: 1, checks: [export]}", "model_set must be a mapping"),
+        ("{model: {path: Qwen3-Prod, sett: {}}, world_size: 1, checks: [export]}", "unknown model key"),
+        ("{model: Qwen3-Prod, model_set: {num_expert: 8}, world_size: 1, checks: [export]}", "no such key"),
+        ("{model: Missing, world_size: 1, checks: [export]}", "s.yaml:2: .*Missing does not exist"),
+    ],
+)
 def test_bad_model_entries_are_refused(tmp_path, prod_dir, entry, message):
     with pytest.raises(UsageError, match=message):
         load([_write(tmp_path, f"scenarios:\n  - {entry}\n")], checks=CHECKS)
 
 
 def test_cli_model_replaces_families_and_skips_layouts_it_does_not_admit(tmp_path, prod_dir, capsys):
-    path = _write(tmp_path, """
+    path = _write(
+        tmp_path,
+        """
         scenarios:
           - {family: qwen2, world_size: 2, layout: {tp: 2}, checks: [roundtrip]}
           - {family: qwen3_moe, world_size: 2, layout: {tp: 2, sp: true}, checks: [export]}
           - {family: qwen3_moe, world_size: 2, layout: {ep: 2}, checks: [export]}
-    """)
+    """,
+    )
     # 3 query groups: tp2 does not divide them; ep2 still fits
     sets = _sets(dict(SHRINK, num_attention_heads=6, num_key_value_heads=3))
     argv = ["run", path, "--model", str(prod_dir), *[a for s in sets for a in ("--model-set", s)], "--list"]
@@ -268,20 +316,38 @@ def test_cpu_spec_refuses_what_it_cannot_rebuild():
     def olmoe_layer_spec(config):
         return None
 
-    plain = dict(softmax_type="vanilla", window_size=None, experimental_attention_variant=None,
-                 layernorm_zero_centered_gamma=False)
+    plain = dict(
+        softmax_type="vanilla",
+        window_size=None,
+        experimental_attention_variant=None,
+        layernorm_zero_centered_gamma=False,
+    )
     rebuilt = {default_layer_spec: "plain", get_gpt_decoder_block_spec: "block"}
-    assert _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, **plain), "f", rebuilt=rebuilt) == "plain"
-    assert _refuse_cpu_spec_gaps(NS(transformer_layer_spec=functools.partial(get_gpt_decoder_block_spec), **plain),
-                                 "f", rebuilt=rebuilt) == "block"
+    assert (
+        _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, **plain), "f", rebuilt=rebuilt) == "plain"
+    )
+    assert (
+        _refuse_cpu_spec_gaps(
+            NS(transformer_layer_spec=functools.partial(get_gpt_decoder_block_spec), **plain), "f", rebuilt=rebuilt
+        )
+        == "block"
+    )
     with pytest.raises(UsageError, match="f: without Transformer Engine.*own layer spec .*olmoe_layer_spec"):
         _refuse_cpu_spec_gaps(NS(transformer_layer_spec=olmoe_layer_spec, **plain), "f", rebuilt=rebuilt)
-    with pytest.raises(UsageError, match="does not reproduce experimental_attention_variant='gated_delta_net'"
-                                         ".*gpu_only"):  # linear attention under a spec that builds none
-        _refuse_cpu_spec_gaps(NS(transformer_layer_spec=default_layer_spec, softmax_type="learnable",
-                                 window_size=(127, 0), experimental_attention_variant="gated_delta_net",
-                                 layernorm_zero_centered_gamma=False), "f",
-                              rebuilt=rebuilt)
+    with pytest.raises(
+        UsageError, match="does not reproduce experimental_attention_variant='gated_delta_net'.*gpu_only"
+    ):  # linear attention under a spec that builds none
+        _refuse_cpu_spec_gaps(
+            NS(
+                transformer_layer_spec=default_layer_spec,
+                softmax_type="learnable",
+                window_size=(127, 0),
+                experimental_attention_variant="gated_delta_net",
+                layernorm_zero_centered_gamma=False,
+            ),
+            "f",
+            rebuilt=rebuilt,
+        )
 
 
 def test_cpu_spec_builds_gated_delta_net_and_zero_centered_rms_norms_only():
@@ -295,15 +361,25 @@ def test_cpu_spec_builds_gated_delta_net_and_zero_centered_rms_norms_only():
 
     hybrid = FamilySpec(linear_attention=True)
     rebuilt = {hybrid_spec: hybrid}
-    qwen3_next = dict(transformer_layer_spec=hybrid_spec, softmax_type="vanilla", window_size=None,
-                      normalization="RMSNorm", layernorm_zero_centered_gamma=True)
-    assert _refuse_cpu_spec_gaps(NS(**qwen3_next, experimental_attention_variant="gated_delta_net"), "f",
-                                 rebuilt=rebuilt) is hybrid
+    qwen3_next = dict(
+        transformer_layer_spec=hybrid_spec,
+        softmax_type="vanilla",
+        window_size=None,
+        normalization="RMSNorm",
+        layernorm_zero_centered_gamma=True,
+    )
+    assert (
+        _refuse_cpu_spec_gaps(NS(**qwen3_next, experimental_attention_variant="gated_delta_net"), "f", rebuilt=rebuilt)
+        is hybrid
+    )
     with pytest.raises(UsageError, match=r"experimental_attention_variant='dsa'"):
         _refuse_cpu_spec_gaps(NS(**qwen3_next, experimental_attention_variant="dsa"), "f", rebuilt=rebuilt)
     with pytest.raises(UsageError, match=r"layernorm_zero_centered_gamma=True with LayerNorm"):
-        _refuse_cpu_spec_gaps(NS(**dict(qwen3_next, normalization="LayerNorm"),
-                                 experimental_attention_variant="gated_delta_net"), "f", rebuilt=rebuilt)
+        _refuse_cpu_spec_gaps(
+            NS(**dict(qwen3_next, normalization="LayerNorm"), experimental_attention_variant="gated_delta_net"),
+            "f",
+            rebuilt=rebuilt,
+        )
 
 
 def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):
@@ -320,11 +396,20 @@ def test_seeded_weights_keep_an_expert_bias_parameter_in_fp32(tmp_path):
     assert gate.e_score_correction_bias.dtype == torch.float32
 
 
-@pytest.mark.parametrize("name, moe_layers", [
-    ("olmoe", (0, 1, 2, 3)), ("gpt_oss", (0, 1, 2, 3)), ("deepseek_v2", (1, 2, 3)), ("glm4_moe", (1, 2, 3)),
-    ("qwen3_next", (0, 1, 2, 3)), ("ernie45_moe", (1, 2, 3)), ("minimax_m2", (0, 1, 2, 3)),
-    ("qwen35_moe", (0, 1, 2, 3)), ("mixtral", (0, 1, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "name, moe_layers",
+    [
+        ("olmoe", (0, 1, 2, 3)),
+        ("gpt_oss", (0, 1, 2, 3)),
+        ("deepseek_v2", (1, 2, 3)),
+        ("glm4_moe", (1, 2, 3)),
+        ("qwen3_next", (0, 1, 2, 3)),
+        ("ernie45_moe", (1, 2, 3)),
+        ("minimax_m2", (0, 1, 2, 3)),
+        ("qwen35_moe", (0, 1, 2, 3)),
+        ("mixtral", (0, 1, 2, 3)),
+    ],
+)
 def test_family_configs_register_with_their_moe_layers(tmp_path, repo_root, name, moe_layers):
     shape = families.family_shape(user.read(_family_tool(repo_root).write(tmp_path, name)).ref)
     assert (shape.num_layers, shape.num_experts, shape.moe_layers) == (4, 8, moe_layers)
@@ -339,14 +424,21 @@ def _family_tool(repo_root):
     return tool
 
 
-@pytest.mark.parametrize("name, message", [
-    ("glm_moe_dsa", r"model:glm_moe_dsa: without Transformer Engine .*experimental_attention_variant='dsa'"),
-    ("mixtral", r"model:mixtral: Megatron-Bridge cannot convert it: .*'MixtralForCausalLM' is not yet supported"),
-    ("glm_moe_dsa_bare", r"model:glm_moe_dsa_bare: GLM5Bridge could not make a Megatron config from its config.json: "
-                         r"AttributeError: .*indexer_rope_interleave"),
-])
-def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo_root, monkeypatch, capsys,
-                                                                 name, message):
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("glm_moe_dsa", r"model:glm_moe_dsa: without Transformer Engine .*experimental_attention_variant='dsa'"),
+        ("mixtral", r"model:mixtral: Megatron-Bridge cannot convert it: .*'MixtralForCausalLM' is not yet supported"),
+        (
+            "glm_moe_dsa_bare",
+            r"model:glm_moe_dsa_bare: GLM5Bridge could not make a Megatron config from its config.json: "
+            r"AttributeError: .*indexer_rope_interleave",
+        ),
+    ],
+)
+def test_run_refuses_what_every_rank_would_refuse_before_torchrun(
+    tmp_path, repo_root, monkeypatch, capsys, name, message
+):
     import re
 
     from moeverify.runner import launch
@@ -361,14 +453,25 @@ def test_run_refuses_what_every_rank_would_refuse_before_torchrun(tmp_path, repo
         del config["indexer_rope_interleave"]
         model = model.rename(tmp_path / name)
         (model / "config.json").write_text(json.dumps(config))
-    code = cli.main(["run", str(repo_root / "scenarios" / "families.yaml"), "--model", str(model),
-                     "--backend", "cpu", "--run-dir", str(tmp_path / "runs")])
+    code = cli.main(
+        [
+            "run",
+            str(repo_root / "scenarios" / "families.yaml"),
+            "--model",
+            str(model),
+            "--backend",
+            "cpu",
+            "--run-dir",
+            str(tmp_path / "runs"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and re.search(message, err), err
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "glm4_moe", "olmoe", "minimax_m2", "ernie45_moe", "qwen3_next",
-                                  "qwen35_moe"])
+@pytest.mark.parametrize(
+    "name", ["deepseek_v2", "glm4_moe", "olmoe", "minimax_m2", "ernie45_moe", "qwen3_next", "qwen35_moe"]
+)
 def test_preflight_passes_a_model_the_cpu_path_rebuilds(tmp_path, repo_root, name):
     from moeverify.models import builder
 
@@ -381,11 +484,17 @@ def test_model_set_layer_count_carries_the_per_layer_lists(tmp_path, repo_root):
     model = _family_tool(repo_root).write(tmp_path, "qwen35_moe")  # layer_types: 3 linear, then full attention
     shrunk = user.read(model, {"num_hidden_layers": 2})
     assert shrunk.config["layer_types"] == ["linear_attention", "linear_attention"]
-    with pytest.raises(UsageError, match=r"num_hidden_layers=8 is more than the config's 4, whose layer_types has "
-                                         r"one entry per layer: give --model-set layer_types=\[...\] with 8 entries"):
+    with pytest.raises(
+        UsageError,
+        match=r"num_hidden_layers=8 is more than the config's 4, whose layer_types has "
+        r"one entry per layer: give --model-set layer_types=\[...\] with 8 entries",
+    ):
         user.read(model, {"num_hidden_layers": 8})
     grown = user.read(model, {"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 7 + ["full_attention"]})
     assert families.family_shape(grown.ref).num_layers == 8
-    with pytest.raises(UsageError, match=r"(?s)config class refuses this config: StrictDataclassClassValidationError.*"
-                                         r"layer_types"):
+    with pytest.raises(
+        UsageError,
+        match=r"(?s)config class refuses this config: StrictDataclassClassValidationError.*"
+        r"layer_types",
+    ):
         user.read(model, {"num_hidden_layers": 2, "layer_types": ["linear_attention", "nonsense"]})

@@ -26,7 +26,7 @@ def weights_dir(tmp_path, monkeypatch):
 def _names(path) -> list[str]:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    return [k for k in json.loads(data[8:8 + n]) if k != "__metadata__"]
+    return [k for k in json.loads(data[8 : 8 + n]) if k != "__metadata__"]
 
 
 def _index(directory, weight_map) -> None:
@@ -38,17 +38,24 @@ def test_an_index_that_matches_its_shards_is_read(weights_dir):
     assert user.read(weights_dir).weights_dir == weights_dir.resolve()
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    (lambda wm: wm.update({"model.layers.7.mlp.gate.weight": "model.safetensors"}),
-     r"^--model: .*model\.safetensors\.index\.json: weight_map names 'model\.layers\.7\.mlp\.gate\.weight' in "
-     r"model\.safetensors, which does not hold it: expected it in the file's header, which lists \d+ tensors "
-     r"\('lm_head\.weight', "),
-    (lambda wm: wm.update({"lm_head.weight": "model-00002-of-00002.safetensors"}),
-     r"weight_map names 'lm_head\.weight' in 'model-00002-of-00002\.safetensors', which is not a file in "),
-    (lambda wm: wm.update({"lm_head.weight": "../model.safetensors"}), r"which is not a file in "),
-    (lambda wm: wm.update({"lm_head.weight": 3}), r"expected a JSON object whose \"weight_map\" maps each tensor"),
-    (lambda wm: wm.clear(), r"expected a JSON object whose \"weight_map\""),
-])
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda wm: wm.update({"model.layers.7.mlp.gate.weight": "model.safetensors"}),
+            r"^--model: .*model\.safetensors\.index\.json: weight_map names 'model\.layers\.7\.mlp\.gate\.weight' in "
+            r"model\.safetensors, which does not hold it: expected it in the file's header, which lists \d+ tensors "
+            r"\('lm_head\.weight', ",
+        ),
+        (
+            lambda wm: wm.update({"lm_head.weight": "model-00002-of-00002.safetensors"}),
+            r"weight_map names 'lm_head\.weight' in 'model-00002-of-00002\.safetensors', which is not a file in ",
+        ),
+        (lambda wm: wm.update({"lm_head.weight": "../model.safetensors"}), r"which is not a file in "),
+        (lambda wm: wm.update({"lm_head.weight": 3}), r"expected a JSON object whose \"weight_map\" maps each tensor"),
+        (lambda wm: wm.clear(), r"expected a JSON object whose \"weight_map\""),
+    ],
+)
 def test_an_index_naming_what_no_shard_holds_is_refused(weights_dir, change, match):
     weight_map = dict.fromkeys(_names(weights_dir / "model.safetensors"), "model.safetensors")
     change(weight_map)
@@ -57,13 +64,19 @@ def test_an_index_naming_what_no_shard_holds_is_refused(weights_dir, change, mat
         user.read(weights_dir)
 
 
-@pytest.mark.parametrize(("write", "match"), [
-    (lambda d: (d / user.INDEX).write_text("{nope"), r"model\.safetensors\.index\.json: not valid JSON"),
-    (lambda d: (d / user.INDEX).write_text("[1]"), r"expected a JSON object whose \"weight_map\""),
-    (lambda d: (d / "model.safetensors").write_bytes(b"\x05"), r"model\.safetensors: not a safetensors file"),
-    (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), r"not a safetensors file"),
-    (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"nope"), r"its header is not JSON"),
-])
+@pytest.mark.parametrize(
+    ("write", "match"),
+    [
+        (lambda d: (d / user.INDEX).write_text("{nope"), r"model\.safetensors\.index\.json: not valid JSON"),
+        (lambda d: (d / user.INDEX).write_text("[1]"), r"expected a JSON object whose \"weight_map\""),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x05"), r"model\.safetensors: not a safetensors file"),
+        (
+            lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}"),
+            r"not a safetensors file",
+        ),
+        (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"nope"), r"its header is not JSON"),
+    ],
+)
 def test_unreadable_indexes_and_headers_are_refused(weights_dir, write, match):
     write(weights_dir)
     with pytest.raises(UsageError, match=match):

@@ -46,8 +46,14 @@ pytestmark = [pytest.mark.skipif(_verl_reason() is not None, reason=_verl_reason
 
 def run_peer(micro_batch_size: int) -> dict:
     env = dict(os.environ, MOEVERIFY_VERL_MBS=str(micro_batch_size), MOEVERIFY_TEST_BACKEND="cpu")
-    done = subprocess.run([sys.executable, str(HERE / "verl_actor_peer.py")], env=env, cwd=HERE.parent.parent,
-                          capture_output=True, text=True, timeout=CHILD_S)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "verl_actor_peer.py")],
+        env=env,
+        cwd=HERE.parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_S,
+    )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("VERL_ACTOR_RESULT ")]
     assert done.returncode == 0 and lines, f"rc {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return json.loads(lines[-1].split(" ", 1)[1])

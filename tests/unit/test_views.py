@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from moeverify.errors import LayoutError, RouteError
-from moeverify.spec.layout import Layout
 from moeverify.routing.routes import Routes
 from moeverify.routing.views import RankCoords, all_rank_coords, chunk_layers, layers_of, rank_coords, token_index
+from moeverify.spec.layout import Layout
 from moeverify.views import to_global, to_local  # the public face keeps the function form
 
 
@@ -30,21 +30,23 @@ def _random_routes(*, layers, tokens, microbatches=2, experts=8, topk=2, seed=0)
     gen = torch.Generator().manual_seed(seed)
     per_layer = {}
     for layer in layers:
-        per_layer[layer] = [torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
-                            for _ in range(microbatches)]
+        per_layer[layer] = [
+            torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices for _ in range(microbatches)
+        ]
     return Routes(per_layer, num_experts=experts, topk=topk)
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(tp=2, sp=True), Layout(tp=2), Layout(cp=2),
-                                    Layout(cp=2, tp=2, sp=True), Layout(cp=3)])
+@pytest.mark.parametrize(
+    "layout", [Layout(), Layout(tp=2, sp=True), Layout(tp=2), Layout(cp=2), Layout(cp=2, tp=2, sp=True), Layout(cp=3)]
+)
 @pytest.mark.parametrize("zigzag", [True, False])
 def test_token_index_matches_megatron_slicing(layout, zigzag):
     for tp_rank in range(layout.tp):
         for cp_rank in range(layout.cp):
-            got = token_index(layout, tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=1, seq_len=24, batch=3,
-                              zigzag=zigzag)
-            want = _reference_local_ids(layout, tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=1, seq_len=24,
-                                        batch=3, zigzag=zigzag)
+            got = token_index(layout, tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=1, seq_len=24, batch=3, zigzag=zigzag)
+            want = _reference_local_ids(
+                layout, tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=1, seq_len=24, batch=3, zigzag=zigzag
+            )
             assert torch.equal(got, want)
 
 
@@ -79,8 +81,11 @@ def test_layers_of_mixed_dense_moe_stack():
 
 
 def test_layers_of_moe_layer_out_of_range_raises():
-    with pytest.raises(LayoutError, match=r"moe_layers \[9\] outside \[0, num_layers=4\), and not MTP layers numbered "
-                                          r"num_layers \+ i \(4, 5, ...\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"moe_layers \[9\] outside \[0, num_layers=4\), and not MTP layers numbered "
+        r"num_layers \+ i \(4, 5, ...\)",
+    ):
         layers_of(Layout(), pp_rank=0, num_layers=4, moe_layers=(1, 9))
 
 
@@ -113,11 +118,20 @@ def test_to_global_round_trips_local_views(layout, world, zigzag):
     seq_len, batch, num_layers, moe = 8, 2, 8, (1, 2, 3, 5, 7)
     dp = layout.dp(world)
     global_routes = _random_routes(layers=moe, tokens=dp * batch * seq_len)
-    local = {c: to_local(global_routes, layout, coords=c, seq_len=seq_len, batch=batch, num_layers=num_layers,
-                         zigzag=zigzag)
-             for c in all_rank_coords(layout, world_size=world)}
-    back = to_global(local, layout, world_size=world, seq_len=seq_len, batch=batch, num_layers=num_layers,
-                     moe_layers=moe, zigzag=zigzag)
+    local = {
+        c: to_local(global_routes, layout, coords=c, seq_len=seq_len, batch=batch, num_layers=num_layers, zigzag=zigzag)
+        for c in all_rank_coords(layout, world_size=world)
+    }
+    back = to_global(
+        local,
+        layout,
+        world_size=world,
+        seq_len=seq_len,
+        batch=batch,
+        num_layers=num_layers,
+        moe_layers=moe,
+        zigzag=zigzag,
+    )
     assert back == global_routes
 
 
@@ -131,25 +145,32 @@ def test_to_local_sp_rank_sees_its_slice():
 
 
 def test_to_local_variable_seq_len_per_microbatch():
-    routes = Routes({0: [torch.zeros(8, 1, dtype=torch.int64), torch.zeros(12, 1, dtype=torch.int64)]},
-                    num_experts=2, topk=1)
-    local = to_local(routes, Layout(cp=2), coords=RankCoords(rank=0), seq_len=[4, 6], batch=2, num_layers=1,
-                     zigzag=False)
+    routes = Routes(
+        {0: [torch.zeros(8, 1, dtype=torch.int64), torch.zeros(12, 1, dtype=torch.int64)]}, num_experts=2, topk=1
+    )
+    local = to_local(
+        routes, Layout(cp=2), coords=RankCoords(rank=0), seq_len=[4, 6], batch=2, num_layers=1, zigzag=False
+    )
     assert [local.get(0, m).shape[0] for m in range(2)] == [4, 6]
 
 
 def test_to_global_replica_mismatch_names_ranks():
     layout = Layout(tp=2)
     global_routes = _random_routes(layers=(0,), tokens=8, microbatches=1)
-    local = {c: to_local(global_routes, layout, coords=c, seq_len=4, batch=2, num_layers=1)
-             for c in all_rank_coords(layout, world_size=2)}
+    local = {
+        c: to_local(global_routes, layout, coords=c, seq_len=4, batch=2, num_layers=1)
+        for c in all_rank_coords(layout, world_size=2)
+    }
     c1 = next(c for c in local if c.rank == 1)
     bad = local[c1].get(0, 0).clone()
     bad[3] = (bad[3] + 1) % 8
     bad[3, 1] = (bad[3, 0] + 1) % 8
     local[c1] = local[c1].replace(0, 0, bad)
-    with pytest.raises(RouteError, match=r"layer 0 mb 0: replicas disagree on 1 token\(s\); first global token 5: "
-                                         r"rank 1 \(tp1 .*rank 0 \(tp0"):
+    with pytest.raises(
+        RouteError,
+        match=r"layer 0 mb 0: replicas disagree on 1 token\(s\); first global token 5: "
+        r"rank 1 \(tp1 .*rank 0 \(tp0",
+    ):
         to_global(local, layout, world_size=2, seq_len=4, batch=2, num_layers=1, moe_layers=(0,))
 
 
@@ -188,10 +209,12 @@ def test_views_mtp_layer_numbered_after_the_decoder_goes_with_the_last_stage(lay
     from moeverify.routing.routes import Routes
 
     n, seq, batch = 4, 6, 2
-    engine = torch.stack([torch.stack([torch.tensor([(t + c) % 8, (t + c + 3) % 8]) for c in range(5)])
-                          for t in range(seq * batch)])  # [T, 5 columns: 4 decoder layers + 1 MTP, K]
-    routes = Routes.from_rollout(engine[:, [1, 2, 3, 4]], layers=[1, 2, 3, n], num_experts=8, num_layers=n,
-                                 numbering="routers")
+    engine = torch.stack(
+        [torch.stack([torch.tensor([(t + c) % 8, (t + c + 3) % 8]) for c in range(5)]) for t in range(seq * batch)]
+    )  # [T, 5 columns: 4 decoder layers + 1 MTP, K]
+    routes = Routes.from_rollout(
+        engine[:, [1, 2, 3, 4]], layers=[1, 2, 3, n], num_experts=8, num_layers=n, numbering="routers"
+    )
     for rank in range(world):
         coords = views.rank_coords(layout, rank=rank, world_size=world)
         local = routes.to_local(layout, coords=coords, seq_len=seq, batch=batch, num_layers=n)

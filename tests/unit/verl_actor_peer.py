@@ -54,35 +54,81 @@ def _cpu_platform():
     from verl.plugin.platform.platform_base import PlatformBase
 
     zero = lambda *a, **k: 0  # noqa: E731
-    device = types.SimpleNamespace(max_memory_allocated=zero, max_memory_reserved=zero, memory_allocated=zero,
-                                   memory_reserved=zero, empty_cache=lambda: None, synchronize=lambda *a: None,
-                                   current_device=lambda: "cpu", is_available=lambda: True, device_count=lambda: 1,
-                                   manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed)
+    device = types.SimpleNamespace(
+        max_memory_allocated=zero,
+        max_memory_reserved=zero,
+        memory_allocated=zero,
+        memory_reserved=zero,
+        empty_cache=lambda: None,
+        synchronize=lambda *a: None,
+        current_device=lambda: "cpu",
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+    )
 
     class PlatformCPU(PlatformBase):
         device_name = property(lambda self: "cpu")
         vendor_name = property(lambda self: "cpu")
         device_module = property(lambda self: device)
 
-        def is_available(self): return True
-        def current_device(self): return "cpu"
-        def device_count(self): return 1
-        def set_device(self, index): pass
-        def synchronize(self, index=None): pass
-        def manual_seed(self, seed): torch.manual_seed(seed)
-        def manual_seed_all(self, seed): torch.manual_seed(seed)
-        def set_allocator_settings(self, settings): pass
-        def empty_cache(self): pass
-        def get_device_capability(self, index=0): return None, None
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-        def nvtx_range(self, msg): return contextlib.nullcontext()
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_resource_name(self): return "CPU"
-        def ray_noset_envvars(self): return []
-        def is_ipc_supported(self): return False
-        def cudart(self): return None
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, index):
+            pass
+
+        def synchronize(self, index=None):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def get_device_capability(self, index=0):
+            return None, None
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg):
+            return contextlib.nullcontext()
+
+        def profiler_start(self):
+            pass
+
+        def profiler_stop(self):
+            pass
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
 
     pm.PlatformRegistry.register(platform="cpu")(PlatformCPU)
     pm.set_platform(PlatformCPU())
@@ -112,16 +158,20 @@ def make_engine(cls, chunk, *, micro_batch_size):
     from verl.workers.config import McoreEngineConfig
 
     engine = cls.__new__(cls)
-    engine.engine_config = McoreEngineConfig(use_remove_padding=False, pad_bshd_to_minibatch_max=False,
-                                             micro_batch_size_per_gpu=micro_batch_size)
+    engine.engine_config = McoreEngineConfig(
+        use_remove_padding=False, pad_bshd_to_minibatch_max=False, micro_batch_size_per_gpu=micro_batch_size
+    )
     engine.module = [chunk]
     engine.tf_config = chunk.config
     engine.enable_routing_replay = False  # verl's own replay off: moeverify's in-job R3 replays
     engine._is_offload_param = engine._is_offload_optimizer = False
     engine.mode = None
     engine.model_config = types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]), mtp=types.SimpleNamespace(enable=False),
-        tokenizer=types.SimpleNamespace(pad_token_id=0), get=lambda key, default=None: default)
+        hf_config=types.SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]),
+        mtp=types.SimpleNamespace(enable=False),
+        tokenizer=types.SimpleNamespace(pad_token_id=0),
+        get=lambda key, default=None: default,
+    )
     engine.optimizer = SGDBehindMegatronOptimizer(chunk.parameters())
     chunk.zero_grad_buffer = lambda: None  # no DDP grad buffer on this chunk
     return engine
@@ -139,10 +189,10 @@ def verl_batch(prompts, answers, routes, *, prompt_width, response_width):
     response_mask = torch.zeros(b, response_width, dtype=torch.long)
     for i, (p, a, r) in enumerate(zip(prompts, answers, routes, strict=True)):
         first = prompt_width - len(p)
-        ids[i, first:prompt_width], ids[i, prompt_width:prompt_width + len(a)] = p, a
-        mask[i, first:prompt_width + len(a)] = 1
-        response_mask[i, :len(a)] = 1
-        routed[i, first:first + len(p) + len(a) - 1] = r[:-1]
+        ids[i, first:prompt_width], ids[i, prompt_width : prompt_width + len(a)] = p, a
+        mask[i, first : prompt_width + len(a)] = 1
+        response_mask[i, : len(a)] = 1
+        routed[i, first : first + len(p) + len(a) - 1] = r[:-1]
     return ids, mask, routed, response_mask
 
 
@@ -154,14 +204,30 @@ def engine_batch(ids, mask, routed, response_mask, *, prompt_width, micro_batch_
     from verl.workers.utils.padding import left_right_2_no_padding
 
     b = ids.shape[0]
-    td = TensorDict({"input_ids": ids.clone(), "attention_mask": mask.clone(), "response_mask": response_mask.clone(),
-                     "position_ids": (torch.cumsum(mask, 1) - 1).clamp(min=0), "routed_experts": routed.clone(),
-                     "prompts": ids[:, :prompt_width].clone(), "responses": ids[:, prompt_width:].clone(),
-                     "temperature": torch.ones(b)}, batch_size=[b])
+    td = TensorDict(
+        {
+            "input_ids": ids.clone(),
+            "attention_mask": mask.clone(),
+            "response_mask": response_mask.clone(),
+            "position_ids": (torch.cumsum(mask, 1) - 1).clamp(min=0),
+            "routed_experts": routed.clone(),
+            "prompts": ids[:, :prompt_width].clone(),
+            "responses": ids[:, prompt_width:].clone(),
+            "temperature": torch.ones(b),
+        },
+        batch_size=[b],
+    )
     td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, use_remove_padding=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
-                         max_token_len_per_gpu=4096, use_fused_kernels=False, calculate_entropy=False,
-                         global_batch_size=b)
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=False,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch_size,
+        max_token_len_per_gpu=4096,
+        use_fused_kernels=False,
+        calculate_entropy=False,
+        global_batch_size=b,
+    )
     return td
 
 
@@ -195,15 +261,16 @@ def main() -> dict:
         answers = random_sequences(vocab, [4, 2, 5, 3], 72)
         sequences = [torch.cat([p, a]) for p, a in zip(prompts, answers, strict=True)]
         routes = engine_routes(rollout_model, sequences)  # [S, L, K] per request, as the engine routed
-        ids, mask, routed, response_mask = verl_batch(prompts, answers, routes, prompt_width=prompt_width,
-                                                      response_width=response_width)
+        ids, mask, routed, response_mask = verl_batch(
+            prompts, answers, routes, prompt_width=prompt_width, response_width=response_width
+        )
         result["held"] = injob.add_routes(version=3, input_ids=ids, attention_mask=mask, routes=routed)
         engine = make_engine(engine_cls, actor, micro_batch_size=micro_batch_size)
         spy = Spy(actor)
 
         def checked(calls) -> int:
             # micro-batches in batch order; under micro-batch size 1 each is one sequence with no padding
-            per = [calls[j:j + LAYERS] for j in range(0, len(calls), LAYERS)]
+            per = [calls[j : j + LAYERS] for j in range(0, len(calls), LAYERS)]
             assert len(per) == len(sequences) // micro_batch_size, [c[0] for c in calls]
             n = 0
             for i, mb in enumerate(per):
@@ -218,15 +285,22 @@ def main() -> dict:
 
         try:
             with engine.eval_mode():  # ActorRolloutRefWorker.compute_log_prob -> TrainingWorker.infer_batch
-                out = engine.infer_batch(engine_batch(ids, mask, routed, response_mask, prompt_width=prompt_width,
-                                                      micro_batch_size=micro_batch_size))
+                out = engine.infer_batch(
+                    engine_batch(
+                        ids, mask, routed, response_mask, prompt_width=prompt_width, micro_batch_size=micro_batch_size
+                    )
+                )
             log_probs = out["model_output"]["log_probs"]
             result["log_probs_tokens"] = int(log_probs.values().numel())
             result["log_prob_checked"] = checked(spy.take())
             before = [p.detach().clone() for p in actor.parameters()]
             with engine.train_mode():  # update_actor -> TrainingWorker.train_batch -> engine.train_batch
-                out = engine.train_batch(engine_batch(ids, mask, routed, response_mask, prompt_width=prompt_width,
-                                                      micro_batch_size=micro_batch_size), loss_function=policy_loss)
+                out = engine.train_batch(
+                    engine_batch(
+                        ids, mask, routed, response_mask, prompt_width=prompt_width, micro_batch_size=micro_batch_size
+                    ),
+                    loss_function=policy_loss,
+                )
             result["grad_norm"] = float(out["metrics"]["grad_norm"])
             result["train_checked"] = checked(spy.take())
             result["params_moved"] = any(not torch.equal(a, p) for a, p in zip(before, actor.parameters(), strict=True))

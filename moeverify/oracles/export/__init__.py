@@ -23,6 +23,17 @@ from moeverify.oracles.export.collect import SUBCHECKS
 from moeverify.oracles.export.oracle import SubjectContext, load_subject, run, run_export, run_subject
 from moeverify.oracles.export.rows import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
 
-__all__ = ["ShardRow", "Slot", "RangeSlot", "RunSlot", "DeferredSlots", "SubjectContext", "load_subject", "run", "run_export",
-           "run_subject",
-           "SUBCHECKS", "checkpoint_shapes"]
+__all__ = [
+    "ShardRow",
+    "Slot",
+    "RangeSlot",
+    "RunSlot",
+    "DeferredSlots",
+    "SubjectContext",
+    "load_subject",
+    "run",
+    "run_export",
+    "run_subject",
+    "SUBCHECKS",
+    "checkpoint_shapes",
+]

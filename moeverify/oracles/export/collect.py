@@ -12,12 +12,14 @@ import collections
 
 import torch
 
-from moeverify.spec.checks import CHECKS
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.results import Tally
+from moeverify.spec.checks import CHECKS
 
-SUBCHECKS = CHECKS["export"].subchecks  # lockstep, slot_tables, coverage, conflicts, replicas, ... (moeverify.spec.checks)
+SUBCHECKS = CHECKS[
+    "export"
+].subchecks  # lockstep, slot_tables, coverage, conflicts, replicas, ... (moeverify.spec.checks)
 # emitted only with the check's options: ``refresh`` (refresh.py), ``receiver`` and, with both, ``receiver_reload``
 OPTIONAL_SUBCHECKS = CHECKS["export"].optional_subchecks
 ALL_SUBCHECKS = SUBCHECKS + OPTIONAL_SUBCHECKS  # every name the export check can emit
@@ -37,8 +39,15 @@ def _names(names, limit: int = 8) -> str:
 class Collector:
     """Rank 0 state for one export check."""
 
-    def __init__(self, *, tallies: dict[str, Tally], tables: list[list[tuple[str, tuple]]],
-                 checkpoint_names: set[str] | dict[str, tuple[int, ...]], world_size: int, sink=None) -> None:
+    def __init__(
+        self,
+        *,
+        tallies: dict[str, Tally],
+        tables: list[list[tuple[str, tuple]]],
+        checkpoint_names: set[str] | dict[str, tuple[int, ...]],
+        world_size: int,
+        sink=None,
+    ) -> None:
         self.t = tallies
         self.sink = sink  # called as sink(name, tensor) with each merged subject tensor once it is checked
         self.world_size = world_size
@@ -66,9 +75,15 @@ class Collector:
     # -- merges -------------------------------------------------------------------------------
     def merge_for(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorMerge:
         if name not in self.merges:
-            self.merges[name] = TensorMerge(name=name, shape=shape, dtype=dtype, world_size=self.world_size,
-                                            conflicts=self.t["conflicts"], replicas=self.t["replicas"],
-                                            reference=self.held.get(name))
+            self.merges[name] = TensorMerge(
+                name=name,
+                shape=shape,
+                dtype=dtype,
+                world_size=self.world_size,
+                conflicts=self.t["conflicts"],
+                replicas=self.t["replicas"],
+                reference=self.held.get(name),
+            )
         return self.merges[name]
 
     def backs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -78,8 +93,9 @@ class Collector:
 
     def nbytes(self) -> int:
         """Bytes held: open merges and reference tensors kept for later (the memory gate's input)."""
-        return (sum(m.nbytes for m in self.merges.values())
-                + sum(t.numel() * t.element_size() for t in self.held.values()))
+        return sum(m.nbytes for m in self.merges.values()) + sum(
+            t.numel() * t.element_size() for t in self.held.values()
+        )
 
     def row_done(self, index: int, table: list[tuple[str, tuple]]) -> None:
         """After row ``index``: merges it finished become complete; check those whose reference is held."""
@@ -137,8 +153,10 @@ class Collector:
         merge = self.merges.pop(name, None)
         if merge is None:  # a row named it but no rank could send (e.g. its row was skipped)
             if reference is not None:
-                self.t["coverage"].fail(f"{name}: no piece was merged (its row was skipped); "
-                                        f"{reference.numel()} element(s) unwritten", n=max(reference.numel(), 1))
+                self.t["coverage"].fail(
+                    f"{name}: no piece was merged (its row was skipped); {reference.numel()} element(s) unwritten",
+                    n=max(reference.numel(), 1),
+                )
             return
         merge.check_coverage(self.t["coverage"])
         if reference is None:
@@ -160,17 +178,27 @@ class Collector:
             bad |= reference - subject
         if subject - reference:
             blamed = (subject & checkpoint) - reference
-            tally.fail(f"extra in the subject (not in the reference): {_names(subject - reference)}"
-                       + (f"; {len(blamed)} of them are in the source checkpoint, which {REFERENCE} lacks "
-                          f"(see reference_keys): their bits were not compared" if blamed else ""))
+            tally.fail(
+                f"extra in the subject (not in the reference): {_names(subject - reference)}"
+                + (
+                    f"; {len(blamed)} of them are in the source checkpoint, which {REFERENCE} lacks "
+                    f"(see reference_keys): their bits were not compared"
+                    if blamed
+                    else ""
+                )
+            )
             bad |= subject - reference
         if checkpoint - subject - reference:
-            tally.fail(f"missing from the subject and the reference (in the source checkpoint): "
-                       f"{_names(checkpoint - subject - reference)}")
+            tally.fail(
+                f"missing from the subject and the reference (in the source checkpoint): "
+                f"{_names(checkpoint - subject - reference)}"
+            )
             bad |= checkpoint - subject - reference
         if (subject & reference) - checkpoint:
-            tally.fail(f"in the subject and the reference but not in the source checkpoint: "
-                       f"{_names((subject & reference) - checkpoint)}")
+            tally.fail(
+                f"in the subject and the reference but not in the source checkpoint: "
+                f"{_names((subject & reference) - checkpoint)}"
+            )
             bad |= (subject & reference) - checkpoint
         tally.ok(len(everything - bad))
 
@@ -185,11 +213,16 @@ class Collector:
             shapes = self.checkpoint_shapes or {}
             sent = {n: self.subject_elements[n] for n in missing if n in self.subject_elements}
             evidence = [f"{n} {tuple(shapes[n]) if n in shapes else ''}".rstrip() for n in sorted(missing)[:8]]
-            tally.fail(f"{REFERENCE} dropped {len(missing)} tensor(s) of the source checkpoint: "
-                       f"{evidence}{' (+more)' if len(missing) > 8 else ''} (name and checkpoint shape); "
-                       + (f"the subject exported {len(sent)} of them ({sum(sent.values())} element(s)), "
-                          f"unverified bit for bit for want of a reference" if sent
-                          else "the subject did not export them"))
+            tally.fail(
+                f"{REFERENCE} dropped {len(missing)} tensor(s) of the source checkpoint: "
+                f"{evidence}{' (+more)' if len(missing) > 8 else ''} (name and checkpoint shape); "
+                + (
+                    f"the subject exported {len(sent)} of them ({sum(sent.values())} element(s)), "
+                    f"unverified bit for bit for want of a reference"
+                    if sent
+                    else "the subject did not export them"
+                )
+            )
             bad |= missing
         if extra:
             tally.fail(f"{REFERENCE} exported {len(extra)} name(s) the source checkpoint lacks: {_names(extra)}")

@@ -40,8 +40,9 @@ class ReferenceFeed:
     travel to rank 0 as before).
     """
 
-    def __init__(self, reference, *, keep: bool, numels: dict[str, int], gate: bool = True,
-                 wanted: set[str] | None = None) -> None:
+    def __init__(
+        self, reference, *, keep: bool, numels: dict[str, int], gate: bool = True, wanted: set[str] | None = None
+    ) -> None:
         self._iter = iter(reference)
         self._keep = keep
         self._gate = gate
@@ -59,8 +60,9 @@ class ReferenceFeed:
         self._done = False
         self._stop = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(thread_context(),), daemon=True,
-                                        name="moeverify-export-reference")
+        self._thread = threading.Thread(
+            target=self._run, args=(thread_context(),), daemon=True, name="moeverify-export-reference"
+        )
 
     def start(self) -> ReferenceFeed:
         self._thread.start()

@@ -19,12 +19,14 @@ from moeverify.oracles.export.rows import expand_runs
 
 def as_runs(starts_R: torch.Tensor, lengths_R: torch.Tensor, rank: int) -> torch.Tensor:
     """``[R, 3]`` int64 rows ``(start, length, rank)``."""
-    return torch.stack([starts_R.to(torch.int64), lengths_R.to(torch.int64),
-                        torch.full_like(starts_R, rank, dtype=torch.int64)], dim=1)
+    return torch.stack(
+        [starts_R.to(torch.int64), lengths_R.to(torch.int64), torch.full_like(starts_R, rank, dtype=torch.int64)], dim=1
+    )
 
 
-def index_runs(positions_P: torch.Tensor, *, limit: int,
-               chunk: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor] | None:
+def index_runs(
+    positions_P: torch.Tensor, *, limit: int, chunk: int = 1 << 20
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``positions_P`` as ``(starts_R, lengths_R)`` of consecutive indices, in order; None past ``limit`` runs.
 
     Breaks are found ``chunk`` positions at a time (bounded temporaries), stopping as soon as ``limit`` is passed.
@@ -36,7 +38,7 @@ def index_runs(positions_P: torch.Tensor, *, limit: int,
     heads = [torch.zeros(1, dtype=torch.int64)]
     count = 1
     for a in range(0, n - 1, chunk):
-        c = positions_P[a:min(a + chunk + 1, n)]
+        c = positions_P[a : min(a + chunk + 1, n)]
         brk = ((c[1:] - c[:-1]) != 1).nonzero().flatten() + (a + 1)
         count += brk.numel()
         if count > limit:
@@ -58,7 +60,9 @@ def gaps(runs_R3: torch.Tensor, numel: int) -> tuple[int, list[int]]:
     reach_R = torch.cummax(e_R, dim=0).values  # furthest end written by runs 0..i
     before_R = torch.cat([torch.zeros(1, dtype=torch.int64), reach_R[:-1]])  # furthest end before run i
     covered = int(torch.clamp(e_R - torch.maximum(s_R, before_R), min=0).sum())
-    holes = [(int(a), int(b)) for a, b in zip(before_R[s_R > before_R].tolist(), s_R[s_R > before_R].tolist(), strict=True)]
+    holes = [
+        (int(a), int(b)) for a, b in zip(before_R[s_R > before_R].tolist(), s_R[s_R > before_R].tolist(), strict=True)
+    ]
     if int(reach_R[-1]) < numel:
         holes.append((int(reach_R[-1]), numel))
     shown: list[int] = []
@@ -74,7 +78,7 @@ def writer_mask(runs_R3: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.
     writer_N = torch.zeros(numel, dtype=dtype)
     for start, length, rank in reversed(runs_R3.tolist()):  # the earliest write is applied last: it wins
         if length:
-            writer_N[start:start + length] = rank + 1
+            writer_N[start : start + length] = rank + 1
     return writer_N
 
 
@@ -94,11 +98,21 @@ def same_bits_at_runs(values_P: torch.Tensor, runs_R2: torch.Tensor, ref_N: torc
         L, S = int(mid_n[0]), int(step[0]) if step.numel() else 0
         if bool((mid_n == L).all()) and (not step.numel() or bool((step == S).all())) and S >= L > 0:
             view = ref_N.as_strided((R - 2, L), (S, 1), ref_N.storage_offset() + int(mid_s[0]))
-            if not torch.equal(bits(values_P[offsets[1]:offsets[R - 1]].view(R - 2, L)), bits(view)):
+            if not torch.equal(bits(values_P[offsets[1] : offsets[R - 1]].view(R - 2, L)), bits(view)):
                 return False
-            return all(torch.equal(bits(values_P[offsets[i]:offsets[i + 1]]),
-                                   bits(ref_N[int(starts[i]):int(starts[i]) + int(lengths[i])])) for i in (0, R - 1))
+            return all(
+                torch.equal(
+                    bits(values_P[offsets[i] : offsets[i + 1]]),
+                    bits(ref_N[int(starts[i]) : int(starts[i]) + int(lengths[i])]),
+                )
+                for i in (0, R - 1)
+            )
     if R <= 64:
-        return all(torch.equal(bits(values_P[offsets[i]:offsets[i + 1]]),
-                               bits(ref_N[int(starts[i]):int(starts[i]) + int(lengths[i])])) for i in range(R))
+        return all(
+            torch.equal(
+                bits(values_P[offsets[i] : offsets[i + 1]]),
+                bits(ref_N[int(starts[i]) : int(starts[i]) + int(lengths[i])]),
+            )
+            for i in range(R)
+        )
     return torch.equal(bits(values_P), bits(ref_N[expand_runs(starts, lengths)]))

@@ -55,7 +55,7 @@ def digest(tensor: torch.Tensor) -> str:
 
 def _sums(words: torch.Tensor, a: int) -> tuple[int, int]:
     """Chunk ``a``'s plain sum and its index-weighted sum (one pass each, no product temporary)."""
-    w_C = words[a:a + CHUNK]
+    w_C = words[a : a + CHUNK]
     total = int(w_C.sum())
     return total, int(torch.dot(w_C, _RAMP[: w_C.numel()])) + a * total
 
@@ -69,8 +69,9 @@ def _digest_pool() -> ThreadPoolExecutor | None:
     if not _POOL:
         per_rank = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         workers = max(1, min(4, per_rank))
-        _POOL.append(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moeverify-digest")
-                     if workers > 1 else None)
+        _POOL.append(
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moeverify-digest") if workers > 1 else None
+        )
     return _POOL[0]
 
 
@@ -80,13 +81,14 @@ def runs(positions_P: torch.Tensor, *, limit: int) -> list[list[int]] | None:
     return None if found is None else torch.stack(found, dim=1).tolist()
 
 
-def same_as_reference(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, start: int | None,
-                      ref_N: torch.Tensor) -> bool:
+def same_as_reference(
+    positions_P: torch.Tensor | None, values_P: torch.Tensor, *, start: int | None, ref_N: torch.Tensor
+) -> bool:
     """Whether every value has ``ref_N``'s bits at its position (dtype must already agree)."""
     n = values_P.numel()
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
-        exp_C = ref_N[start + a:start + b] if start is not None else ref_N[positions_P[a:b]]
+        exp_C = ref_N[start + a : start + b] if start is not None else ref_N[positions_P[a:b]]
         if not torch.equal(bits(values_P[a:b]), bits(exp_C)):
             return False
     return True

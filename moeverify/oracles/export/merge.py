@@ -28,11 +28,12 @@ import math
 import torch
 
 from moeverify.errors import SubjectError
-from moeverify.oracles.export import intervals
 from moeverify.oracles.bits import SHOW, bits, hex_bits
+from moeverify.oracles.export import intervals
 from moeverify.oracles.results import Tally
 
 COMPARE_CHUNK = 1 << 22  # elements per comparison chunk, to bound temporaries
+
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` (same dtype and element count) hold the same raw bits.
@@ -40,11 +41,17 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     Compared eight bytes at a time where both are contiguous and 8-byte aligned (several times
     faster than element by element for 2-byte dtypes), else through ``bits``.
     """
-    if a.is_contiguous() and b.is_contiguous() and (a.numel() * a.element_size()) % 8 == 0 \
-            and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
+    if (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and (a.numel() * a.element_size()) % 8 == 0
+        and a.data_ptr() % 8 == 0
+        and b.data_ptr() % 8 == 0
+    ):
         try:
-            return torch.equal(a.reshape(-1).view(torch.uint8).view(torch.int64),
-                               b.reshape(-1).view(torch.uint8).view(torch.int64))
+            return torch.equal(
+                a.reshape(-1).view(torch.uint8).view(torch.int64), b.reshape(-1).view(torch.uint8).view(torch.int64)
+            )
         except RuntimeError:  # a view torch refuses: compare element by element below
             pass
     return torch.equal(bits(a), bits(b))
@@ -65,8 +72,17 @@ def _index_list(idx_K: torch.Tensor, total: int) -> str:
 class TensorMerge:
     """One HF tensor being assembled from pieces; failures go to the tallies passed in."""
 
-    def __init__(self, *, name: str, shape: tuple[int, ...], dtype: torch.dtype, world_size: int,
-                 conflicts: Tally, replicas: Tally, reference: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        world_size: int,
+        conflicts: Tally,
+        replicas: Tally,
+        reference: torch.Tensor | None = None,
+    ) -> None:
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
@@ -113,8 +129,11 @@ class TensorMerge:
         """Whether writes are kept as runs (and, given ``reference_N``, backed by that very tensor)."""
         if self._runs is None:
             return False
-        return reference_N is None or (reference_N.data_ptr() == self._ref_N.data_ptr()
-                                       and reference_N.dtype == self.dtype and reference_N.numel() == self.numel)
+        return reference_N is None or (
+            reference_N.data_ptr() == self._ref_N.data_ptr()
+            and reference_N.dtype == self.dtype
+            and reference_N.numel() == self.numel
+        )
 
     def _writer(self) -> torch.Tensor:
         """The writer mask, built from the runs when the merge leaves run mode."""
@@ -147,19 +166,26 @@ class TensorMerge:
         if isinstance(positions_P, slice):  # a contiguous range [start, stop): checked by arithmetic
             start, stop = positions_P.start, positions_P.stop
             if not 0 <= start <= stop <= self.numel or stop - start != values_P.numel():
-                raise SubjectError(f"{self.name}: rank {rank} range [{start}, {stop}) with {values_P.numel()} "
-                                   f"values does not fit [0, {self.numel})")
+                raise SubjectError(
+                    f"{self.name}: rank {rank} range [{start}, {stop}) with {values_P.numel()} "
+                    f"values does not fit [0, {self.numel})"
+                )
             self.dtype_seen.add(values_P.dtype)
             return values_P.reshape(-1).to(self.dtype)
         if positions_P.dim() != 1 or positions_P.dtype != torch.int64:
-            raise SubjectError(f"{self.name}: rank {rank} positions must be 1-D int64, got "
-                               f"{tuple(positions_P.shape)} {positions_P.dtype}")
+            raise SubjectError(
+                f"{self.name}: rank {rank} positions must be 1-D int64, got "
+                f"{tuple(positions_P.shape)} {positions_P.dtype}"
+            )
         if values_P.numel() != positions_P.numel():
-            raise SubjectError(f"{self.name}: rank {rank} sent {values_P.numel()} values for "
-                               f"{positions_P.numel()} positions")
+            raise SubjectError(
+                f"{self.name}: rank {rank} sent {values_P.numel()} values for {positions_P.numel()} positions"
+            )
         if positions_P.numel() and (int(positions_P.min()) < 0 or int(positions_P.max()) >= self.numel):
-            raise SubjectError(f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
-                               f"min {int(positions_P.min())} max {int(positions_P.max())}")
+            raise SubjectError(
+                f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
+                f"min {int(positions_P.min())} max {int(positions_P.max())}"
+            )
         self.dtype_seen.add(values_P.dtype)
         return values_P.reshape(-1).to(self.dtype)
 
@@ -206,7 +232,8 @@ class TensorMerge:
                     f"flat {_index_list(where, n_differ)}; first: rank "
                     f"{int(earlier_P[covered_P][first]) - 1} wrote {hex_bits(int(old_K[first]), self.dtype)}, "
                     f"rank {rank} wrote {hex_bits(int(new_K[first]), self.dtype)}",
-                    n=n_differ)
+                    n=n_differ,
+                )
             fresh_P = ~covered_P
             positions_P, values_P = positions_P[fresh_P], values_P[fresh_P]
         self.values_N[positions_P] = values_P
@@ -219,7 +246,9 @@ class TensorMerge:
             if n_lost:
                 self._conflicts.fail(
                     f"{self.name}: rank {rank} wrote {n_lost} element(s) twice in one piece with different bits, "
-                    f"flat {_index_list(positions_P[lost_P], n_lost)}", n=n_lost)
+                    f"flat {_index_list(positions_P[lost_P], n_lost)}",
+                    n=n_lost,
+                )
         self._conflicts.ok(int(values_P.numel()) - n_lost + n_double - n_differ)
 
     def write_reference(self, *, rank: int, positions_P, reference_N: torch.Tensor) -> None:
@@ -228,23 +257,35 @@ class TensorMerge:
         The same as ``write(values_P=reference_N[positions_P])``; while the merge is backed by this very
         reference it only marks the writers (the bits are known to be the reference's).
         """
-        if self.values_N is not None or self._ref_N is None or reference_N.data_ptr() != self._ref_N.data_ptr() \
-                or reference_N.dtype != self.dtype or reference_N.numel() != self.numel:
+        if (
+            self.values_N is not None
+            or self._ref_N is None
+            or reference_N.data_ptr() != self._ref_N.data_ptr()
+            or reference_N.dtype != self.dtype
+            or reference_N.numel() != self.numel
+        ):
             self.write(rank=rank, positions_P=positions_P, values_P=reference_N.reshape(-1)[positions_P])
             return
         n = positions_P.stop - positions_P.start if isinstance(positions_P, slice) else int(positions_P.numel())
         if not n:
             return
         if isinstance(positions_P, slice) and not 0 <= positions_P.start <= positions_P.stop <= self.numel:
-            raise SubjectError(f"{self.name}: rank {rank} range [{positions_P.start}, {positions_P.stop}) does not "
-                               f"fit [0, {self.numel})")
+            raise SubjectError(
+                f"{self.name}: rank {rank} range [{positions_P.start}, {positions_P.stop}) does not "
+                f"fit [0, {self.numel})"
+            )
         self.dtype_seen.add(self.dtype)
         if not isinstance(positions_P, slice) and (int(positions_P.min()) < 0 or int(positions_P.max()) >= self.numel):
-            raise SubjectError(f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
-                               f"min {int(positions_P.min())} max {int(positions_P.max())}")
+            raise SubjectError(
+                f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
+                f"min {int(positions_P.min())} max {int(positions_P.max())}"
+            )
         if self._runs is not None:
-            found = (torch.tensor([positions_P.start]), torch.tensor([n])) if isinstance(positions_P, slice) else \
-                intervals.index_runs(positions_P, limit=max(64, n // 16))
+            found = (
+                (torch.tensor([positions_P.start]), torch.tensor([n]))
+                if isinstance(positions_P, slice)
+                else intervals.index_runs(positions_P, limit=max(64, n // 16))
+            )
             if found is not None:
                 self._runs.append(intervals.as_runs(*found, rank))
                 self._conflicts.ok(n)
@@ -298,7 +339,9 @@ class TensorMerge:
                 f"{self.name}: rank {rank}'s replica differs from the merged value at {n_bad} element(s), "
                 f"flat {_index_list(where, n_bad)}; first: merged (rank {int(writer_P[first]) - 1}) "
                 f"{hex_bits(int(merged_P[first]), self.dtype)} vs replica "
-                f"{hex_bits(int(bits(values_P)[first]), self.dtype)}", n=n_bad)
+                f"{hex_bits(int(bits(values_P)[first]), self.dtype)}",
+                n=n_bad,
+            )
         self._replicas.ok(int(covered_P.sum()) - n_bad)
 
     def merged(self) -> torch.Tensor:
@@ -322,21 +365,25 @@ class TensorMerge:
             runs = torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64)
             n_missing, shown = intervals.gaps(runs, self.numel)
         for start in range(0, self.numel if self._runs is None else 0, COMPARE_CHUNK):
-            writer_C = self.writer_N[start:start + COMPARE_CHUNK]
+            writer_C = self.writer_N[start : start + COMPARE_CHUNK]
             k = writer_C.numel() - int(torch.count_nonzero(writer_C))
             if k and len(shown) < SHOW:
                 shown += ((writer_C == 0).nonzero().flatten()[: SHOW - len(shown)] + start).tolist()
             n_missing += k
         self.n_missing = n_missing
         if n_missing:
-            coverage.fail(f"{self.name}: {n_missing} of {self.numel} element(s) never written, flat "
-                          f"{_index_list(torch.tensor(shown), n_missing)}", n=n_missing)
+            coverage.fail(
+                f"{self.name}: {n_missing} of {self.numel} element(s) never written, flat "
+                f"{_index_list(torch.tensor(shown), n_missing)}",
+                n=n_missing,
+            )
         coverage.ok(self.numel - n_missing)
 
     def _missing(self) -> int:
         if self.n_missing is None and self._runs is not None:
-            self.n_missing = intervals.gaps(torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64),
-                                            self.numel)[0]
+            self.n_missing = intervals.gaps(
+                torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64), self.numel
+            )[0]
         elif self.n_missing is None:
             self.n_missing = self.numel - int(torch.count_nonzero(self.writer_N))
         return self.n_missing
@@ -347,9 +394,11 @@ class TensorMerge:
         got_dtypes = sorted(str(d) for d in self.dtype_seen) or [str(ref_dtype)]  # nothing written: coverage's
         ok_shape = self.shape == ref_shape
         ok_dtype = got_dtypes == [str(ref_dtype)]
-        shape_dtype.check(ok_shape and ok_dtype,
-                          f"{self.name}: expected shape {ref_shape} dtype {ref_dtype}, got shape {self.shape} "
-                          f"dtype {'/'.join(got_dtypes)}")
+        shape_dtype.check(
+            ok_shape and ok_dtype,
+            f"{self.name}: expected shape {ref_shape} dtype {ref_dtype}, got shape {self.shape} "
+            f"dtype {'/'.join(got_dtypes)}",
+        )
         if not ok_shape:
             bitwise.fail(f"{self.name}: not compared: shape {self.shape} != reference {ref_shape}")
             return
@@ -364,8 +413,7 @@ class TensorMerge:
         self._writer()
         # the merged values are cast INTO the reference dtype (exact when dtypes agree), never
         # both through a narrower one: an fp32 tensor that went through bf16 keeps its lost bits
-        if self.dtype == ref_N.dtype and self.n_missing == 0 \
-                and _same_bits(self.values_N, ref_N):
+        if self.dtype == ref_N.dtype and self.n_missing == 0 and _same_bits(self.values_N, ref_N):
             bitwise.ok(self.numel)  # fully written and identical: one pass, no per-element bookkeeping
             return
         n_bad, n_ok, first_bad, shown = 0, 0, None, []
@@ -387,7 +435,9 @@ class TensorMerge:
         if n_bad:
             flat, exp, got = first_bad
             more = f" (+{n_bad - len(shown)} more)" if n_bad > len(shown) else ""
-            bitwise.fail(f"{self.name}: {n_bad} element(s) differ from the reference, flat {shown}{more}; "
-                         f"first at {flat}: expected {hex_bits(exp, ref_N.dtype)} got {hex_bits(got, ref_N.dtype)}",
-                         n=n_bad)
+            bitwise.fail(
+                f"{self.name}: {n_bad} element(s) differ from the reference, flat {shown}{more}; "
+                f"first at {flat}: expected {hex_bits(exp, ref_N.dtype)} got {hex_bits(got, ref_N.dtype)}",
+                n=n_bad,
+            )
         bitwise.ok(n_ok)

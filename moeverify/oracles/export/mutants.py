@@ -69,6 +69,7 @@ def expert_local_ids(ctx):
     """Experts exported under rank-local ids. Bug class: an EP rank names its experts 0..E/EP-1
     instead of ``ep_rank * E/EP + local`` when streaming to the rollout engine, so every EP rank
     overwrites expert 0's tensors and the other experts are never updated."""
+
     def fix(slots):
         out = [Slot(s.hf_name, s.hf_shape, s.positions[:0], s.values[:0]) for s in slots]
         names = [s.hf_name for s in slots]
@@ -78,6 +79,7 @@ def expert_local_ids(ctx):
                 j = names.index(re.sub(r"experts\.(\d+)", f"experts.{per}", s.hf_name, count=1))
                 out[j] = Slot(out[j].hf_name, out[j].hf_shape, s.positions, s.values)
         return out
+
     for row in _rows(ctx):
         yield _rewrap(row, fix) if "@ep" in row.row else row
 
@@ -129,6 +131,7 @@ def _changed_first(row):
                 out[i] = Slot(s.hf_name, s.hf_shape, s.positions, _flip_low_bit(s.values.reshape(-1), 0))
                 break
         return out
+
     return DeferredSlots(row.slots.table, lambda: fn(_concrete(row)))
 
 
@@ -137,8 +140,12 @@ def _twice(slots):
     for i, s in enumerate(out):
         if s.positions.numel():
             v = s.values.reshape(-1)
-            out[i] = Slot(s.hf_name, s.hf_shape, torch.cat([s.positions, s.positions[:1]]),
-                          torch.cat([v, _flip_low_bit(v[:1], 0)]))
+            out[i] = Slot(
+                s.hf_name,
+                s.hf_shape,
+                torch.cat([s.positions, s.positions[:1]]),
+                torch.cat([v, _flip_low_bit(v[:1], 0)]),
+            )
             break
     return out
 
@@ -160,8 +167,11 @@ def different_slot_table(ctx):
     for row in _rows(ctx):
         if first and ctx.rank == ctx.world_size - 1:
             table = [(n, (s[0] + 1, *s[1:])) if i == 0 else (n, s) for i, (n, s) in enumerate(row.slots.table)]
-            row = _rewrap(row, lambda slots, t=table: [Slot(n, s, x.positions, x.values)
-                                                        for (n, s), x in zip(t, slots, strict=True)], table=table)
+            row = _rewrap(
+                row,
+                lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots, strict=True)],
+                table=table,
+            )
         first = False
         yield row
 
@@ -172,6 +182,7 @@ def flipped_bit(ctx):
     first = True
     for row in _rows(ctx):
         if first:
+
             def fn(slots):
                 out = list(slots)
                 s = out[0]
@@ -179,6 +190,7 @@ def flipped_bit(ctx):
                 if hit.numel():
                     out[0] = Slot(s.hf_name, s.hf_shape, s.positions, _flip_low_bit(s.values.reshape(-1), int(hit[0])))
                 return out
+
             row = _rewrap(row, fn)
         first = False
         yield row
@@ -187,8 +199,12 @@ def flipped_bit(ctx):
 def _map_named(ctx, match: Callable[[str], bool], change: Callable[[torch.Tensor], torch.Tensor]):
     for row in _rows(ctx):
         if any(match(n) for n, _ in row.slots.table):
-            row = _rewrap(row, lambda slots: [Slot(s.hf_name, s.hf_shape, s.positions, change(s.values))
-                                              if match(s.hf_name) else s for s in slots])
+            row = _rewrap(
+                row,
+                lambda slots: [
+                    Slot(s.hf_name, s.hf_shape, s.positions, change(s.values)) if match(s.hf_name) else s for s in slots
+                ],
+            )
         yield row
 
 
@@ -196,8 +212,9 @@ def fp32_through_bf16(ctx):
     """DeepSeek-V3's fp32 ``e_score_correction_bias`` squeezed through bf16 and back to fp32. Bug class:
     a sync path that casts the whole state dict to the engine's bf16 dtype, losing the router bias's
     low bits while dtype checks still see fp32."""
-    yield from _map_named(ctx, lambda n: n.endswith("e_score_correction_bias"),
-                          lambda v: v.to(torch.bfloat16).to(v.dtype))
+    yield from _map_named(
+        ctx, lambda n: n.endswith("e_score_correction_bias"), lambda v: v.to(torch.bfloat16).to(v.dtype)
+    )
 
 
 def bias_sent_as_bf16(ctx):
@@ -210,6 +227,7 @@ def qkv_concatenated(ctx):
     """Fused QKV split as ``[q_all; k_all; v_all]`` instead of interleaved per query group. Bug class:
     a converter that treats Megatron's per-group ``[q heads, k, v]`` layout as plain concatenation;
     invisible with one query group per rank, wrong otherwise."""
+
     def fn(slots):
         q, k, v = slots
         if not q.positions.numel():
@@ -217,10 +235,16 @@ def qkv_concatenated(ctx):
         n_q, n_k = q.values.numel(), k.values.numel()
         groups, heads = _local_groups(ctx), n_q // n_k
         per = n_k // groups
-        w = torch.cat([q.values.reshape(groups, heads, per), k.values.reshape(groups, 1, per),
-                       v.values.reshape(groups, 1, per)], dim=1).reshape(-1)  # Megatron's local layout
-        return [Slot(q.hf_name, q.hf_shape, q.positions, w[:n_q]), Slot(k.hf_name, k.hf_shape, k.positions, w[n_q:n_q + n_k]),
-                Slot(v.hf_name, v.hf_shape, v.positions, w[n_q + n_k:])]
+        w = torch.cat(
+            [q.values.reshape(groups, heads, per), k.values.reshape(groups, 1, per), v.values.reshape(groups, 1, per)],
+            dim=1,
+        ).reshape(-1)  # Megatron's local layout
+        return [
+            Slot(q.hf_name, q.hf_shape, q.positions, w[:n_q]),
+            Slot(k.hf_name, k.hf_shape, k.positions, w[n_q : n_q + n_k]),
+            Slot(v.hf_name, v.hf_shape, v.positions, w[n_q + n_k :]),
+        ]
+
     for row in _rows(ctx):
         yield _rewrap(row, fn) if row.row.endswith("linear_qkv.weight") else row
 
@@ -235,6 +259,7 @@ def _local_groups(ctx) -> int:
 def gate_up_swapped(ctx):
     """Gate and up projections exchanged. Bug class: splitting Megatron's fused ``[gate; up]`` fc1 in the
     wrong order (or per TP shard vs globally), so SiLU is applied to the up projection."""
+
     def fn(slots):
         out = list(slots)
         full = [i for i, s in enumerate(out) if s.positions.numel()]
@@ -242,8 +267,12 @@ def gate_up_swapped(ctx):
         ups = [i for i in full if "up_proj" in out[i].hf_name]
         for g, u in zip(gates, ups, strict=True):
             a, b = out[g], out[u]
-            out[g], out[u] = Slot(a.hf_name, a.hf_shape, a.positions, b.values), Slot(b.hf_name, b.hf_shape, b.positions, a.values)
+            out[g], out[u] = (
+                Slot(a.hf_name, a.hf_shape, a.positions, b.values),
+                Slot(b.hf_name, b.hf_shape, b.positions, a.values),
+            )
         return out
+
     for row in _rows(ctx):
         names = [n for n, _ in row.slots.table]
         yield _rewrap(row, fn) if any("gate_proj" in n for n in names) else row
@@ -263,8 +292,11 @@ def key_renamed(ctx):
     for row in _rows(ctx):
         if any(n == "model.norm.weight" for n, _ in row.slots.table):
             table = [("model.final_norm.weight" if n == "model.norm.weight" else n, s) for n, s in row.slots.table]
-            row = _rewrap(row, lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots, strict=True)],
-                          table=table)
+            row = _rewrap(
+                row,
+                lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots, strict=True)],
+                table=table,
+            )
         yield row
 
 
@@ -314,8 +346,14 @@ def gdn_in_proj_flat(ctx):
 
     def moved(tensor: str):  # grouped HF row -> flat HF row, over the whole tensor
         sections = "qkvz" if tensor == "qkvz" else "ba"
-        sizes = {"q": dims.nk * dims.dk, "k": dims.nk * dims.dk, "v": dims.nv * dims.dv, "z": dims.nv * dims.dv,
-                 "b": dims.nv, "a": dims.nv}
+        sizes = {
+            "q": dims.nk * dims.dk,
+            "k": dims.nk * dims.dk,
+            "v": dims.nv * dims.dv,
+            "z": dims.nv * dims.dv,
+            "b": dims.nv,
+            "a": dims.nv,
+        }
         perm, start = {}, 0
         for sec in sections:
             j = torch.arange(sizes[sec])
@@ -350,37 +388,78 @@ def _last_rank_has_replica(*, traits, shape, layout, world_size) -> bool:
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    Mutant(name="expert_local_ids", fails=("conflicts", "coverage"), collateral=("bitwise", "replicas"),
-           factory=expert_local_ids, applies=lambda *, traits, shape, layout, world_size: layout.ep > 1),
+    Mutant(
+        name="expert_local_ids",
+        fails=("conflicts", "coverage"),
+        collateral=("bitwise", "replicas"),
+        factory=expert_local_ids,
+        applies=lambda *, traits, shape, layout, world_size: layout.ep > 1,
+    ),
     Mutant(name="uncovered_element", fails=("coverage",), factory=uncovered_element),
-    Mutant(name="conflicting_write", fails=("conflicts",), collateral=("bitwise", "replicas"),
-           factory=conflicting_write),
-    Mutant(name="extra_row", fails=("lockstep",), collateral=tuple(
-        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]),
-        factory=extra_row),
-    Mutant(name="different_slot_table", fails=("slot_tables",), collateral=("coverage", "key_set"),
-           factory=different_slot_table),
+    Mutant(
+        name="conflicting_write", fails=("conflicts",), collateral=("bitwise", "replicas"), factory=conflicting_write
+    ),
+    Mutant(
+        name="extra_row",
+        fails=("lockstep",),
+        collateral=tuple(
+            ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]
+        ),
+        factory=extra_row,
+    ),
+    Mutant(
+        name="different_slot_table",
+        fails=("slot_tables",),
+        collateral=("coverage", "key_set"),
+        factory=different_slot_table,
+    ),
     Mutant(name="flipped_bit", fails=("bitwise",), factory=flipped_bit),
-    Mutant(name="fp32_through_bf16", fails=("bitwise",), factory=fp32_through_bf16,
-           applies=lambda *, traits, shape, layout, world_size: traits.expert_bias),
-    Mutant(name="bias_sent_as_bf16", fails=("shape_dtype",), collateral=("bitwise",), factory=bias_sent_as_bf16,
-           applies=lambda *, traits, shape, layout, world_size: traits.expert_bias),
-    Mutant(name="qkv_concatenated", fails=("bitwise",), factory=qkv_concatenated,
-           applies=lambda *, traits, shape, layout, world_size: not traits.mla
-           and shape.num_query_groups // layout.tp > 1),
+    Mutant(
+        name="fp32_through_bf16",
+        fails=("bitwise",),
+        factory=fp32_through_bf16,
+        applies=lambda *, traits, shape, layout, world_size: traits.expert_bias,
+    ),
+    Mutant(
+        name="bias_sent_as_bf16",
+        fails=("shape_dtype",),
+        collateral=("bitwise",),
+        factory=bias_sent_as_bf16,
+        applies=lambda *, traits, shape, layout, world_size: traits.expert_bias,
+    ),
+    Mutant(
+        name="qkv_concatenated",
+        fails=("bitwise",),
+        factory=qkv_concatenated,
+        applies=lambda *, traits, shape, layout, world_size: not traits.mla and shape.num_query_groups // layout.tp > 1,
+    ),
     Mutant(name="gate_up_swapped", fails=("bitwise",), factory=gate_up_swapped),
-    Mutant(name="tied_embedding_dropped", fails=("key_set", "coverage"), factory=tied_embedding_dropped,
-           applies=lambda *, traits, shape, layout, world_size: traits.tied_embeddings),
+    Mutant(
+        name="tied_embedding_dropped",
+        fails=("key_set", "coverage"),
+        factory=tied_embedding_dropped,
+        applies=lambda *, traits, shape, layout, world_size: traits.tied_embeddings,
+    ),
     Mutant(name="key_renamed", fails=("key_set", "coverage"), factory=key_renamed),
     Mutant(name="extra_key", fails=("key_set",), factory=extra_key),
     Mutant(name="diverged_replica", fails=("replicas",), factory=diverged_replica, applies=_last_rank_has_replica),
-    Mutant(name="gdn_in_proj_flat", fails=("bitwise",), factory=gdn_in_proj_flat,
-           applies=lambda *, traits, shape, layout, world_size: traits.gdn_in_proj == "grouped"),
-    Mutant(name="zero_centered_norm_unshifted", fails=("bitwise",), factory=zero_centered_norm_unshifted,
-           applies=_hybrid),
-    Mutant(name="raises_mid_stream", fails=("lockstep",), collateral=tuple(
-        ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]),
-        factory=raises_mid_stream),
+    Mutant(
+        name="gdn_in_proj_flat",
+        fails=("bitwise",),
+        factory=gdn_in_proj_flat,
+        applies=lambda *, traits, shape, layout, world_size: traits.gdn_in_proj == "grouped",
+    ),
+    Mutant(
+        name="zero_centered_norm_unshifted", fails=("bitwise",), factory=zero_centered_norm_unshifted, applies=_hybrid
+    ),
+    Mutant(
+        name="raises_mid_stream",
+        fails=("lockstep",),
+        collateral=tuple(
+            ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]
+        ),
+        factory=raises_mid_stream,
+    ),
 )
 
 
@@ -449,14 +528,23 @@ def _hf_names(mapping) -> list[str]:
 
 MUTANTS = MUTANTS + (
     Mutant(name="stale_conversion_cache", fails=("refresh",), factory=stale_conversion_cache),
-    Mutant(name="stale_one_row", fails=("refresh",), factory=stale_one_row,
-           applies=lambda *, traits, shape, layout, world_size: layout.ep > 1),
-    Mutant(name="stale_pp_broadcast", fails=("refresh",), factory=stale_pp_broadcast,
-           applies=lambda *, traits, shape, layout, world_size: layout.pp > 1),
+    Mutant(
+        name="stale_one_row",
+        fails=("refresh",),
+        factory=stale_one_row,
+        applies=lambda *, traits, shape, layout, world_size: layout.ep > 1,
+    ),
+    Mutant(
+        name="stale_pp_broadcast",
+        fails=("refresh",),
+        factory=stale_pp_broadcast,
+        applies=lambda *, traits, shape, layout, world_size: layout.pp > 1,
+    ),
 )
 
 
-# -- minimal mutants: the smallest unit a subcheck is shown to see (``moeverify.spec.bug_classes``' ``minimal``) ----------
+# -- minimal mutants: the smallest unit a subcheck is shown to see (``moeverify.spec.bug_classes``' ``minimal``)
+# ----------
 def _first_written(ctx, change: Callable[[Slot, str], Slot]):
     """The rows, with rank 0's first written slot (the first tensor piece it really sends) passed through ``change``."""
     done = False
@@ -499,8 +587,12 @@ def one_shard_widened(ctx):
 
 MUTANTS = MUTANTS + (
     # one element is one element under any layout: run (two exports each) on the catalogue's EP scenarios only
-    Mutant(name="stale_one_element", fails=("refresh", "refresh_delta"), factory=stale_one_element,
-           applies=lambda *, traits, shape, layout, world_size: layout.ep > 1),
+    Mutant(
+        name="stale_one_element",
+        fails=("refresh", "refresh_delta"),
+        factory=stale_one_element,
+        applies=lambda *, traits, shape, layout, world_size: layout.ep > 1,
+    ),
     Mutant(name="one_shard_widened", fails=("shape_dtype",), factory=one_shard_widened),
 )
 
@@ -604,12 +696,32 @@ def _delta_scenario(*, traits, shape, layout, world_size) -> bool:
 
 
 MUTANTS = MUTANTS + (
-    Mutant(name="lora_frozen_base", fails=("refresh_delta",), collateral=("refresh",), factory=lora_frozen_base,
-           applies=_delta_scenario),
-    Mutant(name="read_before_gathers", fails=("refresh_delta",), collateral=("refresh",), factory=read_before_gathers,
-           applies=_delta_scenario),
-    Mutant(name="read_before_step", fails=("refresh_delta",), collateral=("refresh",), factory=read_before_step,
-           applies=_delta_scenario),
-    Mutant(name="bucket_reused_early", fails=("refresh_delta",), collateral=("refresh",), factory=bucket_reused_early,
-           applies=_delta_scenario),
+    Mutant(
+        name="lora_frozen_base",
+        fails=("refresh_delta",),
+        collateral=("refresh",),
+        factory=lora_frozen_base,
+        applies=_delta_scenario,
+    ),
+    Mutant(
+        name="read_before_gathers",
+        fails=("refresh_delta",),
+        collateral=("refresh",),
+        factory=read_before_gathers,
+        applies=_delta_scenario,
+    ),
+    Mutant(
+        name="read_before_step",
+        fails=("refresh_delta",),
+        collateral=("refresh",),
+        factory=read_before_step,
+        applies=_delta_scenario,
+    ),
+    Mutant(
+        name="bucket_reused_early",
+        fails=("refresh_delta",),
+        collateral=("refresh",),
+        factory=bucket_reused_early,
+        applies=_delta_scenario,
+    ),
 )

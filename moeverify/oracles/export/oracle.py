@@ -40,8 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeverify.spec import plugins, timeouts
-from moeverify.spec.checks import SUBJECTS, ExportOptions
 from moeverify.models.checkpoint import checkpoint_shapes
 from moeverify.oracles.export import wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
@@ -52,6 +50,9 @@ from moeverify.oracles.export.receiver import ReceiverRun, load_receiver
 from moeverify.oracles.export.refresh import run_twice
 from moeverify.oracles.export.rows import DrainedRow, Piece, drain, iterate_subject, pieces
 from moeverify.oracles.results import Tally
+from moeverify.spec import plugins, timeouts
+from moeverify.spec.checks import SUBJECTS, ExportOptions
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SubjectContext:
@@ -77,9 +78,17 @@ def load_subject(name: str):
 
 def subject_context(ctx) -> SubjectContext:
     built = ctx.model()
-    return SubjectContext(bridge=built.bridge, model_chunks=built.model_chunks, layout=ctx.scenario.layout,
-                          rank=ctx.rank, world_size=ctx.world_size, hf_path=Path(built.hf_path), built=built,
-                          options=dict(ctx.options), timeout_s=ctx.timeout_s)
+    return SubjectContext(
+        bridge=built.bridge,
+        model_chunks=built.model_chunks,
+        layout=ctx.scenario.layout,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        hf_path=Path(built.hf_path),
+        built=built,
+        options=dict(ctx.options),
+        timeout_s=ctx.timeout_s,
+    )
 
 
 def run(ctx) -> dict[str, Tally]:
@@ -130,8 +139,13 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
     shapes = checkpoint_shapes(sctx.hf_path)
     collector = local = None
     if sctx.rank == 0:
-        collector = Collector(tallies=tallies, tables=[r.table for r in rows], checkpoint_names=shapes,
-                              world_size=sctx.world_size, sink=sink)
+        collector = Collector(
+            tallies=tallies,
+            tables=[r.table for r in rows],
+            checkpoint_names=shapes,
+            world_size=sctx.world_size,
+            sink=sink,
+        )
     elif same_tables:
         # every rank named the same tensors in every row, so a rank waiting for its row's references waits
         # only for tensors rank 0 pulls too; otherwise (slot tables differ somewhere) no rank checks locally
@@ -139,8 +153,13 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
         local = LocalReferences(tables=[r.table for r in rows], checkpoint_names=set(shapes))
     store = collector if collector is not None else local
     # rank 0's feed is gated by its holdings; the others' never waits (see feed.py) and keeps what they compare
-    feed = ReferenceFeed(reference, keep=store is not None, numels={n: math.prod(s) for n, s in shapes.items()},
-                         gate=sctx.rank == 0, wanted=None if local is None else local.wanted())
+    feed = ReferenceFeed(
+        reference,
+        keep=store is not None,
+        numels={n: math.prod(s) for n, s in shapes.items()},
+        gate=sctx.rank == 0,
+        wanted=None if local is None else local.wanted(),
+    )
     feed.start()
     # other ranks build each row's pieces one row ahead on a helper thread, while they still send the
     # previous row; rank 0 takes the references a row needs first, and builds its own pieces after them
@@ -151,8 +170,16 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
             names = [n for n, _ in row.table]
             if store is not None:
                 feed.wait_until(lambda names=names: not store.wants_reference(names), store)
-            _one_row(index, row, sctx=sctx, group=group, collector=collector, local=local, feed=feed,
-                     prepared=prepared or _header(row, sctx.rank))
+            _one_row(
+                index,
+                row,
+                sctx=sctx,
+                group=group,
+                collector=collector,
+                local=local,
+                feed=feed,
+                prepared=prepared or _header(row, sctx.rank),
+            )
             rows[index] = prepared = None  # drop the row's tensors as soon as it is merged
             if local is not None:
                 local.row_done(index, row.table)
@@ -227,11 +254,15 @@ def _lockstep(rows, error, *, sctx, group, tally: Tally) -> tuple[bool, bool]:
     try:
         # names a rank that never arrives (stalled in its subject) instead of hanging on it
         dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=wait_s), wait_all_ranks=True)
-        status = wire.all_gather_ints([1 if error else 0, len(rows), _names_hash(rows), _tables_hash(rows)], group=group,
-                                      world_size=sctx.world_size)
+        status = wire.all_gather_ints(
+            [1 if error else 0, len(rows), _names_hash(rows), _tables_hash(rows)],
+            group=group,
+            world_size=sctx.world_size,
+        )
         errors = wire.gather_json(error, group=group, rank=sctx.rank, world_size=sctx.world_size)
-        first_names = wire.gather_json([r.row for r in rows[:1]], group=group, rank=sctx.rank,
-                                       world_size=sctx.world_size)
+        first_names = wire.gather_json(
+            [r.row for r in rows[:1]], group=group, rank=sctx.rank, world_size=sctx.world_size
+        )
     except RuntimeError as exc:  # a rank that never arrived: the barrier names it
         tally.fail(f"rank {sctx.rank}: lockstep collective failed: {str(exc).splitlines()[0]}")
         return False, False
@@ -248,8 +279,10 @@ def _lockstep(rows, error, *, sctx, group, tally: Tally) -> tuple[bool, bool]:
     elif len({s[2] for s in status}) > 1:
         bad = True
         ref = status[0][2]
-        tally.fail(f"row names differ from rank 0's on rank(s) {[r for r, s in enumerate(status) if s[2] != ref]} "
-                   f"(same count {counts[0]}; first row per rank: {first_names})")
+        tally.fail(
+            f"row names differ from rank 0's on rank(s) {[r for r, s in enumerate(status) if s[2] != ref]} "
+            f"(same count {counts[0]}; first row per rank: {first_names})"
+        )
     if not bad:
         tally.ok(sctx.world_size)
     return not bad, len({s[3] for s in status}) == 1
@@ -259,15 +292,35 @@ def _header(row: DrainedRow, rank: int) -> tuple[dict, list[Piece]]:
     try:
         got = pieces(row, rank=rank)
     except Exception as exc:
-        return {"err": f"rank {rank} row {row.row!r}: {type(exc).__name__}: {exc}", "c": row.contributes,
-                "slots": []}, []
-    slots = [[p.hf_name, list(p.hf_shape), p.numel, str(p.values_P.dtype).removeprefix("torch."),
-              (p.start if p.numel else None)] for p in got]
+        return {
+            "err": f"rank {rank} row {row.row!r}: {type(exc).__name__}: {exc}",
+            "c": row.contributes,
+            "slots": [],
+        }, []
+    slots = [
+        [
+            p.hf_name,
+            list(p.hf_shape),
+            p.numel,
+            str(p.values_P.dtype).removeprefix("torch."),
+            (p.start if p.numel else None),
+        ]
+        for p in got
+    ]
     return {"err": None, "c": row.contributes, "slots": slots}, got
 
 
-def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector | None,
-             local: LocalReferences | None, feed: ReferenceFeed, prepared) -> None:
+def _one_row(
+    index: int,
+    row: DrainedRow,
+    *,
+    sctx,
+    group,
+    collector: Collector | None,
+    local: LocalReferences | None,
+    feed: ReferenceFeed,
+    prepared,
+) -> None:
     header, mine = prepared
     if local is not None and not header["err"]:
         for slot, piece in zip(header["slots"], mine, strict=True):
@@ -284,7 +337,7 @@ def _one_row(index: int, row: DrainedRow, *, sctx, group, collector: Collector |
     if go == _GO_SOME_TRAVEL:
         n_slots = len(header["slots"])
         mask = wire.broadcast_ints(mask if collector else [0] * (sctx.world_size * n_slots), group=group)
-        sends = [mask[r * n_slots:(r + 1) * n_slots] for r in range(sctx.world_size)]
+        sends = [mask[r * n_slots : (r + 1) * n_slots] for r in range(sctx.world_size)]
     if sctx.rank != 0:
         for j, (piece, slot) in enumerate(zip(mine if go else (), header["slots"], strict=False)):  # go 0: none sent
             if piece.numel and sends is not None and sends[sctx.rank][j]:
@@ -305,13 +358,21 @@ def _trusted(slot: list, collector: Collector) -> bool:
     if not n or found is None:
         return False
     reference, ref_digest = collector.reference(name)
-    return (reference is not None and name not in collector.done and ref_digest == found["digest"]
-            and tuple(reference.shape) == tuple(shape) and str(reference.dtype).removeprefix("torch.") == dtype)
+    return (
+        reference is not None
+        and name not in collector.done
+        and ref_digest == found["digest"]
+        and tuple(reference.shape) == tuple(shape)
+        and str(reference.dtype).removeprefix("torch.") == dtype
+    )
 
 
 def _send_mask(headers: list[dict], collector: Collector) -> list[int]:
-    return [int(r != 0 and bool(slot[2]) and not _trusted(slot, collector))
-            for r, h in enumerate(headers) for slot in h["slots"]]
+    return [
+        int(r != 0 and bool(slot[2]) and not _trusted(slot, collector))
+        for r, h in enumerate(headers)
+        for slot in h["slots"]
+    ]
 
 
 def _decide(row_name: str, headers: list[dict], collector: Collector) -> int:
@@ -324,24 +385,31 @@ def _decide(row_name: str, headers: list[dict], collector: Collector) -> int:
     tables = [[(s[0], tuple(s[1])) for s in h["slots"]] for h in headers]
     differ = [r for r, t in enumerate(tables) if t != tables[0]]
     if differ:
-        tally.fail(f"row {row_name!r}: slot table of rank(s) {differ} differs from rank 0's: "
-                   f"rank 0 {tables[0]} vs rank {differ[0]} {tables[differ[0]]}")
+        tally.fail(
+            f"row {row_name!r}: slot table of rank(s) {differ} differs from rank 0's: "
+            f"rank 0 {tables[0]} vs rank {differ[0]} {tables[differ[0]]}"
+        )
         return 0
     tally.ok()
     return _GO_SOME_TRAVEL
 
 
-def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Collector,
-               feed: ReferenceFeed) -> None:
-    order = [r for r in range(len(headers)) if headers[r]["c"]] + [r for r in range(len(headers)) if not headers[r]["c"]]
+def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Collector, feed: ReferenceFeed) -> None:
+    order = [r for r in range(len(headers)) if headers[r]["c"]] + [
+        r for r in range(len(headers)) if not headers[r]["c"]
+    ]
     opening = {}
     for j, (name, shape, *_rest) in enumerate(headers[0]["slots"]):
         sizes = [(h["slots"][j][2], h["slots"][j][3]) for h in headers]
         dtype = next((d for (n, d), h in zip(sizes, headers, strict=True) if n and h["c"]), sizes[0][1])
         if name not in collector.merges and name not in opening:
             opening[name] = (tuple(shape), getattr(torch, dtype))
-    feed.admit(sum(TensorMerge.nbytes_for(shape, dtype, collector.world_size, backed=collector.backs(name, shape, dtype))
-                   for name, (shape, dtype) in opening.items()))
+    feed.admit(
+        sum(
+            TensorMerge.nbytes_for(shape, dtype, collector.world_size, backed=collector.backs(name, shape, dtype))
+            for name, (shape, dtype) in opening.items()
+        )
+    )
     for name, (shape, dtype) in opening.items():
         collector.merge_for(name, shape, dtype)
     feed.report(collector.nbytes())
@@ -355,17 +423,29 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
             if r != 0 and not (sends and sends[r][j]):
                 if merge is None:
                     continue  # cannot happen (a trusted piece's tensor is open), kept as a guard
-                _replay(merge, rank=r, runs=found[0]["runs"], reference=collector.reference(name)[0],
-                        contributes=contributes)
+                _replay(
+                    merge,
+                    rank=r,
+                    runs=found[0]["runs"],
+                    reference=collector.reference(name)[0],
+                    contributes=contributes,
+                )
                 collector.elements["checked_locally"] += n
                 continue
             if r != 0:
                 collector.elements["received"] += n
-            elif contributes and merge is not None and mine[j].runs_R is not None and \
-                    merge.write_runs(rank=0, runs_R2=mine[j].runs_R, values_P=mine[j].values_P):
+            elif (
+                contributes
+                and merge is not None
+                and mine[j].runs_R is not None
+                and merge.write_runs(rank=0, runs_R2=mine[j].runs_R, values_P=mine[j].values_P)
+            ):
                 continue  # rank 0's own clean runs, kept as runs
-            chunks = (wire.local_piece_chunks(mine[j].positions(), mine[j].values_P, start=start) if r == 0 else
-                      wire.recv_piece_chunks(n=n, dtype=getattr(torch, dtype), start=start, src=r, group=group))
+            chunks = (
+                wire.local_piece_chunks(mine[j].positions(), mine[j].values_P, start=start)
+                if r == 0
+                else wire.recv_piece_chunks(n=n, dtype=getattr(torch, dtype), start=start, src=r, group=group)
+            )
             for positions_C, values_C in chunks:
                 if merge is None:
                     continue  # already finished (named by an earlier row only); still drain the wire

@@ -30,13 +30,12 @@ from pathlib import Path
 
 import torch
 
-from moeverify.spec import plugins
 from moeverify.errors import UsageError
 from moeverify.oracles.bits import SHOW_NAMES
 from moeverify.oracles.export import wire
 from moeverify.oracles.results import Tally
+from moeverify.spec import plugins
 from moeverify.spec.checks import RECEIVERS
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,15 +79,20 @@ def load_receiver(name: str):
 
 
 def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
-    diff = (got.view(-1) != want.view(-1)) & ~(got.view(-1).isnan() & want.view(-1).isnan()) \
-        if got.is_floating_point() else got.view(-1) != want.view(-1)
+    diff = (
+        (got.view(-1) != want.view(-1)) & ~(got.view(-1).isnan() & want.view(-1).isnan())
+        if got.is_floating_point()
+        else got.view(-1) != want.view(-1)
+    )
     flat = int(diff.nonzero()[0].item()) if bool(diff.any()) else -1
     if flat < 0:  # equal values with different bits (-0.0 vs 0.0, NaN payloads)
         bits = got.contiguous().view(-1).view(torch.uint8) != want.contiguous().view(-1).view(torch.uint8)
         flat = int(bits.nonzero()[0].item()) // got.element_size()
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(got.shape)))
-    return (f"{int(diff.sum())} of {got.numel()} element(s) differ, first at {list(index)}: "
-            f"held {got.view(-1)[flat].item()!r}, reference {want.view(-1)[flat].item()!r}")
+    return (
+        f"{int(diff.sum())} of {got.numel()} element(s) differ, first at {list(index)}: "
+        f"held {got.view(-1)[flat].item()!r}, reference {want.view(-1)[flat].item()!r}"
+    )
 
 
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -119,8 +123,15 @@ def _compare_part(tensor: torch.Tensor, part: Part, want: torch.Tensor, tally: T
         tally.ok()
 
 
-def compare(held: Held, reference: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], tally: Tally,
-            *, when: str = "", copies: Tally | None = None, scope: CopiesScope | None = None) -> Tally:
+def compare(
+    held: Held,
+    reference: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    tally: Tally,
+    *,
+    when: str = "",
+    copies: Tally | None = None,
+    scope: CopiesScope | None = None,
+) -> Tally:
     """Check ``held`` against the reference HF tensors, bit for bit; ``when`` prefixes each message.
 
     ``reference`` is a mapping or a stream of ``(name, tensor)`` (an ``export_hf_weights`` pass): each tensor is
@@ -131,7 +142,7 @@ def compare(held: Held, reference: Mapping[str, torch.Tensor] | Iterable[tuple[s
     seen: set[str] = set()
     dropped: list[str] = []
     drafts: set[str] = set()
-    for name, want in (reference.items() if isinstance(reference, Mapping) else reference):
+    for name, want in reference.items() if isinstance(reference, Mapping) else reference:
         seen.add(name)
         in_scope = copies is not None and scope is not None and (name == scope.tied or scope.is_draft(name))
         if in_scope and scope.is_draft(name):
@@ -150,8 +161,11 @@ def compare(held: Held, reference: Mapping[str, torch.Tensor] | Iterable[tuple[s
     dropped = sorted(set(dropped))
     if dropped:
         more = f" (+{len(dropped) - SHOW_NAMES} more)" if len(dropped) > SHOW_NAMES else ""
-        tally.fail(f"{when}dropped: {len(dropped)} reference tensor(s) the receiver never loaded: "
-                   f"{dropped[:SHOW_NAMES]}{more}", n=len(dropped))
+        tally.fail(
+            f"{when}dropped: {len(dropped)} reference tensor(s) the receiver never loaded: "
+            f"{dropped[:SHOW_NAMES]}{more}",
+            n=len(dropped),
+        )
     if tally.checked == 0:
         tally.fail(f"{when}the receiver held no tensor: nothing compared")
     return tally
@@ -164,18 +178,24 @@ def _copies_held(wanted, seen: set[str], drafts: set[str], scope: CopiesScope, c
         if scope.tied not in seen:
             copies.fail(f"{when}the model ties its output head to {scope.tied!r}, which the reference does not export")
         elif len(holders) < 2:
-            copies.fail(f"{when}the model ties its output head to {scope.tied!r}, but the receiver holds it only as "
-                        f"{sorted(holders)}: no output head (a copy or a shared tensor) is declared, so a head left "
-                        f"stale after a sync would go unseen")
+            copies.fail(
+                f"{when}the model ties its output head to {scope.tied!r}, but the receiver holds it only as "
+                f"{sorted(holders)}: no output head (a copy or a shared tensor) is declared, so a head left "
+                f"stale after a sync would go unseen"
+            )
     if scope.mtp_layers:
         missing = sorted(n for n in drafts if n not in wanted)
         if not drafts:
-            copies.fail(f"{when}the model has {scope.mtp_layers} MTP layer(s), but the reference exports none of "
-                        f"their tensors: the draft weights cannot be checked")
+            copies.fail(
+                f"{when}the model has {scope.mtp_layers} MTP layer(s), but the reference exports none of "
+                f"their tensors: the draft weights cannot be checked"
+            )
         elif missing:
             more = f" (+{len(missing) - SHOW_NAMES} more)" if len(missing) > SHOW_NAMES else ""
-            copies.fail(f"{when}{len(missing)} MTP (draft) tensor(s) the receiver does not hold: "
-                        f"{missing[:SHOW_NAMES]}{more}", n=len(missing))
+            copies.fail(
+                f"{when}{len(missing)} MTP (draft) tensor(s) the receiver does not hold: {missing[:SHOW_NAMES]}{more}",
+                n=len(missing),
+            )
 
 
 # --- the fused-layout receiver (vLLM's names and layouts) -----------------------------------------------------
@@ -254,10 +274,12 @@ class FusedReceiver:
         buffers, self.parts = fused_layout(shapes)
         if self._tied in shapes and self.HEAD not in shapes:
             buffers[self.HEAD], self.parts[self.HEAD] = shapes[self._tied], (Part(hf_name=self._tied),)
-        self.tensors = {e: torch.full(s, float("nan") if d.is_floating_point else -1, dtype=d)
-                        for e, (s, d) in buffers.items()}
-        self._where = {p.hf_name: (e, p) for e, ps in self.parts.items() for p in ps if e != self.HEAD or
-                       p.hf_name == self.HEAD}
+        self.tensors = {
+            e: torch.full(s, float("nan") if d.is_floating_point else -1, dtype=d) for e, (s, d) in buffers.items()
+        }
+        self._where = {
+            p.hf_name: (e, p) for e, ps in self.parts.items() for p in ps if e != self.HEAD or p.hf_name == self.HEAD
+        }
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one HF tensor into its place (``copy_``: cast to the buffer's dtype, as an engine's loader does)."""
@@ -362,8 +384,9 @@ class ReceiverRun:
 
     def __init__(self, factory, sctx) -> None:
         self._sctx = sctx
-        self._receiver = _make(factory, {**sctx.options, "hf_path": sctx.hf_path}, rank=sctx.rank,
-                               world_size=sctx.world_size)
+        self._receiver = _make(
+            factory, {**sctx.options, "hf_path": sctx.hf_path}, rank=sctx.rank, world_size=sctx.world_size
+        )
         self._subject: SubjectExport | None = None
         self._held: Held | None = None
         self._scope = copies_scope(sctx.hf_path)
@@ -379,8 +402,9 @@ class ReceiverRun:
         self._mine[name] = Tally()
         self._mine[name].fail(f"skipped: {why}")
 
-    def check(self, name: str, export: dict[str, Tally], *, when: str = "", repeat: bool = False,
-              wake: bool = False) -> None:
+    def check(
+        self, name: str, export: dict[str, Tally], *, when: str = "", repeat: bool = False, wake: bool = False
+    ) -> None:
         """Load the subject's export just merged into every rank's receiver and compare what it holds (every rank
         calls it); ``wake``: then a sleep/wake cycle (``receiver_wake``); ``repeat``: then load the same export
         again (``receiver_repeat``; the last load of the check, so a receiver's one-off state cannot hide a later
@@ -422,8 +446,7 @@ class ReceiverRun:
         header = None
         if sctx.rank == 0:
             merged = list(self._subject) if ok and self._subject is not None else []
-            header = {"ok": ok, "tensors": [[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
-                                            for n, t in merged]}
+            header = {"ok": ok, "tensors": [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in merged]}
         header = wire.broadcast_json(header, group=group, rank=sctx.rank)
         self._subject = None
         if not header["ok"]:
@@ -431,8 +454,14 @@ class ReceiverRun:
         items = []
         for i, (name, shape, dtype) in enumerate(header["tensors"]):
             mine = merged[i][1] if sctx.rank == 0 else None
-            items.append((name, wire.broadcast_tensor(mine, shape=tuple(shape), dtype=getattr(torch, dtype),
-                                                      group=group, rank=sctx.rank)))
+            items.append(
+                (
+                    name,
+                    wire.broadcast_tensor(
+                        mine, shape=tuple(shape), dtype=getattr(torch, dtype), group=group, rank=sctx.rank
+                    ),
+                )
+            )
         return items, ""
 
     def _repeat(self, items: list) -> None:
@@ -474,8 +503,9 @@ class ReceiverRun:
             self.tallies = {**mine, "receiver_ranks": ranks}
             return self.tallies
         group = wire.control_group(float(sctx.timeout_s))
-        gathered = wire.gather_json({k: t.as_dict() for k, t in mine.items()}, group=group, rank=sctx.rank,
-                                    world_size=sctx.world_size)
+        gathered = wire.gather_json(
+            {k: t.as_dict() for k, t in mine.items()}, group=group, rank=sctx.rank, world_size=sctx.world_size
+        )
         if sctx.rank != 0:
             self.tallies = {}
             return self.tallies
@@ -503,8 +533,10 @@ def same_held(held: Held, before: Mapping[str, torch.Tensor], tally: Tally, *, w
         if got is None:
             tally.fail(f"{when}{name}: no longer held")
         elif tuple(got.shape) != tuple(before[name].shape) or got.dtype != before[name].dtype:
-            tally.fail(f"{when}{name}: held {tuple(got.shape)} {got.dtype}, before {tuple(before[name].shape)} "
-                       f"{before[name].dtype}")
+            tally.fail(
+                f"{when}{name}: held {tuple(got.shape)} {got.dtype}, before {tuple(before[name].shape)} "
+                f"{before[name].dtype}"
+            )
         elif not _same_bits(got, before[name]):
             tally.fail(f"{when}{name}: {_first_difference(got, before[name]).replace('reference', 'before')}")
         else:
@@ -553,5 +585,15 @@ def copies_scope(hf_path) -> CopiesScope:
     return CopiesScope(tied=_EMBEDDING if tied else None, mtp_layers=mtp, num_layers=layers)
 
 
-__all__ = ["Held", "Part", "RECEIVERS", "FusedReceiver", "ReceiverRun", "SubjectExport", "compare", "fused",
-           "fused_layout", "load_receiver"]
+__all__ = [
+    "Held",
+    "Part",
+    "RECEIVERS",
+    "FusedReceiver",
+    "ReceiverRun",
+    "SubjectExport",
+    "compare",
+    "fused",
+    "fused_layout",
+    "load_receiver",
+]

@@ -68,8 +68,11 @@ class _ReloadKeepsOneElement(FusedReceiver):
     keeps the previous weights' value (one element, one step stale)."""
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if getattr(self, "_loaded", False) and name.endswith(".experts.0.down_proj.weight") \
-                and not getattr(self, "_kept", False):
+        if (
+            getattr(self, "_loaded", False)
+            and name.endswith(".experts.0.down_proj.weight")
+            and not getattr(self, "_kept", False)
+        ):
             self._kept = True
             engine, part = self._where[name]
             old = part.view(self.tensors[engine]).reshape(-1)[0].clone()
@@ -91,8 +94,7 @@ MUTANTS = {
     "reload_keeps_one_element": (lambda **_: _ReloadKeepsOneElement(), "receiver_reload"),
 }
 SUBJECT_MUTANTS = {"gate_up_swapped": "receiver", "stale_conversion_cache": "receiver_reload"}
-CONTROLS = {"fused": lambda **_: FusedReceiver(),
-            "transformers": lambda **kw: transformers_receiver(**kw)}
+CONTROLS = {"fused": lambda **_: FusedReceiver(), "transformers": lambda **kw: transformers_receiver(**kw)}
 
 __all__ = ["CONTROLS", "MUTANTS", "SUBJECT_MUTANTS"]
 
@@ -184,24 +186,31 @@ class _MtpNotSynced(FusedReceiver):
         return held
 
 
-MUTANTS.update({
-    "sync_rank0_only": (lambda **kw: _SyncRankZeroOnly(rank=kw["rank"], **_fused_kw(kw)), "receiver_ranks"),
-    "shuffle_every_load": (lambda **kw: _ShuffleEveryLoad(**_fused_kw(kw)), "receiver_repeat"),
-    "wake_restores_old_backup": (lambda **kw: _WakeRestoresOldBackup(**_fused_kw(kw)), "receiver_wake"),
-    "tied_head_stale": (lambda **kw: _TiedHeadStale(**_fused_kw(kw)), "receiver_copies"),
-    "mtp_not_synced": (lambda **kw: _MtpNotSynced(scope=copies_scope(kw.get("hf_path")), **_fused_kw(kw)),
-                       "receiver_copies"),
-})
+MUTANTS.update(
+    {
+        "sync_rank0_only": (lambda **kw: _SyncRankZeroOnly(rank=kw["rank"], **_fused_kw(kw)), "receiver_ranks"),
+        "shuffle_every_load": (lambda **kw: _ShuffleEveryLoad(**_fused_kw(kw)), "receiver_repeat"),
+        "wake_restores_old_backup": (lambda **kw: _WakeRestoresOldBackup(**_fused_kw(kw)), "receiver_wake"),
+        "tied_head_stale": (lambda **kw: _TiedHeadStale(**_fused_kw(kw)), "receiver_copies"),
+        "mtp_not_synced": (
+            lambda **kw: _MtpNotSynced(scope=copies_scope(kw.get("hf_path")), **_fused_kw(kw)),
+            "receiver_copies",
+        ),
+    }
+)
 CONTROLS["fused"] = fused  # with the tied head where the model ties it
 # where a receiver mutant's fault can show (model traits, ``moeverify.spec.models.traits``); the others apply everywhere
-APPLIES = {"tied_head_stale": lambda traits: traits.tied_embeddings,
-           "mtp_not_synced": lambda traits: traits.mtp_layers > 0}
+APPLIES = {
+    "tied_head_stale": lambda traits: traits.tied_embeddings,
+    "mtp_not_synced": lambda traits: traits.mtp_layers > 0,
+}
 # the receiver subchecks that need a weight sync (``refresh``) to run
 NEEDS_SYNC = ("receiver_reload", "receiver_wake", "receiver_ranks", "receiver_copies")
 __all__ += ["APPLIES", "NEEDS_SYNC"]
 
 
-# -- minimal mutants of the subchecks above (``moeverify.spec.bug_classes``' ``minimal``): one element each ---------------
+# -- minimal mutants of the subchecks above (``moeverify.spec.bug_classes``' ``minimal``): one element each
+# ---------------
 _ONE = ".experts.0.down_proj.weight"
 
 
@@ -266,11 +275,15 @@ class _TiedHeadOneElementStale(FusedReceiver):
         self._copied = True
 
 
-MUTANTS.update({
-    "one_rank_one_element_stale": (lambda **kw: _OneRankOneElementStale(rank=kw["rank"], **_fused_kw(kw)),
-                                   "receiver_ranks"),
-    "repeat_nudges_one_element": (lambda **kw: _RepeatNudgesOneElement(**_fused_kw(kw)), "receiver_repeat"),
-    "wake_restores_one_element": (lambda **kw: _WakeRestoresOneElement(**_fused_kw(kw)), "receiver_wake"),
-    "tied_head_one_element_stale": (lambda **kw: _TiedHeadOneElementStale(**_fused_kw(kw)), "receiver_copies"),
-})
+MUTANTS.update(
+    {
+        "one_rank_one_element_stale": (
+            lambda **kw: _OneRankOneElementStale(rank=kw["rank"], **_fused_kw(kw)),
+            "receiver_ranks",
+        ),
+        "repeat_nudges_one_element": (lambda **kw: _RepeatNudgesOneElement(**_fused_kw(kw)), "receiver_repeat"),
+        "wake_restores_one_element": (lambda **kw: _WakeRestoresOneElement(**_fused_kw(kw)), "receiver_wake"),
+        "tied_head_one_element_stale": (lambda **kw: _TiedHeadOneElementStale(**_fused_kw(kw)), "receiver_copies"),
+    }
+)
 APPLIES["tied_head_one_element_stale"] = lambda traits: traits.tied_embeddings

@@ -33,8 +33,11 @@ def parts_of(state: dict[str, torch.Tensor], sent: set[str], *, tied: bool) -> d
                 parts[name] = tuple(Part(hf_name=f"{m['pre']}.{e}.down_proj.weight", index=e) for e in range(n_experts))
             else:
                 half = tensor.shape[1] // 2
-                parts[name] = tuple(Part(hf_name=f"{m['pre']}.{e}.{w}_proj.weight", index=e, start=i * half,
-                                         length=half) for e in range(n_experts) for i, w in enumerate(("gate", "up")))
+                parts[name] = tuple(
+                    Part(hf_name=f"{m['pre']}.{e}.{w}_proj.weight", index=e, start=i * half, length=half)
+                    for e in range(n_experts)
+                    for i, w in enumerate(("gate", "up"))
+                )
         elif name == "lm_head.weight" and tied and name not in sent:
             parts[name] = (Part(hf_name="model.embed_tokens.weight"),)
         else:

@@ -39,8 +39,11 @@ def _generator_seed(shape: tuple[int, ...], seed: int) -> int:
 def step_like(tensor: torch.Tensor, *, seed: int = SEED) -> torch.Tensor:
     """An optimizer-like update of ``tensor``: every element moves by a seeded 1.6 % to 4.7 % of its magnitude
     (at least 2^-14 near zero), computed in fp32 and rounded once; enough to change every bf16 element."""
-    noise = torch.randn(tuple(tensor.shape), generator=torch.Generator().manual_seed(_generator_seed(
-        tuple(tensor.shape), seed)), dtype=torch.float32).to(tensor.device)
+    noise = torch.randn(
+        tuple(tensor.shape),
+        generator=torch.Generator().manual_seed(_generator_seed(tuple(tensor.shape), seed)),
+        dtype=torch.float32,
+    ).to(tensor.device)
     size = noise.abs().clamp(max=2.0) + 1.0  # in [1, 3]: never a step too small to change a bf16 element
     base = tensor.detach().float()
     return (base + torch.sign(noise + 1e-30) * size * (base.abs() * 2**-6 + 2**-14)).to(tensor.dtype)
@@ -79,8 +82,9 @@ class Fingerprints:
     """A reference export, started on first iteration, recording a digest per tensor name (where ``record``), and
     with ``keep`` a copy of each tensor by name (``kept``: the ``refresh_delta`` subcheck takes them)."""
 
-    def __init__(self, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, record: bool,
-                 keep: bool = False) -> None:
+    def __init__(
+        self, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, record: bool, keep: bool = False
+    ) -> None:
         self._export, self._record, self._keep = export, record, keep
         self.digests: dict[str, str] = {}
         self.kept: dict[str, torch.Tensor] = {}
@@ -128,12 +132,20 @@ class Delta:
         if not n:
             return
         bad = False
-        for mask, what in ((judged & changed & ~moved, "kept the previous export's bits where the weights changed "
-                                                       "(a frozen base shipped, or a copy read before the optimizer "
-                                                       "step or before pending gathers finished)"),
-                           (judged & changed & moved & wrong, "hold bits of neither the previous nor the new weights "
-                                                              "(a buffer reused or overwritten before it was read)"),
-                           (judged & ~changed & moved, "changed where the weights did not")):
+        for mask, what in (
+            (
+                judged & changed & ~moved,
+                "kept the previous export's bits where the weights changed "
+                "(a frozen base shipped, or a copy read before the optimizer "
+                "step or before pending gathers finished)",
+            ),
+            (
+                judged & changed & moved & wrong,
+                "hold bits of neither the previous nor the new weights "
+                "(a buffer reused or overwritten before it was read)",
+            ),
+            (judged & ~changed & moved, "changed where the weights did not"),
+        ):
             k = int(mask.sum())
             if k:
                 bad = True
@@ -147,8 +159,9 @@ class Delta:
 
     def finish(self) -> Tally:
         if self.tally.checked == 0 and not self.tally.failures:
-            self.tally.fail("no element compared between the two exports (no tensor sent right by the first export "
-                            "was sent again)")
+            self.tally.fail(
+                "no element compared between the two exports (no tensor sent right by the first export was sent again)"
+            )
         return self.tally
 
 
@@ -160,19 +173,23 @@ def _tee(*sinks):
     def sink(name: str, tensor: torch.Tensor) -> None:
         for s in sinks:
             s(name, tensor)
+
     return sink
 
 
-def fold(*, first: dict[str, Tally], second: dict[str, Tally], before: dict[str, str], after: dict[str, str],
-         tally: Tally) -> Tally:
+def fold(
+    *, first: dict[str, Tally], second: dict[str, Tally], before: dict[str, str], after: dict[str, str], tally: Tally
+) -> Tally:
     """The refresh verdict from the two exports' tallies and the reference digests before and after the update."""
     if not after:
         tally.fail("no reference tensor was exported after the weight update: nothing compared")
     unchanged = sorted(n for n, d in after.items() if before.get(n) == d)
     if unchanged:
         more = f" (+{len(unchanged) - SHOW_NAMES} more)" if len(unchanged) > SHOW_NAMES else ""
-        tally.fail(f"the weight update left {len(unchanged)} reference tensor(s) bit-identical, so a stale copy "
-                   f"of them cannot be told from a fresh one: {unchanged[:SHOW_NAMES]}{more}")
+        tally.fail(
+            f"the weight update left {len(unchanged)} reference tensor(s) bit-identical, so a stale copy "
+            f"of them cannot be told from a fresh one: {unchanged[:SHOW_NAMES]}{more}"
+        )
     for name, t in second.items():
         if t.passed or not first[name].passed:
             continue
@@ -190,14 +207,19 @@ def run_twice(run_subject, factory, sctx, *, seed: int = SEED, receiver=None) ->
     imported, so this module stays free of the per-row machinery). ``receiver`` (a ``receiver.ReceiverRun``): the
     receiver loads what the subject streamed each time, ``receiver`` after the first export and ``receiver_reload``
     (the same receiver, a weight sync) after the second, while the updated weights are in place."""
+
     def reference():
-        return Fingerprints(lambda: sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False),
-                            record=sctx.rank == 0, keep=sctx.rank == 0)
+        return Fingerprints(
+            lambda: sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False),
+            record=sctx.rank == 0,
+            keep=sctx.rank == 0,
+        )
 
     first_reference, second_reference = reference(), reference()
     delta = Delta(first_reference, second_reference) if sctx.rank == 0 else None
-    first = run_subject(factory, sctx, reference=first_reference,
-                        sink=_tee(receiver and receiver.sink(), delta and delta.first))
+    first = run_subject(
+        factory, sctx, reference=first_reference, sink=_tee(receiver and receiver.sink(), delta and delta.first)
+    )
     if receiver is not None:
         receiver.check("receiver", first)
     refresh, delta_tally = Tally(), Tally()
@@ -208,8 +230,9 @@ def run_twice(run_subject, factory, sctx, *, seed: int = SEED, receiver=None) ->
             receiver.skip("receiver_reload", "lockstep failed on the first export, no weight update was made")
         return {**first, "refresh": refresh, "refresh_delta": delta_tally}
     with updated_weights(sctx.model_chunks, seed=seed):
-        second = run_subject(factory, sctx, reference=second_reference,
-                             sink=_tee(receiver and receiver.sink(), delta and delta.second))
+        second = run_subject(
+            factory, sctx, reference=second_reference, sink=_tee(receiver and receiver.sink(), delta and delta.second)
+        )
         if receiver is not None:
             receiver.check("receiver_reload", second, when="after the weight sync: ", wake=True, repeat=True)
     fold(first=first, second=second, before=first_reference.digests, after=second_reference.digests, tally=refresh)

@@ -1,7 +1,8 @@
 """What an export subject yields, and how the oracle checks it where it enters.
 
 A subject yields either ``(hf_name, tensor)`` pairs (a full-tensor export) or ``ShardRow`` records (a
-sharded export; the types are declared in ``moeverify.subjects.slots``, below the oracles, for the subjects). Both become ``Piece`` lists here, validated on the rank that produced them, so a
+sharded export; the types are declared in ``moeverify.subjects.slots``, below the oracles, for the subjects). Both
+become ``Piece`` lists here, validated on the rank that produced them, so a
 malformed row is reported with rank, row and slot before anything is sent.
 
 Legend: ``P`` = elements in one piece (its positions and values).
@@ -78,7 +79,8 @@ def _drained(item, *, rank: int, index: int) -> DrainedRow:
         return DrainedRow(row=name, contributes=rank == 0, table=[(name, tuple(tensor.shape))], source=item)
     raise SubjectError(
         f"rank {rank} item {index}: a subject yields ShardRow records or (hf_name: str, tensor) pairs, "
-        f"got {type(item).__name__}{_preview(item)}")
+        f"got {type(item).__name__}{_preview(item)}"
+    )
 
 
 def _preview(item) -> str:
@@ -104,11 +106,13 @@ def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
         return _validate_runs(slot, where=where, shape=shape)
     pos, val = slot.positions, slot.values
     if not isinstance(pos, torch.Tensor) or not isinstance(val, torch.Tensor):
-        raise SubjectError(f"{where}: positions and values must be tensors, got "
-                           f"{type(pos).__name__} and {type(val).__name__}")
+        raise SubjectError(
+            f"{where}: positions and values must be tensors, got {type(pos).__name__} and {type(val).__name__}"
+        )
     if pos.dim() != 1 or pos.dtype != torch.int64:
-        raise SubjectError(f"{where}: positions must be a 1-D int64 tensor, got shape {tuple(pos.shape)} "
-                           f"dtype {pos.dtype}")
+        raise SubjectError(
+            f"{where}: positions must be a 1-D int64 tensor, got shape {tuple(pos.shape)} dtype {pos.dtype}"
+        )
     if val.numel() != pos.numel():
         raise SubjectError(f"{where}: values have {val.numel()} elements for {pos.numel()} positions")
     numel = math.prod(shape)
@@ -119,8 +123,7 @@ def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
     else:
         lo, hi = (int(pos.min()), int(pos.max())) if n else (0, -1)
     if n and (lo < 0 or hi >= numel):
-        raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
-                           f"{lo} max {hi}")
+        raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min {lo} max {hi}")
     return start
 
 
@@ -131,19 +134,25 @@ def _validate_range(slot: RangeSlot, *, where: str, shape: tuple[int, ...]) -> i
         raise SubjectError(f"{where}: a RangeSlot's start must be an int, got {type(slot.start).__name__}")
     n, numel = slot.values.numel(), math.prod(shape)
     if n and (slot.start < 0 or slot.start + n > numel):
-        raise SubjectError(f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
-                           f"{slot.start} max {slot.start + n - 1}")
+        raise SubjectError(
+            f"{where}: positions must lie in [0, {numel}) for shape {shape}, got min "
+            f"{slot.start} max {slot.start + n - 1}"
+        )
     return slot.start if n else None
 
 
 def _validate_runs(slot: RunSlot, *, where: str, shape: tuple[int, ...]) -> None:
     starts, lengths, val = slot.starts, slot.lengths, slot.values
     if not all(isinstance(t, torch.Tensor) for t in (starts, lengths, val)):
-        raise SubjectError(f"{where}: starts, lengths and values must be tensors, got {type(starts).__name__}, "
-                           f"{type(lengths).__name__} and {type(val).__name__}")
+        raise SubjectError(
+            f"{where}: starts, lengths and values must be tensors, got {type(starts).__name__}, "
+            f"{type(lengths).__name__} and {type(val).__name__}"
+        )
     for what, t in (("starts", starts), ("lengths", lengths)):
         if t.dim() != 1 or t.dtype != torch.int64:
-            raise SubjectError(f"{where}: {what} must be a 1-D int64 tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
+            raise SubjectError(
+                f"{where}: {what} must be a 1-D int64 tensor, got shape {tuple(t.shape)} dtype {t.dtype}"
+            )
     if starts.numel() != lengths.numel():
         raise SubjectError(f"{where}: {starts.numel()} starts for {lengths.numel()} lengths")
     numel, n = math.prod(shape), int(lengths.sum()) if lengths.numel() else 0
@@ -172,7 +181,7 @@ def contiguous_start(positions_P: torch.Tensor | None) -> int | None:
     # compared chunk by chunk against one small ramp: no position-sized temporary
     ramp = torch.arange(min(n, _RAMP), dtype=torch.int64)
     for a in range(0, n, _RAMP):
-        chunk = positions_P[a:a + _RAMP]
+        chunk = positions_P[a : a + _RAMP]
         if not torch.equal(chunk - (first + a), ramp[: chunk.numel()]):
             return None
     return first
@@ -186,8 +195,15 @@ def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
     src = row.source
     if isinstance(src, tuple):
         name, tensor = src
-        return [Piece(hf_name=name, hf_shape=tuple(tensor.shape), positions_P=None,
-                      values_P=tensor.detach().reshape(-1).cpu(), start=0)]
+        return [
+            Piece(
+                hf_name=name,
+                hf_shape=tuple(tensor.shape),
+                positions_P=None,
+                values_P=tensor.detach().reshape(-1).cpu(),
+                start=0,
+            )
+        ]
     deferred = isinstance(src.slots, DeferredSlots)
     slots = src.slots.materialize() if deferred else src.slots
     out = []
@@ -195,8 +211,11 @@ def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
         runs_R = None
         if isinstance(slot, RangeSlot):  # no positions tensor: the range's start says it all
             pos = None if slot.values.numel() else torch.empty(0, dtype=torch.int64)
-            start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
-                slot.start if slot.values.numel() else None)
+            start = (
+                _validate_slot(slot, rank=rank, row=row.row, index=j)
+                if deferred
+                else (slot.start if slot.values.numel() else None)
+            )
         elif isinstance(slot, RunSlot):  # no positions tensor: the runs say it all
             if deferred:
                 _validate_slot(slot, rank=rank, row=row.row, index=j)
@@ -207,11 +226,21 @@ def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
                 pos, start, runs_R = None, int(runs_R[0, 0]), None
         else:
             pos = slot.positions.cpu()
-            start = _validate_slot(slot, rank=rank, row=row.row, index=j) if deferred else (
-                contiguous_start(pos) if pos.numel() else None)
-        out.append(Piece(hf_name=slot.hf_name, hf_shape=tuple(int(x) for x in slot.hf_shape), positions_P=pos,
-                         values_P=slot.values.detach().reshape(-1).cpu(), start=start,
-                         runs_R=runs_R if pos is None and start is None else None))
+            start = (
+                _validate_slot(slot, rank=rank, row=row.row, index=j)
+                if deferred
+                else (contiguous_start(pos) if pos.numel() else None)
+            )
+        out.append(
+            Piece(
+                hf_name=slot.hf_name,
+                hf_shape=tuple(int(x) for x in slot.hf_shape),
+                positions_P=pos,
+                values_P=slot.values.detach().reshape(-1).cpu(),
+                start=start,
+                runs_R=runs_R if pos is None and start is None else None,
+            )
+        )
     return out
 
 

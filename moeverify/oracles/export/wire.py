@@ -72,8 +72,7 @@ def all_gather_ints(values: list[int], *, group, world_size: int) -> list[list[i
     return [o.tolist() for o in out]
 
 
-def send_piece(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, start: int | None, dst: int,
-               group) -> None:
+def send_piece(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, start: int | None, dst: int, group) -> None:
     """Send a piece in chunks: positions (int64; skipped for a contiguous range) then the values' raw bytes."""
     n = values_P.numel()
     raw = values_P.contiguous()
@@ -113,15 +112,19 @@ def broadcast_json(obj, *, group, rank: int):
     payload = json.dumps(obj).encode() if rank == 0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0 else \
-        torch.empty(int(size), dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if rank == 0
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
     if int(size):
         dist.broadcast(buf, src=0, group=group)
     return json.loads(bytes(buf.numpy()).decode())
 
 
-def broadcast_tensor(tensor: torch.Tensor | None, *, shape: tuple[int, ...], dtype: torch.dtype, group,
-                     rank: int) -> torch.Tensor:
+def broadcast_tensor(
+    tensor: torch.Tensor | None, *, shape: tuple[int, ...], dtype: torch.dtype, group, rank: int
+) -> torch.Tensor:
     """Rank 0's ``tensor`` (of ``shape`` and ``dtype``, which every rank passes) on every rank, as raw bytes."""
     width = torch.empty((), dtype=dtype).element_size()
     n = 1

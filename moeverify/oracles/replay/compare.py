@@ -52,7 +52,9 @@ def compare_maps(expected: Mapping, got: Mapping, *, what: str) -> tuple[int, li
             failures.append(f"{what} {key}: present only in the run under test")
         elif isinstance(expected[key], GradPrint) or isinstance(got[key], GradPrint):
             digest = next(v.digest for v in (expected[key], got[key]) if isinstance(v, GradPrint))
-            a, b = (v if isinstance(v, GradPrint) else GradPrint.of(v, digest=digest) for v in (expected[key], got[key]))
+            a, b = (
+                v if isinstance(v, GradPrint) else GradPrint.of(v, digest=digest) for v in (expected[key], got[key])
+            )
             if not a.same(b):
                 failures.append(f"{what} {key}: {a.describe(b)}")
         elif not bitwise_equal(expected[key], got[key]):
@@ -63,12 +65,15 @@ def compare_maps(expected: Mapping, got: Mapping, *, what: str) -> tuple[int, li
 def topk_ids_from_map(routing_map_TE: torch.Tensor) -> torch.Tensor:
     """``[T, K]`` expert ids (ascending) from a boolean routing map with exactly K trues per row."""
     if routing_map_TE.dim() != 2 or routing_map_TE.dtype != torch.bool:
-        raise ValueError(f"routing map must be a 2-D bool tensor, got {routing_map_TE.dtype} "
-                         f"{tuple(routing_map_TE.shape)}")
+        raise ValueError(
+            f"routing map must be a 2-D bool tensor, got {routing_map_TE.dtype} {tuple(routing_map_TE.shape)}"
+        )
     counts_T = routing_map_TE.sum(dim=1)
     if counts_T.numel() and int(counts_T.min()) != int(counts_T.max()):
-        raise ValueError(f"routing map rows select between {int(counts_T.min())} and {int(counts_T.max())} "
-                         "experts; expected the same K for every token")
+        raise ValueError(
+            f"routing map rows select between {int(counts_T.min())} and {int(counts_T.max())} "
+            "experts; expected the same K for every token"
+        )
     k = int(counts_T[0]) if counts_T.numel() else 0
     experts_E = torch.arange(routing_map_TE.shape[1], device=routing_map_TE.device).expand_as(routing_map_TE)
     return experts_E[routing_map_TE].reshape(-1, k)

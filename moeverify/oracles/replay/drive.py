@@ -24,13 +24,13 @@ import functools
 
 import torch
 
-from moeverify.routing import views
-from moeverify.spec.layout import Layout
 from moeverify.oracles.replay import grad_print
+from moeverify.oracles.replay.compare import topk_ids_from_map
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.patches.routers import find_routers
+from moeverify.routing import views
 from moeverify.routing.routes import Routes
-from moeverify.oracles.replay.compare import topk_ids_from_map
+from moeverify.spec.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,7 +55,7 @@ class Batches:
         if not self.padding:
             return None
         pad_BS = torch.zeros(self.dp * self.batch, self.seq_len, dtype=torch.bool)
-        pad_BS[1::2, self.seq_len - self.seq_len // 4:] = True
+        pad_BS[1::2, self.seq_len - self.seq_len // 4 :] = True
         return pad_BS
 
 
@@ -79,9 +79,15 @@ def local_microbatches(batches: Batches, layout: Layout, *, dp_rank: int, cp_ran
         tokens = batches.global_tokens(mb)[rows]
         labels = torch.roll(tokens, shifts=-1, dims=1)
         positions = torch.arange(batches.seq_len).expand_as(tokens)
-        out.append(MicroBatch(mb=mb, tokens_BS=tokens[:, pos_S].contiguous(), labels_BS=labels[:, pos_S].contiguous(),
-                              position_ids_BS=positions[:, pos_S].contiguous(),
-                              padding_BS=None if pad is None else pad[rows][:, pos_S].contiguous()))
+        out.append(
+            MicroBatch(
+                mb=mb,
+                tokens_BS=tokens[:, pos_S].contiguous(),
+                labels_BS=labels[:, pos_S].contiguous(),
+                position_ids_BS=positions[:, pos_S].contiguous(),
+                padding_BS=None if pad is None else pad[rows][:, pos_S].contiguous(),
+            )
+        )
     return out
 
 
@@ -170,8 +176,9 @@ def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: t
     return loss, {"loss": loss.detach()}
 
 
-def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forward_only: bool,
-             impl: ReplayImpl | None = None) -> PassResult:
+def run_pass(
+    model_chunks: list, items: list[MicroBatch], *, seq_len: int, forward_only: bool, impl: ReplayImpl | None = None
+) -> PassResult:
     """One pass of Megatron's pipeline schedule over ``items``; ``impl`` gets its per-step hooks."""
     from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: megatron
 
@@ -192,9 +199,14 @@ def run_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forwa
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
     with RouterProbe(model_chunks) as probe, grad_mode:
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
-            model=model_chunks if len(model_chunks) > 1 else model_chunks[0], num_microbatches=len(items),
-            seq_length=seq_len, micro_batch_size=batch, forward_only=forward_only)
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
+            model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+            num_microbatches=len(items),
+            seq_length=seq_len,
+            micro_batch_size=batch,
+            forward_only=forward_only,
+        )
     return _finish(result, probe, model_chunks, grads=not forward_only)
 
 
@@ -232,8 +244,9 @@ def _finish(result: PassResult, probe: RouterProbe, model_chunks: list, *, grads
 BACKWARD_ORDERS = ("reverse", "summed")
 
 
-def loop_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl, routes,
-              order: str) -> PassResult:
+def loop_pass(
+    model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl, routes, order: str
+) -> PassResult:
     """A hand-written training loop (no pipeline): every forward first, then backward in ``order``.
 
     ``"reverse"``: ``for loss in reversed(losses): loss.backward()``; ``"summed"``: one backward of
@@ -247,8 +260,10 @@ def loop_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl
     chunk.train()
     _new_step(model_chunks)
     with impl.replay(routes), RouterProbe(model_chunks) as probe:
-        losses = [_loss(item, total_tokens, result, forward_one(chunk, 0, item, impl=impl, probe=probe))[0] / len(items)
-                  for item in items]
+        losses = [
+            _loss(item, total_tokens, result, forward_one(chunk, 0, item, impl=impl, probe=probe))[0] / len(items)
+            for item in items
+        ]
         if order == "reverse":
             for loss in reversed(losses):
                 loss.backward()
@@ -262,13 +277,15 @@ def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, im
     with impl.record():
         result = run_pass(model_chunks, items, seq_len=seq_len, forward_only=True, impl=impl)
     routes = impl.routes()
-    result.routes = Routes({layer: [routes.get(layer, mb).cpu() for mb in range(routes.microbatches)]
-                            for layer in routes.layers}, num_experts=routes.num_experts, topk=routes.topk)
+    result.routes = Routes(
+        {layer: [routes.get(layer, mb).cpu() for mb in range(routes.microbatches)] for layer in routes.layers},
+        num_experts=routes.num_experts,
+        topk=routes.topk,
+    )
     return result
 
 
-def replay_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl,
-                routes) -> PassResult:
+def replay_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl, routes) -> PassResult:
     """The training pass: forward + backward with ``routes`` replayed by ``impl``."""
     with impl.replay(routes):
         return run_pass(model_chunks, items, seq_len=seq_len, forward_only=False, impl=impl)

@@ -123,8 +123,10 @@ class _CountsPadding(MoeverifyReplay):
 
     @contextlib.contextmanager
     def replay(self, routes):
-        handles = [router.register_forward_hook(_count_padding_too, with_kwargs=True)
-                   for router in self._session._live_routers().values()]
+        handles = [
+            router.register_forward_hook(_count_padding_too, with_kwargs=True)
+            for router in self._session._live_routers().values()
+        ]
         try:
             with super().replay(routes):
                 yield self
@@ -152,7 +154,8 @@ class _TiesById(MoeverifyReplay):
             hook.get_replay_topk = original
 
 
-# -- minimal mutants: the smallest unit a replay subcheck is shown to see (``moeverify.spec.bug_classes``' ``minimal``) ----
+# -- minimal mutants: the smallest unit a replay subcheck is shown to see (``moeverify.spec.bug_classes``'
+# ``minimal``) ----
 class _OneTokenOneLayerRoute(NativeReplay):
     name = "one_token_one_layer_route"
 
@@ -305,12 +308,23 @@ def one_rank_crash() -> NativeReplay:
     return _OneRankCrash()
 
 
-MUTANTS = {"wrong_microbatch": "equivalence", "layer_shift": "drift", "detached_probs": "equivalence",
-           "no_recompute_replay": "recompute", "fifo_recompute": "backward_order",
-           "counts_padding": "token_counts", "reversed_slots": "weights", "ties_by_id": "equivalence",
-           "one_token_one_layer_route": "drift", "one_ulp_one_prob": "weights",
-           "one_layer_no_recompute_replay": "recompute", "one_layer_fifo_recompute": "backward_order",
-           "one_count_extra": "token_counts"}
+MUTANTS = {
+    "wrong_microbatch": "equivalence",
+    "layer_shift": "drift",
+    "detached_probs": "equivalence",
+    "no_recompute_replay": "recompute",
+    "fifo_recompute": "backward_order",
+    "counts_padding": "token_counts",
+    "reversed_slots": "weights",
+    "ties_by_id": "equivalence",
+    "one_token_one_layer_route": "drift",
+    "one_ulp_one_prob": "weights",
+    "one_layer_no_recompute_replay": "recompute",
+    "one_layer_fifo_recompute": "backward_order",
+    "one_count_extra": "token_counts",
+}
 # the other subchecks a mutant is shown failing (``tests/unit/test_replay_minimal_mutants.py``)
-ALSO_FAILS = {"one_token_one_layer_route": ("equivalence", "cross_layout", "native_parity", "weights"),
-              "one_ulp_one_prob": ("equivalence", "native_parity")}
+ALSO_FAILS = {
+    "one_token_one_layer_route": ("equivalence", "cross_layout", "native_parity", "weights"),
+    "one_ulp_one_prob": ("equivalence", "native_parity"),
+}

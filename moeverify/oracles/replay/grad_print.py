@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moeverify.runtime import hash64
 from moeverify.oracles.bits import bits
+from moeverify.runtime import hash64
 
 KEEP = 1 << 16  # elements: kept as a tensor up to this size
 _HASH_THREADS = min(8, os.cpu_count() or 1)  # host blocks hashed at once (1.9x on two cores)
@@ -61,8 +61,12 @@ class GradPrint:
     def same(self, other: GradPrint) -> bool:
         """Bitwise equal: shape, dtype and every block's bytes (sums and maxima are only for messages: NaN). Prints
         of two digests are never the same (``compare_maps`` prints a tensor with the digest of the print it meets)."""
-        return ((self.shape, self.dtype, self.digest, self.blocks)
-                == (other.shape, other.dtype, other.digest, other.blocks))
+        return (self.shape, self.dtype, self.digest, self.blocks) == (
+            other.shape,
+            other.dtype,
+            other.digest,
+            other.blocks,
+        )
 
     def describe(self, other: GradPrint) -> str:
         """Why ``other`` (the run under test) is not bitwise this (expected)."""
@@ -79,16 +83,18 @@ class GradPrint:
         for d in self.shape:
             n *= d
         first = differ[0] * BLOCK
-        return (f"{len(differ)} of {len(self.blocks)} block(s) of {BLOCK} elements differ; first in flat "
-                f"[{first}, {min(first + BLOCK, n)}); sum {self.total!r} != {other.total!r}, max |g| "
-                f"{self.absmax!r} vs {other.absmax!r}")
+        return (
+            f"{len(differ)} of {len(self.blocks)} block(s) of {BLOCK} elements differ; first in flat "
+            f"[{first}, {min(first + BLOCK, n)}); sum {self.total!r} != {other.total!r}, max |g| "
+            f"{self.absmax!r} vs {other.absmax!r}"
+        )
 
 
 def _blake2b(flat: torch.Tensor) -> tuple[bytes, ...]:
     raw = flat.cpu().numpy()  # a view when already on the host
 
     def block(i: int) -> bytes:
-        return hashlib.blake2b(raw[i:i + BLOCK], digest_size=16).digest()
+        return hashlib.blake2b(raw[i : i + BLOCK], digest_size=16).digest()
 
     starts = range(0, raw.shape[0], BLOCK)
     if len(starts) < 2:
@@ -118,11 +124,11 @@ def _lin64(flat_GN: torch.Tensor) -> torch.Tensor:
     sums = torch.empty(g, rows, len(_LANES), dtype=torch.int64, device=flat_GN.device)
     step = max(1, _ROWS // max(g, 1))  # blocks of every row at once
     for start in range(0, rows, step):
-        part = flat_GN[:, start * BLOCK:(start + step) * BLOCK].to(torch.int64)
+        part = flat_GN[:, start * BLOCK : (start + step) * BLOCK].to(torch.int64)
         if part.shape[1] % BLOCK:
             part = torch.nn.functional.pad(part, (0, BLOCK - part.shape[1] % BLOCK))
         part = part.view(g, -1, 1, BLOCK)
-        sums[:, start:start + part.shape[1]] = (part * keys).sum(dim=3)
+        sums[:, start : start + part.shape[1]] = (part * keys).sum(dim=3)
     return sums
 
 
@@ -154,8 +160,9 @@ class Batch:
         t = t.detach()
         if digest == "blake2b":
             what = (tuple(t.shape), t.dtype, t.numel())
-            self._done[key] = _print(what, digest, _blake2b(bits(t.contiguous()).reshape(-1)),
-                                     _stats(t.reshape(1, -1))[0])
+            self._done[key] = _print(
+                what, digest, _blake2b(bits(t.contiguous()).reshape(-1)), _stats(t.reshape(1, -1))[0]
+            )
         else:
             self._pending.setdefault((t.device, t.dtype, t.numel()), []).append((key, tuple(t.shape), t))
 
@@ -165,11 +172,11 @@ class Batch:
         for (device, dtype, numel), items in self._pending.items():
             per = max(1, _ROWS // max(1, -(-numel // BLOCK)))  # tensors digested at once
             for i in range(0, len(items), per):
-                part = items[i:i + per]
-                vals = (part[0][2].reshape(1, -1) if len(part) == 1
-                        else torch.stack([t.reshape(-1) for _, _, t in part]))
-                queued.setdefault(device, []).append(([(k, s) for k, s, _ in part], dtype, numel,
-                                                      _lin64(bits(vals)), _stats(vals)))
+                part = items[i : i + per]
+                vals = part[0][2].reshape(1, -1) if len(part) == 1 else torch.stack([t.reshape(-1) for _, _, t in part])
+                queued.setdefault(device, []).append(
+                    ([(k, s) for k, s, _ in part], dtype, numel, _lin64(bits(vals)), _stats(vals))
+                )
         for items in queued.values():  # one copy to the host per device
             sums = torch.cat([s.reshape(-1, len(_LANES)) for *_, s, _ in items]).cpu().numpy()
             stats = torch.cat([st for *_, st in items]).cpu()
@@ -187,8 +194,14 @@ class Batch:
 
 def _print(what: tuple, digest: str, blocks: tuple[bytes, ...], stats: torch.Tensor) -> GradPrint:
     (shape, dtype, numel), (total, lo, hi) = what, (float(v) for v in stats.cpu())
-    return GradPrint(shape=shape, dtype=dtype, digest=digest, blocks=blocks, total=total,
-                     absmax=max(abs(lo), abs(hi)) if numel else 0.0)
+    return GradPrint(
+        shape=shape,
+        dtype=dtype,
+        digest=digest,
+        blocks=blocks,
+        total=total,
+        absmax=max(abs(lo), abs(hi)) if numel else 0.0,
+    )
 
 
 DIGESTS = ("blake2b", "lin64")

@@ -27,20 +27,20 @@ import abc
 import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import sys
 import types
 from collections.abc import Iterator
-import io
 
 import torch
 
-from moeverify.spec import plugins
 from moeverify.errors import MoEVerifyError, UsageError
-from moeverify.spec.checks import REPLAY_IMPLS
+from moeverify.patches import router_replay as rr
 from moeverify.patches.routers import find_routers
 from moeverify.routing.routes import Routes
-from moeverify.patches import router_replay as rr
+from moeverify.spec import plugins
+from moeverify.spec.checks import REPLAY_IMPLS
 
 IMPLS = REPLAY_IMPLS  # declared in moeverify.spec.checks
 
@@ -123,8 +123,10 @@ class ActionReplay(ReplayImpl):
         self._routers = find_routers(model_chunks)
         missing = [layer for layer, (_, r) in self._routers.items() if getattr(r, "router_replay", None) is None]
         if missing:
-            raise MoEVerifyError(f"{self.name} replay: routers of layers {missing} have no router_replay object; "
-                                 "was the model built with moe_enable_routing_replay=True after apply()?")
+            raise MoEVerifyError(
+                f"{self.name} replay: routers of layers {missing} have no router_replay object; "
+                "was the model built with moe_enable_routing_replay=True after apply()?"
+            )
         if self._routers:
             any_router = next(iter(self._routers.values()))[1]
             self._num_experts = int(any_router.config.num_moe_experts)
@@ -169,8 +171,9 @@ class ActionReplay(ReplayImpl):
         try:
             yield self
         finally:
-            self._recompute_left = {layer: len(router.router_replay.replay_backward_list)
-                                    for layer, (_, router) in self._routers.items()}
+            self._recompute_left = {
+                layer: len(router.router_replay.replay_backward_list) for layer, (_, router) in self._routers.items()
+            }
             self._mode = None
             self._replaying = None
             self._set_all(None)
@@ -207,8 +210,11 @@ class ActionReplay(ReplayImpl):
         # Without recompute nothing pops the recompute queue: entries left over are expected there.
         if not recompute:
             return []
-        return [f"{self.name} replay: layer {layer}: {left} recompute route(s) never consumed"
-                for layer, left in sorted(self._recompute_left.items()) if left]
+        return [
+            f"{self.name} replay: layer {layer}: {left} recompute route(s) never consumed"
+            for layer, left in sorted(self._recompute_left.items())
+            if left
+        ]
 
 
 class NativeReplay(ActionReplay):
@@ -323,17 +329,28 @@ _PRISTINE: list[tuple[object, str, object]] | None = None
 def _patch_points() -> list[tuple[object, str]]:
     from megatron.core.transformer.moe import moe_utils, router, token_dispatcher  # lazy: megatron
 
-    return [(router.TopKRouter, "__init__"), (router.TopKRouter, "routing"), (router.TopKRouter, "forward"),
-            (router, "topk_routing_with_score_function"), (moe_utils, "topk_routing_with_score_function"),
-            (token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess")]
+    return [
+        (router.TopKRouter, "__init__"),
+        (router.TopKRouter, "routing"),
+        (router.TopKRouter, "forward"),
+        (router, "topk_routing_with_score_function"),
+        (moe_utils, "topk_routing_with_score_function"),
+        (token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess"),
+    ]
 
 
 def pristine_snapshot() -> None:
     """Remember megatron-core's routing entry points; call before applying any replay patch."""
     global _PRISTINE
     if _PRISTINE is None:
-        _PRISTINE = [(owner, name, owner.__dict__.get(name, getattr(owner, name)) if isinstance(owner, type)
-                      else getattr(owner, name)) for owner, name in _patch_points()]
+        _PRISTINE = [
+            (
+                owner,
+                name,
+                owner.__dict__.get(name, getattr(owner, name)) if isinstance(owner, type) else getattr(owner, name),
+            )
+            for owner, name in _patch_points()
+        ]
 
 
 @contextlib.contextmanager
@@ -344,8 +361,10 @@ def pristine():
     replaced ``TopKRouter`` methods; models built and run inside get Megatron's code only.
     """
     pristine_snapshot()
-    current = [(owner, name, owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name))
-               for owner, name, _ in _PRISTINE]
+    current = [
+        (owner, name, owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name))
+        for owner, name, _ in _PRISTINE
+    ]
     try:
         for owner, name, value in _PRISTINE:
             setattr(owner, name, value)

@@ -13,8 +13,8 @@ whose MTP routers are not where this places them is refused (``check_placement``
 
 from __future__ import annotations
 
-from moeverify.routing import views
 from moeverify.errors import UsageError
+from moeverify.routing import views
 from moeverify.routing.routes import Routes
 
 
@@ -29,20 +29,25 @@ def to_local(global_routes: Routes, layout, *, coords, seq_len, batch: int, num_
     """``Routes.to_local`` for decoder layers ``< num_layers`` and MTP layers ``>= num_layers`` alike."""
     mtp = [layer for layer in global_routes.layers if layer >= num_layers]
     decoder = [layer for layer in global_routes.layers if layer < num_layers]
-    local = global_routes.select(decoder).to_local(layout, coords=coords, seq_len=seq_len, batch=batch,
-                           num_layers=num_layers)
+    local = global_routes.select(decoder).to_local(
+        layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers
+    )
     if not mtp:
         return local
     held = {}
     for layer in mtp:  # as the last decoder layer, renumbered
-        as_last = Routes({num_layers - 1: [global_routes.get(layer, mb) for mb in range(global_routes.microbatches)]},
-                         num_experts=global_routes.num_experts, topk=global_routes.topk).in_order(global_routes.order)
+        as_last = Routes(
+            {num_layers - 1: [global_routes.get(layer, mb) for mb in range(global_routes.microbatches)]},
+            num_experts=global_routes.num_experts,
+            topk=global_routes.topk,
+        ).in_order(global_routes.order)
         viewed = as_last.to_local(layout, coords=coords, seq_len=seq_len, batch=batch, num_layers=num_layers)
         if viewed.layers:
             held[layer] = [viewed.get(num_layers - 1, mb) for mb in range(viewed.microbatches)]
     per_layer = {layer: [local.get(layer, mb) for mb in range(local.microbatches)] for layer in local.layers}
-    return Routes({**per_layer, **held}, num_experts=global_routes.num_experts,
-                  topk=global_routes.topk).in_order("router")
+    return Routes({**per_layer, **held}, num_experts=global_routes.num_experts, topk=global_routes.topk).in_order(
+        "router"
+    )
 
 
 def check_placement(chunks: list, layout, *, coords, num_layers: int, routers: dict) -> None:
@@ -53,12 +58,16 @@ def check_placement(chunks: list, layout, *, coords, num_layers: int, routers: d
         return
     mtp = sorted(layer for layer in routers if layer >= num_layers)
     if layout.pp_layout is not None:
-        raise UsageError(f"MTP layers with pp_layout {layout.pp_layout!r}: cross_layout places MTP routes on the "
-                         "stage of the last decoder layer, as megatron-core 0.19.2 does without a layout; use pp, "
-                         "pp_first or pp_last")
+        raise UsageError(
+            f"MTP layers with pp_layout {layout.pp_layout!r}: cross_layout places MTP routes on the "
+            "stage of the last decoder layer, as megatron-core 0.19.2 does without a layout; use pp, "
+            "pp_first or pp_last"
+        )
     last = views.layers_of(layout, pp_rank=coords.pp, num_layers=num_layers, moe_layers=[num_layers - 1])
     expected = range(num_layers, num_layers + depth) if last else range(0)
     if any(layer not in expected for layer in mtp):
-        raise UsageError(f"{coords.label()}: MTP routers at global layers {mtp}, expected within {list(expected)} "
-                         "(megatron-core 0.19.2 builds MTP on the stage of the last decoder layer): cross_layout "
-                         "cannot place MTP routes on this model")
+        raise UsageError(
+            f"{coords.label()}: MTP routers at global layers {mtp}, expected within {list(expected)} "
+            "(megatron-core 0.19.2 builds MTP on the stage of the last decoder layer): cross_layout "
+            "cannot place MTP routes on this model"
+        )

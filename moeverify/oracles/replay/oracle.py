@@ -53,22 +53,24 @@ import json
 import torch
 
 from moeverify import runtime
-from moeverify.routing import views
-from moeverify.spec.checks import CHECKS, ReplayOptions
 from moeverify.errors import UsageError
 from moeverify.models import family_traits
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay import subchecks as sc
 from moeverify.oracles.replay.impls import make_impl
 from moeverify.oracles.results import Tally
+from moeverify.routing import views
+from moeverify.spec.checks import CHECKS, ReplayOptions
 
 SUBCHECKS = CHECKS["replay"].subchecks
 
 
 def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Tally]:
     """Rank 0 gets every rank's counts and failures (prefixed with the rank)."""
-    mine = {name: (t.checked, [f"{label}: {m}" for m in t.failures], t.dropped, t.not_applicable)
-            for name, t in tallies.items()}
+    mine = {
+        name: (t.checked, [f"{label}: {m}" for m in t.failures], t.dropped, t.not_applicable)
+        for name, t in tallies.items()
+    }
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         everyone = [mine]
     else:
@@ -105,12 +107,14 @@ def run(ctx) -> dict[str, Tally]:
     coords = views.rank_coords(layout, rank=ctx.rank, world_size=ctx.world_size)
     outer = parallel_state.model_parallel_is_initialized()
     traits = family_traits(scenario.model)
-    skipped = {v.name: why for v in opts.variants
-               if (why := v.not_applicable(scenario.family, traits=traits)) is not None}
+    skipped = {
+        v.name: why for v in opts.variants if (why := v.not_applicable(scenario.family, traits=traits)) is not None
+    }
     setups = [st.make_setup(ctx, opts, impl, v, coords) for v in opts.variants if v.name not in skipped]
     if not setups:
-        raise UsageError(f"no router variant of {[v.name for v in opts.variants]} applies to {scenario.family}: "
-                         f"{skipped}")
+        raise UsageError(
+            f"no router variant of {[v.name for v in opts.variants]} applies to {scenario.family}: {skipped}"
+        )
     tallies = {s.variant.name: {name: Tally() for name in opts.subchecks} for s in setups}
     notes: dict[str, dict] = {s.variant.name: {} for s in setups}
     own: dict[str, object] = {}
@@ -118,26 +122,37 @@ def run(ctx) -> dict[str, Tally]:
     # scenario's layout back on exit, for phase 2 and for the checks that run after this one.
     with contextlib.nullcontext() if outer else runtime.parallel(layout, seed=scenario.seed):
         for s in setups:
-            own[s.variant.name] = st.guarded(s, tallies[s.variant.name], sc.variant_on_layout, s,
-                                              tallies[s.variant.name], notes[s.variant.name])
+            own[s.variant.name] = st.guarded(
+                s, tallies[s.variant.name], sc.variant_on_layout, s, tallies[s.variant.name], notes[s.variant.name]
+            )
         if "cross_layout" in opts.subchecks:
             refs = {s.variant.name: st.guarded(s, tallies[s.variant.name], sc.reference, s) for s in setups}
             for s in setups:
                 name = s.variant.name
                 if refs[name] is not None:
-                    st.guarded(s, tallies[name], sc.cross_layout, s, tallies[name]["cross_layout"], refs[name],
-                               own[name], notes[name])
+                    st.guarded(
+                        s,
+                        tallies[name],
+                        sc.cross_layout,
+                        s,
+                        tallies[name]["cross_layout"],
+                        refs[name],
+                        own[name],
+                        notes[name],
+                    )
     for s in setups:
         notes[s.variant.name]["builds"] = dict(s.builds)
-        notes[s.variant.name]["weight_copies"] = {lay.name(ctx.world_size): {"bytes": c.nbytes, "on": c.device}
-                                                  for lay, c in s.weights.items()}
+        notes[s.variant.name]["weight_copies"] = {
+            lay.name(ctx.world_size): {"bytes": c.nbytes, "on": c.device} for lay, c in s.weights.items()
+        }
         notes[s.variant.name]["seconds"] = dict(s.seconds)  # each step alone (a step's nested steps apart)
         s.weights.clear()
     return _report(ctx, opts, coords, tallies, notes, skipped)
 
 
-def _report(ctx, opts: ReplayOptions, coords: views.RankCoords, tallies: dict, notes: dict,
-            skipped: dict[str, str]) -> dict[str, Tally]:
+def _report(
+    ctx, opts: ReplayOptions, coords: views.RankCoords, tallies: dict, notes: dict, skipped: dict[str, str]
+) -> dict[str, Tally]:
     total = {name: Tally() for name in opts.subchecks}
     per_variant, reasons = {}, {}
     for variant, per_check in tallies.items():
@@ -155,6 +170,9 @@ def _report(ctx, opts: ReplayOptions, coords: views.RankCoords, tallies: dict, n
             total[name].skip("; ".join(why))
     if ctx.rank == 0 and opts.notes_path:
         with open(opts.notes_path, "w") as f:
-            json.dump({"scenario": ctx.scenario.name, "impl": opts.impl, "variants": per_variant,
-                       "not_applicable": skipped}, f, indent=1)
+            json.dump(
+                {"scenario": ctx.scenario.name, "impl": opts.impl, "variants": per_variant, "not_applicable": skipped},
+                f,
+                indent=1,
+            )
     return total

@@ -24,21 +24,27 @@ import time
 import torch
 
 from moeverify import models
-from moeverify.routing import views
-from moeverify.spec.checks import ReplayOptions
 from moeverify.errors import RankDisagreement
-from moeverify.spec.layout import Layout
 from moeverify.models import family_shape, hf_config_dict
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay.impls import ReplayImpl
-from moeverify.patches.routers import find_routers
 from moeverify.oracles.results import Tally
-from moeverify.spec.router_variants import RouterVariant
+from moeverify.patches.routers import find_routers
+from moeverify.routing import views
 from moeverify.runtime.outcome import agree
+from moeverify.spec.checks import ReplayOptions
+from moeverify.spec.layout import Layout
+from moeverify.spec.router_variants import RouterVariant
 
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
-_EXACT = dict(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-              hidden_dropout=0.0, attention_dropout=0.0)
+_EXACT = dict(
+    bf16=False,
+    fp16=False,
+    params_dtype=torch.float32,
+    pipeline_dtype=torch.float32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 # ``replay_dtype: bf16``: Megatron's own bf16 build (Float16Module), half the memory; passes of one process stay
 # deterministic, so every comparison is still bitwise
 _BF16 = dict(_EXACT, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
@@ -70,8 +76,9 @@ class Setup:
     def stage_moe_layers(self) -> tuple[int, ...]:
         """The MoE decoder layers this rank's pipeline stage holds (none on a dense stage)."""
         shape = family_shape(self.ctx.scenario.model)
-        return views.layers_of(self.layout, pp_rank=self.coords.pp, num_layers=shape.num_layers,
-                               moe_layers=shape.moe_layers)
+        return views.layers_of(
+            self.layout, pp_rank=self.coords.pp, num_layers=shape.num_layers, moe_layers=shape.moe_layers
+        )
 
 
 # bytes of weight copies above which a build first collects garbage: a model some subcheck dropped is still held by
@@ -120,7 +127,8 @@ class WeightCopy:
         """Copy into ``chunks`` when they hold exactly these names, shapes and dtypes (True), else touch nothing."""
         mine = _tensors(chunks)
         if mine.keys() != self.tensors.keys() or any(
-                (t.shape, t.dtype) != (self.tensors[k].shape, self.tensors[k].dtype) for k, t in mine.items()):
+            (t.shape, t.dtype) != (self.tensors[k].shape, self.tensors[k].dtype) for k, t in mine.items()
+        ):
             return False
         with torch.no_grad():
             for key, t in mine.items():
@@ -145,8 +153,13 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
         gc.collect()  # a model the last subcheck dropped (modules and hooks hold each other in cycles) goes first
     chunks = None
     if (copy := setup.weights.get(layout)) is not None:
-        chunks = models.build(scenario.model, layout, seed=scenario.seed, load_weights=False,
-                              overrides={**settings, "perform_initialization": False}).model_chunks
+        chunks = models.build(
+            scenario.model,
+            layout,
+            seed=scenario.seed,
+            load_weights=False,
+            overrides={**settings, "perform_initialization": False},
+        ).model_chunks
         if copy.restore(chunks):
             setup.builds["copied"] += 1
         else:  # another structure (an option that adds a tensor): load it as the first build did
@@ -168,7 +181,7 @@ def _tie_router_rows(chunks: list) -> None:
     for _, router in find_routers(chunks).values():
         with torch.no_grad():
             pairs = router.weight.shape[0] // 2  # an odd last expert keeps its own row
-            router.weight[1:2 * pairs:2] = router.weight[0:2 * pairs:2]
+            router.weight[1 : 2 * pairs : 2] = router.weight[0 : 2 * pairs : 2]
 
 
 def _seed_expert_bias(chunks: list, *, seed: int) -> None:
@@ -195,12 +208,19 @@ def num_layers(chunks: list) -> int:
 
 def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant, coords: views.RankCoords) -> Setup:
     scenario, layout = ctx.scenario, ctx.scenario.layout
-    batches = rd.Batches(seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.num_microbatches(layout),
-                         dp=layout.dp(ctx.world_size), vocab_size=_vocab_size(scenario.model), seed=scenario.seed,
-                         padding=variant.padding)
+    batches = rd.Batches(
+        seq_len=opts.seq_len,
+        batch=opts.batch,
+        microbatches=opts.num_microbatches(layout),
+        dp=layout.dp(ctx.world_size),
+        vocab_size=_vocab_size(scenario.model),
+        seed=scenario.seed,
+        padding=variant.padding,
+    )
     items = rd.local_microbatches(batches, layout, dp_rank=coords.dp, cp_rank=coords.cp)
-    return Setup(ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords,
-                 batches=batches, items=items)
+    return Setup(
+        ctx=ctx, opts=opts, impl=impl, variant=variant, layout=layout, coords=coords, batches=batches, items=items
+    )
 
 
 def release(impl) -> None:

@@ -42,8 +42,10 @@ def evidence(grad_pass, nograd_pass) -> list[str]:
             continue
         if torch.equal(other[0], map_TE) and not bitwise_equal(other[1], probs_TE):
             diff_TE = (other[1].double() - probs_TE.double()).abs()
-            found.append(f"layer {key[0]} mb {key[1]}: same experts, router probs differ in "
-                         f"{int((diff_TE > 0).sum())} of {diff_TE.numel()} elements (max {float(diff_TE.max()):.3g})")
+            found.append(
+                f"layer {key[0]} mb {key[1]}: same experts, router probs differ in "
+                f"{int((diff_TE > 0).sum())} of {diff_TE.numel()} elements (max {float(diff_TE.max()):.3g})"
+            )
     return found
 
 
@@ -51,7 +53,8 @@ def same_probs(a, b) -> bool:
     """Two passes routed every (layer, mb) with bitwise the same map and probs."""
     return a.routing.keys() == b.routing.keys() and all(
         torch.equal(a.routing[k][0], b.routing[k][0]) and bitwise_equal(a.routing[k][1], b.routing[k][1])
-        for k in a.routing)
+        for k in a.routing
+    )
 
 
 def reference_pass(chunks: list, run) -> object:

@@ -13,17 +13,16 @@ import dataclasses
 import torch
 
 from moeverify import runtime
-from moeverify.routing import views
-from moeverify.spec.checks import REPLAY_WHOLE_MODEL
-from moeverify.spec.layout import Layout
-from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import drive as rd
-from moeverify.oracles.replay import mtp_views, slot_order, toggles
+from moeverify.oracles.replay import mtp_views, slot_order, toggles, token_counts
+from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import setup as st
-from moeverify.oracles.replay import token_counts
 from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
 from moeverify.oracles.results import Tally
+from moeverify.routing import views
 from moeverify.routing.routes import Routes
+from moeverify.spec.checks import REPLAY_WHOLE_MODEL
+from moeverify.spec.layout import Layout
 
 
 def reference(setup: st.Setup) -> tuple[object, dict]:
@@ -42,9 +41,15 @@ def reference(setup: st.Setup) -> tuple[object, dict]:
         logprob = rd.record_pass(chunks, items, seq_len=glob.seq_len, impl=setup.impl)
         plain = rd.run_pass(chunks, items, seq_len=glob.seq_len, forward_only=True)
         shape = mtp_views.router_layers(chunks)  # one stage holds every layer, MTP's too
-        global_routes = Routes.to_global({views.rank_coords(one, rank=0, world_size=1): logprob.routes}, one,
-                                        world_size=1, seq_len=glob.seq_len, batch=glob.batch, num_layers=shape,
-                                        moe_layers=logprob.routes.layers)
+        global_routes = Routes.to_global(
+            {views.rank_coords(one, rank=0, world_size=1): logprob.routes},
+            one,
+            world_size=1,
+            seq_len=glob.seq_len,
+            batch=glob.batch,
+            num_layers=shape,
+            moe_layers=logprob.routes.layers,
+        )
     return global_routes, plain.seq_loss
 
 
@@ -68,8 +73,9 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
     routes = logprob.routes
     replayed = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
     if "weights" in want:  # the training pass takes the log-prob pass's routing weights, slot order included
-        rc.compare_passes(tallies["weights"], logprob, replayed, prefix=p + "replay vs recorded pass: ", grads=False,
-                          logits=False)
+        rc.compare_passes(
+            tallies["weights"], logprob, replayed, prefix=p + "replay vs recorded pass: ", grads=False, logits=False
+        )
     if "equivalence" in want:
         t = tallies["equivalence"]
         rc.check_recorded(t, routes, plain, prefix=p + "recorded vs plain pass: ")
@@ -79,29 +85,60 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
             t.fail(p + msg)
     del plain, logprob
     if "native_parity" in want and native_here:  # before drift moves the weights
-        st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
-                   tallies["native_parity"], routes, replayed, chunks)
+        st.guarded(
+            setup,
+            {"native_parity": tallies["native_parity"]},
+            _native_parity,
+            setup,
+            tallies["native_parity"],
+            routes,
+            replayed,
+            chunks,
+        )
     dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
     if dependent:
         drifted = st.guarded(setup, dependent, _drift, setup, tallies, chunks, routes, notes)
         if "recompute" in want and drifted is not None:
-            st.guarded(setup, {"recompute": tallies["recompute"]}, _recompute, setup, tallies["recompute"], chunks,
-                       routes, drifted)
+            st.guarded(
+                setup,
+                {"recompute": tallies["recompute"]},
+                _recompute,
+                setup,
+                tallies["recompute"],
+                chunks,
+                routes,
+                drifted,
+            )
         del drifted
     del chunks  # the subchecks below build models of their own: free this one first
     st.release(impl)
     if "native_parity" in want and not native_here:  # one model alive at a time: the native build after this one
-        st.guarded(setup, {"native_parity": tallies["native_parity"]}, _native_parity, setup,
-                   tallies["native_parity"], routes, replayed, None)
+        st.guarded(
+            setup,
+            {"native_parity": tallies["native_parity"]},
+            _native_parity,
+            setup,
+            tallies["native_parity"],
+            routes,
+            replayed,
+            None,
+        )
     del replayed
     if "backward_order" in want:
-        st.guarded(setup, {"backward_order": tallies["backward_order"]}, _backward_order, setup,
-                   tallies["backward_order"], notes)
+        st.guarded(
+            setup,
+            {"backward_order": tallies["backward_order"]},
+            _backward_order,
+            setup,
+            tallies["backward_order"],
+            notes,
+        )
     if "validation" in want:
         st.guarded(setup, {"validation": tallies["validation"]}, _validation, setup, tallies["validation"])
     if "token_counts" in want:
-        st.guarded(setup, {"token_counts": tallies["token_counts"]}, token_counts.run, setup, tallies["token_counts"],
-                   notes)
+        st.guarded(
+            setup, {"token_counts": tallies["token_counts"]}, token_counts.run, setup, tallies["token_counts"], notes
+        )
     return routes
 
 
@@ -114,17 +151,23 @@ def _equivalence_reference(setup: st.Setup, chunks: list, plain, replayed, notes
     evidence = slot_order.evidence(plain, nograd)
     if not evidence:
         return plain
-    notes.setdefault("findings", {})[slot_order.FINDING] = {"title": slot_order.TITLE, "evidence": evidence[:8],
-                                                            "pairs": len(evidence)}
+    notes.setdefault("findings", {})[slot_order.FINDING] = {
+        "title": slot_order.TITLE,
+        "evidence": evidence[:8],
+        "pairs": len(evidence),
+    }
     if slot_order.same_probs(replayed, plain) or not slot_order.same_probs(replayed, nograd):
         return plain
-    reference = slot_order.reference_pass(chunks, lambda: rd.run_pass(chunks, setup.items, seq_len=seq,
-                                                                       forward_only=False))
+    reference = slot_order.reference_pass(
+        chunks, lambda: rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=False)
+    )
     if not slot_order.same_probs(reference, nograd):  # not the reference it claims to be: judge by the plain pass
         notes["equivalence"] = "native routing in the no-grad slot order did not reproduce the no-grad pass"
         return plain
-    notes["equivalence"] = (f"the replay routes with the no-grad pass's probabilities ({slot_order.FINDING}): "
-                            "compared with native grad-mode routing in the no-grad slot order")
+    notes["equivalence"] = (
+        f"the replay routes with the no-grad pass's probabilities ({slot_order.FINDING}): "
+        "compared with native grad-mode routing in the no-grad slot order"
+    )
     return reference
 
 
@@ -159,8 +202,9 @@ def _backward_order(setup: st.Setup, t: Tally, notes: dict) -> None:
         if _global_aux_loss(chunks):
             chunks = None  # one model alive at a time
             chunks = st.build(setup, layout, overrides=impl.overrides(), extra={"moe_aux_loss_coeff": 0.0})
-            notes["backward_order"] = ("global_aux_loss off: its tracker counts recompute forwards in backward "
-                                       "order (finding F6)")
+            notes["backward_order"] = (
+                "global_aux_loss off: its tracker counts recompute forwards in backward order (finding F6)"
+            )
         impl.bind(chunks)
         routes = rd.record_pass(chunks, items, seq_len=seq, impl=impl).routes
         st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
@@ -188,9 +232,12 @@ def _bad_routes(routes, layer: int, microbatch: int) -> dict[str, object]:
     out_TK[0, 0] = E
     extra = {lay: [routes.get(lay, mb) for mb in range(routes.microbatches)] for lay in routes.layers}
     extra[max(routes.layers) + 1] = [routes.get(layer, mb) for mb in range(routes.microbatches)]
-    bad = {"short table": swap(good_TK[:-1]), "float ids": swap(good_TK.float()),
-           "id out of range": swap(out_TK), "another model's layer count": Routes.unchecked(extra, num_experts=E,
-                                                                                             topk=K)}
+    bad = {
+        "short table": swap(good_TK[:-1]),
+        "float ids": swap(good_TK.float()),
+        "id out of range": swap(out_TK),
+        "another model's layer count": Routes.unchecked(extra, num_experts=E, topk=K),
+    }
     if K > 1:
         bad["expert twice in a row"] = swap(dup_TK)
     return bad
@@ -215,13 +262,17 @@ def _validation(setup: st.Setup, t: Tally) -> None:
                 chunks = st.build(setup, one, overrides=impl.overrides())
                 impl.bind(chunks)
                 routed, error = _one_forward(chunks, items[0], impl=impl, routes=routes)
-            if not t.check(error is None and (layer, 0) in routed,
-                           f"{setup.prefix}validation: the control forward with valid routes failed ({error})"):
+            if not t.check(
+                error is None and (layer, 0) in routed,
+                f"{setup.prefix}validation: the control forward with valid routes failed ({error})",
+            ):
                 return
             routed, error = _one_forward(chunks, items[0], impl=impl, routes=bad)
-            t.check(error is not None and (layer, 0) not in routed,
-                    f"{setup.prefix}validation: {impl.name} accepted routes with {case} (layer {layer} mb 0) and "
-                    f"routed tokens with them (then: {error or 'no error'}); expected a refusal before routing")
+            t.check(
+                error is not None and (layer, 0) not in routed,
+                f"{setup.prefix}validation: {impl.name} accepted routes with {case} (layer {layer} mb 0) and "
+                f"routed tokens with them (then: {error or 'no error'}); expected a refusal before routing",
+            )
 
 
 def _one_forward(chunks: list, item, *, impl: ReplayImpl, routes) -> tuple[set, str | None]:
@@ -267,8 +318,9 @@ def _native_parity(setup: st.Setup, t: Tally, routes, replayed, chunks: list | N
         else:
             with toggles.native_replay(chunks):
                 native_impl.bind(chunks)
-                native = rd.replay_pass(chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl,
-                                        routes=routes)
+                native = rd.replay_pass(
+                    chunks, setup.items, seq_len=setup.batches.seq_len, impl=native_impl, routes=routes
+                )
                 native_impl.unbind()
     rc.compare_passes(t, native, replayed, prefix=setup.prefix + "vs native RouterReplay: ")
 
@@ -278,10 +330,17 @@ def cross_layout(setup: st.Setup, t: Tally, reference, own_routes, notes: dict) 
     b = setup.batches
     chunks = st.build(setup, setup.layout, overrides=setup.impl.overrides())
     setup.impl.bind(chunks)
-    mtp_views.check_placement(chunks, setup.layout, coords=setup.coords, num_layers=st.num_layers(chunks),
-                              routers=st.find_routers(chunks))
-    local = mtp_views.to_local(global_routes, setup.layout, coords=setup.coords, seq_len=b.seq_len, batch=b.batch,
-                               num_layers=st.num_layers(chunks))
+    mtp_views.check_placement(
+        chunks, setup.layout, coords=setup.coords, num_layers=st.num_layers(chunks), routers=st.find_routers(chunks)
+    )
+    local = mtp_views.to_local(
+        global_routes,
+        setup.layout,
+        coords=setup.coords,
+        seq_len=b.seq_len,
+        batch=b.batch,
+        num_layers=st.num_layers(chunks),
+    )
     got = rd.replay_pass(chunks, setup.items, seq_len=b.seq_len, impl=setup.impl, routes=local)
     rc.check_follows(t, local, got, prefix=setup.prefix, what="1-rank reference", stage_layers=setup.stage_moe_layers())
     rc.check_losses_close(t, got, ref_seq_loss, dp_rank=setup.coords.dp, batch=b.batch, prefix=setup.prefix)

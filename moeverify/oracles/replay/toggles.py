@@ -17,16 +17,22 @@ from __future__ import annotations
 
 import contextlib
 
-from moeverify.spec.checks import RECOMPUTE_MODES
 from moeverify.errors import EnvironmentProblem
 from moeverify.patches.routers import find_routers
+from moeverify.spec.checks import RECOMPUTE_MODES
 
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 
 
 def _configs(chunks: list) -> list:
-    return list({id(m.config): m.config for chunk in chunks for m in chunk.modules()
-                 if hasattr(getattr(m, "config", None), "recompute_granularity")}.values())
+    return list(
+        {
+            id(m.config): m.config
+            for chunk in chunks
+            for m in chunk.modules()
+            if hasattr(getattr(m, "config", None), "recompute_granularity")
+        }.values()
+    )
 
 
 def _moe_layers(chunks: list) -> list:
@@ -42,22 +48,28 @@ def recompute(chunks: list, mode: str):
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"unknown recompute mode {mode!r}; expected one of {sorted(RECOMPUTE_MODES)}")
     configs, moe = _configs(chunks), _moe_layers(chunks)
-    built = {c.recompute_granularity for c in configs} | {bool(m.moe_layer_recompute) for m in moe
-                                                         if hasattr(m, "moe_layer_recompute")}
+    built = {c.recompute_granularity for c in configs} | {
+        bool(m.moe_layer_recompute) for m in moe if hasattr(m, "moe_layer_recompute")
+    }
     if built - {None, False}:
-        raise EnvironmentProblem(f"recompute toggle: the model was built with recompute settings {sorted(map(str, built))}"
-                                 "; expected none (the toggle adds one mode to a model built without)")
+        raise EnvironmentProblem(
+            f"recompute toggle: the model was built with recompute settings {sorted(map(str, built))}"
+            "; expected none (the toggle adds one mode to a model built without)"
+        )
     if any(not hasattr(m, "moe_layer_recompute") for m in moe):
-        raise EnvironmentProblem("recompute toggle: MoELayer has no moe_layer_recompute attribute; expected "
-                                 "megatron-core 0.19.2's (selective recompute is fixed at construction there)")
+        raise EnvironmentProblem(
+            "recompute toggle: MoELayer has no moe_layer_recompute attribute; expected "
+            "megatron-core 0.19.2's (selective recompute is fixed at construction there)"
+        )
     saved = [{k: getattr(c, k) for k in _RECOMPUTE_KEYS} for c in configs]
     try:
         for config in configs:
             for key, value in RECOMPUTE_MODES[mode].items():
                 setattr(config, key, value)
         for m in moe:
-            m.moe_layer_recompute = (m.config.recompute_granularity == "selective"
-                                     and "moe" in (m.config.recompute_modules or ()))
+            m.moe_layer_recompute = m.config.recompute_granularity == "selective" and "moe" in (
+                m.config.recompute_modules or ()
+            )
         yield
     finally:
         for config, values in zip(configs, saved, strict=True):
@@ -77,11 +89,15 @@ def native_replay(chunks: list):
     routers = [router for _, router in find_routers(chunks).values()]
     taken = [r.layer_number for r in routers if getattr(r, "router_replay", None) is not None]
     if any("router_replay" not in r.__dict__ for r in routers):
-        raise EnvironmentProblem("native replay toggle: a TopKRouter has no router_replay attribute; expected "
-                                 "megatron-core 0.19.2's TopKRouter.__init__ (it sets one, None when off)")
+        raise EnvironmentProblem(
+            "native replay toggle: a TopKRouter has no router_replay attribute; expected "
+            "megatron-core 0.19.2's TopKRouter.__init__ (it sets one, None when off)"
+        )
     if taken:
-        raise EnvironmentProblem(f"native replay toggle: routers of layers {taken} have a router_replay object "
-                                 "already; expected a model built without moe_enable_routing_replay")
+        raise EnvironmentProblem(
+            f"native replay toggle: routers of layers {taken} have a router_replay object "
+            "already; expected a model built without moe_enable_routing_replay"
+        )
     made = []
     try:
         for router in routers:

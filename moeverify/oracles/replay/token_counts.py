@@ -30,21 +30,23 @@ import functools
 import torch
 
 from moeverify import runtime
-from moeverify.spec.layout import Layout
-from moeverify.oracles.replay import pass_checks as rc
+from moeverify.models import family_shape, family_traits
 from moeverify.oracles.replay import drive as rd
+from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay.impls import pristine
 from moeverify.oracles.results import Tally
-from moeverify.models import family_shape, family_traits
+from moeverify.spec.layout import Layout
 
 MICROBATCHES = 1  # one is enough: counts of a call; cost matters (the subcheck runs in every replay scenario)
 # Finding F13 (README): megatron-core 0.19.2 keeps ``expert_bias`` in fp32 under ``Float16Module`` but not the counts
 # its update is made from: ``local_tokens_per_expert`` becomes bf16 in a bf16 build and rounds once an expert's count
 # passes 256 (fixed upstream after 0.19.2: Megatron-LM PR #7081). Seen with ``replay_dtype: bf16``.
 FINDING = "F13"
-TITLE = ("megatron-core 0.19.2 holds the expert-bias token counts (local_tokens_per_expert) in the model's dtype: "
-         "bf16 counts round above 256")
+TITLE = (
+    "megatron-core 0.19.2 holds the expert-bias token counts (local_tokens_per_expert) in the model's dtype: "
+    "bf16 counts round above 256"
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -95,12 +97,14 @@ def not_applicable(*, expert_bias: bool, config) -> str | None:
     z_loss = float(getattr(config, "moe_z_loss_coeff", None) or 0.0) > 0
     if bias or aux or z_loss:
         return None
-    return ("the model has no expert bias (traits.expert_bias "
-            f"{expert_bias}, moe_router_enable_expert_bias {getattr(config, 'moe_router_enable_expert_bias', None)}), "
-            f"no aux loss (moe_aux_loss_coeff {config.moe_aux_loss_coeff!r} under moe_router_load_balancing_type "
-            f"{config.moe_router_load_balancing_type!r}: Megatron-Core applies a coefficient only to the "
-            f"{'/'.join(AUX_LOSS_TYPES)} type it is paired with) and no z-loss "
-            f"(moe_z_loss_coeff {getattr(config, 'moe_z_loss_coeff', None)!r}): no token count or loss to compare")
+    return (
+        "the model has no expert bias (traits.expert_bias "
+        f"{expert_bias}, moe_router_enable_expert_bias {getattr(config, 'moe_router_enable_expert_bias', None)}), "
+        f"no aux loss (moe_aux_loss_coeff {config.moe_aux_loss_coeff!r} under moe_router_load_balancing_type "
+        f"{config.moe_router_load_balancing_type!r}: Megatron-Core applies a coefficient only to the "
+        f"{'/'.join(AUX_LOSS_TYPES)} type it is paired with) and no z-loss "
+        f"(moe_z_loss_coeff {getattr(config, 'moe_z_loss_coeff', None)!r}): no token count or loss to compare"
+    )
 
 
 def run(setup: st.Setup, t: Tally, notes: dict) -> None:
@@ -138,13 +142,16 @@ def _cases(setup: st.Setup) -> dict[str, tuple[int, int]]:
 def _padded_items(setup: st.Setup, layout: Layout, *, seq_len: int, batch: int) -> list[rd.MicroBatch]:
     """Micro-batches with padding in every one: the last quarter (at least one token) of the last sequence,
     and position 1 of every second sequence."""
-    glob = dataclasses.replace(setup.batches, seq_len=seq_len, batch=batch, dp=1, microbatches=MICROBATCHES,
-                               padding=False)
+    glob = dataclasses.replace(
+        setup.batches, seq_len=seq_len, batch=batch, dp=1, microbatches=MICROBATCHES, padding=False
+    )
     pad_BS = torch.zeros(batch, seq_len, dtype=torch.bool)
-    pad_BS[-1, seq_len - max(1, seq_len // 4):] = True
+    pad_BS[-1, seq_len - max(1, seq_len // 4) :] = True
     pad_BS[::2, 1] = True
-    return [dataclasses.replace(item, padding_BS=pad_BS.clone())
-            for item in rd.local_microbatches(glob, layout, dp_rank=0, cp_rank=0)]
+    return [
+        dataclasses.replace(item, padding_BS=pad_BS.clone())
+        for item in rd.local_microbatches(glob, layout, dp_rank=0, cp_rank=0)
+    ]
 
 
 class _NotApplicable(Exception):
@@ -200,13 +207,22 @@ def _observe(chunks: list, run_pass) -> Observed:
     finally:
         for handle in handles:
             handle.remove()
-    counts = {layer: router.local_tokens_per_expert.detach().cpu().clone() for layer, (_, router) in routers.items()
-              if router.local_tokens_per_expert is not None}
-    aux = {(name, layer): entry.values[layer].detach().cpu().clone() for name, entry in tracker.metrics.items()
-           for layer in routers if layer < entry.values.numel()}
-    global_counts = {layer: (router.global_tokens_per_expert.detach().cpu().clone(),
-                             router.ga_steps.detach().cpu().clone())
-                     for layer, (_, router) in routers.items() if router.global_tokens_per_expert is not None}
+    counts = {
+        layer: router.local_tokens_per_expert.detach().cpu().clone()
+        for layer, (_, router) in routers.items()
+        if router.local_tokens_per_expert is not None
+    }
+    aux = {
+        (name, layer): entry.values[layer].detach().cpu().clone()
+        for name, entry in tracker.metrics.items()
+        for layer in routers
+        if layer < entry.values.numel()
+    }
+    global_counts = {
+        layer: (router.global_tokens_per_expert.detach().cpu().clone(), router.ga_steps.detach().cpu().clone())
+        for layer, (_, router) in routers.items()
+        if router.global_tokens_per_expert is not None
+    }
     return Observed(calls=calls, counts=counts, aux=aux, global_counts=global_counts)
 
 
@@ -217,5 +233,7 @@ def _seen(calls: dict, layer: int, module, args, kwargs, output) -> None:
     padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
     _, map_TE = output
     mb = sum(1 for key in calls if key[0] == layer)
-    calls[(layer, mb)] = (map_TE.detach().cpu().clone(),
-                          None if padding is None else padding.detach().reshape(-1).cpu().clone())
+    calls[(layer, mb)] = (
+        map_TE.detach().cpu().clone(),
+        None if padding is None else padding.detach().reshape(-1).cpu().clone(),
+    )

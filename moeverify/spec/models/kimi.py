@@ -30,8 +30,14 @@ ARCHITECTURE = "KimiK2ForCausalLM"
 # Fields of Kimi-K2's real config.json that transformers 5.12.1's DeepseekV3Config does not declare, with
 # Kimi-K2's values. Megatron-Bridge 0.6.2 reads ``scoring_func`` (-> moe_router_score_function: KimiK2Bridge,
 # unlike DeepSeekV3Bridge, does not set sigmoid itself); the others are carried as the real config has them.
-KIMI_FIELDS: dict[str, Any] = dict(scoring_func="sigmoid", topk_method="noaux_tc", seq_aux=True, aux_loss_alpha=0.001,
-                   moe_layer_freq=1, num_nextn_predict_layers=0)
+KIMI_FIELDS: dict[str, Any] = dict(
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    seq_aux=True,
+    aux_loss_alpha=0.001,
+    moe_layer_freq=1,
+    num_nextn_predict_layers=0,
+)
 
 
 @functools.cache
@@ -43,8 +49,10 @@ def classes() -> tuple[type, type]:
     base_config = getattr(transformers, "DeepseekV3Config", None)
     base_model = getattr(transformers, "DeepseekV3ForCausalLM", None)
     if base_config is None or base_model is None:
-        raise UsageError(f"kimi_k2: transformers {transformers.__version__} has no DeepseekV3Config / "
-                         "DeepseekV3ForCausalLM, which moeverify's Kimi-K2 stands on (written for 5.12.1)")
+        raise UsageError(
+            f"kimi_k2: transformers {transformers.__version__} has no DeepseekV3Config / "
+            "DeepseekV3ForCausalLM, which moeverify's Kimi-K2 stands on (written for 5.12.1)"
+        )
 
     @strict
     class KimiK2Config(base_config):  # type: ignore[valid-type,misc]  # transformers' class, found at run time
@@ -77,10 +85,12 @@ def ensure_registered() -> None:
     if known is config_cls:
         return
     if known is not None or MODEL_TYPE in CONFIG_MAPPING:
-        raise UsageError(f"kimi_k2: transformers {transformers.__version__} already knows model_type "
-                         f"{MODEL_TYPE!r} ({CONFIG_MAPPING[MODEL_TYPE].__name__}); moeverify's in-code Kimi-K2 "
-                         "was written for 5.12.1, which has none: use transformers' class and drop moeverify/"
-                         "models/kimi.py")
+        raise UsageError(
+            f"kimi_k2: transformers {transformers.__version__} already knows model_type "
+            f"{MODEL_TYPE!r} ({CONFIG_MAPPING[MODEL_TYPE].__name__}); moeverify's in-code Kimi-K2 "
+            "was written for 5.12.1, which has none: use transformers' class and drop moeverify/"
+            "models/kimi.py"
+        )
     transformers.AutoConfig.register(MODEL_TYPE, config_cls)
     transformers.AutoModelForCausalLM.register(config_cls, model_cls)
     # transformers 5.x fuses per-expert weights on load and splits them on save by a conversion keyed by model
@@ -90,8 +100,10 @@ def ensure_registered() -> None:
 
     deepseek = conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3")
     if deepseek is None:
-        raise UsageError(f"kimi_k2: transformers {transformers.__version__} has no DeepSeek-V3 checkpoint "
-                         "conversion to save Kimi-K2's experts with (written for 5.12.1)")
+        raise UsageError(
+            f"kimi_k2: transformers {transformers.__version__} has no DeepSeek-V3 checkpoint "
+            "conversion to save Kimi-K2's experts with (written for 5.12.1)"
+        )
     conversion_mapping.register_checkpoint_conversion_mapping(MODEL_TYPE, deepseek, overwrite=True)
 
 

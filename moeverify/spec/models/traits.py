@@ -26,9 +26,16 @@ from moeverify.spec.models.user import shape_of
 
 # HF architectures whose modeling code (transformers 5.12.1) keeps an expert-bias tensor in every MoE layer,
 # and whose Megatron-Bridge 0.6.2 bridge maps it onto the router's expert_bias.
-_EXPERT_BIAS_ARCHITECTURES = frozenset({
-    "DeepseekV3ForCausalLM", "KimiK2ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-    "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM"})
+_EXPERT_BIAS_ARCHITECTURES = frozenset(
+    {
+        "DeepseekV3ForCausalLM",
+        "KimiK2ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "MiniMaxM2ForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
+    }
+)
 # Architectures whose gated-delta-net in_proj is stored head-grouped (in_proj_qkvz, in_proj_ba).
 _GROUPED_GDN_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM"})
 _MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
@@ -60,8 +67,10 @@ def traits_of(config, *, where: str = "model") -> ModelTraits:
         raise UsageError(f"{where}: config 'architectures' must name exactly one model class, got {archs!r}")
     arch = archs[0]
     if not isinstance(config.get("tie_word_embeddings"), bool):
-        raise UsageError(f"{where}: config needs a boolean tie_word_embeddings (got "
-                         f"{config.get('tie_word_embeddings')!r}); its default differs per architecture")
+        raise UsageError(
+            f"{where}: config needs a boolean tie_word_embeddings (got "
+            f"{config.get('tie_word_embeddings')!r}); its default differs per architecture"
+        )
     mtp = max(int(config.get(k) or 0) for k in _MTP_KEYS)
     shape = shape_of(config, where=where)
     linear = bool(shape.linear_heads)

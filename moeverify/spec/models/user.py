@@ -126,15 +126,19 @@ def _read(ref: ModelRef, *, where: str) -> UserModel:
     items = ref.overrides
     model = UserModel(ref=ref, config={})
     if items and model.weights_dir is not None:
-        raise UsageError(f"{where}: {path} holds real weights, which would not fit a config changed by "
-                         f"--model-set {', '.join(k for k, _ in items)}; give {config_path} (the config alone, "
-                         "random weights per seed) or drop the overrides")
+        raise UsageError(
+            f"{where}: {path} holds real weights, which would not fit a config changed by "
+            f"--model-set {', '.join(k for k, _ in items)}; give {config_path} (the config alone, "
+            "random weights per seed) or drop the overrides"
+        )
     if model.weights_dir is None and path.is_dir():
         pickled = sorted(p.name for pattern in _PICKLED for p in path.glob(pattern))
         if pickled:
-            raise UsageError(f"{where}: {path} holds only pickled weights ({', '.join(pickled[:3])}); moeverify "
-                             "never unpickles a user's file: convert them to safetensors, or give the "
-                             f"{CONFIG} file alone for random weights")
+            raise UsageError(
+                f"{where}: {path} holds only pickled weights ({', '.join(pickled[:3])}); moeverify "
+                "never unpickles a user's file: convert them to safetensors, or give the "
+                f"{CONFIG} file alone for random weights"
+            )
     if model.weights_dir is not None:
         check_weights(model.weights_dir, where=where)
     _check_overrides(config, items, where=where)
@@ -153,16 +157,19 @@ def _safetensors_names(path: Path, *, where: str) -> set[str]:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
             if n is None or n > min(size - 8, _HEADER_MAX):
-                raise UsageError(f"{where}: {path}: not a safetensors file (expected an 8-byte header length and a "
-                                 f"JSON header of at most the file's {size} bytes)")
+                raise UsageError(
+                    f"{where}: {path}: not a safetensors file (expected an 8-byte header length and a "
+                    f"JSON header of at most the file's {size} bytes)"
+                )
             header = json.loads(f.read(n))
     except OSError as exc:
         raise UsageError(f"{where}: {path}: cannot read: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{where}: {path}: not a safetensors file (its header is not JSON: {exc})") from None
     if not isinstance(header, dict):
-        raise UsageError(f"{where}: {path}: not a safetensors file (expected a JSON object header, got "
-                         f"{type(header).__name__})")
+        raise UsageError(
+            f"{where}: {path}: not a safetensors file (expected a JSON object header, got {type(header).__name__})"
+        )
     return {name for name in header if name != "__metadata__"}
 
 
@@ -185,27 +192,35 @@ def check_weights(directory: Path, *, where: str = "--model") -> None:
         raise UsageError(f"{where}: {index}: not valid JSON: {exc}") from None
     except AttributeError:
         weight_map = None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise UsageError(f"{where}: {index}: expected a JSON object whose \"weight_map\" maps each tensor name to "
-                         f"the safetensors file holding it, got weight_map {str(weight_map)[:200]}")
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
+        raise UsageError(
+            f'{where}: {index}: expected a JSON object whose "weight_map" maps each tensor name to '
+            f"the safetensors file holding it, got weight_map {str(weight_map)[:200]}"
+        )
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
         by_file.setdefault(fname, []).append(name)
     for fname, names in sorted(by_file.items()):
         path = directory / fname
         if Path(fname).is_absolute() or ".." in Path(fname).parts or not path.is_file():
-            raise UsageError(f"{where}: {index}: weight_map names {names[0]!r}"
-                             + (f" (and {len(names) - 1} more tensors)" if len(names) > 1 else "")
-                             + f" in {fname!r}, which is not a file in {directory}")
+            raise UsageError(
+                f"{where}: {index}: weight_map names {names[0]!r}"
+                + (f" (and {len(names) - 1} more tensors)" if len(names) > 1 else "")
+                + f" in {fname!r}, which is not a file in {directory}"
+            )
         held = _safetensors_names(path, where=where)
         missing = [name for name in names if name not in held]
         if missing:
-            raise UsageError(f"{where}: {index}: weight_map names {missing[0]!r} in {fname}, which does not hold it"
-                             + (f" ({len(missing) - 1} more tensors of that file missing too)" if len(missing) > 1
-                                else "")
-                             + f": expected it in the file's header, which lists {len(held)} tensors"
-                             + (f" ({', '.join(repr(n) for n in sorted(held)[:3])}, ...)" if held else ""))
+            raise UsageError(
+                f"{where}: {index}: weight_map names {missing[0]!r} in {fname}, which does not hold it"
+                + (f" ({len(missing) - 1} more tensors of that file missing too)" if len(missing) > 1 else "")
+                + f": expected it in the file's header, which lists {len(held)} tensors"
+                + (f" ({', '.join(repr(n) for n in sorted(held)[:3])}, ...)" if held else "")
+            )
 
 
 def parse_sets(items: list[str] | tuple[str, ...], *, where: str = "--model-set") -> dict:
@@ -236,20 +251,26 @@ def _read_config(config_path: Path, *, where: str) -> dict:
         raise UsageError(f"{where}: {config_path}: expected a JSON object, got {type(config).__name__}")
     archs = config.get("architectures")
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
-        raise UsageError(f"{where}: {config_path}: 'architectures' must name exactly one model class "
-                         f"(e.g. [\"Qwen3MoeForCausalLM\"]), got {archs!r}")
+        raise UsageError(
+            f"{where}: {config_path}: 'architectures' must name exactly one model class "
+            f'(e.g. ["Qwen3MoeForCausalLM"]), got {archs!r}'
+        )
     if not isinstance(config.get("model_type"), str):
         raise UsageError(f"{where}: {config_path}: 'model_type' is missing")
     import transformers  # lazy: transformers
 
     if not hasattr(transformers, archs[0]):
-        raise UsageError(f"{where}: {config_path}: transformers {transformers.__version__} has no class "
-                         f"{archs[0]} (models that need remote code are not run)")
+        raise UsageError(
+            f"{where}: {config_path}: transformers {transformers.__version__} has no class "
+            f"{archs[0]} (models that need remote code are not run)"
+        )
     try:
         transformers.AutoConfig.for_model(config["model_type"])
     except (ValueError, KeyError):
-        raise UsageError(f"{where}: {config_path}: transformers {transformers.__version__} does not know "
-                         f"model_type {config['model_type']!r}") from None
+        raise UsageError(
+            f"{where}: {config_path}: transformers {transformers.__version__} does not know "
+            f"model_type {config['model_type']!r}"
+        ) from None
     return config
 
 
@@ -267,14 +288,18 @@ def _check_overrides(config: dict, items: tuple[tuple[str, Any], ...], *, where:
             known = True
         if not known:
             close = difflib.get_close_matches(key, sorted(set(defaults) | set(config)), n=3)
-            raise UsageError(f"{where}: {key}: {config['model_type']}'s config has no such key"
-                             + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            raise UsageError(
+                f"{where}: {key}: {config['model_type']}'s config has no such key"
+                + (f" (did you mean {', '.join(close)}?)" if close else "")
+            )
         canonical = getattr(empty, "attribute_map", {}).get(key, key)
         current = config.get(canonical, config.get(key, defaults.get(canonical)))
         if current is not None and value is not None and not _same_kind(current, value):
             kind = type(current).__name__
-            raise UsageError(f"{where}: {key}={json.dumps(value)}: expected {'an' if kind[0] in 'aeiou' else 'a'} "
-                             f"{kind} like the config's {json.dumps(current)}")
+            raise UsageError(
+                f"{where}: {key}={json.dumps(value)}: expected {'an' if kind[0] in 'aeiou' else 'a'} "
+                f"{kind} like the config's {json.dumps(current)}"
+            )
 
 
 def _normalised(config: dict, items: tuple[tuple[str, Any], ...], *, where: str) -> dict:
@@ -298,13 +323,16 @@ def _normalised(config: dict, items: tuple[tuple[str, Any], ...], *, where: str)
     try:
         obj = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
     except Exception as exc:  # noqa: BLE001 (TypeError, ValueError, huggingface_hub's validation errors: the config's)
-        raise UsageError(f"{where}: {config['model_type']}'s config class refuses this config: "
-                         f"{type(exc).__name__}: {exc}") from None
+        raise UsageError(
+            f"{where}: {config['model_type']}'s config class refuses this config: {type(exc).__name__}: {exc}"
+        ) from None
     for key, value in items:
         got = getattr(obj, key, None)
         if got != value and not (isinstance(got, tuple) and list(got) == value):
-            raise UsageError(f"{where}: {key}={json.dumps(value)} does not hold: {config['model_type']}'s config "
-                             f"class reads it back as {got!r}")
+            raise UsageError(
+                f"{where}: {key}={json.dumps(value)} does not hold: {config['model_type']}'s config "
+                f"class reads it back as {got!r}"
+            )
     out = obj.to_dict()
     out["architectures"] = list(config["architectures"])
     return out
@@ -325,8 +353,10 @@ def _follow_layer_count(config: dict, merged: dict, overrides: dict, *, where: s
         if key in overrides or not isinstance(values, list) or len(values) != old or not isinstance(new, int):
             continue
         if new > old:
-            raise UsageError(f"{where}: num_hidden_layers={new} is more than the config's {old}, whose {key} has one "
-                             f"entry per layer: give --model-set {key}=[...] with {new} entries too")
+            raise UsageError(
+                f"{where}: num_hidden_layers={new} is more than the config's {old}, whose {key} has one "
+                f"entry per layer: give --model-set {key}=[...] with {new} entries too"
+            )
         merged[key] = values[:new]
 
 
@@ -370,13 +400,27 @@ def shape_of(config: dict, *, where: str = "model") -> ModelShape:
     linear: tuple[int, int] | tuple[()] = ()
     if "linear_attention" in (config.get("layer_types") or ()) or config.get("linear_num_key_heads"):
         linear = (int(config.get("linear_num_key_heads") or 0), int(config.get("linear_num_value_heads") or 0))
-    return ModelShape(num_layers=layers, num_heads=heads, num_query_groups=int(groups), num_experts=int(experts),
-                      moe_layers=_moe_layers(pattern_read(config), layers) if experts else (), linear_heads=linear)
+    return ModelShape(
+        num_layers=layers,
+        num_heads=heads,
+        num_query_groups=int(groups),
+        num_experts=int(experts),
+        moe_layers=_moe_layers(pattern_read(config), layers) if experts else (),
+        linear_heads=linear,
+    )
 
 
 # Keys that say which decoder layers are MoE, with the value under which each says nothing (every layer MoE).
-PATTERN_KEYS: dict[str, object] = {"mlp_layer_types": None, "first_k_dense_replace": 0, "moe_layer_freq": 1, "moe_layer_start_index": 0,
-                "moe_layer_end_index": None, "moe_layer_interval": 1, "decoder_sparse_step": 1, "mlp_only_layers": []}
+PATTERN_KEYS: dict[str, object] = {
+    "mlp_layer_types": None,
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 1,
+    "moe_layer_start_index": 0,
+    "moe_layer_end_index": None,
+    "moe_layer_interval": 1,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
 
 
 def neutral(key: str, layers: int) -> Any:

@@ -53,8 +53,15 @@ def main(out: str, steps: int, microbatches: int) -> None:
         pos_BS = torch.arange(S).expand(B, S)
         record = {"routes": [], "losses": []}
         for step in range(steps):
-            batches = [torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(
-                100 * step + 10 * rt.rank + mb)) for mb in range(microbatches)]
+            batches = [
+                torch.randint(
+                    0,
+                    built.config.vocab_size,
+                    (B, S),
+                    generator=torch.Generator().manual_seed(100 * step + 10 * rt.rank + mb),
+                )
+                for mb in range(microbatches)
+            ]
             with torch.no_grad():
                 reference[0](batches[0], pos_BS, None)
                 for tokens in batches:  # old log-probs, train mode

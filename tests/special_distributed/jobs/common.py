@@ -31,8 +31,13 @@ def routers_of(chunks) -> list:
 
 def set_full_recompute(chunks, config=None) -> None:
     """Megatron's full, uniform recompute of every layer (the training forwards checkpoint each layer)."""
-    configs = {id(c): c for chunk in chunks for m in chunk.modules() for c in [getattr(m, "config", None)]
-               if c is not None and hasattr(c, "recompute_granularity")}
+    configs = {
+        id(c): c
+        for chunk in chunks
+        for m in chunk.modules()
+        for c in [getattr(m, "config", None)]
+        if c is not None and hasattr(c, "recompute_granularity")
+    }
     if config is not None:
         configs[id(config)] = config
     for c in configs.values():
@@ -78,10 +83,16 @@ class RouteLog:
         with torch.no_grad():
             logits_TE = router.gating(args[0]).reshape(-1, router.num_experts)
             _, native_TE = topk_routing_with_score_function(
-                logits_TE, router.topk, use_pre_softmax=config.moe_router_pre_softmax,
-                num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
-                scaling_factor=config.moe_router_topk_scaling_factor, score_function=router.score_function,
-                expert_bias=router.expert_bias, fused=False)
+                logits_TE,
+                router.topk,
+                use_pre_softmax=config.moe_router_pre_softmax,
+                num_groups=config.moe_router_num_groups,
+                group_topk=config.moe_router_group_topk,
+                scaling_factor=config.moe_router_topk_scaling_factor,
+                score_function=router.score_function,
+                expert_bias=router.expert_bias,
+                fused=False,
+            )
         self.native.setdefault(layer, []).append(self._ids(native_TE))
 
     def snapshot(self) -> dict:
@@ -143,8 +154,10 @@ def write_json(path: str, obj) -> None:
 
 def sorted_ids(routes) -> dict:
     """A ``Routes`` as JSON: per layer and micro-batch the ids of each token sorted (as ``RouteLog`` writes them)."""
-    return {str(layer): [routes.get(layer, mb).sort(dim=1).values.tolist() for mb in range(routes.microbatches)]
-            for layer in routes.layers}
+    return {
+        str(layer): [routes.get(layer, mb).sort(dim=1).values.tolist() for mb in range(routes.microbatches)]
+        for layer in routes.layers
+    }
 
 
 def session_step(session, routers, *, logprob, train, wrong: bool = False) -> dict:
@@ -189,8 +202,10 @@ def session_step(session, routers, *, logprob, train, wrong: bool = False) -> di
     finally:
         restore_router_weights(routers, saved)
     if wrong:
-        shifted = {layer: [(routes.get(layer, mb) + 1) % routes.num_experts for mb in range(routes.microbatches)]
-                   for layer in routes.layers}
+        shifted = {
+            layer: [(routes.get(layer, mb) + 1) % routes.num_experts for mb in range(routes.microbatches)]
+            for layer in routes.layers
+        }
         out["wrong_replay"] = replay(Routes(shifted, num_experts=routes.num_experts, topk=routes.topk))
     out["replay"] = replay(routes)
     return out

@@ -41,9 +41,16 @@ def main(out: str) -> None:
     rt = runtime.init("cpu")
     with runtime.parallel(Layout(cp=2), seed=0):
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=EXPERTS,
-                                   moe_router_topk=2, use_cpu_initialization=True, moe_aux_loss_coeff=0.0,
-                                   context_parallel_size=cp)
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=HIDDEN,
+            num_attention_heads=2,
+            num_moe_experts=EXPERTS,
+            moe_router_topk=2,
+            use_cpu_initialization=True,
+            moe_aux_loss_coeff=0.0,
+            context_parallel_size=cp,
+        )
         torch.manual_seed(0)
         router = TopKRouter(config, pg_collection=get_default_pg_collection())
         router.set_layer_number(1)
@@ -60,11 +67,16 @@ def main(out: str) -> None:
             where = []  # (uid, position), or ("pad", uid, position) for a slot's padding
             for i, u in enumerate(order):
                 at = int(cu_pad[i])
-                ids[at:at + len(seqs[u])], h[at:at + len(seqs[u])] = seqs[u], hidden[u]
+                ids[at : at + len(seqs[u])], h[at : at + len(seqs[u])] = seqs[u], hidden[u]
                 where += [(u, p) if p < len(seqs[u]) else ("pad", u, p) for p in range(slots[i])]
             mine = te_thd_indices(cu_pad.tolist(), cp=cp, rank=cp_rank)
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
-                                     cu_seqlens_kv_padded=cu_pad)  # global, as megatron-core leaves them under CP
+            packed = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                cu_seqlens_q_padded=cu_pad,
+                cu_seqlens_kv_padded=cu_pad,
+            )  # global, as megatron-core leaves them under CP
             fwd = injob.ChunkForward(chunk, (ids[mine][None], None, None), {"packed_seq_params": packed})
             h_T1H = h[mine][:, None]
             injob._CURRENT.append(fwd)
@@ -122,8 +134,9 @@ def tail_refused(chunk, router) -> str:
 
     cu = torch.tensor([0, 8], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    injob._CURRENT.append(injob.ChunkForward(chunk, (torch.zeros(1, 6, dtype=torch.long), None, None),
-                                             {"packed_seq_params": packed}))
+    injob._CURRENT.append(
+        injob.ChunkForward(chunk, (torch.zeros(1, 6, dtype=torch.long), None, None), {"packed_seq_params": packed})
+    )
     try:
         router(torch.randn(6, 1, HIDDEN))
     except UsageError as e:

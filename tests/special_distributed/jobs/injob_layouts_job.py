@@ -32,8 +32,12 @@ from common import RouteLog, grad_digest, perturb_routers, routers_of, set_full_
 from moeverify import models, runtime
 from moeverify.spec.layout import Layout
 
-LAYOUTS = {"cp2": Layout(cp=2), "pp2": Layout(pp=2), "pp2-vpp2": Layout(pp=2, vpp=2),
-           "tp2-sp-cp2": Layout(tp=2, sp=True, cp=2)}  # 4 ranks
+LAYOUTS = {
+    "cp2": Layout(cp=2),
+    "pp2": Layout(pp=2),
+    "pp2-vpp2": Layout(pp=2, vpp=2),
+    "tp2-sp-cp2": Layout(tp=2, sp=True, cp=2),
+}  # 4 ranks
 LENGTHS = [6, 3, 8, 5, 7, 2, 8, 4]
 LOGPROB_WIDTH, TRAIN_WIDTH = 8, 12
 
@@ -55,7 +59,7 @@ class Batches:
         ids = torch.zeros(len(uids), width, dtype=torch.long)
         pad = torch.ones(len(uids), width, dtype=torch.bool)
         for b, u in enumerate(uids):
-            ids[b, :len(self.sequences[u])], pad[b, :len(self.sequences[u])] = self.sequences[u], False
+            ids[b, : len(self.sequences[u])], pad[b, : len(self.sequences[u])] = self.sequences[u], False
         return ids, pad
 
     def local(self, uids, width):
@@ -68,9 +72,11 @@ class Batches:
         """(uid, position) or None (padding) of each token this rank's routers see, in router order s * B + b."""
         _, pos, pad = self.local(uids, width)
         part = pos.shape[1] // self.sp_tp
-        return [None if pad[b, s] else (uids[b], int(pos[b, s])) for s in range(self.tp_rank * part,
-                                                                                 (self.tp_rank + 1) * part)
-                for b in range(len(uids))]
+        return [
+            None if pad[b, s] else (uids[b], int(pos[b, s]))
+            for s in range(self.tp_rank * part, (self.tp_rank + 1) * part)
+            for b in range(len(uids))
+        ]
 
 
 def main(layout_name: str, out: str) -> None:
@@ -91,8 +97,7 @@ def main(layout_name: str, out: str) -> None:
         g = torch.Generator().manual_seed(11)
         sequences = [torch.randint(0, actor.config.vocab_size, (n,), generator=g) for n in LENGTHS]
         sp_tp = ps.get_tensor_model_parallel_world_size() if layout.sp else 1
-        batches = Batches(sequences, cp=cp, cp_rank=cp_rank, sp_tp=sp_tp,
-                          tp_rank=ps.get_tensor_model_parallel_rank())
+        batches = Batches(sequences, cp=cp, cp_rank=cp_rank, sp_tp=sp_tp, tp_rank=ps.get_tensor_model_parallel_rank())
         uids = list(range(len(sequences)))
 
         def schedule(built, micro, *, width, forward_only):
@@ -111,9 +116,13 @@ def main(layout_name: str, out: str) -> None:
                 chunk.train()
             get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro), model=chunks,
-                num_microbatches=len(micro), seq_length=width, micro_batch_size=len(micro[0]),
-                forward_only=forward_only)
+                data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
+                model=chunks,
+                num_microbatches=len(micro),
+                seq_length=width,
+                micro_batch_size=len(micro[0]),
+                forward_only=forward_only,
+            )
 
         # the log-prob pass: what each (layer, uid, position) routed to, pooled over the CP ranks
         log.active, logp = True, {}
@@ -160,8 +169,13 @@ def main(layout_name: str, out: str) -> None:
             log.active = True
             check(micro_list, perturbed=False)
             same_routes = log.forward == twin_log.forward and log.recompute == twin_log.recompute
-            result["minibatches"].append({"same_routes": same_routes, "grads_equal": runs["actor"] == runs["twin"],
-                                          "grads": sum(v is not None for v in runs["actor"].values())})
+            result["minibatches"].append(
+                {
+                    "same_routes": same_routes,
+                    "grads_equal": runs["actor"] == runs["twin"],
+                    "grads": sum(v is not None for v in runs["actor"].values()),
+                }
+            )
         perturb_routers(routers_of(actor.model_chunks))
         for micro_list in minibatches:  # the step's table still serves: replay on other weights
             log.clear()

@@ -8,7 +8,8 @@ rank 0 writing them.
 
 The rollout: an "engine" model (the second one built, other weights, routing natively: autopatch binds model 0)
 routes the eight sequences; its routes, pooled over the ranks that each saw a part, are written by rank 0 with
-``moeverify.routing.rollout_writer.RolloutWriter`` as vLLM returns them (no row for each sequence's last token). Then the
+``moeverify.routing.rollout_writer.RolloutWriter`` as vLLM returns them (no row for each sequence's last token). Then
+the
 actor runs the step as a trainer writes it: old log-probs under ``torch.no_grad()`` in micro-batches of 4, router
 weights perturbed (native routing now picks other experts), 2 PPO epochs of 2 shuffled mini-batches (micro-batches
 of 2, then grouped by token count), forward + backward + ``optimizer.step()``.
@@ -25,8 +26,8 @@ from common import RouteLog, perturb_routers, routers_of, set_full_recompute, wr
 from injob_verl_job import LENGTHS, batch_of, plan_of
 
 from moeverify import models, runtime
-from moeverify.spec.layout import Layout
 from moeverify.routing.rollout_writer import RolloutWriter
+from moeverify.spec.layout import Layout
 
 LAYOUTS = {"tp2sp": Layout(tp=2, sp=True), "ep2": Layout(ep=2)}
 
@@ -35,8 +36,11 @@ def local_tokens(sequences, uids, *, tp_rank, parts):
     """(uid, pos) or None (padding) for each token this rank's router sees, in router order s * B + b."""
     ids, pad = batch_of(sequences, uids)
     part = ids.shape[1] // parts
-    return [None if pad[b, s] else (uids[b], s) for s in range(tp_rank * part, (tp_rank + 1) * part)
-            for b in range(len(uids))]
+    return [
+        None if pad[b, s] else (uids[b], s)
+        for s in range(tp_rank * part, (tp_rank + 1) * part)
+        for b in range(len(uids))
+    ]
 
 
 def main(layout_name: str, directory: str, out: str) -> None:
@@ -67,14 +71,17 @@ def main(layout_name: str, directory: str, out: str) -> None:
         with torch.no_grad():
             forward(engine.model_chunks[0], uids)
         where = local_tokens(sequences, uids, tp_rank=tp_rank, parts=parts)
-        seen = {(layer, *w): ids_TK[t] for layer, (ids_TK,) in engine_log.forward.items()
-                for t, w in enumerate(where) if w}
+        seen = {
+            (layer, *w): ids_TK[t] for layer, (ids_TK,) in engine_log.forward.items() for t, w in enumerate(where) if w
+        }
         pooled = [None] * rt.world_size
         torch.distributed.all_gather_object(pooled, seen)
         rollout = {k: v for part in pooled for k, v in part.items()}
         layers = sorted(engine_log.forward)
-        routes = [torch.tensor([[rollout[(layer, u, s)] for layer in layers] for s in range(len(seq) - 1)])
-                  for u, seq in enumerate(sequences)]
+        routes = [
+            torch.tensor([[rollout[(layer, u, s)] for layer in layers] for s in range(len(seq) - 1)])
+            for u, seq in enumerate(sequences)
+        ]
         if directory == "batch":  # MOEVERIFY_ROUTER_REPLAY=r3: the routes handed over with the batch, every rank
             from moeverify.patches import injob  # the lines a trainer adds where its batch is built
 
@@ -89,7 +96,7 @@ def main(layout_name: str, directory: str, out: str) -> None:
         log.active = True
         with torch.no_grad():
             for i in range(0, len(uids), 4):
-                forward(model, uids[i:i + 4])
+                forward(model, uids[i : i + 4])
         perturb_routers(routers_of(actor.model_chunks))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         checked, wrong, last, last_wrong, native_differs, losses = 0, [], 0, [], 0, []
@@ -120,10 +127,20 @@ def main(layout_name: str, directory: str, out: str) -> None:
             for p in sp_params:
                 torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
             opt.step()
-        write_json(f"{out}.rank{rt.rank}", {"checked": checked, "wrong": wrong[:20], "last": last,
-                                            "last_wrong": last_wrong[:20], "native_differs": native_differs,
-                                            "losses": losses, "real_tokens": sum(LENGTHS),
-                                            "sequences": len(LENGTHS), "layers": len(layers)})
+        write_json(
+            f"{out}.rank{rt.rank}",
+            {
+                "checked": checked,
+                "wrong": wrong[:20],
+                "last": last,
+                "last_wrong": last_wrong[:20],
+                "native_differs": native_differs,
+                "losses": losses,
+                "real_tokens": sum(LENGTHS),
+                "sequences": len(LENGTHS),
+                "layers": len(layers),
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def batch_of(sequences, uids):
     ids = torch.zeros(len(uids), width, dtype=torch.long)
     pad = torch.ones(len(uids), width, dtype=torch.bool)
     for b, u in enumerate(uids):
-        ids[b, :len(sequences[u])], pad[b, :len(sequences[u])] = sequences[u], False
+        ids[b, : len(sequences[u])], pad[b, : len(sequences[u])] = sequences[u], False
     return ids, pad
 
 
@@ -44,8 +44,11 @@ def local_tokens(sequences, uids, tp_rank):
     """(uid, pos) or None (padding) for each token a TP rank's router sees, in router order s * B + b."""
     ids, pad = batch_of(sequences, uids)
     half = ids.shape[1] // 2
-    return [None if pad[b, s] else (uids[b], s) for s in range(tp_rank * half, (tp_rank + 1) * half)
-            for b in range(len(uids))]
+    return [
+        None if pad[b, s] else (uids[b], s)
+        for s in range(tp_rank * half, (tp_rank + 1) * half)
+        for b in range(len(uids))
+    ]
 
 
 def plan_of(uids, sequences, *, seed=3, max_tokens=24):
@@ -91,8 +94,8 @@ def main(out: str) -> None:
         with torch.no_grad():
             for i in range(0, len(uids), 4):
                 log.clear()
-                forward(uids[i:i + 4])
-                where = local_tokens(sequences, uids[i:i + 4], tp_rank)
+                forward(uids[i : i + 4])
+                where = local_tokens(sequences, uids[i : i + 4], tp_rank)
                 for layer, (ids_TK,) in log.forward.items():
                     logp.update({(layer, *w): sorted(ids_TK[t]) for t, w in enumerate(where) if w})
         pooled = [None, None]  # each TP rank saw half of every sequence: pool what both saw
@@ -123,9 +126,17 @@ def main(out: str) -> None:
             for p in sp_params:
                 torch.distributed.all_reduce(p.grad, group=tp_group)
             opt.step()
-        write_json(f"{out}.rank{rt.rank}", {"checked": checked, "wrong": wrong[:20], "native_differs": native_differs,
-                                            "losses": losses, "sizes": sorted(sizes),
-                                            "real_tokens": sum(LENGTHS)})
+        write_json(
+            f"{out}.rank{rt.rank}",
+            {
+                "checked": checked,
+                "wrong": wrong[:20],
+                "native_differs": native_differs,
+                "losses": losses,
+                "sizes": sorted(sizes),
+                "real_tokens": sum(LENGTHS),
+            },
+        )
 
 
 if __name__ == "__main__":

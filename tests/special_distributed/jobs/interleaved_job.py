@@ -21,9 +21,17 @@ Usage (torchrun, 2 ranks): interleaved_job.py MODE OUT STEPS MICROBATCHES
 import sys
 
 import torch
+from common import (
+    RouteLog,
+    grad_digest,
+    perturb_routers,
+    perturb_step,
+    session_step,
+    set_full_recompute,
+    write_json,
+    zero_grads,
+)
 
-from common import (RouteLog, grad_digest, perturb_step, perturb_routers, session_step, set_full_recompute,
-                    write_json, zero_grads)
 from moeverify import models, runtime
 from moeverify.spec.layout import Layout
 
@@ -63,8 +71,14 @@ def main(mode: str, out: str, steps: int, microbatches: int) -> None:
             for chunk in chunks:
                 chunk.train()
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                num_microbatches=len(batches), seq_length=S, micro_batch_size=B, forward_only=forward_only)
+                forward_step_func=forward_step,
+                data_iterator=[iter(batches) for _ in chunks],
+                model=chunks,
+                num_microbatches=len(batches),
+                seq_length=S,
+                micro_batch_size=B,
+                forward_only=forward_only,
+            )
 
         def logprob(batches):
             with torch.no_grad():  # old log-probs, train mode
@@ -78,8 +92,11 @@ def main(mode: str, out: str, steps: int, microbatches: int) -> None:
                 losses = schedule(batches, forward_only=False)
             finally:
                 log.active = False
-            return {"routes": log.snapshot(), "grads": grad_digest(chunks),
-                    "losses": [float(x["loss"]) for x in losses] if last_stage else []}
+            return {
+                "routes": log.snapshot(),
+                "grads": grad_digest(chunks),
+                "losses": [float(x["loss"]) for x in losses] if last_stage else [],
+            }
 
         if mode == "session":
             from moeverify.patches import router_replay as rr
@@ -88,11 +105,22 @@ def main(mode: str, out: str, steps: int, microbatches: int) -> None:
             session = rr.ReplaySession(chunks)
         record = {"mode": mode, "layers": sorted(r.layer_number - 1 for r in log.routers), "steps": []}
         for step in range(steps):
-            batches = [torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(
-                100 * step + mb)) for mb in range(microbatches)]
+            batches = [
+                torch.randint(
+                    0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(100 * step + mb)
+                )
+                for mb in range(microbatches)
+            ]
             if mode == "session":
-                record["steps"].append(session_step(session, log.routers, logprob=lambda: logprob(batches),
-                                                    train=lambda: train(batches), wrong=step == 0))
+                record["steps"].append(
+                    session_step(
+                        session,
+                        log.routers,
+                        logprob=lambda: logprob(batches),
+                        train=lambda: train(batches),
+                        wrong=step == 0,
+                    )
+                )
             else:
                 if step == perturb_at:
                     perturb_routers(log.routers)

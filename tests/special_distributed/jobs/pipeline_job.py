@@ -41,9 +41,13 @@ def main(out: str, steps: int, microbatches: int) -> None:
         seen = []
         training = [False]
         for r in routers:
-            r.register_forward_hook(lambda mod, a, o: seen.append(
-                (mod.layer_number, o[1].nonzero()[:, 1].view(o[1].shape[0], -1).tolist()))
-                if training[0] and torch.is_grad_enabled() else None)
+            r.register_forward_hook(
+                lambda mod, a, o: (
+                    seen.append((mod.layer_number, o[1].nonzero()[:, 1].view(o[1].shape[0], -1).tolist()))
+                    if training[0] and torch.is_grad_enabled()
+                    else None
+                )
+            )
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         pos_BS = torch.arange(S).expand(B, S)
         record = {"routes": [], "losses": []}
@@ -59,11 +63,20 @@ def main(out: str, steps: int, microbatches: int) -> None:
             return model_(tokens, pos_BS, None), loss
 
         for step in range(steps):
-            batches = [torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(
-                100 * step + mb)) for mb in range(microbatches)]
+            batches = [
+                torch.randint(
+                    0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(100 * step + mb)
+                )
+                for mb in range(microbatches)
+            ]
             model.train()
-            common = dict(forward_step_func=forward_step, model=model, num_microbatches=microbatches, seq_length=S,
-                          micro_batch_size=B)
+            common = dict(
+                forward_step_func=forward_step,
+                model=model,
+                num_microbatches=microbatches,
+                seq_length=S,
+                micro_batch_size=B,
+            )
             with torch.no_grad():  # old log-probs, train mode
                 get_forward_backward_func()(data_iterator=iter(batches), forward_only=True, **common)
             seen.clear()

@@ -21,9 +21,17 @@ Usage (torchrun, 2 ranks): tp_sp_accum_job.py MODE OUT STEPS MICROBATCHES
 import sys
 
 import torch
+from common import (
+    RouteLog,
+    grad_digest,
+    perturb_routers,
+    perturb_step,
+    session_step,
+    set_full_recompute,
+    write_json,
+    zero_grads,
+)
 
-from common import (RouteLog, grad_digest, perturb_step, perturb_routers, session_step, set_full_recompute,
-                    write_json, zero_grads)
 from moeverify import models, runtime
 from moeverify.spec.layout import Layout
 
@@ -88,8 +96,12 @@ def main(mode: str, out: str, steps: int, microbatches: int) -> None:
                 log.active = False
             for p in sp_params:
                 torch.distributed.all_reduce(p.grad, group=tp_group)
-            return {"order": order, "routes": log.snapshot(), "grads": grad_digest(chunks),
-                    "losses": [x.item() for x in losses]}
+            return {
+                "order": order,
+                "routes": log.snapshot(),
+                "grads": grad_digest(chunks),
+                "losses": [x.item() for x in losses],
+            }
 
         if mode == "session":
             from moeverify.patches import router_replay as rr
@@ -99,11 +111,22 @@ def main(mode: str, out: str, steps: int, microbatches: int) -> None:
         record = {"mode": mode, "layers": sorted(r.layer_number - 1 for r in log.routers), "steps": []}
         for step in range(steps):
             order = ORDERS[step % len(ORDERS)]
-            batches = [torch.randint(0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(
-                100 * step + mb)) for mb in range(microbatches)]
+            batches = [
+                torch.randint(
+                    0, built.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(100 * step + mb)
+                )
+                for mb in range(microbatches)
+            ]
             if mode == "session":
-                record["steps"].append(session_step(session, log.routers, logprob=lambda: logprob(batches),
-                                                    train=lambda: train(batches, order), wrong=step == 0))
+                record["steps"].append(
+                    session_step(
+                        session,
+                        log.routers,
+                        logprob=lambda: logprob(batches),
+                        train=lambda: train(batches, order),
+                        wrong=step == 0,
+                    )
+                )
             else:
                 if step == perturb_at:
                     perturb_routers(log.routers)
