@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).resolve().parent / "jobs" / "autopatch_job.py"
 TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "600"))
@@ -54,6 +56,7 @@ def run_job(
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+@pytest.mark.release  # make test keeps the zoo's record -> bitwise replay -> follows-recording-when-perturbed jobs
 def test_autopatch_job_record_then_replay_perturbed_follows_recording(tmp_path):
     dump = tmp_path / "dump"
     rec = run_job("record", dump, tmp_path / "record.json")
