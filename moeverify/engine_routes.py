@@ -1,6 +1,6 @@
-"""Public face of ``moeverify.routing.engine_routes`` (the engine payload decoders): the name scripts import, kept
-while the code lives in
-the ``routing`` package. This module *is* that module (one object: attributes, monkeypatches and isinstance agree)."""
+"""Public face of ``moeverify.routing.engine_routes`` (the engine payload decoders): the name scripts import, kept while
+the code lives in the ``routing`` package. This module *is* that module (one object: attributes, monkeypatches and
+isinstance agree)."""
 
 import sys
 

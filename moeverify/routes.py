@@ -1,6 +1,6 @@
-"""Public face of ``moeverify.routing.routes`` (Routes, safe_routes): the name scripts import, kept while the code
-lives in
-the ``routing`` package. This module *is* that module (one object: attributes, monkeypatches and isinstance agree)."""
+"""Public face of ``moeverify.routing.routes`` (Routes, safe_routes): the name scripts import, kept while the code lives
+in the ``routing`` package. This module *is* that module (one object: attributes, monkeypatches and isinstance
+agree)."""
 
 import sys
 

@@ -23,9 +23,8 @@ the step's routes then into ONE routing dump at ``DIR`` for the whole job (every
 layout coordinates and micro-batch geometry, committed by rank 0 after every rank wrote:
 ``autopatch_dump``), one dump step per training step, so a crash loses at most the step in flight
 and ``moeverify dump inspect/diff DIR`` read the merged view. Replay checks at each step that every layer ran exactly
-the
-recorded step's forwards and that no checkpointed forward is left without its recompute, and raises
-``RouteError`` in the training process if not; at exit, routes left unused fail the job (exit 3).
+the recorded step's forwards and that no checkpointed forward is left without its recompute, and raises ``RouteError``
+in the training process if not; at exit, routes left unused fail the job (exit 3).
 
 Refused before the job runs: a record directory that already holds files, an unknown mode, a
 replay directory without this rank's dump.

@@ -1,6 +1,5 @@
 """In-job R3's route source: a rollout engine's routes (``moeverify.routing.rollout_writer`` files) as route tables
-keyed by
-token identity, one per model chunk.
+keyed by token identity, one per model chunk.
 
 Legend: N = tokens of a step (all requests, concatenated), R = requests, W = layer columns in the files, L = this
 chunk's MoE layers, K = top-k.

@@ -13,11 +13,10 @@ writes an empty file. A record carries no micro-batch number and no sign of *why
 
 So without the micro-batch count (``microbatches``) a step is taken only when it is one whole forward pass;
 several passes are refused (a recompute that routed otherwise would read as another micro-batch). With it, each layer
-must hold that
-many records, or twice that many; in the second case the records are paired by equal ids (the recompute
-of a micro-batch repeats its forward's ids) and the later record of each pair is dropped. That is proven
-only when every distinct ids tensor of the layer occurs exactly twice: a recompute that routed otherwise, or
-two micro-batches with the same ids, is refused, never guessed. Legend: T = tokens, K = top-k.
+must hold that many records, or twice that many; in the second case the records are paired by equal ids (the recompute
+of a micro-batch repeats its forward's ids) and the later record of each pair is dropped. That is proven only when every
+distinct ids tensor of the layer occurs exactly twice: a recompute that routed otherwise, or two micro-batches with the
+same ids, is refused, never guessed. Legend: T = tokens, K = top-k.
 """
 
 from __future__ import annotations

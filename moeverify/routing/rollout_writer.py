@@ -104,8 +104,7 @@ class RolloutWriter:
         """One request: ``token_ids`` ``[S]`` (every token training feeds for it) and the engine's routes
         ``[S - 1 or S, W, K]`` (numpy or torch, any integer dtype; a row of -1 is a capture gap the training job
         refuses on a real token), or a decoded payload (``moeverify.routing.engine_routes.EngineRoutes``: its layer
-        numbering
-        is taken, and physical slots need the writer's ``expert_map``)."""
+        numbering is taken, and physical slots need the writer's ``expert_map``)."""
         if self._closed:
             raise UsageError(f"{self.path}: add() after close()")
         where = f"request {len(self._tokens)} of {self.path.name}"

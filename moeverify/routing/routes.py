@@ -323,8 +323,8 @@ class Routes:
             topk_ids: one sequence ``[T, L, K]``; or one array per request ``[S_i - 1 or S_i, L, K]`` (what
                 vLLM's ``routed_experts`` and SGLang's ``return_routed_experts`` give); or a padded
                 ``[B, S, L, K]`` batch. With several requests ``lengths`` is required.
-            layers: global layer numbers of the MoE layers, ascending, each once (MTP layers numbered ``num_layers +
-            i``).
+            layers: global layer numbers of the MoE layers, ascending, each once (MTP layers numbered
+                ``num_layers + i``).
             num_experts: experts per MoE layer (logical experts).
             tokens: (one sequence) the token count training will route; default ``T``.
             pad_T: (one sequence) bool ``[tokens]``, True where the token is padding.
@@ -343,9 +343,8 @@ class Routes:
                 list form. Default: request ``i``'s ``lengths[i]`` rows, less the last when it is uncaptured in
                 every column (the missing last row, padded).
             expert_map: the engine records physical expert slots (an expert placement, EPLB): ``slot -> logical
-                id`` map, a ``.json``/``.npy`` path or its parsed form (or
-                ``moeverify.routing.expert_map.ExpertMap``), the
-                same format and checks as ``dump diff --expert-map-b``; ids are mapped before use.
+                id`` map, a ``.json``/``.npy`` path or its parsed form (or ``moeverify.routing.expert_map.ExpertMap``),
+                the same format and checks as ``dump diff --expert-map-b``; ids are mapped before use.
 
         Engines return routes for prompt + response minus the final token (it is sampled, never fed
         back): that row, and padding, get a safe route ``(t * K + j) % E``, distinct within the row and

@@ -2,10 +2,9 @@
 
 A failed check is a ``<failure>`` (its failing subchecks in the message, every failure line in the
 text, then the class of bug each failing subcheck guards against); a crashed one (a rank raised, hung or died) an
-``<error>`` with the rank's traceback, an
-interrupted one (Ctrl-C, SIGTERM) an ``<error>`` as well; a skipped
-scenario a ``<skipped>`` with the reason. A check failing as its ``expect_fail`` mark says is a ``<skipped>``
-naming the finding; one that now passes is a ``<failure>`` saying so.
+``<error>`` with the rank's traceback, an interrupted one (Ctrl-C, SIGTERM) an ``<error>`` as well; a skipped scenario a
+``<skipped>`` with the reason. A check failing as its ``expect_fail`` mark says is a ``<skipped>`` naming the finding;
+one that now passes is a ``<failure>`` saying so.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """splitmix64 in torch int64 arithmetic (wrapping), the one integer mixer the project uses: seeded weights
 (``models.seeded``) are made with it, token identities are keyed with it (``patches.token_keys``) and large
-gradients are fingerprinted with it on the GPU (``oracles.replay.grad_print``). Integer operations only, so a CPU and
-a GPU compute the same bits.
+gradients are fingerprinted with it on the GPU (``oracles.replay.grad_print``). Integer operations only, so a CPU and a
+GPU compute the same bits.
 """
 
 from __future__ import annotations

@@ -245,8 +245,7 @@ class Layout:
 
     def as_dict(self) -> dict:
         """The fields, without ``pp_first``/``pp_last``/``pp_layout`` when unset: a dump or result file of an even
-        layout keeps
-        the key set it had before uneven pipelines existed (and compares equal with one written then)."""
+        layout keeps the key set it had before uneven pipelines existed (and compares equal with one written then)."""
         out = dataclasses.asdict(self)
         for name in ("pp_first", "pp_last", "pp_layout"):
             if out[name] is None:

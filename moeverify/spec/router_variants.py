@@ -3,10 +3,9 @@
 Every score function megatron-core 0.19.2's ``topk_routing_with_score_function`` offers (softmax
 with top-k before or after the softmax, sigmoid, sqrtsoftplus), with and without the aux-loss-free
 expert bias, group-limited top-k, padding masks handed to the router, and router scores that tie in every row.
-``default`` is the
-family's own router as its HF config describes it. A scenario runs ``DEFAULT_VARIANTS`` unless its
-options say ``router_variants: [...]`` or ``router_variants: full``. Pure Python (no torch): scenario files and
-the ``router_variants`` option are checked against this table before torchrun starts.
+``default`` is the family's own router as its HF config describes it. A scenario runs ``DEFAULT_VARIANTS`` unless its
+options say ``router_variants: [...]`` or ``router_variants: full``. Pure Python (no torch): scenario files and the
+``router_variants`` option are checked against this table before torchrun starts.
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@ with each rank's place in the layout) and Megatron-Core's own ``RouterTracer`` (
 numbered within the pipeline stage), merged by ``dump convert TRACE_DIR --layout``, and the traces as a rollout
 engine returns them (per request ``[S - 1, L, K]``, ``dump diff --rollout``), under EP2, TP2 + SP, CP2 and
 PP2 (a dense first layer: the second stage's local layer 0 is global layer 2), and PP2 with the first stage
-holding the dense layer alone (no router there: an empty trace, a dump rank with no layer). An injected disagreement
-in one
-rank's trace is found at its global layer.
+holding the dense layer alone (no router there: an empty trace, a dump rank with no layer). An injected disagreement in
+one rank's trace is found at its global layer.
 
 The test launches this file under torchrun; ``main()`` is the per-rank driver.
 """

@@ -1,9 +1,9 @@
 """In-job R3 on 2 ranks: a rollout engine's routes, written by ``RolloutWriter`` (``MOEVERIFY_ROUTER_REPLAY=r3:DIR``)
 or handed over with the batch (``r3``, ``injob.add_routes``), replayed in an unmodified verl-like step under TP2 + SP
-(each router sees half of every sequence)
-and under EP2 (``jobs/injob_r3_job.py``). Every training token but each sequence's last uses exactly the engine's
-route for its (sequence, position), in every micro-batching of the step; the last token (no rollout row) routes
-natively; native routing with the actor's perturbed weights would have picked other experts for many tokens.
+(each router sees half of every sequence) and under EP2 (``jobs/injob_r3_job.py``). Every training token but each
+sequence's last uses exactly the engine's route for its (sequence, position), in every micro-batching of the step; the
+last token (no rollout row) routes natively; native routing with the actor's perturbed weights would have picked other
+experts for many tokens.
 """
 
 from __future__ import annotations

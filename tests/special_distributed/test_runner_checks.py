@@ -2,8 +2,8 @@
 
 They exercise the runner, not the oracles: a check that passes after a real collective, one that
 fails a subcheck, one that raises on rank 1 (or on the last rank), one that hangs on rank 1, one that SIGKILLs rank 1,
-one that sleeps on every rank, and one that reports the
-options it received. No model is built. (No test functions here: pytest collects nothing.)
+one that sleeps on every rank, and one that reports the options it received. No model is built. (No test functions here:
+pytest collects nothing.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """``moeverify.routing.engine_routes``: payloads built exactly as each engine builds them, decoded back element for
-element
-against the test's own arrays, and a table of malformed payloads, each refused naming the request (and the position
-and layer where one is at fault). Formats: docs/engine_routes.md."""
+element against the test's own arrays, and a table of malformed payloads, each refused naming the request (and the
+position and layer where one is at fault). Formats: docs/engine_routes.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The minimal receiver mutants (``moeverify.spec.bug_classes``' ``minimal``) change what they say and no more: on
-synthetic
-HF tensors, ``one_ulp_in_one_expert`` holds exactly one element one ulp off after the first load (``receiver``), and
-``reload_keeps_one_element`` holds exactly one element of the previous weights after a sync (``receiver_reload``)."""
+synthetic HF tensors, ``one_ulp_in_one_expert`` holds exactly one element one ulp off after the first load
+(``receiver``), and ``reload_keeps_one_element`` holds exactly one element of the previous weights after a sync
+(``receiver_reload``)."""
 
 import torch
 from test_export_receiver import _export

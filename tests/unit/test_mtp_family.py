@@ -1,6 +1,5 @@
-"""The ``deepseek_v3_mtp`` and ``qwen3_next_mtp`` families: seeded MTP tensors (``models.mtp_weights``) and the CPU
-MTP block
-(``models.mtp_spec``).
+"""The ``deepseek_v3_mtp`` and ``qwen3_next_mtp`` families: seeded MTP tensors (``models.mtp_weights``) and the CPU MTP
+block (``models.mtp_spec``).
 
 The reference for names and shapes is Megatron-Bridge's own mapping registry on the model it built: every MTP
 parameter of the built model maps to checkpoint tensors the writer made, with the parameter's shape, and every

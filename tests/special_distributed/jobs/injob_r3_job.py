@@ -9,10 +9,9 @@ rank 0 writing them.
 The rollout: an "engine" model (the second one built, other weights, routing natively: autopatch binds model 0)
 routes the eight sequences; its routes, pooled over the ranks that each saw a part, are written by rank 0 with
 ``moeverify.routing.rollout_writer.RolloutWriter`` as vLLM returns them (no row for each sequence's last token). Then
-the
-actor runs the step as a trainer writes it: old log-probs under ``torch.no_grad()`` in micro-batches of 4, router
-weights perturbed (native routing now picks other experts), 2 PPO epochs of 2 shuffled mini-batches (micro-batches
-of 2, then grouped by token count), forward + backward + ``optimizer.step()``.
+the actor runs the step as a trainer writes it: old log-probs under ``torch.no_grad()`` in micro-batches of 4, router
+weights perturbed (native routing now picks other experts), 2 PPO epochs of 2 shuffled mini-batches (micro-batches of 2,
+then grouped by token count), forward + backward + ``optimizer.step()``.
 
 Forward hooks on the actor's routers note the experts each token used and what native top-k would pick now. Each
 rank writes OUT.rank{R}: tokens checked against the rollout's route, mismatches, last tokens checked against native
