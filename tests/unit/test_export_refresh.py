@@ -76,8 +76,20 @@ def test_step_like_changes_every_element_and_keeps_equal_shapes_equal():
     new_a, new_b = refresh.step_like(a), refresh.step_like(b)
     assert torch.equal(new_a.view(torch.int16), new_b.view(torch.int16))  # copies of one tensor stay copies
     assert bool((new_a.view(torch.int16) != a.view(torch.int16)).all())
-    fp32 = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    fp32 = torch.randn(63, generator=torch.Generator().manual_seed(1))  # below HELD_FROM: every element moves
     assert bool((refresh.step_like(fp32) != fp32).all())
+
+
+def test_step_like_holds_one_element_in_sixteen_of_a_large_tensor():
+    """Where the weights did not change, a second export must not change either (``refresh_delta``): a large
+    tensor keeps every 16th element (from index 5) and moves every other one; a 2-D shape holds the same flat ones."""
+    fp32 = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    new = refresh.step_like(fp32)
+    held = torch.zeros(1000, dtype=torch.bool)
+    held[5::16] = True
+    assert torch.equal(new[held], fp32[held]) and bool((new[~held] != fp32[~held]).all())
+    grid = fp32.reshape(40, 25).to(torch.bfloat16)
+    assert torch.equal(refresh.step_like(grid).reshape(-1)[held], grid.reshape(-1)[held])
 
 
 def test_updated_weights_restores_original_bits(world, tmp_path):
@@ -177,6 +189,35 @@ def test_refresh_delta_names_what_each_wrong_element_holds(world, tmp_path):
         "w: 1 of 12 element(s) hold bits of neither the previous nor the new weights (a buffer reused or overwritten "
         "before it was read); first at [1, 1]"
     ], failures
+
+
+class _Wide(_Model):
+    """``_Model`` with a 64-element weight: the update holds 4 of its elements (``refresh.HELD``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+
+
+def test_refresh_delta_names_a_change_where_the_built_in_update_held_the_weights(world, tmp_path):
+    """Through the real update and two real exports: a second export one ulp off in every element of ``w`` holds
+    bits of neither version where the update moved ``w`` (60 elements) and changes where it held them (4)."""
+    sctx = _sctx(tmp_path)
+    sctx.model_chunks[0] = model = _Wide()
+    save_file(
+        dict(_Bridge().export_hf_weights([model], cpu=True, show_progress=False)), str(tmp_path / "model.safetensors")
+    )
+
+    def nudged(name, t):  # one ulp up in every element of w (its bits as int16, plus one)
+        return (t.contiguous().view(torch.int16) + 1).view(torch.bfloat16) if name == "w" else t
+
+    failures = refresh.run_twice(export.run_subject, _second_export(nudged), sctx)["refresh_delta"].failures
+    assert [f.split(";")[0] for f in failures if f.startswith("w:")] == [
+        "w: 60 of 64 element(s) hold bits of neither the previous nor the new weights (a buffer reused or "
+        "overwritten before it was read)",
+        "w: 4 of 64 element(s) changed where the weights did not",
+    ], failures
+    assert refresh.run_twice(export.run_subject, _fresh, _sctx(tmp_path))["refresh_delta"].passed  # control
 
 
 def test_refresh_delta_sees_a_change_where_the_weights_did_not_change():

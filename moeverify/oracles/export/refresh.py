@@ -1,11 +1,13 @@
-"""The ``refresh`` subcheck: export, change every weight, export again; the second export must carry the new bits.
+"""The ``refresh`` subcheck: export, change the weights, export again; the second export must carry the new bits.
 
 Delta and streaming exporters keep state between calls (converted tensors, slot tables, data received from
 other pipeline stages); a cache that is not invalidated after an optimizer step sends the old weights with
 every name, shape and position right, so a single export checks clean. ``refresh`` runs the oracle once, applies
 a deterministic optimizer-like update to every local parameter (and the router's expert bias, which the
-aux-loss-free balancer updates between steps), runs the oracle again against a fresh reference export, and
-restores the original weights bit for bit (later checks of the scenario see the model they were given).
+aux-loss-free balancer updates between steps; one element in 16 of a large tensor keeps its bits, so that
+``refresh_delta`` sees where a second export changes what the weights did not), runs the oracle again against a
+fresh reference export, and restores the original weights bit for bit (later checks of the scenario see the model
+they were given).
 
 What it reports (``fold``): every subcheck that passed on the first export and fails on the second, with its
 messages prefixed ``after the weight update``; and every reference tensor the update left unchanged (a stale
@@ -36,9 +38,17 @@ def _generator_seed(shape: tuple[int, ...], seed: int) -> int:
     return h
 
 
+# Every HELD-th element (from HELD_AT) of a tensor of at least HELD_FROM elements keeps its bits through the update:
+# the places where the weights did not change, where a second export must not change either (``refresh_delta``).
+# Smaller tensors (norms, biases) move whole, so every reference tensor still changes somewhere (``refresh``).
+HELD, HELD_AT, HELD_FROM = 16, 5, 64
+
+
 def step_like(tensor: torch.Tensor, *, seed: int = SEED) -> torch.Tensor:
     """An optimizer-like update of ``tensor``: every element moves by a seeded 1.6 % to 4.7 % of its magnitude
-    (at least 2^-14 near zero), computed in fp32 and rounded once; enough to change every bf16 element."""
+    (at least 2^-14 near zero), computed in fp32 and rounded once, enough to change every bf16 element; except, in a
+    tensor of ``HELD_FROM`` elements or more, every ``HELD``-th element from ``HELD_AT`` (local flat order), which
+    keeps its bits. Equal shapes get equal updates (DP, expert-DP, tied and TP-replicated copies stay equal)."""
     noise = torch.randn(
         tuple(tensor.shape),
         generator=torch.Generator().manual_seed(_generator_seed(tuple(tensor.shape), seed)),
@@ -46,7 +56,12 @@ def step_like(tensor: torch.Tensor, *, seed: int = SEED) -> torch.Tensor:
     ).to(tensor.device)
     size = noise.abs().clamp(max=2.0) + 1.0  # in [1, 3]: never a step too small to change a bf16 element
     base = tensor.detach().float()
-    return (base + torch.sign(noise + 1e-30) * size * (base.abs() * 2**-6 + 2**-14)).to(tensor.dtype)
+    out = (base + torch.sign(noise + 1e-30) * size * (base.abs() * 2**-6 + 2**-14)).to(tensor.dtype)
+    if tensor.numel() >= HELD_FROM:
+        flat = out.reshape(-1)
+        flat[HELD_AT::HELD] = tensor.detach().reshape(-1)[HELD_AT::HELD]
+        out = flat.reshape(tensor.shape)
+    return out
 
 
 def _updated_tensors(model_chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
