@@ -63,8 +63,9 @@ FOUR_RANKS += ["qwen2:tp2-pp2", "qwen2_tied:tp2-pp2"]
 
 
 def test_export_matrix_two_ranks_pass(tmp_path):
-    records = run_driver(tmp_path, nproc=2, scenarios=TWO_RANKS, subjects=("sharded", "bridge", "gather"))
-    assert len(records) == 3 * len(TWO_RANKS)
+    # the default subject (sharded) runs on these layouts in the release matrix of make test
+    records = run_driver(tmp_path, nproc=2, scenarios=TWO_RANKS, subjects=("bridge", "gather"))
+    assert len(records) == 2 * len(TWO_RANKS)
     assert not _failures(records), "\n".join(_failures(records))
     for r in records:
         assert r["subchecks"] and [k for k, v in r["subchecks"].items() if v["checked"] <= 0] == [], r

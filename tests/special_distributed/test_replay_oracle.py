@@ -143,6 +143,7 @@ def test_replay_check_passes_for_impl(tmp_path, family, world_size, layout, impl
             )
 
 
+@pytest.mark.release  # make test runs the same cases in process (tests/unit/test_replay_minimal_mutants.py)
 @pytest.mark.parametrize(
     "mutant,subcheck,reason",
     [

@@ -73,3 +73,29 @@ def test_minimal_replay_mutant_fails_its_subchecks_with_the_reason(mutant, subch
     for name, reason in reasons.items():
         assert any(reason in f for f in failed[name]), (name, failed[name][:5])
     assert all(tallies[name].checked > 0 for name in subchecks), {n: t.checked for n, t in tallies.items()}
+
+
+# The catalogue's coarse replay mutants, each through the subcheck it exists for (the same cases run under torchrun
+# in make release: tests/special_distributed/test_replay_oracle.py); other subchecks may fail beside it
+COARSE = [
+    ("wrong_microbatch", "equivalence", "replay vs plain pass: routing map"),
+    ("wrong_microbatch", "cross_layout", "did not follow the 1-rank reference routes"),
+    ("layer_shift", "drift", "did not follow the recorded routes"),
+    ("layer_shift", "native_parity", "vs native RouterReplay: routing map"),
+    ("detached_probs", "equivalence", "replay vs plain pass: grad"),
+    ("no_recompute_replay", "recompute", "recompute routed"),
+    ("fifo_recompute", "backward_order", "it replayed another micro-batch's routes"),
+]
+
+
+@pytest.mark.parametrize("mutant, subcheck, reason", COARSE, ids=[f"{m}-{s}" for m, s, _ in COARSE])
+def test_coarse_replay_mutant_fails_the_subcheck_it_exists_for(mutant, subcheck, reason):
+    tallies = _run(mutant, [subcheck])
+    failures = tallies[subcheck].failures
+    assert not tallies[subcheck].passed and any(reason in f for f in failures), failures[:5]
+
+
+def test_fifo_recompute_passes_recompute_where_backward_runs_in_forward_order():
+    # the queue-order twin is right when backward follows forward order: only backward_order can see it
+    tallies = _run("fifo_recompute", ["recompute"], replay_recompute=["full"])
+    assert tallies["recompute"].passed and tallies["recompute"].checked > 0, tallies["recompute"].failures[:5]
