@@ -34,6 +34,7 @@ gradients; routes of any source (a session, rollout arrays, a dump) are summed a
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 
@@ -41,6 +42,7 @@ import torch
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement, regions, semantics, token_counts
+from moeverify.runtime import cpu as cpu_runtime
 
 # region -> {id(router): (state, layer, micro-batch)}; an entry lives exactly as long as its region's graph.
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -230,20 +232,35 @@ def canonical_ids(
         # torch.topk's own order of the replayed set: native's where native picked that set (no native top-k, no
         # [T, E] work, no host sync: two [T, K] kernels and a small top-k)
         return topk_order(key_TE, sorted_ids_TK)
-    key_TK = key_TE.gather(1, sorted_ids_TK)
-    order_TK = canonical_slots(key_TK)
-    ids_TK = sorted_ids_TK.gather(1, order_TK)
-    # a row without ties has one descending order, whichever top-k gives it: the native top-k is needed only where
-    # the replayed scores tie (on a GPU whose top-k order fails the check, always taken: checking would sync)
-    if native_TK is None and default_compute_topk is not None:
-        ranked_TK = key_TK.gather(1, order_TK)
-        if scores.is_cuda or bool((ranked_TK[:, 1:] == ranked_TK[:, :-1]).any()):
+    with _plain_ops(key_TE):
+        key_TK = key_TE.gather(1, sorted_ids_TK)
+        # a row without ties has one descending order, whichever sort or top-k gives it: the stable order and the
+        # native top-k are needed only where the replayed keys tie (or are NaN); on a GPU whose top-k order fails
+        # the check, always taken (checking would sync)
+        if scores.is_cuda:
+            tied, order_TK = True, canonical_slots(key_TK)
+        else:
+            ranked_TK, order_TK = key_TK.sort(dim=1, descending=True)  # half a stable sort's time on the CPU
+            tied = not bool((ranked_TK[:, :-1] > ranked_TK[:, 1:]).all())
+            if tied:
+                order_TK = canonical_slots(key_TK)
+        ids_TK = sorted_ids_TK.gather(1, order_TK)
+        if native_TK is None and default_compute_topk is not None and tied:
             with torch.no_grad():
                 _, native_TK = grad_mode_topk(default_compute_topk, key_TE, topk, num_groups, group_topk)
-    if native_TK is not None:
-        same_T = (native_TK.sort(dim=1).values == sorted_ids_TK).all(dim=1)
-        ids_TK = torch.where(same_T[:, None], native_TK, ids_TK)
+        if native_TK is not None:
+            same_T = (native_TK.sort(dim=1).values == sorted_ids_TK).all(dim=1)
+            ids_TK = torch.where(same_T[:, None], native_TK, ids_TK)
     return ids_TK
+
+
+def _plain_ops(tensor: torch.Tensor):
+    """On CPU ranks, the slot order's own ops skip the CPU runtime's CUDA-to-CPU redirection (a torch function mode
+    that every op of the process goes through; these ops name no device): a quarter of a small router step's host
+    time on the CPU. A no-op context elsewhere."""
+    if tensor.is_cuda or not cpu_runtime.installed():
+        return contextlib.nullcontext()
+    return torch._C.DisableTorchFunction()
 
 
 class _RecordHook:
@@ -309,6 +326,7 @@ class Replaying:
         original,
         fidelity: bool = False,
         ascending: bool = False,
+        tokens: dict[int, tuple[int, ...]] | None = None,
     ):
         self.original = original  # the unpatched TopKRouter.routing
         # layer -> [tokens whose replayed top-k equals native top-k (device tensor), tokens] over forwards
@@ -321,7 +339,12 @@ class Replaying:
             if ascending
             else {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs) for layer, mbs in per_layer.items()}
         )
-        self.tokens = {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
+        # token counts per call: given with a table made once per Routes, else read here
+        self.tokens = (
+            tokens
+            if tokens is not None
+            else {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
+        )
         self.recompute_mode = recompute
         self.rank = rank
         self.next_mb = dict.fromkeys(per_layer, 0)

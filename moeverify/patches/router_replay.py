@@ -355,12 +355,15 @@ class ReplaySession:
                         topk=self.topk,
                         rank=rank,
                     )
-        per_layer = {
-            layer: tuple(routes.replay_ids(layer, mb, device, ascending=True) for mb in range(routes.microbatches))
-            for layer in routes.layers
-        }
+        per_layer, tokens = routes.replay_table(device) if routers else ({}, {})
         replaying = Replaying(
-            per_layer, recompute=recompute, rank=rank, original=_ORIGINAL_ROUTING, fidelity=fidelity, ascending=True
+            per_layer,
+            recompute=recompute,
+            rank=rank,
+            original=_ORIGINAL_ROUTING,
+            fidelity=fidelity,
+            ascending=True,
+            tokens=tokens,
         )
         origin = replay_inputs.origin_of(routes)
         if origin is not None:

@@ -54,6 +54,52 @@ def test_a_shape_failing_the_check_takes_the_old_path(monkeypatch):
     assert called  # the native top-k of the old rule ran
 
 
+def _counting_native():
+    called = []
+
+    def native(s, k, num_groups=None, group_topk=None):
+        called.append(1)
+        return _native(s, k, num_groups, group_topk)
+
+    return native, called
+
+
+def test_cpu_rows_without_ties_take_descending_order_and_no_native_topk():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(512, 32, generator=g)  # fp32 uniform: no two keys of a row equal
+    sorted_ids = torch.rand(512, 32, generator=g).argsort(dim=1)[:, :6].sort(dim=1).values
+    native, called = _counting_native()
+    ids = replay_state.canonical_ids(scores, sorted_ids, native, topk=6)
+    expected = sorted_ids.gather(1, scores.gather(1, sorted_ids).argsort(dim=1, descending=True, stable=True))
+    assert torch.equal(ids, expected) and not called
+
+
+@pytest.mark.parametrize("tie", ["equal", "nan"])
+def test_cpu_rows_with_tied_or_nan_keys_take_the_native_order(tie):
+    scores = torch.tensor([[0.5, 0.5, 0.1, 0.9, 0.2, 0.3]] * 4)
+    if tie == "nan":
+        scores[:, 0] = scores[:, 1] = float("nan")
+    with torch.no_grad():
+        _, native_TK = replay_state.grad_mode_topk(_native, scores, 3)
+    native, called = _counting_native()
+    ids = replay_state.canonical_ids(scores, native_TK.sort(dim=1).values, native, topk=3)
+    assert called and torch.equal(ids, native_TK)
+
+
+def test_replay_table_is_made_once_per_device_with_token_counts():
+    routes = Routes(
+        {0: [torch.tensor([[3, 1], [0, 5]]), torch.tensor([[2, 1]])], 4: [torch.tensor([[1, 0]])] * 2},
+        num_experts=6,
+        topk=2,
+    )
+    ids, tokens = routes.replay_table("cpu")
+    assert routes.replay_table("cpu")[0] is ids
+    assert tokens == {0: (2, 1), 4: (1, 1)}
+    assert torch.equal(ids[0][0], torch.tensor([[1, 3], [0, 5]])) and ids[0][0] is routes.replay_ids(
+        0, 0, "cpu", ascending=True
+    )
+
+
 def test_replay_ids_ascending_is_one_sorted_private_copy():
     ids = torch.tensor([[3, 1, 2], [0, 5, 4]])
     routes = Routes({0: [ids]}, num_experts=6, topk=3)
