@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from moeverify.oracles.replay.faulty import CAUGHT_BY
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = int(os.environ.get("MOEVERIFY_TEST_TIMEOUT_S", "900"))
 _RUNS = itertools.count()
@@ -144,18 +146,7 @@ def test_replay_check_passes_for_impl(tmp_path, family, world_size, layout, impl
 
 
 @pytest.mark.release  # make test runs the same cases in process (tests/unit/test_replay_minimal_mutants.py)
-@pytest.mark.parametrize(
-    "mutant,subcheck,reason",
-    [
-        ("wrong_microbatch", "equivalence", "replay vs plain pass: routing map"),
-        ("wrong_microbatch", "cross_layout", "did not follow the 1-rank reference routes"),
-        ("layer_shift", "drift", "did not follow the recorded routes"),
-        ("layer_shift", "native_parity", "vs native RouterReplay: routing map"),
-        ("detached_probs", "equivalence", "replay vs plain pass: grad"),
-        ("no_recompute_replay", "recompute", "recompute routed"),
-        ("fifo_recompute", "backward_order", "it replayed another micro-batch's routes"),
-    ],
-)
+@pytest.mark.parametrize("mutant,subcheck,reason", [(m, sub, reason) for (m, sub), reason in CAUGHT_BY.items()])
 def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
     if mutant == "fifo_recompute":  # moeverify's queue-order twin passes recompute (backward in forward order)
         passing = run_replay(

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from moeverify.oracles.replay import oracle
-from moeverify.oracles.replay.faulty import ALSO_FAILS, MUTANTS
+from moeverify.oracles.replay.faulty import ALSO_FAILS, CAUGHT_BY, MUTANTS
 from moeverify.spec.layout import Layout
 from moeverify.spec.models.ref import ModelRef
 
@@ -75,17 +75,9 @@ def test_minimal_replay_mutant_fails_its_subchecks_with_the_reason(mutant, subch
     assert all(tallies[name].checked > 0 for name in subchecks), {n: t.checked for n, t in tallies.items()}
 
 
-# The catalogue's coarse replay mutants, each through the subcheck it exists for (the same cases run under torchrun
-# in make release: tests/special_distributed/test_replay_oracle.py); other subchecks may fail beside it
-COARSE = [
-    ("wrong_microbatch", "equivalence", "replay vs plain pass: routing map"),
-    ("wrong_microbatch", "cross_layout", "did not follow the 1-rank reference routes"),
-    ("layer_shift", "drift", "did not follow the recorded routes"),
-    ("layer_shift", "native_parity", "vs native RouterReplay: routing map"),
-    ("detached_probs", "equivalence", "replay vs plain pass: grad"),
-    ("no_recompute_replay", "recompute", "recompute routed"),
-    ("fifo_recompute", "backward_order", "it replayed another micro-batch's routes"),
-]
+# The catalogue's coarse replay mutants, each through the subcheck it exists for (``faulty.CAUGHT_BY``; the same
+# cases run under torchrun in make release: tests/special_distributed/test_replay_oracle.py); others may fail beside it
+COARSE = [(m, sub, reason) for (m, sub), reason in CAUGHT_BY.items()]
 
 
 @pytest.mark.parametrize("mutant, subcheck, reason", COARSE, ids=[f"{m}-{s}" for m, s, _ in COARSE])

@@ -324,6 +324,17 @@ MUTANTS = {
     "one_count_extra": "token_counts",
 }
 # the other subchecks a mutant is shown failing (``tests/unit/test_replay_minimal_mutants.py``)
+# the coarse mutants, each with a subcheck that sees it and words its failures must include (tests hold them to it)
+CAUGHT_BY = {
+    ("wrong_microbatch", "equivalence"): "replay vs plain pass: routing map",
+    ("wrong_microbatch", "cross_layout"): "did not follow the 1-rank reference routes",
+    ("layer_shift", "drift"): "did not follow the recorded routes",
+    ("layer_shift", "native_parity"): "vs native RouterReplay: routing map",
+    ("detached_probs", "equivalence"): "replay vs plain pass: grad",
+    ("no_recompute_replay", "recompute"): "recompute routed",
+    ("fifo_recompute", "backward_order"): "it replayed another micro-batch's routes",
+}
+
 ALSO_FAILS = {
     "one_token_one_layer_route": ("equivalence", "cross_layout", "native_parity", "weights"),
     "one_ulp_one_prob": ("equivalence", "native_parity"),
