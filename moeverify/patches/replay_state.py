@@ -9,8 +9,9 @@ Forward calls take micro-batches in order (forward ``i`` of a layer takes micro-
 routing call made while autograd runs a backward pass is a recompute, and it is matched to its
 forward by identity: a forward inside a checkpointed region binds (region, router) to its
 micro-batch (``moeverify.patches.regions``), and the recompute of that region finds the binding,
-whatever order the backward passes run in. A recompute without a binding on a router that replayed
-raises ``RouteError``: it is never given another micro-batch's routes.
+whatever order the backward passes run in, and takes its forward's ids in the slot order that forward gave them
+(no second slot order: the recompute repeats the forward's scores). A recompute without a binding on a router that
+replayed raises ``RouteError``: it is never given another micro-batch's routes.
 
 Slot order: Megatron-Core 0.19.2 takes the plain top-k sorted only when grad is enabled
 (``sorted=torch.is_grad_enabled()`` in ``topk_routing_with_score_function``'s ``_compute_topk``), and sums the K
@@ -281,16 +282,32 @@ class _ReplayHook:
     """Megatron's ``router_replay`` protocol: use the given ids (ascending per row), in the slot order a grad-mode
     pass gives them (``canonical_replay``), and gather those scores."""
 
-    __slots__ = ("sorted_ids_TK",)
+    __slots__ = ("sorted_ids_TK", "ordered_TK")
     REPLAYS = True  # counted by the agreement guard
 
     def __init__(self, sorted_ids_TK: torch.Tensor):
         self.sorted_ids_TK = sorted_ids_TK
+        self.ordered_TK: torch.Tensor | None = None  # the ids in the slot order this call gave them
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        return canonical_replay(
+        values_TK, self.ordered_TK = canonical_replay(
             scores, self.sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups, group_topk=group_topk
         )
+        return values_TK, self.ordered_TK
+
+
+class _RecomputeHook:
+    """A recompute's ``router_replay``: its forward's ids in the slot order that forward gave them (a recompute
+    repeats the forward's scores, so native routing would order them alike), the scores gathered there; no slot order
+    taken again."""
+
+    __slots__ = ("ordered_TK",)
+
+    def __init__(self, ordered_TK: torch.Tensor):
+        self.ordered_TK = ordered_TK
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        return scores.gather(1, self.ordered_TK), self.ordered_TK
 
 
 class Recording:
@@ -351,6 +368,8 @@ class Replaying:
         self.recomputed = {layer: [0] * len(mbs) for layer, mbs in per_layer.items()}
         # layer -> mb -> weak reference to the checkpointed region of that forward (None: not checkpointed)
         self.regions: dict[int, list] = {layer: [None] * len(mbs) for layer, mbs in per_layer.items()}
+        # (layer, mb) -> the ids of a checkpointed forward in its slot order, until its first recompute takes them
+        self.ordered: dict[tuple[int, int], torch.Tensor] = {}
 
     def _ids(self, router, layer: int, mb: int, logits) -> torch.Tensor:
         # Token counts are host ints taken once, and the ids already sit on the router's device
@@ -391,7 +410,10 @@ class Replaying:
         if self.fidelity is not None:
             self._count_agreement(router, layer, logits, ids_TK)
         hook = _ReplayHook(ids_TK)
-        return _call_with_hook(self.original, router, hook, logits, args, kwargs)
+        result = _call_with_hook(self.original, router, hook, logits, args, kwargs)
+        if region is not None and hook.ordered_TK is not None:  # its recompute takes this order (_RecomputeHook)
+            self.ordered[(layer, mb)] = hook.ordered_TK
+        return result
 
     def _count_agreement(self, router, layer: int, logits, ids_TK) -> None:
         """Tokens whose replayed experts are the ones native routing picks with the current weights.
@@ -434,7 +456,9 @@ class Replaying:
                 "replay was started with recompute=False (no recompute expected)"
             )
         self.recomputed[layer][mb] += 1
-        hook = _ReplayHook(self._ids(router, layer, mb, logits))
+        ids_TK = self._ids(router, layer, mb, logits)
+        ordered_TK = self.ordered.pop((layer, mb), None)  # a second recompute of one forward orders its ids again
+        hook = _ReplayHook(ids_TK) if ordered_TK is None else _RecomputeHook(ordered_TK)
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def unused(self) -> list[str]:

@@ -86,6 +86,25 @@ def test_recompute_gets_its_own_forward_routes_in_any_backward_order(kind, order
     assert torch.equal(router.weight.grad, expected), (kind, order)
 
 
+@pytest.mark.parametrize("kind", sorted(CHECKPOINTS))
+def test_recompute_takes_its_forwards_slot_order_without_ordering_again(kind, monkeypatch):
+    from moeverify.patches import replay_state
+
+    calls = []
+    real = replay_state.canonical_ids
+    monkeypatch.setattr(replay_state, "canonical_ids", lambda *a, **k: calls.append(1) or real(*a, **k))
+    routes = random_routes([0], microbatches=MB, seed=15)
+    expected = reference_grad(routes, inputs(50), seed=16, order="reverse")
+    calls.clear()
+    router = make_router(1, seed=16, **RECOMPUTE)
+    session = rr.ReplaySession(router)
+    with session.replay(routes):
+        backward([CHECKPOINTS[kind](router, x).square().sum() for x in inputs(50)], "reverse")
+    session.check_consumed()
+    assert len(calls) == MB  # one slot order per forward; each recompute reused its forward's
+    assert torch.equal(router.weight.grad, expected), kind
+
+
 def test_recompute_after_replay_context_exited_uses_forward_routes():
     routes = random_routes([0], microbatches=MB, seed=12)
     expected = reference_grad(routes, inputs(40), seed=14, order="reverse")
