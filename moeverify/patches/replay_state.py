@@ -257,8 +257,7 @@ def canonical_ids(
 
 def _plain_ops(tensor: torch.Tensor):
     """On CPU ranks, the slot order's own ops skip the CPU runtime's CUDA-to-CPU redirection (a torch function mode
-    that every op of the process goes through; these ops name no device): a quarter of a small router step's host
-    time on the CPU. A no-op context elsewhere."""
+    every op of the process goes through, a few microseconds an op; these ops name no device). A no-op elsewhere."""
     if tensor.is_cuda or not cpu_runtime.installed():
         return contextlib.nullcontext()
     return torch._C.DisableTorchFunction()

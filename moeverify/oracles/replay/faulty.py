@@ -323,7 +323,6 @@ MUTANTS = {
     "one_layer_fifo_recompute": "backward_order",
     "one_count_extra": "token_counts",
 }
-# the other subchecks a mutant is shown failing (``tests/unit/test_replay_minimal_mutants.py``)
 # the coarse mutants, each with a subcheck that sees it and words its failures must include (tests hold them to it)
 CAUGHT_BY = {
     ("wrong_microbatch", "equivalence"): "replay vs plain pass: routing map",
@@ -335,6 +334,7 @@ CAUGHT_BY = {
     ("fifo_recompute", "backward_order"): "it replayed another micro-batch's routes",
 }
 
+# the other subchecks a mutant is shown failing (``tests/unit/test_replay_minimal_mutants.py``)
 ALSO_FAILS = {
     "one_token_one_layer_route": ("equivalence", "cross_layout", "native_parity", "weights"),
     "one_ulp_one_prob": ("equivalence", "native_parity"),
