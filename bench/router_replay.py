@@ -5,7 +5,8 @@ Variants: ``unpatched`` (Megatron-Core as installed), moeverify ``record`` and `
 Megatron-Core's native ``RouterReplay`` (record / replay) and verl 0.9.1's ``router_replay_patch``
 (record / replay) when it imports. moeverify and native run in one process, interleaved round by round
 with one ``unpatched`` baseline (moeverify's patch is reverted while native's variants and the baseline
-run), so their ratios share a denominator; verl runs in its own process (it replaces ``TopKRouter``
+run), so their ratios share a denominator; replay and record are also timed against native's as adjacent pairs
+(``--pairs``: the median of per-pair ratios, free of the host's slower drifts); verl runs in its own process (it replaces ``TopKRouter``
 methods wholesale) with its own same-process baseline.
 
 Dispatch is Megatron's local permutation (``moe_utils.permute`` / ``unpermute`` by the routing map),
@@ -55,6 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="activation and parameter dtype")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per round (default by device)")
     p.add_argument("--rounds", type=int, default=11, help="interleaved rounds; the fastest round counts")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=20,
+        help="paired blocks per comparison (replay vs native replay, record vs native record): adjacent in time, "
+        "in ABBA order; the median of the per-pair ratios is reported with its quartiles",
+    )
     p.add_argument(
         "--scope",
         choices=("layer", "router"),
@@ -316,8 +324,39 @@ def run_child(args) -> dict:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no variant always first
                 rounds[name].append(timer(variants[name]))
+        paired = {f"{a}/{b}": _paired(timer, variants[a], variants[b], args.pairs) for a, b in PAIRS if args.pairs and a in variants and b in variants}
     # The fastest round is the one least disturbed by other work on the machine (timeit's rule).
-    return {name: min(ms) for name, ms in rounds.items()}
+    return {**{name: min(ms) for name, ms in rounds.items()}, "paired": paired}
+
+
+# Comparisons timed as adjacent pairs: a drift of the host's speed (other work, clocks) slower than one pair cancels
+# in each pair's ratio, where the fastest-round rule compares rounds taken minutes apart.
+PAIRS = (("replay", "native.replay"), ("record", "native.record"), ("replay", "unpatched"))
+
+
+def _paired(timer, a, b, pairs: int) -> list[float]:
+    """Per-pair ratios a / b, the pair's order alternating (ABBA) so neither side always runs first."""
+    ratios = []
+    for i in range(pairs):
+        if i % 2:
+            t_b, t_a = timer(b), timer(a)
+        else:
+            t_a, t_b = timer(a), timer(b)
+        ratios.append(t_a / t_b)
+    return ratios
+
+
+def _quartiles(values: list[float]) -> dict:
+    """Median and quartiles of ``values`` (linear interpolation between order statistics)."""
+    xs = sorted(values)
+
+    def at(q: float) -> float:
+        pos = q * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"median": round(at(0.5), 4), "q1": round(at(0.25), 4), "q3": round(at(0.75), 4), "n": len(xs)}
 
 
 def gpu_info() -> dict | None:
@@ -393,9 +432,16 @@ def run_parent(args) -> dict:
             "ratio": round(ours / theirs, 4),
             "goal": "<=1.02" if args.scope == "router" else "<=1.00",
         }
+    paired = {}
+    if "moeverify" in medians:
+        goals = {"replay/native.replay": "<=1.02" if args.scope == "router" else "<=1.00", "record/native.record": None}
+        for name, ratios in medians["moeverify"].pop("paired").items():
+            paired[name] = {**_quartiles(ratios), "goal": goals.get(name)}
     shape = {
         k: getattr(args, k)
-        for k in ("device", "hidden", "experts", "topk", "tokens", "dtype", "iters", "rounds", "scope", "scoring")
+        for k in (
+            "device", "hidden", "experts", "topk", "tokens", "dtype", "iters", "rounds", "pairs", "scope", "scoring"
+        )
     }
     host = {
         "cpus": os.cpu_count(),
@@ -404,6 +450,7 @@ def run_parent(args) -> dict:
     }
     return {
         "metrics": metrics,
+        "paired": paired,
         "shape": shape,
         "host": host,
         "gpu": gpu_info() if args.device == "cuda" else None,
@@ -423,6 +470,11 @@ def main(argv=None) -> int:
         print(
             f"{name:28s} {m['value']:10.4f} {m['unit']:20s} peer {m['peer']:10.4f} ratio {m['ratio']:.4f} "
             f"goal {m['goal'] or '-'}"
+        )
+    for name, q in result["paired"].items():
+        print(
+            f"paired {name:21s} median {q['median']:.4f} (quartiles {q['q1']:.4f}-{q['q3']:.4f}, {q['n']} pairs) "
+            f"goal {q['goal'] or '-'}"
         )
     for impl, err in result["errors"].items():
         print(f"{impl}: not measured: {err}")
