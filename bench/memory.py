@@ -11,7 +11,8 @@ that each peak is its own:
   when read, so this phase writes the config and the tensor list only); model bytes = the sum of every tensor's
   bytes (its shape and dtype);
 - ``bare_export``: the peer of every check's time: the model loaded through Megatron-Bridge and one plain
-  ``export_hf_weights`` pass over it, nothing compared (what a trainer's weight sync costs);
+  ``export_hf_weights`` pass over it, nothing compared (what a trainer's weight sync costs), its experts built as the
+  checks build them (``replay_experts: grouped`` in ``--options``: grouped for both);
 - ``check:<name>``: ``python -m moeverify run`` of a 1-rank scenario with that check alone, the checkpoint
   already cached: bridge load, model build, the check and its reference export. Peak = the largest
   ``ru_maxrss`` of any process of the run (``getrusage(RUSAGE_CHILDREN)`` of a fresh wrapper).
@@ -60,7 +61,7 @@ _BARE = (
     "import json\nkey = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
     "runtime.init(sys.argv[3])\n"
     "with runtime.parallel(Layout(), seed=0):\n"
-    "    built = models.build(key, Layout())\n"
+    "    built = models.build(key, Layout(), overrides=json.loads(sys.argv[4]))\n"
     "    n = sum(t.numel() for _, t in built.bridge.export_hf_weights(built.model_chunks, cpu=True,\n"
     "                                                                    show_progress=False))\n"
     "print(n)\n"
@@ -69,7 +70,7 @@ _BARE = (
 # The seeded checkpoint as a check's rank makes it (``hf_checkpoint``, into MOEVERIFY_CACHE_DIR): the checks
 # that follow find it cached, so their peaks are the bridge load, build and check alone.
 _CHECKPOINT = (
-    "import json, sys\nfrom moeverify.models import families, user\n"
+    "import json, sys\nfrom moeverify.models import families\nfrom moeverify.spec.models import user\n"
     "key = user.read(sys.argv[1], json.loads(sys.argv[2])).ref\n"
     "print(families.hf_checkpoint(key, 0))\n"
 )
@@ -177,6 +178,11 @@ def _model_bytes(ckpt: Path) -> int:
     return sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
 
+def _bare_build(options: dict | None) -> dict:
+    """The bare export's build overrides: the experts built as the checks build them (``replay_experts``)."""
+    return {"moe_grouped_gemm": True} if (options or {}).get("replay_experts") == "grouped" else {}
+
+
 def measure(
     model: Path,
     layers: list[int],
@@ -208,7 +214,11 @@ def measure(
                 f"({row['peak'] / model_bytes:.2f}x)",
                 flush=True,
             )
-        bare = _peak([sys.executable, "-c", _BARE, str(model), overrides, backend], env=env, log=work / f"{n}-bare.log")
+        bare = _peak(
+            [sys.executable, "-c", _BARE, str(model), overrides, backend, json.dumps(_bare_build(options))],
+            env=env,
+            log=work / f"{n}-bare.log",
+        )
         rows.append(dict(phase="bare_export", layers=n, model_bytes=model_bytes, **bare))
         print(
             f"{n} layers: bare export peak {bare['peak'] / 1e9:.2f} GB ({bare['peak'] / model_bytes:.2f}x), "

@@ -5,9 +5,9 @@ Variants: ``unpatched`` (Megatron-Core as installed), moeverify ``record`` and `
 Megatron-Core's native ``RouterReplay`` (record / replay) and verl 0.9.1's ``router_replay_patch``
 (record / replay) when it imports. moeverify and native run in one process, interleaved round by round
 with one ``unpatched`` baseline (moeverify's patch is reverted while native's variants and the baseline
-run), so their ratios share a denominator; replay and record are also timed against native's as adjacent pairs
-(``--pairs``: the median of per-pair ratios, free of the host's slower drifts); verl runs in its own process (it replaces ``TopKRouter``
-methods wholesale) with its own same-process baseline.
+run), so their ratios share a denominator; replay and record are also timed against native's as adjacent
+pairs (``--pairs``: the median of per-pair ratios, free of the host's slower drifts); verl runs in its own process
+(it replaces ``TopKRouter`` methods wholesale) with its own same-process baseline.
 
 Dispatch is Megatron's local permutation (``moe_utils.permute`` / ``unpermute`` by the routing map),
 what the token dispatchers do around their collectives, so the cost the patch adds is weighed
@@ -324,7 +324,11 @@ def run_child(args) -> dict:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no variant always first
                 rounds[name].append(timer(variants[name]))
-        paired = {f"{a}/{b}": _paired(timer, variants[a], variants[b], args.pairs) for a, b in PAIRS if args.pairs and a in variants and b in variants}
+        paired = {
+            f"{a}/{b}": _paired(timer, variants[a], variants[b], args.pairs)
+            for a, b in PAIRS
+            if args.pairs and a in variants and b in variants
+        }
     # The fastest round is the one least disturbed by other work on the machine (timeit's rule).
     return {**{name: min(ms) for name, ms in rounds.items()}, "paired": paired}
 
@@ -440,7 +444,17 @@ def run_parent(args) -> dict:
     shape = {
         k: getattr(args, k)
         for k in (
-            "device", "hidden", "experts", "topk", "tokens", "dtype", "iters", "rounds", "pairs", "scope", "scoring"
+            "device",
+            "hidden",
+            "experts",
+            "topk",
+            "tokens",
+            "dtype",
+            "iters",
+            "rounds",
+            "pairs",
+            "scope",
+            "scoring",
         )
     }
     host = {

@@ -113,6 +113,26 @@ def cpu_grouped_experts(provider, family: str, registry) -> bool:
     return not unmapped_grouped
 
 
+def _check_expert_form(provider, family: str, registry) -> None:
+    """An override of ``moe_grouped_gemm`` (``replay_experts: grouped``) the CPU spec can build and the bridge can
+    load: grouped experts where the bridge maps that form, ``SequentialMLP`` where it maps that one and the experts
+    have no biases (megatron-core 0.19.2's ``SequentialMLP`` fails every backward with them)."""
+    grouped = bool(provider.moe_grouped_gemm)
+    unmapped = _unmapped_experts(provider, registry, grouped=grouped)
+    if unmapped:
+        raise UsageError(
+            f"{family}: routed experts built {'grouped' if grouped else 'as SequentialMLP'} "
+            f"(moe_grouped_gemm={grouped}), but Megatron-Bridge maps no {', '.join(unmapped)}: "
+            "its weights could not be loaded; build them the other way"
+        )
+    if not grouped and provider.num_moe_experts and provider.add_bias_linear:
+        raise UsageError(
+            f"{family}: routed experts with biases built as SequentialMLP (moe_grouped_gemm=False): "
+            "megatron-core 0.19.2's SequentialMLP adds the bias in place into a view and every backward fails; "
+            "build them grouped"
+        )
+
+
 def _refuse_cpu_spec_gaps(provider, family: str, *, rebuilt: dict | None = None):
     """Refuse a model the CPU layer spec cannot build as the bridge means it (never a different model); else
     the ``FamilySpec`` that rebuilds its layer spec (``family_specs.cpu_rebuilds``, or ``rebuilt``)."""
@@ -307,6 +327,8 @@ def build(
         # training schedule (forward-only passes are right). Measured by the replay oracle's equivalence.
         provider.batch_p2p_comm = False
     _apply_overrides(provider, overrides or {}, what="build overrides")
+    if not rt.te_real and "moe_grouped_gemm" in (overrides or {}):
+        _check_expert_form(provider, family, bridge._model_bridge.mapping_registry())
     provider.finalize()
     _check_shape(provider, shape, family)
     _fresh_moe_metrics()

@@ -13,10 +13,11 @@ two small grouped linears whose parameters are laid out as TE's are:
 ``tp`` is the expert tensor-parallel group for experts. As with TE under expert parallelism (megatron-core's
 ``TEGroupedLinear``: ``explicit_expert_comm``), the linears do no communication: the token dispatcher gathers
 and reduce-scatters around them. Each expert is a plain ``x_i @ weight_i.T`` on its slice of the permuted
-tokens. Parameter attributes follow megatron-core's ``TEGroupedLinear`` (``allreduce`` is false for experts
-on the expert groups, ``tensor_model_parallel``/``partition_dim``/``partition_stride``), so gradient reduction and the
-bridge's parallelism detection (registered by class name, ``AutoMapping.register_module_type``) treat them as
-they treat TE's (``local_spec._register_with_bridge``).
+tokens (on an H100/H200 in bf16, one ``torch._grouped_mm`` for all of them each way: ``_GroupedGemm``).
+Parameter attributes follow megatron-core's ``TEGroupedLinear`` (``allreduce`` is false for experts on the expert
+groups, ``tensor_model_parallel``/``partition_dim``/``partition_stride``), so gradient reduction and the bridge's
+parallelism detection (registered by class name, ``AutoMapping.register_module_type``) treat them as they treat
+TE's (``local_spec._register_with_bridge``).
 Legend: T = tokens routed to this rank's experts, I = input features, O = output features (this rank's).
 """
 
@@ -113,6 +114,9 @@ class _CpuGroupedLinear(torch.nn.Module):
                 f"{type(self).__name__}: m_splits {list(m_splits)} do not fit {self.num_gemms} experts "
                 f"and {x_TI.shape[0]} tokens"
             )
+        if not self.use_bias and _one_grouped_gemm(x_TI, self.in_features, self.out_features, self.num_gemms):
+            weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+            return _GroupedGemm.apply(x_TI, _offsets(m_splits, x_TI.device), *weights), None
         outs, biases = [], []
         for i, x_i in enumerate(torch.split(x_TI, list(m_splits))):
             out_i = torch.matmul(x_i, getattr(self, f"weight{i}").t())
@@ -126,6 +130,58 @@ class _CpuGroupedLinear(torch.nn.Module):
 
     def backward_dw(self) -> None:
         """Delayed weight gradients are a TE feature; nothing is delayed here."""
+
+
+def _one_grouped_gemm(x_TI: torch.Tensor, in_features: int, out_features: int, num_gemms: int) -> bool:
+    """Whether one ``torch._grouped_mm`` serves every expert: a CUDA device of compute capability 9.0 (its
+    bf16 grouped GEMM), bf16, rows of 16-byte multiples; elsewhere one ``matmul`` per expert."""
+    return (
+        x_TI.is_cuda
+        and x_TI.dtype == torch.bfloat16
+        and num_gemms > 1
+        and x_TI.shape[0] > 0
+        and in_features % 8 == 0
+        and out_features % 8 == 0
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x_TI.device) == (9, 0)
+    )
+
+
+def _offsets(m_splits: list[int], device: torch.device) -> torch.Tensor:
+    """Each expert's end row in the permuted tokens (``torch._grouped_mm``'s ``offs``): int32 on the device."""
+    ends, total = [], 0
+    for m in m_splits:
+        total += int(m)
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """``out_i = x_i @ weight_i.T`` for every expert ``i`` in one grouped GEMM each way.
+
+    The weights are stacked for the call and again in the backward (a ``[G, O, I]`` copy at a time, never
+    kept across the pass: keeping it would hold every layer's experts twice until its backward); the weight
+    gradients come out of one grouped GEMM over the token dimension and are handed to each ``weight{i}``.
+    Deterministic: no split-K reduction is shared between experts, and a pass repeats bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x_TI, offs, *weights):
+        ctx.save_for_backward(x_TI, offs, *weights)
+        stacked_GIO = torch.stack(weights).transpose(1, 2)
+        return torch._grouped_mm(x_TI, stacked_GIO, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad_TO):
+        x_TI, offs, *weights = ctx.saved_tensors
+        grad_TO = grad_TO.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad_TO, torch.stack(weights), offs=offs)
+        grads_w = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grad_GOI = torch._grouped_mm(grad_TO.t(), x_TI, offs=offs)
+            grads_w = list(grad_GOI.unbind(0))
+        return grad_x, None, *grads_w
 
 
 class CpuColumnParallelGroupedLinear(_CpuGroupedLinear):

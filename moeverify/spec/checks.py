@@ -372,6 +372,15 @@ class ReplayOptions(CheckOptions):
         help="the dtype the check builds the model in: fp32, or bf16 (half the memory, for a model "
         "that needs it; every comparison stays bitwise, cross_layout's loss tolerance is fp32's)",
     )
+    experts: str = option(
+        "auto",
+        key="replay_experts",
+        validate=_one_of(("auto", "grouped")),
+        help="how the check builds routed experts: auto (as every check builds them), or grouped "
+        "(Megatron-Core's TEGroupedMLP wherever the bridge maps grouped experts, as a GPU job with "
+        "Transformer Engine builds them: one grouped GEMM each way on an H100/H200 in bf16, "
+        "where SequentialMLP runs an MLP per expert; for deep models on one GPU)",
+    )
     seq_len: int = option(16, key="replay_seq_len", validate=_positive_int, help="tokens per sequence")
     batch: int = option(2, key="replay_batch", validate=_positive_int, help="sequences per micro-batch")
     microbatches: int | None = option(

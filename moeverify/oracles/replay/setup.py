@@ -144,11 +144,18 @@ def _tensors(chunks: list) -> dict[tuple[int, str], torch.Tensor]:
     return out
 
 
+def build_settings(opts: ReplayOptions, variant: RouterVariant, overrides: dict, extra: dict | None = None) -> dict:
+    """The build overrides of one replay build: the check's dtype and expert form, then the router variant's, the
+    implementation's and the subcheck's own settings (a later one wins)."""
+    experts = {"moe_grouped_gemm": True} if opts.experts == "grouped" else {}
+    return {**SETTINGS[opts.dtype], **experts, **variant.overrides, **overrides, **(extra or {})}
+
+
 def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None = None) -> list:
     """A fresh model under ``layout`` with the variant's settings, ``overrides`` and ``extra``: the checkpoint's
     weights loaded through Megatron-Bridge the first time, copied from that build's ``WeightCopy`` after."""
     scenario = setup.ctx.scenario
-    settings = {**SETTINGS[setup.opts.dtype], **setup.variant.overrides, **overrides, **(extra or {})}
+    settings = build_settings(setup.opts, setup.variant, overrides, extra)
     if sum(c.nbytes for c in setup.weights.values()) > COLLECT_ABOVE:
         gc.collect()  # a model the last subcheck dropped (modules and hooks hold each other in cycles) goes first
     chunks = None
