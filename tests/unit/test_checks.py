@@ -46,7 +46,7 @@ def test_checks_option_table_is_every_declared_field():
         for field, meta in spec.options.declared()
     }
     assert {k: o.check for k, o in options.OPTIONS.items()} == {k: check for k, (check, _) in declared.items()}
-    assert len(declared) == 13
+    assert len(declared) == 14
 
 
 def test_checks_option_declared_by_two_checks_refused():
@@ -228,7 +228,7 @@ def test_checks_declarations_import_no_torch(repo_root):
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[:2] == [str(len(VARIANTS)), "13"], proc.stdout
+    assert proc.stdout.split()[:2] == [str(len(VARIANTS)), "14"], proc.stdout
     assert "the replay check's sequence of 16 tokens" in proc.stdout
 
 
