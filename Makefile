@@ -43,6 +43,7 @@ test-distributed: setup
 release: setup
 	@mkdir -p runs
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_matrix.yaml --json runs/release.json --junit runs/release.xml
+	$(PY) -m moeverify run scenarios/grouped_experts.yaml --json runs/grouped_experts.json --junit runs/grouped_experts.xml
 	$(PY) -m moeverify run scenarios/production_cpu.yaml --timeout 1800 --json runs/production_cpu.json --junit runs/production_cpu.xml
 	$(PY) -m pytest -q -p no:xdist -m release tests/special_distributed
 	eval "$$(bash tools/verl_peer.sh)" && $(PY) -m pytest -q -p no:xdist -rs tests/unit/test_verl_actor_r3.py
