@@ -178,6 +178,14 @@ def _model_bytes(ckpt: Path) -> int:
     return sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
 
+def _gpu_card() -> dict | None:
+    """The card the run used: model, driver, memory (``router_replay.gpu_info``, in a child: this process imports
+    no torch)."""
+    code = "import json, sys; sys.path.insert(0, 'bench'); import router_replay; print(json.dumps(router_replay.gpu_info()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-300:]}
+
+
 def _bare_build(options: dict | None) -> dict:
     """The bare export's build overrides: the experts built as the checks build them (``replay_experts``)."""
     return {"moe_grouped_gemm": True} if (options or {}).get("replay_experts") == "grouped" else {}
@@ -367,11 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # LayoutError: a clear message, before anything runs
             p.error(f"--layout {name}: {exc}")
     out = ROOT / "bench" / "results" / f"{args.label}.json"
+    gpu = _gpu_card() if args.backend == "cuda" else None
 
     def save(result: dict) -> None:
         tmp_out = out.with_suffix(".json.tmp")
         tmp_out.write_text(
-            json.dumps(dict(result, label=args.label, backend=args.backend, options=args.options), indent=1)
+            json.dumps(dict(result, label=args.label, backend=args.backend, options=args.options, gpu=gpu), indent=1)
         )
         os.replace(tmp_out, out)
 
@@ -386,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             layouts=tuple(args.layout),
             options=args.options,
         )
-    result.update(label=args.label, backend=args.backend, options=args.options)
+    result.update(label=args.label, backend=args.backend, options=args.options, gpu=gpu)
     save(result)
     print(json.dumps(result["fits"], indent=1))
     try:
