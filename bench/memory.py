@@ -181,7 +181,7 @@ def _model_bytes(ckpt: Path) -> int:
 def _gpu_card() -> dict | None:
     """The card the run used: model, driver, memory (``router_replay.gpu_info``, in a child: this process imports
     no torch)."""
-    code = "import json, sys; sys.path.insert(0, 'bench'); import router_replay; print(json.dumps(router_replay.gpu_info()))"
+    code = "import json, sys; sys.path.insert(0, 'bench'); import router_replay as r; print(json.dumps(r.gpu_info()))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-300:]}
 
