@@ -37,7 +37,8 @@ def recipe_scenario_files(repo_root, target: str) -> list[str]:
 def one_rank_replays(repo_root, files: list[str]) -> dict[str, set[str]]:
     """``{family: replay subchecks run on one rank}`` over the scenarios of ``files`` that run on CPU ranks."""
     out: dict[str, set[str]] = {}
-    for s in load([str(repo_root / f) for f in files]):
+    # one file at a time: a target's runs may repeat a scenario's name (one run per file group)
+    for s in (s for f in files for s in load([str(repo_root / f)])):
         if "replay" in s.checks and s.world_size == 1 and s.gpu_only is None:
             out.setdefault(s.family, set()).update(CHECKS["replay"].selected_subchecks(s.options)[0])
     return out
