@@ -15,6 +15,7 @@ def _config(*, ep=1, etp=1, tp=1):
     return NS(
         params_dtype=torch.float32,
         perform_initialization=False,
+        use_cpu_initialization=True,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         tensor_model_parallel_size=tp,
