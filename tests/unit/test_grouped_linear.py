@@ -155,12 +155,13 @@ def test_grouped_experts_give_the_logits_of_sequential_experts(patched_megatron_
 
     from moeverify import models
 
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    position_ids = torch.arange(16).expand(2, 16)
     logits = {}
     for grouped in (False, True):
         built = models.build("qwen3_moe", Layout(), seed=0, overrides={"moe_grouped_gemm": grouped})
         (model,) = built.model_chunks
+        device = next(model.parameters()).device  # the test backend's (MOEVERIFY_TEST_BACKEND=cuda: the GPU)
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+        position_ids = torch.arange(16, device=device).expand(2, 16)
         experts = [m for m in model.modules() if isinstance(m, (SequentialMLP, TEGroupedMLP))]
         assert experts and all(isinstance(m, TEGroupedMLP if grouped else SequentialMLP) for m in experts)
         with torch.no_grad():
