@@ -140,7 +140,11 @@ class _CpuGroupedLinear(torch.nn.Module):
 
 def _one_grouped_gemm(x_TI: torch.Tensor, in_features: int, out_features: int, num_gemms: int) -> bool:
     """Whether one ``torch._grouped_mm`` serves every expert: a CUDA device of compute capability 9.0 (its
-    bf16 grouped GEMM), bf16, rows of 16-byte multiples; elsewhere one ``matmul`` per expert."""
+    bf16 grouped GEMM), bf16, rows of 16-byte multiples; elsewhere one ``matmul`` per expert.
+
+    Version assumption: ``torch._grouped_mm(a, b, offs=)`` as torch 2.8-2.14 have it (a private op: 2D x 3D groups
+    the rows of ``a``, 2D x 2D groups the shared dimension; ``offs`` int32 end offsets); measured with torch
+    2.11.0+cu130 on an H100. A torch without it takes the loop; one whose op changed raises in the forward."""
     return (
         x_TI.is_cuda
         and x_TI.dtype == torch.bfloat16
