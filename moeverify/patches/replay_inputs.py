@@ -35,13 +35,18 @@ _ORIGINS: dict[int, tuple[weakref.ref, Origin]] = {}
 class InputLog:
     """Per model chunk, the token ids of each forward (None where the chunk got no integer tensor)."""
 
-    def __init__(self, chunks: list[weakref.ref]):
+    def __init__(self, chunks: list[weakref.ref], *, like: InputLog | None = None):
+        """``like``: the recording's log this one will be compared with: a chunk that got no token ids there has
+        nothing to compare, and is not hooked (a hooked module leaves torch's fast call path on every forward)."""
         self.per_chunk: list[list[torch.Tensor | None]] = [[] for _ in chunks]
         self._handles = []
         for index, ref in enumerate(chunks):
             chunk = ref()
+            if like is not None and all(ids is None for ids in like.per_chunk[index]):
+                continue
             if chunk is not None:
                 self._handles.append(chunk.register_forward_pre_hook(self._hook(index), with_kwargs=True))
+        self.hooked = bool(self._handles)  # whether any chunk's token ids are kept (and so compared)
 
     def _hook(self, index: int):
         def pre_hook(_module, args, kwargs):

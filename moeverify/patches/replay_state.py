@@ -194,9 +194,18 @@ def canonical_replay(
     num_groups=None,
     group_topk=None,
     native_TK: torch.Tensor | None = None,
+    given_TK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
-    scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them."""
+    scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them.
+    ``given_TK``: the same ids in the order they were given (a recording's own grad-mode order), tried first on the
+    CPU: where the scores at them strictly descend along every row, that is the one order any rule gives."""
+    if given_TK is not None and not scores.is_cuda:
+        with _plain_ops(scores):
+            # the test reads detached keys: a checkpointed forward must save what its recompute (one gather at
+            # the forward's order, ``_RecomputeHook``) saves, whichever way the test went
+            if _strictly_descending(scores.detach().gather(1, given_TK)):
+                return scores.gather(1, given_TK), given_TK
     # the order is found on detached keys and the scores gathered once at the ordered ids, native replay's own op:
     # no autograd node beyond that gather (a top-k with grad would add a scatter to the backward, and under
     # deterministic algorithms a scatter is a sort-based index_put on the GPU)
@@ -255,6 +264,16 @@ def canonical_ids(
     return ids_TK
 
 
+def _strictly_descending(key_TK: torch.Tensor) -> bool:
+    """Whether every row of ``key_TK`` strictly descends (one host read: CPU tensors only). The differences of
+    distinct IEEE floats are never zero (gradual underflow) and a NaN or an infinity makes the maximum NaN or
+    non-negative: only a row with no tie, no NaN and no infinity passes. Under flush-to-zero a tiny difference
+    can read as a tie: the caller's full rule runs then, never a wrong order."""
+    if key_TK.shape[0] == 0 or key_TK.shape[1] < 2:
+        return True
+    return key_TK.diff(dim=1).amax().item() < 0
+
+
 def _plain_ops(tensor: torch.Tensor):
     """On CPU ranks, the slot order's own ops skip the CPU runtime's CUDA-to-CPU redirection (a torch function mode
     every op of the process goes through, a few microseconds an op; these ops name no device). A no-op elsewhere."""
@@ -281,16 +300,23 @@ class _ReplayHook:
     """Megatron's ``router_replay`` protocol: use the given ids (ascending per row), in the slot order a grad-mode
     pass gives them (``canonical_replay``), and gather those scores."""
 
-    __slots__ = ("sorted_ids_TK", "ordered_TK")
+    __slots__ = ("sorted_ids_TK", "given_TK", "ordered_TK")
     REPLAYS = True  # counted by the agreement guard
 
-    def __init__(self, sorted_ids_TK: torch.Tensor):
+    def __init__(self, sorted_ids_TK: torch.Tensor, given_TK: torch.Tensor | None = None):
         self.sorted_ids_TK = sorted_ids_TK
+        self.given_TK = given_TK  # the ids in the order the routes gave them (``canonical_replay``'s first try)
         self.ordered_TK: torch.Tensor | None = None  # the ids in the slot order this call gave them
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values_TK, self.ordered_TK = canonical_replay(
-            scores, self.sorted_ids_TK, default_compute_topk, topk=topk, num_groups=num_groups, group_topk=group_topk
+            scores,
+            self.sorted_ids_TK,
+            default_compute_topk,
+            topk=topk,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            given_TK=self.given_TK,
         )
         return values_TK, self.ordered_TK
 
@@ -338,21 +364,21 @@ class Replaying:
         per_layer: dict[int, tuple[torch.Tensor, ...]],
         *,
         recompute: bool | str,
-        rank: int,
+        rank: int | None,
         original,
         fidelity: bool = False,
-        ascending: bool = False,
+        sorted_ids: dict[int, tuple[torch.Tensor, ...]] | None = None,
         tokens: dict[int, tuple[int, ...]] | None = None,
     ):
         self.original = original  # the unpatched TopKRouter.routing
         # layer -> [tokens whose replayed top-k equals native top-k (device tensor), tokens] over forwards
         self.fidelity: dict[int, list] | None = {} if fidelity else None
-        self.per_layer = per_layer
-        # ids ascending per row (``ascending``: given so, e.g. made once per Routes): the hooks order the slots
-        # from there (canonical_replay)
+        self.per_layer = per_layer  # the ids in the order given (a recording's own slot order)
+        # the same ids ascending per row (``sorted_ids``: made once per Routes, else here): the hooks order the
+        # slots from there where the given order is not already the one (canonical_replay)
         self.sorted_ids = (
-            per_layer
-            if ascending
+            sorted_ids
+            if sorted_ids is not None
             else {layer: tuple(ids_TK.sort(dim=1).values for ids_TK in mbs) for layer, mbs in per_layer.items()}
         )
         # token counts per call: given with a table made once per Routes, else read here
@@ -362,13 +388,19 @@ class Replaying:
             else {layer: [int(t.shape[0]) for t in mbs] for layer, mbs in per_layer.items()}
         )
         self.recompute_mode = recompute
-        self.rank = rank
+        self._rank = rank  # None: read when a message names it (torch.distributed's query is not free per step)
         self.next_mb = dict.fromkeys(per_layer, 0)
         self.recomputed = {layer: [0] * len(mbs) for layer, mbs in per_layer.items()}
         # layer -> mb -> weak reference to the checkpointed region of that forward (None: not checkpointed)
         self.regions: dict[int, list] = {layer: [None] * len(mbs) for layer, mbs in per_layer.items()}
         # (layer, mb) -> the ids of a checkpointed forward in its slot order, until its first recompute takes them
         self.ordered: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            self._rank = current_rank()
+        return self._rank
 
     def _ids(self, router, layer: int, mb: int, logits) -> torch.Tensor:
         # Token counts are host ints taken once, and the ids already sit on the router's device
@@ -408,7 +440,7 @@ class Replaying:
         ids_TK = self._ids(router, layer, mb, logits)
         if self.fidelity is not None:
             self._count_agreement(router, layer, logits, ids_TK)
-        hook = _ReplayHook(ids_TK)
+        hook = _ReplayHook(ids_TK, self.per_layer[layer][mb])
         result = _call_with_hook(self.original, router, hook, logits, args, kwargs)
         if region is not None and hook.ordered_TK is not None:  # its recompute takes this order (_RecomputeHook)
             self.ordered[(layer, mb)] = hook.ordered_TK
@@ -457,7 +489,7 @@ class Replaying:
         self.recomputed[layer][mb] += 1
         ids_TK = self._ids(router, layer, mb, logits)
         ordered_TK = self.ordered.pop((layer, mb), None)  # a second recompute of one forward orders its ids again
-        hook = _ReplayHook(ids_TK) if ordered_TK is None else _RecomputeHook(ordered_TK)
+        hook = _ReplayHook(ids_TK, self.per_layer[layer][mb]) if ordered_TK is None else _RecomputeHook(ordered_TK)
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def unused(self) -> list[str]:

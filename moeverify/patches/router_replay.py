@@ -204,6 +204,7 @@ class ReplaySession:
         self._recording: Recording | None = None
         self._origin: replay_inputs.Origin | None = None
         self._replayed: Replaying | None = None
+        self._prepared: tuple | None = None  # (Routes, its key fields, what _prepare made of it)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -319,24 +320,13 @@ class ReplaySession:
                 f"too: there it reorders the rows)"
             )
 
-    @contextlib.contextmanager
-    def replay(self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False) -> Iterator[None]:
-        """Replay ``routes`` in the forward passes run inside (in order per layer) and in their recomputes.
-
-        Args:
-            routes: this rank's routes for exactly this session's layers.
-            recompute: ``"auto"``: a checkpointed forward is recomputed with its own routes whenever its
-                backward runs (in any order, even after this context exits); ``check_consumed()`` flags a
-                checkpointed forward whose graph is alive but was never recomputed. ``True``:
-                ``check_consumed()`` also requires every forward to have been recomputed at least once.
-                ``False``: a recompute of a replayed forward raises (forward-only passes).
-            fidelity: also count, per layer, the tokens whose replayed top-k equals what native routing would
-                pick with the current weights (``session.fidelity()`` after the block): the train/rollout
-                routing agreement. Off by default; its cost is in ``bench/router_replay.py --fidelity``.
-        """
-        if recompute not in ("auto", True, False):
-            raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
-        self._check_startable()
+    def _prepare(self, routes: Routes) -> tuple[dict[int, Any], tuple]:
+        """The live routers, and ``routes`` checked against this session and its model with their replay table:
+        once per validated ``Routes`` (a trainer replays one every step; its ids are private copies once made, so
+        what was checked stays so), every time for one built unchecked."""
+        key = (routes.num_experts, routes.topk, routes.order)
+        if self._prepared is not None and self._prepared[0] is routes and self._prepared[1] == key:
+            return self._live_routers(), self._prepared[2]
         rank = current_rank()
         self._check_routes(routes, rank)
         routers = self._live_routers()
@@ -355,21 +345,45 @@ class ReplaySession:
                         topk=self.topk,
                         rank=rank,
                     )
-        per_layer, tokens = routes.replay_table(device) if routers else ({}, {})
-        replaying = Replaying(
-            per_layer,
-            recompute=recompute,
-            rank=rank,
-            original=_ORIGINAL_ROUTING,
-            fidelity=fidelity,
-            ascending=True,
-            tokens=tokens,
-        )
+        given, ascending, tokens = routes.replay_table(device) if routers else ({}, {}, {})
         origin = replay_inputs.origin_of(routes)
         if origin is not None:
             replay_inputs.check_model(origin, routers, rank=rank)
+        prepared = (given, ascending, tokens, origin)
+        # kept for the next step only when nothing about these routes can change (``Routes.unchecked``: never)
+        self._prepared = (routes, key, prepared) if routes.validated else None
+        return routers, prepared
+
+    @contextlib.contextmanager
+    def replay(self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False) -> Iterator[None]:
+        """Replay ``routes`` in the forward passes run inside (in order per layer) and in their recomputes.
+
+        Args:
+            routes: this rank's routes for exactly this session's layers.
+            recompute: ``"auto"``: a checkpointed forward is recomputed with its own routes whenever its
+                backward runs (in any order, even after this context exits); ``check_consumed()`` flags a
+                checkpointed forward whose graph is alive but was never recomputed. ``True``:
+                ``check_consumed()`` also requires every forward to have been recomputed at least once.
+                ``False``: a recompute of a replayed forward raises (forward-only passes).
+            fidelity: also count, per layer, the tokens whose replayed top-k equals what native routing would
+                pick with the current weights (``session.fidelity()`` after the block): the train/rollout
+                routing agreement. Off by default; its cost is in ``bench/router_replay.py --fidelity``.
+        """
+        if recompute not in ("auto", True, False):
+            raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
+        self._check_startable()
+        routers, (given, ascending, tokens, origin) = self._prepare(routes)
+        replaying = Replaying(
+            given,
+            recompute=recompute,
+            rank=None,
+            original=_ORIGINAL_ROUTING,
+            fidelity=fidelity,
+            sorted_ids=ascending,
+            tokens=tokens,
+        )
         self._replayed = replaying
-        inputs = replay_inputs.InputLog(self._chunks) if origin is not None else None
+        inputs = replay_inputs.InputLog(self._chunks, like=origin.inputs) if origin is not None else None
         try:
             with self._active(replaying, routers):
                 yield
@@ -379,8 +393,8 @@ class ReplaySession:
         # Reached only when the block raised nothing: never masks the block's own error.
         for router in routers.values():
             _UNCHECKED[router] = replaying
-        if inputs is not None:
-            replay_inputs.check_inputs(origin.inputs, inputs, rank=rank)
+        if inputs is not None and inputs.hooked:
+            replay_inputs.check_inputs(origin.inputs, inputs, rank=replaying.rank)
 
     def fidelity(self) -> dict[int, float]:
         """After ``replay(routes, fidelity=True)``: ``{layer: share of forward tokens whose replayed top-k expert

@@ -207,18 +207,22 @@ class Routes:
             ids_TK = self._replay_ids[key] = source.to(device=device, dtype=torch.int64, copy=True)
         return ids_TK
 
-    def replay_table(self, device) -> tuple[dict[int, tuple[torch.Tensor, ...]], dict[int, tuple[int, ...]]]:
-        """Every route's ascending private copy on ``device`` (``replay_ids(..., ascending=True)``) per layer, and
-        its token counts: made once per device, so a replay entered every step looks nothing up per route."""
+    def replay_table(
+        self, device
+    ) -> tuple[dict[int, tuple[torch.Tensor, ...]], dict[int, tuple[torch.Tensor, ...]], dict[int, tuple[int, ...]]]:
+        """Per layer, every route's private copy on ``device`` in the order given (``replay_ids``) and ascending
+        (``replay_ids(..., ascending=True)``), and its token counts: made once per device, so a replay entered every
+        step looks nothing up per route."""
         key = ("table", torch.device(device))
         table = self._replay_ids.get(key)
         if table is None:
-            ids = {
-                layer: tuple(self.replay_ids(layer, mb, device, ascending=True) for mb in range(self.microbatches))
-                for layer in self.layers
+            mbs = range(self.microbatches)
+            given = {layer: tuple(self.replay_ids(layer, mb, device) for mb in mbs) for layer in self.layers}
+            ascending = {
+                layer: tuple(self.replay_ids(layer, mb, device, ascending=True) for mb in mbs) for layer in self.layers
             }
-            tokens = {layer: tuple(int(t.shape[0]) for t in mbs) for layer, mbs in ids.items()}
-            table = self._replay_ids[key] = (ids, tokens)
+            tokens = {layer: tuple(int(t.shape[0]) for t in ids) for layer, ids in given.items()}
+            table = self._replay_ids[key] = (given, ascending, tokens)
         return table
 
     def _check_unwritten(self, layer: int, microbatch: int, source: torch.Tensor) -> None:

@@ -92,12 +92,13 @@ def test_replay_table_is_made_once_per_device_with_token_counts():
         num_experts=6,
         topk=2,
     )
-    ids, tokens = routes.replay_table("cpu")
-    assert routes.replay_table("cpu")[0] is ids
+    given, ids, tokens = routes.replay_table("cpu")
+    assert routes.replay_table("cpu")[1] is ids
     assert tokens == {0: (2, 1), 4: (1, 1)}
     assert torch.equal(ids[0][0], torch.tensor([[1, 3], [0, 5]])) and ids[0][0] is routes.replay_ids(
         0, 0, "cpu", ascending=True
     )
+    assert torch.equal(given[0][0], torch.tensor([[3, 1], [0, 5]])) and given[0][0] is routes.replay_ids(0, 0, "cpu")
 
 
 def test_replay_ids_ascending_is_one_sorted_private_copy():
@@ -137,3 +138,52 @@ def test_guard_histogram_counts_as_by_hand():
     assert row["padding"] == int(pad_T.sum()) and row["routed_natively"] == int((native_T & ~pad_T).sum())
     assert row["agreement"] == agree / tokens
     assert row["overlap"] == (int(hits[counted].sum()) + int(hits.sum())) / (tokens * k)
+
+
+def _given_order_case(tokens=64, experts=16, topk=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(tokens, experts, generator=g)
+    with torch.no_grad():
+        _, native_TK = replay_state.grad_mode_topk(_native, scores, topk)
+    return scores, native_TK
+
+
+def test_a_given_order_whose_scores_strictly_descend_is_kept_as_given():
+    scores, native_TK = _given_order_case()
+    scores.requires_grad_()
+    values_TK, ids_TK = replay_state.canonical_replay(
+        scores, native_TK.sort(dim=1).values, _native, topk=4, given_TK=native_TK
+    )
+    assert ids_TK is native_TK  # no order computed: the recording's own order is the one
+    assert torch.equal(values_TK, scores.gather(1, native_TK))
+    values_TK.sum().backward()
+    assert scores.grad is not None and int((scores.grad != 0).sum()) == native_TK.numel()
+
+
+@pytest.mark.parametrize("case", ["shuffled", "tie", "nan", "inf"])
+def test_a_given_order_that_is_not_the_one_takes_the_full_rule(case):
+    scores, native_TK = _given_order_case(seed=3)
+    given_TK = native_TK.clone()
+    if case == "shuffled":  # the rollout engine's order: another slot order of the same sets
+        given_TK = given_TK.flip(dims=(1,))
+    elif case == "tie":  # two selected experts of row 5 score alike: the order is by ascending id there
+        scores[5, given_TK[5, 1]] = scores[5, given_TK[5, 0]]
+    elif case == "nan":
+        scores[7, given_TK[7, 2]] = float("nan")
+    else:
+        scores[9, given_TK[9, 0]] = float("inf")
+        scores[9, given_TK[9, 1]] = float("inf")
+    sorted_TK = given_TK.sort(dim=1).values
+    full = replay_state.canonical_ids(scores, sorted_TK, _native, topk=4)
+    _, ids_TK = replay_state.canonical_replay(scores, sorted_TK, _native, topk=4, given_TK=given_TK)
+    assert ids_TK is not given_TK
+    assert torch.equal(ids_TK, full)
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (5, 1)])
+def test_a_given_order_with_no_pair_to_compare_is_kept(shape):
+    given_TK = torch.arange(shape[0] * shape[1]).view(shape) % 8
+    _, ids_TK = replay_state.canonical_replay(
+        torch.randn(shape[0], 8), given_TK.sort(dim=1).values, _native, topk=shape[1], given_TK=given_TK
+    )
+    assert ids_TK is given_TK

@@ -651,3 +651,52 @@ def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_it
         _, routing_map = router(x)
     session.check_consumed()
     assert torch.equal(routing_map, native_map)
+
+
+def test_a_routes_replayed_every_step_is_checked_once_and_changes_still_refused(monkeypatch):
+    router = make_router(1, seed=4)
+    session = rr.ReplaySession(router)
+    routes = random_routes([0])
+    checks = []
+    real = session._check_routes
+    monkeypatch.setattr(session, "_check_routes", lambda r, rank: checks.append(1) or real(r, rank))
+    for _ in range(3):  # a trainer's steps: one Routes, replayed again each step
+        with session.replay(routes):
+            router(hidden(0))
+        session.check_consumed()
+    assert len(checks) == 1
+    routes.in_order("sequence")  # what the routes say about themselves changed: checked again, and refused
+    with pytest.raises(RouteError, match="these routes are in sequence order"):
+        with session.replay(routes):
+            pass
+    assert len(checks) == 2
+    with pytest.raises(RouteError, match=r"routes layers \[1\] != expected \[0\]"):  # another Routes: checked
+        with session.replay(random_routes([1])):
+            pass
+
+
+def test_routes_built_unchecked_are_checked_at_every_replay():
+    router = make_router(1)
+    session = rr.ReplaySession(router)
+    ids = random_routes([0]).get(0, 0).clone()
+    routes = Routes.unchecked({0: [ids]}, num_experts=E, topk=K)
+    with session.replay(routes):
+        router(hidden(0))
+    session.check_consumed()
+    ids[0] = torch.tensor([3, 3])  # written after a first replay: an unchecked Routes is read again
+    routes = Routes.unchecked({0: [ids]}, num_experts=E, topk=K)
+    with pytest.raises(RouteError, match=r"token 0 routes to expert\(s\) twice: \[3, 3\]"):
+        with session.replay(routes):
+            pass
+
+
+def test_a_recording_of_float_inputs_hooks_nothing_at_replay_and_token_ids_are_still_compared():
+    router = make_router(1, seed=5)  # the chunk is the router: its forward takes hidden states, no token ids
+    session = rr.ReplaySession(router)
+    with session.record():
+        router(hidden(0))
+    routes = session.routes()
+    with session.replay(routes):
+        assert not router._forward_pre_hooks  # nothing recorded to compare with: torch's fast call path kept
+        router(hidden(0))
+    session.check_consumed()
