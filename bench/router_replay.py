@@ -22,7 +22,9 @@ H200: ``--device cuda --hidden 2048 --experts 128 --topk 8 --tokens 16384 --dtyp
 
 ``moeverify.slot_order`` times the slot order alone (``canonical_ids`` on ids kept ascending: on a GPU a top-k of
 the ``[T, K]`` keys at them; on the CPU their argsort and the native grad-mode top-k where a row ties), as a share of
-the unpatched step: what bitwise replay at top-k >= 3 costs. ``gpu`` in the results names the card and driver.
+the unpatched step: what bitwise replay at top-k >= 3 costs; ``moeverify.slot_order.given`` the same with the ids
+also given in the scores' own order (a recording replayed on the weights it was recorded with: on the CPU a test
+that the scores strictly descend along them, no sort). ``gpu`` in the results names the card and driver.
 
 Writes ``bench/results/router_replay.json``: ``{"metrics": {NAME: {"value", "unit", "peer", "ratio",
 "goal"}}}``.
@@ -230,7 +232,7 @@ def _variants_moeverify(args, x):
 
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    slot_order = _slot_order_step(args, routes.get(0, 0))
+    slot_order, slot_order_given = _slot_order_step(args, routes.get(0, 0))
     native = _router(args, native=True)  # Megatron-Core's own RouterReplay, timed with moeverify's patch reverted
     x_holder[:] = [x]
     native_steps = _native_steps(native, RouterReplayAction, routes.get(0, 0).to(torch.int64))
@@ -241,29 +243,37 @@ def _variants_moeverify(args, x):
         "replay_fidelity": replay_fidelity,
         "replay_agreement": replay_agreement,
         "slot_order": slot_order,
+        "slot_order.given": slot_order_given,
         "native.record": (native_steps["record"], reverted),
         "native.replay": (native_steps["replay"], reverted),
     }
 
 
 def _slot_order_step(args, ids_TK):
-    """What the slot order adds to one replayed routing call: the hook's ``canonical_ids`` on ``[T, K]`` ids kept
-    ascending once per ``Routes`` (``moeverify.patches.replay_state``: on a GPU one top-k of the ``[T, K]`` keys at
-    the ids and two gathers; on the CPU an argsort of those keys, and the native grad-mode top-k where a row ties)."""
+    """What the slot order adds to one replayed routing call, two ways: the hook's ``canonical_ids`` on ``[T, K]``
+    ids kept ascending once per ``Routes`` (``moeverify.patches.replay_state``: on a GPU one top-k of the ``[T, K]``
+    keys at the ids and two gathers; on the CPU an argsort of those keys, and the native grad-mode top-k where a row
+    ties), and ``canonical_replay`` given the ids in the scores' own order (a recording replayed on its weights: on
+    the CPU a test that they strictly descend, then native replay's gather; on a GPU the same as the first)."""
     import torch
 
-    from moeverify.patches.replay_state import canonical_ids
+    from moeverify.patches.replay_state import canonical_ids, canonical_replay
 
-    sorted_ids_TK = ids_TK.to(args.device, torch.int64).sort(dim=1).values
     scores_TE = torch.randn(ids_TK.shape[0], args.experts, generator=torch.Generator().manual_seed(2)).to(args.device)
+    topk = ids_TK.shape[1]
+    given_TK = scores_TE.topk(topk, dim=1).indices  # the scores' own descending order
+    sorted_ids_TK = given_TK.sort(dim=1).values
 
     def native_topk(scores, topk, num_groups=None, group_topk=None):  # Megatron's plain ``_compute_topk``
         return torch.topk(scores, k=topk, dim=1, sorted=torch.is_grad_enabled())
 
     def step():
-        canonical_ids(scores_TE, sorted_ids_TK, native_topk, topk=ids_TK.shape[1])
+        canonical_ids(scores_TE, sorted_ids_TK, native_topk, topk=topk)
 
-    return step
+    def given():
+        canonical_replay(scores_TE, sorted_ids_TK, native_topk, topk=topk, given_TK=given_TK)
+
+    return step, given
 
 
 def _native_steps(router, action_enum, ids_TK):
@@ -421,6 +431,7 @@ def run_parent(args) -> dict:
         metrics["moeverify.agreement_vs_replay"] = _metric(times["replay_agreement"], times["replay"], None)
         # the canonical slot order's own ops, against the unpatched step: the share of it that ordering costs
         metrics["moeverify.slot_order"] = _metric(times["slot_order"], times["unpatched"], None)
+        metrics["moeverify.slot_order.given"] = _metric(times["slot_order.given"], times["unpatched"], None)
     if "verl" in medians:
         times = medians["verl"]
         metrics["verl.unpatched"] = _metric(times["unpatched"], times["unpatched"], None)
