@@ -152,6 +152,11 @@ def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
         )
 
 
+def _device_of(routers: dict[int, Any]):
+    """The routers' device (None: a dense stage, no router)."""
+    return next(iter(routers.values())).weight.device if routers else None
+
+
 def _layers_fix(given: tuple[int, ...], expected: tuple[int, ...]) -> str:
     if len(given) == len(expected) and not set(expected) <= set(given):
         # As many layers as expected, numbered otherwise: MoE-only indices where dense layers come first.
@@ -204,7 +209,7 @@ class ReplaySession:
         self._recording: Recording | None = None
         self._origin: replay_inputs.Origin | None = None
         self._replayed: Replaying | None = None
-        self._prepared: tuple | None = None  # (Routes, its key fields, what _prepare made of it)
+        self._prepared: tuple | None = None  # (Routes, its key fields, the routers' device, what _prepare made)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -326,11 +331,13 @@ class ReplaySession:
         what was checked stays so), every time for one built unchecked."""
         key = (routes.num_experts, routes.topk, routes.order)
         if self._prepared is not None and self._prepared[0] is routes and self._prepared[1] == key:
-            return self._live_routers(), self._prepared[2]
+            routers = self._live_routers()
+            if _device_of(routers) == self._prepared[2]:  # a model moved to another device takes a new table
+                return routers, self._prepared[3]
         rank = current_rank()
         self._check_routes(routes, rank)
         routers = self._live_routers()
-        device = next(iter(routers.values())).weight.device if routers else None  # None: a dense stage
+        device = _device_of(routers)
         # Replay routes with the Routes' private int64 copy on the router's device (made once per Routes). A
         # Routes built unchecked (``Routes.unchecked``) is checked here; a checked one was validated when built,
         # and checking it again would cost host syncs on every step.
@@ -351,7 +358,7 @@ class ReplaySession:
             replay_inputs.check_model(origin, routers, rank=rank)
         prepared = (given, ascending, tokens, origin)
         # kept for the next step only when nothing about these routes can change (``Routes.unchecked``: never)
-        self._prepared = (routes, key, prepared) if routes.validated else None
+        self._prepared = (routes, key, device, prepared) if routes.validated else None
         return routers, prepared
 
     @contextlib.contextmanager

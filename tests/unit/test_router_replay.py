@@ -700,3 +700,27 @@ def test_a_recording_of_float_inputs_hooks_nothing_at_replay_and_token_ids_are_s
         assert not router._forward_pre_hooks  # nothing recorded to compare with: torch's fast call path kept
         router(hidden(0))
     session.check_consumed()
+
+
+def test_a_routes_replayed_again_after_the_model_moved_takes_a_table_on_the_new_device(monkeypatch):
+    from moeverify.patches import router_replay as module
+
+    router = make_router(1, seed=6)
+    session = rr.ReplaySession(router)
+    routes = random_routes([0])
+    with session.replay(routes):
+        router(hidden(0))
+    session.check_consumed()
+    tables = []
+    real = Routes.replay_table
+    monkeypatch.setattr(Routes, "replay_table", lambda self, device: tables.append(device) or real(self, device))
+    with session.replay(routes):  # the same device: the table made at the first replay serves
+        router(hidden(0))
+    session.check_consumed()
+    assert tables == []
+    moved = torch.device("cpu", 0)  # another device as torch compares them (it computes on the same CPU)
+    monkeypatch.setattr(module, "_device_of", lambda routers: moved)
+    with session.replay(routes):
+        router(hidden(0))
+    session.check_consumed()
+    assert tables == [moved]
