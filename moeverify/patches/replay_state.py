@@ -203,15 +203,69 @@ def canonical_replay(
     scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them.
     ``given_TK``: the same ids in the order they were given (a recording's own grad-mode order), tried first on the
     CPU: where the scores at them strictly descend along every row, that is the one order any rule gives."""
-    if given_TK is not None and not scores.is_cuda:
+    values_TK, ids_TK, _, _ = replay_plan(
+        scores,
+        sorted_ids_TK,
+        default_compute_topk,
+        topk=topk,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        native_TK=native_TK,
+        given_TK=given_TK,
+    )
+    return values_TK, ids_TK
+
+
+def replay_plan(
+    scores: torch.Tensor,
+    sorted_ids_TK: torch.Tensor,
+    default_compute_topk=None,
+    *,
+    topk: int,
+    num_groups=None,
+    group_topk=None,
+    native_TK: torch.Tensor | None = None,
+    given_TK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``canonical_replay``'s ``(values, ids)`` and how the values were taken: ``(base_TK, pos_TK)``, the values
+    being ``scores.gather(1, base_TK)``, then ``.gather(1, pos_TK)`` where ``pos_TK`` is not None (the ids are
+    ``base_TK`` reordered the same way). A recompute repeats exactly those ops (``replay_values``): under torch's
+    non-reentrant checkpoint a recomputed forward must save the tensors its forward saved, one for one.
+
+    The fewest host-side ops a call: on a GPU whose top-k order passed its check, the scores gathered at the ascending
+    ids (with grad: native replay's own op) and their top-k, whose values *are* the scores at the ordered ids (three
+    ops; the top-k's backward adds a ``[T, K]`` scatter on the device); on the CPU with ``given_TK``, the gather at the
+    given order and a test of it, kept where it passes."""
+    if scores.is_cuda:
+        if (
+            native_TK is None
+            and default_compute_topk is not None
+            and _topk_order_holds(default_compute_topk, scores, topk, num_groups, group_topk)
+        ):
+            # torch.topk's own order of the replayed set: native's where native picked that set (``topk_order``)
+            at_TK = scores.gather(1, sorted_ids_TK)
+            values_TK, pos_TK = torch.topk(at_TK, sorted_ids_TK.shape[1], dim=1, sorted=True)
+            return values_TK, sorted_ids_TK.gather(1, pos_TK), sorted_ids_TK, pos_TK
+    elif given_TK is not None:
         with _plain_ops(scores):
-            # the test reads detached keys: a checkpointed forward must save what its recompute (one gather at
-            # the forward's order, ``_RecomputeHook``) saves, whichever way the test went
-            if _strictly_descending(scores.detach().gather(1, given_TK)):
-                return scores.gather(1, given_TK), given_TK
+            at_TK = scores.gather(1, given_TK)
+            # the test reads the gathered keys detached (no autograd node: nothing saved beyond the gather)
+            if _strictly_descending(at_TK.detach()):
+                return at_TK, given_TK, given_TK, None
+            ids_TK = canonical_ids(
+                scores,
+                sorted_ids_TK,
+                default_compute_topk,
+                topk=topk,
+                num_groups=num_groups,
+                group_topk=group_topk,
+                native_TK=native_TK,
+            )
+            # each id's slot in the given order: the values are taken from the gather already made
+            pos_TK = (given_TK[:, None, :] == ids_TK[:, :, None]).to(torch.uint8).argmax(dim=2)
+            return at_TK.gather(1, pos_TK), ids_TK, given_TK, pos_TK
     # the order is found on detached keys and the scores gathered once at the ordered ids, native replay's own op:
-    # no autograd node beyond that gather (a top-k with grad would add a scatter to the backward, and under
-    # deterministic algorithms a scatter is a sort-based index_put on the GPU)
+    # no autograd node beyond that gather
     ids_TK = canonical_ids(
         scores,
         sorted_ids_TK,
@@ -221,7 +275,13 @@ def canonical_replay(
         group_topk=group_topk,
         native_TK=native_TK,
     )
-    return scores.gather(1, ids_TK), ids_TK
+    return scores.gather(1, ids_TK), ids_TK, ids_TK, None
+
+
+def replay_values(scores: torch.Tensor, base_TK: torch.Tensor, pos_TK: torch.Tensor | None) -> torch.Tensor:
+    """The values of a ``replay_plan``, taken again by the same ops (a recompute)."""
+    values_TK = scores.gather(1, base_TK)
+    return values_TK if pos_TK is None else values_TK.gather(1, pos_TK)
 
 
 def canonical_ids(
@@ -301,18 +361,19 @@ class _RecordHook:
 
 class _ReplayHook:
     """Megatron's ``router_replay`` protocol: use the given ids (ascending per row), in the slot order a grad-mode
-    pass gives them (``canonical_replay``), and gather those scores."""
+    pass gives them (``replay_plan``), and gather those scores."""
 
-    __slots__ = ("sorted_ids_TK", "given_TK", "ordered_TK")
+    __slots__ = ("sorted_ids_TK", "given_TK", "ordered_TK", "plan")
     REPLAYS = True  # counted by the agreement guard
 
     def __init__(self, sorted_ids_TK: torch.Tensor, given_TK: torch.Tensor | None = None):
         self.sorted_ids_TK = sorted_ids_TK
-        self.given_TK = given_TK  # the ids in the order the routes gave them (``canonical_replay``'s first try)
+        self.given_TK = given_TK  # the ids in the order the routes gave them (``replay_plan``'s first try)
         self.ordered_TK: torch.Tensor | None = None  # the ids in the slot order this call gave them
+        self.plan: tuple | None = None  # (ordered ids, base, pos): what a recompute of this call repeats
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        values_TK, self.ordered_TK = canonical_replay(
+        values_TK, ordered_TK, base_TK, pos_TK = replay_plan(
             scores,
             self.sorted_ids_TK,
             default_compute_topk,
@@ -321,21 +382,24 @@ class _ReplayHook:
             group_topk=group_topk,
             given_TK=self.given_TK,
         )
-        return values_TK, self.ordered_TK
+        self.ordered_TK = ordered_TK
+        self.plan = (ordered_TK, base_TK, pos_TK)
+        return values_TK, ordered_TK
 
 
 class _RecomputeHook:
     """A recompute's ``router_replay``: its forward's ids in the slot order that forward gave them (a recompute
-    repeats the forward's scores, so native routing would order them alike), the scores gathered there; no slot order
-    taken again."""
+    repeats the forward's scores, so native routing would order them alike), the scores taken by the forward's own
+    ops (``replay_values``); no slot order taken again."""
 
-    __slots__ = ("ordered_TK",)
+    __slots__ = ("plan",)
 
-    def __init__(self, ordered_TK: torch.Tensor):
-        self.ordered_TK = ordered_TK
+    def __init__(self, plan: tuple):
+        self.plan = plan
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        return scores.gather(1, self.ordered_TK), self.ordered_TK
+        ordered_TK, base_TK, pos_TK = self.plan
+        return replay_values(scores, base_TK, pos_TK), ordered_TK
 
 
 class Recording:
@@ -396,7 +460,7 @@ class Replaying:
         self.recomputed = {layer: [0] * len(mbs) for layer, mbs in per_layer.items()}
         # layer -> mb -> weak reference to the checkpointed region of that forward (None: not checkpointed)
         self.regions: dict[int, list] = {layer: [None] * len(mbs) for layer, mbs in per_layer.items()}
-        # (layer, mb) -> the ids of a checkpointed forward in its slot order, until its first recompute takes them
+        # (layer, mb) -> a checkpointed forward's ``_ReplayHook.plan``, until its first recompute takes it
         self.ordered: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
@@ -445,8 +509,8 @@ class Replaying:
             self._count_agreement(router, layer, logits, ids_TK)
         hook = _ReplayHook(ids_TK, self.per_layer[layer][mb])
         result = _call_with_hook(self.original, router, hook, logits, args, kwargs)
-        if region is not None and hook.ordered_TK is not None:  # its recompute takes this order (_RecomputeHook)
-            self.ordered[(layer, mb)] = hook.ordered_TK
+        if region is not None and hook.plan is not None:  # its recompute repeats this call's ops (_RecomputeHook)
+            self.ordered[(layer, mb)] = hook.plan
         return result
 
     def _count_agreement(self, router, layer: int, logits, ids_TK) -> None:
@@ -491,8 +555,8 @@ class Replaying:
             )
         self.recomputed[layer][mb] += 1
         ids_TK = self._ids(router, layer, mb, logits)
-        ordered_TK = self.ordered.pop((layer, mb), None)  # a second recompute of one forward orders its ids again
-        hook = _ReplayHook(ids_TK, self.per_layer[layer][mb]) if ordered_TK is None else _RecomputeHook(ordered_TK)
+        plan = self.ordered.pop((layer, mb), None)  # a second recompute of one forward orders its ids again
+        hook = _ReplayHook(ids_TK, self.per_layer[layer][mb]) if plan is None else _RecomputeHook(plan)
         return _call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def unused(self) -> list[str]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -237,10 +236,9 @@ class ReplaySession:
                 "record() and replay() cannot nest"
             )
 
-    @contextlib.contextmanager
-    def _active(self, state, routers: dict[int, Any] | None = None) -> Iterator[None]:
-        self._check_startable()
-        routers = self._live_routers() if routers is None else routers
+    def _hold(self, state, routers: dict[int, Any]) -> dict[int, tuple]:
+        """Check ``routers`` can be held by ``state`` and hold them: the enter half of a record()/replay() block.
+        Returns the fusion settings to restore on release."""
         for layer, router in routers.items():
             if id(router) in _ACTIVE:
                 raise UsageError(f"layer {layer}: its router is held by another active session")
@@ -255,28 +253,18 @@ class ReplaySession:
         for layer, router in routers.items():
             _ACTIVE[id(router)] = (state, layer)
         self._state = state
-        try:
-            yield
-        finally:
-            for router in routers.values():
-                _ACTIVE.pop(id(router), None)
-            for config, value in saved_fusion.values():
-                config.moe_router_fusion = value
-            self._state = None
+        return saved_fusion
 
-    @contextlib.contextmanager
-    def record(self) -> Iterator[None]:
+    def _release(self, routers: dict[int, Any], saved_fusion: dict[int, tuple]) -> None:
+        for router in routers.values():
+            _ACTIVE.pop(id(router), None)
+        for config, value in saved_fusion.values():
+            config.moe_router_fusion = value
+        self._state = None
+
+    def record(self) -> contextlib.AbstractContextManager[None]:
         """Record the ids chosen by every forward routing call (several micro-batches: in order per layer)."""
-        recording = Recording(self._routers, original=_ORIGINAL_ROUTING)
-        self._check_startable()
-        inputs = replay_inputs.InputLog(self._chunks)
-        try:
-            with self._active(recording):
-                yield
-        finally:
-            inputs.close()
-        self._recording = recording
-        self._origin = replay_inputs.Origin(self._routers, inputs)
+        return _RecordBlock(self)
 
     def routes(self) -> Routes:
         """The routes of the last ``record()``: per layer, one ``[T, K]`` tensor per micro-batch."""
@@ -361,8 +349,9 @@ class ReplaySession:
         self._prepared = (routes, key, device, prepared) if routes.validated else None
         return routers, prepared
 
-    @contextlib.contextmanager
-    def replay(self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False) -> Iterator[None]:
+    def replay(
+        self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
         """Replay ``routes`` in the forward passes run inside (in order per layer) and in their recomputes.
 
         Args:
@@ -376,32 +365,7 @@ class ReplaySession:
                 pick with the current weights (``session.fidelity()`` after the block): the train/rollout
                 routing agreement. Off by default; its cost is in ``bench/router_replay.py --fidelity``.
         """
-        if recompute not in ("auto", True, False):
-            raise UsageError(f"recompute must be 'auto', True or False, got {recompute!r}")
-        self._check_startable()
-        routers, (given, ascending, tokens, origin) = self._prepare(routes)
-        replaying = Replaying(
-            given,
-            recompute=recompute,
-            rank=None,
-            original=_ORIGINAL_ROUTING,
-            fidelity=fidelity,
-            sorted_ids=ascending,
-            tokens=tokens,
-        )
-        self._replayed = replaying
-        inputs = replay_inputs.InputLog(self._chunks, like=origin.inputs) if origin is not None else None
-        try:
-            with self._active(replaying, routers):
-                yield
-        finally:
-            if inputs is not None:
-                inputs.close()
-        # Reached only when the block raised nothing: never masks the block's own error.
-        for router in routers.values():
-            _UNCHECKED[router] = replaying
-        if inputs is not None and inputs.hooked:
-            replay_inputs.check_inputs(origin.inputs, inputs, rank=replaying.rank)
+        return _ReplayBlock(self, routes, recompute, fidelity)
 
     def fidelity(self) -> dict[int, float]:
         """After ``replay(routes, fidelity=True)``: ``{layer: share of forward tokens whose replayed top-k expert
@@ -423,3 +387,92 @@ class ReplaySession:
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise RouteError(problems[0] + more)
+
+
+class _RecordBlock:
+    """``session.record()``: a class, not a generator context (a trainer enters one every step)."""
+
+    __slots__ = ("session", "recording", "routers", "inputs", "saved_fusion")
+
+    def __init__(self, session: ReplaySession):
+        self.session = session
+
+    def __enter__(self) -> None:
+        session = self.session
+        self.recording = Recording(session._routers, original=_ORIGINAL_ROUTING)
+        session._check_startable()
+        self.routers = session._live_routers()
+        self.inputs = replay_inputs.InputLog(session._chunks)
+        try:
+            self.saved_fusion = session._hold(self.recording, self.routers)
+        except BaseException:
+            self.inputs.close()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        session = self.session
+        try:
+            session._release(self.routers, self.saved_fusion)
+        finally:
+            self.inputs.close()
+        if exc_type is None:
+            session._recording = self.recording
+            session._origin = replay_inputs.Origin(session._routers, self.inputs)
+
+
+class _ReplayBlock:
+    """``session.replay(routes)``: a class, not a generator context (a trainer enters one every step)."""
+
+    __slots__ = (
+        "session",
+        "routes",
+        "recompute",
+        "fidelity",
+        "routers",
+        "replaying",
+        "inputs",
+        "origin",
+        "saved_fusion",
+    )
+
+    def __init__(self, session: ReplaySession, routes: Routes, recompute, fidelity: bool):
+        self.session, self.routes, self.recompute, self.fidelity = session, routes, recompute, fidelity
+
+    def __enter__(self) -> None:
+        if self.recompute not in ("auto", True, False):
+            raise UsageError(f"recompute must be 'auto', True or False, got {self.recompute!r}")
+        session = self.session
+        session._check_startable()
+        self.routers, (given, ascending, tokens, self.origin) = session._prepare(self.routes)
+        self.replaying = Replaying(
+            given,
+            recompute=self.recompute,
+            rank=None,
+            original=_ORIGINAL_ROUTING,
+            fidelity=self.fidelity,
+            sorted_ids=ascending,
+            tokens=tokens,
+        )
+        session._replayed = self.replaying
+        origin = self.origin
+        self.inputs = replay_inputs.InputLog(session._chunks, like=origin.inputs) if origin is not None else None
+        try:
+            self.saved_fusion = session._hold(self.replaying, self.routers)
+        except BaseException:
+            if self.inputs is not None:
+                self.inputs.close()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.session._release(self.routers, self.saved_fusion)
+        finally:
+            if self.inputs is not None:
+                self.inputs.close()
+        if exc_type is not None:  # never masks the block's own error
+            return
+        replaying = self.replaying
+        for router in self.routers.values():
+            _UNCHECKED[router] = replaying
+        if self.inputs is not None and self.inputs.hooked:
+            replay_inputs.check_inputs(self.origin.inputs, self.inputs, rank=replaying.rank)

@@ -187,3 +187,51 @@ def test_a_given_order_with_no_pair_to_compare_is_kept(shape):
         torch.randn(shape[0], 8), given_TK.sort(dim=1).values, _native, topk=shape[1], given_TK=given_TK
     )
     assert ids_TK is given_TK
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda", marks=cuda)]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("given", ["kept", "shuffled", "none"])
+def test_replay_plan_values_are_the_scores_at_the_ordered_ids_and_a_recompute_repeats_them(device, given):
+    scores, native_TK = _given_order_case(tokens=256, experts=32, topk=6, seed=5)
+    scores = scores.to(device).requires_grad_()
+    native_TK = native_TK.to(device)
+    given_TK = {"kept": native_TK, "shuffled": native_TK.flip(dims=(1,)), "none": None}[given]
+    sorted_TK = native_TK.sort(dim=1).values
+    values_TK, ids_TK, base_TK, pos_TK = replay_state.replay_plan(scores, sorted_TK, _native, topk=6, given_TK=given_TK)
+    assert torch.equal(ids_TK, native_TK)  # the scores' own descending order, whichever way it was found
+    assert torch.equal(values_TK, scores.gather(1, native_TK))
+    again_TK = replay_state.replay_values(scores, base_TK, pos_TK)
+    assert torch.equal(again_TK, values_TK)
+    (grad_plan,) = torch.autograd.grad(values_TK.square().sum(), scores)
+    (grad_gather,) = torch.autograd.grad(scores.gather(1, native_TK).square().sum(), scores)
+    assert torch.equal(grad_plan, grad_gather)  # the gradient of native replay's single gather, bitwise
+
+
+@cuda
+@pytest.mark.usefixtures("patched_megatron_world")
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_replay_on_the_gpu_recomputes_its_forwards_ops(reentrant):
+    """The GPU plan (a gather and a top-k with grad) is repeated in a recompute by two gathers: under the
+    non-reentrant checkpoint the recompute must save what the forward saved, one for one."""
+    from test_router_replay import hidden, make_router, random_routes
+    from torch.utils.checkpoint import checkpoint
+
+    from moeverify.patches import router_replay as rr
+
+    routes = random_routes([0], microbatches=2, seed=21)
+    xs = [hidden(60 + i).cuda().requires_grad_() for i in range(2)]
+    plain = make_router(1, seed=22).cuda()
+    with rr.ReplaySession(plain).replay(routes):
+        for x in xs:
+            plain(x)[0].square().sum().backward()
+    router = make_router(1, seed=22).cuda()
+    session = rr.ReplaySession(router)
+    with session.replay(routes):
+        for x in xs:
+            checkpoint(lambda inp: router(inp)[0], x, use_reentrant=reentrant).square().sum().backward()
+    session.check_consumed()
+    assert torch.equal(router.weight.grad, plain.weight.grad)
