@@ -48,6 +48,10 @@ class InputLog:
                 self._handles.append(chunk.register_forward_pre_hook(self._hook(index), with_kwargs=True))
         self.hooked = bool(self._handles)  # whether any chunk's token ids are kept (and so compared)
 
+    def kept_ids(self) -> bool:
+        """Whether any forward logged token ids (a replay compared with this log has something to compare)."""
+        return any(ids is not None for forwards in self.per_chunk for ids in forwards)
+
     def _hook(self, index: int):
         def pre_hook(_module, args, kwargs):
             if torch._C._current_graph_task_id() != -1:  # a recompute of the whole chunk: not a new forward
@@ -70,6 +74,7 @@ class Origin:
     def __init__(self, routers: dict[int, weakref.ref], inputs: InputLog):
         self.routers = routers
         self.inputs = inputs
+        self.compared = inputs.kept_ids()  # a replay logs its inputs only when the recording kept some token ids
 
 
 def register(routes, origin: Origin) -> None:

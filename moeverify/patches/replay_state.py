@@ -27,7 +27,8 @@ pass). Routes that differ from native are ordered by descending selection key, t
 device as ``torch.topk`` orders that set (``topk_order``: one top-k of the ``[T, K]`` keys at the ascending ids,
 which *is* native's order wherever native picked that set, so no native top-k is taken and nothing syncs; checked
 once per shape against Megatron's own top-k of tie-heavy scores, ``_topk_order_holds``, else the CPU rule below
-with a native top-k per call); on the CPU by ascending expert id (``canonical_slots``; native's top-k only where a
+with a native top-k per call; the hook takes that top-k of the scores gathered with grad, whose values are the
+scores at the ordered ids: three ops a call, ``replay_plan``); on the CPU by ascending expert id (``canonical_slots``; native's top-k only where a
 row's replayed keys tie; and first, where the routes give their ids in an order of their own, that order wherever
 the keys strictly descend along every row of the call: with no tie there is one descending order, whichever rule
 finds it, so a recording replayed on the weights it was recorded with costs a test and native replay's gather, no
@@ -236,6 +237,17 @@ def replay_plan(
     ids (with grad: native replay's own op) and their top-k, whose values *are* the scores at the ordered ids (three
     ops; the top-k's backward adds a ``[T, K]`` scatter on the device); on the CPU with ``given_TK``, the gather at the
     given order and a test of it, kept where it passes."""
+    if cpu_runtime.installed():
+        # CPU ranks: these ops name no device, so they skip the CPU runtime's redirection (a torch function mode
+        # that every op and every tensor attribute read of the process goes through, microseconds each)
+        with torch._C.DisableTorchFunction():
+            return _replay_plan(
+                scores, sorted_ids_TK, default_compute_topk, topk, num_groups, group_topk, native_TK, given_TK
+            )
+    return _replay_plan(scores, sorted_ids_TK, default_compute_topk, topk, num_groups, group_topk, native_TK, given_TK)
+
+
+def _replay_plan(scores, sorted_ids_TK, default_compute_topk, topk, num_groups, group_topk, native_TK, given_TK):
     if scores.is_cuda:
         if (
             native_TK is None
@@ -247,23 +259,22 @@ def replay_plan(
             values_TK, pos_TK = torch.topk(at_TK, sorted_ids_TK.shape[1], dim=1, sorted=True)
             return values_TK, sorted_ids_TK.gather(1, pos_TK), sorted_ids_TK, pos_TK
     elif given_TK is not None:
-        with _plain_ops(scores):
-            at_TK = scores.gather(1, given_TK)
-            # the test reads the gathered keys detached (no autograd node: nothing saved beyond the gather)
-            if _strictly_descending(at_TK.detach()):
-                return at_TK, given_TK, given_TK, None
-            ids_TK = canonical_ids(
-                scores,
-                sorted_ids_TK,
-                default_compute_topk,
-                topk=topk,
-                num_groups=num_groups,
-                group_topk=group_topk,
-                native_TK=native_TK,
-            )
-            # each id's slot in the given order: the values are taken from the gather already made
-            pos_TK = (given_TK[:, None, :] == ids_TK[:, :, None]).to(torch.uint8).argmax(dim=2)
-            return at_TK.gather(1, pos_TK), ids_TK, given_TK, pos_TK
+        at_TK = scores.gather(1, given_TK)
+        # the test reads the gathered keys detached (no autograd node: nothing saved beyond the gather)
+        if _strictly_descending(at_TK.detach()):
+            return at_TK, given_TK, given_TK, None
+        ids_TK = canonical_ids(
+            scores,
+            sorted_ids_TK,
+            default_compute_topk,
+            topk=topk,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            native_TK=native_TK,
+        )
+        # each id's slot in the given order: the values are taken from the gather already made
+        pos_TK = (given_TK[:, None, :] == ids_TK[:, :, None]).to(torch.uint8).argmax(dim=2)
+        return at_TK.gather(1, pos_TK), ids_TK, given_TK, pos_TK
     # the order is found on detached keys and the scores gathered once at the ordered ids, native replay's own op:
     # no autograd node beyond that gather
     ids_TK = canonical_ids(

@@ -243,13 +243,18 @@ class ReplaySession:
             if id(router) in _ACTIVE:
                 raise UsageError(f"layer {layer}: its router is held by another active session")
         _refuse_unchecked(routers)
-        saved_fusion = {}
-        for layer, router in routers.items():
-            refuse_config(router, layer, disable_fusion=self.disable_fusion)  # per router: its own settings
-            if self.disable_fusion and router.config.moe_router_fusion:
-                saved_fusion[id(router.config)] = (router.config, True)
-                router.config.moe_router_fusion = False
-            guard_call(router, layer)
+        saved_fusion: dict[int, tuple] = {}
+        try:
+            for layer, router in routers.items():
+                refuse_config(router, layer, disable_fusion=self.disable_fusion)  # per router: its own settings
+                if self.disable_fusion and router.config.moe_router_fusion:
+                    saved_fusion[id(router.config)] = (router.config, True)
+                    router.config.moe_router_fusion = False
+                guard_call(router, layer)
+        except BaseException:  # a refused block leaves no router's fusion switched off
+            for config, value in saved_fusion.values():
+                config.moe_router_fusion = value
+            raise
         for layer, router in routers.items():
             _ACTIVE[id(router)] = (state, layer)
         self._state = state
@@ -455,7 +460,11 @@ class _ReplayBlock:
         )
         session._replayed = self.replaying
         origin = self.origin
-        self.inputs = replay_inputs.InputLog(session._chunks, like=origin.inputs) if origin is not None else None
+        self.inputs = (
+            replay_inputs.InputLog(session._chunks, like=origin.inputs)
+            if origin is not None and origin.compared
+            else None
+        )
         try:
             self.saved_fusion = session._hold(self.replaying, self.routers)
         except BaseException:

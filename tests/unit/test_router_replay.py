@@ -380,6 +380,19 @@ def test_fused_router_disabled_while_active_and_restored():
     assert session.routes().microbatches == 1
 
 
+def test_a_refused_block_leaves_every_routers_fusion_as_it_was():
+    """Two fused routers, the second refused at enter: the first one's fusion, switched off before the refusal, is
+    switched on again."""
+    first, second = make_router(1), make_router(2, moe_router_load_balancing_type="sinkhorn")
+    for router in (first, second):
+        router.config.moe_router_fusion = True
+    session = rr.ReplaySession(torch.nn.ModuleList([first, second]), disable_fusion=True)
+    with pytest.raises(UsageError, match="sinkhorn"):
+        with session.record():
+            pass
+    assert first.config.moe_router_fusion is True and second.config.moe_router_fusion is True
+
+
 def test_sinkhorn_refused():
     router = make_router(1, moe_router_load_balancing_type="sinkhorn")
     with pytest.raises(UsageError, match=r"load-balancing type\(s\) \['sinkhorn'\] select experts outside"):
