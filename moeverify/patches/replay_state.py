@@ -28,13 +28,13 @@ device as ``torch.topk`` orders that set (``topk_order``: one top-k of the ``[T,
 which *is* native's order wherever native picked that set, so no native top-k is taken and nothing syncs; checked
 once per shape against Megatron's own top-k of tie-heavy scores, ``_topk_order_holds``, else the CPU rule below
 with a native top-k per call; the hook takes that top-k of the scores gathered with grad, whose values are the
-scores at the ordered ids: three ops a call, ``replay_plan``); on the CPU by ascending expert id (``canonical_slots``; native's top-k only where a
-row's replayed keys tie; and first, where the routes give their ids in an order of their own, that order wherever
-the keys strictly descend along every row of the call: with no tie there is one descending order, whichever rule
-finds it, so a recording replayed on the weights it was recorded with costs a test and native replay's gather, no
-sort). The selection key is the tensor the hook is handed: scores, or scores + expert bias. So
-the log-prob pass, the replayed training pass and a native grad-mode pass give bitwise the same probabilities and
-gradients; routes of any source (a session, rollout arrays, a dump) are summed alike.
+scores at the ordered ids: three ops a call, ``replay_plan``); on the CPU by ascending expert id
+(``canonical_slots``; native's top-k only where a row's replayed keys tie; and first, where the routes give their
+ids in an order of their own, that order wherever the keys strictly descend along every row of the call: with no tie
+there is one descending order, whichever rule finds it, so a recording replayed on the weights it was recorded with
+costs a test and native replay's gather, no sort). The selection key is the tensor the hook is handed: scores, or
+scores + expert bias. So the log-prob pass, the replayed training pass and a native grad-mode pass give bitwise the
+same probabilities and gradients; routes of any source (a session, rollout arrays, a dump) are summed alike.
 """
 
 from __future__ import annotations
