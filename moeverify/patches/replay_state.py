@@ -190,30 +190,14 @@ def _topk_order_holds(default_compute_topk, scores: torch.Tensor, topk: int, num
 
 
 def canonical_replay(
-    scores: torch.Tensor,
-    sorted_ids_TK: torch.Tensor,
-    default_compute_topk=None,
-    *,
-    topk: int,
-    num_groups=None,
-    group_topk=None,
-    native_TK: torch.Tensor | None = None,
-    given_TK: torch.Tensor | None = None,
+    scores: torch.Tensor, sorted_ids_TK: torch.Tensor, default_compute_topk=None, **options
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replayed ids (ascending per row) in the slot order a grad-mode pass gives them (the module's rule), and the
-    scores gathered at them. ``native_TK``: the native grad-mode top-k ids when the caller already has them.
-    ``given_TK``: the same ids in the order they were given (a recording's own grad-mode order), tried first on the
-    CPU: where the scores at them strictly descend along every row, that is the one order any rule gives."""
-    values_TK, ids_TK, _, _ = replay_plan(
-        scores,
-        sorted_ids_TK,
-        default_compute_topk,
-        topk=topk,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        native_TK=native_TK,
-        given_TK=given_TK,
-    )
+    scores gathered at them. ``options``: ``replay_plan``'s (``topk``; ``native_TK``, the native grad-mode top-k ids
+    when the caller already has them; ``given_TK``, the same ids in the order they were given, a recording's own
+    grad-mode order, tried first on the CPU: where the scores at them strictly descend along every row, that is the
+    one order any rule gives)."""
+    values_TK, ids_TK, _, _ = replay_plan(scores, sorted_ids_TK, default_compute_topk, **options)
     return values_TK, ids_TK
 
 
@@ -248,6 +232,7 @@ def replay_plan(
 
 
 def _replay_plan(scores, sorted_ids_TK, default_compute_topk, topk, num_groups, group_topk, native_TK, given_TK):
+    at_TK = None  # the scores at the given order, where it was tried
     if scores.is_cuda:
         if (
             native_TK is None
@@ -263,20 +248,7 @@ def _replay_plan(scores, sorted_ids_TK, default_compute_topk, topk, num_groups, 
         # the test reads the gathered keys detached (no autograd node: nothing saved beyond the gather)
         if _strictly_descending(at_TK.detach()):
             return at_TK, given_TK, given_TK, None
-        ids_TK = canonical_ids(
-            scores,
-            sorted_ids_TK,
-            default_compute_topk,
-            topk=topk,
-            num_groups=num_groups,
-            group_topk=group_topk,
-            native_TK=native_TK,
-        )
-        # each id's slot in the given order: the values are taken from the gather already made
-        pos_TK = (given_TK[:, None, :] == ids_TK[:, :, None]).to(torch.uint8).argmax(dim=2)
-        return at_TK.gather(1, pos_TK), ids_TK, given_TK, pos_TK
-    # the order is found on detached keys and the scores gathered once at the ordered ids, native replay's own op:
-    # no autograd node beyond that gather
+    # the order is found on detached keys
     ids_TK = canonical_ids(
         scores,
         sorted_ids_TK,
@@ -286,7 +258,11 @@ def _replay_plan(scores, sorted_ids_TK, default_compute_topk, topk, num_groups, 
         group_topk=group_topk,
         native_TK=native_TK,
     )
-    return scores.gather(1, ids_TK), ids_TK, ids_TK, None
+    if at_TK is None:  # the scores gathered once at the ordered ids, native replay's own op
+        return scores.gather(1, ids_TK), ids_TK, ids_TK, None
+    # each id's slot in the given order: the values are taken from the gather already made
+    pos_TK = (given_TK[:, None, :] == ids_TK[:, :, None]).to(torch.uint8).argmax(dim=2)
+    return at_TK.gather(1, pos_TK), ids_TK, given_TK, pos_TK
 
 
 def replay_values(scores: torch.Tensor, base_TK: torch.Tensor, pos_TK: torch.Tensor | None) -> torch.Tensor:
