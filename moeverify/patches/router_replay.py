@@ -34,6 +34,7 @@ from moeverify.patches.replay_state import Recording, Replaying, current_rank, g
 from moeverify.patches.routers import find_routers, moe_stage_config
 from moeverify.patches.semantics import RoutingMode
 from moeverify.routing.routes import Routes, validate_topk_ids
+from moeverify.runtime import cpu as cpu_runtime
 
 __all__ = ["apply", "revert", "is_applied", "ReplaySession", "RoutingMode"]
 
@@ -152,8 +153,15 @@ def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
 
 
 def _device_of(routers: dict[int, Any]):
-    """The routers' device (None: a dense stage, no router)."""
-    return next(iter(routers.values())).weight.device if routers else None
+    """The routers' device (None: a dense stage, no router). Read every step: on CPU ranks outside the CPU runtime's
+    redirection (a tensor attribute read goes through its torch function mode, microseconds each)."""
+    if not routers:
+        return None
+    weight = next(iter(routers.values())).weight
+    if cpu_runtime.installed():
+        with torch._C.DisableTorchFunction():
+            return weight.device
+    return weight.device
 
 
 def _layers_fix(given: tuple[int, ...], expected: tuple[int, ...]) -> str:
