@@ -22,11 +22,13 @@ on other inputs.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 from moeverify.errors import RouteError
+from moeverify.runtime import cpu as cpu_runtime
 
 # id(route tensor) -> Origin; an entry is pruned once its tensor is freed (the Routes that held it is gone).
 _ORIGINS: dict[int, tuple[weakref.ref, Origin]] = {}
@@ -57,8 +59,13 @@ class InputLog:
             if torch._C._current_graph_task_id() != -1:  # a recompute of the whole chunk: not a new forward
                 return
             ids = args[0] if args else kwargs.get("input_ids")
-            keep = isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
-            self.per_chunk[index].append(ids.detach().clone() if keep else None)
+            if not isinstance(ids, torch.Tensor):
+                self.per_chunk[index].append(None)
+                return
+            # on CPU ranks outside the CPU runtime's redirection: these reads and copies name no device
+            with torch._C.DisableTorchFunction() if cpu_runtime.installed() else contextlib.nullcontext():
+                keep = not ids.is_floating_point() and not ids.is_complex()
+                self.per_chunk[index].append(ids.detach().clone() if keep else None)
 
         return pre_hook
 
