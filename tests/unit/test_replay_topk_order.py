@@ -204,8 +204,8 @@ def test_replay_plan_values_are_the_scores_at_the_ordered_ids_and_a_recompute_re
     values_TK, ids_TK, base_TK, pos_TK = replay_state.replay_plan(scores, sorted_TK, _native, topk=6, given_TK=given_TK)
     assert torch.equal(ids_TK, native_TK)  # the scores' own descending order, whichever way it was found
     assert torch.equal(values_TK, scores.gather(1, native_TK))
-    again_TK = replay_state.replay_values(scores, base_TK, pos_TK)
-    assert torch.equal(again_TK, values_TK)
+    again_TK, again_ids_TK = replay_state.replay_values(scores, ids_TK, base_TK, pos_TK)
+    assert torch.equal(again_TK, values_TK) and torch.equal(again_ids_TK, ids_TK)
     (grad_plan,) = torch.autograd.grad(values_TK.square().sum(), scores)
     (grad_gather,) = torch.autograd.grad(scores.gather(1, native_TK).square().sum(), scores)
     assert torch.equal(grad_plan, grad_gather)  # the gradient of native replay's single gather, bitwise
@@ -215,8 +215,9 @@ def test_replay_plan_values_are_the_scores_at_the_ordered_ids_and_a_recompute_re
 @pytest.mark.usefixtures("patched_megatron_world")
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointed_replay_on_the_gpu_recomputes_its_forwards_ops(reentrant):
-    """The GPU plan (a gather and a top-k with grad) is repeated in a recompute by two gathers: under the
-    non-reentrant checkpoint the recompute must save what the forward saved, one for one."""
+    """A checkpointed replay on the GPU, both checkpoint kinds: the recompute repeats its forward's ops (under the
+    non-reentrant checkpoint it must save what the forward saved, one for one) and the gradients are a plain
+    replay's, bitwise."""
     from test_router_replay import hidden, make_router, random_routes
     from torch.utils.checkpoint import checkpoint
 
