@@ -26,6 +26,7 @@ import contextlib
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from moeverify.errors import RouteError
 from moeverify.runtime import cpu as cpu_runtime
@@ -117,12 +118,17 @@ def check_model(origin: Origin, routers: dict[int, object], *, rank: int) -> Non
             )
 
 
-def check_inputs(recorded: InputLog, replayed: InputLog, *, rank: int) -> None:
-    """Forward ``i`` of every chunk must have had the token ids recorded for micro-batch ``i``."""
+def check_inputs(recorded: InputLog, replayed: InputLog, *, rank: int, done: list[int] | None = None) -> None:
+    """Forward ``i`` of every chunk must have had the token ids recorded for micro-batch ``i``.
+
+    ``done``: per chunk, the forwards already checked (skipped, then advanced): a block checks the forwards so far
+    before every optimizer step inside it, then the rest when it exits."""
     for chunk, (rec, rep) in enumerate(
         zip(recorded.per_chunk, replayed.per_chunk, strict=False)
     ):  # counts: the consumption check
-        for mb, (a, b) in enumerate(zip(rec, rep, strict=False)):
+        first = done[chunk] if done is not None else 0
+        for mb in range(first, min(len(rec), len(rep))):
+            a, b = rec[mb], rep[mb]
             if a is None or b is None:
                 continue
             if a.shape != b.shape or not torch.equal(a, b.to(a.device)):
@@ -140,3 +146,27 @@ def check_inputs(recorded: InputLog, replayed: InputLog, *, rank: int) -> None:
                     "micro-batch i: feed the micro-batches in the recorded order, and record again for "
                     "new data (session.routes() returns the last record()'s routes)"
                 )
+        if done is not None:
+            done[chunk] = max(first, min(len(rec), len(rep)))
+
+
+class StepGuard:
+    """While a replay block whose inputs are compared is open: the forwards so far are checked before any torch
+    optimizer's step (``torch.optim.optimizer.register_optimizer_step_pre_hook``, a process-wide hook every
+    ``torch.optim.Optimizer`` runs, Megatron's and Transformer Engine's inner optimizers included; torch 2.x), so a
+    replay on the wrong tokens is refused before it changes the weights, not only when the block exits."""
+
+    def __init__(self, recorded: InputLog, replayed: InputLog, rank):
+        self.recorded, self.replayed, self.rank = recorded, replayed, rank
+        self.done = [0] * len(recorded.per_chunk)
+        self._handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if self.replayed.hooked:
+            check_inputs(self.recorded, self.replayed, rank=self.rank(), done=self.done)
+
+    def close(self) -> None:
+        self._handle.remove()

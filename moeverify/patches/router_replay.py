@@ -331,6 +331,8 @@ class ReplaySession:
         once per validated ``Routes`` (a trainer replays one every step; its ids are private copies once made, so
         what was checked stays so), every time for one built unchecked."""
         key = (routes.num_experts, routes.topk, routes.order)
+        if isinstance(routes, Routes):
+            routes.check_unwritten()  # its replay table is private copies: a write since would go unseen
         if self._prepared is not None and self._prepared[0] is routes and self._prepared[1] == key:
             routers = self._live_routers()
             if _device_of(routers) == self._prepared[2]:  # a model moved to another device takes a new table
@@ -446,6 +448,7 @@ class _ReplayBlock:
         "inputs",
         "origin",
         "saved_fusion",
+        "guard",
     )
 
     def __init__(self, session: ReplaySession, routes: Routes, recompute, fidelity: bool):
@@ -473,11 +476,17 @@ class _ReplayBlock:
             if origin is not None and origin.compared
             else None
         )
+        self.guard = None
         try:
+            # the forwards' token ids checked before any optimizer step inside the block, the rest at its exit
+            if self.inputs is not None:
+                self.guard = replay_inputs.StepGuard(origin.inputs, self.inputs, lambda: self.replaying.rank)
             self.saved_fusion = session._hold(self.replaying, self.routers)
         except BaseException:
             if self.inputs is not None:
                 self.inputs.close()
+            if self.guard is not None:
+                self.guard.close()
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -486,10 +495,12 @@ class _ReplayBlock:
         finally:
             if self.inputs is not None:
                 self.inputs.close()
+            if self.guard is not None:
+                self.guard.close()
         if exc_type is not None:  # never masks the block's own error
             return
         replaying = self.replaying
         for router in self.routers.values():
             _UNCHECKED[router] = replaying
-        if self.inputs is not None and self.inputs.hooked:
-            replay_inputs.check_inputs(self.origin.inputs, self.inputs, rank=replaying.rank)
+        if self.guard is not None:
+            self.guard.check()

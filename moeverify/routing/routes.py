@@ -78,7 +78,7 @@ class Routes:
         topk: experts per token.
     """
 
-    __slots__ = ("_data", "num_experts", "topk", "validated", "_replay_ids", "_versions", "order")
+    __slots__ = ("_data", "num_experts", "topk", "validated", "_replay_ids", "_versions", "order", "_seq_lens")
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
         # Own the data: a copy is validated and kept, so a caller reusing its buffer (a rollout engine's output
@@ -135,6 +135,9 @@ class Routes:
         # session.routes(), Routes.to_local) or "sequence" (b * S + s: Dump.routes, Routes.to_global,
         # from_rollout). None: unknown, or one sequence (both orders agree).
         self.order: str | None = None
+        # Per micro-batch, the length of its sequences where the producer knows it (from_rollout with lengths=,
+        # to_global): to_local refuses another seq_len. None: unknown.
+        self._seq_lens: tuple[int | None, ...] | None = None
 
     def _voucher(
         self, layer: int, microbatch: int, ids_TK: object, *, num_experts: int, topk: int
@@ -163,6 +166,7 @@ class Routes:
         routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
         routes.num_experts, routes.topk, routes.validated = num_experts, topk, False
         routes._replay_ids, routes._versions, routes.order = {}, _versions(routes._data), None
+        routes._seq_lens = None
         return routes
 
     def in_order(self, order: str | None) -> Routes:
@@ -170,6 +174,11 @@ class Routes:
         if order not in (None, "router", "sequence"):
             raise RouteError(f"order must be 'router', 'sequence' or None, got {order!r}")
         self.order = order
+        return self
+
+    def _with_seq_lens(self, seq_lens: Sequence[int | None] | None) -> Routes:
+        """This ``Routes`` marked as holding, per micro-batch, sequences of ``seq_lens[mb]`` tokens; returns it."""
+        self._seq_lens = None if seq_lens is None else tuple(seq_lens)
         return self
 
     @property
@@ -204,8 +213,30 @@ class Routes:
             source = self.get(layer, microbatch)
             if self.validated:
                 self._check_unwritten(layer, microbatch, source)
+                if source.device.type == "cpu" and ("seen", layer, microbatch) not in self._replay_ids:
+                    # what a later write through a NumPy view (no version counter) is told apart from
+                    self._replay_ids[("seen", layer, microbatch)] = source.clone()
             ids_TK = self._replay_ids[key] = source.to(device=device, dtype=torch.int64, copy=True)
         return ids_TK
+
+    def check_unwritten(self) -> None:
+        """Refuse, at every replay of a validated ``Routes``, a route written into since it was validated: replay
+        routes with private copies made at the first replay, so a later write would otherwise change what ``get``
+        shows and not what is replayed. Torch's in-place counter shows a write through torch (one read per route);
+        a CPU route is also compared with what its first replay copied (a write through a NumPy view)."""
+        if not self.validated:
+            return
+        for layer, mbs in self._data.items():
+            for mb, source in enumerate(mbs):
+                if getattr(source, "_version", None) != self._versions.get((layer, mb)):
+                    self._check_unwritten(layer, mb, source)  # raises
+                seen = self._replay_ids.get(("seen", layer, mb))
+                if seen is not None and not torch.equal(source, seen):
+                    raise RouteError(
+                        f"layer {layer} mb {mb}: the route was written into after it was replayed (through a "
+                        f"NumPy view of the tensor Routes.get returned); build a new Routes (or use replace()) "
+                        f"so the new ids are checked"
+                    )
 
     def replay_table(
         self, device
@@ -265,9 +296,11 @@ class Routes:
         missing = sorted(set(layers) - set(self.layers))
         if missing:
             raise RouteError(f"select: layer(s) {missing} not held; layers held: {list(self.layers)}")
-        return Routes(
-            {layer: self._data[layer] for layer in layers}, num_experts=self.num_experts, topk=self.topk
-        ).in_order(self.order)
+        return (
+            Routes({layer: self._data[layer] for layer in layers}, num_experts=self.num_experts, topk=self.topk)
+            .in_order(self.order)
+            ._with_seq_lens(self._seq_lens)
+        )
 
     def map_experts(self, emap, *, where: str, token_label=None) -> Routes:
         """Every layer's physical expert slots as logical ids through ``emap`` (an ``expert_map.ExpertMap``),
@@ -390,13 +423,21 @@ class Routes:
         if sum(sizes) != tokens or any(n < 0 for n in sizes):
             raise RouteError(f"split {sizes} does not partition {tokens} tokens")
         chunks = torch.split(ids_TLK, sizes)
+        # Several requests are padded to one length: a micro-batch of whole requests holds sequences of that length
+        # (to_local refuses another seq_len); one array's sequence length is not known.
+        per_request = tokens // len(lengths) if lengths is not None and len(lengths) else None
+        seq_lens = None if per_request is None else [per_request if n % per_request == 0 else None for n in sizes]
         # The engine's order: request by request, token by token (sequence-major), never what a rank's routers
         # see (``to_local`` gives that), even for one array whose ``tokens`` span several sequences.
-        return cls(
-            {layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(spec.layers)},
-            num_experts=num_experts,
-            topk=int(ids_TLK.shape[2]),
-        ).in_order("sequence")
+        return (
+            cls(
+                {layer: [c[:, i, :] for c in chunks] for i, layer in enumerate(spec.layers)},
+                num_experts=num_experts,
+                topk=int(ids_TLK.shape[2]),
+            )
+            .in_order("sequence")
+            ._with_seq_lens(seq_lens)
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Routes):
@@ -439,7 +480,27 @@ def _to_local(
 
     ``seq_len`` may be one length or one per micro-batch.
     """
+    if global_routes.order == "router":
+        raise RouteError(
+            "to_local: these routes are already one rank's view, in router order (session.routes(), or what "
+            "to_local returned); to_local takes the global view in sequence order (Routes.from_rollout, "
+            "Dump.routes, Routes.to_global): replay these as they are"
+        )
     lens = _per_microbatch(seq_len, global_routes.microbatches)
+    known = global_routes._seq_lens or (None,) * len(lens)
+    for mb, (length, held) in enumerate(zip(lens, known, strict=True)):
+        rows = global_routes.get(global_routes.layers[0], mb).shape[0] if global_routes.layers else 0
+        if held is not None and held != length:
+            raise RouteError(
+                f"to_local mb {mb}: these routes hold sequences of {held} tokens (as built), to_local was given "
+                f"seq_len {length}; give the seq_len the routes were built with"
+            )
+        if global_routes.layers and batch * length > 0 and rows % (batch * length):
+            raise RouteError(
+                f"to_local mb {mb}: the global routes hold {rows} tokens, not a whole number of data-parallel "
+                f"batches of {batch} x {length} tokens (batch {batch}, seq_len {length}): a global view holds "
+                f"data-parallel ranks x batch x seq_len rows; check seq_len and batch"
+            )
     layers = views.layers_of(layout, pp_rank=coords.pp, num_layers=num_layers, moe_layers=global_routes.layers)
     per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     for mb, length in enumerate(lens):
@@ -514,7 +575,11 @@ def _to_global(
                     zigzag=zigzag,
                 )
             )
-    return type(first)(per_layer, num_experts=experts, topk=topk).in_order("sequence" if dp * batch > 1 else None)
+    return (
+        type(first)(per_layer, num_experts=experts, topk=topk)
+        .in_order("sequence" if dp * batch > 1 else None)
+        ._with_seq_lens(lens)
+    )
 
 
 def _merge_one(

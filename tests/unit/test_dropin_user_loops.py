@@ -391,3 +391,30 @@ def test_loop_one_sequence_rollout_split_in_microbatches_goes_through_to_local(q
         for mb in range(2):
             rows = S - mb  # the engine's missing last row was filled with a safe route
             assert torch.equal(spy.forward[layer][mb][:rows], srt(recorded.get(layer, mb))[:rows]), (layer, mb)
+
+
+def test_loop_optimizer_step_inside_the_replay_block_on_other_data_is_refused_before_the_weights_change(qwen):
+    # PPO mini-batches: forward, backward and optimizer.step() per micro-batch inside one replay block. The token
+    # ids are compared before every optimizer step, so routes replayed on other data never reach the weights.
+    chunk, vocab = qwen
+    session = rr.ReplaySession(chunk)
+    routes = log_prob_pass(session, chunk, data(vocab, seed=110))
+    optimizer = torch.optim.SGD(chunk.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+    with pytest.raises(RouteError, match=r"chunk 0 rank 0 mb 0: the token ids of replayed forward 0 are not"):
+        with session.replay(routes):
+            for t in data(vocab, seed=120):
+                optimizer.zero_grad()
+                chunk(t, pos(t.shape[0]), None).float().square().mean().backward()
+                optimizer.step()
+    assert [n for n, p in chunk.named_parameters() if not torch.equal(p, before[n])] == []
+    # the same loop on the recorded data steps every micro-batch
+    mbs = data(vocab, seed=130)
+    routes = log_prob_pass(session, chunk, mbs)
+    with session.replay(routes):
+        for t in mbs:
+            optimizer.zero_grad()
+            chunk(t, pos(t.shape[0]), None).float().square().mean().backward()
+            optimizer.step()
+    session.check_consumed()
+    assert [n for n, p in chunk.named_parameters() if not torch.equal(p, before[n])]

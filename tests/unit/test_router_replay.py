@@ -637,6 +637,29 @@ def test_replay_of_a_route_written_into_after_validation_is_refused(write):
             router(hidden(0))
 
 
+@pytest.mark.parametrize("write", ["torch", "numpy"])
+def test_a_route_written_into_after_its_first_replay_is_refused_at_every_later_replay(write):
+    # Replay routes with private copies made at the first replay: a later write into the tensor get() returned
+    # would show in get() and not in what is replayed. Valid ids (the rows' experts reversed), so no validation
+    # of the ids could see it: the write itself is refused, by this session and by a new one.
+    router = make_router(1)
+    routes = random_routes([0])
+    session = rr.ReplaySession(router)
+    with session.replay(routes):
+        router(hidden(0))
+    session.check_consumed()
+    ids = routes.get(0, 0)
+    if write == "torch":
+        ids[:2] = ids[:2].flip(1).clone()
+    else:
+        ids.numpy()[:2] = ids.numpy()[:2, ::-1].copy()  # a write torch's in-place counter does not see
+    what = "validated" if write == "torch" else r"replayed \(through a NumPy view"
+    for replaying in (session, rr.ReplaySession(router)):
+        with pytest.raises(RouteError, match=rf"layer 0 mb 0: the route was written into after it was {what}"):
+            with replaying.replay(routes):
+                router(hidden(0))
+
+
 def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_its_map():
     # An EPLB engine records physical slots (12 slots for 8 experts, 4 replicated); with expert_map= the replayed
     # experts are the logical ones native routing picked. Without the map the slot ids are refused, not replayed.

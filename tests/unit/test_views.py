@@ -223,3 +223,36 @@ def test_views_mtp_layer_numbered_after_the_decoder_goes_with_the_last_stage(lay
         if last:
             decoder = routes.select([3]).to_local(layout, coords=coords, seq_len=seq, batch=batch, num_layers=n)
             assert torch.equal((local.get(n, 0) - 4) % 8, (decoder.get(3, 0) - 3) % 8)  # the same tokens' rows
+
+
+def test_to_local_refuses_routes_already_in_router_order():
+    # to_local of one rank's view (a session's recording, or to_local's own output) permutes its rows again: every
+    # token would replay another token's experts. Refused, whatever the layout.
+    global_routes = _random_routes(layers=(0,), tokens=8, microbatches=1).in_order("sequence")
+    local = to_local(global_routes, Layout(), coords=RankCoords(rank=0), seq_len=4, batch=2, num_layers=1)
+    assert local.order == "router"
+    with pytest.raises(RouteError, match=r"to_local: these routes are already one rank's view, in router order"):
+        to_local(local, Layout(), coords=RankCoords(rank=0), seq_len=4, batch=2, num_layers=1)
+
+
+@pytest.mark.parametrize(("seq_len", "batch"), [(4, 4), (2, 8), (16, 1), (4, 2)])
+def test_to_local_refuses_a_seq_len_the_rollout_routes_were_not_built_with(seq_len, batch):
+    # Two requests of 8 tokens: [4 x 4], [2 x 8] and [16 x 1] hold as many tokens and would pass a count check,
+    # [4 x 2] is a data-parallel slice of a misread batch; every one reads tokens of other positions.
+    gen = torch.Generator().manual_seed(3)
+    arrays = [torch.rand(8, 8, generator=gen).topk(2, dim=1).indices.unsqueeze(1) for _ in range(2)]  # [S, L, K]
+    rollout = Routes.from_rollout(arrays, layers=[0], num_experts=8, lengths=[8, 8])
+    assert rollout._seq_lens == (8,)
+    held = rf"to_local mb 0: these routes hold sequences of 8 tokens .* seq_len {seq_len}"
+    with pytest.raises(RouteError, match=held):
+        to_local(rollout, Layout(), coords=RankCoords(rank=0), seq_len=seq_len, batch=batch, num_layers=1)
+    mine = to_local(rollout, Layout(), coords=RankCoords(rank=0), seq_len=8, batch=2, num_layers=1)
+    assert mine.get(0, 0)[0::2].tolist() == rollout.get(0, 0)[:8].tolist()  # request 0's tokens, in router order
+
+
+def test_to_local_refuses_a_batch_that_does_not_tile_the_global_routes():
+    # Routes of unknown geometry (built by hand, sequence order): 12 rows are no whole number of 2 x 4 batches.
+    routes = Routes({0: [torch.stack([torch.arange(12) % 8, (torch.arange(12) + 1) % 8], 1)]}, num_experts=8, topk=2)
+    routes.in_order("sequence")
+    with pytest.raises(RouteError, match=r"to_local mb 0: the global routes hold 12 tokens, not a whole number"):
+        to_local(routes, Layout(), coords=RankCoords(rank=0), seq_len=4, batch=2, num_layers=1)
