@@ -123,6 +123,17 @@ class JobTokens:
         differ = (got_B != want_B).nonzero().flatten().tolist()
         if differ:
             first = differ[0]
+            moved = [
+                (s, m)
+                for s, m, other_B in self._expected
+                if other_B is not None and other_B.shape == got_B.shape and bool((other_B == got_B).all())
+            ]
+            if moved:  # the sequences of another recorded forward: the same data, fed or batched otherwise
+                raise RouteError(
+                    f"{where}: this forward's sequences are those of recorded step {moved[0][0]}, micro-batch "
+                    f"{moved[0][1]} (recording {self.directory}): the job feeds its micro-batches in another "
+                    f"order or number per step than the recorded run; replay needs the recorded batching"
+                )
             raise RouteError(
                 f"{where}: tokens differ in {len(differ)} of {want_B.numel()} sequence(s); first: "
                 f"sequence {first} has fingerprint {tk.fingerprint_hex(int(got_B[first]))}, the "

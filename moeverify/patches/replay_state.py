@@ -567,9 +567,15 @@ class Replaying:
                 if got:
                     continue
                 if self.recompute_mode is True:
+                    why = (
+                        "this forward ran in no checkpointed region, so nothing recomputes it: turn the model's "
+                        "activation recompute on, or replay with recompute='auto'"
+                        if ref is None
+                        else "its backward pass did not run"
+                    )
                     found.append(
                         f"layer {layer} rank {self.rank} mb {mb}: recomputed 0 time(s), expected at least 1 "
-                        "(recompute=True; the backward pass did not run)"
+                        f"(recompute=True; {why})"
                     )
                 elif ref is not None and ref() is not None:
                     found.append(

@@ -157,8 +157,8 @@ class Step:
             raise RouteError(
                 f"{where}: request {r} position {s} layer {layers[col]}: capture gap (a row of -1 or of "
                 f"zeros: {routes_RLK[row, col].tolist()}), {int(gaps_RL.sum())} such row(s); the engine "
-                "did not record this route (a real token): fix the capture, or leave the token out of "
-                "token_ids"
+                "did not record this route (a real token): fix the capture, or leave the token out of the "
+                "request's tokens (RolloutWriter's token_ids, add_routes' sequences= or input_ids=)"
             )
         partial_RL = (routes_RLK == -1).any(dim=-1)
         if bool(partial_RL.any()):  # not a gap (every slot -1), not an id out of range: a row cut short
@@ -183,7 +183,7 @@ class Step:
                 f"{where}: request {r} position {s} layer {layers[col]}: expert ids "
                 f"{routes_RLK[row, col].tolist()} outside [0, {num_experts}) ({int(high_RL.sum())} such "
                 f"row(s)); an engine that records physical expert slots (EPLB with redundant experts) "
-                f"needs its map: RolloutWriter(expert_map=) or {EXPERT_MAP_ENV}=PATH"
+                f"needs its map: RolloutWriter(expert_map=), add_routes(expert_map=) or {EXPERT_MAP_ENV}=PATH"
             )
         k = routes_RLK.shape[2]
         ids_NLK = torch.arange(k).expand(n, len(layers), k).clone()  # native rows: any valid distinct ids

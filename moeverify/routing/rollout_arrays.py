@@ -170,7 +170,9 @@ def _one_request(
         raise RouteError(
             f"{where}: token {t} MoE column {col}: capture gap (a row of -1 or of zeros: "
             f"{ids_TLK[t, col].tolist()}), {int(gaps_TL.sum())} such row(s); the engine did not "
-            "record this route: mark those tokens as padding (pad_T) or fix the capture"
+            "record this route: mark those tokens as padding (one sequence: pad_T=; several requests: give each "
+            "request's own rows, a left-padded batch's padding cut off, or the flat [T, L, K] form with pad_T=) "
+            "or fix the capture"
         )
     pads_TL = (pad_T[:T, None] if pad_T is not None else torch.zeros(T, 1, dtype=torch.bool)).expand(T, L)
     partial_TL = (ids_TLK == -1).any(dim=-1) & ~pads_TL  # not a gap (every slot -1): a route cut short

@@ -120,6 +120,18 @@ def test_replay_one_token_changed_in_a_later_micro_batch_is_refused_there(record
         job(directory, "replay", seed=1234, tokens=one_token_changed)
 
 
+def test_replay_of_the_same_data_fed_in_another_order_names_the_recorded_micro_batch(recorded):
+    # The recorded data with each step's micro-batches reversed: forward 0 holds recorded micro-batch 2's
+    # sequences. The message says so (a batching or order change), not that the job's data differ.
+    directory, _ = recorded
+    with pytest.raises(
+        RouteError,
+        match=r"rank 0 forward 0 \(recorded step 0, micro-batch 0\): this forward's sequences are those of "
+        r"recorded step 0, micro-batch 2 .* another order or number per step",
+    ):
+        job(directory, "replay", seed=1234, tokens=lambda batches: [list(reversed(step)) for step in batches])
+
+
 def test_replay_on_the_same_tokens_is_bitwise_the_recorded_run(recorded):
     directory, losses = recorded
     replayed = job(directory, "replay", seed=1234)

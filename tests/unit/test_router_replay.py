@@ -446,6 +446,26 @@ def test_recompute_true_pairs_non_reentrant_checkpoint():
     assert torch.equal(ckpt.weight.grad, plain.weight.grad)
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_recompute_true_names_why_a_forward_was_never_recomputed(checkpointed):
+    # recompute=True with no checkpoint: the backward ran, nothing could recompute; with one whose backward has
+    # not run yet: the backward is what is missing. The message says which.
+    from torch.utils.checkpoint import checkpoint
+
+    router = make_router(1, seed=12)
+    routes = random_routes([0], microbatches=1, seed=3)
+    session = rr.ReplaySession(router)
+    x = hidden(20).requires_grad_()
+    with session.replay(routes, recompute=True):
+        out = checkpoint(lambda inp: router(inp)[0], x, use_reentrant=False) if checkpointed else router(x)[0]
+        if not checkpointed:
+            out.square().sum().backward()
+    why = "its backward pass did not run" if checkpointed else "this forward ran in no checkpointed region"
+    with pytest.raises(RouteError, match=rf"layer 0 rank 0 mb 0: recomputed 0 time\(s\), .*\(recompute=True; {why}"):
+        session.check_consumed()
+    del out
+
+
 def test_replay_bad_recompute_option_refused():
     with pytest.raises(UsageError, match="recompute must be 'auto', True or False, got 'yes'"):
         with rr.ReplaySession(make_router(1)).replay(random_routes([0]), recompute="yes"):

@@ -136,6 +136,18 @@ def test_from_rollout_capture_gap_on_real_token_raises(gap):
         Routes.from_rollout(bad_TLK, layers=(0,), num_experts=E)
 
 
+def test_from_rollout_left_padded_batch_names_the_forms_that_take_its_padding():
+    # A left-padded [B, S, L, K] batch: request 1's padding comes first, as -1 rows. lengths= and rows= cut a
+    # request's end, so the message names what does take leading padding (pad_T= belongs to one flat sequence).
+    batch_BSLK = np.array([[[[0, 1]], [[1, 2]], [[2, 3]]], [[[-1, -1]], [[0, 1]], [[1, 2]]]])
+    with pytest.raises(RouteError, match=r"rollout request 1: token 0 .* capture gap .* left-padded batch's padding"):
+        Routes.from_rollout(batch_BSLK, layers=(0,), num_experts=E, lengths=[3, 2])
+    flat = Routes.from_rollout(
+        batch_BSLK.reshape(6, 1, 2), layers=(0,), num_experts=E, pad_T=[False] * 3 + [True, False, False]
+    )
+    assert flat.get(0, 0)[4:].tolist() == [[0, 1], [1, 2]]
+
+
 def test_from_rollout_capture_gap_on_pad_token_gets_safe_route():
     routes = Routes.from_rollout(np.array([[[0, 1]], [[-1, -1]]]), layers=(0,), num_experts=E, pad_T=[False, True])
     assert routes.get(0, 0)[1].tolist() == safe_routes(2, topk=K, num_experts=E)[1].tolist()
