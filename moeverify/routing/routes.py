@@ -214,8 +214,10 @@ class Routes:
             if self.validated:
                 self._check_unwritten(layer, microbatch, source)
                 if source.device.type == "cpu" and ("seen", layer, microbatch) not in self._replay_ids:
-                    # what a later write through a NumPy view (no version counter) is told apart from
-                    self._replay_ids[("seen", layer, microbatch)] = source.clone()
+                    # what a later write through a NumPy view (no version counter) is told apart from: the
+                    # route's memory as a NumPy view and a copy of it, compared by NumPy (no torch dispatch)
+                    view = source.detach().numpy()
+                    self._replay_ids[("seen", layer, microbatch)] = (view, view.copy())
             ids_TK = self._replay_ids[key] = source.to(device=device, dtype=torch.int64, copy=True)
         return ids_TK
 
@@ -226,12 +228,19 @@ class Routes:
         a CPU route is also compared with what its first replay copied (a write through a NumPy view)."""
         if not self.validated:
             return
+        # outside any torch function mode (CPU ranks' runtime: a tensor attribute read goes through it, microseconds
+        # each); these are host reads that name no device
+        with torch._C.DisableTorchFunction():
+            self._check_unwritten_all()
+
+    def _check_unwritten_all(self) -> None:
+        versions, copies = self._versions, self._replay_ids
         for layer, mbs in self._data.items():
             for mb, source in enumerate(mbs):
-                if getattr(source, "_version", None) != self._versions.get((layer, mb)):
+                if source._version != versions.get((layer, mb)):
                     self._check_unwritten(layer, mb, source)  # raises
-                seen = self._replay_ids.get(("seen", layer, mb))
-                if seen is not None and not torch.equal(source, seen):
+                seen = copies.get(("seen", layer, mb))
+                if seen is not None and not (seen[0] == seen[1]).all():
                     raise RouteError(
                         f"layer {layer} mb {mb}: the route was written into after it was replayed (through a "
                         f"NumPy view of the tensor Routes.get returned); build a new Routes (or use replace()) "
