@@ -556,6 +556,12 @@ def _to_global(
     moe = tuple(sorted(set(moe_layers)))
     dtype = first.get(first.layers[0], 0).dtype if first.layers and mbs else torch.int64
     for coords, routes in local_by_rank.items():
+        if routes.order == "sequence":
+            raise RouteError(
+                f"{coords.label()}: to_global takes each rank's view in router order (session.routes(), "
+                f"to_local); these routes are in sequence order (from_rollout, Dump.routes, to_global): "
+                f"they are a global view already"
+            )
         expect = views.layers_of(layout, pp_rank=coords.pp, num_layers=num_layers, moe_layers=moe)
         got = (routes.num_experts, routes.topk, routes.layers, routes.microbatches if routes.layers else mbs)
         if got != (experts, topk, expect, mbs):

@@ -256,3 +256,18 @@ def test_to_local_refuses_a_batch_that_does_not_tile_the_global_routes():
     routes.in_order("sequence")
     with pytest.raises(RouteError, match=r"to_local mb 0: the global routes hold 12 tokens, not a whole number"):
         to_local(routes, Layout(), coords=RankCoords(rank=0), seq_len=4, batch=2, num_layers=1)
+
+
+def test_to_global_refuses_a_rank_view_in_sequence_order():
+    # A global view (from_rollout, to_global's own output) handed back as one rank's routes would be permuted.
+    global_routes = _random_routes(layers=(0,), tokens=8, microbatches=1).in_order("sequence")
+    with pytest.raises(RouteError, match=r"rank 0.*: to_global takes each rank's view in router order"):
+        to_global(
+            {RankCoords(rank=0): global_routes},
+            Layout(),
+            world_size=1,
+            seq_len=4,
+            batch=2,
+            num_layers=1,
+            moe_layers=[0],
+        )
