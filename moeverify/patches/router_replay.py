@@ -164,6 +164,45 @@ def _device_of(routers: dict[int, Any]):
     return weight.device
 
 
+def _check_view(view_of: tuple, rank: int) -> None:
+    """Refuse a ``to_local`` view made for another rank: coordinates of another global rank, or of another place
+    than Megatron gives this rank (a layout or rank order other than the job's), or the global rows read as another
+    number of data-parallel batches than the job has (a wrong ``batch``). Each replays other tokens' routes.
+
+    Megatron's ranks read from megatron-core 0.19.2's ``parallel_state`` (data-parallel rank without CP, as
+    ``views.rank_coords`` counts it), where it is initialized."""
+    coords, dp_batches = view_of
+    if coords.rank != rank:
+        raise RouteError(
+            f"rank {rank}: these routes are {coords.label()}'s view (to_local(coords=) of another rank); give "
+            f"each rank its own: views.rank_coords(layout, rank=torch.distributed.get_rank(), world_size=...)"
+        )
+    from megatron.core import parallel_state as ps  # lazy: megatron
+
+    if not ps.model_parallel_is_initialized():
+        return
+    mine = {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+    }
+    given = {name: getattr(coords, name) for name in mine}
+    if given != mine:
+        where = " ".join(f"{name}{value}" for name, value in mine.items())
+        raise RouteError(
+            f"rank {rank}: to_local was given {coords.label()}, but Megatron places this rank at {where}: the "
+            f"layout (or rank order) given to views.rank_coords is not the job's"
+        )
+    world = ps.get_data_parallel_world_size()
+    if dp_batches is not None and dp_batches != world:
+        raise RouteError(
+            f"rank {rank}: to_local read the global routes as {dp_batches} data-parallel batch(es) of batch x "
+            f"seq_len tokens, this job has {world} data-parallel rank(s): check to_local's batch (the micro-batch "
+            f"size of one data-parallel rank) and seq_len"
+        )
+
+
 def _layers_fix(given: tuple[int, ...], expected: tuple[int, ...]) -> str:
     if len(given) == len(expected) and not set(expected) <= set(given):
         # As many layers as expected, numbered otherwise: MoE-only indices where dense layers come first.
@@ -317,6 +356,8 @@ class ReplaySession:
             )
         if self.layers and routes.microbatches < 1:  # a dense stage replays no layer, and so no micro-batch
             raise RouteError(f"rank {rank}: routes hold no micro-batch")
+        if routes.view_of is not None:
+            _check_view(routes.view_of, rank)
         if getattr(routes, "order", None) == "sequence":
             raise RouteError(
                 f"rank {rank}: these routes are in sequence order (row b * S + s: Routes.from_rollout, "

@@ -78,7 +78,17 @@ class Routes:
         topk: experts per token.
     """
 
-    __slots__ = ("_data", "num_experts", "topk", "validated", "_replay_ids", "_versions", "order", "_seq_lens")
+    __slots__ = (
+        "_data",
+        "num_experts",
+        "topk",
+        "validated",
+        "_replay_ids",
+        "_versions",
+        "order",
+        "_seq_lens",
+        "view_of",
+    )
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
         # Own the data: a copy is validated and kept, so a caller reusing its buffer (a rollout engine's output
@@ -138,6 +148,9 @@ class Routes:
         # Per micro-batch, the length of its sequences where the producer knows it (from_rollout with lengths=,
         # to_global): to_local refuses another seq_len. None: unknown.
         self._seq_lens: tuple[int | None, ...] | None = None
+        # What ``to_local`` made this view for: ``(coords, data-parallel batches it read the global rows as)``;
+        # a replay compares them with the rank it runs on. None: not a to_local view.
+        self.view_of: tuple | None = None
 
     def _voucher(
         self, layer: int, microbatch: int, ids_TK: object, *, num_experts: int, topk: int
@@ -166,7 +179,7 @@ class Routes:
         routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
         routes.num_experts, routes.topk, routes.validated = num_experts, topk, False
         routes._replay_ids, routes._versions, routes.order = {}, _versions(routes._data), None
-        routes._seq_lens = None
+        routes._seq_lens, routes.view_of = None, None
         return routes
 
     def in_order(self, order: str | None) -> Routes:
@@ -175,6 +188,20 @@ class Routes:
             raise RouteError(f"order must be 'router', 'sequence' or None, got {order!r}")
         self.order = order
         return self
+
+    def _as_view_of(self, view_of: tuple | None) -> Routes:
+        """This ``Routes`` marked as ``to_local``'s view ``(coords, data-parallel batches)``; returns it."""
+        self.view_of = view_of
+        return self
+
+    def __reduce__(self):
+        # A copy (pickle, torch.save, copy.deepcopy) is built anew, validated like any Routes: torch's write counters
+        # and the private device copies belong to the original tensors. It carries no recorded inputs (the
+        # identity check keys on the original's tensors), like any Routes built otherwise.
+        return (
+            _rebuilt,
+            (dict(self._data), self.num_experts, self.topk, self.validated, self.order, self._seq_lens, self.view_of),
+        )
 
     def _with_seq_lens(self, seq_lens: Sequence[int | None] | None) -> Routes:
         """This ``Routes`` marked as holding, per micro-batch, sequences of ``seq_lens[mb]`` tokens; returns it."""
@@ -309,6 +336,7 @@ class Routes:
             Routes({layer: self._data[layer] for layer in layers}, num_experts=self.num_experts, topk=self.topk)
             .in_order(self.order)
             ._with_seq_lens(self._seq_lens)
+            ._as_view_of(self.view_of)
         )
 
     def map_experts(self, emap, *, where: str, token_label=None) -> Routes:
@@ -428,6 +456,11 @@ class Routes:
         tokens = int(ids_TLK.shape[0])
         if pad_T is not None:
             ids_TLK = ra.fill_pads(ids_TLK, pad_T, num_experts=num_experts)
+        if split is not None and not isinstance(split, Sequence | torch.Tensor | np.ndarray):
+            raise RouteError(
+                f"split= takes the token count of each micro-batch (a list, e.g. [{split!r}] * micro_batches), "
+                f"got {type(split).__name__} {split!r}"
+            )
         sizes = [tokens] if split is None else [int(n) for n in split]
         if sum(sizes) != tokens or any(n < 0 for n in sizes):
             raise RouteError(f"split {sizes} does not partition {tokens} tokens")
@@ -497,6 +530,7 @@ def _to_local(
         )
     lens = _per_microbatch(seq_len, global_routes.microbatches)
     known = global_routes._seq_lens or (None,) * len(lens)
+    batches: set[int] = set()  # data-parallel batches the global rows are read as, per micro-batch
     for mb, (length, held) in enumerate(zip(lens, known, strict=True)):
         rows = global_routes.get(global_routes.layers[0], mb).shape[0] if global_routes.layers else 0
         if held is not None and held != length:
@@ -510,6 +544,8 @@ def _to_local(
                 f"batches of {batch} x {length} tokens (batch {batch}, seq_len {length}): a global view holds "
                 f"data-parallel ranks x batch x seq_len rows; check seq_len and batch"
             )
+        if global_routes.layers and batch * length > 0:
+            batches.add(rows // (batch * length))
     layers = views.layers_of(layout, pp_rank=coords.pp, num_layers=num_layers, moe_layers=global_routes.layers)
     per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     for mb, length in enumerate(lens):
@@ -524,8 +560,11 @@ def _to_local(
                     f"{coords.label()} needs token {int(idx_T.max())} (seq_len {length}, batch {batch})"
                 )
             per_layer[layer].append(global_TK[idx_T])
-    return type(global_routes)(per_layer, num_experts=global_routes.num_experts, topk=global_routes.topk).in_order(
-        "router"
+    dp_batches = batches.pop() if len(batches) == 1 else None
+    return (
+        type(global_routes)(per_layer, num_experts=global_routes.num_experts, topk=global_routes.topk)
+        .in_order("router")
+        ._as_view_of((coords, dp_batches))
     )
 
 
@@ -547,6 +586,12 @@ def _to_global(
     """
     if not local_by_rank:
         raise RouteError("to_global needs at least one rank's routes")
+    keys = [c for c in local_by_rank if not isinstance(c, views.RankCoords)]
+    if keys:
+        raise RouteError(
+            f"to_global keys each rank's routes by its RankCoords (views.rank_coords(layout, rank=, "
+            f"world_size=)), got {type(keys[0]).__name__} {keys[0]!r}"
+        )
     layout.validate(world_size=world_size)
     holding = [r for r in local_by_rank.values() if r.layers] or list(local_by_rank.values())
     first = holding[0]
@@ -698,3 +743,9 @@ def _per_microbatch(seq_len: int | Sequence[int], microbatches: int) -> tuple[in
     if len(lens) != microbatches:
         raise RouteError(f"seq_len gives {len(lens)} length(s) but routes hold {microbatches} micro-batch(es)")
     return lens
+
+
+def _rebuilt(data, num_experts, topk, validated, order, seq_lens, view_of) -> Routes:
+    """``Routes.__reduce__``'s rebuild: validated again (``Routes.unchecked`` stays unchecked)."""
+    made = (Routes if validated else Routes.unchecked)(data, num_experts=num_experts, topk=topk)
+    return made.in_order(order)._with_seq_lens(seq_lens)._as_view_of(view_of)

@@ -270,7 +270,7 @@ def test_r3_physical_slots_mapped_through_the_steps_expert_map(world):
     with pytest.raises(
         RouteError,
         match=r"step-30/part-0.npz: request 0 position \d layer \d: expert ids .* outside "
-        r"\[0, 8\).*RolloutWriter\(expert_map=\) or MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP",
+        r"\[0, 8\).*RolloutWriter\(expert_map=\), add_routes\(expert_map=\) or MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP",
     ):
         with torch.no_grad():
             forward(actor, seq[0][None], torch.zeros(1, 7, dtype=torch.bool))

@@ -680,6 +680,73 @@ def test_a_route_written_into_after_its_first_replay_is_refused_at_every_later_r
                 router(hidden(0))
 
 
+def _rollout_of(router, x):
+    """The routes native routing picks for ``x``, as a rollout engine returns them (sequence-order, global view)."""
+    with torch.no_grad():
+        _, routing_map = router(x)
+    ids_SBK = ids_of(routing_map).view(S, B, K)
+    return Routes.from_rollout(
+        [ids_SBK[:, b].unsqueeze(1).numpy() for b in range(B)], layers=[0], num_experts=E, lengths=[S] * B
+    )
+
+
+@pytest.mark.parametrize(
+    ("coords", "batch", "refusal"),
+    [
+        (
+            dict(rank=1),
+            B,
+            r"rank 0: these routes are rank 1 \(tp0 pp0 cp0 dp0 ep0\)'s view \(to_local\(coords=\) of another",
+        ),
+        (
+            dict(rank=0, dp=1),
+            1,
+            r"rank 0: to_local was given rank 0 \(tp0 pp0 cp0 dp1 ep0\), but Megatron places this "
+            r"rank at tp0 pp0 cp0 dp0: the layout",
+        ),
+        (dict(rank=0), 1, r"rank 0: to_local read the global routes as 2 data-parallel batch\(es\) .* this job has 1 "),
+    ],
+)
+def test_a_local_view_made_for_another_rank_or_batch_is_refused(coords, batch, refusal):
+    # to_local given another rank's coordinates, a place Megatron does not give this rank, or a batch that reads the
+    # global rows as more data-parallel ranks than the job has: each replays other tokens' routes. Refused.
+    from moeverify.routing import views
+    from moeverify.spec.layout import Layout
+
+    router = make_router(1, seed=3)
+    rollout = _rollout_of(router, hidden(2))
+    local = rollout.to_local(Layout(), coords=views.RankCoords(**coords), seq_len=S, batch=batch, num_layers=4)
+    with pytest.raises(RouteError, match=refusal):
+        with rr.ReplaySession(router).replay(local):
+            router(hidden(2))
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_a_copied_routes_replays_like_its_original(how, tmp_path):
+    # A copy is validated anew (its tensors have their own write counters): replayed right, not refused as written.
+    import copy
+    import pickle
+
+    router = make_router(1, seed=3)
+    x = hidden(2)
+    session = rr.ReplaySession(router)
+    with torch.no_grad(), session.record():
+        _, native = router(x)
+    routes = session.routes()
+    if how == "pickle":
+        again = pickle.loads(pickle.dumps(routes))
+    elif how == "torch.save":
+        torch.save(routes, tmp_path / "routes.pt")
+        again = torch.load(tmp_path / "routes.pt", weights_only=False)
+    else:
+        again = copy.deepcopy(routes)
+    assert again == routes and again.order == "router" and again is not routes
+    with torch.no_grad(), session.replay(again):
+        _, replayed = router(x)
+    session.check_consumed()
+    assert torch.equal(replayed, native)
+
+
 def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_its_map():
     # An EPLB engine records physical slots (12 slots for 8 experts, 4 replicated); with expert_map= the replayed
     # experts are the logical ones native routing picked. Without the map the slot ids are refused, not replayed.

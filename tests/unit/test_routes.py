@@ -148,6 +148,11 @@ def test_from_rollout_left_padded_batch_names_the_forms_that_take_its_padding():
     assert flat.get(0, 0)[4:].tolist() == [[0, 1], [1, 2]]
 
 
+def test_from_rollout_split_given_as_one_count_is_refused_clearly():
+    with pytest.raises(RouteError, match=r"split= takes the token count of each micro-batch \(a list, e.g. \[2\] \*"):
+        Routes.from_rollout(np.array([[[0, 1]], [[1, 2]], [[2, 3]], [[3, 0]]]), layers=(0,), num_experts=E, split=2)
+
+
 def test_from_rollout_capture_gap_on_pad_token_gets_safe_route():
     routes = Routes.from_rollout(np.array([[[0, 1]], [[-1, -1]]]), layers=(0,), num_experts=E, pad_T=[False, True])
     assert routes.get(0, 0)[1].tolist() == safe_routes(2, topk=K, num_experts=E)[1].tolist()

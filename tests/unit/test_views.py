@@ -271,3 +271,9 @@ def test_to_global_refuses_a_rank_view_in_sequence_order():
             num_layers=1,
             moe_layers=[0],
         )
+
+
+def test_to_global_refuses_keys_other_than_rank_coords():
+    local = _random_routes(layers=(0,), tokens=8, microbatches=1).in_order("router")
+    with pytest.raises(RouteError, match=r"to_global keys each rank's routes by its RankCoords .* got int 0"):
+        to_global({0: local}, Layout(), world_size=1, seq_len=4, batch=2, num_layers=1, moe_layers=[0])
