@@ -721,18 +721,23 @@ def test_a_local_view_made_for_another_rank_or_batch_is_refused(coords, batch, r
             router(hidden(2))
 
 
+def _recorded(*, router_seed: int, hidden_seed: int):
+    """A router, its input, a session that recorded native routing of it, that routing map, and the routes."""
+    router = make_router(1, seed=router_seed)
+    x = hidden(hidden_seed)
+    session = rr.ReplaySession(router)
+    with torch.no_grad(), session.record():
+        _, routing_map = router(x)
+    return router, x, session, routing_map, session.routes()
+
+
 @pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
 def test_a_copied_routes_replays_like_its_original(how, tmp_path):
     # A copy is validated anew (its tensors have their own write counters): replayed right, not refused as written.
     import copy
     import pickle
 
-    router = make_router(1, seed=3)
-    x = hidden(2)
-    session = rr.ReplaySession(router)
-    with torch.no_grad(), session.record():
-        _, native = router(x)
-    routes = session.routes()
+    router, x, session, native, routes = _recorded(router_seed=3, hidden_seed=2)
     if how == "pickle":
         again = pickle.loads(pickle.dumps(routes))
     elif how == "torch.save":
@@ -755,12 +760,7 @@ def test_rollout_in_physical_expert_slots_replays_the_logical_experts_through_it
 
     slot_to_logical = [5, 0, 7, 3, 1, 6, 2, 4, 3, 0, 6, 5]
     last_slot = {e: max(s for s, x in enumerate(slot_to_logical) if x == e) for e in range(E)}
-    router = make_router(1, seed=4)
-    x = hidden(3)
-    session = rr.ReplaySession(router)
-    with torch.no_grad(), session.record():
-        _, native_map = router(x)
-    local = session.routes()
+    router, x, session, native_map, local = _recorded(router_seed=4, hidden_seed=3)
     logical = [local.get(0, 0).view(S, B, K)[:, b, :].unsqueeze(1) for b in range(B)]
     physical = [a.clone().apply_(lambda e: last_slot[e]).numpy() for a in logical]
     assert max(int(a.max()) for a in physical) >= E
