@@ -467,7 +467,7 @@ class Routes:
         chunks = torch.split(ids_TLK, sizes)
         # Several requests are padded to one length: a micro-batch of whole requests holds sequences of that length
         # (to_local refuses another seq_len); one array's sequence length is not known.
-        per_request = tokens // len(lengths) if lengths is not None and len(lengths) else None
+        per_request = tokens // len(lengths) if lengths is not None and len(lengths) and tokens else None
         seq_lens = None if per_request is None else [per_request if n % per_request == 0 else None for n in sizes]
         # The engine's order: request by request, token by token (sequence-major), never what a rank's routers
         # see (``to_local`` gives that), even for one array whose ``tokens`` span several sequences.
