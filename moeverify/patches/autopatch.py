@@ -271,7 +271,11 @@ class ProcessSession:
             self._tokens.record(fingerprints_B)
             return
         if not self._tokens.loaded:
-            self._tokens.load(record.load(self.setting.directory), self.setting.directory)
+            dump = record.load(self.setting.directory)
+            # The layout first: in another layout of the same world size a rank's tokens differ too, and the
+            # token check would blame the data for what the layout changed.
+            _check_same_job(dump, chunk.config, rank=self.rank, directory=self.setting.directory)
+            self._tokens.load(dump, self.setting.directory)
         self._tokens.check(fingerprints_B)
 
     def bind(self, router):

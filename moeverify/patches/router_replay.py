@@ -33,6 +33,7 @@ from moeverify.patches import compat, regions, replay_inputs, semantics
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.routers import find_routers, moe_stage_config
 from moeverify.patches.semantics import RoutingMode
+from moeverify.routing import views
 from moeverify.routing.routes import Routes, validate_topk_ids
 from moeverify.runtime import cpu as cpu_runtime
 
@@ -169,8 +170,7 @@ def _check_view(view_of: tuple, rank: int) -> None:
     than Megatron gives this rank (a layout or rank order other than the job's), or the global rows read as another
     number of data-parallel batches than the job has (a wrong ``batch``). Each replays other tokens' routes.
 
-    Megatron's ranks read from megatron-core 0.19.2's ``parallel_state`` (data-parallel rank without CP, as
-    ``views.rank_coords`` counts it), where it is initialized."""
+    Megatron's ranks read from its ``parallel_state`` (``views.megatron_coords``), where it is initialized."""
     coords, dp_batches = view_of
     if coords.rank != rank:
         raise RouteError(
@@ -181,12 +181,8 @@ def _check_view(view_of: tuple, rank: int) -> None:
 
     if not ps.model_parallel_is_initialized():
         return
-    mine = {
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "cp": ps.get_context_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-    }
+    placed = views.megatron_coords(rank)
+    mine = {name: getattr(placed, name) for name in ("tp", "pp", "cp", "dp")}
     given = {name: getattr(coords, name) for name in mine}
     if given != mine:
         where = " ".join(f"{name}{value}" for name, value in mine.items())
@@ -203,12 +199,20 @@ def _check_view(view_of: tuple, rank: int) -> None:
         )
 
 
-def _layers_fix(given: tuple[int, ...], expected: tuple[int, ...]) -> str:
+def _layers_fix(routes: Routes, expected: tuple[int, ...]) -> str:
+    given = routes.layers
     if len(given) == len(expected) and not set(expected) <= set(given):
         # As many layers as expected, numbered otherwise: MoE-only indices where dense layers come first.
         return (
             "routes are keyed by 0-based global layer number, dense layers counted (an MoE-only index is "
             f"not a layer number): key them by session.layers = {list(expected)}"
+        )
+    if getattr(routes, "order", None) == "sequence":
+        # Every layer in sequence order (a rollout's or a merged recording): a stage needs its layers, and its own
+        # tokens in router order, which to_local gives together.
+        return (
+            "these are global routes (sequence order): give this rank routes.to_local(layout, coords=..., "
+            "seq_len=..., batch=..., num_layers=...), which keeps its stage's layers and its own tokens"
         )
     return "select this rank's layers with routes.select(session.layers)"
 
@@ -352,7 +356,7 @@ class ReplaySession:
             extra = sorted(set(routes.layers) - set(self.layers))
             raise RouteError(
                 f"rank {rank}: routes layers {list(routes.layers)} != expected {list(self.layers)} "
-                f"(missing {missing}, extra {extra}); {_layers_fix(routes.layers, self.layers)}"
+                f"(missing {missing}, extra {extra}); {_layers_fix(routes, self.layers)}"
             )
         if self.layers and routes.microbatches < 1:  # a dense stage replays no layer, and so no micro-batch
             raise RouteError(f"rank {rank}: routes hold no micro-batch")

@@ -229,7 +229,8 @@ def read_marker(directory: Path | str, step: int) -> list[str]:
     except (OSError, ValueError) as exc:
         raise UsageError(f"{marker}: cannot read the step marker: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise UsageError(f"{marker}: not a {FORMAT} version {VERSION} marker")
+        found = (data.get("format"), data.get("version")) if isinstance(data, dict) else type(data).__name__
+        raise UsageError(f"{marker}: not a {FORMAT} version {VERSION} marker: (format, version) = {found!r}")
     parts = data.get("parts")
     if (
         not isinstance(parts, list)

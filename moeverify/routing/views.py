@@ -183,6 +183,21 @@ def _check_rank(name: str, value: int, size: int) -> None:
         raise LayoutError(f"{name} rank {value} outside [0, {size})")
 
 
+def megatron_coords(rank: int) -> RankCoords:
+    """Where Megatron's initialised parallel state places this process (data-parallel rank without CP, as
+    ``rank_coords`` counts it); megatron-core 0.19.2's ``parallel_state`` getters."""
+    from megatron.core import parallel_state as ps  # lazy: megatron
+
+    return RankCoords(
+        rank=rank,
+        tp=ps.get_tensor_model_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+    )
+
+
 def job_layout(*, sp: bool) -> tuple[Layout, RankCoords, int]:
     """This process's layout, coordinates and world size, read from Megatron's parallel state (inside a job).
 
@@ -214,14 +229,7 @@ def job_layout(*, sp: bool) -> tuple[Layout, RankCoords, int]:
         expected = rank_coords(layout, rank=rank, world_size=world)
     except LayoutError as exc:
         raise UsageError(f"rank {rank}: the job's layout cannot be recorded: {exc}") from None
-    actual = RankCoords(
-        rank=rank,
-        tp=ps.get_tensor_model_parallel_rank(),
-        pp=ps.get_pipeline_model_parallel_rank(),
-        cp=ps.get_context_parallel_rank(),
-        dp=ps.get_data_parallel_rank(),
-        ep=ps.get_expert_model_parallel_rank(),
-    )
+    actual = megatron_coords(rank)
     if actual != expected:
         raise UsageError(
             f"rank {rank}: Megatron placed this rank at {actual.label()}, but the dump format assumes "

@@ -35,6 +35,7 @@ def run_job(
     args=None,
     ranks=1,
     ep=1,
+    tp=1,
 ):
     env = {
         **os.environ,
@@ -42,6 +43,7 @@ def run_job(
         "MOEVERIFY_ROUTER_REPLAY_MODEL": model,
         "PERTURB": "1" if perturb else "0",
         "EP": str(ep),
+        "TP": str(tp),
     }
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
@@ -123,6 +125,11 @@ def test_autopatch_on_two_ranks_records_one_dump_with_the_real_layout_and_replay
     assert other.returncode != 0 and "was recorded on 2 rank(s) with layout ep2-dp2" in other.stderr, other.stderr[
         -2000:
     ]
+    # Same world size, another layout: TP2 ranks share data-parallel rank 0's sequences, so rank 1's tokens are not
+    # those it recorded; the layout is what differs, and what the refusal must name (not the data).
+    tp2 = run_job("replay", dump, tmp_path / "tp2.json", ranks=2, tp=2)
+    assert tp2.returncode != 0, tp2.stderr[-3000:]
+    assert "recorded on 2 rank(s) with layout ep2-dp2" in tp2.stderr and "tp2" in tp2.stderr, tp2.stderr[-3000:]
 
 
 PIPELINE_JOB = Path(__file__).resolve().parent / "jobs" / "pipeline_job.py"

@@ -27,7 +27,7 @@ from test_injob_replay import (
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement, autopatch, injob
-from moeverify.routing.rollout_writer import RolloutWriter, complete_steps, mark_complete
+from moeverify.routing.rollout_writer import RolloutWriter, complete_steps, mark_complete, read_marker
 
 SEED = 23
 
@@ -372,6 +372,10 @@ def test_rollout_writer_refusals(tmp_path):
     with pytest.raises(UsageError, match=r"step-2: no part-\*.npz written; nothing to mark complete"):
         mark_complete(tmp_path, step=2)
     assert sorted(p.name for p in (tmp_path / "step-0").iterdir()) == ["COMPLETE", "part-0.npz"]  # no temp left
+    marker = tmp_path / "step-0" / "COMPLETE"
+    marker.write_text(marker.read_text().replace('"version": 1', '"version": 7'))
+    with pytest.raises(UsageError, match=r"COMPLETE: not a .* version 1 marker: \(format, version\) = \('.*', 7\)"):
+        read_marker(tmp_path, 0)
 
 
 def test_rollout_files_malformed_refused(tmp_path):

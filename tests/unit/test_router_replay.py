@@ -296,6 +296,15 @@ def test_replay_layer_set_mismatch_raises():
             pass
 
 
+def test_replay_of_global_routes_on_a_stage_of_some_layers_names_to_local():
+    # A pipeline stage (layers 0 and 2) given every layer of a rollout or a merged recording (sequence order):
+    # select would keep the layers but not make the rows this rank's, in router order; to_local does both.
+    session = rr.ReplaySession([make_router(1), make_router(3)])
+    with pytest.raises(RouteError, match=r"extra \[1, 3\]\); these are global routes .*routes\.to_local\(layout"):
+        with session.replay(random_routes([0, 1, 2, 3]).in_order("sequence")):
+            pass
+
+
 def test_replay_routes_of_other_model_raises():
     session = rr.ReplaySession(make_router(1))
     other = Routes({0: [torch.zeros(T, 1, dtype=torch.int64)]}, num_experts=4, topk=1)

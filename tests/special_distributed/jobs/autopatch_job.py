@@ -7,8 +7,9 @@ The routes every router chose in the training forwards are written to OUT as JSO
 layer and micro-batch), with the losses. ``PERTURB=1`` changes the actor's router weights first, so
 native routing would differ from a recording of the unperturbed job.
 
-``EP=2`` (under torchrun with 2 ranks) builds both models with expert parallelism 2; each rank then
-writes OUT.rank{R} and feeds its own data-parallel batches.
+``EP=2`` (under torchrun with 2 ranks) builds both models with expert parallelism 2, ``TP=2`` with tensor
+parallelism 2 and sequence parallelism; each rank then writes OUT.rank{R} and feeds its data-parallel rank's
+batches.
 
 Usage: autopatch_job.py OUT STEPS MICROBATCHES
 """
@@ -27,10 +28,14 @@ B, S = 2, 8
 
 def main(out: str, steps: int, microbatches: int) -> None:
     rt = runtime.init("cpu")
-    layout = Layout(ep=int(os.environ.get("EP", "1")))
+    tp = int(os.environ.get("TP", "1"))
+    layout = Layout(ep=int(os.environ.get("EP", "1")), tp=tp, sp=tp > 1)
     if rt.world_size > 1:
         out = f"{out}.rank{rt.rank}"
     with runtime.parallel(layout, seed=0):
+        from megatron.core import parallel_state
+
+        dp_rank = parallel_state.get_data_parallel_rank()
         reference = models.build("qwen3_moe", layout, seed=0).model_chunks
         built = models.build("qwen3_moe", layout, seed=0)
         actor = built.model_chunks
@@ -58,7 +63,7 @@ def main(out: str, steps: int, microbatches: int) -> None:
                     0,
                     built.config.vocab_size,
                     (B, S),
-                    generator=torch.Generator().manual_seed(100 * step + 10 * rt.rank + mb),
+                    generator=torch.Generator().manual_seed(100 * step + 10 * dp_rank + mb),
                 )
                 for mb in range(microbatches)
             ]
