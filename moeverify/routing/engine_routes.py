@@ -93,6 +93,7 @@ def from_sglang(
             (that key is sglang PR #31219's narrow-wire proposal, open when this was written).
     """
     where = _where("sglang", request)
+    _flag(physical, "physical", where)
     data = payload
     if isinstance(payload, dict):
         meta = payload.get("meta_info", payload)
@@ -112,7 +113,7 @@ def from_sglang(
             f"each): the buffer is truncated or was not written as {wire}"
         )
     flat = np.frombuffer(raw, dtype=wire.newbyteorder("<"))
-    per_row = _positive(num_layers, "num_layers") * _positive(top_k, "top_k")
+    per_row = _count(num_layers, "num_layers", where, minimum=1) * _count(top_k, "top_k", where, minimum=1)
     if flat.size % per_row:
         raise RouteError(
             f"{where}: {flat.size} ids is not a multiple of num_layers * top_k = {num_layers} * {top_k} "
@@ -142,6 +143,7 @@ def from_vllm(
     num_layers: int | None = None,
     num_moe_layers: int | None = None,
     start: int = 0,
+    num_prompt_tokens: int | None = None,
     request=None,
 ) -> EngineRoutes:
     """vLLM ``enable_return_routed_experts``: ``CompletionOutput.routed_experts`` (an array, or the OpenAI
@@ -157,15 +159,19 @@ def from_vllm(
     ``num_tokens - 1 - routed_experts_prompt_start`` rows, uint8 (<= 256 experts) or uint16, column = decoder
     layer (``get_total_num_hidden_layers``, ``extract_layer_index``), logical ids captured before EPLB.
     The columns differ by version: give ``numbering``, or ``num_layers`` and ``num_moe_layers`` where only one
-    reading fits. A row past ``num_tokens - 1`` is the final token's, which the engine never forwards (joining
-    0.21's two arrays can give it): dropped.
+    reading fits. A row past ``num_tokens - 1`` is the final token's, which the engine never forwards: 0.21's
+    completion array holds it (dropped); 0.34's array (``numbering="decoder"``) never does, so there it is refused.
+    ``num_prompt_tokens`` (the prompt's token count, ``len(RequestOutput.prompt_token_ids)``) checks 0.21's split:
+    the prompt array holds exactly that many rows (swapped or mis-joined arrays are refused).
     """
     where = _where("vllm", request)
-    arrays = [
-        _int_array(x, where, what)
+    _flag(physical, "physical", where)
+    given = [
+        (x, what)
         for x, what in ((prompt_routed_experts, "prompt_routed_experts"), (routed_experts, "routed_experts"))
         if x is not None
     ]
+    arrays = [_int_array(x, where, what, empty_like=_trailing_shape(given, x, where)) for x, what in given]
     if not arrays:
         raise RouteError(
             f"{where}: routed_experts is None: the engine returns it only with "
@@ -182,7 +188,25 @@ def from_vllm(
                 f"{where}: start={start} with split prompt/completion arrays: vLLM 0.21 returns every "
                 f"prompt row (it has no routed_experts_prompt_start); pass start=0"
             )
+        if num_prompt_tokens is not None:
+            prompt = _count(num_prompt_tokens, "num_prompt_tokens", where, minimum=1)
+            total = _count(num_tokens, "num_tokens", where, minimum=1)
+            rows = (arrays[0].shape[0], arrays[1].shape[0])
+            if rows[0] != prompt or rows[1] not in (total - prompt, total - prompt - 1):
+                raise RouteError(
+                    f"{where}: prompt_routed_experts holds {rows[0]} rows and routed_experts {rows[1]}; a prompt of "
+                    f"{prompt} tokens and a completion of {total - prompt} give {prompt} prompt rows and "
+                    f"{total - prompt} completion rows (the last never filled) or one fewer: the arrays are "
+                    f"swapped, joined in another order, or not this request's"
+                )
+    elif num_prompt_tokens is not None:
+        raise UsageError(
+            f"{where}: num_prompt_tokens checks vLLM 0.21's split arrays; give prompt_routed_experts with it"
+        )
     routes_RWK = np.concatenate(arrays) if len(arrays) == 2 else arrays[0]
+    for value, name in ((num_layers, "num_layers"), (num_moe_layers, "num_moe_layers")):
+        if value is not None:
+            _count(value, name, where, minimum=1)
     routes_RWK, numbering = _vllm_columns(
         routes_RWK, numbering=numbering, num_layers=num_layers, num_moe_layers=num_moe_layers, where=where
     )
@@ -194,7 +218,9 @@ def from_vllm(
         physical=physical,
         num_tokens=num_tokens,
         start=start,
-        extra_rows=1,
+        # 0.34's one array (a column per decoder layer) ends at the last forwarded token; 0.21's completion array
+        # holds the final token's never-filled row
+        extra_rows=0 if numbering == "decoder" and len(arrays) == 1 else 1,
     )
 
 
@@ -213,7 +239,7 @@ def from_trtllm(routed_experts, *, num_tokens: int, num_moe_layers: int | None =
             f"SamplingParams.return_routed_experts"
         )
     routes_RWK = _int_array(routed_experts, where, "routed_experts")
-    if num_moe_layers is not None and routes_RWK.shape[1] != num_moe_layers:
+    if num_moe_layers is not None and routes_RWK.shape[1] != _count(num_moe_layers, "num_moe_layers", where, minimum=1):
         raise RouteError(
             f"{where}: {routes_RWK.shape[1]} layer columns, expected one per MoE layer "
             f"({num_moe_layers}): TensorRT-LLM numbers MoE layers only"
@@ -251,6 +277,7 @@ def from_transformers(
     Pass float32 arrays (``tensor.float().numpy()``: bf16 widens exactly). Every fed token has a row.
     """
     where = _where("transformers", request)
+    index = _count(index, "index", where, minimum=0)
     try:
         layers = [np.asarray(x) for x in router_logits]
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -268,7 +295,7 @@ def from_transformers(
             )
     logits_TLE = np.stack(layers, axis=1).astype(np.float32)
     if batch is not None:
-        if logits_TLE.shape[0] % _positive(batch, "batch") or not 0 <= index < batch:
+        if logits_TLE.shape[0] % _count(batch, "batch", where, minimum=1) or not 0 <= index < batch:
             raise RouteError(
                 f"{where}: {logits_TLE.shape[0]} logit rows do not split into batch={batch} requests, "
                 f"or index {index} is outside it"
@@ -295,7 +322,8 @@ def from_transformers(
             f"{where}: router logits at position {bad[0][0]} MoE layer {bad[0][1]} are not finite: "
             f"no top-k can be taken"
         )
-    if not 0 < top_k <= logits_TLE.shape[2]:
+    top_k = _count(top_k, "top_k", where, minimum=1)
+    if not top_k <= logits_TLE.shape[2]:
         raise UsageError(f"{where}: top_k={top_k}: expected 1 .. {logits_TLE.shape[2]} (the experts)")
     routes_TLK = np.argsort(-logits_TLE, axis=-1, kind="stable")[..., :top_k]
     tokens = routes_TLK.shape[0] if num_tokens is None else num_tokens
@@ -314,7 +342,16 @@ def from_transformers(
 def splice(earlier: EngineRoutes, later: EngineRoutes) -> EngineRoutes:
     """One request's routes from two turns: ``later`` returned rows from ``later.start`` on (SGLang
     ``routed_experts_start_len``, vLLM ``routed_experts_prompt_start``); ``earlier`` supplies the rows before it."""
+    for name, turn in (("earlier", earlier), ("later", later)):
+        if not isinstance(turn, EngineRoutes):
+            raise UsageError(
+                f"splice: {name} is a {type(turn).__name__}, expected an EngineRoutes (what from_<engine> returns)"
+            )
     where = _where(later.engine, later.request)
+    if earlier.request is not None and later.request is not None and earlier.request != later.request:
+        raise RouteError(
+            f"{where}: cannot splice request {earlier.request!r}'s earlier turn before it: another request's rows"
+        )
     same = ("engine", "numbering", "physical")
     if (
         any(getattr(earlier, k) != getattr(later, k) for k in same)
@@ -350,7 +387,10 @@ def _finish(
     ``extra_rows``: 1 where one row past ``num_tokens - 1`` is the engine's never-filled final row (dropped);
     None where a row for the final token is a real route (kept)."""
     where = _where(engine, request)
-    if num_tokens < 1 or not 0 <= start < num_tokens:
+    num_tokens, start = _count(num_tokens, "num_tokens", where, minimum=1), _count(start, "start", where, minimum=0)
+    if routes_RWK.shape[0] and 0 in routes_RWK.shape[1:]:
+        raise RouteError(f"{where}: route rows of shape {routes_RWK.shape[1:]}: no layer column or no top-k slot")
+    if not 0 <= start < num_tokens:
         raise UsageError(
             f"{where}: num_tokens={num_tokens} start={start}: expected num_tokens >= 1 and "
             f"0 <= start < num_tokens (start: the first position the engine returned rows for)"
@@ -366,10 +406,17 @@ def _finish(
     elif extra_rows and rows == expected + extra_rows:
         routes_RWK = routes_RWK[:expected]
     if routes_RWK.shape[0] != expected:
+        one_more = (
+            " One row more than the engine forwards: a padding row kept, or the final token's row (which "
+            "the engine never forwards; vLLM 0.21's completion array holds it: pass 0.21's arrays split, as "
+            "prompt_routed_experts= and routed_experts=)."
+            if rows == expected + 1
+            else ""
+        )
         raise RouteError(
             f"{where}: {rows} route rows, expected {expected} (num_tokens {num_tokens} - 1 - start "
             f"{start}): pass the request's own token count (prompt + completion) and the start it "
-            f"was sent with; a different count is another request's or a truncated payload"
+            f"was sent with; a different count is another request's or a truncated payload.{one_more}"
         )
     low = routes_RWK < FILL
     if low.any():
@@ -392,8 +439,16 @@ def _finish(
     )
 
 
-def _int_array(x, where: str, what: str) -> np.ndarray:
-    """``[R, W, K]`` integer ids from an array, nested lists, or a base64 ``.npy`` string; nothing unpickled."""
+def _int_array(x, where: str, what: str, *, empty_like: tuple[int, int] | None = None) -> np.ndarray:
+    """``[R, W, K]`` integer ids from an array, nested lists, or a base64 ``.npy`` string; nothing unpickled.
+    An empty list (JSON's zero rows) takes ``empty_like``'s ``(W, K)``."""
+    if isinstance(x, (list, tuple)) and not x:
+        if empty_like is None:
+            raise RouteError(
+                f"{where}: {what} is an empty list, which has no [layers, top_k] shape: pass "
+                f"np.zeros((0, layers, top_k), dtype=np.int16) for a request with no rows"
+            )
+        return np.zeros((0, *empty_like), dtype=np.int16)
     if isinstance(x, (str, bytes)):
         array = load_npy_bytes(_b64(x, where), error=RouteError, where=f"{where}: {what} (base64 .npy)")
     else:
@@ -478,10 +533,25 @@ def _agree(given, from_payload, name: str, key: str, where: str):
     return from_payload if given is None else given
 
 
-def _positive(value: int, name: str) -> int:
-    if not isinstance(value, (int, np.integer)) or value < 1:
-        raise UsageError(f"{name}={value!r}: expected a positive int")
+def _count(value, name: str, where: str, *, minimum: int) -> int:
+    """An integer argument (not a bool, float or string) of at least ``minimum``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise UsageError(f"{where + ': ' if where else ''}{name}={value!r}: expected an int >= {minimum}")
     return int(value)
+
+
+def _flag(value, name: str, where: str) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise UsageError(f"{where}: {name}={value!r}: expected True or False")
+
+
+def _trailing_shape(given: list, x, where: str) -> tuple[int, int] | None:
+    """The ``(W, K)`` of the other array of a split pair, for an empty one (no rows, no shape of its own)."""
+    for other, _ in given:
+        if other is not x and not (isinstance(other, (list, tuple)) and not other):
+            array = _int_array(other, where, "the other array")
+            return (int(array.shape[1]), int(array.shape[2]))
+    return None
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

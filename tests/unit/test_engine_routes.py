@@ -190,6 +190,38 @@ def test_splice_joins_a_turn_returned_from_a_start_offset():
         er.splice(dataclasses.replace(first, physical=True), second)
 
 
+def test_splice_refuses_turns_of_two_requests():
+    ref = _ids(S - 1, 4)
+    first = er.from_sglang(_sglang_response(ref[:4]), num_layers=4, top_k=K, num_tokens=5, physical=False, request="b")
+    second = er.from_sglang(
+        _sglang_response(ref[3:]), num_layers=4, top_k=K, num_tokens=S, physical=False, start=3, request="a"
+    )
+    with pytest.raises(RouteError, match=r"request 'a'.*cannot splice request 'b''s earlier turn"):
+        er.splice(first, second)
+    assert np.array_equal(er.splice(dataclasses.replace(first, request="a"), second).routes, ref)
+    assert np.array_equal(er.splice(dataclasses.replace(first, request=None), second).routes, ref)  # unnamed: no check
+
+
+def test_vllm_021_prompt_count_checks_the_split_and_an_empty_completion_list_takes_the_prompts_shape():
+    ref, prompt_RWK, gen_RWK = _vllm_021(S, 5, 3, unfilled_last=True)
+    kw = {"num_tokens": S, "physical": False, "numbering": "routers", "request": "r"}
+    ok = er.from_vllm(gen_RWK, prompt_routed_experts=prompt_RWK, num_prompt_tokens=5, **kw)
+    assert np.array_equal(ok.routes, ref)
+    for prompt, completion, why in [
+        (gen_RWK, prompt_RWK, "swapped"),
+        (np.concatenate([prompt_RWK[:1], prompt_RWK]), gen_RWK[:-1], "a padding row at the prompt's front"),
+    ]:
+        with pytest.raises(RouteError, match=r"prompt_routed_experts holds \d+ rows .* swapped, joined"):
+            er.from_vllm(completion, prompt_routed_experts=prompt, num_prompt_tokens=5, **kw)
+        # without the prompt count the row count alone cannot tell (the docs say to pass it)
+        assert er.from_vllm(completion, prompt_routed_experts=prompt, **kw).routes.shape == ref.shape, why
+    # A prompt of S - 1 tokens and a completion of one: vLLM's OpenAI form returns the completion rows as [],
+    # the final token's row being the one never forwarded.
+    full = _ids(S - 1, 3, dtype=np.int16)
+    got = er.from_vllm([], prompt_routed_experts=full.tolist(), num_prompt_tokens=S - 1, **kw)
+    assert np.array_equal(got.routes, full)
+
+
 def test_decode_dispatches_and_vllm_numbering_only_where_one_reading_fits():
     ref = _ids(S - 1, 3, dtype=np.int16)
     kw = {"engine": "vllm", "num_tokens": S, "physical": False}
@@ -368,6 +400,37 @@ MALFORMED = {
     "transformers no logits": (
         lambda: er.from_transformers([], top_k=K, request="req-7"),
         r"req-7.*output_router_logits=True",
+    ),
+    # vLLM 0.34's one array ends at the last forwarded token: a row more is a kept padding row, not a final row
+    "vllm 0.34 one row too many": (
+        _vl(np.concatenate([GOOD[:1], GOOD])),
+        r"req-7.*9 route rows, expected 8 .*One row more than the engine forwards: a padding row kept",
+    ),
+    "trtllm zero layer columns": (
+        lambda: er.from_trtllm(np.zeros((S - 1, 0, K), np.int16), num_tokens=S, request="req-7"),
+        r"req-7.*no layer column or no top-k slot",
+    ),
+    "vllm empty list alone": (_vl([]), r"req-7.*empty list, which has no \[layers, top_k\] shape"),
+    "vllm num_prompt_tokens without split arrays": (
+        _vl(GOOD, num_prompt_tokens=5),
+        r"req-7.*num_prompt_tokens checks vLLM 0.21's split arrays",
+    ),
+    # arguments of the wrong type: a clear refusal, never a TypeError from inside or a truthy string read as True
+    "sglang physical a string": (_sg(_sglang_response(GOOD), physical="no"), r"physical='no': expected True or False"),
+    "vllm physical None": (_vl(GOOD, physical=None), r"physical=None: expected True or False"),
+    "sglang num_layers a bool": (_sg(_sglang_response(GOOD), num_layers=True), r"num_layers=True: expected an int"),
+    "vllm num_tokens a string": (_vl(GOOD, num_tokens="9"), r"num_tokens='9': expected an int >= 1"),
+    "vllm num_tokens a float": (_vl(GOOD, num_tokens=9.0), r"num_tokens=9.0: expected an int >= 1"),
+    "vllm num_tokens None": (_vl(GOOD, num_tokens=None), r"num_tokens=None: expected an int >= 1"),
+    "vllm start a string": (_vl(GOOD, start="0"), r"start='0': expected an int >= 0"),
+    "vllm num_layers a string": (_vl(GOOD, num_layers="4"), r"num_layers='4': expected an int >= 1"),
+    "transformers index a string": (
+        lambda: er.from_transformers([np.zeros((S, 8), np.float32)], top_k=K, index="0", request="req-7"),
+        r"req-7.*index='0': expected an int >= 0",
+    ),
+    "splice of a non-payload": (
+        lambda: er.splice(GOOD, GOOD),
+        r"splice: earlier is a ndarray, expected an EngineRoutes",
     ),
 }
 
