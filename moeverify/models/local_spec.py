@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from moeverify import runtime
+from moeverify.errors import UsageError
 from moeverify.models.grouped_linear import (
     CpuColumnParallelGroupedLinear,
     CpuRowParallelGroupedLinear,
@@ -243,6 +244,14 @@ def local_block_spec(config, vp_stage: int | None = None, *, family: FamilySpec 
 
     Routed experts are ``SequentialMLP`` (per-expert linears), or ``TEGroupedMLP`` over grouped linears laid out
     as Transformer Engine's where ``config.moe_grouped_gemm`` is set (``moeverify.models.grouped_linear``)."""
+    if getattr(config, "multi_latent_attention", False) and config.q_lora_rank is None and config.qk_layernorm:
+        # megatron-core 0.19.2 (transformer/mla_qk_norm_config.py): MLA with QK norm and no query low-rank projection
+        # takes linear_q_proj only as a fused norm + linear, which only Transformer Engine provides.
+        raise UsageError(
+            "q_lora_rank=None (no query low-rank projection, DeepSeek-V2-Lite style) with multi-latent attention: "
+            "megatron-core builds it only with Transformer Engine's fused norm + linear, which this path (CPU ranks, "
+            "or a GPU without Transformer Engine) lacks; give the config a q_lora_rank"
+        )
     gpt_config = config
     if family.linear_attention:  # megatron-core's GPT specs assert no variant: GPT layers first, GDN swapped in below
         gpt_config = copy.copy(config)

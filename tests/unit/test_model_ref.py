@@ -4,6 +4,7 @@ never looked up in a registry; the plan's JSON form reads the same model in a fr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -69,8 +70,12 @@ def test_no_registry_a_key_alone_is_refused_and_the_ref_reads_the_model(config_f
         r"reference \(path and overrides\), not looked up by its key",
     ):
         family_shape(ref.key)
-    with pytest.raises(UsageError, match="unknown model family 'nope'; known families: qwen2, "):
+    with pytest.raises(UsageError, match="unknown model family 'nope'; known families: qwen2, ") as nope:
         hf_config_dict("nope")
+    assert "ModelRef.user" not in str(nope.value)
+    with pytest.raises(UsageError, match=r"known families: .*; a model of your own .*models\.ModelRef\.user\(path"):
+        hf_config_dict(str(config_file))  # a path given where a family name goes
+    assert ModelRef.user(os.path.relpath(config_file), {"num_hidden_layers": 2}).path == str(config_file)
     assert not hasattr(user, "_REGISTRY") and not hasattr(user, "register")
 
 

@@ -498,3 +498,15 @@ def test_model_set_layer_count_carries_the_per_layer_lists(tmp_path, repo_root):
         r"layer_types",
     ):
         user.read(model, {"num_hidden_layers": 2, "layer_types": ["linear_attention", "nonsense"]})
+
+
+def test_mla_without_a_query_projection_rank_is_refused_by_moeverify_not_megatron(tmp_path, patched_megatron_world):
+    """DeepSeek-V2-Lite's q_lora_rank=None: megatron-core builds its query path only with Transformer Engine; every
+    path here lacks it, and the refusal says so (it was a ValueError from inside Megatron's MLA module)."""
+    from moeverify import models
+
+    config = models.hf_config_dict("deepseek_v3")
+    config["q_lora_rank"] = None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match=r"q_lora_rank=None .* only with Transformer Engine"):
+        models.build(models.ModelRef.user(tmp_path / "config.json"), models.Layout(), seed=0)

@@ -9,6 +9,7 @@ a ``ModelRef`` (``ref.py``: a family here, or a user model's path and overrides)
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 from moeverify.errors import UsageError
@@ -295,7 +296,16 @@ def check_family(model: str | ModelRef) -> ModelRef:
             "overrides), not looked up by its key"
         )
     if ref.family not in _FAMILIES:
-        raise UsageError(f"unknown model family {ref.family!r}; known families: {', '.join(FAMILIES)}")
+        looks_like_path = any(c in str(ref.family) for c in "/\\.") or os.path.exists(str(ref.family))
+        raise UsageError(
+            f"unknown model family {ref.family!r}; known families: {', '.join(FAMILIES)}"
+            + (
+                "; a model of your own (a config.json or a checkpoint directory) is built from its reference: "
+                "models.build(models.ModelRef.user(path, {key: value overrides}), layout)"
+                if looks_like_path
+                else ""
+            )
+        )
     return ref
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,7 +47,7 @@ class ModelRef:
 
     @classmethod
     def user(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> ModelRef:
-        return cls(path=str(path), overrides=tuple(sorted((overrides or {}).items())))
+        return cls(path=os.path.abspath(path), overrides=tuple(sorted((overrides or {}).items())))
 
     @property
     def is_user(self) -> bool:
