@@ -203,8 +203,13 @@ def _rows(obj, *, name: str, moe: list[int], num_layers: int | None) -> dict[int
             raise ExpertMapError(
                 f"{name}: MoE layer(s) {missing} missing (the map names layers {sorted(per)}; the MoE layers are {moe})"
             )
-        if extra:
-            raise ExpertMapError(f"{name}: layer(s) {extra} are not MoE layers of {moe}")
+        # A decoder-layer-keyed map (SGLang's placement has a row per decoder layer) may name dense layers too:
+        # their rows place no expert. Only with the layer count known; a key past it is no layer at all.
+        if extra and (num_layers is None or max(extra) >= num_layers):
+            raise ExpertMapError(
+                f"{name}: layer(s) {extra} are not MoE layers of {moe}"
+                + (f" (the model has {num_layers} decoder layers)" if num_layers is not None else "")
+            )
         return {layer: per[layer] for layer in moe}
     if isinstance(obj, np.ndarray):
         if obj.ndim == 1:

@@ -12,6 +12,7 @@ from moeverify import record
 from moeverify.cli import main
 from moeverify.record.stream import MappedSource, RoutesSource, widen
 from moeverify.routing import expert_map
+from moeverify.routing.expert_map import ExpertMapError
 from moeverify.routing.routes import Routes
 
 E, K, P, LAYERS, NUM_LAYERS = 8, 2, 11, (0, 2), 3  # layer 1 is dense
@@ -155,7 +156,7 @@ BAD = [
     ("bool", json.dumps(MAP[:2] + [True] + MAP[3:]), r"layer 0 slot 2: True is not an integer logical id"),
     ("string", json.dumps({"0": MAP, "2": ["0"] + MAP_L2[1:]}), r"layer 2 slot 0: '0' is not an integer logical id"),
     ("layer-missing", json.dumps({"0": MAP}), r"MoE layer\(s\) \[2\] missing \(the map names layers \[0\]"),
-    ("dense-layer", json.dumps({"0": MAP, "1": MAP, "2": MAP}), r"layer\(s\) \[1\] are not MoE layers of \[0, 2\]"),
+    ("past-the-layers", json.dumps({"0": MAP, "2": MAP, "3": MAP}), r"layer\(s\) \[3\] are not MoE layers of \[0, 2\]"),
     ("not-a-layer", json.dumps({"0": MAP, "x": MAP}), r"key 'x' is not a global layer number"),
     ("rows", json.dumps([MAP] * 4), r"4 row\(s\) fit neither the 2 MoE layers \[0, 2\] nor all 3 decoder layers"),
     ("mixed", json.dumps([MAP, 3]), r"a list mixing numbers and lists"),
@@ -493,3 +494,15 @@ def test_map_rows_fitting_two_layer_numberings_refused():
     )
     assert keyed.per_layer[2].tolist() == rows[1]
     assert expert_map.from_object(rows, moe_layers=[1, 2, 3], num_layers=4).per_layer[1].tolist() == rows[0]
+
+
+def test_a_map_keyed_by_every_decoder_layer_takes_the_moe_layers_rows():
+    # SGLang places experts per decoder layer: a layer-keyed map may name the dense layer (1) too, when the layer
+    # count tells it is one; without the count it is refused, as a key past the layers always is.
+    keyed = {"0": MAP, "1": list(range(P)), "2": MAP_L2}
+    got = expert_map.from_object(keyed, moe_layers=LAYERS, physical_experts=P, num_layers=3, name="inline")
+    want = expert_map.from_object({"0": MAP, "2": MAP_L2}, moe_layers=LAYERS, physical_experts=P, name="inline")
+    assert got.per_layer.keys() == want.per_layer.keys()
+    assert all(torch.equal(got.per_layer[la], want.per_layer[la]) for la in LAYERS)
+    with pytest.raises(ExpertMapError, match=r"layer\(s\) \[1\] are not MoE layers of \[0, 2\]$"):
+        expert_map.from_object(keyed, moe_layers=LAYERS, physical_experts=P, name="inline")
