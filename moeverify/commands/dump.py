@@ -48,7 +48,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         "--step",
         type=_non_negative,
         metavar="S",
-        help="step of A when it is a dump or an export (default 0; an export of one step: that step)",
+        help="step of A when it is a dump or an export (required when it holds several; else its only step)",
     )
     p.add_argument("--step-b", type=_non_negative, metavar="S", help="step of B (default: --step)")
     p.add_argument("--json", metavar="OUT", help="write the diff record as JSON")

@@ -250,7 +250,7 @@ def _diff_rollout(args) -> int:
             "engine's routed experts; compare it without --rollout"
         )
     dump = record.load(train_path)
-    step = 0 if args.step is None else args.step
+    step = _one_step(dump, args.step, train_path, "--step")
     if dump.token_order(step) is None:
         raise UsageError(
             f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
@@ -307,16 +307,30 @@ def _diff_rollout(args) -> int:
     return _report(args, report, {"rollout": aligned.as_json(), "engine": "in-memory", "expert_maps": maps or None})
 
 
+def _one_step(dump, step: int | None, path, flag: str) -> int:
+    """The step of ``dump`` a diff compares: the one asked for, or its only step; a dump of several steps needs one
+    named (comparing its first alone would pass a divergence in any later step)."""
+    if step is not None:
+        return step
+    steps = sorted(dump.steps)
+    if len(steps) != 1:
+        raise UsageError(
+            f"{path} holds steps {steps}: a diff compares one step; name it with {flag} S (compare each step "
+            f"in turn to cover them all)"
+        )
+    return steps[0]
+
+
 def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str):
     """One side of a diff as a layer source (``stream``), in sequence order where its order is known
     (``order.Ordered``, with the sequences where the side knows them)."""
     path = Path(path_text)
     kind = _kind(path_text)
     if kind == "dump":
-        step = 0 if step is None else step
         if order is not None:
             raise UsageError(f"{flag}: {path} is a dump, which records its own token order; drop {flag}")
         dump = record.load(path)
+        step = _one_step(dump, step, path, "--step" if flag == "--order-a" else "--step-b (or --step)")
         source = stream.DumpSource(dump, step)
         source.microbatch_tokens()  # the step exists and its ranks can be merged: checked before any data is read
         if dump.token_order(step) is None:

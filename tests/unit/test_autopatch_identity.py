@@ -179,12 +179,15 @@ def test_dump_diff_of_runs_on_other_tokens_says_so_and_refuses(recorded, tmp_pat
     directory, _ = recorded
     other = tmp_path / "run2"
     job(other, "record", seed=99)
+    # two steps each: one diff compares one step, which must be named (the first alone passed a later divergence)
     code, text = run_diff(capsys, str(directory), str(other))
+    assert code == 2 and "holds steps [0, 1]: a diff compares one step; name it with --step S" in text
+    code, text = run_diff(capsys, str(directory), str(other), "--step", "0")
     assert code == 2
     assert "tokens differ in 6 of 6 sequences (first: micro-batch 0, dp rank 0, sequence 0)" in text
     assert "--tokens-differ-ok" in text
     out = tmp_path / "diff.json"
-    code, text = run_diff(capsys, str(directory), str(other), "--tokens-differ-ok", "--json", str(out))
+    code, text = run_diff(capsys, str(directory), str(other), "--step", "0", "--tokens-differ-ok", "--json", str(out))
     assert code == 0
     import json
 
@@ -221,6 +224,6 @@ def test_dump_diff_with_a_dump_without_fingerprints_says_identity_unknown(record
         "unknown",
         "fingerprints",
     )
-    code, text = run_diff(capsys, str(directory), str(old))
+    code, text = run_diff(capsys, str(directory), str(old), "--step", "0")
     assert code == 0
     assert f"token identity unknown: B ({old}, step 0) carries no token fingerprints" in text
