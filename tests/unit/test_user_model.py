@@ -152,6 +152,38 @@ def test_bad_overrides_are_refused(prod_dir, overrides, message):
         user.read(prod_dir, overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, r"architectures: names the model's class, not a setting"),
+        ({"model_type": "llama"}, r"model_type: names the model's class"),
+    ],
+)
+def test_overrides_of_the_models_class_are_refused(prod_dir, overrides, message):
+    # an architectures override read back unchanged from the config class, yet the model built was the file's
+    with pytest.raises(UsageError, match=message):
+        user.read(prod_dir, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_hidden_layers": 10**12}, r"num_hidden_layers=1000000000000: more than 10000 decoder layers"),
+        ({"num_hidden_layers": 0}, r"num_hidden_layers=0: expected a positive integer"),
+        ({"num_hidden_layers": -1}, r"num_hidden_layers=-1: expected a positive integer"),
+        ({"vocab_size": -5}, r"vocab_size=-5: expected a positive integer"),
+        ({"hidden_size": 0}, r"hidden_size=0: expected a positive integer"),
+        ({"num_experts": -2}, r"num_local_experts=-2: expected 0 or more experts"),
+        ({"num_experts_per_tok": 9, "num_experts": 4}, r"top-k 9 of 4 experts: expected 1 \.\. 4"),
+    ],
+)
+def test_impossible_sizes_are_refused_before_any_rank_starts(prod_dir, overrides, message):
+    # each reached a rank before (math domain error, negative dimension, ZeroDivisionError), or filled the memory
+    # (a layer pattern of 10**12 entries), or passed (top-k past the experts)
+    with pytest.raises(UsageError, match=message):
+        families.family_shape(user.read(prod_dir, {**SHRINK, **overrides}).ref)
+
+
 def test_override_read_by_the_modeling_code_only_is_accepted(prod_dir):
     # head_dim is no attribute of Qwen3MoeConfig in transformers 5, but the attention reads it
     assert user.read(prod_dir, {"head_dim": 16}).config["head_dim"] == 16

@@ -281,6 +281,11 @@ def _check_overrides(config: dict, items: tuple[tuple[str, Any], ...], *, where:
     defaults = dict(empty.to_dict(), **{alias: None for alias in getattr(empty, "attribute_map", {})})
     source = None
     for key, value in items:
+        if key in ("architectures", "model_type"):
+            raise UsageError(
+                f"{where}: {key}: names the model's class, not a setting of it (an override would change the "
+                f"name alone); give a config.json of the architecture to check"
+            )
         if key not in config and key not in defaults:
             source = _modeling_source(config) if source is None else source
             known = re.search(rf"\b{re.escape(key)}\b", source) is not None
@@ -378,6 +383,29 @@ def _same_kind(current: Any, value: Any) -> bool:
 
 # ----------------------------------------------------------------------------------------- shape
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "moe_k")
+# Sizes every config states as a positive integer; a layer count past any released model's is refused before the
+# layer pattern (one entry a layer) is read: a typo's 10**12 layers would fill the memory.
+_SIZE_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "num_key_value_heads")
+MAX_LAYERS = 10_000
+
+
+def _check_sizes(config: dict, *, where: str) -> None:
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is None and key != "num_hidden_layers":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{where}: {key}={value!r}: expected a positive integer")
+    if config["num_hidden_layers"] > MAX_LAYERS:
+        raise UsageError(
+            f"{where}: num_hidden_layers={config['num_hidden_layers']}: more than {MAX_LAYERS} decoder layers "
+            "is no model's (a typo?)"
+        )
+    for key in _EXPERT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise UsageError(f"{where}: {key}={value}: expected 0 or more experts")
 
 
 def shape_of(config: dict, *, where: str = "model") -> ModelShape:
@@ -393,10 +421,14 @@ def shape_of(config: dict, *, where: str = "model") -> ModelShape:
         heads = int(config["num_attention_heads"])
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"{where}: config needs integer num_hidden_layers and num_attention_heads ({exc})") from None
+    _check_sizes(config, where=where)
     groups = config.get("num_key_value_heads") or heads
     experts = next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0)
     if isinstance(experts, list):  # e.g. a per-modality list
         experts = experts[0]
+    top_k = next((config[k] for k in _TOPK_KEYS if config.get(k) is not None), None)
+    if experts and isinstance(top_k, int) and not isinstance(top_k, bool) and not 1 <= top_k <= int(experts):
+        raise UsageError(f"{where}: top-k {top_k} of {experts} experts: expected 1 .. {experts}")
     linear: tuple[int, int] | tuple[()] = ()
     if "linear_attention" in (config.get("layer_types") or ()) or config.get("linear_num_key_heads"):
         linear = (int(config.get("linear_num_key_heads") or 0), int(config.get("linear_num_value_heads") or 0))
