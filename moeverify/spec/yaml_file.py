@@ -76,15 +76,26 @@ def read_yaml(path: str) -> object:
             f"{path}:{at}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
             "scenario files are UTF-8 YAML"
         ) from None
-    loader = _Loader(text)
-    loader.name = path
+    loader = None
     try:
+        loader = _Loader(text)  # its reader refuses a control character (a NUL byte) here already
+        loader.name = path
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = f":{mark.line + 1}" if mark is not None else ""
         raise UsageError(f"{path}{line}: malformed YAML: {exc.problem or exc.context}") from None
+    except yaml.reader.ReaderError as exc:
+        at = text_line(text.encode("utf-8"), len(text[: exc.position].encode("utf-8")))
+        raise UsageError(
+            f"{path}:{at}: not YAML text: character "
+            f"{f'U+{exc.character:04X}' if isinstance(exc.character, int) else repr(exc.character)} at offset "
+            f"{exc.position} ({exc.reason})"
+        ) from None
     except yaml.YAMLError as exc:
         raise UsageError(f"{path}: malformed YAML: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: malformed YAML: nested deeper than a scenario file can be read") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()

@@ -403,3 +403,14 @@ def test_load_non_utf8_file_names_file_line_and_byte(tmp_path):
     path.write_bytes(b"scenarios:\n  - {family: qwen2, world_size: 1, checks: [export]} # \xff\n")
     with pytest.raises(UsageError, match=r"s\.yaml:2: not UTF-8 text \(byte 0xff at offset 66\)"):
         load([str(path)])
+
+
+def test_load_control_characters_and_deep_nesting_are_refused_naming_the_file(tmp_path):
+    # both raised from inside PyYAML before: a ReaderError at the loader's construction, a RecursionError
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"version: 1\nscenarios:\n  - {family: qwen2, world_size: 1,\n     checks: [export]}\x00\n")
+    with pytest.raises(UsageError, match=r"s\.yaml:4: not YAML text: character U\+0000 at offset \d+"):
+        load([str(path)])
+    path.write_text("scenarios: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(UsageError, match=r"s\.yaml: malformed YAML: nested deeper than a scenario file can be read"):
+        load([str(path)])
