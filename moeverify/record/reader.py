@@ -235,7 +235,7 @@ class Dump:
                     )
         except RouteError as exc:
             error = exc
-        raise DumpError(f"{self._rank_files(rank)}: step {step}: {error}") from None
+        raise DumpError(f"{self._rank_files(rank, step)}: step {step}: {error}") from None
 
     def _merged(
         self,
@@ -598,9 +598,15 @@ class Dump:
             raise DumpError(f"{self.path}: step {step} not in dump; steps held: {sorted(self.steps)}")
         return self.steps[step]
 
-    def _rank_files(self, rank: int) -> str:
-        files = [e.file.name for k, e in self._index.items() if k[0] == rank]
-        return str(self.path / (sorted(set(files))[0] if files else fmt.rank_file(rank)))
+    def _rank_files(self, rank: int, step: int | None = None) -> str:
+        """The file of ``rank`` that holds ``step`` (or any of its files when none is named): several when the
+        step spans parts, listed."""
+        files = sorted({e.file.name for k, e in self._index.items() if k[0] == rank and step in (None, k[1])})
+        if not files:
+            return str(self.path / fmt.rank_file(rank))
+        if len(files) == 1:
+            return str(self.path / files[0])
+        return f"{self.path}/{{{', '.join(files)}}}"
 
     def _read(self, rank: int, step: int, mb: int, layer: int | None, kind: str) -> torch.Tensor:
         return read(self._index[(rank, step, mb, layer, kind)])

@@ -208,3 +208,20 @@ def test_save_sequence_order_reads_back_as_given(tmp_path):
     record.save(tmp_path / "s", sequence, seq_len=6, batch=2, order="sequence")
     assert record.load(tmp_path / "r").routes() == sequence  # Dump.routes() is sequence order
     assert record.load(tmp_path / "s").routes() == sequence  # so saving what it returns round-trips
+
+
+def test_a_bad_id_is_named_in_the_part_file_that_holds_its_step(tmp_path):
+    # step 0 in rank00000.safetensors, step 7 in rank00000.p001.safetensors: a bad id of step 0 was blamed on the
+    # part file (the rank's files sorted, p001 first)
+    from moeverify.record.layer_read import data_spans
+
+    record.save(tmp_path / "d", _routes(experts=8, seed=1), step=0)
+    record.save(tmp_path / "d", _routes(experts=8, seed=2), step=7)
+    first = tmp_path / "d" / "rank00000.safetensors"
+    start, _ = data_spans(first)["step0/mb0/ids"]
+    data = bytearray(first.read_bytes())
+    data[start] = 200  # uint8 ids of 8 experts
+    first.write_bytes(bytes(data))
+    with pytest.raises(DumpError, match=r"d/rank00000\.safetensors: step 0: layer \d+ rank 0 mb 0: expert id 200"):
+        record.load(tmp_path / "d").routes(step=0)
+    assert record.load(tmp_path / "d").routes(step=7).microbatches == 2
