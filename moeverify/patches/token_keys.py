@@ -117,13 +117,7 @@ def packed_keys(
     slot, is padding."""
     ids_N = input_ids_N.reshape(-1).long()
     n, device = ids_N.shape[0], ids_N.device
-    real = cu_seqlens.to(device=device, dtype=torch.int64)
-    slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=device, dtype=torch.int64)
-    if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
-        raise RouteError(
-            f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
-            f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]"
-        )
+    real, slots = _packed_bounds(cu_seqlens, cu_seqlens_padded, device=device)
     index_N = torch.arange(n, device=device)
     seq_N = (torch.searchsorted(slots[1:], index_N, right=True)).clamp(max=real.numel() - 2)
     start_N = slots[seq_N]
@@ -140,6 +134,30 @@ def packed_keys(
         locate=lambda t: (int(seq_N[t]), int(pos_N[t])),
         last_2T=keys_2N[:, last_N] if n else keys_2N,
     )
+
+
+def _packed_bounds(cu_seqlens, cu_seqlens_padded, *, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(real, slots)`` int64 boundaries of packed sequences, checked: equal 1-d ``[sequences + 1]`` from 0, never
+    decreasing, and every sequence's real length within its slot (a real length past its slot would read the next
+    slot's first tokens as its own, and its own last tokens as padding). One host read of the small boundaries."""
+    real = cu_seqlens.to(device=device, dtype=torch.int64)
+    slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=device, dtype=torch.int64)
+    if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
+        raise RouteError(
+            f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
+            f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]"
+        )
+    length, room = real[1:] - real[:-1], slots[1:] - slots[:-1]
+    bad = (length < 0) | (room < 0) | (length > room)
+    if bool(bad.any()) or int(real[0]) != 0 or int(slots[0]) != 0:
+        first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
+        raise RouteError(
+            f"packed sequences: sequence {first} holds {int(length[first])} real tokens (cu_seqlens "
+            f"{real[first : first + 2].tolist()}) in a slot of {int(room[first])} (cu_seqlens_padded "
+            f"{slots[first : first + 2].tolist()}): cu_seqlens must start at 0 and never decrease, and each real "
+            "length fit its padded slot (cu_seqlens_q: real lengths; cu_seqlens_q_padded: the slots)"
+        )
+    return real, slots
 
 
 _VERSION_SEEDS = (0x7C5A3B1E9D2F4068, 0x1F83D9ABFB41BD6B)  # one per key half
@@ -265,13 +283,7 @@ def packed_fingerprints(
     """``[sequences]`` int64: the fingerprint of each packed (THD) sequence: its content, length and slot index
     in the pack (see ``packed_keys`` for the slots)."""
     ids_N = input_ids_N.reshape(-1).long()
-    real = cu_seqlens.to(device=ids_N.device, dtype=torch.int64)
-    slots = real if cu_seqlens_padded is None else cu_seqlens_padded.to(device=ids_N.device, dtype=torch.int64)
-    if real.dim() != 1 or slots.shape != real.shape or real.numel() < 2:
-        raise RouteError(
-            f"packed sequences: cu_seqlens {tuple(real.shape)} and cu_seqlens_padded "
-            f"{tuple(slots.shape)} must be equal 1-d [sequences + 1]"
-        )
+    real, slots = _packed_bounds(cu_seqlens, cu_seqlens_padded, device=ids_N.device)
     count = real.numel() - 1
     index_N = torch.arange(ids_N.shape[0], device=ids_N.device)
     seq_N = torch.searchsorted(slots[1:], index_N, right=True).clamp(max=count - 1)

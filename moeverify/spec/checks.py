@@ -115,6 +115,18 @@ def _positive_int(value: object) -> int:
     return value
 
 
+def _at_most(limit: int, what: str) -> Callable[[object], int]:
+    """A whole number >= 1 and <= ``limit`` (a size past it would exhaust a rank's memory before anything ran)."""
+
+    def check(value: object) -> int:
+        value = _positive_int(value)
+        if value > limit:
+            raise ValueError(f"expected at most {limit} {what}, got {value}")
+        return value
+
+    return check
+
+
 def _one_of(allowed: tuple[str, ...]) -> Callable[[object], str]:
     def check(value: object) -> str:
         if value not in allowed:
@@ -381,8 +393,10 @@ class ReplayOptions(CheckOptions):
         "Transformer Engine builds them: one grouped GEMM each way on an H100/H200 in bf16, "
         "where SequentialMLP runs an MLP per expert; for deep models on one GPU)",
     )
-    seq_len: int = option(16, key="replay_seq_len", validate=_positive_int, help="tokens per sequence")
-    batch: int = option(2, key="replay_batch", validate=_positive_int, help="sequences per micro-batch")
+    seq_len: int = option(
+        16, key="replay_seq_len", validate=_at_most(131_072, "tokens (128k)"), help="tokens per sequence"
+    )
+    batch: int = option(2, key="replay_batch", validate=_at_most(4096, "sequences"), help="sequences per micro-batch")
     microbatches: int | None = option(
         None,
         key="replay_microbatches",
@@ -440,6 +454,7 @@ class CheckSpec:
     scenario_rule: Callable[[Any, Layout, int], str | None] | None = None
     subchecks_field: str | None = None  # the options field that narrows which subchecks run (replay: subchecks)
     optional_subchecks: tuple[str, ...] = ()  # reported only when an option turns them on (export: refresh, ...)
+    needs_moe: bool = False  # runs on MoE routers: a dense model is refused when the file is loaded
 
     @property
     def declared_subchecks(self) -> tuple[str, ...]:
@@ -510,6 +525,7 @@ CHECKS: dict[str, CheckSpec] = {
             subchecks=REPLAY_SUBCHECKS,
             subchecks_field="subchecks",
             scenario_rule=_replay_rule,
+            needs_moe=True,
         ),
         # Megatron's forward vs transformers' on the same weights, layer by layer and the logits
         CheckSpec(

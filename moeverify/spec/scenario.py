@@ -220,6 +220,12 @@ def _build(
     if not check_list:
         raise error(where, "checks is empty: a scenario must run at least one check")
     scenario_options = _options_field(where, spec.fields.get("options", {}))
+    dense_only = [c for c in check_list if c in CHECKS and CHECKS[c].needs_moe and not shape.is_moe]
+    if dense_only:
+        why = f"check {dense_only[0]} runs on MoE routers; {family} is a dense model (no MoE layer)"
+        if not fit_or_skip:
+            raise error(where, why)
+        unfit = unfit or why  # --model: reported skipped with the rule, as a layout the model does not admit
     for check in check_list:  # each check's own rule (moeverify.spec.checks: CheckSpec.scenario_rule)
         refusal = CHECKS[check].refusal(scenario_options, layout, world_size=world_size) if check in CHECKS else None
         if refusal:
@@ -368,7 +374,8 @@ def load_file(
     if doc is None:
         raise error(where, "file is empty; expected a mapping with 'scenarios' and/or 'matrix'")
     doc = _check_keys(where, doc, _TOP_KEYS, "top-level")
-    if doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+    version = doc.get("version", FORMAT_VERSION)
+    if type(version) is not int or version != FORMAT_VERSION:  # true and 1.0 equal 1 in Python; not a version
         raise error(
             where, f"version {doc['version']!r} is not supported; this moeverify reads version {FORMAT_VERSION}"
         )

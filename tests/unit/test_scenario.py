@@ -281,6 +281,16 @@ def test_load_production_slice_is_qwen3_30b_width_at_one_layer_ep1_and_ep2_repla
             "scenarios:\n  - {family: qwen2, world_size: 1, checks: [replay], options: {router_variants: [zzz]}}",
             r"option router_variants: unknown router variant",
         ),
+        (
+            "scenarios:\n  - {family: qwen2, world_size: 1, checks: [roundtrip, replay]}",
+            r"s\.yaml:2: scenario qwen2/tp1: check replay runs on MoE routers; qwen2 is a dense model",
+        ),
+        (
+            "scenarios:\n  - {family: qwen3_moe, world_size: 1, checks: [replay], options: {replay_seq_len: 10000000}}",
+            r"option replay_seq_len: expected at most 131072 tokens \(128k\), got 10000000",
+        ),
+        ("version: true\nscenarios:\n  - {family: qwen2, world_size: 1, checks: [export]}", r"version True is not"),
+        ("version: 1.0\nscenarios:\n  - {family: qwen2, world_size: 1, checks: [export]}", r"version 1\.0 is not"),
         ("scenarios: {family: qwen2}", r"scenarios must be a list of mappings"),
         (
             "scenarios:\n  - {family: qwen2, world_size: 1, checks: []}",

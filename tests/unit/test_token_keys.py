@@ -219,3 +219,20 @@ def test_token_keys_sequence_key_is_the_last_real_tokens_in_every_layout():
     assert torch.equal(half.last_2T, keys.last_2T[:, keys.tokens // 2 :])
     taken = tk.take(keys, torch.tensor([4, 0, 7]))
     assert torch.equal(taken.last_2T, keys.last_2T[:, [4, 0, 7]])
+
+
+@pytest.mark.parametrize(
+    "cu, cu_pad, message",
+    [
+        # real [3, 2, 2, 4] in slots [4, 1, 2, 4]: sequence 1 claims 2 real tokens in a slot of 1 (it was accepted:
+        # sequence 0's last real token read as padding, sequence 1 took sequence 2's first token)
+        ([0, 3, 5, 7, 11], [0, 4, 5, 7, 11], r"sequence 1 holds 2 real tokens .* in a slot of 1"),
+        ([0, 3, 2, 7], [0, 3, 4, 7], r"sequence 1 holds -1 real tokens"),
+        ([1, 3, 5], [1, 3, 5], r"sequence 0 holds 2 real tokens .*must start at 0"),
+    ],
+)
+def test_packed_boundaries_that_contradict_each_other_are_refused(cu, cu_pad, message):
+    ids = torch.arange(12)[None]
+    for keyed in (tk.packed_keys, tk.packed_fingerprints):
+        with pytest.raises(RouteError, match=message):
+            keyed(ids, cu_seqlens=torch.tensor(cu), cu_seqlens_padded=torch.tensor(cu_pad))
