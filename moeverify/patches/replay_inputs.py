@@ -15,6 +15,9 @@ tensors (weak references: nothing is kept alive). ``session.replay(routes)`` of 
   context exits, forward ``i`` of each chunk must have had micro-batch ``i``'s recorded token ids (one
   host sync per step; compared where both sides had token ids).
 
+``routes.take(order)`` of such a ``Routes`` (shuffled micro-batches) carries its inputs in that order: forward
+``i`` must have had recorded micro-batch ``order[i]``'s token ids.
+
 Routes built otherwise (``Routes(...)``, ``Routes.from_rollout``, ``routes.select`` / ``to_local`` /
 ``replace``, a dump) carry no inputs and are not checked here: they are the way to replay deliberately
 on other inputs.
@@ -42,6 +45,7 @@ class InputLog:
         """``like``: the recording's log this one will be compared with: a chunk that got no token ids there has
         nothing to compare, and is not hooked (a hooked module leaves torch's fast call path on every forward)."""
         self.per_chunk: list[list[torch.Tensor | None]] = [[] for _ in chunks]
+        self.order: tuple[int, ...] | None = None  # ``taken``'s: forward i is recorded micro-batch order[i]
         self._handles = []
         for index, ref in enumerate(chunks):
             chunk = ref()
@@ -50,6 +54,14 @@ class InputLog:
             if chunk is not None:
                 self._handles.append(chunk.register_forward_pre_hook(self._hook(index), with_kwargs=True))
         self.hooked = bool(self._handles)  # whether any chunk's token ids are kept (and so compared)
+
+    def taken(self, order: tuple[int, ...]) -> InputLog:
+        """This log's forwards in ``order`` (``Routes.take``), per chunk, as a log of its own (no hook)."""
+        log = InputLog.__new__(InputLog)
+        log.per_chunk = [[forwards[mb] if mb < len(forwards) else None for mb in order] for forwards in self.per_chunk]
+        log._handles, log.hooked = [], False
+        log.order = order if self.order is None else tuple(self.order[mb] for mb in order)
+        return log
 
     def kept_ids(self) -> bool:
         """Whether any forward logged token ids (a replay compared with this log has something to compare)."""
@@ -95,7 +107,13 @@ def register(routes, origin: Origin) -> None:
 
 
 def origin_of(routes) -> Origin | None:
-    """The origin ``register`` noted for ``routes`` (None: built otherwise)."""
+    """The origin ``register`` noted for ``routes``, or for the routes ``routes.take`` took them from, in its order
+    (None: built otherwise)."""
+    taken_from = getattr(routes, "taken_from", None)
+    if taken_from is not None:
+        source, order = taken_from
+        origin = origin_of(source)
+        return None if origin is None else Origin(origin.routers, origin.inputs.taken(order))
     for layer in routes.layers:
         tensor = routes.get(layer, 0)
         entry = _ORIGINS.get(id(tensor))
@@ -137,14 +155,24 @@ def check_inputs(recorded: InputLog, replayed: InputLog, *, rank: int, done: lis
                     for i, r in enumerate(rec)
                     if r is not None and r.shape == b.shape and torch.equal(r, b.to(r.device))
                 ]
+                order = recorded.order
                 which = (
-                    f"it equals recorded micro-batch {moved[0]}'s" if moved else "they match no recorded micro-batch"
+                    f"it equals recorded micro-batch {moved[0] if order is None else order[moved[0]]}'s"
+                    if moved
+                    else "they match no recorded micro-batch"
                 )
+                if order is None:
+                    raise RouteError(
+                        f"chunk {chunk} rank {rank} mb {mb}: the token ids of replayed forward {mb} are not "
+                        f"those micro-batch {mb}'s routes were recorded on ({which}); forward i replays "
+                        "micro-batch i: feed the micro-batches in the recorded order, and record again for "
+                        "new data (session.routes() returns the last record()'s routes)"
+                    )
                 raise RouteError(
-                    f"chunk {chunk} rank {rank} mb {mb}: the token ids of replayed forward {mb} are not "
-                    f"those micro-batch {mb}'s routes were recorded on ({which}); forward i replays "
-                    "micro-batch i: feed the micro-batches in the recorded order, and record again for "
-                    "new data (session.routes() returns the last record()'s routes)"
+                    f"chunk {chunk} rank {rank} mb {mb}: the token ids of replayed forward {mb} are not those "
+                    f"recorded micro-batch {order[mb]}'s routes were recorded on ({which}); routes.take(order) "
+                    f"replays recorded micro-batch order[i] in forward i (order {list(order)}): feed the "
+                    "micro-batches in that order"
                 )
         if done is not None:
             done[chunk] = max(first, min(len(rec), len(rep)))

@@ -88,6 +88,7 @@ class Routes:
         "order",
         "_seq_lens",
         "view_of",
+        "taken_from",
     )
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
@@ -148,6 +149,9 @@ class Routes:
         # Per micro-batch, the length of its sequences where the producer knows it (from_rollout with lengths=,
         # to_global): to_local refuses another seq_len. None: unknown.
         self._seq_lens: tuple[int | None, ...] | None = None
+        # ``take``'s ``(routes taken from, micro-batch order)``: replay checks the recorded inputs of the routes taken
+        # from, in that order (``patches.replay_inputs``). None: not taken.
+        self.taken_from: tuple[Routes, tuple[int, ...]] | None = None
         # What ``to_local`` made this view for: ``(coords, data-parallel batches it read the global rows as)``;
         # a replay compares them with the rank it runs on. None: not a to_local view.
         self.view_of: tuple | None = None
@@ -179,7 +183,7 @@ class Routes:
         routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
         routes.num_experts, routes.topk, routes.validated = num_experts, topk, False
         routes._replay_ids, routes._versions, routes.order = {}, _versions(routes._data), None
-        routes._seq_lens, routes.view_of = None, None
+        routes._seq_lens, routes.view_of, routes.taken_from = None, None, None
         return routes
 
     def in_order(self, order: str | None) -> Routes:
@@ -326,6 +330,32 @@ class Routes:
             raise RouteError(f"stacked routes shape {tuple(first.shape)} != expected (T, L={len(layers)}, K)")
         per_layer = {int(layer): [t[:, i, :] for t in topk_ids_MTLK] for i, layer in enumerate(layers)}
         return cls(per_layer, num_experts=num_experts, topk=first.shape[2])
+
+    def take(self, microbatches: Sequence[int]) -> Routes:
+        """Micro-batches ``microbatches`` of these routes, in that order (one may repeat, some may be left out):
+        the routes of a PPO loop's shuffled micro-batches. Routes from ``session.routes()`` keep their recorded
+        inputs through it: forward ``i`` of the replay must have micro-batch ``microbatches[i]``'s token ids."""
+        if isinstance(microbatches, (str, bytes)) or not isinstance(microbatches, Sequence) or not microbatches:
+            raise RouteError(f"take: expected a non-empty list of micro-batch indices, got {microbatches!r}")
+        order = []
+        for mb in microbatches:
+            if isinstance(mb, bool) or not isinstance(mb, int) or not 0 <= mb < self.microbatches:
+                raise RouteError(
+                    f"take: micro-batch {mb!r} is not an index of the {self.microbatches} micro-batch(es) held"
+                )
+            order.append(int(mb))
+        taken = (
+            Routes(
+                {layer: [self._data[layer][mb] for mb in order] for layer in self.layers},
+                num_experts=self.num_experts,
+                topk=self.topk,
+            )
+            .in_order(self.order)
+            ._with_seq_lens(None if self._seq_lens is None else [self._seq_lens[mb] for mb in order])
+            ._as_view_of(self.view_of)
+        )
+        taken.taken_from = (self, tuple(order))
+        return taken
 
     def select(self, layers: Sequence[int]) -> Routes:
         """A ``Routes`` holding only ``layers`` (e.g. the MoE layers of one pipeline stage)."""

@@ -325,6 +325,27 @@ def test_loop_microbatch_order_changed_is_refused(qwen):
         replayed = summed_step(chunk, list(reversed(mbs)))
     session.check_consumed()
     assert_same_grads(native, replayed, "routes reordered with the micro-batches")
+    # Shuffled micro-batches the checked way: take() keeps the recorded inputs in its order. Fed in that order it
+    # replays them; fed in any other (the same token count each: only the token ids tell), it is refused.
+    shuffled = routes.take([2, 0, 1])
+    with RouterSpy([chunk]) as spy, session.replay(shuffled):
+        summed_step(chunk, [mbs[2], mbs[0], mbs[1]])
+    session.check_consumed()
+    assert [
+        (layer, i)
+        for layer in session.layers
+        for i, mb in enumerate((2, 0, 1))
+        if not torch.equal(spy.forward[layer][i], srt(routes.get(layer, mb)))
+    ] == []
+    with pytest.raises(
+        RouteError,
+        match=r"mb 0: .* not those recorded micro-batch 2's .* \(it equals recorded micro-batch 0's\); routes.take",
+    ):
+        with session.replay(routes.take([0, 1, 2]).take([2, 0, 1])):  # taken twice: the order composes
+            summed_step(chunk, mbs)
+    session.check_consumed()
+    with pytest.raises(RouteError, match=r"take: micro-batch 3 is not an index of the 3 micro-batch"):
+        routes.take([0, 3])
 
 
 def test_loop_misuse_is_refused(qwen):
