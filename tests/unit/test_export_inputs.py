@@ -82,6 +82,23 @@ def test_export_empty_subject_fails_not_passes(sctx):
     assert "not exported by the subject" in result["coverage"]["failures"][0]
 
 
+def test_export_a_reused_staging_buffer_is_refused_naming_the_item(sctx):
+    # A streaming exporter refilling one buffer per item: every item read as the last one's bits (bitwise failed on
+    # every tensor, blaming the values); now refused as what it is, naming the first item overwritten.
+    def factory(ctx):
+        buffer = torch.empty(16)
+        for name in ("a", "b"):
+            t = REFERENCE[name].float().reshape(-1)
+            buffer[: t.numel()].copy_(t)
+            yield name, buffer[: t.numel()].view(REFERENCE[name].shape)
+
+    result = _run(factory, sctx)
+    assert _failed(result) == set(export.SUBCHECKS)
+    assert "rank 0 item 0 ('a'): its tensor was written into after it was yielded" in result["lockstep"]["failures"][0]
+    # a fresh tensor per item (or the model's own, unchanged) passes
+    assert _failed(_run(lambda ctx: ((n, t.clone()) for n, t in REFERENCE.items()), sctx)) == set()
+
+
 def test_export_wrong_item_type_fails_lockstep(sctx):
     result = _run(lambda ctx: iter([("a", REFERENCE["a"]), "b"]), sctx)
     assert _failed(result) == set(export.SUBCHECKS)

@@ -54,11 +54,34 @@ class DrainedRow:
 
 
 def drain(items, *, rank: int) -> list[DrainedRow]:
-    """Turn the subject's iterator into rows; raises SubjectError naming rank and item index."""
-    rows = []
+    """Turn the subject's iterator into rows; raises SubjectError naming rank and item index.
+
+    The rows are compared after the stream ends, so a tensor a subject yields must keep its values until then: one
+    written into after it was yielded (a staging buffer refilled for a later item) is refused, naming the item.
+    Seen by torch's in-place write counter (``_version``: ``copy_``, ``out=``, ``fill_``; a write through ``.data``
+    or a NumPy view is not counted)."""
+    rows, held = [], []
     for index, item in enumerate(items):
-        rows.append(_drained(item, rank=rank, index=index))
+        row = _drained(item, rank=rank, index=index)
+        rows.append(row)
+        held += [(index, name, tensor, tensor._version) for name, tensor in _values_of(row)]
+    for index, name, tensor, version in held:
+        if tensor._version != version:
+            raise SubjectError(
+                f"rank {rank} item {index} ({name!r}): its tensor was written into after it was yielded (a staging "
+                "buffer refilled for a later item?): the check compares the items once the stream ends, so a yielded "
+                "tensor must keep its values until then; yield a copy (tensor.clone()) of a reused buffer"
+            )
     return rows
+
+
+def _values_of(row: DrainedRow) -> list[tuple[str, torch.Tensor]]:
+    """The value tensors a drained row holds (a ``DeferredSlots`` row makes its own later: none)."""
+    source = row.source
+    if isinstance(source, tuple):
+        return [source]
+    slots = source.slots if isinstance(source, ShardRow) and not isinstance(source.slots, DeferredSlots) else []
+    return [(s.hf_name, s.values) for s in slots if isinstance(getattr(s, "values", None), torch.Tensor)]
 
 
 def _drained(item, *, rank: int, index: int) -> DrainedRow:
