@@ -155,6 +155,15 @@ _EXPORT = (
     ),
     _c(
         "export",
+        "model_intact",
+        "an exporter that converts the live parameter instead of its copy (a norm offset, a scale, a cast in place): "
+        "the model trains on from the changed weights, and the reference, read after it, agrees with the export",
+        "this project's doc-driven exporter probe: a subject that adds a norm offset to the live parameter in place "
+        "passed every other subcheck",
+        "export:writes_model",
+    ),
+    _c(
+        "export",
         "refresh",
         "state kept between exports (converted tensors, slot tables, PP-collective data) sends the first step's "
         "weights forever",
@@ -444,6 +453,12 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
     ("export", "key_set"): (
         "export:key_renamed: one tensor's name misspelt (`model.norm.weight` as `model.final_norm.weight`)",
         "a right name carrying another same-shaped tensor's values: names only (bitwise's)",
+    ),
+    ("export", "model_intact"): (
+        "export:writes_model: the lowest bit of one element of one parameter (the last rank's first) flipped in place "
+        "during the export",
+        "a write the subject undoes before its stream ends (the model is fingerprinted before and after, not during), "
+        "and state outside the model chunks' parameters and buffers (an optimizer's, a receiver's)",
     ),
     ("export", "reference_keys"): (
         "test:tests/unit/test_export_refresh.py::test_reference_keys_dropped_tensor_names_the_reference: the "

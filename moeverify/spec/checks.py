@@ -505,6 +505,7 @@ CHECKS: dict[str, CheckSpec] = {
                 "bitwise",
                 "key_set",
                 "reference_keys",
+                "model_intact",
             ),
             optional_subchecks=(
                 "refresh",

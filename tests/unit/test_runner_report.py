@@ -184,6 +184,7 @@ def test_table_says_which_declared_subchecks_did_not_run_and_why_without_changin
             "bitwise",
             "key_set",
             "reference_keys",
+            "model_intact",
         ),
         t,
     )

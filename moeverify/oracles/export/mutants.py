@@ -320,6 +320,17 @@ def diverged_replica(ctx):
         yield row
 
 
+def writes_model(ctx):
+    """The lowest bit of one element of one parameter (the last rank's first) flipped in place while exporting.
+    Bug class: a converter that applies a norm offset, a scale or a cast to the parameter itself instead of to its
+    copy; the reference export, read after the subject, sees the changed model and agrees with it."""
+    yield from _rows(ctx)
+    if ctx.rank == ctx.world_size - 1:
+        param = next(p for chunk in ctx.model_chunks for p in chunk.parameters() if p.numel())
+        flat = param.data.view(-1)
+        flat[:1] = _flip_low_bit(flat[:1].clone(), 0)
+
+
 def raises_mid_stream(ctx):
     """A rank that raises half way through. Bug class: an exporter that crashes on one rank (an
     unsupported mapping, OOM on a large tensor) while the others wait in a collective forever."""
@@ -403,7 +414,17 @@ MUTANTS: tuple[Mutant, ...] = (
         name="extra_row",
         fails=("lockstep",),
         collateral=tuple(
-            ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]
+            [
+                "slot_tables",
+                "coverage",
+                "conflicts",
+                "replicas",
+                "shape_dtype",
+                "bitwise",
+                "key_set",
+                "reference_keys",
+                "model_intact",
+            ]
         ),
         factory=extra_row,
     ),
@@ -452,11 +473,23 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="zero_centered_norm_unshifted", fails=("bitwise",), factory=zero_centered_norm_unshifted, applies=_hybrid
     ),
+    # the written element may be a replica the last rank sends (a DP or PP copy): replicas may see it too
+    Mutant(name="writes_model", fails=("model_intact",), collateral=("replicas",), factory=writes_model),
     Mutant(
         name="raises_mid_stream",
         fails=("lockstep",),
         collateral=tuple(
-            ["slot_tables", "coverage", "conflicts", "replicas", "shape_dtype", "bitwise", "key_set", "reference_keys"]
+            [
+                "slot_tables",
+                "coverage",
+                "conflicts",
+                "replicas",
+                "shape_dtype",
+                "bitwise",
+                "key_set",
+                "reference_keys",
+                "model_intact",
+            ]
         ),
         factory=raises_mid_stream,
     ),

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from moeverify.models.checkpoint import checkpoint_shapes
-from moeverify.oracles.export import wire
+from moeverify.oracles.export import intact, wire
 from moeverify.oracles.export.collect import SUBCHECKS, Collector, new_tallies
 from moeverify.oracles.export.feed import ReferenceFeed, thread_context
 from moeverify.oracles.export.local import LocalReferences, run_chunks, verdict
@@ -128,12 +128,18 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
     """
     group = wire.control_group(float(sctx.timeout_s))
     tallies = new_tallies()
+    state = intact.named_state(sctx.model_chunks)
+    before = intact.fingerprints(state)
     rows, error = _drain(factory, sctx)
     in_step, same_tables = _lockstep(rows, error, sctx=sctx, group=group, tally=tallies["lockstep"])
     if not in_step:
         for name in SUBCHECKS[1:]:
             tallies[name].fail("skipped: lockstep failed, no row was compared")
         return tallies
+    if state:
+        _model_intact(state, before, sctx=sctx, group=group, tally=tallies[intact.SUBCHECK])
+    else:
+        tallies[intact.SUBCHECK].skip("no model chunks given (a reference passed in): nothing to fingerprint")
     if reference is None:
         reference = sctx.bridge.export_hf_weights(sctx.model_chunks, cpu=True, show_progress=False)
     shapes = checkpoint_shapes(sctx.hf_path)
@@ -199,6 +205,26 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
         if sctx.stats is not None:  # the benchmark reads where the elements were checked
             sctx.stats.update(collector.elements)
     return tallies
+
+
+def _model_intact(state, before, *, sctx, group, tally) -> None:
+    """Every rank's changed tensors gathered to rank 0 (after lockstep: every rank is here)."""
+    mine = intact.changed(state, before)
+    per_rank = wire.gather_json(
+        [len(state), mine[:4], len(mine)], group=group, rank=sctx.rank, world_size=sctx.world_size
+    )
+    if sctx.rank != 0:
+        return
+    for r, (held, names, count) in enumerate(per_rank):
+        if count:
+            tally.fail(
+                f"rank {r}: the subject wrote into the model it exports: {count} of {held} tensor(s) changed "
+                f"({', '.join(names)}{', ...' if count > len(names) else ''}); the reference export reads the "
+                "changed model, so the values compared agree with it: convert a copy, never the parameter",
+                n=held,
+            )
+        else:
+            tally.ok(held)
 
 
 class _Ahead:

@@ -251,6 +251,9 @@ def run_twice(run_subject, factory, sctx, *, seed: int = SEED, receiver=None) ->
         if receiver is not None:
             receiver.check("receiver_reload", second, when="after the weight sync: ", wake=True, repeat=True)
     fold(first=first, second=second, before=first_reference.digests, after=second_reference.digests, tally=refresh)
+    if "model_intact" in first and "model_intact" in second:  # the second export must leave the model intact too
+        for failure in second["model_intact"].failures:
+            first["model_intact"].fail(f"second export (after the weight update): {failure}")
     if delta is not None:
         delta_tally = delta.finish()
     return {**first, "refresh": refresh, "refresh_delta": delta_tally}
