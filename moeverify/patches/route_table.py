@@ -27,6 +27,13 @@ from moeverify.patches.token_keys import TokenKeys, salted, version_salt
 DUPLICATES = ("refuse", "first")  # a key recorded with different routes: refuse at lookup, or keep the first
 _R2_ORIGIN = "this step's log-prob pass"
 _R2_REMEDY = "run the log-prob pass on every sequence the step trains on"
+# Where a padding token reads as content: packed sequences whose cu_seqlens_q holds the padded lengths (verl's
+# preprocess_packed_seqs passes cu_seqlens_padded as both) give padding no mark at all.
+_MARK_PADDING = (
+    "mark padding: padding_mask for [B, S] batches; for packed (THD) ones cu_seqlens_q must hold the real lengths "
+    "and cu_seqlens_q_padded the slots (passing the padded lengths as both, as verl's preprocess_packed_seqs does, "
+    "makes each slot's padding read as content)"
+)
 
 
 class _DeviceFlag:
@@ -367,14 +374,13 @@ class RouteTable:
             return (
                 f"{where} has no route recorded by {self.origin}{more}: no served version holds its whole sequence "
                 f"(versions {versions}; a sequence takes every route from the one version that rolled it out, "
-                f"never a shared prefix's route from another); {self.remedy}, or mark padding with padding_mask / "
-                "cu_seqlens_padded"
+                f"never a shared prefix's route from another); {self.remedy}, or {_MARK_PADDING}"
             )
         if not bool(found_T[t]):
             return (
                 f"{where} has no route recorded by {self.origin}{more}; in-job replay replays routes only on "
                 f"the tokens (same content and position from the sequence start) it recorded: {self.remedy}, "
-                "or mark padding with padding_mask / cu_seqlens_padded"
+                f"or {_MARK_PADDING}"
             )
         return (
             f"{where} was recorded more than once with different expert sets{more}: identical prefixes "

@@ -76,4 +76,4 @@ def test_verl_bshd_micro_batch_padding_is_not_told_to_the_model():
     # route check and have no route: refused, never replayed wrong
     result = run_peer(2)
     assert "has no route" in result.get("route_error", ""), result
-    assert "mark padding with padding_mask" in result["route_error"]
+    assert "mark padding: padding_mask" in result["route_error"]
