@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             import_bridge()
             print(_BRIDGED, end="", file=sys.stderr, flush=True)
         plugins.load(spec, what=what)
+        if what == "replay implementation":  # a factory of no argument: what it returns is checked here too
+            _made_replay_impl(spec)
     except UsageError as exc:
         print(
             _MARK + json.dumps({"error": str(exc), "import_error": isinstance(exc.__cause__, ImportError)}), flush=True
@@ -89,6 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(_MARK + json.dumps({"ok": True}), flush=True)
     return 0
+
+
+def _made_replay_impl(spec: str) -> None:
+    """Call a replay implementation's factory as the oracle does (``impls.make_impl``): one that raises, or returns
+    no ``ReplayImpl``, is refused before any rank starts (a rank would end on it)."""
+    from moeverify.oracles.replay.impls import make_impl  # lazy: torch, megatron
+
+    try:
+        make_impl(spec)
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (the user's factory: whatever it raises is the finding)
+        raise UsageError(f"replay implementation {spec!r}: its factory raised {type(exc).__name__}: {exc}") from exc
 
 
 if __name__ == "__main__":

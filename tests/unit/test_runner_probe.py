@@ -66,3 +66,19 @@ def test_probe_plugins_names_each_user_plugin_once(tmp_path, monkeypatch):
         "loading subject mine.py:f as a rank would, before any rank starts ...",
         "loading replay implementation impl.py:g as a rank would, before any rank starts ...",
     ]
+
+
+def test_probe_calls_a_replay_implementations_factory_and_checks_what_it_returns(tmp_path):
+    # both reached a rank before: the factory is called only there (exit 1, not a usage error)
+    (tmp_path / "impl.py").write_text(
+        "from moeverify.oracles.replay.impls import MoeverifyReplay\n"
+        "def good():\n    return MoeverifyReplay()\n"
+        "def not_impl():\n    return object()\n"
+        "def raises():\n    raise RuntimeError('factory boom')\n"
+    )
+    what = "replay implementation"
+    probe.probe(f"{tmp_path}/impl.py:good", what=what)
+    with pytest.raises(UsageError, match=r"impl\.py:not_impl' returned object, expected a ReplayImpl"):
+        probe.probe(f"{tmp_path}/impl.py:not_impl", what=what)
+    with pytest.raises(UsageError, match=r"impl\.py:raises': its factory raised RuntimeError: factory boom"):
+        probe.probe(f"{tmp_path}/impl.py:raises", what=what)
