@@ -462,7 +462,10 @@ class Replaying:
             shape = tuple(self.per_layer[layer][mb].shape)
             raise RouteError(
                 f"layer {layer} rank {self.rank} mb {mb}: replay ids shape {shape}"
-                f" != expected (T={tokens}, K={router.topk}) for this router call"
+                f" != expected (T={tokens}, K={router.topk}) for this router call: forward {mb} replays micro-batch "
+                f"{mb}'s routes, so the training micro-batches must be the recorded ones, in order (routes.take(order) "
+                "for shuffled ones); micro-batches regrouped between the passes (another size, dynamic batching) need "
+                "in-job R2 (MOEVERIFY_ROUTER_REPLAY=r2), which follows each token"
             )
         return self.sorted_ids[layer][mb]
 

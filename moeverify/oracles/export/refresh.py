@@ -118,8 +118,8 @@ class Delta:
     where the reference changed between them, element by element, and to the new bits.
 
     ``first`` (a sink of the first export) keeps what the subject streamed; ``second(sink)`` compares each tensor of
-    the second with it and with the two references (``Fingerprints`` with ``keep``). Only elements the first export
-    sent right are judged (the first export's own failures are its subchecks'); each wrong element is named by what
+    the second with it and with the two references (``Fingerprints`` with ``keep``). Only tensors the first export
+    sent right, every element, are judged (the first export's own failures are its subchecks'); each wrong element is named by what
     it holds: the previous export's bits where the weights changed (a frozen base shipped, a copy read before the
     optimizer step or before pending gathers finished), bits of neither version (a buffer reused or overwritten
     before it was read), or a change where the weights did not change."""
@@ -142,6 +142,10 @@ class Delta:
             return  # a shape or dtype change: shape_dtype's
         s1b, r1b, r2b, s2b = (bits(t.detach().contiguous()).reshape(-1) for t in (s1, r1, r2, tensor))
         judged = s1b == r1b
+        if not bool(judged.all()):
+            # the first export sent this tensor wrong (its own subchecks say so): elements it got right by chance
+            # (a permutation meeting an equal value) would read as a second-export fault of their own
+            return
         changed, moved, wrong = r1b != r2b, s1b != s2b, s2b != r2b
         n = int(judged.sum())
         if not n:
