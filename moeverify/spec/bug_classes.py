@@ -487,8 +487,8 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "export:stale_one_element: one element (the first rank 0 sends) keeps the first export's bits where the "
         "weights changed",
         "tensors the first export already sent wrong anywhere (left to its own subchecks); a change where the "
-        "weights did not change is seen at the elements the built-in update holds (one in 16 of a tensor of 64 or more) and "
-        "nowhere else (one update, two exports)",
+        "weights did not change is seen at the elements the built-in update holds (one in 16 of a tensor of 64 or "
+        "more) and nowhere else (one update, two exports)",
     ),
     ("export", "receiver_ranks"): (
         "receiver:one_rank_one_element_stale: one rank (rank 1 of 2) keeps one element of one expert's down_proj at "

@@ -120,9 +120,9 @@ class Delta:
     ``first`` (a sink of the first export) keeps what the subject streamed; ``second(sink)`` compares each tensor of
     the second with it and with the two references (``Fingerprints`` with ``keep``). Only tensors the first export
     sent right, every element, are judged (the first export's own failures are its subchecks'); each wrong element
-    is named by what it holds: the previous export's bits where the weights changed (a frozen base shipped, a copy read before the
-    optimizer step or before pending gathers finished), bits of neither version (a buffer reused or overwritten
-    before it was read), or a change where the weights did not change."""
+    is named by what it holds: the previous export's bits where the weights changed (a frozen base shipped, a copy
+    read before the optimizer step or before pending gathers finished), bits of neither version (a buffer reused or
+    overwritten before it was read), or a change where the weights did not change."""
 
     def __init__(self, before: Fingerprints, after: Fingerprints) -> None:
         self._before, self._after = before, after
