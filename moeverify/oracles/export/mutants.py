@@ -414,12 +414,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="conflicting_write", fails=("conflicts",), collateral=("bitwise", "replicas"), factory=conflicting_write
     ),
-    Mutant(
-        name="extra_row",
-        fails=("lockstep",),
-        collateral=_AFTER_LOCKSTEP,
-        factory=extra_row,
-    ),
+    Mutant(name="extra_row", fails=("lockstep",), collateral=_AFTER_LOCKSTEP, factory=extra_row),
     Mutant(
         name="different_slot_table",
         fails=("slot_tables",),
@@ -467,12 +462,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # the written element may be a replica the last rank sends (a DP or PP copy): replicas may see it too
     Mutant(name="writes_model", fails=("model_intact",), collateral=("replicas",), factory=writes_model),
-    Mutant(
-        name="raises_mid_stream",
-        fails=("lockstep",),
-        collateral=_AFTER_LOCKSTEP,
-        factory=raises_mid_stream,
-    ),
+    Mutant(name="raises_mid_stream", fails=("lockstep",), collateral=_AFTER_LOCKSTEP, factory=raises_mid_stream),
 )
 
 
