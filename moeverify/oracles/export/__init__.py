@@ -15,6 +15,8 @@ import ShardRow``). Modules, one concept each:
 - ``refresh``: the ``refresh`` subcheck: a second export after an optimizer-like weight update;
 - ``receiver``: the ``receiver`` subcheck: what an engine holds after loading the subject's stream, vs the
   reference (``receiver_transformers``, ``receiver_mutants``);
+- ``intact``: the ``model_intact`` subcheck: the model's parameters and buffers fingerprinted before and after the
+  subject's stream;
 - ``mutants``: injected export bugs, each shown to fail its named subchecks.
 """
 
