@@ -99,6 +99,16 @@ def test_export_a_reused_staging_buffer_is_refused_naming_the_item(sctx):
     assert _failed(_run(lambda ctx: ((n, t.clone()) for n, t in REFERENCE.items()), sctx)) == set()
 
 
+def test_export_a_subject_raising_inside_torch_names_its_own_line_too(sctx):
+    def factory(ctx):
+        yield "a", REFERENCE["a"]
+        torch.split(torch.zeros(3), [1, 1])  # raises inside torch's Python code
+
+    message = _run(factory, sctx)["lockstep"]["failures"][0]
+    assert "subject raised RuntimeError" in message and "site-packages/torch/" in message, message
+    assert f"called from {__file__}:" in message, message
+
+
 def test_export_wrong_item_type_fails_lockstep(sctx):
     result = _run(lambda ctx: iter([("a", REFERENCE["a"]), "b"]), sctx)
     assert _failed(result) == set(export.SUBCHECKS)

@@ -260,8 +260,22 @@ def _drain(factory, sctx) -> tuple[list[DrainedRow], str | None]:
     try:
         return drain(iterate_subject(factory, sctx), rank=sctx.rank), None
     except Exception as exc:  # a raising subject is a finding, reported through lockstep
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        return [], f"rank {sctx.rank}: subject raised {type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})"
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = frames[-1]
+        at = f"{where.filename}:{where.lineno}"
+        own = [f for f in frames if not _library_frame(f.filename)]
+        if own and own[-1] is not where:  # raised inside a library (torch): the subject's line that called it too
+            at += f", called from {own[-1].filename}:{own[-1].lineno}"
+        return [], f"rank {sctx.rank}: subject raised {type(exc).__name__}: {exc} (at {at})"
+
+
+def _library_frame(filename: str) -> bool:
+    """A frame of an installed package or of moeverify itself (not the subject's own code)."""
+    path = Path(filename).resolve()
+    return "site-packages" in path.parts or "dist-packages" in path.parts or _PACKAGE_DIR in path.parents
+
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[2]  # moeverify/
 
 
 def _names_hash(rows: list[DrainedRow]) -> int:
