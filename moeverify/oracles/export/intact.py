@@ -6,7 +6,7 @@ copy) exports values the reference then agrees with: every other subcheck passes
 chunks' parameters and floating buffers before the subject runs and after it is drained, and names what changed.
 
 A fingerprint is a wrapping sum of splitmix64 over each element's bits and flat position (``runtime.hash64``),
-taken on the tensor's own device in slices of ``_SLICE`` elements (a few times a slice of scratch memory), read
+taken on the tensor's own device in slices of ``_SLICE`` elements (a few 16 MB temporaries), read
 with one host sync per model.
 """
 
@@ -17,7 +17,7 @@ import torch
 from moeverify.runtime.hash64 import GOLDEN, mix
 
 SUBCHECK = "model_intact"
-_SLICE = 1 << 24
+_SLICE = 1 << 21  # 2M elements: a few 16 MB temporaries
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
