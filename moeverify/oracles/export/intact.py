@@ -7,7 +7,7 @@ chunks' parameters and floating buffers before the subject runs and after it is 
 
 A fingerprint is a wrapping sum of splitmix64 over each element's bits and flat position (``runtime.hash64``),
 taken on the tensor's own device in slices of ``_SLICE`` elements (a few 16 MB temporaries), read
-with one host sync per model.
+with one host read per device.
 """
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ def _print(t: torch.Tensor) -> torch.Tensor:
 
 def fingerprints(state: list[tuple[str, torch.Tensor]]) -> list[int]:
     """One fingerprint per tensor of ``named_state``'s list (one host read)."""
-    if not state:
-        return []
-    return [int(v) for v in torch.stack([_print(t).cpu() for _, t in state]).tolist()]
+    prints = [_print(t) for _, t in state]
+    out: list[int] = [0] * len(prints)
+    for device in {p.device for p in prints}:  # one read per device, not one per tensor
+        where = [i for i, p in enumerate(prints) if p.device == device]
+        for i, value in zip(where, torch.stack([prints[i] for i in where]).tolist(), strict=True):
+            out[i] = int(value)
+    return out
 
 
 def changed(state: list[tuple[str, torch.Tensor]], before: list[int]) -> list[str]:
