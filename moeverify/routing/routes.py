@@ -335,6 +335,8 @@ class Routes:
         """Micro-batches ``microbatches`` of these routes, in that order (one may repeat, some may be left out):
         the routes of a PPO loop's shuffled micro-batches. Routes from ``session.routes()`` keep their recorded
         inputs through it: forward ``i`` of the replay must have micro-batch ``microbatches[i]``'s token ids."""
+        if hasattr(microbatches, "tolist"):  # a NumPy array or a tensor of indices (a permutation)
+            microbatches = microbatches.tolist()
         if isinstance(microbatches, (str, bytes)) or not isinstance(microbatches, Sequence) or not microbatches:
             raise RouteError(f"take: expected a non-empty list of micro-batch indices, got {microbatches!r}")
         order = []

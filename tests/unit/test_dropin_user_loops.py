@@ -346,6 +346,10 @@ def test_loop_microbatch_order_changed_is_refused(qwen):
     session.check_consumed()
     with pytest.raises(RouteError, match=r"take: micro-batch 3 is not an index of the 3 micro-batch"):
         routes.take([0, 3])
+    assert routes.take(torch.tensor([2, 0, 1])).taken_from[1] == (2, 0, 1)  # a permutation as a tensor
+    for bad in ([], "012", [1.0], [True]):
+        with pytest.raises(RouteError, match=r"take: "):
+            routes.take(bad)
 
 
 def test_loop_misuse_is_refused(qwen):
