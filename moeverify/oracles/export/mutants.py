@@ -40,8 +40,19 @@ class Mutant:
 
 
 def _rows(ctx):
-
+    _undo_model_writes()  # what writes_model left in the shared model, before the next mutant reads it
     return sharded_rows(ctx)
+
+
+# (a view of the element writes_model changed, its bits before): undone when the next mutant starts, so that the
+# mutants after it in one scenario (they share one built model) read the model as built
+_MODEL_WRITES: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _undo_model_writes() -> None:
+    while _MODEL_WRITES:
+        view, before = _MODEL_WRITES.pop()
+        view.copy_(before)
 
 
 def _concrete(row: ShardRow) -> list[Slot]:
@@ -324,12 +335,14 @@ def diverged_replica(ctx):
 def writes_model(ctx):
     """The lowest bit of one element of one parameter (the last rank's first) flipped in place while exporting.
     Bug class: a converter that applies a norm offset, a scale or a cast to the parameter itself instead of to its
-    copy; the reference export, read after the subject, sees the changed model and agrees with it."""
+    copy; the reference export, read after the subject, sees the changed model and agrees with it. The next mutant
+    undoes the write (``_rows``): the mutants of a scenario share one model."""
     yield from _rows(ctx)
     if ctx.rank == ctx.world_size - 1:
         param = next(p for chunk in ctx.model_chunks for p in chunk.parameters() if p.numel())
-        flat = param.data.view(-1)
-        flat[:1] = _flip_low_bit(flat[:1].clone(), 0)
+        element = param.data.view(-1)[:1]
+        _MODEL_WRITES.append((element, element.clone()))
+        element.copy_(_flip_low_bit(element.clone(), 0))
 
 
 def raises_mid_stream(ctx):
@@ -509,6 +522,7 @@ def stale_pp_broadcast(ctx):
     buffers) reused on later exports: this rank's own stage is fresh, the others' tensors are the first
     step's."""
 
+    _undo_model_writes()  # it reads the model without _rows
     cache = _cache(ctx, "pp_broadcast")
     local = _local_hf_names(ctx)
     for name, tensor in gather_tensors(ctx):
