@@ -237,3 +237,32 @@ def test_in_layout_subchecks_run_on_one_build_and_keep_no_copy(impl, builds):
         REPLAY_IN_LAYOUT, (True, True)
     )
     assert setup.builds == builds and (setup.weights == {}) == (builds["copied"] == 0)
+
+
+def test_validation_refuses_each_bad_case_for_its_own_reason_on_one_build(monkeypatch):
+    """The validation subcheck's control forward replays the first micro-batch's routes alone, so it uses every route
+    it is given: the bad routes after it are refused for their own fault (not because the control left micro-batches
+    unused, which made every case but the first pass whatever the implementation checks) and no model is rebuilt."""
+    from moeverify.oracles.replay import subchecks as sc
+    from moeverify.oracles.results import Tally
+
+    setup = _setup("qwen3_moe")
+    setup.impl.apply()
+    errors = []
+    one_forward = sc._one_forward
+
+    def spy(chunks, item, *, impl, routes):
+        routed, error = one_forward(chunks, item, impl=impl, routes=routes)
+        errors.append(error)
+        return routed, error
+
+    monkeypatch.setattr(sc, "_one_forward", spy)
+    t = Tally()
+    sc._validation(setup, t)
+    assert t.passed and t.checked == 10 and setup.builds == {"loaded": 1, "copied": 0}
+    controls, bad = errors[0::2], errors[1::2]
+    assert controls == [None] * 5
+    assert all("never used" not in e for e in bad), bad
+    assert [e.split(": ", 1)[0] for e in bad] == ["RouteError"] * 5
+    wants = ["shape", "dtype", "out of range", "layers", "twice"]
+    assert [w for w, e in zip(wants, bad, strict=True) if w not in e] == []
