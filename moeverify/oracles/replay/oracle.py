@@ -145,8 +145,10 @@ def run(ctx) -> dict[str, Tally]:
         notes[s.variant.name]["weight_copies"] = {
             lay.name(ctx.world_size): {"bytes": c.nbytes, "on": c.device} for lay, c in s.weights.items()
         }
+        notes[s.variant.name]["handed_over"] = s.handed_over
         notes[s.variant.name]["seconds"] = dict(s.seconds)  # each step alone (a step's nested steps apart)
         s.weights.clear()
+        s.kept = None
     return _report(ctx, opts, coords, tallies, notes, skipped)
 
 

@@ -12,7 +12,8 @@ tensors in, after checking that the new build has exactly the same names, shapes
 the bridge as the first did). One copy of this rank's model, against one load and conversion per build. The copy
 stays on the GPU only while the device keeps room for it and for the model's gradients besides (``copy_home``);
 else it is held in host memory (a production-depth bf16 build: the model, its gradients and a copy would not fit
-one GPU together).
+one GPU together); then a later build takes the tensors the build before it still holds on the GPU, where they are
+the loaded ones (``handover``), and only the others from the host.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from moeverify import models
 from moeverify.errors import RankDisagreement
 from moeverify.models import family_shape, hf_config_dict
 from moeverify.oracles.replay import drive as rd
+from moeverify.oracles.replay import handover
 from moeverify.oracles.replay.impls import ReplayImpl
 from moeverify.oracles.results import Tally
 from moeverify.patches.routers import find_routers
@@ -65,6 +67,8 @@ class Setup:
     items: list
     weights: dict = dataclasses.field(default_factory=dict)  # Layout -> WeightCopy of its first build
     keep_copies: bool = True  # a first build keeps a WeightCopy (off when no later build will use it)
+    kept: handover.Kept | None = None  # the last build's tensors, where the next build may take them (``handover``)
+    handed_over: int = 0  # tensors later builds took from the build before them on the device
     builds: dict = dataclasses.field(default_factory=lambda: {"loaded": 0, "copied": 0})
     seconds: dict = dataclasses.field(default_factory=dict)  # step -> wall seconds spent in it alone (``guarded``)
     _open: list = dataclasses.field(default_factory=list)  # seconds the steps running now spent in nested steps
@@ -104,6 +108,7 @@ class WeightCopy:
     with room to spare (``copy_home``), else in host memory; a CPU model's copy stays on the CPU."""
 
     tensors: dict[tuple[int, str], torch.Tensor]
+    prints: dict | None = None  # the loaded large tensors' prints, where a later build may take them over
 
     @property
     def nbytes(self) -> int:
@@ -120,20 +125,24 @@ class WeightCopy:
         if any(t.is_cuda for t in tensors.values()):
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             home = copy_home(nbytes, free=torch.cuda.mem_get_info()[0])
+        prints = handover.prints(tensors) if handover.applies(tensors, home or "cpu") else None
         with torch.no_grad():
-            return cls({key: t.detach().to(home or t.device, copy=True) for key, t in tensors.items()})
+            return cls({key: t.detach().to(home or t.device, copy=True) for key, t in tensors.items()}, prints)
 
-    def restore(self, chunks: list) -> bool:
-        """Copy into ``chunks`` when they hold exactly these names, shapes and dtypes (True), else touch nothing."""
+    def restore(self, chunks: list, *, kept: handover.Kept | None = None) -> int | None:
+        """Copy into ``chunks`` when they hold exactly these names, shapes and dtypes, else touch nothing (None):
+        each tensor from ``kept`` where it is the loaded one (``handover.intact``), else from this copy. Returns how
+        many came from ``kept``."""
         mine = _tensors(chunks)
         if mine.keys() != self.tensors.keys() or any(
             (t.shape, t.dtype) != (self.tensors[k].shape, self.tensors[k].dtype) for k, t in mine.items()
         ):
-            return False
+            return None
+        same = handover.intact(kept, self.prints) if kept is not None and self.prints else set()
         with torch.no_grad():
             for key, t in mine.items():
-                t.copy_(self.tensors[key])
-        return True
+                t.copy_(kept.tensors[key] if key in same else self.tensors[key])
+        return len(same)
 
 
 def _tensors(chunks: list) -> dict[tuple[int, str], torch.Tensor]:
@@ -158,8 +167,11 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
     settings = build_settings(setup.opts, setup.variant, overrides, extra)
     if sum(c.nbytes for c in setup.weights.values()) > COLLECT_ABOVE:
         gc.collect()  # a model the last subcheck dropped (modules and hooks hold each other in cycles) goes first
-    chunks = None
-    if (copy := setup.weights.get(layout)) is not None:
+    chunks, copy = None, setup.weights.get(layout)
+    kept, setup.kept = setup.kept, None
+    if kept is not None and (copy is None or kept.layout != layout or not handover.room_for(kept, copy.nbytes)):
+        kept = None  # freed before the build: no room for two models' weights, or not this build's
+    if copy is not None:
         chunks = models.build(
             scenario.model,
             layout,
@@ -167,8 +179,11 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
             load_weights=False,
             overrides={**settings, "perform_initialization": False},
         ).model_chunks
-        if copy.restore(chunks):
+        taken = copy.restore(chunks, kept=kept)
+        kept = None
+        if taken is not None:
             setup.builds["copied"] += 1
+            setup.handed_over += taken
         else:  # another structure (an option that adds a tensor): load it as the first build did
             chunks = None
     if chunks is None:
@@ -180,6 +195,8 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
         _seed_expert_bias(chunks, seed=scenario.seed)
     if setup.variant.tied_scores:
         _tie_router_rows(chunks)
+    if (copy := setup.weights.get(layout)) is not None and copy.prints is not None:
+        setup.kept = handover.keep(_tensors(chunks), layout)
     return chunks
 
 
