@@ -169,6 +169,7 @@ def test_replay_subcheck_fails_for_mutant(tmp_path, mutant, subcheck, reason):
     assert any(reason in f for f in sub["failures"]), _summary(record)
 
 
+@pytest.mark.release  # make test keeps the mutant catalogue's reversed_slots (caught by weights) at the tiny width
 def test_replay_weights_catch_right_ids_in_another_slot_order_at_top8_of_64(tmp_path):
     # deepseek_v3_wide: top-8 of 64 in 8 groups with an expert bias; a sum of 8 probabilities depends on its order.
     # The control (moeverify passes weights on this family, both variants) is scenarios/families_ci.yaml's run.

@@ -131,6 +131,7 @@ def test_groups_of_4_and_8_ranks_spread_over_two_nodes(tmp_path):
     assert "node 0 finished with exit code 0" in out1
 
 
+@pytest.mark.release  # make test keeps the one-node case (test_runner: a raise on rank 1 is reported)
 def test_a_rank_of_node_1_that_raises_is_named_and_the_next_scenario_runs(tmp_path):
     nodes = TwoNodes(
         tmp_path,

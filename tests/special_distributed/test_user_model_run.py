@@ -41,6 +41,7 @@ def _assert_all_passed(run, scenario: str, checks) -> None:
         assert sum(s["checked"] for s in record["subchecks"].values()) > 0, (check, record)
 
 
+@pytest.mark.release  # make test keeps the real-weights directory run through --model
 def test_shrunk_production_config_in_a_scenario_file(run_moeverify, tmp_path, monkeypatch):
     monkeypatch.setenv("MOEVERIFY_CACHE_DIR", str(tmp_path / "cache"))
     _prod_config().save_pretrained(tmp_path / "Qwen3-Prod")
