@@ -158,6 +158,13 @@ def align(
             ids = torch.from_numpy(np.ascontiguousarray(cols).astype(np.int64))
             gap_N = _gap_rows(ids, where=f"{where}: request {r}", layers=train.layers)
             keep = (~gap_N).nonzero().flatten()
+            if keep.numel() == 0:  # nothing of this request compared: its routes, right or wrong, would go unseen
+                held = "no row" if arr.shape[0] == 0 else f"{arr.shape[0]} row(s), every one a capture gap"
+                raise UsageError(
+                    f"{where}: request {r} holds {held} for training sequence {r} of {length} position(s): the "
+                    "engine captured nothing of it, so none of its routes can be compared (is it the request "
+                    "training packed there? an engine returns a row for every position but the last)"
+                )
             gaps += int(gap_N.sum())
             uncaptured += length - int(arr.shape[0])
             rows_idx.append(b * length + keep)

@@ -1,0 +1,51 @@
+"""``dump diff --rollout``: a request the engine captured nothing of (no row, or capture gaps alone) is refused
+naming it: its routes would go unseen, and a step of such requests compared zero tokens and read as agreement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeverify import record
+from moeverify.cli import main
+from moeverify.routing.routes import Routes
+
+
+def _train(tmp_path):
+    seq_TK = [[0, 1], [1, 2], [2, 3], [3, 0]]
+    both = torch.tensor(seq_TK + [[1, 3], [2, 0], [0, 2], [3, 1]])  # two sequences of 4, batch 2
+    record.save(tmp_path / "train", Routes({0: [both]}, num_experts=4, topk=2), seq_len=4, batch=2, order="sequence")
+    return np.array(seq_TK)[:, None, :]
+
+
+@pytest.mark.parametrize(
+    ("what", "second"),
+    [
+        ("no row", np.zeros((0, 1, 2), dtype=np.int64)),
+        ("every one a capture gap", np.full((3, 1, 2), -1, dtype=np.int64)),
+    ],
+)
+def test_a_request_with_nothing_captured_is_refused(tmp_path, capsys, what, second):
+    first = _train(tmp_path)
+    path = tmp_path / "rollout.npz"
+    np.savez(path, req0=first[:3], req1=second)
+    assert main(["dump", "diff", str(tmp_path / "train"), str(path), "--rollout", "--fail-on-diff"]) == 2
+    err = capsys.readouterr().err
+    assert "request 1 holds" in err and what in err and "none of its routes can be compared" in err, err
+
+
+def test_a_padded_array_of_padding_alone_compares_nothing_and_is_refused(tmp_path, capsys):
+    _train(tmp_path)
+    path = tmp_path / "rollout.npy"
+    np.save(path, np.full((2, 4, 1, 2), -1, dtype=np.int64))
+    assert main(["dump", "diff", str(tmp_path / "train"), str(path), "--rollout", "--fail-on-diff"]) == 2
+    assert "request 0 holds no row" in capsys.readouterr().err
+
+
+def test_each_request_with_a_row_is_compared(tmp_path, capsys):
+    first = _train(tmp_path)
+    path = tmp_path / "rollout.npz"
+    np.savez(path, req0=first[:3], req1=np.array([[[1, 3]]]))
+    assert main(["dump", "diff", str(tmp_path / "train"), str(path), "--rollout", "--fail-on-diff"]) == 0
+    assert "4 token(s) compared" in capsys.readouterr().out
