@@ -177,6 +177,13 @@ def _mapped(args, a, b):
             f"routes of different models (an expert map, --expert-map-a/-b, maps physical slots to "
             f"logical experts)"
         )
+    dumps = [side.routes.dump for side in (a, b) if isinstance(side.routes, stream.DumpSource)]
+    if len(dumps) == 2 and dumps[0].model.num_layers != dumps[1].model.num_layers:
+        raise UsageError(
+            f"cannot diff: A ({a.source}) is a model of {dumps[0].model.num_layers} decoder layers, B ({b.source}) "
+            f"of {dumps[1].model.num_layers}: routes of different models (their MoE layers being the same "
+            "numbers is no proof they are the same layers)"
+        )
     experts = max(src_a.num_experts, src_b.num_experts)
     maps = {k: m.as_json() for k, m in (("a", map_a), ("b", map_b)) if m is not None} or None
     return stream.widen(src_a, experts), stream.widen(src_b, experts), maps

@@ -49,3 +49,17 @@ def test_each_request_with_a_row_is_compared(tmp_path, capsys):
     np.savez(path, req0=first[:3], req1=np.array([[[1, 3]]]))
     assert main(["dump", "diff", str(tmp_path / "train"), str(path), "--rollout", "--fail-on-diff"]) == 0
     assert "4 token(s) compared" in capsys.readouterr().out
+
+
+def test_dumps_of_models_of_different_depths_are_not_compared(tmp_path, capsys):
+    """The same MoE layer numbers in models of 3 and 5 decoder layers are not the same layers: refused, not passed."""
+    gen = torch.Generator().manual_seed(0)
+    routes = Routes({0: [torch.rand(8, 4, generator=gen).topk(2, dim=1).indices]}, num_experts=4, topk=2)
+    same = dict(seq_len=4, batch=2, order="sequence")
+    record.save(tmp_path / "a", routes, num_layers=3, **same)
+    record.save(tmp_path / "b", routes, num_layers=5, **same)
+    assert main(["dump", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--fail-on-diff"]) == 2
+    err = capsys.readouterr().err
+    assert "3 decoder layers" in err and "of 5" in err, err
+    record.save(tmp_path / "c", routes, num_layers=3, **same)
+    assert main(["dump", "diff", str(tmp_path / "a"), str(tmp_path / "c"), "--fail-on-diff"]) == 0
