@@ -200,6 +200,8 @@ class ModelInfo:
         self._validate()
 
     def _validate(self) -> None:
+        if not 1 <= self.num_layers <= MAX_LAYERS:  # what a reader refuses is never written
+            raise DumpError(f"model: num_layers {self.num_layers} outside [1, {MAX_LAYERS}]")
         if self.num_experts < 1 or not 1 <= self.topk <= self.num_experts:
             raise DumpError(
                 f"model: need 1 <= topk <= num_experts, got topk {self.topk}, num_experts {self.num_experts}"

@@ -148,7 +148,7 @@ class Dump:
         info = self._step(step)
         return "sequence" if info.seq_len is not None and info.batch is not None else None
 
-    def routes(self, *, step: int = 0) -> Routes:
+    def routes(self, step: int = 0) -> Routes:
         """The merged global routes of ``step``: ``[tokens, topk]`` per MoE layer and micro-batch."""
         info = self._step(step)
         if self.world_size == 1 and info.seq_len is None:

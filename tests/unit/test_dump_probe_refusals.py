@@ -1,0 +1,31 @@
+"""Dump files a user probe wrote or read that moeverify accepted where it should refuse, or refused where the docs
+promise a call works: what a reader refuses is never written, and the documented calls run as written."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moeverify import record
+from moeverify.cli import main
+from moeverify.routing.routes import Routes
+
+
+def _routes():
+    gen = torch.Generator().manual_seed(0)
+    return Routes({0: [torch.rand(8, 4, generator=gen).topk(2, dim=1).indices]}, num_experts=4, topk=2)
+
+
+def test_convert_refuses_a_layer_count_the_reader_would_refuse(tmp_path, capsys):
+    array = tmp_path / "a.npy"
+    np.save(array, np.tile(np.array([0, 1]), (8, 3, 1)))  # [tokens, layers, topk]
+    out = tmp_path / "big"
+    argv = ["dump", "convert", str(array), str(out), "--seq-len", "4", "--batch", "2", "--order", "sequence"]
+    assert main([*argv, "--moe-layers", "0,1,1000000000000"]) == 2
+    assert "num_layers 1000000000001 outside" in capsys.readouterr().err and not out.exists()
+
+
+def test_dump_routes_takes_the_step_as_the_docs_write_it(tmp_path):
+    record.save(tmp_path / "d", _routes(), step=3, seq_len=4, batch=2, order="sequence")
+    dump = record.load(tmp_path / "d")
+    assert torch.equal(dump.routes(3).get(0, 0), dump.routes(step=3).get(0, 0))
