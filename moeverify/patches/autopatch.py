@@ -246,8 +246,9 @@ class ProcessSession:
                     for mb in range(routes.microbatches)
                 )
             self._step_ends[step] = (max(self._step_ends.values(), default=0)) + routes.microbatches
-        self._state = state.Replaying(
+        self._state = _JobReplaying(
             {k: tuple(v) for k, v in per_layer.items()},
+            session=self,
             recompute="auto",
             rank=self.rank,
             original=rr.original_routing(),
@@ -368,6 +369,36 @@ class ProcessSession:
         if self._state is None:
             return []
         return [f"{ENV}: {p}" for p in self._state.problems()]
+
+
+class _JobReplaying(state.Replaying):
+    """Whole-job replay: one queue of forwards per layer over every recorded step; its messages name steps (a queue
+    index is a forward of the job, not a micro-batch of a step)."""
+
+    def __init__(self, per_layer, *, session: ProcessSession, **kwargs):
+        super().__init__(per_layer, **kwargs)
+        self.session = session
+
+    def exhausted(self, layer: int, total: int) -> str:
+        s = self.session
+        return (
+            f"layer {layer} rank {self.rank}: optimizer step {s.step} runs forward {total + 1} of the job, but "
+            f"{s.setting.directory} holds {total} ({len(s._step_ends)} recorded step(s)): the job runs more steps "
+            "or micro-batches than the recorded run"
+        )
+
+    def unused(self) -> list[str]:
+        found, ends = [], sorted(self.session._step_ends.items())
+        for layer, mbs in self.per_layer.items():
+            ran = self.next_mb[layer]
+            if ran < len(mbs):
+                short = [step for step, end in ends if end > ran]
+                found.append(
+                    f"layer {layer} rank {self.rank}: the job ran {ran} of the {len(mbs)} forwards "
+                    f"{self.session.setting.directory} holds; recorded step(s) {short} did not run in full (the job "
+                    "ended before the recorded run did)"
+                )
+        return found
 
 
 class _ShapedRecording(state.Recording):

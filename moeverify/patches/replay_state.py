@@ -469,6 +469,13 @@ class Replaying:
             )
         return self.sorted_ids[layer][mb]
 
+    def exhausted(self, layer: int, total: int) -> str:
+        """Why a forward past the last replayed micro-batch of ``layer`` is refused."""
+        return (
+            f"layer {layer} rank {self.rank}: forward {total + 1} of this replay, but {total} micro-batch(es) were "
+            f"given to it (the training step runs more forwards than the routes hold)"
+        )
+
     def describe(self, layer) -> str:
         if layer not in self.next_mb:
             return "no routes for this layer"
@@ -482,10 +489,7 @@ class Replaying:
         total = len(self.per_layer[layer])
         mb = self.next_mb[layer]
         if mb >= total:
-            raise RouteError(
-                f"layer {layer} rank {self.rank} mb {mb}: forward asked for micro-batch {mb} but "
-                f"only {total} were given to replay (expected {total} forward(s), got more)"
-            )
+            raise RouteError(self.exhausted(layer, total))
         self.next_mb[layer] = mb + 1
         region = regions.forward_region()
         if region is not None:

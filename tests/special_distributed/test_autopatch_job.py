@@ -87,7 +87,7 @@ def test_autopatch_job_other_micro_batching_fails(tmp_path):
         -2000:
     ]
     fewer = run_job("replay", dump, tmp_path / "q.json", steps=1, microbatches=1)
-    assert fewer.returncode == 3 and "never used in a forward" in fewer.stderr, fewer.stderr[-2000:]
+    assert fewer.returncode == 3 and "recorded step(s) [0] did not run in full" in fewer.stderr, fewer.stderr[-2000:]
 
 
 def test_autopatch_entry_point_usage_errors(tmp_path):

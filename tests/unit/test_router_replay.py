@@ -268,7 +268,7 @@ def test_replay_too_few_microbatches_raises():
     session = rr.ReplaySession(router)
     with session.replay(random_routes([0], microbatches=1)):
         router(hidden(0))
-        with pytest.raises(RouteError, match=r"layer 0 rank 0 mb 1: forward asked for micro-batch 1 but only 1"):
+        with pytest.raises(RouteError, match=r"layer 0 rank 0: forward 2 of this replay, but 1 micro-batch"):
             router(hidden(1))
 
 
