@@ -62,7 +62,10 @@ def read_router_trace(
         allow_empty: a file without decoder records gives ``{}`` (a pipeline stage without MoE layers).
     """
     path = Path(path)
-    calls = _parse(path, step=step, layer_offset=layer_offset, rank=rank)
+    named = TRACE_FILE.match(path.name)  # a record that names its rank names the file's (where the name says one)
+    calls = _parse(
+        path, step=step, layer_offset=layer_offset, rank=rank, named=None if named is None else int(named[1])
+    )
     if not calls:
         if allow_empty:
             return {}
@@ -94,7 +97,9 @@ def _int_field(rec: dict, key: str) -> int:
     return value
 
 
-def _parse(path: Path, *, step: int | None, layer_offset: int, rank: int | None) -> dict[int, list[_Call]]:
+def _parse(
+    path: Path, *, step: int | None, layer_offset: int, rank: int | None, named: int | None = None
+) -> dict[int, list[_Call]]:
     """The decoder records of each step, in file order; every record checked, naming its line."""
     if not path.is_file():  # a FIFO or a device would block the read, or never end
         raise DumpError(f"{path}: not a regular file" if path.exists() else f"{path}: no such file")
@@ -134,6 +139,8 @@ def _parse(path: Path, *, step: int | None, layer_offset: int, rank: int | None)
                 _int_field(rec, "rank")
             if rank is not None and rec.get("rank") != rank:
                 raise ValueError(f"the record says rank {rec.get('rank')!r}, the file name rank {rank}")
+            if named is not None and "rank" in rec and rec["rank"] != named:
+                raise ValueError(f"the record says rank {rec['rank']!r}, the file name ({path.name}) rank {named}")
         except KeyError as exc:
             raise DumpError(f"{path}:{lineno}: not a router_trace record: field {exc} missing") from None
         except (ValueError, TypeError, RuntimeError) as exc:

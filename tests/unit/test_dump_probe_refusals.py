@@ -29,3 +29,16 @@ def test_dump_routes_takes_the_step_as_the_docs_write_it(tmp_path):
     record.save(tmp_path / "d", _routes(), step=3, seq_len=4, batch=2, order="sequence")
     dump = record.load(tmp_path / "d")
     assert torch.equal(dump.routes(3).get(0, 0), dump.routes(step=3).get(0, 0))
+
+
+def test_a_trace_record_of_another_rank_than_its_file_name_is_refused(tmp_path, capsys):
+    import json
+
+    rec = {"step": 0, "block": "decoder", "layer": 0, "num_tokens": 2, "topk": 2, "top_indices": [[0, 1], [1, 2]]}
+    trace = tmp_path / "router_trace_rank0.jsonl"
+    trace.write_text(json.dumps({**rec, "rank": 1}) + "\n")
+    argv = ["dump", "convert", str(trace), str(tmp_path / "d"), "--seq-len", "2", "--batch", "1"]
+    assert main(argv) == 2
+    assert f"{trace}:1" in capsys.readouterr().err and not (tmp_path / "d").exists()
+    trace.write_text(json.dumps({**rec, "rank": 0}) + "\n" + json.dumps({**rec, "layer": 1}) + "\n")  # rank omitted
+    assert main(argv) == 0, capsys.readouterr().err
