@@ -2,12 +2,15 @@
 
 Each command is a module of ``moeverify.commands`` with ``register(subparsers)``; ``dump``'s module is imported only
 when ``dump`` runs (its format needs torch), so ``--help``, ``run --list`` and scenario validation import no torch.
-User errors print one message and exit 2, never a traceback.
+User errors print one message and exit 2, never a traceback. A command line error names the (sub)command and shows
+its usage line; options are never abbreviated (``--fail`` is not ``--fail-on-diff``). A closed stdout (``| head``)
+never changes the exit code: what is printed after it closed is dropped, the command runs to its verdict.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moeverify.commands import bench, doctor, run
@@ -26,11 +29,30 @@ __all__ = [
 ]
 
 
+class ParseError(UsageError):
+    """A command line argparse refused: the message, and the usage line of the (sub)command that refused it."""
+
+    def __init__(self, prog: str, message: str, usage: str):
+        super().__init__(message)
+        self.prog, self.usage = prog, usage
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises ``UsageError`` instead of exiting, so ``main`` returns 2 itself."""
+    """argparse that raises ``ParseError`` instead of exiting (``main`` returns 2 itself), never abbreviates an
+    option, and refuses an unknown argument in the (sub)parser that got it, so the message names that subcommand."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:  # a subparser's parse_known_args returns first: the innermost subcommand reports it
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
     def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message}")
+        raise ParseError(self.prog, message, self.format_usage())
 
 
 def _add_dump(subparsers, *, load: bool) -> None:
@@ -58,12 +80,54 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class _PipeSafeStdout:
+    """``sys.stdout`` while a command runs: once the reader has gone (``BrokenPipeError``: ``| head``), the rest of
+    the output goes to /dev/null (the file descriptor too, so the interpreter's flush at exit cannot fail) and the
+    command goes on to its verdict; the exit code is the command's, never the pipe's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        try:
+            fd = self._stream.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (a test's capture): drop the rest
+            fd = None
+        if fd is not None:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)  # the stream's buffer now drains into /dev/null, at exit too
+            os.close(devnull)
+        else:
+            self._stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moeverify`` command; returns the exit code."""
+    stdout = sys.stdout
+    guarded = sys.stdout = _PipeSafeStdout(stdout) if stdout is not None else stdout
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         args = build_parser(argv[0] if argv else None).parse_args(argv)
         return int(args.func(args) or 0)
+    except ParseError as exc:
+        print(f"{exc.usage.rstrip()}\n{exc.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except UsageError as exc:
         print(f"moeverify: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -72,3 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moeverify: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if guarded is not None:
+            guarded.flush()  # what is still buffered, while a closed pipe is still caught
+        sys.stdout = stdout

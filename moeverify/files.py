@@ -57,6 +57,8 @@ def check_output_file(flag: str, value: str) -> Path:
         kind = "a directory" if resolved.is_dir() else "not a regular file"
         raise UsageError(f"{flag} {value}: {resolved} is {kind}; give the path of a file to (over)write")
     parent = resolved.parent
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"{flag} {value}: {parent} is not a directory")
     if not parent.is_dir():
         raise UsageError(f"{flag} {value}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -14,7 +14,7 @@ from moeverify.errors import UsageError
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="run benchmark scripts from bench/")
     p.add_argument("names", nargs="*", metavar="NAME", help="bench/NAME.py to run (default: all)")
-    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.add_argument("--list", action="store_true", help="list the benchmarks (the NAMEs given, else all)")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -25,12 +25,12 @@ def _bench_scripts() -> dict[str, Path]:
 
 def _cmd_bench(args) -> int:
     scripts = _bench_scripts()
-    if args.list:
-        print("\n".join(scripts) or "(no benchmarks in bench/)")
-        return 0
     unknown = [n for n in args.names if n not in scripts]
-    if unknown:
+    if unknown:  # with --list too: a name that is not a benchmark is never ignored
         raise UsageError(f"unknown benchmark(s) {unknown}; available: {', '.join(scripts) or 'none'}")
+    if args.list:  # the named ones, or all
+        print("\n".join(args.names or scripts) or "(no benchmarks in bench/)")
+        return 0
     worst = 0
     for name in args.names or list(scripts):
         print(f"== bench/{name}.py", flush=True)

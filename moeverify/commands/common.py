@@ -1,7 +1,9 @@
-"""What the commands share: exit codes, the repository root, and the ``--model``/``--model-set`` flags."""
+"""What the commands share: exit codes, the repository root, output path flags and the ``--model``/``--model-set``
+flags."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from moeverify.errors import UsageError
@@ -11,6 +13,14 @@ from moeverify.spec.models.ref import ModelRef
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def output_path(text: str) -> str:
+    """argparse ``type`` of every flag or argument naming a file or directory to write: an empty path is refused
+    (it would silently write nothing, or the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path to write, got {text!r}")
+    return text
 
 
 def user_model_ref(args) -> ModelRef | None:

@@ -14,9 +14,11 @@ from pathlib import Path
 from rich.console import Console
 
 from moeverify import record
+from moeverify.commands.common import output_path
 from moeverify.commands.dump_convert import FROM, TO, cmd_convert
 from moeverify.commands.dump_diff import cmd_diff
-from moeverify.commands.dump_errors import EXIT_DIFF, EXIT_USAGE, guarded, out_path, refuse_options
+from moeverify.commands.dump_errors import EXIT_DIFF, EXIT_USAGE, guarded, refuse_options
+from moeverify.commands.dump_outputs import PLOT_SUFFIXES, check_outputs
 from moeverify.errors import UsageError
 from moeverify.files import atomic_write
 from moeverify.record.commit import drop_uncommitted
@@ -38,7 +40,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = verbs.add_parser("inspect", help="summarise one dump: shape, layout, steps, load balance per layer")
     p.add_argument("path", metavar="PATH", help="dump directory")
     p.add_argument("--step", type=_non_negative, metavar="S", help="step for the load table (default: first)")
-    p.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
+    p.add_argument(
+        "--json", type=output_path, metavar="OUT", help="also write the summary as JSON (never into the dump)"
+    )
     p.set_defaults(func=cmd_inspect)
 
     p = verbs.add_parser("diff", help="compare two routings of the same tokens, layer by layer")
@@ -51,8 +55,14 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="step of A when it is a dump or an export (required when it holds several; else its only step)",
     )
     p.add_argument("--step-b", type=_non_negative, metavar="S", help="step of B (default: --step)")
-    p.add_argument("--json", metavar="OUT", help="write the diff record as JSON")
-    p.add_argument("--plot", metavar="PNG", help="write the disagreement heatmap and expert-load bars")
+    p.add_argument("--json", type=output_path, metavar="OUT", help="write the diff record as JSON")
+    p.add_argument(
+        "--plot",
+        type=output_path,
+        metavar="PNG",
+        help=f"write the disagreement heatmap and expert-load bars to exactly this path, ending "
+        f"{', '.join(PLOT_SUFFIXES)} (the format)",
+    )
     p.add_argument("--worst", type=_non_negative, default=10, metavar="N", help="tokens listed in JSON (default 10)")
     p.add_argument("--fail-on-diff", action="store_true", help="exit 1 if any token's expert set differs")
     p.add_argument(
@@ -109,7 +119,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 
     p = verbs.add_parser("convert", help="rollout arrays or Megatron router_trace JSONL to a dump; a dump to .npz")
     p.add_argument("src", metavar="SRC", help="dump directory, .npy, .npz or router_trace_rank*.jsonl")
-    p.add_argument("dst", metavar="DST", help="output dump directory or .npz file")
+    p.add_argument(
+        "dst", type=output_path, metavar="DST", help="new dump directory or .npz file (never an existing path)"
+    )
     p.add_argument("--from", dest="src_format", choices=FROM, help="SRC format (default: from its suffix)")
     p.add_argument("--to", dest="dst_format", choices=TO, help="DST format (default: npz if DST ends .npz)")
     p.add_argument("--num-experts", type=_positive, metavar="E", help="experts per layer (default: max id + 1)")
@@ -212,14 +224,14 @@ def _int_list(text: str) -> tuple[int, ...]:
 @guarded
 def cmd_inspect(args) -> int:
     """``dump inspect PATH``."""
-    out_path("--json", args.json)
+    check_outputs([("--json", args.json)], [("PATH", args.path)])
     summary = summarize(record.load(args.path), step=args.step)
+    if args.json is not None:  # written before the table: a reader that closes stdout (| head) still gets it
+        atomic_write(Path(args.json), (json.dumps(summary, indent=1) + "\n").encode())
     title, table = summary_table(summary)
     console = Console()
     console.print(title)
     console.print(table)
-    if args.json:
-        atomic_write(Path(args.json), (json.dumps(summary, indent=1) + "\n").encode())
     return 0
 
 

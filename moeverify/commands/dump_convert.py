@@ -10,6 +10,7 @@ import numpy as np
 
 from moeverify import record
 from moeverify.commands.dump_errors import guarded, refuse_options
+from moeverify.commands.dump_outputs import refuse_inputs
 from moeverify.errors import LayoutError, UsageError
 from moeverify.record import importers
 from moeverify.record.writer import RankWriter
@@ -53,6 +54,7 @@ def cmd_convert(args) -> int:
     if src_format != "dump" and dst_format == "npz":
         raise UsageError(f"convert --from {src_format} writes a dump; drop --to npz or give a DST directory")
     _check_dst(dst, dst_format)
+    refuse_inputs("DST", args.dst, [("SRC", args.src), ("--expert-map", args.expert_map)])
     _refuse_inapplicable(args, src, src_format)
     if src_format == "dump":
         dump = record.load(src)
@@ -126,11 +128,11 @@ def cmd_convert(args) -> int:
 def _check_dst(dst: Path, dst_format: str) -> None:
     if not dst.resolve().parent.is_dir():
         raise UsageError(f"{dst}: directory {dst.resolve().parent} does not exist")
-    if dst_format == "dump" and dst.exists() and not dst.is_dir():
-        raise UsageError(f"{dst} exists and is not a directory; give a new directory for the dump")
-    if dst_format == "dump" and dst.is_dir() and any(dst.iterdir()):
-        what = "already holds a dump" if (dst / record.MANIFEST).exists() else "is not empty"
-        raise UsageError(f"{dst} {what}; choose a new directory")
+    if dst_format == "dump" and (dst.exists() or dst.is_symlink()):  # an empty directory too: never written into
+        if not dst.is_dir():
+            raise UsageError(f"{dst} exists and is not a directory; give a new directory for the dump")
+        what = "already holds a dump" if (dst / record.MANIFEST).exists() else "exists"
+        raise UsageError(f"{dst} {what}; convert never writes into an existing directory: give a new one")
     if dst_format == "npz" and dst.suffix != ".npz":
         raise UsageError(f"{dst}: an export is a .npz file; give a DST ending in .npz")
     if dst_format == "npz" and dst.exists():

@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.console import Console
 
 from moeverify import record
-from moeverify.commands.dump_errors import EXIT_DIFF, guarded, out_path, refuse_options
+from moeverify.commands.dump_errors import EXIT_DIFF, guarded, refuse_options
+from moeverify.commands.dump_outputs import check_outputs
 from moeverify.commands.dump_plot import plot_diff
 from moeverify.errors import RouteError, UsageError
 from moeverify.files import atomic_write
@@ -23,8 +24,10 @@ from moeverify.routing.rollout_arrays import RolloutSpec
 @guarded
 def cmd_diff(args) -> int:
     """``dump diff A B``."""
-    out_path("--json", args.json)
-    out_path("--plot", args.plot)
+    check_outputs(  # before anything is read: never onto (or into) an input, never one file twice
+        [("--json", args.json), ("--plot", args.plot)],
+        [("A", args.a), ("B", args.b), ("--expert-map-a", args.expert_map_a), ("--expert-map-b", args.expert_map_b)],
+    )
 
     if (args.seq_len is None) != (args.batch is None):
         raise UsageError("--seq-len and --batch go together")
@@ -204,18 +207,19 @@ def _token_label(side):
 
 
 def _report(args, report, extra: dict | None = None) -> int:
+    """The files first, then the tables: a reader that closes stdout early (``| head``) still gets them."""
+    if args.json is not None:
+        record_json = report.to_json(worst=args.worst)
+        if extra:
+            record_json.update(extra)
+        atomic_write(Path(args.json), (json.dumps(record_json, indent=1) + "\n").encode())
+    if args.plot is not None:
+        plot_diff(report, args.plot)
     console = Console()
     console.print(report.table())
     sequences = report.sequence_table(args.worst)
     if sequences is not None:
         console.print(sequences)
-    if args.json:
-        record_json = report.to_json(worst=args.worst)
-        if extra:
-            record_json.update(extra)
-        atomic_write(Path(args.json), (json.dumps(record_json, indent=1) + "\n").encode())
-    if args.plot:
-        plot_diff(report, args.plot)
     if args.fail_on_diff and report.tokens_diverging_any_layer > 0:
         return EXIT_DIFF
     return 0

@@ -7,7 +7,6 @@ import sys
 
 from moeverify.commands.common import EXIT_USAGE
 from moeverify.errors import MoEVerifyError, UsageError
-from moeverify.files import check_output_file
 
 EXIT_DIFF = 1
 
@@ -28,12 +27,6 @@ def guarded(fn):
     run.__name__ = fn.__name__
     run.__doc__ = fn.__doc__
     return run
-
-
-def out_path(flag: str, value: str | None) -> None:
-    """An output file named by ``flag`` must be writable (checked before any work)."""
-    if value:
-        check_output_file(flag, value)
 
 
 def refuse_options(args, flags, *, because: str) -> None:

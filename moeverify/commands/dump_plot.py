@@ -49,7 +49,7 @@ def plot_diff(report: DiffReport, path: str | os.PathLike, *, buckets: int = 64)
     fig.colorbar(image, ax=ax_heat)
     _load_bars(ax_load, report)
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format=path.suffix[1:].lower())  # exactly this path (none appends a .png)
     plt.close(fig)
     return path
 

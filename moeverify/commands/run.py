@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from moeverify import files
-from moeverify.commands.common import EXIT_INTERRUPTED, REPO_ROOT, user_model_ref
+from moeverify.commands.common import EXIT_INTERRUPTED, REPO_ROOT, output_path, user_model_ref
 from moeverify.errors import UsageError
 from moeverify.runner import interrupts, nodes
 from moeverify.spec import checks, timeouts
@@ -40,6 +40,20 @@ def _positive_float(text: str) -> float:
     if value > timeouts.MAX_S:
         raise argparse.ArgumentTypeError(f"expected seconds at most {timeouts.MAX_S:.0f}, got {text!r}")
     return value
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """``--NAME`` / ``--no-NAME``: giving both is refused (the last one would silently win)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = getattr(namespace, "_switches_given", None)
+        if seen is None:
+            seen = {}
+            namespace._switches_given = seen
+        earlier = seen.setdefault(self.dest, option_string)
+        if earlier != option_string:
+            parser.error(f"{earlier} and {option_string} contradict each other; give one of them")
+        super().__call__(parser, namespace, values, option_string)
 
 
 def register(subparsers) -> None:
@@ -75,14 +89,14 @@ def register(subparsers) -> None:
     )
     for option in OPTIONS.values():
         if option.flag and option.meta.switch:  # --NAME / --no-NAME; neither given: the option's default rule
-            p.add_argument(
-                option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None, help=option.help
-            )
+            p.add_argument(option.flag, dest=option.name, action=_Switch, default=None, help=option.help)
         elif option.flag:
             p.add_argument(option.flag, dest=option.name, metavar=option.metavar, help=option.help)
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto", help="device backend (default auto)")
-    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
-    p.add_argument("--junit", metavar="PATH", help="write JUnit XML (one testcase per scenario and check)")
+    p.add_argument("--json", type=output_path, metavar="PATH", help="write the records as a JSON list")
+    p.add_argument(
+        "--junit", type=output_path, metavar="PATH", help="write JUnit XML (one testcase per scenario and check)"
+    )
     p.add_argument(
         "--timeout",
         type=_positive_float,
@@ -91,7 +105,10 @@ def register(subparsers) -> None:
         help=f"per-scenario deadline on every rank, seconds (default {DEFAULT_TIMEOUT_S:.0f})",
     )
     p.add_argument(
-        "--run-dir", metavar="DIR", help="where ranks write plans, logs and stacks (default ./runs/DATE-TIME)"
+        "--run-dir",
+        type=output_path,
+        metavar="DIR",
+        help="where ranks write plans, logs and stacks (default ./runs/DATE-TIME)",
     )
     p.add_argument(
         "--nnodes",
