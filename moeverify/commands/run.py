@@ -249,15 +249,13 @@ def _control(args, node, *, chosen, groups, options):
     scenarios = [
         {k: v for k, v in scenario_mod.scenario_to_dict(s).items() if k != "source"} for s in chosen
     ]  # not where
-    loaded = nodes.digest(
-        {
-            "scenarios": scenarios,
-            "options": options,
-            "timeout": args.timeout,
-            "groups": [(g.world_size, g.backend) for g in groups],
-            "nnodes": node.nnodes,
-        }
-    )
+    loaded = {
+        "scenarios": scenarios,
+        "options": options,
+        "timeout": args.timeout,
+        "groups": [(g.world_size, g.backend) for g in groups],
+        "nnodes": node.nnodes,
+    }
     return nodes.Control(node, loaded=loaded)
 
 

@@ -114,14 +114,45 @@ def from_args(args, env: Mapping[str, str] | None = None) -> NodeSpec | None:
     return NodeSpec(nnodes=nnodes, node_rank=node_rank, host=host, port=port)
 
 
-def digest(plan_like: Mapping) -> str:
+def digest(plan_like: object) -> str:
     return hashlib.sha256(json.dumps(plan_like, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# what a node loaded, by part: parts this small travel as they are, so a mismatch names the value that differs
+_SHOWN = ("options", "timeout", "groups", "nnodes")
+
+
+def loaded_parts(parts: Mapping[str, object]) -> dict:
+    """``{"digests": {part: digest}, "shown": {small part: its JSON value}}`` of what a node loaded."""
+    return {
+        "digests": {name: digest(value) for name, value in parts.items()},
+        "shown": {name: json.loads(json.dumps(parts[name], default=str)) for name in _SHOWN if name in parts},
+    }
+
+
+def loaded_difference(mine: Mapping, theirs: Mapping) -> str:
+    """What differs between two ``loaded_parts``: each differing part, with the values of a shown one (an option
+    by key)."""
+    out = []
+    for name, value in mine["digests"].items():
+        if theirs["digests"].get(name) == value:
+            continue
+        a, b = theirs["shown"].get(name), mine["shown"].get(name)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(set(a) | set(b))
+            out.extend(f"{name} {k}: {a.get(k)!r} != {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
+        elif name in mine["shown"]:
+            out.append(f"{name}: {a!r} != {b!r}")
+        else:
+            out.append(f"{name} (the scenario files or their selection)" if name == "scenarios" else name)
+    return "; ".join(out) or "unknown"
 
 
 class Control:
     """The control store shared by the nodes' ``moeverify run`` processes (node 0 hosts it)."""
 
-    def __init__(self, node: NodeSpec, *, loaded: str, timeout_s: float | None = None):
+    def __init__(self, node: NodeSpec, *, loaded: Mapping[str, object], timeout_s: float | None = None):
+        """``loaded``: what this node loaded, by part (``loaded_parts``: every node must load the same)."""
         from torch.distributed import TCPStore  # lazy: torch
 
         timeout_s = timeouts.NODE_JOIN_S if timeout_s is None else timeout_s
@@ -139,11 +170,11 @@ class Control:
             raise UsageError(
                 f"node {node.node_rank}: cannot {role} control store at {node.host}:{node.port}: {exc}"
             ) from None
-        self.loaded = loaded
+        self.loaded = loaded_parts(loaded)
         self._stop = threading.Event()
         self._beat()
         threading.Thread(target=self._beat_loop, name="moeverify-node-beat", daemon=True).start()
-        self.put(f"join/{node.node_rank}", {"host": socket.gethostname(), "pid": os.getpid(), "loaded": loaded})
+        self.put(f"join/{node.node_rank}", {"host": socket.gethostname(), "pid": os.getpid(), "loaded": self.loaded})
 
     # -- plain JSON values
     def put(self, key: str, value: object) -> None:
@@ -199,12 +230,12 @@ class Control:
                     f"--nnodes {self.node.nnodes} --node-rank {rank}` running, with "
                     f"--rdzv-endpoint {self.node.host}:{self.node.port}?)"
                 ) from None
-            if joined["loaded"] != loaded:
+            if joined["loaded"]["digests"] != loaded["digests"]:
                 self.put("launch/0", {"done": True, "exit": 2})
                 raise UsageError(
-                    f"node {rank} ({joined['host']}) loaded other scenarios, options, backend or "
-                    f"timeout than node 0 (digest {joined['loaded']} != {loaded}): every node must run "
-                    "`moeverify run` with the same files and flags"
+                    f"node {rank} ({joined['host']}) loaded other scenarios, options, backend or timeout than "
+                    f"node 0 (node {rank}'s != node 0's: {loaded_difference(loaded, joined['loaded'])}): every node "
+                    "must run `moeverify run` with the same files and flags"
                 )
 
     def collect_reports(self, launch: int, directory: Path) -> list[tuple[int, str]]:

@@ -185,6 +185,7 @@ def test_nodes_that_loaded_different_scenarios_are_refused(tmp_path):
     )
     rc0, out0, rc1, out1, records = nodes.finish(timeout_s=120)
     assert rc0 == 2 and "node 1" in out0 and "loaded other scenarios" in out0, out0
+    assert "scenarios (the scenario files or their selection)" in out0, out0
     assert rc1 == 2 and records == [], out1
 
 

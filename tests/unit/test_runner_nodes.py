@@ -69,3 +69,17 @@ def test_torchrun_command_static_rendezvous_for_a_spread_group():
     assert "--nnodes 2 --node-rank 1 --nproc-per-node 4 --rdzv-backend static --master-addr h --master-port 104" in text
     local = " ".join(launch.torchrun_command(world_size=1, plan_file="p.json", node=spec))
     assert "--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint localhost:0" in local
+
+
+def test_a_node_that_loaded_other_flags_is_told_which():
+    """Nodes compare digests of what they loaded; a mismatch names the part, and an option or the timeout by value."""
+    from moeverify.runner import nodes
+
+    base = {"scenarios": [{"family": "qwen3_moe"}], "options": {"subject": "sharded"}, "timeout": 600, "nnodes": 2}
+    node0 = nodes.loaded_parts(base)
+    assert nodes.loaded_parts(dict(base)) == node0
+    other = nodes.loaded_parts({**base, "options": {"subject": "gather"}, "timeout": 900})
+    text = nodes.loaded_difference(node0, other)
+    assert "options subject: 'gather' != 'sharded'" in text and "timeout: 900 != 600" in text, text
+    files = nodes.loaded_parts({**base, "scenarios": [{"family": "qwen2"}]})
+    assert nodes.loaded_difference(node0, files) == "scenarios (the scenario files or their selection)"
