@@ -185,6 +185,7 @@ def _cmd_run(args) -> int:
     if args.list:
         for ref in dict.fromkeys(s.model for s in chosen if s.model.is_user):
             print(f"# {ref.key}: {user.load(ref).describe()}")
+            _preflight_listed(ref)
         for s in chosen:
             extra = f"  (gpu only: {s.gpu_only})" if s.gpu_only else ""
             extra += f"  (not run: {s.unfit})" if s.unfit else ""
@@ -223,6 +224,19 @@ def _cmd_run(args) -> int:
         return code
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _preflight_listed(ref: ModelRef) -> None:
+    """``--list`` of a user model: what the run's preflight would refuse with this install is refused here too (an
+    architecture Megatron-Bridge cannot convert, a config it would build as another model, and without Transformer
+    Engine a model its local layer spec cannot rebuild), so a plan that lists is a plan that starts."""
+    from moeverify.models import builder  # lazy: torch, megatron
+    from moeverify.runtime.bridge_import import real_te_available  # lazy: torch
+
+    te = real_te_available()
+    builder.preflight(ref, te_real=te)
+    built = "with Transformer Engine's layer spec" if te else "without Transformer Engine (its local layer spec)"
+    print(f"# {ref.key}: Megatron-Bridge converts it and builds it {built}")
 
 
 def _preflight_models(groups) -> None:

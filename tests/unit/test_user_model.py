@@ -542,3 +542,29 @@ def test_mla_without_a_query_projection_rank_is_refused_by_moeverify_not_megatro
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError, match=r"q_lora_rank=None .* only with Transformer Engine"):
         models.build(models.ModelRef.user(tmp_path / "config.json"), models.Layout(), seed=0)
+
+
+def test_list_refuses_a_model_the_run_refuses(tmp_path, capsys):
+    """``run --list`` is the login node's plan check: a user model Megatron-Bridge cannot convert is refused there as
+    the run refuses it (it listed a plan that then failed)."""
+    from moeverify import cli
+
+    config = dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        hidden_size=64,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps(config))
+    scenarios = tmp_path / "s.yaml"
+    scenarios.write_text("version: 1\nscenarios:\n  - {family: qwen3_moe, world_size: 1, checks: [export]}\n")
+    assert cli.main(["run", str(scenarios), "--model", str(tmp_path / "mixtral"), "--list"]) == 2
+    assert "Megatron-Bridge cannot convert it" in capsys.readouterr().err
