@@ -11,8 +11,10 @@ from moeverify.oracles.export.receiver import (
     Part,
     compare,
     fused_layout,
+    load_again,
     load_receiver,
     same_held,
+    sleep_wake,
 )
 from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS
 from moeverify.oracles.results import Tally
@@ -99,11 +101,14 @@ def test_failure_names_tensor_part_and_first_element():
 def test_dropped_extra_dtype_and_empty():
     ref = _export()
     held = FusedReceiver().load(ref.items())
-    fewer = Held(tensors=held.tensors, parts={k: v for k, v in held.parts.items() if k != "model.norm.weight"})
-    assert (
-        "dropped: 1 reference tensor(s) the receiver never loaded: ['model.norm.weight']"
-        in compare(fewer, ref, Tally()).failures[0]
+    fewer = Held(
+        tensors={k: v for k, v in held.tensors.items() if k != "model.norm.weight"},
+        parts={k: v for k, v in held.parts.items() if k != "model.norm.weight"},
     )
+    assert compare(fewer, ref, Tally()).failures == [
+        "dropped: 1 reference tensor(s) that no declared part names: ['model.norm.weight'] "
+        "(Held.parts must cover every reference tensor)"
+    ]
     short = {k: v for k, v in ref.items() if k != "model.norm.weight"}
     assert compare(held, short, Tally()).failures == [
         "model.norm.weight(whole) = model.norm.weight: the reference has no tensor 'model.norm.weight'"
@@ -213,11 +218,9 @@ def _life_cycle(receiver, first, second, *, scope: CopiesScope) -> dict[str, Tal
     sent = [(n, x.clone()) for n, x in second.items()]  # what was streamed: the receiver may write into it
     held = receiver.load(iter(sent))
     compare(held, second, t["receiver_reload"], copies=t["receiver_copies"], scope=scope)
-    before = {n: x.clone() for n, x in held.tensors.items()}
-    receiver.sleep()
-    same_held(receiver.wake_up(), before, t["receiver_wake"], when="")
-    before = {n: x.clone() for n, x in held.tensors.items()}
-    same_held(receiver.load(iter(sent)), before, t["receiver_repeat"], when="")
+    loaded = {n: x.clone() for n, x in held.tensors.items()}
+    held = sleep_wake(receiver, held, loaded, t["receiver_wake"]) or held
+    load_again(receiver, held, sent, loaded, t["receiver_repeat"])
     return t
 
 
@@ -275,6 +278,61 @@ def test_each_life_cycle_mutant_caught_by_its_subcheck(name, monkeypatch):
     t = _life_cycle(_made(name), first, second, scope=SCOPE)
     assert not t[subcheck].passed, (name, t[subcheck].failures)
     assert t["receiver"].passed, t["receiver"].failures  # right after the first load
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in NEW.items() if s in ("receiver_wake", "receiver_repeat")))
+def test_wake_and_repeat_faults_are_told_apart(name):
+    """A sleep/wake cycle that restores old bits fails receiver_wake alone (the repeated load that puts the right
+    bits back is not blamed), a loader that is not idempotent fails receiver_repeat alone."""
+    t = _life_cycle(_made(name), _tied_mtp_export(0), _tied_mtp_export(1), scope=SCOPE)
+    other = "receiver_repeat" if NEW[name] == "receiver_wake" else "receiver_wake"
+    assert not t[NEW[name]].passed and t[other].passed, (name, t[other].failures)
+
+
+class _WakeOldNormSkipsUnchanged(FusedReceiver):
+    """wake_up restores ``model.norm.weight`` from the first load, and a load skips the tensors whose bits it was sent
+    last time (a loader that trusts its buffers): the repeated load leaves the cycle's stale norm in place."""
+
+    def load(self, stream):
+        sent = getattr(self, "_sent", {})
+        fresh = [(n, x) for n, x in stream if n not in sent or not torch.equal(sent[n], x)]
+        self._sent = {**sent, **{n: x.clone() for n, x in fresh}}
+        held = super().load(iter(fresh)) if fresh or not self.tensors else Held(tensors=self.tensors, parts=self.parts)
+        if getattr(self, "_old", None) is None:
+            self._old = self.tensors["model.norm.weight"].clone()
+        return held
+
+    def wake_up(self) -> Held:
+        held = super().wake_up()
+        self.tensors["model.norm.weight"].copy_(self._old)
+        return held
+
+
+def test_repeat_does_not_judge_what_the_wake_broke_and_the_repeat_left():
+    t = _life_cycle(_WakeOldNormSkipsUnchanged(), _export(0), _export(1), scope=CopiesScope(None, 0, 1))
+    assert (
+        t["receiver_wake"].failures[0].startswith("after sleep/wake following the weight sync: model.norm.weight: ")
+    ), t["receiver_wake"].failures
+    assert t["receiver_repeat"].passed, t["receiver_repeat"].failures
+    engine_tensors = len(FusedReceiver().load(_export(0).items()).tensors)
+    assert t["receiver_repeat"].checked == engine_tensors - 1  # every engine tensor but the norm the cycle broke
+
+
+def test_undeclared_held_tensors_are_named_not_called_never_loaded():
+    ref = _export()
+    tensors = {n: x.clone() for n, x in ref.items()}
+    held = Held(tensors=tensors, parts={"model.norm.weight": (Part(hf_name="model.norm.weight"),)})
+    failures = compare(held, ref, Tally()).failures
+    n = len(ref) - 1
+    assert len(failures) == 1 and failures[0].startswith(
+        f"dropped: {n} reference tensor(s) that no declared part names: ['model.embed_tokens.weight', "
+    ), failures
+    assert "never loaded" not in failures[0]
+    assert failures[0].endswith(
+        f"(the receiver holds {n} tensor(s) with no parts, e.g. ['model.embed_tokens.weight', "
+        "'model.layers.0.mlp.experts.0.down_proj.weight', 'model.layers.0.mlp.experts.0.gate_proj.weight'] "
+        f"(+{n - 3} more): Held.parts must cover every reference tensor)"
+    ), failures
 
 
 def test_same_held_names_the_tensor_and_element():

@@ -157,3 +157,62 @@ def test_merge_contiguous_range_conflict_and_bad_range():
     assert "flat [2]" in t["conflicts"].failures[0]
     with pytest.raises(SubjectError, match=r"range \[5, 8\) with 3 values does not fit \[0, 6\)"):
         m.write(rank=1, positions_P=slice(5, 8), values_P=torch.zeros(3))
+
+
+@pytest.mark.parametrize("backed", [False, True])
+def test_merge_bitwise_names_the_rank_that_wrote_the_differing_elements(backed):
+    """An EP rank that writes another expert's rows under this name: bitwise names that rank, not only the bits."""
+    ref = torch.arange(6, dtype=torch.float32)
+    t = {k: Tally() for k in ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")}
+    m = TensorMerge(
+        name="w",
+        shape=(6,),
+        dtype=torch.float32,
+        world_size=3,
+        conflicts=t["conflicts"],
+        replicas=t["replicas"],
+        reference=ref if backed else None,
+    )
+    m.write(rank=0, positions_P=slice(0, 3), values_P=ref[:3])
+    m.write(rank=2, positions_P=torch.tensor([3, 4, 5]), values_P=ref[3:] + 1)
+    _finish(m, t, ref)
+    assert t["bitwise"].failures == [
+        "w: 3 element(s) differ from the reference, flat [3, 4, 5], written by rank 2; "
+        "first at 3: expected 0x40400000 got 0x40800000"
+    ]
+    m, t = _merge(shape=(4,), world_size=3)
+    m.write(rank=0, positions_P=torch.tensor([0, 1]), values_P=torch.tensor([9.0, 1.0]))
+    m.write(rank=1, positions_P=torch.tensor([2, 3]), values_P=torch.tensor([9.0, 3.0]))
+    _finish(m, t, torch.arange(4, dtype=torch.float32))
+    assert (
+        "written by ranks [0, 1]; first at 0 (rank 0): expected 0x00000000 got 0x41100000" in (t["bitwise"].failures[0])
+    )
+
+
+@pytest.mark.parametrize("backed", [False, True])
+def test_merge_coverage_names_the_ranks_around_the_gap(backed):
+    """An off-by-one split: coverage names the ranks whose pieces border the gap, and every rank that wrote."""
+    ref = torch.arange(64, dtype=torch.bfloat16)
+    t = {k: Tally() for k in ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")}
+    m = TensorMerge(
+        name="n",
+        shape=(64,),
+        dtype=torch.bfloat16,
+        world_size=2,
+        conflicts=t["conflicts"],
+        replicas=t["replicas"],
+        reference=ref if backed else None,
+    )
+    m.write(rank=0, positions_P=slice(0, 31), values_P=ref[:31])
+    m.write(rank=1, positions_P=torch.arange(32, 64), values_P=ref[32:])
+    _finish(m, t, ref)
+    assert t["coverage"].failures == [
+        "n: 1 of 64 element(s) never written, flat [31] "
+        "(first gap after rank 0's piece and before rank 1's; written by ranks [0, 1])"
+    ]
+    m, t = _merge(shape=(4,), world_size=2)
+    m.write(rank=1, positions_P=torch.tensor([0, 1]), values_P=torch.ones(2))
+    _finish(m, t, torch.ones(4))
+    assert t["coverage"].failures == [
+        "w: 2 of 4 element(s) never written, flat [2, 3] (first gap after rank 1's piece; written by rank 1)"
+    ]

@@ -63,6 +63,11 @@ def _as_index(positions) -> torch.Tensor:
     return positions
 
 
+def _ranks(ranks) -> str:
+    ranks = sorted(set(ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
 def _index_list(idx_K: torch.Tensor, total: int) -> str:
     shown = ", ".join(str(int(i)) for i in idx_K[:SHOW])
     more = f" (+{total - SHOW} more)" if total > SHOW else ""
@@ -109,6 +114,7 @@ class TensorMerge:
         self._conflicts = conflicts
         self._replicas = replicas
         self.dtype_seen: set[torch.dtype] = set()
+        self.senders: set[int] = set()  # ranks that wrote at least one element (coverage names them)
         self.n_missing: int | None = None  # set by check_coverage
 
     @staticmethod
@@ -198,6 +204,7 @@ class TensorMerge:
         values_P = self._check_piece(rank, positions_P, values_P)
         if not values_P.numel():
             return
+        self.senders.add(rank)
         if self._runs is not None:
             found = self._clean_runs(positions_P, values_P)
             if found is not None:  # the reference's bits: no conflict possible, none lost
@@ -280,6 +287,7 @@ class TensorMerge:
                 f"{self.name}: rank {rank} positions outside [0, {self.numel}): "
                 f"min {int(positions_P.min())} max {int(positions_P.max())}"
             )
+        self.senders.add(rank)
         if self._runs is not None:
             found = (
                 (torch.tensor([positions_P.start]), torch.tensor([n]))
@@ -306,6 +314,8 @@ class TensorMerge:
         if not intervals.same_bits_at_runs(values_P.reshape(-1), runs_R2, self._ref_N):
             return False
         self.dtype_seen.add(values_P.dtype)
+        if values_P.numel():
+            self.senders.add(rank)
         self._runs.append(intervals.as_runs(runs_R2[:, 0], runs_R2[:, 1], rank))
         self._conflicts.ok(int(values_P.numel()))
         return True
@@ -319,6 +329,8 @@ class TensorMerge:
         if lo < 0 or hi > self.numel or int(runs[:, 1].min()) < 0:
             raise SubjectError(f"{self.name}: rank {rank} runs reach [{lo}, {hi}), outside [0, {self.numel})")
         self.dtype_seen.add(self.dtype)
+        if int(runs[:, 1].sum()):
+            self.senders.add(rank)
         self._runs.append(intervals.as_runs(runs[:, 0], runs[:, 1], rank))
         self._conflicts.ok(int(runs[:, 1].sum()))
 
@@ -374,10 +386,46 @@ class TensorMerge:
         if n_missing:
             coverage.fail(
                 f"{self.name}: {n_missing} of {self.numel} element(s) never written, flat "
-                f"{_index_list(torch.tensor(shown), n_missing)}",
+                f"{_index_list(torch.tensor(shown), n_missing)}{self._gap_writers(shown[0])}",
                 n=n_missing,
             )
         coverage.ok(self.numel - n_missing)
+
+    def _first_writer(self, i: int) -> int | None:
+        """The rank that first wrote element ``i`` (None: unwritten or outside the tensor)."""
+        if not 0 <= i < self.numel:
+            return None
+        if self._runs is None:
+            w = int(self.writer_N[i])
+            return w - 1 if w else None
+        for run in self._runs:  # in write order: the earliest covering run wins, as in the writer mask
+            hit = (run[:, 0] <= i) & (i < run[:, 0] + run[:, 1])
+            if bool(hit.any()):
+                return int(run[int(hit.nonzero()[0]), 2])
+        return None
+
+    def _gap_writers(self, a: int) -> str:
+        """Who wrote around the gap that starts at flat ``a``, and every rank that wrote into the tensor."""
+        if not self.senders:
+            return "; no rank wrote any element of it"
+        if self._runs is None:  # the first written element past the gap, a chunk at a time (bounded temporaries)
+            b = self.numel
+            for start in range(a, self.numel, COMPARE_CHUNK):
+                written_C = self.writer_N[start : start + COMPARE_CHUNK] != 0
+                if bool(written_C.any()):
+                    b = start + int(written_C.to(torch.uint8).argmax())
+                    break
+        else:
+            runs = torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64)
+            later = runs[(runs[:, 1] > 0) & (runs[:, 0] > a), 0]
+            b = int(later.min()) if later.numel() else self.numel
+        before, after = self._first_writer(a - 1), self._first_writer(b)
+        around = [
+            f"after rank {before}'s piece" if before is not None else "",
+            "" if after is None else f"before rank {after}'s",
+        ]
+        where = " and ".join(x for x in around if x)
+        return f" ({'first gap ' + where + '; ' if where else ''}written by {_ranks(self.senders)})"
 
     def _missing(self) -> int:
         if self.n_missing is None and self._runs is not None:
@@ -416,7 +464,7 @@ class TensorMerge:
         if self.dtype == ref_N.dtype and self.n_missing == 0 and _same_bits(self.values_N, ref_N):
             bitwise.ok(self.numel)  # fully written and identical: one pass, no per-element bookkeeping
             return
-        n_bad, n_ok, first_bad, shown = 0, 0, None, []
+        n_bad, n_ok, first_bad, shown, culprits = 0, 0, None, [], set()
         for start in range(0, self.numel, COMPARE_CHUNK):
             stop = min(start + COMPARE_CHUNK, self.numel)
             covered_C = self.writer_N[start:stop] != 0
@@ -427,17 +475,20 @@ class TensorMerge:
             n_ok += int(covered_C.sum()) - bad
             if bad:
                 idx_C = differ_C.nonzero().flatten()
+                culprits.update(int(w) - 1 for w in torch.unique(self.writer_N[start:stop][differ_C]).tolist())
                 if first_bad is None:
                     i = int(idx_C[0])
-                    first_bad = (start + i, int(exp_C[i]), int(got_C[i]))
+                    first_bad = (start + i, int(exp_C[i]), int(got_C[i]), int(self.writer_N[start + i]) - 1)
                 shown += [start + int(i) for i in idx_C[: SHOW - len(shown)]]
                 n_bad += bad
         if n_bad:
-            flat, exp, got = first_bad
+            flat, exp, got, rank = first_bad
             more = f" (+{n_bad - len(shown)} more)" if n_bad > len(shown) else ""
+            by = "" if len(culprits) == 1 else f" (rank {rank})"
             bitwise.fail(
-                f"{self.name}: {n_bad} element(s) differ from the reference, flat {shown}{more}; "
-                f"first at {flat}: expected {hex_bits(exp, ref_N.dtype)} got {hex_bits(got, ref_N.dtype)}",
+                f"{self.name}: {n_bad} element(s) differ from the reference, flat {shown}{more}, written by "
+                f"{_ranks(culprits)}; first at {flat}{by}: expected {hex_bits(exp, ref_N.dtype)} "
+                f"got {hex_bits(got, ref_N.dtype)}",
                 n=n_bad,
             )
         bitwise.ok(n_ok)

@@ -160,15 +160,22 @@ def compare(
             tally.fail(f"{when}{engine_name}{part.describe()}: the reference has no tensor {part.hf_name!r}")
     dropped = sorted(set(dropped))
     if dropped:
-        more = f" (+{len(dropped) - SHOW_NAMES} more)" if len(dropped) > SHOW_NAMES else ""
+        # the oracle sees only the declared parts: a tensor held under no part is as good as never loaded
+        bare = sorted(n for n in held.tensors if not held.parts.get(n))
         tally.fail(
-            f"{when}dropped: {len(dropped)} reference tensor(s) the receiver never loaded: "
-            f"{dropped[:SHOW_NAMES]}{more}",
+            f"{when}dropped: {len(dropped)} reference tensor(s) that no declared part names: {_few(dropped)} "
+            + (f"(the receiver holds {len(bare)} tensor(s) with no parts, e.g. {_few(bare, 3)}: " if bare else "(")
+            + "Held.parts must cover every reference tensor)",
             n=len(dropped),
         )
     if tally.checked == 0:
         tally.fail(f"{when}the receiver held no tensor: nothing compared")
     return tally
+
+
+def _few(names: list[str], limit: int = SHOW_NAMES) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
 
 
 def _copies_held(wanted, seen: set[str], drafts: set[str], scope: CopiesScope, copies: Tally, when: str) -> None:
@@ -372,8 +379,9 @@ class ReceiverRun:
     ``receiver_ranks`` (``finish``), so an engine worker other than the first that keeps old weights is seen.
 
     - ``receiver_repeat``: the same export loaded a second time (a sync of unchanged weights, a retried update)
-      must leave every held tensor bit-identical: a loader that re-applies a layout shuffle on every load passes
-      the first load and fails here;
+      must reproduce every held tensor as its first load of it left them (before any sleep/wake cycle, whose
+      faults are ``receiver_wake``'s alone): a loader that re-applies a layout shuffle on every load passes the
+      first load and fails here;
     - ``receiver_wake``: after the weight sync, where the receiver has ``sleep()`` and ``wake_up()`` (vLLM's sleep
       mode), a sleep/wake cycle must give back the bits held before it (not a backup of older weights);
     - ``receiver_copies``: where the model ties its output head to the embedding or has MTP (draft) layers, the
@@ -429,10 +437,12 @@ class ReceiverRun:
                 self.skip("receiver_repeat", "the first load did not complete")
             return
         compare(held, reference, tally, when=when, copies=copies, scope=self._scope)
+        # what this load left: sleep/wake must give it back, and loading the same export again must reproduce it
+        loaded = _snapshot(held) if wake or repeat else None
         if wake:
-            self._wake()
+            self._wake(loaded)
         if repeat:
-            self._repeat(items)
+            self._repeat(items, loaded)
 
     def _stream(self, export: dict[str, Tally]) -> tuple[list | None, str]:
         """Every rank's copy of what the subject streamed (rank 0's merged tensors, broadcast), or None and why."""
@@ -464,30 +474,13 @@ class ReceiverRun:
             )
         return items, ""
 
-    def _repeat(self, items: list) -> None:
+    def _repeat(self, items: list, loaded: dict[str, torch.Tensor]) -> None:
         tally = self._mine["receiver_repeat"] = Tally()
-        before = _snapshot(self._held)
-        try:
-            held = self._held = self._receiver.load(iter(items))
-        except Exception as exc:  # noqa: BLE001 - a receiver that refuses a second load of the same export
-            tally.fail(f"loading the same export again: the receiver raised {type(exc).__name__}: {exc}")
-            return
-        same_held(held, before, tally, when="after loading the same export a second time: ")
+        self._held = load_again(self._receiver, self._held, items, loaded, tally) or self._held
 
-    def _wake(self) -> None:
+    def _wake(self, loaded: dict[str, torch.Tensor]) -> None:
         tally = self._mine["receiver_wake"] = Tally()
-        sleep, wake_up = getattr(self._receiver, "sleep", None), getattr(self._receiver, "wake_up", None)
-        if not (callable(sleep) and callable(wake_up)):
-            tally.skip("the receiver has no sleep() and wake_up(): no reload cycle to check")
-            return
-        before = _snapshot(self._held)
-        try:
-            sleep()
-            held = wake_up() or self._held
-        except Exception as exc:  # noqa: BLE001 - a failing cycle is a finding
-            tally.fail(f"sleep/wake after the weight sync: the receiver raised {type(exc).__name__}: {exc}")
-            return
-        same_held(held, before, tally, when="after sleep/wake following the weight sync: ")
+        self._held = sleep_wake(self._receiver, self._held, loaded, tally) or self._held
 
     def finish(self) -> dict[str, Tally]:
         """Rank 0's verdicts under their names and every other rank's gathered into ``receiver_ranks`` (every rank
@@ -526,8 +519,52 @@ def _snapshot(held: Held) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in held.tensors.items()}
 
 
-def same_held(held: Held, before: Mapping[str, torch.Tensor], tally: Tally, *, when: str) -> Tally:
-    """Every tensor in ``before`` still held with the same shape, dtype and bits; ``when`` prefixes each message."""
+def sleep_wake(receiver, held: Held, loaded: Mapping[str, torch.Tensor], tally: Tally) -> Held | None:
+    """``receiver_wake``: a ``sleep()`` / ``wake_up()`` cycle must give back ``loaded`` (the bits the last load left,
+    snapshotted); returns what the receiver holds after it (None where it has no cycle or the cycle raised)."""
+    sleep, wake_up = getattr(receiver, "sleep", None), getattr(receiver, "wake_up", None)
+    if not (callable(sleep) and callable(wake_up)):
+        tally.skip("the receiver has no sleep() and wake_up(): no reload cycle to check")
+        return None
+    try:
+        sleep()
+        held = wake_up() or held
+    except Exception as exc:  # noqa: BLE001 - a failing cycle is a finding
+        tally.fail(f"sleep/wake after the weight sync: the receiver raised {type(exc).__name__}: {exc}")
+        return None
+    same_held(held, loaded, tally, when="after sleep/wake following the weight sync: ")
+    return held
+
+
+def load_again(receiver, held: Held, items: list, loaded: Mapping[str, torch.Tensor], tally: Tally) -> Held | None:
+    """``receiver_repeat``: loading the same export ``items`` again must reproduce ``loaded`` (the bits its first
+    load left, snapshotted before any sleep/wake cycle), whatever the receiver held just before: a repeat that
+    restores what a broken sleep/wake cycle changed passes, the cycle is ``receiver_wake``'s finding. A tensor the
+    cycle changed and the repeat left as the cycle gave it is not judged here (``receiver_wake`` reports it)."""
+    started = _snapshot(held)
+    try:
+        again = receiver.load(iter(items))
+    except Exception as exc:  # noqa: BLE001 - a receiver that refuses a second load of the same export
+        tally.fail(f"loading the same export again: the receiver raised {type(exc).__name__}: {exc}")
+        return None
+    same_held(again, loaded, tally, when="after loading the same export a second time: ", started=started)
+    return again
+
+
+def same_held(
+    held: Held,
+    before: Mapping[str, torch.Tensor],
+    tally: Tally,
+    *,
+    when: str,
+    started: Mapping[str, torch.Tensor] | None = None,
+) -> Tally:
+    """Every tensor in ``before`` still held with the same shape, dtype and bits; ``when`` prefixes each message.
+
+    ``started``: what was held just before the step judged, where something else (a sleep/wake cycle) may have
+    changed it since ``before``: a tensor that differs from ``before`` there and that the step left exactly as it
+    was is not judged (nor counted): the step did not change it, the earlier change is another subcheck's."""
+    unjudged = 0
     for name in sorted(before):
         got = held.tensors.get(name)
         if got is None:
@@ -537,13 +574,28 @@ def same_held(held: Held, before: Mapping[str, torch.Tensor], tally: Tally, *, w
                 f"{when}{name}: held {tuple(got.shape)} {got.dtype}, before {tuple(before[name].shape)} "
                 f"{before[name].dtype}"
             )
-        elif not _same_bits(got, before[name]):
-            tally.fail(f"{when}{name}: {_first_difference(got, before[name]).replace('reference', 'before')}")
-        else:
+        elif _same_bits(got, before[name]):
             tally.ok()
-    if tally.checked == 0:
+        elif _left_as_started(got, before[name], None if started is None else started.get(name)):
+            unjudged += 1
+        else:
+            tally.fail(f"{when}{name}: {_first_difference(got, before[name]).replace('reference', 'before')}")
+    if tally.checked == 0 and not unjudged:
         tally.fail(f"{when}the receiver held no tensor: nothing compared")
+    elif tally.checked == 0:
+        tally.skip(f"{when}every tensor was changed before this step and left as it was: see receiver_wake")
     return tally
+
+
+def _left_as_started(got: torch.Tensor, before: torch.Tensor, started: torch.Tensor | None) -> bool:
+    """Whether ``got`` is ``started`` unchanged, and ``started`` already differed from ``before``."""
+    return (
+        started is not None
+        and tuple(started.shape) == tuple(got.shape)
+        and started.dtype == got.dtype
+        and _same_bits(got, started)
+        and not _same_bits(started, before)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,5 +647,8 @@ __all__ = [
     "compare",
     "fused",
     "fused_layout",
+    "load_again",
     "load_receiver",
+    "same_held",
+    "sleep_wake",
 ]
