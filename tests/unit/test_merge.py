@@ -159,20 +159,26 @@ def test_merge_contiguous_range_conflict_and_bad_range():
         m.write(rank=1, positions_P=slice(5, 8), values_P=torch.zeros(3))
 
 
-@pytest.mark.parametrize("backed", [False, True])
-def test_merge_bitwise_names_the_rank_that_wrote_the_differing_elements(backed):
-    """An EP rank that writes another expert's rows under this name: bitwise names that rank, not only the bits."""
-    ref = torch.arange(6, dtype=torch.float32)
+def _merge_against(ref, *, name: str, world_size: int, backed: bool):
+    """A merge of a 1-D tensor shaped like ``ref``; ``backed``: the merge holds the reference (the runs mode)."""
     t = {k: Tally() for k in ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")}
     m = TensorMerge(
-        name="w",
-        shape=(6,),
-        dtype=torch.float32,
-        world_size=3,
+        name=name,
+        shape=tuple(ref.shape),
+        dtype=ref.dtype,
+        world_size=world_size,
         conflicts=t["conflicts"],
         replicas=t["replicas"],
         reference=ref if backed else None,
     )
+    return m, t
+
+
+@pytest.mark.parametrize("backed", [False, True])
+def test_merge_bitwise_names_the_rank_that_wrote_the_differing_elements(backed):
+    """An EP rank that writes another expert's rows under this name: bitwise names that rank, not only the bits."""
+    ref = torch.arange(6, dtype=torch.float32)
+    m, t = _merge_against(ref, name="w", world_size=3, backed=backed)
     m.write(rank=0, positions_P=slice(0, 3), values_P=ref[:3])
     m.write(rank=2, positions_P=torch.tensor([3, 4, 5]), values_P=ref[3:] + 1)
     _finish(m, t, ref)
@@ -193,16 +199,7 @@ def test_merge_bitwise_names_the_rank_that_wrote_the_differing_elements(backed):
 def test_merge_coverage_names_the_ranks_around_the_gap(backed):
     """An off-by-one split: coverage names the ranks whose pieces border the gap, and every rank that wrote."""
     ref = torch.arange(64, dtype=torch.bfloat16)
-    t = {k: Tally() for k in ("conflicts", "replicas", "coverage", "shape_dtype", "bitwise")}
-    m = TensorMerge(
-        name="n",
-        shape=(64,),
-        dtype=torch.bfloat16,
-        world_size=2,
-        conflicts=t["conflicts"],
-        replicas=t["replicas"],
-        reference=ref if backed else None,
-    )
+    m, t = _merge_against(ref, name="n", world_size=2, backed=backed)
     m.write(rank=0, positions_P=slice(0, 31), values_P=ref[:31])
     m.write(rank=1, positions_P=torch.arange(32, 64), values_P=ref[32:])
     _finish(m, t, ref)
