@@ -618,6 +618,11 @@ def load(path: str | os.PathLike) -> Dump:
     if not path.is_dir():
         raise DumpError(f"{path}: not a dump directory")
     manifest_path = path / fmt.MANIFEST
+    if manifest_path.is_symlink():  # as a rank file: a dump never reads outside its directory
+        raise DumpError(
+            f"{manifest_path}: a symbolic link (to {os.readlink(manifest_path)!r:.120}); a dump never reads outside "
+            "its directory: copy the file in instead"
+        )
     if manifest_path.exists() and not manifest_path.is_file():  # a FIFO would block, a directory is no manifest
         raise DumpError(f"{manifest_path}: not a regular file (a FIFO, device or directory)")
     if not manifest_path.is_file():

@@ -42,3 +42,23 @@ def test_a_trace_record_of_another_rank_than_its_file_name_is_refused(tmp_path, 
     assert f"{trace}:1" in capsys.readouterr().err and not (tmp_path / "d").exists()
     trace.write_text(json.dumps({**rec, "rank": 0}) + "\n" + json.dumps({**rec, "layer": 1}) + "\n")  # rank omitted
     assert main(argv) == 0, capsys.readouterr().err
+
+
+def test_a_manifest_that_is_a_link_is_refused_as_a_rank_file_is(tmp_path):
+    import shutil
+
+    import pytest
+
+    from moeverify.errors import DumpError
+
+    record.save(tmp_path / "d", _routes(), seq_len=4, batch=2, order="sequence")
+    outside = tmp_path / "elsewhere.json"
+    shutil.move(tmp_path / "d" / "manifest.json", outside)
+    (tmp_path / "d" / "manifest.json").symlink_to(outside)
+    with pytest.raises(DumpError, match="manifest.json: a symbolic link .* never reads outside its directory"):
+        record.load(tmp_path / "d")
+    loop = tmp_path / "d" / "manifest.json"
+    loop.unlink()
+    loop.symlink_to(loop)
+    with pytest.raises(DumpError, match="a symbolic link"):  # a loop is named as such, not "missing manifest"
+        record.load(tmp_path / "d")
