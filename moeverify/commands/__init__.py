@@ -9,7 +9,8 @@ command is the one about to run: ``dump``'s verbs load torch and safetensors thr
 - ``doctor``: ``moeverify doctor`` (installed stack, backend, one tiny model built).
 - ``bench``: ``moeverify bench`` (the scripts of bench/).
 - ``dump``: ``moeverify dump``'s parser with ``inspect`` and ``finalize``; ``dump_diff``, ``dump_convert`` and
-  ``dump_plot`` (``diff --plot``) hold the other verbs, ``dump_errors`` their exit codes and input guard.
+  ``dump_plot`` (``diff --plot``) hold the other verbs, ``dump_errors`` their exit codes and input guard,
+  ``dump_outputs`` the checks of their output paths (never an input, never one file twice).
 
 A new command is a module here with ``register(subparsers)`` (setting ``func``), added to ``cli.build_parser``.
 """

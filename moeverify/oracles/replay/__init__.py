@@ -6,7 +6,8 @@
 - ``subchecks``: the subchecks (``moeverify.spec.checks`` names them); ``token_counts``: the expert-bias
   token counts subcheck; ``mtp_views``: routes of MTP layers as a rank sees them; ``slot_order``: the canonical
   order of a token's top-k slots; ``toggles``: replay switched on and off within one model;
-  ``grad_print``: gradient prints compared across passes;
+  ``grad_print``: gradient prints compared across passes; ``handover``: a later build's weights from the build
+  before it, on the GPU, where they are still the loaded ones;
 - ``drive``: passes through Megatron's pipeline schedule and hand-written loops, router probes;
 - ``pass_checks``: pass-vs-pass comparisons that fill the tallies; ``compare``: bitwise helpers on plain tensors;
 - ``impls``: the implementations under test behind one adapter; ``faulty``: broken ones, each caught.
