@@ -135,6 +135,7 @@ def test_autopatch_on_two_ranks_records_one_dump_with_the_real_layout_and_replay
 PIPELINE_JOB = Path(__file__).resolve().parent / "jobs" / "pipeline_job.py"
 
 
+@pytest.mark.release  # make test keeps the zoo's interleaved job: PP2 x VPP2 under the same schedule
 def test_autopatch_under_megatrons_pipeline_schedule_pp2_records_and_replays(tmp_path):
     from moeverify import record
 
