@@ -30,7 +30,16 @@ from moeverify.spec.models.configs import (
 )
 from moeverify.spec.models.ref import PREFIX, ModelRef
 
-__all__ = ["FAMILIES", "cache_dir", "family_shape", "family_traits", "hf_checkpoint", "hf_config_dict", "seeded_value"]
+__all__ = [
+    "FAMILIES",
+    "cache_dir",
+    "family_shape",
+    "family_traits",
+    "hf_checkpoint",
+    "hf_config_dict",
+    "seeded_value",
+    "written_checkpoint",
+]
 
 
 def cache_dir() -> Path:
@@ -154,6 +163,19 @@ def hf_checkpoint(model: str | ModelRef, seed: int = 0) -> Path:
         return seeded.make(
             dst.with_name(dst.name + "-" + seeded.RECIPE), seed, describe=lambda to: saved_specs(cfg, config_to=to)
         )
+    return _written(cfg, seed, dst)
+
+
+def written_checkpoint(family: str, seed: int = 0, **changes) -> Path:
+    """A family's checkpoint with ``changes`` to its config (e.g. ``head_dim=32, dtype="float32"`` for an engine
+    whose kernels refuse the family's shape), written to files like a family's (a rollout engine reads files,
+    never weights made when read), once per config and seed, in the cache dir."""
+    cfg = dict(hf_config_dict(check_family(family)), **changes)
+    changed = "-".join(f"{k}{v}" for k, v in sorted(changes.items()))
+    return _written(cfg, seed, cache_dir() / f"{family}-{changed}-seed{seed}-{_fingerprint(cfg, seed)}")
+
+
+def _written(cfg: dict, seed: int, dst: Path) -> Path:
     if (dst / "config.json").exists():
         return dst
     tmp = files.cache_tempdir(dst.parent, prefix=f".{dst.name}.")

