@@ -7,6 +7,7 @@ a release run that skipped the real engine would pass without having looked.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -25,12 +26,14 @@ def engine_python():
     return str(vllm_process.engine_python(value))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def megatron():
-    """One CPU rank with Megatron's model-parallel state initialised, for the trainer's side."""
+    """One CPU rank with Megatron's model-parallel state initialised, for the trainer's side (per module: a module
+    that installs the patch opens its own)."""
     from moeverify import runtime
     from moeverify.spec.layout import Layout
 
     runtime.init("cpu")
     with runtime.parallel(Layout(), seed=0):
         yield
+    gc.collect()  # the module's models go: the next module numbers models over live routers
