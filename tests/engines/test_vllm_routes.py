@@ -302,3 +302,32 @@ def test_compiled_cpu_engine_returns_blank_routes_and_they_are_refused(trainer, 
     assert sample.routes.shape == (len(sample.tokens) - 1, NUM_LAYERS, TOPK) and not sample.routes.any()
     with pytest.raises(RouteError, match="captured nothing"):
         _decoded(sample)
+
+
+def test_dense_prefix_model_glm45_routes_as_the_trainer(megatron, engine_python, tmp_path):
+    """GLM-4.5 (``first_k_dense_replace=1``: layer 0 dense; sigmoid scores with an fp32 expert bias, a shared
+    expert): the dense layer's column is left 0, every MoE column holds the trainer's experts, with and without a
+    start offset; decoded by layer position (decoder numbering), not by MoE index."""
+    from moeverify import models
+    from moeverify.models import families
+    from moeverify.spec.layout import Layout
+    from moeverify.spec.models.ref import ModelRef
+
+    ckpt = families.written_checkpoint("glm4_moe", 0, head_dim=32, dtype="float32")
+    g = np.random.default_rng(5)
+    prompts = [g.integers(3, 256, n).tolist() for n in (30, 41, 36)]
+    requests = [{"id": f"g{i}", "prompt": p, "max_tokens": GEN} for i, p in enumerate(prompts)]
+    requests.append({"id": "g0-from-9", "prompt": prompts[0], "max_tokens": GEN, "prompt_start": 9})
+    run = vllm_process.run(
+        {"model": str(ckpt), "llm": LLM, "steps": [{"op": "generate", "requests": requests}]},
+        workdir=tmp_path / "run",
+        python=engine_python,
+    )
+    chunk = models.build(ModelRef.user(ckpt), Layout(), seed=0).model_chunks[0]
+    total = conformance.Cell()
+    for s in run.samples(0):
+        start = 9 if s.request == "g0-from-9" else 0
+        assert s.routes.shape == (len(s.tokens) - 1 - start, NUM_LAYERS, TOPK)
+        total.add(_check(_decoded(s, start=start), chunk, s.tokens, f"glm4_moe {s.request}"))
+    assert total.dense_checked == sum(len(s.tokens) - 1 for s in run.samples(0)) - 9  # one dense column a row
+    assert conformance.native_routes(chunk, prompts[0]).layers == [1, 2, 3]
