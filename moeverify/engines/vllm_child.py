@@ -9,10 +9,11 @@ step that raised and the process exits 1.
 
 Steps (``"op"``): ``generate`` (requests of token ids, or ``"continue"``: an earlier sample's sequence and more
 tokens, the next turn; greedy by default, several samples, a start offset for the routes), ``reload_weights`` (a
-safetensors file of HF-named tensors pushed through the engine's own weight loader, as RL frameworks sync),
-``read_weights`` (the parameters the engine holds, written to a safetensors file; CPU builds pack linear layers into
-oneDNN handles whose weight reads as an empty tensor: listed as ``packed``), ``probe_linears`` (those packed layers
-applied to seeded inputs: their outputs stand in for their weights), ``reset_prefix_cache``.
+safetensors file of HF-named tensors pushed through the engine's own weight loader, as RL frameworks sync;
+``repack``: the workaround of finding V2), ``read_weights`` (the parameters the engine holds, written to a
+safetensors file; CPU builds pack linear layers into oneDNN handles whose weight reads as an empty tensor: listed as
+``packed``), ``probe_linears`` (those packed layers, and each MoE layer's expert kernel with seeded experts and
+weights, applied to seeded inputs: their outputs stand in for their weights), ``reset_prefix_cache``.
 
 Route capture on CPU (vLLM 0.32): ``enable_return_routed_experts`` needs Model Runner V2 and prefix caching
 (``vllm/config/vllm.py``, ``_verify_aux_output_compatibility``); V2 needs Triton (``vllm/config/vllm.py``, "Model
@@ -132,11 +133,24 @@ def _generate(llm, step: dict, index: int, out_dir: str, done: list) -> dict:
     return {"requests": requests, "seconds": seconds}
 
 
-def _reload(self, path: str) -> int:
-    """Run in the worker: push a safetensors file of HF-named tensors through the model runner's own loader."""
+def _reload(self, path: str, repack: bool) -> int:
+    """Run in the worker: push a safetensors file of HF-named tensors through the model runner's own loader.
+
+    ``repack``: first forget each unquantized MoE layer's kernel, so the reload takes the first load's path and
+    the CPU experts backend lays the new weights out again. vLLM 0.32.0's ``UnquantizedFusedMoEMethod._setup_kernel``
+    (``unquantized_fused_moe_method.py``) skips ``fused_experts.process_weights_after_loading`` when
+    ``self.moe_kernel is not None`` (a weight update): on CPU that is ``cpu_prepack_moe_weight``, so a plain reload
+    leaves the experts in the checkpoint's layout where ``cpu_fused_moe`` reads the packed one (docs/engines.md,
+    finding V2)."""
     from safetensors.torch import load_file
 
     tensors = load_file(path)
+    if repack:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+        for module in self.model_runner.get_model().modules():
+            if isinstance(getattr(module, "quant_method", None), UnquantizedFusedMoEMethod):
+                module.quant_method.moe_kernel = None
     self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
     return len(tensors)
 
@@ -174,8 +188,34 @@ def _probe(self, path: str, seed: int, rows: int) -> dict:
             y = module(x)
             out[f"{name}.x"] = x
             out[f"{name}.y"] = (y[0] if isinstance(y, tuple) else y).detach().contiguous().clone()
+        experts = []
+        for name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is None or not hasattr(module, "w13_weight"):
+                continue
+            # the layer's own expert kernel on seeded tokens, experts and weights (the call its forward makes)
+            num_experts, hidden = module.w13_weight.shape[0], module.w2_weight.shape[1]
+            x = torch.randn(int(rows), hidden, generator=g).to(dtype)
+            ids = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(int(rows))]).to(torch.int32)
+            w = torch.softmax(torch.randn(int(rows), 2, generator=g), -1).to(dtype)
+            y = kernel.apply(
+                hidden_states=x.clone(),
+                w1=module.w13_weight,
+                w2=module.w2_weight,
+                topk_weights=w.clone(),
+                topk_ids=ids.clone(),
+                activation=module.activation,
+                apply_router_weight_on_input=False,
+                global_num_experts=num_experts,
+                expert_map=None,
+                shared_experts=None,
+                shared_experts_input=None,
+            )
+            for key, value in (("x", x), ("ids", ids), ("w", w), ("y", y)):
+                out[f"{name}.experts.{key}"] = value.detach().contiguous().clone()
+            experts.append(name)
     save_file(out, path)
-    return {"probed": sorted(k[:-2] for k in out if k.endswith(".x"))}
+    return {"probed": sorted(k[:-2] for k in out if k.endswith(".x") and ".experts." not in k), "experts": experts}
 
 
 def _step(llm, step: dict, index: int, out_dir: str, done: list) -> dict:
@@ -184,7 +224,7 @@ def _step(llm, step: dict, index: int, out_dir: str, done: list) -> dict:
         return _generate(llm, step, index, out_dir, done)
     if op == "reload_weights":
         t0 = time.perf_counter()
-        counts = llm.collective_rpc(_reload, args=(step["file"],))
+        counts = llm.collective_rpc(_reload, args=(step["file"], bool(step.get("repack", False))))
         return {"tensors": counts[0], "seconds": time.perf_counter() - t0}
     if op == "read_weights":
         return llm.collective_rpc(_read, args=(step["file"],))[0]

@@ -81,9 +81,11 @@ def from_sglang(
     ``srt/state_capturer/base.py``; ``detokenizer_manager``/``tokenizer_manager`` encode it): base64 of the flat
     little-endian int32 bytes of ``[seqlen - 1 - start, num_hidden_layers, num_experts_per_tok]``, rows for
     positions ``[routed_experts_start_len, seqlen - 1)``, one column per decoder layer (the capture buffer is
-    sized by ``num_hidden_layers``; dense columns stay 0). Ids are taken after ``topk_ids_logical_to_physical``
-    (``srt/layers/moe/topk.py``): physical slots whenever an expert placement (EPLB, redundant experts) runs,
-    which only the caller knows, so ``physical`` has no default.
+    sized by ``num_hidden_layers``; dense columns stay 0). Whether ids are physical slots depends on the release
+    and on whether an expert placement (EPLB, redundant experts) serves, which only the caller knows, so
+    ``physical`` has no default: 0.5.7-0.5.9 capture after ``topk_ids_logical_to_physical`` (physical under a
+    placement), 0.5.10 on (CUDA/HIP) capture before it (logical always); ``sglang_ids_physical(version,
+    placement=...)`` says which from the releases read.
 
     Args:
         num_layers: the model's ``num_hidden_layers``; top_k: ``num_experts_per_tok`` (the flat buffer has no shape).
@@ -371,6 +373,54 @@ def splice(earlier: EngineRoutes, later: EngineRoutes) -> EngineRoutes:
     return dataclasses.replace(later, routes=_readonly(routes), start=earlier.start)
 
 
+# SGLang's capture point, read from its wheels (python/sglang/srt/layers/moe/topk.py and the NPU fast path
+# srt/hardware_backend/npu/moe/topk.py): (first, last) version of each behaviour, per backend. Before 0.5.7 no
+# release captures routes. CUDA/HIP: 0.5.7-0.5.9 map inside the top-k routines (fused_topk, grouped_topk,
+# biased_grouped_topk: topk_ids_logical_to_physical) and capture at the end of select_experts, after them:
+# physical; from 0.5.10 _post_process_topk_ids captures first and maps after: logical. NPU (fused_topk_npu): no
+# capture in 0.5.7-0.5.8; maps then captures in 0.5.9-0.5.22: physical; 0.5.23 (_finalize_topk_npu) captures first.
+SGLANG_READ = ((0, 5, 7), (0, 5, 23))  # the releases read; outside them the capture point is not known here
+_SGLANG_PHYSICAL = {"cuda": ((0, 5, 7), (0, 5, 9)), "npu": ((0, 5, 9), (0, 5, 22))}
+_SGLANG_CAPTURES = {"cuda": (0, 5, 7), "npu": (0, 5, 9)}
+
+
+def sglang_ids_physical(version: str, *, placement: bool, backend: str = "cuda") -> bool:
+    """Whether SGLang ``version``'s ``routed_experts`` are physical slots (``from_sglang(physical=...)``).
+
+    ``placement``: an expert placement serves (``--enable-eplb``, a non-trivial ``--init-expert-location``, or
+    redundant experts); without one the slots are the experts and the ids are logical whatever the version.
+    ``backend``: ``"cuda"`` (CUDA and ROCm/HIP) or ``"npu"`` (Ascend's fused top-k path). A version outside the
+    releases read (0.5.7 .. 0.5.23), or one without route capture, raises ``UsageError``: read its
+    ``srt/layers/moe/topk.py`` (is ``capture_routed_experts`` called before ``topk_ids_logical_to_physical``?) and
+    pass ``physical=`` yourself.
+    """
+    if backend not in _SGLANG_PHYSICAL:
+        raise UsageError(f"SGLang backend {backend!r}: one of {sorted(_SGLANG_PHYSICAL)} (cuda covers ROCm/HIP)")
+    _flag(placement, "placement", "sglang_ids_physical")
+    got = _release(version)
+    if got < _SGLANG_CAPTURES[backend]:
+        raise UsageError(
+            f"SGLang {version} ({backend}): no route capture in this release (first: "
+            f"{'.'.join(map(str, _SGLANG_CAPTURES[backend]))})"
+        )
+    if not SGLANG_READ[0] <= got <= SGLANG_READ[1]:
+        raise UsageError(
+            f"SGLang {version}: outside the releases whose capture point was read (0.5.7 .. 0.5.23): read its "
+            "srt/layers/moe/topk.py (capture before or after topk_ids_logical_to_physical) and pass physical= yourself"
+        )
+    first, last = _SGLANG_PHYSICAL[backend]
+    return bool(placement) and first <= got <= last
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    """``"0.5.8.post1"`` -> ``(0, 5, 8)``; ``UsageError`` for a string that does not start with three numbers."""
+    parts = str(version).split(".")
+    try:
+        return int(parts[0]), int(parts[1]), int("".join(c for c in parts[2] if c.isdigit()) or "x")
+    except (IndexError, ValueError):
+        raise UsageError(f"SGLang version {version!r}: expected MAJOR.MINOR.PATCH (sglang.__version__)") from None
+
+
 def _finish(
     routes_RWK: np.ndarray,
     *,
@@ -581,9 +631,11 @@ def _where(engine: str, request) -> str:
 
 
 __all__ = (
+    "SGLANG_READ",
     "EngineRoutes",
     "decode",
     "from_sglang",
+    "sglang_ids_physical",
     "from_vllm",
     "from_trtllm",
     "from_transformers",

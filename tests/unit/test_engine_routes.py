@@ -486,3 +486,73 @@ def test_transformers_left_padded_batch_takes_each_requests_real_rows():
         er.from_transformers(logits, top_k=2, batch=2, index=0, attention_mask=np.array([[1, 0, 1, 1, 1, 1]] * 2))
     with pytest.raises(RouteError, match=r"attention_mask \(2, 5\) does not match 6 positions"):
         er.from_transformers(logits, top_k=2, batch=2, index=0, attention_mask=mask[:, :5])
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "physical"),
+    [
+        ("0.5.7", "cuda", True),
+        ("0.5.8.post1", "cuda", True),
+        ("0.5.9", "cuda", True),
+        ("0.5.10", "cuda", False),
+        ("0.5.23", "cuda", False),
+        ("0.5.9", "npu", True),
+        ("0.5.22", "npu", True),
+        ("0.5.23", "npu", False),
+    ],
+)
+def test_sglang_ids_by_release_read_from_its_wheels(version, backend, physical):
+    assert er.sglang_ids_physical(version, placement=True, backend=backend) is physical
+    assert er.sglang_ids_physical(version, placement=False, backend=backend) is False  # no placement: slots = experts
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "match"),
+    [
+        ("0.5.6", "cuda", "no route capture in this release"),
+        ("0.5.8", "npu", "no route capture in this release"),
+        ("0.5.24", "cuda", r"outside the releases .* read its srt/layers/moe/topk.py"),
+        ("0.6.0", "cuda", "outside the releases"),
+        ("latest", "cuda", "expected MAJOR.MINOR.PATCH"),
+        ("0.5.10", "rocm", "one of"),
+    ],
+)
+def test_sglang_ids_unknown_release_refused(version, backend, match):
+    with pytest.raises(UsageError, match=match):
+        er.sglang_ids_physical(version, placement=True, backend=backend)
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_sglang_payload_under_a_placement_replays_the_logical_experts(version):
+    """A mild placement (slots 2 and 5 swapped) serving 400 tokens: SGLang 0.5.9 returns the slots, 0.5.23 the
+    logical ids. Decoded as the release says, every row replays its logical experts; 0.5.23's ids read as physical
+    (what these docs said before) put every row touching expert 2 or 5 on the wrong expert."""
+    from moeverify.routing.routes import Routes
+
+    g = np.random.default_rng(0)
+    S, W, K, E = 401, 3, 2, 8
+    logical = np.stack([np.stack([g.choice(E, K, replace=False) for _ in range(W)]) for _ in range(S - 1)])
+    slot_to_expert = np.array([0, 1, 5, 3, 4, 2, 6, 7])
+    slot_of = np.argsort(slot_to_expert)
+    sent = slot_of[logical] if version == "0.5.9" else logical  # what the release captures
+    payload = base64.b64encode(sent.astype("<i4").tobytes()).decode()
+    physical = er.sglang_ids_physical(version, placement=True)
+    got = er.from_sglang(payload, num_layers=W, top_k=K, num_tokens=S, physical=physical)
+
+    def replayed(routes, expert_map):
+        r = Routes.from_rollout(
+            [routes],
+            layers=[0, 1, 2],
+            num_experts=E,
+            lengths=[S],
+            num_layers=W,
+            numbering="decoder",
+            expert_map=expert_map,
+        )
+        return np.stack([r.get(layer, 0)[: S - 1].numpy() for layer in (0, 1, 2)], axis=1)
+
+    assert np.array_equal(replayed(got.routes, slot_to_expert if got.physical else None), logical)
+    if version == "0.5.23":
+        wrong = (replayed(got.routes, slot_to_expert) != logical).any(axis=(1, 2))
+        touches = np.isin(logical, [2, 5]).any(axis=(1, 2))
+        assert np.array_equal(wrong, touches) and wrong.mean() > 0.3

@@ -195,10 +195,23 @@ def held_vs_hf(held: dict, hf: dict, *, num_layers: int, num_experts: int) -> in
 
 def probed_vs_hf(probes: dict, hf: dict) -> dict:
     """Packed linear layers' outputs on seeded inputs (``<module>.x``/``.y``) against ``x @ W.T`` of the HF
-    weights: the largest absolute difference (kernels differ in summation order, not in weights)."""
-    names = sorted(k[:-2] for k in probes if k.endswith(".x"))
-    worst = 0.0
-    for name in names:
+    weights, and each MoE layer's expert kernel (``<layer>.experts.x/ids/w/y``) against the experts computed here
+    from the HF ``gate_proj``/``up_proj``/``down_proj`` (SiLU-gated, weighted sum over the picked experts): the
+    largest absolute difference of each kind (kernels differ in summation order, not in weights)."""
+    linears = sorted(k[:-2] for k in probes if k.endswith(".x") and ".experts." not in k)
+    worst = {"linear": 0.0, "experts": 0.0}
+    for name in linears:
         x, y = probes[f"{name}.x"], probes[f"{name}.y"]
-        worst = max(worst, float((y - x @ _hf_linear(hf, name).T).abs().max()))
-    return {"probed": len(names), "max_abs": worst}
+        worst["linear"] = max(worst["linear"], float((y - x @ _hf_linear(hf, name).T).abs().max()))
+    layers = sorted(k[: -len(".experts.x")] for k in probes if k.endswith(".experts.x"))
+    for layer in layers:
+        x, ids, w, y = (probes[f"{layer}.experts.{k}"] for k in ("x", "ids", "w", "y"))
+        prefix = layer.split(".mlp.")[0] + ".mlp"  # vLLM's experts module sits under the layer's mlp
+        want = torch.zeros_like(y)
+        for t in range(x.shape[0]):
+            for k in range(ids.shape[1]):
+                e = int(ids[t, k])
+                gate, up, down = (hf[f"{prefix}.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+                want[t] += w[t, k] * (down @ (torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])))
+        worst["experts"] = max(worst["experts"], float((y - want).abs().max()))
+    return {"linears": len(linears), "expert_layers": len(layers), **{f"max_abs_{k}": v for k, v in worst.items()}}
