@@ -62,6 +62,7 @@ class Sample:
     output: list[int]
     routes: np.ndarray | None
     finish_reason: str | None
+    file: str | None = None  # the routes' .npy in the run's directory, as the engine's process saved it
 
     @property
     def tokens(self) -> list[int]:
@@ -101,6 +102,7 @@ class EngineRun:
                         output=list(s["token_ids"]),
                         routes=routes,
                         finish_reason=s["finish_reason"],
+                        file=s["routes"],
                     )
                 )
         return out
