@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 import pytest
 
 from moeverify.engines import vllm_process
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from engine_cells import CELLS
+
+    if CELLS:
+        from moeverify.files import atomic_write_json
+
+        out = Path(__file__).resolve().parents[2] / "runs"
+        out.mkdir(exist_ok=True)
+        totals = {k: sum(c[k] for c in CELLS) for k in ("checked", "equal", "near_tie", "wrong", "dense_checked")}
+        atomic_write_json(out / "engine_cells.json", {"totals": totals, "cells": CELLS})
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,12 @@ tokens on the same weights (``oracles.engine.conformance``): equal, or a near ti
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
+from engine_cells import CELLS
 
 from moeverify.engines import vllm_process
 from moeverify.errors import RouteError
@@ -158,6 +161,7 @@ def _check(decoded, chunk, tokens, what):
     rows = len(tokens) - 1 - decoded.start
     assert cell.checked == rows * len(native.layers), cell.summary()
     assert cell.ok, f"{what}: {cell.summary()}"
+    CELLS.append({"what": what, **{k: v for k, v in dataclasses.asdict(cell).items() if k != "first"}})
     return cell
 
 
