@@ -218,6 +218,58 @@ def _probe(self, path: str, seed: int, rows: int) -> dict:
     return {"probed": sorted(k[:-2] for k in out if k.endswith(".x") and ".experts." not in k), "experts": experts}
 
 
+def _held(self, path: str) -> dict:
+    """Run in the worker: every weight as the engine's kernels read it, in the checkpoint's layout, to ``path``.
+
+    - a tensor kept as it is (norms, embeddings, head): as held;
+    - a linear layer packed into a oneDNN handle (its weight an empty tensor): applied to the identity, ``W =
+      layer(I).T``, exact in fp32 (each output element is one weight times 1 plus zeros); a packed layer with a bias
+      is not read (listed);
+    - experts of vLLM 0.32's CPU backend (``CPUUnquantizedExperts``): ``cpu_fused_moe`` reads the layout
+      ``cpu_prepack_moe_weight(plain, isa)`` makes, a permutation of each expert's elements; it is undone with the
+      permutation the same op gives an index tensor, so experts held in any other layout read back scrambled.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    model = self.model_runner.get_model()
+    out, unread, unpacked = {}, [], []
+    packed_experts = {}
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(experts, "isa"):
+            packed_experts[name] = experts.isa
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            module_name, _, leaf = name.rpartition(".")
+            if t.numel() == 0:
+                module = model.get_submodule(module_name)
+                if getattr(module, "bias", None) is not None or not hasattr(module, "input_size"):
+                    unread.append(name)
+                    continue
+                eye = torch.eye(module.input_size, dtype=t.dtype)
+                y = module(eye)
+                out[name] = (y[0] if isinstance(y, tuple) else y).t().contiguous().clone()
+            elif module_name in packed_experts and leaf in ("w13_weight", "w2_weight"):
+                import vllm._custom_ops as ops
+
+                rows, cols = t.shape[1], t.shape[2]
+                if rows * cols > 2**24:  # the index tensor is float32: exact up to 2**24
+                    unread.append(name)
+                    continue
+                index = torch.arange(rows * cols, dtype=torch.float32).reshape(1, rows, cols)
+                source = ops.cpu_prepack_moe_weight(index, packed_experts[module_name]).reshape(-1).long()
+                plain = torch.empty_like(t).reshape(t.shape[0], -1)
+                plain[:, source] = t.reshape(t.shape[0], -1)
+                out[name] = plain.reshape(t.shape).contiguous()
+                unpacked.append(name)
+            else:
+                out[name] = t.detach().contiguous().clone()
+    save_file(out, path)
+    return {"held": sorted(out), "unread": sorted(unread), "unpacked": sorted(unpacked)}
+
+
 def _step(llm, step: dict, index: int, out_dir: str, done: list) -> dict:
     op = step["op"]
     if op == "generate":
@@ -228,11 +280,81 @@ def _step(llm, step: dict, index: int, out_dir: str, done: list) -> dict:
         return {"tensors": counts[0], "seconds": time.perf_counter() - t0}
     if op == "read_weights":
         return llm.collective_rpc(_read, args=(step["file"],))[0]
+    if op == "read_held":
+        return llm.collective_rpc(_held, args=(step["file"],))[0]
     if op == "probe_linears":
         return llm.collective_rpc(_probe, args=(step["file"], int(step.get("seed", 0)), int(step.get("rows", 5))))[0]
     if op == "reset_prefix_cache":
         return {"reset": bool(llm.reset_prefix_cache())}
     raise ValueError(f"step {index}: unknown op {op!r} (generate, reload_weights, read_weights, reset_prefix_cache)")
+
+
+def _llm(LLM, job: dict):
+    return LLM(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        enable_return_routed_experts=True,
+        enable_prefix_caching=True,
+        seed=0,
+        disable_log_stats=False,  # the preemption and prefix-cache counters are read after each step
+        **job.get("llm", {}),
+    )
+
+
+def serve(job_path: str, out_dir: str) -> int:
+    """A long-lived engine: one JSON step a line on stdin, one JSON result a line on the descriptor
+    ``$MOEVERIFY_ENGINE_REPLY_FD`` (``{"error": ...}`` on a failing step, and the engine goes on); the engine's own
+    log stays on stdout and stderr. Ends at the end of its input."""
+    with open(job_path) as f:
+        job = json.load(f)
+    reply = os.fdopen(int(os.environ["MOEVERIFY_ENGINE_REPLY_FD"]), "w", buffering=1)
+    try:
+        _cpu_triton()
+        import vllm
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        llm = _llm(LLM, job)
+        reply.write(
+            json.dumps(
+                {"engine": {"name": "vllm", "version": vllm.__version__, "start_seconds": time.perf_counter() - t0}}
+            )
+            + "\n"
+        )
+    except Exception as exc:
+        reply.write(
+            json.dumps(
+                {
+                    "error": {
+                        "step": None,
+                        "type": type(exc).__name__,
+                        "message": str(exc),
+                        "traceback": traceback.format_exc()[-6000:],
+                    }
+                }
+            )
+            + "\n"
+        )
+        return 1
+    done: list = []
+    for i, line in enumerate(sys.stdin):
+        step = json.loads(line)
+        try:
+            out = _step(llm, step, i, out_dir, done)
+            out.update(op=step["op"])
+        except Exception as exc:
+            out = {
+                "op": step.get("op"),
+                "error": {
+                    "step": i,
+                    "type": type(exc).__name__,
+                    "message": str(exc),
+                    "traceback": traceback.format_exc()[-6000:],
+                },
+            }
+        done.append(out)
+        reply.write(json.dumps(out) + "\n")
+    return 0
 
 
 def main(job_path: str, out_dir: str) -> int:
@@ -247,15 +369,7 @@ def main(job_path: str, out_dir: str) -> int:
 
         result["engine"] = {"name": "vllm", "version": vllm.__version__}
         t0 = time.perf_counter()
-        llm = LLM(
-            model=job["model"],
-            skip_tokenizer_init=True,
-            enable_return_routed_experts=True,
-            enable_prefix_caching=True,
-            seed=0,
-            disable_log_stats=False,  # the preemption and prefix-cache counters are read after each step
-            **job.get("llm", {}),
-        )
+        llm = _llm(LLM, job)
         result["engine"]["start_seconds"] = time.perf_counter() - t0
         _log(f"vLLM {vllm.__version__} loaded {job['model']} in {result['engine']['start_seconds']:.1f} s")
         for i, step in enumerate(job["steps"]):
@@ -281,7 +395,9 @@ if __name__ == "__main__":
     # run as a script, this file's directory is first on sys.path: nothing of moeverify may shadow vLLM there
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        sys.exit(serve(sys.argv[2], sys.argv[3]))
     if len(sys.argv) != 3:
-        print("usage: python vllm_child.py JOB.json OUT_DIR", file=sys.stderr)
+        print("usage: python vllm_child.py JOB.json OUT_DIR | --serve JOB.json OUT_DIR", file=sys.stderr)
         sys.exit(2)
     sys.exit(main(sys.argv[1], sys.argv[2]))

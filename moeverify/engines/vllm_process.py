@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import signal
 import subprocess
 import time
@@ -30,6 +31,7 @@ from moeverify.routing.npy_file import load_npy
 
 PYTHON_ENV = "MOEVERIFY_VLLM_PYTHON"
 CHILD = Path(__file__).with_name("vllm_child.py")
+REPLY_FD_ENV = "MOEVERIFY_ENGINE_REPLY_FD"  # the serving engine's replies: one JSON line a step on this descriptor
 TIMEOUT_S = 900  # import (15-34 s on a loaded 2-core host), start (4-24 s), interpreted Triton kernels
 
 
@@ -158,6 +160,107 @@ def run(
     if len(result["steps"]) != len(job["steps"]):
         raise EngineError(f"vLLM ran {len(result['steps'])} of {len(job['steps'])} steps and exited 0")
     return EngineRun(engine=result["engine"], steps=result["steps"], out_dir=out, seconds=seconds)
+
+
+class Engine:
+    """A long-lived vLLM process (``vllm_child.py --serve``): ``step(dict) -> dict`` runs one step (the ops of
+    ``run``'s jobs) on the running engine; ``close()`` (or the ``with`` block's end) ends it, killing it past the
+    timeout. A failing step raises ``EngineError`` and the engine goes on; one that outlives ``timeout`` kills it."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        workdir: str | os.PathLike,
+        llm: dict | None = None,
+        python: str | os.PathLike | None = None,
+        timeout: float = TIMEOUT_S,
+    ) -> None:
+        py = engine_python(python)
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.timeout = timeout
+        atomic_write_json(self.dir / "job.json", {"model": str(model), "llm": llm or {}})
+        self._log = self.dir / "engine.log"
+        read_end, write_end = os.pipe()
+        with open(self._log, "wb") as log_file:
+            self._proc = subprocess.Popen(
+                [str(py), str(CHILD), "--serve", str(self.dir / "job.json"), str(self.dir)],
+                stdin=subprocess.PIPE,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_end,),
+                env={**os.environ, REPLY_FD_ENV: str(write_end)},
+                start_new_session=True,
+                text=True,
+            )
+        os.close(write_end)
+        self._replies = os.fdopen(read_end, "r")
+        self._buffer = ""
+        first = self._reply("start-up")
+        if "error" in first:
+            self.close()
+            raise EnvironmentProblem(
+                f"vLLM failed at start-up: {_describe(first['error'])}\nits log ends:\n{_tail(self._log)}"
+            )
+        self.engine = first["engine"]
+
+    def step(self, step: dict) -> dict:
+        if self._proc.poll() is not None:
+            raise EngineError(
+                f"vLLM exited ({self._proc.returncode}) before step {step.get('op')!r}:\n{_tail(self._log)}"
+            )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(step) + "\n")
+        self._proc.stdin.flush()
+        out = self._reply(f"step {step.get('op')!r}")
+        if "error" in out:
+            raise EngineError(f"vLLM step {step.get('op')!r} failed: {_describe(out['error'])}")
+        return out
+
+    def _reply(self, what: str) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while "\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            ready = select.select([self._replies], [], [], max(left, 0))[0] if left > 0 else []
+            if not ready:
+                self.close(kill=True)
+                raise EngineError(
+                    f"vLLM gave no answer to {what} within {self.timeout:.0f} s and was killed; its log "
+                    f"ends:\n{_tail(self._log)}"
+                )
+            chunk = os.read(self._replies.fileno(), 1 << 16).decode()
+            if not chunk:
+                self.close(kill=True)
+                raise EngineError(
+                    f"vLLM ended during {what} (exit {self._proc.poll()}); its log ends:\n{_tail(self._log)}"
+                )
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split("\n", 1)
+        return json.loads(line)
+
+    def close(self, *, kill: bool = False) -> None:
+        if self._proc.poll() is None:
+            if not kill and self._proc.stdin is not None:
+                self._proc.stdin.close()  # end of input: the engine returns
+                try:
+                    self._proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    kill = True
+            if kill or self._proc.poll() is None:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        self._replies.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _describe(err: dict) -> str:
+    return f"{err.get('type')}: {err.get('message')}\n{err.get('traceback', '')}"
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

@@ -64,6 +64,8 @@ REPLAY_IMPLS = {
 RECEIVERS = {
     "fused": "moeverify.oracles.export.receiver:fused",
     "transformers": "moeverify.oracles.export.receiver_transformers:transformers_receiver",
+    "vllm": "moeverify.oracles.export.receiver_vllm:vllm",  # a real vLLM in its own process (docs/engines.md)
+    "vllm_repack": "moeverify.oracles.export.receiver_vllm:vllm_repack",
 }
 
 
