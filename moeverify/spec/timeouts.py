@@ -101,6 +101,13 @@ TABLE: tuple[Timeout, ...] = (
         meaning="autopatch recording: the dump's own gloo group (ranks settle each dump step on it)",
     ),
     Timeout(
+        name="ENGINE_S",
+        default_s=900.0,
+        env="MOEVERIFY_ENGINE_TIMEOUT_S",
+        meaning="a real engine's process (moeverify.engines): a whole job, or one step of a serving engine; past it "
+        "the engine's process group is killed",
+    ),
+    Timeout(
         name="LAUNCH_GRACE_S",
         default_s=60.0,
         meaning="after --timeout, before the launcher kills a group whose ranks' own watchdogs did not fire",

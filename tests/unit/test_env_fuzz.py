@@ -132,6 +132,12 @@ def _agreement(tmp: Path) -> None:
             agreement.stop()
 
 
+def _engine_python():
+    from moeverify.engines import vllm_process
+
+    vllm_process.engine_python()
+
+
 READERS = {t.env: _timeout(t.name) for t in timeouts.TABLE if t.env}
 READERS.update(
     {
@@ -143,6 +149,7 @@ READERS.update(
         "MOEVERIFY_AGREEMENT": _agreement,
         "MOEVERIFY_AGREEMENT_MIN": _agreement,
         "MOEVERIFY_AGREEMENT_FLOOR": _agreement,
+        "MOEVERIFY_VLLM_PYTHON": lambda _tmp: _engine_python(),
     }
 )
 # What the variable needs beside it to be read at all.
@@ -153,7 +160,8 @@ COMPANIONS = {
 }
 # Read, but not fuzzed here: the variable is read deep inside a rollout step's loading (``patches/rollout_source.py``),
 # with no reader of its own to call.
-NOT_FUZZED = {"MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP"}
+# MOEVERIFY_ENGINE_REPLY_FD: set by ``vllm_process.Engine`` for the engine's own process, which alone reads it.
+NOT_FUZZED = {"MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP", "MOEVERIFY_ENGINE_REPLY_FD"}
 
 
 def _known_bad(env: str, value: str) -> bool:

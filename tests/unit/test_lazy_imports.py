@@ -16,6 +16,9 @@ HEAVY = ("torch", "megatron", "transformers", "safetensors", "rich", "matplotlib
 LAZY = re.compile(r"#\s*lazy:\s*([\w.]+)")  # a package, or a submodule its import does not load
 
 NOT_YET: frozenset[str] = frozenset()
+# Run by a real engine's own python and never imported by moeverify: its imports are the engine's (vLLM, numpy,
+# torch, safetensors), loaded where the engine's steps need them.
+ENGINE_SIDE = frozenset({"engines/vllm_child.py"})
 
 
 def _local_imports(path: Path) -> list[tuple[int, str, re.Match | None]]:
@@ -113,7 +116,9 @@ def _modules(repo_root: Path) -> dict[str, Path]:
 def test_function_local_imports_say_which_heavy_import_they_put_off(repo_root):
     modules = _modules(repo_root)
     assert len(modules) > 100 and "cli.py" in modules and "commands/dump.py" in modules
-    found = {name: bad for name, path in modules.items() if name not in NOT_YET and (bad := _unexplained(path))}
+    found = {
+        name: bad for name, path in modules.items() if name not in NOT_YET | ENGINE_SIDE and (bad := _unexplained(path))
+    }
     assert found == {}, "function-local imports only for " + ", ".join(HEAVY) + ", each with '# lazy: <which>'"
 
 

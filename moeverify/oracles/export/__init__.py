@@ -14,7 +14,7 @@ import ShardRow``). Modules, one concept each:
 - ``feed``: the reference export in a background thread beside the collection, under a memory gate;
 - ``refresh``: the ``refresh`` subcheck: a second export after an optimizer-like weight update;
 - ``receiver``: the ``receiver`` subcheck: what an engine holds after loading the subject's stream, vs the
-  reference (``receiver_transformers``, ``receiver_mutants``);
+  reference (``receiver_transformers``, ``receiver_vllm``: a real vLLM process, ``receiver_mutants``);
 - ``intact``: the ``model_intact`` subcheck: the model's parameters and buffers fingerprinted before and after the
   subject's stream;
 - ``mutants``: injected export bugs, each shown to fail its named subchecks.

@@ -48,7 +48,7 @@ class VllmReceiver:
         atexit.register(self.close)
 
     def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Held:
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file, save_file  # lazy: safetensors
 
         tensors = {name: t.detach().cpu().contiguous() for name, t in stream}
         self.loads += 1
