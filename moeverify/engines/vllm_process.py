@@ -13,7 +13,6 @@ safetensors only.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import select
@@ -21,22 +20,17 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from moeverify.errors import EnvironmentProblem, MoEVerifyError, UsageError
+from moeverify.engines.job import EngineError, EngineRun, Sample, run_job, tail
+from moeverify.errors import EnvironmentProblem, UsageError
 from moeverify.files import atomic_write_json
-from moeverify.routing.npy_file import load_npy
 from moeverify.spec import timeouts
+
+__all__ = ["CHILD", "PYTHON_ENV", "Engine", "EngineError", "EngineRun", "Sample", "engine_python", "run"]
 
 PYTHON_ENV = "MOEVERIFY_VLLM_PYTHON"
 CHILD = Path(__file__).with_name("vllm_child.py")
 REPLY_FD_ENV = "MOEVERIFY_ENGINE_REPLY_FD"  # the serving engine's replies: one JSON line a step on this descriptor
-
-
-class EngineError(MoEVerifyError):
-    """The engine process failed, timed out or wrote a result that does not read."""
 
 
 def engine_python(python: str | os.PathLike | None = None) -> Path:
@@ -58,113 +52,12 @@ def engine_python(python: str | os.PathLike | None = None) -> Path:
     return path
 
 
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """One completion: its token ids and the routed experts the engine returned (``None`` if it returned none)."""
-
-    request: str
-    index: int
-    prompt: list[int]
-    output: list[int]
-    routes: np.ndarray | None
-    finish_reason: str | None
-    file: str | None = None  # the routes' .npy in the run's directory, as the engine's process saved it
-
-    @property
-    def tokens(self) -> list[int]:
-        """prompt + completion: every token of the sequence (the engine forwarded all but the last)."""
-        return self.prompt + self.output
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineRun:
-    engine: dict
-    steps: list[dict]
-    out_dir: Path
-    seconds: float
-
-    def samples(self, step: int) -> list[Sample]:
-        """Every sample of a ``generate`` step, request by request, each with its routes read from its file."""
-        record = self.steps[step]
-        if record.get("op") != "generate":
-            raise UsageError(f"step {step} is a {record.get('op')!r} step, not generate")
-        out = []
-        for req in record["requests"]:
-            for s in req["samples"]:
-                routes = None
-                if s["routes"] is not None:
-                    where = f"vLLM step {step} request {req['id']} sample {s['index']} ({s['routes']})"
-                    routes = load_npy(self.out_dir / s["routes"], error=EngineError, where=where)
-                    if list(routes.shape) != s["routes_shape"] or str(routes.dtype) != s["routes_dtype"]:
-                        raise EngineError(
-                            f"{where}: the file holds {routes.dtype} {list(routes.shape)}, the engine reported "
-                            f"{s['routes_dtype']} {s['routes_shape']}"
-                        )
-                out.append(
-                    Sample(
-                        request=str(req["id"]),
-                        index=int(s["index"]),
-                        prompt=list(req["prompt_token_ids"]),
-                        output=list(s["token_ids"]),
-                        routes=routes,
-                        finish_reason=s["finish_reason"],
-                        file=s["routes"],
-                    )
-                )
-        return out
-
-    def metric(self, step: int, name: str) -> Any:
-        return self.steps[step].get("metrics", {}).get(name)
-
-
 def run(
     job: dict, *, workdir: str | os.PathLike, python: str | os.PathLike | None = None, timeout: float | None = None
 ) -> EngineRun:
-    """Run ``job`` (``{"model": DIR, "llm": {LLM kwargs}, "steps": [...]}``, vllm_child.py) in a vLLM process.
-
-    ``workdir`` is created and must be empty: the job, the result and the route files land there.
-    """
-    py = engine_python(python)
-    timeout = timeouts.value("ENGINE_S") if timeout is None else timeout
-    out = Path(workdir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise UsageError(f"engine workdir {out}: not empty; give each run a directory of its own")
-    atomic_write_json(out / "job.json", job)
-    log = out / "engine.log"
-    t0 = time.perf_counter()
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(
-            [str(py), str(CHILD), str(out / "job.json"), str(out)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: a timeout kills the engine and whatever it started
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise EngineError(f"vLLM ran past {timeout:.0f} s and was killed; its log ends:\n{_tail(log)}") from None
-    seconds = time.perf_counter() - t0
-    result_path = out / "result.json"
-    if not result_path.is_file():
-        raise EngineError(f"vLLM exited {rc} without writing {result_path}; its log ends:\n{_tail(log)}")
-    try:
-        result = json.loads(result_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise EngineError(f"{result_path}: not JSON ({exc})") from None
-    if result.get("error") or rc != 0:
-        err = result.get("error") or {}
-        at = "start-up" if err.get("step") is None else f"step {err['step']}"
-        raise (EnvironmentProblem if err.get("step") is None else EngineError)(
-            f"vLLM failed at {at} (exit {rc}): "
-            f"{err.get('type')}: {err.get('message')}\n{err.get('traceback', '')}\nits log ends:\n{_tail(log)}"
-        )
-    if len(result["steps"]) != len(job["steps"]):
-        raise EngineError(f"vLLM ran {len(result['steps'])} of {len(job['steps'])} steps and exited 0")
-    return EngineRun(engine=result["engine"], steps=result["steps"], out_dir=out, seconds=seconds)
+    """Run ``job`` (``{"model": DIR, "llm": {LLM kwargs}, "steps": [...]}``, vllm_child.py) in a vLLM process
+    (``job.run_job``)."""
+    return run_job([str(engine_python(python)), str(CHILD)], job, workdir=workdir, name="vLLM", timeout=timeout)
 
 
 class Engine:
@@ -206,14 +99,14 @@ class Engine:
         if "error" in first:
             self.close()
             raise EnvironmentProblem(
-                f"vLLM failed at start-up: {_describe(first['error'])}\nits log ends:\n{_tail(self._log)}"
+                f"vLLM failed at start-up: {_describe(first['error'])}\nits log ends:\n{tail(self._log)}"
             )
         self.engine = first["engine"]
 
     def step(self, step: dict) -> dict:
         if self._proc.poll() is not None:
             raise EngineError(
-                f"vLLM exited ({self._proc.returncode}) before step {step.get('op')!r}:\n{_tail(self._log)}"
+                f"vLLM exited ({self._proc.returncode}) before step {step.get('op')!r}:\n{tail(self._log)}"
             )
         assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(step) + "\n")
@@ -232,13 +125,13 @@ class Engine:
                 self.close(kill=True)
                 raise EngineError(
                     f"vLLM gave no answer to {what} within {self.timeout:.0f} s and was killed; its log "
-                    f"ends:\n{_tail(self._log)}"
+                    f"ends:\n{tail(self._log)}"
                 )
             chunk = os.read(self._replies.fileno(), 1 << 16).decode()
             if not chunk:
                 self.close(kill=True)
                 raise EngineError(
-                    f"vLLM ended during {what} (exit {self._proc.poll()}); its log ends:\n{_tail(self._log)}"
+                    f"vLLM ended during {what} (exit {self._proc.poll()}); its log ends:\n{tail(self._log)}"
                 )
             self._buffer += chunk
         line, self._buffer = self._buffer.split("\n", 1)
@@ -266,8 +159,3 @@ class Engine:
 
 def _describe(err: dict) -> str:
     return f"{err.get('type')}: {err.get('message')}\n{err.get('traceback', '')}"
-
-
-def _tail(path: Path, limit: int = 4000) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return text[-limit:]
