@@ -21,13 +21,14 @@ lint: setup
 
 # Lint (ruff and the import layers contract, seconds), unit tests (the timing-sensitive ones with the CPUs busy, as on a
 # loaded CI host), then the release matrix bit for bit on CPU ranks (a subset of the families matrix), then the
-# torchrun scenario tests.
+# torchrun scenario tests, then Megatron-Core's own inference engine as a real engine (it needs no venv of its own).
 test: setup lint
 	@mkdir -p runs
 	$(PY) -m pytest -q -n $(NPROC) -m "not timing" tests/unit
 	$(PY) tools/under_load.py --busy $(BUSY) -- $(PY) -m pytest -q -n $(NPROC) -m timing tests/unit
 	$(PY) -m moeverify run scenarios/release.yaml scenarios/families_ci.yaml --json runs/release.json --junit runs/release.xml
 	$(PY) -m pytest -q -p no:xdist --durations=15 -m "not release" tests/special_distributed
+	$(PY) -m pytest -q -p no:xdist -k megatron tests/engines/test_megatron_engine.py tests/engines/test_engine_r3.py
 
 test-unit: setup
 	$(PY) -m pytest -q -n $(NPROC) tests/unit

@@ -52,11 +52,13 @@ class EngineRoutes:
 
 
 def decode(payload, *, engine: str, **kwargs: Any) -> EngineRoutes:
-    """``from_<engine>(payload, **kwargs)`` for engine ``sglang``, ``vllm``, ``trtllm`` or ``transformers``."""
+    """``from_<engine>(payload, **kwargs)`` for engine ``sglang``, ``vllm``, ``trtllm``, ``megatron`` or
+    ``transformers``."""
     decoders: dict[str, Callable[..., EngineRoutes]] = {
         "sglang": from_sglang,
         "vllm": from_vllm,
         "trtllm": from_trtllm,
+        "megatron": from_megatron,
         "transformers": from_transformers,
     }
     if engine not in decoders:
@@ -249,6 +251,41 @@ def from_trtllm(routed_experts, *, num_tokens: int, num_moe_layers: int | None =
     return _finish(
         routes_RWK,
         engine="trtllm",
+        request=request,
+        numbering="routers",
+        physical=False,
+        num_tokens=num_tokens,
+        start=0,
+        extra_rows=0,
+    )
+
+
+def from_megatron(routing_indices, *, num_tokens: int, num_moe_layers: int | None = None, request=None) -> EngineRoutes:
+    """Megatron-Core's inference engine with ``moe_enable_routing_replay``: a finished request's
+    ``DynamicInferenceRequest.routing_indices``.
+
+    Format (megatron-core 0.19.2, ``inference/inference_request.py``, ``engines/dynamic_engine.py``, built per KV
+    block by ``contexts/kv_block_allocator.py``; run on CPU ranks in tests/engines): int16 (int32 past 32767 experts)
+    ``[num_tokens - 1, L, K]``, row i = position i (the last generated token is never fed), one column per MoE layer
+    (its ``RouterReplay`` instances in build order, which is layer order), logical ids (Megatron has no physical
+    slots), each row in top-k's unsorted order. ``None`` (no routes: routing replay off, a fused router, an evicted
+    request) is refused.
+    """
+    where = _where("megatron", request)
+    if routing_indices is None:
+        raise RouteError(
+            f"{where}: routing_indices is None: build the model with moe_enable_routing_replay=True, an unfused "
+            f"router (moe_router_fusion=False) and no async scheduling; an evicted request records none"
+        )
+    routes_RWK = _int_array(routing_indices, where, "routing_indices")
+    if num_moe_layers is not None and routes_RWK.shape[1] != _count(num_moe_layers, "num_moe_layers", where, minimum=1):
+        raise RouteError(
+            f"{where}: {routes_RWK.shape[1]} layer columns, expected one per MoE layer ({num_moe_layers}): "
+            f"Megatron-Core numbers MoE layers only"
+        )
+    return _finish(
+        routes_RWK,
+        engine="megatron",
         request=request,
         numbering="routers",
         physical=False,
@@ -638,6 +675,7 @@ __all__ = (
     "sglang_ids_physical",
     "from_vllm",
     "from_trtllm",
+    "from_megatron",
     "from_transformers",
     "splice",
     "NUMBERINGS",

@@ -38,6 +38,7 @@ def test_workdir_must_be_empty(tmp_path):
         vllm_process.run(JOB, workdir=tmp_path / "w", python=sys.executable)
 
 
+@pytest.mark.timing
 def test_python_without_vllm_fails_at_start_up_naming_the_import(tmp_path):
     with pytest.raises(EnvironmentProblem, match=r"vLLM failed at start-up \(exit 1\): .*(vllm|triton)"):
         vllm_process.run(JOB, workdir=tmp_path / "w", python=sys.executable, timeout=120)
@@ -61,6 +62,7 @@ def test_engine_past_its_timeout_is_killed_with_its_group(tmp_path):
             time.sleep(0.1)
 
 
+@pytest.mark.timing
 def test_serving_engine_without_vllm_fails_at_start_up(tmp_path):
     with pytest.raises(EnvironmentProblem, match="vLLM failed at start-up"):
         vllm_process.Engine("/nonexistent", workdir=tmp_path / "w", python=sys.executable, timeout=120)

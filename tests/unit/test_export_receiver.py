@@ -187,8 +187,9 @@ def test_receiver_option_validates():
     from moeverify.spec import options
 
     assert options.validate("s.yaml", "receiver", "transformers") == "transformers"
-    with pytest.raises(UsageError, match="option receiver: receiver 'vllm' is not fused, transformers, "):
-        options.validate("s.yaml", "receiver", "vllm")
+    assert options.validate("s.yaml", "receiver", "vllm") == "vllm"  # a real vLLM process (tests/engines)
+    with pytest.raises(UsageError, match="option receiver: receiver 'sglang' is not fused, transformers, vllm, "):
+        options.validate("s.yaml", "receiver", "sglang")
 
 
 def test_a_receiver_that_cannot_load_is_refused_before_launch():

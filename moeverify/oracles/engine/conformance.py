@@ -119,18 +119,23 @@ class Cell:
 
 
 def compare(decoded: EngineRoutes, native: Native, *, num_layers: int, what: str = "") -> Cell:
-    """``decoded`` (decoder-layer columns, rows from ``decoded.start``) against ``native`` of the same tokens."""
-    if decoded.numbering != "decoder":
-        raise ValueError(f"{what}: compare takes decoder-layer columns, got numbering {decoded.numbering!r}")
+    """``decoded`` (decoder-layer columns, or MoE columns for ``"routers"`` numbering; rows from ``decoded.start``)
+    against ``native`` of the same tokens."""
     rows = decoded.routes
-    if rows.shape[1] != num_layers:
-        raise ValueError(f"{what}: {rows.shape[1]} layer columns, the model has {num_layers} layers")
+    if decoded.numbering == "routers":  # one column per MoE layer, in layer order
+        if rows.shape[1] != len(native.layers):
+            raise ValueError(f"{what}: {rows.shape[1]} MoE columns, the model has {len(native.layers)} MoE layers")
+        columns = {layer: i for i, layer in enumerate(native.layers)}
+    else:
+        if rows.shape[1] != num_layers:
+            raise ValueError(f"{what}: {rows.shape[1]} layer columns, the model has {num_layers} layers")
+        columns = {layer: layer for layer in range(num_layers)}
     cell = Cell()
     column = {layer: i for i, layer in enumerate(native.layers)}
     for r in range(rows.shape[0]):
         pos = decoded.start + r
-        for layer in range(num_layers):
-            got = np.sort(rows[r, layer].astype(np.int64))
+        for layer, c in columns.items():
+            got = np.sort(rows[r, c].astype(np.int64))
             if layer not in column:
                 cell.dense_checked += 1
                 if got.any():

