@@ -187,3 +187,51 @@ def test_r3_on_engine_routes_replays_the_engine_with_an_honest_guard(world, roll
     else:
         assert any(a < n for a, n in agree.values()), f"bf16 engine agreed everywhere: {agree}"
         assert all(a / n >= 0.5 for a, n in agree.values()), agree  # the same weights: far above chance (0.25)
+
+
+def test_r3_with_the_trainer_off_the_engines_weights_reports_what_it_replayed(world, rollout):
+    """The trainer's routers moved off the weights the engine served (a lagging rollout policy): every routed token
+    still takes the engine's experts, and the guard's per-layer agreement is exactly the share of tokens whose
+    engine experts the moved routers would also pick, counted here independently."""
+    actor, _, _ = world
+    dtype, sequences, decoded = rollout
+    if dtype != "float32":
+        pytest.skip("the bf16 engine already disagrees with the trainer (the test above)")
+    routers = [m for m in actor.modules() if type(m).__name__ == "TopKRouter"]
+    saved = [r.weight.detach().clone() for r in routers]
+    g = torch.Generator().manual_seed(23)
+    with torch.no_grad():
+        for r in routers:
+            r.weight.add_(torch.randn(r.weight.shape, generator=g) * r.weight.std() * 0.5)
+    injob.add_routes(version=0, sequences=sequences, routes=decoded)
+    ids, pad, pos = _batch(sequences)
+    guard = agreement.ACTIVE
+    guard.end_step()
+    spy, now = Spy(actor), NativeNow(actor)
+    try:
+        _step(actor, ids, pad, pos)
+        train = spy.calls[NUM_LAYERS:]
+    finally:
+        spy.close()
+        now.close()
+        actor.zero_grad(set_to_none=True)
+        injob.drop_routes()
+        with torch.no_grad():
+            for r, w in zip(routers, saved, strict=True):
+                r.weight.copy_(w)
+    shares = guard.end_step()
+    layers = sorted({layer for layer, _ in train})
+    agree = {}
+    for layer, ids_TK in train:
+        column = layers.index(layer) if decoded[0].numbering == "routers" else layer
+        hits = total = 0
+        for b, seq in enumerate(sequences):
+            for s in range(len(seq) - 1):
+                t = s * len(sequences) + b
+                want = np.sort(decoded[b].routes[s, column].astype(np.int64))
+                assert np.array_equal(ids_TK[t].numpy(), want), (layer, b, s)  # replayed regardless
+                hits += int(np.array_equal(want, now.calls[layers.index(layer)][1][t].numpy()))
+                total += 1
+        agree[layer] = hits / total
+    assert shares == agree, (shares, agree)
+    assert min(agree.values()) < 1.0, agree  # the move changed what native routing would pick
