@@ -25,6 +25,7 @@ result says which ran (``engine.attention``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -34,6 +35,10 @@ import traceback
 
 import numpy as np
 import torch
+
+from moeverify import models, runtime
+from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
@@ -82,12 +87,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, causal=True,
 
 
 def _attention() -> str:
-    try:
-        import flash_attn  # noqa: F401  # lazy: torch (flash-attn is a CUDA extension of it)
-
+    if importlib.util.find_spec("flash_attn") is not None:
         return "flash-attn"
-    except ImportError:
-        pass
     import megatron.core.inference.contexts.dynamic_context as dc  # lazy: megatron
     import megatron.core.transformer.attention as attention  # lazy: megatron
 
@@ -126,10 +127,6 @@ def main(job_path: str, out_dir: str) -> int:
         TextGenerationController,
     )
     from megatron.core.transformer.moe.router_replay import RouterReplay  # lazy: megatron
-
-    from moeverify import models, runtime
-    from moeverify.spec.layout import Layout
-    from moeverify.spec.models.ref import ModelRef
 
     with open(job_path) as f:
         job = json.load(f)
