@@ -242,15 +242,22 @@ def from_trtllm(routed_experts, *, num_tokens: int, num_moe_layers: int | None =
             f"{where}: routed_experts is None: set LlmArgs.enable_return_routed_experts and "
             f"SamplingParams.return_routed_experts"
         )
-    routes_RWK = _int_array(routed_experts, where, "routed_experts")
+    return _moe_columns(routed_experts, "routed_experts", engine="trtllm", who="TensorRT-LLM",
+                        num_tokens=num_tokens, num_moe_layers=num_moe_layers, request=request)  # fmt: skip
+
+
+def _moe_columns(payload, what: str, *, engine: str, who: str, num_tokens, num_moe_layers, request) -> EngineRoutes:
+    """An engine's ``[num_tokens - 1, L, K]`` array of logical ids, one column per MoE layer in layer order."""
+    where = _where(engine, request)
+    routes_RWK = _int_array(payload, where, what)
     if num_moe_layers is not None and routes_RWK.shape[1] != _count(num_moe_layers, "num_moe_layers", where, minimum=1):
         raise RouteError(
-            f"{where}: {routes_RWK.shape[1]} layer columns, expected one per MoE layer "
-            f"({num_moe_layers}): TensorRT-LLM numbers MoE layers only"
+            f"{where}: {routes_RWK.shape[1]} layer columns, expected one per MoE layer ({num_moe_layers}): "
+            f"{who} numbers MoE layers only"
         )
     return _finish(
         routes_RWK,
-        engine="trtllm",
+        engine=engine,
         request=request,
         numbering="routers",
         physical=False,
@@ -277,22 +284,8 @@ def from_megatron(routing_indices, *, num_tokens: int, num_moe_layers: int | Non
             f"{where}: routing_indices is None: build the model with moe_enable_routing_replay=True, an unfused "
             f"router (moe_router_fusion=False) and no async scheduling; an evicted request records none"
         )
-    routes_RWK = _int_array(routing_indices, where, "routing_indices")
-    if num_moe_layers is not None and routes_RWK.shape[1] != _count(num_moe_layers, "num_moe_layers", where, minimum=1):
-        raise RouteError(
-            f"{where}: {routes_RWK.shape[1]} layer columns, expected one per MoE layer ({num_moe_layers}): "
-            f"Megatron-Core numbers MoE layers only"
-        )
-    return _finish(
-        routes_RWK,
-        engine="megatron",
-        request=request,
-        numbering="routers",
-        physical=False,
-        num_tokens=num_tokens,
-        start=0,
-        extra_rows=0,
-    )
+    return _moe_columns(routing_indices, "routing_indices", engine="megatron", who="Megatron-Core",
+                        num_tokens=num_tokens, num_moe_layers=num_moe_layers, request=request)  # fmt: skip
 
 
 def from_transformers(

@@ -556,3 +556,19 @@ def test_sglang_payload_under_a_placement_replays_the_logical_experts(version):
         wrong = (replayed(got.routes, slot_to_expert) != logical).any(axis=(1, 2))
         touches = np.isin(logical, [2, 5]).any(axis=(1, 2))
         assert np.array_equal(wrong, touches) and wrong.mean() > 0.3
+
+
+def test_megatron_routing_indices_decoded_and_refused():
+    # megatron-core 0.19.2's DynamicInferenceRequest.routing_indices: int16 [S - 1, MoE layers, K], unsorted rows
+    rows = np.array([[[3, 1], [0, 7]], [[2, 5], [6, 4]], [[1, 0], [7, 2]]], dtype=np.int16)
+    got = er.from_megatron(rows, num_tokens=4, num_moe_layers=2, request="r")
+    assert got.numbering == "routers" and not got.physical and np.array_equal(got.routes, rows)
+    assert er.decode(rows, engine="megatron", num_tokens=4).engine == "megatron"
+    with pytest.raises(RouteError, match="routing_indices is None: build the model with moe_enable_routing_replay"):
+        er.from_megatron(None, num_tokens=4)
+    with pytest.raises(RouteError, match=r"2 layer columns, expected one per MoE layer \(3\): Megatron-Core"):
+        er.from_megatron(rows, num_tokens=4, num_moe_layers=3)
+    with pytest.raises(RouteError, match="3 route rows, expected 2"):
+        er.from_megatron(rows, num_tokens=3)
+    with pytest.raises(RouteError, match="3 route rows, expected 4"):
+        er.from_megatron(rows, num_tokens=5)
