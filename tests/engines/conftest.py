@@ -28,6 +28,18 @@ def pytest_sessionfinish(session, exitstatus):
         atomic_write_json(out / "engine_cells.json", {"totals": totals, "cells": CELLS})
 
 
+def backend() -> str:
+    """cpu, or ``MOEVERIFY_TEST_BACKEND=cuda`` (one GPU, deterministic kernels): the trainer's side and
+    Megatron-Core's engine run there (vLLM's checks stay on CPU)."""
+    value = os.environ.get("MOEVERIFY_TEST_BACKEND", "cpu")
+    if value == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        import torch
+
+        torch.use_deterministic_algorithms(True)
+    return value
+
+
 @pytest.fixture(scope="session")
 def engine_python():
     value = os.environ.get(vllm_process.PYTHON_ENV)
@@ -46,7 +58,7 @@ def megatron():
     from moeverify import runtime
     from moeverify.spec.layout import Layout
 
-    runtime.init("cpu")
+    runtime.init(backend())
     with runtime.parallel(Layout(), seed=0):
         yield
     gc.collect()  # the module's models go: the next module numbers models over live routers

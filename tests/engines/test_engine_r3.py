@@ -109,7 +109,7 @@ class NativeNow:
             with torch.no_grad():
                 logits = router.gating(inputs[0]).reshape(-1, router.config.num_moe_experts)
                 picks = conformance._score(router, logits).topk(router.topk).indices.sort().values
-            self.calls.append((router.layer_number - 1, picks))
+            self.calls.append((router.layer_number - 1, picks.cpu()))
 
     def close(self):
         for h in self.handles:
@@ -118,6 +118,8 @@ class NativeNow:
 
 def _step(chunk, ids, pad, pos):
     """The log-prob pass, then the training pass; returns the training loss (gradients left on the chunk)."""
+    device = next(chunk.parameters()).device
+    ids, pad, pos = ids.to(device), pad.to(device), pos.to(device)
     with torch.no_grad():
         chunk(ids, pos, None, padding_mask=pad)
     out = chunk(ids, pos, None, padding_mask=pad)
@@ -202,7 +204,7 @@ def test_r3_with_the_trainer_off_the_engines_weights_reports_what_it_replayed(wo
     g = torch.Generator().manual_seed(23)
     with torch.no_grad():
         for r in routers:
-            r.weight.add_(torch.randn(r.weight.shape, generator=g) * r.weight.std() * 0.5)
+            r.weight.add_(torch.randn(r.weight.shape, generator=g).to(r.weight.device) * r.weight.std() * 0.5)
     injob.add_routes(version=0, sequences=sequences, routes=decoded)
     ids, pad, pos = _batch(sequences)
     guard = agreement.ACTIVE

@@ -27,7 +27,9 @@ def megatron_rollout(ckpt, workdir, *, lengths=LENGTHS, seed=2):
     requests = [
         {"id": f"m{i}", "prompt": g.integers(3, 256, n).tolist(), "max_tokens": GEN} for i, n in enumerate(lengths)
     ]
-    job = {"model": str(ckpt), "steps": [{"op": "generate", "requests": requests}]}
+    from conftest import backend
+
+    job = {"model": str(ckpt), "backend": backend(), "steps": [{"op": "generate", "requests": requests}]}
     command = [sys.executable, "-m", "moeverify.oracles.engine.megatron_engine"]
     return engine_job.run_job(command, job, workdir=workdir, name="Megatron-Core")
 

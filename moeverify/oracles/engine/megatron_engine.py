@@ -86,7 +86,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, causal=True,
     return out
 
 
-def _attention() -> str:
+def _attention(backend: str) -> str:
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash-attn"
     import megatron.core.inference.contexts.dynamic_context as dc  # lazy: megatron
@@ -95,7 +95,8 @@ def _attention() -> str:
     attention.flash_attn_varlen_func = _prefill
     attention.flash_attn_with_kvcache = _decode
     attention.is_fa_min_version = lambda *a, **k: True
-    dc.triton_append_key_value_cache = None
+    if backend == "cpu":  # Triton's KV append kernel needs CUDA tensors; megatron-core's torch fallback then runs
+        dc.triton_append_key_value_cache = None
     return "torch paged attention (flash-attn absent)"
 
 
@@ -138,7 +139,7 @@ def main(job_path: str, out_dir: str) -> int:
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(name, None)  # one rank of its own, not a member of the caller's group
         runtime.init(job.get("backend", "cpu"))
-        attention = _attention()
+        attention = _attention(job.get("backend", "cpu"))
         with runtime.parallel(Layout(), seed=0):
             t0 = time.perf_counter()
             built = models.build(ModelRef.user(job["model"]), Layout(), overrides={"moe_enable_routing_replay": True})
