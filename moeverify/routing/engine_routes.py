@@ -246,6 +246,26 @@ def from_trtllm(routed_experts, *, num_tokens: int, num_moe_layers: int | None =
                         num_tokens=num_tokens, num_moe_layers=num_moe_layers, request=request)  # fmt: skip
 
 
+def _same_overlap(earlier: EngineRoutes, later: EngineRoutes, where: str) -> None:
+    """Where the later turn's rows cover positions the earlier turn's rows hold (a full snapshot, a start offset
+    before the earlier turn's end), both must route each of them to the same experts (as sets)."""
+    first = later.start - earlier.start
+    count = min(earlier.routes.shape[0] - first, later.routes.shape[0])
+    if count <= 0:
+        return
+    mine = np.sort(earlier.routes[first : first + count], axis=2)
+    theirs = np.sort(later.routes[:count], axis=2)
+    differ = (mine != theirs).any(axis=2)
+    if differ.any():
+        r, c = (int(x) for x in np.argwhere(differ)[0])
+        raise RouteError(
+            f"{where}: the later turn (rows from position {later.start}) routes position {later.start + r} layer "
+            f"column {c} to {theirs[r, c].tolist()}, the earlier turn to {mine[r, c].tolist()} "
+            f"({int(differ.any(axis=1).sum())} of the {count} positions both cover differ): a snapshot of other "
+            f"weights over an earlier turn; splice keeps one turn's rows for each position only where both agree"
+        )
+
+
 def _moe_columns(payload, what: str, *, engine: str, who: str, num_tokens, num_moe_layers, request) -> EngineRoutes:
     """An engine's ``[num_tokens - 1, L, K]`` array of logical ids, one column per MoE layer in layer order."""
     where = _where(engine, request)
@@ -373,7 +393,9 @@ def from_transformers(
 
 def splice(earlier: EngineRoutes, later: EngineRoutes) -> EngineRoutes:
     """One request's routes from two turns: ``later`` returned rows from ``later.start`` on (SGLang
-    ``routed_experts_start_len``, vLLM ``routed_experts_prompt_start``); ``earlier`` supplies the rows before it."""
+    ``routed_experts_start_len``, vLLM ``routed_experts_prompt_start``); ``earlier`` supplies the rows before it.
+    Where both hold a position (``later`` from a start before the earlier rows end, or a full snapshot from 0),
+    they must route it to the same experts, else ``RouteError`` names the position, layer column and both sets."""
     for name, turn in (("earlier", earlier), ("later", later)):
         if not isinstance(turn, EngineRoutes):
             raise UsageError(
@@ -398,6 +420,7 @@ def splice(earlier: EngineRoutes, later: EngineRoutes) -> EngineRoutes:
             f"{where}: rows from position {later.start} do not continue the earlier rows "
             f"{earlier.start} .. {earlier.start + earlier.routes.shape[0] - 1}: a gap"
         )
+    _same_overlap(earlier, later, where)
     head = earlier.routes[: later.start - earlier.start]
     routes = np.concatenate([head, later.routes]).astype(np.result_type(head.dtype, later.routes.dtype))
     return dataclasses.replace(later, routes=_readonly(routes), start=earlier.start)

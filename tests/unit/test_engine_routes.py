@@ -190,6 +190,30 @@ def test_splice_joins_a_turn_returned_from_a_start_offset():
         er.splice(dataclasses.replace(first, physical=True), second)
 
 
+def test_splice_compares_the_positions_both_turns_cover():
+    # a full snapshot of turn 2 (start 0) under newer weights over turn 1's positions (verl #7222 / #6054 shape)
+    ref = _ids(S - 1, 4)
+    first = er.from_sglang(_sglang_response(ref[:6]), num_layers=4, top_k=K, num_tokens=7, physical=False)
+    again = er.from_sglang(_sglang_response(ref), num_layers=4, top_k=K, num_tokens=S, physical=False)
+    assert np.array_equal(er.splice(first, again).routes, ref)  # the same ids (any order within a row): kept
+    swapped = ref[:, :, ::-1].copy()
+    assert np.array_equal(er.splice(first, er.from_sglang(_sglang_response(swapped), num_layers=4, top_k=K,
+                                                          num_tokens=S, physical=False)).routes, swapped)  # fmt: skip
+    newer = ref.copy()
+    newer[4, 2] = [e for e in range(8) if e not in ref[4, 2]][:K]
+    newer[5, 0] = [e for e in range(8) if e not in ref[5, 0]][:K]
+    later = er.from_sglang(_sglang_response(newer), num_layers=4, top_k=K, num_tokens=S, physical=False, request=7)
+    with pytest.raises(
+        RouteError,
+        match=r"request 7: the later turn \(rows from position 0\) routes position 4 layer column 2 to .*, the "
+        r"earlier turn to .* \(2 of the 6 positions both cover differ\): a snapshot of other weights",
+    ):
+        er.splice(first, later)
+    tail = er.from_sglang(_sglang_response(newer[5:]), num_layers=4, top_k=K, num_tokens=S, physical=False, start=5)
+    with pytest.raises(RouteError, match=r"position 5 layer column 0 .* \(1 of the 1 positions"):
+        er.splice(first, tail)
+
+
 def test_splice_refuses_turns_of_two_requests():
     ref = _ids(S - 1, 4)
     first = er.from_sglang(_sglang_response(ref[:4]), num_layers=4, top_k=K, num_tokens=5, physical=False, request="b")
