@@ -425,6 +425,12 @@ class ReplaySession:
                 pick with the current weights (``session.fidelity()`` after the block): the train/rollout
                 routing agreement. Off by default; its cost is in ``bench/router_replay.py --fidelity``.
         """
+        if not isinstance(routes, Routes):
+            raise UsageError(
+                f"replay(routes): routes is a {type(routes).__name__}; replay takes a Routes (session.routes() after "
+                f"record(), Routes.from_rollout(...) for an engine's arrays, record.load(dump).routes(), or "
+                f"Routes({{layer: [ids per micro-batch]}}, num_experts=, topk=))"
+            )
         return _ReplayBlock(self, routes, recompute, fidelity)
 
     def fidelity(self) -> dict[int, float]:

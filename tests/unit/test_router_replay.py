@@ -422,6 +422,17 @@ def test_native_replay_action_conflict_refused():
         RouterReplay.global_router_replay_instances.clear()
 
 
+@pytest.mark.parametrize(
+    "routes", [{1: [torch.zeros(T, 2, dtype=torch.int64)]}, torch.zeros(T, 1, 2, dtype=torch.int64), None, [[0, 1]]]
+)
+def test_replay_of_something_else_than_routes_refused_naming_the_argument(routes):
+    session = rr.ReplaySession(make_router(1))
+    with pytest.raises(
+        UsageError, match=rf"replay\(routes\): routes is a {type(routes).__name__}; replay takes a Routes"
+    ):
+        session.replay(routes)
+
+
 def test_check_consumed_before_replay_refused():
     with pytest.raises(UsageError, match="check_consumed\\(\\) needs a replay first"):
         rr.ReplaySession(make_router(1)).check_consumed()
