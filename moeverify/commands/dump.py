@@ -82,6 +82,12 @@ def register(subparsers) -> argparse.ArgumentParser:
         "layers, topk] padded with -1; lined up with A's sequences request by request",
     )
     p.add_argument(
+        "--gaps-expected",
+        action="store_true",
+        help="with --rollout and --fail-on-diff: capture gaps (rows the engine never filled) are expected, e.g. a "
+        "framework's zero-filled rows after a trajectory's last generation; without it a gap fails the diff",
+    )
+    p.add_argument(
         "--assume-same-order",
         action="store_true",
         help="compare by position although a side's token order is unknown (you vouch for it)",

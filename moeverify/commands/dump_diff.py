@@ -34,6 +34,7 @@ def cmd_diff(args) -> int:
     if args.rollout:
         return _diff_rollout(args)
     refuse_options(args, ["--layer-numbering"], because="it says what a rollout's layer axis holds (with --rollout)")
+    refuse_options(args, ["--gaps-expected"], because="only a rollout (--rollout) has capture gaps")
     kind_a, kind_b = _kind(args.a), _kind(args.b)
     if kind_a == "array":
         refuse_options(
@@ -206,7 +207,7 @@ def _token_label(side):
     return label
 
 
-def _report(args, report, extra: dict | None = None) -> int:
+def _report(args, report, extra: dict | None = None, *, gaps: int = 0) -> int:
     """The files first, then the tables: a reader that closes stdout early (``| head``) still gets them."""
     if args.json is not None:
         record_json = report.to_json(worst=args.worst)
@@ -221,6 +222,12 @@ def _report(args, report, extra: dict | None = None) -> int:
     if sequences is not None:
         console.print(sequences)
     if args.fail_on_diff and report.tokens_diverging_any_layer > 0:
+        return EXIT_DIFF
+    if args.fail_on_diff and gaps and not getattr(args, "gaps_expected", False):
+        print(
+            f"FAIL: {gaps} capture-gap row(s): the engine returned rows it never filled, so those routes cannot be "
+            "compared (a capture bug, vllm-ascend #15451's shape); --gaps-expected if your framework leaves them so"
+        )
         return EXIT_DIFF
     return 0
 
@@ -255,6 +262,8 @@ def _diff_rollout(args) -> int:
     )
     refuse_options(args, ["--step-b"], because="a rollout holds one step's requests (A's step is --step)")
     refuse_options(args, ["--tokens-differ-ok"], because="a rollout file carries no token ids to compare")
+    if args.gaps_expected and not args.fail_on_diff:
+        raise UsageError("--gaps-expected: does not apply without --fail-on-diff (gaps are counted either way)")
     if _kind(args.b) == "export":
         raise UsageError(
             f"--rollout: {rollout_path} is an export of a dump (dump convert DIR OUT.npz), not a rollout "
@@ -311,11 +320,17 @@ def _diff_rollout(args) -> int:
     print(
         f"rollout: {aligned.requests} request(s), {aligned.compared} token(s) compared, {aligned.uncaptured} "
         f"training position(s) without a rollout row, {aligned.gaps} capture-gap row(s) set apart"
+        + (" (expected: --gaps-expected)" if aligned.gaps and args.gaps_expected else "")
     )
     report = record.diff(
         aligned.train, aligned.rollout, sequence_tokens=aligned.sequence_tokens, sequence_extra=aligned.per_request
     )
-    return _report(args, report, {"rollout": aligned.as_json(), "engine": "in-memory", "expert_maps": maps or None})
+    return _report(
+        args,
+        report,
+        {"rollout": aligned.as_json(), "engine": "in-memory", "expert_maps": maps or None},
+        gaps=aligned.gaps,
+    )
 
 
 def _one_step(dump, step: int | None, path, flag: str) -> int:

@@ -63,3 +63,26 @@ def test_dumps_of_models_of_different_depths_are_not_compared(tmp_path, capsys):
     assert "3 decoder layers" in err and "of 5" in err, err
     record.save(tmp_path / "c", routes, num_layers=3, **same)
     assert main(["dump", "diff", str(tmp_path / "a"), str(tmp_path / "c"), "--fail-on-diff"]) == 0
+
+
+def test_a_capture_gap_fails_the_diff_unless_expected(tmp_path, capsys):
+    """An engine that left part of a request uncaptured (vllm-ascend #15451's shape): the rows it did capture agree,
+    so the diff once read 0.00 % diverging and --fail-on-diff exited 0 on the very bug it exists for."""
+    first = _train(tmp_path)
+    gapped = first[:3].copy()
+    gapped[1] = -1  # position 1 never captured
+    path = tmp_path / "rollout.npz"
+    np.savez(path, req0=gapped, req1=np.array([[[1, 3]]]))
+    train, args = str(tmp_path / "train"), ["--rollout", "--fail-on-diff"]
+    assert main(["dump", "diff", train, str(path), *args]) == 1
+    out = capsys.readouterr().out
+    assert "1 capture-gap row(s) set apart" in out and "FAIL: 1 capture-gap row(s)" in out, out
+    assert main(["dump", "diff", train, str(path), *args, "--gaps-expected"]) == 0
+    assert "(expected: --gaps-expected)" in capsys.readouterr().out
+    assert main(["dump", "diff", train, str(path), "--rollout"]) == 0  # counted, reported; no verdict asked
+    assert main(["dump", "diff", train, str(path), "--rollout", "--gaps-expected"]) == 2
+    assert "--gaps-expected: does not apply without --fail-on-diff" in capsys.readouterr().err
+    np.savez(path, req0=first[:3], req1=np.array([[[1, 3]]]))
+    assert main(["dump", "diff", train, str(path), *args]) == 0  # no gap: the same diff passes
+    assert main(["dump", "diff", train, train, "--fail-on-diff", "--gaps-expected"]) == 2
+    assert "--gaps-expected: does not apply: only a rollout" in capsys.readouterr().err
