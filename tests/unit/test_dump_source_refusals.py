@@ -82,7 +82,11 @@ def test_rollout_whole_position_gaps_are_set_apart_and_the_rest_compared(tmp_pat
 
     train, rollout = _rollout(tmp_path, mutate)
     out = tmp_path / "r.json"
-    assert main(["dump", "diff", train, rollout, "--rollout", "--json", str(out), "--fail-on-diff"]) == 0
+    assert main(["dump", "diff", train, rollout, "--rollout", "--json", str(out), "--fail-on-diff"]) == 1  # gaps fail
+    assert (
+        main(["dump", "diff", train, rollout, "--rollout", "--json", str(out), "--fail-on-diff", "--gaps-expected"])
+        == 0
+    )
     summary = json.loads(out.read_text())["rollout"]
     assert summary["capture_gap_rows"] == 2 and summary["compared_tokens"] == B * (S - 1) - 2
 
