@@ -72,4 +72,7 @@ def test_real_payload_decodes_to_the_trainers_routes(manifest, case, trainers):
     decoded = decode()
     chunk = trainers(case)
     cell = conformance.compare(decoded, conformance.native_routes(chunk, tokens), num_layers=routes.shape[1])
-    assert cell.ok and cell.equal == cell.checked > 0, cell.summary()
+    # every route the trainer's; a near tie (score gap < 1e-4) may round otherwise on another CPU's kernels
+    moe_columns = len(conformance.native_routes(chunk, tokens[:2]).layers)
+    assert cell.ok and cell.checked == routes.shape[0] * moe_columns, cell.summary()
+    assert cell.near_tie <= cell.checked // 100, cell.summary()
