@@ -238,10 +238,12 @@ _EXPORT = (
         "export",
         "receiver_wake",
         "a sleep/wake cycle of the engine that does not give back what it held: an old backup restored over freshly "
-        "synced weights",
+        "synced weights, or a backup taken at the first sleep only (right once, wrong from the second cycle on)",
         "vllm-project/vllm#48310 (RFC): sleep/wake correctness for RL, collecting engine state lost or restored "
-        "stale across a sleep/wake cycle in downstream RL frameworks",
+        "stale across a sleep/wake cycle in downstream RL frameworks; verl #7904: the second wake restores the "
+        "first sync's weights",
         "receiver:wake_restores_old_backup",
+        "receiver:wake_backup_taken_once",
         "receiver:wake_restores_one_element",
     ),
     _c(
@@ -506,7 +508,7 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "receiver:wake_restores_one_element: one sleep/wake cycle after one sync gives one element of one expert's "
         "down_proj back from the first load",
         "a receiver without sleep()/wake_up() (not applicable, said so) and a cycle that goes wrong only from the "
-        "second cycle on: one cycle after one sync",
+        "third cycle on: one cycle after the first load and one after the sync",
     ),
     ("export", "receiver_copies"): (
         "receiver:tied_head_one_element_stale: one element of the receiver's own lm_head (a copy of the tied "

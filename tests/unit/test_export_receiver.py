@@ -209,12 +209,10 @@ def _life_cycle(receiver, first, second, *, scope: CopiesScope) -> dict[str, Tal
     t = {
         name: Tally() for name in ("receiver", "receiver_reload", "receiver_wake", "receiver_repeat", "receiver_copies")
     }
-    compare(
-        receiver.load((n, x.clone()) for n, x in first.items()),
-        first,
-        t["receiver"],
-        copies=t["receiver_copies"],
-        scope=scope,
+    held = receiver.load((n, x.clone()) for n, x in first.items())
+    compare(held, first, t["receiver"], copies=t["receiver_copies"], scope=scope)
+    sleep_wake(
+        receiver, held, {n: x.clone() for n, x in held.tensors.items()}, t["receiver_wake"], after="the first load"
     )
     sent = [(n, x.clone()) for n, x in second.items()]  # what was streamed: the receiver may write into it
     held = receiver.load(iter(sent))
@@ -364,3 +362,16 @@ def test_a_factory_written_before_ranks_is_called_as_before():
     assert _make(old, kwargs, rank=3, world_size=4) == ("old", "/m")
     assert _make(new, kwargs, rank=3, world_size=4) == ("new", 3, 4)
     assert _make(only_rank, kwargs, rank=3, world_size=4) == ("rank", 3)
+
+
+def test_a_backup_taken_at_the_first_sleep_only_needs_the_second_cycle():
+    """verl #7904's shape: one sleep/wake cycle after the sync (what receiver_wake ran once) gives the weights back
+    right; the cycle after the first load takes the backup, and the one after the sync then restores it."""
+    first, second = _export(1), _export(2)
+    late = MUTANTS["wake_backup_taken_once"][0]()
+    late.load((n, x.clone()) for n, x in first.items())
+    held = late.load((n, x.clone()) for n, x in second.items())
+    one = Tally()
+    sleep_wake(late, held, {n: x.clone() for n, x in held.tensors.items()}, one)
+    assert one.passed and one.checked > 0  # a single cycle cannot see it
+    assert not _life_cycle(MUTANTS["wake_backup_taken_once"][0](), first, second, scope=SCOPE)["receiver_wake"].passed

@@ -440,7 +440,7 @@ class ReceiverRun:
         # what this load left: sleep/wake must give it back, and loading the same export again must reproduce it
         loaded = _snapshot(held) if wake or repeat else None
         if wake:
-            self._wake(loaded)
+            self._wake(loaded, "the weight sync" if name == "receiver_reload" else "the first load")
         if repeat:
             self._repeat(items, loaded)
 
@@ -478,9 +478,9 @@ class ReceiverRun:
         tally = self._mine["receiver_repeat"] = Tally()
         self._held = load_again(self._receiver, self._held, items, loaded, tally) or self._held
 
-    def _wake(self, loaded: dict[str, torch.Tensor]) -> None:
-        tally = self._mine["receiver_wake"] = Tally()
-        self._held = sleep_wake(self._receiver, self._held, loaded, tally) or self._held
+    def _wake(self, loaded: dict[str, torch.Tensor], after: str) -> None:
+        tally = self._mine.setdefault("receiver_wake", Tally())  # one verdict over every cycle
+        self._held = sleep_wake(self._receiver, self._held, loaded, tally, after=after) or self._held
 
     def finish(self) -> dict[str, Tally]:
         """Rank 0's verdicts under their names and every other rank's gathered into ``receiver_ranks`` (every rank
@@ -519,20 +519,25 @@ def _snapshot(held: Held) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in held.tensors.items()}
 
 
-def sleep_wake(receiver, held: Held, loaded: Mapping[str, torch.Tensor], tally: Tally) -> Held | None:
+def sleep_wake(
+    receiver, held: Held, loaded: Mapping[str, torch.Tensor], tally: Tally, *, after: str = "the weight sync"
+) -> Held | None:
     """``receiver_wake``: a ``sleep()`` / ``wake_up()`` cycle must give back ``loaded`` (the bits the last load left,
-    snapshotted); returns what the receiver holds after it (None where it has no cycle or the cycle raised)."""
+    snapshotted); returns what the receiver holds after it (None where it has no cycle or the cycle raised). The
+    check runs it after every load (``after`` names which), each cycle judged against the load before it: a backup
+    taken at the first sleep only (verl #7904) gives the first cycle back right and the second one wrong."""
     sleep, wake_up = getattr(receiver, "sleep", None), getattr(receiver, "wake_up", None)
     if not (callable(sleep) and callable(wake_up)):
-        tally.skip("the receiver has no sleep() and wake_up(): no reload cycle to check")
+        if not tally.checked and not tally.failures:
+            tally.skip("the receiver has no sleep() and wake_up(): no reload cycle to check")
         return None
     try:
         sleep()
         held = wake_up() or held
     except Exception as exc:  # noqa: BLE001 - a failing cycle is a finding
-        tally.fail(f"sleep/wake after the weight sync: the receiver raised {type(exc).__name__}: {exc}")
+        tally.fail(f"sleep/wake after {after}: the receiver raised {type(exc).__name__}: {exc}")
         return None
-    same_held(held, loaded, tally, when="after sleep/wake following the weight sync: ")
+    same_held(held, loaded, tally, when=f"after sleep/wake following {after}: ")
     return held
 
 

@@ -157,6 +157,22 @@ class _WakeRestoresOldBackup(FusedReceiver):
         return Held(tensors=self.tensors, parts=self.parts)
 
 
+class _WakeBackupTakenOnce(FusedReceiver):
+    """Sleep mode whose backup is taken at the first sleep only (verl #7904): the first cycle gives the weights back,
+    every later wake restores the first sleep's backup over what the syncs since wrote."""
+
+    def sleep(self) -> None:
+        if getattr(self, "_backup", None) is None:
+            self._backup = {e: t.clone() for e, t in self.tensors.items()}
+        for t in self.tensors.values():
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def wake_up(self) -> Held:
+        for e, t in self.tensors.items():
+            t.copy_(self._backup[e])
+        return Held(tensors=self.tensors, parts=self.parts)
+
+
 class _TiedHeadStale(FusedReceiver):
     """Keeps its own ``lm_head.weight`` for a tied model, copied from the embedding at the first load only: a weight
     sync updates the embedding, the head stays the first step's."""
@@ -191,6 +207,7 @@ MUTANTS.update(
         "sync_rank0_only": (lambda **kw: _SyncRankZeroOnly(rank=kw["rank"], **_fused_kw(kw)), "receiver_ranks"),
         "shuffle_every_load": (lambda **kw: _ShuffleEveryLoad(**_fused_kw(kw)), "receiver_repeat"),
         "wake_restores_old_backup": (lambda **kw: _WakeRestoresOldBackup(**_fused_kw(kw)), "receiver_wake"),
+        "wake_backup_taken_once": (lambda **kw: _WakeBackupTakenOnce(**_fused_kw(kw)), "receiver_wake"),
         "tied_head_stale": (lambda **kw: _TiedHeadStale(**_fused_kw(kw)), "receiver_copies"),
         "mtp_not_synced": (
             lambda **kw: _MtpNotSynced(scope=copies_scope(kw.get("hf_path")), **_fused_kw(kw)),
