@@ -53,7 +53,8 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, fir
     if k.shape[1] != q.shape[1]:
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    later = torch.arange(k.shape[0])[None, None, :] > (torch.arange(q.shape[0]) + first)[None, :, None]
+    ks, qs = torch.arange(k.shape[0], device=q.device), torch.arange(q.shape[0], device=q.device)
+    later = ks[None, None, :] > (qs + first)[None, :, None]
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(later, float("-inf")).softmax(-1), v.float()).to(q.dtype)
 
 
