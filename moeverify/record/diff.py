@@ -33,7 +33,7 @@ import torch
 from moeverify.errors import RouteError
 from moeverify.record.diff_report import DiffReport, bucket_edges
 from moeverify.record.format import ids_dtype_for
-from moeverify.record.stream import LayerPairs
+from moeverify.record.stream import LayerPairs, LayerSource
 from moeverify.routing.routes import Routes
 
 __all__ = ["DiffReport", "compare_rows", "diff", "diff_stream", "sequence_spans"]
@@ -58,7 +58,7 @@ def sequence_spans(
         raise RouteError(f"{where}: give seq_len/batch or sequence_tokens, not both")
     if (seq_len is None) != (batch is None):
         raise RouteError(f"{where}: seq_len and batch go together (got seq_len {seq_len!r}, batch {batch!r})")
-    if seq_len is not None:
+    if seq_len is not None and batch is not None:
         lens = [seq_len] * len(microbatch_tokens) if isinstance(seq_len, int) else list(seq_len)
         if len(lens) != len(microbatch_tokens):
             raise RouteError(f"{where}: {len(lens)} seq_len value(s) for {len(microbatch_tokens)} micro-batch(es)")
@@ -169,8 +169,8 @@ def _extra(sequence_extra: Sequence[dict] | None, spans) -> tuple[dict, ...] | N
 
 
 def diff_stream(
-    a,
-    b,
+    a: LayerSource,
+    b: LayerSource,
     *,
     seq_len: int | Sequence[int] | None = None,
     batch: int | None = None,
@@ -219,7 +219,8 @@ def diff_stream(
             load_b_LE[i] += torch.bincount(
                 rows_b[moved].reshape(-1).to(torch.int64), minlength=experts
             ) - torch.bincount(rows_a[moved].reshape(-1).to(torch.int64), minlength=experts)
-            rows_C = rest[moved] if tokens_of[mb] is None else tokens_of[mb][rest[moved]]
+            token_T = tokens_of[mb]
+            rows_C = rest[moved] if token_T is None else token_T[rest[moved]]
             cells.add(i, start + rows_C, topk - overlap_R[moved].to(torch.int32))  # distinct tokens
         del mbs_a, mbs_b
     cells.fold()
@@ -305,7 +306,7 @@ def _gather_rows(
     return torch.cat(rows_a), torch.cat(rows_b)
 
 
-def _same_shape(a, b) -> None:
+def _same_shape(a: LayerSource | Routes, b: LayerSource | Routes) -> None:
     """Both sides hold the same layers, micro-batches, top-k and experts; else ``RouteError`` naming each that
     differs, A's and B's."""
     fields = ("layers", "microbatches", "topk", "num_experts")

@@ -162,7 +162,7 @@ def checked_file_name(name: object, *, rank: int, where: str) -> str:
     """``name`` if it is one of rank ``rank``'s file names (``rank00001.safetensors``, ``rank00001.p002...``):
     a bare name inside the dump directory, never a path that could lead out of it."""
     m = _RANK_FILE_RE.match(name) if isinstance(name, str) else None
-    if m is None or int(m.group(1)) != rank:
+    if not isinstance(name, str) or m is None or int(m.group(1)) != rank:
         raise DumpError(
             f"{where}: rank {rank} file name {name!r} is not rank{rank:05d}[.pNNN].safetensors "
             f"(a file of this rank, in the dump directory)"

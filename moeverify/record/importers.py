@@ -177,7 +177,7 @@ def export_npz(dump, path: str | os.PathLike, *, routes_of=None) -> Path:
             arrays[f"step{step}_batch"] = np.asarray([dump.layout.dp(dump.world_size) * info.batch], dtype=np.int64)
     arrays["num_experts"] = np.asarray([experts], dtype=np.int64)
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, allow_pickle=True, **arrays)  # the default, named: no array can be taken for it
     atomic_write(path, buffer.getvalue())
     return path
 

@@ -153,11 +153,7 @@ class Dump:
         info = self._step(step)
         if self.world_size == 1 and info.seq_len is None:
             return self.local_routes(step=step, rank=0)
-        if info.seq_len is None or info.batch is None:
-            raise DumpError(
-                f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
-                f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)"
-            )
+        self._geometry(step, info)
         for rank in sorted(self.coords):
             self._check_token_ids(rank, step, info)
         return self._merged(step, info, layers=self.model.moe_layers, where=f"{self.path}: step {step}")[0]
@@ -171,8 +167,8 @@ class Dump:
                 self._index[(0, step, mb, layers[0], "ids")].shape[0] if layers else 0
                 for mb in range(info.microbatches)
             ]
-        self._require_geometry(step, info)
-        return [self.layout.dp(self.world_size) * info.batch * length for length in info.seq_len]
+        seq_len, batch = self._geometry(step, info)
+        return [self.layout.dp(self.world_size) * batch * length for length in seq_len]
 
     def layer_routes(self, *, step: int = 0, layer: int, like: Routes | None = None) -> Routes:
         """One MoE layer of ``routes(step)`` (same merge, order and checks), reading only that layer's tensors.
@@ -197,7 +193,7 @@ class Dump:
         if self.world_size == 1 and info.seq_len is None:
             held = (layer,) if layer in self._layers(0) else ()
             return self._local(0, step, held, checked=True, like=like), [None] * info.microbatches
-        self._require_geometry(step, info)
+        self._geometry(step, info)
         if step not in self._token_ids_checked:
             for rank in sorted(self.coords):
                 self._check_token_ids(rank, step, info)
@@ -252,6 +248,7 @@ class Dump:
         On a failure each rank's tensors are checked on their own, so that the message names the file. Layers
         that one rank alone holds are put in order by one gather of whole rows as they are read
         (``layer_read.sequence_order``), or, with ``gather=False`` (one layer), left in that rank's order."""
+        seq_len, batch = self._geometry(step, info)
         holders = {layer: [r for r in sorted(self.coords) if layer in self._layers(r)] for layer in layers}
         if all(len(ranks) == 1 for ranks in holders.values()):
             merged = self._gathered(
@@ -265,8 +262,8 @@ class Dump:
                 local,
                 self.layout,
                 world_size=self.world_size,
-                seq_len=info.seq_len,
-                batch=info.batch,
+                seq_len=seq_len,
+                batch=batch,
                 num_layers=self.model.num_layers,
                 moe_layers=layers,
                 zigzag=self.zigzag,
@@ -281,8 +278,14 @@ class Dump:
     ) -> tuple[Routes, list[torch.Tensor | None]] | None:
         """``_merged`` of layers each held by the one rank ``owner[layer]``; None where a rank's token order is
         not a permutation of the micro-batch's tokens (the general merge then says what is wrong)."""
-        orders = {(rank, mb): self._order(rank, info, mb) for rank in owner.values() for mb in range(info.microbatches)}
-        if any(order is None for order in orders.values()):
+        seq_len, batch = self._geometry(step, info)
+        found = {
+            (rank, mb): self._order(rank, seq_len=seq_len[mb], batch=batch)
+            for rank in owner.values()
+            for mb in range(info.microbatches)
+        }
+        orders = {key: order for key, order in found.items() if order is not None}
+        if len(orders) != len(found):
             return None
         held = {
             layer: [
@@ -297,31 +300,35 @@ class Dump:
             for rank in sorted(self.coords):
                 self._local(rank, step, tuple(owner), checked=True)  # raises naming the rank's file
             raise DumpError(f"{where}: cannot merge ranks: {exc}") from None
-        rank = next(iter(owner.values()), None)  # gather=False: one layer, so one rank
-        tokens = [None if gather else orders[(rank, mb)][1] for mb in range(info.microbatches)]
+        tokens: list[torch.Tensor | None] = [None] * info.microbatches
+        if not gather:
+            holder = next(iter(owner.values()))  # gather=False: one layer, so one rank
+            tokens = [orders[(holder, mb)][1] for mb in range(info.microbatches)]
         if any(t is not None for t in tokens):
             return routes.in_order("router"), tokens
-        return routes.in_order("sequence" if self.layout.dp(self.world_size) * info.batch > 1 else None), tokens
+        return routes.in_order("sequence" if self.layout.dp(self.world_size) * batch > 1 else None), tokens
 
-    def _order(self, rank: int, info: fmt.StepInfo, mb: int) -> tuple[torch.Tensor | None, ...] | None:
-        key = (rank, info.seq_len[mb], info.batch)  # cached: the same for every layer and micro-batch
+    def _order(self, rank: int, *, seq_len: int, batch: int) -> tuple[torch.Tensor | None, ...] | None:
+        key = (rank, seq_len, batch)  # cached: the same for every layer and micro-batch
         if key not in self._orders:
             self._orders[key] = sequence_order(
                 self.layout,
                 self.coords[rank],
-                seq_len=info.seq_len[mb],
-                batch=info.batch,
+                seq_len=seq_len,
+                batch=batch,
                 zigzag=self.zigzag,
-                tokens=self.layout.dp(self.world_size) * info.batch * info.seq_len[mb],
+                tokens=self.layout.dp(self.world_size) * batch * seq_len,
             )
         return self._orders[key]
 
-    def _require_geometry(self, step: int, info: fmt.StepInfo) -> None:
+    def _geometry(self, step: int, info: fmt.StepInfo) -> tuple[tuple[int, ...], int]:
+        """``(seq_len, batch)`` of ``step``; DumpError where they were not recorded (ranks cannot be merged)."""
         if info.seq_len is None or info.batch is None:
             raise DumpError(
                 f"{self.path}: step {step}: seq_len/batch were not recorded, so {self.world_size} ranks "
                 f"cannot be merged; record them with RankWriter.add_tokens(seq_len=, batch=)"
             )
+        return info.seq_len, info.batch
 
     # -- validation -------------------------------------------------------------------------------
     def _index_file(self, rank: int, file: Mapping) -> None:
@@ -415,7 +422,7 @@ class Dump:
         """One index entry per layer of a v2 ``[L, T, K]`` tensor, after checking its dtype and shape."""
         where = f"{path}: tensor {name} (step {step}, mb {mb}, layers {list(layers)})"
         want = fmt.ID_DTYPE_NAMES[self.ids_dtype] if kind == "ids" else "a float dtype"
-        if (dtype != self.ids_dtype) if kind == "ids" else (dtype not in fmt.PROB_DTYPES):
+        if dtype is None or ((dtype != self.ids_dtype) if kind == "ids" else (dtype not in fmt.PROB_DTYPES)):
             raise DumpError(f"{where}: dtype {dtype} != expected {want}")
         if len(shape) != 3 or shape[2] != self.model.topk:
             raise DumpError(f"{where}: shape {shape} != expected (L={len(layers)}, T, K={self.model.topk})")
@@ -460,7 +467,7 @@ class Dump:
 
     def _check_rank_complete(self, rank: int) -> None:
         """Strict: a rank holds exactly its layers x micro-batches of every step; token counts agree."""
-        expected = set()
+        expected: set[tuple[int, int, int, int | None, str]] = set()
         layers = self._layers(rank)
         for step, info in self.steps.items():
             expected.update((rank, step, mb, layer, "ids") for mb in range(info.microbatches) for layer in layers)
@@ -525,17 +532,18 @@ class Dump:
     def _check_token_ids(self, rank: int, step: int, info: fmt.StepInfo) -> None:
         """Recorded positions/seq_ids, where present, must be where the layout says the tokens are."""
         c = self.coords[rank]
+        seq_len, batch = self._geometry(step, info)
         for mb in range(info.microbatches):
             idx_T = views.token_index(
                 self.layout,
                 tp_rank=c.tp,
                 cp_rank=c.cp,
                 dp_rank=c.dp,
-                seq_len=info.seq_len[mb],
-                batch=info.batch,
+                seq_len=seq_len[mb],
+                batch=batch,
                 zigzag=self.zigzag,
             )
-            for kind, want_T in (("positions", idx_T % info.seq_len[mb]), ("seq_ids", idx_T // info.seq_len[mb])):
+            for kind, want_T in (("positions", idx_T % seq_len[mb]), ("seq_ids", idx_T // seq_len[mb])):
                 if (rank, step, mb, None, kind) not in self._index:
                     continue
                 got_T = self._read(rank, step, mb, None, kind)

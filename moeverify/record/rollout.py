@@ -46,7 +46,7 @@ class Aligned:
 
 
 def _columns(
-    arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int, numbering: str | None, where: str
+    arr: np.ndarray, *, moe_layers: Sequence[int], num_layers: int | None, numbering: str | None, where: str
 ) -> np.ndarray:
     """The MoE columns (``layer_numbering``: one per MoE layer, or one per decoder layer; both fitting refused)."""
     cols = layer_numbering.columns(

@@ -108,8 +108,8 @@ def _parse(
     except OSError as exc:
         raise DumpError(f"{path}: unreadable: {exc}") from None
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise DumpError(f"{path}:{line}: not UTF-8 text (byte {exc.start}): not a router_trace JSONL file") from None
+        at = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise DumpError(f"{path}:{at}: not UTF-8 text (byte {exc.start}): not a router_trace JSONL file") from None
     calls: dict[int, list[_Call]] = {}
     topk = None
     for lineno, line in enumerate(lines, 1):

@@ -14,6 +14,7 @@ the whole ``Routes`` for the in-memory engine (``diff.diff``), through the same 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
 
@@ -21,6 +22,28 @@ from moeverify.record.layer_read import gather_rows
 from moeverify.record.reader import Dump
 from moeverify.routing.expert_map import ExpertMap
 from moeverify.routing.routes import Routes
+
+
+class LayerSource(Protocol):
+    """One side of a diff: the members the module docstring lists."""
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+    @property
+    def microbatches(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def topk(self) -> int: ...
+
+    def microbatch_tokens(self) -> list[int]: ...
+
+    def layer(self, layer: int) -> list[torch.Tensor]: ...
+
+    def routes(self) -> Routes: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +120,7 @@ class LayerPairs:
     the differing rows' global tokens are looked up.
     """
 
-    def __init__(self, a, b):
+    def __init__(self, a: LayerSource, b: LayerSource):
         self.a, self.b = a, b
         self._same: dict[tuple[int, int], bool] = {}  # (id(A's tokens), id(B's)): the dumps cache them
 
@@ -136,6 +159,8 @@ def _in_token_order(mbs: list[torch.Tensor], tokens: list[torch.Tensor | None]) 
 class _Wrapped:
     """A source around ``inner``: its layers, micro-batches, top-k and token counts are ``inner``'s."""
 
+    inner: LayerSource  # a dataclass field of each subclass
+
     @property
     def layers(self) -> tuple[int, ...]:
         return self.inner.layers
@@ -154,7 +179,7 @@ class _Wrapped:
 
 @dataclasses.dataclass(frozen=True)
 class MappedSource(_Wrapped):
-    inner: object
+    inner: LayerSource
     expert_map: ExpertMap
     where: str
     token_label: object = None  # (microbatch, row) -> text naming the token in messages
@@ -175,7 +200,7 @@ class MappedSource(_Wrapped):
 
 @dataclasses.dataclass(frozen=True)
 class WidenedSource(_Wrapped):
-    inner: object
+    inner: LayerSource
     num_experts: int
 
     def layer(self, layer: int) -> list[torch.Tensor]:

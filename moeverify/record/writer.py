@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save as st_save
@@ -26,8 +27,11 @@ from moeverify.routing.routes import Routes, validate_topk_ids
 from moeverify.routing.views import RankCoords
 from moeverify.spec.layout import Layout
 
-_FLUSH = object()
-_STOP = object()
+# Work items: ("layer", ...) and ("tokens", ...) carry the arguments of _store_layer / _store_tokens; the two
+# markers below are told apart by identity.
+_Item = tuple[Any, ...]
+_FLUSH: _Item = ("flush",)
+_STOP: _Item = ("stop",)
 
 
 class RankWriter:
@@ -78,12 +82,12 @@ class RankWriter:
         self._old_steps: frozenset[int] = frozenset()
         if append:
             self._resume()
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue[_Item] | None = None
         self._thread: threading.Thread | None = None
         if background:
             self._queue = queue.Queue(maxsize=queue_size)
             self._thread = threading.Thread(
-                target=self._work, name=f"moeverify-dump-rank{self.coords.rank}", daemon=True
+                target=self._work, args=(self._queue,), name=f"moeverify-dump-rank{self.coords.rank}", daemon=True
             )
             self._thread.start()
 
@@ -207,7 +211,7 @@ class RankWriter:
         if self._closed:
             return
         self.flush()
-        if self._queue is not None:
+        if self._queue is not None and self._thread is not None:  # set together, by a background writer
             self._queue.put(_STOP)
             self._thread.join()
         self._closed = True
@@ -222,7 +226,7 @@ class RankWriter:
         elif self._queue is not None:
             self._queue.put(_STOP)
 
-    def _submit(self, item: object) -> None:
+    def _submit(self, item: _Item) -> None:
         self._raise_pending()
         if self._closed:
             raise DumpError(f"{self.path}: writer of rank {self.coords.rank} is closed")
@@ -239,9 +243,9 @@ class RankWriter:
             raise DumpError(f"{self.path}: background writer of rank {self.coords.rank} failed: {error!r}") from error
 
     # -- worker side ------------------------------------------------------------------------------
-    def _work(self) -> None:
+    def _work(self, items: queue.Queue[_Item]) -> None:
         while True:
-            item = self._queue.get()
+            item = items.get()
             try:
                 if item is _STOP:
                     return
@@ -250,9 +254,9 @@ class RankWriter:
             except BaseException as exc:  # handed to the caller's next call
                 self._error = exc
             finally:
-                self._queue.task_done()
+                items.task_done()
 
-    def _handle(self, item: object) -> None:
+    def _handle(self, item: _Item) -> None:
         if item is _FLUSH:
             self._write_part()
         elif item[0] == "layer":
@@ -349,18 +353,19 @@ class RankWriter:
                 f"are packed into one [L, T, K] tensor and must hold the same T"
             )
         out = {fmt.packed_name(step=step, mb=mb, kind="ids"): torch.stack([held[layer][0] for layer in layers])}
-        with_probs = [layer for layer in layers if held[layer][1] is not None]
-        if with_probs:
+        probs = {layer: probs_TK for layer in layers if (probs_TK := held[layer][1]) is not None}
+        if probs:
+            with_probs = list(probs)
             if len(with_probs) != len(layers):
                 raise DumpError(
                     f"{where}: probs given for layer(s) {with_probs} but not for "
                     f"{sorted(set(layers) - set(with_probs))}; a packed micro-batch holds probs for "
                     f"all of its layers or none"
                 )
-            dtypes = {layer: fmt.PROB_DTYPES[held[layer][1].dtype] for layer in layers}
+            dtypes = {layer: fmt.PROB_DTYPES[probs_TK.dtype] for layer, probs_TK in probs.items()}
             if len(set(dtypes.values())) > 1:
                 raise DumpError(f"{where}: probs dtypes differ between layers {dtypes}; give one float dtype")
-            out[fmt.packed_name(step=step, mb=mb, kind="probs")] = torch.stack([held[layer][1] for layer in layers])
+            out[fmt.packed_name(step=step, mb=mb, kind="probs")] = torch.stack(list(probs.values()))
         return out
 
     def _record(self) -> dict:
