@@ -167,7 +167,7 @@ def parallel(layout, *, seed: int = 0, timeout_s: float | None = None):
             _initialise(outer, seed=outer_seed, timeout_s=outer_timeout)
 
 
-def _initialise(layout, *, seed: int, timeout_s: int) -> None:
+def _initialise(layout, *, seed: int, timeout_s: float) -> None:
     from megatron.core import parallel_state  # lazy: megatron
     from megatron.core.tensor_parallel import random as mp_random  # lazy: megatron
 

@@ -66,7 +66,7 @@ class _Loader(importlib.abc.Loader):
 
 def _importer_name() -> str | None:
     """``__name__`` of the first frame outside importlib: the module whose import statement is running."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         if not frame.f_code.co_filename.startswith("<frozen importlib"):
             return frame.f_globals.get("__name__")
