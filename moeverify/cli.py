@@ -1,4 +1,4 @@
-"""``moeverify run | dump | doctor | bench``: the entry point and its dispatch.
+"""``moeverify run | dump | doctor | bench`` (and ``--version``): the entry point and its dispatch.
 
 Each command is a module of ``moeverify.commands`` with ``register(subparsers)``; ``dump``'s module is imported only
 when ``dump`` runs (its format needs torch), so ``--help``, ``run --list`` and scenario validation import no torch.
@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from moeverify import __version__
 from moeverify.commands import bench, doctor, run
 from moeverify.commands.common import EXIT_INTERRUPTED, EXIT_USAGE
 from moeverify.commands.run import DEFAULT_SCENARIOS, DEFAULT_TIMEOUT_S, RELEASE_SCENARIOS
@@ -71,6 +72,7 @@ def _add_dump(subparsers, *, load: bool) -> None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``moeverify`` parser; ``command`` is the one about to run (its module is loaded, the others' not)."""
     parser = _Parser(prog="moeverify", description="Prove MoE RL training on Megatron-Core correct.")
+    parser.add_argument("--version", action="version", version=f"moeverify {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     run.register(subparsers)

@@ -130,6 +130,17 @@ def test_main_help_exits_0(capsys):
     assert code == 0 and "--replay-impl" in out
 
 
+def test_main_version_prints_the_package_version_and_exits_0(capsys, repo_root):
+    code, out, err = _run(capsys, "--version")
+    declared = re.search(r'^version = "(.+)"$', (repo_root / "pyproject.toml").read_text(), re.M).group(1)
+    assert (code, out, err) == (0, f"moeverify {declared}\n", "")
+
+
+def test_main_version_with_a_command_still_prints_only_the_version(capsys):
+    code, out, _ = _run(capsys, "--version", "run", "--list")
+    assert code == 0 and out.startswith("moeverify ") and len(out.splitlines()) == 1
+
+
 def test_main_bench_list_names_scripts(capsys, repo_root):
     code, out, _ = _run(capsys, "bench", "--list")
     expected = sorted(p.stem for p in (repo_root / "bench").glob("*.py") if not p.name.startswith("_"))
