@@ -198,7 +198,7 @@ def diagnose(
     if silent is not None:
         states[silent.rank] = silent
     culprits = sorted((s for s in states if s.stacks), key=lambda s: (_is_victim(s.stacks), s.stacks_mtime))
-    placed = [s for s in states if s.index is not None]
+    placed = [(s.index, s) for s in states if s.index is not None]
     primary = culprits[0] if culprits else None
     if not placed:
         why = _describe(primary, plan) if primary else f"torchrun exited with code {returncode}"
@@ -209,8 +209,11 @@ def diagnose(
             peak_rss_mb=rss,
             message=f"no rank got past start-up (runtime init): {why}\nfiles: {directory}",
         )
-    where = primary if primary is not None and primary.index is not None else min(placed, key=lambda s: s.index)
-    index = min(where.index, len(plan.scenarios) - 1)
+    if primary is not None and primary.index is not None:
+        at, where = primary.index, primary
+    else:
+        at, where = min(placed, key=lambda pair: pair[0])
+    index = min(at, len(plan.scenarios) - 1)
     parts = []
     if killed:
         parts.append(

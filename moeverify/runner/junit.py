@@ -21,13 +21,13 @@ def _testcase(result: Result) -> ET.Element:
     status = result.status
     if status == "skipped":
         ET.SubElement(case, "skipped", message=result.skipped or "")
-    elif status == "xfailed":
+    elif status == "xfailed" and result.verdict is not None:  # x-statuses come from the verdict
         skipped = ET.SubElement(case, "skipped", type="ExpectedFailure", message=result.verdict.message)
         skipped.text = "\n".join(record.failure_lines())
-    elif status == "xpassed":
+    elif status == "xpassed" and result.verdict is not None:
         failure = ET.SubElement(case, "failure", type="ExpectedFailureNowPasses", message=result.verdict.message)
         failure.text = "\n".join(failing_lines(result))
-    elif status in ("crashed", "interrupted"):
+    elif status in ("crashed", "interrupted") and record.error is not None:  # both carry the error text
         error = ET.SubElement(case, "error", type=status.capitalize(), message=record.error.splitlines()[0])
         error.text = record.error
     elif status == "failed":
@@ -39,7 +39,7 @@ def _testcase(result: Result) -> ET.Element:
     return case
 
 
-def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.ElementTree:
+def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.ElementTree[ET.Element]:
     counts = {
         s: sum(r.status == s for r in results)
         for s in ("failed", "crashed", "skipped", "interrupted", "xfailed", "xpassed")
@@ -69,7 +69,7 @@ def to_xml(results: Sequence[Result], *, suite: str = "moeverify") -> ET.Element
     )
     for result in results:
         node.append(_testcase(result))
-    tree = ET.ElementTree(root)
+    tree: ET.ElementTree[ET.Element] = ET.ElementTree(root)
     ET.indent(tree)
     return tree
 

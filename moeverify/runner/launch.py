@@ -189,8 +189,11 @@ class _Collector:
         ]
 
 
-def _spread(spec: GroupSpec) -> bool:
-    return spec.cluster is not None and spec.cluster.node.runs_everywhere(spec.world_size)
+def _spread(spec: GroupSpec) -> Cluster | None:
+    """The cluster ``spec`` runs spread over; None where it runs on this node alone."""
+    if spec.cluster is not None and spec.cluster.node.runs_everywhere(spec.world_size):
+        return spec.cluster
+    return None
 
 
 def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector) -> tuple[int, bool]:
@@ -201,8 +204,8 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
     """
     plan_file = plan.write(directory)
     node, launch = None, 0
-    if _spread(spec):
-        cluster = spec.cluster
+    cluster = _spread(spec)
+    if cluster is not None:
         node, launch = cluster.node, cluster.launches
         cluster.launches += 1
         cluster.control.put(
@@ -238,8 +241,8 @@ def _attempt(spec: GroupSpec, plan: Plan, directory: Path, collector: _Collector
     finally:
         if log is not None:
             log.close()
-        if node is not None:
-            _gather_nodes(spec.cluster, launch, directory)
+        if cluster is not None:
+            _gather_nodes(cluster, launch, directory)
 
 
 def _gather_nodes(cluster: Cluster, launch: int, directory: Path) -> None:
@@ -283,8 +286,9 @@ def run_group(
     list), ``on_start`` the scenario and check rank 0 starts.
     """
     results: list[Result] = []
-    if _spread(spec) and spec.cluster.lost:
-        lost = _not_run(spec.scenarios, why=spec.cluster.lost)
+    cluster = _spread(spec)
+    if cluster is not None and cluster.lost:
+        lost = _not_run(spec.scenarios, why=cluster.lost)
         for result in lost:
             on_result(result)
         return lost
@@ -305,8 +309,8 @@ def run_group(
         crash = diagnose(
             directory, world_size=spec.world_size, plan=plan, returncode=rc, killed=killed, done=collector.seen
         )
-        if _spread(spec) and spec.cluster.lost:  # the group cannot run again without that node
-            crash = dataclasses.replace(crash, fatal=True, message=f"{spec.cluster.lost}\n{crash.message}")
+        if cluster is not None and cluster.lost:  # the group cannot run again without that node
+            crash = dataclasses.replace(crash, fatal=True, message=f"{cluster.lost}\n{crash.message}")
         lost = _crashed_results(spec, crash, collector.seen)
         if crash.fatal:  # nothing ran: the next attempt would fail the same way
             lost += _not_run(spec.scenarios[crash.index + 1 :], why=crash.message.splitlines()[0])

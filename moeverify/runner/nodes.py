@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from moeverify.errors import UsageError
 from moeverify.spec import timeouts
@@ -133,7 +134,7 @@ def loaded_parts(parts: Mapping[str, object]) -> dict:
 def loaded_difference(mine: Mapping, theirs: Mapping) -> str:
     """What differs between two ``loaded_parts``: each differing part, with the values of a shown one (an option
     by key)."""
-    out = []
+    out: list[str] = []
     for name, value in mine["digests"].items():
         if theirs["digests"].get(name) == value:
             continue
@@ -180,8 +181,8 @@ class Control:
     def put(self, key: str, value: object) -> None:
         self.store.set(key, json.dumps(value))
 
-    def get(self, key: str, *, timeout_s: float, watch: int | None = None) -> object:
-        """Wait for ``key``; while waiting, a watched node that stops beating is named dead."""
+    def get(self, key: str, *, timeout_s: float, watch: int | None = None) -> Any:
+        """Wait for ``key``, then its JSON value; while waiting, a watched node that stops beating is named dead."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.store.check([key]):

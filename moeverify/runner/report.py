@@ -56,7 +56,9 @@ class Result:
     @property
     def label(self) -> str:
         """The status as the table shows it: ``expected failure (F3)`` names the finding."""
-        return self.verdict.label if self.status in ("xfailed", "xpassed") else self.status
+        if self.verdict is not None and self.status in ("xfailed", "xpassed"):
+            return self.verdict.label
+        return self.status
 
     def as_dict(self) -> dict:
         out = self.record.as_dict()
@@ -211,7 +213,7 @@ def print_report(results: Sequence[Result], *, console: Console | None = None) -
     if lines := guard_lines(results):
         console.print(Text("What the failing subchecks guard against:\n" + "\n".join(f"  {line}" for line in lines)))
     for result in results:
-        if result.status == "crashed":
+        if result.status == "crashed" and result.record.error is not None:  # crashed: the record holds an error
             console.print(Text(f"\n{result.record.scenario} {result.record.check} crashed", style="bold red"))
             console.print(Text(result.record.error), highlight=False)  # the rank's text: no markup, no emoji
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from moeverify.errors import UsageError
 from moeverify.runner import probe
@@ -50,19 +50,18 @@ def check_option_use(scenarios: Sequence[Scenario], options: dict) -> None:
             )
 
 
-def _plugin_uses(scenarios: Sequence[Scenario], options: dict):
+def _plugin_uses(scenarios: Sequence[Scenario], options: dict) -> Iterator[tuple[str, str, Mapping[str, str]]]:
     """``(spec, what, builtins)`` of every plugin option (subject, receiver, replay implementation) the selected
     scenarios' checks read, once each."""
-    plugin_options = [o for o in OPTIONS.values() if o.plugin]
+    plugin_options = [(o, plugin) for o in OPTIONS.values() if (plugin := o.plugin)]
     seen = set()
     for s in scenarios:
         merged = {**s.options, **{k: v for k, v in options.items() if v is not None}}
-        for option in plugin_options:
+        for option, (what, builtins) in plugin_options:
             spec = merged.get(option.name)
             if spec is None or (option.name, spec) in seen or option.check not in s.checks:
                 continue
             seen.add((option.name, spec))
-            what, builtins = option.plugin
             yield spec, what, builtins
 
 
