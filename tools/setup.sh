@@ -106,12 +106,27 @@ if [ ! -f "$tools/.complete" ]; then
   fi
   flock -u 8
 fi
-ln -sfn "$tools/bin/ruff" "$venv/bin/ruff"
+# A script in .venv/bin, written only when its text changed, and replaced in one rename: a second setup leaves the
+# venv as it was, and a command running the old script meanwhile never reads a half-written one.
+put_script() {
+  local path=$1 text=$2
+  if [ -f "$path" ] && [ "$(cat "$path")" = "$text" ] && [ -x "$path" ]; then return 0; fi
+  printf '%s\n' "$text" > "$path.tmp.$$"
+  chmod +x "$path.tmp.$$"
+  mv -f "$path.tmp.$$" "$path"
+}
+# torchrun as pip installs it (torch.distributed.run:main), under .venv's interpreter: the stack's own torchrun
+# names the stack's interpreter, which does not see this checkout.
+put_script "$venv/bin/torchrun" "#!$venv/bin/python
+import sys
+from torch.distributed.run import main
+sys.exit(main())"
+[ "$(readlink "$venv/bin/ruff" 2>/dev/null)" = "$tools/bin/ruff" ] || ln -sfn "$tools/bin/ruff" "$venv/bin/ruff"
 # mypy checks against the stack's packages (torch, numpy): it runs in the tools venv, reading .venv's interpreter
-printf '#!/bin/sh\nexec "%s/bin/python" -m mypy --python-executable "%s/bin/python" "$@"\n' "$tools" "$venv" > "$venv/bin/mypy"
-chmod +x "$venv/bin/mypy"
+put_script "$venv/bin/mypy" "#!/bin/sh
+exec \"$tools/bin/python\" -m mypy --python-executable \"$venv/bin/python\" \"\$@\""
 # import-linter's own script names the venv's temporary path: run its entry point through the venv's python
 # (the working directory, the repo root, is on its path, so the package is analysed without being installed).
-printf '#!/bin/sh\nexec "%s/bin/python" -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())" --no-cache "$@"\n' "$tools" > "$venv/bin/lint-imports"
-chmod +x "$venv/bin/lint-imports"
+put_script "$venv/bin/lint-imports" "#!/bin/sh
+exec \"$tools/bin/python\" -c \"import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())\" --no-cache \"\$@\""
 echo "moeverify setup: .venv ready (python $pyver, stack $key)"
