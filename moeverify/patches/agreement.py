@@ -3,17 +3,27 @@ native routing would choose now.
 
 Legend of shape suffixes: T = tokens of one router call, K = top-k.
 
-Off by default. ``MOEVERIFY_AGREEMENT=PATH.jsonl`` turns it on for every replay mode of the patch (session
-``replay()``, autopatch ``replay:DIR``, in-job ``r2``); ``MOEVERIFY_AGREEMENT_MIN=0.99`` fails the job with
-``RouteError`` (step, layer, rank, agreement vs minimum) at the end of a step whose agreement in some layer falls
-below it. Code users call ``agreement.guard(path=..., minimum=..., writer=...)`` instead.
+On by default in in-job replay (r2, r3) and in a session's ``replay()`` of routes another process chose
+(``Routes.from_rollout``, a dump's); elsewhere ``MOEVERIFY_AGREEMENT=PATH.jsonl`` turns it on (session ``replay()``,
+autopatch ``replay:DIR``). ``MOEVERIFY_AGREEMENT_MIN=0.99`` fails a step whose agreement in some layer falls below
+it; the chance floor (``MOEVERIFY_AGREEMENT_FLOOR``) one whose replayed ids do no better than random ids; the
+numbering check (engine routes: on by default, ``MOEVERIFY_AGREEMENT_NUMBERING=off``) one where an engine expert id
+routes like another trainer expert (a permutation, a swapped pair, a stale EPLB map: ``numbering_faults``). Code
+users call ``agreement.guard(path=..., minimum=..., writer=..., floor=..., numbering=...)`` instead.
+
+**Fail closed**: the step is decided *before* the update, in a pre-hook of ``optimizer.step()``: a failing step
+raises ``RouteError`` before any parameter changes. Across ranks (torch.distributed initialized) every rank that ran
+a counted or bound forward since the last decision takes part in one small all-reduce (bounded by
+``MOEVERIFY_COLLECTIVE_TIMEOUT_S``), so a rank that fails stops every rank before its optimizer runs; a rank that
+passed names the failing ranks. One line per step goes to the job's log (stderr, rank 0: per pass, the replayed
+tokens and the lowest layer agreement over the ranks); ``MOEVERIFY_AGREEMENT_LOG=off`` (``log=False``) quiets it.
 
 What is counted: each forward routing call served by a replay hook (never a log-prob or native call, never a
 recompute inside backward), every token of the call: its replayed ids against megatron-core's own top-k of the
 same selection scores (``default_compute_topk``: score function, expert bias, groups as the router has them),
 compared as sets. Counts stay on the device; the host reads them once per step.
 
-A step ends at each ``optimizer.step()`` of any torch optimizer in the process (a global post-hook; Megatron's
+A step ends at each ``optimizer.step()`` of any torch optimizer in the process (a global pre-hook; Megatron's
 optimizers step torch optimizers inside) that follows counted calls, or at ``Guard.end_step()``. Per step one
 JSON line per layer goes to the rank's file (``PATH`` on one rank, ``STEM.rankR.jsonl`` beside it otherwise), and
 one scalar per layer to the job's logger where one is found: the ``writer=`` given, else Megatron's TensorBoard
@@ -22,6 +32,7 @@ writer (``megatron.training.global_vars``) and an active wandb run, only if the 
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -29,19 +40,27 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from moeverify.errors import RouteError, UsageError
+from moeverify.spec import timeouts
 
 ENV = "MOEVERIFY_AGREEMENT"
 MIN_ENV = "MOEVERIFY_AGREEMENT_MIN"
 FLOOR_ENV = "MOEVERIFY_AGREEMENT_FLOOR"
+NUMBERING_ENV = "MOEVERIFY_AGREEMENT_NUMBERING"  # on / off
+LOG_ENV = "MOEVERIFY_AGREEMENT_LOG"  # on / off: the guard's line per step in the job's log
 OFF = "off"
 CHANCE = "chance"  # the default floor of in-job replay: better than random expert ids (module docstring)
 TAG = "moeverify/agreement/layer{layer}"
 PASS_TAG = "moeverify/agreement/{kind}/layer{layer}"
 PASSES = ("training", "log_prob", "replay")  # in-job passes; "replay": a session's or a whole-job replay's calls
 Z = 3.0  # standard deviations above chance that a sample must show to pass the chance floor below its margin
+# The numbering check (``numbering_faults``): an engine expert is judged on at least this many of its replayed
+# tokens, and named when another trainer expert takes at least this share of them, more than the expert itself
+# does, by ``Z`` standard deviations of a sign test between the two.
+NUMBERING_MIN_TOKENS = 8
+NUMBERING_SHARE = 0.5
 
 ACTIVE: Guard | None = None  # read on the routing hot path: None costs one global load per call
 
@@ -56,6 +75,49 @@ def chance_floor(*, topk: int, num_experts: int, slots: int) -> tuple[float, flo
     return chance, min(margin, noise)
 
 
+def numbering_faults(pairs_EE: torch.Tensor, *, topk: int) -> list[tuple[int, int, int, int, int]]:
+    """Engine experts that route like another trainer expert: ``[(engine e, trainer f, tokens, on f, on e)]``.
+
+    ``pairs_EE[e, f]``: replayed tokens holding engine id ``e`` whose native top-k (the trainer's own routing of
+    the same token) holds ``f``. In a healthy job, drifted or not, the tokens an engine sends to ``e`` are mostly
+    the ones the trainer sends to ``e``: ``pairs[e, e]`` leads its row. Under another numbering (a permutation, a
+    swapped pair, a stale EPLB map) engine id ``e`` means trainer expert ``f``: ``pairs[e, f]`` leads, and overall
+    agreement can stay high where only some experts moved. ``e`` is named when it holds at least
+    ``NUMBERING_MIN_TOKENS`` tokens and some ``f != e`` takes at least ``NUMBERING_SHARE`` of them, more than ``e``
+    itself does and more than ``f``'s share of every token (half-way from it to 1: an expert the trainer picks
+    for most tokens anyway is no evidence), each by ``Z`` standard deviations. Ids with no relation to the
+    trainer's routing (another model's, random) spread a row as the trainer's shares go: the chance floor's case."""
+    return numbering_faults_of(pairs_EE[None], topk=topk)[0]
+
+
+def numbering_faults_of(pairs_PEE: torch.Tensor, *, topk: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """``numbering_faults`` of each ``[E, E]`` table of a stack ``[P, E, E]`` (one host read for all)."""
+    pairs_PEE = pairs_PEE.to(torch.int64)
+    tokens_PE = pairs_PEE.sum(dim=2) // topk  # a token holding e adds its K native ids to row e
+    counted_P1 = (pairs_PEE.sum(dim=(1, 2)) // (topk * topk)).clamp(min=1)[:, None]
+    base_PE = (pairs_PEE.sum(dim=1).double() / topk / counted_P1).clamp(max=1.0)  # tokens the trainer sends to f
+    self_PE = pairs_PEE.diagonal(dim1=1, dim2=2)
+    eye_EE = torch.eye(pairs_PEE.shape[1], dtype=torch.bool, device=pairs_PEE.device)
+    best_PE, like_PE = pairs_PEE.masked_fill(eye_EE, -1).max(dim=2)
+    n, best, own = tokens_PE.double(), best_PE.double(), self_PE.double()
+    p = base_PE.gather(1, like_PE)
+    flagged_PE = (
+        (tokens_PE >= NUMBERING_MIN_TOKENS)
+        & (best >= NUMBERING_SHARE * n)
+        & (best >= n * (1.0 + p) / 2)
+        & (best - own >= Z * (best + own).clamp(min=1).sqrt())
+        & (best - n * p >= Z * (n * p * (1 - p)).clamp(min=1).sqrt())
+    )
+    found: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(pairs_PEE.shape[0])]
+    at = flagged_PE.nonzero()
+    if at.numel():
+        i, e = at[:, 0], at[:, 1]
+        read = torch.stack([i, e, like_PE[i, e], tokens_PE[i, e], best_PE[i, e], self_PE[i, e]], dim=1).tolist()
+        for i_, *fault in read:
+            found[i_].append((fault[0], fault[1], fault[2], fault[3], fault[4]))
+    return [sorted(faults, key=lambda r: (r[4] - r[3], r[0])) for faults in found]
+
+
 class Guard:
     """Per-pass, per-layer agreement counts of replayed router calls, flushed per step (see the module docstring).
 
@@ -65,6 +127,11 @@ class Guard:
         floor: ``"chance"``: fail a step whose replayed ids overlap native routing's no better than random ids would
             (``chance_floor``); a number: fail below that mean overlap; None: no floor.
         writer: a TensorBoard-like ``add_scalar`` logger.
+        numbering: fail a step where an engine expert id routes like another trainer expert
+            (``numbering_faults``): routes another process chose.
+        log: one line per step on rank 0's stderr (module docstring).
+        group: the process group deciding a step together (default: every rank, where torch.distributed is
+            initialized).
     """
 
     def __init__(
@@ -74,6 +141,9 @@ class Guard:
         minimum: float | None = None,
         writer=None,
         floor: str | float | None = None,
+        numbering: bool = False,
+        log: bool = True,
+        group=None,
     ):
         for name, value in (("minimum", minimum), ("floor", None if floor == CHANCE else floor)):
             if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
@@ -81,15 +151,20 @@ class Guard:
         self.path = Path(path) if path is not None else None
         self.minimum = minimum
         self.floor = floor
+        self.numbering = bool(numbering)
+        self.log = bool(log)
+        self.group = group
         self.writer = writer
         self.step = 0  # steps flushed with counted calls
         self.fresh = False  # new routes arrived since the last flush (``routes_changed``)
+        self.pending = False  # a counted call or a bound forward since the last decision (``note_forward``)
         self.history: list[dict] = []  # every row written, for code users and tests
-        # (pass, layer) -> [overlap histogram (device tensor, ``count``), calls' tokens, top-k, experts]
+        # (pass, layer) -> [overlap histogram (device tensor, ``count``), calls' tokens, top-k, experts,
+        # engine-id x native-id pairs (``numbering``; device tensor [E * E]) or None]
         self._counts: dict[tuple[str, int], list] = {}
         self._bins: dict[tuple, torch.Tensor] = {}  # (device, top-k) -> the histogram's bin numbers
         self._file = None
-        self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+        self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     def count(
         self,
@@ -129,45 +204,117 @@ class Guard:
             if bins_B is None:
                 bins_B = self._bins[(device, k)] = torch.arange(3 * (k + 1), device=device)
             hist_B = (hits_T[:, None] == bins_B).sum(dim=0)
+            pairs = None
+            if self.numbering and num_experts:
+                pairs = _pairs(replayed_TK, native_TK, hits_T < k + 1, num_experts)
+        self.pending = True
         counts = self._counts.get((kind, layer))
         if counts is None:
-            self._counts[(kind, layer)] = [hist_B, t, k, num_experts]
+            self._counts[(kind, layer)] = [hist_B, t, k, num_experts, pairs]
         else:
             counts[0] += hist_B
             counts[1] += t
+            if pairs is not None:
+                counts[4] = pairs if counts[4] is None else counts[4] + pairs
 
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._counts:
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._counts or (self.pending and _world(self.group) > 1):
             self.end_step()
 
     def end_step(self) -> dict[int, float]:
-        """Flush this step's counts: ``{layer: agreement}`` of the training (or replay) pass; every pass's rows go to
-        ``history``, the file and the logger. Raises ``RouteError`` below the minimum or the floor."""
-        if not self._counts:
-            return {}
-        self.step += 1
+        """Decide this step: ``{layer: agreement}`` of the training (or replay) pass; every pass's rows go to
+        ``history``, the file and the logger. Raises ``RouteError`` below the minimum or the floor, or on an
+        expert numbering fault, here or (distributed) on another rank of the group: before the optimizer's
+        update when called from its pre-hook. Collective over the group where torch.distributed runs."""
+        self.pending = False
+        rows: list[dict] = []
+        problem = None
         rank = _rank()
-        entries = sorted(self._counts.items(), key=lambda item: (PASSES.index(item[0][0]), item[0][1]))
-        device = entries[0][1][0].device
-        read = torch.cat([counts[0].to(device) for _, counts in entries]).tolist()  # one host read a step
-        rows, at = [], 0
-        for (kind, layer), (_, tokens, k, experts) in entries:
-            hist, at = read[at : at + 3 * (k + 1)], at + 3 * (k + 1)
-            counted = hist[: k + 1]
-            values = [
-                counted[k],
-                sum(i * n for i, n in enumerate(counted)),
-                sum(counted),
-                sum(hist[k + 1 : 2 * (k + 1)]),
-                sum(hist[2 * (k + 1) :]),
-            ]
-            rows.append(self._row(kind, layer, [*values, tokens, k, experts], rank))
-        self._counts.clear()
-        self.history.extend(rows)
-        self._write(rows, rank)
-        self._log(rows)
-        self._judge(rows, rank)
+        if self._counts:
+            self.step += 1
+            entries = sorted(self._counts.items(), key=lambda item: (PASSES.index(item[0][0]), item[0][1]))
+            device = entries[0][1][0].device
+            read = torch.cat([counts[0].to(device) for _, counts in entries]).tolist()  # one host read a step
+            at = 0
+            for (kind, layer), (_, tokens, k, experts, _) in entries:
+                hist, at = read[at : at + 3 * (k + 1)], at + 3 * (k + 1)
+                counted = hist[: k + 1]
+                values = [
+                    counted[k],
+                    sum(i * n for i, n in enumerate(counted)),
+                    sum(counted),
+                    sum(hist[k + 1 : 2 * (k + 1)]),
+                    sum(hist[2 * (k + 1) :]),
+                ]
+                rows.append(self._row(kind, layer, [*values, tokens, k, experts], rank))
+            faults = self._numbering(entries, rows)
+            self._counts.clear()
+            self.history.extend(rows)
+            self._write(rows, rank)
+            self._log(rows)
+            problem = self._judge(rows, rank, faults)
+        problem = self._decide(rows, rank, problem)
+        if problem is not None:
+            raise RouteError(problem)
         return {row["layer"]: row["agreement"] for row in rows if row["pass"] != "log_prob"}
+
+    @staticmethod
+    def _numbering(entries: list, rows: list[dict]) -> list[tuple[dict, list]]:
+        """The numbering check of every (pass, layer) that counted pairs, grouped by shape: one read per group."""
+        faults: list[tuple[dict, list]] = []
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (_, counts) in enumerate(entries):
+            if counts[4] is not None:
+                groups.setdefault((counts[2], counts[3]), []).append(i)
+        for (k, experts), at in groups.items():
+            stack = torch.stack([entries[i][1][4].view(experts, experts) for i in at])
+            for i, found in zip(at, numbering_faults_of(stack, topk=k), strict=True):
+                if found:
+                    rows[i]["numbering_faults"] = [list(f) for f in found]
+                    faults.append((rows[i], found))
+        return faults
+
+    def _decide(self, rows: list[dict], rank: int, problem: str | None) -> str | None:
+        """Every rank of the group learns whether any failed, and rank 0 logs the step's line: one all-reduce of a
+        ``[world, 1 + 2 * passes]`` table (failed; per pass the replayed tokens and the lowest layer agreement)."""
+        world = _world(self.group)
+        table = [[0.0] * (1 + 2 * len(PASSES))]
+        mine = table[0]
+        mine[0] = 1.0 if problem is not None else 0.0
+        for i, kind in enumerate(PASSES):
+            judged = [r for r in rows if r["pass"] == kind and r["tokens"]]
+            mine[1 + 2 * i] = float(sum(r["tokens"] for r in judged))
+            mine[2 + 2 * i] = min((r["agreement"] for r in judged), default=2.0)
+        if world > 1:
+            table = self._gather(mine, world, rank)
+        if self.log and (rank == 0 or world == 1) and any(row[1 + 2 * i] for row in table for i in range(len(PASSES))):
+            print(_step_line(self.step, table), file=sys.stderr, flush=True)
+        failed = [r for r, row in enumerate(table) if row[0]]
+        if problem is None and failed:
+            shown = ", ".join(map(str, failed[:8])) + (f" (+{len(failed) - 8} more)" if len(failed) > 8 else "")
+            return (
+                f"agreement guard: step {self.step} rank {rank}: rank(s) {shown} of {world} failed the guard "
+                "(their error names pass, layer and figure); this rank stops before the optimizer's update too"
+            )
+        return problem
+
+    def _gather(self, mine: list[float], world: int, rank: int) -> list[list[float]]:
+        dist = torch.distributed
+        group_rank = dist.get_rank(self.group) if self.group is not None else rank
+        backend = dist.get_backend(self.group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        table = torch.zeros(world, len(mine), dtype=torch.float64, device=device)
+        table[group_rank] = torch.tensor(mine, dtype=torch.float64)
+        work = dist.all_reduce(table, group=self.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_S))
+        except RuntimeError as exc:
+            raise RouteError(
+                f"agreement guard: step {self.step} rank {rank}: the ranks did not all reach the step's decision "
+                f"within {timeouts.COLLECTIVE_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a rank ran no forward of "
+                f"the bound model this step, or another optimizer steps in between? ({exc})"
+            ) from exc
+        return table.tolist()
 
     def _row(self, kind: str, layer: int, counts: list, rank: int) -> dict:
         agree, hits, counted, pad, native, calls_tokens, k, experts = counts
@@ -188,9 +335,11 @@ class Guard:
             row["chance"], row["floor"] = chance_floor(topk=k, num_experts=experts, slots=counted * k)
         return row
 
-    def _judge(self, rows: list[dict], rank: int) -> None:
-        def fail(row: dict, what: str, got: float, want: float, setting: str, count: int) -> None:
-            raise RouteError(
+    def _judge(self, rows: list[dict], rank: int, faults: list[tuple[dict, list]]) -> str | None:
+        """The step's first failure (numbering, then minimum, then floor) as a message; None when it passes."""
+
+        def fail(row: dict, what: str, got: float, want: float, setting: str, count: int) -> str:
+            return (
                 f"agreement guard: step {self.step} {row['pass']} pass layer {row['layer']} rank {rank}: "
                 f"{what} {got:.4%} over {row['tokens']} replayed tokens (padding {row['padding']} and "
                 f"tokens routed natively {row['routed_natively']} not counted), expected at least "
@@ -199,11 +348,24 @@ class Guard:
 
         judged = [r for r in rows if r["tokens"]]
         fresh, self.fresh = self.fresh, False
+        if faults:
+            row, found = max(faults, key=lambda item: item[1][0][3] - item[1][0][4])
+            e, f, tokens, on_f, on_e = found[0]
+            more = f"; {len(found) - 1} more engine expert(s) of this layer" if len(found) > 1 else ""
+            layers = {(r["pass"], r["layer"]) for r, _ in faults}
+            return (
+                f"agreement guard: step {self.step} {row['pass']} pass layer {row['layer']} rank {rank}: engine "
+                f"expert {e} routes like trainer expert {f} in {on_f / tokens:.0%} of its {tokens} replayed tokens "
+                f"(like trainer expert {e} in {on_e / tokens:.0%}){more}; {len(layers)} pass-layer(s) so: the "
+                "engine's expert ids are in another numbering (EPLB physical slots without their map or with a "
+                "stale one, a permuted or swapped expert order in the weight sync); give the engine's expert map "
+                f"(expert_map=) or fix the sync. {NUMBERING_ENV}=off turns this check off"
+            )
         if self.minimum is not None:
             below = [r for r in judged if r["agreement"] < self.minimum]
             if below:
                 worst = min(below, key=lambda r: r["agreement"])
-                fail(
+                return fail(
                     worst,
                     "agreement (top-k set equal to native routing's)",
                     worst["agreement"],
@@ -227,7 +389,7 @@ class Guard:
                     if self.floor == CHANCE
                     else "overlap (replayed experts native routing also picks)"
                 )
-                fail(
+                return fail(
                     worst,
                     what,
                     worst["overlap"],
@@ -237,6 +399,7 @@ class Guard:
                     else f"{FLOOR_ENV}={CHANCE}, the default of in-job replay; {FLOOR_ENV}={OFF} turns it off",
                     len(below),
                 )
+        return None
 
     def _write(self, rows: list[dict], rank: int) -> None:
         if self.path is None:
@@ -327,13 +490,23 @@ def guard(
     minimum: float | None = None,
     writer=None,
     floor: str | float | None = None,
+    numbering: bool = False,
+    log: bool = True,
+    group=None,
 ) -> Guard:
     """Start the process's agreement guard (one at a time); ``stop()`` ends it. Arguments as ``Guard``'s."""
     global ACTIVE
     if ACTIVE is not None:
         raise UsageError("an agreement guard is already active in this process: call agreement.stop() first")
-    ACTIVE = Guard(path=path, minimum=minimum, writer=writer, floor=floor)
+    ACTIVE = Guard(path=path, minimum=minimum, writer=writer, floor=floor, numbering=numbering, log=log, group=group)
     return ACTIVE
+
+
+def note_forward() -> None:
+    """A forward of the bound model ran (in-job replay's chunk hook): this rank takes part in the step's decision
+    across ranks even where it counted no routing call (a pipeline stage of dense layers only)."""
+    if ACTIVE is not None:
+        ACTIVE.pending = True
 
 
 def routes_changed() -> None:
@@ -376,23 +549,39 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"{ENV}={path[:80]!r}: not a writable file path (where the per-step agreement rows go)")
 
 
-def from_env(*, in_job: bool = False, floor_default: str | None = None) -> Guard | None:
-    """Start the guard from ``MOEVERIFY_AGREEMENT`` / ``_MIN`` / ``_FLOOR`` (autopatch calls it).
+def _switch(name: str, default: bool) -> bool:
+    value = os.environ.get(name) or None
+    if value is None:
+        return default
+    if value not in ("on", OFF):
+        raise UsageError(f"{name}={value[:40]!r}: expected 'on' or 'off'")
+    return value == "on"
+
+
+def from_env(
+    *, in_job: bool = False, floor_default: str | None = None, numbering_default: bool = False
+) -> Guard | None:
+    """Start the guard from ``MOEVERIFY_AGREEMENT`` / ``_MIN`` / ``_FLOOR`` / ``_NUMBERING`` / ``_LOG`` (autopatch
+    calls it).
 
     Args:
         in_job: in-job replay (r2, r3, routes from the batch): the guard is on unless ``MOEVERIFY_AGREEMENT=off``;
             elsewhere it is off unless ``MOEVERIFY_AGREEMENT=PATH.jsonl`` is set.
         floor_default: the floor when ``MOEVERIFY_AGREEMENT_FLOOR`` is unset (``"chance"`` for a rollout engine's
             routes).
+        numbering_default: the numbering check when ``MOEVERIFY_AGREEMENT_NUMBERING`` is unset (on for a rollout
+            engine's routes).
     """
     path, minimum, floor = (os.environ.get(name) or None for name in (ENV, MIN_ENV, FLOOR_ENV))
+    numbering = _switch(NUMBERING_ENV, numbering_default)
+    log = _switch(LOG_ENV, True)
     if in_job and ACTIVE is not None and path is minimum is floor is None:
         return None  # the job started its own guard (agreement.guard()): it counts in-job replay too
     if path == OFF:
-        if minimum is not None or floor not in (None, OFF):
+        if minimum is not None or floor not in (None, OFF) or os.environ.get(NUMBERING_ENV) == "on":
             raise UsageError(
-                f"{ENV}={OFF} turns the agreement guard off, but {MIN_ENV} or {FLOOR_ENV} asks it to "
-                "judge the job: unset one of them"
+                f"{ENV}={OFF} turns the agreement guard off, but {MIN_ENV}, {FLOOR_ENV} or {NUMBERING_ENV} asks "
+                "it to judge the job: unset one of them"
             )
         return None
     if not in_job:
@@ -410,7 +599,7 @@ def from_env(*, in_job: bool = False, floor_default: str | None = None) -> Guard
         floor = None
     elif floor != CHANCE:
         floor = _share(FLOOR_ENV, floor)
-    return guard(path=path, minimum=share, floor=floor)
+    return guard(path=path, minimum=share, floor=floor, numbering=numbering, log=log)
 
 
 def _rank() -> int:
@@ -418,6 +607,29 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _world() -> int:
+def _world(group=None) -> int:
     dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _pairs(replayed_TK: torch.Tensor, native_TK: torch.Tensor, counted_T: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[E * E]``: per (engine id, native id) pair, the counted tokens holding both (``numbering_faults``)."""
+    t, k = replayed_TK.shape
+    pair_TKK = replayed_TK.long()[:, :, None] * experts + native_TK.long()[:, None, :]
+    pair_TKK = pair_TKK.masked_fill(~counted_T[:, None, None], experts * experts)  # padding, native: one spare bin
+    return torch.bincount(pair_TKK.reshape(-1), minlength=experts * experts + 1)[: experts * experts]
+
+
+def _step_line(step: int, table: list[list[float]]) -> str:
+    """The step's line in the job's log: per pass, replayed tokens over the ranks and the lowest layer agreement."""
+    parts = []
+    for i, kind in enumerate(PASSES):
+        tokens = int(sum(row[1 + 2 * i] for row in table))
+        if not tokens:
+            continue
+        lowest, at = min((row[2 + 2 * i], r) for r, row in enumerate(table) if row[1 + 2 * i])
+        where = f" (rank {at})" if len(table) > 1 else ""
+        parts.append(f"{kind} pass {tokens} replayed tokens, lowest layer agreement {lowest:.2%}{where}")
+    failed = sum(1 for row in table if row[0])
+    verdict = f"FAILED on {failed} rank(s)" if failed else "ok"
+    return f"moeverify agreement guard: step {step}: " + "; ".join(parts) + f"; {verdict} ({LOG_ENV}=off quiets this)"

@@ -462,6 +462,7 @@ def install(setting: Setting):
     guard = agreement.from_env(
         in_job=setting.mode in (INJOB, ROLLOUT),  # a bad setting refused before installing
         floor_default=agreement.CHANCE if setting.mode == ROLLOUT else None,
+        numbering_default=setting.mode == ROLLOUT,
     )
     rr.apply()
     _ORDER.install()

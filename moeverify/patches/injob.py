@@ -232,6 +232,7 @@ def _gather_cp(ids: torch.Tensor, group, *, cp: int, layer: int, rank: int) -> l
 
 def _chunk_pre_hook(chunk, args, kwargs):
     _CURRENT.append(ChunkForward(chunk, args, kwargs))
+    agreement.note_forward()
 
 
 def _chunk_post_hook(chunk, args, kwargs, output):

@@ -9,6 +9,7 @@ here from the engine's own routes and the batch layout, independently of the pat
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -124,6 +125,17 @@ def test_r3_engine_in_another_expert_numbering_fails_the_default_floor(world):
     guard.end_step()
     ids, pad, _ = padded(sequences, side="left", width=10)
     run_forward(actor, ids, pad, grad=False)
+    # the numbering check (on by default for engine routes) names an engine expert and the trainer expert it is;
+    # the expected pair is read off the permutation here: engine slot slot_of[f] holds trainer expert f
+    with pytest.raises(
+        RouteError, match=r"log_prob pass layer \d rank 0: engine expert \d routes like trainer expert"
+    ) as err:
+        guard.end_step()
+    e, f = (int(n) for n in re.search(r"engine expert (\d) routes like trainer expert (\d)", str(err.value)).groups())
+    assert int(slot_of[f]) == e, str(err.value)
+    assert "MOEVERIFY_AGREEMENT_NUMBERING=off turns this check off" in str(err.value)
+    guard.numbering = False  # the chance floor stays as the backstop
+    run_forward(actor, ids, pad, grad=False)
     with pytest.raises(
         RouteError,
         match=r"agreement guard: step \d+ log_prob pass layer \d rank 0: overlap .*no "
@@ -137,6 +149,7 @@ def test_r3_engine_in_another_expert_numbering_fails_the_default_floor(world):
     with injob.rollout_version(111):  # rolled out whole in steps 110 and 111: the batch names its version
         run_forward(actor, ids, pad, grad=False)
     assert guard.end_step() == {} and all(r["overlap"] >= 0.9 for r in guard.history[-len(LAYERS) :])
+    guard.numbering = True
 
 
 def test_guard_counts_only_replayed_tokens_where_the_old_share_passed():
