@@ -65,12 +65,12 @@ def cmd_diff(args) -> int:
     require_same_tokens(a, b, assume_same_order=args.assume_same_order)
     geometry = shared_geometry(a, b)
     src_a, src_b, maps = _mapped(args, a, b)
-    sequences = {} if geometry is None else {"seq_len": geometry[0], "batch": geometry[1]}
+    seq_len, batch = (None, None) if geometry is None else geometry
     try:
         if args.in_memory:
-            report = record.diff(src_a.routes(), src_b.routes(), **sequences)
+            report = record.diff(src_a.routes(), src_b.routes(), seq_len=seq_len, batch=batch)
         else:
-            report = record.diff_stream(src_a, src_b, **sequences)
+            report = record.diff_stream(src_a, src_b, seq_len=seq_len, batch=batch)
     except RouteError as exc:
         if not str(exc).startswith("cannot diff:"):
             raise
@@ -271,13 +271,14 @@ def _diff_rollout(args) -> int:
         )
     dump = record.load(train_path)
     step = _one_step(dump, args.step, train_path, "--step")
-    if dump.token_order(step) is None:
+    geometry = dump.geometry(step)
+    if geometry is None:
         raise UsageError(
             f"{train_path}: step {step} was saved without seq_len/batch, so its sequences cannot be "
             "told apart; record it with RouteRecorder or record.save(..., seq_len=, batch=, order=)"
         )
-    info = dump.steps[step]
-    batch = dump.layout.dp(dump.world_size) * info.batch  # sequences per merged micro-batch
+    seq_len, per_rank = geometry
+    batch = dump.layout.dp(dump.world_size) * per_rank  # sequences per merged micro-batch
     train = dump.routes(step=step)
     maps = {}
     if args.expert_map_a:
@@ -288,7 +289,7 @@ def _diff_rollout(args) -> int:
             physical_experts=dump.model.num_experts,
             what=str(train_path),
         )
-        side = Ordered(routes=None, source=str(train_path), order="sequence", seq_len=info.seq_len, batch=batch)
+        side = Ordered(routes=None, source=str(train_path), order="sequence", seq_len=seq_len, batch=batch)
         train = train.map_experts(map_a, where=str(train_path), token_label=_token_label(side))
         maps["a"] = map_a.as_json()
     map_b = None
@@ -309,12 +310,7 @@ def _diff_rollout(args) -> int:
         expert_map=map_b,
     )
     aligned = align(
-        train,
-        spec,
-        seq_len=info.seq_len,
-        batch=batch,
-        requests=_rollout_requests(rollout_path),
-        where=str(rollout_path),
+        train, spec, seq_len=seq_len, batch=batch, requests=_rollout_requests(rollout_path), where=str(rollout_path)
     )
     print("token identity unknown: a rollout file carries no token ids; the requests are lined up by position")
     print(
@@ -359,7 +355,8 @@ def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str)
         step = _one_step(dump, step, path, "--step" if flag == "--order-a" else "--step-b (or --step)")
         source = stream.DumpSource(dump, step)
         source.microbatch_tokens()  # the step exists and its ranks can be merged: checked before any data is read
-        if dump.token_order(step) is None:
+        geometry = dump.geometry(step)
+        if geometry is None:
             return Ordered(
                 routes=source,
                 source=str(path),
@@ -368,13 +365,13 @@ def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str)
                 f"(record.save(..., seq_len=, batch=, order=), or convert with --seq-len "
                 f"--batch)",
             )
-        info = dump.steps[step]
+        seq_len, per_rank = geometry
         return Ordered(
             routes=source,
             source=str(path),
             order="sequence",
-            seq_len=info.seq_len,
-            batch=dump.layout.dp(dump.world_size) * info.batch,
+            seq_len=seq_len,
+            batch=dump.layout.dp(dump.world_size) * per_rank,
         )
     if kind == "export":
         if order is not None:
@@ -402,14 +399,14 @@ def _routes_of(path_text: str, step: int, *, order: str | None, args, flag: str)
             order=None,
             why_unknown=f"an array carries no token order ({flag} sequence|router)",
         )
-    geometry = {}
+    given = {}
     if args.seq_len is not None:
-        geometry = {"seq_len": (args.seq_len,) * routes.microbatches, "batch": args.batch}
+        given = {"seq_len": (args.seq_len,) * routes.microbatches, "batch": args.batch}
     return Ordered(
         routes=stream.RoutesSource(
             to_sequence_order(routes, order=order, seq_len=args.seq_len, batch=args.batch, where=str(path))
         ),
         source=str(path),
         order="sequence",
-        **geometry,
+        **given,
     )

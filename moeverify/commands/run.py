@@ -206,11 +206,11 @@ def _cmd_run(args) -> int:
     _preflight_models(groups)
     previous = signal.signal(signal.SIGTERM, _terminate_cleanly)
     try:
-        control = _control(args, node, chosen=chosen, groups=groups, options=options) if node else None
-        if node is not None and node.node_rank > 0:
-            return _follow(args, node, control, groups=groups, options=options)
         cluster = None
         if node is not None:
+            control = _control(args, node, chosen=chosen, groups=groups, options=options)
+            if node.node_rank > 0:
+                return _follow(args, node, control, groups=groups, options=options)
             from moeverify.runner import launch  # lazy: rich (its results table)
 
             control.wait_joined()

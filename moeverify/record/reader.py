@@ -145,8 +145,12 @@ class Dump:
     def token_order(self, step: int = 0) -> str | None:
         """``"sequence"`` when ``routes(step)`` is in sequence order (``g = b * S + s``; the step recorded its
         geometry, or several ranks were merged), None when it is as saved, in an order the dump does not know."""
+        return "sequence" if self.geometry(step) is not None else None
+
+    def geometry(self, step: int = 0) -> tuple[tuple[int, ...], int] | None:
+        """``(seq_len per micro-batch, batch per DP rank)`` as ``step`` recorded them; None where it did not."""
         info = self._step(step)
-        return "sequence" if info.seq_len is not None and info.batch is not None else None
+        return None if info.seq_len is None or info.batch is None else (info.seq_len, info.batch)
 
     def routes(self, step: int = 0) -> Routes:
         """The merged global routes of ``step``: ``[tokens, topk]`` per MoE layer and micro-batch."""
