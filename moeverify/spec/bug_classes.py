@@ -228,10 +228,12 @@ _EXPORT = (
         "export",
         "receiver_repeat",
         "a loader that is not idempotent: loading the same export again (a repeated or retried update) changes what "
-        "the engine holds, e.g. a layout shuffle re-applied to weights already shuffled",
+        "the engine holds, e.g. a layout shuffle re-applied to weights already shuffled, or a repeat answered from "
+        "state captured at the first repeat (right once, wrong after a sync)",
         "sgl-project/sglang#28963: ROCm's aiter FP8 path pre-shuffled weights after every load, so each RL reload "
         "shuffled already-shuffled weights again",
         "receiver:shuffle_every_load",
+        "receiver:repeat_cache_taken_once",
         "receiver:repeat_nudges_one_element",
     ),
     _c(
@@ -501,14 +503,15 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
     ("export", "receiver_repeat"): (
         "receiver:repeat_nudges_one_element: loading bits it already holds moves one element of one expert's "
         f"down_proj {_ULP}",
-        "a loader idempotent on the second load that breaks on a later one (a counter, a cache filled on the "
-        "second load): the last export is loaded twice, no more",
+        "a loader that breaks only from a third repeat or a second sync on (a counter, a cache filled at the second "
+        "repeat): each load, the first and the sync, is repeated once and judged against itself, no more",
     ),
     ("export", "receiver_wake"): (
         "receiver:wake_restores_one_element: one sleep/wake cycle after one sync gives one element of one expert's "
         "down_proj back from the first load",
-        "a receiver without sleep()/wake_up() (not applicable, said so) and a cycle that goes wrong only from the "
-        "third cycle on: one cycle after the first load and one after the sync",
+        "a receiver without sleep()/wake_up() (not applicable, said so); a cycle that goes wrong only from the "
+        "third cycle on (one cycle after the first load and one after the sync); state a cycle loses outside the "
+        "tensors the receiver returns (a KV cache, a copy held under no name)",
     ),
     ("export", "receiver_copies"): (
         "receiver:tied_head_one_element_stale: one element of the receiver's own lm_head (a copy of the tied "

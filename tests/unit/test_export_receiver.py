@@ -209,17 +209,13 @@ def _life_cycle(receiver, first, second, *, scope: CopiesScope) -> dict[str, Tal
     t = {
         name: Tally() for name in ("receiver", "receiver_reload", "receiver_wake", "receiver_repeat", "receiver_copies")
     }
-    held = receiver.load((n, x.clone()) for n, x in first.items())
-    compare(held, first, t["receiver"], copies=t["receiver_copies"], scope=scope)
-    sleep_wake(
-        receiver, held, {n: x.clone() for n, x in held.tensors.items()}, t["receiver_wake"], after="the first load"
-    )
-    sent = [(n, x.clone()) for n, x in second.items()]  # what was streamed: the receiver may write into it
-    held = receiver.load(iter(sent))
-    compare(held, second, t["receiver_reload"], copies=t["receiver_copies"], scope=scope)
-    loaded = {n: x.clone() for n, x in held.tensors.items()}
-    held = sleep_wake(receiver, held, loaded, t["receiver_wake"]) or held
-    load_again(receiver, held, sent, loaded, t["receiver_repeat"])
+    for export, name, after in ((first, "receiver", "the first load"), (second, "receiver_reload", "the weight sync")):
+        sent = [(n, x.clone()) for n, x in export.items()]  # what was streamed: the receiver may write into it
+        held = receiver.load(iter(sent))
+        compare(held, export, t[name], copies=t["receiver_copies"], scope=scope)
+        loaded = {n: x.clone() for n, x in held.tensors.items()}
+        held = sleep_wake(receiver, held, loaded, t["receiver_wake"], after=after) or held
+        load_again(receiver, held, sent, loaded, t["receiver_repeat"], after=after)
     return t
 
 
@@ -310,11 +306,14 @@ class _WakeOldNormSkipsUnchanged(FusedReceiver):
 def test_repeat_does_not_judge_what_the_wake_broke_and_the_repeat_left():
     t = _life_cycle(_WakeOldNormSkipsUnchanged(), _export(0), _export(1), scope=CopiesScope(None, 0, 1))
     assert (
-        t["receiver_wake"].failures[0].startswith("after sleep/wake following the weight sync: model.norm.weight: ")
+        t["receiver_wake"]
+        .failures[0]
+        .startswith("after sleep/wake following the weight sync: model.norm.weight(whole) = model.norm.weight: ")
     ), t["receiver_wake"].failures
     assert t["receiver_repeat"].passed, t["receiver_repeat"].failures
     engine_tensors = len(FusedReceiver().load(_export(0).items()).tensors)
-    assert t["receiver_repeat"].checked == engine_tensors - 1  # every engine tensor but the norm the cycle broke
+    # every engine tensor after the first load; after the sync every one but the norm the cycle broke
+    assert t["receiver_repeat"].checked == 2 * engine_tensors - 1
 
 
 def test_undeclared_held_tensors_are_named_not_called_never_loaded():
@@ -340,7 +339,7 @@ def test_same_held_names_the_tensor_and_element():
     held.tensors["model.norm.weight"][2] += 1
     failures = same_held(held, before, Tally(), when="again: ").failures
     assert len(failures) == 1 and failures[0].startswith(
-        "again: model.norm.weight: 1 of 6 element(s) differ, first at [2]"
+        "again: model.norm.weight(whole) = model.norm.weight: 1 of 6 element(s) differ, first at [2]"
     ), failures
 
 
@@ -375,3 +374,46 @@ def test_a_backup_taken_at_the_first_sleep_only_needs_the_second_cycle():
     sleep_wake(late, held, {n: x.clone() for n, x in held.tensors.items()}, one)
     assert one.passed and one.checked > 0  # a single cycle cannot see it
     assert not _life_cycle(MUTANTS["wake_backup_taken_once"][0](), first, second, scope=SCOPE)["receiver_wake"].passed
+
+
+def test_a_repeat_answered_from_state_taken_at_the_first_repeat_needs_the_second_cycle():
+    """A state captured once and reused: a loader answering a repeated update from a cache filled at the first
+    repeat passes one repeat after the sync (what receiver_repeat ran once); repeating the first load too fills the
+    cache there, and the repeat after the sync then puts the first load's weights back, named by HF tensor."""
+    first, second = _export(1), _export(2)
+    once = MUTANTS["repeat_cache_taken_once"][0]()
+    once.load((n, x.clone()) for n, x in first.items())
+    held = once.load((n, x.clone()) for n, x in second.items())
+    one = Tally()
+    load_again(once, held, list(second.items()), {n: x.clone() for n, x in held.tensors.items()}, one)
+    assert one.passed and one.checked > 0  # a single repeat cannot see it
+    t = _life_cycle(MUTANTS["repeat_cache_taken_once"][0](), first, second, scope=CopiesScope(None, 0, 1))
+    assert [n for n, x in t.items() if x.failures] == ["receiver_repeat"], {n: x.failures for n, x in t.items()}
+    w2 = "model.layers.0.mlp.experts.w2_weight"
+    down = "model.layers.0.mlp.experts.0.down_proj.weight"
+    failure = next(f for f in t["receiver_repeat"].failures if w2 in f)
+    assert failure.startswith(
+        f"after loading the export of the weight sync a second time: {w2}[0] = {down}: "
+        f"{int((first[down] != second[down]).sum())} of {H * I} element(s) differ, first at [0, 0]: "
+        f"held {first[down][0, 0].item()!r}, before {second[down][0, 0].item()!r} (+{E - 1} more part(s) of {w2} "
+        "changed)"
+    ), failure
+
+
+def test_wake_failures_name_the_hf_tensor_as_receiver_does():
+    """receiver_wake names the HF tensor of the part that changed (the engine tensor and part as ``compare`` names
+    them), not the engine tensor alone: one element of expert 0's down_proj restored from the first load."""
+    first, second = _export(0), _export(1)
+    t = _life_cycle(MUTANTS["wake_restores_one_element"][0](), first, second, scope=CopiesScope(None, 0, 1))
+    down = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert t["receiver_wake"].failures == [
+        "after sleep/wake following the weight sync: model.layers.0.mlp.experts.w2_weight[0] = "
+        f"{down}: 1 of {H * I} element(s) differ, first at [0, 0]: held {first[down][0, 0].item()!r}, before "
+        f"{second[down][0, 0].item()!r}"
+    ]
+    # a tensor held under no part (nothing to name) keeps the engine's name
+    held = FusedReceiver().load(first.items())
+    before = {n: x.clone() for n, x in held.tensors.items()}
+    held.tensors["model.norm.weight"][2] += 1
+    bare = Held(tensors=held.tensors, parts={k: v for k, v in held.parts.items() if k != "model.norm.weight"})
+    assert same_held(bare, before, Tally(), when="").failures[0].startswith("model.norm.weight: 1 of 6 element(s)")

@@ -378,12 +378,14 @@ class ReceiverRun:
     ``receiver_reload``, ``receiver_wake`` and ``receiver_copies``; every other rank's are gathered into
     ``receiver_ranks`` (``finish``), so an engine worker other than the first that keeps old weights is seen.
 
-    - ``receiver_repeat``: the same export loaded a second time (a sync of unchanged weights, a retried update)
-      must reproduce every held tensor as its first load of it left them (before any sleep/wake cycle, whose
-      faults are ``receiver_wake``'s alone): a loader that re-applies a layout shuffle on every load passes the
-      first load and fails here;
-    - ``receiver_wake``: after the weight sync, where the receiver has ``sleep()`` and ``wake_up()`` (vLLM's sleep
-      mode), a sleep/wake cycle must give back the bits held before it (not a backup of older weights);
+    - ``receiver_repeat``: after every load (the first, and with ``refresh`` the weight sync), the same export
+      loaded a second time (a sync of unchanged weights, a retried update) must reproduce every held tensor as that
+      load left them (before any sleep/wake cycle, whose faults are ``receiver_wake``'s alone), each repeat judged
+      against the load before it: a loader that re-applies a layout shuffle on every load passes the first load and
+      fails here, and one that answers a repeat from state captured at the first repeat fails the second;
+    - ``receiver_wake``: after every load, where the receiver has ``sleep()`` and ``wake_up()`` (vLLM's sleep
+      mode), a sleep/wake cycle must give back the bits held before it (not a backup of older weights, nor one taken
+      at the first sleep only);
     - ``receiver_copies``: where the model ties its output head to the embedding or has MTP (draft) layers, the
       engine must hold them (a tied head as a part naming the embedding beside the embedding's own, every MTP tensor
       as a part), and they are compared bit for bit after every load: a tied ``lm_head`` copied once and left stale,
@@ -415,8 +417,9 @@ class ReceiverRun:
     ) -> None:
         """Load the subject's export just merged into every rank's receiver and compare what it holds (every rank
         calls it); ``wake``: then a sleep/wake cycle (``receiver_wake``); ``repeat``: then load the same export
-        again (``receiver_repeat``; the last load of the check, so a receiver's one-off state cannot hide a later
-        sync's fault)."""
+        again (``receiver_repeat``). Both run after every load the check makes, each judged against that load, one
+        verdict per subcheck over every cycle: a receiver's state captured at the first cycle and reused cannot
+        pass the second."""
         sctx = self._sctx
         tally = self._mine[name] = Tally()
         copies = self._mine.setdefault("receiver_copies", Tally()) if self._scope.applies else None
@@ -439,10 +442,11 @@ class ReceiverRun:
         compare(held, reference, tally, when=when, copies=copies, scope=self._scope)
         # what this load left: sleep/wake must give it back, and loading the same export again must reproduce it
         loaded = _snapshot(held) if wake or repeat else None
+        after = "the weight sync" if name == "receiver_reload" else "the first load"
         if wake:
-            self._wake(loaded, "the weight sync" if name == "receiver_reload" else "the first load")
+            self._wake(loaded, after)
         if repeat:
-            self._repeat(items, loaded)
+            self._repeat(items, loaded, after)
 
     def _stream(self, export: dict[str, Tally]) -> tuple[list | None, str]:
         """Every rank's copy of what the subject streamed (rank 0's merged tensors, broadcast), or None and why."""
@@ -474,9 +478,9 @@ class ReceiverRun:
             )
         return items, ""
 
-    def _repeat(self, items: list, loaded: dict[str, torch.Tensor]) -> None:
-        tally = self._mine["receiver_repeat"] = Tally()
-        self._held = load_again(self._receiver, self._held, items, loaded, tally) or self._held
+    def _repeat(self, items: list, loaded: dict[str, torch.Tensor], after: str) -> None:
+        tally = self._mine.setdefault("receiver_repeat", Tally())  # one verdict over every cycle
+        self._held = load_again(self._receiver, self._held, items, loaded, tally, after=after) or self._held
 
     def _wake(self, loaded: dict[str, torch.Tensor], after: str) -> None:
         tally = self._mine.setdefault("receiver_wake", Tally())  # one verdict over every cycle
@@ -541,18 +545,27 @@ def sleep_wake(
     return held
 
 
-def load_again(receiver, held: Held, items: list, loaded: Mapping[str, torch.Tensor], tally: Tally) -> Held | None:
+def load_again(
+    receiver,
+    held: Held,
+    items: list,
+    loaded: Mapping[str, torch.Tensor],
+    tally: Tally,
+    *,
+    after: str = "the weight sync",
+) -> Held | None:
     """``receiver_repeat``: loading the same export ``items`` again must reproduce ``loaded`` (the bits its first
     load left, snapshotted before any sleep/wake cycle), whatever the receiver held just before: a repeat that
     restores what a broken sleep/wake cycle changed passes, the cycle is ``receiver_wake``'s finding. A tensor the
-    cycle changed and the repeat left as the cycle gave it is not judged here (``receiver_wake`` reports it)."""
+    cycle changed and the repeat left as the cycle gave it is not judged here (``receiver_wake`` reports it). The
+    check repeats every load (``after`` names which), each judged against that load."""
     started = _snapshot(held)
     try:
         again = receiver.load(iter(items))
     except Exception as exc:  # noqa: BLE001 - a receiver that refuses a second load of the same export
-        tally.fail(f"loading the same export again: the receiver raised {type(exc).__name__}: {exc}")
+        tally.fail(f"loading the export of {after} again: the receiver raised {type(exc).__name__}: {exc}")
         return None
-    same_held(again, loaded, tally, when="after loading the same export a second time: ", started=started)
+    same_held(again, loaded, tally, when=f"after loading the export of {after} a second time: ", started=started)
     return again
 
 
@@ -584,12 +597,30 @@ def same_held(
         elif _left_as_started(got, before[name], None if started is None else started.get(name)):
             unjudged += 1
         else:
-            tally.fail(f"{when}{name}: {_first_difference(got, before[name]).replace('reference', 'before')}")
+            tally.fail(f"{when}{_changed(held, name, got, before[name])}")
     if tally.checked == 0 and not unjudged:
         tally.fail(f"{when}the receiver held no tensor: nothing compared")
     elif tally.checked == 0:
         tally.skip(f"{when}every tensor was changed before this step and left as it was: see receiver_wake")
     return tally
+
+
+def _changed(held: Held, engine_name: str, got: torch.Tensor, before: torch.Tensor) -> str:
+    """Where engine tensor ``engine_name`` changed, named by the HF tensor of its first changed part as ``compare``
+    names it (``w2_weight[0] = ...experts.0.down_proj.weight``), the engine tensor alone where no part changed."""
+    changed = []
+    for part in held.parts.get(engine_name, ()):
+        try:
+            now, then = part.view(got), part.view(before)
+        except (IndexError, RuntimeError):
+            continue
+        if not _same_bits(now, then):
+            changed.append((part, now, then))
+    if not changed:
+        return f"{engine_name}: {_first_difference(got, before).replace('reference', 'before')}"
+    part, now, then = changed[0]
+    more = f" (+{len(changed) - 1} more part(s) of {engine_name} changed)" if len(changed) > 1 else ""
+    return f"{engine_name}{part.describe()}: {_first_difference(now, then).replace('reference', 'before')}{more}"
 
 
 def _left_as_started(got: torch.Tensor, before: torch.Tensor, started: torch.Tensor | None) -> bool:

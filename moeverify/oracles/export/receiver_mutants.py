@@ -64,8 +64,9 @@ class _OneUlpInOneExpert(FusedReceiver):
 
 
 class _ReloadKeepsOneElement(FusedReceiver):
-    """A weight sync that updates every element but one: the first element of the first expert-0 ``down_proj``
-    keeps the previous weights' value (one element, one step stale)."""
+    """A weight sync that updates every element but one: the first sync that changes the first element of the first
+    expert-0 ``down_proj`` leaves it at the previous weights' value (one element, one step stale); a load of the bits
+    already held (a repeated update) changes nothing there either way."""
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if (
@@ -73,11 +74,12 @@ class _ReloadKeepsOneElement(FusedReceiver):
             and name.endswith(".experts.0.down_proj.weight")
             and not getattr(self, "_kept", False)
         ):
-            self._kept = True
             engine, part = self._where[name]
-            old = part.view(self.tensors[engine]).reshape(-1)[0].clone()
-            tensor = tensor.clone()
-            tensor.view(-1)[0] = old
+            old = part.view(self.tensors[engine]).reshape(-1)[:1].clone()
+            if not torch.equal(bits(old), bits(tensor.reshape(-1)[:1].contiguous())):
+                self._kept = True
+                tensor = tensor.clone()
+                tensor.view(-1)[:1] = old
         super().write(name, tensor)
 
     def load(self, stream):
@@ -173,6 +175,29 @@ class _WakeBackupTakenOnce(FusedReceiver):
         return Held(tensors=self.tensors, parts=self.parts)
 
 
+class _RepeatCacheTakenOnce(FusedReceiver):
+    """Answers a repeated update (every tensor sent already held, bit for bit) from a cache of its buffers filled at
+    the first repeat and never refreshed by a sync: the repeat after the first load is right, a repeat after a sync
+    puts the first load's weights back (a state captured once and reused)."""
+
+    def load(self, stream):
+        items = list(stream)
+        if not self.tensors or not all(self._holds(name, tensor) for name, tensor in items):
+            return super().load(iter(items))
+        if getattr(self, "_cache", None) is None:
+            self._cache = {e: t.clone() for e, t in self.tensors.items()}
+        for e, t in self.tensors.items():
+            t.copy_(self._cache[e])
+        return Held(tensors=self.tensors, parts=self.parts)
+
+    def _holds(self, name: str, tensor: torch.Tensor) -> bool:
+        if name not in self._where:
+            return False
+        engine, part = self._where[name]
+        held = part.view(self.tensors[engine])
+        return held.shape == tensor.shape and torch.equal(bits(held.contiguous()), bits(tensor.contiguous()))
+
+
 class _TiedHeadStale(FusedReceiver):
     """Keeps its own ``lm_head.weight`` for a tied model, copied from the embedding at the first load only: a weight
     sync updates the embedding, the head stays the first step's."""
@@ -208,6 +233,7 @@ MUTANTS.update(
         "shuffle_every_load": (lambda **kw: _ShuffleEveryLoad(**_fused_kw(kw)), "receiver_repeat"),
         "wake_restores_old_backup": (lambda **kw: _WakeRestoresOldBackup(**_fused_kw(kw)), "receiver_wake"),
         "wake_backup_taken_once": (lambda **kw: _WakeBackupTakenOnce(**_fused_kw(kw)), "receiver_wake"),
+        "repeat_cache_taken_once": (lambda **kw: _RepeatCacheTakenOnce(**_fused_kw(kw)), "receiver_repeat"),
         "tied_head_stale": (lambda **kw: _TiedHeadStale(**_fused_kw(kw)), "receiver_copies"),
         "mtp_not_synced": (
             lambda **kw: _MtpNotSynced(scope=copies_scope(kw.get("hf_path")), **_fused_kw(kw)),

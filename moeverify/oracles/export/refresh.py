@@ -239,8 +239,8 @@ def run_twice(run_subject, factory, sctx, *, seed: int = SEED, receiver=None) ->
     first = run_subject(
         factory, sctx, reference=first_reference, sink=_tee(receiver and receiver.sink(), delta and delta.first)
     )
-    if receiver is not None:  # a sleep/wake cycle after each load: the second one judged against the sync
-        receiver.check("receiver", first, wake=True)
+    if receiver is not None:  # a sleep/wake cycle and a repeat after each load, each judged against that load
+        receiver.check("receiver", first, wake=True, repeat=True)
     refresh, delta_tally = Tally(), Tally()
     if not first["lockstep"].passed:
         refresh.fail("skipped: lockstep failed on the first export, no weight update was made")
