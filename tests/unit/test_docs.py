@@ -4,22 +4,27 @@ in a ``bash``/``sh``/``console`` block parses, every ``python`` block compiles a
 Commands are checked by what reads them for real: ``moeverify ...`` (also ``python -m moeverify``, under
 ``srun``) by the CLI's own parser, ``torchrun ...`` (also ``python -m torch.distributed.run``) by torch's own
 launcher parser and then its script or module, ``make X`` against the Makefile's targets, ``python -m M`` by
-finding ``M``. A path under one of the repository's source folders (``scenarios/...``, ``tests/...``, a
-``path/file.py:attr`` plugin and its ``attr``) must exist; other paths are the reader's (``train.py``,
-``~/ckpt/...``); a shell variable (``$NODE_RANK``) stands for 1. A command word the test does not know fails
-it: a new kind of command gets its check here.
+finding ``M``, ``python bench/X.py ARGS`` by the script's own parser (its ``main(argv)`` stopped once parsed). A
+path under one of the repository's source folders (``scenarios/...``, ``tests/...``, a ``path/file.py:attr``
+plugin and its ``attr``) must exist; other paths are the reader's (``train.py``, ``~/ckpt/...``); a shell
+variable (``$NODE_RANK``) stands for 1. A command word the test does not know fails it: a new kind of command gets
+its check here.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import contextlib
 import functools
 import importlib
 import importlib.util
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -180,11 +185,81 @@ def _check_torchrun(argv: list[str], where: str) -> None:
             _check_moeverify(args.training_script_args, where)
     else:
         _check_paths([args.training_script], where)
+        if args.training_script.split("/", 1)[0] in SOURCE_DIRS:
+            _check_script(args.training_script, args.training_script_args, where)
+
+
+class _Parsed(BaseException):
+    """Raised once a script's command line is parsed: the check stops there, before the script's work."""
+
+
+@contextlib.contextmanager
+def _stop_after_parsing():
+    """argparse's ``parse_args`` (and a direct ``parse_known_args``) parse as usual, then raise ``_Parsed``."""
+    parse_args, parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    depth = 0
+
+    def parse_args_then_stop(self, args=None, namespace=None):
+        nonlocal depth
+        depth += 1
+        try:
+            parse_args(self, args, namespace)
+        finally:
+            depth -= 1
+        raise _Parsed
+
+    def parse_known_args_then_stop(self, args=None, namespace=None):
+        nonlocal depth
+        depth += 1
+        try:
+            result = parse_known_args(self, args, namespace)
+        finally:
+            depth -= 1
+        if depth == 0:
+            raise _Parsed
+        return result
+
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args_then_stop),
+        mock.patch.object(argparse.ArgumentParser, "parse_known_args", parse_known_args_then_stop),
+    ):
+        yield
+
+
+def _check_script(script: str, argv: list[str], where: str) -> None:
+    """A repository script with ``main(argv)`` parses ``argv`` with its own parser (its work never starts).
+
+    A script that returns before parsing (a GPU benchmark on a host without one) or has no ``main(argv)`` is
+    checked for its path only."""
+    path = ROOT / script
+    tree = ast.parse(path.read_text())
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "main" and n.args.args for n in tree.body):
+        return
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location(f"_docs_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        with _stop_after_parsing():
+            module.main(argv)
+    except _Parsed:
+        pass
+    except SystemExit as exc:
+        raise AssertionError(f"{where}: {script} {shlex.join(argv)}: its parser refuses it (exit {exc.code})") from None
+    finally:
+        sys.path[:] = saved_path  # bench scripts put bench/ on the path; its modules go with it
+        for name in set(sys.modules) - saved_modules:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if file.startswith(str(path.parent)):
+                del sys.modules[name]
 
 
 def _check_python(argv: list[str], where: str) -> None:
     if not argv or argv[0] != "-m":
-        _check_paths(argv[:1], where)  # a script; its own arguments are its own
+        if argv:
+            _check_paths(argv[:1], where)
+            if argv[0].split("/", 1)[0] in SOURCE_DIRS:
+                _check_script(argv[0], argv[1:], where)
         return
     module, rest = argv[1], argv[2:]
     assert _module_exists(module), f"{where}: python -m {module}: no such module"
@@ -326,6 +401,8 @@ def test_docs_readme_findings_are_the_findings_page_ids():
         ("X=1 python -m moeverify run --backend tpu", "invalid choice"),
         ("srun -N2 moeverify run --bogus", "unrecognized arguments"),
         (".venv/bin/python examples/no_such.py", "does not exist"),
+        ("python bench/router_replay.py --scope nowhere", "its parser refuses it"),
+        ("python bench/memory.py --layers one", "its parser refuses it"),
         ("moeverify run --subject tests/special_distributed/stale_subject.py:nope", "defines no top-level 'nope'"),
         ("frobnicate --all", "does not know"),
     ],
@@ -342,6 +419,7 @@ def test_check_command_accepts_the_documented_forms():
         "python -m torch.distributed.run --nproc-per-node 4 bench/export_oracle.py",
         "srun -N2 --ntasks-per-node=1 moeverify run scenarios/release.yaml --json out.json",
         "make engine-check",
+        "python bench/router_replay.py --device cuda --dtype bf16 --scope router --scoring sigmoid --experts 128",
         "moeverify --version",
     ):
         check_command(command, "page.md:1")
