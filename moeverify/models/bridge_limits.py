@@ -28,10 +28,16 @@ from moeverify.spec.models import user
 
 FINDING = "F11"  # the README's findings table: the bridge builds another model than its config says
 
+
+def _attribute(name: str) -> Callable[[Any], Any]:
+    """Reads ``name`` of a provider, None where it has none."""
+    return lambda provider: getattr(provider, name, None)
+
+
 # Provider attributes that change the weights or the forward (not dropout, init, aux-loss or MTP settings), and
 # how to read the value the provider will build with (a q/k/v bias is there with add_bias_linear too).
 _ARCHITECTURE: dict[str, Callable[[Any], Any]] = {
-    name: (lambda provider, name=name: getattr(provider, name, None))
+    name: _attribute(name)
     for name in (
         "num_layers",
         "hidden_size",

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from moeverify.spec.models.configs import (
     prepare_hook,
 )
 from moeverify.spec.models.ref import PREFIX, ModelRef
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where a model is built
+    from transformers import PreTrainedModel
 
 __all__ = [
     "FAMILIES",
@@ -83,7 +87,7 @@ def _fp32_expert_bias(model: torch.nn.Module) -> None:
             module.e_score_correction_bias = bias.to(torch.float32)
 
 
-def _hf_model(cfg: dict) -> torch.nn.Module:
+def _hf_model(cfg: dict) -> PreTrainedModel:
     """transformers' model of ``cfg`` in its stored dtype (on the current default device: ``meta`` for names and
     shapes only), the expert-correction bias in fp32 as real checkpoints keep it."""
     import transformers  # lazy: transformers
@@ -93,7 +97,8 @@ def _hf_model(cfg: dict) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config.architectures = cfg["architectures"]
     model_cls = kimi.model_class(cfg["architectures"][0])
-    dtype = _STORED_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.bfloat16)
+    stored = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = _STORED_DTYPES.get(stored, torch.bfloat16) if isinstance(stored, str) else torch.bfloat16
     # Built in the stored dtype, not in fp32 then cast: every saved tensor is overwritten by _seeded_weights, so
     # the file is the same, without a transient fp32 copy of the whole model (2x its bytes; docs/memory.md).
     previous = torch.get_default_dtype()

@@ -81,7 +81,7 @@ def _fuse_input_norm(layer_spec) -> None:
 
     sub = layer_spec.submodules
     attn = getattr(sub.self_attention, "submodules", None)
-    if getattr(attn, "linear_qkv", None) is not ColumnParallelLinear:
+    if attn is None or getattr(attn, "linear_qkv", None) is not ColumnParallelLinear:
         raise ValueError(
             f"MTP inner layer without a ColumnParallelLinear linear_qkv ({attn!r}): cannot hold its "
             "input norm as Transformer Engine's LayerNormColumnParallelLinear does"

@@ -43,6 +43,7 @@ class LocalNorm:
         zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
         if zero_centered and config.normalization != "RMSNorm":
             raise ValueError(f"zero-centered gamma is built for RMSNorm only, got {config.normalization!r}")
+        norm: torch.nn.Module
         if zero_centered:
             norm = ZeroCenteredRMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "RMSNorm":
@@ -52,5 +53,6 @@ class LocalNorm:
         else:
             raise ValueError(f"LocalNorm supports RMSNorm and LayerNorm, got {config.normalization!r}")
         for param in norm.parameters():
-            param.sequence_parallel = bool(config.sequence_parallel)
+            # Megatron marks its parameters with attributes of its own, which torch's stubs do not declare
+            param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
         return norm
