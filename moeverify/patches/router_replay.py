@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from moeverify.errors import EnvironmentProblem, RouteError, UsageError
-from moeverify.patches import compat, regions, replay_inputs, semantics
+from moeverify.patches import agreement, compat, regions, replay_inputs, semantics
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.routers import find_routers, moe_stage_config
 from moeverify.patches.semantics import RoutingMode
@@ -410,7 +410,7 @@ class ReplaySession:
         return routers, prepared
 
     def replay(
-        self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False
+        self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False, guard: bool | None = None
     ) -> contextlib.AbstractContextManager[None]:
         """Replay ``routes`` in the forward passes run inside (in order per layer) and in their recomputes.
 
@@ -424,6 +424,12 @@ class ReplaySession:
             fidelity: also count, per layer, the tokens whose replayed top-k equals what native routing would
                 pick with the current weights (``session.fidelity()`` after the block): the train/rollout
                 routing agreement. Off by default; its cost is in ``bench/router_replay.py --fidelity``.
+            guard: judge the replayed routes against native routing (``moeverify.patches.agreement``: the numbering
+                check, an engine expert id that routes like another trainer expert, and the chance floor), before
+                any optimizer step inside the block and when it exits, raising ``RouteError``. None (default): on
+                for routes another process chose (``routes.provenance``: ``Routes.from_rollout``, a dump's
+                ``routes()``), off for others; False turns it off. A guard the job started (``agreement.guard()``,
+                ``MOEVERIFY_AGREEMENT``) counts the block instead.
         """
         if not isinstance(routes, Routes):
             raise UsageError(
@@ -431,7 +437,13 @@ class ReplaySession:
                 f"record(), Routes.from_rollout(...) for an engine's arrays, record.load(dump).routes(), or "
                 f"Routes({{layer: [ids per micro-batch]}}, num_experts=, topk=))"
             )
-        return _ReplayBlock(self, routes, recompute, fidelity)
+        if guard not in (None, True, False):
+            raise UsageError(
+                f"replay(guard={guard!r}): expected None (on for an engine's or a dump's routes), True or False"
+            )
+        return _ReplayBlock(
+            self, routes, recompute, fidelity, routes.provenance is not None if guard is None else guard
+        )
 
     def fidelity(self) -> dict[int, float]:
         """After ``replay(routes, fidelity=True)``: ``{layer: share of forward tokens whose replayed top-k expert
@@ -500,10 +512,14 @@ class _ReplayBlock:
         "origin",
         "saved_fusion",
         "guard",
+        "judge",
+        "agreement",
     )
 
-    def __init__(self, session: ReplaySession, routes: Routes, recompute, fidelity: bool):
+    def __init__(self, session: ReplaySession, routes: Routes, recompute, fidelity: bool, judge: bool):
         self.session, self.routes, self.recompute, self.fidelity = session, routes, recompute, fidelity
+        self.judge = judge
+        self.agreement = None  # the block's own agreement guard (``judge`` and no guard of the job's)
 
     def __enter__(self) -> None:
         if self.recompute not in ("auto", True, False):
@@ -533,6 +549,8 @@ class _ReplayBlock:
             if self.inputs is not None:
                 self.guard = replay_inputs.StepGuard(origin.inputs, self.inputs, lambda: self.replaying.rank)
             self.saved_fusion = session._hold(self.replaying, self.routers)
+            if self.judge and agreement.ACTIVE is None:
+                self.agreement = agreement.guard(floor=agreement.CHANCE, numbering=True)
         except BaseException:
             if self.inputs is not None:
                 self.inputs.close()
@@ -548,6 +566,9 @@ class _ReplayBlock:
                 self.inputs.close()
             if self.guard is not None:
                 self.guard.close()
+            judged, self.agreement = self.agreement, None
+            if judged is not None:
+                agreement.stop()
         if exc_type is not None:  # never masks the block's own error
             return
         replaying = self.replaying
@@ -555,3 +576,5 @@ class _ReplayBlock:
             _UNCHECKED[router] = replaying
         if self.guard is not None:
             self.guard.check()
+        if judged is not None:
+            judged.end_step()  # the forwards' routes against native routing, before any update after the block

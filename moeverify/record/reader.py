@@ -131,7 +131,7 @@ class Dump:
 
     def local_routes(self, *, step: int = 0, rank: int = 0) -> Routes:
         """The routes rank ``rank`` recorded in ``step``: its MoE layers, its tokens in local order."""
-        return self._local(rank, step, self._layers(rank), checked=True)
+        return self._local(rank, step, self._layers(rank), checked=True).chosen_by("dump")
 
     def local_probs(self, *, step: int = 0, rank: int = 0) -> dict[int, list[torch.Tensor]]:
         """Router probabilities ``{layer: [probs_TK per micro-batch]}`` of one rank (empty if not recorded)."""
@@ -160,7 +160,9 @@ class Dump:
         self._geometry(step, info)
         for rank in sorted(self.coords):
             self._check_token_ids(rank, step, info)
-        return self._merged(step, info, layers=self.model.moe_layers, where=f"{self.path}: step {step}")[0]
+        return self._merged(step, info, layers=self.model.moe_layers, where=f"{self.path}: step {step}")[0].chosen_by(
+            "dump"
+        )
 
     def microbatch_tokens(self, *, step: int = 0) -> list[int]:
         """Tokens per micro-batch of ``routes(step)``, from the index alone (no data read)."""

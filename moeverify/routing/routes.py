@@ -24,6 +24,8 @@ from moeverify.routing.route_ids import (
 )
 from moeverify.routing.route_ids import validate_topk_ids as validate_topk_ids  # public here too
 
+PROVENANCES = (None, "rollout", "dump")  # ``Routes.provenance``: who chose the routes, where another process did
+
 
 def _validate_unlike(ids_TK: torch.Tensor, valid_TK: torch.Tensor, **where) -> None:
     """``validate_topk_ids`` of the rows of ``ids_TK`` that are not byte-identical to ``valid_TK``'s (validated,
@@ -89,6 +91,7 @@ class Routes:
         "_seq_lens",
         "view_of",
         "taken_from",
+        "provenance",
     )
 
     def __init__(self, per_layer: Mapping[int, Sequence[torch.Tensor]], *, num_experts: int, topk: int):
@@ -155,6 +158,10 @@ class Routes:
         # What ``to_local`` made this view for: ``(coords, data-parallel batches it read the global rows as)``;
         # a replay compares them with the rank it runs on. None: not a to_local view.
         self.view_of: tuple | None = None
+        # Who chose these routes where another process did: "rollout" (``from_rollout``: an engine's) or "dump"
+        # (a dump's reader); carried through views and selections. A session's ``replay()`` of such routes runs
+        # the agreement guard's numbering check and chance floor by default. None: made here.
+        self.provenance: str | None = None
 
     def _voucher(
         self, layer: int, microbatch: int, ids_TK: object, *, num_experts: int, topk: int
@@ -183,7 +190,7 @@ class Routes:
         routes._data = {int(layer): tuple(per_layer[layer]) for layer in sorted(per_layer)}
         routes.num_experts, routes.topk, routes.validated = num_experts, topk, False
         routes._replay_ids, routes._versions, routes.order = {}, _versions(routes._data), None
-        routes._seq_lens, routes.view_of, routes.taken_from = None, None, None
+        routes._seq_lens, routes.view_of, routes.taken_from, routes.provenance = None, None, None, None
         return routes
 
     def in_order(self, order: str | None) -> Routes:
@@ -198,13 +205,30 @@ class Routes:
         self.view_of = view_of
         return self
 
+    def chosen_by(self, provenance: str | None) -> Routes:
+        """This ``Routes`` marked as chosen by another process: ``"rollout"`` (an engine), ``"dump"`` (a dump's run)
+        or None; returns it."""
+        if provenance not in PROVENANCES:
+            raise RouteError(f"provenance must be one of {PROVENANCES}, got {provenance!r}")
+        self.provenance = provenance
+        return self
+
     def __reduce__(self):
         # A copy (pickle, torch.save, copy.deepcopy) is built anew, validated like any Routes: torch's write counters
         # and the private device copies belong to the original tensors. It carries no recorded inputs (the
         # identity check keys on the original's tensors), like any Routes built otherwise.
         return (
             _rebuilt,
-            (dict(self._data), self.num_experts, self.topk, self.validated, self.order, self._seq_lens, self.view_of),
+            (
+                dict(self._data),
+                self.num_experts,
+                self.topk,
+                self.validated,
+                self.order,
+                self._seq_lens,
+                self.view_of,
+                self.provenance,
+            ),
         )
 
     def _with_seq_lens(self, seq_lens: Sequence[int | None] | None) -> Routes:
@@ -314,7 +338,9 @@ class Routes:
         self.get(layer, microbatch)
         data = {k: list(v) for k, v in self._data.items()}
         data[layer][microbatch] = topk_ids_TK
-        return Routes(data, num_experts=self.num_experts, topk=self.topk).in_order(self.order)
+        return (
+            Routes(data, num_experts=self.num_experts, topk=self.topk).in_order(self.order).chosen_by(self.provenance)
+        )
 
     def stacked(self, microbatch: int) -> torch.Tensor:
         """``[T, L, K]`` int64 view of one micro-batch over all held layers."""
@@ -355,6 +381,7 @@ class Routes:
             .in_order(self.order)
             ._with_seq_lens(None if self._seq_lens is None else [self._seq_lens[mb] for mb in order])
             ._as_view_of(self.view_of)
+            .chosen_by(self.provenance)
         )
         taken.taken_from = (self, tuple(order))
         return taken
@@ -369,6 +396,7 @@ class Routes:
             .in_order(self.order)
             ._with_seq_lens(self._seq_lens)
             ._as_view_of(self.view_of)
+            .chosen_by(self.provenance)
         )
 
     def map_experts(self, emap, *, where: str, token_label=None) -> Routes:
@@ -381,7 +409,7 @@ class Routes:
             ]
             for layer in self.layers
         }
-        return type(self)(per_layer, num_experts=emap.logical, topk=self.topk)
+        return type(self)(per_layer, num_experts=emap.logical, topk=self.topk).chosen_by(self.provenance)
 
     def to_local(self, layout, *, coords, seq_len, batch: int, num_layers: int, zigzag: bool = True) -> Routes:
         """This global view as one rank's routers see it: its MoE layers, its tokens in local router order.
@@ -511,6 +539,7 @@ class Routes:
             )
             .in_order("sequence")
             ._with_seq_lens(seq_lens)
+            .chosen_by("rollout")
         )
 
     def __eq__(self, other: object) -> bool:
@@ -597,6 +626,7 @@ def _to_local(
         type(global_routes)(per_layer, num_experts=global_routes.num_experts, topk=global_routes.topk)
         .in_order("router")
         ._as_view_of((coords, dp_batches))
+        .chosen_by(global_routes.provenance)
     )
 
 
@@ -777,7 +807,7 @@ def _per_microbatch(seq_len: int | Sequence[int], microbatches: int) -> tuple[in
     return lens
 
 
-def _rebuilt(data, num_experts, topk, validated, order, seq_lens, view_of) -> Routes:
+def _rebuilt(data, num_experts, topk, validated, order, seq_lens, view_of, provenance=None) -> Routes:
     """``Routes.__reduce__``'s rebuild: validated again (``Routes.unchecked`` stays unchecked)."""
     made = (Routes if validated else Routes.unchecked)(data, num_experts=num_experts, topk=topk)
-    return made.in_order(order)._with_seq_lens(seq_lens)._as_view_of(view_of)
+    return made.in_order(order)._with_seq_lens(seq_lens)._as_view_of(view_of).chosen_by(provenance)

@@ -72,3 +72,32 @@ def test_injob_r3_verl_step_replays_the_rollouts_routes(tmp_path, layout, source
     assert (
         len(ranks) == 2 and [r for r, got in enumerate(ranks) if got["native_differs"] == 0] == []
     )  # replay did the work
+
+
+FAIL_CLOSED = Path(__file__).resolve().parent / "jobs" / "injob_r3_fail_closed_job.py"
+
+
+@pytest.mark.parametrize("case", ["healthy", "renumbered"])
+def test_a_renumbering_on_one_rank_stops_every_rank_before_the_update(tmp_path, case):
+    # 2 data-parallel ranks; in "renumbered" rank 1's engine ids are renumbered with 4 of 8 experts keeping their
+    # number. The guard decides in the optimizer's pre-hook, across ranks: both ranks raise and no parameter moves.
+    env = {**os.environ, "MOEVERIFY_ROUTER_REPLAY": "r3", "MOEVERIFY_ROUTER_REPLAY_MODEL": "0"}
+    for name in ("MOEVERIFY_AGREEMENT", "MOEVERIFY_AGREEMENT_FLOOR", "MOEVERIFY_AGREEMENT_NUMBERING"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "moeverify.patches.autopatch", str(FAIL_CLOSED), case, str(tmp_path / "out")]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in range(2)]
+    lines = [line for line in run.stderr.splitlines() if "moeverify agreement guard: step 1:" in line]
+    assert len(lines) == 1, run.stderr[-4000:]  # rank 0's line, over both ranks
+    assert "training pass" in lines[0] and "log_prob pass" in lines[0]
+    if case == "healthy":
+        assert [got["error"] for got in ranks] == [None, None]
+        assert [got["unchanged"] for got in ranks] == [False, False]  # the step ran
+        assert lines[0].endswith("ok (MOEVERIFY_AGREEMENT_LOG=off quiets this)")
+        return
+    assert [got["unchanged"] for got in ranks] == [True, True], ranks
+    assert "rank 1: engine expert" in ranks[1]["error"] and "routes like trainer expert" in ranks[1]["error"]
+    assert "rank 0: rank(s) 1 of 2 failed the guard" in ranks[0]["error"]
+    assert "FAILED on 1 rank(s)" in lines[0]

@@ -10,6 +10,8 @@ routes, a forgotten ``check_consumed()``).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -443,3 +445,54 @@ def test_loop_optimizer_step_inside_the_replay_block_on_other_data_is_refused_be
             optimizer.step()
     session.check_consumed()
     assert [n for n, p in chunk.named_parameters() if not torch.equal(p, before[n])]
+
+
+def renumbered(arrays, experts: int):
+    """The engine's ids under another numbering that keeps half the experts' numbers (the chance floor lets it
+    through): expert ``f`` becomes ``perm[f]``, the odd experts rotated."""
+    perm = torch.arange(experts)
+    odd = perm[1::2].clone()
+    perm[1::2] = odd.roll(1)
+    return [perm[torch.as_tensor(a).long()].numpy() for a in arrays], perm
+
+
+def test_loop_rollout_in_another_expert_numbering_is_refused_before_the_update(qwen):
+    # Routes.from_rollout through session.replay with no guard set up by the user: the numbering check runs by
+    # default on an engine's routes, at the optimizer step inside the block (no parameter moves) and at its exit
+    from moeverify.routing.views import job_layout
+
+    chunk, vocab = qwen
+    lengths = [8] * 8
+    tokens_BS = data(vocab, 1, seed=21, batch=len(lengths))[0]
+    session = rr.ReplaySession(chunk)
+    layers = session.layers
+    arrays, _ = engine_arrays(chunk, tokens_BS, lengths, layers)
+    bad, perm = renumbered(arrays, session.num_experts)
+    layout, coords, _ = job_layout(sp=False)
+
+    def local(engine_arrays_):
+        routes = Routes.from_rollout(
+            engine_arrays_, layers=list(layers), num_experts=session.num_experts, lengths=lengths, seq_len=S
+        )
+        assert routes.provenance == "rollout"
+        return routes.to_local(layout, coords=coords, seq_len=S, batch=len(lengths), num_layers=len(layers))
+
+    optimizer = torch.optim.SGD(chunk.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+    with pytest.raises(RouteError, match=r"replay pass layer \d+ rank 0: engine expert \d+ routes like trainer") as err:
+        with session.replay(local(bad)):
+            chunk(tokens_BS, pos(len(lengths)), None).float().square().mean().backward()
+            optimizer.step()
+    e, f = map(int, re.search(r"engine expert (\d+) routes like trainer expert (\d+)", str(err.value)).groups())
+    assert int(perm[f]) == e and e != f
+    assert all(torch.equal(before[n], p.detach()) for n, p in chunk.named_parameters())
+    optimizer.zero_grad()
+    with pytest.raises(RouteError, match=r"engine expert \d+ routes like trainer expert"):  # at the block's exit
+        with session.replay(local(bad)):
+            chunk(tokens_BS, pos(len(lengths)), None)
+    with session.replay(local(arrays)):  # the engine's own numbering passes
+        chunk(tokens_BS, pos(len(lengths)), None)
+    with session.replay(local(bad), guard=False):  # turned off: replayed as given
+        chunk(tokens_BS, pos(len(lengths)), None)
+    with pytest.raises(UsageError, match=r"replay\(guard='yes'\)"):
+        session.replay(local(arrays), guard="yes")
