@@ -146,20 +146,22 @@ def concat(*parts: Placer) -> Placer:
         ]
         return torch.cat(out) if out else getattr(parts[0], fn)(0, 0)
 
-    def runs(a: int, b: int):
+    part_runs = [part.runs for part in parts if part.runs is not None]  # used only when every part has runs
+
+    def runs(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = [
-            part.runs(max(a, lo) - lo, min(b, hi) - lo)
-            for part, lo, hi in zip(parts, starts[:-1], starts[1:], strict=True)
+            part_run(max(a, lo) - lo, min(b, hi) - lo)
+            for part_run, lo, hi in zip(part_runs, starts[:-1], starts[1:], strict=True)
             if max(a, lo) < min(b, hi)
         ]
-        got = got or [parts[0].runs(0, 0)]
+        got = got or [part_runs[0](0, 0)]
         return torch.cat([s for s, _ in got]), torch.cat([n for _, n in got])
 
     return Placer(
         n=starts[-1],
         positions=lambda a, b: pieces(a, b, "positions"),
         values=lambda a, b: pieces(a, b, "values"),
-        runs=runs if all(part.runs is not None for part in parts) else None,
+        runs=runs if len(part_runs) == len(parts) else None,
     )
 
 

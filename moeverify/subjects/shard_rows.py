@@ -26,6 +26,7 @@ each carrying one contiguous range of every slot, so positions stay small (index
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from moeverify.errors import SubjectError
 from moeverify.models.checkpoint import checkpoint_shapes
 from moeverify.subjects import placement
 from moeverify.subjects.placement import split_range
-from moeverify.subjects.slots import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
+from moeverify.subjects.slots import AnySlot, DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
 
 ROW_ELEMENTS = 1 << 24  # a larger HF tensor is cut into several rows (bounded positions per row)
 
@@ -104,7 +105,7 @@ def _hf_names(task, config) -> tuple[list[str], list[list[str]]]:
     if not (m.is_expert and m.ep_size > 1) or getattr(m, "is_grouped_export", False):
         return base, [[b] for b in base]  # (stacked experts: every EP rank writes the one HF tensor)
     per_rank = _experts_per_rank(task, config)
-    local = int(re.search(r"(?:local_experts\.|weight|bias)(\d+)", task.global_param_name).group(1)) % per_rank
+    local = _expert_number(task, r"(?:local_experts\.|weight|bias)(\d+)") % per_rank
     per_base = [[_EXPERT_IN_HF.sub(f"experts.{local + per_rank * k}", b) for k in range(m.ep_size)] for b in base]
     return base, per_base
 
@@ -146,16 +147,16 @@ def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardR
         weight, kind, contributes = tied_copy, "column", False
     elif weight is not None:
         contributes = _owns(task, owner)
-    placers: dict = {}
+    placers: dict[str, placement.Placer] = {}
 
-    def build(k: int, parts: int) -> list[Slot]:
+    def build(k: int, parts: int) -> list[AnySlot]:
         if weight is not None and not placers:
             placers.update(
                 _place(task, weight.detach(), config=config, shapes=shapes, per_base=per_base, kind=kind or _kind(task))
             )
             if tied_name and base[0] in placers:
                 placers[tied_name] = placers[base[0]]
-        slots = []
+        slots: list[AnySlot] = []
         for name, shape in table:
             placer = placers.get(name)
             if placer is None:
@@ -165,7 +166,8 @@ def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardR
             if placer.offset is not None:  # one range: no positions tensor built
                 slots.append(RangeSlot(name, shape, a + placer.offset, placer.values(a, b)))
             elif placer.runs is not None:  # runs of consecutive positions (row-split, per head): none built
-                slots.append(RunSlot(name, shape, *placer.runs(a, b), placer.values(a, b)))
+                starts_R, lengths_R = placer.runs(a, b)
+                slots.append(RunSlot(name, shape, starts_R, lengths_R, placer.values(a, b)))
             else:
                 slots.append(Slot(name, shape, placer.positions(a, b), placer.values(a, b)))
         if k == parts - 1:
@@ -176,7 +178,7 @@ def _rows(task, *, config, shapes, owner: _Owners, tied_copy) -> Iterator[ShardR
     name = _row_name(task, config)
     for k in range(parts):
         row_name = name if parts == 1 else f"{name}#{k}"
-        yield ShardRow(row_name, DeferredSlots(table, lambda k=k: build(k, parts)), contributes)
+        yield ShardRow(row_name, DeferredSlots(table, functools.partial(build, k, parts)), contributes)
 
 
 def _tied_lm_head(task, shapes) -> str | None:
@@ -292,7 +294,17 @@ def _stacked_kind(m) -> str | None:
 def _stacked_expert(task) -> int:
     """The global expert number of a grouped expert parameter (``...weight{g}``/``bias{g}``, renumbered under EP
     by the bridge's conversion tasks)."""
-    return int(re.search(r"(?:weight|bias)(\d+)$", task.global_param_name).group(1))
+    return _expert_number(task, r"(?:weight|bias)(\d+)$")
+
+
+def _expert_number(task, pattern: str) -> int:
+    """The expert number ``pattern``'s group finds in the task's parameter name."""
+    found = re.search(pattern, task.global_param_name)
+    if found is None:
+        raise SubjectError(
+            f"row {task.global_param_name!r}: an expert parameter without an expert number (no {pattern!r} in it)"
+        )
+    return int(found.group(1))
 
 
 def _full_dim_norm_mapping():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import overload
 
 import torch
 
@@ -65,6 +66,9 @@ class RunSlot:
         return expand_runs(self.starts, self.lengths)
 
 
+AnySlot = Slot | RangeSlot | RunSlot  # what a row's slots may be
+
+
 def expand_runs(starts_R: torch.Tensor, lengths_R: torch.Tensor) -> torch.Tensor:
     """The positions ``(starts_R, lengths_R)`` describe, in order."""
     total = int(lengths_R.sum()) if lengths_R.numel() else 0
@@ -77,11 +81,11 @@ class ShardRow:
     """One row of a sharded export: the same ``row`` name and slot table on every rank."""
 
     row: str
-    slots: Sequence[Slot]
+    slots: Sequence[AnySlot]
     contributes: bool = True
 
 
-class DeferredSlots(Sequence):
+class DeferredSlots(Sequence[AnySlot]):
     """A slot list whose table (names, shapes) is known up front and whose tensors are built on use.
 
     A sharded subject can hand these out so that draining its rows costs no tensor memory: the
@@ -90,11 +94,11 @@ class DeferredSlots(Sequence):
     export's own collectives.
     """
 
-    def __init__(self, table: Sequence[tuple[str, tuple[int, ...]]], build: Callable[[], Sequence[Slot]]):
+    def __init__(self, table: Sequence[tuple[str, tuple[int, ...]]], build: Callable[[], Sequence[AnySlot]]):
         self.table = [(str(n), tuple(int(s) for s in shape)) for n, shape in table]
         self._build = build
 
-    def materialize(self) -> list[Slot]:
+    def materialize(self) -> list[AnySlot]:
         slots = list(self._build())
         got = [(s.hf_name, tuple(s.hf_shape)) for s in slots]
         if got != self.table:
@@ -104,5 +108,11 @@ class DeferredSlots(Sequence):
     def __len__(self) -> int:
         return len(self.table)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> AnySlot: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[AnySlot]: ...
+
+    def __getitem__(self, i: int | slice) -> AnySlot | list[AnySlot]:
         return self.materialize()[i]
