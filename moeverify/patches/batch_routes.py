@@ -16,7 +16,9 @@ Every forward of the bound model then replays each token's engine route, found b
 files does (``rollout_source``): the same checks (layer numbering, expert maps, capture gaps, ids in range), the
 same provenance (each sequence served by the one version that holds it whole; ``injob.rollout_version(N)`` names
 it), the same agreement guard. A rank holds only what it was handed: memory per rank follows its own tokens. The
-routes of the newest ``KEEP`` versions serve; ``drop_routes()`` forgets them.
+routes of the newest ``rollout_source.keep()`` versions serve (``MOEVERIFY_ROUTER_REPLAY_KEEP``, default 2);
+``drop_routes()`` forgets them. ``version=`` may give one version per request (a list as long as the requests): a
+batch mixing versions is held per version, and ``injob.rollout_version(per_row)`` names each sample's at the forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeverify.errors import UsageError
-from moeverify.patches.rollout_source import KEEP, Step, TableSource, checked_part
+from moeverify.patches.rollout_source import Step, TableSource, checked_part, keep
 from moeverify.routing import rollout_writer as rw
 from moeverify.routing.engine_routes import EngineRoutes
 
@@ -47,7 +49,7 @@ class BatchSource(TableSource):
 
     def add(self, version: int, part: dict) -> None:
         self._parts.setdefault(version, []).append(part)
-        for old in sorted(self._parts, reverse=True)[KEEP:]:
+        for old in sorted(self._parts, reverse=True)[keep() :]:
             del self._parts[old]
         held = sum(int(p["tokens"].shape[0]) for parts in self._parts.values() for p in parts)
         if held > self.max_tokens:
@@ -180,7 +182,7 @@ def _request(tokens, routes, where: str) -> tuple[np.ndarray, np.ndarray, str | 
 
 def add_routes(
     *,
-    version: int,
+    version,
     routes,
     sequences=None,
     input_ids=None,
@@ -191,7 +193,8 @@ def add_routes(
     """Hand this rank's share of a batch's rollout routes to in-job R3 (module docstring); returns the tokens held.
 
     Args:
-        version: the RL step or policy version the sequences were generated under (an integer >= 0).
+        version: the RL step or policy version the sequences were generated under (an integer >= 0), or one per
+            request (a list or 1-d array as long as the requests: a batch mixing versions).
         routes: per request (with ``sequences``) a list of ``[S_i - 1 or S_i, W, K]`` arrays or
             ``moeverify.routing.engine_routes.EngineRoutes``; or (with ``input_ids``) ``[B, S, W, K]`` aligned with
             them.
@@ -201,8 +204,6 @@ def add_routes(
             from ``EngineRoutes``, else inferred and refused where both readings fit.
         expert_map: ``slot -> logical expert`` (``[P]`` or ``[W, P]``) where the engine recorded physical slots.
     """
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-        raise UsageError(f"add_routes(version={version!r}): expected the step or policy version, an integer >= 0")
     if (sequences is None) == (input_ids is None):
         raise UsageError(
             "add_routes: give either sequences= (per request) or input_ids= with attention_mask= (a "
@@ -218,32 +219,56 @@ def add_routes(
     sequences, routes = list(sequences), list(routes)
     if len(sequences) != len(routes) or not sequences:
         raise UsageError(f"add_routes: {len(sequences)} sequences and {len(routes)} routes; one per request, >= 1")
+    versions = _versions(version, len(sequences))
     requests = [
-        _request(s, r, f"add_routes version {version} request {i}")
-        for i, (s, r) in enumerate(zip(sequences, routes, strict=True))
+        _request(s, r, f"add_routes version {v} request {i}")
+        for i, (s, r, v) in enumerate(zip(sequences, routes, versions, strict=True))
     ]
     said = {n for _, _, n, _ in requests if n is not None} | ({numbering} if numbering else set())
     if len(said) > 1:
-        raise UsageError(f"add_routes version {version}: the routes say layer numberings {sorted(said)}; one engine's")
+        raise UsageError(f"add_routes: the routes say layer numberings {sorted(said)}; one engine's")
     if any(p for _, _, _, p in requests) and expert_map is None:
         raise UsageError(
-            f"add_routes version {version}: the engine recorded physical expert slots (EPLB); give "
+            "add_routes: the engine recorded physical expert slots (EPLB); give "
             "expert_map= (slot -> logical expert, docs/engine_routes.md says where each engine keeps it)"
         )
     widths = {r.shape[1:] for _, r, _, _ in requests}
     if len(widths) != 1:
-        raise UsageError(f"add_routes version {version}: routes of shapes [*, W, K] {sorted(widths)}; one engine's")
-    arrays = {
-        "tokens": np.concatenate([t for t, _, _, _ in requests]),
-        "lengths": np.array([t.size for t, _, _, _ in requests], dtype=np.int64),
-        "rows": np.array([r.shape[0] for _, r, _, _ in requests], dtype=np.int64),
-        "routes": _narrow(np.concatenate([r for _, r, _, _ in requests])),
-        "numbering": np.array([rw.NUMBERINGS[said.pop() if said else None]], dtype=np.int8),
-    }
-    if expert_map is not None:
-        arrays["expert_map"] = np.atleast_2d(_array(expert_map, "expert_map", dims=np.ndim(expert_map)))
-    source.add(int(version), checked_part(arrays, f"the batch routes of version {version}"))
+        raise UsageError(f"add_routes: routes of shapes [*, W, K] {sorted(widths)}; one engine's")
+    code = rw.NUMBERINGS[said.pop() if said else None]
+    emap = None if expert_map is None else np.atleast_2d(_array(expert_map, "expert_map", dims=np.ndim(expert_map)))
+    for v in sorted(set(versions)):
+        held = [req for req, rv in zip(requests, versions, strict=True) if rv == v]
+        arrays = {
+            "tokens": np.concatenate([t for t, _, _, _ in held]),
+            "lengths": np.array([t.size for t, _, _, _ in held], dtype=np.int64),
+            "rows": np.array([r.shape[0] for _, r, _, _ in held], dtype=np.int64),
+            "routes": _narrow(np.concatenate([r for _, r, _, _ in held])),
+            "numbering": np.array([code], dtype=np.int8),
+        }
+        if emap is not None:
+            arrays["expert_map"] = emap
+        source.add(v, checked_part(arrays, f"the batch routes of version {v}"))
     return source.tokens
+
+
+def _versions(version, requests: int) -> list[int]:
+    """``add_routes``' ``version``: one integer for every request, or one per request."""
+
+    def one(v) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise UsageError(f"add_routes(version={v!r}): expected the step or policy version, an integer >= 0")
+        return int(v)
+
+    if isinstance(version, (int, np.integer)) or isinstance(version, bool):
+        return [one(version)] * requests
+    per = version.tolist() if hasattr(version, "tolist") else version
+    if not isinstance(per, (list, tuple)) or len(per) != requests:
+        raise UsageError(
+            f"add_routes(version=...): one version for the batch, or one per request ({requests}), got "
+            f"{type(version).__name__} of {len(per) if isinstance(per, (list, tuple)) else 'no'} entries"
+        )
+    return [one(v) for v in per]
 
 
 def drop_routes(version: int | None = None) -> None:

@@ -72,17 +72,45 @@ def pass_kind(kind: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def rollout_version(version: int) -> Iterator[None]:
+def rollout_version(version) -> Iterator[None]:
     """Serve the bound model's forwards inside from the routes of rollout ``version`` (the step or policy version
     the batch was generated under) only: a token that version did not route is refused, never served another
-    version's route. Without it, each sequence takes the one served version that holds it whole."""
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise UsageError(f"rollout_version({version!r}): expected a step or policy version, an integer >= 0")
-    _VERSION.append(version)
+    version's route. ``version`` is one integer for the whole forward, or one per sequence of each forward inside
+    (a per-row list or 1-d tensor: batch rows ``[B]`` of a padded batch, packed sequences of a THD one), so a
+    micro-batch mixing versions takes each sample's own routes. Without it, each sequence takes the one served
+    version that holds it whole."""
+    _VERSION.append(_version_arg(version))
     try:
         yield
     finally:
         _VERSION.pop()
+
+
+def _version_arg(version) -> int | torch.Tensor:
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, (int, list, tuple, torch.Tensor))
+        and not hasattr(version, "__array__")
+    ):
+        raise UsageError(
+            f"rollout_version({version!r}): expected a step or policy version (an integer >= 0) or one per sequence"
+        )
+    if isinstance(version, int):
+        if version < 0:
+            raise UsageError(f"rollout_version({version!r}): expected a step or policy version, an integer >= 0")
+        return version
+    try:
+        per_seq = torch.as_tensor(version)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"rollout_version: per-sequence versions must be integers ({exc})") from exc
+    if per_seq.dim() != 1 or not per_seq.numel() or per_seq.is_floating_point() or per_seq.dtype == torch.bool:
+        raise UsageError(
+            f"rollout_version: per-sequence versions must be a non-empty 1-d integer list or tensor, got "
+            f"{tuple(per_seq.shape)} {per_seq.dtype}"
+        )
+    if int(per_seq.min()) < 0:
+        raise UsageError(f"rollout_version: version {int(per_seq.min())} < 0; versions are integers >= 0")
+    return per_seq.long()
 
 
 class ChunkForward:
@@ -91,7 +119,7 @@ class ChunkForward:
     def __init__(self, chunk, args, kwargs):
         self.chunk = chunk
         self.kind = _OVERRIDE[-1] if _OVERRIDE else ("training" if torch.is_grad_enabled() else "log_prob")
-        self.version = _VERSION[-1] if _VERSION else None
+        self.version: int | torch.Tensor | None = _VERSION[-1] if _VERSION else None
         self.input_ids = args[0] if args else kwargs.get("input_ids")
         self.packed = args[6] if len(args) > 6 else kwargs.get("packed_seq_params")
         self.padding_mask = kwargs.get("padding_mask")

@@ -4,8 +4,11 @@ keyed by token identity, one per model chunk.
 Legend: N = tokens of a step (all requests, concatenated), R = requests, W = layer columns in the files, L = this
 chunk's MoE layers, K = top-k.
 
-The newest ``KEEP`` complete steps of the directory serve (a trainer one step off-policy trains on the previous
-step's rollout while the next one is written); a token found in both takes the newer step's route. The directory
+The newest ``keep()`` complete steps of the directory serve (``MOEVERIFY_ROUTER_REPLAY_KEEP``, default 2: a trainer
+one step off-policy trains on the previous step's rollout while the next one is written; raise it for a longer lag);
+a token found in several takes the newest step's route. The versions kept share one table, bounded by
+``MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS`` (the tokens of every kept version together; a table costs about 16 bytes of
+keys plus ``2 * L * K`` bytes of ids a token, on the device). The directory
 is looked at again at every model-chunk forward (one directory listing), and tables are rebuilt when the set of
 newest complete steps changes. A step's requests are checked as ``Routes.from_rollout`` checks them: the layer
 columns picked (a width that fits two numberings refused), physical expert slots mapped through the step's
@@ -32,7 +35,22 @@ from moeverify.routing import layer_numbering, npy_file
 from moeverify.routing import rollout_arrays as ra
 from moeverify.routing import rollout_writer as rw
 
-KEEP = 2  # newest complete steps that serve
+KEEP = 2  # newest complete steps that serve, by default (``keep()``)
+KEEP_ENV = "MOEVERIFY_ROUTER_REPLAY_KEEP"
+KEEP_MAX = 64  # versions one table holds at most (each version is one more lookup per forward)
+
+
+def keep() -> int:
+    """The rollout versions that serve at once: ``MOEVERIFY_ROUTER_REPLAY_KEEP`` (1 to ``KEEP_MAX``), default
+    ``KEEP``. Memory is bounded by the table's token cap whatever it is (module docstring)."""
+    value = os.environ.get(KEEP_ENV) or None
+    if value is None:
+        return KEEP
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value[:6]) <= KEEP_MAX:
+        raise UsageError(f"{KEEP_ENV}={value[:40]!r}: expected the number of rollout versions kept, 1 to {KEEP_MAX}")
+    return int(value)
+
+
 EXPERT_MAP_ENV = "MOEVERIFY_ROUTER_REPLAY_EXPERT_MAP"
 _NUMBERING = {code: name for name, code in rw.NUMBERINGS.items()}
 
@@ -315,7 +333,7 @@ class TableSource(abc.ABC):
 
 class RolloutSource(TableSource):
     """The route tables of a rollout directory (``RolloutWriter`` files) for the bound model's chunks (module
-    docstring): the newest ``KEEP`` complete steps serve; every rank reads them whole.
+    docstring): the newest ``keep()`` complete steps serve; every rank reads them whole.
 
     Args:
         directory: the ``r3:DIR`` directory.
@@ -348,7 +366,7 @@ class RolloutSource(TableSource):
         """Look at the directory again; newer complete steps replace the tables."""
         if not self.directory.is_dir():
             raise UsageError(f"r3: {self.directory} is not a directory (RolloutWriter's output)")
-        newest = tuple(reversed(rw.complete_steps(self.directory, newest=KEEP)))
+        newest = tuple(reversed(rw.complete_steps(self.directory, newest=keep())))
         if newest != self._newest:
             self._newest = newest
             self._loaded = {s: self._loaded[s] for s in newest if s in self._loaded}

@@ -71,7 +71,7 @@ class Lookup:
     any_bad: _DeviceFlag
     version_T: torch.Tensor | None = None  # versioned tables: the index (in ``versions``) each token was served from
     ambiguous_T: torch.Tensor | None = None  # versioned tables: sequences held whole by several versions
-    version: int | None = None  # the version the forward named, if any
+    version: int | torch.Tensor | None = None  # the version the forward named (per token ``[T]``: per sequence), if any
     ids_TLK: torch.Tensor | None = None  # every layer's ids of the forward, gathered at its first layer
 
 
@@ -276,15 +276,31 @@ class RouteTable:
         index_T = torch.searchsorted(self.keys_2G[0], keys_2T[0]).clamp(max=self.keys_2G.shape[1] - 1)
         return index_T, (self.keys_2G[:, index_T] == keys_2T).all(dim=0)
 
-    def _versioned(self, keys: TokenKeys, version: int | None) -> tuple[TokenKeys, torch.Tensor, torch.Tensor]:
-        """Each token's version: the one named, else the version that holds its whole sequence (its last real
-        token), the newest where several do (flagged ambiguous). Returns the keys salted with it."""
+    def _versioned(
+        self, keys: TokenKeys, version: int | torch.Tensor | None
+    ) -> tuple[TokenKeys, torch.Tensor, torch.Tensor | None]:
+        """Each token's version: the one named (for the forward, or ``[Q]`` per sequence), else the version that
+        holds its whole sequence (its last real token), the newest where several do (flagged ambiguous). Returns
+        the keys salted with it."""
         device = keys.keys_2T.device
         salt_2V = self._salts.get(device)
         if salt_2V is None:  # made once a device: a tensor built from host ints per lookup would sync the stream
             salt_2V = self._salts[device] = version_salt(self.versions, device=device)
         if keys.last_2T is None:
             raise RouteError("versioned route tables need each token's sequence key (TokenKeys.last_2T)")
+        if isinstance(version, torch.Tensor):  # one version per sequence of the forward
+            if keys.seq_T is None or keys.sequences != version.numel():
+                raise RouteError(
+                    f"rollout_version: {version.numel()} per-sequence versions for a forward of "
+                    f"{keys.sequences if keys.seq_T is not None else 'an unknown number of'} sequences (batch rows, "
+                    "or packed sequences): give one version per sequence, in the forward's order"
+                )
+            named_T = version.to(device)[keys.seq_T]
+            version_T = torch.full((keys.tokens,), -1, dtype=torch.int64, device=device)
+            for i, v in enumerate(self.versions):
+                version_T = version_T.masked_fill(named_T == v, i)
+            salt_2T = salt_2V[:, version_T.clamp(min=0)]
+            return salted(keys, salt_2T), version_T, torch.zeros_like(version_T, dtype=torch.bool)
         if version is not None:
             if version not in self.versions:
                 version_T = torch.full((keys.tokens,), -1, dtype=torch.int64, device=device)
@@ -299,12 +315,13 @@ class RouteTable:
         ambiguous_T = held_VT.sum(dim=0) > 1
         return salted(keys, salt_2V[:, version_T]), version_T, ambiguous_T
 
-    def lookup(self, keys: TokenKeys, *, version: int | None = None) -> Lookup:
+    def lookup(self, keys: TokenKeys, *, version: int | torch.Tensor | None = None) -> Lookup:
         """Find a forward's tokens, with no host sync: ``Lookup.check`` (later) refuses the bad ones.
 
         Args:
-            version: a versioned table serves every token from this version (the forward named it); else each
-                sequence from the version that holds it whole (several: refused).
+            version: a versioned table serves every token from this version (the forward named it), or from its
+                sequence's (``[Q]``: one per batch row or packed sequence); else each sequence from the version
+                that holds it whole (several: refused).
         """
         version_T = ambiguous_T = None
         if self.versions:
@@ -336,7 +353,7 @@ class RouteTable:
             any_bad=_DeviceFlag(bad_T.any()),
             version_T=version_T,
             ambiguous_T=ambiguous_T,
-            version=version,
+            version=version if not isinstance(version, torch.Tensor) else version.to(keys.keys_2T.device)[keys.seq_T],
         )
 
     def check(self, found: Lookup, *, layer: int, rank: int) -> None:
@@ -352,9 +369,12 @@ class RouteTable:
         where = f"layer {layer} rank {rank}: training token {t} (sequence {seq} of this forward, position {pos})"
         more = f" ({bad.numel()} of {keys.tokens} tokens of this forward)"
         versions = ", ".join(str(v) for v in self.versions)
-        if found.version is not None and found.version not in self.versions:
+        named = int(found.version[t]) if isinstance(found.version, torch.Tensor) else found.version
+        if named is not None and isinstance(found.version, torch.Tensor):
+            where += f", its sequence named rollout version {named}"
+        if named is not None and named not in self.versions:
             return (
-                f"{where}: the forward names rollout version {found.version}, but {self.origin} hold versions "
+                f"{where}: the forward names rollout version {named}, but {self.origin} hold versions "
                 f"{versions}{more}: train on a version that is served, or write that version's routes"
             )
         if found.ambiguous_T is not None and bool(found.ambiguous_T[t]):
@@ -364,9 +384,9 @@ class RouteTable:
                 "name the version the batch was generated under with `with injob.rollout_version(N):` around the "
                 "forward"
             )
-        if not bool(found_T[t]) and found.version is not None:
+        if not bool(found_T[t]) and named is not None:
             return (
-                f"{where} has no route recorded by {self.origin}{more}: version {found.version}, which the "
+                f"{where} has no route recorded by {self.origin}{more}: version {named}, which the "
                 "forward names (injob.rollout_version), did not roll out this token's sequence; train it under "
                 "the version that generated it"
             )

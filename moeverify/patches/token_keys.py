@@ -53,12 +53,16 @@ class TokenKeys:
     ``keys_2T``: the two 64-bit halves; ``pad_T``: tokens the model was told are padding (they route natively);
     ``locate(t)``: (batch row or packed sequence index, position) of token ``t``; ``last_2T``: the key of the last
     real token of token ``t``'s sequence (the whole sequence's identity, which picks the rollout version a sequence
-    was generated under; None where it is not needed)."""
+    was generated under; None where it is not needed); ``seq_T``: the batch row or packed sequence index of each
+    token (a per-sequence rollout version is looked up with it; None where unknown); ``sequences``: how many the
+    forward holds."""
 
     keys_2T: torch.Tensor
     pad_T: torch.Tensor | None
     locate: Callable[[int], tuple[int, int]]
     last_2T: torch.Tensor | None = None
+    seq_T: torch.Tensor | None = None
+    sequences: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -106,7 +110,14 @@ def row_keys(input_ids_BS: torch.Tensor, *, padding_mask_BS: torch.Tensor | None
         keys_2T = torch.where(pad, _pad_key(device)[:, None], keys_2T)
     last_2B = keys_2BS[:, :, -1]  # the row's prefix sum at its end: its last real token's key (padding adds 0)
     last_2T = last_2B[:, None, :].expand(2, s, b).reshape(2, s * b)
-    return TokenKeys(keys_2T=keys_2T, pad_T=pad, locate=lambda t: (t % b, int(pos_BS[t % b, t // b])), last_2T=last_2T)
+    return TokenKeys(
+        keys_2T=keys_2T,
+        pad_T=pad,
+        locate=lambda t: (t % b, int(pos_BS[t % b, t // b])),
+        last_2T=last_2T,
+        seq_T=torch.arange(b, device=device).repeat(s),
+        sequences=b,
+    )
 
 
 def packed_keys(
@@ -133,6 +144,8 @@ def packed_keys(
         pad_T=pad_N,
         locate=lambda t: (int(seq_N[t]), int(pos_N[t])),
         last_2T=keys_2N[:, last_N] if n else keys_2N,
+        seq_T=seq_N,
+        sequences=real.numel() - 1,
     )
 
 
@@ -192,6 +205,8 @@ def sequence_slice(keys: TokenKeys, *, rank: int, size: int) -> TokenKeys:
         pad_T=None if keys.pad_T is None else keys.pad_T[first : first + part],
         locate=lambda t: keys.locate(first + t),
         last_2T=None if keys.last_2T is None else keys.last_2T[:, first : first + part],
+        seq_T=None if keys.seq_T is None else keys.seq_T[first : first + part],
+        sequences=keys.sequences,
     )
 
 
@@ -248,6 +263,8 @@ def take(keys: TokenKeys, full_T: torch.Tensor, *, pad_T: torch.Tensor | None = 
         pad_T=pad_T,
         locate=lambda t: keys.locate(int(full_T[t])),
         last_2T=None if keys.last_2T is None else keys.last_2T[:, full_T],
+        seq_T=None if keys.seq_T is None else keys.seq_T[full_T],
+        sequences=keys.sequences,
     )
 
 

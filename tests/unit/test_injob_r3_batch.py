@@ -255,3 +255,54 @@ def test_r3_batch_route_cut_short_named_as_such_not_as_out_of_range(world):
                 run(actor, seq)
     finally:
         injob.drop_routes()
+
+
+def test_r3_batch_mixed_versions_in_one_micro_batch_take_each_samples_own_routes(world, monkeypatch):
+    # sequence A rolled out under versions 0 and 1 (other routes in each), B under version 1 only: a micro-batch
+    # of [A, B] names each row's version; A's routes follow the version its row names, never the other one's
+    from moeverify.errors import RouteError
+    from moeverify.patches import batch_routes, rollout_source
+
+    actor, engine, vocab = world
+    a, b = random_sequences(vocab, [7, 5], SEED + 9)
+    ra, rb = engine_routes(engine, [a, b])
+    ra_v1 = ((ra + 3) % 8).sort(dim=-1).values  # version 1's engine routed A otherwise (distinct ids per row stay distinct)
+    injob.drop_routes()
+    injob.add_routes(version=[0, 1], sequences=[a, b], routes=[ra[:-1], rb[:-1]])  # one version per request
+    injob.add_routes(version=1, sequences=[a], routes=[ra_v1[:-1]])
+    width = 8
+    ids, mask, _ = verl_batch([a, b], [ra, rb], width=width)
+    for versions, want in (([1, 1], [ra_v1, rb]), ([0, 1], [ra, rb]), (torch.tensor([0, 1]), [ra, rb])):
+        spy = Spy(actor)
+        try:
+            with injob.rollout_version(versions):
+                forward_padded(actor, ids, mask, grad=False)
+            calls = spy.take()
+        finally:
+            spy.close()
+        assert check_replayed(calls, [a, b], want, width=width) == len(LAYERS) * (len(a) - 1 + len(b) - 1)
+    with pytest.raises(
+        RouteError, match=r"sequence 1 of this forward, position 0\), its sequence named rollout version 0"
+    ):
+        with injob.rollout_version([0, 0]):  # B was never rolled out under version 0
+            forward_padded(actor, ids, mask, grad=False)
+    with pytest.raises(RouteError, match=r"rollout_version: 1 per-sequence versions for a forward of 2 sequences"):
+        with injob.rollout_version([1]):
+            forward_padded(actor, ids, mask, grad=False)
+    for bad, message in (([-1, 0], r"version -1 < 0"), (1.5, r"expected a step or policy version"), ([], "non-empty")):
+        with pytest.raises(UsageError, match=message):
+            with injob.rollout_version(bad):
+                pass
+    with pytest.raises(UsageError, match=r"one version for the batch, or one per request \(2\)"):
+        injob.add_routes(version=[0], sequences=[a, b], routes=[ra[:-1], rb[:-1]])
+    # how many versions serve is a setting: 3 kept, then the default 2
+    injob.drop_routes()
+    monkeypatch.setenv(rollout_source.KEEP_ENV, "3")
+    for v in range(4):
+        injob.add_routes(version=v, sequences=[a], routes=[ra[:-1]])
+    assert batch_routes._source().steps == (3, 2, 1)
+    monkeypatch.setenv(rollout_source.KEEP_ENV, "0")
+    with pytest.raises(UsageError, match=r"MOEVERIFY_ROUTER_REPLAY_KEEP='0': expected the number of rollout versions"):
+        injob.add_routes(version=4, sequences=[a], routes=[ra[:-1]])
+    monkeypatch.delenv(rollout_source.KEEP_ENV)
+    injob.drop_routes()
