@@ -386,6 +386,27 @@ def test_docs_readme_findings_are_the_findings_page_ids():
     assert ids and ids == page, f"README only: {sorted(ids - page)}; docs/findings.md only: {sorted(page - ids)}"
 
 
+def _layout_rows() -> dict[str, str]:
+    """docs/design.md's layout table: first cell -> the row's text."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1) for line in section.splitlines() if line.startswith("| `")]
+    return {first.strip("| "): rest for first, rest in rows}
+
+
+def test_docs_design_layout_table_names_every_folder_package_scenario_file_and_tool():
+    rows = _layout_rows()
+    named = {name.strip("`") for first in rows for name in re.findall(r"`[^`]+`", first)}
+    folders = {p.name + "/" for p in ROOT.iterdir() if p.is_dir() and p.name in SOURCE_DIRS}
+    packages = {f"moeverify/{p.parent.name}/" for p in (ROOT / "moeverify").glob("*/__init__.py")}
+    missing = sorted(f for f in folders if not any(n.startswith(f) for n in named)) + sorted(packages - named)
+    assert not missing, f"docs/design.md's layout table has no row for {missing}"
+    for folder in ("scenarios", "tools"):
+        entries = {p.name + ("/" if p.is_dir() else "") for p in (ROOT / folder).iterdir() if p.name != "__pycache__"}
+        unnamed = sorted(e for e in entries if f"`{e}`" not in rows[f"`{folder}/`"])
+        assert not unnamed, f"docs/design.md's layout table: the {folder}/ row does not name {unnamed}"
+
+
 # ---- the checks themselves: each refuses what it exists to refuse ----
 
 
