@@ -62,6 +62,22 @@ def r3_update(model, optimizer, requests, routed_experts, *, moe_layers, seq_len
 # [/doc:r3-step]
 
 
+def engine_stand_in(model, requests):
+    """What an engine serving ``model``'s weights returns: per request its native routes, ``[len - 1, L, K]``."""
+    from moeverify.patches import router_replay as rr
+
+    rr.apply()
+    session = rr.ReplaySession(model)
+    with torch.no_grad(), session.record():
+        for request in requests:
+            model(torch.as_tensor(request)[None], torch.arange(len(request))[None], None)
+    recorded = session.routes()  # one micro-batch per request, its tokens in order
+    return [
+        torch.stack([recorded.get(layer, i) for layer in recorded.layers], dim=1)[:-1].numpy()
+        for i in range(len(requests))
+    ]
+
+
 def main() -> None:
     from moeverify import models, runtime
     from moeverify.layout import Layout
@@ -70,11 +86,12 @@ def main() -> None:
     with runtime.parallel(Layout(), seed=0):
         built = models.build("qwen3_moe", Layout(), seed=0)
         model, S = built.model_chunks[0], 8
-        layers, K, E = built.config.num_layers, built.config.moe_router_topk, built.config.num_moe_experts
+        layers = built.config.num_layers
         g = torch.Generator().manual_seed(0)
         requests = [torch.randint(0, built.config.vocab_size, (n,), generator=g).tolist() for n in (8, 6)]
-        # stand-in for the engine's output: one [len - 1, L, K] array of expert ids per request
-        routed = [torch.rand(len(r) - 1, layers, E, generator=g).argsort(-1)[..., :K].numpy() for r in requests]
+        # stand-in for the engine's output, one [len - 1, L, K] array of expert ids per request: an engine serving
+        # these weights routes as the model does (routes of other weights would fail the agreement guard)
+        routed = engine_stand_in(model, requests)
         loss = r3_update(
             model, torch.optim.SGD(model.parameters(), lr=1e-2), requests, routed, moe_layers=range(layers), seq_len=S
         )

@@ -170,6 +170,8 @@ def _request(tokens, routes, where: str) -> tuple[np.ndarray, np.ndarray, str | 
             )
         numbering, physical, routes = routes.numbering, routes.physical, routes.routes
     routes_RWK = _array(routes, f"{where}: routes", dims=3)
+    if tokens_S.size and routes_RWK.shape[0] == tokens_S.size and _gap_rows(routes_RWK[-1:])[0]:
+        routes_RWK = routes_RWK[:-1]  # the engine's missing last row, unfilled: as the padded form reads it
     if not tokens_S.size or routes_RWK.shape[0] not in (tokens_S.size - 1, tokens_S.size):
         raise UsageError(
             f"{where}: {routes_RWK.shape[0]} route rows for {tokens_S.size} tokens; expected "

@@ -203,6 +203,17 @@ class Step:
                 f"row(s)); an engine that records physical expert slots (EPLB with redundant experts) "
                 f"needs its map: RolloutWriter(expert_map=), add_routes(expert_map=) or {EXPERT_MAP_ENV}=PATH"
             )
+        sorted_RLK = routes_RLK.sort(dim=-1).values
+        twice_RL = (sorted_RLK[..., 1:] == sorted_RLK[..., :-1]).any(dim=-1)
+        if bool(twice_RL.any()):
+            row, col = (int(i) for i in twice_RL.nonzero()[0])
+            r, s = _request_of(row, rows)
+            raise RouteError(
+                f"{where}: request {r} position {s} layer {layers[col]}: route {routes_RLK[row, col].tolist()} "
+                f"names one expert twice ({int(twice_RL.sum())} such row(s)); a top-k route holds k distinct "
+                "experts: a corrupt capture, or an expert map sending two physical slots of one token to one "
+                "expert (give the map of the step that routed these tokens)"
+            )
         k = routes_RLK.shape[2]
         ids_NLK = torch.arange(k).expand(n, len(layers), k).clone()  # native rows: any valid distinct ids
         ids_NLK[has_row_N] = routes_RLK

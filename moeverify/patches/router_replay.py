@@ -428,8 +428,9 @@ class ReplaySession:
                 check, an engine expert id that routes like another trainer expert, and the chance floor), before
                 any optimizer step inside the block and when it exits, raising ``RouteError``. None (default): on
                 for routes another process chose (``routes.provenance``: ``Routes.from_rollout``, a dump's
-                ``routes()``), off for others; False turns it off. A guard the job started (``agreement.guard()``,
-                ``MOEVERIFY_AGREEMENT``) counts the block instead.
+                ``routes()``), off for others; False turns it off. Its settings are in-job R3's
+                (``MOEVERIFY_AGREEMENT=off``, ``MOEVERIFY_AGREEMENT_FLOOR``, ``MOEVERIFY_AGREEMENT_NUMBERING``); a
+                guard the job started (``agreement.guard()``) counts the block instead.
         """
         if not isinstance(routes, Routes):
             raise UsageError(
@@ -549,8 +550,8 @@ class _ReplayBlock:
             if self.inputs is not None:
                 self.guard = replay_inputs.StepGuard(origin.inputs, self.inputs, lambda: self.replaying.rank)
             self.saved_fusion = session._hold(self.replaying, self.routers)
-            if self.judge and agreement.ACTIVE is None:
-                self.agreement = agreement.guard(floor=agreement.CHANCE, numbering=True)
+            if self.judge and agreement.ACTIVE is None:  # the settings of in-job R3 (MOEVERIFY_AGREEMENT_*)
+                self.agreement = agreement.from_env(in_job=True, floor_default=agreement.CHANCE, numbering_default=True)
         except BaseException:
             if self.inputs is not None:
                 self.inputs.close()

@@ -266,7 +266,9 @@ def test_r3_batch_mixed_versions_in_one_micro_batch_take_each_samples_own_routes
     actor, engine, vocab = world
     a, b = random_sequences(vocab, [7, 5], SEED + 9)
     ra, rb = engine_routes(engine, [a, b])
-    ra_v1 = ((ra + 3) % 8).sort(dim=-1).values  # version 1's engine routed A otherwise (distinct ids per row stay distinct)
+    ra_v1 = (
+        ((ra + 3) % 8).sort(dim=-1).values
+    )  # version 1's engine routed A otherwise (distinct ids per row stay distinct)
     injob.drop_routes()
     injob.add_routes(version=[0, 1], sequences=[a, b], routes=[ra[:-1], rb[:-1]])  # one version per request
     injob.add_routes(version=1, sequences=[a], routes=[ra_v1[:-1]])
@@ -305,4 +307,28 @@ def test_r3_batch_mixed_versions_in_one_micro_batch_take_each_samples_own_routes
     with pytest.raises(UsageError, match=r"MOEVERIFY_ROUTER_REPLAY_KEEP='0': expected the number of rollout versions"):
         injob.add_routes(version=4, sequences=[a], routes=[ra[:-1]])
     monkeypatch.delenv(rollout_source.KEEP_ENV)
+    injob.drop_routes()
+
+
+def test_r3_batch_duplicate_expert_named_and_unfilled_last_row_read_alike_on_both_paths(world):
+    from moeverify.errors import RouteError
+
+    actor, engine, vocab = world
+    a, b = random_sequences(vocab, [6, 5], SEED + 11)
+    ra, rb = engine_routes(engine, [a, b])
+    injob.drop_routes()
+    twice = ra[:-1].clone()
+    twice[3, 2] = twice[3, 2].max()  # request 0, position 3, layer 2: one expert in both slots
+    injob.add_routes(version=0, sequences=[a, b], routes=[twice, rb[:-1]])
+    with pytest.raises(RouteError, match=r"request 0 position 3 layer 2: route \[\d+, \d+\] names one expert twice"):
+        assert_each_on_its_route(actor, [a, b], [ra, rb])
+    injob.drop_routes()
+    # the engine's last row present but never filled (zeros), per request: the padded form drops it, so does this
+    unfilled = torch.cat([ra[:-1], torch.zeros_like(ra[:1])])
+    injob.add_routes(version=1, sequences=[a], routes=[unfilled])
+    assert_each_on_its_route(actor, [a], [ra])
+    injob.drop_routes()
+    ids, mask, routed = verl_batch([a], [ra], width=8)
+    injob.add_routes(version=1, input_ids=ids, attention_mask=mask, routes=routed)
+    assert_each_on_its_route(actor, [a], [ra])
     injob.drop_routes()
