@@ -357,10 +357,14 @@ _REPLAY = (
     _c(
         "replay",
         "weights",
-        "the right expert ids replayed with other weights or in another slot order than the recorded pass",
+        "the right expert ids replayed with other weights or in another slot order than the recorded pass, or, "
+        "with the router moved, combine weights that are not the router's scoring function at the replayed ids "
+        "(read from its post-top-k probabilities, where a replayed expert it no longer picks weighs 0)",
         "ISEEKYAN/Megatron-LM#79: replayed scores gathered from post-top-k, scatter-zeroed probabilities, so a "
         "replayed id that the current top-k did not pick reads weight 0",
         "replay:reversed_slots",
+        "replay:masked_probs",
+        "replay:one_masked_weight",
         "replay:one_ulp_one_prob",
         "replay:one_token_one_layer_route",
     ),
@@ -562,9 +566,13 @@ _SENSITIVITY: dict[tuple[str, str], tuple[str, str]] = {
         "they are compared as it holds them (bf16's step there is 2, 4 above 512)",
     ),
     ("replay", "weights"): (
-        f"replay:one_ulp_one_prob: {_ULP} in one routing weight, the ids right",
+        f"replay:one_ulp_one_prob: {_ULP} in one routing weight, the ids right (on the moved router: "
+        "`one_masked_weight`, one replayed expert's weight read as 0 from the masked probabilities)",
         "another slot order whose sums come out the same bits: at top-2 a + b == b + a, so only top-k >= 3 can "
-        "show a reversed order (`reversed_slots` runs on deepseek_v3_wide)",
+        "show a reversed order (`reversed_slots` runs on deepseek_v3_wide); on the moved router, a weight within "
+        "2n fp32 epsilons and one rounding to the pass's dtype (relative) plus n fp32 epsilons (absolute) of the "
+        "float64 reference, n the scores it is normalised over: implementations sum them in a slot order of their "
+        "own there (bit for bit only on the unmoved router)",
     ),
     ("roundtrip", "bitwise"): (
         "test:tests/unit/test_roundtrip_sensitivity.py::test_roundtrip_bitwise_sees_one_ulp_in_one_element: "

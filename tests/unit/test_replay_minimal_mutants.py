@@ -60,6 +60,12 @@ CASES = [
         },
     ),
     ("one_layer_no_recompute_replay", ["recompute"], {"recompute": "recompute routed"}),
+    # one weight on the moved router: right on the weights the routes were recorded with (the router picks them)
+    (
+        "one_masked_weight",
+        ["drift", "weights"],
+        {"weights": "router moved: layer 0 mb 0: 1 replayed expert weight(s) are 0 in 1 of 32 token(s)"},
+    ),
     ("one_layer_fifo_recompute", ["backward_order"], {"backward_order": "it replayed another micro-batch's routes"}),
 ]
 
@@ -91,3 +97,17 @@ def test_fifo_recompute_passes_recompute_where_backward_runs_in_forward_order():
     # the queue-order twin is right when backward follows forward order: only backward_order can see it
     tallies = _run("fifo_recompute", ["recompute"], replay_recompute=["full"])
     assert tallies["recompute"].passed and tallies["recompute"].checked > 0, tallies["recompute"].failures[:5]
+
+
+def test_masked_probs_passes_every_other_subcheck_and_fails_weights_naming_the_zero_weights():
+    """ISEEKYAN/Megatron-LM #79: weights read from the moved router's own post-top-k probabilities pass equivalence,
+    drift, recompute and native_parity (on the recording's weights the router picks every replayed expert, and drift
+    compares ids); weights, with the router moved, names the zero weights in every MoE layer. moeverify's own patch,
+    the same build and perturbation, passes."""
+    subchecks = ["equivalence", "drift", "recompute", "native_parity", "weights"]
+    failed = _failed(_run("masked_probs", subchecks))
+    assert set(failed) == {"weights"}, failed
+    zeros = [f for f in failed["weights"] if " replayed expert weight(s) are 0 in " in f]
+    assert {f.split("router moved: ")[1].split(" mb ")[0] for f in zeros} == {f"layer {n}" for n in range(4)}, zeros
+    control = _run("masked_probs", ["drift", "weights"], replay_impl="moeverify")
+    assert control["weights"].passed and control["weights"].checked > 1, control["weights"].failures[:3]

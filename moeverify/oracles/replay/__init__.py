@@ -10,5 +10,6 @@
   before it, on the GPU, where they are still the loaded ones;
 - ``drive``: passes through Megatron's pipeline schedule and hand-written loops, router probes;
 - ``pass_checks``: pass-vs-pass comparisons that fill the tallies; ``compare``: bitwise helpers on plain tensors;
+  ``moved_weights``: the weights a replayed pass gives on a moved router against its scoring function;
 - ``impls``: the implementations under test behind one adapter; ``faulty``: broken ones, each caught.
 """

@@ -4,7 +4,8 @@ One *pass* is one call of ``get_forward_backward_func()`` over ``M`` micro-batch
 interleaved VPP included): the log-prob pass is forward only under ``torch.no_grad()``, the training
 pass forward + backward. A ``RouterProbe`` (forward hooks on every ``TopKRouter``) observes what each
 router actually did, independently of the implementation under test: the routing map and probs
-of every (layer, micro-batch) in the forward, and each call made during backward recompute.
+of every (layer, micro-batch) in the forward, and each call made during backward recompute; asked to, the router's
+logits of every forward too (its gating of the input it was handed, run again: the probs' reference).
 
 Data: token ids are drawn from a generator seeded by (seed, micro-batch), one *global* micro-batch
 of ``dp * B`` sequences of length ``S``; DP rank ``d`` takes sequences ``[d * B, (d + 1) * B)``
@@ -24,9 +25,10 @@ import functools
 
 import torch
 
+from moeverify.errors import MoEVerifyError
 from moeverify.oracles.replay import grad_print
 from moeverify.oracles.replay.compare import topk_ids_from_map
-from moeverify.oracles.replay.impls import ReplayImpl
+from moeverify.oracles.replay.impls import PassGeometry, ReplayImpl
 from moeverify.patches.routers import find_routers
 from moeverify.routing import views
 from moeverify.routing.routes import Routes
@@ -101,19 +103,25 @@ class PassResult:
     seq_loss: dict[int, torch.Tensor]  # mb -> [B] token-CE sums per sequence over this rank's positions
     grads: dict[str, torch.Tensor | grad_print.GradPrint]  # "chunk.param" -> gradient or, when large, its print
     routes: object = None  # Routes recorded by the implementation (record passes)
+    router_logits: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)  # -> logits_TE
 
     def topk_ids(self, layer: int, mb: int) -> torch.Tensor:
         return topk_ids_from_map(self.routing[(layer, mb)][0])
 
 
 class RouterProbe:
-    """Forward hooks on every router: what each (layer, micro-batch) routed, forward and recompute."""
+    """Forward hooks on every router: what each (layer, micro-batch) routed, forward and recompute.
 
-    def __init__(self, model_chunks: list):
+    ``logits``: also keep each forward's router logits ``[T, E]`` (``router.gating`` of the input the router was
+    handed, run again without grad: the same op on the same input, so the same bits), the reference the routing
+    weights are judged by."""
+
+    def __init__(self, model_chunks: list, *, logits: bool = False):
         self.routers = find_routers(model_chunks)
         self.current_mb: int | None = None
         self.forward: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.recompute: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in self.routers}
+        self.logits: dict[tuple[int, int], torch.Tensor] | None = {} if logits else None
         self._handles = []
 
     def __enter__(self) -> RouterProbe:
@@ -133,6 +141,10 @@ class RouterProbe:
             self.recompute[layer].append(seen)
         else:
             self.forward[(layer, self.current_mb)] = seen
+            if self.logits is not None:
+                with torch.no_grad():
+                    logits = module.gating(args[0].detach())
+                self.logits[(layer, self.current_mb)] = logits.reshape(-1, logits.shape[-1]).to("cpu", copy=True)
 
 
 def _new_step(model_chunks: list) -> None:
@@ -177,9 +189,17 @@ def _loss(item: MicroBatch, total_tokens: int, result: PassResult, output_BSV: t
 
 
 def run_pass(
-    model_chunks: list, items: list[MicroBatch], *, seq_len: int, forward_only: bool, impl: ReplayImpl | None = None
+    model_chunks: list,
+    items: list[MicroBatch],
+    *,
+    seq_len: int,
+    forward_only: bool,
+    impl: ReplayImpl | None = None,
+    router_logits: bool = False,
 ) -> PassResult:
-    """One pass of Megatron's pipeline schedule over ``items``; ``impl`` gets its per-step hooks."""
+    """One pass of Megatron's pipeline schedule over ``items``; ``impl`` gets its per-step hooks (``begin_pass``
+    with the pass's geometry first, held to every router call's token count after the pass); ``router_logits``: keep
+    every forward's router logits (``PassResult.router_logits``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: megatron
 
     result = PassResult(routing={}, recompute={}, logits={}, seq_loss={}, grads={})
@@ -197,7 +217,10 @@ def run_pass(
     _new_step(model_chunks)
     iterators = [iter(list(items)) for _ in model_chunks]
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-    with RouterProbe(model_chunks) as probe, grad_mode:
+    shape = geometry(model_chunks, items, seq_len=seq_len, forward_only=forward_only)
+    if impl is not None:
+        impl.begin_pass(shape)
+    with RouterProbe(model_chunks, logits=router_logits) as probe, grad_mode:
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
@@ -207,7 +230,7 @@ def run_pass(
             micro_batch_size=batch,
             forward_only=forward_only,
         )
-    return _finish(result, probe, model_chunks, grads=not forward_only)
+    return _finish(result, probe, model_chunks, grads=not forward_only, shape=shape)
 
 
 def forward_one(model, chunk: int, item: MicroBatch, *, impl: ReplayImpl | None, probe: RouterProbe):
@@ -226,11 +249,43 @@ def forward_one(model, chunk: int, item: MicroBatch, *, impl: ReplayImpl | None,
     return output
 
 
-def _finish(result: PassResult, probe: RouterProbe, model_chunks: list, *, grads: bool) -> PassResult:
+def geometry(model_chunks: list, items: list[MicroBatch], *, seq_len: int, forward_only: bool) -> PassGeometry:
+    """What a pass over ``items`` hands this rank's routers: the micro-batches' CP positions (their position ids),
+    under sequence parallelism the TP slice of them (Megatron scatters the sequence dimension before the layers)."""
     from megatron.core import parallel_state  # lazy: megatron
 
+    positions_S = items[0].position_ids_BS[0]
+    if getattr(model_chunks[0].config, "sequence_parallel", False):
+        tp, tp_rank = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank(),
+        )
+        size = positions_S.numel() // tp
+        positions_S = positions_S[tp_rank * size : (tp_rank + 1) * size]
+    return PassGeometry(
+        seq_len=seq_len,
+        batch=items[0].tokens_BS.shape[0],
+        microbatches=len(items),
+        positions=tuple(int(p) for p in positions_S),
+        forward_only=forward_only,
+    )
+
+
+def _finish(
+    result: PassResult, probe: RouterProbe, model_chunks: list, *, grads: bool, shape: PassGeometry
+) -> PassResult:
+    from megatron.core import parallel_state  # lazy: megatron
+
+    for (layer, mb), (map_TE, _) in sorted(probe.forward.items()):  # what begin_pass told the implementation
+        if map_TE.shape[0] != shape.tokens:
+            raise MoEVerifyError(
+                f"layer {layer} mb {mb}: the router routed {map_TE.shape[0]} tokens, the pass geometry says "
+                f"{shape.tokens} ({len(shape.positions)} position(s) x batch {shape.batch}): the geometry handed to "
+                "the implementation does not describe this layout"
+            )
     result.routing = probe.forward
     result.recompute = probe.recompute
+    result.router_logits = probe.logits or {}
     if grads:
         result.grads = _grads(model_chunks)
     cp_group = parallel_state.get_context_parallel_group()
@@ -259,7 +314,9 @@ def loop_pass(
     total_tokens = items[0].tokens_BS.shape[0] * seq_len
     chunk.train()
     _new_step(model_chunks)
+    shape = geometry(model_chunks, items, seq_len=seq_len, forward_only=False)
     with impl.replay(routes), RouterProbe(model_chunks) as probe:
+        impl.begin_pass(shape)
         losses = [
             _loss(item, total_tokens, result, forward_one(chunk, 0, item, impl=impl, probe=probe))[0] / len(items)
             for item in items
@@ -269,7 +326,7 @@ def loop_pass(
                 loss.backward()
         else:
             torch.stack(losses).sum().backward()
-    return _finish(result, probe, model_chunks, grads=True)
+    return _finish(result, probe, model_chunks, grads=True, shape=shape)
 
 
 def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl) -> PassResult:
@@ -285,7 +342,11 @@ def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, im
     return result
 
 
-def replay_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl, routes) -> PassResult:
+def replay_pass(
+    model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl, routes, router_logits: bool = False
+) -> PassResult:
     """The training pass: forward + backward with ``routes`` replayed by ``impl``."""
     with impl.replay(routes):
-        return run_pass(model_chunks, items, seq_len=seq_len, forward_only=False, impl=impl)
+        return run_pass(
+            model_chunks, items, seq_len=seq_len, forward_only=False, impl=impl, router_logits=router_logits
+        )

@@ -25,6 +25,12 @@ suite asserts the named subcheck fails for each (an oracle that cannot fail prov
   token weighs its first expert one ulp higher; ``one_layer_no_recompute_replay`` lets one layer's recompute route
   natively; ``one_layer_fifo_recompute`` serves one layer's recomputes in queue order; ``one_count_extra`` counts
   one token twice, for one expert of one layer, in the expert-bias token counts of each replayed pass.
+- ``masked_probs`` (ISEEKYAN/Megatron-LM #79, the first version of #49): moeverify's patch, but the replayed experts'
+  combine weights are read from the post-top-k probabilities of the router's own native routing (zero off its
+  top-k): a replayed expert the current router no longer picks weighs 0. On the weights the routes were recorded
+  with, the router picks the replayed experts and every weight is right; only a moved router shows it.
+  ``one_masked_weight`` is its minimal form: one such weight, in the first replayed call of the first MoE layer
+  (and in that call's recompute), the others right.
 - ``one_rank_crash``: raises while replaying on rank 1 only, the other ranks going on into the
   collectives it left. Not a subcheck's catch: the check must end quickly, naming rank 1
   (``runtime.outcome``), instead of waiting for the collective timeout.
@@ -154,6 +160,40 @@ class _TiesById(MoeverifyReplay):
             hook.get_replay_topk = original
 
 
+@contextlib.contextmanager
+def _topk_routing_wrapped(wrap):
+    """Megatron-Core's ``topk_routing_with_score_function`` as ``TopKRouter.routing`` calls it, replaced by
+    ``wrap(original)`` for the duration (read by name from the router module at every call)."""
+    from megatron.core.transformer.moe import router as mcore_router  # lazy: megatron
+
+    original = mcore_router.topk_routing_with_score_function
+    mcore_router.topk_routing_with_score_function = wrap(original)
+    try:
+        yield
+    finally:
+        mcore_router.topk_routing_with_score_function = original
+
+
+class _MaskedProbs(MoeverifyReplay):
+    name = "masked_probs"
+
+    @contextlib.contextmanager
+    def replay(self, routes):
+        def wrap(original):
+            def masked(logits, topk, *args, router_replay=None, **kwargs):
+                probs_TE, map_TE = original(logits, topk, *args, router_replay=router_replay, **kwargs)
+                if router_replay is None:  # a router the session does not hold: native, untouched
+                    return probs_TE, map_TE
+                # the router's own routing of these logits: post-top-k probabilities, zero off its top-k
+                native_TE, _ = original(logits, topk, *args, router_replay=None, **kwargs)
+                return native_TE * map_TE, map_TE
+
+            return masked
+
+        with _topk_routing_wrapped(wrap), super().replay(routes):
+            yield self
+
+
 # -- minimal mutants: the smallest unit a replay subcheck is shown to see (``moeverify.spec.bug_classes``'
 # ``minimal``) ----
 class _OneTokenOneLayerRoute(NativeReplay):
@@ -244,6 +284,61 @@ class _OneCountExtra(MoeverifyReplay):
             handle.remove()
 
 
+class _OneMaskedWeight(MoeverifyReplay):
+    name = "one_masked_weight"
+
+    @contextlib.contextmanager
+    def replay(self, routes):
+        routers = self._session._live_routers()
+        first = routers[min(routers)]
+        inside = [False]  # the first MoE layer's router is routing now
+        chosen: list = []  # (logits of the call it changed, token, expert): its recompute changes the same weight
+
+        def wrap(original):
+            def one_masked(logits, topk, *args, router_replay=None, **kwargs):
+                probs_TE, map_TE = original(logits, topk, *args, router_replay=router_replay, **kwargs)
+                if router_replay is None or not inside[0]:
+                    return probs_TE, map_TE
+                if chosen and torch.equal(chosen[0], logits.detach()):
+                    _, t, e = chosen
+                elif not chosen:
+                    _, native_map_TE = original(logits, topk, *args, router_replay=None, **kwargs)
+                    unpicked = (map_TE & ~native_map_TE).nonzero()  # replayed experts the router no longer picks
+                    if not len(unpicked):
+                        return probs_TE, map_TE
+                    t, e = (int(i) for i in unpicked[0])
+                    chosen.extend((logits.detach().clone(), t, e))
+                else:
+                    return probs_TE, map_TE
+                keep_TE = torch.ones_like(probs_TE)
+                keep_TE[t, e] = 0  # that one weight as the masked probabilities give it
+                return probs_TE * keep_TE, map_TE
+
+            return one_masked
+
+        def enter(*_):
+            inside[0] = True
+
+        def leave(*_):
+            inside[0] = False
+
+        handles = [first.register_forward_pre_hook(enter), first.register_forward_hook(leave)]
+        try:
+            with _topk_routing_wrapped(wrap), super().replay(routes):
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def masked_probs() -> MoeverifyReplay:
+    return _MaskedProbs()
+
+
+def one_masked_weight() -> MoeverifyReplay:
+    return _OneMaskedWeight()
+
+
 def one_token_one_layer_route() -> NativeReplay:
     return _OneTokenOneLayerRoute()
 
@@ -322,6 +417,8 @@ MUTANTS = {
     "one_layer_no_recompute_replay": "recompute",
     "one_layer_fifo_recompute": "backward_order",
     "one_count_extra": "token_counts",
+    "masked_probs": "weights",
+    "one_masked_weight": "weights",
 }
 # the coarse mutants, each with a subcheck that sees it and words its failures must include (tests hold them to it)
 CAUGHT_BY = {
@@ -332,6 +429,7 @@ CAUGHT_BY = {
     ("detached_probs", "equivalence"): "replay vs plain pass: grad",
     ("no_recompute_replay", "recompute"): "recompute routed",
     ("fifo_recompute", "backward_order"): "it replayed another micro-batch's routes",
+    ("masked_probs", "weights"): "router moved: layer 0 mb 0: ",
 }
 
 # the other subchecks a mutant is shown failing (``tests/unit/test_replay_minimal_mutants.py``)

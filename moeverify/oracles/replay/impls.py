@@ -8,6 +8,10 @@ through the same schedule and only talk to it through this interface:
 - ``apply()``: process-wide patching, before any model is built (idempotent);
 - ``bind(model_chunks)``: attach to one built model (its routers, keyed by global layer);
 - ``record()`` / ``replay(routes)``: context managers around a whole pass;
+- ``begin_pass(geometry)``: called inside ``record()`` / ``replay(routes)`` (or around a pass that does neither)
+  before the pass's first forward, with its ``PassGeometry``: sequence length, sequences per micro-batch,
+  micro-batches and the positions this rank's routers see, so a plugin can put the ``[T, K]`` routes of a router
+  call (router order: token ``i`` is sequence ``i % B`` at ``positions[i // B]``) into sequences (optional);
 - ``before_forward(chunk, mb)`` / ``after_forward(chunk, mb)``: called by the driver around every
   forward step of one model chunk, the hook points RL trainers use (verl sets per-micro-batch
   targets and flips REPLAY_FORWARD/REPLAY_BACKWARD there);
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import io
@@ -43,6 +48,50 @@ from moeverify.spec import plugins
 from moeverify.spec.checks import REPLAY_IMPLS
 
 IMPLS = REPLAY_IMPLS  # declared in moeverify.spec.checks
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PassGeometry:
+    """The tokens of one pass, as every router of this rank sees them (``ReplayImpl.begin_pass``).
+
+    A router call of one micro-batch routes ``tokens = len(positions) * batch`` tokens in Megatron's router order
+    (hidden states ``[s, b, h]`` flattened): token ``i`` is sequence ``i % batch`` of this rank's micro-batch at
+    position ``positions[i // batch]`` of that sequence. ``positions`` is every position ``0 .. seq_len - 1``
+    without context or sequence parallelism; under CP a rank holds two zigzag chunks, under SP its TP slice of them
+    (``moeverify.routing.views.sequence_positions``). Sequences are this data-parallel rank's own."""
+
+    seq_len: int  # S: tokens per sequence
+    batch: int  # B: sequences per micro-batch on this rank
+    microbatches: int  # M: micro-batches in the pass (router calls per MoE layer, recomputes aside)
+    positions: tuple[int, ...]  # positions within a sequence this rank's routers see, in router order
+    forward_only: bool  # a forward-only pass without grad (the log-prob pass), else forward and backward
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        if min(self.seq_len, self.batch, self.microbatches, len(self.positions)) < 1:
+            raise UsageError(
+                f"pass geometry: seq_len {self.seq_len}, batch {self.batch}, microbatches {self.microbatches} and "
+                f"{len(self.positions)} position(s): each must be at least 1"
+            )
+        if not all(0 <= p < self.seq_len for p in self.positions):
+            raise UsageError(f"pass geometry: positions {list(self.positions)} outside 0 .. {self.seq_len - 1}")
+
+    @property
+    def tokens(self) -> int:
+        """``T``: tokens of one router call."""
+        return len(self.positions) * self.batch
+
+    def by_sequence(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """One router call's ``[T, K]`` routes as ``[B, S_local, K]``: row ``b`` is sequence ``b`` at
+        ``positions``."""
+        if ids_TK.dim() != 2 or ids_TK.shape[0] != self.tokens:
+            raise UsageError(
+                f"pass geometry: routes of shape {tuple(ids_TK.shape)}, expected [T={self.tokens}, K] "
+                f"({len(self.positions)} position(s) x batch {self.batch})"
+            )
+        return ids_TK.view(len(self.positions), self.batch, -1).transpose(0, 1)
 
 
 class ReplayImpl(abc.ABC):
@@ -85,6 +134,10 @@ class ReplayImpl(abc.ABC):
     @abc.abstractmethod
     def routes(self) -> Routes:
         """Implemented by every adapter."""
+
+    def begin_pass(self, geometry: PassGeometry) -> None:  # noqa: B027 (an optional hook)
+        """Called at the start of every pass, inside ``record()`` / ``replay()``, with the tokens its routers see
+        (optional): routes arrive and are recorded in router order, ``geometry`` says which token each row is."""
 
     def before_forward(self, chunk: int, mb: int) -> None:  # noqa: B027 (an optional hook)
         """Called before each forward of a model chunk and micro-batch (optional)."""

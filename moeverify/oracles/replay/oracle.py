@@ -14,7 +14,10 @@ backward, replay) second. Per router variant (``variants``):
   the reference is native grad-mode routing in the no-grad slot order (``slot_order``).
 - weights: same weights: the replayed training pass routes every (layer, mb) with bitwise the routing
   map and router probs of the recorded (log-prob) pass itself: the right ids with other weights, or in
-  another slot order (an ulp at top-k >= 3), fail here.
+  another slot order (an ulp at top-k >= 3), fail here. Router weights perturbed (drift's pass): every replayed
+  expert's combine weight is the router's scoring function of its moved logits at the replayed ids
+  (``moved_weights``: within a few fp32 ulps, any slot order), so weights read from the router's own post-top-k
+  probabilities (a replayed expert it no longer picks weighs 0) fail here, named by layer, token count and example.
 - drift: router weights perturbed: native routing must change (else the check proves nothing) and
   the replayed pass follows the recorded routes for 100% of tokens; per-layer agreement of native vs
   replayed routes is reported (``notes``).

@@ -144,7 +144,7 @@ def check_drift_moved(
     t.check(
         total > 0 and same < total,
         f"{prefix}perturbing the router weights changed no native route ({same} of {total} tokens kept their "
-        "experts): the drift check would prove nothing",
+        "experts): a check on the moved router would prove nothing",
     )
 
 

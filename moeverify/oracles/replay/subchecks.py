@@ -14,11 +14,12 @@ import torch
 
 from moeverify import runtime
 from moeverify.oracles.replay import drive as rd
-from moeverify.oracles.replay import mtp_views, slot_order, toggles, token_counts
+from moeverify.oracles.replay import moved_weights, mtp_views, slot_order, toggles, token_counts
 from moeverify.oracles.replay import pass_checks as rc
 from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay.impls import NativeReplay, ReplayImpl, pristine
 from moeverify.oracles.results import Tally
+from moeverify.patches.semantics import RoutingMode
 from moeverify.routing import views
 from moeverify.routing.routes import Routes
 from moeverify.spec.checks import REPLAY_WHOLE_MODEL
@@ -95,7 +96,7 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
             replayed,
             chunks,
         )
-    dependent = {name: tallies[name] for name in ("drift", "recompute") if name in want}
+    dependent = {name: tallies[name] for name in ("drift", "recompute", "weights") if name in want}
     if dependent:
         drifted = st.guarded(setup, dependent, _drift, setup, tallies, chunks, routes, notes)
         if "recompute" in want and drifted is not None:
@@ -283,6 +284,7 @@ def _one_forward(chunks: list, item, *, impl: ReplayImpl, routes) -> tuple[set, 
     probe = rd.RouterProbe(chunks)
     try:
         with torch.no_grad(), impl.replay(routes), probe:
+            impl.begin_pass(rd.geometry(chunks, [item], seq_len=item.tokens_BS.shape[1], forward_only=True))
             rd.forward_one(chunks[0], 0, item, impl=impl, probe=probe)
     except Exception as exc:  # noqa: BLE001 - any refusal counts; what matters is whether the layer routed
         return set(probe.forward), f"{type(exc).__name__}: {str(exc)[:160]}"
@@ -290,16 +292,23 @@ def _one_forward(chunks: list, item, *, impl: ReplayImpl, routes) -> tuple[set, 
 
 
 def _drift(setup: st.Setup, tallies: dict[str, Tally], chunks: list, routes, notes: dict):
-    """Perturb the router weights of ``chunks`` and replay on them (drift); returns that pass, the reference of the
-    recompute subcheck (run on fresh perturbed builds)."""
+    """Perturb the router weights of ``chunks`` and replay on them: drift, and the weights the moved router gives
+    the replayed experts (``moved_weights``); returns that pass, the reference of the recompute subcheck."""
     p, seq, impl = setup.prefix, setup.batches.seq_len, setup.impl
     st.perturb_routers(chunks, seed=setup.ctx.scenario.seed)
     # where native routing now sends each token (expert sets only): a forward, no backward to fingerprint
     native = rd.run_pass(chunks, setup.items, seq_len=seq, forward_only=True)
-    drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes)
+    weights = "weights" in tallies
+    drifted = rd.replay_pass(chunks, setup.items, seq_len=seq, impl=impl, routes=routes, router_logits=weights)
+    counts = rc.drift_agreement(routes, native)
+    if weights:  # the routes must have moved off native somewhere, else every weight is native top-k's anyway
+        t = tallies["weights"]
+        rc.check_drift_moved(t, counts, prefix=p + "router moved: ", stage_layers=setup.stage_moe_layers())
+        modes = {layer: RoutingMode.from_router(router) for layer, (_, router) in st.find_routers(chunks).items()}
+        moved_weights.check(t, routes, drifted, modes=modes, prefix=p + "router moved: ")
+        drifted.router_logits = {}
     if "drift" in tallies:
         t = tallies["drift"]
-        counts = rc.drift_agreement(routes, native)
         rc.check_drift_moved(t, counts, prefix=p, stage_layers=setup.stage_moe_layers())
         rc.check_follows(t, routes, drifted, prefix=p, what="recorded", stage_layers=setup.stage_moe_layers())
         notes.setdefault("drift_agreement", {}).update({str(k): v for k, v in counts.items()})
