@@ -12,6 +12,9 @@ forward pre-hook on Megatron's ``GPTModel`` (grad mode as the chunk's ``forward`
   forward's routes (checkpoint regions, as everywhere in the patch).
 
 ``with injob.pass_kind("log_prob" | "training"):`` overrides the grad-mode rule for the forwards inside.
+``with injob.padding_from_attention_mask(marks="tokens" | "padding"):`` takes a BSHD forward's padding from its
+``attention_mask`` ``[B, S]`` where it gets no ``padding_mask`` (frameworks differ on what True means there, so it is
+never guessed: a forward with an attention mask and no padding mask is refused naming the ways out).
 
 The first log-prob forward after a training forward starts a new table (the previous step's routes are
 dropped); the table serves every PPO mini-batch and epoch of the step. A training token that its step's
@@ -54,7 +57,9 @@ KINDS = ("log_prob", "training")
 add_routes = batch_routes.add_routes  # r3 with the routes handed over with the batch (batch_routes)
 drop_routes = batch_routes.drop_routes
 
+MASK_MARKS = ("tokens", "padding")  # what True (or 1) in a [B, S] attention mask marks
 _OVERRIDE: list[str] = []  # pass_kind() stack
+_MASK_RULE: list[str] = []  # padding_from_attention_mask() stack
 _VERSION: list[int] = []  # rollout_version() stack
 _CURRENT: list = []  # the model-chunk forward running now (chunk forwards do not nest)
 
@@ -69,6 +74,20 @@ def pass_kind(kind: str) -> Iterator[None]:
         yield
     finally:
         _OVERRIDE.pop()
+
+
+@contextlib.contextmanager
+def padding_from_attention_mask(*, marks: str) -> Iterator[None]:
+    """Take the padding of the bound model's BSHD forwards inside from their ``attention_mask`` argument when they
+    get no ``padding_mask``: a ``[B, S]`` mask of ``input_ids``' shape whose True (or 1) ``marks`` ``"tokens"``
+    (verl's BSHD engine path: ``preprocess_bshd_engine``) or ``"padding"`` (Megatron's ``padding_mask`` reading)."""
+    if marks not in MASK_MARKS:
+        raise UsageError(f"padding_from_attention_mask(marks={marks!r}): expected one of {MASK_MARKS}")
+    _MASK_RULE.append(marks)
+    try:
+        yield
+    finally:
+        _MASK_RULE.pop()
 
 
 @contextlib.contextmanager
@@ -123,6 +142,8 @@ class ChunkForward:
         self.input_ids = args[0] if args else kwargs.get("input_ids")
         self.packed = args[6] if len(args) > 6 else kwargs.get("packed_seq_params")
         self.padding_mask = kwargs.get("padding_mask")
+        self.attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+        self.mask_rule = _MASK_RULE[-1] if _MASK_RULE and self.padding_mask is None and self.packed is None else None
         self.recorded_as: int | None = None  # forward index in the table (log-prob pass)
         self.found: Lookup | None = None  # the table lookup (training pass)
         self.table: RouteTable | None = None  # the table looked up
@@ -164,6 +185,8 @@ class ChunkForward:
                 "GPTModel forward, as verl does (a stage past the first ignores them for compute)"
             )
         thd = self.packed is not None and getattr(self.packed, "qkv_format", "thd") == "thd"
+        if self.mask_rule is not None:
+            self.padding_mask = self._padding_of_mask(ids, layer=layer, rank=rank)
         if parallel_state.get_context_parallel_world_size() > 1:
             return self._cp_keys(ids, thd=thd, layer=layer, rank=rank)
         if thd:
@@ -173,6 +196,34 @@ class ChunkForward:
                 cu_seqlens_padded=getattr(self.packed, "cu_seqlens_q_padded", None),
             )
         return tk.row_keys(ids, padding_mask_BS=self.padding_mask)
+
+    def _padding_of_mask(self, ids: torch.Tensor, *, layer: int, rank: int) -> torch.Tensor:
+        """Megatron's ``padding_mask`` ``[B, S]`` (True = padding) from the attention mask, as the rule reads it."""
+        mask = self.attention_mask
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise RouteError(
+                f"layer {layer} rank {rank}: padding_from_attention_mask(marks={self.mask_rule!r}): the forward's "
+                f"attention_mask is {got}, not [B, S] = {tuple(ids.shape)} like its input_ids; pass padding_mask= "
+                "to the GPTModel instead"
+            )
+        return ~mask.bool() if self.mask_rule == "tokens" else mask.bool()
+
+    def padding_hint(self) -> str:
+        """How a BSHD forward that left its padding untold could tell it (appended to a missing-route refusal)."""
+        mask = self.attention_mask
+        if self.padding_mask is not None or self.packed is not None or not isinstance(mask, torch.Tensor):
+            return ""
+        if mask.dim() != 2:
+            return ""
+        return (
+            f"; this BSHD forward got attention_mask {tuple(mask.shape)} and no padding_mask, and in-job replay never "
+            "reads padding from an attention mask on its own (True means a token in some frameworks, padding in "
+            "others): pass padding_mask= (True = padding) to the GPTModel, remove the padding (THD, packed "
+            "sequences: verl's use_remove_padding=True), or name the mask's reading with "
+            "`with injob.padding_from_attention_mask(marks='tokens'):` around the forward (moeverify.integrations.verl "
+            "does this on verl's BSHD path)"
+        )
 
     def _cp_keys(self, ids: torch.Tensor, *, thd: bool, layer: int, rank: int) -> tk.TokenKeys:
         """Context parallel: put the CP ranks' input ids back together, key the full sequences, take this rank's
@@ -414,7 +465,7 @@ class InJobState:
     def _replay_from(self, table: RouteTable, fwd: ChunkForward, keys, router, layer: int, rank: int) -> _ReplayIds:
         if fwd.found is None:
             fwd.table, fwd.found = table, table.lookup(keys, version=fwd.version)
-            fwd.check = lambda: table.check(fwd.found, layer=layer, rank=rank)
+            fwd.check = lambda: _checked(table, fwd, layer=layer, rank=rank)
         ids_TK = fwd.table.ids(layer, fwd.found)
         region = regions.forward_region()
         if region is not None:
@@ -452,6 +503,19 @@ class RolloutState(InJobState):
         self.phase = fwd.kind
         hook = self._replay_from(fwd.table, fwd, keys, router, layer, rank)
         return replay_state._call_with_hook(self.original, router, hook, logits, args, kwargs)
+
+
+def _checked(table: RouteTable, fwd: ChunkForward, *, layer: int, rank: int) -> None:
+    """``table.check`` of a forward's lookup; a refusal names how an untold BSHD padding could be told."""
+    try:
+        table.check(fwd.found, layer=layer, rank=rank)
+    except RouteError as exc:
+        found = fwd.found
+        first = int(found.bad_T.nonzero()[0]) if found is not None and bool(found.bad_T.any()) else None
+        hint = fwd.padding_hint() if first is not None and not bool(found.found_T[first]) else ""
+        if not hint:  # a route of another kind (conflicting, another version): padding is not the question
+            raise
+        raise RouteError(f"{exc}{hint}") from None
 
 
 def _layers_of(chunk) -> list[int]:
