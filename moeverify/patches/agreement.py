@@ -85,8 +85,10 @@ def numbering_faults(pairs_EE: torch.Tensor, *, topk: int) -> list[tuple[int, in
     agreement can stay high where only some experts moved. ``e`` is named when it holds at least
     ``NUMBERING_MIN_TOKENS`` tokens and some ``f != e`` takes at least ``NUMBERING_SHARE`` of them, more than ``e``
     itself does and more than ``f``'s share of every token (half-way from it to 1: an expert the trainer picks
-    for most tokens anyway is no evidence), each by ``Z`` standard deviations. Ids with no relation to the
-    trainer's routing (another model's, random) spread a row as the trainer's shares go: the chance floor's case."""
+    for most tokens anyway is no evidence), each by ``Z`` standard deviations, while engine id ``f`` routes like
+    trainer ``f`` in at most half that share (drift where trainer ``f`` took over ``e``'s tokens keeps ``f``'s own:
+    not a numbering). Ids with no relation to the trainer's routing (another model's, random) spread a row as the
+    trainer's shares go: the chance floor's case."""
     return numbering_faults_of(pairs_EE[None], topk=topk)[0]
 
 
@@ -101,8 +103,12 @@ def numbering_faults_of(pairs_PEE: torch.Tensor, *, topk: int) -> list[list[tupl
     best_PE, like_PE = pairs_PEE.masked_fill(eye_EE, -1).max(dim=2)
     n, best, own = tokens_PE.double(), best_PE.double(), self_PE.double()
     p = base_PE.gather(1, like_PE)
+    # engine id f itself: in another numbering it means some other expert, so it rarely routes like trainer f; in
+    # drift where trainer f took over e's tokens, f keeps its own as well
+    f_self = (own / n.clamp(min=1)).gather(1, like_PE)
     flagged_PE = (
         (tokens_PE >= NUMBERING_MIN_TOKENS)
+        & (2 * f_self * n <= best)
         & (best >= NUMBERING_SHARE * n)
         & (best >= n * (1.0 + p) / 2)
         & (best - own >= Z * (best + own).clamp(min=1).sqrt())

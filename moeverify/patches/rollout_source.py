@@ -133,7 +133,8 @@ class Step:
             starts.extend((starts[-1] + np.cumsum(part["lengths"])).tolist())
             ids.append(i)
             native.append(n)
-        return torch.cat(tokens), torch.tensor(starts), torch.cat(ids), torch.cat(native)
+        one = len(ids) == 1  # a single part: no copy
+        return torch.cat(tokens), torch.tensor(starts), ids[0] if one else torch.cat(ids), torch.cat(native)
 
     def _map(self, expert_map, *, layers, cols, width, num_layers, num_experts, model_layers):
         stored = self.expert_map
@@ -159,15 +160,23 @@ class Step:
 
     @staticmethod
     def _request_rows(part: dict, *, pick, layers, num_experts, emap):
-        """One part's ``(ids [N, L, K], native [N])``: each token's row; the missing last rows native."""
+        """One part's ``(ids [N, L, K], native [N])``: each token's row, each row's ids ascending (an expert set);
+        the missing last rows native. Checked in the part's own narrow dtype, one sort for all rows: capture gaps,
+        rows cut short, ids out of range, an expert twice (in that order)."""
         lengths, rows = part["lengths"], part["rows"]
-        routes_RLK = torch.from_numpy(part["routes"][:, pick].astype(np.int64))
+        held = part["routes"]
+        whole = list(pick) == list(range(held.shape[1]))
+        routes_RLK = torch.from_numpy(held if whole else np.ascontiguousarray(held[:, pick]))
+        if routes_RLK.dtype not in (torch.int16, torch.int32, torch.int64):
+            routes_RLK = routes_RLK.to(torch.int64)
         n = int(lengths.sum())
         request_N = torch.repeat_interleave(torch.arange(lengths.size), torch.from_numpy(lengths))
         start_N = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]))[request_N]
         pos_N = torch.arange(n) - start_N
         has_row_N = pos_N < torch.from_numpy(rows)[request_N]
-        gaps_RL = ra.gap_rows(routes_RLK)
+        low_RL, high_RL = routes_RLK.amin(dim=-1), routes_RLK.amax(dim=-1)
+        k = routes_RLK.shape[2]
+        gaps_RL = (high_RL == -1) | ((low_RL == 0) & (high_RL == 0) if k > 1 else False)
         where = part["path"]
         if bool(gaps_RL.any()):
             row, col = (int(i) for i in gaps_RL.nonzero()[0])
@@ -178,7 +187,7 @@ class Step:
                 "did not record this route (a real token): fix the capture, or leave the token out of the "
                 "request's tokens (RolloutWriter's token_ids, add_routes' sequences= or input_ids=)"
             )
-        partial_RL = (routes_RLK == -1).any(dim=-1)
+        partial_RL = low_RL == -1
         if bool(partial_RL.any()):  # not a gap (every slot -1), not an id out of range: a row cut short
             row, col = (int(i) for i in partial_RL.nonzero()[0])
             r, s = _request_of(row, rows)
@@ -191,9 +200,14 @@ class Step:
             )
         if emap is not None:
             routes_RLK = ra._to_logical(
-                routes_RLK, emap=emap, skip_TL=torch.zeros_like(gaps_RL), layers=layers, where=str(where)
+                routes_RLK.to(torch.int64),
+                emap=emap,
+                skip_TL=torch.zeros_like(gaps_RL),
+                layers=layers,
+                where=str(where),
             )
-        high_RL = (routes_RLK >= num_experts).any(dim=-1) | (routes_RLK < 0).any(dim=-1)
+        sorted_RLK = routes_RLK.sort(dim=-1).values  # an expert set, ascending (RouteTable keeps them so)
+        high_RL = (sorted_RLK[..., -1] >= num_experts) | (sorted_RLK[..., 0] < 0)
         if bool(high_RL.any()):
             row, col = (int(i) for i in high_RL.nonzero()[0])
             r, s = _request_of(row, rows)
@@ -203,7 +217,6 @@ class Step:
                 f"row(s)); an engine that records physical expert slots (EPLB with redundant experts) "
                 f"needs its map: RolloutWriter(expert_map=), add_routes(expert_map=) or {EXPERT_MAP_ENV}=PATH"
             )
-        sorted_RLK = routes_RLK.sort(dim=-1).values
         twice_RL = (sorted_RLK[..., 1:] == sorted_RLK[..., :-1]).any(dim=-1)
         if bool(twice_RL.any()):
             row, col = (int(i) for i in twice_RL.nonzero()[0])
@@ -214,9 +227,10 @@ class Step:
                 "experts: a corrupt capture, or an expert map sending two physical slots of one token to one "
                 "expert (give the map of the step that routed these tokens)"
             )
-        k = routes_RLK.shape[2]
-        ids_NLK = torch.arange(k).expand(n, len(layers), k).clone()  # native rows: any valid distinct ids
-        ids_NLK[has_row_N] = routes_RLK
+        if bool(has_row_N.all()):
+            return sorted_RLK, ~has_row_N
+        ids_NLK = torch.arange(k, dtype=sorted_RLK.dtype).expand(n, len(layers), k).clone()  # native: distinct ids
+        ids_NLK[has_row_N] = sorted_RLK
         return ids_NLK, ~has_row_N
 
 
@@ -334,7 +348,7 @@ class TableSource(abc.ABC):
             keys = tk.packed_keys(tokens_N.to(device), cu_seqlens=starts.to(device))
             forward = table.add_forward(keys, rank=rank, native_T=native_N.to(device), version=step.step)
             for i, layer in enumerate(layers):
-                table.add_ids(layer=layer, forward=forward, ids_TK=ids_NLK[:, i].to(device), rank=rank)
+                table.add_ids(layer=layer, forward=forward, ids_TK=ids_NLK[:, i].to(device), rank=rank, canonical=True)
         table.freeze(rank=rank)
         self._tables[chunk] = table
         self.builds += 1

@@ -103,6 +103,7 @@ class RouteTable:
         self.native_G: torch.Tensor | None = None
         self.any_native = False
         self._ids: dict[int, list[torch.Tensor]] = {}
+        self._unsorted = False  # some ids added with rows not yet ascending (``add_ids``)
         self.keys_2G: torch.Tensor | None = None  # sorted by the first half
         self.conflict_G: torch.Tensor | None = None
         self.ids_GLK: torch.Tensor | None = None  # frozen: every layer's ids, one gather serves a forward
@@ -139,7 +140,8 @@ class RouteTable:
         self._native.append(native_T)
         return len(self._keys) - 1
 
-    def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int) -> None:
+    def add_ids(self, *, layer: int, forward: int, ids_TK: torch.Tensor, rank: int, canonical: bool = False) -> None:
+        """One layer's ids of a registered forward; ``canonical``: each row already ascending (no sort at freeze)."""
         held = self._ids.setdefault(layer, [])
         if len(held) != forward:
             raise RouteError(
@@ -147,6 +149,8 @@ class RouteTable:
                 f"{len(held)} forward(s); each forward must route every layer once"
             )
         held.append(ids_TK.to(self.dtype))
+        if not canonical:
+            self._unsorted = True
 
     def freeze(self, *, rank: int, group=None) -> None:
         """Sort and deduplicate the recorded keys; mark keys recorded with different expert sets.
@@ -189,19 +193,22 @@ class RouteTable:
         group_N = torch.cumsum(first_N, dim=0) - 1
         heads_G = first_N.nonzero().squeeze(1)
         conflict_G = torch.zeros(heads_G.shape[0], dtype=torch.int32, device=key1_N.device)
-        ids_GK = []
-        for layer in sorted(self._ids):
-            ids_NK = torch.cat(self._ids[layer])[order_N]
-            canon_NK = ids_NK.sort(dim=1).values  # a route is an expert set: slot order does not count
-            differs_N = (canon_NK != canon_NK[heads_G][group_N]).any(dim=1) & ~native_N
-            conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
-            self.layer_index[layer] = len(ids_GK)
-            ids_GK.append(canon_NK[heads_G])  # kept ascending: replay orders a set's slots itself
-        self.ids_GLK = (
-            torch.stack(ids_GK, dim=1)
-            if ids_GK
-            else torch.zeros(heads_G.shape[0], 0, 0, dtype=self.dtype, device=key1_N.device)
-        )
+        layers = sorted(self._ids)
+        self.layer_index = {layer: i for i, layer in enumerate(layers)}
+        if layers:  # every layer at once: one gather, one sort (where the rows are not ascending yet), one compare
+            ids_NLK = torch.stack(
+                [self._ids[layer][0] if forwards == 1 else torch.cat(self._ids[layer]) for layer in layers], dim=1
+            )[order_N]
+            if self._unsorted:
+                ids_NLK = ids_NLK.sort(dim=2).values  # a route is an expert set: slot order does not count
+            if not bool(same.any()):  # every key once: nothing to compare
+                self.ids_GLK = ids_NLK
+            else:
+                differs_N = (ids_NLK != ids_NLK[heads_G][group_N]).flatten(1).any(dim=1) & ~native_N
+                conflict_G.index_add_(0, group_N, differs_N.to(torch.int32))
+                self.ids_GLK = ids_NLK[heads_G]  # kept ascending: replay orders a set's slots itself
+        else:
+            self.ids_GLK = torch.zeros(heads_G.shape[0], 0, 0, dtype=self.dtype, device=key1_N.device)
         self.keys_2G = torch.stack([key1_N[heads_G], key2_N[heads_G]])
         self.conflict_G = conflict_G > 0
         self.native_G = native_N[heads_G]
@@ -218,9 +225,12 @@ class RouteTable:
         self._forward_version.clear()
         self._native.clear()
         self._ids.clear()
+        self._unsorted = False
 
     def _across_versions(self, version_G: torch.Tensor) -> torch.Tensor:
         """``[G]``: the same token (unsalted key) holds another expert set in another version (a real route in each)."""
+        if len(self.versions) == 1:  # no other version to differ from
+            return torch.zeros_like(version_G, dtype=torch.bool)
         salt_2G = version_salt(self.versions, device=version_G.device)[:, version_G]
         plain1_G, plain2_G = self.keys_2G - salt_2G
         order_G = torch.argsort(plain2_G, stable=True)
@@ -232,9 +242,9 @@ class RouteTable:
         heads = first.nonzero().squeeze(1)
         real = ~self.native_G[order_G]
         differs = torch.zeros(heads.shape[0], dtype=torch.int32, device=version_G.device)
+        head_real = real[heads][group]
         for i in range(self.ids_GLK.shape[1]):
-            canon = self.ids_GLK[order_G, i].sort(dim=1).values
-            head_real = real[heads][group]
+            canon = self.ids_GLK[order_G, i]  # rows ascending since freeze
             differs.index_add_(0, group, ((canon != canon[heads][group]).any(dim=1) & real & head_real).to(torch.int32))
         out = torch.zeros_like(plain1_G, dtype=torch.bool)
         out[order_G] = (differs > 0)[group]

@@ -60,6 +60,19 @@ def test_a_healthy_engine_drifted_or_not_is_never_named(sigma, skew):
         assert agreement_of(engine, trainer) < 0.75
 
 
+def test_drift_where_one_trainer_expert_takes_over_anothers_tokens_is_not_a_numbering():
+    # the trainer moved: expert 2 now wins every token expert 3 won, and keeps its own (expert 3 is dead)
+    for seed in range(10):
+        s = scores(200, 40 + seed)
+        moved = s.clone()
+        moved[:, 2] = torch.maximum(s[:, 2], s[:, 3]) + 0.01
+        moved[:, 3] = -10.0
+        engine, trainer = topk(s), topk(moved)
+        table = pairs(engine, trainer)
+        assert table[3, 2] >= 0.9 * table[3].sum() // K and table[3, 3] == 0  # engine id 3 "routes like" trainer 2
+        assert agreement.numbering_faults(table, topk=K) == [], seed
+
+
 @pytest.mark.parametrize("skew", [0.0, 1.0, 2.0])
 def test_ids_with_no_relation_are_left_to_the_chance_floor(skew):
     # another model's routes, popular experts included (skew: the trainer sends most tokens to experts 0 and 1):

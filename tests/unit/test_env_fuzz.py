@@ -122,6 +122,12 @@ def _injob(tmp: Path) -> None:
     injob.InJobState(original=None, num_experts=4)
 
 
+def _keep(tmp: Path) -> None:
+    from moeverify.patches import rollout_source
+
+    rollout_source.keep()
+
+
 def _agreement(tmp: Path) -> None:
     from moeverify.patches import agreement
 
@@ -149,6 +155,9 @@ READERS.update(
         "MOEVERIFY_AGREEMENT": _agreement,
         "MOEVERIFY_AGREEMENT_MIN": _agreement,
         "MOEVERIFY_AGREEMENT_FLOOR": _agreement,
+        "MOEVERIFY_AGREEMENT_NUMBERING": _agreement,
+        "MOEVERIFY_AGREEMENT_LOG": _agreement,
+        "MOEVERIFY_ROUTER_REPLAY_KEEP": _keep,
         "MOEVERIFY_VLLM_PYTHON": lambda _tmp: _engine_python(),
     }
 )
