@@ -145,7 +145,14 @@ def _receivers(records, sctx, *, family, layout, world_size, first=True):
     and the mutants that apply there alone (``APPLIES``)."""
     from moeverify.models import family_traits
     from moeverify.oracles.export import load_subject, mutants, run_export
-    from moeverify.oracles.export.receiver_mutants import APPLIES, CONTROLS, MUTANTS, NEEDS_SYNC, SUBJECT_MUTANTS
+    from moeverify.oracles.export.receiver_mutants import (
+        APPLIES,
+        CONTROLS,
+        MUTANTS,
+        NEEDS_SYNC,
+        SHOWN_AFTER_A_SYNC,
+        SUBJECT_MUTANTS,
+    )
 
     sharded = load_subject("sharded")
     traits = family_traits(family)
@@ -156,7 +163,11 @@ def _receivers(records, sctx, *, family, layout, world_size, first=True):
 
     # the weight update (refresh) only where a subcheck that needs a sync must pass or fail
     named = [(f"receiver:{n}", sharded, f, True) for n, f in CONTROLS.items() if first or n == "fused"]
-    named += [(f"receiver-mutant:{n}", sharded, f, s in NEEDS_SYNC) for n, (f, s) in MUTANTS.items() if applies(n)]
+    named += [
+        (f"receiver-mutant:{n}", sharded, f, s in NEEDS_SYNC or n in SHOWN_AFTER_A_SYNC)
+        for n, (f, s) in MUTANTS.items()
+        if applies(n)
+    ]
     named += [
         (f"subject-mutant:{n}", by_name[n], CONTROLS["fused"], s == "receiver_reload")
         for n, s in SUBJECT_MUTANTS.items()

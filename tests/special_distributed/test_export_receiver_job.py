@@ -61,6 +61,14 @@ def test_receiver_controls_pass_and_mutants_are_caught(tmp_path):
             assert r["subchecks"]["receiver"]["passed"], (name, r["subchecks"]["receiver"])
         if subcheck == "receiver_wake":  # the repeated load that puts the right bits back is not blamed for the cycle
             assert r["subchecks"]["receiver_repeat"]["passed"], (name, r["subchecks"]["receiver_repeat"])
+    # a cycle's failure names the HF tensor of the part it changed, as receiver does (not the engine's w2_weight alone)
+    woke = by["qwen3_moe", "receiver-mutant:wake_restores_one_element"]["subchecks"]["receiver_wake"]["failures"]
+    assert any(
+        f.startswith("after sleep/wake following the weight sync: ")
+        and ".mlp.experts.w2_weight[0] = " in f
+        and ".mlp.experts.0.down_proj.weight: 1 of " in f
+        for f in woke
+    ), woke
     ranks = by["qwen3_moe", "receiver-mutant:sync_rank0_only"]["subchecks"]
     assert ranks["receiver_reload"]["passed"], ranks["receiver_reload"]  # rank 0's engine worker got the sync
     shown = [f for f in ranks["receiver_ranks"]["failures"] if not f.startswith("... and ")]

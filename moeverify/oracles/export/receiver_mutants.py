@@ -249,7 +249,10 @@ APPLIES = {
 }
 # the receiver subchecks that need a weight sync (``refresh``) to run
 NEEDS_SYNC = ("receiver_reload", "receiver_wake", "receiver_ranks", "receiver_copies")
-__all__ += ["APPLIES", "NEEDS_SYNC"]
+# mutants of a subcheck that runs without a sync whose fault shows only in the cycle after one (state captured at
+# the first cycle and reused): they run with ``refresh`` too
+SHOWN_AFTER_A_SYNC = ("repeat_cache_taken_once",)
+__all__ += ["APPLIES", "NEEDS_SYNC", "SHOWN_AFTER_A_SYNC"]
 
 
 # -- minimal mutants of the subchecks above (``moeverify.spec.bug_classes``' ``minimal``): one element each
