@@ -148,7 +148,9 @@ def main(argv=None) -> dict:
             "unit": "s",
             "peer": "native_routing_step",
             "ratio": round(build_s / (best["native"] * tokens / t / 1000), 4),
-            "goal": "<=0.1",
+            # on CPU ranks, where a log-prob forward's routing alone is slow; a GPU routes a step in a blink but
+            # its log-prob forwards take far longer than routing, so no goal against routing alone there
+            **({"goal": "<=0.1"} if args.device == "cpu" else {}),
         },  # once a step, against the routing alone of the step's log-prob forwards (a lower bound of them)
         "native_routing_step": {"value": round(best["native"] * tokens / t / 1000, 3), "unit": "s"},
         "native_routing_forward": {"value": round(best["native"], 3), "unit": "ms"},
