@@ -19,13 +19,19 @@ it), the same agreement guard. A rank holds only what it was handed: memory per 
 routes of the newest ``rollout_source.keep()`` versions serve (``MOEVERIFY_ROUTER_REPLAY_KEEP``, default 2);
 ``drop_routes()`` forgets them. ``version=`` may give one version per request (a list as long as the requests): a
 batch mixing versions is held per version, and ``injob.rollout_version(per_row)`` names each sample's at the forward.
+
+Tokens the engine never routed (verl's zero rows after a multi-turn trajectory's last generation: a tool's output the
+engine never fed back) are declared with ``native=`` (per token, True = never routed): their rows are not read, they
+route natively, and the agreement guard counts them apart (``routed_natively``). Undeclared, such a row on a real
+token is a capture gap, refused.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from moeverify.errors import UsageError
+from moeverify.errors import RouteError, UsageError
 from moeverify.patches.rollout_source import Step, TableSource, checked_part, keep
 from moeverify.routing import rollout_writer as rw
 from moeverify.routing.engine_routes import EngineRoutes
@@ -78,7 +84,7 @@ class BatchSource(TableSource):
     def _serving(self) -> list[Step]:
         for version in sorted(self._parts, reverse=True):
             if version not in self._steps:
-                self._steps[version] = Step(
+                self._steps[version] = _DeclaredStep(
                     self._parts[version], where=f"the batch routes of version {version}", step=version
                 )
         return [self._steps[v] for v in sorted(self._parts, reverse=True)]
@@ -88,6 +94,25 @@ class BatchSource(TableSource):
             f"rank {rank}: in-job replay r3 (routes with the batch): no routes handed over yet; call "
             "injob.add_routes(version=..., ...) where the batch is built, before its first forward"
         )
+
+
+class _DeclaredStep(Step):
+    """A version's requests whose parts may declare tokens the engine never routed (``"native"``, per token): routed
+    natively like the engine's missing last rows (their rows hold placeholders, never replayed)."""
+
+    @staticmethod
+    def _request_rows(part: dict, *, pick, layers, num_experts, emap):
+        try:
+            ids_NLK, native_N = Step._request_rows(part, pick=pick, layers=layers, num_experts=num_experts, emap=emap)
+        except RouteError as exc:
+            if "capture gap" not in str(exc):
+                raise
+            raise RouteError(
+                f"{exc}; a token the engine never routed (a tool's output after the last generation) is declared "
+                "with add_routes(native=) and routes natively"
+            ) from None
+        declared = part.get("native")
+        return ids_NLK, native_N if declared is None else native_N | torch.from_numpy(declared.astype(bool))
 
 
 def attach(source: BatchSource) -> None:
@@ -127,11 +152,14 @@ def _gap_rows(routes_RWK: np.ndarray) -> np.ndarray:
     return np.asarray(gap_RW).all(axis=1)
 
 
-def _requests_of_padded(input_ids, attention_mask, routes) -> tuple[list, list]:
-    """A padded batch (either side) -> per request ``(tokens [S_i], routes [S_i or S_i - 1, W, K])``: the routes are
-    aligned with ``input_ids`` position for position; an unfilled row at a request's last real token is the
-    engine's missing last row."""
+def _requests_of_padded(input_ids, attention_mask, routes, native=None) -> tuple[list, list, list]:
+    """A padded batch (either side) -> per request ``(tokens [S_i], routes [S_i or S_i - 1, W, K], native [S_i] or
+    None)``: the routes (and ``native``) are aligned with ``input_ids`` position for position; an unfilled row at a
+    request's last real token is the engine's missing last row."""
     ids_BS = _array(input_ids, "input_ids", dims=2)
+    native_BS = None if native is None else _array(native, "add_routes native=", dims=2).astype(bool)
+    if native_BS is not None and native_BS.shape != ids_BS.shape:
+        raise UsageError(f"add_routes: native= {native_BS.shape} must be [B, S] like input_ids {ids_BS.shape}")
     mask_BS = _array(attention_mask, "attention_mask", dims=2).astype(bool)
     routes_BSWK = _array(routes, "routes", dims=4)
     if mask_BS.shape != ids_BS.shape or routes_BSWK.shape[:2] != ids_BS.shape:
@@ -139,7 +167,7 @@ def _requests_of_padded(input_ids, attention_mask, routes) -> tuple[list, list]:
             f"add_routes: input_ids {ids_BS.shape}, attention_mask {mask_BS.shape} and routes "
             f"{routes_BSWK.shape[:2]} (+ [W, K]) must agree on [B, S]"
         )
-    sequences, per_request = [], []
+    sequences, per_request, declared = [], [], []
     for b in range(ids_BS.shape[0]):
         real = np.flatnonzero(mask_BS[b])
         if not real.size:
@@ -155,11 +183,13 @@ def _requests_of_padded(input_ids, attention_mask, routes) -> tuple[list, list]:
             rows = rows[:-1]  # the engine's missing last row: that token was sampled, never fed back
         sequences.append(ids_BS[b, real])
         per_request.append(rows)
-    return sequences, per_request
+        declared.append(None if native_BS is None else native_BS[b, real])
+    return sequences, per_request, declared
 
 
 def _request(tokens, routes, where: str) -> tuple[np.ndarray, np.ndarray, str | None, bool]:
-    """One request's ``(tokens [S], routes [R, W, K], numbering or None, physical)``."""
+    """One request's ``(tokens [S], routes [R, W, K], numbering or None, physical)``; rows as given (``_declare``
+    fills the rows of tokens declared native)."""
     tokens_S = _array(tokens, f"{where}: sequence", dims=1)
     numbering, physical = None, False
     if isinstance(routes, EngineRoutes):
@@ -182,6 +212,41 @@ def _request(tokens, routes, where: str) -> tuple[np.ndarray, np.ndarray, str | 
     return tokens_S.astype(np.int64), routes_RWK, numbering, physical
 
 
+def _declared(native, tokens: int, where: str) -> np.ndarray | None:
+    """``native=`` of one request: ``[S]`` bool (True = a token the engine never routed), or None."""
+    if native is None:
+        return None
+    native_S = _array(native, f"{where}: native=", dims=1)
+    if native_S.shape[0] != tokens:
+        raise UsageError(f"{where}: native= holds {native_S.shape[0]} entries for {tokens} tokens; one per token")
+    return native_S.astype(bool)
+
+
+def _placeholder_WK(width: int, k: int, expert_map) -> np.ndarray:
+    """The row held for a token declared native (never replayed): distinct valid ids in every column, ``0..K-1``, or
+    under an expert map the first ``K`` slots holding distinct experts."""
+    if expert_map is None:
+        return np.tile(np.arange(k), (width, 1))
+    rows = []
+    for w in range(width):
+        slots_P = expert_map[min(w, expert_map.shape[0] - 1)]
+        _, first = np.unique(slots_P, return_index=True)
+        rows.append(np.sort(first)[:k])
+    return np.stack(rows)
+
+
+def _declare(routes_RWK: np.ndarray, native_S: np.ndarray | None, expert_map) -> np.ndarray:
+    """Rows of the tokens declared native replaced by placeholders (whatever the engine left there: zeros)."""
+    if native_S is None:
+        return routes_RWK
+    rows_R = native_S[: routes_RWK.shape[0]]
+    if not rows_R.any():
+        return routes_RWK
+    out = routes_RWK.copy()
+    out[rows_R] = _placeholder_WK(routes_RWK.shape[1], routes_RWK.shape[2], expert_map)
+    return out
+
+
 def add_routes(
     *,
     version,
@@ -191,6 +256,7 @@ def add_routes(
     attention_mask=None,
     numbering: str | None = None,
     expert_map=None,
+    native=None,
 ) -> int:
     """Hand this rank's share of a batch's rollout routes to in-job R3 (module docstring); returns the tokens held.
 
@@ -205,6 +271,8 @@ def add_routes(
         numbering: the layer axis, ``"routers"`` (MoE layers) or ``"decoder"`` (every decoder layer); None: taken
             from ``EngineRoutes``, else inferred and refused where both readings fit.
         expert_map: ``slot -> logical expert`` (``[P]`` or ``[W, P]``) where the engine recorded physical slots.
+        native: tokens the engine never routed (True), which route natively whatever their rows hold: per request
+            (with ``sequences``) a list of ``[S_i]`` (or None entries), or (with ``input_ids``) ``[B, S]``.
     """
     if (sequences is None) == (input_ids is None):
         raise UsageError(
@@ -217,15 +285,22 @@ def add_routes(
     if input_ids is not None:
         if attention_mask is None:
             raise UsageError("add_routes(input_ids=...): the attention_mask is needed to tell padding from tokens")
-        sequences, routes = _requests_of_padded(input_ids, attention_mask, routes)
+        sequences, routes, native = _requests_of_padded(input_ids, attention_mask, routes, native)
     sequences, routes = list(sequences), list(routes)
     if len(sequences) != len(routes) or not sequences:
         raise UsageError(f"add_routes: {len(sequences)} sequences and {len(routes)} routes; one per request, >= 1")
+    native = [None] * len(sequences) if native is None else list(native)
+    if len(native) != len(sequences):
+        raise UsageError(f"add_routes: native= holds {len(native)} entries for {len(sequences)} requests; one each")
     versions = _versions(version, len(sequences))
-    requests = [
-        _request(s, r, f"add_routes version {v} request {i}")
-        for i, (s, r, v) in enumerate(zip(sequences, routes, versions, strict=True))
-    ]
+    emap = None if expert_map is None else np.atleast_2d(_array(expert_map, "expert_map", dims=np.ndim(expert_map)))
+    requests, declared = [], []
+    for i, (s, r, v, n) in enumerate(zip(sequences, routes, versions, native, strict=True)):
+        where = f"add_routes version {v} request {i}"
+        tokens_S, routes_RWK, said, physical = _request(s, r, where)
+        native_S = _declared(n, tokens_S.size, where)
+        requests.append((tokens_S, _declare(routes_RWK, native_S, emap), said, physical))
+        declared.append(native_S)
     said = {n for _, _, n, _ in requests if n is not None} | ({numbering} if numbering else set())
     if len(said) > 1:
         raise UsageError(f"add_routes: the routes say layer numberings {sorted(said)}; one engine's")
@@ -238,9 +313,9 @@ def add_routes(
     if len(widths) != 1:
         raise UsageError(f"add_routes: routes of shapes [*, W, K] {sorted(widths)}; one engine's")
     code = rw.NUMBERINGS[said.pop() if said else None]
-    emap = None if expert_map is None else np.atleast_2d(_array(expert_map, "expert_map", dims=np.ndim(expert_map)))
     for v in sorted(set(versions)):
-        held = [req for req, rv in zip(requests, versions, strict=True) if rv == v]
+        at = [i for i, rv in enumerate(versions) if rv == v]
+        held = [requests[i] for i in at]
         arrays = {
             "tokens": np.concatenate([t for t, _, _, _ in held]),
             "lengths": np.array([t.size for t, _, _, _ in held], dtype=np.int64),
@@ -250,6 +325,10 @@ def add_routes(
         }
         if emap is not None:
             arrays["expert_map"] = emap
+        if any(declared[i] is not None for i in at):
+            arrays["native"] = np.concatenate(
+                [declared[i] if declared[i] is not None else np.zeros(requests[i][0].size, dtype=bool) for i in at]
+            )
         source.add(v, checked_part(arrays, f"the batch routes of version {v}"))
     return source.tokens
 

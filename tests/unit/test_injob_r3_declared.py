@@ -1,7 +1,10 @@
 """In-job R3 with the routes handed over with the batch (1 CPU rank): what the trainer declares about its tokens.
 
 - BSHD padding told by an attention mask rather than ``padding_mask`` (verl's BSHD engine path with more than one
-  sequence a micro-batch): read under ``injob.padding_from_attention_mask``, refused without it naming the ways out.
+  sequence a micro-batch): read under ``injob.padding_from_attention_mask``, refused without it naming the ways out;
+- tokens the engine never routed (a multi-turn trajectory ending in a tool's output: verl's zero rows after the last
+  generation) declared with ``add_routes(native=)``: trained, routed as the actor's own routing routes them
+  (``torch.topk`` of the router's logits decides), counted apart by the agreement guard; undeclared, a capture gap.
 
 The engine is a second model of other weights run one request at a time; a spy on the actor's routers reads what
 Megatron used, checked token by token against what the engine routed.
@@ -26,15 +29,18 @@ LAYERS = (0, 1, 2, 3)
 
 @pytest.fixture(scope="module")
 def world():
-    saved = os.environ.get(agreement.FLOOR_ENV)
-    os.environ[agreement.FLOOR_ENV] = agreement.OFF  # the engine has other weights: no better than random ids
+    # the engine has other weights: its ids are no better than random ids, and its experts are other experts
+    off = (agreement.FLOOR_ENV, agreement.NUMBERING_ENV)
+    saved = {name: os.environ.get(name) for name in off}
+    os.environ.update({name: agreement.OFF for name in off})
     try:
         yield from installed_world("r3")
     finally:
-        if saved is None:
-            os.environ.pop(agreement.FLOOR_ENV, None)
-        else:
-            os.environ[agreement.FLOOR_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         gc.collect()
 
 
@@ -103,4 +109,113 @@ def test_injob_bshd_padding_from_attention_mask_read_when_named_refused_with_the
     with pytest.raises(UsageError, match=r"marks='real'\): expected one of \('tokens', 'padding'\)"):
         with injob.padding_from_attention_mask(marks="real"):
             pass
+    injob.drop_routes()
+
+
+class Natives:
+    """Per forward routing call of the bound model (recomputes apart): ``(layer, ids used [T, K], the top-k of the
+    router's own logits [T, K])``, each row sorted."""
+
+    def __init__(self, chunk):
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.handles = [
+            m.register_forward_hook(self._hook) for m in chunk.modules() if type(m).__name__ == "TopKRouter"
+        ]
+
+    def _hook(self, router, inputs, outputs):
+        if torch._C._current_graph_task_id() == -1:
+            with torch.no_grad():
+                logits_TE = router.gating(inputs[0].reshape(-1, inputs[0].shape[-1]))
+            native_TK = torch.topk(logits_TE.float(), router.topk).indices.sort().values
+            used_TK = torch.topk(outputs[1].int(), router.topk).indices.sort().values
+            self.calls.append((router.layer_number - 1, used_TK, native_TK))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def trajectory(vocab, seed):
+    """prompt, generation, tool output, generation, tool output: the tokens, the engine's routes as verl aligns them
+    (rows of the last generation's request, the sampled last token's and the trailing tool output's rows zero), and
+    where the last generation ends."""
+    parts = random_sequences(vocab, [4, 3, 2, 3, 3], seed)
+    tokens = torch.cat(parts)
+    last = sum(len(p) for p in parts[:4]) - 1  # the last generated token: the engine never fed it back
+    return tokens, last
+
+
+def test_injob_r3_tool_output_declared_native_trains_routed_natively_and_counted_apart(world):
+    actor, engine, vocab = world
+    tokens, last = trajectory(vocab, SEED + 1)
+    routes = engine_routes(engine, [tokens])[0]
+    routed = torch.zeros_like(routes)
+    routed[:last] = routes[:last]  # verl: the engine's rows up to its last generation, zeros after
+    injob.drop_routes()
+    # undeclared, the tool output's zero rows are what a failed capture leaves: refused
+    injob.add_routes(version=0, sequences=[tokens], routes=[routed])
+    gap = rf"request 0 position {last} layer 0: capture gap .*declared with add_routes\(native=\)"
+    with pytest.raises(RouteError, match=gap):
+        with torch.no_grad():
+            actor(tokens[None], torch.arange(len(tokens))[None], None)
+    injob.drop_routes()
+    native = torch.zeros(len(tokens), dtype=torch.bool)
+    native[last:] = True
+    with pytest.raises(UsageError, match=r"request 0: native= holds 14 entries for 15 tokens; one per token"):
+        injob.add_routes(version=0, sequences=[tokens], routes=[routed], native=[native[1:]])
+    injob.add_routes(version=0, sequences=[tokens], routes=[routed], native=[native])
+    guard = agreement.ACTIVE
+    guard.end_step()
+    spy = Natives(actor)
+    try:
+        with torch.no_grad():
+            actor(tokens[None], torch.arange(len(tokens))[None], None)
+        out = actor(tokens[None], torch.arange(len(tokens))[None], None)
+        out.float().square().sum().backward()
+        guard.end_step()
+        rows = [r for r in guard.history if r["step"] == guard.step]
+    finally:
+        spy.close()
+        actor.zero_grad(set_to_none=True)
+    assert sorted(layer for layer, _, _ in spy.calls) == sorted(2 * LAYERS)  # both passes, every layer
+    for layer, used_TK, native_TK in spy.calls:
+        assert torch.equal(used_TK[:last], routes[:last, layer]), layer  # the engine's routes
+        assert torch.equal(used_TK[last:], native_TK[last:]), layer  # the tool output: the actor's own routing
+    declared = len(tokens) - last
+    assert {(r["pass"], r["routed_natively"], r["tokens"]) for r in rows} == {
+        ("log_prob", declared, last),
+        ("training", declared, last),
+    }
+    injob.drop_routes()
+
+
+def test_injob_r3_native_declared_on_a_padded_batch(world):
+    # the padded form: native= [B, S] aligned with input_ids (padding on either side), as verl's batch lays it out
+    actor, engine, vocab = world
+    tokens, last = trajectory(vocab, SEED + 2)
+    other = random_sequences(vocab, [6], SEED + 3)[0]
+    ra, rb = engine_routes(engine, [tokens, other])
+    width = len(tokens) + 1
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    routed = torch.zeros(2, width, len(LAYERS), ra.shape[-1], dtype=torch.int64)
+    native = torch.zeros(2, width, dtype=torch.bool)
+    ids[0, 1:], mask[0, 1:], routed[0, 1 : 1 + last], native[0, 1 + last :] = tokens, 1, ra[:last], True
+    ids[1, : len(other)], mask[1, : len(other)], routed[1, : len(other) - 1] = other, 1, rb[:-1]
+    injob.drop_routes()
+    with pytest.raises(UsageError, match=r"native= \(2, 15\) must be \[B, S\] like input_ids \(2, 16\)"):
+        injob.add_routes(version=0, input_ids=ids, attention_mask=mask, routes=routed, native=native[:, 1:])
+    injob.add_routes(version=0, input_ids=ids, attention_mask=mask, routes=routed, native=native)
+    spy = Spy(actor)
+    try:
+        with torch.no_grad():
+            actor(tokens[None], torch.arange(len(tokens))[None], None)
+            actor(other[None], torch.arange(len(other))[None], None)
+        calls = spy.take()
+    finally:
+        spy.close()
+    for layer, ids_TK in calls[: len(LAYERS)]:
+        assert all(torch.equal(ids_TK[s], ra[s, layer]) for s in range(last)), layer
+    for layer, ids_TK in calls[len(LAYERS) :]:
+        assert all(torch.equal(ids_TK[s], rb[s, layer]) for s in range(len(other) - 1)), layer
     injob.drop_routes()
