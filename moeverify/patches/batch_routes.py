@@ -101,9 +101,9 @@ class _DeclaredStep(Step):
     natively like the engine's missing last rows (their rows hold placeholders, never replayed)."""
 
     @staticmethod
-    def _request_rows(part: dict, *, pick, layers, num_experts, emap):
+    def request_rows(part: dict, *, pick, layers, num_experts, emap):
         try:
-            ids_NLK, native_N = Step._request_rows(part, pick=pick, layers=layers, num_experts=num_experts, emap=emap)
+            ids_NLK, native_N = Step.request_rows(part, pick=pick, layers=layers, num_experts=num_experts, emap=emap)
         except RouteError as exc:
             if "capture gap" not in str(exc):
                 raise

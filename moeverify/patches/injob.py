@@ -424,7 +424,7 @@ class InJobState:
             hook = self._record(fwd, keys, layer, rank)
         else:
             hook = self._replay(fwd, keys, router, layer, rank)
-        return replay_state._call_with_hook(self.original, router, hook, logits, args, kwargs)
+        return replay_state.call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def _record(self, fwd: ChunkForward, keys, layer: int, rank: int) -> _RecordIds:
         if self.phase != "log_prob":
@@ -469,12 +469,13 @@ class InJobState:
         ids_TK = fwd.table.ids(layer, fwd.found)
         region = regions.forward_region()
         if region is not None:
-            replay_state._bind(region, router, self, layer, _ReplayIds(ids_TK, fwd.found.native_T, fwd.kind))
-        replay_state._REPLAYED.add(router)
+            replay_state.bind_forward(region, router, self, layer, _ReplayIds(ids_TK, fwd.found.native_T, fwd.kind))
+        replay_state.mark_replayed(router)
         return _ReplayIds(ids_TK, fwd.found.native_T, fwd.kind)
 
-    def recompute(self, router, layer, mb, logits, args, kwargs):
-        return replay_state._call_with_hook(self.original, router, mb, logits, args, kwargs)
+    def recompute(self, router, layer, handle, logits, args, kwargs):
+        """``handle``: the forward's replay hook (``bind_forward`` in ``_replay_from``)."""
+        return replay_state.call_with_hook(self.original, router, handle, logits, args, kwargs)
 
 
 class RolloutState(InJobState):
@@ -502,7 +503,7 @@ class RolloutState(InJobState):
             self.table_bytes = fwd.table.nbytes()
         self.phase = fwd.kind
         hook = self._replay_from(fwd.table, fwd, keys, router, layer, rank)
-        return replay_state._call_with_hook(self.original, router, hook, logits, args, kwargs)
+        return replay_state.call_with_hook(self.original, router, hook, logits, args, kwargs)
 
 
 def _checked(table: RouteTable, fwd: ChunkForward, *, layer: int, rank: int) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -48,19 +49,36 @@ from moeverify.errors import RouteError, UsageError
 from moeverify.patches import agreement, regions, semantics, token_counts
 from moeverify.runtime import cpu as cpu_runtime
 
-# region -> {id(router): (state, layer, micro-batch)}; an entry lives exactly as long as its region's graph.
+# region -> {id(router): (state, layer, handle)}; an entry lives exactly as long as its region's graph.
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Routers that ran a replayed forward: a recompute of theirs with no known region cannot be served.
 _REPLAYED: weakref.WeakSet = weakref.WeakSet()
 
 
-def _bind(region, router, state, layer: int, mb: int | None) -> None:
+class RecomputeState(Protocol):
+    """What a forward is bound to (``bind_forward``): redoes that forward's routing when its recompute runs."""
+
+    def recompute(self, router, layer: int, handle: object, logits, args, kwargs):
+        """Route the recompute of the forward bound with ``handle`` (what the state asked to get back)."""
+
+
+def bind_forward(region, router, state: RecomputeState, layer: int, handle: object = None) -> None:
+    """Bind ``router``'s forward routing call in checkpoint ``region`` (None: not in one, nothing to bind) to
+    ``state``: its recompute inside backward is routed by ``state.recompute(router, layer, handle, ...)``.
+
+    ``handle`` is opaque here and handed back as given: a session's micro-batch index, in-job replay's replay hook
+    of that forward, None for a native forward."""
     if region is None:
         return
     table = _BINDINGS.get(region)
     if table is None:
         table = _BINDINGS[region] = {}
-    table[id(router)] = (state, layer, mb)
+    table[id(router)] = (state, layer, handle)
+
+
+def mark_replayed(router) -> None:
+    """``router`` ran a replayed forward: a later recompute of it that matches no bound forward is refused."""
+    _REPLAYED.add(router)
 
 
 def route_recompute(router, held, logits, args, kwargs, *, original):
@@ -76,14 +94,14 @@ def route_recompute(router, held, logits, args, kwargs, *, original):
         if binding is not None and binding not in matches:
             matches.append(binding)
     if len(matches) > 1:
-        where = ", ".join(f"layer {layer} mb {mb}" for _, layer, mb in matches)
+        where = ", ".join(f"layer {layer} mb {handle}" for _, layer, handle in matches)
         raise RouteError(
             f"rank {current_rank()}: a recompute matches {len(matches)} replayed forwards ({where}); "
             "nested checkpoints around one router are not supported by router replay"
         )
     if matches:
-        state, layer, mb = matches[0]
-        return state.recompute(router, layer, mb, logits, args, kwargs)
+        state, layer, handle = matches[0]
+        return state.recompute(router, layer, handle, logits, args, kwargs)
     replaying = held is not None and isinstance(held[0], Replaying)
     if replaying or router in _REPLAYED:
         layer = held[1] if held is not None else router.layer_number - 1
@@ -112,7 +130,7 @@ class _Native:
 def route_unheld(router, logits, args, kwargs, *, original):
     """A forward of a router no session holds: native; bound as such where a later recompute could be ambiguous."""
     if router in _REPLAYED:
-        _bind(regions.forward_region(), router, _Native(original), router.layer_number - 1, None)
+        bind_forward(regions.forward_region(), router, _Native(original), router.layer_number - 1, None)
     return original(router, logits, *args, **kwargs)
 
 
@@ -122,7 +140,7 @@ def current_rank() -> int:
     )
 
 
-def _call_with_hook(original, router, hook, logits, args, kwargs):
+def call_with_hook(original, router, hook, logits, args, kwargs):
     # router_replay is a plain attribute (never a parameter, buffer or module): write the instance
     # dict directly and skip nn.Module.__setattr__'s bookkeeping on the hot path.
     if agreement.ACTIVE is not None:
@@ -398,11 +416,11 @@ class Recording:
     def route(self, router, layer, logits, args, kwargs):
         guard_call(router, layer)
         # A recorded forward routed natively; its recompute (found by region) does so again.
-        _bind(regions.forward_region(), router, self, layer, None)
+        bind_forward(regions.forward_region(), router, self, layer, None)
         hook = self._hooks.get(layer)
         if hook is None:
             hook = self._hooks[layer] = _RecordHook(self.per_layer.setdefault(layer, []))
-        return _call_with_hook(self.original, router, hook, logits, args, kwargs)
+        return call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def recompute(self, router, layer, mb, logits, args, kwargs):
         return token_counts.route(self.original, router, logits, args, kwargs)
@@ -493,14 +511,14 @@ class Replaying:
         self.next_mb[layer] = mb + 1
         region = regions.forward_region()
         if region is not None:
-            _bind(region, router, self, layer, mb)
+            bind_forward(region, router, self, layer, mb)
             self.regions[layer][mb] = weakref.ref(region)
-        _REPLAYED.add(router)
+        mark_replayed(router)
         ids_TK = self._ids(router, layer, mb, logits)
         if self.fidelity is not None:
             self._count_agreement(router, layer, logits, ids_TK)
         hook = _ReplayHook(ids_TK, self.per_layer[layer][mb])
-        result = _call_with_hook(self.original, router, hook, logits, args, kwargs)
+        result = call_with_hook(self.original, router, hook, logits, args, kwargs)
         if region is not None and hook.plan is not None:  # its recompute repeats this call's ops (_RecomputeHook)
             self.ordered[(layer, mb)] = hook.plan
         return result
@@ -549,7 +567,7 @@ class Replaying:
         ids_TK = self._ids(router, layer, mb, logits)
         plan = self.ordered.pop((layer, mb), None)  # a second recompute of one forward orders its ids again
         hook = _ReplayHook(ids_TK, self.per_layer[layer][mb]) if plan is None else _RecomputeHook(plan)
-        return _call_with_hook(self.original, router, hook, logits, args, kwargs)
+        return call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def unused(self) -> list[str]:
         """One message per layer that left replayed micro-batches unused in a forward."""

@@ -128,7 +128,7 @@ class Step:
         )
         tokens, starts, ids, native = [], [0], [], []
         for part in self.parts:
-            i, n = self._request_rows(part, pick=pick, layers=layers, num_experts=num_experts, emap=emap)
+            i, n = self.request_rows(part, pick=pick, layers=layers, num_experts=num_experts, emap=emap)
             tokens.append(torch.from_numpy(part["tokens"].astype(np.int64)))
             starts.extend((starts[-1] + np.cumsum(part["lengths"])).tolist())
             ids.append(i)
@@ -159,7 +159,7 @@ class Step:
         return ra.load_map(per_layer, layers=layers, num_layers=num_layers, num_experts=num_experts)
 
     @staticmethod
-    def _request_rows(part: dict, *, pick, layers, num_experts, emap):
+    def request_rows(part: dict, *, pick, layers, num_experts, emap):
         """One part's ``(ids [N, L, K], native [N])``: each token's row, each row's ids ascending (an expert set);
         the missing last rows native. Checked in the part's own narrow dtype, one sort for all rows: capture gaps,
         rows cut short, ids out of range, an expert twice (in that order)."""
@@ -199,7 +199,7 @@ class Step:
                 "replay needs every one of the router's top-k experts of a real token"
             )
         if emap is not None:
-            routes_RLK = ra._to_logical(
+            routes_RLK = ra.to_logical(
                 routes_RLK.to(torch.int64),
                 emap=emap,
                 skip_TL=torch.zeros_like(gaps_RL),

@@ -133,9 +133,9 @@ def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
     own copies of its settings, ``RoutingMode.from_router``), then the config-wide settings."""
     config = router.config
     # the fields refuse_unreplayable reads, taken as RoutingMode.from_router takes them (no dataclass per step)
-    problem = semantics._problem(
+    problem = semantics.problem_of(
         score_function=router.score_function,
-        load_balancing=semantics._balancing_types(router.routing_type),
+        load_balancing=semantics.balancing_types(router.routing_type),
         fused=not disable_fusion and bool(config.moe_router_fusion),
     )
     if problem is not None:

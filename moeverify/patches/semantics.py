@@ -109,17 +109,17 @@ class RoutingMode:
             group_topk=config.moe_router_group_topk,
             scaling_factor=config.moe_router_topk_scaling_factor,
             expert_bias=getattr(router, "expert_bias", None) is not None,
-            load_balancing=_balancing_types(router.routing_type),
+            load_balancing=balancing_types(router.routing_type),
             fused=bool(config.moe_router_fusion),
             capacity_factor=config.moe_expert_capacity_factor,
         )
 
 
-def _balancing_types(balancing) -> tuple:
+def balancing_types(balancing) -> tuple:
     return tuple(balancing) if isinstance(balancing, list | tuple) else (balancing,)
 
 
-def _problem(*, score_function: str, load_balancing: tuple, fused: bool) -> str | None:
+def problem_of(*, score_function: str, load_balancing: tuple, fused: bool) -> str | None:
     if score_function not in SCORE_FUNCTIONS:
         return f"score function {score_function!r} is unknown to router replay; supported: {list(SCORE_FUNCTIONS)}"
     unhooked = [t for t in load_balancing if t not in _HOOKED_TYPES]
@@ -138,7 +138,7 @@ def _problem(*, score_function: str, load_balancing: tuple, fused: bool) -> str 
 
 def refuse_unreplayable(mode: RoutingMode, *, where: str) -> None:
     """Raise ``UsageError`` for router settings whose selection would bypass the replay hook."""
-    problem = _problem(score_function=mode.score_function, load_balancing=mode.load_balancing, fused=mode.fused)
+    problem = problem_of(score_function=mode.score_function, load_balancing=mode.load_balancing, fused=mode.fused)
     if problem is not None:
         raise UsageError(f"{where}: {problem}")
 
@@ -151,9 +151,9 @@ def router_problem(router, *, fusion: bool = True) -> str | None:
     ``fusion=False`` leaves the (config-read) fused path to the caller's own check.
     """
     config = router.config
-    problem = _problem(
+    problem = problem_of(
         score_function=router.score_function,
-        load_balancing=_balancing_types(router.routing_type),
+        load_balancing=balancing_types(router.routing_type),
         fused=fusion and bool(config.moe_router_fusion),
     )
     if problem is not None:

@@ -118,7 +118,7 @@ def gap_rows(ids_TLK: torch.Tensor) -> torch.Tensor:
     return gaps
 
 
-def _to_logical(
+def to_logical(
     ids_TLK: torch.Tensor, *, emap, skip_TL: torch.Tensor, layers: Sequence[int], where: str
 ) -> torch.Tensor:
     """Physical expert slots as logical ids through ``emap`` (``ExpertMap.apply``: a slot outside the map, or two
@@ -185,7 +185,7 @@ def _one_request(
             "needs every one of the router's top-k experts of a real token"
         )
     if emap is not None:  # padding keeps what it holds: it gets a safe route later
-        ids_TLK = _to_logical(ids_TLK, emap=emap, skip_TL=pads_TL, layers=layers, where=where)
+        ids_TLK = to_logical(ids_TLK, emap=emap, skip_TL=pads_TL, layers=layers, where=where)
     else:
         _check_range(ids_TLK, skip_TL=pads_TL, num_experts=num_experts, layers=layers, where=where)
     if T == tokens - 1:
