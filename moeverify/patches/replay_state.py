@@ -363,7 +363,7 @@ class _RecordHook:
         return values_TK, ids_TK
 
 
-class _ReplayHook:
+class ReplayHook:
     """Megatron's ``router_replay`` protocol: use the given ids (ascending per row), in the slot order a grad-mode
     pass gives them (``replay_plan``), and gather those scores."""
 
@@ -463,7 +463,7 @@ class Replaying:
         self.recomputed = {layer: [0] * len(mbs) for layer, mbs in per_layer.items()}
         # layer -> mb -> weak reference to the checkpointed region of that forward (None: not checkpointed)
         self.regions: dict[int, list] = {layer: [None] * len(mbs) for layer, mbs in per_layer.items()}
-        # (layer, mb) -> a checkpointed forward's ``_ReplayHook.plan``, until its first recompute takes it
+        # (layer, mb) -> a checkpointed forward's ``ReplayHook.plan``, until its first recompute takes it
         self.ordered: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
@@ -517,7 +517,7 @@ class Replaying:
         ids_TK = self._ids(router, layer, mb, logits)
         if self.fidelity is not None:
             self._count_agreement(router, layer, logits, ids_TK)
-        hook = _ReplayHook(ids_TK, self.per_layer[layer][mb])
+        hook = ReplayHook(ids_TK, self.per_layer[layer][mb])
         result = call_with_hook(self.original, router, hook, logits, args, kwargs)
         if region is not None and hook.plan is not None:  # its recompute repeats this call's ops (_RecomputeHook)
             self.ordered[(layer, mb)] = hook.plan
@@ -566,7 +566,7 @@ class Replaying:
         self.recomputed[layer][mb] += 1
         ids_TK = self._ids(router, layer, mb, logits)
         plan = self.ordered.pop((layer, mb), None)  # a second recompute of one forward orders its ids again
-        hook = _ReplayHook(ids_TK, self.per_layer[layer][mb]) if plan is None else _RecomputeHook(plan)
+        hook = ReplayHook(ids_TK, self.per_layer[layer][mb]) if plan is None else _RecomputeHook(plan)
         return call_with_hook(self.original, router, hook, logits, args, kwargs)
 
     def unused(self) -> list[str]:

@@ -146,7 +146,7 @@ class _TiesById(MoeverifyReplay):
 
     @contextlib.contextmanager
     def replay(self, routes):
-        hook = replay_state._ReplayHook
+        hook = replay_state.ReplayHook
         original = hook.get_replay_topk
 
         def by_id(self_, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
