@@ -104,7 +104,11 @@ class CheckRecord:
             if (what := bug_classes.guards(check, name)) is not None:
                 subchecks[name]["guards"] = what
         not_run = (
-            {name: bug_classes.guards(check, name) for name in bug_classes.subchecks(check) if name not in tallies}
+            {  # a declared subcheck always names its guard: the filter only narrows the type
+                name: what
+                for name in bug_classes.subchecks(check)
+                if name not in tallies and (what := bug_classes.guards(check, name)) is not None
+            }
             if tallies
             else {}
         )

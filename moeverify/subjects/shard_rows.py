@@ -251,7 +251,8 @@ def _gdn_in_proj_kind(m) -> str | None:
     return None
 
 
-def _gdn_dims(config) -> placement.GdnDims:
+def gdn_dims(config) -> placement.GdnDims:
+    """The gated delta net's head counts and sizes of a Megatron ``config`` (Qwen3-Next's linear attention)."""
     return placement.GdnDims(
         dk=config.linear_key_head_dim,
         dv=config.linear_value_head_dim,
@@ -262,7 +263,7 @@ def _gdn_dims(config) -> placement.GdnDims:
 
 def _place_gdn(w: torch.Tensor, *, kind: str, names: list[str], config, tp: int, r: int) -> dict:
     """A GDN shard's sections into their HF tensors (``names`` in ``_GDN_HF_TENSORS`` order, or conv1d's one)."""
-    dims = _gdn_dims(config)
+    dims = gdn_dims(config)
     sections = placement.gdn_sections(dims, tp=tp, r=r, gates=kind != "gdn_conv1d")
     row = placement.gdn_grouped_row if kind == "gdn_in_proj_grouped" else placement.gdn_flat_row
     tensors = _GDN_HF_TENSORS.get(kind, ("qkv",))

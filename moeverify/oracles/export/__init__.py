@@ -5,8 +5,8 @@ import ShardRow``). Modules, one concept each:
 
 - ``oracle``: ``run`` / ``run_export`` / ``run_subject`` on every rank: lockstep, per-row headers, pieces to rank 0;
 - ``local``: a rank's own pieces compared with its own copy of the reference (verdicts, runs, digests);
-- ``rows``: what a subject yields (``ShardRow``, ``Slot``, ``RangeSlot``, ``RunSlot``, ``DeferredSlots``, declared in
-  ``moeverify.subjects.slots``) validated where it enters;
+- ``rows``: what a subject yields (``ShardRow``, ``Slot``, ``RangeSlot``, ``RunSlot``, ``DeferredSlots``; ``AnySlot``
+  is any of the three slots; declared in ``moeverify.subjects.slots``) validated where it enters;
 - ``wire``: the collectives (JSON gathers, chunked point-to-point pieces) on a dedicated gloo group;
 - ``intervals``: which element ranges of a tensor are covered, and by whom;
 - ``merge``: one HF tensor assembled from pieces and compared bit for bit (plain tensors);
@@ -23,13 +23,14 @@ import ShardRow``). Modules, one concept each:
 from moeverify.models.checkpoint import checkpoint_shapes
 from moeverify.oracles.export.collect import SUBCHECKS
 from moeverify.oracles.export.oracle import SubjectContext, load_subject, run, run_export, run_subject
-from moeverify.oracles.export.rows import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
+from moeverify.oracles.export.rows import AnySlot, DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot
 
 __all__ = [
     "ShardRow",
     "Slot",
     "RangeSlot",
     "RunSlot",
+    "AnySlot",
     "DeferredSlots",
     "SubjectContext",
     "load_subject",

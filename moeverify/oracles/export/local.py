@@ -88,7 +88,11 @@ def same_as_reference(
     n = values_P.numel()
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
-        exp_C = ref_N[start + a : start + b] if start is not None else ref_N[positions_P[a:b]]
+        if start is not None:
+            exp_C = ref_N[start + a : start + b]
+        else:
+            assert positions_P is not None, "a piece that is not one range carries its positions"
+            exp_C = ref_N[positions_P[a:b]]
         if not torch.equal(bits(values_P[a:b]), bits(exp_C)):
             return False
     return True
@@ -106,6 +110,7 @@ def verdict(piece, reference: torch.Tensor | None, ref_digest: str | None) -> di
         if piece.runs_R.shape[0] > limit or not intervals.same_bits_at_runs(piece.values_P, piece.runs_R, ref_N):
             return None
         return {"runs": piece.runs_R.tolist(), "digest": ref_digest}
+    found: list[list[int]] | None
     if piece.start is not None:
         found = [[piece.start, piece.numel]]
     else:
@@ -119,7 +124,8 @@ def verdict(piece, reference: torch.Tensor | None, ref_digest: str | None) -> di
 
 def run_chunks(runs_R: list[list[int]]):
     """Yield ``positions_C`` (a slice, or an int64 index over several short runs) of at most ~CHUNK elements."""
-    batch, size = [], 0
+    batch: list[tuple[int, int]] = []
+    size = 0
     for start, length in runs_R:
         if length >= CHUNK // 4:  # a long run: as slices, no index built
             if batch:

@@ -96,9 +96,9 @@ class TensorMerge:
         # has the reference's bits, the merged bits ARE the reference's, so no values buffer is kept;
         # the first write with other bits materialises the buffer (a copy of the reference) and the
         # merge goes on as an ordinary one. Written elements hold the subject's bits either way.
-        self._ref_N = None
-        self.values_N = None
-        self.writer_N = None
+        self._ref_N: torch.Tensor | None = None
+        self.values_N: torch.Tensor | None = None
+        self.writer_N: torch.Tensor | None = None
         self._writer_dtype = torch.uint8 if world_size < 255 else torch.int32
         self._runs: list[torch.Tensor] | None = None  # run mode: [R, 3] (start, length, rank) per write
         if reference is not None and tuple(reference.shape) == self.shape and reference.dtype == dtype:
@@ -136,7 +136,7 @@ class TensorMerge:
         if self._runs is None:
             return False
         return reference_N is None or (
-            reference_N.data_ptr() == self._ref_N.data_ptr()
+            reference_N.data_ptr() == self._reference().data_ptr()
             and reference_N.dtype == self.dtype
             and reference_N.numel() == self.numel
         )
@@ -149,23 +149,33 @@ class TensorMerge:
             self._runs = None
         return self.writer_N
 
-    def _clean_runs(self, positions_P, values_P: torch.Tensor):
+    def _reference(self) -> torch.Tensor:
+        """The reference backing the merge: it has one while in run mode or without a values buffer."""
+        assert self._ref_N is not None, "only a merge opened with its reference is backed by it"
+        return self._ref_N
+
+    def _clean_runs(
+        self, positions_P: slice | torch.Tensor, values_P: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(starts_R, lengths_R)`` of a piece with the reference's bits at its positions, else None."""
+        found: tuple[torch.Tensor, torch.Tensor] | None
         if isinstance(positions_P, slice):
             found = (torch.tensor([positions_P.start]), torch.tensor([positions_P.stop - positions_P.start]))
         else:
             found = intervals.index_runs(positions_P, limit=max(64, positions_P.numel() // 16))
-        if found is None or not _same_bits(values_P, self._ref_N[positions_P]):
+        if found is None or not _same_bits(values_P, self._reference()[positions_P]):
             return None
         return found
 
     def _merged_bits(self) -> torch.Tensor:
         """Raw bits of the merged values (the reference's while backed)."""
-        return bits(self.values_N if self.values_N is not None else self._ref_N)
+        return bits(self.values_N if self.values_N is not None else self._reference())
 
-    def _materialize(self) -> None:
+    def _materialize(self) -> torch.Tensor:
+        """The values buffer, made from the reference the first time it is needed."""
         if self.values_N is None:
-            self.values_N = self._ref_N.clone()
+            self.values_N = self._reference().clone()
+        return self.values_N
 
     # -- writes --------------------------------------------------------------------------------
     def _check_piece(self, rank: int, positions_P, values_P: torch.Tensor) -> torch.Tensor:
@@ -208,26 +218,27 @@ class TensorMerge:
         if self._runs is not None:
             found = self._clean_runs(positions_P, values_P)
             if found is not None:  # the reference's bits: no conflict possible, none lost
-                self._runs.append(intervals.as_runs(*found, rank))
+                starts_R, lengths_R = found
+                self._runs.append(intervals.as_runs(starts_R, lengths_R, rank))
                 self._conflicts.ok(int(values_P.numel()))
                 return
-        earlier_P = self._writer()[positions_P]
-        if self.values_N is None:
-            if _same_bits(values_P, self._ref_N[positions_P]):
-                # all new bits are the reference's, so are all earlier ones: no conflict, none lost
-                if isinstance(positions_P, slice) and not int(torch.count_nonzero(earlier_P)):
-                    self.writer_N[positions_P] = rank + 1
-                else:
-                    fresh_P = _as_index(positions_P)[earlier_P == 0]
-                    self.writer_N[fresh_P] = rank + 1
-                self._conflicts.ok(int(values_P.numel()))
-                return
-            self._materialize()
+        writer_N = self._writer()
+        earlier_P = writer_N[positions_P]
+        if self.values_N is None and _same_bits(values_P, self._reference()[positions_P]):
+            # all new bits are the reference's, so are all earlier ones: no conflict, none lost
+            if isinstance(positions_P, slice) and not int(torch.count_nonzero(earlier_P)):
+                writer_N[positions_P] = rank + 1
+            else:
+                fresh_P = _as_index(positions_P)[earlier_P == 0]
+                writer_N[fresh_P] = rank + 1
+            self._conflicts.ok(int(values_P.numel()))
+            return
+        values_N = self._materialize()
         n_double, n_differ = int(torch.count_nonzero(earlier_P)), 0
         if n_double:
             covered_P = earlier_P != 0
             positions_P = _as_index(positions_P)
-            old_K = bits(self.values_N)[positions_P[covered_P]]
+            old_K = bits(values_N)[positions_P[covered_P]]
             new_K = bits(values_P)[covered_P]
             differ_K = old_K != new_K
             n_differ = int(differ_K.sum())
@@ -243,12 +254,12 @@ class TensorMerge:
                 )
             fresh_P = ~covered_P
             positions_P, values_P = positions_P[fresh_P], values_P[fresh_P]
-        self.values_N[positions_P] = values_P
-        self.writer_N[positions_P] = rank + 1
+        values_N[positions_P] = values_P
+        writer_N[positions_P] = rank + 1
         n_lost = 0
         if not isinstance(positions_P, slice):
             # duplicates inside one piece: the last write won; an element whose stored bits differ lost one
-            lost_P = bits(self.values_N)[positions_P] != bits(values_P)
+            lost_P = bits(values_N)[positions_P] != bits(values_P)
             n_lost = int(lost_P.sum())
             if n_lost:
                 self._conflicts.fail(
@@ -295,14 +306,16 @@ class TensorMerge:
                 else intervals.index_runs(positions_P, limit=max(64, n // 16))
             )
             if found is not None:
-                self._runs.append(intervals.as_runs(*found, rank))
+                starts_R, lengths_R = found
+                self._runs.append(intervals.as_runs(starts_R, lengths_R, rank))
                 self._conflicts.ok(n)
                 return
-        earlier_P = self._writer()[positions_P]
+        writer_N = self._writer()
+        earlier_P = writer_N[positions_P]
         if isinstance(positions_P, slice) and not int(torch.count_nonzero(earlier_P)):
-            self.writer_N[positions_P] = rank + 1
+            writer_N[positions_P] = rank + 1
         else:
-            self.writer_N[_as_index(positions_P)[earlier_P == 0]] = rank + 1
+            writer_N[_as_index(positions_P)[earlier_P == 0]] = rank + 1
         self._conflicts.ok(n)
 
     def write_runs(self, *, rank: int, runs_R2: torch.Tensor, values_P: torch.Tensor) -> bool:
@@ -311,7 +324,7 @@ class TensorMerge:
         writes it element by element, as any piece)."""
         if self._runs is None or values_P.dtype != self.dtype or not runs_R2.shape[0]:
             return False
-        if not intervals.same_bits_at_runs(values_P.reshape(-1), runs_R2, self._ref_N):
+        if not intervals.same_bits_at_runs(values_P.reshape(-1), runs_R2, self._reference()):
             return False
         self.dtype_seen.add(values_P.dtype)
         if values_P.numel():
@@ -324,6 +337,7 @@ class TensorMerge:
         """In run mode: ``write_reference`` of the reference backing the merge at ``[start, length]`` runs."""
         if not runs_R:
             return
+        assert self._runs is not None, "write_reference_runs is for a merge in run mode (run_mode())"
         runs = torch.tensor(runs_R, dtype=torch.int64).reshape(-1, 2)
         lo, hi = int(runs[:, 0].min()), int((runs[:, 0] + runs[:, 1]).max())
         if lo < 0 or hi > self.numel or int(runs[:, 1].min()) < 0:
@@ -363,25 +377,27 @@ class TensorMerge:
         Called once, after the final checks: it hands over (and may overwrite) the merge's own buffers, and a
         fully written merge backed by its reference returns that reference (the same bits, shown on write)."""
         if self.values_N is None and self._missing() == 0:
-            return self._ref_N.view(self.shape)
-        self._materialize()
-        values_N, writer_N = self.values_N, self._writer()
+            return self._reference().view(self.shape)
+        values_N, writer_N = self._materialize(), self._writer()
         if self._missing():
             values_N[writer_N == 0] = float("nan") if self.dtype.is_floating_point else 0
         return values_N.view(self.shape)
 
     # -- final checks --------------------------------------------------------------------------
     def check_coverage(self, coverage: Tally) -> None:
-        n_missing, shown = 0, []
+        n_missing = 0
+        shown: list[int] = []
         if self._runs is not None:
             runs = torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64)
             n_missing, shown = intervals.gaps(runs, self.numel)
-        for start in range(0, self.numel if self._runs is None else 0, COMPARE_CHUNK):
-            writer_C = self.writer_N[start : start + COMPARE_CHUNK]
-            k = writer_C.numel() - int(torch.count_nonzero(writer_C))
-            if k and len(shown) < SHOW:
-                shown += ((writer_C == 0).nonzero().flatten()[: SHOW - len(shown)] + start).tolist()
-            n_missing += k
+        else:
+            writer_N = self._writer()
+            for start in range(0, self.numel, COMPARE_CHUNK):
+                writer_C = writer_N[start : start + COMPARE_CHUNK]
+                k = writer_C.numel() - int(torch.count_nonzero(writer_C))
+                if k and len(shown) < SHOW:
+                    shown += ((writer_C == 0).nonzero().flatten()[: SHOW - len(shown)] + start).tolist()
+                n_missing += k
         self.n_missing = n_missing
         if n_missing:
             coverage.fail(
@@ -396,7 +412,7 @@ class TensorMerge:
         if not 0 <= i < self.numel:
             return None
         if self._runs is None:
-            w = int(self.writer_N[i])
+            w = int(self._writer()[i])
             return w - 1 if w else None
         for run in self._runs:  # in write order: the earliest covering run wins, as in the writer mask
             hit = (run[:, 0] <= i) & (i < run[:, 0] + run[:, 1])
@@ -409,9 +425,9 @@ class TensorMerge:
         if not self.senders:
             return "; no rank wrote any element of it"
         if self._runs is None:  # the first written element past the gap, a chunk at a time (bounded temporaries)
-            b = self.numel
+            b, writer_N = self.numel, self._writer()
             for start in range(a, self.numel, COMPARE_CHUNK):
-                written_C = self.writer_N[start : start + COMPARE_CHUNK] != 0
+                written_C = writer_N[start : start + COMPARE_CHUNK] != 0
                 if bool(written_C.any()):
                     b = start + int(written_C.to(torch.uint8).argmax())
                     break
@@ -433,7 +449,7 @@ class TensorMerge:
                 torch.cat(self._runs) if self._runs else torch.zeros(0, 3, dtype=torch.int64), self.numel
             )[0]
         elif self.n_missing is None:
-            self.n_missing = self.numel - int(torch.count_nonzero(self.writer_N))
+            self.n_missing = self.numel - int(torch.count_nonzero(self._writer()))
         return self.n_missing
 
     def check_against(self, reference: torch.Tensor, *, shape_dtype: Tally, bitwise: Tally) -> None:
@@ -454,34 +470,38 @@ class TensorMerge:
 
     def _compare_bits(self, ref_N: torch.Tensor, bitwise: Tally) -> None:
         if self.values_N is None:
-            if ref_N.data_ptr() == self._ref_N.data_ptr() and ref_N.dtype == self._ref_N.dtype:
+            backing = self._reference()
+            if ref_N.data_ptr() == backing.data_ptr() and ref_N.dtype == backing.dtype:
                 bitwise.ok(self.numel - self._missing())  # every written element was checked on write
                 return
-            self._materialize()  # another reference than the one backing it: compare as usual
-        self._writer()
+        values_N = self._materialize()  # another reference than the one backing it: compare as usual
+        writer_N = self._writer()
         # the merged values are cast INTO the reference dtype (exact when dtypes agree), never
         # both through a narrower one: an fp32 tensor that went through bf16 keeps its lost bits
-        if self.dtype == ref_N.dtype and self.n_missing == 0 and _same_bits(self.values_N, ref_N):
+        if self.dtype == ref_N.dtype and self.n_missing == 0 and _same_bits(values_N, ref_N):
             bitwise.ok(self.numel)  # fully written and identical: one pass, no per-element bookkeeping
             return
-        n_bad, n_ok, first_bad, shown, culprits = 0, 0, None, [], set()
+        n_bad, n_ok = 0, 0
+        first_bad: tuple[int, int, int, int] | None = None
+        shown: list[int] = []
+        culprits: set[int] = set()
         for start in range(0, self.numel, COMPARE_CHUNK):
             stop = min(start + COMPARE_CHUNK, self.numel)
-            covered_C = self.writer_N[start:stop] != 0
-            got_C = bits(self.values_N[start:stop].to(ref_N.dtype))
+            covered_C = writer_N[start:stop] != 0
+            got_C = bits(values_N[start:stop].to(ref_N.dtype))
             exp_C = bits(ref_N[start:stop])
             differ_C = (got_C != exp_C) & covered_C
             bad = int(differ_C.sum())
             n_ok += int(covered_C.sum()) - bad
             if bad:
                 idx_C = differ_C.nonzero().flatten()
-                culprits.update(int(w) - 1 for w in torch.unique(self.writer_N[start:stop][differ_C]).tolist())
+                culprits.update(int(w) - 1 for w in torch.unique(writer_N[start:stop][differ_C]).tolist())
                 if first_bad is None:
                     i = int(idx_C[0])
-                    first_bad = (start + i, int(exp_C[i]), int(got_C[i]), int(self.writer_N[start + i]) - 1)
+                    first_bad = (start + i, int(exp_C[i]), int(got_C[i]), int(writer_N[start + i]) - 1)
                 shown += [start + int(i) for i in idx_C[: SHOW - len(shown)]]
                 n_bad += bad
-        if n_bad:
+        if first_bad is not None:  # there is a first bad element exactly when n_bad > 0
             flat, exp, got, rank = first_bad
             more = f" (+{n_bad - len(shown)} more)" if n_bad > len(shown) else ""
             by = "" if len(culprits) == 1 else f" (rank {rank})"

@@ -23,10 +23,10 @@ import torch
 
 from moeverify.oracles.bits import bits
 from moeverify.oracles.export.collect import SUBCHECKS
-from moeverify.oracles.export.rows import DeferredSlots, ShardRow, Slot
+from moeverify.oracles.export.rows import AnySlot, DeferredSlots, ShardRow, Slot
 from moeverify.subjects import placement
 from moeverify.subjects.gather_all import gather_tensors
-from moeverify.subjects.shard_rows import _gdn_dims, sharded_rows
+from moeverify.subjects.shard_rows import gdn_dims, sharded_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,13 +55,20 @@ def _undo_model_writes() -> None:
         view.copy_(before)
 
 
-def _concrete(row: ShardRow) -> list[Slot]:
+def _concrete(row: ShardRow) -> list[AnySlot]:
     return row.slots.materialize() if isinstance(row.slots, DeferredSlots) else list(row.slots)
+
+
+def _table(row: ShardRow) -> list[tuple[str, tuple[int, ...]]]:
+    """The row's slot table (names and shapes), without building its tensors where they are deferred."""
+    if isinstance(row.slots, DeferredSlots):
+        return row.slots.table
+    return [(s.hf_name, tuple(s.hf_shape)) for s in row.slots]
 
 
 def _rewrap(row: ShardRow, fn, *, table=None) -> ShardRow:
     """The same row with its slots transformed by ``fn(slots) -> slots`` when they are built."""
-    table = table if table is not None else row.slots.table
+    table = table if table is not None else _table(row)
     return ShardRow(row.row, DeferredSlots(table, lambda: fn(_concrete(row))), row.contributes)
 
 
@@ -144,7 +151,7 @@ def _changed_first(row):
                 break
         return out
 
-    return DeferredSlots(row.slots.table, lambda: fn(_concrete(row)))
+    return DeferredSlots(_table(row), lambda: fn(_concrete(row)))
 
 
 def _twice(slots):
@@ -178,7 +185,7 @@ def different_slot_table(ctx):
     first = True
     for row in _rows(ctx):
         if first and ctx.rank == ctx.world_size - 1:
-            table = [(n, (s[0] + 1, *s[1:])) if i == 0 else (n, s) for i, (n, s) in enumerate(row.slots.table)]
+            table = [(n, (s[0] + 1, *s[1:])) if i == 0 else (n, s) for i, (n, s) in enumerate(_table(row))]
             row = _rewrap(
                 row,
                 lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots, strict=True)],
@@ -210,7 +217,7 @@ def flipped_bit(ctx):
 
 def _map_named(ctx, match: Callable[[str], bool], change: Callable[[torch.Tensor], torch.Tensor]):
     for row in _rows(ctx):
-        if any(match(n) for n, _ in row.slots.table):
+        if any(match(n) for n, _ in _table(row)):
             row = _rewrap(
                 row,
                 lambda slots: [
@@ -286,7 +293,7 @@ def gate_up_swapped(ctx):
         return out
 
     for row in _rows(ctx):
-        names = [n for n, _ in row.slots.table]
+        names = [n for n, _ in _table(row)]
         yield _rewrap(row, fn) if any("gate_proj" in n for n in names) else row
 
 
@@ -302,8 +309,8 @@ def key_renamed(ctx):
     """One HF name misspelt. Bug class: a hand-written name map out of date with the engine's names
     (``model.norm`` vs ``model.final_layernorm``): the engine ignores the unknown key silently."""
     for row in _rows(ctx):
-        if any(n == "model.norm.weight" for n, _ in row.slots.table):
-            table = [("model.final_norm.weight" if n == "model.norm.weight" else n, s) for n, s in row.slots.table]
+        if any(n == "model.norm.weight" for n, _ in _table(row)):
+            table = [("model.final_norm.weight" if n == "model.norm.weight" else n, s) for n, s in _table(row)]
             row = _rewrap(
                 row,
                 lambda slots, t=table: [Slot(n, s, x.positions, x.values) for (n, s), x in zip(t, slots, strict=True)],
@@ -367,7 +374,7 @@ def gdn_in_proj_flat(ctx):
     model = ctx.model_chunks[0]
     while hasattr(model, "module"):
         model = model.module
-    dims = _gdn_dims(model.config)
+    dims = gdn_dims(model.config)
 
     def moved(tensor: str):  # grouped HF row -> flat HF row, over the whole tensor
         sections = "qkvz" if tensor == "qkvz" else "ba"
@@ -379,7 +386,8 @@ def gdn_in_proj_flat(ctx):
             "b": dims.nv,
             "a": dims.nv,
         }
-        perm, start = {}, 0
+        perm: dict[int, int] = {}
+        start = 0
         for sec in sections:
             j = torch.arange(sizes[sec])
             perm.update(zip(placement.gdn_grouped_row(dims, sec, j).tolist(), (start + j).tolist(), strict=True))
@@ -480,7 +488,7 @@ MUTANTS: tuple[Mutant, ...] = (
 
 
 # -- stale state between exports: caught by ``refresh`` (a second export after a weight update) -------------
-_STALE: dict[str, object] = {}
+_STALE: dict[str, weakref.WeakKeyDictionary] = {}
 
 
 def _cache(ctx, kind: str) -> dict:
@@ -510,7 +518,7 @@ def stale_one_row(ctx):
     once); every other row is fresh, so only that row's tensors stay at the first step's weights."""
     cache = _cache(ctx, "one_row")
     rows = list(_rows(ctx))
-    expert = [i for i, r in enumerate(rows) if "@ep" in r.row or any("experts" in n for n, _ in r.slots.table)]
+    expert = [i for i, r in enumerate(rows) if "@ep" in r.row or any("experts" in n for n, _ in _table(r))]
     keep = expert[0] if expert else len(rows) - 1
     for i, row in enumerate(rows):
         yield _rewrap(row, lambda slots, r=row.row: cache.setdefault(r, _kept(slots))) if i == keep else row
@@ -531,7 +539,7 @@ def stale_pp_broadcast(ctx):
 
 def _local_hf_names(ctx) -> set[str]:
     """HF names converted from parameters this rank holds (its pipeline stage)."""
-    names = set()
+    names: set[str] = set()
     for task in ctx.bridge.get_conversion_tasks(ctx.model_chunks):
         if task is not None and task.param_weight is not None:
             names.update(str(n) for n in _hf_names(task.mapping))
@@ -562,7 +570,7 @@ MUTANTS = MUTANTS + (
 
 # -- minimal mutants: the smallest unit a subcheck is shown to see (``moeverify.spec.bug_classes``' ``minimal``)
 # ----------
-def _first_written(ctx, change: Callable[[Slot, str], Slot]):
+def _first_written(ctx, change: Callable[[AnySlot, str], Slot]):
     """The rows, with rank 0's first written slot (the first tensor piece it really sends) passed through ``change``."""
     done = False
     for row in _rows(ctx):
@@ -582,7 +590,7 @@ def stale_one_element(ctx):
     element (a per-block checksum that a small update does not move, an off-by-one in the dirty range)."""
     cache = _cache(ctx, "one_element")
 
-    def keep_first(s: Slot, row: str) -> Slot:
+    def keep_first(s: AnySlot, row: str) -> Slot:
         values = s.values.reshape(-1).clone()
         values[:1] = cache.setdefault(row, values[:1].clone())
         return Slot(s.hf_name, s.hf_shape, s.positions, values)
@@ -595,7 +603,7 @@ def one_shard_widened(ctx):
     class: a per-shard conversion path (a gather buffer allocated in fp32, an upcast before a copy) taken on one
     rank only: the engine receives the tensor in two dtypes, or casts it on load."""
 
-    def widened(s: Slot, row: str) -> Slot:
+    def widened(s: AnySlot, row: str) -> Slot:
         wide = torch.float64 if s.values.dtype == torch.float32 else torch.float32
         return Slot(s.hf_name, s.hf_shape, s.positions, s.values.to(wide))
 
@@ -624,7 +632,7 @@ def _calls(ctx, kind: str) -> int:
 
 
 def _lora_target(row: ShardRow) -> bool:
-    return any(k in n for n, _ in row.slots.table for k in ("self_attn", "mlp", "linear_attn"))
+    return any(k in n for n, _ in _table(row) for k in ("self_attn", "mlp", "linear_attn"))
 
 
 def lora_frozen_base(ctx):
@@ -690,7 +698,7 @@ def bucket_reused_early(ctx):
     if not second or ctx.rank != ctx.world_size - 1:
         yield from rows
         return
-    pieces = [(i, j) for i, r in enumerate(rows) if r.contributes for j, (_n, _s) in enumerate(r.slots.table)]
+    pieces = [(i, j) for i, r in enumerate(rows) if r.contributes for j, (_n, _s) in enumerate(_table(r))]
     first = pieces[0][0] if pieces else None
 
     def refill(slots):

@@ -35,7 +35,7 @@ import math
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -170,6 +170,7 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
     # other ranks build each row's pieces one row ahead on a helper thread, while they still send the
     # previous row; rank 0 takes the references a row needs first, and builds its own pieces after them
     ahead = _Ahead(rows, rank=sctx.rank) if sctx.rank != 0 else None
+    held = cast("list[DrainedRow | None]", rows)  # the same list: a merged row is dropped to free its tensors
     try:
         for index, row in enumerate(rows):
             prepared = ahead.take(index) if ahead is not None else None
@@ -186,7 +187,7 @@ def run_subject(factory, sctx: SubjectContext, *, reference=None, sink=None) -> 
                 feed=feed,
                 prepared=prepared or _header(row, sctx.rank),
             )
-            rows[index] = prepared = None  # drop the row's tensors as soon as it is merged
+            held[index] = prepared = None  # drop the row's tensors as soon as it is merged
             if local is not None:
                 local.row_done(index, row.table)
             if store is not None:
@@ -213,7 +214,7 @@ def _model_intact(state, before, *, sctx, group, tally) -> None:
     per_rank = wire.gather_json(
         [len(state), mine[:4], len(mine)], group=group, rank=sctx.rank, world_size=sctx.world_size
     )
-    if sctx.rank != 0:
+    if per_rank is None:  # not rank 0
         return
     for r, (held, names, count) in enumerate(per_rank):
         if count:
@@ -310,7 +311,7 @@ def _lockstep(rows, error, *, sctx, group, tally: Tally) -> tuple[bool, bool]:
     for r, (err, *_hashes) in enumerate(status):
         if err:
             bad = True
-            if sctx.rank == 0:
+            if errors is not None:  # rank 0
                 tally.fail(errors[r])
     counts = {r: s[1] for r, s in enumerate(status)}
     if len(set(counts.values())) > 1:
@@ -367,7 +368,7 @@ def _one_row(
             slot.append(verdict(piece, *local.reference(piece.hf_name)))
     headers = wire.gather_json(header, group=group, rank=sctx.rank, world_size=sctx.world_size)
     mask = None
-    if collector is not None:
+    if collector is not None and headers is not None:  # rank 0
         go = _decide(row.row, headers, collector)
         if go:
             mask = _send_mask(headers, collector)
@@ -376,13 +377,14 @@ def _one_row(
     sends = None  # go == 1: every other rank's pieces were shown clean and are replayed on rank 0
     if go == _GO_SOME_TRAVEL:
         n_slots = len(header["slots"])
-        mask = wire.broadcast_ints(mask if collector else [0] * (sctx.world_size * n_slots), group=group)
+        mask = wire.broadcast_ints(mask if mask is not None else [0] * (sctx.world_size * n_slots), group=group)
         sends = [mask[r * n_slots : (r + 1) * n_slots] for r in range(sctx.world_size)]
     if sctx.rank != 0:
         for j, (piece, slot) in enumerate(zip(mine if go else (), header["slots"], strict=False)):  # go 0: none sent
             if piece.numel and sends is not None and sends[sctx.rank][j]:
                 wire.send_piece(piece.positions(), piece.values_P, start=slot[4], dst=0, group=group)
         return
+    assert collector is not None, "rank 0 merges: it holds the collector"
     if go:
         _merge_row(row, headers, mine, sends, group=group, collector=collector, feed=feed)
     collector.row_done(index, row.table)
@@ -463,13 +465,9 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
             if r != 0 and not (sends and sends[r][j]):
                 if merge is None:
                     continue  # cannot happen (a trusted piece's tensor is open), kept as a guard
-                _replay(
-                    merge,
-                    rank=r,
-                    runs=found[0]["runs"],
-                    reference=collector.reference(name)[0],
-                    contributes=contributes,
-                )
+                reference, _digest = collector.reference(name)
+                assert reference is not None, "a trusted piece's reference is held (_trusted)"
+                _replay(merge, rank=r, runs=found[0]["runs"], reference=reference, contributes=contributes)
                 collector.elements["checked_locally"] += n
                 continue
             if r != 0:
@@ -477,8 +475,8 @@ def _merge_row(row, headers, mine: list[Piece], sends, *, group, collector: Coll
             elif (
                 contributes
                 and merge is not None
-                and mine[j].runs_R is not None
-                and merge.write_runs(rank=0, runs_R2=mine[j].runs_R, values_P=mine[j].values_P)
+                and (runs_R2 := mine[j].runs_R) is not None
+                and merge.write_runs(rank=0, runs_R2=runs_R2, values_P=mine[j].values_P)
             ):
                 continue  # rank 0's own clean runs, kept as runs
             chunks = (

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from moeverify.errors import SubjectError
+from moeverify.subjects.slots import AnySlot as AnySlot  # re-exported with the slots (moeverify.oracles.export)
 from moeverify.subjects.slots import DeferredSlots, RangeSlot, RunSlot, ShardRow, Slot, expand_runs
 
 
@@ -50,7 +51,7 @@ class DrainedRow:
     row: str
     contributes: bool
     table: list[tuple[str, tuple[int, ...]]]
-    source: object  # ShardRow or (name, tensor)
+    source: ShardRow | tuple[str, torch.Tensor]  # a sharded row, or a full tensor (name, tensor)
 
 
 def drain(items, *, rank: int) -> list[DrainedRow]:
@@ -126,7 +127,8 @@ def _validate_slot(slot, *, rank: int, row: str, index: int) -> int | None:
     if isinstance(slot, RangeSlot):
         return _validate_range(slot, where=where, shape=shape)
     if isinstance(slot, RunSlot):
-        return _validate_runs(slot, where=where, shape=shape)
+        _validate_runs(slot, where=where, shape=shape)
+        return None
     pos, val = slot.positions, slot.values
     if not isinstance(pos, torch.Tensor) or not isinstance(val, torch.Tensor):
         raise SubjectError(
@@ -228,7 +230,7 @@ def pieces(row: DrainedRow, *, rank: int) -> list[Piece]:
             )
         ]
     deferred = isinstance(src.slots, DeferredSlots)
-    slots = src.slots.materialize() if deferred else src.slots
+    slots = src.slots.materialize() if isinstance(src.slots, DeferredSlots) else src.slots
     out = []
     for j, slot in enumerate(slots):
         runs_R = None

@@ -45,7 +45,7 @@ def gather_json(obj, *, group, rank: int, world_size: int) -> list | None:
     padded[: payload.numel()] = payload
     bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)] if rank == 0 else None
     dist.gather(padded, gather_list=bufs, dst=0, group=group)
-    if rank != 0:
+    if bufs is None:  # not rank 0
         return None
     return [json.loads(bytes(b[: int(s)].numpy()).decode()) for b, s in zip(bufs, sizes, strict=True)]
 
@@ -79,6 +79,7 @@ def send_piece(positions_P: torch.Tensor | None, values_P: torch.Tensor, *, star
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
         if start is None:
+            assert positions_P is not None, "a piece that is not one range carries its positions"
             dist.send(positions_P[a:b].contiguous(), dst=dst, group=group)
         dist.send(raw[a:b].view(torch.uint8), dst=dst, group=group)
 
@@ -88,11 +89,13 @@ def recv_piece_chunks(*, n: int, dtype: torch.dtype, start: int | None, src: int
     width = torch.empty((), dtype=dtype).element_size()
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
+        positions_C: slice | torch.Tensor
         if start is not None:
             positions_C = slice(start + a, start + b)
         else:
-            positions_C = torch.empty(b - a, dtype=torch.int64)
-            dist.recv(positions_C, src=src, group=group)
+            received_C = torch.empty(b - a, dtype=torch.int64)
+            dist.recv(received_C, src=src, group=group)
+            positions_C = received_C
         raw = torch.empty((b - a) * width, dtype=torch.uint8)
         dist.recv(raw, src=src, group=group)
         yield positions_C, raw.view(dtype)
@@ -103,7 +106,12 @@ def local_piece_chunks(positions_P: torch.Tensor | None, values_P: torch.Tensor,
     n = values_P.numel()
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
-        pos = slice(start + a, start + b) if start is not None else positions_P[a:b]
+        pos: slice | torch.Tensor
+        if start is not None:
+            pos = slice(start + a, start + b)
+        else:
+            assert positions_P is not None, "a piece that is not one range carries its positions"
+            pos = positions_P[a:b]
         yield pos, values_P[a:b]
 
 
@@ -131,9 +139,10 @@ def broadcast_tensor(
     for d in shape:
         n *= d
     if rank == 0:
+        assert tensor is not None, "rank 0 passes the tensor it broadcasts"
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     else:
         raw = torch.empty(n * width, dtype=torch.uint8)
     if raw.numel():
         dist.broadcast(raw, src=0, group=group)
-    return tensor if rank == 0 else raw.view(dtype).reshape(shape)
+    return tensor if tensor is not None and rank == 0 else raw.view(dtype).reshape(shape)
