@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import enum
 import importlib
 import itertools
 import os
@@ -63,9 +64,20 @@ from moeverify.routing.views import job_layout
 
 ENV = "MOEVERIFY_ROUTER_REPLAY"
 MODEL_ENV = "MOEVERIFY_ROUTER_REPLAY_MODEL"
-MODES = ("record", "replay")
-INJOB = "r2"  # in-job replay: no directory (moeverify.patches.injob)
-ROLLOUT = "r3"  # in-job replay of a rollout engine's routes: r3:DIR (moeverify.routing.rollout_writer files)
+
+
+class Mode(enum.StrEnum):
+    """What ``MOEVERIFY_ROUTER_REPLAY`` asks for (the text before ``:DIR``)."""
+
+    RECORD = "record"  # record every routing call of the job to a dump (record:DIR)
+    REPLAY = "replay"  # replay a recorded dump (replay:DIR)
+    R2 = "r2"  # in-job replay of the log-prob pass (moeverify.patches.injob); no directory
+    R3 = "r3"  # in-job replay of a rollout engine's routes: r3:DIR (RolloutWriter files) or r3 (with the batch)
+
+
+MODES = (Mode.RECORD, Mode.REPLAY)  # the modes of a whole-job dump
+INJOB = Mode.R2
+ROLLOUT = Mode.R3
 EXIT_UNUSED = 3  # exit status of a replayed job that left recorded routes unused
 
 
@@ -73,9 +85,16 @@ EXIT_UNUSED = 3  # exit status of a replayed job that left recorded routes unuse
 class Setting:
     """What the environment asked for."""
 
-    mode: str
+    mode: Mode
     directory: Path | None  # None in r2 mode; the rollout directory in r3 mode
     model: int | None = None  # build-order index of the model to bind; None: the only MoE model
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, Mode):  # a caller's "record" etc.: the mode it names, or UsageError
+            try:
+                object.__setattr__(self, "mode", Mode(self.mode))
+            except ValueError:
+                raise UsageError(f"Setting(mode={self.mode!r}): expected one of {[m.value for m in Mode]}") from None
 
 
 def parse(value: str, model: str | None = None) -> Setting:
@@ -93,21 +112,21 @@ def parse(value: str, model: str | None = None) -> Setting:
         if not (model.isascii() and model.isdigit()) or len(model) > 9:
             raise UsageError(f"{MODEL_ENV}={model[:40]!r}: expected a model index by build order (0, 1, ...)")
         index = int(model)
-    return Setting(mode=mode, directory=Path(directory) if directory else None, model=index)
+    return Setting(mode=Mode(mode), directory=Path(directory) if directory else None, model=index)
 
 
 def _check_directory(setting: Setting, rank: int) -> None:
-    if setting.mode == ROLLOUT and setting.directory is None:  # routes handed over with the batch
+    if setting.mode is Mode.R3 and setting.directory is None:  # routes handed over with the batch
         return
-    if setting.mode == ROLLOUT:  # the rollout writes its steps while the job runs; the parent must exist
+    if setting.mode is Mode.R3:  # the rollout writes its steps while the job runs; the parent must exist
         if setting.directory.exists() and not setting.directory.is_dir():
             raise UsageError(f"{ENV}: {setting.directory} is not a directory (the rollout routes' directory)")
         if not setting.directory.exists() and not setting.directory.parent.is_dir():
             raise UsageError(f"{ENV}: neither {setting.directory} nor its parent exists (a typo?)")
         return
-    if setting.mode == INJOB:
+    if setting.mode is Mode.R2:
         return
-    if setting.mode == "record":
+    if setting.mode is Mode.RECORD:
         if setting.directory.exists() and (not setting.directory.is_dir() or any(setting.directory.iterdir())):
             raise UsageError(
                 f"{ENV}: record directory {setting.directory} already holds files (a previous "
@@ -213,7 +232,7 @@ class ProcessSession:
         # at its end; optimizer steps that recorded nothing (a critic's) have no entry
         self._step_ends: dict[int, int] = {}
         self._config = None  # the bound model's TransformerConfig
-        self._dump = JobDump(setting.directory) if setting.mode == "record" else None
+        self._dump = JobDump(setting.directory) if setting.mode is Mode.RECORD else None
         self._tokens = identity.JobTokens(rank=state.current_rank)  # token fingerprints per forward
         self._first_chunks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> takes fingerprints
 
@@ -225,7 +244,7 @@ class ProcessSession:
     def _start(self, router) -> None:
         self._shape = (router.num_experts, router.topk)
         self._config = router.config
-        if self.setting.mode == "record":
+        if self.setting.mode is Mode.RECORD:
             self._state = _ShapedRecording((), original=rr.original_routing())
             return
         dump = record.load(self.setting.directory)
@@ -268,7 +287,7 @@ class ProcessSession:
             first = self._first_chunks[chunk] = bool(first)
         if not first:
             return
-        if self.setting.mode == "record":
+        if self.setting.mode is Mode.RECORD:
             self._tokens.record(fingerprints_B)
             return
         if not self._tokens.loaded:
@@ -313,7 +332,7 @@ class ProcessSession:
         """Close a training step: write it (record) or check it (replay); raise ``RouteError`` on a mismatch.
 
         Recording is collective: every rank takes part at every step, also a rank that routed nothing."""
-        if self.setting.mode == "record":
+        if self.setting.mode is Mode.RECORD:
             recorded = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
             routes = self.routes() if recorded else None
             fingerprints = self._tokens.take_step(routes.microbatches if recorded else 0)
@@ -355,7 +374,7 @@ class ProcessSession:
 
     def finish(self) -> list[str]:
         """At the end of the job: write the last step (record); return replay problems (routes left unused)."""
-        if self.setting.mode == "record":
+        if self.setting.mode is Mode.RECORD:
             pending = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
             if pending and self._dump.world > 1 and not torch.distributed.is_initialized():
                 return [
@@ -460,20 +479,20 @@ def install(setting: Setting):
         raise UsageError(f"{ENV}: autopatch is already installed in this process")
     _check_directory(setting, state.current_rank())
     guard = agreement.from_env(
-        in_job=setting.mode in (INJOB, ROLLOUT),  # a bad setting refused before installing
-        floor_default=agreement.CHANCE if setting.mode == ROLLOUT else None,
-        numbering_default=setting.mode == ROLLOUT,
+        in_job=setting.mode in (Mode.R2, Mode.R3),  # a bad setting refused before installing
+        floor_default=agreement.CHANCE if setting.mode is Mode.R3 else None,
+        numbering_default=setting.mode is Mode.R3,
     )
     rr.apply()
     _ORDER.install()
-    if setting.mode in (INJOB, ROLLOUT):
+    if setting.mode in (Mode.R2, Mode.R3):
         _CHUNKS = injob.ChunkHooks()
         _CHUNKS.install()
         session_ = injob.InJobSession(
             selected=lambda router: selected(_ORDER, setting, router),
             original=rr.original_routing(),
-            directory=setting.directory if setting.mode == ROLLOUT else None,
-            rollout=setting.mode == ROLLOUT,
+            directory=setting.directory if setting.mode is Mode.R3 else None,
+            rollout=setting.mode is Mode.R3,
         )
     else:
         session_ = ProcessSession(setting, order=_ORDER)

@@ -35,6 +35,7 @@ import datetime
 import os
 import weakref
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -52,20 +53,21 @@ from moeverify.spec import timeouts
 MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
 DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
 DEFAULT_MAX_TOKENS = 1 << 22  # per model chunk, rank and RL step
-KINDS = ("log_prob", "training")
+PassKind = Literal["log_prob", "training"]  # a bound forward: records (R2) or replays, and what the guard counts
+KINDS: tuple[PassKind, ...] = ("log_prob", "training")
 
 add_routes = batch_routes.add_routes  # r3 with the routes handed over with the batch (batch_routes)
 drop_routes = batch_routes.drop_routes
 
 MASK_MARKS = ("tokens", "padding")  # what True (or 1) in a [B, S] attention mask marks
-_OVERRIDE: list[str] = []  # pass_kind() stack
+_OVERRIDE: list[PassKind] = []  # pass_kind() stack
 _MASK_RULE: list[str] = []  # padding_from_attention_mask() stack
 _VERSION: list[int] = []  # rollout_version() stack
 _CURRENT: list = []  # the model-chunk forward running now (chunk forwards do not nest)
 
 
 @contextlib.contextmanager
-def pass_kind(kind: str) -> Iterator[None]:
+def pass_kind(kind: PassKind) -> Iterator[None]:
     """Treat the bound model's forwards inside as ``"log_prob"`` (record) or ``"training"`` (replay) passes."""
     if kind not in KINDS:
         raise UsageError(f"pass_kind({kind!r}): expected one of {KINDS}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -410,7 +410,12 @@ class ReplaySession:
         return routers, prepared
 
     def replay(
-        self, routes: Routes, *, recompute: bool | str = "auto", fidelity: bool = False, guard: bool | None = None
+        self,
+        routes: Routes,
+        *,
+        recompute: bool | Literal["auto"] = "auto",
+        fidelity: bool = False,
+        guard: bool | None = None,
     ) -> contextlib.AbstractContextManager[None]:
         """Replay ``routes`` in the forward passes run inside (in order per layer) and in their recomputes.
 
