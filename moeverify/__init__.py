@@ -7,6 +7,7 @@ Packages by layer (imports flow down this list; ``pyproject.toml``'s import cont
 - ``runner``: the torchrun launcher and per-rank worker behind ``moeverify run``;
 - ``oracles``: the checks (export, replay, roundtrip, hf_parity);
 - ``subjects``: built-in export subjects (the exporters the export check tests);
+- ``integrations``: RL frameworks' own trainers under in-job router replay, turned on with one step (verl);
 - ``patches``: the router-replay patch of Megatron-Core and its in-job front ends;
 - ``record``: routing dumps; ``models``: tiny families built into Megatron through Megatron-Bridge; ``engines``:
   real rollout engines (vLLM) run as their own processes, driven by jobs and read back from files;

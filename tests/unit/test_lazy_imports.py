@@ -12,7 +12,7 @@ import ast
 import re
 from pathlib import Path
 
-HEAVY = ("torch", "megatron", "transformers", "safetensors", "rich", "matplotlib", "huggingface_hub")
+HEAVY = ("torch", "megatron", "transformers", "safetensors", "rich", "matplotlib", "huggingface_hub", "verl")
 LAZY = re.compile(r"#\s*lazy:\s*([\w.]+)")  # a package, or a submodule its import does not load
 
 NOT_YET: frozenset[str] = frozenset()

@@ -1,5 +1,6 @@
-"""verl 0.9.1's own Megatron actor path, unmodified, on a CPU rank under in-job R3 with the routes handed over with
-the batch (``MOEVERIFY_ROUTER_REPLAY=r3``, ``injob.add_routes(input_ids=, attention_mask=, routes=)``).
+"""verl 0.9.1's own Megatron actor path, unmodified, on a CPU rank under in-job R3, turned on as a verl user turns it
+on: ``external_lib="moeverify.integrations.verl"`` in verl's own model config, nothing else (the integration hands
+each batch's ``routed_experts`` to in-job R3; the test never calls ``injob``).
 
 verl 0.9.1 has no ``verl/workers/actor/megatron_actor.py`` (no ``MegatronPPOActor``): the actor's
 ``compute_log_prob`` and ``update_actor`` (``verl/workers/engine_workers.py``) go to the Megatron engine,
@@ -59,21 +60,30 @@ def run_peer(micro_batch_size: int) -> dict:
     return json.loads(lines[-1].split(" ", 1)[1])
 
 
-def test_verl_engine_log_prob_and_update_replay_the_batch_routes():
-    # micro-batch size 1: verl's BSHD path then pads nothing, and every real token but each request's last
-    # (the engine's unfilled row: native) takes its handed-over route in both passes
-    result = run_peer(1)
+def check(result: dict, *, padding: int) -> None:
     assert "route_error" not in result, result["route_error"]
-    assert result["held"] == result["log_probs_tokens"] == 26
-    assert result["log_prob_checked"] == result["train_checked"] == result["want"] == 4 * 22
+    assert result["installed"], "importing the integration through verl's external_lib started in-job R3"
+    assert result["log_probs_tokens"] == 47
+    # every token before its sample's last generated token on the engine's route, bitwise; from it on (the engine's
+    # missing last row, the tool's output ending trajectory 4) on the actor's own top-k; in both passes
+    assert result["log_prob"] == result["train"] == result["want"] == [4 * 38, 4 * 9]
     assert result["params_moved"] and result["grad_norm"] > 0
+    # the guard counts the routed-natively tokens apart (padding told through verl's attention mask among them:
+    # the router itself is not told), and replays 38 tokens a layer in each pass
+    assert result["guard"] == [["log_prob", 9 + padding, 38, 0], ["training", 9 + padding, 38, 0]]
+    assert result["held_after"] == 0  # a batch's routes are dropped once its forwards ran
+    bare, own = result["refusals"]
+    assert "verl's batch carries no routed_experts" in bare and "enable_rollout_routing_replay=True" in bare
+    assert "verl's own router replay is on" in own and "router_replay.mode=disabled" in own
 
 
-def test_verl_bshd_micro_batch_padding_is_not_told_to_the_model():
-    # micro-batch size 2: verl's preprocess_bshd_engine (verl/models/mcore/util.py) right-pads the micro-batch
-    # and gptmodel_forward_model_engine calls GPTModel without padding_mask in BSHD (model_forward.py, the
-    # bshd branch; it passes one only for dynamic CP), so its padding tokens are training tokens to the
-    # route check and have no route: refused, never replayed wrong
-    result = run_peer(2)
-    assert "has no route" in result.get("route_error", ""), result
-    assert "mark padding: padding_mask" in result["route_error"]
+def test_verl_engine_through_the_integration_micro_batch_1():
+    # verl's BSHD path pads nothing at micro-batch size 1
+    check(run_peer(1), padding=0)
+
+
+def test_verl_engine_through_the_integration_bshd_micro_batch_2():
+    # micro-batch size 2: verl's preprocess_bshd_engine right-pads each micro-batch and calls GPTModel with its
+    # attention mask (True = token) and no padding_mask; the integration reads that mask as the padding
+    # (3 padding tokens in each of the 3 micro-batches), and each micro-batch mixes the two policy versions
+    check(run_peer(2), padding=9)
