@@ -38,6 +38,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -169,7 +170,7 @@ class Guard:
         # engine-id x native-id pairs (``numbering``; device tensor [E * E]) or None]
         self._counts: dict[tuple[str, int], list] = {}
         self._bins: dict[tuple, torch.Tensor] = {}  # (device, top-k) -> the histogram's bin numbers
-        self._file = None
+        self._file: TextIO | None = None
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     def count(
@@ -382,7 +383,9 @@ class Guard:
         if self.floor is not None:
             if self.floor == CHANCE:  # judged where the weights are those the routes were made for (docstring)
                 judged = [r for r in judged if r["pass"] != "training" or fresh]
-            floors = {id(r): (r.get("floor") if self.floor == CHANCE else self.floor) for r in judged}
+            floors: dict[int, float | None] = {
+                id(r): r.get("floor") if isinstance(self.floor, str) else float(self.floor) for r in judged
+            }
             below = [r for r in judged if floors[id(r)] is not None and r["overlap"] < floors[id(r)]]
             if below:
                 worst = min(below, key=lambda r: r["overlap"] - floors[id(r)])
@@ -399,7 +402,7 @@ class Guard:
                     worst,
                     what,
                     worst["overlap"],
-                    floors[id(worst)],
+                    floors[id(worst)] or 0.0,
                     f"{FLOOR_ENV}={self.floor}"
                     if self.floor != CHANCE
                     else f"{FLOOR_ENV}={CHANCE}, the default of in-job replay; {FLOOR_ENV}={OFF} turns it off",
@@ -599,13 +602,14 @@ def from_env(
     if path is not None:
         _check_writable(path)
     share = _share(MIN_ENV, minimum) if minimum is not None else None
+    judged: str | float | None = floor
     if floor is None:
-        floor = floor_default
+        judged = floor_default
     elif floor == OFF:
-        floor = None
+        judged = None
     elif floor != CHANCE:
-        floor = _share(FLOOR_ENV, floor)
-    return guard(path=path, minimum=share, floor=floor, numbering=numbering, log=log)
+        judged = _share(FLOOR_ENV, floor)
+    return guard(path=path, minimum=share, floor=judged, numbering=numbering, log=log)
 
 
 def _rank() -> int:

@@ -95,6 +95,14 @@ class Setting:
                 object.__setattr__(self, "mode", Mode(self.mode))
             except ValueError:
                 raise UsageError(f"Setting(mode={self.mode!r}): expected one of {[m.value for m in Mode]}") from None
+        if self.mode in MODES and self.directory is None:
+            raise UsageError(f"Setting(mode={self.mode.value!r}): a whole-job dump needs its directory")
+
+    @property
+    def dump(self) -> Path:
+        """The dump directory of record / replay (always given there)."""
+        assert self.directory is not None, self
+        return self.directory
 
 
 def parse(value: str, model: str | None = None) -> Setting:
@@ -116,26 +124,25 @@ def parse(value: str, model: str | None = None) -> Setting:
 
 
 def _check_directory(setting: Setting, rank: int) -> None:
-    if setting.mode is Mode.R3 and setting.directory is None:  # routes handed over with the batch
+    directory = setting.directory
+    if setting.mode is Mode.R2 or directory is None:  # r2, or r3 with the routes handed over with the batch
         return
     if setting.mode is Mode.R3:  # the rollout writes its steps while the job runs; the parent must exist
-        if setting.directory.exists() and not setting.directory.is_dir():
-            raise UsageError(f"{ENV}: {setting.directory} is not a directory (the rollout routes' directory)")
-        if not setting.directory.exists() and not setting.directory.parent.is_dir():
-            raise UsageError(f"{ENV}: neither {setting.directory} nor its parent exists (a typo?)")
-        return
-    if setting.mode is Mode.R2:
+        if directory.exists() and not directory.is_dir():
+            raise UsageError(f"{ENV}: {directory} is not a directory (the rollout routes' directory)")
+        if not directory.exists() and not directory.parent.is_dir():
+            raise UsageError(f"{ENV}: neither {directory} nor its parent exists (a typo?)")
         return
     if setting.mode is Mode.RECORD:
-        if setting.directory.exists() and (not setting.directory.is_dir() or any(setting.directory.iterdir())):
+        if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
             raise UsageError(
-                f"{ENV}: record directory {setting.directory} already holds files (a previous "
+                f"{ENV}: record directory {directory} already holds files (a previous "
                 "recording?); record into a new or empty directory"
             )
-    elif not (setting.directory / "manifest.json").is_file():
+    elif not (directory / "manifest.json").is_file():
         raise UsageError(
-            f"{ENV}: {setting.directory} holds no routing dump (expected "
-            f"{setting.directory / 'manifest.json'} from a record:{setting.directory} run)"
+            f"{ENV}: {directory} holds no routing dump (expected "
+            f"{directory / 'manifest.json'} from a record:{directory} run)"
         )
 
 
@@ -162,7 +169,7 @@ class BuildOrder:
             # From the first call on (binding happens inside the first routing call, after pre-hooks ran).
             router.register_forward_pre_hook(_note_input_shape)
 
-        __init__.__wrapped__ = original
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]  # undone by uninstall()
         TopKRouter.__init__ = __init__
 
     def uninstall(self) -> None:
@@ -225,14 +232,14 @@ class ProcessSession:
         self.order = order
         self._bound: dict[int, weakref.ref] = {}
         self._native: weakref.WeakSet = weakref.WeakSet()
-        self._state = None
-        self._shape: tuple[int, int] | None = None
+        self._state: _ShapedRecording | _JobReplaying | None = None
+        self._shape: tuple[int, int] = (0, 0)  # the bound model's (num_experts, topk), from its first router
         self.step = 0
         # replay: recorded step (the optimizer-step count when it was written) -> cumulative forwards per layer
         # at its end; optimizer steps that recorded nothing (a critic's) have no entry
         self._step_ends: dict[int, int] = {}
         self._config = None  # the bound model's TransformerConfig
-        self._dump = JobDump(setting.directory) if setting.mode is Mode.RECORD else None
+        self._dump = JobDump(setting.dump) if setting.mode is Mode.RECORD else None
         self._tokens = identity.JobTokens(rank=state.current_rank)  # token fingerprints per forward
         self._first_chunks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> takes fingerprints
 
@@ -247,8 +254,8 @@ class ProcessSession:
         if self.setting.mode is Mode.RECORD:
             self._state = _ShapedRecording((), original=rr.original_routing())
             return
-        dump = record.load(self.setting.directory)
-        _check_same_job(dump, router.config, rank=self.rank, directory=self.setting.directory)
+        dump = record.load(self.setting.dump)
+        _check_same_job(dump, router.config, rank=self.rank, directory=self.setting.dump)
         per_layer: dict[int, list] = {}
         for step in sorted(dump.steps):
             # The rank's own rows in its router's order: what replay feeds back to the same routers
@@ -291,11 +298,11 @@ class ProcessSession:
             self._tokens.record(fingerprints_B)
             return
         if not self._tokens.loaded:
-            dump = record.load(self.setting.directory)
+            dump = record.load(self.setting.dump)
             # The layout first: in another layout of the same world size a rank's tokens differ too, and the
             # token check would blame the data for what the layout changed.
-            _check_same_job(dump, chunk.config, rank=self.rank, directory=self.setting.directory)
-            self._tokens.load(dump, self.setting.directory)
+            _check_same_job(dump, chunk.config, rank=self.rank, directory=self.setting.dump)
+            self._tokens.load(dump, self.setting.dump)
         self._tokens.check(fingerprints_B)
 
     def bind(self, router):
@@ -333,27 +340,30 @@ class ProcessSession:
 
         Recording is collective: every rank takes part at every step, also a rank that routed nothing."""
         if self.setting.mode is Mode.RECORD:
-            recorded = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
+            assert self._dump is not None  # made with the session in record mode
+            recording = self._state if isinstance(self._state, _ShapedRecording) else None
+            recorded = recording is not None and any(recording.per_layer.values())
             routes = self.routes() if recorded else None
-            fingerprints = self._tokens.take_step(routes.microbatches if recorded else 0)
+            fingerprints = self._tokens.take_step(routes.microbatches if routes is not None else 0)
             self._dump.write_step(
                 step=self.step,
                 routes=routes,
                 config=self._config,
-                shapes=self._state.shapes if recorded else {},
+                shapes=recording.shapes if recording is not None and recorded else {},
                 shape=self._shape,
                 fingerprints=fingerprints if recorded else None,
             )
-            if recorded:
-                for mbs in self._state.per_layer.values():
+            if recording is not None and recorded:
+                for mbs in recording.per_layer.values():
                     mbs.clear()
-                self._state.shapes.clear()
+                recording.shapes.clear()
         elif self._state is not None:
             self._check_step()
         self.step += 1
 
     def _check_step(self) -> None:
         replaying = self._state
+        assert isinstance(replaying, _JobReplaying)  # replay mode, started
         # The forwards the recording had made by the end of this optimizer step: those of the last recorded
         # step at or before it (an optimizer step that recorded nothing, say a critic's, adds none).
         done = [end for step, end in self._step_ends.items() if step <= self.step]
@@ -375,6 +385,7 @@ class ProcessSession:
     def finish(self) -> list[str]:
         """At the end of the job: write the last step (record); return replay problems (routes left unused)."""
         if self.setting.mode is Mode.RECORD:
+            assert self._dump is not None  # made with the session in record mode
             pending = isinstance(self._state, state.Recording) and any(self._state.per_layer.values())
             if pending and self._dump.world > 1 and not torch.distributed.is_initialized():
                 return [
@@ -385,7 +396,7 @@ class ProcessSession:
             if pending or self._dump.world == 1:
                 self.end_step()
             return []
-        if self._state is None:
+        if not isinstance(self._state, _JobReplaying):  # replay mode that never routed
             return []
         return [f"{ENV}: {p}" for p in self._state.problems()]
 
@@ -452,10 +463,10 @@ def _check_same_job(dump, config, *, rank: int, directory: Path) -> None:
         )
 
 
-_SESSION = None  # ProcessSession, or injob.InJobSession in r2 mode
+_SESSION: ProcessSession | injob.InJobSession | None = None  # injob.InJobSession in r2 / r3 mode
 _HOOKS: list = []
 _ORDER = BuildOrder()  # one per process: routers built under an earlier install stay numbered
-_CHUNKS = None  # injob.ChunkHooks while r2 is installed; identity.ChunkTokens under record/replay
+_CHUNKS: injob.ChunkHooks | identity.ChunkTokens | None = None  # ChunkHooks in r2 / r3; ChunkTokens otherwise
 
 
 def _at_exit() -> None:
@@ -485,6 +496,7 @@ def install(setting: Setting):
     )
     rr.apply()
     _ORDER.install()
+    session_: ProcessSession | injob.InJobSession
     if setting.mode in (Mode.R2, Mode.R3):
         _CHUNKS = injob.ChunkHooks()
         _CHUNKS.install()
@@ -495,9 +507,10 @@ def install(setting: Setting):
             rollout=setting.mode is Mode.R3,
         )
     else:
-        session_ = ProcessSession(setting, order=_ORDER)
-        _CHUNKS = identity.ChunkTokens(session_.note_forward)  # token identity of each forward
+        process = ProcessSession(setting, order=_ORDER)
+        _CHUNKS = identity.ChunkTokens(process.note_forward)  # token identity of each forward
         _CHUNKS.install()
+        session_ = process
     _HOOKS.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: session_.end_step()))
     if guard is not None:  # MOEVERIFY_AGREEMENT: the live agreement guard, ended with the session
         _HOOKS.append(types.SimpleNamespace(remove=agreement.stop))

@@ -24,6 +24,7 @@ from moeverify.routing.views import job_layout
 from moeverify.spec import timeouts
 
 if TYPE_CHECKING:  # annotations only
+    from moeverify.record.format import ModelInfo
     from moeverify.routing.views import RankCoords
     from moeverify.spec.layout import Layout
 
@@ -36,7 +37,7 @@ class JobDump:
         self.layout: Layout | None = None
         self.coords: RankCoords | None = None
         self.world = 1
-        self.model = None
+        self.model: ModelInfo | None = None  # agreed by every rank at the first step that routed (``_start``)
         self._group = None
 
     def _collective_group(self):
@@ -107,6 +108,7 @@ class JobDump:
                 num_experts=shape[0] if shape else 0,
                 topk=shape[1] if shape else 0,
             )
+        assert self.model is not None and self.coords is not None and self.layout is not None  # set by _start
         with RankWriter(
             self.directory,
             model=self.model,
@@ -134,5 +136,6 @@ class JobDump:
         batches = {b for _, b in first}
         if len(batches) != 1:
             return None, None
+        assert self.layout is not None  # set by _start
         scale = (self.layout.tp if self.layout.sp else 1) * self.layout.cp
         return [s * scale for s, _ in first], batches.pop()

@@ -301,9 +301,9 @@ def add_routes(
         native_S = _declared(n, tokens_S.size, where)
         requests.append((tokens_S, _declare(routes_RWK, native_S, emap), said, physical))
         declared.append(native_S)
-    said = {n for _, _, n, _ in requests if n is not None} | ({numbering} if numbering else set())
-    if len(said) > 1:
-        raise UsageError(f"add_routes: the routes say layer numberings {sorted(said)}; one engine's")
+    named = {n for _, _, n, _ in requests if n is not None} | ({numbering} if numbering else set())
+    if len(named) > 1:
+        raise UsageError(f"add_routes: the routes say layer numberings {sorted(named)}; one engine's")
     if any(p for _, _, _, p in requests) and expert_map is None:
         raise UsageError(
             "add_routes: the engine recorded physical expert slots (EPLB); give "
@@ -312,7 +312,7 @@ def add_routes(
     widths = {r.shape[1:] for _, r, _, _ in requests}
     if len(widths) != 1:
         raise UsageError(f"add_routes: routes of shapes [*, W, K] {sorted(widths)}; one engine's")
-    code = rw.NUMBERINGS[said.pop() if said else None]
+    code = rw.NUMBERINGS[named.pop() if named else None]
     for v in sorted(set(versions)):
         at = [i for i, rv in enumerate(versions) if rv == v]
         held = [requests[i] for i in at]

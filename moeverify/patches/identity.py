@@ -99,17 +99,20 @@ class JobTokens:
         """The step's fingerprints, one per micro-batch; None when any forward's identity is unknown (no
         ``input_ids``) or the forwards do not match the micro-batches one to one."""
         taken, self._taken = self._taken, []
-        if len(taken) != microbatches or any(t is None for t in taken):
+        known = [t for t in taken if t is not None]
+        if len(taken) != microbatches or len(known) != len(taken):
             return None
-        return taken
+        return known
 
     def check(self, got_B: torch.Tensor | None) -> None:
         """Replay: ``RouteError`` if this forward's input sequences are not the recorded forward's."""
         index = self._forward
         self._forward += 1
-        if got_B is None or index >= len(self._expected):
+        expected = self._expected
+        assert expected is not None  # loaded before the first check (``loaded``)
+        if got_B is None or index >= len(expected):
             return  # identity unknown here, or a forward past the recording (the step check refuses that)
-        step, mb, want_B = self._expected[index]
+        step, mb, want_B = expected[index]
         if want_B is None:
             return
         where = f"rank {self._rank()} forward {index} (recorded step {step}, micro-batch {mb})"
@@ -125,7 +128,7 @@ class JobTokens:
             first = differ[0]
             moved = [
                 (s, m)
-                for s, m, other_B in self._expected
+                for s, m, other_B in expected
                 if other_B is not None and other_B.shape == got_B.shape and bool((other_B == got_B).all())
             ]
             if moved:  # the sequences of another recorded forward: the same data, fed or batched otherwise

@@ -62,7 +62,7 @@ drop_routes = batch_routes.drop_routes
 MASK_MARKS = ("tokens", "padding")  # what True (or 1) in a [B, S] attention mask marks
 _OVERRIDE: list[PassKind] = []  # pass_kind() stack
 _MASK_RULE: list[str] = []  # padding_from_attention_mask() stack
-_VERSION: list[int] = []  # rollout_version() stack
+_VERSION: list[int | torch.Tensor] = []  # rollout_version() stack
 _CURRENT: list = []  # the model-chunk forward running now (chunk forwards do not nest)
 
 
@@ -468,10 +468,12 @@ class InJobState:
         if fwd.found is None:
             fwd.table, fwd.found = table, table.lookup(keys, version=fwd.version)
             fwd.check = lambda: _checked(table, fwd, layer=layer, rank=rank)
-        ids_TK = fwd.table.ids(layer, fwd.found)
+        held, found = fwd.table, fwd.found
+        assert held is not None and found is not None  # looked up at the forward's first routing call
+        ids_TK = held.ids(layer, found)
         region = regions.forward_region()
         if region is not None:
-            replay_state.bind_forward(region, router, self, layer, _ReplayIds(ids_TK, fwd.found.native_T, fwd.kind))
+            replay_state.bind_forward(region, router, self, layer, _ReplayIds(ids_TK, found.native_T, fwd.kind))
         replay_state.mark_replayed(router)
         return _ReplayIds(ids_TK, fwd.found.native_T, fwd.kind)
 
@@ -510,11 +512,12 @@ class RolloutState(InJobState):
 
 def _checked(table: RouteTable, fwd: ChunkForward, *, layer: int, rank: int) -> None:
     """``table.check`` of a forward's lookup; a refusal names how an untold BSHD padding could be told."""
+    found = fwd.found
+    assert found is not None  # the check runs after the forward's lookup
     try:
-        table.check(fwd.found, layer=layer, rank=rank)
+        table.check(found, layer=layer, rank=rank)
     except RouteError as exc:
-        found = fwd.found
-        first = int(found.bad_T.nonzero()[0]) if found is not None and bool(found.bad_T.any()) else None
+        first = int(found.bad_T.nonzero()[0]) if bool(found.bad_T.any()) else None
         hint = fwd.padding_hint() if first is not None and not bool(found.found_T[first]) else ""
         if not hint:  # a route of another kind (conflicting, another version): padding is not the question
             raise

@@ -32,7 +32,7 @@ class ModelInitHooks:
             if post is not None:
                 model.register_forward_hook(post, with_kwargs=True, always_call=True)
 
-        __init__.__wrapped__ = original
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]  # undone by uninstall()
         GPTModel.__init__ = __init__
 
     def uninstall(self) -> None:

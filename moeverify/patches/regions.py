@@ -25,6 +25,7 @@ mechanism has no known region: callers refuse it rather than guess.
 from __future__ import annotations
 
 import sys
+import types
 import weakref
 from typing import Any
 
@@ -56,7 +57,7 @@ def _hook_cells() -> dict[str, Any]:
 
 
 def _reentrant_ctx() -> BackwardCFunction | None:
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_MAX_DEPTH):
         if frame is None:
             return None

@@ -545,6 +545,7 @@ class Replaying:
                 fused=False,
             )
             agree = native_TE.gather(1, ids_TK).all(dim=1).sum()
+        assert self.fidelity is not None  # counted only when asked (``fidelity=True``)
         counts = self.fidelity.setdefault(layer, [torch.zeros((), dtype=torch.int64, device=agree.device), 0])
         counts[0] += agree
         counts[1] += int(ids_TK.shape[0])

@@ -81,7 +81,10 @@ class Step:
             raise RouteError(f"{self.where}: numbering code {code} is none of {sorted(_NUMBERING)}")
         self.numbering = _NUMBERING[code]
         maps = [p.get("expert_map") for p in parts]
-        if any(m is not None for m in maps) and not all(m is not None and np.array_equal(m, maps[0]) for m in maps):
+        first = maps[0]
+        if any(m is not None for m in maps) and (
+            first is None or not all(m is not None and np.array_equal(m, first) for m in maps)
+        ):
             raise RouteError(f"{self.where}: some parts carry an expert_map and others another or none")
         self.expert_map = maps[0]
         self.parts = parts

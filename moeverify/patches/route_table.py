@@ -75,6 +75,9 @@ class Lookup:
     ids_TLK: torch.Tensor | None = None  # every layer's ids of the forward, gathered at its first layer
 
 
+_NONE = torch.empty(0)  # a frozen table's tensors before ``freeze`` (``RouteTable.frozen``: not this one)
+
+
 class RouteTable:
     """Routes keyed by token; see the module docstring.
 
@@ -100,22 +103,23 @@ class RouteTable:
         self.tokens = 0
         self._keys: list[torch.Tensor] = []  # keys_2T per forward
         self._native: list[torch.Tensor | None] = []  # native_T per forward
-        self.native_G: torch.Tensor | None = None
+        # frozen: set by ``freeze`` (empty before)
+        self.native_G: torch.Tensor = _NONE
         self.any_native = False
         self._ids: dict[int, list[torch.Tensor]] = {}
         self._unsorted = False  # some ids added with rows not yet ascending (``add_ids``)
-        self.keys_2G: torch.Tensor | None = None  # sorted by the first half
-        self.conflict_G: torch.Tensor | None = None
-        self.ids_GLK: torch.Tensor | None = None  # frozen: every layer's ids, one gather serves a forward
+        self.keys_2G: torch.Tensor = _NONE  # sorted by the first half
+        self.conflict_G: torch.Tensor = _NONE
+        self.ids_GLK: torch.Tensor = _NONE  # every layer's ids, one gather serves a forward
         self.layer_index: dict[int, int] = {}  # global layer -> its column in ids_GLK
         self.versions: list[int] = []  # rollout versions held (newest first); empty: one unversioned recording
         self._forward_version: list[int] = []  # per recorded forward, its index in ``versions``
-        self.xconflict_G: torch.Tensor | None = None  # versioned: the token's route differs in another version
+        self.xconflict_G: torch.Tensor = _NONE  # versioned: the token's route differs in another version
         self._salts: dict = {}  # frozen, versioned: device -> version_salt(self.versions) (``_versioned``)
 
     @property
     def frozen(self) -> bool:
-        return self.keys_2G is not None
+        return self.keys_2G is not _NONE
 
     def add_forward(
         self, keys: TokenKeys, *, rank: int, native_T: torch.Tensor | None = None, version: int | None = None
@@ -277,7 +281,7 @@ class RouteTable:
         if not self.frozen:
             raise RouteError("nbytes() of a table still recording")
         tensors = [self.keys_2G, self.conflict_G, self.native_G, self.ids_GLK]
-        if self.xconflict_G is not None:
+        if self.xconflict_G is not _NONE:
             tensors.append(self.xconflict_G)
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -421,6 +425,8 @@ class RouteTable:
     def ids(self, layer: int, found: Lookup) -> torch.Tensor:
         """This layer's recorded ids ``[T, K]`` (int64) for a looked-up forward: the forward's first call gathers
         every layer's at once (one gather and one cast a forward, not one each per layer)."""
-        if found.ids_TLK is None:
-            object.__setattr__(found, "ids_TLK", self.ids_GLK[found.index_T].long())
-        return found.ids_TLK[:, self.layer_index[layer]]
+        ids_TLK = found.ids_TLK
+        if ids_TLK is None:
+            ids_TLK = self.ids_GLK[found.index_T].long()
+            object.__setattr__(found, "ids_TLK", ids_TLK)
+        return ids_TLK[:, self.layer_index[layer]]

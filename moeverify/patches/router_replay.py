@@ -83,8 +83,8 @@ def apply() -> None:
         return
     api = compat.detect(allow_replaced=True)
     _ORIGINAL_ROUTING = api.routing
-    _patched_routing.__moeverify_original__ = api.routing
-    api.router_cls.routing = _patched_routing
+    _patched_routing.__moeverify_original__ = api.routing  # type: ignore[attr-defined]  # a marker on the function
+    api.router_cls.routing = _patched_routing  # type: ignore[attr-defined]  # megatron's TopKRouter, found at run time
 
 
 def revert() -> None:
@@ -238,7 +238,7 @@ class ReplaySession:
             raise UsageError(
                 "ReplaySession found no TopKRouter in the model chunks (a dense model has nothing to replay)"
             )
-        routers = [router for _, router in found.values()]
+        routers: list[Any] = [router for _, router in found.values()]  # megatron's TopKRouters
         for router in routers:
             if "router_replay" not in router.__dict__:
                 raise EnvironmentProblem(
@@ -250,10 +250,15 @@ class ReplaySession:
         self._chunks = [weakref.ref(chunk) for chunk in chunks if isinstance(chunk, torch.nn.Module)]
         # A pipeline stage of an MoE model holding only dense layers binds no router: it records and
         # replays no layer, with the model's expert count and top-k.
-        shapes = {(r.num_experts, r.topk) for r in routers} or {(stage.num_moe_experts, stage.moe_router_topk)}
+        shapes: set[tuple[int, int]] = {(r.num_experts, r.topk) for r in routers}
+        if not shapes:
+            assert stage is not None  # a dense stage: found no router, so moe_stage_config gave its config
+            shapes = {(int(stage.num_moe_experts), int(stage.moe_router_topk))}
         if len(shapes) > 1:
             raise UsageError(f"routers of one session disagree on (num_experts, topk): {sorted(shapes)}")
-        ((self.num_experts, self.topk),) = shapes
+        ((num_experts, topk),) = shapes
+        self.num_experts: int = num_experts
+        self.topk: int = topk
         self.disable_fusion = disable_fusion
         self._state: Recording | Replaying | None = None
         self._recording: Recording | None = None
@@ -340,6 +345,7 @@ class ReplaySession:
                 "must record the same number (> 0) of forwards"
             )
         routes = Routes(self._recording.per_layer, num_experts=self.num_experts, topk=self.topk).in_order("router")
+        assert self._origin is not None  # set with the recording when its block exited
         replay_inputs.register(routes, self._origin)  # replay checks the model and the token ids against these
         return routes
 
@@ -525,7 +531,9 @@ class _ReplayBlock:
     def __init__(self, session: ReplaySession, routes: Routes, recompute, fidelity: bool, judge: bool):
         self.session, self.routes, self.recompute, self.fidelity = session, routes, recompute, fidelity
         self.judge = judge
-        self.agreement = None  # the block's own agreement guard (``judge`` and no guard of the job's)
+        self.agreement: agreement.Guard | None = (
+            None  # the block's own agreement guard (``judge`` and no guard of the job's)
+        )
 
     def __enter__(self) -> None:
         if self.recompute not in ("auto", True, False):

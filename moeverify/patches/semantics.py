@@ -185,6 +185,7 @@ def _select(select_TE: torch.Tensor, mode: RoutingMode) -> torch.Tensor:
     """Native selection: plain top-k, or top-k inside the best ``group_topk`` groups."""
     T, E = select_TE.shape
     if mode.group_topk:
+        assert mode.num_groups  # RoutingMode refuses group_topk without num_groups
         per_group = E // mode.num_groups
         grouped_TGe = select_TE.view(T, mode.num_groups, per_group)
         best = grouped_TGe.sort(dim=-1, descending=True).values[..., : mode.topk // mode.group_topk]
