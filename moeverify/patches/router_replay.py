@@ -565,6 +565,7 @@ class _ReplayBlock:
             self.saved_fusion = session._hold(self.replaying, self.routers)
             if self.judge and agreement.ACTIVE is None:  # the settings of in-job R3 (MOEVERIFY_AGREEMENT_*)
                 self.agreement = agreement.from_env(in_job=True, floor_default=agreement.CHANCE, numbering_default=True)
+                agreement.note_forward()  # every rank decides at the next optimizer step, a dense stage's too
         except BaseException:
             if self.inputs is not None:
                 self.inputs.close()
