@@ -312,15 +312,11 @@ class Guard:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         table = torch.zeros(world, len(mine), dtype=torch.float64, device=device)
         table[group_rank] = torch.tensor(mine, dtype=torch.float64)
-        work = dist.all_reduce(table, group=self.group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_S))
-        except RuntimeError as exc:
-            raise RouteError(
-                f"agreement guard: step {self.step} rank {rank}: the ranks did not all reach the step's decision "
-                f"within {timeouts.COLLECTIVE_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a rank ran no forward of "
-                f"the bound model this step, or another optimizer steps in between? ({exc})"
-            ) from exc
+        wait_bounded(
+            dist.all_reduce(table, group=self.group, async_op=True),
+            f"agreement guard: step {self.step} rank {rank}: the ranks did not all reach the step's decision",
+            "a rank ran no forward of the bound model this step, or another optimizer steps in between?",
+        )
         return table.tolist()
 
     def _row(self, kind: str, layer: int, counts: list, rank: int) -> dict:
@@ -615,6 +611,17 @@ def from_env(
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def wait_bounded(work, what: str, why: str) -> None:
+    """Wait for an async collective at most ``timeouts.COLLECTIVE_S``; past it ``RouteError``: ``what`` did not
+    finish within it, ``why`` (the likely cause)."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_S))
+    except RuntimeError as exc:
+        raise RouteError(
+            f"{what} within {timeouts.COLLECTIVE_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): {why} ({exc})"
+        ) from exc
 
 
 def _world(group=None) -> int:

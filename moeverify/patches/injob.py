@@ -31,7 +31,6 @@ forward gets; a stage fed only hidden states raises ``RouteError`` naming the st
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import weakref
 from collections.abc import Iterator
@@ -48,7 +47,6 @@ from moeverify.patches.model_hooks import ModelInitHooks
 from moeverify.patches.rollout_source import RolloutSource
 from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
-from moeverify.spec import timeouts
 
 MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
 DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
@@ -289,15 +287,11 @@ def _gather_cp(ids: torch.Tensor, group, *, cp: int, layer: int, rank: int) -> l
 
     def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(cp)]
-        work = dist.all_gather(out, t, group=group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_S))
-        except RuntimeError as e:
-            raise RouteError(
-                f"layer {layer} rank {rank}: gathering the CP group's {what} for token keys did not "
-                f"finish within {timeouts.COLLECTIVE_S} s (MOEVERIFY_COLLECTIVE_TIMEOUT_S): a CP rank "
-                f"did not run this forward? ({e})"
-            ) from e
+        agreement.wait_bounded(
+            dist.all_gather(out, t, group=group, async_op=True),
+            f"layer {layer} rank {rank}: gathering the CP group's {what} for token keys did not finish",
+            "a CP rank did not run this forward?",
+        )
         return out
 
     ids = ids.contiguous()
