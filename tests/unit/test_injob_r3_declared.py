@@ -4,7 +4,13 @@
   sequence a micro-batch): read under ``injob.padding_from_attention_mask``, refused without it naming the ways out;
 - tokens the engine never routed (a multi-turn trajectory ending in a tool's output: verl's zero rows after the last
   generation) declared with ``add_routes(native=)``: trained, routed as the actor's own routing routes them
-  (``torch.topk`` of the router's logits decides), counted apart by the agreement guard; undeclared, a capture gap.
+  (``torch.topk`` of the router's logits decides), counted apart by the agreement guard; undeclared, a capture gap;
+- the recipes of docs/use-rl-job.md for slime's and NeMo-RL's batches, on batches laid out as their code lays them
+  out: slime's per-sample ``tokens`` and ``rollout_routed_experts`` ``[len(tokens) - 1, num_layers, topk]`` (every
+  decoder layer: ``slime/utils/types.py``, ``Sample`` and its routed-experts decode; ``slime/ray/rollout.py``,
+  ``train_data``), NeMo-RL's flat right-padded ``input_ids`` / ``input_lengths`` / ``routed_experts`` with its all -1
+  missing-route sentinel on tokens no generation routed (``nemo_rl/experience/rollouts.py``,
+  ``backfill_missing_routed_experts``).
 
 The engine is a second model of other weights run one request at a time; a spy on the actor's routers reads what
 Megatron used, checked token by token against what the engine routed.
@@ -218,4 +224,79 @@ def test_injob_r3_native_declared_on_a_padded_batch(world):
         assert all(torch.equal(ids_TK[s], ra[s, layer]) for s in range(last)), layer
     for layer, ids_TK in calls[len(LAYERS) :]:
         assert all(torch.equal(ids_TK[s], rb[s, layer]) for s in range(len(other) - 1)), layer
+    injob.drop_routes()
+
+
+def slime_requests(rollout_data):
+    """docs/use-rl-job.md's slime recipe: per sample its tokens and routes, the rows past the engine's last routed
+    token (a tool's output appended after the last generation) declared native."""
+    sequences, routes, native = [], [], []
+    for tokens, routed in zip(rollout_data["tokens"], rollout_data["rollout_routed_experts"], strict=True):
+        tokens = torch.as_tensor(tokens)
+        routed = torch.as_tensor(routed)
+        unrouted = torch.zeros(len(tokens), dtype=torch.bool)
+        unrouted[routed.shape[0] :] = True
+        missing = len(tokens) - 1 - routed.shape[0]
+        sequences.append(tokens)
+        routes.append(torch.cat([routed, routed.new_full((missing, *routed.shape[1:]), -1)]))
+        native.append(unrouted)
+    return sequences, routes, native
+
+
+def nemo_rl_batch(flat):
+    """docs/use-rl-job.md's NeMo-RL recipe: the flat batch's mask from ``input_lengths``, the all -1 rows NeMo-RL puts
+    where no generation routed a token declared native."""
+    width = flat["input_ids"].shape[1]
+    mask = torch.arange(width)[None, :] < flat["input_lengths"][:, None]
+    unrouted = (flat["routed_experts"] == -1).flatten(2).all(dim=2) & mask
+    return dict(input_ids=flat["input_ids"], attention_mask=mask, routes=flat["routed_experts"], native=unrouted)
+
+
+def test_injob_r3_slime_and_nemo_rl_layouts_through_their_recipes(world):
+    actor, engine, vocab = world
+    tool, last = trajectory(vocab, SEED + 4)
+    single = random_sequences(vocab, [7], SEED + 5)[0]
+    r_tool, r_single = engine_routes(engine, [tool, single])
+    k = r_tool.shape[-1]
+    # slime: rows for every token but the last; the tool-output sample's rows stop at its last generation
+    rollout_data = {
+        "tokens": [single.tolist(), tool.tolist()],
+        "rollout_routed_experts": [r_single[:-1].int(), r_tool[:last].int()],
+    }
+    sequences, routes, native = slime_requests(rollout_data)
+    layouts = {
+        # version: the rollout_id slime's actor trains on; numbering: every decoder layer (args.num_layers)
+        "slime": lambda: injob.add_routes(
+            version=7, numbering="decoder", sequences=sequences, routes=routes, native=native
+        ),
+        # NeMo-RL: flat, right-padded; the tool output after the last generation and the sampled last token of each
+        # generation carry the all -1 sentinel
+        "nemo_rl": lambda: injob.add_routes(version=7, **nemo_rl_batch(flat)),
+    }
+    width = len(tool) + 2
+    flat = {
+        "input_ids": torch.zeros(2, width, dtype=torch.long),
+        "input_lengths": torch.tensor([len(single), len(tool)]),
+        "routed_experts": torch.zeros(2, width, len(LAYERS), k, dtype=torch.int16),
+    }
+    flat["input_ids"][0, : len(single)], flat["input_ids"][1, : len(tool)] = single, tool
+    flat["routed_experts"][0, : len(single) - 1] = r_single[:-1]
+    flat["routed_experts"][0, len(single) - 1] = -1
+    flat["routed_experts"][1, :last] = r_tool[:last]
+    flat["routed_experts"][1, last : len(tool)] = -1
+    for name, hand_over in layouts.items():
+        injob.drop_routes()
+        hand_over()
+        spy = Natives(actor)
+        try:
+            with torch.no_grad():
+                for seq in (single, tool):
+                    actor(seq[None], torch.arange(len(seq))[None], None)
+        finally:
+            spy.close()
+        ends = [len(single) - 1] * len(LAYERS) + [last] * len(LAYERS)
+        wants = [r_single] * len(LAYERS) + [r_tool] * len(LAYERS)
+        for (layer, used_TK, native_TK), end, want in zip(spy.calls, ends, wants, strict=True):
+            assert torch.equal(used_TK[:end], want[:end, layer]), (name, layer)
+            assert torch.equal(used_TK[end:], native_TK[end:]), (name, layer)
     injob.drop_routes()
