@@ -46,7 +46,8 @@ REPLAY_WHOLE_MODEL = {
     "backward_order": "under pipeline parallelism its hand-written loops run on a 1-rank build",
 }
 REPLAY_IN_LAYOUT = tuple(s for s in REPLAY_SUBCHECKS if s not in REPLAY_WHOLE_MODEL)
-RECOMPUTE_MODES = {  # the replay recompute subcheck's modes: the TransformerConfig settings each one builds with
+# the replay recompute subcheck's modes: the TransformerConfig settings each one builds with
+RECOMPUTE_MODES: dict[str, dict[str, object]] = {
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
 }

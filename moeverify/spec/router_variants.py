@@ -17,7 +17,8 @@ from moeverify.errors import UsageError
 
 
 class _Traits(Protocol):  # moeverify.spec.models.traits.ModelTraits, as far as the variants read it
-    expert_bias: bool
+    @property
+    def expert_bias(self) -> bool: ...  # read-only: ModelTraits is frozen
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

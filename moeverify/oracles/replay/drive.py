@@ -102,11 +102,17 @@ class PassResult:
     logits: dict[int, torch.Tensor]  # mb -> [B, S_local, V] (last stage only)
     seq_loss: dict[int, torch.Tensor]  # mb -> [B] token-CE sums per sequence over this rank's positions
     grads: dict[str, torch.Tensor | grad_print.GradPrint]  # "chunk.param" -> gradient or, when large, its print
-    routes: object = None  # Routes recorded by the implementation (record passes)
     router_logits: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)  # -> logits_TE
 
     def topk_ids(self, layer: int, mb: int) -> torch.Tensor:
         return topk_ids_from_map(self.routing[(layer, mb)][0])
+
+
+@dataclasses.dataclass(kw_only=True)
+class RecordedPass(PassResult):
+    """A log-prob pass (``record_pass``): what it produced, and the routes the implementation recorded."""
+
+    routes: Routes  # on the host
 
 
 class RouterProbe:
@@ -122,7 +128,7 @@ class RouterProbe:
         self.forward: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.recompute: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in self.routers}
         self.logits: dict[tuple[int, int], torch.Tensor] | None = {} if logits else None
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> RouterProbe:
         for layer, (_, router) in self.routers.items():
@@ -166,8 +172,8 @@ def _new_step(model_chunks: list) -> None:
                 p.main_grad.zero_()
 
 
-def _grads(model_chunks: list) -> dict[str, torch.Tensor]:
-    out = {}
+def _grads(model_chunks: list) -> dict[str, torch.Tensor | grad_print.GradPrint]:
+    out: dict[str, torch.Tensor] = {}
     for c, chunk in enumerate(model_chunks):
         for name, p in chunk.named_parameters():
             g = getattr(p, "main_grad", None)
@@ -329,17 +335,19 @@ def loop_pass(
     return _finish(result, probe, model_chunks, grads=True, shape=shape)
 
 
-def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl) -> PassResult:
+def record_pass(model_chunks: list, items: list[MicroBatch], *, seq_len: int, impl: ReplayImpl) -> RecordedPass:
     """The log-prob pass: forward only, no grad, routes recorded by ``impl``."""
     with impl.record():
         result = run_pass(model_chunks, items, seq_len=seq_len, forward_only=True, impl=impl)
     routes = impl.routes()
-    result.routes = Routes(
-        {layer: [routes.get(layer, mb).cpu() for mb in range(routes.microbatches)] for layer in routes.layers},
-        num_experts=routes.num_experts,
-        topk=routes.topk,
+    return RecordedPass(
+        **{f.name: getattr(result, f.name) for f in dataclasses.fields(result)},
+        routes=Routes(
+            {layer: [routes.get(layer, mb).cpu() for mb in range(routes.microbatches)] for layer in routes.layers},
+            num_experts=routes.num_experts,
+            topk=routes.topk,
+        ),
     )
-    return result
 
 
 def replay_pass(

@@ -43,7 +43,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from moeverify.oracles.replay.impls import MoeverifyReplay, NativeReplay
+from moeverify.oracles.replay.impls import MoeverifyReplay, NativeReplay, replay_object
 from moeverify.patches import replay_state
 
 
@@ -51,15 +51,16 @@ class _WrongMicrobatch(NativeReplay):
     name = "wrong_microbatch"
 
     def target(self, layer: int, mb: int) -> torch.Tensor:
-        return self._replaying.get(layer, (mb + 1) % self._replaying.microbatches)
+        routes = self._replayed()
+        return routes.get(layer, (mb + 1) % routes.microbatches)
 
 
 class _LayerShift(NativeReplay):
     name = "layer_shift"
 
     def target(self, layer: int, mb: int) -> torch.Tensor:
-        layers = self._replaying.layers
-        return self._replaying.get(layers[(layers.index(layer) + 1) % len(layers)], mb)
+        routes = self._replayed()
+        return routes.get(routes.layers[(routes.layers.index(layer) + 1) % len(routes.layers)], mb)
 
 
 class _DetachedProbs(NativeReplay):
@@ -69,7 +70,7 @@ class _DetachedProbs(NativeReplay):
         super().bind(model_chunks)
         replays = (self.action_enum.REPLAY_FORWARD, self.action_enum.REPLAY_BACKWARD)
         for _, router in self._routers.values():
-            rr = router.router_replay
+            rr = replay_object(router)
             original = type(rr).get_replay_topk.__get__(rr)
 
             def detached(*args, _original=original, _rr=rr, **kwargs):
@@ -94,7 +95,7 @@ class _ReversedSlots(NativeReplay):
     name = "reversed_slots"
 
     def target(self, layer: int, mb: int) -> torch.Tensor:
-        return self._replaying.get(layer, mb).flip(1)
+        return self._replayed().get(layer, mb).flip(1)
 
 
 class _OneRankCrash(NativeReplay):
@@ -201,7 +202,7 @@ class _OneTokenOneLayerRoute(NativeReplay):
 
     def target(self, layer: int, mb: int) -> torch.Tensor:
         routes_TK = super().target(layer, mb)
-        if layer != self._replaying.layers[0] or mb != 0:
+        if layer != self._replayed().layers[0] or mb != 0:
             return routes_TK
         routes_TK = routes_TK.clone()
         row = set(routes_TK[0].tolist())
@@ -215,7 +216,7 @@ class _OneUlpOneProb(NativeReplay):
     def bind(self, model_chunks: list) -> None:
         super().bind(model_chunks)
         _, router = self._routers[min(self._routers)]
-        rr = router.router_replay
+        rr = replay_object(router)
         original = type(rr).get_replay_topk.__get__(rr)
         pending = [True]  # the first replayed forward call of this build only
 

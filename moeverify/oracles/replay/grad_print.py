@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -149,7 +150,7 @@ class Batch:
     digest does not depend on the tensors it was made with (each row is summed on its own, in wrapping integer
     arithmetic); sums and extrema, for messages only, may differ in the last bits of the float64 sum."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._done: dict = {}  # key -> GradPrint (host digests, made at once)
         self._pending: dict = {}  # (device, dtype, numel) -> [(key, shape, tensor)], digested in ``finish``
 
@@ -212,10 +213,12 @@ def keep(t: torch.Tensor) -> torch.Tensor | GradPrint:
     return keep_all({None: t})[None]
 
 
-def keep_all(grads: dict) -> dict:
+def keep_all[K: Hashable](grads: Mapping[K, torch.Tensor]) -> dict[K, torch.Tensor | GradPrint]:
     """``keep`` of every ``{key: gradient}``: the small ones copied to the host together (one copy per device and
     dtype), the GPU prints read back with one host sync."""
-    out, batch, small = {}, Batch(), {}
+    out: dict[K, torch.Tensor | GradPrint] = {}
+    batch = Batch()
+    small: dict[tuple[torch.device, torch.dtype], list[tuple[K, torch.Tensor]]] = {}
     for key, t in grads.items():
         if t.numel() <= KEEP:
             small.setdefault((t.device, t.dtype), []).append((key, t.detach()))

@@ -36,7 +36,8 @@ import io
 import os
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -46,6 +47,9 @@ from moeverify.patches.routers import find_routers
 from moeverify.routing.routes import Routes
 from moeverify.spec import plugins
 from moeverify.spec.checks import REPLAY_IMPLS
+
+if TYPE_CHECKING:  # megatron ships no types: Any to mypy, named for the reader
+    from megatron.core.transformer.moe.router import TopKRouter
 
 IMPLS = REPLAY_IMPLS  # declared in moeverify.spec.checks
 
@@ -149,6 +153,31 @@ class ReplayImpl(abc.ABC):
         return []
 
 
+class RouterReplayObject(Protocol):
+    """A router's ``router_replay`` object as ``ActionReplay`` drives it (Megatron-Core's ``RouterReplay``, verl's
+    copy)."""
+
+    router_replay_action: Any  # the implementation's RouterReplayAction member, or None
+    replay_backward_list: list[torch.Tensor]  # the targets queued for recompute
+    # the replayed (probs, ids) of a router call; faulty's mutants wrap it on the instance
+    get_replay_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def set_target_indices(self, topk_indices: torch.Tensor) -> None: ...
+
+    def get_recorded_indices(self) -> torch.Tensor | None: ...
+
+    def set_router_replay_action(self, router_replay_action: Any) -> None: ...
+
+    def clear_router_replay_action(self) -> None: ...
+
+    def clear_indices(self) -> None: ...
+
+
+def replay_object(router: TopKRouter) -> RouterReplayObject:
+    """``router``'s ``router_replay`` object (``ActionReplay.bind`` checked that it has one)."""
+    return cast(RouterReplayObject, router.router_replay)
+
+
 class ActionReplay(ReplayImpl):
     """Drives a per-router ``router_replay`` object with RECORD / REPLAY_FORWARD / REPLAY_BACKWARD actions.
 
@@ -158,10 +187,10 @@ class ActionReplay(ReplayImpl):
     also holds routers of every model built earlier in the process).
     """
 
-    action_enum = None  # the implementation's RouterReplayAction
+    action_enum: Any = None  # the implementation's RouterReplayAction (an Enum class), set by subclasses
 
     def __init__(self) -> None:
-        self._routers: dict[int, tuple[int, torch.nn.Module]] = {}
+        self._routers: dict[int, tuple[int, TopKRouter]] = {}
         self._recorded: dict[int, dict[int, torch.Tensor]] = {}
         self._replaying: Routes | None = None
         self._mode: str | None = None
@@ -173,7 +202,8 @@ class ActionReplay(ReplayImpl):
         return {"moe_enable_routing_replay": True}
 
     def bind(self, model_chunks: list) -> None:
-        self._routers = find_routers(model_chunks)
+        routers: dict[int, tuple[int, TopKRouter]] = find_routers(model_chunks)
+        self._routers = routers
         missing = [layer for layer, (_, r) in self._routers.items() if getattr(r, "router_replay", None) is None]
         if missing:
             raise MoEVerifyError(
@@ -188,24 +218,29 @@ class ActionReplay(ReplayImpl):
     def unbind(self) -> None:
         self._routers, self._recorded, self._replaying = {}, {}, None
 
-    def _chunk_routers(self, chunk: int) -> Iterator[tuple[int, torch.nn.Module]]:
+    def _chunk_routers(self, chunk: int) -> Iterator[tuple[int, RouterReplayObject]]:
         for layer, (c, router) in self._routers.items():
             if c == chunk:
-                yield layer, router.router_replay
+                yield layer, replay_object(router)
 
-    def _set_all(self, action) -> None:
+    def _set_all(self, action: Any) -> None:
         for _, router in self._routers.values():
             if action is None:
-                router.router_replay.clear_router_replay_action()
+                replay_object(router).clear_router_replay_action()
             else:
-                router.router_replay.set_router_replay_action(action)
+                replay_object(router).set_router_replay_action(action)
 
     def _clear(self) -> None:
         for _, router in self._routers.values():
-            router.router_replay.clear_indices()
+            replay_object(router).clear_indices()
+
+    def _replayed(self) -> Routes:
+        """The routes of the replay under way (``target`` is called inside ``replay()`` only)."""
+        assert self._replaying is not None, "a replay target asked for outside replay()"
+        return self._replaying
 
     @contextlib.contextmanager
-    def record(self):
+    def record(self) -> Iterator[ActionReplay]:
         self._recorded = {layer: {} for layer in self._routers}
         self._mode = "record"
         self._set_all(self.action_enum.RECORD)
@@ -217,7 +252,7 @@ class ActionReplay(ReplayImpl):
             self._clear()
 
     @contextlib.contextmanager
-    def replay(self, routes: Routes):
+    def replay(self, routes: Routes) -> Iterator[ActionReplay]:
         self._replaying = routes
         self._mode = "replay"
         self._clear()
@@ -225,7 +260,7 @@ class ActionReplay(ReplayImpl):
             yield self
         finally:
             self._recompute_left = {
-                layer: len(router.router_replay.replay_backward_list) for layer, (_, router) in self._routers.items()
+                layer: len(replay_object(router).replay_backward_list) for layer, (_, router) in self._routers.items()
             }
             self._mode = None
             self._replaying = None
@@ -234,7 +269,7 @@ class ActionReplay(ReplayImpl):
 
     def target(self, layer: int, mb: int) -> torch.Tensor:
         """The route handed to ``layer`` for micro-batch ``mb`` (mutants override this)."""
-        return self._replaying.get(layer, mb)
+        return self._replayed().get(layer, mb)
 
     def before_forward(self, chunk: int, mb: int) -> None:
         if self._mode == "replay":
@@ -307,7 +342,7 @@ class MoeverifyReplay(ReplayImpl):
     def __init__(self) -> None:
 
         self._rr = rr
-        self._session = None
+        self._session: rr.ReplaySession | None = None
 
     def apply(self) -> None:
         pristine_snapshot()
@@ -319,18 +354,23 @@ class MoeverifyReplay(ReplayImpl):
     def unbind(self) -> None:
         self._session = None
 
-    def record(self):
-        return self._session.record()
+    def _bound(self) -> rr.ReplaySession:
+        """The session of the bound model (every pass runs between ``bind`` and ``unbind``)."""
+        assert self._session is not None, "moeverify replay used before bind()"
+        return self._session
 
-    def replay(self, routes: Routes):
-        return self._session.replay(routes)
+    def record(self) -> contextlib.AbstractContextManager:
+        return self._bound().record()
+
+    def replay(self, routes: Routes) -> contextlib.AbstractContextManager:
+        return self._bound().replay(routes)
 
     def routes(self) -> Routes:
-        return self._session.routes()
+        return self._bound().routes()
 
     def check_consumed(self, *, recompute: bool) -> list[str]:
         try:
-            self._session.check_consumed()
+            self._bound().check_consumed()
         except MoEVerifyError as e:
             return [f"moeverify replay: {e}"]
         return []
@@ -368,6 +408,8 @@ def load_verl_router_replay_patch() -> types.ModuleType:
             sys.modules[name] = pkg
     file = os.path.join(root, "utils", "megatron", "router_replay_patch.py")
     mod_spec = importlib.util.spec_from_file_location(_VERL_MODULE, file)
+    if mod_spec is None or mod_spec.loader is None:  # a .py path always has a source loader
+        raise UsageError(f"--replay-impl verl: cannot load {file} (verl 0.9.1's router_replay_patch)")
     module = importlib.util.module_from_spec(mod_spec)
     sys.modules[_VERL_MODULE] = module
     mod_spec.loader.exec_module(module)

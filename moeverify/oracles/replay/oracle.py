@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
 import torch
 
@@ -74,9 +75,8 @@ def _gather(tallies: dict[str, Tally], *, rank: int, label: str) -> dict[str, Ta
         name: (t.checked, [f"{label}: {m}" for m in t.failures], t.dropped, t.not_applicable)
         for name, t in tallies.items()
     }
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        everyone = [mine]
-    else:
+    everyone: list[Any] = [mine]  # every rank's ``mine``, in rank order
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
     merged = {}
@@ -159,7 +159,8 @@ def _report(
     ctx, opts: ReplayOptions, coords: views.RankCoords, tallies: dict, notes: dict, skipped: dict[str, str]
 ) -> dict[str, Tally]:
     total = {name: Tally() for name in opts.subchecks}
-    per_variant, reasons = {}, {}
+    per_variant: dict[str, dict] = {}
+    reasons: dict[str, list[str]] = {}
     for variant, per_check in tallies.items():
         merged = _gather(per_check, rank=ctx.rank, label=coords.label())
         for name, t in merged.items():

@@ -271,7 +271,7 @@ def check_token_counts(t: Tally, *, reference, got, prefix: str) -> list[dict]:
     buffer Megatron holds in another dtype than fp32 (bf16 under ``Float16Module``, finding F13) is compared with the
     counts accumulated the same way in that dtype; the evidence of F13 (per layer: the dtype, how many experts' held
     counts differ from the exact ones) is returned, not failed."""
-    evidence = []
+    evidence: list[dict] = []
     padded = sum(int(p.sum()) for _, p in reference.calls.values() if p is not None)
     if not padded:  # a precondition, not an item: a case without padding fails rather than passes
         t.fail(f"{prefix}no router call received a padding token: the case would prove nothing")

@@ -21,12 +21,15 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moeverify import models
 from moeverify.errors import RankDisagreement
 from moeverify.models import family_shape, hf_config_dict
+from moeverify.oracles.context import CheckContext
 from moeverify.oracles.replay import drive as rd
 from moeverify.oracles.replay import handover
 from moeverify.oracles.replay.impls import ReplayImpl
@@ -36,7 +39,11 @@ from moeverify.routing import views
 from moeverify.runtime.outcome import agree
 from moeverify.spec.checks import ReplayOptions
 from moeverify.spec.layout import Layout
+from moeverify.spec.models.ref import ModelRef
 from moeverify.spec.router_variants import RouterVariant
+
+if TYPE_CHECKING:  # megatron ships no types: Any to mypy, named for the reader
+    from megatron.core.transformer.moe.router import TopKRouter
 
 # fp32, no dropout: bit-for-bit comparisons need deterministic, full-precision passes
 _EXACT = dict(
@@ -57,7 +64,7 @@ SETTINGS = {"fp32": _EXACT, "bf16": _BF16}
 class Setup:
     """What every subcheck of one variant shares on this rank."""
 
-    ctx: object
+    ctx: CheckContext
     opts: ReplayOptions
     impl: ReplayImpl
     variant: RouterVariant
@@ -77,9 +84,16 @@ class Setup:
     def prefix(self) -> str:
         return f"[{self.variant.name}] "
 
+    @property
+    def model(self) -> ModelRef:
+        """The scenario's model (``Scenario`` fills it in from its family when it is made)."""
+        model = self.ctx.scenario.model
+        assert model is not None, "a Scenario's model is filled in when it is made"
+        return model
+
     def stage_moe_layers(self) -> tuple[int, ...]:
         """The MoE decoder layers this rank's pipeline stage holds (none on a dense stage)."""
-        shape = family_shape(self.ctx.scenario.model)
+        shape = family_shape(self.model)
         return views.layers_of(
             self.layout, pp_rank=self.coords.pp, num_layers=shape.num_layers, moe_layers=shape.moe_layers
         )
@@ -139,9 +153,10 @@ class WeightCopy:
         ):
             return None
         same = handover.intact(kept, self.prints) if kept is not None and self.prints else set()
+        taken = kept.tensors if kept is not None else {}
         with torch.no_grad():
             for key, t in mine.items():
-                t.copy_(kept.tensors[key] if key in same else self.tensors[key])
+                t.copy_(taken[key] if key in same else self.tensors[key])
         return len(same)
 
 
@@ -202,7 +217,8 @@ def build(setup: Setup, layout: Layout, *, overrides: dict, extra: dict | None =
 
 def _tie_router_rows(chunks: list) -> None:
     """Expert 2j+1's router row := expert 2j's (the ``tied_scores`` variant): their logits tie in every row."""
-    for _, router in find_routers(chunks).values():
+    routers: dict[int, tuple[int, TopKRouter]] = find_routers(chunks)
+    for _, router in routers.values():
         with torch.no_grad():
             pairs = router.weight.shape[0] // 2  # an odd last expert keeps its own row
             router.weight[1 : 2 * pairs : 2] = router.weight[0 : 2 * pairs : 2]
@@ -210,7 +226,8 @@ def _tie_router_rows(chunks: list) -> None:
 
 def _seed_expert_bias(chunks: list, *, seed: int) -> None:
     """Seeded non-zero expert biases (a fresh model's are zeros, which would not steer routing)."""
-    for layer, (_, router) in find_routers(chunks).items():
+    routers: dict[int, tuple[int, TopKRouter]] = find_routers(chunks)
+    for layer, (_, router) in routers.items():
         if router.expert_bias is not None:
             gen = torch.Generator().manual_seed(7919 * (seed + 1) + layer)
             with torch.no_grad():
@@ -219,7 +236,8 @@ def _seed_expert_bias(chunks: list, *, seed: int) -> None:
 
 def perturb_routers(chunks: list, *, seed: int) -> None:
     """Add seeded noise of the weights' own scale to every router weight (identical on every rank)."""
-    for layer, (_, router) in find_routers(chunks).items():
+    routers: dict[int, tuple[int, TopKRouter]] = find_routers(chunks)
+    for layer, (_, router) in routers.items():
         gen = torch.Generator().manual_seed(104_729 * (seed + 1) + layer)
         with torch.no_grad():
             w = router.weight
@@ -230,7 +248,9 @@ def num_layers(chunks: list) -> int:
     return int(chunks[0].config.num_layers)
 
 
-def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant, coords: views.RankCoords) -> Setup:
+def make_setup(
+    ctx: CheckContext, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVariant, coords: views.RankCoords
+) -> Setup:
     scenario, layout = ctx.scenario, ctx.scenario.layout
     batches = rd.Batches(
         seq_len=opts.seq_len,
@@ -247,14 +267,14 @@ def make_setup(ctx, opts: ReplayOptions, impl: ReplayImpl, variant: RouterVarian
     )
 
 
-def release(impl) -> None:
+def release(impl: ReplayImpl) -> None:
     """Free the model ``impl`` was bound to (and whatever the caller dropped) before the next build: ``unbind``, then
     a collection (modules, hooks and probes hold each other in cycles that reference counting never frees)."""
     impl.unbind()
     gc.collect()
 
 
-def guarded(setup: Setup, tallies: dict[str, Tally], fn, *args):
+def guarded[T](setup: Setup, tallies: Mapping[str, Tally], fn: Callable[..., T], *args: Any) -> T | None:
     """``fn(*args)``; an exception raised on every rank fails the subchecks in ``tallies`` (those that
     depend on it) instead, and the oracle goes on.
 

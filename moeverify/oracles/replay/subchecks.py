@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,8 +26,11 @@ from moeverify.routing.routes import Routes
 from moeverify.spec.checks import REPLAY_WHOLE_MODEL
 from moeverify.spec.layout import Layout
 
+if TYPE_CHECKING:  # megatron ships no types: Any to mypy, named for the reader
+    from megatron.core.transformer.moe.router import TopKRouter
 
-def reference(setup: st.Setup) -> tuple[object, dict]:
+
+def reference(setup: st.Setup) -> tuple[Routes, dict[int, torch.Tensor]]:
     """cross_layout reference: global routes and per-sequence losses of a 1-rank layout (dp = world).
 
     Every rank runs the same global micro-batches (``dp_scenario * B`` sequences) on an unsplit model;
@@ -96,7 +100,7 @@ def variant_on_layout(setup: st.Setup, tallies: dict[str, Tally], notes: dict):
             replayed,
             chunks,
         )
-    dependent = {name: tallies[name] for name in ("drift", "recompute", "weights") if name in want}
+    dependent: dict[str, Tally] = {name: tallies[name] for name in ("drift", "recompute", "weights") if name in want}
     if dependent:
         drifted = st.guarded(setup, dependent, _drift, setup, tallies, chunks, routes, notes)
         if "recompute" in want and drifted is not None:
@@ -185,7 +189,8 @@ def _hand_loop_layout(setup: st.Setup):
 
 
 def _global_aux_loss(chunks: list) -> bool:
-    return any(router.get_aux_loss_coeff("global_aux_loss") > 0 for _, router in st.find_routers(chunks).values())
+    routers: dict[int, tuple[int, TopKRouter]] = st.find_routers(chunks)
+    return any(router.get_aux_loss_coeff("global_aux_loss") > 0 for _, router in routers.values())
 
 
 def _backward_order(setup: st.Setup, t: Tally, notes: dict) -> None:
@@ -201,7 +206,7 @@ def _backward_order(setup: st.Setup, t: Tally, notes: dict) -> None:
     with _hand_loop_layout(setup) as (layout, items):
         chunks = st.build(setup, layout, overrides=impl.overrides())
         if _global_aux_loss(chunks):
-            chunks = None  # one model alive at a time
+            del chunks  # one model alive at a time
             chunks = st.build(setup, layout, overrides=impl.overrides(), extra={"moe_aux_loss_coeff": 0.0})
             notes["backward_order"] = (
                 "global_aux_loss off: its tracker counts recompute forwards in backward order (finding F6)"
@@ -261,7 +266,7 @@ def _validation(setup: st.Setup, t: Tally) -> None:
             routed, error = _one_forward(chunks, items[0], impl=impl, routes=routes)
             if error is not None:
                 impl.unbind()
-                chunks = None  # one model alive at a time
+                del chunks  # one model alive at a time
                 chunks = st.build(setup, one, overrides=impl.overrides())
                 impl.bind(chunks)
                 routed, error = _one_forward(chunks, items[0], impl=impl, routes=routes)

@@ -16,10 +16,14 @@ attribute):
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 from moeverify.errors import EnvironmentProblem
 from moeverify.patches.routers import find_routers
 from moeverify.spec.checks import RECOMPUTE_MODES
+
+if TYPE_CHECKING:  # megatron ships no types: Any to mypy, named for the reader
+    from megatron.core.transformer.moe.router import TopKRouter
 
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 
@@ -86,7 +90,7 @@ def native_replay(chunks: list):
     instance list. Refused on routers that have a replay object already."""
     from megatron.core.transformer.moe.router_replay import RouterReplay  # lazy: megatron
 
-    routers = [router for _, router in find_routers(chunks).values()]
+    routers: list[TopKRouter] = [router for _, router in find_routers(chunks).values()]
     taken = [r.layer_number for r in routers if getattr(r, "router_replay", None) is not None]
     if any("router_replay" not in r.__dict__ for r in routers):
         raise EnvironmentProblem(

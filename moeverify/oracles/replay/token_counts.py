@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from moeverify.oracles.replay import setup as st
 from moeverify.oracles.replay.impls import pristine
 from moeverify.oracles.results import Tally
 from moeverify.spec.layout import Layout
+
+if TYPE_CHECKING:  # megatron ships no types: Any to mypy, named for the reader
+    from megatron.core.transformer.moe.router import TopKRouter
 
 MICROBATCHES = 1  # one is enough: counts of a call; cost matters (the subcheck runs in every replay scenario)
 # Finding F13 (README): megatron-core 0.19.2 keeps ``expert_bias`` in fp32 under ``Float16Module`` but not the counts
@@ -109,7 +113,7 @@ def not_applicable(*, expert_bias: bool, config) -> str | None:
 
 def run(setup: st.Setup, t: Tally, notes: dict) -> None:
     """Both cases on a nested 1-rank layout; fills ``t``, or marks it not applicable (``not_applicable``)."""
-    expert_bias = family_traits(setup.ctx.scenario.model).expert_bias
+    expert_bias = family_traits(setup.model).expert_bias
     one = Layout()
     with runtime.parallel(one, seed=setup.ctx.scenario.seed):
         for case, (seq, batch) in _cases(setup).items():
@@ -131,7 +135,7 @@ def run(setup: st.Setup, t: Tally, notes: dict) -> None:
 
 def _cases(setup: st.Setup) -> dict[str, tuple[int, int]]:
     """``{case: (S, B)}``: one router call of T == E tokens, and one of T != E."""
-    experts = family_shape(setup.ctx.scenario.model).num_experts
+    experts = family_shape(setup.model).num_experts
     batch = 2 if experts % 2 == 0 and experts >= 4 else 1
     seq, other_batch = setup.batches.seq_len, setup.batches.batch
     if seq * other_batch == experts:
@@ -167,7 +171,7 @@ def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: s
         with _count_off(chunks):
             reference = _observe(chunks, lambda: rd.run_pass(chunks, items, seq_len=seq_len, forward_only=False))
     if not impl.builds_natively():  # else the reference's build is the one it would build
-        chunks = None  # one model alive at a time: the reference goes before the next build
+        del chunks  # one model alive at a time: the reference goes before the next build
         chunks = st.build(setup, one, overrides=impl.overrides())
     impl.bind(chunks)
     routes = rd.record_pass(chunks, items, seq_len=seq_len, impl=impl).routes
@@ -179,7 +183,7 @@ def _one_case(setup: st.Setup, t: Tally, items: list, *, seq_len: int, prefix: s
 @contextlib.contextmanager
 def _count_off(chunks: list):
     """Megatron's own expert-bias count off for the duration (its gate, ``enable_expert_bias``)."""
-    routers = [router for _, router in st.find_routers(chunks).values() if router.enable_expert_bias]
+    routers: list[TopKRouter] = [router for _, router in st.find_routers(chunks).values() if router.enable_expert_bias]
     for router in routers:
         router.enable_expert_bias = False
     try:
@@ -193,13 +197,14 @@ def _observe(chunks: list, run_pass) -> Observed:
     """Run ``run_pass`` with the routers' counts zeroed and the loss tracker cleared; read what they hold."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # lazy: megatron
 
-    routers = st.find_routers(chunks)
+    routers: dict[int, tuple[int, TopKRouter]] = st.find_routers(chunks)
     for _, router in routers.values():
         if router.local_tokens_per_expert is not None:
             router.local_tokens_per_expert.zero_()
     tracker = get_moe_metrics_tracker()
     tracker.clear()
-    calls, handles = {}, []
+    calls: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+    handles: list[torch.utils.hooks.RemovableHandle] = []
     for layer, (_, router) in routers.items():
         handles.append(router.register_forward_hook(functools.partial(_seen, calls, layer), with_kwargs=True))
     try:
