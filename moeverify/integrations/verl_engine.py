@@ -19,9 +19,10 @@ critic's value head):
   dropped after it (a rank holds one batch's routes at a time; the integration owns ``add_routes`` in a verl job):
   each sample under its version, the tokens after its last generation (a tool's output: ``agent_loop``'s zero rows)
   declared never routed by the engine (``native=``): they route natively and the agreement guard counts them apart;
-- ``forward_step``: the micro-batch's forward names each sample's version (``injob.rollout_version``) and, on the
-  BSHD path (``use_remove_padding=False``), reads verl's attention mask as the padding (True = token:
-  ``injob.padding_from_attention_mask``).
+- ``forward_step``: the micro-batch's forward names each sample's version (``injob.rollout_version``); on the BSHD
+  path (``use_remove_padding=False``) it reads verl's attention mask as the padding (True = token:
+  ``injob.padding_from_attention_mask``), on the THD path it names each packed sample's real length
+  (``injob.packed_lengths``: verl's ``preprocess_thd_engine`` passes the TP/CP-aligned slots as ``cu_seqlens_q``).
 
 Refused, naming the way out: another verl version (``SUPPORTED``; the hooked methods' signatures are checked too),
 in-job replay installed in another mode, verl's own router replay on, dynamic context parallel, a batch without
@@ -303,20 +304,22 @@ def _name_micro_batch(original):
     def forward_step(self, batch_iter, *args, **kwargs):
         if not is_policy(self):
             return original(self, batch_iter, *args, **kwargs)
+        thd = bool(self.engine_config.use_remove_padding)
         with contextlib.ExitStack() as stack:
-            if not self.engine_config.use_remove_padding:  # verl's BSHD branch: attention_mask True = token
+            if not thd:  # verl's BSHD branch: attention_mask True = token
                 stack.enter_context(injob.padding_from_attention_mask(marks="tokens"))
-            return original(self, _Versioned(batch_iter, stack), *args, **kwargs)
+            return original(self, _Versioned(batch_iter, stack, thd=thd), *args, **kwargs)
 
     return forward_step
 
 
 class _Versioned:
     """``batch_iter`` whose next micro-batch names its samples' versions for the forward that follows (until the
-    ``forward_step`` that took it returns)."""
+    ``forward_step`` that took it returns) and, packed (THD), their real lengths: verl's ``preprocess_thd_engine``
+    gives ``GPTModel`` the slots (padded to TP x CP alignment) as ``cu_seqlens_q``."""
 
-    def __init__(self, inner, stack: contextlib.ExitStack):
-        self._inner, self._stack = inner, stack
+    def __init__(self, inner, stack: contextlib.ExitStack, *, thd: bool):
+        self._inner, self._stack, self._thd = inner, stack, thd
 
     def __iter__(self) -> Iterator:
         return self
@@ -327,4 +330,6 @@ class _Versioned:
         batch = next(self._inner)
         versions = versions_of(tu.get(batch, VERSION_KEY), len(batch))
         self._stack.enter_context(injob.rollout_version(versions[0] if len(set(versions)) == 1 else versions))
+        if self._thd:
+            self._stack.enter_context(injob.packed_lengths(batch["input_ids"].offsets().diff()))
         return batch

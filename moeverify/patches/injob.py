@@ -15,6 +15,8 @@ forward pre-hook on Megatron's ``GPTModel`` (grad mode as the chunk's ``forward`
 ``with injob.padding_from_attention_mask(marks="tokens" | "padding"):`` takes a BSHD forward's padding from its
 ``attention_mask`` ``[B, S]`` where it gets no ``padding_mask`` (frameworks differ on what True means there, so it is
 never guessed: a forward with an attention mask and no padding mask is refused naming the ways out).
+``with injob.packed_lengths(real_lengths):`` names the real tokens of a THD forward's packed sequences where its
+``packed_seq_params`` give only the slots (verl passes the padded lengths as ``cu_seqlens_q``).
 
 The first log-prob forward after a training forward starts a new table (the previous step's routes are
 dropped); the table serves every PPO mini-batch and epoch of the step. A training token that its step's
@@ -60,6 +62,7 @@ drop_routes = batch_routes.drop_routes
 MASK_MARKS = ("tokens", "padding")  # what True (or 1) in a [B, S] attention mask marks
 _OVERRIDE: list[PassKind] = []  # pass_kind() stack
 _MASK_RULE: list[str] = []  # padding_from_attention_mask() stack
+_LENGTHS: list[torch.Tensor] = []  # packed_lengths() stack
 _VERSION: list[int | torch.Tensor] = []  # rollout_version() stack
 _CURRENT: list = []  # the model-chunk forward running now (chunk forwards do not nest)
 
@@ -88,6 +91,24 @@ def padding_from_attention_mask(*, marks: str) -> Iterator[None]:
         yield
     finally:
         _MASK_RULE.pop()
+
+
+@contextlib.contextmanager
+def packed_lengths(lengths) -> Iterator[None]:
+    """The real token count of each packed sequence of the bound model's THD forwards inside, in packing order, where
+    their ``packed_seq_params`` hold only the slots (``cu_seqlens_q`` = the padded lengths, as verl's
+    ``preprocess_thd_engine`` passes them): a slot's tokens past its real length are padding and route natively."""
+    lengths_Q = torch.as_tensor(lengths)
+    if lengths_Q.dim() != 1 or not lengths_Q.numel() or lengths_Q.is_floating_point() or int(lengths_Q.min()) < 1:
+        raise UsageError(
+            f"packed_lengths: expected one real length (an integer >= 1) per packed sequence, got "
+            f"{tuple(lengths_Q.shape)} {lengths_Q.dtype}"
+        )
+    _LENGTHS.append(lengths_Q.long())
+    try:
+        yield
+    finally:
+        _LENGTHS.pop()
 
 
 @contextlib.contextmanager
@@ -144,6 +165,7 @@ class ChunkForward:
         self.padding_mask = kwargs.get("padding_mask")
         self.attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
         self.mask_rule = _MASK_RULE[-1] if _MASK_RULE and self.padding_mask is None and self.packed is None else None
+        self.real_lengths = _LENGTHS[-1] if _LENGTHS and self.packed is not None else None
         self.recorded_as: int | None = None  # forward index in the table (log-prob pass)
         self.found: Lookup | None = None  # the table lookup (training pass)
         self.table: RouteTable | None = None  # the table looked up
@@ -190,12 +212,25 @@ class ChunkForward:
         if parallel_state.get_context_parallel_world_size() > 1:
             return self._cp_keys(ids, thd=thd, layer=layer, rank=rank)
         if thd:
-            return tk.packed_keys(
-                ids,
-                cu_seqlens=self.packed.cu_seqlens_q,
-                cu_seqlens_padded=getattr(self.packed, "cu_seqlens_q_padded", None),
-            )
+            real, padded = self._thd_bounds(layer=layer, rank=rank)
+            return tk.packed_keys(ids, cu_seqlens=real, cu_seqlens_padded=padded)
         return tk.row_keys(ids, padding_mask_BS=self.padding_mask)
+
+    def _thd_bounds(self, *, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(cu_seqlens of the real tokens, cu_seqlens of the slots or None)`` of a THD forward: its
+        ``packed_seq_params``' own, or the slots with the real lengths ``packed_lengths`` names."""
+        padded = getattr(self.packed, "cu_seqlens_q_padded", None)
+        if self.real_lengths is None:
+            return self.packed.cu_seqlens_q, padded
+        slots = padded if padded is not None else self.packed.cu_seqlens_q
+        if self.real_lengths.numel() != slots.numel() - 1:
+            raise RouteError(
+                f"layer {layer} rank {rank}: packed_lengths names {self.real_lengths.numel()} sequences, the "
+                f"forward's packed_seq_params hold {slots.numel() - 1} slots; name one real length per packed sequence"
+            )
+        real = torch.zeros_like(slots)
+        real[1:] = torch.cumsum(self.real_lengths.to(device=slots.device), dim=0)
+        return real, slots
 
     def _padding_of_mask(self, ids: torch.Tensor, *, layer: int, rank: int) -> torch.Tensor:
         """Megatron's ``padding_mask`` ``[B, S]`` (True = padding) from the attention mask, as the rule reads it."""
@@ -238,8 +273,8 @@ class ChunkForward:
                 raise RouteError(
                     f"layer {layer} rank {rank}: packed (THD) input_ids must be [1, N], got {tuple(ids.shape)}"
                 )
-            padded = getattr(self.packed, "cu_seqlens_q_padded", None)
-            slots = padded if padded is not None else self.packed.cu_seqlens_q
+            real, padded = self._thd_bounds(layer=layer, rank=rank)
+            slots = padded if padded is not None else real
             length = int(slots[-1])
             if length != ids.shape[1] * cp:
                 raise UsageError(
@@ -249,9 +284,7 @@ class ChunkForward:
                     "split (every slot a multiple of 2 * cp, no tokens past the last slot)"
                 )
             indices = [tk.thd_zigzag_index(slots, rank=r, size=cp) for r in range(cp)]
-            full = tk.packed_keys(
-                tk.unshard(parts, indices, length=length), cu_seqlens=self.packed.cu_seqlens_q, cu_seqlens_padded=padded
-            )
+            full = tk.packed_keys(tk.unshard(parts, indices, length=length), cu_seqlens=real, cu_seqlens_padded=padded)
             return tk.take(full, indices[cp_rank])
         if ids.dim() != 2:
             raise RouteError(f"layer {layer} rank {rank}: token keys need input_ids [B, S], got {tuple(ids.shape)}")

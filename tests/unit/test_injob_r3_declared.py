@@ -5,6 +5,8 @@
 - tokens the engine never routed (a multi-turn trajectory ending in a tool's output: verl's zero rows after the last
   generation) declared with ``add_routes(native=)``: trained, routed as the actor's own routing routes them
   (``torch.topk`` of the router's logits decides), counted apart by the agreement guard; undeclared, a capture gap;
+- THD slots given as ``cu_seqlens_q`` (verl's ``preprocess_thd_engine`` passes the padded lengths as both): the real
+  lengths named with ``injob.packed_lengths``, so slot padding routes natively instead of reading as content;
 - the recipes of docs/use-rl-job.md for slime's and NeMo-RL's batches, on batches laid out as their code lays them
   out: slime's per-sample ``tokens`` and ``rollout_routed_experts`` ``[len(tokens) - 1, num_layers, topk]`` (every
   decoder layer: ``slime/utils/types.py``, ``Sample`` and its routed-experts decode; ``slime/ray/rollout.py``,
@@ -18,6 +20,7 @@ Megatron used, checked token by token against what the engine routed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
@@ -300,3 +303,84 @@ def test_injob_r3_slime_and_nemo_rl_layouts_through_their_recipes(world):
             assert torch.equal(used_TK[:end], want[:end, layer]), (name, layer)
             assert torch.equal(used_TK[end:], native_TK[end:]), (name, layer)
     injob.drop_routes()
+
+
+def test_injob_thd_slots_as_cu_seqlens_read_with_the_packed_lengths_named(world):
+    # the router driven as the GPTModel pre-hook drives it (CPU attention cannot run packed sequences), in-job R2:
+    # the log-prob pass packs A|B in slots of 6, training B|A in slots of 8, each as verl packs them (the slots as
+    # both cu_seqlens_q and cu_seqlens_q_padded); each token's hidden state depends on its (sequence, position) only
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moeverify.patches import router_replay as rr
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0,
+    )
+    router = TopKRouter(config, pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    chunk = torch.nn.ModuleList([router])
+    g = torch.Generator().manual_seed(SEED)
+    seqs = {u: torch.randint(0, 100, (n,), generator=g) for u, n in (("A", 5), ("B", 3))}
+    hidden = {u: torch.randn(len(s), 16, generator=g) for u, s in seqs.items()}
+
+    def verl_packed(order, slot, lengths):
+        slots = torch.tensor([0] + [slot] * len(order)).cumsum(0).int()
+        ids, h = torch.zeros(1, int(slots[-1]), dtype=torch.long), torch.randn(int(slots[-1]), 1, 16, generator=g)
+        where = [None] * int(slots[-1])
+        for i, u in enumerate(order):
+            at = int(slots[i])
+            ids[0, at : at + len(seqs[u])], h[at : at + len(seqs[u]), 0] = seqs[u], hidden[u]
+            where[at : at + len(seqs[u])] = [(u, p) for p in range(len(seqs[u]))]
+        packed = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=slots,
+            cu_seqlens_kv=slots,
+            cu_seqlens_q_padded=slots,
+            cu_seqlens_kv_padded=slots,
+        )
+        with contextlib.ExitStack() as stack:
+            if lengths is not None:
+                stack.enter_context(injob.packed_lengths(lengths))
+            fwd = injob.ChunkForward(chunk, (ids, None, None), {"packed_seq_params": packed})
+        injob._CURRENT.append(fwd)
+        try:
+            ids_TK = torch.topk(router(h)[1].int(), 2).indices.sort().values
+        finally:
+            injob._CURRENT.pop()
+        if fwd.check is not None:
+            fwd.check()
+        return ids_TK, where, h
+
+    state = injob.InJobState(original=rr.original_routing(), num_experts=8)
+    rr._ACTIVE[id(router)] = (state, 0)
+    try:
+        with torch.no_grad():
+            recorded, where, _ = verl_packed(["A", "B"], 6, [5, 3])
+            router.weight.add_(torch.randn(router.weight.shape, generator=g) * 3)  # native routing moves
+        logp = {w: recorded[t] for t, w in enumerate(where) if w is not None}
+        # unnamed, B's slot padding reads as its tokens 3..7, and 6 and 7 were never in a log-prob slot
+        with pytest.raises(RouteError, match=r"sequence 0 of this forward, position 6\) has no route"):
+            verl_packed(["B", "A"], 8, None)
+        with pytest.raises(RouteError, match=r"packed_lengths names 1 sequences, the forward's packed_seq_params hold"):
+            verl_packed(["B", "A"], 8, [3])
+        replayed, where, h = verl_packed(["B", "A"], 8, [3, 5])
+    finally:
+        del rr._ACTIVE[id(router)]
+    native_TK = torch.topk(h.view(-1, 16) @ router.weight.t(), 2).indices.sort().values
+    real = [t for t, w in enumerate(where) if w is not None]
+    assert len(real) == 8 and [t for t in real if not torch.equal(replayed[t], logp[where[t]])] == []
+    assert sum(not torch.equal(native_TK[t], logp[where[t]]) for t in real) > 0  # replay did the work
+    pads = [t for t, w in enumerate(where) if w is None]
+    assert len(pads) == 8 and all(torch.equal(replayed[t], native_TK[t]) for t in pads)  # padding: routed natively
+    with pytest.raises(UsageError, match=r"packed_lengths: expected one real length \(an integer >= 1\) per packed"):
+        with injob.packed_lengths([3, 0]):
+            pass
