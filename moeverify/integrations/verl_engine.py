@@ -13,7 +13,9 @@ nothing), ``response_mask`` ``[B, R]`` (1 on tokens the policy generated, 0 on a
 generation, whose routes it carries). ``MegatronEngineWithLMHead.forward_step`` runs one micro-batch's forward.
 
 The hooks act on the policy's engine (an LM head that trains; not the reference's ``forward_only`` engine, not the
-critic's value head):
+critic's value head), whose model alone is bound when the integration started in-job replay (``autopatch.choose_model``
+at its first batch; a reference or any other model in the process routes natively) unless
+``MOEVERIFY_ROUTER_REPLAY_MODEL`` names one by build order:
 
 - ``forward_backward_batch``: the batch's routes go to ``injob.add_routes`` before Megatron's schedule runs and are
   dropped after it (a rank holds one batch's routes at a time; the integration owns ``add_routes`` in a verl job):
@@ -60,6 +62,7 @@ HOOKS = (
 
 _HOOKED: list[tuple[type, str, object]] = []  # (class, method, original), restored by uninstall()
 _STARTED: list[bool] = []  # install() started in-job replay itself (uninstall() stops it)
+_CHOOSING: list = []  # [the policy engine whose model is bound, or None]: the integration chooses the bound model
 
 
 def install() -> None:
@@ -89,6 +92,7 @@ def uninstall() -> None:
     while _HOOKED:
         cls, method, original = _HOOKED.pop()
         setattr(cls, method, original)
+    _CHOOSING.clear()
     if _STARTED:
         _STARTED.clear()
         autopatch.uninstall()
@@ -134,8 +138,12 @@ def _start_r3() -> None:
     value = os.environ.get(autopatch.ENV) or None
     session = autopatch.session()
     if session is None and value in (None, autopatch.ROLLOUT):
-        autopatch.install(autopatch.parse(autopatch.ROLLOUT, os.environ.get(autopatch.MODEL_ENV)))
+        model = os.environ.get(autopatch.MODEL_ENV) or None
+        autopatch.install(autopatch.parse(autopatch.ROLLOUT, model))
         _STARTED.append(True)
+        if model is None:  # the policy engine's model is bound when its first batch comes; the others route natively
+            autopatch.choose_model(None)
+            _CHOOSING[:] = [None]
     elif session is None or getattr(session, "batch", None) is None:
         raise UsageError(
             f"{WHO} hands verl's routed_experts to in-job R3 with the batch ({autopatch.ENV}={autopatch.ROLLOUT}), "
@@ -176,6 +184,7 @@ def _hand_over_batch(original):
         if not is_policy(self):
             return original(self, data, loss_function, forward_only)
         _refuse_config(self)
+        _choose(self)
         hand_over(data)
         try:
             return original(self, data, loss_function, forward_only)
@@ -183,6 +192,19 @@ def _hand_over_batch(original):
             injob.drop_routes()
 
     return forward_backward_batch
+
+
+def _choose(engine) -> None:
+    """Bind the policy engine's model (when the integration chooses it): once, before its first forward."""
+    if not _CHOOSING or _CHOOSING[0] is engine:
+        return
+    if _CHOOSING[0] is not None:
+        raise UsageError(
+            f"{WHO}: a second policy engine (an LM head that trains) in this process; in-job replay binds one model: "
+            f"set {autopatch.MODEL_ENV}=N to name it by build order"
+        )
+    autopatch.choose_model(engine.module)
+    _CHOOSING[0] = engine
 
 
 def hand_over(data) -> int:

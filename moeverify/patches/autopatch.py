@@ -16,7 +16,8 @@ a model's routers are built in increasing global layer order, so a router whose 
 increase starts the next model). With one MoE model nothing needs saying. With several (an actor
 beside a reference model), ``MOEVERIFY_ROUTER_REPLAY_MODEL=N`` names the one to record and replay
 (0 = built first) and the others route natively; left unset, the first routing call of a second
-model raises ``UsageError``. Build order does not depend on which model runs first.
+model raises ``UsageError``. Build order does not depend on which model runs first. An integration that knows
+which model trains names it instead (``choose_model``).
 
 Steps: every ``optimizer.step()`` (any ``torch.optim.Optimizer``) closes a step. Recording writes
 the step's routes then into ONE routing dump at ``DIR`` for the whole job (every rank with its real
@@ -209,7 +210,10 @@ class BuildOrder:
 
 
 def selected(order: BuildOrder, setting: Setting, router) -> bool:
-    """Whether ``router`` belongs to the model ``setting`` names; ``UsageError`` when several are built and none is."""
+    """Whether ``router`` belongs to the model ``setting`` names (or ``choose_model`` chose); ``UsageError`` when
+    several are built and none is."""
+    if _CHOSEN:
+        return router in _CHOSEN[0]
     index, models = order.model_of(router)
     if setting.model is None and len(models) > 1:
         raise UsageError(
@@ -218,6 +222,18 @@ def selected(order: BuildOrder, setting: Setting, router) -> bool:
             "(0 = built first); the others then route natively"
         )
     return index == (setting.model or 0)
+
+
+def choose_model(chunks=None) -> None:
+    """Bind the MoE model of ``chunks`` (its model chunks), whatever the build order; every other model routes
+    natively. ``None``: no model chosen yet, every model routes natively until one is. For an integration that knows
+    which model trains (``moeverify.integrations.verl``), before that model's first routing call."""
+    from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron
+
+    chosen: weakref.WeakSet = weakref.WeakSet()
+    for chunk in chunks or ():
+        chosen.update(m for m in chunk.modules() if isinstance(m, TopKRouter))
+    _CHOSEN[:] = [chosen]
 
 
 def _describe(models: list[list]) -> str:
@@ -466,6 +482,7 @@ def _check_same_job(dump, config, *, rank: int, directory: Path) -> None:
 _SESSION: ProcessSession | injob.InJobSession | None = None  # injob.InJobSession in r2 / r3 mode
 _HOOKS: list = []
 _ORDER = BuildOrder()  # one per process: routers built under an earlier install stay numbered
+_CHOSEN: list[weakref.WeakSet] = []  # choose_model(): the chosen model's routers, which alone are bound
 _CHUNKS: injob.ChunkHooks | identity.ChunkTokens | None = None  # ChunkHooks in r2 / r3; ChunkTokens otherwise
 
 
@@ -533,6 +550,7 @@ def uninstall() -> None:
         _HOOKS.pop().remove()
     rr.set_fallback(None)
     batch_routes.detach()
+    _CHOSEN.clear()
     _SESSION = None
 
 

@@ -387,7 +387,9 @@ def main() -> dict:
 
     # the engine model has other weights: its ids are no better than chance, its experts are other experts
     os.environ[agreement.FLOOR_ENV] = os.environ[agreement.NUMBERING_ENV] = agreement.OFF
-    os.environ[autopatch.MODEL_ENV] = "0"  # the actor is built first; the rollout engine's stand-in next
+    # no MOEVERIFY_ROUTER_REPLAY_MODEL: the integration binds the policy engine's model (the actor), and the rollout
+    # engine's stand-in, a second MoE model in this process as verl's reference model would be, routes natively
+    os.environ.pop(autopatch.MODEL_ENV, None)
     runtime.init(backend_of_tests())
     result: dict = {"micro_batch_size": micro_batch_size}
     with runtime.parallel(Layout(), seed=0):
