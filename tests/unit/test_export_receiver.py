@@ -1,5 +1,7 @@
 """The receiver subcheck's mapping and comparison on synthetic HF tensors; each receiver mutant is caught."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from moeverify.oracles.export.receiver import (
     Held,
     Part,
     compare,
+    copies_scope,
     fused_layout,
     load_again,
     load_receiver,
@@ -18,6 +21,7 @@ from moeverify.oracles.export.receiver import (
 )
 from moeverify.oracles.export.receiver_mutants import CONTROLS, MUTANTS
 from moeverify.oracles.results import Tally
+from moeverify.spec.models.configs import hf_config_dict
 
 E, I, H = 3, 4, 6  # experts, expert intermediate, hidden
 
@@ -417,3 +421,18 @@ def test_wake_failures_name_the_hf_tensor_as_receiver_does():
     held.tensors["model.norm.weight"][2] += 1
     bare = Held(tensors=held.tensors, parts={k: v for k, v in held.parts.items() if k != "model.norm.weight"})
     assert same_held(bare, before, Tally(), when="").failures[0].startswith("model.norm.weight: 1 of 6 element(s)")
+
+
+@pytest.mark.parametrize(
+    ("family", "tied", "mtp_layers"),
+    [("qwen2_tied", "model.embed_tokens.weight", 0), ("deepseek_v3_mtp", None, 1), ("qwen3_moe", None, 0)],
+)
+def test_copies_scope_reads_the_checkpoint_config_through_the_traits(tmp_path, family, tied, mtp_layers):
+    """receiver_copies' scope is the model's traits (tied head, MTP depth) and decoder depth, read from the
+    checkpoint's config.json as every check reads a model; no config.json: nothing in scope."""
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(family)))
+    assert copies_scope(tmp_path) == CopiesScope(tied=tied, mtp_layers=mtp_layers, num_layers=4)
+    assert copies_scope(tmp_path / "absent") == copies_scope(None) == CopiesScope(tied=None, mtp_layers=0, num_layers=0)
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(family), "architectures": []}))
+    with pytest.raises(UsageError, match=r"config\.json: config 'architectures' must name exactly one model class"):
+        copies_scope(tmp_path)

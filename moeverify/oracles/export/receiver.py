@@ -36,6 +36,8 @@ from moeverify.oracles.export import wire
 from moeverify.oracles.results import Tally
 from moeverify.spec import plugins
 from moeverify.spec.checks import RECEIVERS
+from moeverify.spec.models.traits import traits_of
+from moeverify.spec.models.user import shape_of
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,13 +146,17 @@ def compare(
     drafts: set[str] = set()
     for name, want in reference.items() if isinstance(reference, Mapping) else reference:
         seen.add(name)
-        in_scope = copies is not None and scope is not None and (name == scope.tied or scope.is_draft(name))
-        if in_scope and scope.is_draft(name):
-            drafts.add(name)
+        also: Tally | None = None  # ``copies``, where this tensor is one that receiver_copies covers
+        if copies is not None and scope is not None:
+            draft = scope.is_draft(name)
+            if draft:
+                drafts.add(name)
+            if draft or name == scope.tied:
+                also = copies
         for engine_name, part in wanted.get(name, ()):
             _compare_part(held.tensors[engine_name], part, want, tally, f"{when}{engine_name}{part.describe()}")
-            if in_scope:
-                _compare_part(held.tensors[engine_name], part, want, copies, f"{when}{engine_name}{part.describe()}")
+            if also is not None:
+                _compare_part(held.tensors[engine_name], part, want, also, f"{when}{engine_name}{part.describe()}")
         if name not in wanted:
             dropped.append(name)
     if copies is not None and scope is not None:
@@ -225,13 +231,16 @@ def _slot(name: str) -> tuple[str, tuple]:
     return name, (None, 0)
 
 
-def fused_layout(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
+def fused_layout(
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, tuple[Part, ...]]]:
     """``(engine name -> (shape, dtype), engine name -> parts)`` of the fused layout for HF ``shapes``."""
     groups: dict[str, list[tuple[tuple, str]]] = {}
     for name in shapes:
         engine, key = _slot(name)
         groups.setdefault(engine, []).append((key, name))
-    buffers, parts = {}, {}
+    buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    parts: dict[str, tuple[Part, ...]] = {}
     for engine, members in groups.items():
         members.sort()
         dtypes = {shapes[n][1] for _, n in members}
@@ -241,7 +250,8 @@ def fused_layout(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
         per_index: dict[int | None, list[str]] = {}
         for (index, _), n in members:
             per_index.setdefault(index, []).append(n)
-        out, layout = None, []
+        out: tuple[int, ...] | None = None
+        layout: list[Part] = []
         for index, names in per_index.items():
             start = 0
             for n in names:
@@ -253,8 +263,9 @@ def fused_layout(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
             if out is not None and out != one:
                 raise UsageError(f"receiver fused: {engine} stacks unequal experts: {out} vs {one}")
             out = one
+        assert out is not None, "every engine tensor fuses at least one HF tensor"
         shape = (len(per_index), *out) if stacked else out
-        if stacked and sorted(per_index) != list(range(len(per_index))):
+        if stacked and set(per_index) != set(range(len(per_index))):
             raise UsageError(f"receiver fused: {engine} expert ids are not 0..{len(per_index) - 1}")
         buffers[engine], parts[engine] = (shape, dtypes.pop()), tuple(layout)
     return buffers, parts
@@ -279,8 +290,9 @@ class FusedReceiver:
 
     def allocate(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         buffers, self.parts = fused_layout(shapes)
-        if self._tied in shapes and self.HEAD not in shapes:
-            buffers[self.HEAD], self.parts[self.HEAD] = shapes[self._tied], (Part(hf_name=self._tied),)
+        tied = self._tied
+        if tied is not None and tied in shapes and self.HEAD not in shapes:
+            buffers[self.HEAD], self.parts[self.HEAD] = shapes[tied], (Part(hf_name=tied),)
         self.tensors = {
             e: torch.full(s, float("nan") if d.is_floating_point else -1, dtype=d) for e, (s, d) in buffers.items()
         }
@@ -323,8 +335,9 @@ class FusedReceiver:
             return Held(tensors=self.tensors, parts=self.parts)
         items = list(stream)  # the first load lays the buffers out from every shape
         self.allocate({n: (tuple(t.shape), t.dtype) for n, t in items})
-        for i, (name, tensor) in enumerate(items):
-            items[i] = None  # each sent tensor is dropped once copied in
+        items.reverse()
+        while items:  # in the order sent, each sent tensor dropped once copied in
+            name, tensor = items.pop()
             self.write(name, tensor)
         return Held(tensors=self.tensors, parts=self.parts)
 
@@ -433,29 +446,33 @@ class ReceiverRun:
                 held = self._held = self._receiver.load(iter(items))
             except Exception as exc:  # noqa: BLE001 - the engine refusing the subject's export is a finding
                 tally.fail(f"{when}the receiver could not load the subject's export: {type(exc).__name__}: {exc}")
-        if held is None:
+        if held is None or items is None:  # (items is None: nothing was loaded)
             for _ in reference:
                 pass
             if repeat:
                 self.skip("receiver_repeat", "the first load did not complete")
             return
         compare(held, reference, tally, when=when, copies=copies, scope=self._scope)
+        if not (wake or repeat):
+            return
         # what this load left: sleep/wake must give it back, and loading the same export again must reproduce it
-        loaded = _snapshot(held) if wake or repeat else None
+        loaded = _snapshot(held)
         after = "the weight sync" if name == "receiver_reload" else "the first load"
         if wake:
-            self._wake(loaded, after)
+            held = self._wake(held, loaded, after)
         if repeat:
-            self._repeat(items, loaded, after)
+            self._repeat(held, items, loaded, after)
 
     def _stream(self, export: dict[str, Tally]) -> tuple[list | None, str]:
         """Every rank's copy of what the subject streamed (rank 0's merged tensors, broadcast), or None and why."""
         sctx = self._sctx
         ok = bool(export["lockstep"].passed)
         if sctx.world_size == 1:
-            items = list(self._subject) if ok else None
-            self._subject = None
-            return items, "lockstep failed, the subject's export was not merged"
+            subject, self._subject = self._subject, None
+            if not ok:
+                return None, "lockstep failed, the subject's export was not merged"
+            assert subject is not None, "rank 0 streams into the sink() it was handed"
+            return list(subject), ""
         group = wire.control_group(float(sctx.timeout_s))
         header = None
         if sctx.rank == 0:
@@ -478,13 +495,15 @@ class ReceiverRun:
             )
         return items, ""
 
-    def _repeat(self, items: list, loaded: dict[str, torch.Tensor], after: str) -> None:
+    def _repeat(self, held: Held, items: list, loaded: dict[str, torch.Tensor], after: str) -> None:
         tally = self._mine.setdefault("receiver_repeat", Tally())  # one verdict over every cycle
-        self._held = load_again(self._receiver, self._held, items, loaded, tally, after=after) or self._held
+        self._held = load_again(self._receiver, held, items, loaded, tally, after=after) or held
 
-    def _wake(self, loaded: dict[str, torch.Tensor], after: str) -> None:
+    def _wake(self, held: Held, loaded: dict[str, torch.Tensor], after: str) -> Held:
+        """The cycle after a load (``held``: what the receiver holds now); returns what it holds after."""
         tally = self._mine.setdefault("receiver_wake", Tally())  # one verdict over every cycle
-        self._held = sleep_wake(self._receiver, self._held, loaded, tally, after=after) or self._held
+        self._held = sleep_wake(self._receiver, held, loaded, tally, after=after) or held
+        return self._held
 
     def finish(self) -> dict[str, Tally]:
         """Rank 0's verdicts under their names and every other rank's gathered into ``receiver_ranks`` (every rank
@@ -503,7 +522,7 @@ class ReceiverRun:
         gathered = wire.gather_json(
             {k: t.as_dict() for k, t in mine.items()}, group=group, rank=sctx.rank, world_size=sctx.world_size
         )
-        if sctx.rank != 0:
+        if gathered is None:  # not rank 0
             self.tallies = {}
             return self.tallies
         ranks = Tally()
@@ -660,17 +679,19 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EMBEDDING = "model.embed_tokens.weight"
 
 
-def copies_scope(hf_path) -> CopiesScope:
-    """``CopiesScope`` from the HF config at ``hf_path`` (none without one)."""
+def copies_scope(hf_path: str | Path | None) -> CopiesScope:
+    """``CopiesScope`` of the HF checkpoint at ``hf_path`` (none without a ``config.json``), read as every check reads
+    a model: its traits (``moeverify.spec.models.traits``) and shape."""
     path = Path(hf_path) / "config.json" if hf_path is not None else None
     if path is None or not path.is_file():
         return CopiesScope(tied=None, mtp_layers=0, num_layers=0)
-    cfg = json.loads(path.read_text())
-    text = cfg.get("text_config") or {}
-    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))
-    mtp = max(int(cfg.get(k) or text.get(k) or 0) for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
-    layers = int(cfg.get("num_hidden_layers") or text.get("num_hidden_layers") or 0)
-    return CopiesScope(tied=_EMBEDDING if tied else None, mtp_layers=mtp, num_layers=layers)
+    config = json.loads(path.read_text())
+    traits = traits_of(config, where=str(path))
+    return CopiesScope(
+        tied=_EMBEDDING if traits.tied_embeddings else None,
+        mtp_layers=traits.mtp_layers,
+        num_layers=shape_of(config, where=str(path)).num_layers,
+    )
 
 
 __all__ = [

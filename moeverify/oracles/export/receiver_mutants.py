@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moeverify.errors import UsageError
 from moeverify.oracles.bits import bits
 from moeverify.oracles.export.receiver import FusedReceiver, Held, copies_scope, fused
 from moeverify.oracles.export.receiver_transformers import transformers_receiver
@@ -170,8 +171,11 @@ class _WakeBackupTakenOnce(FusedReceiver):
             t.fill_(float("nan") if t.is_floating_point() else -1)
 
     def wake_up(self) -> Held:
+        backup = self._backup
+        if backup is None:
+            raise UsageError("receiver fused: wake_up() without sleep()")
         for e, t in self.tensors.items():
-            t.copy_(self._backup[e])
+            t.copy_(backup[e])
         return Held(tensors=self.tensors, parts=self.parts)
 
 
