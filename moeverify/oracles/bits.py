@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-# How much a failure message quotes, declared once: every oracle's messages read these two.
-SHOW = 5  # items quoted per failure message: differing elements, flat indices
-SHOW_NAMES = 8  # tensor or engine names quoted per failure message (lists of names read better a little longer)
+from moeverify.errors import SHOW
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -8,8 +8,9 @@ one tensor at a time, reading the source lazily.
 
 from __future__ import annotations
 
+from moeverify.errors import few
 from moeverify.models.checkpoint import open_tensors
-from moeverify.oracles.bits import SHOW, compare_bits
+from moeverify.oracles.bits import compare_bits
 from moeverify.oracles.results import Tally
 from moeverify.spec.checks import CHECKS
 
@@ -39,8 +40,8 @@ def run(ctx) -> dict[str, Tally]:
 
 def _key_set(t: Tally, *, exported: list[str], source: list[str]) -> None:
     dupes = sorted({n for n in exported if exported.count(n) > 1})
-    t.check(not dupes, f"exported more than once: {dupes[:SHOW]}")
+    t.check(not dupes, f"exported more than once: {few(dupes)}")
     missing, extra = sorted(set(source) - set(exported)), sorted(set(exported) - set(source))
-    t.check(not missing, f"{len(missing)} checkpoint name(s) never exported: {missing[:SHOW]}")
-    t.check(not extra, f"{len(extra)} exported name(s) not in the checkpoint: {extra[:SHOW]}")
+    t.check(not missing, f"{len(missing)} checkpoint name(s) never exported: {few(missing)}")
+    t.check(not extra, f"{len(extra)} exported name(s) not in the checkpoint: {few(extra)}")
     t.ok(len(set(source) & set(exported)))

@@ -43,7 +43,7 @@ from typing import TextIO
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from moeverify.errors import RouteError, UsageError
+from moeverify.errors import SHOW_NAMES, RouteError, UsageError, more
 from moeverify.spec import timeouts
 
 ENV = "MOEVERIFY_AGREEMENT"
@@ -298,7 +298,7 @@ class Guard:
             print(_step_line(self.step, table), file=sys.stderr, flush=True)
         failed = [r for r, row in enumerate(table) if row[0]]
         if problem is None and failed:
-            shown = ", ".join(map(str, failed[:8])) + (f" (+{len(failed) - 8} more)" if len(failed) > 8 else "")
+            shown = ", ".join(map(str, failed[:SHOW_NAMES])) + more(len(failed), SHOW_NAMES)
             return (
                 f"agreement guard: step {self.step} rank {rank}: rank(s) {shown} of {world} failed the guard "
                 "(their error names pass, layer and figure); this rank stops before the optimizer's update too"
@@ -354,12 +354,12 @@ class Guard:
         if faults:
             row, found = max(faults, key=lambda item: item[1][0][3] - item[1][0][4])
             e, f, tokens, on_f, on_e = found[0]
-            more = f"; {len(found) - 1} more engine expert(s) of this layer" if len(found) > 1 else ""
+            others = more(len(found), 1, what="engine expert(s) of this layer")
             layers = {(r["pass"], r["layer"]) for r, _ in faults}
             return (
                 f"agreement guard: step {self.step} {row['pass']} pass layer {row['layer']} rank {rank}: engine "
                 f"expert {e} routes like trainer expert {f} in {on_f / tokens:.0%} of its {tokens} replayed tokens "
-                f"(like trainer expert {e} in {on_e / tokens:.0%}){more}; {len(layers)} pass-layer(s) so: the "
+                f"(like trainer expert {e} in {on_e / tokens:.0%}){others}; {len(layers)} pass-layer(s) so: the "
                 "engine's expert ids are in another numbering (EPLB physical slots without their map or with a "
                 "stale one, a permuted or swapped expert order in the weight sync); give the engine's expert map "
                 f"(expert_map=) or fix the sync. {NUMBERING_ENV}=off turns this check off"

@@ -54,7 +54,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from moeverify import record
-from moeverify.errors import MoEVerifyError, RouteError, UsageError
+from moeverify.errors import MoEVerifyError, RouteError, UsageError, more
 from moeverify.patches import agreement, batch_routes, identity, injob
 from moeverify.patches import replay_state as state
 from moeverify.patches import router_replay as rr
@@ -394,9 +394,7 @@ class ProcessSession:
             )
         stale = [p for p in replaying.problems() if "never recomputed" in p]
         if stale:
-            raise RouteError(
-                f"step {self.step}: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1 else "")
-            )
+            raise RouteError(f"step {self.step}: {stale[0]}{more(len(stale), 1)}")
 
     def finish(self) -> list[str]:
         """At the end of the job: write the last step (record); return replay problems (routes left unused)."""

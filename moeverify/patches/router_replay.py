@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from moeverify.errors import EnvironmentProblem, RouteError, UsageError
+from moeverify.errors import EnvironmentProblem, RouteError, UsageError, more
 from moeverify.patches import agreement, compat, regions, replay_inputs, semantics
 from moeverify.patches.replay_state import Recording, Replaying, current_rank, guard_call, route_recompute, route_unheld
 from moeverify.patches.routers import find_routers, moe_stage_config
@@ -56,10 +56,9 @@ def _refuse_unchecked(routers: dict[int, Any]) -> None:
     for state in pending.values():
         unused = state.unused()
         if unused:
-            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
             raise RouteError(
                 f"the previous replay on these routers was never checked and left routes unused: "
-                f"{unused[0]}{more}; call session.check_consumed() after each replay (a forward "
+                f"{unused[0]}{more(len(unused), 1)}; call session.check_consumed() after each replay (a forward "
                 "skipped or fed twice shifts every later micro-batch onto other routes)"
             )
 
@@ -475,8 +474,7 @@ class ReplaySession:
             _UNCHECKED.pop(router, None)
         problems = self._replayed.problems()
         if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise RouteError(problems[0] + more)
+            raise RouteError(problems[0] + more(len(problems), 1))
 
 
 class _RecordBlock:

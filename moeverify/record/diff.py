@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from moeverify.errors import RouteError
+from moeverify.errors import RouteError, few
 from moeverify.record.diff_report import DiffReport, bucket_edges
 from moeverify.record.format import ids_dtype_for
 from moeverify.record.stream import LayerPairs, LayerSource
@@ -72,9 +72,8 @@ def sequence_spans(
         )
     for mb, (seqs, count) in enumerate(zip(spans, microbatch_tokens, strict=True)):
         if any(n < 0 for n in seqs) or sum(seqs) != count:
-            more = " ..." if len(seqs) > 8 else ""
             raise RouteError(
-                f"{where}: micro-batch {mb}: sequences of {list(seqs)[:8]}{more} token(s) (sum "
+                f"{where}: micro-batch {mb}: sequences of {few(seqs)} token(s) (sum "
                 f"{sum(seqs)}) != the {count} tokens it holds"
             )
     return spans

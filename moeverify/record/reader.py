@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moeverify.errors import DumpError, LayoutError, RouteError
+from moeverify.errors import SHOW_NAMES, DumpError, LayoutError, RouteError, few, more
 from moeverify.record import format as fmt
 from moeverify.record.layer_read import Entry, checked_offset, data_spans, read, sequence_order
 from moeverify.routing import views
@@ -52,12 +52,14 @@ class Dump:
         rank_keys = {fmt.int_key(key, where=where, what="ranks"): key for key in manifest["ranks"]}
         if set(rank_keys) != set(range(len(rank_keys))) or self.world_size != len(rank_keys):
             # bounded by the ranks listed: world_size alone never sizes anything
-            missing = [r for r in range(min(self.world_size, len(rank_keys) + 8)) if r not in rank_keys]
+            missing = [r for r in range(min(self.world_size, len(rank_keys) + SHOW_NAMES)) if r not in rank_keys]
+            missing = missing[:SHOW_NAMES]
+            n_missing = self.world_size - sum(1 for r in rank_keys if 0 <= r < self.world_size)
             extra = sorted(r for r in rank_keys if r >= self.world_size)
             raise DumpError(
-                f"{where}: rank(s) {missing}{' ...' if self.world_size > len(rank_keys) + 8 else ''} of "
+                f"{where}: rank(s) {missing}{more(n_missing, len(missing))} of "
                 f"world_size {self.world_size} missing from the manifest"
-                + (f"; rank(s) {extra[:8]} listed outside it" if extra else "")
+                + (f"; rank(s) {few(extra)} listed outside it" if extra else "")
             )
         layout = manifest["layout"]
         absent = sorted(_LAYOUT_KEYS - set(layout))

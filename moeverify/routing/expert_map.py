@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeverify.errors import UsageError
+from moeverify.errors import UsageError, few
 from moeverify.routing import npy_file
 from moeverify.routing.layer_numbering import ambiguous
 
@@ -169,8 +169,7 @@ def from_object(
         unplaced = (torch.bincount(map_P, minlength=logical) == 0).nonzero().flatten().tolist()
         if unplaced:
             raise ExpertMapError(
-                f"{name}: layer {layer}: logical expert(s) {unplaced[:8]}"
-                f"{' ...' if len(unplaced) > 8 else ''} have no physical slot (the map's logical "
+                f"{name}: layer {layer}: logical expert(s) {few(unplaced)} have no physical slot (the map's logical "
                 f"experts are 0..{logical - 1}; every one needs at least one slot in every layer)"
             )
     return ExpertMap(path=name, physical=physical, logical=logical, per_layer=per_layer)

@@ -144,7 +144,7 @@ def test_the_guard_counts_the_pairs_and_fails_the_step_naming_expert_and_layer()
         assert any(
             f"engine expert {e} routes like trainer expert {f} in 100% of its" in msg for e, f in [(3, 6), (6, 3)]
         )
-        assert "1 more engine expert(s) of this layer; 1 pass-layer(s) so" in msg
+        assert "(+1 more engine expert(s) of this layer); 1 pass-layer(s) so" in msg
         rows = {r["layer"]: r for r in guard.history}
         assert "numbering_faults" not in rows[2] and len(rows[5]["numbering_faults"]) == 2
         table = torch.zeros(E * E, dtype=torch.int64)

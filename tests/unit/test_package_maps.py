@@ -87,11 +87,19 @@ def test_a_public_face_is_the_module_it_names(face):
 
 
 def test_message_limits_are_declared_once():
-    """How much a failure message quotes is ``oracles/bits.py``'s ``SHOW`` and ``SHOW_NAMES``, nowhere else."""
-    found = sorted(
-        f"{p.relative_to(ROOT)}:{n}"
+    """How much a message quotes is ``errors.py``'s ``SHOW`` and ``SHOW_NAMES``, and what it says of the rest is
+    ``errors.more`` (``few``): no other limit, no hand-written "(+N more)" / "(and N more)" / " ..."."""
+    lines = [
+        (f"{p.relative_to(ROOT)}:{n}", line)
         for p in ROOT.rglob("*.py")
         for n, line in enumerate(p.read_text().splitlines(), 1)
-        if re.match(r"SHOW(_\w+)? *=", line)
-    )
-    assert [f.split(":")[0] for f in found] == ["oracles/bits.py", "oracles/bits.py"], found
+    ]
+    declared = sorted(where for where, line in lines if re.match(r"SHOW(_\w+)? *=", line))
+    assert [w.split(":")[0] for w in declared] == ["errors.py", "errors.py"], declared
+    by_hand = [
+        where
+        for where, line in lines
+        if not where.startswith("errors.py:")
+        and re.search(r"\(\+\{|\(and \{|more\)[\"']|\(\+more\)|[\"'] \.\.\.[\"']", line)
+    ]
+    assert not by_hand, f"truncated by hand, not through errors.few / errors.more: {by_hand}"

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from moeverify.oracles.bits import SHOW
+from moeverify.errors import SHOW
 from moeverify.routing.engine_routes import EngineRoutes
 
 TIE = 1e-4  # a score gap below this (fp32 logits of order 1) is a near tie: kernel rounding may flip the pick

@@ -9,9 +9,11 @@ that the subject will still need are kept, so memory stays at a few tensors when
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 
 import torch
 
+from moeverify.errors import SHOW_NAMES, few, more
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.export.merge import TensorMerge
 from moeverify.oracles.results import Tally
@@ -30,10 +32,8 @@ def new_tallies() -> dict[str, Tally]:
     return {name: Tally() for name in SUBCHECKS}
 
 
-def _names(names, limit: int = 8) -> str:
-    names = sorted(names)
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return "[" + ", ".join(names[:limit]) + "]" + more
+def _names(names: Iterable[str]) -> str:
+    return few(sorted(names))
 
 
 class Collector:
@@ -212,10 +212,10 @@ class Collector:
         if missing:
             shapes = self.checkpoint_shapes or {}
             sent = {n: self.subject_elements[n] for n in missing if n in self.subject_elements}
-            evidence = [f"{n} {tuple(shapes[n]) if n in shapes else ''}".rstrip() for n in sorted(missing)[:8]]
+            evidence = [f"{n} {tuple(shapes[n]) if n in shapes else ''}".rstrip() for n in sorted(missing)[:SHOW_NAMES]]
             tally.fail(
                 f"{REFERENCE} dropped {len(missing)} tensor(s) of the source checkpoint: "
-                f"{evidence}{' (+more)' if len(missing) > 8 else ''} (name and checkpoint shape); "
+                f"{evidence}{more(len(missing), SHOW_NAMES)} (name and checkpoint shape); "
                 + (
                     f"the subject exported {len(sent)} of them ({sum(sent.values())} element(s)), "
                     f"unverified bit for bit for want of a reference"

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from moeverify.oracles.bits import SHOW, bits
+from moeverify.errors import SHOW
+from moeverify.oracles.bits import bits
 from moeverify.oracles.export.rows import expand_runs
 
 

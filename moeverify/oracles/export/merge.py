@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from moeverify.errors import SubjectError
-from moeverify.oracles.bits import SHOW, bits, hex_bits
+from moeverify.errors import SHOW, SubjectError, more
+from moeverify.oracles.bits import bits, hex_bits
 from moeverify.oracles.export import intervals
 from moeverify.oracles.results import Tally
 
@@ -69,9 +69,7 @@ def _ranks(ranks) -> str:
 
 
 def _index_list(idx_K: torch.Tensor, total: int) -> str:
-    shown = ", ".join(str(int(i)) for i in idx_K[:SHOW])
-    more = f" (+{total - SHOW} more)" if total > SHOW else ""
-    return f"[{shown}]{more}"
+    return f"{[int(i) for i in idx_K[:SHOW]]}{more(total, SHOW)}"
 
 
 class TensorMerge:
@@ -503,10 +501,10 @@ class TensorMerge:
                 n_bad += bad
         if first_bad is not None:  # there is a first bad element exactly when n_bad > 0
             flat, exp, got, rank = first_bad
-            more = f" (+{n_bad - len(shown)} more)" if n_bad > len(shown) else ""
             by = "" if len(culprits) == 1 else f" (rank {rank})"
+            unshown = more(n_bad, len(shown))
             bitwise.fail(
-                f"{self.name}: {n_bad} element(s) differ from the reference, flat {shown}{more}, written by "
+                f"{self.name}: {n_bad} element(s) differ from the reference, flat {shown}{unshown}, written by "
                 f"{_ranks(culprits)}; first at {flat}{by}: expected {hex_bits(exp, ref_N.dtype)} "
                 f"got {hex_bits(got, ref_N.dtype)}",
                 n=n_bad,

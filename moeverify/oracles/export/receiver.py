@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from moeverify.errors import UsageError
-from moeverify.oracles.bits import SHOW_NAMES
+from moeverify.errors import UsageError, few, more
 from moeverify.oracles.export import wire
 from moeverify.oracles.results import Tally
 from moeverify.spec import plugins
@@ -72,7 +71,7 @@ class Held:
     def __post_init__(self) -> None:
         missing = sorted(set(self.parts) - set(self.tensors))
         if missing:
-            raise UsageError(f"receiver: parts name engine tensors it does not hold: {missing[:SHOW_NAMES]}")
+            raise UsageError(f"receiver: parts name engine tensors it does not hold: {few(missing)}")
 
 
 def load_receiver(name: str):
@@ -169,19 +168,14 @@ def compare(
         # the oracle sees only the declared parts: a tensor held under no part is as good as never loaded
         bare = sorted(n for n in held.tensors if not held.parts.get(n))
         tally.fail(
-            f"{when}dropped: {len(dropped)} reference tensor(s) that no declared part names: {_few(dropped)} "
-            + (f"(the receiver holds {len(bare)} tensor(s) with no parts, e.g. {_few(bare, 3)}: " if bare else "(")
+            f"{when}dropped: {len(dropped)} reference tensor(s) that no declared part names: {few(dropped)} "
+            + (f"(the receiver holds {len(bare)} tensor(s) with no parts, e.g. {few(bare)}: " if bare else "(")
             + "Held.parts must cover every reference tensor)",
             n=len(dropped),
         )
     if tally.checked == 0:
         tally.fail(f"{when}the receiver held no tensor: nothing compared")
     return tally
-
-
-def _few(names: list[str], limit: int = SHOW_NAMES) -> str:
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return f"{names[:limit]}{more}"
 
 
 def _copies_held(wanted, seen: set[str], drafts: set[str], scope: CopiesScope, copies: Tally, when: str) -> None:
@@ -204,10 +198,8 @@ def _copies_held(wanted, seen: set[str], drafts: set[str], scope: CopiesScope, c
                 f"their tensors: the draft weights cannot be checked"
             )
         elif missing:
-            more = f" (+{len(missing) - SHOW_NAMES} more)" if len(missing) > SHOW_NAMES else ""
             copies.fail(
-                f"{when}{len(missing)} MTP (draft) tensor(s) the receiver does not hold: {missing[:SHOW_NAMES]}{more}",
-                n=len(missing),
+                f"{when}{len(missing)} MTP (draft) tensor(s) the receiver does not hold: {few(missing)}", n=len(missing)
             )
 
 
@@ -638,8 +630,8 @@ def _changed(held: Held, engine_name: str, got: torch.Tensor, before: torch.Tens
     if not changed:
         return f"{engine_name}: {_first_difference(got, before).replace('reference', 'before')}"
     part, now, then = changed[0]
-    more = f" (+{len(changed) - 1} more part(s) of {engine_name} changed)" if len(changed) > 1 else ""
-    return f"{engine_name}{part.describe()}: {_first_difference(now, then).replace('reference', 'before')}{more}"
+    also = more(len(changed), 1, what=f"part(s) of {engine_name} changed")
+    return f"{engine_name}{part.describe()}: {_first_difference(now, then).replace('reference', 'before')}{also}"
 
 
 def _left_as_started(got: torch.Tensor, before: torch.Tensor, started: torch.Tensor | None) -> bool:

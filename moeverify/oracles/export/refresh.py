@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from moeverify.oracles.bits import SHOW_NAMES, bits
+from moeverify.errors import few
+from moeverify.oracles.bits import bits
 from moeverify.oracles.export.local import digest
 from moeverify.oracles.results import Tally
 
@@ -204,10 +205,9 @@ def fold(
         tally.fail("no reference tensor was exported after the weight update: nothing compared")
     unchanged = sorted(n for n, d in after.items() if before.get(n) == d)
     if unchanged:
-        more = f" (+{len(unchanged) - SHOW_NAMES} more)" if len(unchanged) > SHOW_NAMES else ""
         tally.fail(
             f"the weight update left {len(unchanged)} reference tensor(s) bit-identical, so a stale copy "
-            f"of them cannot be told from a fresh one: {unchanged[:SHOW_NAMES]}{more}"
+            f"of them cannot be told from a fresh one: {few(unchanged)}"
         )
     for name, t in second.items():
         if t.passed or not first[name].passed:

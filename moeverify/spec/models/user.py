@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from moeverify.errors import UsageError
+from moeverify.errors import UsageError, more
 from moeverify.spec.layout import ModelShape
 from moeverify.spec.models.ref import PREFIX, ModelRef
 
@@ -209,7 +209,7 @@ def check_weights(directory: Path, *, where: str = "--model") -> None:
         if Path(fname).is_absolute() or ".." in Path(fname).parts or not path.is_file():
             raise UsageError(
                 f"{where}: {index}: weight_map names {names[0]!r}"
-                + (f" (and {len(names) - 1} more tensors)" if len(names) > 1 else "")
+                + more(len(names), 1, what="tensors")
                 + f" in {fname!r}, which is not a file in {directory}"
             )
         held = _safetensors_names(path, where=where)
@@ -217,7 +217,7 @@ def check_weights(directory: Path, *, where: str = "--model") -> None:
         if missing:
             raise UsageError(
                 f"{where}: {index}: weight_map names {missing[0]!r} in {fname}, which does not hold it"
-                + (f" ({len(missing) - 1} more tensors of that file missing too)" if len(missing) > 1 else "")
+                + more(len(missing), 1, what="tensors of that file missing too")
                 + f": expected it in the file's header, which lists {len(held)} tensors"
                 + (f" ({', '.join(repr(n) for n in sorted(held)[:3])}, ...)" if held else "")
             )
