@@ -33,6 +33,7 @@ import torch
 
 from moeverify.errors import RouteError, UsageError
 from moeverify.patches.rollout_source import Step, TableSource, checked_part, keep
+from moeverify.patches.route_table import MAX_TOKENS_ENV
 from moeverify.routing import rollout_writer as rw
 from moeverify.routing.engine_routes import EngineRoutes
 
@@ -63,7 +64,7 @@ class BatchSource(TableSource):
             raise UsageError(
                 f"in-job replay r3: this rank now holds {held} tokens of routes (versions "
                 f"{sorted(self._parts, reverse=True)}), over the cap of {self.max_tokens} "
-                "(MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS); hand over only the sequences this rank trains on, "
+                f"({MAX_TOKENS_ENV}); hand over only the sequences this rank trains on, "
                 "or drop_routes() the versions it is done with"
             )
         self._steps = {}

@@ -47,11 +47,9 @@ from moeverify.patches import router_replay as rr
 from moeverify.patches import token_keys as tk
 from moeverify.patches.model_hooks import ModelInitHooks
 from moeverify.patches.rollout_source import RolloutSource
-from moeverify.patches.route_table import DUPLICATES, Lookup, RouteTable
+from moeverify.patches.route_table import DUPLICATES, DUPLICATES_ENV, MAX_TOKENS_ENV, Lookup, RouteTable
 from moeverify.patches.routers import global_layer
 
-MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"
-DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"
 DEFAULT_MAX_TOKENS = 1 << 22  # per model chunk, rank and RL step
 PassKind = Literal["log_prob", "training"]  # a bound forward: records (R2) or replays, and what the guard counts
 KINDS: tuple[PassKind, ...] = ("log_prob", "training")

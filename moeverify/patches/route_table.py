@@ -25,6 +25,9 @@ from moeverify.errors import RouteError
 from moeverify.patches.token_keys import TokenKeys, salted, version_salt
 
 DUPLICATES = ("refuse", "first")  # a key recorded with different routes: refuse at lookup, or keep the first
+# The environment variables of a table's settings (read by ``injob``, named by the messages here)
+MAX_TOKENS_ENV = "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS"  # RouteTable.max_tokens
+DUPLICATES_ENV = "MOEVERIFY_ROUTER_REPLAY_DUPLICATES"  # one of DUPLICATES
 _R2_ORIGIN = "this step's log-prob pass"
 _R2_REMEDY = "run the log-prob pass on every sequence the step trains on"
 # Where a padding token reads as content: packed sequences whose cu_seqlens_q holds the padded lengths (verl's
@@ -130,7 +133,7 @@ class RouteTable:
             raise RouteError(
                 f"rank {rank}: {self.tokens + keys.tokens} tokens of {self.origin} for one model chunk, "
                 f"over the cap of {self.max_tokens} (memory bound of in-job replay); raise "
-                "MOEVERIFY_ROUTER_REPLAY_MAX_TOKENS if they really are that many"
+                f"{MAX_TOKENS_ENV} if they really are that many"
             )
         if (version is None) != (not self.versions) and self.tokens:
             raise RouteError(f"rank {rank}: a route table holds versioned and unversioned routes at once")
@@ -419,7 +422,7 @@ class RouteTable:
         return (
             f"{where} was recorded more than once with different expert sets{more}: identical prefixes "
             f"routed differently by {self.origin} (batch-dependent numerics); set "
-            "MOEVERIFY_ROUTER_REPLAY_DUPLICATES=first to replay the first recorded route"
+            f"{DUPLICATES_ENV}=first to replay the first recorded route"
         )
 
     def ids(self, layer: int, found: Lookup) -> torch.Tensor:
