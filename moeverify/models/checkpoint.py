@@ -16,6 +16,7 @@ import torch
 
 from moeverify.errors import MoEVerifyError
 from moeverify.models import seeded
+from moeverify.runtime.dtypes import SAFETENSORS
 
 INDEX = "model.safetensors.index.json"
 
@@ -84,20 +85,6 @@ def checkpoint_shapes(hf_path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
 class TensorReader:
     """One safetensors file read tensor by tensor with ``pread`` into fresh memory.
 
@@ -116,10 +103,10 @@ class TensorReader:
     def get_tensor(self, name: str):
         entry = self._header[name]
         begin, end = entry["data_offsets"]
-        dtype = _DTYPES.get(entry["dtype"])
+        dtype = SAFETENSORS.get(entry["dtype"])
         if dtype is None:
             raise MoEVerifyError(
-                f"{self.path}: tensor {name!r} has dtype {entry['dtype']!r}; expected one of {sorted(_DTYPES)}"
+                f"{self.path}: tensor {name!r} has dtype {entry['dtype']!r}; expected one of {sorted(SAFETENSORS)}"
             )
         buf = bytearray(end - begin)
         view, got = memoryview(buf), 0
@@ -128,8 +115,7 @@ class TensorReader:
             if chunk == 0:
                 raise MoEVerifyError(f"{self.path}: tensor {name!r} ends past the end of the file")
             got += chunk
-        torch_dtype = getattr(torch, dtype)
-        flat = torch.frombuffer(buf, dtype=torch_dtype) if buf else torch.empty(0, dtype=torch_dtype)
+        flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
         return flat.reshape(entry["shape"])
 
     def close(self) -> None:

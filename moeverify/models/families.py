@@ -20,6 +20,7 @@ import torch
 from moeverify import files
 from moeverify.models import mtp_weights, seeded
 from moeverify.models.seeded import seeded_value
+from moeverify.runtime import dtypes
 from moeverify.spec.models import kimi, user
 from moeverify.spec.models.configs import (
     FAMILIES,
@@ -98,7 +99,9 @@ def _hf_model(cfg: dict) -> PreTrainedModel:
     config.architectures = cfg["architectures"]
     model_cls = kimi.model_class(cfg["architectures"][0])
     stored = cfg.get("dtype") or cfg.get("torch_dtype")
-    dtype = _STORED_DTYPES.get(stored, torch.bfloat16) if isinstance(stored, str) else torch.bfloat16
+    dtype = dtypes.BY_NAME.get(stored) if isinstance(stored, str) else None
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # the float dtype the config names, else bf16
+        dtype = torch.bfloat16
     # Built in the stored dtype, not in fp32 then cast: every saved tensor is overwritten by _seeded_weights, so
     # the file is the same, without a transient fp32 copy of the whole model (2x its bytes; docs/memory.md).
     previous = torch.get_default_dtype()
@@ -145,9 +148,6 @@ def saved_specs(cfg: dict, config_to: Path | None = None) -> dict[str, tuple[tup
     saved = {name: (tuple(t.shape), t.dtype) for name, t in revert_weight_conversion(model, state).items()}
     saved.update(mtp_weights.mtp_specs(cfg, saved))
     return saved
-
-
-_STORED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def hf_checkpoint(model: str | ModelRef, seed: int = 0) -> Path:

@@ -32,10 +32,10 @@ import torch
 from moeverify import files
 from moeverify.errors import MoEVerifyError
 from moeverify.runtime import hash64
+from moeverify.runtime.dtypes import BY_NAME
 
 MARKER = "moeverify-seeded.json"
 RECIPE = "per-tensor-2"  # bump when the values or the names below change (part of the cache fingerprint)
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
 def is_seeded(path) -> bool:
@@ -163,7 +163,10 @@ class SeededWeights:
                 "to have it made again"
             )
         self.seed = int(marker["seed"])
-        self._specs = {name: (tuple(shape), _DTYPES[dtype]) for name, (shape, dtype) in marker["tensors"].items()}
+        self._specs = {
+            name: (tuple(shape), BY_NAME[dtype.removeprefix("torch.")])
+            for name, (shape, dtype) in marker["tensors"].items()
+        }
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._specs.items()}

@@ -44,16 +44,17 @@ import torch
 
 from moeverify import __version__
 from moeverify.errors import DumpError
+from moeverify.runtime import dtypes
 
 SCHEMA = "moeverify.routing_dump"
 VERSION = 2  # written
 VERSIONS = (1, 2)  # read
 MANIFEST = "manifest.json"
 
-# The one dtype table: the narrowest integer dtype that holds ids in [0, num_experts).
+# The ids' dtype: the narrowest integer dtype that holds ids in [0, num_experts); the names are runtime.dtypes'.
 _ID_DTYPES = ((256, torch.uint8), (2**15, torch.int16), (2**31, torch.int32))
-ID_DTYPE_NAMES = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
-PROB_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+ID_DTYPE_NAMES = {d: dtypes.name(d) for _, d in _ID_DTYPES}
+PROB_DTYPES = {d: dtypes.name(d) for d in (torch.float16, torch.bfloat16, torch.float32)}
 INDEX_DTYPE = torch.int64  # positions and seq_ids
 KINDS = ("ids", "probs")
 TOKEN_KINDS = ("positions", "seq_ids", "fingerprints")

@@ -24,19 +24,11 @@ from moeverify.record import format as fmt
 from moeverify.record.layer_read import Entry, checked_offset, data_spans, read, sequence_order
 from moeverify.routing import views
 from moeverify.routing.routes import Routes, validate_topk_ids
+from moeverify.runtime.dtypes import SAFETENSORS
 from moeverify.spec.layout import Layout
 
 _REQUIRED = ("schema", "version", "model", "layout", "world_size", "zigzag", "ids_dtype", "steps", "ranks")
 _LAYOUT_KEYS = {"tp", "pp", "cp", "ep", "etp", "vpp", "sp"}  # written by every version; pp_first/... optional
-_DT_NAMES = {
-    "U8": torch.uint8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-}
 
 
 class Dump:
@@ -361,7 +353,7 @@ class Dump:
                 entries = {name: handle.get_slice(name) for name in handle.keys()}
                 # a dtype outside the table keeps the file's own name (``I8``), so that messages say what it holds
                 entries = {
-                    n: (_DT_NAMES.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape())) for n, s in entries.items()
+                    n: (SAFETENSORS.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape())) for n, s in entries.items()
                 }
             spans = data_spans(path)  # where each tensor's bytes lie: the reads take them from there
         except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:

@@ -6,7 +6,8 @@ one scenario and destroys it afterwards, so one torchrun can run many. Also here
 
 - ``bridge_import``: megatron.bridge imported where Transformer Engine's torch extension does not exist;
 - ``outcome``: ranks agreeing on how a step ended, without a collective a failed rank may never join;
-- ``hash64``: splitmix64 in torch int64 arithmetic, the one integer mixer the project uses.
+- ``hash64``: splitmix64 in torch int64 arithmetic, the one integer mixer the project uses;
+- ``dtypes``: the one dtype table (safetensors' codes, torch dtypes and their names).
 """
 
 from __future__ import annotations

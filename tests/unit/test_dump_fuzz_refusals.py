@@ -127,11 +127,17 @@ def _header(path):
     return data, struct.unpack("<Q", data[:8])[0]
 
 
-def test_load_unknown_safetensors_dtype_named(dump_dir):
+@pytest.mark.parametrize(
+    ("code", "named"),
+    [("I8", "torch.int8"), ("F8_E4M3", "F8_E4M3")],  # a dtype of the one table, and one outside it (its own code)
+)
+def test_load_unknown_safetensors_dtype_named(dump_dir, code, named):
     data, n = _header(dump_dir)
-    header = data[8 : 8 + n].replace(b'"U8"', b'"I8"')
-    (dump_dir / "rank00000.safetensors").write_bytes(data[:8] + header + data[8 + n :])
-    with pytest.raises(DumpError, match=r"dtype I8 != expected uint8"):
+    header = data[8 : 8 + n].replace(b'"U8"', f'"{code}"'.encode())
+    edited = struct.pack("<Q", len(header)) + header + data[8 + n :]
+    (dump_dir / "rank00000.safetensors").write_bytes(edited)
+    _edit(dump_dir, lambda m: _file(m).__setitem__("bytes", len(edited)))  # a longer code: the size it now has
+    with pytest.raises(DumpError, match=rf"dtype {named} != expected uint8"):
         record.load(dump_dir)
 
 
