@@ -1,7 +1,8 @@
 """The local block spec (no Transformer Engine: every CPU rank, GPU nodes without TE): megatron-core's
 local spec with the two modules that keep it from running our matrix replaced.
 
-megatron-core 0.19.2's local spec refuses two things every matrix needs (ENVIRONMENT.md):
+megatron-core 0.19.2's local spec refuses two things every matrix needs (docs/families.md, "How the CPU path
+builds them"):
 - its torch norm asserts "sequence parallel not supported by torch LayerNorm", and MoE with tp > 1 needs
   sequence parallelism: ``LocalNorm`` (``norms.py``) is the same per-token norm, marked ``sequence_parallel`` so that
   Megatron all-reduces its gradients across TP exactly as it does for TE's norms;

@@ -1,4 +1,4 @@
-"""Result records shared by every check (DESIGN.md, Results).
+"""Result records shared by every check (docs/design.md, "The checks" and "Public contract").
 
 A record is ``{"scenario", "check", "passed", "seconds", "subchecks": {NAME: {"passed", "checked",
 "failures"}}}``. A subcheck that checked zero items fails: an oracle that looked at nothing proves nothing,

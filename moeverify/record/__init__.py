@@ -1,6 +1,6 @@
 """Routing dumps: compact per-rank files of routing decisions, merged to a global view and compared.
 
-Python API (DESIGN.md, Routing dumps)::
+Python API (docs/design.md, "Public contract"; the format in docs/dumps.md)::
 
     from moeverify import record
     record.save("dump/", routes, step=0)        # any Routes; appends a new step to an existing dump
@@ -15,7 +15,7 @@ Several ranks: each rank opens a ``RankWriter`` with its ``views.RankCoords`` (o
 (``save`` does the barrier itself when torch.distributed is initialised). ``RouteRecorder``
 (``moeverify.patches.recorder``) records any Megatron model's routing through forward hooks.
 
-Modules: ``format`` (names, dtype table, manifest), ``writer`` (atomic per-rank files), ``commit``
+Modules: ``format`` (names, the dtypes a dump holds, manifest), ``writer`` (atomic per-rank files), ``commit``
 (``finalize``), ``saving`` (``save``), ``reader`` (``load``, ``Dump``), ``layer_read`` (one indexed tensor),
 ``order`` and ``tokens`` (token order and identity of two sources), ``stream`` (layer sources), ``diff`` and
 ``diff_report`` (comparing two routings), ``summary`` (``inspect``), ``rollout`` (a dump lined up with a rollout

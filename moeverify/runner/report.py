@@ -1,9 +1,9 @@
 """What a run hands back: one ``Result`` per scenario and check, the table, the JSON file, the exit code.
 
-A JSON entry is the DESIGN.md record plus, where known, ``"peak_rss_mb": [per rank]`` (the rank's
-peak RSS at the end of that check; peaks only grow within a group), on GPU ranks ``"peak_gpu_mb": [per rank]``
-(the most GPU memory their tensors held, likewise) and, for a scenario that did not
-run, ``"skipped": reason`` with ``"passed": false``. Skipped entries do not change the exit code.
+A JSON entry is the check's record (``oracles.results``; docs/design.md, "Public contract") plus, where known,
+``"peak_rss_mb": [per rank]`` (the rank's peak RSS at the end of that check; peaks only grow within a group), on GPU
+ranks ``"peak_gpu_mb": [per rank]`` (the most GPU memory their tensors held, likewise) and, for a scenario that did
+not run, ``"skipped": reason`` with ``"passed": false``. Skipped entries do not change the exit code.
 A check its scenario marks ``expect_fail`` carries ``"expected_failure": {finding, check, subchecks, reason,
 outcome, status, message}``: failing as the finding says (``"status": "expected failure (F3)"``) does not change
 the exit code; passing again (``"expected failure now passes: F3"``) does, like a failure.

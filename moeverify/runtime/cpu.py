@@ -1,6 +1,6 @@
 """Run megatron-core on CPU ranks: redirect its CUDA touch points, reversibly.
 
-megatron-core 0.19.2 assumes CUDA in a bounded set of places (measured; see ENVIRONMENT.md):
+megatron-core 0.19.2 assumes CUDA in a bounded set of places (measured; docs/design.md, "Version assumptions"):
 - ``torch.cuda.current_device()`` used as a device argument: it returns the CPU device (the mode below
   is not active inside autograd's backward, where megatron allocates with this device too);
 - hard-coded ``device="cuda"`` / ``Tensor.cuda()``: a ``TorchFunctionMode`` rewrites cuda devices to cpu;

@@ -1,4 +1,4 @@
-"""Per-tensor exporters the export oracle can test (DESIGN.md, "Export oracle: contract").
+"""Per-tensor exporters the export oracle can test (docs/design.md, "The checks"; docs/export.md, "Subjects").
 
 - ``bridge``: Megatron-Bridge's own ``export_hf_weights`` as a full-tensor subject (must always pass);
 - ``sharded``: a reference sharded exporter: each rank yields only its local shard with flat HF

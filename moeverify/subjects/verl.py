@@ -6,7 +6,7 @@ surviving HF positions and values of each rank's shard. This adapter feeds every
 parameter through that probe (a "delta" of every element) and yields the result as ``ShardRow``
 records, so the oracle checks what verl would send.
 
-Loading (ENVIRONMENT.md): ``verl/__init__.py`` imports ray and tensordict, and
+Loading (docs/export.md, "Subjects"): ``verl/__init__.py`` imports ray and tensordict, and
 ``verl/workers/engine/__init__.py`` the FSDP engine; neither is needed. The two module files are
 loaded directly, with their parent packages registered as empty namespace modules, so no package
 ``__init__`` ever runs. Where verl is absent the factory raises ``SubjectError`` saying so.

@@ -351,6 +351,34 @@ def test_docs_relative_links_resolve_to_files_and_headings():
     assert checked >= 40, f"only {checked} links found: the link pattern no longer matches the pages"
 
 
+_CITED_PAGE = re.compile(r"(?<![\w/.-])((?:docs/)?[\w.-]+\.md)\b((?:,? \"[^\"]+\")(?: and \"[^\"]+\")*)?")
+
+
+def _headings(page: Path) -> frozenset[str]:
+    return frozenset(m.group(2) for m in _HEADING.finditer(_FENCE.sub("", page.read_text())))
+
+
+def test_code_cites_pages_and_headings_that_exist():
+    """A page the code's docstrings and comments cite (``docs/export.md, "Subjects"``) exists, and so does every
+    heading named after it: a moved or renamed section fails here, not in a reader's hands."""
+    problems, checked = [], 0
+    for path in sorted((ROOT / "moeverify").rglob("*.py")):
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text())  # a citation wrapped over lines reads as one
+        for m in _CITED_PAGE.finditer(text):
+            checked += 1
+            page = ROOT / m.group(1) if "/" in m.group(1) or m.group(1) == "README.md" else ROOT / "docs" / m.group(1)
+            where = f"{path.relative_to(ROOT)}: {m.group(0)}"
+            if not page.is_file():
+                problems.append(f"{where}: {page.relative_to(ROOT)} does not exist")
+                continue
+            named = re.findall(r"\"([^\"]+)\"", m.group(2) or "")
+            problems += [
+                f"{where}: no heading {h!r} in {page.relative_to(ROOT)}" for h in named if h not in _headings(page)
+            ]
+    assert not problems, "\n".join(problems)
+    assert checked >= 20, f"only {checked} citations found: the pattern no longer matches the code"
+
+
 def test_docs_shell_commands_parse():
     problems, checked = [], 0
     for block in _all_blocks():

@@ -1,6 +1,7 @@
 """The export differential oracle: a subject's per-tensor export vs Megatron-Bridge, bit for bit.
 
-``run(ctx)`` runs on every rank (DESIGN.md, "Export oracle: contract"):
+``run(ctx)`` runs on every rank (docs/design.md, "The checks"; docs/export.md, "How it runs, and what it holds in
+memory"):
 
 1. the subject (``ExportOptions.subject``, default ``sharded``) is called on every rank and drained
    into a row list (sharded rows defer their tensors, so this is cheap); a raise becomes an error

@@ -1,6 +1,6 @@
-"""Router-replay oracles (DESIGN.md "Router replay: contract"): subchecks ``equivalence, drift,
-recompute, cross_layout, native_parity, backward_order, validation, weights`` for one implementation under
-test (``replay_impl``).
+"""Router-replay oracles (docs/design.md, "The checks"; docs/replay_matrix.md, "How the oracles work"): subchecks
+``equivalence, drift, recompute, cross_layout, native_parity, backward_order, validation, weights`` for one
+implementation under test (``replay_impl``).
 
 Every rank of the scenario's layout runs this; models are driven through Megatron's pipeline
 schedule (``drive``), log-prob pass (forward only, record) first, training pass (forward +
