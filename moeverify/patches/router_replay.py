@@ -270,7 +270,13 @@ class ReplaySession:
         """Sorted global layer numbers of the bound MoE layers."""
         return tuple(sorted(self._routers))
 
-    def _live_routers(self) -> dict[int, Any]:
+    @property
+    def replaying(self) -> Replaying | None:
+        """The state of the last ``replay()`` block (its routes, what it replayed and recomputed); None before."""
+        return self._replayed
+
+    def live_routers(self) -> dict[int, Any]:
+        """``{global layer: router}`` of this session, each still alive (``UsageError`` for a freed one)."""
         live = {}
         for layer, ref in self._routers.items():
             router = ref()
@@ -384,12 +390,12 @@ class ReplaySession:
         if isinstance(routes, Routes):
             routes.check_unwritten()  # its replay table is private copies: a write since would go unseen
         if self._prepared is not None and self._prepared[0] is routes and self._prepared[1] == key:
-            routers = self._live_routers()
+            routers = self.live_routers()
             if _device_of(routers) == self._prepared[2]:  # a model moved to another device takes a new table
                 return routers, self._prepared[3]
         rank = current_rank()
         self._check_routes(routes, rank)
-        routers = self._live_routers()
+        routers = self.live_routers()
         device = _device_of(routers)
         # Replay routes with the Routes' private int64 copy on the router's device (made once per Routes). A
         # Routes built unchecked (``Routes.unchecked``) is checked here; a checked one was validated when built,
@@ -489,7 +495,7 @@ class _RecordBlock:
         session = self.session
         self.recording = Recording(session._routers, original=_ORIGINAL_ROUTING)
         session._check_startable()
-        self.routers = session._live_routers()
+        self.routers = session.live_routers()
         self.inputs = replay_inputs.InputLog(session._chunks)
         try:
             self.saved_fusion = session._hold(self.recording, self.routers)

@@ -221,7 +221,7 @@ def _recompute_case(actor, session, tokens_BS, vocab: int, rank: int) -> dict:
         grads[on] = _grads(actor)
     for h in handles:
         h.remove()
-    recomputed_calls = sum(sum(v) for v in session._replayed.recomputed.values())
+    recomputed_calls = sum(sum(v) for v in session.replaying.recomputed.values())
     native_grads = {}
     for on in (False, True):  # the same two-micro-batch schedule with Megatron's own routing
         _zero(actor)

@@ -113,7 +113,7 @@ class _FifoRecompute(MoeverifyReplay):
     @contextlib.contextmanager
     def replay(self, routes):
         with super().replay(routes):
-            state = self._session._replayed
+            state = self._session.replaying
             served = dict.fromkeys(state.per_layer, 0)
             by_identity = state.recompute
 
@@ -132,7 +132,7 @@ class _CountsPadding(MoeverifyReplay):
     def replay(self, routes):
         handles = [
             router.register_forward_hook(_count_padding_too, with_kwargs=True)
-            for router in self._session._live_routers().values()
+            for router in self._session.live_routers().values()
         ]
         try:
             with super().replay(routes):
@@ -250,7 +250,7 @@ class _OneLayerFifoRecompute(MoeverifyReplay):
     @contextlib.contextmanager
     def replay(self, routes):
         with super().replay(routes):
-            state = self._session._replayed
+            state = self._session.replaying
             first, served = min(state.per_layer), [0]
             by_identity = state.recompute
 
@@ -268,7 +268,7 @@ class _OneCountExtra(MoeverifyReplay):
 
     @contextlib.contextmanager
     def replay(self, routes):
-        routers = self._session._live_routers()
+        routers = self._session.live_routers()
         pending = [True]  # once per replayed pass: one token counted twice, for one expert of one layer
 
         def once(router, args, kwargs, output):
@@ -290,7 +290,7 @@ class _OneMaskedWeight(MoeverifyReplay):
 
     @contextlib.contextmanager
     def replay(self, routes):
-        routers = self._session._live_routers()
+        routers = self._session.live_routers()
         first = routers[min(routers)]
         inside = [False]  # the first MoE layer's router is routing now
         chosen: list = []  # (logits of the call it changed, token, expert): its recompute changes the same weight
