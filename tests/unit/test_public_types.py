@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from waiting import CHILD_S
 
 REPO = Path(__file__).resolve().parents[2]
 FACES = {  # public face -> the module it is
@@ -86,6 +87,7 @@ def _mypy() -> Path:
     return found
 
 
+@pytest.mark.timing  # a child process: bounded by waiting.CHILD_S, run under load by make test
 def test_public_names_type_check_with_mypy(tmp_path, request):
     """The docs' code passes mypy --strict; the control's two wrong assignments are its only errors (names that
     resolved to Any would let them through). Both files in one run, outside the repository (no project config)."""
@@ -95,7 +97,7 @@ def test_public_names_type_check_with_mypy(tmp_path, request):
     cache = request.config.cache.mkdir("mypy-public-types")  # a warm run takes seconds, a cold one about a minute
     cmd = [str(_mypy()), "--strict", "--config-file", "mypy.ini", "--cache-dir", str(cache)]
     proc = subprocess.run(
-        [*cmd, "user_code.py", "wrong_code.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        [*cmd, "user_code.py", "wrong_code.py"], cwd=tmp_path, capture_output=True, text=True, timeout=CHILD_S
     )
     errors = [line for line in proc.stdout.splitlines() if ": error: " in line]
     where = [e.split(": error: ")[0] for e in errors]
@@ -103,13 +105,14 @@ def test_public_names_type_check_with_mypy(tmp_path, request):
     assert all("[assignment]" in e for e in errors), errors
 
 
+@pytest.mark.timing  # a child process: bounded by waiting.CHILD_S, run under load by make test
 def test_public_names_type_check_with_pyright(tmp_path):
     pyright = shutil.which("pyright")
     if pyright is None:
         pytest.skip("pyright is not installed (mypy checks the same snippet)")
     (tmp_path / "user_code.py").write_text(USER_CODE)
     (tmp_path / "pyrightconfig.json").write_text(f'{{"pythonPath": "{sys.executable}"}}')
-    proc = subprocess.run([pyright, "user_code.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([pyright, "user_code.py"], cwd=tmp_path, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -170,6 +173,7 @@ def test_public_face_control_a_missing_name_is_caught():
         _type_checking_reexports(ast.parse("if TYPE_CHECKING:\n    from m import A\n"))
 
 
+@pytest.mark.timing  # a child process: bounded by waiting.CHILD_S, run under load by make test
 def test_wheel_ships_py_typed(tmp_path):
     """``pip install`` of the package brings ``moeverify/py.typed`` (PEP 561), so users' checkers read its types."""
     src = tmp_path / "src"
@@ -178,7 +182,7 @@ def test_wheel_ships_py_typed(tmp_path):
         shutil.copy(REPO / name, src / name)
     shutil.copytree(REPO / "moeverify", src / "moeverify", ignore=shutil.ignore_patterns("__pycache__"))
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "."]
-    proc = subprocess.run([*cmd, "-w", str(tmp_path / "out")], cwd=src, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*cmd, "-w", str(tmp_path / "out")], cwd=src, capture_output=True, text=True, timeout=CHILD_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = (tmp_path / "out").glob("moeverify-*.whl")
     assert "moeverify/py.typed" in zipfile.ZipFile(wheel).namelist()
