@@ -161,6 +161,10 @@ class ChunkForward:
         self.input_ids = args[0] if args else kwargs.get("input_ids")
         self.packed = args[6] if len(args) > 6 else kwargs.get("packed_seq_params")
         self.padding_mask = kwargs.get("padding_mask")
+        # an inference engine's own forward (Megatron-Core's engine hands its context): routed natively, never
+        # recorded or replayed (the engine's routes are the rollout's, not a pass of training)
+        context = args[5] if len(args) > 5 else kwargs.get("inference_context")
+        self.inference = context is not None or kwargs.get("inference_params") is not None
         self.attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
         self.mask_rule = _MASK_RULE[-1] if _MASK_RULE and self.padding_mask is None and self.packed is None else None
         self.real_lengths = _LENGTHS[-1] if _LENGTHS and self.packed is not None else None
@@ -366,6 +370,13 @@ def _routers_of(chunk) -> frozenset:
     return held
 
 
+def _graphs_of(chunk) -> bool:
+    held = chunk.__dict__.get("_moeverify_graphs")
+    if held is None:
+        held = chunk.__dict__["_moeverify_graphs"] = rr.graphs_built([chunk])
+    return held
+
+
 class _RecordIds:
     """Megatron's ``router_replay`` protocol: native top-k in grad-mode slot order, ids kept in the step's table."""
 
@@ -445,6 +456,8 @@ class InJobState:
         replay_state.guard_call(router, layer)
         rank = replay_state.current_rank()
         fwd = self._forward(router, layer, rank)
+        if fwd.inference:
+            return self.original(router, logits, *args, **kwargs)
         tokens = logits.numel() // router.num_experts
         keys = fwd.keys(router, layer, tokens, rank=rank)
         if fwd.kind == "log_prob":
@@ -525,6 +538,8 @@ class RolloutState(InJobState):
         replay_state.guard_call(router, layer)
         rank = replay_state.current_rank()
         fwd = self._forward(router, layer, rank)
+        if fwd.inference:
+            return self.original(router, logits, *args, **kwargs)
         keys = fwd.keys(router, layer, logits.numel() // router.num_experts, rank=rank)
         if fwd.table is None:  # the forward's first routing call: newer rollout steps replace the tables
             self.source.refresh()
@@ -625,7 +640,9 @@ class InJobSession:
                 self._native.add(router)
                 return None
 
-            rr.refuse_config(router, layer, disable_fusion=False)
+            fwd = _CURRENT[-1] if _CURRENT else None
+            graphs = _graphs_of(fwd.chunk) if fwd is not None and id(router) in _routers_of(fwd.chunk) else None
+            rr.refuse_config(router, layer, disable_fusion=False, graphs=graphs)
             refuse_router(router, layer)
             if self.state is None and self._rollout:
                 self.state = RolloutState(

@@ -127,9 +127,20 @@ def is_applied() -> bool:
     return _ORIGINAL_ROUTING is not None
 
 
-def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
+def graphs_built(chunks) -> bool:
+    """Whether any module of ``chunks`` was built with Megatron-Core's own CUDA-graph manager (``cudagraph_manager``,
+    made at construction when ``cuda_graph_impl="local"``): only such a layer captures and replays its forward.
+    Version assumption: megatron-core 0.19's ``GraphableMegatronModule`` / ``TransformerLayer`` set that attribute."""
+    return any(hasattr(m, "cudagraph_manager") for chunk in chunks for m in chunk.modules())
+
+
+def refuse_config(router, layer: int, *, disable_fusion: bool, graphs: bool | None = None) -> None:
     """Refuse a router replay cannot serve: its routing mode read from what Megatron routes by (the router's
-    own copies of its settings, ``RoutingMode.from_router``), then the config-wide settings."""
+    own copies of its settings, ``RoutingMode.from_router``), then the config-wide settings.
+
+    ``graphs``: whether the router's model holds Megatron-Core's CUDA-graph managers (``graphs_built``); where
+    known, ``cuda_graph_impl="local"`` is refused only then (a config switched to it after the model was built
+    captures nothing: Megatron-LM's RL loop sets it around every rollout). None: judged from the config."""
     config = router.config
     # the fields refuse_unreplayable reads, taken as RoutingMode.from_router takes them (no dataclass per step)
     problem = semantics.problem_of(
@@ -140,7 +151,8 @@ def refuse_config(router, layer: int, *, disable_fusion: bool) -> None:
     if problem is not None:
         raise UsageError(f"layer {layer}: {problem}")
     impl = getattr(config, "cuda_graph_impl", "none")
-    if (impl not in (None, "none")) or getattr(config, "enable_cuda_graph", False):
+    captured = (impl not in (None, "none", "local")) or (impl == "local" and graphs is not False)
+    if captured or getattr(config, "enable_cuda_graph", False):
         raise UsageError(
             f"layer {layer}: CUDA-graph capture (cuda_graph_impl={impl!r}) would replay a captured "
             "top-k and skip the routing hook; turn CUDA graphs off for replayed passes"
@@ -247,6 +259,7 @@ class ReplaySession:
         self._routers: dict[int, weakref.ref] = {layer: weakref.ref(router) for layer, (_, router) in found.items()}
         chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else model_chunks
         self._chunks = [weakref.ref(chunk) for chunk in chunks if isinstance(chunk, torch.nn.Module)]
+        self._graphs = graphs_built([chunk for chunk in chunks if isinstance(chunk, torch.nn.Module)])
         # A pipeline stage of an MoE model holding only dense layers binds no router: it records and
         # replays no layer, with the model's expert count and top-k.
         shapes: set[tuple[int, int]] = {(r.num_experts, r.topk) for r in routers}
@@ -307,7 +320,9 @@ class ReplaySession:
         saved_fusion: dict[int, tuple] = {}
         try:
             for layer, router in routers.items():
-                refuse_config(router, layer, disable_fusion=self.disable_fusion)  # per router: its own settings
+                refuse_config(  # per router: its own settings
+                    router, layer, disable_fusion=self.disable_fusion, graphs=self._graphs
+                )
                 if self.disable_fusion and router.config.moe_router_fusion:
                     saved_fusion[id(router.config)] = (router.config, True)
                     router.config.moe_router_fusion = False

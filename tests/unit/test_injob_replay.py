@@ -441,3 +441,34 @@ def test_injob_training_pass_padded_on_the_left_replays_its_right_padded_log_pro
             assert torch.equal(ids_TK[t], logp[(layer, b, s)]), f"layer {layer} sequence {b} position {s}"
             checked += 1
     assert checked == 4 * sum(len(s) for s in sequences)
+
+
+def test_injob_inference_engine_forward_routes_natively_and_records_nothing(world):
+    # Megatron-LM's RL loop runs Megatron-Core's inference engine on the training model itself, gradients off: its
+    # forwards carry an inference context. They are the rollout, not a log-prob pass: routed natively (what the
+    # model's own routing picks), never recorded into the step's table nor replayed
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    from moeverify.errors import RouteError
+    from moeverify.patches import injob
+
+    actor, _, vocab = world
+    device = next(actor.parameters()).device
+    ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(7)).to(device)
+    pos = torch.arange(6, device=device).expand(2, 6)
+    state = autopatch.session().state
+    steps = state.steps if state is not None else 0
+    spy = Spy(actor)
+    try:
+        with torch.no_grad():
+            context = StaticInferenceContext(max_batch_size=2, max_sequence_length=6)
+            actor(ids, pos, None, inference_context=context)
+        calls = spy.take()
+    finally:
+        spy.close()
+    assert calls and all(ids_TK.shape[0] == ids.numel() for _, ids_TK in calls)
+    state = autopatch.session().state
+    assert (state.steps if state is not None else 0) == steps  # no log-prob pass began: nothing recorded
+    with pytest.raises(RouteError, match=r"no routes recorded|has no route recorded"):
+        with injob.pass_kind("training"):  # the engine's tokens were never recorded: a training pass has no route
+            actor(ids.flip(1), pos, None).float().sum().backward()
