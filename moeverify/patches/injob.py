@@ -51,8 +51,9 @@ from moeverify.patches.route_table import DUPLICATES, DUPLICATES_ENV, MAX_TOKENS
 from moeverify.patches.routers import global_layer
 
 DEFAULT_MAX_TOKENS = 1 << 22  # per model chunk, rank and RL step
-PassKind = Literal["log_prob", "training"]  # a bound forward: records (R2) or replays, and what the guard counts
-KINDS: tuple[PassKind, ...] = ("log_prob", "training")
+# a bound forward: records (R2) or replays, and what the guard counts; "native": routed natively, recorded nothing
+PassKind = Literal["log_prob", "training", "native"]
+KINDS: tuple[PassKind, ...] = ("log_prob", "training", "native")
 
 add_routes = batch_routes.add_routes  # r3 with the routes handed over with the batch (batch_routes)
 drop_routes = batch_routes.drop_routes
@@ -67,7 +68,9 @@ _CURRENT: list = []  # the model-chunk forward running now (chunk forwards do no
 
 @contextlib.contextmanager
 def pass_kind(kind: PassKind) -> Iterator[None]:
-    """Treat the bound model's forwards inside as ``"log_prob"`` (record) or ``"training"`` (replay) passes."""
+    """Treat the bound model's forwards inside as ``"log_prob"`` (record) or ``"training"`` (replay) passes, or as
+    ``"native"``: routed natively, recorded nothing (a reference model's log-probs computed by loading its weights
+    into the training model, as Megatron-LM's RL loop does, would otherwise record routes of other weights)."""
     if kind not in KINDS:
         raise UsageError(f"pass_kind({kind!r}): expected one of {KINDS}")
     _OVERRIDE.append(kind)
@@ -456,7 +459,7 @@ class InJobState:
         replay_state.guard_call(router, layer)
         rank = replay_state.current_rank()
         fwd = self._forward(router, layer, rank)
-        if fwd.inference:
+        if fwd.inference or fwd.kind == "native":
             return self.original(router, logits, *args, **kwargs)
         tokens = logits.numel() // router.num_experts
         keys = fwd.keys(router, layer, tokens, rank=rank)
@@ -538,7 +541,7 @@ class RolloutState(InJobState):
         replay_state.guard_call(router, layer)
         rank = replay_state.current_rank()
         fwd = self._forward(router, layer, rank)
-        if fwd.inference:
+        if fwd.inference or fwd.kind == "native":
             return self.original(router, logits, *args, **kwargs)
         keys = fwd.keys(router, layer, logits.numel() // router.num_experts, rank=rank)
         if fwd.table is None:  # the forward's first routing call: newer rollout steps replace the tables

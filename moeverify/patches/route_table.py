@@ -421,7 +421,9 @@ class RouteTable:
             )
         return (
             f"{where} was recorded more than once with different expert sets{more}: identical prefixes "
-            f"routed differently by {self.origin} (batch-dependent numerics); set "
+            f"routed differently by {self.origin}: batch-dependent numerics, or a pass of other weights on this "
+            "model recorded too (a reference model's log-probs computed by loading its weights into the training "
+            "model: run that pass under injob.pass_kind('native')); set "
             f"{DUPLICATES_ENV}=first to replay the first recorded route"
         )
 

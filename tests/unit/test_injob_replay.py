@@ -472,3 +472,36 @@ def test_injob_inference_engine_forward_routes_natively_and_records_nothing(worl
     with pytest.raises(RouteError, match=r"no routes recorded|has no route recorded"):
         with injob.pass_kind("training"):  # the engine's tokens were never recorded: a training pass has no route
             actor(ids.flip(1), pos, None).float().sum().backward()
+
+
+def test_injob_reference_pass_on_the_training_model_under_native_pass_kind_is_not_recorded(world):
+    # Megatron-LM's RL loop loads the reference weights into the training model for the reference log-probs: under
+    # pass_kind("native") that pass routes natively and records nothing, so training replays the old log-prob pass
+    from moeverify.patches import injob
+
+    actor, _, vocab = world
+    device = next(actor.parameters()).device
+    ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(17)).to(device)
+    pos = torch.arange(6, device=device).expand(2, 6)
+    routers = [m for m in actor.modules() if type(m).__name__ == "TopKRouter"]
+    spy = Spy(actor)
+    try:
+        with torch.no_grad():
+            actor(ids, pos, None)  # the old log-prob pass: recorded
+        old = spy.take()
+        saved = [r.weight.detach().clone() for r in routers]
+        with torch.no_grad():
+            for r in routers:  # the reference weights
+                r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(3)).to(device))
+            with injob.pass_kind("native"):
+                actor(ids, pos, None)
+            ref = spy.take()
+            for r, w in zip(routers, saved, strict=True):
+                r.weight.copy_(w)
+        actor(ids, pos, None).float().sum().backward()  # training replays the old pass
+        train = spy.take()
+    finally:
+        spy.close()
+        actor.zero_grad(set_to_none=True)
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(old, ref, strict=True))  # the reference routed otherwise
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(old, train, strict=True))
